@@ -1,0 +1,160 @@
+"""Device and model catalogues: the public figures the cost model starts from.
+
+Devices: dense (no sparsity) bf16 peak, HBM bandwidth, memory and per-direction device-to-device
+bandwidth from the vendors' data sheets. Models: shapes from each model's public `config.json` /
+model card. Plain dataclasses; the cost model turns them into seconds and bytes.
+"""
+
+from dataclasses import dataclass
+
+GB = 1e9
+TB = 1e12
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s
+    memory_bandwidth: float  # bytes/s, HBM (or DRAM share for a CPU core)
+    memory_bytes: float
+    interconnect_bandwidth: float  # bytes/s per direction to a peer in the same node
+
+
+DEVICES: dict[str, Device] = {
+    d.name: d
+    for d in (
+        # H100 SXM5 data sheet: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, 80 GB, NVLink 900 GB/s bidirectional.
+        Device("H100", 989e12, 3.35 * TB, 80 * GB, 450 * GB),
+        # H800 SXM: H100 silicon with NVLink cut to 400 GB/s bidirectional.
+        Device("H800", 989e12, 3.35 * TB, 80 * GB, 200 * GB),
+        # H200 SXM: H100 compute, 141 GB HBM3e at 4.8 TB/s.
+        Device("H200", 989e12, 4.8 * TB, 141 * GB, 450 * GB),
+        # A100 SXM 80 GB: 312 TFLOP/s bf16 dense, 2.039 TB/s HBM2e, NVLink 600 GB/s bidirectional.
+        Device("A100-80G", 312e12, 2.039 * TB, 80 * GB, 300 * GB),
+        # L40S: 362 TFLOP/s bf16 dense (733 with sparsity), 864 GB/s GDDR6, 48 GB, PCIe Gen4 x16.
+        Device("L40S", 362e12, 0.864 * TB, 48 * GB, 32 * GB),
+        # Ascend 910B (Atlas 800T A2): ~320 TFLOP/s fp16/bf16, 64 GB HBM2e at 1.6 TB/s, HCCS 392 GB/s.
+        Device("Ascend-910B", 320e12, 1.6 * TB, 64 * GB, 196 * GB),
+        # One x86 core with AVX-512 (2 FMA units x 16 fp32 lanes x ~3 GHz), a DRAM-bandwidth share and
+        # the memory one core is given when a machine's cores serve as devices.
+        Device("cpu-core", 0.1e12, 10 * GB, 8 * GB, 5 * GB),
+    )
+}
+
+
+@dataclass(frozen=True)
+class LanguageModel:
+    """A decoder-only transformer with grouped-query attention."""
+
+    name: str
+    params: float
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """bf16 K and V for one token across all layers."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * 2
+
+    @property
+    def attention_width(self) -> int:
+        return self.heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class DiffusionModel:
+    """A diffusion transformer (DiT / MMDiT) over VAE latents, plus its text encoder and VAE.
+
+    Latent tokens per sample = latent frames x (H / (vae_spatial * patch)) x (W / (vae_spatial * patch)),
+    with latent frames = (frames - 1) / vae_temporal + 1 for video.
+    `text_tokens` join the self-attention (MMDiT) unless `cross_attention` is set (Wan: they are
+    attended to from every layer instead).
+    """
+
+    name: str
+    params: float
+    layers: int
+    hidden: int
+    heads: int
+    vae_spatial: int
+    patch: int
+    text_tokens: int
+    text_encoder_params: float
+    vae_decoder_flops_per_pixel: float  # decoder FLOPs per output pixel (per frame for video)
+    vae_temporal: int = 1
+    cross_attention: bool = False
+
+    def latent_tokens(self, height: int, width: int, frames: int = 1) -> int:
+        stride = self.vae_spatial * self.patch
+        if height % stride or width % stride:
+            raise ValueError(
+                f"{self.name}: resolution {height}x{width} is not a multiple of {stride} "
+                f"(VAE x{self.vae_spatial}, patch {self.patch}); pick a height/width divisible by {stride}"
+            )
+        if (frames - 1) % self.vae_temporal:
+            raise ValueError(
+                f"{self.name}: frames={frames} must be 1 + a multiple of {self.vae_temporal} (VAE temporal stride)"
+            )
+        latent_frames = (frames - 1) // self.vae_temporal + 1
+        return latent_frames * (height // stride) * (width // stride)
+
+
+# Shapes from the Hugging Face config.json of each checkpoint (Qwen/Qwen3-*, meta-llama/Llama-3.1-8B).
+LANGUAGE_MODELS: dict[str, LanguageModel] = {
+    m.name: m
+    for m in (
+        LanguageModel("Qwen3-0.6B", 0.60e9, 28, 1024, 16, 8, 128, 151936),
+        LanguageModel("Qwen3-4B", 4.02e9, 36, 2560, 32, 8, 128, 151936),
+        LanguageModel("Qwen3-8B", 8.19e9, 36, 4096, 32, 8, 128, 151936),
+        LanguageModel("Qwen3-14B", 14.8e9, 40, 5120, 40, 8, 128, 151936),
+        LanguageModel("Qwen3-32B", 32.8e9, 64, 5120, 64, 8, 128, 151936),
+        LanguageModel("Llama-3.1-8B", 8.03e9, 32, 4096, 32, 8, 128, 128256),
+    )
+}
+
+# VAE decoder FLOPs per output pixel are estimates from the decoders' conv shapes (not measured):
+# ~2.4 MFLOP/pixel for the 16-channel 2D KL VAEs (SD3 / FLUX / Qwen-Image), ~3.2 MFLOP per
+# frame-pixel for the causal 3D video VAEs. Text encoders: T5-XXL encoder 4.7B (FLUX, SD3.5),
+# umT5-XXL encoder 5.7B (Wan), LLaVA-Llama-3-8B (HunyuanVideo), Qwen2.5-VL-7B (Qwen-Image, 8.3B
+# with its vision tower).
+DIFFUSION_MODELS: dict[str, DiffusionModel] = {
+    m.name: m
+    for m in (
+        # black-forest-labs/FLUX.1-dev: 19 double + 38 single blocks, 3072 wide, 24 heads, 2x2 patches.
+        DiffusionModel("FLUX.1-12B", 11.9e9, 57, 3072, 24, 8, 2, 512, 4.7e9, 2.4e6),
+        # Wan-AI/Wan2.1-T2V-14B: 40 layers, 5120 wide, 40 heads, patch (1,2,2), Wan-VAE 4x8x8, umT5.
+        DiffusionModel("Wan2.1-14B", 14.0e9, 40, 5120, 40, 8, 2, 512, 5.7e9, 3.2e6, vae_temporal=4, cross_attention=True),
+        # Wan-AI/Wan2.2-T2V-A14B: two 14B experts (high / low noise), each shaped like Wan2.1-14B; one
+        # expert is active per denoising step, so per-step cost is that of a 14B model.
+        DiffusionModel("Wan2.2-A14B", 14.0e9, 40, 5120, 40, 8, 2, 512, 5.7e9, 3.2e6, vae_temporal=4, cross_attention=True),
+        # tencent/HunyuanVideo: 20 dual + 40 single blocks, 3072 wide, 24 heads, causal 3D VAE 4x8x8.
+        DiffusionModel("HunyuanVideo-13B", 12.8e9, 60, 3072, 24, 8, 2, 256, 8.0e9, 3.2e6, vae_temporal=4),
+        # Qwen/Qwen-Image: 60 MMDiT blocks, 3072 wide, 24 heads, 2x2 patches over a 16-channel 8x VAE.
+        DiffusionModel("QwenImage-20B", 20.4e9, 60, 3072, 24, 8, 2, 256, 8.3e9, 2.4e6),
+        # stabilityai/stable-diffusion-3.5-medium: 24 MMDiT-X blocks, 1536 wide, 24 heads.
+        DiffusionModel("SD3.5-M", 2.5e9, 24, 1536, 24, 8, 2, 333, 4.7e9, 2.4e6),
+    )
+}
+
+
+def _lookup(table: dict, name: str, what: str):
+    try:
+        return table[name]
+    except KeyError:
+        raise ValueError(f"unknown {what} {name!r}; choose one of {', '.join(sorted(table))}") from None
+
+
+def device(name: str) -> Device:
+    return _lookup(DEVICES, name, "device")
+
+
+def language_model(name: str) -> LanguageModel:
+    return _lookup(LANGUAGE_MODELS, name, "language model")
+
+
+def diffusion_model(name: str) -> DiffusionModel:
+    return _lookup(DIFFUSION_MODELS, name, "diffusion model")

@@ -1,0 +1,331 @@
+"""CostModel: how long a piece of work takes on a device, and how much memory it holds.
+
+Durations are analytic — FLOPs / (peak x efficiency) for compute-bound work, bytes / (bandwidth x
+efficiency) for memory-bound work — with every efficiency taken from `calibration.py`. Each
+prediction is then multiplied by a per-op-kind correction learned from measured durations
+(`observe`), so a real run can keep the simulator honest and `from_measurements` can replay one.
+"""
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from dovetail.sched.calibration import DEFAULT, Calibration
+from dovetail.sched.catalog import Device, DiffusionModel, LanguageModel, device as lookup_device
+
+BF16 = 2
+FP32 = 4
+
+OP_KINDS = (
+    "prefill",  # LLM prompt processing
+    "decode",  # LLM token generation
+    "migrate",  # moving a running LLM sequence: re-prefill on the destination
+    "generate",  # diffusion denoising (text encode + DiT steps + VAE decode)
+    "score",  # reward
+    "logprob",  # old / reference log-probabilities (forward only)
+    "train",  # forward + backward
+    "optimizer",  # optimizer step (commit)
+    "publish",  # weight publication trainer -> rollout
+    "switch",  # sleep / wake / offload of an engine
+)
+
+
+@dataclass(frozen=True)
+class MemoryUse:
+    """Bytes held on one device."""
+
+    weights: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    kv_cache: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations + self.kv_cache
+
+
+class CostModel:
+    """Predicts seconds and bytes for one kind of device.
+
+    `devices` arguments are the number of devices that cooperate on one piece of work (tensor
+    parallel for rollout engines, the FSDP group for training); the work is split evenly.
+    """
+
+    def __init__(self, device: Device | str, calibration: Calibration = DEFAULT):
+        self.device = lookup_device(device) if isinstance(device, str) else device
+        self.calibration = calibration
+        self._scale: dict[str, float] = {}
+        # Vendor-specific kernel efficiency relative to the NVIDIA-fitted factors.
+        self._vendor = calibration.ascend_relative_efficiency if self.device.name.startswith("Ascend") else 1.0
+
+    # --- online correction ----------------------------------------------------------------------
+
+    @classmethod
+    def from_measurements(
+        cls,
+        device: Device | str,
+        records: Iterable[tuple[str, float, float]],
+        calibration: Calibration = DEFAULT,
+    ) -> "CostModel":
+        """A cost model whose predictions match a profiled run exactly per op kind.
+
+        `records` are (op_kind, predicted_s, measured_s) for each node of the run, `predicted_s` being
+        what an uncorrected model of the same device and calibration predicted. Each kind's correction
+        becomes sum(measured) / sum(predicted), the ratio that reproduces the run's total time of it.
+        """
+        model = cls(device, calibration)
+        predicted: dict[str, float] = {}
+        measured: dict[str, float] = {}
+        for kind, predicted_s, measured_s in records:
+            model._check(kind, predicted_s, measured_s)
+            predicted[kind] = predicted.get(kind, 0.0) + predicted_s
+            measured[kind] = measured.get(kind, 0.0) + measured_s
+        model._scale = {kind: measured[kind] / predicted[kind] for kind in predicted}
+        return model
+
+    def observe(self, kind: str, predicted_s: float, measured_s: float) -> None:
+        """Fold one measured duration into the correction for `kind`.
+
+        `predicted_s` is what this model predicted (correction included). The correction moves toward
+        the value that would have predicted `measured_s`, by `calibration.correction_rate`.
+        """
+        self._check(kind, predicted_s, measured_s)
+        current = self.scale(kind)
+        target = current * measured_s / predicted_s
+        rate = self.calibration.correction_rate
+        self._scale[kind] = (1 - rate) * current + rate * target
+
+    def scale(self, kind: str) -> float:
+        """Current measured/analytic correction for an op kind (1.0 until observed)."""
+        return self._scale.get(kind, 1.0)
+
+    def corrections(self) -> dict[str, float]:
+        return dict(self._scale)
+
+    @staticmethod
+    def _check(kind: str, predicted_s: float, measured_s: float) -> None:
+        if kind not in OP_KINDS:
+            raise ValueError(f"unknown op kind {kind!r}; use one of {', '.join(OP_KINDS)}")
+        if predicted_s <= 0 or measured_s <= 0:
+            raise ValueError(
+                f"{kind}: predicted_s={predicted_s} and measured_s={measured_s} must both be > 0"
+            )
+
+    def _corrected(self, kind: str, seconds: float) -> float:
+        return seconds * self.scale(kind)
+
+    # --- primitives -----------------------------------------------------------------------------
+
+    def compute_seconds(self, flops: float, efficiency: float, devices: int = 1) -> float:
+        return flops / (self.device.peak_flops * efficiency * self._vendor * devices)
+
+    def memory_seconds(self, nbytes: float, efficiency: float, devices: int = 1) -> float:
+        return nbytes / (self.device.memory_bandwidth * efficiency * devices)
+
+    # --- language models: FLOPs -------------------------------------------------------------------
+
+    @staticmethod
+    def llm_forward_flops(model: LanguageModel, lengths: Sequence[int]) -> float:
+        """Causal forward over whole sequences: 2 FLOPs per parameter per token + attention."""
+        linear = 2 * model.params * sum(lengths)
+        attention = 2 * model.layers * model.attention_width * sum(n * n for n in lengths)
+        return linear + attention
+
+    # --- language models: durations -------------------------------------------------------------
+
+    def prefill(self, model: LanguageModel, prompt_lengths: Sequence[int], devices: int = 1) -> float:
+        flops = self.llm_forward_flops(model, prompt_lengths)
+        return self._corrected("prefill", self.compute_seconds(flops, self.calibration.prefill_mfu, devices))
+
+    def migrate(self, model: LanguageModel, context_lengths: Sequence[int], devices: int = 1) -> float:
+        """Moving running sequences to other devices costs a prefill of their context there."""
+        flops = self.llm_forward_flops(model, context_lengths)
+        return self._corrected("migrate", self.compute_seconds(flops, self.calibration.prefill_mfu, devices))
+
+    def kv_cache_bytes(self, model: LanguageModel, devices: int = 1) -> float:
+        """KV-cache room of a rollout engine: its memory share minus the weights."""
+        budget = self.device.memory_bytes * self.calibration.rollout_memory_fraction * devices
+        room = budget - model.params * BF16
+        if room <= 0:
+            raise ValueError(
+                f"{model.name} weights ({model.params * BF16 / 1e9:.0f} GB) do not fit in "
+                f"{devices}x {self.device.name} rollout memory; raise the tensor-parallel degree"
+            )
+        return room
+
+    def decode(
+        self,
+        model: LanguageModel,
+        context_start: Sequence[int],
+        new_tokens: Sequence[int],
+        devices: int = 1,
+    ) -> float:
+        """Sequences decoding together (continuous batching) until the last of them is done.
+
+        Sequence i starts at context length `context_start[i]` and generates `new_tokens[i]` tokens.
+        Each iteration reads the weights once and every active sequence's KV cache, costs 2 FLOPs per
+        parameter per active sequence, and pays a fixed per-layer overhead; an iteration is bound by
+        whichever of compute and bandwidth is slower. Iterations are grouped into segments of constant
+        active count, so the sum is exact and O(n log n). More sequences than the KV cache holds run
+        in waves (paged KV: what counts is the tokens held, not the maximum length).
+        """
+        if len(context_start) != len(new_tokens):
+            raise ValueError("decode: context_start and new_tokens must have one entry per sequence")
+        work = sorted(zip(new_tokens, context_start))
+        work = [(t, c) for t, c in work if t > 0]
+        if not work:
+            return 0.0
+        cal = self.calibration
+        kv_room = self.kv_cache_bytes(model, devices)
+        weight_bytes = model.params * BF16
+        kv = model.kv_bytes_per_token
+        per_iteration_overhead = cal.decode_layer_overhead_s * model.layers
+        total = 0.0
+        done_at = 0  # iterations already accounted for
+        context_sum = sum(c for _, c in work)  # sum of start contexts of still-active sequences
+        active = len(work)
+        for finished_at, start in work:
+            span = finished_at - done_at
+            if span > 0:
+                # Over iterations j in [done_at, finished_at) each active sequence has context c + j.
+                kv_tokens = context_sum * span + active * (done_at + finished_at - 1) * span / 2
+                flops = 2 * model.params * active * span + 4 * model.layers * model.attention_width * kv_tokens
+                waves = max(1, math.ceil(kv * kv_tokens / span / kv_room))
+                compute = self.compute_seconds(flops, cal.decode_mfu, devices)
+                memory = self.memory_seconds(waves * span * weight_bytes + kv * kv_tokens, cal.decode_bandwidth_efficiency, devices)
+                total += max(compute, memory) + waves * span * per_iteration_overhead
+                done_at = finished_at
+            active -= 1
+            context_sum -= start
+        return self._corrected("decode", total)
+
+    def logprob(self, model: LanguageModel, lengths: Sequence[int], devices: int = 1, reference: bool = False) -> float:
+        """Old (actor) or reference log-probabilities: one forward over prompt + response."""
+        seconds = self.compute_seconds(self.llm_forward_flops(model, lengths), self.calibration.logprob_mfu, devices)
+        if reference:
+            seconds *= self.calibration.reference_offload_factor
+        return self._corrected("logprob", seconds)
+
+    def train(self, model: LanguageModel, lengths: Sequence[int], devices: int = 1, checkpointing: bool = True) -> float:
+        """Forward + backward = 3 forwards, plus one more when activations are recomputed."""
+        forwards = 4 if checkpointing else 3
+        flops = forwards * self.llm_forward_flops(model, lengths)
+        return self._corrected("train", self.compute_seconds(flops, self.calibration.train_mfu, devices))
+
+    def rule_score(self, samples: int) -> float:
+        return self._corrected("score", samples * self.calibration.rule_reward_s_per_sample)
+
+    # --- diffusion transformers -----------------------------------------------------------------
+
+    @staticmethod
+    def dit_forward_flops(model: DiffusionModel, latent_tokens: int) -> float:
+        """One DiT forward for one sample: linear layers over image (+ text) tokens + attention."""
+        if model.cross_attention:
+            linear = 2 * model.params * latent_tokens
+            attention = 4 * model.layers * model.hidden * latent_tokens * (latent_tokens + model.text_tokens)
+        else:
+            tokens = latent_tokens + model.text_tokens
+            linear = 2 * model.params * tokens
+            attention = 4 * model.layers * model.hidden * tokens * tokens
+        return linear + attention
+
+    def text_encode_seconds(self, model: DiffusionModel, prompts: int, devices: int = 1) -> float:
+        flops = 2 * model.text_encoder_params * model.text_tokens * prompts
+        return self.compute_seconds(flops, self.calibration.encoder_mfu, devices)
+
+    def vae_decode_seconds(self, model: DiffusionModel, samples: int, height: int, width: int, frames: int = 1, devices: int = 1) -> float:
+        flops = model.vae_decoder_flops_per_pixel * height * width * frames * samples
+        return self.compute_seconds(flops, self.calibration.encoder_mfu, devices)
+
+    def generate(
+        self,
+        model: DiffusionModel,
+        samples: int,
+        height: int,
+        width: int,
+        steps: int,
+        frames: int = 1,
+        cfg: bool = False,
+        devices: int = 1,
+    ) -> float:
+        """Text encoding (once per sample), `steps` DiT forwards (two with CFG), VAE decode."""
+        tokens = model.latent_tokens(height, width, frames)
+        passes = samples * steps * (2 if cfg else 1)
+        dit = self.compute_seconds(passes * self.dit_forward_flops(model, tokens), self.calibration.dit_inference_mfu, devices)
+        seconds = dit + self.text_encode_seconds(model, samples, devices) + self.vae_decode_seconds(model, samples, height, width, frames, devices)
+        return self._corrected("generate", seconds)
+
+    def dit_logprob(self, model: DiffusionModel, pairs: int, latent_tokens: int, cfg: bool = False, devices: int = 1) -> float:
+        """Forward-only log-probs of `pairs` (sample, timestep) transitions."""
+        flops = pairs * (2 if cfg else 1) * self.dit_forward_flops(model, latent_tokens)
+        return self._corrected("logprob", self.compute_seconds(flops, self.calibration.dit_logprob_mfu, devices))
+
+    def dit_train(self, model: DiffusionModel, pairs: int, latent_tokens: int, cfg: bool = False, devices: int = 1, checkpointing: bool = True) -> float:
+        """Forward + backward over `pairs` (sample, timestep) transitions."""
+        forwards = 4 if checkpointing else 3
+        flops = forwards * pairs * (2 if cfg else 1) * self.dit_forward_flops(model, latent_tokens)
+        return self._corrected("train", self.compute_seconds(flops, self.calibration.dit_train_mfu, devices))
+
+    def vlm_score(self, samples: int, devices: int = 1) -> float:
+        """Model-based reward (a VLM judge) for generated images."""
+        return self._corrected("score", samples * self.calibration.vlm_reward_s_per_image_device / devices)
+
+    # --- optimizer, switches, publication --------------------------------------------------------
+
+    def optimizer_step(self, params: float, devices: int = 1, offloaded: bool = False) -> float:
+        """AdamW over FSDP-sharded state: read/write fp32 master + 2 moments, read bf16 grads.
+
+        With the optimizer offloaded, the grads go to host and the new bf16 weights come back.
+        """
+        state_bytes = params * (3 * FP32 * 2 + BF16)
+        seconds = self.memory_seconds(state_bytes, self.calibration.optimizer_bandwidth_efficiency, devices)
+        if offloaded:
+            seconds += 2 * params * BF16 / devices / self.calibration.host_link_bytes_per_s
+        return self._corrected("optimizer", seconds)
+
+    def switch(self, resident_bytes: float) -> float:
+        """Sleep or wake an engine: move its resident bytes over the host link, plus a fixed cost."""
+        seconds = self.calibration.switch_fixed_s + resident_bytes / self.calibration.host_link_bytes_per_s
+        return self._corrected("switch", seconds)
+
+    def publish(self, params: float, devices: int = 1) -> float:
+        """Weights trainer -> rollout engines, each device sending its 1/devices share in bf16."""
+        nbytes = params * BF16 / devices
+        seconds = self.calibration.publish_fixed_s + nbytes / (self.device.interconnect_bandwidth * self.calibration.publish_bandwidth_efficiency)
+        return self._corrected("publish", seconds)
+
+    # --- memory ---------------------------------------------------------------------------------
+
+    def training_memory(
+        self,
+        params: float,
+        layers: int,
+        hidden: int,
+        tokens_per_device: int,
+        devices: int = 1,
+        checkpointing: bool = True,
+        offload: bool = False,
+    ) -> MemoryUse:
+        """FSDP (ZeRO-3) trainer on one device: bf16 weights and grads, fp32 master + Adam moments.
+
+        Activations: with checkpointing one bf16 hidden state per layer per token plus one layer's
+        full activations (~34 x hidden bytes per token, Korthikanti et al. 2022); without, all layers'.
+        Offloading moves the optimizer state (and weights between uses) to host memory.
+        """
+        per_layer = 34 * hidden * tokens_per_device
+        if checkpointing:
+            activations = layers * hidden * tokens_per_device * BF16 + per_layer
+        else:
+            activations = layers * per_layer
+        weights = params * BF16 / devices
+        return MemoryUse(
+            weights=0.0 if offload else weights,
+            grads=params * BF16 / devices,
+            optimizer=0.0 if offload else params * 3 * FP32 / devices,
+            activations=activations,
+        )
+
+    def rollout_memory(self, model: LanguageModel, kv_tokens: int, devices: int = 1) -> MemoryUse:
+        """An LLM rollout engine: bf16 weights and the KV cache of `kv_tokens` tokens, TP-sharded."""
+        return MemoryUse(weights=model.params * BF16 / devices, kv_cache=model.kv_bytes_per_token * kv_tokens / devices)
