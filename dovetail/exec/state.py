@@ -1,0 +1,286 @@
+"""ClusterState: the bookkeeping both executors share. It is the `View` a policy reads, it checks every
+decision (roles, exclusivity, memory, staleness) and it records the Trace. An executor only adds time:
+the simulator from predicted costs, the Ray runtime from real devices."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from dovetail.graph.node import Graph, Kind, Role
+from dovetail.exec.trace import Span, StepRecord, Switch, Trace
+from dovetail.sched.policy import (
+    Begin, Decision, DeviceIdle, Event, Migrate, NodeFinished, NodeReady, NodeStarted, RoleSwitched, Run,
+    Setup, StartStep, StepCommitted, SwitchRole, VersionPublished, can_run,
+)
+
+MAX_STALENESS = 1
+EPS = 1e-9
+ROLLOUT_KINDS = (Kind.GENERATE, Kind.PREFILL, Kind.DECODE, Kind.MIGRATE)
+
+
+class DecisionError(ValueError):
+    """A policy asked for something the cluster cannot do; the message names the decision and why."""
+
+
+@dataclass
+class DeviceState:
+    index: int
+    capacity_gb: float
+    role: Role | None = None
+    resident_gb: float = 0.0
+    running: dict[str, float] = field(default_factory=dict)
+    working_gb: float = 0.0
+    switching: bool = False
+
+    @property
+    def memory_gb(self) -> float:
+        return self.resident_gb + self.working_gb
+
+    @property
+    def idle(self) -> bool:
+        return not self.running and not self.switching
+
+    @property
+    def free_share(self) -> float:
+        return 0.0 if self.switching else 1.0 - sum(self.running.values())
+
+
+@dataclass
+class Running:
+    devices: tuple[int, ...]
+    share: float
+    start: float
+    """Start of the current segment (a migrated node has several)."""
+    work_left: float
+    """Device-seconds of work not yet done at `start` (the node's cost, less what earlier segments did)."""
+    first_start: float
+    delay: float = 0.0
+    """Seconds at the start of the segment that do no node work (the re-prefill of a migration)."""
+
+
+class ClusterState:
+    """Implements `sched.policy.View`. Call `begin`, then `apply` the policy's decisions and report
+    completions with `finish_node` / `finish_switch`; collect the resulting events with `take_events`."""
+
+    def __init__(self, graph: Graph, setup: Setup) -> None:
+        self.graph = graph
+        self.setup = setup
+        self.now = 0.0
+        self.devices = [DeviceState(i, setup.memory_gb) for i in range(setup.devices)]
+        self.ready: dict[str, None] = {}
+        self.running: dict[str, Running] = {}
+        self.finished: set[str] = set()
+        self.published: dict[str, int] = {p: 0 for p in graph.pipelines()}
+        self.started: dict[tuple[str, int], int] = {}
+        self.trace = Trace(devices=setup.devices, peak_memory_gb=[0.0] * setup.devices)
+        self._missing = {node.id: len(node.deps) for node in graph}
+        self._last_commit: dict[tuple[str, int], str] = {}
+        for node_id in graph.order:
+            node = graph[node_id]
+            if node.kind == Kind.COMMIT:
+                self._last_commit[(node.pipeline, node.step)] = node_id
+        self._step_start: dict[tuple[str, int], float] = {}
+        self._events: list[Event] = []
+
+    # ------------------------------------------------------------ events
+    def take_events(self) -> list[Event]:
+        events, self._events = self._events, []
+        return events
+
+    def begin(self) -> None:
+        self._events.append(Begin(0.0))
+        for pipeline in self.published:
+            self._events.append(VersionPublished(0.0, pipeline, 0))
+
+    # ------------------------------------------------------------ decisions
+    def apply(self, decision: Decision) -> None:
+        if isinstance(decision, Run):
+            self._run(decision)
+        elif isinstance(decision, SwitchRole):
+            self._switch(decision)
+        elif isinstance(decision, StartStep):
+            self._start_step(decision)
+        elif isinstance(decision, Migrate):
+            self._migrate(decision)
+        else:
+            raise DecisionError(f"unknown decision {decision!r}")
+
+    def duration(self, node_id: str) -> float:
+        """Predicted seconds of the current segment of a running node, from its cost (before interference)."""
+        running = self.running[node_id]
+        node = self.graph[node_id]
+        width = 1 if node.collective else len(running.devices)
+        return running.delay + running.work_left / (width * running.share)
+
+    def alongside(self, node_id: str) -> set[str]:
+        """Kinds of the other nodes sharing a device with `node_id` now."""
+        return {
+            self.graph[other].kind.value
+            for index in self.running[node_id].devices
+            for other in self.devices[index].running
+            if other != node_id
+        }
+
+    def _start_step(self, d: StartStep) -> None:
+        key = (d.pipeline, d.step)
+        if key in self.started:
+            raise DecisionError(f"{d}: step already started")
+        if d.pipeline not in self.published:
+            raise DecisionError(f"{d}: unknown pipeline {d.pipeline!r}")
+        if d.version > self.published[d.pipeline]:
+            raise DecisionError(f"{d}: version {d.version} not published yet (latest {self.published[d.pipeline]})")
+        if not 0 <= d.step - d.version <= MAX_STALENESS:
+            raise DecisionError(f"{d}: staleness must be 0..{MAX_STALENESS}, got {d.step - d.version}")
+        self.started[key] = d.version
+        for node in self.graph.of(d.pipeline, d.step):
+            if self._missing[node.id] == 0:
+                self._make_ready(node.id)
+
+    def _make_ready(self, node_id: str) -> None:
+        self.ready[node_id] = None
+        self._events.append(NodeReady(self.now, node_id))
+
+    def _check_devices(self, what: object, node_id: str, devices: Sequence[int], share: float) -> None:
+        node = self.graph[node_id]
+        if not devices or len(set(devices)) != len(devices):
+            raise DecisionError(f"{what}: devices must be distinct and non-empty")
+        if not 0 < share <= 1 or (node.exclusive and share != 1):
+            raise DecisionError(f"{what}: share must be in (0, 1] and exactly 1 for an exclusive node")
+        for index in devices:
+            if not 0 <= index < len(self.devices):
+                raise DecisionError(f"{what}: no device {index}")
+            device = self.devices[index]
+            if device.switching:
+                raise DecisionError(f"{what}: device {index} is switching role")
+            if not can_run(node, device.role):
+                raise DecisionError(f"{what}: device {index} holds {device.role}, node needs {node.role}")
+            exclusive_there = any(self.graph[other].exclusive for other in device.running)
+            if device.running and (node.exclusive or exclusive_there):
+                raise DecisionError(f"{what}: device {index} is running {list(device.running)}")
+            if share > device.free_share + EPS:
+                raise DecisionError(f"{what}: device {index} has only {device.free_share:.3f} share free")
+            if device.memory_gb + node.memory_gb > device.capacity_gb + EPS:
+                raise DecisionError(
+                    f"{what}: device {index} would hold {device.memory_gb + node.memory_gb:.1f} GB "
+                    f"of {device.capacity_gb:.1f} GB"
+                )
+
+    def _occupy(self, node_id: str, devices: Sequence[int], share: float) -> None:
+        node = self.graph[node_id]
+        for index in devices:
+            device = self.devices[index]
+            device.running[node_id] = share
+            device.working_gb += node.memory_gb
+            self.trace.peak_memory_gb[index] = max(self.trace.peak_memory_gb[index], device.memory_gb)
+
+    def _release(self, node_id: str, devices: Sequence[int]) -> None:
+        node = self.graph[node_id]
+        for index in devices:
+            device = self.devices[index]
+            del device.running[node_id]
+            device.working_gb -= node.memory_gb
+            if device.idle:
+                self._events.append(DeviceIdle(self.now, index))
+
+    def _run(self, d: Run) -> None:
+        if d.node not in self.ready:
+            raise DecisionError(f"{d}: node is not ready")
+        self._check_devices(d, d.node, d.devices, d.share)
+        node = self.graph[d.node]
+        del self.ready[d.node]
+        self._occupy(d.node, d.devices, d.share)
+        self.running[d.node] = Running(tuple(d.devices), d.share, self.now, node.cost_s, self.now)
+        self._step_start.setdefault((node.pipeline, node.step), self.now)
+        self._events.append(NodeStarted(self.now, d.node, tuple(d.devices)))
+
+    def _migrate(self, d: Migrate) -> None:
+        if d.node not in self.running:
+            raise DecisionError(f"{d}: node is not running")
+        running = self.running[d.node]
+        node = self.graph[d.node]
+        width = 1 if node.collective else len(running.devices)
+        done = max(0.0, self.now - running.start - running.delay) * width * running.share
+        self._record(d.node, running, self.now)
+        self._release(d.node, running.devices)
+        self._check_devices(d, d.node, d.devices, d.share)
+        self._occupy(d.node, d.devices, d.share)
+        self.running[d.node] = Running(
+            tuple(d.devices), d.share, self.now, max(0.0, running.work_left - done), running.first_start, d.cost_s
+        )
+
+    def _switch(self, d: SwitchRole) -> None:
+        if not 0 <= d.device < len(self.devices):
+            raise DecisionError(f"{d}: no device {d.device}")
+        device = self.devices[d.device]
+        if not device.idle:
+            raise DecisionError(f"{d}: device is not idle (running {list(device.running)})")
+        if d.resident_gb > device.capacity_gb + EPS:
+            raise DecisionError(f"{d}: {d.resident_gb:.1f} GB does not fit in {device.capacity_gb:.1f} GB")
+        device.switching = True
+        device.resident_gb = max(device.resident_gb, d.resident_gb)
+        self.trace.peak_memory_gb[d.device] = max(self.trace.peak_memory_gb[d.device], device.memory_gb)
+        device.role = None
+        self.trace.switches.append(Switch(d.device, self.now, self.now + d.cost_s, d.role.value))
+
+    # ------------------------------------------------------------ completions
+    def finish_switch(self, device_index: int, role: Role, resident_gb: float) -> None:
+        device = self.devices[device_index]
+        device.switching = False
+        device.role = role
+        device.resident_gb = resident_gb
+        self._events.append(RoleSwitched(self.now, device_index, role))
+        self._events.append(DeviceIdle(self.now, device_index))
+
+    def _version_used(self, node_id: str) -> int:
+        node = self.graph[node_id]
+        if node.kind in ROLLOUT_KINDS:
+            return self.started[(node.pipeline, node.step)]
+        return node.version
+
+    def _record(self, node_id: str, running: Running, end: float) -> None:
+        node = self.graph[node_id]
+        version = self._version_used(node_id)
+        for index in running.devices:
+            self.trace.spans.append(
+                Span(node_id, node.pipeline, node.step, node.kind.value, index, running.start, end, running.share, version)
+            )
+
+    def finish_node(self, node_id: str) -> None:
+        running = self.running.pop(node_id)
+        node = self.graph[node_id]
+        self._record(node_id, running, self.now)
+        self.finished.add(node_id)
+        self._release(node_id, running.devices)
+        self._events.append(NodeFinished(self.now, node_id, running.devices, self.now - running.first_start))
+        if self._last_commit.get((node.pipeline, node.step)) == node_id:
+            self._commit(node.pipeline, node.step)
+        if node.kind == Kind.PUBLISH:
+            version = node.version + 1
+            self.published[node.pipeline] = max(self.published[node.pipeline], version)
+            self._events.append(VersionPublished(self.now, node.pipeline, version))
+        for child in self.graph.dependants[node_id]:
+            self._missing[child] -= 1
+            child_node = self.graph[child]
+            if self._missing[child] == 0 and (child_node.pipeline, child_node.step) in self.started:
+                self._make_ready(child)
+
+    def _commit(self, pipeline: str, step: int) -> None:
+        nodes = self.graph.of(pipeline, step)
+        samples = {sample for node in nodes for sample in node.samples}
+        tokens = sum(node.tokens for node in nodes)
+        self.trace.steps.append(
+            StepRecord(pipeline, step, self.started[(pipeline, step)], self._step_start[(pipeline, step)], self.now, len(samples), tokens)
+        )
+        self._events.append(StepCommitted(self.now, pipeline, step, step + 1))
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == len(self.graph)
+
+    def stuck_message(self) -> str:
+        waiting = [nid for nid in self.graph.order if nid not in self.finished][:5]
+        return (
+            f"no node running and {len(self.graph) - len(self.finished)} unfinished at t={self.now:.2f}s "
+            f"(ready: {list(self.ready)[:5]}, first unfinished: {waiting}, started steps: {sorted(self.started)})"
+        )

@@ -1,0 +1,135 @@
+"""The sub-stage graph: one `Node` is one piece of work of one pipeline step; a `Graph` is their DAG.
+
+Builders (`graph.flow`, `graph.llm`) expand a pipeline step into nodes; policies decide where and when
+each node runs; executors (simulated or real) run them. Nothing here knows about devices or time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+
+SampleId = tuple[int, int, int]
+"""(step, prompt, sample index) — the key of per-sample randomness and of the sample ledger."""
+
+
+class Role(StrEnum):
+    """The engine a device holds; a node may only run on a device holding its role."""
+
+    ROLLOUT = "rollout"
+    TRAINER = "trainer"
+    REWARD = "reward"
+    ANY = "any"
+
+
+class Kind(StrEnum):
+    """What a node does. Flow pipelines use generate/score/logprob/train/commit/publish; LLM pipelines
+    add prefill/decode/migrate."""
+
+    GENERATE = "generate"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    MIGRATE = "migrate"
+    SCORE = "score"
+    LOGPROB = "logprob"
+    TRAIN = "train"
+    COMMIT = "commit"
+    PUBLISH = "publish"
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """One piece of work. `cost_s` is device-seconds on one device of the scenario's type (a node spread
+    over k devices takes cost_s / k), except for a `collective` node (optimizer step, weight sync) which
+    occupies all its devices for cost_s. `memory_gb` is working memory on each device it runs on, on top
+    of the engine resident there. `version` is the weights version the node's step is trained from:
+    step s trains version s into s + 1."""
+
+    id: str
+    pipeline: str
+    step: int
+    kind: Kind
+    role: Role
+    deps: tuple[str, ...] = ()
+    version: int = 0
+    samples: tuple[SampleId, ...] = ()
+    chunk: tuple[int, int] | None = None
+    """Timestep chunk [start, stop) of a train node, length band of a decode node, or micro-batch range."""
+    cost_s: float = 0.0
+    memory_gb: float = 0.0
+    exclusive: bool = True
+    """False: may share a device with other shareable nodes (each gets the `share` its Run decision gives)."""
+    collective: bool = False
+    tokens: int = 0
+    """Tokens this node produces (LLM decode) or processes (flow generate), for tokens/s."""
+
+    def __post_init__(self) -> None:
+        if self.cost_s < 0 or self.memory_gb < 0:
+            raise ValueError(f"node {self.id}: cost_s and memory_gb must be >= 0, got {self.cost_s}, {self.memory_gb}")
+        if self.chunk is not None and not self.chunk[0] < self.chunk[1]:
+            raise ValueError(f"node {self.id}: chunk must be [start, stop) with start < stop, got {self.chunk}")
+
+
+class Graph:
+    """Nodes by id with their dependants; checks that every dependency exists and that there is no cycle."""
+
+    def __init__(self, nodes: Iterable[Node]) -> None:
+        self.nodes: dict[str, Node] = {}
+        self.dependants: dict[str, list[str]] = {}
+        for node in nodes:
+            if node.id in self.nodes:
+                raise ValueError(f"duplicate node id {node.id!r}")
+            self.nodes[node.id] = node
+            self.dependants[node.id] = []
+        for node in self.nodes.values():
+            for dep in node.deps:
+                if dep not in self.nodes:
+                    raise ValueError(f"node {node.id!r} depends on unknown node {dep!r}")
+                self.dependants[dep].append(node.id)
+        self.order: list[str] = self._topological_order()
+        self._by_step: dict[tuple[str, int], list[Node]] = {}
+        for node_id in self.order:
+            node = self.nodes[node_id]
+            self._by_step.setdefault((node.pipeline, node.step), []).append(node)
+
+    def _topological_order(self) -> list[str]:
+        missing = {node_id: len(node.deps) for node_id, node in self.nodes.items()}
+        order = [node_id for node_id, count in missing.items() if count == 0]
+        for node_id in order:
+            for child in self.dependants[node_id]:
+                missing[child] -= 1
+                if missing[child] == 0:
+                    order.append(child)
+        if len(order) != len(self.nodes):
+            stuck = sorted(node_id for node_id, count in missing.items() if count > 0)
+            raise ValueError(f"dependency cycle among {stuck[:5]}")
+        return order
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def __getitem__(self, node_id: str) -> Node:
+        return self.nodes[node_id]
+
+    def __iter__(self):
+        return iter(self.nodes.values())
+
+    def ready(self, finished: set[str], started: set[str] = frozenset()) -> list[Node]:
+        """Nodes whose dependencies are all finished and that have not started, in topological order."""
+        return [
+            self.nodes[node_id]
+            for node_id in self.order
+            if node_id not in finished and node_id not in started and all(d in finished for d in self.nodes[node_id].deps)
+        ]
+
+    def pipelines(self) -> list[str]:
+        return sorted({pipeline for pipeline, _ in self._by_step})
+
+    def steps(self, pipeline: str) -> list[int]:
+        return sorted(step for name, step in self._by_step if name == pipeline)
+
+    def of(self, pipeline: str, step: int, kind: Kind | None = None) -> list[Node]:
+        """The nodes of one step of one pipeline (optionally of one kind), in topological order."""
+        nodes = self._by_step.get((pipeline, step), [])
+        return nodes if kind is None else [node for node in nodes if node.kind == kind]

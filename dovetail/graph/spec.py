@@ -1,0 +1,96 @@
+"""What one RL pipeline step is: the typed specs graph builders expand (and scenarios are made of)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FlowSpec(_Spec):
+    """A FlowGRPO / DanceGRPO step of a diffusion or flow-matching model."""
+
+    kind: Literal["flow"] = "flow"
+    name: str = Field(description="Pipeline name, unique in a scenario.")
+    model: str = Field(description="Diffusion model from the catalogue, e.g. FLUX.1-12B.")
+    algorithm: Literal["flowgrpo", "dancegrpo"] = "flowgrpo"
+    prompts: int = Field(gt=0, description="Prompts per step (B).")
+    group: int = Field(gt=0, description="Samples per prompt (G); a group is never split across fragments.")
+    denoising_steps: int = Field(gt=1, description="Sampler steps per sample (K).")
+    trained_timesteps: int = Field(gt=0, description="Timesteps trained per sample (never the last one).")
+    cfg: bool = Field(False, description="Classifier-free guidance: two DiT passes per step, in rollout and training.")
+    height: int = Field(gt=0)
+    width: int = Field(gt=0)
+    frames: int = Field(1, gt=0, description="1 for images.")
+    mini_batches: int = Field(1, gt=0, description="Optimizer steps per RL step (the batch is split by prompt).")
+    reward: Literal["vlm", "rule"] = Field("vlm", description="vlm: a model judge (OCR, PickScore-like); rule: a cheap function.")
+    offload: bool = Field(False, description="Trainer parameters and optimizer state live in host memory (FSDP offload).")
+    fragments: int | None = Field(None, gt=0, description="GAP fragments M (whole groups); None lets the policy choose.")
+    tsp_chunk: int | None = Field(None, gt=0, description="Timesteps per TSP train node; None lets the policy choose.")
+
+    @model_validator(mode="after")
+    def _check(self) -> FlowSpec:
+        if self.trained_timesteps > self.denoising_steps - 1:
+            raise ValueError(
+                f"trained_timesteps={self.trained_timesteps} must be at most denoising_steps - 1 = "
+                f"{self.denoising_steps - 1} (the last step is never trained)"
+            )
+        if self.prompts % self.mini_batches:
+            raise ValueError(f"mini_batches={self.mini_batches} must divide prompts={self.prompts}")
+        if self.fragments is not None and self.fragments > self.prompts:
+            raise ValueError(f"fragments={self.fragments} cannot exceed prompts={self.prompts} (a fragment holds whole groups)")
+        return self
+
+    @property
+    def samples(self) -> int:
+        return self.prompts * self.group
+
+
+class LengthDistribution(_Spec):
+    """Response lengths: lognormal (median, sigma) or an empirical list sampled with replacement."""
+
+    kind: Literal["lognormal", "empirical"] = "lognormal"
+    median: float | None = Field(None, gt=0)
+    sigma: float | None = Field(None, ge=0)
+    values: list[int] | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> LengthDistribution:
+        if self.kind == "lognormal" and (self.median is None or self.sigma is None):
+            raise ValueError("a lognormal length distribution needs median and sigma")
+        if self.kind == "empirical" and not self.values:
+            raise ValueError("an empirical length distribution needs values: [lengths...]")
+        return self
+
+
+class LLMSpec(_Spec):
+    """A GRPO step of a causal language model."""
+
+    kind: Literal["llm"] = "llm"
+    name: str = Field(description="Pipeline name, unique in a scenario.")
+    model: str = Field(description="Language model from the catalogue, e.g. Qwen3-4B.")
+    batch: int = Field(gt=0, description="Prompts per step.")
+    group: int = Field(gt=0, description="Responses per prompt (n).")
+    prompt_length: int = Field(256, gt=0)
+    lengths: LengthDistribution
+    max_length: int = Field(gt=0, description="Responses are cut at this many tokens.")
+    length_bands: list[int] = Field(default_factory=list, description="Upper bounds of decode length bands, ascending.")
+    micro_batches: int = Field(1, gt=0, description="Train micro-steps per step.")
+    tensor_parallel: int = Field(1, gt=0, description="Devices per rollout engine.")
+    reference: bool = Field(True, description="Compute reference log-probs for a KL term.")
+    recompute_logprob: bool = Field(True, description="Recompute old log-probs in the trainer.")
+
+    @model_validator(mode="after")
+    def _check(self) -> LLMSpec:
+        if self.length_bands != sorted(set(self.length_bands)):
+            raise ValueError(f"length_bands must be strictly ascending, got {self.length_bands}")
+        if self.length_bands and self.length_bands[-1] > self.max_length:
+            raise ValueError(f"the last length band {self.length_bands[-1]} exceeds max_length={self.max_length}")
+        return self
+
+
+PipelineSpec = FlowSpec | LLMSpec

@@ -1,0 +1,96 @@
+"""Scenarios: a cluster, one or more RL pipelines sharing it, and how to schedule them — in YAML.
+
+Shipped scenarios live in `dovetail/scenarios/*.yaml`; `load_scenario` takes a shipped name or a path.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Annotated
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dovetail.graph.spec import FlowSpec, LLMSpec
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ClusterSpec(_Model):
+    device: str = Field(description="Device from the catalogue: H100, H800, H200, A100-80G, L40S, Ascend-910B, cpu-core.")
+    devices: int = Field(gt=0, description="Number of devices in the pool.")
+
+
+class ScheduleSpec(_Model):
+    steps: int = Field(3, gt=0, description="RL steps to simulate.")
+    policies: list[str] = Field(min_length=1, description="Policies to compare; the first is the baseline of speedups.")
+    trainer_devices: int | None = Field(None, gt=0, description="Trainer pool size of disaggregated policies; None lets them choose.")
+    tcss: bool = Field(False, description="Let digen start the next step on the previous weights (staleness <= 1).")
+    seed: int = 0
+    noise: float = Field(0.0, ge=0, description="Log-normal sigma of simulated durations (0: exactly the predicted costs).")
+
+
+class PublishedRun(_Model):
+    """A published measurement a calibration scenario reproduces."""
+
+    source: str
+    step_time_s: float = Field(gt=0)
+    phases_s: dict[str, float] = Field(default_factory=dict, description="Published seconds per phase (generate, logprob, train, publish...).")
+
+
+class Scenario(_Model):
+    name: str
+    description: str = ""
+    cluster: ClusterSpec
+    pipelines: list[Annotated[FlowSpec | LLMSpec, Field(discriminator="kind")]] = Field(min_length=1)
+    schedule: ScheduleSpec
+    published: PublishedRun | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> Scenario:
+        names = [p.name for p in self.pipelines]
+        if len(set(names)) != len(names):
+            raise ValueError(f"pipelines: names must be unique, got {names}")
+        split = self.schedule.trainer_devices
+        if split is not None and split >= self.cluster.devices:
+            raise ValueError(
+                f"schedule.trainer_devices={split} must leave at least one rollout device of cluster.devices={self.cluster.devices}"
+            )
+        return self
+
+
+def _shipped() -> dict[str, Path]:
+    folder = resources.files("dovetail") / "scenarios"
+    return {Path(str(p)).stem: Path(str(p)) for p in folder.iterdir() if str(p).endswith(".yaml")}
+
+
+def list_scenarios() -> dict[str, str]:
+    """Shipped scenario names -> their one-line description."""
+    return {name: load_scenario(name).description.strip().splitlines()[0] for name in sorted(_shipped())}
+
+
+def parse_scenario(data: dict, origin: str = "scenario") -> Scenario:
+    """Validate a scenario dict; errors name the field (dotted path) and what is wrong with it."""
+    try:
+        return Scenario.model_validate(data)
+    except ValidationError as error:
+        lines = [
+            f"  {'.'.join(str(part) for part in e['loc']) or '(top level)'}: {e['msg']}" for e in error.errors()
+        ]
+        raise ValueError(f"{origin}: invalid scenario\n" + "\n".join(lines)) from None
+
+
+def load_scenario(name_or_path: str | Path) -> Scenario:
+    shipped = _shipped()
+    path = shipped.get(str(name_or_path), Path(name_or_path))
+    if not path.is_file():
+        raise ValueError(
+            f"no scenario {str(name_or_path)!r}: give a YAML path or one of {', '.join(sorted(shipped))}"
+        )
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a scenario is a YAML mapping with cluster, pipelines and schedule")
+    return parse_scenario(data, str(path))

@@ -1,0 +1,251 @@
+"""The Policy interface: events in, decisions out.
+
+A policy is the whole scheduling brain of dovetail. An executor (the simulator, or the Ray runtime)
+calls `decide(view, events)` whenever something happened; the policy answers with decisions that the
+executor validates and carries out. A policy never sleeps, never computes a model and never imports
+torch, and it is deterministic given the events — so the very same object plans a 64-GPU run in the
+simulator in seconds and drives real devices.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
+
+from dovetail.graph.node import Graph, Kind, Node, Role
+
+# ---------------------------------------------------------------- events (executor -> policy)
+
+
+@dataclass(frozen=True, slots=True)
+class Begin:
+    """The run starts: every device is empty (no role). Sent once, at time 0."""
+
+    time: float
+
+
+@dataclass(frozen=True, slots=True)
+class NodeReady:
+    """All dependencies of `node` finished and its step has been started."""
+
+    time: float
+    node: str
+
+
+@dataclass(frozen=True, slots=True)
+class NodeStarted:
+    time: float
+    node: str
+    devices: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeFinished:
+    """`seconds` is the measured wall time of the node (all segments when it migrated)."""
+
+    time: float
+    node: str
+    devices: tuple[int, ...]
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceIdle:
+    """The device runs nothing and is not switching."""
+
+    time: float
+    device: int
+
+
+@dataclass(frozen=True, slots=True)
+class RoleSwitched:
+    time: float
+    device: int
+    role: Role
+
+
+@dataclass(frozen=True, slots=True)
+class StepCommitted:
+    """The optimizer step of `step` finished: the trainer now holds weights `version` (= step + 1)."""
+
+    time: float
+    pipeline: str
+    step: int
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class VersionPublished:
+    """Weights `version` reached the rollout engines; version 0 (the initial weights) is published at Begin."""
+
+    time: float
+    pipeline: str
+    version: int
+
+
+Event = Begin | NodeReady | NodeStarted | NodeFinished | DeviceIdle | RoleSwitched | StepCommitted | VersionPublished
+
+# ---------------------------------------------------------------- decisions (policy -> executor)
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Run a ready node on `devices`. A shareable node gets `share` of each device's compute (its
+    duration grows by 1 / share); an exclusive node needs share 1 and devices running nothing else."""
+
+    node: str
+    devices: tuple[int, ...]
+    share: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchRole:
+    """Put away the device's engine and bring up `role`'s (sleep / wake / offload). The device must be
+    idle; it is busy for `cost_s` and then holds `resident_gb` of engine memory."""
+
+    device: int
+    role: Role
+    cost_s: float
+    resident_gb: float
+
+
+@dataclass(frozen=True, slots=True)
+class StartStep:
+    """Open a step: its nodes become ready as their dependencies finish, and its rollouts use weights
+    `version` (step - version is their staleness; the executor refuses more than one)."""
+
+    pipeline: str
+    step: int
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class Migrate:
+    """Move a running node's remaining work to `devices`, paying `cost_s` first (re-prefill of the KV
+    cache for a decode node). The samples stay the same: nothing is generated twice."""
+
+    node: str
+    devices: tuple[int, ...]
+    cost_s: float
+    share: float = 1.0
+
+
+Decision = Run | SwitchRole | StartStep | Migrate
+
+# ---------------------------------------------------------------- what a policy may look at
+
+
+@dataclass(frozen=True)
+class Engines:
+    """One pipeline's engines on one device, from the cost model: memory held while a device holds a
+    role, and the seconds to bring a role's engine up (wake) or put it away (sleep)."""
+
+    resident_gb: Mapping[Role, float]
+    wake_s: Mapping[Role, float]
+    sleep_s: Mapping[Role, float]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a policy knows before the run: the cluster, each pipeline's engines, and the user's choices."""
+
+    devices: int
+    memory_gb: float
+    engines: Mapping[str, Engines]
+    trainer_devices: int | None = None
+    """Size of the trainer pool for disaggregated policies; None lets the policy choose."""
+    tcss: bool = False
+    """Opt-in one-step asynchrony: the next step may start on the previous weights (staleness <= 1)."""
+    options: Mapping[str, object] = field(default_factory=dict)
+
+    def switch(self, device: int, pipeline: str, old: Role | None, new: Role) -> SwitchRole:
+        """The decision that moves a device from `old` to `new` for `pipeline`, with its cost."""
+        engines = self.engines[pipeline]
+        sleep = engines.sleep_s.get(old, 0.0) if old is not None else 0.0
+        return SwitchRole(device, new, sleep + engines.wake_s.get(new, 0.0), engines.resident_gb.get(new, 0.0))
+
+
+class DeviceView(Protocol):
+    index: int
+    role: Role | None
+    running: Mapping[str, float]
+    """Node id -> share of the device it holds."""
+    memory_gb: float
+    capacity_gb: float
+    switching: bool
+
+    @property
+    def idle(self) -> bool: ...
+
+    @property
+    def free_share(self) -> float: ...
+
+
+class View(Protocol):
+    """The read-only state a policy decides from. Executors implement it (see `exec.state.ClusterState`)."""
+
+    now: float
+    graph: Graph
+    devices: Sequence[DeviceView]
+    ready: Mapping[str, None]
+    """Ready, not yet started node ids, in the order they became ready."""
+    running: Mapping[str, tuple[int, ...]]
+    finished: set[str]
+    published: Mapping[str, int]
+    """Latest weights version the rollout engines of each pipeline can use."""
+    started: Mapping[tuple[str, int], int]
+    """(pipeline, step) -> the weights version its rollouts use, for every started step."""
+
+
+def can_run(node: Node, role: Role | None) -> bool:
+    """Reward engines are small and co-resident everywhere; other nodes need their own role's engine."""
+    return node.role in (Role.ANY, Role.REWARD) or node.role == role
+
+
+class CostTracker:
+    """Predicted seconds of a node, corrected online: the measured/predicted ratio per (pipeline, kind),
+    as an exponential moving average. The simulator and the Ray runtime feed it the same events."""
+
+    def __init__(self, smoothing: float = 0.5) -> None:
+        self.smoothing = smoothing
+        self.ratio: dict[tuple[str, Kind], float] = {}
+
+    def observe(self, node: Node, devices: int, seconds: float) -> None:
+        predicted = node.cost_s if node.collective else node.cost_s / devices
+        if predicted <= 0:
+            return
+        key = (node.pipeline, node.kind)
+        old = self.ratio.get(key, 1.0)
+        self.ratio[key] = (1 - self.smoothing) * old + self.smoothing * seconds / predicted
+
+    def seconds(self, node: Node, devices: int = 1) -> float:
+        predicted = node.cost_s if node.collective else node.cost_s / devices
+        return predicted * self.ratio.get((node.pipeline, node.kind), 1.0)
+
+
+class Policy(ABC):
+    """Base of every policy. Subclasses set `name` and implement `decide`."""
+
+    name: ClassVar[str]
+
+    def __init__(self, setup: Setup) -> None:
+        self.setup = setup
+        self.costs = CostTracker()
+
+    def react(self, view: View, events: Sequence[Event]) -> list[Decision]:
+        """What executors call: learn from the events, then decide."""
+        self.observe(view, events)
+        return self.decide(view, events)
+
+    def observe(self, view: View, events: Sequence[Event]) -> None:
+        """Feed measured durations to the cost tracker; subclasses extend this to keep their own state."""
+        for event in events:
+            if isinstance(event, NodeFinished):
+                self.costs.observe(view.graph[event.node], len(event.devices), event.seconds)
+
+    @abstractmethod
+    def decide(self, view: View, events: Sequence[Event]) -> list[Decision]:
+        """Everything that happened since the last call (in order) -> what to do now. Called again at the
+        same time after the decisions are applied, with the events they caused, until nothing changes."""
