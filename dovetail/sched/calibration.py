@@ -37,19 +37,19 @@ class Calibration:
     # sampling). [LLM]: the longest response (8192 tokens) alone sets ~33 s of the 59 s generation
     # after the bulk finishes, i.e. ~4.0 ms per iteration for 36 layers at TP 4 where bandwidth
     # accounts for < 1 ms.
-    decode_layer_overhead_s: float = 90e-6
+    decode_layer_overhead_s: float = 125e-6
     # Share of device memory the rollout engine may use (verl's rollout.gpu_memory_utilization
     # default is 0.5; [LLM] recipe uses 0.6); the KV cache gets what the weights leave of it.
     rollout_memory_fraction: float = 0.6
     # FSDP forward-only (old / reference log-prob) efficiency: [LLM] old log-prob 12.2 s over the
     # batch's ~2.1 M tokens on 4 devices.
-    logprob_mfu: float = 0.30
+    logprob_mfu: float = 0.345
     # FSDP forward+backward with gradient checkpointing: [LLM] actor update 35.6 s, i.e. 4 forwards
     # (3x training + 1 recompute) at this efficiency.
-    train_mfu: float = 0.40
+    train_mfu: float = 0.47
     # verl places the reference model with param_offload=True: each forward pass streams the
     # weights in from host memory. [LLM]: reference 18.2 s vs old log-prob 12.2 s -> 1.5x.
-    reference_offload_factor: float = 1.5
+    reference_offload_factor: float = 1.49
     # Rule-based reward (GSM8K answer match), seconds per sample on the driver.
     rule_reward_s_per_sample: float = 2e-4
 

@@ -87,6 +87,12 @@ class DiffusionModel:
     vae_decoder_flops_per_pixel: float  # decoder FLOPs per output pixel (per frame for video)
     vae_temporal: int = 1
     cross_attention: bool = False
+    experts: int = 1  # Wan2.2-A14B: a high-noise and a low-noise expert, one active per step
+
+    @property
+    def total_params(self) -> float:
+        """Parameters trained, stored and published (every expert); `params` is what one step runs."""
+        return self.params * self.experts
 
     def latent_tokens(self, height: int, width: int, frames: int = 1) -> int:
         stride = self.vae_spatial * self.patch
@@ -130,7 +136,7 @@ DIFFUSION_MODELS: dict[str, DiffusionModel] = {
         DiffusionModel("Wan2.1-14B", 14.0e9, 40, 5120, 40, 8, 2, 512, 5.7e9, 3.2e6, vae_temporal=4, cross_attention=True),
         # Wan-AI/Wan2.2-T2V-A14B: two 14B experts (high / low noise), each shaped like Wan2.1-14B; one
         # expert is active per denoising step, so per-step cost is that of a 14B model.
-        DiffusionModel("Wan2.2-A14B", 14.0e9, 40, 5120, 40, 8, 2, 512, 5.7e9, 3.2e6, vae_temporal=4, cross_attention=True),
+        DiffusionModel("Wan2.2-A14B", 14.0e9, 40, 5120, 40, 8, 2, 512, 5.7e9, 3.2e6, vae_temporal=4, cross_attention=True, experts=2),
         # tencent/HunyuanVideo: 20 dual + 40 single blocks, 3072 wide, 24 heads, causal 3D VAE 4x8x8.
         DiffusionModel("HunyuanVideo-13B", 12.8e9, 60, 3072, 24, 8, 2, 256, 8.0e9, 3.2e6, vae_temporal=4),
         # Qwen/Qwen-Image: 60 MMDiT blocks, 3072 wide, 24 heads, 2x2 patches over a 16-channel 8x VAE.

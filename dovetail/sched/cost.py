@@ -289,10 +289,11 @@ class CostModel:
         seconds = self.calibration.switch_fixed_s + resident_bytes / self.calibration.host_link_bytes_per_s
         return self._corrected("switch", seconds)
 
-    def publish(self, params: float, devices: int = 1) -> float:
-        """Weights trainer -> rollout engines, each device sending its 1/devices share in bf16."""
-        nbytes = params * BF16 / devices
-        seconds = self.calibration.publish_fixed_s + nbytes / (self.device.interconnect_bandwidth * self.calibration.publish_bandwidth_efficiency)
+    def publish(self, params: float) -> float:
+        """Full bf16 weights to every rollout engine (each holds a whole replica); engines receive in
+        parallel, each through its host link (verl's default "naive" checkpoint engine)."""
+        nbytes = params * BF16
+        seconds = self.calibration.publish_fixed_s + nbytes / (self.calibration.host_link_bytes_per_s * self.calibration.publish_bandwidth_efficiency)
         return self._corrected("publish", seconds)
 
     # --- memory ---------------------------------------------------------------------------------

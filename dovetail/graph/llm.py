@@ -1,0 +1,227 @@
+"""Expand GRPO steps of a language model into sub-stage nodes.
+
+One step of pipeline P on S rollout engines (shards of whole prompt groups):
+
+    prefill[shard] -> decode[shard, band 0] -> decode[shard, band 1] -> ... -> score[shard]
+    score[shard] -> logprob old[shard], logprob ref[shard] -> train[shard] -> commit -> publish
+
+A decode band holds the shard's sequences still running at the band's lower edge and generates
+their tokens up to its upper edge, so long tails show up as small, late nodes (JigsawRL's
+"imbalance inside a stage"). With `migrate_at`, every sequence still running at that length leaves
+its shard: one `migrate` node re-prefills all of them on the destination and one `decode` node
+finishes them there together, so the other engines are freed.
+
+Step s trains weights version s; its log-prob and train nodes wait for step s-1's commit.
+Decode costs are per engine: a node's `cost_s` is its seconds on one engine times the engine's
+devices, so it runs for its predicted time on `tensor_parallel` devices.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from dovetail.graph.node import Kind, Node, Role, SampleId
+from dovetail.graph.spec import LLMSpec
+
+if TYPE_CHECKING:
+    from dovetail.sched.catalog import LanguageModel
+    from dovetail.sched.cost import CostModel
+    from dovetail.sched.policy import Engines
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Sample:
+    id: SampleId
+    shard: int
+    prompt_tokens: int
+    response_tokens: int
+
+
+def response_lengths(spec: LLMSpec, step: int, seed: int) -> list[int]:
+    """Seeded lengths of one step's responses, cut at max_length (same seed, same lengths)."""
+    rng = random.Random(f"{seed}/{spec.name}/{step}")
+    count = spec.batch * spec.group
+    dist = spec.lengths
+    if dist.kind == "lognormal":
+        raw = [rng.lognormvariate(math.log(dist.median), dist.sigma) for _ in range(count)]
+    else:
+        raw = [rng.choice(dist.values) for _ in range(count)]
+    return [min(spec.max_length, max(1, round(x))) for x in raw]
+
+
+def step_samples(spec: LLMSpec, step: int, shards: int, seed: int) -> list[Sample]:
+    """Whole prompt groups dealt round-robin to `shards` rollout engines."""
+    lengths = iter(response_lengths(spec, step, seed))
+    return [
+        Sample((step, prompt, index), prompt % shards, spec.prompt_length, next(lengths))
+        for prompt in range(spec.batch)
+        for index in range(spec.group)
+    ]
+
+
+def _bands(spec: LLMSpec, migrate_at: int | None) -> list[tuple[int, int]]:
+    edges = sorted({*spec.length_bands, spec.max_length} | ({migrate_at} if migrate_at else set()))
+    return list(zip([0, *edges[:-1]], edges))
+
+
+@dataclass(frozen=True)
+class LLMShape:
+    """How a policy cuts an LLM step: `shards` rollout engines (of `spec.tensor_parallel` devices
+    each) the batch is dealt to, the trainer group size (sets collective costs), and `migrate_at`
+    (tokens) where the long tail leaves its shard, None to keep every sequence home."""
+
+    shards: int
+    trainer_devices: int
+    migrate_at: int | None = None
+
+    def check(self, spec: LLMSpec) -> None:
+        if not 0 < self.shards <= spec.batch:
+            raise ValueError(f"{spec.name}: shards={self.shards} must be in 1..batch={spec.batch} (a shard holds whole groups)")
+        if self.trainer_devices < 1:
+            raise ValueError(f"{spec.name}: trainer_devices must be >= 1")
+        if self.migrate_at is not None and not 0 < self.migrate_at < spec.max_length:
+            raise ValueError(f"{spec.name}: migrate_at={self.migrate_at} must be in 1..max_length-1={spec.max_length - 1}")
+        if spec.batch % spec.micro_batches:
+            raise ValueError(f"{spec.name}: micro_batches={spec.micro_batches} must divide batch={spec.batch}")
+
+
+def stage(node: Node) -> str:
+    """The verl stage a node belongs to: rollout, score, old, ref, train, commit or publish."""
+    if node.kind in (Kind.PREFILL, Kind.DECODE, Kind.MIGRATE):
+        return "rollout"
+    if node.kind == Kind.LOGPROB:
+        return node.id.split("/")[3]
+    return node.kind.value
+
+
+def engines(spec: LLMSpec, cost: CostModel, shape: LLMShape) -> Engines:
+    """Per-device resident memory of the rollout engine (weights / TP + its KV-cache share) and the
+    FSDP trainer (weights, grads, optimizer / trainer group), and their sleep / wake costs."""
+    from dovetail.sched.catalog import language_model
+    from dovetail.sched.policy import Engines
+
+    model = language_model(spec.model)
+    tp = spec.tensor_parallel
+    rollout = cost.rollout_memory(model, 0, tp).weights + cost.kv_cache_bytes(model, tp) / tp
+    trainer = cost.training_memory(model.params, model.layers, model.hidden, 0, shape.trainer_devices).total
+    resident = {Role.ROLLOUT: rollout / GB, Role.TRAINER: trainer / GB}
+    switch = {Role.ROLLOUT: cost.switch(rollout), Role.TRAINER: cost.switch(trainer)}
+    return Engines(resident_gb=resident, wake_s=switch, sleep_s=switch)
+
+
+def build_llm(spec: LLMSpec, steps: int, shape: LLMShape, cost: CostModel, seed: int = 0) -> list[Node]:
+    """All nodes of `steps` consecutive GRPO steps of one language-model pipeline."""
+    from dovetail.sched.catalog import language_model
+
+    shape.check(spec)
+    model = language_model(spec.model)
+    nodes: list[Node] = []
+    previous_commit: str | None = None
+    for step in range(steps):
+        samples = step_samples(spec, step, shape.shards, seed)
+        rollout, last_of = _rollout(spec, model, cost, shape, step, samples)
+        training = _training(spec, model, cost, shape, step, samples, last_of, previous_commit)
+        nodes += rollout + training
+        previous_commit = training[-2].id
+    return nodes
+
+
+def _id(spec: LLMSpec, step: int, *parts: object) -> str:
+    return "/".join([spec.name, str(step), *map(str, parts)])
+
+
+def _decode(spec, model, cost, step, node_id, deps, members: list[Sample], low: int, high: int) -> Node:
+    tp = spec.tensor_parallel
+    new_tokens = [min(s.response_tokens, high) - low for s in members]
+    seconds = cost.decode(model, [s.prompt_tokens + low for s in members], new_tokens, devices=tp)
+    return Node(
+        node_id, spec.name, step, Kind.DECODE, Role.ROLLOUT, deps, version=step,
+        samples=tuple(s.id for s in members), chunk=(low, high), cost_s=seconds * tp, tokens=sum(new_tokens),
+    )
+
+
+def _rollout(spec: LLMSpec, model: LanguageModel, cost: CostModel, shape: LLMShape, step: int, samples: list[Sample]):
+    """Prefill and decode bands per shard, plus the migrated tail; returns the nodes and, per sample,
+    the decode node that finishes it."""
+    tp = spec.tensor_parallel
+    migrate_at = shape.migrate_at
+    home_bands = [b for b in _bands(spec, migrate_at) if migrate_at is None or b[1] <= migrate_at]
+    nodes: list[Node] = []
+    last_of: dict[SampleId, str] = {}
+    tail_deps: list[str] = []
+    for shard in range(shape.shards):
+        mine = [s for s in samples if s.shard == shard]
+        prefill = Node(
+            _id(spec, step, "prefill", shard), spec.name, step, Kind.PREFILL, Role.ROLLOUT, version=step,
+            samples=tuple(s.id for s in mine), cost_s=cost.prefill(model, [s.prompt_tokens for s in mine], devices=tp) * tp,
+        )
+        nodes.append(prefill)
+        previous = prefill.id
+        for low, high in home_bands:
+            members = [s for s in mine if s.response_tokens > low]
+            if not members:
+                break
+            node = _decode(spec, model, cost, step, _id(spec, step, "decode", shard, low), (previous,), members, low, high)
+            nodes.append(node)
+            last_of.update((s.id, node.id) for s in members)
+            previous = node.id
+        tail_deps.append(previous)
+    tail = [s for s in samples if migrate_at is not None and s.response_tokens > migrate_at]
+    if tail:
+        migrate = Node(
+            _id(spec, step, "migrate"), spec.name, step, Kind.MIGRATE, Role.ROLLOUT, tuple(tail_deps), version=step,
+            samples=tuple(s.id for s in tail),
+            cost_s=cost.migrate(model, [s.prompt_tokens + migrate_at for s in tail], devices=tp) * tp,
+        )
+        decode = _decode(spec, model, cost, step, _id(spec, step, "decode", "tail"), (migrate.id,), tail, migrate_at, spec.max_length)
+        nodes += [migrate, decode]
+        last_of.update((s.id, decode.id) for s in tail)
+    return nodes, last_of
+
+
+def _training(spec, model, cost, shape: LLMShape, step, samples: list[Sample], last_of, previous_commit: str | None) -> list[Node]:
+    """Score, log-probs and train per micro-batch (whole prompt groups), then commit and publish."""
+    per_micro = spec.batch // spec.micro_batches
+    after_commit = (previous_commit,) if previous_commit else ()
+    nodes: list[Node] = []
+    trains: list[str] = []
+    for micro in range(spec.micro_batches):
+        members = [s for s in samples if s.id[1] // per_micro == micro]
+        ids = tuple(s.id for s in members)
+        lengths = [s.prompt_tokens + s.response_tokens for s in members]
+        score = Node(
+            _id(spec, step, "score", micro), spec.name, step, Kind.SCORE, Role.ANY,
+            tuple(sorted({last_of[s.id] for s in members})), version=step, samples=ids, cost_s=cost.rule_score(len(members)),
+        )
+        nodes.append(score)
+        before_train = [score.id, *after_commit]
+        for which, wanted in (("old", spec.recompute_logprob), ("ref", spec.reference)):
+            if wanted:
+                logprob = Node(
+                    _id(spec, step, "logprob", which, micro), spec.name, step, Kind.LOGPROB, Role.TRAINER, (score.id, *after_commit),
+                    version=step, samples=ids, cost_s=cost.logprob(model, lengths, reference=which == "ref"),
+                )
+                nodes.append(logprob)
+                before_train.append(logprob.id)
+        tokens_per_device = math.ceil(sum(lengths) / shape.trainer_devices)
+        activations = cost.training_memory(model.params, model.layers, model.hidden, tokens_per_device, shape.trainer_devices).activations
+        train = Node(
+            _id(spec, step, "train", micro), spec.name, step, Kind.TRAIN, Role.TRAINER, tuple(before_train),
+            version=step, samples=ids, chunk=(micro, micro + 1), cost_s=cost.train(model, lengths), memory_gb=activations / GB,
+        )
+        nodes.append(train)
+        trains.append(train.id)
+    commit = Node(
+        _id(spec, step, "commit"), spec.name, step, Kind.COMMIT, Role.TRAINER, tuple(trains), version=step,
+        cost_s=cost.optimizer_step(model.params, devices=shape.trainer_devices), collective=True,
+    )
+    publish = Node(
+        _id(spec, step, "publish"), spec.name, step, Kind.PUBLISH, Role.TRAINER, (commit.id,), version=step,
+        cost_s=cost.publish(model.params), collective=True,
+    )
+    return nodes + [commit, publish]

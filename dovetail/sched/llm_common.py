@@ -1,0 +1,135 @@
+"""What the language-model policies share: device groups, node placement and a stage walker.
+
+Every LLM policy places nodes the same way — a shard's prefill / decode chain on its rollout engine,
+trainer work on the whole trainer group — and differs only in *when* it lets work start and which
+devices hold which role. That difference is all that remains in verl_sync / streamrl / areal / jigsaw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dovetail.graph.llm import LLMShape, build_llm, engines, stage
+from dovetail.graph.node import Graph, Kind, Node, Role
+from dovetail.graph.spec import LLMSpec
+from dovetail.sched.cost import CostModel
+from dovetail.sched.policy import Decision, Policy, Run, Setup, StartStep, View
+
+def shard_of(node: Node) -> int | None:
+    """The rollout engine a prefill / home decode node belongs to (None for the migrated tail)."""
+    parts = node.id.split("/")
+    if node.kind in (Kind.PREFILL, Kind.DECODE) and parts[3] != "tail":
+        return int(parts[3])
+    return None
+
+
+def engine_devices(group: Sequence[int], shard: int, tensor_parallel: int) -> tuple[int, ...]:
+    start = shard * tensor_parallel
+    return tuple(group[start:start + tensor_parallel])
+
+
+def split_pool(devices: int, parts: int) -> list[tuple[int, ...]]:
+    """`devices` in `parts` contiguous groups (sizes differ by at most one)."""
+    if parts > devices:
+        raise ValueError(f"{parts} pipelines need at least {parts} devices, the pool has {devices}")
+    base, extra = divmod(devices, parts)
+    groups, start = [], 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        groups.append(tuple(range(start, start + size)))
+        start += size
+    return groups
+
+
+def rollout_engines(spec: LLMSpec, devices: int) -> int:
+    engines = devices // spec.tensor_parallel
+    if engines < 1:
+        raise ValueError(
+            f"{spec.name}: tensor_parallel={spec.tensor_parallel} needs more devices than the {devices} it has"
+        )
+    return min(engines, spec.batch)
+
+
+def step_done(view: View, pipeline: str, step: int, stage_name: str) -> bool:
+    return all(n.id in view.finished for n in view.graph.of(pipeline, step) if stage(n) == stage_name)
+
+
+class StagedLLMPolicy(Policy):
+    """Common machinery: role switches for a device group, rollout placement, trainer stages in order.
+
+    Subclasses decide when a step may start (`may_start`) and which nodes of the trainer stages may run
+    now (`trainer_gate`)."""
+
+    def ready_nodes(self, view: View, pipeline: str) -> list[Node]:
+        return [view.graph[n] for n in view.ready if view.graph[n].pipeline == pipeline]
+
+    def place_rollout(self, view: View, group: Sequence[int], tensor_parallel: int, nodes: Sequence[Node]) -> list[Decision]:
+        """Each shard's chain on its engine; the migrated tail on the group's first engine."""
+        decisions: list[Decision] = []
+        busy: set[int] = set()
+        for node in nodes:
+            if stage(node) != "rollout":
+                continue
+            shard = shard_of(node)
+            devices = engine_devices(group, 0 if shard is None else shard, tensor_parallel)
+            if self.free(view, devices, Role.ROLLOUT) and not busy & set(devices):
+                decisions.append(Run(node.id, devices))
+                busy |= set(devices)
+        return decisions
+
+    @staticmethod
+    def free(view: View, devices: Sequence[int], role: Role) -> bool:
+        return all(view.devices[d].idle and view.devices[d].role == role for d in devices)
+
+    def switch_group(self, view: View, pipeline: str, group: Sequence[int], role: Role) -> list[Decision]:
+        """Switch every idle device of the group that does not hold `role` yet."""
+        return [
+            self.setup.switch(d, pipeline, view.devices[d].role, role)
+            for d in group
+            if view.devices[d].idle and view.devices[d].role != role
+        ]
+
+    def run_trainer_stage(self, view: View, pipeline: str, step: int, group: Sequence[int], ready: Sequence[Node], name: str) -> list[Decision]:
+        """One node of a trainer stage at a time on the whole trainer group (FSDP data parallel)."""
+        if not self.free(view, group, Role.TRAINER):
+            return []
+        for node in ready:
+            if node.step == step and stage(node) == name:
+                return [Run(node.id, tuple(group))]
+        return []
+
+    def run_scores(self, view: View, ready: Sequence[Node], group: Sequence[int]) -> list[Decision]:
+        """Rule rewards are tiny; run each on a free device of the group."""
+        decisions: list[Decision] = []
+        free = [d for d in group if view.devices[d].idle]
+        for node in ready:
+            if stage(node) == "score" and free:
+                decisions.append(Run(node.id, (free.pop(0),)))
+        return decisions
+
+    @staticmethod
+    def start(pipeline: str, step: int, version: int) -> StartStep:
+        return StartStep(pipeline, step, version)
+
+
+def llm_shape(spec: LLMSpec, rollout_devices: int, trainer_devices: int, migrate_at: int | None = None) -> LLMShape:
+    return LLMShape(rollout_engines(spec, rollout_devices), trainer_devices, migrate_at)
+
+
+def prepare(scenario, policy_class, steps: int | None = None) -> tuple[Graph, Setup]:
+    """The graph and setup to simulate an all-LLM scenario under one of the LLM policies."""
+    specs = [p for p in scenario.pipelines if isinstance(p, LLMSpec)]
+    if len(specs) != len(scenario.pipelines):
+        raise ValueError(f"{scenario.name}: {policy_class.name} schedules language-model pipelines only")
+    cost = CostModel(scenario.cluster.device)
+    shapes = policy_class.shapes(specs, scenario.cluster.devices)
+    steps = steps or scenario.schedule.steps
+    nodes = [n for spec in specs for n in build_llm(spec, steps, shapes[spec.name], cost, scenario.schedule.seed)]
+    setup = Setup(
+        devices=scenario.cluster.devices,
+        memory_gb=cost.device.memory_bytes / 1e9,
+        engines={spec.name: engines(spec, cost, shapes[spec.name]) for spec in specs},
+        trainer_devices=scenario.schedule.trainer_devices,
+        options={"tensor_parallel": {spec.name: spec.tensor_parallel for spec in specs}, "shapes": shapes},
+    )
+    return Graph(nodes), setup

@@ -1,0 +1,60 @@
+"""`verl-sync`: verl's synchronous hybrid engine for LLM GRPO.
+
+Every device of a pipeline's group holds the rollout engine, generates its shard, and the whole group
+waits for the longest response (stage barrier). Then: reward -> sleep rollout / wake trainer -> old
+log-probs -> reference log-probs -> actor update (micro-batches) -> optimizer step -> weight sync ->
+wake rollout -> next step. Several pipelines split the pool evenly and each runs this way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dovetail.graph.llm import LLMShape
+from dovetail.graph.node import Role
+from dovetail.graph.spec import LLMSpec
+from dovetail.sched.llm_common import StagedLLMPolicy, llm_shape, split_pool, step_done
+from dovetail.sched.policy import Begin, Decision, Event, View
+
+ORDER = ("rollout", "score", "old", "ref", "train", "commit", "publish")
+
+
+class VerlSync(StagedLLMPolicy):
+    name = "verl-sync"
+
+    @staticmethod
+    def shapes(specs: Sequence[LLMSpec], devices: int) -> dict[str, LLMShape]:
+        groups = split_pool(devices, len(specs))
+        return {spec.name: llm_shape(spec, len(group), len(group)) for spec, group in zip(specs, groups)}
+
+    def decide(self, view: View, events: Sequence[Event]) -> list[Decision]:
+        pipelines = view.graph.pipelines()
+        groups = dict(zip(pipelines, split_pool(self.setup.devices, len(pipelines))))
+        decisions: list[Decision] = []
+        for pipeline, group in groups.items():
+            decisions += self._pipeline(view, pipeline, group, any(isinstance(e, Begin) for e in events))
+        return decisions
+
+    def _pipeline(self, view: View, pipeline: str, group: tuple[int, ...], begin: bool) -> list[Decision]:
+        steps = view.graph.steps(pipeline)
+        open_steps = [s for s in steps if (pipeline, s) in view.started]
+        step = max(open_steps, default=None)
+        if step is None or step_done(view, pipeline, step, "publish"):
+            following = steps[0] if step is None else step + 1
+            if following not in steps:
+                return []
+            switches = self.switch_group(view, pipeline, group, Role.ROLLOUT)
+            if switches or not self.free(view, group, Role.ROLLOUT):
+                return switches
+            return [self.start(pipeline, following, view.published[pipeline])]
+        current = next(name for name in ORDER if not step_done(view, pipeline, step, name))
+        ready = [n for n in self.ready_nodes(view, pipeline) if n.step == step]
+        spec_tp = self.setup.options["tensor_parallel"][pipeline]
+        if current == "rollout":
+            return self.place_rollout(view, group, spec_tp, ready)
+        if current == "score":
+            return self.run_scores(view, ready, group)
+        switches = self.switch_group(view, pipeline, group, Role.TRAINER)
+        if switches or not self.free(view, group, Role.TRAINER):
+            return switches
+        return self.run_trainer_stage(view, pipeline, step, group, ready, current)
