@@ -5,6 +5,7 @@ Shipped scenarios live in `dovetail/scenarios/*.yaml`; `load_scenario` takes a s
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Annotated
@@ -12,7 +13,9 @@ from typing import Annotated
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from dovetail.graph.node import Graph
 from dovetail.graph.spec import FlowSpec, LLMSpec
+from dovetail.sched.policy import Policy, Setup
 
 
 class _Model(BaseModel):
@@ -94,3 +97,44 @@ def load_scenario(name_or_path: str | Path) -> Scenario:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a scenario is a YAML mapping with cluster, pipelines and schedule")
     return parse_scenario(data, str(path))
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Everything an executor needs to run one policy on a scenario."""
+
+    graph: Graph
+    setup: Setup
+    policy: Policy
+
+
+def prepare(
+    scenario: Scenario, policy: str, *, steps: int | None = None, devices: int | None = None, **shape_overrides
+) -> Prepared:
+    """Build the sub-stage graph the policy wants for every pipeline, the engines' footprints, and the policy.
+    `shape_overrides` (fragments, tsp_chunk, trainer_devices...) replace what the policy would choose."""
+    from dovetail.sched import policy_class
+    from dovetail.sched.catalog import device as lookup_device
+    from dovetail.sched.cost import CostModel
+
+    cls = policy_class(policy)
+    devices = devices or scenario.cluster.devices
+    steps = steps or scenario.schedule.steps
+    cost = CostModel(scenario.cluster.device)
+    trainer_devices = shape_overrides.pop("trainer_devices", None) or scenario.schedule.trainer_devices
+    nodes, engines, trainer_pools = [], {}, set()
+    for spec in scenario.pipelines:
+        shape = cls.shape(spec, devices, trainer_devices, cost)
+        if shape_overrides:
+            shape = replace(shape, **shape_overrides)
+        nodes += shape.build(spec, steps, cost)
+        engines[spec.name] = shape.engines(spec, cost)
+        trainer_pools.add(getattr(shape, "trainer_devices", None))
+    setup = Setup(
+        devices=devices,
+        memory_gb=lookup_device(scenario.cluster.device).memory_bytes / 1e9,
+        engines=engines,
+        trainer_devices=trainer_pools.pop() if len(trainer_pools) == 1 else trainer_devices,
+        tcss=scenario.schedule.tcss,
+    )
+    return Prepared(Graph(nodes), setup, cls(setup))

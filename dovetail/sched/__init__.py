@@ -1,0 +1,15 @@
+"""Scheduling policies by name. A policy class has `name`, `shape(spec, devices, trainer_devices, cost)`
+(how it cuts each pipeline's step into nodes) and `decide(view, events)`."""
+
+from dovetail.sched.colocated import Colocated
+from dovetail.sched.disaggregated import Disaggregated
+from dovetail.sched.policy import Policy
+
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Colocated, Disaggregated)}
+
+
+def policy_class(name: str) -> type[Policy]:
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(sorted(POLICIES))}") from None

@@ -249,3 +249,31 @@ class Policy(ABC):
     def decide(self, view: View, events: Sequence[Event]) -> list[Decision]:
         """Everything that happened since the last call (in order) -> what to do now. Called again at the
         same time after the decisions are applied, with the events they caused, until nothing changes."""
+
+
+# ---------------------------------------------------------------- small helpers shared by policies
+
+
+def idle_devices(view: View, devices: Sequence[int], role: Role | None = None) -> list[int]:
+    """Devices among `devices` that run nothing, are not switching and (if given) hold `role`."""
+    return [d for d in devices if view.devices[d].idle and (role is None or view.devices[d].role == role)]
+
+
+def all_idle(view: View, devices: Sequence[int]) -> bool:
+    return all(view.devices[d].idle for d in devices)
+
+
+def ready_of(view: View, kind: Kind, pipeline: str | None = None) -> list[Node]:
+    """Ready nodes of one kind, in the order they became ready."""
+    nodes = (view.graph[node_id] for node_id in view.ready)
+    return [n for n in nodes if n.kind == kind and (pipeline is None or n.pipeline == pipeline)]
+
+
+def open_steps_on_publish(view: View, events: Sequence[Event]) -> list[Decision]:
+    """The synchronous rule: once weights `v` are published, start step v on them (staleness 0)."""
+    decisions: list[Decision] = []
+    for event in events:
+        if isinstance(event, VersionPublished) and (event.pipeline, event.version) not in view.started:
+            if event.version in view.graph.steps(event.pipeline):
+                decisions.append(StartStep(event.pipeline, event.version, event.version))
+    return decisions

@@ -1,0 +1,140 @@
+"""Expand FlowGRPO / DanceGRPO steps into sub-stage nodes.
+
+One step of B prompts x G samples becomes, per GAP fragment f (whole groups): generate(f) -> score(f)
+[-> logprob(f), the old log-prob recompute of colocated trainers] -> train(f, timestep chunk) for each
+chunk of the trained timesteps; then one commit (optimizer step) per mini-batch and one publish
+(weights to the rollout engines). A TSP chunk of c timesteps trains c (sample, timestep) pairs per
+micro-batch in one forward/backward; without TSP (chunk 1) every timestep is its own train node.
+Step s trains weights version s; its first train node waits for the previous step's last commit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from dovetail.graph.node import Kind, Node, Role
+from dovetail.graph.spec import FlowSpec
+
+if TYPE_CHECKING:
+    from dovetail.sched.cost import CostModel
+    from dovetail.sched.policy import Engines
+
+GB = 1e9
+BF16 = 2
+
+
+@dataclass(frozen=True)
+class FlowShape:
+    """How a policy cuts a step: GAP fragments, TSP chunk (1 = per-timestep loop), whether the trainer
+    recomputes old log-probs, and the trainer group size (sets optimizer and publication costs)."""
+
+    fragments: int
+    tsp_chunk: int
+    recompute_logprob: bool
+    trainer_devices: int
+
+    def build(self, spec: FlowSpec, steps: int, cost: CostModel) -> list[Node]:
+        return build_flow(spec, steps, self, cost)
+
+    def engines(self, spec: FlowSpec, cost: CostModel) -> Engines:
+        return engines(spec, cost, self.trainer_devices)
+
+    def check(self, spec: FlowSpec) -> None:
+        if not 1 <= self.fragments <= spec.prompts:
+            raise ValueError(f"{spec.name}: fragments={self.fragments} must be in 1..prompts={spec.prompts} (whole groups)")
+        if self.fragments % spec.mini_batches:
+            raise ValueError(f"{spec.name}: fragments={self.fragments} must be a multiple of mini_batches={spec.mini_batches}")
+        if not 1 <= self.tsp_chunk <= spec.trained_timesteps:
+            raise ValueError(f"{spec.name}: tsp_chunk={self.tsp_chunk} must be in 1..trained_timesteps={spec.trained_timesteps}")
+        if self.trainer_devices < 1:
+            raise ValueError(f"{spec.name}: trainer_devices must be >= 1")
+
+
+def split(total: int, parts: int) -> list[range]:
+    """`total` items in `parts` contiguous ranges whose sizes differ by at most one."""
+    base, extra = divmod(total, parts)
+    ranges, start = [], 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        ranges.append(range(start, start + size))
+        start += size
+    return ranges
+
+
+def engines(spec: FlowSpec, cost: CostModel, trainer_devices: int) -> Engines:
+    """Resident memory of the rollout and trainer engines on one device and their sleep / wake costs."""
+    from dovetail.sched.catalog import diffusion_model
+    from dovetail.sched.policy import Engines
+
+    model = diffusion_model(spec.model)
+    rollout = (model.params + model.text_encoder_params) * BF16
+    trainer_state = cost.training_memory(model.params, model.layers, model.hidden, 0, trainer_devices, offload=spec.offload)
+    trainer = trainer_state.total
+    resident = {Role.ROLLOUT: rollout / GB, Role.TRAINER: trainer / GB}
+    switch = {Role.ROLLOUT: cost.switch(rollout), Role.TRAINER: cost.switch(trainer)}
+    return Engines(resident_gb=resident, wake_s=switch, sleep_s=switch)
+
+
+def build_flow(spec: FlowSpec, steps: int, shape: FlowShape, cost: CostModel) -> list[Node]:
+    """All nodes of `steps` consecutive steps of one flow pipeline."""
+    from dovetail.sched.catalog import diffusion_model
+
+    shape.check(spec)
+    model = diffusion_model(spec.model)
+    tokens = model.latent_tokens(spec.height, spec.width, spec.frames)
+    passes = 2 if spec.cfg else 1
+    fragments = split(spec.prompts, shape.fragments)
+    per_mini_batch = shape.fragments // spec.mini_batches
+    chunks = [(c.start, c.stop) for c in split(spec.trained_timesteps, -(-spec.trained_timesteps // shape.tsp_chunk))]
+    generate_gb = cost.training_memory(0, 1, model.hidden, tokens * passes * spec.group, checkpointing=False).activations / GB
+    optimizer_s = cost.optimizer_step(model.params, shape.trainer_devices, offloaded=spec.offload)
+    publish_s = cost.publish(model.params)
+    name = spec.name
+    nodes: list[Node] = []
+    previous_commit: str | None = None
+    for step in range(steps):
+        prefix = f"{name}/s{step}"
+        weights_of_step = (previous_commit,) if previous_commit else ()
+        for mini_batch in range(spec.mini_batches):
+            train_ids: list[str] = []
+            for f in range(mini_batch * per_mini_batch, (mini_batch + 1) * per_mini_batch):
+                prompts = fragments[f]
+                samples = tuple((step, p, i) for p in prompts for i in range(spec.group))
+                n = len(samples)
+                generate = Node(
+                    f"{prefix}/gen{f}", name, step, Kind.GENERATE, Role.ROLLOUT, (), step, samples,
+                    cost_s=cost.generate(model, n, spec.height, spec.width, spec.denoising_steps, spec.frames, spec.cfg),
+                    memory_gb=generate_gb, tokens=n * tokens,
+                )
+                score_s = cost.vlm_score(n) if spec.reward == "vlm" else cost.rule_score(n)
+                score = Node(f"{prefix}/score{f}", name, step, Kind.SCORE, Role.REWARD, (generate.id,), step, samples, cost_s=score_s)
+                nodes += [generate, score]
+                train_deps = [score.id] + ([previous_commit] if previous_commit else [])
+                if shape.recompute_logprob:
+                    logprob = Node(
+                        f"{prefix}/logprob{f}", name, step, Kind.LOGPROB, Role.TRAINER,
+                        (generate.id, *weights_of_step), step, samples,
+                        cost_s=cost.dit_logprob(model, n * spec.trained_timesteps, tokens, spec.cfg),
+                        memory_gb=cost.training_memory(0, 1, model.hidden, tokens * passes, checkpointing=False).activations / GB,
+                    )
+                    nodes.append(logprob)
+                    train_deps.append(logprob.id)
+                for start, stop in chunks:
+                    pairs_per_micro_batch = stop - start
+                    train = Node(
+                        f"{prefix}/train{f}.t{start}-{stop}", name, step, Kind.TRAIN, Role.TRAINER, tuple(train_deps), step,
+                        samples, chunk=(start, stop),
+                        cost_s=cost.dit_train(model, n * (stop - start), tokens, spec.cfg),
+                        memory_gb=cost.training_memory(0, model.layers, model.hidden, tokens * passes * pairs_per_micro_batch).activations / GB,
+                    )
+                    nodes.append(train)
+                    train_ids.append(train.id)
+            commit = Node(
+                f"{prefix}/commit{mini_batch}", name, step, Kind.COMMIT, Role.TRAINER, tuple(train_ids), step,
+                cost_s=optimizer_s, collective=True,
+            )
+            nodes.append(commit)
+            previous_commit = commit.id
+        nodes.append(Node(f"{prefix}/publish", name, step, Kind.PUBLISH, Role.ANY, (previous_commit,), step, cost_s=publish_s, collective=True))
+    return nodes

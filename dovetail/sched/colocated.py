@@ -1,0 +1,122 @@
+"""`colocated`: how veRL-Omni's hybrid engine, GenRL and flow_grpo schedule a FlowGRPO step.
+
+Every device holds both engines and takes turns: all devices generate their share of the batch ->
+barrier -> score -> sleep rollout / wake trainer -> recompute old log-probs over the batch -> the
+per-timestep training loop (one forward/backward per trained timestep, no TSP) -> optimizer step ->
+weight sync -> sleep trainer / wake rollout. The stage order is shared with `disaggregated`, which
+runs it on two fixed pools instead of switching.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dovetail.graph.flow import FlowShape
+from dovetail.graph.node import Kind, Node, Role
+from dovetail.graph.spec import FlowSpec, PipelineSpec
+from dovetail.sched.policy import (
+    Begin, Decision, Event, Policy, Run, Setup, SwitchRole, VersionPublished, all_idle, idle_devices, open_steps_on_publish,
+    ready_of,
+)
+
+
+def flow_only(policy: str, spec: PipelineSpec) -> FlowSpec:
+    if not isinstance(spec, FlowSpec):
+        raise ValueError(f"policy {policy} schedules flow pipelines; pipeline {spec.name!r} is {spec.kind}")
+    return spec
+
+
+def data_parallel_fragments(spec: FlowSpec, devices: int) -> int:
+    """One fragment per rollout device (whole groups), a multiple of the mini-batch count."""
+    fragments = min(spec.prompts, devices)
+    return max(spec.mini_batches, fragments - fragments % spec.mini_batches)
+
+
+class StagedFlow(Policy):
+    """Stage-synchronous FlowGRPO on a rollout pool and a trainer pool (the same devices when colocated).
+    Trainer nodes run on the whole trainer pool (one FSDP group), one at a time."""
+
+    switching: bool
+
+    def __init__(self, setup: Setup) -> None:
+        super().__init__(setup)
+        if len(setup.engines) != 1:
+            raise ValueError(f"policy {self.name} runs one pipeline, got {sorted(setup.engines)}")
+        (self.pipeline,) = setup.engines
+        self.rollout_pool, self.trainer_pool = self.pools(setup)
+        self.everyone = tuple(range(setup.devices))
+
+    def pools(self, setup: Setup) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        raise NotImplementedError
+
+    def _initial_roles(self) -> list[Decision]:
+        roles = {d: Role.ROLLOUT for d in self.rollout_pool}
+        if not self.switching:
+            roles.update({d: Role.TRAINER for d in self.trainer_pool})
+        return [self.setup.switch(d, self.pipeline, None, role) for d, role in roles.items()]
+
+    def _finished(self, view, step: int, kind: Kind) -> bool:
+        return all(n.id in view.finished for n in view.graph.of(self.pipeline, step, kind))
+
+    def decide(self, view, events: Sequence[Event]) -> list[Decision]:
+        decisions: list[Decision] = []
+        for event in events:
+            if isinstance(event, Begin):
+                decisions += self._initial_roles()
+            elif isinstance(event, VersionPublished) and self.switching and event.version in view.graph.steps(self.pipeline):
+                if event.version > 0:
+                    decisions += [self.setup.switch(d, self.pipeline, Role.TRAINER, Role.ROLLOUT) for d in self.everyone]
+        decisions += open_steps_on_publish(view, events)
+        if not view.started:
+            return decisions
+        step = max(s for (_, s) in view.started)
+        if any(isinstance(d, SwitchRole) for d in decisions) or any(view.devices[d].switching for d in self.everyone):
+            return decisions
+
+        publish = ready_of(view, Kind.PUBLISH)
+        if publish:
+            if all_idle(view, self.everyone):
+                decisions.append(Run(publish[0].id, self.everyone))
+            return decisions
+
+        scored = self._finished(view, step, Kind.GENERATE) and self._finished(view, step, Kind.SCORE)
+        if self.switching and scored and view.devices[0].role == Role.ROLLOUT and all_idle(view, self.everyone):
+            return decisions + [self.setup.switch(d, self.pipeline, Role.ROLLOUT, Role.TRAINER) for d in self.everyone]
+
+        trainer_ready = all_idle(view, self.trainer_pool) and all(view.devices[d].role == Role.TRAINER for d in self.trainer_pool)
+        if scored and trainer_ready:
+            node = self._next_trainer_node(view, step)
+            if node is not None:
+                decisions.append(Run(node.id, self.trainer_pool))
+
+        rollout = idle_devices(view, self.rollout_pool, Role.ROLLOUT)
+        work = ready_of(view, Kind.GENERATE)
+        if self._finished(view, step, Kind.GENERATE):
+            work = ready_of(view, Kind.SCORE)
+        for node, device in zip(work, rollout):
+            decisions.append(Run(node.id, (device,)))
+        return decisions
+
+    def _next_trainer_node(self, view, step: int) -> Node | None:
+        """Optimizer step first, then the per-timestep loop once every old log-prob is recomputed."""
+        if commits := ready_of(view, Kind.COMMIT):
+            return commits[0]
+        if self._finished(view, step, Kind.LOGPROB):
+            trains = ready_of(view, Kind.TRAIN)
+            return min(trains, key=lambda n: n.chunk[0]) if trains else None
+        logprobs = ready_of(view, Kind.LOGPROB)
+        return logprobs[0] if logprobs else None
+
+
+class Colocated(StagedFlow):
+    name = "colocated"
+    switching = True
+
+    @classmethod
+    def shape(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost) -> FlowShape:
+        spec = flow_only(cls.name, spec)
+        return FlowShape(data_parallel_fragments(spec, devices), 1, True, devices)
+
+    def pools(self, setup: Setup) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        everyone = tuple(range(setup.devices))
+        return everyone, everyone

@@ -1,0 +1,34 @@
+"""`disaggregated`: verl-omni's `separate` mode (the DigenRL authors' own first step).
+
+A rollout pool and a trainer pool that never switch; the stage order is colocated's — the whole batch
+is generated and scored before the trainer starts (full-batch barrier), old log-probs are recomputed,
+training is the per-timestep loop, and weights are published once per step."""
+
+from __future__ import annotations
+
+from dovetail.graph.flow import FlowShape
+from dovetail.graph.spec import PipelineSpec
+from dovetail.sched.colocated import StagedFlow, data_parallel_fragments, flow_only
+from dovetail.sched.policy import Setup
+
+
+def split_pools(devices: int, trainer_devices: int | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Rollout devices first, trainer devices last; half and half unless told."""
+    trainers = trainer_devices or devices // 2
+    if not 1 <= trainers < devices:
+        raise ValueError(f"trainer_devices={trainers} must leave 1..{devices - 1} devices to the trainer pool")
+    return tuple(range(devices - trainers)), tuple(range(devices - trainers, devices))
+
+
+class Disaggregated(StagedFlow):
+    name = "disaggregated"
+    switching = False
+
+    @classmethod
+    def shape(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost) -> FlowShape:
+        spec = flow_only(cls.name, spec)
+        rollout, trainer = split_pools(devices, trainer_devices)
+        return FlowShape(data_parallel_fragments(spec, len(rollout)), 1, True, len(trainer))
+
+    def pools(self, setup: Setup) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return split_pools(setup.devices, setup.trainer_devices)
