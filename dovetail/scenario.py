@@ -123,8 +123,10 @@ def prepare(
     cost = CostModel(scenario.cluster.device)
     trainer_devices = shape_overrides.pop("trainer_devices", None) or scenario.schedule.trainer_devices
     nodes, engines, trainer_pools = [], {}, set()
+    # Policies that give each pipeline its own slice of the pool (verl-sync, streamrl, areal) cut steps for it.
+    pipeline_devices = devices // len(scenario.pipelines) if getattr(cls, "splits_pool", False) else devices
     for spec in scenario.pipelines:
-        shape = cls.shape(spec, devices, trainer_devices, cost)
+        shape = cls.shape(spec, pipeline_devices, trainer_devices, cost)
         if shape_overrides:
             shape = replace(shape, **shape_overrides)
         nodes += shape.build(spec, steps, cost)

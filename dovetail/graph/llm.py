@@ -89,6 +89,12 @@ class LLMShape:
         if spec.batch % spec.micro_batches:
             raise ValueError(f"{spec.name}: micro_batches={spec.micro_batches} must divide batch={spec.batch}")
 
+    def build(self, spec: LLMSpec, steps: int, cost: CostModel, seed: int = 0) -> list[Node]:
+        return build_llm(spec, steps, self, cost, seed)
+
+    def engines(self, spec: LLMSpec, cost: CostModel) -> Engines:
+        return engines(spec, cost, self)
+
 
 def stage(node: Node) -> str:
     """The verl stage a node belongs to: rollout, score, old, ref, train, commit or publish."""

@@ -4,8 +4,9 @@
 from dovetail.sched.colocated import Colocated
 from dovetail.sched.disaggregated import Disaggregated
 from dovetail.sched.policy import Policy
+from dovetail.sched.verl_sync import VerlSync
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Colocated, Disaggregated)}
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Colocated, Disaggregated, VerlSync)}
 
 
 def policy_class(name: str) -> type[Policy]:

@@ -11,6 +11,12 @@ step times and phase shares (tests/test_calibration.py recomputes them through t
         prompts (2 optimizer steps), actor param + optimizer offload, Qwen3-VL-8B OCR judge (TP 4).
   [WAN] veRL-Omni, Wan2.2 FlowGRPO, colocated, on Ascend 910B-class NPUs: step 2160 s = generation
         869 s + old log-prob 549 s + actor update 735 s + weight update 6.8 s (+ the rest).
+        The workload behind the figure is not published with it. Assumed (calib-wan22-colocated):
+        8x Ascend 910B, Wan2.2-T2V-A14B (two 14B experts, one active per step), 12 prompts x 4
+        videos, 480x832x33 frames, 20 denoising steps, CFG in rollout only (DanceGRPO-style
+        training), half the timesteps trained, KL to a reference (its forward counted in "old
+        log-prob"). Under these, old/generation = 0.63 and update/old = 1.34 follow from the same
+        forward/backward efficiencies as [QI]; only the Ascend factor below is fitted to [WAN].
   [LLM] verl, Qwen3-4B-Instruct GRPO on GSM8K, 4 GPUs, TP 4, n = 4, responses up to 8192 tokens:
         step 129.1 s = generation 59.0 s + actor update 35.6 s + reference 18.2 s + old log-prob 12.2 s.
         Hardware not stated with the figure: we assume 4x H100 SXM (verl's reference machine).
@@ -54,17 +60,20 @@ class Calibration:
     rule_reward_s_per_sample: float = 2e-4
 
     # --- diffusion transformers (fitted to [QI] and [WAN]) -------------------------------------
-    # DiT forward in the rollout engine (vLLM-Omni, step-wise batching of 1280-token sequences).
-    dit_inference_mfu: float = 0.55
-    # DiT forward+backward under FSDP with param/optimizer offload ([QI] recipe).
-    dit_train_mfu: float = 0.45
-    # Forward-only recompute of old log-probs in the FSDP actor.
-    dit_logprob_mfu: float = 0.45
+    # [QI] at 250 s/step: generation of 512 images x 10 steps of a 1280-token (1024 latent + 256
+    # text) 20B MMDiT is ~2.7e17 FLOP; with the update (1024 trained pairs) and the OCR judge the
+    # step fits only if the rollout engine (vLLM-Omni, step-wise batching) runs at ~0.6 of peak ...
+    dit_inference_mfu: float = 0.60
+    # ... and FSDP forward+backward (4 forwards with recompute) at ~0.55.
+    dit_train_mfu: float = 0.55
+    # Forward-only recompute of old log-probs in the FSDP actor (same kernels as training, no
+    # backward overlap to hide FSDP all-gathers).
+    dit_logprob_mfu: float = 0.50
     # Text encoders and VAE decoders run at low batch and small shapes.
     encoder_mfu: float = 0.25
-    # Ascend 910B relative to the NVIDIA efficiencies above for the same kernels (CANN attention and
-    # matmul on long video sequences). [WAN]: generation 869 s.
-    ascend_relative_efficiency: float = 0.75
+    # Ascend 910B relative to the NVIDIA efficiencies above for the same kernels. [WAN]: 48 videos x
+    # 20 steps x 2 (CFG) forwards of 14040 latent tokens (5.6e14 FLOP each) in 869 s on 8 NPUs.
+    ascend_relative_efficiency: float = 0.80
     # Vision-language judge (OCR reward, Qwen3-VL-8B on vLLM): seconds per image per device, fitted
     # to the residual of [QI] after generation, log-prob and update.
     vlm_reward_s_per_image_device: float = 0.10
@@ -77,9 +86,10 @@ class Calibration:
     host_link_bytes_per_s: float = 25e9
     # Fixed part of a rollout sleep / wake (allocator reset, CUDA-graph re-capture is skipped).
     switch_fixed_s: float = 1.0
-    # Weight publication trainer -> rollout: bucketed broadcast over the interconnect.
-    # [WAN]: weight update 6.8 s for ~28 GB of bf16 weights (two 14B experts) over HCCS.
-    publish_bandwidth_efficiency: float = 0.35
+    # Weight publication trainer -> rollout engines, each receiving a full bf16 replica through the
+    # host (verl's default "naive" checkpoint engine, bucketed). [WAN]: weight update 6.8 s for the
+    # 56 GB of both Wan2.2-A14B experts -> 56e9 / (25e9 x 0.36) + 0.5 s = 6.7 s.
+    publish_bandwidth_efficiency: float = 0.36
     publish_fixed_s: float = 0.5
 
     # --- online correction -----------------------------------------------------------------------

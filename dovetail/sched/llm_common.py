@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dovetail.graph.llm import LLMShape, build_llm, engines, stage
-from dovetail.graph.node import Graph, Kind, Node, Role
-from dovetail.graph.spec import LLMSpec
-from dovetail.sched.cost import CostModel
-from dovetail.sched.policy import Decision, Policy, Run, Setup, StartStep, View
+from dovetail.graph.llm import LLMShape, stage
+from dovetail.graph.node import Kind, Node, Role
+from dovetail.graph.spec import LLMSpec, PipelineSpec
+from dovetail.sched.policy import Decision, Policy, Run, View
 
 def shard_of(node: Node) -> int | None:
     """The rollout engine a prefill / home decode node belongs to (None for the migrated tail)."""
@@ -107,29 +106,14 @@ class StagedLLMPolicy(Policy):
                 decisions.append(Run(node.id, (free.pop(0),)))
         return decisions
 
-    @staticmethod
-    def start(pipeline: str, step: int, version: int) -> StartStep:
-        return StartStep(pipeline, step, version)
+
+def llm_only(policy: str, spec: PipelineSpec) -> LLMSpec:
+    if not isinstance(spec, LLMSpec):
+        raise ValueError(f"{policy} schedules language-model pipelines; {spec.name!r} is a {spec.kind} pipeline")
+    return spec
 
 
-def llm_shape(spec: LLMSpec, rollout_devices: int, trainer_devices: int, migrate_at: int | None = None) -> LLMShape:
-    return LLMShape(rollout_engines(spec, rollout_devices), trainer_devices, migrate_at)
-
-
-def prepare(scenario, policy_class, steps: int | None = None) -> tuple[Graph, Setup]:
-    """The graph and setup to simulate an all-LLM scenario under one of the LLM policies."""
-    specs = [p for p in scenario.pipelines if isinstance(p, LLMSpec)]
-    if len(specs) != len(scenario.pipelines):
-        raise ValueError(f"{scenario.name}: {policy_class.name} schedules language-model pipelines only")
-    cost = CostModel(scenario.cluster.device)
-    shapes = policy_class.shapes(specs, scenario.cluster.devices)
-    steps = steps or scenario.schedule.steps
-    nodes = [n for spec in specs for n in build_llm(spec, steps, shapes[spec.name], cost, scenario.schedule.seed)]
-    setup = Setup(
-        devices=scenario.cluster.devices,
-        memory_gb=cost.device.memory_bytes / 1e9,
-        engines={spec.name: engines(spec, cost, shapes[spec.name]) for spec in specs},
-        trainer_devices=scenario.schedule.trainer_devices,
-        options={"tensor_parallel": {spec.name: spec.tensor_parallel for spec in specs}, "shapes": shapes},
-    )
-    return Graph(nodes), setup
+def tensor_parallel(view: View, pipeline: str, group: Sequence[int]) -> int:
+    """Devices per rollout engine: the group's devices over the step's shards (one prefill each)."""
+    shards = len(view.graph.of(pipeline, view.graph.steps(pipeline)[0], Kind.PREFILL))
+    return len(group) // shards

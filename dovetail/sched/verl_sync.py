@@ -12,20 +12,21 @@ from collections.abc import Sequence
 
 from dovetail.graph.llm import LLMShape
 from dovetail.graph.node import Role
-from dovetail.graph.spec import LLMSpec
-from dovetail.sched.llm_common import StagedLLMPolicy, llm_shape, split_pool, step_done
-from dovetail.sched.policy import Begin, Decision, Event, View
+from dovetail.graph.spec import PipelineSpec
+from dovetail.sched.llm_common import StagedLLMPolicy, llm_only, rollout_engines, split_pool, step_done, tensor_parallel
+from dovetail.sched.policy import Begin, Decision, Event, StartStep, View
 
 ORDER = ("rollout", "score", "old", "ref", "train", "commit", "publish")
 
 
 class VerlSync(StagedLLMPolicy):
     name = "verl-sync"
+    splits_pool = True
 
-    @staticmethod
-    def shapes(specs: Sequence[LLMSpec], devices: int) -> dict[str, LLMShape]:
-        groups = split_pool(devices, len(specs))
-        return {spec.name: llm_shape(spec, len(group), len(group)) for spec, group in zip(specs, groups)}
+    @classmethod
+    def shape(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost) -> LLMShape:
+        spec = llm_only(cls.name, spec)
+        return LLMShape(rollout_engines(spec, devices), devices)
 
     def decide(self, view: View, events: Sequence[Event]) -> list[Decision]:
         pipelines = view.graph.pipelines()
@@ -46,12 +47,11 @@ class VerlSync(StagedLLMPolicy):
             switches = self.switch_group(view, pipeline, group, Role.ROLLOUT)
             if switches or not self.free(view, group, Role.ROLLOUT):
                 return switches
-            return [self.start(pipeline, following, view.published[pipeline])]
+            return [StartStep(pipeline, following, view.published[pipeline])]
         current = next(name for name in ORDER if not step_done(view, pipeline, step, name))
         ready = [n for n in self.ready_nodes(view, pipeline) if n.step == step]
-        spec_tp = self.setup.options["tensor_parallel"][pipeline]
         if current == "rollout":
-            return self.place_rollout(view, group, spec_tp, ready)
+            return self.place_rollout(view, group, tensor_parallel(view, pipeline, group), ready)
         if current == "score":
             return self.run_scores(view, ready, group)
         switches = self.switch_group(view, pipeline, group, Role.TRAINER)

@@ -1,0 +1,125 @@
+"""Closed forms of the cost model, recomputed independently from the catalogue figures."""
+
+import dataclasses
+import math
+
+import pytest
+
+from dovetail.sched.calibration import Calibration
+from dovetail.sched.catalog import device, diffusion_model, language_model
+from dovetail.sched.cost import CostModel
+
+QWEN4B = language_model("Qwen3-4B")
+
+
+def test_single_sequence_decode_is_bandwidth_plus_overhead():
+    """One sequence at short context: every token reads the weights and the KV cache once."""
+    cal = Calibration()
+    cost = CostModel("H100", cal)
+    h100 = device("H100")
+    prompt, tokens = 100, 50
+    kv_tokens = sum(prompt + j for j in range(tokens))
+    bytes_read = tokens * QWEN4B.params * 2 + QWEN4B.kv_bytes_per_token * kv_tokens
+    expected = bytes_read / (h100.memory_bandwidth * cal.decode_bandwidth_efficiency) + tokens * QWEN4B.layers * cal.decode_layer_overhead_s
+    assert cost.decode(QWEN4B, [prompt], [tokens]) == pytest.approx(expected, rel=1e-12)
+
+
+def test_decode_batch_is_bound_by_its_longest_member():
+    cost = CostModel("H100")
+    alone = cost.decode(QWEN4B, [100], [4000])
+    with_short = cost.decode(QWEN4B, [100] * 9, [4000] + [10] * 8)
+    assert alone < with_short < 1.05 * alone
+
+
+def test_tensor_parallel_splits_bandwidth_work():
+    no_overhead = dataclasses.replace(Calibration(), decode_layer_overhead_s=0.0)
+    cost = CostModel("H100", no_overhead)
+    assert cost.decode(QWEN4B, [100], [100], devices=4) == pytest.approx(cost.decode(QWEN4B, [100], [100]) / 4)
+
+
+def test_training_is_three_forwards_plus_recompute():
+    cal = Calibration()
+    cost = CostModel("A100-80G", cal)
+    lengths = [1000, 3000]
+    forward = 2 * QWEN4B.params * 4000 + 2 * QWEN4B.layers * QWEN4B.attention_width * (1000**2 + 3000**2)
+    peak = device("A100-80G").peak_flops
+    assert cost.train(QWEN4B, lengths, checkpointing=False) == pytest.approx(3 * forward / (peak * cal.train_mfu))
+    assert cost.train(QWEN4B, lengths) == pytest.approx(4 * forward / (peak * cal.train_mfu))
+    assert cost.logprob(QWEN4B, lengths) == pytest.approx(forward / (peak * cal.logprob_mfu))
+
+
+def test_dit_generation_doubles_with_cfg_and_counts_latent_tokens():
+    flux = diffusion_model("FLUX.1-12B")
+    assert flux.latent_tokens(720, 720) == 45 * 45
+    wan = diffusion_model("Wan2.1-14B")
+    assert wan.latent_tokens(240, 416, 33) == 9 * 15 * 26
+    cost = CostModel("H100")
+    dit_only = cost.generate(flux, 4, 720, 720, 16, cfg=True) - cost.generate(flux, 4, 720, 720, 16, cfg=False)
+    cal = Calibration()
+    expected = 4 * 16 * CostModel.dit_forward_flops(flux, 2025) / (device("H100").peak_flops * cal.dit_inference_mfu)
+    assert dit_only == pytest.approx(expected)
+
+
+def test_bad_resolution_names_the_fix():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        diffusion_model("FLUX.1-12B").latent_tokens(700, 720)
+
+
+def test_fsdp_memory_arithmetic():
+    cost = CostModel("H100")
+    params, devices = 8e9, 8
+    memory = cost.training_memory(params, 36, 4096, tokens_per_device=0, devices=devices)
+    assert memory.weights == params * 2 / devices
+    assert memory.grads == params * 2 / devices
+    assert memory.optimizer == params * 12 / devices
+    assert memory.total == pytest.approx(params * 16 / devices)
+    offloaded = cost.training_memory(params, 36, 4096, tokens_per_device=0, devices=devices, offload=True)
+    assert offloaded.total == params * 2 / devices
+
+
+def test_kv_cache_room_and_rollout_memory():
+    cost = CostModel("H100")
+    room = cost.kv_cache_bytes(QWEN4B, devices=2)
+    assert room == pytest.approx(2 * 80e9 * Calibration().rollout_memory_fraction - QWEN4B.params * 2)
+    assert cost.rollout_memory(QWEN4B, 1000, devices=2).kv_cache == QWEN4B.kv_bytes_per_token * 1000 / 2
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        CostModel("L40S").kv_cache_bytes(language_model("Qwen3-32B"))
+
+
+def test_publish_is_bytes_over_bandwidth():
+    cal = Calibration()
+    expected = cal.publish_fixed_s + 14e9 * 2 / (cal.host_link_bytes_per_s * cal.publish_bandwidth_efficiency)
+    assert CostModel("H100").publish(14e9) == pytest.approx(expected)
+
+
+def test_observe_converges_to_the_measured_ratio():
+    cost = CostModel("H100")
+    analytic = cost.train(QWEN4B, [2000])
+    for _ in range(40):
+        cost.observe("train", cost.train(QWEN4B, [2000]), 1.7 * analytic)
+    assert cost.scale("train") == pytest.approx(1.7, rel=1e-4)
+    assert cost.train(QWEN4B, [2000]) == pytest.approx(1.7 * analytic, rel=1e-4)
+    assert cost.scale("decode") == 1.0
+
+
+def test_from_measurements_reproduces_a_profiled_run():
+    records = [("decode", 2.0, 3.0), ("decode", 1.0, 1.5), ("train", 4.0, 2.0)]
+    cost = CostModel.from_measurements("H100", records)
+    assert cost.corrections() == {"decode": 1.5, "train": 0.5}
+    analytic = CostModel("H100")
+    assert cost.prefill(QWEN4B, [512]) == analytic.prefill(QWEN4B, [512])
+    assert cost.logprob(QWEN4B, [512]) == analytic.logprob(QWEN4B, [512])
+    assert math.isclose(cost.train(QWEN4B, [512]), 0.5 * analytic.train(QWEN4B, [512]))
+
+
+@pytest.mark.parametrize("bad", [("dance", 1.0, 1.0), ("train", 0.0, 1.0), ("train", 1.0, -1.0)])
+def test_observe_rejects_bad_input(bad):
+    with pytest.raises(ValueError, match="op kind|must both be > 0"):
+        CostModel("H100").observe(*bad)
+
+
+def test_unknown_catalogue_names_list_the_choices():
+    with pytest.raises(ValueError, match="choose one of .*H100"):
+        device("B300")
+    with pytest.raises(ValueError, match="Qwen3-4B"):
+        language_model("Qwen4")
