@@ -1,8 +1,8 @@
 """What the language-model policies share: device groups, node placement and a stage walker.
 
-Every LLM policy places nodes the same way — a shard's prefill / decode chain on its rollout engine,
-trainer work on the whole trainer group — and differs only in *when* it lets work start and which
-devices hold which role. That difference is all that remains in verl_sync / streamrl / areal / jigsaw.
+LLM policies place nodes the same way — a shard's prefill / decode chain on its rollout engine,
+trainer work on the whole trainer group — and differ in *when* they let work start and which devices
+hold which role.
 """
 
 from __future__ import annotations
@@ -54,10 +54,7 @@ def step_done(view: View, pipeline: str, step: int, stage_name: str) -> bool:
 
 
 class StagedLLMPolicy(Policy):
-    """Common machinery: role switches for a device group, rollout placement, trainer stages in order.
-
-    Subclasses decide when a step may start (`may_start`) and which nodes of the trainer stages may run
-    now (`trainer_gate`)."""
+    """Common machinery: role switches for a device group, rollout placement, trainer stages in order."""
 
     def ready_nodes(self, view: View, pipeline: str) -> list[Node]:
         return [view.graph[n] for n in view.ready if view.graph[n].pipeline == pipeline]
