@@ -1,8 +1,57 @@
 """The `dovetail` command: train, pretrain, simulate, plan."""
 
+from pathlib import Path
+
 import typer
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+
+
+@app.command()
+def train(
+    config: Path = typer.Argument(None, help="YAML config; omit for the defaults"),
+    overrides: list[str] = typer.Argument(None, help="dotted overrides, e.g. train.lr=1e-4"),
+    out: Path = typer.Option(Path("runs/latest"), help="run directory"),
+    steps: int = typer.Option(None, help="train up to this many steps (default: train.steps)"),
+    resume: Path = typer.Option(None, help="RUN_DIR or RUN_DIR/checkpoints/step_NNNNNN to continue from"),
+):
+    """Post-train the model with RL and write a run directory."""
+    from dovetail.config.train import ConfigError, load_config
+
+    if config is not None and "=" in str(config):
+        overrides, config = [str(config), *(overrides or [])], None
+    try:
+        run_config = load_config(config, overrides or [])
+    except ConfigError as error:
+        typer.echo(str(error), err=True)
+        raise typer.Exit(2)
+    from dovetail.train import train as run_training
+
+    summary = run_training(run_config, out, steps=steps, resume=resume)
+    typer.echo(
+        f"eval reward {summary['base_eval_reward']:.3f} -> {summary['final_eval_reward']:.3f} "
+        f"after {summary['steps']} steps, {summary['samples_per_s']:.1f} samples/s; run in {out}"
+    )
+
+
+@app.command()
+def pretrain(
+    dataset: str = typer.Argument("digits", help="the only dataset: digits (scikit-learn)"),
+    out: Path = typer.Option(None, help="checkpoint directory (default: the shipped base model)"),
+    steps: int = typer.Option(120, help="optimizer steps; short on purpose so RL has room"),
+    seed: int = typer.Option(0),
+):
+    """Pretrain the tiny text-to-image flow model (rectified flow) from random init."""
+    if dataset != "digits":
+        typer.echo(f"unknown dataset {dataset!r}; known datasets: ['digits']", err=True)
+        raise typer.Exit(2)
+    import torch
+
+    from dovetail.config.train import DEFAULT_CHECKPOINT
+    from dovetail.models.pretrain import pretrain_digits
+
+    torch.set_num_threads(1)
+    pretrain_digits(out or DEFAULT_CHECKPOINT, steps=steps, seed=seed)
 
 
 if __name__ == "__main__":

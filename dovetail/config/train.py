@@ -1,0 +1,138 @@
+"""The training run's typed config: YAML file plus dotted overrides, validated before any work."""
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from dovetail.rewards import REWARDS
+
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CHECKPOINT = PACKAGE_ROOT / "assets" / "digits-t2i"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSection(Section):
+    checkpoint: Path = Field(DEFAULT_CHECKPOINT, description="directory holding model.safetensors + config.json")
+
+
+class SamplingSection(Section):
+    num_steps: int = Field(10, ge=2, description="denoising steps K")
+    noise_level: float = Field(0.7, gt=0, description="SDE noise: a of Flow-GRPO, eta of DanceGRPO")
+    sde_kind: Literal["flow_grpo", "cps"] = Field("flow_grpo", description="SDE of algorithm flow_grpo")
+    shift: float = Field(1.0, gt=0, description="sigma schedule shift of the flow-matching scheduler")
+
+
+class AlgoSection(Section):
+    prompts_per_step: int = Field(8, ge=1, description="B: prompts per step")
+    group_size: int = Field(8, ge=2, description="G: samples per prompt")
+    timestep_fraction: float = Field(0.5, gt=0, le=1, description="share of the K-1 trainable steps trained")
+    clip_range: float = Field(1e-4, gt=0)
+    beta: float = Field(0.0, ge=0, description="weight of the KL to the base model")
+    std_scope: Literal["group", "global", "none"] = "group"
+    adv_clip: float = Field(5.0, gt=0)
+
+
+class TrainSection(Section):
+    steps: int = Field(150, ge=1)
+    lr: float = Field(3e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    chunk_size: int = Field(128, ge=1, description="(sample, timestep) pairs per batched forward/backward")
+
+
+class EvalSection(Section):
+    every: int = Field(25, ge=1, description="evaluate every N steps (and at the start and end)")
+    per_digit: int = Field(8, ge=1, description="held-out ODE samples per digit")
+    seed: int = 10_000
+
+
+class CheckpointSection(Section):
+    every: int = Field(50, ge=1, description="save every N steps (and at the end)")
+
+
+class TrainConfig(Section):
+    algorithm: Literal["flow_grpo", "dance_grpo"] = "flow_grpo"
+    policy: Literal["reference"] = "reference"
+    seed: int = 0
+    model: ModelSection = ModelSection()
+    sampling: SamplingSection = SamplingSection()
+    algo: AlgoSection = AlgoSection()
+    train: TrainSection = TrainSection()
+    reward: dict[str, float] = Field(default_factory=lambda: {"digit_match": 1.0})
+    eval: EvalSection = EvalSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+
+    @field_validator("reward")
+    @classmethod
+    def _known_rewards(cls, weights: dict[str, float]) -> dict[str, float]:
+        unknown = sorted(set(weights) - set(REWARDS))
+        if unknown:
+            raise ValueError(f"unknown reward(s) {unknown}; known rewards: {sorted(REWARDS)}")
+        if not weights:
+            raise ValueError("name at least one reward, e.g. reward.digit_match=1.0")
+        return weights
+
+    @model_validator(mode="after")
+    def _dance_grpo_sde(self) -> "TrainConfig":
+        if self.algorithm == "dance_grpo" and self.sampling.sde_kind != "flow_grpo":
+            raise ValueError("algorithm dance_grpo uses its own constant-eta SDE; leave sampling.sde_kind unset")
+        return self
+
+    @property
+    def sde_kind(self) -> str:
+        return "dance_grpo" if self.algorithm == "dance_grpo" else self.sampling.sde_kind
+
+    @property
+    def timestep_mode(self) -> str:
+        """Flow-GRPO trains the first (noisiest) steps, DanceGRPO a random subset."""
+        return "random" if self.algorithm == "dance_grpo" else "prefix"
+
+    @property
+    def shared_group_noise(self) -> bool:
+        """DanceGRPO starts every sample of a group from the same initial noise."""
+        return self.algorithm == "dance_grpo"
+
+
+class ConfigError(ValueError):
+    """An invalid config: the message names each bad field and what it allows."""
+
+
+def apply_override(tree: dict[str, Any], override: str) -> None:
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} must look like section.field=value, e.g. train.lr=1e-4")
+    dotted, raw = override.split("=", 1)
+    *parents, leaf = dotted.strip().split(".")
+    node = tree
+    for key in parents:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {override!r}: {key!r} is a value, not a section")
+    node[leaf] = yaml.safe_load(raw)
+
+
+def load_config(path: Path | str | None = None, overrides: list[str] = ()) -> TrainConfig:
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file {path} does not exist")
+        tree = yaml.safe_load(path.read_text()) or {}
+    for override in overrides:
+        apply_override(tree, override)
+    try:
+        return TrainConfig(**tree)
+    except ValidationError as error:
+        lines = []
+        for problem in error.errors():
+            field = ".".join(str(part) for part in problem["loc"]) or "config"
+            lines.append(f"  {field}: {problem['msg']} (got {problem.get('input')!r})")
+        raise ConfigError("invalid config:\n" + "\n".join(lines)) from None
+
+
+def dump_config(config: TrainConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

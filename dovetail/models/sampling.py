@@ -1,0 +1,93 @@
+"""Our own sampling loops: the SDE sampler that rollouts use and the ODE sampler for evaluation.
+
+Randomness is keyed by (seed, step, prompt, sample), never by a device or a batch position, so a
+sample is the same wherever and with whatever neighbours it is generated.
+"""
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from dovetail.algo import sde_step
+
+
+def sample_key(*parts: int | str) -> int:
+    """A stable 63-bit seed from its parts (Python's hash() is salted per process)."""
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def keyed_normal(keys: list[int], shape: tuple[int, ...]) -> torch.Tensor:
+    """One standard-normal tensor of `shape` per key, stacked: row i depends on keys[i] only."""
+    rows = [torch.randn(shape, generator=torch.Generator().manual_seed(k)) for k in keys]
+    return torch.stack(rows)
+
+
+@dataclass
+class Trajectories:
+    """A batch of SDE rollouts: everything training needs to re-score any step."""
+
+    prompts: list[str]
+    prompt_ids: torch.Tensor  # (B, L)
+    latents: torch.Tensor  # (B, K+1, C, H, W): latents[:, k] is the input of step k
+    log_probs: torch.Tensor  # (B, K): log-prob of the step taken at each k
+    sigmas: torch.Tensor  # (K+1,)
+
+    @property
+    def images(self) -> torch.Tensor:
+        return self.latents[:, -1]
+
+    def select(self, rows: list[int]) -> "Trajectories":
+        return Trajectories(
+            [self.prompts[i] for i in rows],
+            self.prompt_ids[rows],
+            self.latents[rows],
+            self.log_probs[rows],
+            self.sigmas,
+        )
+
+    @staticmethod
+    def concat(parts: list["Trajectories"]) -> "Trajectories":
+        return Trajectories(
+            [p for part in parts for p in part.prompts],
+            torch.cat([p.prompt_ids for p in parts]),
+            torch.cat([p.latents for p in parts]),
+            torch.cat([p.log_probs for p in parts]),
+            parts[0].sigmas,
+        )
+
+
+@torch.no_grad()
+def sample_sde(
+    model,
+    prompts: list[str],
+    sigmas: torch.Tensor,
+    *,
+    init_noise: torch.Tensor,
+    step_noise: torch.Tensor,
+    noise_level: float,
+    kind: str,
+) -> Trajectories:
+    """Roll out the SDE from pure noise; step_noise[:, k] drives step k."""
+    prompt_ids = model.encode_prompts(prompts)
+    x = init_noise.float()
+    chain, log_probs = [x], []
+    for k in range(len(sigmas) - 1):
+        velocity = model(x, sigmas[k].expand(x.shape[0]), prompt_ids)
+        step = sde_step(velocity, x, sigmas[k], sigmas[k + 1], noise_level=noise_level, kind=kind, noise=step_noise[:, k])
+        x = step.prev_latents
+        chain.append(x)
+        log_probs.append(step.log_prob)
+    return Trajectories(prompts, prompt_ids, torch.stack(chain, 1), torch.stack(log_probs, 1), sigmas)
+
+
+@torch.no_grad()
+def sample_ode(model, prompts: list[str], sigmas: torch.Tensor, init_noise: torch.Tensor) -> torch.Tensor:
+    """Deterministic Euler integration of the flow: the model's mean behaviour, for evaluation."""
+    prompt_ids = model.encode_prompts(prompts)
+    x = init_noise.float()
+    for k in range(len(sigmas) - 1):
+        velocity = model(x, sigmas[k].expand(x.shape[0]), prompt_ids)
+        x = x + velocity * (sigmas[k + 1] - sigmas[k])
+    return x
