@@ -1,5 +1,6 @@
 """The `dovetail` command: train, pretrain, simulate, plan."""
 
+import json
 from pathlib import Path
 
 import typer
@@ -52,6 +53,53 @@ def pretrain(
 
     torch.set_num_threads(1)
     pretrain_digits(out or DEFAULT_CHECKPOINT, steps=steps, seed=seed)
+
+
+@app.command()
+def simulate(
+    scenario: str = typer.Argument(None, help="shipped scenario name or YAML path (see --list)"),
+    policies: str = typer.Option(None, help="comma-separated policies; default: the scenario's schedule.policies"),
+    steps: int = typer.Option(None, help="RL steps to simulate (default: schedule.steps)"),
+    json_out: bool = typer.Option(False, "--json", help="print one JSON object instead of the table"),
+    trace: Path = typer.Option(None, help="Chrome trace (Perfetto) file; one per policy when several"),
+    gantt: Path = typer.Option(None, help="Gantt PNG; one per policy when several"),
+    list_: bool = typer.Option(False, "--list", help="list the shipped scenarios"),
+):
+    """Simulate policies on a scenario and compare throughput, efficiency, bubbles, staleness, memory."""
+    from dovetail.report import compare, render_table
+    from dovetail.scenario import list_scenarios, load_scenario
+
+    if list_:
+        for name, description in list_scenarios().items():
+            typer.echo(f"{name:28s} {description}")
+        return
+    if scenario is None:
+        typer.echo("give a SCENARIO (a shipped name or a YAML path) or --list", err=True)
+        raise typer.Exit(2)
+    try:
+        loaded = load_scenario(scenario)
+        names = policies.split(",") if policies else None
+        result = compare(loaded, names, steps=steps, trace=trace, gantt=gantt)
+    except ValueError as error:
+        typer.echo(str(error), err=True)
+        raise typer.Exit(2)
+    typer.echo(json.dumps(result) if json_out else render_table(result))
+
+
+@app.command()
+def plan(
+    scenario: str = typer.Argument(..., help="shipped scenario name or YAML path"),
+    devices: int = typer.Option(..., help="devices to plan for"),
+):
+    """Search pool split, GAP fragments, TSP chunk, TAG and TCSS for digen; print the best plan."""
+    from dovetail.report import plan_digen
+    from dovetail.scenario import load_scenario
+
+    try:
+        typer.echo(plan_digen(load_scenario(scenario), devices))
+    except ValueError as error:
+        typer.echo(str(error), err=True)
+        raise typer.Exit(2)
 
 
 if __name__ == "__main__":

@@ -29,9 +29,12 @@ class ClusterSpec(_Model):
 
 class ScheduleSpec(_Model):
     steps: int = Field(3, gt=0, description="RL steps to simulate.")
-    policies: list[str] = Field(min_length=1, description="Policies to compare; the first is the baseline of speedups.")
+    policies: list[str] = Field(
+        min_length=1,
+        description="Policies to compare; the first is the baseline of speedups. A `+tcss` suffix (digen+tcss) opts "
+        "into one-step asynchrony: the next step may start on the previous weights (staleness <= 1).",
+    )
     trainer_devices: int | None = Field(None, gt=0, description="Trainer pool size of disaggregated policies; None lets them choose.")
-    tcss: bool = Field(False, description="Let digen start the next step on the previous weights (staleness <= 1).")
     seed: int = 0
     noise: float = Field(0.0, ge=0, description="Log-normal sigma of simulated durations (0: exactly the predicted costs).")
 
@@ -109,15 +112,25 @@ class Prepared:
 
 
 def prepare(
-    scenario: Scenario, policy: str, *, steps: int | None = None, devices: int | None = None, **shape_overrides
+    scenario: Scenario,
+    policy: str,
+    *,
+    steps: int | None = None,
+    devices: int | None = None,
+    options: dict | None = None,
+    **shape_overrides,
 ) -> Prepared:
     """Build the sub-stage graph the policy wants for every pipeline, the engines' footprints, and the policy.
+    `policy` is a name with an optional `+tcss`; `options` go to the policy (e.g. {"tag": False});
     `shape_overrides` (fragments, tsp_chunk, trainer_devices...) replace what the policy would choose."""
     from dovetail.sched import policy_class
     from dovetail.sched.catalog import device as lookup_device
     from dovetail.sched.cost import CostModel
 
-    cls = policy_class(policy)
+    name, _, flag = policy.partition("+")
+    if flag not in ("", "tcss"):
+        raise ValueError(f"policy {policy!r}: the only suffix is +tcss (one-step asynchrony), got +{flag}")
+    cls = policy_class(name)
     devices = devices or scenario.cluster.devices
     steps = steps or scenario.schedule.steps
     cost = CostModel(scenario.cluster.device)
@@ -137,6 +150,28 @@ def prepare(
         memory_gb=lookup_device(scenario.cluster.device).memory_bytes / 1e9,
         engines=engines,
         trainer_devices=trainer_pools.pop() if len(trainer_pools) == 1 else trainer_devices,
-        tcss=scenario.schedule.tcss,
+        tcss=flag == "tcss",
+        options=options or {},
     )
     return Prepared(Graph(nodes), setup, cls(setup))
+
+
+def simulate(
+    scenario: Scenario,
+    policy: str,
+    *,
+    steps: int | None = None,
+    devices: int | None = None,
+    options: dict | None = None,
+    **shape_overrides,
+):
+    """Prepare and simulate one policy on a scenario; returns (Prepared, Trace). Shared devices slow each
+    other down by the calibrated interference table."""
+    from dovetail.exec.sim import SimExecutor
+    from dovetail.sched.calibration import DEFAULT
+
+    prepared = prepare(scenario, policy, steps=steps, devices=devices, options=options, **shape_overrides)
+    executor = SimExecutor(
+        prepared.graph, prepared.setup, seed=scenario.schedule.seed, noise=scenario.schedule.noise, slowdown=DEFAULT.slowdown
+    )
+    return prepared, executor.run(prepared.policy)

@@ -6,7 +6,7 @@
 * TSP — a train node covers a chunk of trained timesteps, batched into one forward/backward.
 * TAG — while the trainer pool would wait for data, its devices generate fragments; a bounded,
   memoized search over the predicted makespan (switch costs included) decides how many, and only
-  where it shortens the step.
+  where it shortens the step. `Setup.options["tag"] = False` turns it off (for ablations and `plan`).
 * TCSS (opt-in) — once every fragment of step s has started, the rollout pool starts step s + 1 on
   weights s (staleness 1, never more, one version per step so no group or trajectory mixes versions).
 """
@@ -82,21 +82,24 @@ class Digen(Policy):
 
     @classmethod
     def shape(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost) -> FlowShape:
-        """The (trainer pool, fragments, TSP chunk) with the shortest predicted step that fits in memory;
-        the scenario's own choices (fragments, tsp_chunk, trainer_devices) are kept when given."""
-        spec = flow_only(cls.name, spec)
-        from dovetail.sched.catalog import device as lookup_device
+        """The best of `candidates`."""
+        return cls.candidates(spec, devices, trainer_devices, cost)[0][1]
 
-        capacity = lookup_device(cost.device.name).memory_bytes / 1e9
+    @classmethod
+    def candidates(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost) -> list[tuple[float, FlowShape]]:
+        """(predicted step seconds, shape) for every trainer pool, fragment count and TSP chunk that fits in
+        memory, best first (ties: the larger chunk). The scenario's own choices are kept when given."""
+        spec = flow_only(cls.name, spec)
+        capacity = cost.device.memory_bytes / 1e9
         pools = [trainer_devices] if trainer_devices else range(1, devices)
-        best: tuple[float, int, FlowShape] | None = None
+        ranked: list[tuple[float, int, FlowShape]] = []
         for trainers in pools:
             rollout = devices - trainers
+            held = engines(spec, cost, trainers).resident_gb
             for fragments in cls._fragment_choices(spec, rollout):
                 for chunk in cls._chunk_choices(spec):
                     shape = FlowShape(fragments, chunk, False, trainers)
                     nodes = build_flow(spec, 1, shape, cost)
-                    held = engines(spec, cost, trainers).resident_gb
                     if max(n.memory_gb for n in nodes if n.kind == Kind.TRAIN) + held[Role.TRAINER] > capacity:
                         continue
                     generate_s, score_s, train_s, tail_s = _step_costs(nodes, fragments, trainers)
@@ -104,12 +107,11 @@ class Digen(Policy):
                         predict_makespan((0.0,) * rollout, fragments, (), 0.0, generate_s, score_s, train_s, tail_s, tag)
                         for tag in range(0, min(trainers, fragments) + 1)
                     )
-                    key = (predicted, -chunk, shape)
-                    if best is None or key[:2] < best[:2]:
-                        best = key
-        if best is None:
+                    ranked.append((predicted, -chunk, shape))
+        if not ranked:
             raise ValueError(f"{spec.name}: no digen shape fits in {capacity:.0f} GB per device; enable offload or use a smaller tsp_chunk")
-        return best[2]
+        ranked.sort(key=lambda r: r[:2])
+        return [(predicted, shape) for predicted, _, shape in ranked]
 
     @staticmethod
     def _fragment_choices(spec: FlowSpec, rollout: int) -> list[int]:
@@ -195,7 +197,7 @@ class Digen(Policy):
     def _consider_tag(self, view, taken: set[int]) -> list[Decision]:
         """The trainer group is idle with nothing to train: let k of its devices generate fragments if
         the predicted makespan of the step drops by more than TAG_MIN_GAIN."""
-        if self.tag_resident_gb > self.setup.memory_gb:
+        if not self.setup.options.get("tag", True) or self.tag_resident_gb > self.setup.memory_gb:
             return []
         unclaimed = [n for n in ready_of(view, Kind.GENERATE, self.pipeline) if n.id not in self.tag_reserved.values()]
         rollout_idle = idle_devices(view, self.rollout_pool, Role.ROLLOUT)

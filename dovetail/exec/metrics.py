@@ -1,0 +1,81 @@
+"""Metrics read from a Trace: throughput, efficiency, bubbles, staleness, latency, memory, phases.
+
+Efficiency = ideal step time / actual, where ideal = the device-seconds of the work the schedule ran
+(every node, each weighted by its share of the device; role switches and idle time excluded) divided
+by the number of devices. 1.0 means no device ever waited or switched."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass
+
+from dovetail.exec.trace import Trace
+
+
+@dataclass(frozen=True)
+class Metrics:
+    makespan_s: float
+    steps: int
+    step_time_s: float
+    samples_per_s: float
+    tokens_per_s: float
+    efficiency: float
+    bubble_ratio: float
+    switch_ratio: float
+    busy_ratio_per_device: list[float]
+    bubble_ratio_per_device: list[float]
+    max_staleness: int
+    staleness_histogram: dict[int, int]
+    """Staleness (versions) -> number of samples trained with it."""
+    step_latency_s: dict[str, float]
+    """Mean time from a step's first node to its optimizer step, per pipeline."""
+    peak_memory_gb: float
+    peak_memory_gb_per_device: list[float]
+    phase_seconds: dict[str, float]
+    """Device-seconds per node kind (and `switch`) divided by devices: wall time when phases don't overlap."""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def summarize(trace: Trace) -> Metrics:
+    if not trace.steps:
+        raise ValueError("the trace has no committed step; nothing to measure")
+    devices = trace.devices
+    makespan = trace.makespan
+    busy = [0.0] * devices
+    switching = [0.0] * devices
+    phases: Counter[str] = Counter()
+    for span in trace.spans:
+        work = (span.end - span.start) * span.share
+        busy[span.device] += work
+        phases[span.kind] += work / devices
+    for switch in trace.switches:
+        switching[switch.device] += switch.end - switch.start
+        phases["switch"] += (switch.end - switch.start) / devices
+    staleness: Counter[int] = Counter()
+    latency: dict[str, list[float]] = {}
+    for record in trace.steps:
+        staleness[record.step - record.rollout_version] += record.samples
+        latency.setdefault(record.pipeline, []).append(record.end - record.start)
+    steps_per_pipeline = max(len(values) for values in latency.values())
+    busy_ratio = [b / makespan for b in busy]
+    bubble = [max(0.0, 1.0 - (b + s) / makespan) for b, s in zip(busy, switching)]
+    return Metrics(
+        makespan_s=makespan,
+        steps=len(trace.steps),
+        step_time_s=makespan / steps_per_pipeline,
+        samples_per_s=sum(r.samples for r in trace.steps) / makespan,
+        tokens_per_s=sum(r.tokens for r in trace.steps) / makespan,
+        efficiency=sum(busy) / (devices * makespan),
+        bubble_ratio=sum(bubble) / devices,
+        switch_ratio=sum(switching) / (devices * makespan),
+        busy_ratio_per_device=busy_ratio,
+        bubble_ratio_per_device=bubble,
+        max_staleness=max(staleness),
+        staleness_histogram=dict(sorted(staleness.items())),
+        step_latency_s={p: sum(v) / len(v) for p, v in sorted(latency.items())},
+        peak_memory_gb=max(trace.peak_memory_gb),
+        peak_memory_gb_per_device=list(trace.peak_memory_gb),
+        phase_seconds=dict(sorted(phases.items())),
+    )
