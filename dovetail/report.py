@@ -62,7 +62,7 @@ def plan_digen(scenario: Scenario, devices: int) -> str:
     """Rank digen shapes (trainer pool, fragments, TSP chunk) by predicted step time under the memory
     limit, simulate the best few with TAG on/off and TCSS off/on, and report the fastest."""
     from dovetail.sched.cost import CostModel
-    from dovetail.sched.digen import Digen
+    from dovetail.sched.digen import Digen, DigenTCSS
 
     if len(scenario.pipelines) != 1:
         raise ValueError("plan searches digen, which runs one flow pipeline; this scenario has several")
@@ -70,10 +70,10 @@ def plan_digen(scenario: Scenario, devices: int) -> str:
         raise ValueError(f"--devices must be at least 2 (a rollout and a trainer pool), got {devices}")
     spec = scenario.pipelines[0]
     cost = CostModel(scenario.cluster.device)
-    shapes = [shape for _, shape in Digen.candidates(spec, devices, None, cost)[:PLAN_CANDIDATES]]
+    shapes = {shape for cls in (Digen, DigenTCSS) for _, shape in cls.candidates(spec, devices, None, cost)[:PLAN_CANDIDATES]}
     baseline = summarize(simulate(scenario, "colocated", devices=devices)[1]).samples_per_s
     rows = []
-    for shape in shapes:
+    for shape in sorted(shapes, key=lambda s: (s.trainer_devices, s.fragments, s.tsp_chunk)):
         for tcss in (False, True):
             for tag in (True, False):
                 name = "digen+tcss" if tcss else "digen"

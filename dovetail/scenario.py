@@ -31,8 +31,7 @@ class ScheduleSpec(_Model):
     steps: int = Field(3, gt=0, description="RL steps to simulate.")
     policies: list[str] = Field(
         min_length=1,
-        description="Policies to compare; the first is the baseline of speedups. A `+tcss` suffix (digen+tcss) opts "
-        "into one-step asynchrony: the next step may start on the previous weights (staleness <= 1).",
+        description="Policies to compare (see `dovetail.sched.POLICIES`); the first is the baseline of speedups.",
     )
     trainer_devices: int | None = Field(None, gt=0, description="Trainer pool size of disaggregated policies; None lets them choose.")
     seed: int = 0
@@ -121,16 +120,13 @@ def prepare(
     **shape_overrides,
 ) -> Prepared:
     """Build the sub-stage graph the policy wants for every pipeline, the engines' footprints, and the policy.
-    `policy` is a name with an optional `+tcss`; `options` go to the policy (e.g. {"tag": False});
+    `options` go to the policy (e.g. {"tag": False});
     `shape_overrides` (fragments, tsp_chunk, trainer_devices...) replace what the policy would choose."""
     from dovetail.sched import policy_class
     from dovetail.sched.catalog import device as lookup_device
     from dovetail.sched.cost import CostModel
 
-    name, _, flag = policy.partition("+")
-    if flag not in ("", "tcss"):
-        raise ValueError(f"policy {policy!r}: the only suffix is +tcss (one-step asynchrony), got +{flag}")
-    cls = policy_class(name)
+    cls = policy_class(policy)
     devices = devices or scenario.cluster.devices
     steps = steps or scenario.schedule.steps
     cost = CostModel(scenario.cluster.device)
@@ -145,12 +141,19 @@ def prepare(
         nodes += shape.build(spec, steps, cost)
         engines[spec.name] = shape.engines(spec, cost)
         trainer_pools.add(getattr(shape, "trainer_devices", None))
+    capacity = lookup_device(scenario.cluster.device).memory_bytes / 1e9
+    for name, held in engines.items():
+        for role, gb in held.resident_gb.items():
+            if gb > capacity:
+                raise ValueError(
+                    f"pipeline {name}: the {role} engine needs {gb:.0f} GB per device under {policy}, more than a "
+                    f"{scenario.cluster.device}'s {capacity:.0f} GB; use more devices or set offload: true"
+                )
     setup = Setup(
         devices=devices,
-        memory_gb=lookup_device(scenario.cluster.device).memory_bytes / 1e9,
+        memory_gb=capacity,
         engines=engines,
         trainer_devices=trainer_pools.pop() if len(trainer_pools) == 1 else trainer_devices,
-        tcss=flag == "tcss",
         options=options or {},
     )
     return Prepared(Graph(nodes), setup, cls(setup))

@@ -2,12 +2,12 @@
 (how it cuts each pipeline's step into nodes) and `decide(view, events)`."""
 
 from dovetail.sched.colocated import Colocated
-from dovetail.sched.digen import Digen
+from dovetail.sched.digen import Digen, DigenTCSS
 from dovetail.sched.disaggregated import Disaggregated
 from dovetail.sched.policy import Policy
 from dovetail.sched.verl_sync import VerlSync
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Colocated, Disaggregated, Digen, VerlSync)}
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Colocated, Disaggregated, Digen, DigenTCSS, VerlSync)}
 
 
 def policy_class(name: str) -> type[Policy]:

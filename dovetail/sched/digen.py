@@ -79,6 +79,7 @@ def _step_costs(nodes: Sequence[Node], fragments: int, trainer_devices: int) -> 
 
 class Digen(Policy):
     name = "digen"
+    tcss = False
 
     @classmethod
     def shape(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost) -> FlowShape:
@@ -103,10 +104,14 @@ class Digen(Policy):
                     if max(n.memory_gb for n in nodes if n.kind == Kind.TRAIN) + held[Role.TRAINER] > capacity:
                         continue
                     generate_s, score_s, train_s, tail_s = _step_costs(nodes, fragments, trainers)
-                    predicted = min(
-                        predict_makespan((0.0,) * rollout, fragments, (), 0.0, generate_s, score_s, train_s, tail_s, tag)
-                        for tag in range(0, min(trainers, fragments) + 1)
-                    )
+                    if cls.tcss:
+                        # Steps overlap: the slower of the two pools sets the pace.
+                        predicted = max(-(-fragments // rollout) * (generate_s + score_s), fragments * train_s + tail_s)
+                    else:
+                        predicted = min(
+                            predict_makespan((0.0,) * rollout, fragments, (), 0.0, generate_s, score_s, train_s, tail_s, tag)
+                            for tag in range(0, min(trainers, fragments) + 1)
+                        )
                     ranked.append((predicted, -chunk, shape))
         if not ranked:
             raise ValueError(f"{spec.name}: no digen shape fits in {capacity:.0f} GB per device; enable offload or use a smaller tsp_chunk")
@@ -150,7 +155,7 @@ class Digen(Policy):
         decisions += open_steps_on_publish(view, events)
         if any(isinstance(d, SwitchRole) for d in decisions):
             return decisions
-        if self.setup.tcss:
+        if self.tcss:
             decisions += self._early_start(view, decisions)
         taken: set[int] = set()
 
@@ -285,3 +290,10 @@ class Digen(Policy):
         for event in events:
             if isinstance(event, NodeStarted):
                 self.started_at[event.node] = event.time
+
+
+class DigenTCSS(Digen):
+    """digen with one-step bounded asynchrony (TCSS) on."""
+
+    name = "digen+tcss"
+    tcss = True

@@ -156,8 +156,6 @@ class Setup:
     engines: Mapping[str, Engines]
     trainer_devices: int | None = None
     """Size of the trainer pool for disaggregated policies; None lets the policy choose."""
-    tcss: bool = False
-    """Opt-in one-step asynchrony: the next step may start on the previous weights (staleness <= 1)."""
     options: Mapping[str, object] = field(default_factory=dict)
 
     def switch(self, device: int, pipeline: str, old: Role | None, new: Role) -> SwitchRole:

@@ -1,0 +1,105 @@
+"""Node / Graph checks and the flow builder, recomputed independently from the spec and the cost model."""
+
+import pytest
+
+from dovetail.graph.flow import FlowShape, build_flow, split
+from dovetail.graph.node import Graph, Kind, Node, Role
+from dovetail.graph.spec import FlowSpec
+from dovetail.sched.catalog import diffusion_model
+from dovetail.sched.cost import CostModel
+
+SPEC = FlowSpec(
+    name="flux", model="FLUX.1-12B", prompts=6, group=3, denoising_steps=8, trained_timesteps=5, height=256, width=256,
+    mini_batches=2,
+)
+COST = CostModel("H100")
+
+
+def node(node_id, *deps):
+    return Node(node_id, "p", 0, Kind.TRAIN, Role.ANY, deps)
+
+
+def test_graph_orders_and_reports_ready_nodes():
+    graph = Graph([node("c", "a", "b"), node("a"), node("b", "a")])
+    assert graph.order == ["a", "b", "c"]
+    assert [n.id for n in graph.ready(set())] == ["a"]
+    assert [n.id for n in graph.ready({"a"})] == ["b"]
+    assert [n.id for n in graph.ready({"a", "b"})] == ["c"]
+    assert graph.ready({"a"}, started={"b"}) == []
+
+
+@pytest.mark.parametrize(
+    ("nodes", "message"),
+    [
+        ([node("a"), node("a")], "duplicate node id 'a'"),
+        ([node("a", "ghost")], "depends on unknown node 'ghost'"),
+        ([node("a", "b"), node("b", "a")], "dependency cycle"),
+    ],
+)
+def test_graph_rejects_bad_structure(nodes, message):
+    with pytest.raises(ValueError, match=message):
+        Graph(nodes)
+
+
+def test_node_rejects_negative_cost_and_empty_chunk():
+    with pytest.raises(ValueError, match="cost_s"):
+        Node("a", "p", 0, Kind.TRAIN, Role.ANY, cost_s=-1)
+    with pytest.raises(ValueError, match="chunk"):
+        Node("a", "p", 0, Kind.TRAIN, Role.ANY, chunk=(3, 3))
+
+
+def test_split_is_contiguous_and_balanced():
+    parts = split(10, 4)
+    assert [len(p) for p in parts] == [3, 3, 2, 2]
+    assert [i for p in parts for i in p] == list(range(10))
+
+
+@pytest.mark.parametrize(("fragments", "chunk", "recompute"), [(2, 1, True), (6, 2, False), (4, 5, False)])
+def test_flow_step_covers_every_sample_and_timestep_once(fragments, chunk, recompute):
+    graph = Graph(build_flow(SPEC, 2, FlowShape(fragments, chunk, recompute, trainer_devices=3), COST))
+    for step in (0, 1):
+        nodes = graph.of("flux", step)
+        generated = [s for n in nodes if n.kind == Kind.GENERATE for s in n.samples]
+        expected = {(step, p, i) for p in range(SPEC.prompts) for i in range(SPEC.group)}
+        assert sorted(generated) == sorted(expected)
+        trained: dict = {}
+        for n in nodes:
+            if n.kind == Kind.TRAIN:
+                for sample in n.samples:
+                    trained.setdefault(sample, []).extend(range(*n.chunk))
+        assert all(sorted(t) == list(range(SPEC.trained_timesteps)) for t in trained.values())
+        assert set(trained) == expected
+        counts = {kind: sum(1 for n in nodes if n.kind == kind) for kind in Kind}
+        assert counts[Kind.GENERATE] == counts[Kind.SCORE] == fragments
+        assert counts[Kind.LOGPROB] == (fragments if recompute else 0)
+        assert counts[Kind.TRAIN] == fragments * -(-SPEC.trained_timesteps // chunk)
+        assert counts[Kind.COMMIT] == SPEC.mini_batches and counts[Kind.PUBLISH] == 1
+
+
+def test_flow_costs_add_up_to_the_whole_batch():
+    """Costs are linear in pairs, so the train nodes of a step cost what the whole batch costs."""
+    model = diffusion_model(SPEC.model)
+    tokens = model.latent_tokens(SPEC.height, SPEC.width)
+    nodes = build_flow(SPEC, 1, FlowShape(3 * 2, 2, True, 3), COST)
+    train = sum(n.cost_s for n in nodes if n.kind == Kind.TRAIN)
+    assert train == pytest.approx(COST.dit_train(model, SPEC.samples * SPEC.trained_timesteps, tokens))
+    logprob = sum(n.cost_s for n in nodes if n.kind == Kind.LOGPROB)
+    assert logprob == pytest.approx(COST.dit_logprob(model, SPEC.samples * SPEC.trained_timesteps, tokens))
+
+
+def test_flow_steps_chain_through_commits_and_mini_batches():
+    graph = Graph(build_flow(SPEC, 2, FlowShape(2, 5, True, 3), COST))
+    assert "flux/s0/commit0" in graph["flux/s0/train1.t0-5"].deps
+    assert "flux/s0/commit1" in graph["flux/s1/train0.t0-5"].deps
+    assert "flux/s0/commit1" in graph["flux/s1/logprob1"].deps
+    assert graph["flux/s1/gen0"].deps == ()
+    assert graph["flux/s0/publish"].deps == ("flux/s0/commit1",)
+
+
+def test_flow_shape_and_spec_errors_name_the_field():
+    with pytest.raises(ValueError, match="tsp_chunk=9"):
+        build_flow(SPEC, 1, FlowShape(2, 9, False, 1), COST)
+    with pytest.raises(ValueError, match="fragments=3 must be a multiple of mini_batches=2"):
+        build_flow(SPEC, 1, FlowShape(3, 1, False, 1), COST)
+    with pytest.raises(ValueError, match="trained_timesteps=8"):
+        SPEC.model_copy(update={}).model_validate({**SPEC.model_dump(), "trained_timesteps": 8})
