@@ -1,8 +1,9 @@
 """SimExecutor: a discrete-event simulation of a cluster running a policy over a sub-stage graph.
 
-Durations are the nodes' predicted costs (from the cost model), multiplied by an interference slowdown
-when a shareable node starts beside others, and optionally by log-normal noise; the same seed gives the
-same trace. The hot loop is a heap of completion times."""
+Durations are the nodes' predicted costs (from the cost model); nodes sharing a device run at the speed
+the interference model gives them (`ClusterState`), re-timed whenever a neighbour comes or goes, and
+optionally stretched by log-normal noise; the same seed gives the same trace. The hot loop is a heap of
+completion times."""
 
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ class SimExecutor:
         noise: float = 0.0,
         slowdown: Callable[[str, str], float] | None = None,
     ) -> None:
-        """`slowdown(kind, alongside_kind)` multiplies a node's duration when it starts sharing a device
-        (e.g. `Calibration.slowdown`); None means sharing costs only the share."""
+        """`slowdown(kind, alongside_kind)`: the interference model of nodes sharing a device (e.g.
+        `Calibration.slowdown`); None means a shareable node runs at its share."""
         if noise < 0:
             raise ValueError(f"noise must be >= 0 (log-normal sigma of durations), got {noise}")
         self.graph = graph
@@ -40,7 +41,7 @@ class SimExecutor:
         self.slowdown = slowdown
 
     def run(self, policy: Policy) -> Trace:
-        state = ClusterState(self.graph, self.setup)
+        state = ClusterState(self.graph, self.setup, self.slowdown)
         rng = random.Random(self.seed)
         heap: list[tuple[float, int, str, object]] = []
         segment: dict[str, int] = {}
@@ -55,15 +56,14 @@ class SimExecutor:
                 for decision in decisions:
                     state.apply(decision)
                     counter += 1
-                    if isinstance(decision, (Run, Migrate)):
-                        factor = math.exp(rng.gauss(0.0, self.noise)) if self.noise else 1.0
-                        if self.slowdown is not None:
-                            kind = self.graph[decision.node].kind.value
-                            factor *= max((self.slowdown(kind, other) for other in state.alongside(decision.node)), default=1.0)
-                        segment[decision.node] = counter
-                        heapq.heappush(heap, (state.now + state.duration(decision.node) * factor, counter, "node", decision.node))
+                    if isinstance(decision, (Run, Migrate)) and self.noise:
+                        state.set_pace(decision.node, math.exp(rng.gauss(0.0, self.noise)))
                     elif isinstance(decision, SwitchRole):
                         heapq.heappush(heap, (state.now + decision.cost_s, counter, "switch", decision))
+                for node_id in state.take_retimed():
+                    counter += 1
+                    segment[node_id] = counter
+                    heapq.heappush(heap, (state.now + state.remaining(node_id), counter, "node", node_id))
             else:
                 raise RuntimeError(f"policy {policy.name} keeps deciding at t={state.now:.3f}s without time passing")
             if not heap:

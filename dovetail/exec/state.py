@@ -4,7 +4,7 @@ the simulator from predicted costs, the Ray runtime from real devices."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from dovetail.graph.node import Graph, Kind, Role
@@ -57,15 +57,27 @@ class Running:
     first_start: float
     delay: float = 0.0
     """Seconds at the start of the segment that do no node work (the re-prefill of a migration)."""
+    speed: float = 1.0
+    """Fraction of full speed the node runs at now: its share, or 1 / interference slowdown."""
+    pace: float = 1.0
+    """Noise multiplier of the segment's durations (the simulator's; 1 on real devices)."""
+    progress_at: float = 0.0
+    """Time up to which `work_left` is accounted (moves when the speed changes)."""
 
 
 class ClusterState:
     """Implements `sched.policy.View`. Call `begin`, then `apply` the policy's decisions and report
     completions with `finish_node` / `finish_switch`; collect the resulting events with `take_events`."""
 
-    def __init__(self, graph: Graph, setup: Setup) -> None:
+    def __init__(self, graph: Graph, setup: Setup, slowdown: Callable[[str, str], float] | None = None) -> None:
+        """`slowdown(kind, alongside_kind)`: the interference model. With it, `share` only admits nodes onto a
+        device (shares sum to <= 1) and a shareable node runs at 1 / (its worst slowdown beside the nodes
+        sharing its devices), 1 alone, re-timed whenever a neighbour comes or goes. Without it, a node runs
+        at its share (time slicing)."""
         self.graph = graph
         self.setup = setup
+        self.slowdown = slowdown
+        self._retimed: dict[str, None] = {}
         self.now = 0.0
         self.devices = [DeviceState(i, setup.memory_gb) for i in range(setup.devices)]
         self.ready: dict[str, None] = {}
@@ -106,12 +118,49 @@ class ClusterState:
         else:
             raise DecisionError(f"unknown decision {decision!r}")
 
-    def duration(self, node_id: str) -> float:
-        """Predicted seconds of the current segment of a running node, from its cost (before interference)."""
+    def remaining(self, node_id: str) -> float:
+        """Predicted seconds until a running node finishes at its current speed."""
         running = self.running[node_id]
-        node = self.graph[node_id]
-        width = 1 if node.collective else len(running.devices)
-        return running.delay + running.work_left / (width * running.share)
+        delay_left = max(0.0, running.start + running.delay * running.pace - self.now)
+        return delay_left + running.work_left * running.pace / (self._width(node_id) * running.speed)
+
+    def set_pace(self, node_id: str, pace: float) -> None:
+        """Stretch the current segment of a running node by `pace` (the simulator's duration noise)."""
+        self._progress(node_id)
+        self.running[node_id].pace = pace
+        self._retimed[node_id] = None
+
+    def take_retimed(self) -> list[str]:
+        """Running nodes whose finish time changed (started, migrated, or sped up / slowed by neighbours)."""
+        retimed, self._retimed = [n for n in self._retimed if n in self.running], {}
+        return retimed
+
+    def _width(self, node_id: str) -> int:
+        return 1 if self.graph[node_id].collective else len(self.running[node_id].devices)
+
+    def _progress(self, node_id: str) -> None:
+        """Account the work done since `progress_at` at the current speed."""
+        running = self.running[node_id]
+        working_since = max(running.progress_at, running.start + running.delay * running.pace)
+        done = max(0.0, self.now - working_since) * self._width(node_id) * running.speed / running.pace
+        running.work_left = max(0.0, running.work_left - done)
+        running.progress_at = self.now
+
+    def _speed(self, node_id: str) -> float:
+        running = self.running[node_id]
+        if self.slowdown is None:
+            return running.share
+        kind = self.graph[node_id].kind.value
+        return 1.0 / max((self.slowdown(kind, other) for other in self.alongside(node_id)), default=1.0)
+
+    def _retime_around(self, devices: Sequence[int]) -> None:
+        """Re-time the nodes on `devices` after a neighbour came or went."""
+        for node_id in {n for index in devices for n in self.devices[index].running}:
+            speed = self._speed(node_id)
+            if speed != self.running[node_id].speed:
+                self._progress(node_id)
+                self.running[node_id].speed = speed
+                self._retimed[node_id] = None
 
     def alongside(self, node_id: str) -> set[str]:
         """Kinds of the other nodes sharing a device with `node_id` now."""
@@ -190,24 +239,30 @@ class ClusterState:
         node = self.graph[d.node]
         del self.ready[d.node]
         self._occupy(d.node, d.devices, d.share)
-        self.running[d.node] = Running(tuple(d.devices), d.share, self.now, node.cost_s, self.now)
+        self.running[d.node] = Running(tuple(d.devices), d.share, self.now, node.cost_s, self.now, progress_at=self.now)
+        self._started_segment(d.node)
         self._step_start.setdefault((node.pipeline, node.step), self.now)
         self._events.append(NodeStarted(self.now, d.node, tuple(d.devices)))
 
     def _migrate(self, d: Migrate) -> None:
         if d.node not in self.running:
             raise DecisionError(f"{d}: node is not running")
+        self._progress(d.node)
         running = self.running[d.node]
-        node = self.graph[d.node]
-        width = 1 if node.collective else len(running.devices)
-        done = max(0.0, self.now - running.start - running.delay) * width * running.share
         self._record(d.node, running, self.now)
         self._release(d.node, running.devices)
         self._check_devices(d, d.node, d.devices, d.share)
         self._occupy(d.node, d.devices, d.share)
         self.running[d.node] = Running(
-            tuple(d.devices), d.share, self.now, max(0.0, running.work_left - done), running.first_start, d.cost_s
+            tuple(d.devices), d.share, self.now, running.work_left, running.first_start, d.cost_s, progress_at=self.now
         )
+        self._retime_around(running.devices)
+        self._started_segment(d.node)
+
+    def _started_segment(self, node_id: str) -> None:
+        self.running[node_id].speed = self._speed(node_id)
+        self._retimed[node_id] = None
+        self._retime_around(self.running[node_id].devices)
 
     def _switch(self, d: SwitchRole) -> None:
         if not 0 <= d.device < len(self.devices):
@@ -252,6 +307,7 @@ class ClusterState:
         self._record(node_id, running, self.now)
         self.finished.add(node_id)
         self._release(node_id, running.devices)
+        self._retime_around(running.devices)
         self._events.append(NodeFinished(self.now, node_id, running.devices, self.now - running.first_start))
         if self._last_commit.get((node.pipeline, node.step)) == node_id:
             self._commit(node.pipeline, node.step)
