@@ -25,7 +25,13 @@ def compare(
     result: dict = {"scenario": scenario.name, "devices": scenario.cluster.devices, "policies": {}}
     baseline = None
     for name in names:
-        _, run = simulate(scenario, name, steps=steps)
+        try:
+            _, run = simulate(scenario, name, steps=steps)
+        except ValueError as error:
+            if "GB per device" not in str(error):
+                raise
+            result["policies"][name] = {"error": str(error)}
+            continue
         metrics = summarize(run)
         baseline = baseline or metrics.samples_per_s
         if path := _per_policy(trace, name, len(names) > 1):
@@ -51,6 +57,9 @@ def render_table(result: dict) -> str:
     header = f"{'policy':16s} {'samples/s':>10s} {'step s':>9s} {'speedup':>8s} {'effic.':>7s} {'bubble':>7s} {'stale':>6s} {'peak GB':>8s}"
     lines = [f"{result['scenario']} ({result['devices']} devices)", header, "-" * len(header)]
     for name, m in result["policies"].items():
+        if "error" in m:
+            lines.append(f"{name:16s} does not fit: {m['error']}")
+            continue
         lines.append(
             f"{name:16s} {m['samples_per_s']:10.3f} {m['step_time_s']:9.1f} {m['speedup']:7.2f}x {m['efficiency']:7.3f} "
             f"{100 * m['bubble_ratio']:6.1f}% {m['max_staleness']:6d} {m['peak_memory_gb']:8.1f}"

@@ -142,19 +142,20 @@ def prepare(
         engines[spec.name] = shape.engines(spec, cost)
         trainer_pools.add(getattr(shape, "trainer_devices", None))
     capacity = lookup_device(scenario.cluster.device).memory_bytes / 1e9
-    for name, held in engines.items():
-        for role, gb in held.resident_gb.items():
-            if gb > capacity:
-                raise ValueError(
-                    f"pipeline {name}: the {role} engine needs {gb:.0f} GB per device under {policy}, more than a "
-                    f"{scenario.cluster.device}'s {capacity:.0f} GB; use more devices or set offload: true"
-                )
+    for node in nodes:
+        need = engines[node.pipeline].resident_gb.get(node.role, 0.0) + node.memory_gb
+        if need > capacity:
+            raise ValueError(
+                f"pipeline {node.pipeline}: {node.kind} needs {need:.0f} GB per device under {policy} (engine + working "
+                f"memory), more than a {scenario.cluster.device}'s {capacity:.0f} GB; use more devices or set offload: true"
+            )
     setup = Setup(
         devices=devices,
         memory_gb=capacity,
         engines=engines,
         trainer_devices=trainer_pools.pop() if len(trainer_pools) == 1 else trainer_devices,
         options=options or {},
+        max_staleness=getattr(cls, "max_staleness", 1),
     )
     return Prepared(Graph(nodes), setup, cls(setup))
 

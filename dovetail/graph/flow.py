@@ -1,7 +1,8 @@
 """Expand FlowGRPO / DanceGRPO steps into sub-stage nodes.
 
 One step of B prompts x G samples becomes, per GAP fragment f (whole groups): generate(f) -> score(f)
-[-> logprob(f), the old log-prob recompute of colocated trainers] -> train(f, timestep chunk) for each
+[-> logprob(f): the old log-prob recompute of colocated trainers and/or the reference forward for a KL
+term] -> train(f, timestep chunk) for each
 chunk of the trained timesteps; then one commit (optimizer step) per mini-batch and one publish
 (weights to the rollout engines). A TSP chunk of c timesteps trains c (sample, timestep) pairs per
 micro-batch in one forward/backward; without TSP (chunk 1) every timestep is its own train node.
@@ -83,7 +84,8 @@ def build_flow(spec: FlowSpec, steps: int, shape: FlowShape, cost: CostModel) ->
     shape.check(spec)
     model = diffusion_model(spec.model)
     tokens = model.latent_tokens(spec.height, spec.width, spec.frames)
-    passes = 2 if spec.cfg else 1
+    train_cfg = spec.cfg if spec.train_cfg is None else spec.train_cfg
+    passes = 2 if train_cfg else 1
     fragments = split(spec.prompts, shape.fragments)
     per_mini_batch = shape.fragments // spec.mini_batches
     chunks = [(c.start, c.stop) for c in split(spec.trained_timesteps, -(-spec.trained_timesteps // shape.tsp_chunk))]
@@ -111,11 +113,12 @@ def build_flow(spec: FlowSpec, steps: int, shape: FlowShape, cost: CostModel) ->
                 score = Node(f"{prefix}/score{f}", name, step, Kind.SCORE, Role.REWARD, (generate.id,), step, samples, cost_s=score_s)
                 nodes += [generate, score]
                 train_deps = [score.id] + ([previous_commit] if previous_commit else [])
-                if shape.recompute_logprob:
+                forwards = int(shape.recompute_logprob) + int(spec.reference)
+                if forwards:
                     logprob = Node(
                         f"{prefix}/logprob{f}", name, step, Kind.LOGPROB, Role.TRAINER,
                         (generate.id, *weights_of_step), step, samples,
-                        cost_s=cost.dit_logprob(model, n * spec.trained_timesteps, tokens, spec.cfg),
+                        cost_s=forwards * cost.dit_logprob(model, n * spec.trained_timesteps, tokens, train_cfg),
                         memory_gb=cost.training_memory(0, 1, model.hidden, tokens * passes, checkpointing=False).activations / GB,
                     )
                     nodes.append(logprob)
@@ -125,7 +128,7 @@ def build_flow(spec: FlowSpec, steps: int, shape: FlowShape, cost: CostModel) ->
                     train = Node(
                         f"{prefix}/train{f}.t{start}-{stop}", name, step, Kind.TRAIN, Role.TRAINER, tuple(train_deps), step,
                         samples, chunk=(start, stop),
-                        cost_s=cost.dit_train(model, n * (stop - start), tokens, spec.cfg),
+                        cost_s=cost.dit_train(model, n * (stop - start), tokens, train_cfg),
                         memory_gb=cost.training_memory(0, model.layers, model.hidden, tokens * passes * pairs_per_micro_batch).activations / GB,
                     )
                     nodes.append(train)

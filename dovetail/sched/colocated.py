@@ -70,7 +70,7 @@ class StagedFlow(Policy):
         if not view.started:
             return decisions
         step = max(s for (_, s) in view.started)
-        if any(isinstance(d, SwitchRole) for d in decisions) or any(view.devices[d].switching for d in self.everyone):
+        if any(isinstance(d, SwitchRole) for d in decisions):
             return decisions
 
         publish = ready_of(view, Kind.PUBLISH)

@@ -67,12 +67,13 @@ def predict_makespan(
 
 
 def _step_costs(nodes: Sequence[Node], fragments: int, trainer_devices: int) -> tuple[float, float, float, float]:
-    """Per-fragment generate, score and (trainer-group wall) train seconds, and the step's tail."""
+    """Per-fragment generate, score and (trainer-group wall) train seconds — reference forwards
+    included — and the step's tail."""
     total = {kind: sum(n.cost_s for n in nodes if n.kind == kind) for kind in Kind}
     return (
         total[Kind.GENERATE] / fragments,
         total[Kind.SCORE] / fragments,
-        total[Kind.TRAIN] / fragments / trainer_devices,
+        (total[Kind.TRAIN] + total[Kind.LOGPROB]) / fragments / trainer_devices,
         total[Kind.COMMIT] + total[Kind.PUBLISH],
     )
 
@@ -191,7 +192,7 @@ class Digen(Policy):
         group = self.trainer_pool
         if not all_idle(view, group) or any(view.devices[d].role != Role.TRAINER for d in group):
             return []
-        for kind in (Kind.COMMIT, Kind.TRAIN):
+        for kind in (Kind.COMMIT, Kind.TRAIN, Kind.LOGPROB):
             nodes = ready_of(view, kind, self.pipeline)
             if nodes:
                 node = min(nodes, key=lambda n: n.step)
@@ -250,7 +251,9 @@ class Digen(Policy):
         first = {}
         for node in nodes:
             first.setdefault(node.kind, node)
-        train_per_fragment = sum(n.cost_s for n in nodes if n.kind == Kind.TRAIN and n.samples == first[Kind.TRAIN].samples)
+        train_per_fragment = sum(
+            n.cost_s for n in nodes if n.kind in (Kind.TRAIN, Kind.LOGPROB) and n.samples == first[Kind.TRAIN].samples
+        )
         train = replace(first[Kind.TRAIN], cost_s=train_per_fragment)
         tail = replace(first[Kind.COMMIT], cost_s=first[Kind.COMMIT].cost_s + first[Kind.PUBLISH].cost_s)
         return first[Kind.GENERATE], first[Kind.SCORE], train, tail

@@ -1,0 +1,70 @@
+"""`dovetail simulate` and `dovetail plan` as a user runs them."""
+
+import json
+
+from typer.testing import CliRunner
+
+from dovetail.cli import app
+
+runner = CliRunner()
+
+
+def test_list_names_every_shipped_flow_scenario():
+    result = runner.invoke(app, ["simulate", "--list"])
+    assert result.exit_code == 0
+    for name in ("calib-qwenimage-4xh200", "calib-wan22-colocated", "digen-flux-16", "digen-wan-16", "digen-hunyuan-32", "digen-qwenimage-32"):
+        assert name in result.output
+
+
+def test_json_has_every_field_and_speedups_over_the_first_policy(tmp_path):
+    trace, gantt = tmp_path / "t.json", tmp_path / "g.png"
+    result = runner.invoke(app, [
+        "simulate", "digen-flux-16", "--policies", "colocated,digen", "--steps", "1", "--json",
+        "--trace", str(trace), "--gantt", str(gantt),
+    ])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["scenario"] == "digen-flux-16" and list(data["policies"]) == ["colocated", "digen"]
+    fields = {"samples_per_s", "tokens_per_s", "step_time_s", "efficiency", "bubble_ratio", "max_staleness", "peak_memory_gb", "phase_seconds"}
+    for metrics in data["policies"].values():
+        assert fields <= set(metrics)
+        assert 0 < metrics["efficiency"] <= 1
+    colocated, digen = data["policies"]["colocated"], data["policies"]["digen"]
+    assert colocated["speedup"] == 1.0
+    assert digen["speedup"] == digen["samples_per_s"] / colocated["samples_per_s"]
+    assert "logprob" in colocated["phase_seconds"] and "logprob" not in digen["phase_seconds"]
+    for policy in ("colocated", "digen"):
+        chrome = json.loads((tmp_path / f"t.{policy}.json").read_text())
+        assert any(e["ph"] == "X" for e in chrome["traceEvents"])
+        assert (tmp_path / f"g.{policy}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_table_lists_each_policy():
+    result = runner.invoke(app, ["simulate", "calib-qwenimage-4xh200", "--policies", "colocated,disaggregated", "--steps", "1"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].startswith("calib-qwenimage-4xh200") and "speedup" in lines[1]
+    assert lines[3].startswith("colocated") and " 1.00x" in lines[3] and lines[4].startswith("disaggregated")
+
+
+def test_bad_input_is_named(tmp_path):
+    result = runner.invoke(app, ["simulate", "no-such-scenario"])
+    assert result.exit_code == 2 and "no scenario 'no-such-scenario'" in result.output
+    result = runner.invoke(app, ["simulate", "digen-flux-16", "--policies", "colocated,fastest"])
+    assert result.exit_code == 2 and "unknown policy 'fastest'" in result.output
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "name: bad\ncluster: {device: H100, devices: 4}\nschedule: {policies: [colocated]}\n"
+        "pipelines:\n  - {kind: flow, name: p, model: SD3.5-M, prompts: 4, group: 0, denoising_steps: 4, trained_timesteps: 2, height: 256, width: 256}\n"
+    )
+    result = runner.invoke(app, ["simulate", str(bad)])
+    assert result.exit_code == 2 and "pipelines.0.flow.group" in result.output and "greater than 0" in result.output
+
+
+def test_plan_prints_a_best_configuration_that_fits():
+    result = runner.invoke(app, ["plan", "calib-qwenimage-4xh200", "--devices", "4"])
+    assert result.exit_code == 0, result.output
+    best = result.output.splitlines()[-1]
+    assert best.startswith("best: trainer_devices=") and "samples/s" in best
+    result = runner.invoke(app, ["plan", "calib-qwenimage-4xh200", "--devices", "1"])
+    assert result.exit_code == 2 and "--devices must be at least 2" in result.output
