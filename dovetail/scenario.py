@@ -131,7 +131,7 @@ def prepare(
     steps = steps or scenario.schedule.steps
     cost = CostModel(scenario.cluster.device)
     trainer_devices = shape_overrides.pop("trainer_devices", None) or scenario.schedule.trainer_devices
-    nodes, engines, trainer_pools = [], {}, set()
+    nodes, engines, trainer_pools = [], {}, {}
     # Policies that give each pipeline its own slice of the pool (verl-sync, streamrl, areal) cut steps for it.
     pipeline_devices = devices // len(scenario.pipelines) if getattr(cls, "splits_pool", False) else devices
     for spec in scenario.pipelines:
@@ -140,7 +140,7 @@ def prepare(
             shape = replace(shape, **shape_overrides)
         nodes += shape.build(spec, steps, cost)
         engines[spec.name] = shape.engines(spec, cost)
-        trainer_pools.add(getattr(shape, "trainer_devices", None))
+        trainer_pools[spec.name] = getattr(shape, "trainer_devices", None)
     capacity = lookup_device(scenario.cluster.device).memory_bytes / 1e9
     for node in nodes:
         need = engines[node.pipeline].resident_gb.get(node.role, 0.0) + node.memory_gb
@@ -153,7 +153,8 @@ def prepare(
         devices=devices,
         memory_gb=capacity,
         engines=engines,
-        trainer_devices=trainer_pools.pop() if len(trainer_pools) == 1 else trainer_devices,
+        trainer_devices=next(iter(trainer_pools.values())) if len(set(trainer_pools.values())) == 1 else trainer_devices,
+        trainer_groups={name: size for name, size in trainer_pools.items() if size is not None},
         options=options or {},
         max_staleness=getattr(cls, "max_staleness", 1),
     )

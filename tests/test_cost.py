@@ -92,16 +92,6 @@ def test_publish_is_bytes_over_bandwidth():
     assert CostModel("H100").publish(14e9) == pytest.approx(expected)
 
 
-def test_observe_converges_to_the_measured_ratio():
-    cost = CostModel("H100")
-    analytic = cost.train(QWEN4B, [2000])
-    for _ in range(40):
-        cost.observe("train", cost.train(QWEN4B, [2000]), 1.7 * analytic)
-    assert cost.scale("train") == pytest.approx(1.7, rel=1e-4)
-    assert cost.train(QWEN4B, [2000]) == pytest.approx(1.7 * analytic, rel=1e-4)
-    assert cost.scale("decode") == 1.0
-
-
 def test_from_measurements_reproduces_a_profiled_run():
     records = [("decode", 2.0, 3.0), ("decode", 1.0, 1.5), ("train", 4.0, 2.0)]
     cost = CostModel.from_measurements("H100", records)
@@ -113,9 +103,9 @@ def test_from_measurements_reproduces_a_profiled_run():
 
 
 @pytest.mark.parametrize("bad", [("dance", 1.0, 1.0), ("train", 0.0, 1.0), ("train", 1.0, -1.0)])
-def test_observe_rejects_bad_input(bad):
+def test_from_measurements_rejects_bad_input(bad):
     with pytest.raises(ValueError, match="op kind|must both be > 0"):
-        CostModel("H100").observe(*bad)
+        CostModel.from_measurements("H100", [bad])
 
 
 def test_unknown_catalogue_names_list_the_choices():

@@ -14,7 +14,6 @@ from dovetail.sched.policy import (
     Setup, StartStep, StepCommitted, SwitchRole, VersionPublished, can_run,
 )
 
-MAX_STALENESS = 1
 EPS = 1e-9
 ROLLOUT_KINDS = (Kind.GENERATE, Kind.PREFILL, Kind.DECODE, Kind.MIGRATE)
 
@@ -179,8 +178,8 @@ class ClusterState:
             raise DecisionError(f"{d}: unknown pipeline {d.pipeline!r}")
         if d.version > self.published[d.pipeline]:
             raise DecisionError(f"{d}: version {d.version} not published yet (latest {self.published[d.pipeline]})")
-        if not 0 <= d.step - d.version <= MAX_STALENESS:
-            raise DecisionError(f"{d}: staleness must be 0..{MAX_STALENESS}, got {d.step - d.version}")
+        if not 0 <= d.step - d.version <= self.setup.max_staleness:
+            raise DecisionError(f"{d}: staleness must be 0..{self.setup.max_staleness}, got {d.step - d.version}")
         self.started[key] = d.version
         for node in self.graph.of(d.pipeline, d.step):
             if self._missing[node.id] == 0:

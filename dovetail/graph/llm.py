@@ -12,6 +12,9 @@ its shard: one `migrate` node re-prefills all of them on the destination and one
 finishes them there together, so the other engines are freed.
 
 Step s trains weights version s; its log-prob and train nodes wait for step s-1's commit.
+Micro-batches hold whole prompt groups: by prompt index, or with `stream` by when the group finishes
+(shortest longest-response first), so the first micro-batches can be trained while the tail decodes.
+With `shared`, every node may share its devices with other shareable nodes (pipeline multiplexing).
 Decode costs are per engine: a node's `cost_s` is its seconds on one engine times the engine's
 devices, so it runs for its predicted time on `tensor_parallel` devices.
 """
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from dovetail.graph.node import Kind, Node, Role, SampleId
@@ -73,11 +76,16 @@ def _bands(spec: LLMSpec, migrate_at: int | None) -> list[tuple[int, int]]:
 class LLMShape:
     """How a policy cuts an LLM step: `shards` rollout engines (of `spec.tensor_parallel` devices
     each) the batch is dealt to, the trainer group size (sets collective costs), and `migrate_at`
-    (tokens) where the long tail leaves its shard, None to keep every sequence home."""
+    (tokens) where the long tail leaves its shard, None to keep every sequence home. `stream` orders
+    micro-batches by finishing time, `shared` makes the nodes shareable, and `rollout_memory` is the
+    fraction of a device the rollout engine may use (weights + KV cache; None: the calibrated default)."""
 
     shards: int
     trainer_devices: int
     migrate_at: int | None = None
+    stream: bool = False
+    shared: bool = False
+    rollout_memory: float | None = None
 
     def check(self, spec: LLMSpec) -> None:
         if not 0 < self.shards <= spec.batch:
@@ -88,6 +96,11 @@ class LLMShape:
             raise ValueError(f"{spec.name}: migrate_at={self.migrate_at} must be in 1..max_length-1={spec.max_length - 1}")
         if spec.batch % spec.micro_batches:
             raise ValueError(f"{spec.name}: micro_batches={spec.micro_batches} must divide batch={spec.batch}")
+        if self.rollout_memory is not None and not 0 < self.rollout_memory <= 1:
+            raise ValueError(f"{spec.name}: rollout_memory={self.rollout_memory} must be a fraction of device memory in (0, 1]")
+
+    def cost_model(self, cost: CostModel) -> CostModel:
+        return cost if self.rollout_memory is None else cost.with_rollout_memory(self.rollout_memory)
 
     def build(self, spec: LLMSpec, steps: int, cost: CostModel, seed: int = 0) -> list[Node]:
         return build_llm(spec, steps, self, cost, seed)
@@ -113,6 +126,7 @@ def engines(spec: LLMSpec, cost: CostModel, shape: LLMShape) -> Engines:
 
     model = language_model(spec.model)
     tp = spec.tensor_parallel
+    cost = shape.cost_model(cost)
     rollout = cost.rollout_memory(model, 0, tp).weights + cost.kv_cache_bytes(model, tp) / tp
     trainer = cost.training_memory(model.params, model.layers, model.hidden, 0, shape.trainer_devices).total
     resident = {Role.ROLLOUT: rollout / GB, Role.TRAINER: trainer / GB}
@@ -126,6 +140,7 @@ def build_llm(spec: LLMSpec, steps: int, shape: LLMShape, cost: CostModel, seed:
 
     shape.check(spec)
     model = language_model(spec.model)
+    cost = shape.cost_model(cost)
     nodes: list[Node] = []
     previous_commit: str | None = None
     for step in range(steps):
@@ -134,7 +149,7 @@ def build_llm(spec: LLMSpec, steps: int, shape: LLMShape, cost: CostModel, seed:
         training = _training(spec, model, cost, shape, step, samples, last_of, previous_commit)
         nodes += rollout + training
         previous_commit = training[-2].id
-    return nodes
+    return [replace(node, exclusive=False) for node in nodes] if shape.shared else nodes
 
 
 def _id(spec: LLMSpec, step: int, *parts: object) -> str:
@@ -190,14 +205,24 @@ def _rollout(spec: LLMSpec, model: LanguageModel, cost: CostModel, shape: LLMSha
     return nodes, last_of
 
 
+def _prompt_order(samples: list[Sample]) -> list[int]:
+    """Prompts by the length of their group's longest response (ties by index): the order groups finish."""
+    longest: dict[int, int] = {}
+    for s in samples:
+        longest[s.id[1]] = max(longest.get(s.id[1], 0), s.response_tokens)
+    return sorted(longest, key=lambda prompt: (longest[prompt], prompt))
+
+
 def _training(spec, model, cost, shape: LLMShape, step, samples: list[Sample], last_of, previous_commit: str | None) -> list[Node]:
     """Score, log-probs and train per micro-batch (whole prompt groups), then commit and publish."""
     per_micro = spec.batch // spec.micro_batches
+    order = _prompt_order(samples) if shape.stream else list(range(spec.batch))
+    rank = {prompt: position for position, prompt in enumerate(order)}
     after_commit = (previous_commit,) if previous_commit else ()
     nodes: list[Node] = []
     trains: list[str] = []
     for micro in range(spec.micro_batches):
-        members = [s for s in samples if s.id[1] // per_micro == micro]
+        members = [s for s in samples if rank[s.id[1]] // per_micro == micro]
         ids = tuple(s.id for s in members)
         lengths = [s.prompt_tokens + s.response_tokens for s in members]
         score = Node(

@@ -1,14 +1,14 @@
 """CostModel: how long a piece of work takes on a device, and how much memory it holds.
 
 Durations are analytic — FLOPs / (peak x efficiency) for compute-bound work, bytes / (bandwidth x
-efficiency) for memory-bound work — with every efficiency taken from `calibration.py`. Each
-prediction is then multiplied by a per-op-kind correction learned from measured durations
-(`observe`), so a real run can keep the simulator honest and `from_measurements` can replay one.
+efficiency) for memory-bound work — with every efficiency taken from `calibration.py`.
+`from_measurements` replays a profiled run (a per-op-kind correction); the online correction during a
+run is the policies' `sched.policy.CostTracker`, fed by both executors.
 """
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dovetail.sched.calibration import DEFAULT, Calibration
 from dovetail.sched.catalog import Device, DiffusionModel, LanguageModel, device as lookup_device
@@ -59,7 +59,7 @@ class CostModel:
         # Vendor-specific kernel efficiency relative to the NVIDIA-fitted factors.
         self._vendor = calibration.ascend_relative_efficiency if self.device.name.startswith("Ascend") else 1.0
 
-    # --- online correction ----------------------------------------------------------------------
+    # --- correction from a profiled run ----------------------------------------------------------------------
 
     @classmethod
     def from_measurements(
@@ -84,18 +84,6 @@ class CostModel:
         model._scale = {kind: measured[kind] / predicted[kind] for kind in predicted}
         return model
 
-    def observe(self, kind: str, predicted_s: float, measured_s: float) -> None:
-        """Fold one measured duration into the correction for `kind`.
-
-        `predicted_s` is what this model predicted (correction included). The correction moves toward
-        the value that would have predicted `measured_s`, by `calibration.correction_rate`.
-        """
-        self._check(kind, predicted_s, measured_s)
-        current = self.scale(kind)
-        target = current * measured_s / predicted_s
-        rate = self.calibration.correction_rate
-        self._scale[kind] = (1 - rate) * current + rate * target
-
     def scale(self, kind: str) -> float:
         """Current measured/analytic correction for an op kind (1.0 until observed)."""
         return self._scale.get(kind, 1.0)
@@ -114,6 +102,12 @@ class CostModel:
 
     def _corrected(self, kind: str, seconds: float) -> float:
         return seconds * self.scale(kind)
+
+    def with_rollout_memory(self, fraction: float) -> "CostModel":
+        """The same model with rollout engines limited to `fraction` of device memory (weights + KV cache)."""
+        model = CostModel(self.device, replace(self.calibration, rollout_memory_fraction=fraction))
+        model._scale = dict(self._scale)
+        return model
 
     # --- primitives -----------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dovetail.graph.llm import LLMShape, stage
 from dovetail.graph.node import Kind, Node, Role
 from dovetail.graph.spec import LLMSpec, PipelineSpec
-from dovetail.sched.policy import Decision, Policy, Run, View
+from dovetail.sched.policy import Begin, Decision, Event, Policy, Run, StartStep, View
 
 def shard_of(node: Node) -> int | None:
     """The rollout engine a prefill / home decode node belongs to (None for the migrated tail)."""
@@ -114,3 +114,103 @@ def tensor_parallel(view: View, pipeline: str, group: Sequence[int]) -> int:
     """Devices per rollout engine: the group's devices over the step's shards (one prefill each)."""
     shards = len(view.graph.of(pipeline, view.graph.steps(pipeline)[0], Kind.PREFILL))
     return len(group) // shards
+
+
+def rollout_seconds(nodes: Sequence[Node], tensor_parallel: int) -> float:
+    """Wall time of a step's rollout: the slowest engine's prefill / decode chain, plus the migrated tail."""
+    chains: dict[int | None, float] = {}
+    for node in nodes:
+        if stage(node) == "rollout":
+            shard = shard_of(node)
+            chains[shard] = chains.get(shard, 0.0) + node.cost_s / tensor_parallel
+    tail = chains.pop(None, 0.0)
+    return max(chains.values(), default=0.0) + tail
+
+
+def trainer_seconds(nodes: Sequence[Node], trainer_devices: int) -> float:
+    """Wall time of a step's trainer work on a group of `trainer_devices` (collectives take their cost)."""
+    return sum(
+        n.cost_s if n.collective else n.cost_s / trainer_devices
+        for n in nodes
+        if n.role == Role.TRAINER
+    )
+
+
+class SplitLLMPolicy(StagedLLMPolicy):
+    """A disaggregated LLM system: each pipeline's slice of the pool is cut into a rollout pool and a
+    trainer pool that never switch; engines generate continuously (oldest open step first) and the
+    trainer group runs one node at a time. A step opens as soon as its rollouts would be at most
+    `setup.max_staleness` versions behind; subclasses may hold the trainer back (`trainable`)."""
+
+    splits_pool = True
+    stream = False
+
+    @classmethod
+    def shape(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost) -> LLMShape:
+        """The trainer pool that balances rollout and training time (they overlap), within memory."""
+        from dovetail.sched.catalog import device as lookup_device
+
+        spec = llm_only(cls.name, spec)
+        capacity = lookup_device(cost.device.name).memory_bytes / 1e9
+        best: tuple[float, LLMShape] | None = None
+        for trainers in [trainer_devices] if trainer_devices else range(1, devices):
+            if devices - trainers < spec.tensor_parallel:
+                continue
+            shape = LLMShape(rollout_engines(spec, devices - trainers), trainers, stream=cls.stream)
+            nodes = shape.build(spec, 1, cost)
+            held = shape.engines(spec, cost).resident_gb[Role.TRAINER]
+            if held + max(n.memory_gb for n in nodes) > capacity:
+                continue
+            predicted = max(rollout_seconds(nodes, spec.tensor_parallel), trainer_seconds(nodes, trainers))
+            if best is None or predicted < best[0]:
+                best = (predicted, shape)
+        if best is None:
+            raise ValueError(f"{spec.name}: no rollout / trainer split of {devices} devices fits the trainer in {capacity:.0f} GB")
+        return best[1]
+
+    def pools(self, view: View, pipeline: str, group: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Rollout devices first, the trainer group last."""
+        trainers = self.setup.trainer_groups[pipeline]
+        return group[:len(group) - trainers], group[len(group) - trainers:]
+
+    def opens(self, view: View, pipeline: str, step: int) -> int | None:
+        """Open the next step on the latest weights as soon as the staleness bound allows."""
+        version = view.published[pipeline]
+        return version if step - version <= self.setup.max_staleness else None
+
+    def trainable(self, view: View, pipeline: str, step: int) -> bool:
+        """Whether the trainer may work on the step's ready nodes now (streaming: always)."""
+        return True
+
+    def decide(self, view: View, events: Sequence[Event]) -> list[Decision]:
+        pipelines = view.graph.pipelines()
+        decisions: list[Decision] = []
+        for pipeline, group in zip(pipelines, split_pool(self.setup.devices, len(pipelines))):
+            rollout, trainer = self.pools(view, pipeline, group)
+            if any(isinstance(e, Begin) for e in events):
+                decisions += self.switch_group(view, pipeline, rollout, Role.ROLLOUT)
+                decisions += self.switch_group(view, pipeline, trainer, Role.TRAINER)
+                continue
+            decisions += self._open(view, pipeline)
+            ready = sorted(self.ready_nodes(view, pipeline), key=lambda n: n.step)
+            placed = self.place_rollout(view, rollout, tensor_parallel(view, pipeline, rollout), ready)
+            placed += self._train(view, trainer, ready)
+            taken = {d for decision in placed for d in decision.devices}
+            decisions += placed + self.run_scores(view, ready, [d for d in rollout + trainer if d not in taken])
+        return decisions
+
+    def _open(self, view: View, pipeline: str) -> list[Decision]:
+        opened = [s for (p, s) in view.started if p == pipeline]
+        following = max(opened) + 1 if opened else view.graph.steps(pipeline)[0]
+        if following not in view.graph.steps(pipeline):
+            return []
+        version = self.opens(view, pipeline, following)
+        return [] if version is None else [StartStep(pipeline, following, version)]
+
+    def _train(self, view: View, trainer: tuple[int, ...], ready: Sequence[Node]) -> list[Decision]:
+        if not self.free(view, trainer, Role.TRAINER):
+            return []
+        for node in ready:
+            if node.role == Role.TRAINER and self.trainable(view, node.pipeline, node.step):
+                return [Run(node.id, trainer)]
+        return []

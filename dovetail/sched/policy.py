@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 from dovetail.graph.node import Graph, Kind, Node, Role
+from dovetail.sched.calibration import DEFAULT
 
 # ---------------------------------------------------------------- events (executor -> policy)
 
@@ -156,7 +157,11 @@ class Setup:
     engines: Mapping[str, Engines]
     trainer_devices: int | None = None
     """Size of the trainer pool for disaggregated policies; None lets the policy choose."""
+    trainer_groups: Mapping[str, int] = field(default_factory=dict)
+    """Trainer group size each pipeline's step was cut for (pipeline -> devices)."""
     options: Mapping[str, object] = field(default_factory=dict)
+    max_staleness: int = 1
+    """Versions a step's rollouts may lag its training (the executor refuses more); AReaL's bound eta."""
 
     def switch(self, device: int, pipeline: str, old: Role | None, new: Role) -> SwitchRole:
         """The decision that moves a device from `old` to `new` for `pipeline`, with its cost."""
@@ -198,15 +203,16 @@ class View(Protocol):
 
 
 def can_run(node: Node, role: Role | None) -> bool:
-    """Reward engines are small and co-resident everywhere; other nodes need their own role's engine."""
-    return node.role in (Role.ANY, Role.REWARD) or node.role == role
+    """Reward engines are small and co-resident everywhere; other nodes need their own role's engine, which
+    a device holding role ANY (every engine resident, for multiplexing) has."""
+    return node.role in (Role.ANY, Role.REWARD) or role in (node.role, Role.ANY)
 
 
 class CostTracker:
     """Predicted seconds of a node, corrected online: the measured/predicted ratio per (pipeline, kind),
     as an exponential moving average. The simulator and the Ray runtime feed it the same events."""
 
-    def __init__(self, smoothing: float = 0.5) -> None:
+    def __init__(self, smoothing: float = DEFAULT.correction_rate) -> None:
         self.smoothing = smoothing
         self.ratio: dict[tuple[str, Kind], float] = {}
 
