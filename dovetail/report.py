@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dovetail.exec.metrics import summarize
-from dovetail.scenario import Scenario, prepare, simulate
+from dovetail.scenario import Scenario, simulate
 
 PLAN_CANDIDATES = 6
 """How many of digen's analytically best shapes `plan` simulates (each with and without TAG and TCSS)."""

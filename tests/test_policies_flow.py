@@ -5,7 +5,7 @@ import pytest
 
 from dovetail.exec.state import ClusterState, DecisionError
 from dovetail.graph.node import Graph, Kind, Node, Role
-from dovetail.scenario import Scenario, load_scenario, prepare, simulate
+from dovetail.scenario import Scenario, load_scenario, simulate
 from dovetail.exec.metrics import summarize
 from dovetail.sched.digen import predict_makespan
 from dovetail.sched.policy import Engines, Run, Setup, StartStep, SwitchRole
