@@ -103,3 +103,15 @@ def test_flow_shape_and_spec_errors_name_the_field():
         build_flow(SPEC, 1, FlowShape(3, 1, False, 1), COST)
     with pytest.raises(ValueError, match="trained_timesteps=8"):
         SPEC.model_copy(update={}).model_validate({**SPEC.model_dump(), "trained_timesteps": 8})
+
+
+def test_planning_never_imports_torch():
+    """Planning a large run must work on a laptop: the scheduler stack stays torch-free."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, dovetail.graph.flow, dovetail.sched, dovetail.exec.sim, dovetail.exec.metrics, dovetail.report;"
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
