@@ -39,7 +39,7 @@ def train(
 def pretrain(
     dataset: str = typer.Argument("digits", help="the only dataset: digits (scikit-learn)"),
     out: Path = typer.Option(None, help="checkpoint directory (default: the shipped base model)"),
-    steps: int = typer.Option(120, help="optimizer steps; short on purpose so RL has room"),
+    steps: int = typer.Option(110, help="optimizer steps; short on purpose so RL has room"),
     seed: int = typer.Option(0),
 ):
     """Pretrain the tiny text-to-image flow model (rectified flow) from random init."""

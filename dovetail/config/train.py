@@ -22,7 +22,7 @@ class ModelSection(Section):
 
 class SamplingSection(Section):
     num_steps: int = Field(10, ge=2, description="denoising steps K")
-    noise_level: float = Field(0.7, gt=0, description="SDE noise: a of Flow-GRPO, eta of DanceGRPO")
+    noise_level: float = Field(1.0, gt=0, description="SDE noise: a of Flow-GRPO, eta of DanceGRPO")
     sde_kind: Literal["flow_grpo", "cps"] = Field("flow_grpo", description="SDE of algorithm flow_grpo")
     shift: float = Field(1.0, gt=0, description="sigma schedule shift of the flow-matching scheduler")
 
@@ -38,8 +38,8 @@ class AlgoSection(Section):
 
 
 class TrainSection(Section):
-    steps: int = Field(150, ge=1)
-    lr: float = Field(3e-4, gt=0)
+    steps: int = Field(200, ge=1)
+    lr: float = Field(2e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     chunk_size: int = Field(128, ge=1, description="(sample, timestep) pairs per batched forward/backward")

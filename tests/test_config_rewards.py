@@ -1,0 +1,88 @@
+"""Configs fail early with the field's name; rewards fail loudly with the reward's and sample's name."""
+
+import numpy as np
+import pytest
+from sklearn.datasets import load_digits
+
+from dovetail.config.train import ConfigError, load_config
+from dovetail.rewards import REWARDS, RewardError, score
+
+
+def test_yaml_plus_dotted_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("algorithm: dance_grpo\ntrain:\n  lr: 0.001\n")
+    config = load_config(path, ["train.lr=1e-4", "algo.group_size=4", "reward.brightness=0.5"])
+    assert config.algorithm == "dance_grpo" and config.sde_kind == "dance_grpo"
+    assert config.train.lr == 1e-4 and config.algo.group_size == 4
+    assert config.reward == {"digit_match": 1.0, "brightness": 0.5} or config.reward == {"brightness": 0.5}
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("train.lr=-1", "train.lr"),
+        ("algo.group_size=1", "algo.group_size"),
+        ("algorithm=ppo", "algorithm"),
+        ("train.learning_rate=1e-4", "train.learning_rate"),
+        ("sampling.sde_kind=ddim", "sampling.sde_kind"),
+    ],
+)
+def test_bad_values_name_the_field(override, field):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [override])
+    assert field in str(error.value)
+
+
+def test_unknown_reward_lists_the_known_ones():
+    with pytest.raises(ConfigError) as error:
+        load_config(None, ["reward={aesthetic: 1.0}"])
+    for name in REWARDS:
+        assert name in str(error.value)
+
+
+def test_override_without_equals_sign_explains_the_form():
+    with pytest.raises(ConfigError, match="section.field=value"):
+        load_config(None, ["train.lr"])
+
+
+def test_digit_match_prefers_the_prompted_digit():
+    digits = load_digits()
+    images = digits.images[:50] / 16.0
+    right = score(images, [f"digit {t}" for t in digits.target[:50]], {"digit_match": 1.0})["digit_match"]
+    wrong = score(images, [f"digit {(t + 1) % 10}" for t in digits.target[:50]], {"digit_match": 1.0})["digit_match"]
+    assert right.mean() > 0.8 and wrong.mean() < 0.1
+
+
+def test_jpeg_rewards_rank_flat_images_as_compressible():
+    flat = np.full((1, 8, 8), 0.5)
+    noisy = np.random.default_rng(0).random((1, 8, 8))
+    comp = score(np.concatenate([flat, noisy]), ["digit 0"] * 2, {"jpeg_compressibility": 1.0, "jpeg_incompressibility": 1.0})
+    assert comp["jpeg_compressibility"][0] > comp["jpeg_compressibility"][1]
+    np.testing.assert_allclose(comp["jpeg_incompressibility"], -comp["jpeg_compressibility"])
+    np.testing.assert_allclose(comp["total"], 0.0)
+
+
+def test_weighted_total():
+    images = np.random.default_rng(1).random((3, 8, 8))
+    scores = score(images, ["digit 1"] * 3, {"brightness": 2.0, "digit_match": 0.5})
+    np.testing.assert_allclose(scores["total"], 2.0 * scores["brightness"] + 0.5 * scores["digit_match"])
+
+
+def test_nan_reward_names_the_reward_and_the_sample(monkeypatch):
+    def broken(images, prompts):
+        values = np.zeros(len(images))
+        values[2] = np.nan
+        return values
+
+    monkeypatch.setitem(REWARDS, "broken", broken)
+    with pytest.raises(RewardError, match=r"'broken'.*sample 2.*digit 3"):
+        score(np.zeros((4, 8, 8)), ["digit 0", "digit 1", "digit 3", "digit 4"], {"broken": 1.0})
+
+
+def test_raising_reward_is_wrapped_with_its_name(monkeypatch):
+    def raises(images, prompts):
+        raise OSError("judge server down")
+
+    monkeypatch.setitem(REWARDS, "remote", raises)
+    with pytest.raises(RewardError, match="'remote' raised OSError: judge server down"):
+        score(np.zeros((1, 8, 8)), ["digit 0"], {"remote": 1.0})
