@@ -86,6 +86,8 @@ class LLMShape:
     stream: bool = False
     shared: bool = False
     rollout_memory: float | None = None
+    tail_parallel: int | None = None
+    """Devices of the engine the migrated tail decodes on (tensor parallel); None: `spec.tensor_parallel`."""
 
     def check(self, spec: LLMSpec) -> None:
         if not 0 < self.shards <= spec.batch:
@@ -96,6 +98,8 @@ class LLMShape:
             raise ValueError(f"{spec.name}: migrate_at={self.migrate_at} must be in 1..max_length-1={spec.max_length - 1}")
         if spec.batch % spec.micro_batches:
             raise ValueError(f"{spec.name}: micro_batches={spec.micro_batches} must divide batch={spec.batch}")
+        if self.tail_parallel is not None and self.tail_parallel < 1:
+            raise ValueError(f"{spec.name}: tail_parallel={self.tail_parallel} must be >= 1")
         if self.rollout_memory is not None and not 0 < self.rollout_memory <= 1:
             raise ValueError(f"{spec.name}: rollout_memory={self.rollout_memory} must be a fraction of device memory in (0, 1]")
 
@@ -156,8 +160,7 @@ def _id(spec: LLMSpec, step: int, *parts: object) -> str:
     return "/".join([spec.name, str(step), *map(str, parts)])
 
 
-def _decode(spec, model, cost, step, node_id, deps, members: list[Sample], low: int, high: int) -> Node:
-    tp = spec.tensor_parallel
+def _decode(spec, model, cost, step, node_id, deps, members: list[Sample], low: int, high: int, tp: int) -> Node:
     new_tokens = [min(s.response_tokens, high) - low for s in members]
     seconds = cost.decode(model, [s.prompt_tokens + low for s in members], new_tokens, devices=tp)
     return Node(
@@ -187,19 +190,20 @@ def _rollout(spec: LLMSpec, model: LanguageModel, cost: CostModel, shape: LLMSha
             members = [s for s in mine if s.response_tokens > low]
             if not members:
                 break
-            node = _decode(spec, model, cost, step, _id(spec, step, "decode", shard, low), (previous,), members, low, high)
+            node = _decode(spec, model, cost, step, _id(spec, step, "decode", shard, low), (previous,), members, low, high, tp)
             nodes.append(node)
             last_of.update((s.id, node.id) for s in members)
             previous = node.id
         tail_deps.append(previous)
     tail = [s for s in samples if migrate_at is not None and s.response_tokens > migrate_at]
     if tail:
+        tp = shape.tail_parallel or tp
         migrate = Node(
             _id(spec, step, "migrate"), spec.name, step, Kind.MIGRATE, Role.ROLLOUT, tuple(tail_deps), version=step,
             samples=tuple(s.id for s in tail),
             cost_s=cost.migrate(model, [s.prompt_tokens + migrate_at for s in tail], devices=tp) * tp,
         )
-        decode = _decode(spec, model, cost, step, _id(spec, step, "decode", "tail"), (migrate.id,), tail, migrate_at, spec.max_length)
+        decode = _decode(spec, model, cost, step, _id(spec, step, "decode", "tail"), (migrate.id,), tail, migrate_at, spec.max_length, tp)
         nodes += [migrate, decode]
         last_of.update((s.id, decode.id) for s in tail)
     return nodes, last_of

@@ -5,11 +5,12 @@ from dovetail.sched.areal import Areal
 from dovetail.sched.colocated import Colocated
 from dovetail.sched.digen import Digen, DigenTCSS
 from dovetail.sched.disaggregated import Disaggregated
+from dovetail.sched.jigsaw import Jigsaw, JigsawGreedy
 from dovetail.sched.policy import Policy
 from dovetail.sched.streamrl import StreamRL
 from dovetail.sched.verl_sync import VerlSync
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Colocated, Disaggregated, Digen, DigenTCSS, VerlSync, StreamRL, Areal)}
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Colocated, Disaggregated, Digen, DigenTCSS, VerlSync, StreamRL, Areal, Jigsaw, JigsawGreedy)}
 
 
 def policy_class(name: str) -> type[Policy]:
