@@ -25,7 +25,7 @@ from dovetail.run_dir import RunDir
 
 def sde_settings(config: TrainConfig) -> SDESettings:
     return SDESettings(
-        flow_sigmas(config.sampling.num_steps, config.sampling.shift), config.sampling.noise_level, config.sde_kind
+        flow_sigmas(config.sampling.num_steps, config.sampling.shift), config.noise_level, config.sde_kind
     )
 
 

@@ -22,7 +22,9 @@ class ModelSection(Section):
 
 class SamplingSection(Section):
     num_steps: int = Field(10, ge=2, description="denoising steps K")
-    noise_level: float = Field(1.0, gt=0, description="SDE noise: a of Flow-GRPO, eta of DanceGRPO")
+    noise_level: float | None = Field(
+        None, gt=0, description="SDE noise: a of Flow-GRPO (default 1.0), constant eta of DanceGRPO (default 0.5)"
+    )
     sde_kind: Literal["flow_grpo", "cps"] = Field("flow_grpo", description="SDE of algorithm flow_grpo")
     shift: float = Field(1.0, gt=0, description="sigma schedule shift of the flow-matching scheduler")
 
@@ -82,6 +84,12 @@ class TrainConfig(Section):
         if self.algorithm == "dance_grpo" and self.sampling.sde_kind != "flow_grpo":
             raise ValueError("algorithm dance_grpo uses its own constant-eta SDE; leave sampling.sde_kind unset")
         return self
+
+    @property
+    def noise_level(self) -> float:
+        if self.sampling.noise_level is not None:
+            return self.sampling.noise_level
+        return 0.5 if self.algorithm == "dance_grpo" else 1.0
 
     @property
     def sde_kind(self) -> str:
