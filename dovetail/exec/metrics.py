@@ -1,8 +1,12 @@
 """Metrics read from a Trace: throughput, efficiency, bubbles, staleness, latency, memory, phases.
 
-Efficiency = ideal step time / actual, where ideal = the device-seconds of the work the schedule ran
-(every node, each weighted by its share of the device; role switches and idle time excluded) divided
-by the number of devices. 1.0 means no device ever waited or switched."""
+Efficiency = ideal step time / actual, where ideal = the exclusive device-seconds of the required work (each
+node's work as the device would do it alone at full speed: `Span.work`; interference slowdowns, role
+switches, a migration's re-prefill delay and idle time excluded) divided by the number of devices. 1.0 means
+no device ever waited or switched; co-located nodes that slow each other down by less than their number
+(complementary sub-stages under the interference table) do more than one device-second of exclusive work
+per device-second, and efficiency then exceeds 1 by what multiplexing gains. A device is busy while anything runs on it,
+whatever share that node reserved; bubble = neither busy nor switching."""
 
 from __future__ import annotations
 
@@ -43,13 +47,12 @@ def summarize(trace: Trace) -> Metrics:
         raise ValueError("the trace has no committed step; nothing to measure")
     devices = trace.devices
     makespan = trace.makespan
-    busy = [0.0] * devices
+    intervals: list[list[tuple[float, float]]] = [[] for _ in range(devices)]
     switching = [0.0] * devices
     phases: Counter[str] = Counter()
     for span in trace.spans:
-        work = (span.end - span.start) * span.share
-        busy[span.device] += work
-        phases[span.kind] += work / devices
+        intervals[span.device].append((span.start, span.end))
+        phases[span.kind] += span.work / devices
     for switch in trace.switches:
         switching[switch.device] += switch.end - switch.start
         phases["switch"] += (switch.end - switch.start) / devices
@@ -59,6 +62,7 @@ def summarize(trace: Trace) -> Metrics:
         staleness[record.step - record.rollout_version] += record.samples
         latency.setdefault(record.pipeline, []).append(record.end - record.start)
     steps_per_pipeline = max(len(values) for values in latency.values())
+    busy = [_covered(spans) for spans in intervals]
     busy_ratio = [b / makespan for b in busy]
     bubble = [max(0.0, 1.0 - (b + s) / makespan) for b, s in zip(busy, switching)]
     return Metrics(
@@ -67,7 +71,7 @@ def summarize(trace: Trace) -> Metrics:
         step_time_s=makespan / steps_per_pipeline,
         samples_per_s=sum(r.samples for r in trace.steps) / makespan,
         tokens_per_s=sum(r.tokens for r in trace.steps) / makespan,
-        efficiency=sum(busy) / (devices * makespan),
+        efficiency=sum(span.work for span in trace.spans) / (devices * makespan),
         bubble_ratio=sum(bubble) / devices,
         switch_ratio=sum(switching) / (devices * makespan),
         busy_ratio_per_device=busy_ratio,
@@ -79,3 +83,13 @@ def summarize(trace: Trace) -> Metrics:
         peak_memory_gb_per_device=list(trace.peak_memory_gb),
         phase_seconds=dict(sorted(phases.items())),
     )
+
+
+def _covered(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total

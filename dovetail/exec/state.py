@@ -62,6 +62,8 @@ class Running:
     """Noise multiplier of the segment's durations (the simulator's; 1 on real devices)."""
     progress_at: float = 0.0
     """Time up to which `work_left` is accounted (moves when the speed changes)."""
+    work_done: float = 0.0
+    """Exclusive seconds of node work done on each device in this segment (for `Span.work`)."""
 
 
 class ClusterState:
@@ -141,8 +143,9 @@ class ClusterState:
         """Account the work done since `progress_at` at the current speed."""
         running = self.running[node_id]
         working_since = max(running.progress_at, running.start + running.delay * running.pace)
-        done = max(0.0, self.now - working_since) * self._width(node_id) * running.speed / running.pace
-        running.work_left = max(0.0, running.work_left - done)
+        done = min(running.work_left, max(0.0, self.now - working_since) * self._width(node_id) * running.speed / running.pace)
+        running.work_left -= done
+        running.work_done += done * running.pace / self._width(node_id)
         running.progress_at = self.now
 
     def _speed(self, node_id: str) -> float:
@@ -297,10 +300,11 @@ class ClusterState:
         version = self._version_used(node_id)
         for index in running.devices:
             self.trace.spans.append(
-                Span(node_id, node.pipeline, node.step, node.kind.value, index, running.start, end, running.share, version)
+                Span(node_id, node.pipeline, node.step, node.kind.value, index, running.start, end, running.share, version, running.work_done)
             )
 
     def finish_node(self, node_id: str) -> None:
+        self._progress(node_id)
         running = self.running.pop(node_id)
         node = self.graph[node_id]
         self._record(node_id, running, self.now)

@@ -22,6 +22,9 @@ class Span:
     share: float
     version: int
     """Weights version the work used: the step's rollout version for generation, the trainer's for training."""
+    work: float = 0.0
+    """Exclusive device-seconds of node work the span did on this device: how long that work takes the device
+    alone at full speed (interference, waits and a migration's re-prefill delay excluded)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,57 @@
+"""Metrics pinned to their closed forms on a hand-made schedule: a device is busy while anything runs on
+it (whatever share the node reserved), and efficiency counts exclusive device-seconds of required work."""
+
+import pytest
+
+from dovetail.exec.metrics import summarize
+from dovetail.exec.sim import SimExecutor
+from dovetail.graph.node import Graph, Kind, Node, Role
+from dovetail.sched.policy import Begin, Engines, Policy, Run, Setup, StartStep
+
+SLOWDOWN = 1.6
+
+
+class Scripted(Policy):
+    """Starts the step, then runs each ready node where `placement` says, with the given share."""
+
+    name = "scripted"
+
+    def __init__(self, setup: Setup, placement: dict[str, tuple[tuple[int, ...], float]]) -> None:
+        super().__init__(setup)
+        self.placement = placement
+
+    def decide(self, view, events):
+        if any(isinstance(e, Begin) for e in events):
+            return [StartStep("p", 0, 0)]
+        return [Run(node, *self.placement[node]) for node in view.ready]
+
+
+def node(name: str, cost: float, deps: tuple[str, ...] = (), kind: Kind = Kind.DECODE, **extra) -> Node:
+    return Node(name, "p", 0, kind, Role.ANY, deps, cost_s=cost, exclusive=False, **extra)
+
+
+def test_busy_bubble_and_efficiency_follow_their_closed_forms():
+    # Device 0: a and b share it (each slowed by SLOWDOWN); device 1: c alone on a 0.3 share, then the
+    # collective d on both devices. The commit closes the step.
+    a, b, c, d = 4.0, 6.0, 3.0, 2.0
+    graph = Graph([
+        node("a", a), node("b", b), node("c", c, kind=Kind.TRAIN),
+        node("d", d, ("a", "b", "c"), kind=Kind.PUBLISH, collective=True),
+        Node("commit", "p", 0, Kind.COMMIT, Role.ANY, ("d",), cost_s=0.0),
+    ])
+    setup = Setup(2, 80.0, {"p": Engines({}, {}, {})})
+    placement = {"a": ((0,), 0.5), "b": ((0,), 0.5), "c": ((1,), 0.3), "d": ((0, 1), 1.0), "commit": ((0,), 1.0)}
+    trace = SimExecutor(graph, setup, slowdown=lambda kind, other: SLOWDOWN).run(Scripted(setup, placement))
+    metrics = summarize(trace)
+
+    # a and b run together at 1/SLOWDOWN until a is done; b finishes alone at full speed.
+    a_ends = a * SLOWDOWN
+    b_ends = a_ends + (b - a)
+    makespan = b_ends + d
+    assert metrics.makespan_s == pytest.approx(makespan)
+    assert metrics.busy_ratio_per_device == pytest.approx([1.0, (c + d) / makespan])
+    assert metrics.bubble_ratio_per_device == pytest.approx([0.0, 1 - (c + d) / makespan])
+    assert metrics.bubble_ratio == pytest.approx((1 - (c + d) / makespan) / 2)
+    # Required work: each node's exclusive device-seconds; the collective occupies both devices for d.
+    assert metrics.efficiency == pytest.approx((a + b + c + 2 * d) / (2 * makespan))
+    assert metrics.phase_seconds == pytest.approx({"decode": (a + b) / 2, "train": c / 2, "publish": d, "commit": 0.0})
