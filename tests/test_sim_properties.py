@@ -193,5 +193,6 @@ def test_random_graphs_with_shares_and_migration(spec, devices, seed, noise):
             work = sum((s.end - s.start) * s.share for s in spans)
             reprefill = 0.2 * sum(s.share for s in spans[1:])
             assert work == pytest.approx(node.cost_s + reprefill, abs=1e-6), "a migration loses no work and adds its cost"
+            assert sum(s.work for s in spans) == pytest.approx(node.cost_s, abs=1e-6), "Span.work counts the node's work once"
     again = SimExecutor(graph, setup, seed=seed, noise=noise).run(RandomGreedy(setup, seed))
     assert trace == again
