@@ -43,3 +43,16 @@ def test_qwenimage_colocated_matches_the_published_throughput():
     assert step_time == pytest.approx(scenario.published.step_time_s, rel=0.25)
     images_per_gpu_s = trace.steps[1].samples / step_time / scenario.cluster.devices
     assert images_per_gpu_s == pytest.approx(0.510, rel=0.25)
+
+
+def test_wan22_colocated_matches_the_published_step_and_phases():
+    scenario, _, trace = simulate("calib-wan22-colocated", "colocated")
+    published = scenario.published
+    step_time = steady_step_time(trace)
+    assert step_time == pytest.approx(published.step_time_s, rel=0.25)
+    seconds = defaultdict(float)
+    for span in trace.spans:
+        if span.step == 1 and span.device == 0:
+            seconds[span.kind] += span.end - span.start
+    for phase, published_s in published.phases_s.items():
+        assert seconds[phase] / step_time == pytest.approx(published_s / published.step_time_s, abs=0.10), phase

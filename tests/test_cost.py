@@ -113,3 +113,59 @@ def test_unknown_catalogue_names_list_the_choices():
         device("B300")
     with pytest.raises(ValueError, match="Qwen3-4B"):
         language_model("Qwen4")
+
+
+FLUX = diffusion_model("FLUX.1-12B")
+
+
+def test_ring_collectives_use_nvlink_inside_a_node_and_the_nic_across_nodes():
+    cal = Calibration()
+    cost, h100 = CostModel("H100", cal), device("H100")
+    nbytes = FLUX.params * 2
+    assert cost.collective_seconds(nbytes, 1) == 0.0
+    assert cost.collective_seconds(nbytes, 8) == pytest.approx(nbytes * 7 / 8 / (h100.interconnect_bandwidth * cal.collective_bandwidth_efficiency))
+    assert cost.collective_seconds(nbytes, 16) == pytest.approx(nbytes * 15 / 16 / (h100.network_bandwidth * cal.collective_bandwidth_efficiency))
+
+
+def test_a_communication_bound_pass_costs_its_fsdp_traffic():
+    """FLUX, one 720x720 sample at one timestep per pass on 16 H100s (two nodes): the bf16 all-gathers of
+    forward and backward plus the fp32 gradient reduce-scatter outlast the compute, every pass."""
+    cal = Calibration()
+    cost = CostModel("H100", cal)
+    tokens = FLUX.latent_tokens(720, 720)
+    traffic = (2 * FLUX.params * 2 + FLUX.params * cal.grad_reduce_bytes) * 15 / 16 / (device("H100").network_bandwidth * cal.collective_bandwidth_efficiency)
+    samples = 32  # two per device: two passes
+    assert cost.dit_train(FLUX, samples, 1, tokens, devices=16, micro_batch=1) == pytest.approx(16 * 2 * traffic)
+    # The forward-only loop pays one all-gather per pass.
+    gather = FLUX.params * 2 * 15 / 16 / (device("H100").network_bandwidth * cal.collective_bandwidth_efficiency)
+    assert cost.dit_logprob(FLUX, samples, 3, tokens, devices=16, micro_batch=1) == pytest.approx(3 * 16 * 2 * gather)
+
+
+def test_tsp_amortises_per_pass_traffic_and_small_pass_underutilisation():
+    """Ten timesteps batched in one pass cost their FLOPs at the large-pass efficiency; looped one by one
+    they pay ten passes of traffic."""
+    cal = Calibration()
+    cost = CostModel("H100", cal)
+    tokens = FLUX.latent_tokens(720, 720)
+    looped = 10 * cost.dit_train(FLUX, 16, 1, tokens, devices=16, micro_batch=1)
+    batched = cost.dit_train(FLUX, 16, 10, tokens, devices=16, micro_batch=1)
+    pairs = 10
+    mfu = cal.dit_train_mfu * pairs * tokens / (pairs * tokens + cal.dit_half_mfu_tokens)
+    assert batched == pytest.approx(16 * 4 * pairs * CostModel.dit_forward_flops(FLUX, tokens) / (device("H100").peak_flops * mfu))
+    assert looped > 3 * batched
+    assert cost.pass_mfu(0.6, cal.dit_half_mfu_tokens) == pytest.approx(0.3)
+
+
+def test_reference_forward_streams_its_shard_from_host_each_pass():
+    """verl runs the reference model under FSDP CPUOffload: a pass also copies the device's bf16 shard in."""
+    cal = Calibration()
+    cost = CostModel("H100", cal)
+    h100 = device("H100")
+    tokens = FLUX.latent_tokens(256, 256)  # a small pass: transfer-bound once streaming
+    gather = FLUX.params * 2 * 7 / 8 / (h100.interconnect_bandwidth * cal.collective_bandwidth_efficiency)
+    host = FLUX.params * 2 / 8 / cal.host_link_bytes_per_s
+    compute = CostModel.dit_forward_flops(FLUX, tokens) / (h100.peak_flops * cal.dit_logprob_mfu * tokens / (tokens + cal.dit_half_mfu_tokens))
+    assert compute < gather + host
+    streamed = cost.dit_logprob(FLUX, 8, 1, tokens, devices=8, micro_batch=1, host_streaming=True)
+    assert streamed == pytest.approx(8 * (gather + host))
+    assert cost.dit_logprob(FLUX, 8, 1, tokens, devices=8, micro_batch=1) == pytest.approx(8 * max(compute, gather))

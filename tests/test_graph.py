@@ -76,15 +76,24 @@ def test_flow_step_covers_every_sample_and_timestep_once(fragments, chunk, recom
         assert counts[Kind.COMMIT] == SPEC.mini_batches and counts[Kind.PUBLISH] == 1
 
 
-def test_flow_costs_add_up_to_the_whole_batch():
-    """Costs are linear in pairs, so the train nodes of a step cost what the whole batch costs."""
+def test_flow_nodes_cost_their_pairs_on_the_trainer_group():
+    """Each train node is charged its fragment's (sample, timestep) pairs on the whole trainer group, each
+    log-prob node its fragment's per-timestep forward loop; a staged trainer's nodes cover the mini-batch."""
     model = diffusion_model(SPEC.model)
     tokens = model.latent_tokens(SPEC.height, SPEC.width)
-    nodes = build_flow(SPEC, 1, FlowShape(3 * 2, 2, True, 3), COST)
-    train = sum(n.cost_s for n in nodes if n.kind == Kind.TRAIN)
-    assert train == pytest.approx(COST.dit_train(model, SPEC.samples * SPEC.trained_timesteps, tokens))
-    logprob = sum(n.cost_s for n in nodes if n.kind == Kind.LOGPROB)
-    assert logprob == pytest.approx(COST.dit_logprob(model, SPEC.samples * SPEC.trained_timesteps, tokens))
+    for shape in (FlowShape(3 * 2, 2, True, 3), FlowShape(4, 1, True, 3, staged=True)):
+        nodes = build_flow(SPEC, 1, shape, COST)
+        for n in nodes:
+            if n.kind == Kind.TRAIN:
+                span = n.chunk[1] - n.chunk[0]
+                assert n.cost_s == pytest.approx(COST.dit_train(model, len(n.samples), span, tokens, False, 3, SPEC.micro_batch))
+            elif n.kind == Kind.LOGPROB:
+                assert n.cost_s == pytest.approx(COST.dit_logprob(model, len(n.samples), SPEC.trained_timesteps, tokens, False, 3, SPEC.micro_batch))
+        trained = [sample for n in nodes if n.kind == Kind.TRAIN for sample in n.samples]
+        assert sorted(set(trained)) == sorted({(0, p, i) for p in range(SPEC.prompts) for i in range(SPEC.group)})
+    staged = build_flow(SPEC, 1, FlowShape(4, 1, True, 3, staged=True), COST)
+    assert [len(n.samples) for n in staged if n.kind == Kind.GENERATE] == [5, 4, 5, 4], "samples split evenly per mini-batch"
+    assert sum(n.kind == Kind.LOGPROB for n in staged) == SPEC.mini_batches
 
 
 def test_flow_steps_chain_through_commits_and_mini_batches():

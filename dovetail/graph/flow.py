@@ -28,12 +28,16 @@ BF16 = 2
 @dataclass(frozen=True)
 class FlowShape:
     """How a policy cuts a step: GAP fragments, TSP chunk (1 = per-timestep loop), whether the trainer
-    recomputes old log-probs, and the trainer group size (sets optimizer and publication costs)."""
+    recomputes old log-probs, and the trainer group size (sets per-pass FSDP traffic, optimizer and
+    publication costs). `staged`: a stage-synchronous trainer (veRL-Omni, GenRL, flow_grpo): rollout
+    fragments split the mini-batch's samples evenly (verl's data.chunk, groups may straddle devices)
+    and the trainer's log-prob and train nodes cover the whole mini-batch."""
 
     fragments: int
     tsp_chunk: int
     recompute_logprob: bool
     trainer_devices: int
+    staged: bool = False
 
     def build(self, spec: FlowSpec, steps: int, cost: CostModel) -> list[Node]:
         return build_flow(spec, steps, self, cost)
@@ -42,7 +46,9 @@ class FlowShape:
         return engines(spec, cost, self.trainer_devices)
 
     def check(self, spec: FlowSpec) -> None:
-        if not 1 <= self.fragments <= spec.prompts:
+        if self.staged and not 1 <= self.fragments <= spec.samples:
+            raise ValueError(f"{spec.name}: fragments={self.fragments} must be in 1..samples={spec.samples}")
+        if not self.staged and not 1 <= self.fragments <= spec.prompts:
             raise ValueError(f"{spec.name}: fragments={self.fragments} must be in 1..prompts={spec.prompts} (whole groups)")
         if self.fragments % spec.mini_batches:
             raise ValueError(f"{spec.name}: fragments={self.fragments} must be a multiple of mini_batches={spec.mini_batches}")
@@ -95,14 +101,50 @@ def build_flow(spec: FlowSpec, steps: int, shape: FlowShape, cost: CostModel) ->
     name = spec.name
     nodes: list[Node] = []
     previous_commit: str | None = None
+    trainer = shape.trainer_devices
+    micro = spec.micro_batch
+
+    def trainer_nodes(prefix: str, step: int, label: str, samples: tuple, data: list[str], weights: tuple) -> list[Node]:
+        """Old / reference log-prob forward (if any; it needs the `data` and the step's `weights`) and one train
+        node per timestep chunk for `samples` (it needs the data and the previous optimizer step)."""
+        n = len(samples)
+        out: list[Node] = []
+        train_deps = data + ([previous_commit] if previous_commit else [])
+        if shape.recompute_logprob or spec.reference:
+            logprob_s = 0.0
+            if shape.recompute_logprob:
+                logprob_s += cost.dit_logprob(model, n, spec.trained_timesteps, tokens, train_cfg, trainer, micro)
+            if spec.reference:  # verl's reference model runs under FSDP CPUOffload: parameters stream in per pass
+                logprob_s += cost.dit_logprob(model, n, spec.trained_timesteps, tokens, train_cfg, trainer, micro, host_streaming=True)
+            logprob = Node(
+                f"{prefix}/logprob{label}", name, step, Kind.LOGPROB, Role.TRAINER,
+                (*data, *weights), step, samples, cost_s=logprob_s,
+                memory_gb=cost.training_memory(0, 1, model.hidden, tokens * passes * micro, checkpointing=False).activations / GB,
+            )
+            out.append(logprob)
+            train_deps.append(logprob.id)
+        for start, stop in chunks:
+            out.append(Node(
+                f"{prefix}/train{label}.t{start}-{stop}", name, step, Kind.TRAIN, Role.TRAINER, tuple(train_deps), step,
+                samples, chunk=(start, stop),
+                cost_s=cost.dit_train(model, n, stop - start, tokens, train_cfg, trainer, micro),
+                memory_gb=cost.training_memory(0, model.layers, model.hidden, tokens * passes * micro * (stop - start)).activations / GB,
+            ))
+        return out
+
     for step in range(steps):
         prefix = f"{name}/s{step}"
         weights_of_step = (previous_commit,) if previous_commit else ()
         for mini_batch in range(spec.mini_batches):
             train_ids: list[str] = []
-            for f in range(mini_batch * per_mini_batch, (mini_batch + 1) * per_mini_batch):
-                prompts = fragments[f]
-                samples = tuple((step, p, i) for p in prompts for i in range(spec.group))
+            if shape.staged:
+                batch_samples = [(step, p, i) for p in split(spec.prompts, spec.mini_batches)[mini_batch] for i in range(spec.group)]
+                pieces = [tuple(batch_samples[r.start:r.stop]) for r in split(len(batch_samples), per_mini_batch)]
+            else:
+                pieces = [tuple((step, p, i) for p in fragments[f] for i in range(spec.group))
+                          for f in range(mini_batch * per_mini_batch, (mini_batch + 1) * per_mini_batch)]
+            scores: list[str] = []
+            for f, samples in zip(range(mini_batch * per_mini_batch, (mini_batch + 1) * per_mini_batch), pieces):
                 n = len(samples)
                 generate = Node(
                     f"{prefix}/gen{f}", name, step, Kind.GENERATE, Role.ROLLOUT, (), step, samples,
@@ -112,27 +154,15 @@ def build_flow(spec: FlowSpec, steps: int, shape: FlowShape, cost: CostModel) ->
                 score_s = cost.vlm_score(n) if spec.reward == "vlm" else cost.rule_score(n)
                 score = Node(f"{prefix}/score{f}", name, step, Kind.SCORE, Role.REWARD, (generate.id,), step, samples, cost_s=score_s)
                 nodes += [generate, score]
-                train_deps = [score.id] + ([previous_commit] if previous_commit else [])
-                forwards = int(shape.recompute_logprob) + int(spec.reference)
-                if forwards:
-                    logprob = Node(
-                        f"{prefix}/logprob{f}", name, step, Kind.LOGPROB, Role.TRAINER,
-                        (generate.id, *weights_of_step), step, samples,
-                        cost_s=forwards * cost.dit_logprob(model, n * spec.trained_timesteps, tokens, train_cfg),
-                        memory_gb=cost.training_memory(0, 1, model.hidden, tokens * passes, checkpointing=False).activations / GB,
-                    )
-                    nodes.append(logprob)
-                    train_deps.append(logprob.id)
-                for start, stop in chunks:
-                    pairs_per_micro_batch = stop - start
-                    train = Node(
-                        f"{prefix}/train{f}.t{start}-{stop}", name, step, Kind.TRAIN, Role.TRAINER, tuple(train_deps), step,
-                        samples, chunk=(start, stop),
-                        cost_s=cost.dit_train(model, n * (stop - start), tokens, train_cfg),
-                        memory_gb=cost.training_memory(0, model.layers, model.hidden, tokens * passes * pairs_per_micro_batch).activations / GB,
-                    )
-                    nodes.append(train)
-                    train_ids.append(train.id)
+                scores.append(score.id)
+                if not shape.staged:
+                    made = trainer_nodes(prefix, step, str(f), samples, [score.id], weights_of_step)
+                    nodes += made
+                    train_ids += [m.id for m in made if m.kind == Kind.TRAIN]
+            if shape.staged:
+                made = trainer_nodes(prefix, step, f"-mb{mini_batch}", tuple(batch_samples), scores, weights_of_step)
+                nodes += made
+                train_ids += [m.id for m in made if m.kind == Kind.TRAIN]
             commit = Node(
                 f"{prefix}/commit{mini_batch}", name, step, Kind.COMMIT, Role.TRAINER, tuple(train_ids), step,
                 cost_s=optimizer_s, collective=True,

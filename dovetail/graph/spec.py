@@ -31,6 +31,11 @@ class FlowSpec(_Spec):
     mini_batches: int = Field(1, gt=0, description="Optimizer steps per RL step (the batch is split by prompt).")
     reward: Literal["vlm", "rule"] = Field("vlm", description="vlm: a model judge (OCR, PickScore-like); rule: a cheap function.")
     offload: bool = Field(False, description="Trainer parameters and optimizer state live in host memory (FSDP offload).")
+    micro_batch: int = Field(
+        1, gt=0,
+        description="Samples per device in one trainer forward/backward (the recipe's train micro-batch); the "
+        "per-timestep loop runs one pass per micro-batch per trained timestep, TSP batches a chunk of timesteps into it.",
+    )
     fragments: int | None = Field(None, gt=0, description="GAP fragments M (whole groups); None lets the policy choose.")
     tsp_chunk: int | None = Field(None, gt=0, description="Timesteps per TSP train node; None lets the policy choose.")
 

@@ -64,11 +64,21 @@ class Calibration:
     # text) 20B MMDiT is ~2.7e17 FLOP; with the update (1024 trained pairs) and the OCR judge the
     # step fits only if the rollout engine (vLLM-Omni, step-wise batching) runs at ~0.6 of peak ...
     dit_inference_mfu: float = 0.60
-    # ... and FSDP forward+backward (4 forwards with recompute) at ~0.55.
-    dit_train_mfu: float = 0.55
+    # ... and FSDP forward+backward (4 forwards with recompute) at 0.62 for large passes. Refitted when
+    # per-pass FSDP traffic and the small-pass curve were added (below): [QI] (16 images x 1280 tokens per
+    # pass) lands at +7 % of its step and [WAN]'s actor update (one 14040-token video per pass) at +19 %
+    # with it; 0.55 left [QI] at +12 % and [WAN] at +12 % with its update share 7 pp too high.
+    dit_train_mfu: float = 0.62
     # Forward-only recompute of old log-probs in the FSDP actor (same kernels as training, no
     # backward overlap to hide FSDP all-gathers).
     dit_logprob_mfu: float = 0.50
+    # The two factors above are the large-pass limit: a trainer pass holding t tokens (pairs x latent
+    # tokens, x2 with CFG) runs at mfu x t / (t + dit_half_mfu_tokens) — small-batch under-utilisation
+    # (GEMMs with few rows, fixed per-layer launch and norm/attention-kernel overheads). The three
+    # calibration runs all hold >= 14k tokens per pass (where the curve is within 4 % of its limit), so
+    # they do not constrain the half point; 512 tokens is an assumption (H100 bf16 GEMMs of a 3072-wide
+    # DiT layer reach about half their large-M throughput at M ~ 512 in public cuBLAS sweeps).
+    dit_half_mfu_tokens: float = 512.0
     # Text encoders and VAE decoders run at low batch and small shapes.
     encoder_mfu: float = 0.25
     # Ascend 910B relative to the NVIDIA efficiencies above for the same kernels. [WAN]: 48 videos x
@@ -77,6 +87,17 @@ class Calibration:
     # Vision-language judge (OCR reward, Qwen3-VL-8B on vLLM): seconds per image per device, fitted
     # to the residual of [QI] after generation, log-prob and update.
     vlm_reward_s_per_image_device: float = 0.10
+
+    # --- per-pass costs of an FSDP (ZeRO-3) trainer: what one forward/backward pays whatever it holds --
+    # Each forward all-gathers the bf16 parameters, each backward all-gathers them again and
+    # reduce-scatters the gradients; prefetch overlaps them with compute, so a pass takes the longer of
+    # the two. Ring collectives over NVLink inside a node, over each device's NIC across nodes, at this
+    # share of the nominal per-direction bandwidth: nccl-tests all_gather / reduce_scatter bus bandwidth
+    # on HGX H100 is ~360 GB/s over NVLink (450 nominal) and ~40-45 GB/s per GPU across NDR400 (50).
+    collective_bandwidth_efficiency: float = 0.8
+    # Bytes per parameter of the gradient reduce-scatter: verl's FSDP workers and fastvideo (DanceGRPO)
+    # both use MixedPrecision(param_dtype=bf16, reduce_dtype=float32).
+    grad_reduce_bytes: int = 4
 
     # --- optimizer, offload, switches, weight publication --------------------------------------
     # AdamW step streams fp32 master weights, two moments and grads: bytes / (HBM bw x this).

@@ -1,7 +1,9 @@
 """Device and model catalogues: the public figures the cost model starts from.
 
 Devices: dense (no sparsity) bf16 peak, HBM bandwidth, memory and per-direction device-to-device
-bandwidth from the vendors' data sheets. Models: shapes from each model's public `config.json` /
+bandwidth from the vendors' data sheets; network bandwidth is the one NIC per device of the vendors'
+reference nodes (HGX/DGX H100, H200, H800: ConnectX-7 NDR 400 Gb/s = 50 GB/s; DGX A100: HDR 200 Gb/s;
+Atlas 800T A2: 200 GbE RoCE per NPU; L40S servers: 100 GbE assumed). Models: shapes from each model's public `config.json` /
 model card. Plain dataclasses; the cost model turns them into seconds and bytes.
 """
 
@@ -18,26 +20,28 @@ class Device:
     memory_bandwidth: float  # bytes/s, HBM (or DRAM share for a CPU core)
     memory_bytes: float
     interconnect_bandwidth: float  # bytes/s per direction to a peer in the same node
+    network_bandwidth: float  # bytes/s per direction to a peer in another node (the device's own NIC)
+    node_size: int = 8  # devices sharing the intra-node interconnect
 
 
 DEVICES: dict[str, Device] = {
     d.name: d
     for d in (
         # H100 SXM5 data sheet: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, 80 GB, NVLink 900 GB/s bidirectional.
-        Device("H100", 989e12, 3.35 * TB, 80 * GB, 450 * GB),
+        Device("H100", 989e12, 3.35 * TB, 80 * GB, 450 * GB, 50 * GB),
         # H800 SXM: H100 silicon with NVLink cut to 400 GB/s bidirectional.
-        Device("H800", 989e12, 3.35 * TB, 80 * GB, 200 * GB),
+        Device("H800", 989e12, 3.35 * TB, 80 * GB, 200 * GB, 50 * GB),
         # H200 SXM: H100 compute, 141 GB HBM3e at 4.8 TB/s.
-        Device("H200", 989e12, 4.8 * TB, 141 * GB, 450 * GB),
+        Device("H200", 989e12, 4.8 * TB, 141 * GB, 450 * GB, 50 * GB),
         # A100 SXM 80 GB: 312 TFLOP/s bf16 dense, 2.039 TB/s HBM2e, NVLink 600 GB/s bidirectional.
-        Device("A100-80G", 312e12, 2.039 * TB, 80 * GB, 300 * GB),
+        Device("A100-80G", 312e12, 2.039 * TB, 80 * GB, 300 * GB, 25 * GB),
         # L40S: 362 TFLOP/s bf16 dense (733 with sparsity), 864 GB/s GDDR6, 48 GB, PCIe Gen4 x16.
-        Device("L40S", 362e12, 0.864 * TB, 48 * GB, 32 * GB),
+        Device("L40S", 362e12, 0.864 * TB, 48 * GB, 32 * GB, 12.5 * GB),
         # Ascend 910B (Atlas 800T A2): ~320 TFLOP/s fp16/bf16, 64 GB HBM2e at 1.6 TB/s, HCCS 392 GB/s.
-        Device("Ascend-910B", 320e12, 1.6 * TB, 64 * GB, 196 * GB),
+        Device("Ascend-910B", 320e12, 1.6 * TB, 64 * GB, 196 * GB, 25 * GB),
         # One x86 core with AVX-512 (2 FMA units x 16 fp32 lanes x ~3 GHz), a DRAM-bandwidth share and
         # the memory one core is given when a machine's cores serve as devices.
-        Device("cpu-core", 0.1e12, 10 * GB, 8 * GB, 5 * GB),
+        Device("cpu-core", 0.1e12, 10 * GB, 8 * GB, 5 * GB, 1.25 * GB, node_size=1),
     )
 }
 
@@ -143,6 +147,9 @@ DIFFUSION_MODELS: dict[str, DiffusionModel] = {
         DiffusionModel("QwenImage-20B", 20.4e9, 60, 3072, 24, 8, 2, 256, 8.3e9, 2.4e6),
         # stabilityai/stable-diffusion-3.5-medium: 24 MMDiT-X blocks, 1536 wide, 24 heads.
         DiffusionModel("SD3.5-M", 2.5e9, 24, 1536, 24, 8, 2, 333, 4.7e9, 2.4e6),
+        # dovetail's own tiny MMDiT on 8x8 digits (dovetail/assets/digits-t2i): pixels are the latents
+        # (no VAE), 2x2 patches, 4 learned prompt tokens, no text encoder. What the CPU quick start runs.
+        DiffusionModel("digits-t2i", 1.68e6, 3, 128, 4, 1, 2, 4, 0.0, 0.0),
     )
 }
 

@@ -27,8 +27,8 @@ def flow_only(policy: str, spec: PipelineSpec) -> FlowSpec:
 
 
 def data_parallel_fragments(spec: FlowSpec, devices: int) -> int:
-    """One fragment per rollout device (whole groups), a multiple of the mini-batch count."""
-    fragments = min(spec.prompts, devices)
+    """One fragment per rollout device (verl chunks the batch's samples evenly), a multiple of the mini-batch count."""
+    fragments = min(spec.samples, devices)
     return max(spec.mini_batches, fragments - fragments % spec.mini_batches)
 
 
@@ -115,7 +115,7 @@ class Colocated(StagedFlow):
     @classmethod
     def shape(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost) -> FlowShape:
         spec = flow_only(cls.name, spec)
-        return FlowShape(data_parallel_fragments(spec, devices), 1, True, devices)
+        return FlowShape(data_parallel_fragments(spec, devices), 1, True, devices, staged=True)
 
     def pools(self, setup: Setup) -> tuple[tuple[int, ...], tuple[int, ...]]:
         everyone = tuple(range(setup.devices))

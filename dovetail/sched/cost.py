@@ -250,16 +250,84 @@ class CostModel:
         seconds = dit + self.text_encode_seconds(model, samples, devices) + self.vae_decode_seconds(model, samples, height, width, frames, devices)
         return self._corrected("generate", seconds)
 
-    def dit_logprob(self, model: DiffusionModel, pairs: int, latent_tokens: int, cfg: bool = False, devices: int = 1) -> float:
-        """Forward-only log-probs of `pairs` (sample, timestep) transitions."""
-        flops = pairs * (2 if cfg else 1) * self.dit_forward_flops(model, latent_tokens)
-        return self._corrected("logprob", self.compute_seconds(flops, self.calibration.dit_logprob_mfu, devices))
+    def collective_seconds(self, nbytes: float, devices: int) -> float:
+        """A ring all-gather or reduce-scatter of an (unsharded) tensor of `nbytes` over `devices`: each
+        device moves nbytes x (devices - 1) / devices through the ring's slowest link — the intra-node
+        interconnect while the group fits in one node, the device's network link once it spans nodes."""
+        if devices <= 1:
+            return 0.0
+        link = self.device.interconnect_bandwidth if devices <= self.device.node_size else self.device.network_bandwidth
+        return nbytes * (devices - 1) / devices / (link * self.calibration.collective_bandwidth_efficiency)
 
-    def dit_train(self, model: DiffusionModel, pairs: int, latent_tokens: int, cfg: bool = False, devices: int = 1, checkpointing: bool = True) -> float:
-        """Forward + backward over `pairs` (sample, timestep) transitions."""
-        forwards = 4 if checkpointing else 3
-        flops = forwards * pairs * (2 if cfg else 1) * self.dit_forward_flops(model, latent_tokens)
-        return self._corrected("train", self.compute_seconds(flops, self.calibration.dit_train_mfu, devices))
+    def pass_mfu(self, mfu: float, tokens: float) -> float:
+        """Efficiency of one forward/backward holding `tokens` tokens: the large-pass `mfu` scaled down by
+        small-batch under-utilisation, tokens / (tokens + dit_half_mfu_tokens)."""
+        return mfu * tokens / (tokens + self.calibration.dit_half_mfu_tokens)
+
+    def fsdp_pass_transfer_seconds(self, model: DiffusionModel, devices: int, backward: bool, host_streaming: bool = False) -> float:
+        """Per-pass traffic of an FSDP (ZeRO-3) group: the bf16 parameters all-gathered for the forward
+        and, with a backward, all-gathered again and the gradients reduce-scattered; with parameter
+        CPU offload (verl's reference model) each forward also copies the device's shard in from host."""
+        weights = model.params * BF16
+        seconds = self.collective_seconds(weights, devices)
+        if backward:
+            seconds += self.collective_seconds(weights, devices)
+            seconds += self.collective_seconds(model.params * self.calibration.grad_reduce_bytes, devices)
+        if host_streaming:
+            seconds += weights / devices / self.calibration.host_link_bytes_per_s
+        return seconds
+
+    def dit_passes(
+        self,
+        model: DiffusionModel,
+        pairs: int,
+        latent_tokens: int,
+        *,
+        forwards: int,
+        mfu: float,
+        backward: bool,
+        cfg: bool = False,
+        devices: int = 1,
+        pairs_per_pass: int | None = None,
+        host_streaming: bool = False,
+    ) -> float:
+        """Device-seconds (`devices` x wall) of an FSDP group of `devices` running `pairs` (sample, timestep)
+        transitions, spread evenly over the devices, each device its share in passes of at most
+        `pairs_per_pass` pairs (None: one pass). A pass costs `forwards` DiT forwards per pair at the
+        pass's efficiency, or its parameter / gradient traffic if that is longer (prefetch overlaps the
+        two); the busiest device sets the wall time."""
+        per_device = math.ceil(pairs / devices)
+        passes = math.ceil(per_device / (pairs_per_pass or per_device))
+        held = per_device / passes * (2 if cfg else 1)
+        compute = self.compute_seconds(forwards * held * self.dit_forward_flops(model, latent_tokens), self.pass_mfu(mfu, held * latent_tokens))
+        transfer = self.fsdp_pass_transfer_seconds(model, devices, backward, host_streaming)
+        return devices * passes * max(compute, transfer)
+
+    def dit_logprob(
+        self, model: DiffusionModel, samples: int, timesteps: int, latent_tokens: int, cfg: bool = False, devices: int = 1,
+        micro_batch: int | None = None, host_streaming: bool = False,
+    ) -> float:
+        """Forward-only log-probs of `samples` samples at `timesteps` timesteps each in the trainers' loop: one
+        forward pass per micro-batch of samples per timestep. Device-seconds over the group."""
+        seconds = timesteps * self.dit_passes(
+            model, samples, latent_tokens, forwards=1, mfu=self.calibration.dit_logprob_mfu, backward=False, cfg=cfg,
+            devices=devices, pairs_per_pass=micro_batch, host_streaming=host_streaming,
+        )
+        return self._corrected("logprob", seconds)
+
+    def dit_train(
+        self, model: DiffusionModel, samples: int, timesteps: int, latent_tokens: int, cfg: bool = False, devices: int = 1,
+        micro_batch: int | None = None, checkpointing: bool = True,
+    ) -> float:
+        """Forward + backward of `samples` samples at `timesteps` timesteps each. The samples x timesteps pairs
+        spread over the group (TSP: devices may hold different timesteps of one sample) in passes of up to
+        micro_batch x timesteps pairs; the per-timestep loop is one call per timestep (timesteps=1).
+        Device-seconds over the group."""
+        seconds = self.dit_passes(
+            model, samples * timesteps, latent_tokens, forwards=4 if checkpointing else 3, mfu=self.calibration.dit_train_mfu,
+            backward=True, cfg=cfg, devices=devices, pairs_per_pass=micro_batch and micro_batch * timesteps,
+        )
+        return self._corrected("train", seconds)
 
     def vlm_score(self, samples: int, devices: int = 1) -> float:
         """Model-based reward (a VLM judge) for generated images."""
