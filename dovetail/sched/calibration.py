@@ -75,7 +75,7 @@ class Calibration:
     # The two factors above are the large-pass limit: a trainer pass holding t tokens (pairs x latent
     # tokens, x2 with CFG) runs at mfu x t / (t + dit_half_mfu_tokens) — small-batch under-utilisation
     # (GEMMs with few rows, fixed per-layer launch and norm/attention-kernel overheads). The three
-    # calibration runs all hold >= 14k tokens per pass (where the curve is within 4 % of its limit), so
+    # diffusion calibration runs both hold >= 14k tokens per pass (where the curve is within 4 % of its limit), so
     # they do not constrain the half point; 512 tokens is an assumption (H100 bf16 GEMMs of a 3072-wide
     # DiT layer reach about half their large-M throughput at M ~ 512 in public cuBLAS sweeps).
     dit_half_mfu_tokens: float = 512.0
@@ -95,8 +95,9 @@ class Calibration:
     # share of the nominal per-direction bandwidth: nccl-tests all_gather / reduce_scatter bus bandwidth
     # on HGX H100 is ~360 GB/s over NVLink (450 nominal) and ~40-45 GB/s per GPU across NDR400 (50).
     collective_bandwidth_efficiency: float = 0.8
-    # Bytes per parameter of the gradient reduce-scatter: verl's FSDP workers and fastvideo (DanceGRPO)
-    # both use MixedPrecision(param_dtype=bf16, reduce_dtype=float32).
+    # Bytes per parameter of the gradient reduce-scatter: verl's FSDP workers use
+    # MixedPrecision(param_dtype=bf16, reduce_dtype=float32). fastvideo (DanceGRPO) defaults to fp32 for
+    # both (master_weight_type="fp32"), i.e. heavier all-gathers; we charge every trainer verl's lighter figures.
     grad_reduce_bytes: int = 4
 
     # --- optimizer, offload, switches, weight publication --------------------------------------
