@@ -117,11 +117,13 @@ def prepare(
     steps: int | None = None,
     devices: int | None = None,
     options: dict | None = None,
+    shapes: dict | None = None,
     **shape_overrides,
 ) -> Prepared:
     """Build the sub-stage graph the policy wants for every pipeline, the engines' footprints, and the policy.
     `options` go to the policy (e.g. {"tag": False});
-    `shape_overrides` (fragments, tsp_chunk, trainer_devices...) replace what the policy would choose."""
+    `shapes` (pipeline -> shape) fixes every pipeline's shape; otherwise `shape_overrides` (fragments, tsp_chunk,
+    trainer_devices...) replace what the policy would choose."""
     from dovetail.sched import policy_class
     from dovetail.sched.catalog import device as lookup_device
     from dovetail.sched.cost import CostModel
@@ -134,10 +136,19 @@ def prepare(
     nodes, engines, trainer_pools = [], {}, {}
     # Policies that give each pipeline its own slice of the pool (verl-sync, streamrl, areal) cut steps for it.
     pipeline_devices = devices // len(scenario.pipelines) if getattr(cls, "splits_pool", False) else devices
-    for spec in scenario.pipelines:
-        shape = cls.shape(spec, pipeline_devices, trainer_devices, cost)
+    if shapes is None:
+        shapes = {spec.name: cls.shape(spec, pipeline_devices, trainer_devices, cost) for spec in scenario.pipelines}
         if shape_overrides:
-            shape = replace(shape, **shape_overrides)
+            shapes = {name: replace(shape, **shape_overrides) for name, shape in shapes.items()}
+        elif hasattr(cls, "plan_shapes"):
+            # The policy chooses among shapes by rolling the simulator forward a bounded horizon per candidate.
+            def forecast(candidate: dict, horizon: int) -> float:
+                trace = _run(scenario, prepare(scenario, policy, steps=horizon, devices=devices, options=options, shapes=candidate))
+                return sum(r.samples for r in trace.steps) / trace.makespan
+
+            shapes = cls.plan_shapes(scenario.pipelines, shapes, cost, forecast)
+    for spec in scenario.pipelines:
+        shape = shapes[spec.name]
         nodes += shape.build(spec, steps, cost)
         engines[spec.name] = shape.engines(spec, cost)
         trainer_pools[spec.name] = getattr(shape, "trainer_devices", None)
@@ -156,6 +167,7 @@ def prepare(
         trainer_devices=next(iter(trainer_pools.values())) if len(set(trainer_pools.values())) == 1 else trainer_devices,
         trainer_groups={name: size for name, size in trainer_pools.items() if size is not None},
         options=options or {},
+        shapes=shapes,
         max_staleness=getattr(cls, "max_staleness", 1),
     )
     return Prepared(Graph(nodes), setup, cls(setup))
@@ -172,11 +184,15 @@ def simulate(
 ):
     """Prepare and simulate one policy on a scenario; returns (Prepared, Trace). Shared devices slow each
     other down by the calibrated interference table."""
+    prepared = prepare(scenario, policy, steps=steps, devices=devices, options=options, **shape_overrides)
+    return prepared, _run(scenario, prepared)
+
+
+def _run(scenario: Scenario, prepared: Prepared):
     from dovetail.exec.sim import SimExecutor
     from dovetail.sched.calibration import DEFAULT
 
-    prepared = prepare(scenario, policy, steps=steps, devices=devices, options=options, **shape_overrides)
     executor = SimExecutor(
         prepared.graph, prepared.setup, seed=scenario.schedule.seed, noise=scenario.schedule.noise, slowdown=DEFAULT.slowdown
     )
-    return prepared, executor.run(prepared.policy)
+    return executor.run(prepared.policy)

@@ -113,3 +113,35 @@ def test_one_step_of_the_64_gpu_scenario_simulates_in_under_two_seconds(policy):
     _, trace = run("jigsaw-64xa100", policy, steps=1)
     assert time.perf_counter() - start < 2.0
     assert len(trace.steps) == 2
+
+
+def test_jigsaw_picks_the_shape_its_forecast_ranks_best_and_runs_the_tail_on_that_engine():
+    from dovetail.sched.cost import CostModel
+    from dovetail.sched.jigsaw import Jigsaw
+
+    scenario = load_scenario("jigsaw-qwen3-4b-8xh100")
+    cost = CostModel(scenario.cluster.device)
+    shapes = {spec.name: Jigsaw.shape(spec, 8, None, cost) for spec in scenario.pipelines}
+    calls = []
+
+    def forecast(candidate, horizon):
+        shape = next(iter(candidate.values()))
+        calls.append((shape.migrate_at, shape.tail_parallel))
+        return -abs(shape.migrate_at - 2048) - abs(shape.tail_parallel - 2)  # best: edge 2048, width 2
+
+    chosen = Jigsaw.plan_shapes(scenario.pipelines, shapes, cost, forecast)
+    assert {(s.migrate_at, s.tail_parallel) for s in chosen.values()} == {(2048, 2)}
+    assert len(calls) == len(set(calls)), "each candidate is simulated once"
+    # The memory model: every pipeline's rollout engine and trainer, plus the trainers' working memory, fit.
+    prepared, trace = run("jigsaw-qwen3-4b-8xh100", "jigsaw", steps=1)
+    assert prepared.policy.resident_gb <= prepared.setup.memory_gb
+    for name, shape in prepared.setup.shapes.items():
+        tail = {s.device for s in trace.spans if s.node == f"{name}/0/decode/tail"}
+        assert len(tail) == shape.tail_parallel
+
+
+def test_the_searched_shape_beats_the_cost_model_default():
+    scenario = load_scenario("jigsaw-mixed-0.6b-8b")
+    searched = summarize(simulate(scenario, "jigsaw")[1]).samples_per_s
+    greedy = summarize(simulate(scenario, "jigsaw-greedy")[1]).samples_per_s
+    assert searched > greedy

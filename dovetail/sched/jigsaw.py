@@ -6,22 +6,28 @@ sub-stage graph of `graph.llm` with shareable nodes: a pipeline's rollout runs o
 engine per `tensor_parallel` devices, its trainer work on the whole pool. Complementary sub-stages of
 different pipelines — bandwidth-bound decode beside compute-bound log-prob / training — share devices
 (share `SHARE` each) and slow each other down by the calibrated interference table. Long-tail responses
-migrate at `migrate_at` tokens (re-prefill counted) onto the least-loaded engine, freeing the others.
-Steps stay on-policy (staleness 0).
+migrate at `migrate_at` tokens (re-prefill counted) onto one engine of `tail_parallel` devices, freeing the
+others for the other pipeline's decode and trainer work; micro-batches are whole prompt groups in finishing
+order, so finished length bands get their log-probs and gradients while the tail decodes (one optimizer
+step per batch: steps stay on-policy, staleness 0).
 
-The one real choice is which pipelines' trainer work runs when several want the (compute-bound) pool:
-`jigsaw` rolls a stage-level model of the pool forward over each pipeline's current and next step
-(the same interference table; memoized) for every candidate set and takes the one with the earliest
-mean completion; `jigsaw-greedy` starts everything that fits now, the locally best action.
+`jigsaw` chooses where the tail migrates and how wide its engine is by rolling the simulator forward one
+step per candidate (`plan_shapes`, memoized coordinate descent); each rollout engine's memory is what the
+trainers leave, split evenly (`rollout_shares`). At run time, when several pipelines' trainer work wants
+the (compute-bound) pool, it rolls a memoized stage-level model of the pool forward over each pipeline's
+current and next step for every candidate set and takes the earliest mean completion. `jigsaw-greedy`,
+the ablation, keeps the cost-model default shape (tail at `tail_edge`, engine as wide as the home ones)
+and starts everything that fits now.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import lru_cache
 from itertools import combinations
 
-from dovetail.graph.llm import LLMShape, response_lengths, stage
+from dovetail.graph.llm import GB, LLMShape, response_lengths, stage
 from dovetail.graph.node import Kind, Node, Role
 from dovetail.graph.spec import PipelineSpec
 from dovetail.sched.calibration import DEFAULT
@@ -30,21 +36,14 @@ from dovetail.sched.llm_common import (
 )
 from dovetail.sched.policy import Begin, Decision, Event, Run, Setup, SwitchRole, View, open_steps_on_publish
 
-ROLLOUT_MEMORY = 0.3
-"""Device fraction of each pipeline's rollout engine (weights + KV cache): two pipelines' engines take
-half of every device, their FSDP trainer shards and activations the rest."""
-TAIL_ENGINE = 4
-"""The long tail migrates onto an engine this many times wider than the home engines: each device holds
-the full weights already, and a wider engine reads fewer weight and KV bytes per device per token."""
+HORIZON_STEPS = 1
+"""Look-ahead horizon of the shape search: one step of every pipeline, the pipelines sharing the pool (the
+freed devices taken by the other pipeline's work); on these scenarios it ranks candidates as a 3-step run does."""
 SHARE = 0.475
 """Share of a device a rollout or trainer node reserves: two fit side by side ..."""
 SCORE_SHARE = 0.05
 """... with room left for a rule reward."""
 EPS = 1e-9
-
-
-def tail_width(devices: int, tensor_parallel: int) -> int:
-    return min(devices, TAIL_ENGINE * tensor_parallel)
 
 
 def tail_edge(spec, shards: int) -> int | None:
@@ -100,14 +99,60 @@ class Jigsaw(StagedLLMPolicy):
     name = "jigsaw"
     look_ahead = True
 
+    search = True
+
     @classmethod
     def shape(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost) -> LLMShape:
+        """The cost-model default: the tail leaves at `tail_edge` for an engine as wide as the home ones;
+        micro-batches in finishing order, so finished length bands train while the tail decodes."""
         spec = llm_only(cls.name, spec)
         shards = rollout_engines(spec, devices)
-        return LLMShape(
-            shards, devices, tail_edge(spec, shards), shared=True, rollout_memory=ROLLOUT_MEMORY,
-            tail_parallel=tail_width(devices, spec.tensor_parallel),
-        )
+        return LLMShape(shards, devices, tail_edge(spec, shards), stream=True, shared=True, tail_parallel=spec.tensor_parallel)
+
+    @classmethod
+    def plan_shapes(cls, specs: Sequence[PipelineSpec], shapes: dict[str, LLMShape], cost, forecast) -> dict[str, LLMShape]:
+        """Rollout memory from the memory model; then (`jigsaw`) where the tail migrates and how wide its engine
+        is, by rolling the simulator forward `HORIZON_STEPS` steps per candidate (`forecast(shapes, steps)` ->
+        samples/s; memoized): coordinate descent over the tail engine's width (the home width doubled while it
+        stays within one pipeline's fair share of the pool) and the migration edge (the length bands)."""
+        shapes = rollout_shares(specs, shapes, cost)
+        if not cls.search:
+            return shapes
+        devices = next(iter(shapes.values())).trainer_devices
+        options: dict[str, tuple[list[int | None], list[int]]] = {}
+        for spec in specs:
+            edges = [e for e in spec.length_bands if e < spec.max_length] or [shapes[spec.name].migrate_at]
+            widths = [spec.tensor_parallel]
+            while widths[-1] * 2 <= devices // len(specs):
+                widths.append(widths[-1] * 2)
+            options[spec.name] = (edges, widths)
+
+        def candidate(point: tuple[int, int]) -> dict[str, LLMShape]:
+            return {
+                name: replace(shapes[name], migrate_at=edges[min(point[0], len(edges) - 1)], tail_parallel=widths[min(point[1], len(widths) - 1)])
+                for name, (edges, widths) in options.items()
+            }
+
+        memo: dict[tuple[int, int], float] = {}
+
+        def score(point: tuple[int, int]) -> float:
+            if point not in memo:
+                memo[point] = forecast(candidate(point), HORIZON_STEPS)
+            return memo[point]
+
+        start = [max(edges.index(shapes[n].migrate_at) if shapes[n].migrate_at in edges else 0 for n, (edges, _) in options.items()), 0]
+        sizes = [max(len(e) for e, _ in options.values()), max(len(w) for _, w in options.values())]
+        point = tuple(start)
+        for _ in range(2):
+            before = point
+            for axis in (0, 1):
+                point = max(
+                    (tuple(value if a == axis else point[a] for a in range(2)) for value in range(sizes[axis])),
+                    key=lambda p: (score(p), -p[1], p[0]),
+                )
+            if point == before:
+                break
+        return candidate(point)
 
     def __init__(self, setup: Setup) -> None:
         super().__init__(setup)
@@ -163,7 +208,7 @@ class Jigsaw(StagedLLMPolicy):
             if shard is not None:
                 devices = engine_devices(self.everyone, shard, tp)
             elif node.kind == Kind.MIGRATE:
-                width = tail_width(len(self.everyone), tp)
+                width = self.setup.shapes[pipeline].tail_parallel or tp
                 engines = [engine_devices(self.everyone, k, width) for k in range(len(self.everyone) // width)]
                 devices = max(engines, key=lambda e: (min(self.free[d] for d in e), -e[0]))
             else:
@@ -231,3 +276,20 @@ class Jigsaw(StagedLLMPolicy):
 class JigsawGreedy(Jigsaw):
     name = "jigsaw-greedy"
     look_ahead = False
+    search = False
+
+
+def rollout_shares(specs: Sequence[PipelineSpec], shapes: dict[str, LLMShape], cost) -> dict[str, LLMShape]:
+    """Each pipeline's rollout engine gets an even share of what every pipeline's resident FSDP trainer shard
+    and the largest working memory of its trainer nodes (which may run side by side) leave of a device, at
+    most the calibrated rollout memory fraction."""
+    capacity = cost.device.memory_bytes / GB
+    held = 0.0
+    for spec in specs:
+        shape = shapes[spec.name]
+        held += shape.engines(spec, cost).resident_gb[Role.TRAINER]
+        held += max(n.memory_gb for n in shape.build(spec, 1, cost) if n.role == Role.TRAINER)
+    share = min(DEFAULT.rollout_memory_fraction, (capacity - held) / (len(specs) * capacity))
+    if share <= 0:
+        raise ValueError(f"jigsaw: the pipelines' trainers alone need {held:.0f} GB per device, more than {capacity:.0f} GB")
+    return {name: replace(shape, rollout_memory=share) for name, shape in shapes.items()}

@@ -160,6 +160,8 @@ class Setup:
     trainer_groups: Mapping[str, int] = field(default_factory=dict)
     """Trainer group size each pipeline's step was cut for (pipeline -> devices)."""
     options: Mapping[str, object] = field(default_factory=dict)
+    shapes: Mapping[str, object] = field(default_factory=dict)
+    """The shape each pipeline's steps were cut with (pipeline -> e.g. `graph.llm.LLMShape`)."""
     max_staleness: int = 1
     """Versions a step's rollouts may lag its training (the executor refuses more); AReaL's bound eta."""
 
