@@ -118,12 +118,14 @@ def prepare(
     devices: int | None = None,
     options: dict | None = None,
     shapes: dict | None = None,
+    cost: "CostModel | None" = None,
     **shape_overrides,
 ) -> Prepared:
     """Build the sub-stage graph the policy wants for every pipeline, the engines' footprints, and the policy.
     `options` go to the policy (e.g. {"tag": False});
     `shapes` (pipeline -> shape) fixes every pipeline's shape; otherwise `shape_overrides` (fragments, tsp_chunk,
-    trainer_devices...) replace what the policy would choose."""
+    trainer_devices...) replace what the policy would choose. `cost` replaces the analytic cost model (the Ray
+    runtime passes one corrected by costs profiled on its own devices)."""
     from dovetail.sched import policy_class
     from dovetail.sched.catalog import device as lookup_device
     from dovetail.sched.cost import CostModel
@@ -131,7 +133,7 @@ def prepare(
     cls = policy_class(policy)
     devices = devices or scenario.cluster.devices
     steps = steps or scenario.schedule.steps
-    cost = CostModel(scenario.cluster.device)
+    cost = cost or CostModel(scenario.cluster.device)
     trainer_devices = shape_overrides.pop("trainer_devices", None) or scenario.schedule.trainer_devices
     nodes, engines, trainer_pools = [], {}, {}
     # Policies that give each pipeline its own slice of the pool (verl-sync, streamrl, areal) cut steps for it.
@@ -143,7 +145,7 @@ def prepare(
         elif hasattr(cls, "plan_shapes"):
             # The policy chooses among shapes by rolling the simulator forward a bounded horizon per candidate.
             def forecast(candidate: dict, horizon: int) -> float:
-                trace = _run(scenario, prepare(scenario, policy, steps=horizon, devices=devices, options=options, shapes=candidate))
+                trace = _run(scenario, prepare(scenario, policy, steps=horizon, devices=devices, options=options, shapes=candidate, cost=cost))
                 return sum(r.samples for r in trace.steps) / trace.makespan
 
             shapes = cls.plan_shapes(scenario.pipelines, shapes, cost, forecast)

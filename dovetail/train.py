@@ -5,7 +5,6 @@ prompts -> G samples per prompt (SDE) -> rewards -> advantages -> train the sele
 """
 
 import copy
-import json
 import time
 from pathlib import Path
 
@@ -13,36 +12,14 @@ import numpy as np
 import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from dovetail.algo import group_advantages, select_train_timesteps
+from dovetail.algo import group_advantages
 from dovetail.config.train import TrainConfig, dump_config
-from dovetail.models.flow_rl import SDESettings, accumulate_policy_gradient, commit, generate, group_sample_ids, step_prompts
+from dovetail.models.flow_rl import accumulate_policy_gradient, commit, generate, group_sample_ids, step_prompts
 from dovetail.models.pretrain import latents_to_images
-from dovetail.models.sampling import keyed_normal, sample_key, sample_ode
-from dovetail.models.t2i import flow_sigmas, load_model
+from dovetail.models.t2i import load_model
+from dovetail.recipe import evaluate, make_optimizer, sde_settings, step_timesteps
 from dovetail.rewards import score
 from dovetail.run_dir import RunDir
-
-
-def sde_settings(config: TrainConfig) -> SDESettings:
-    return SDESettings(
-        flow_sigmas(config.sampling.num_steps, config.sampling.shift), config.noise_level, config.sde_kind
-    )
-
-
-def step_timesteps(config: TrainConfig, step: int) -> list[int]:
-    generator = torch.Generator().manual_seed(sample_key(config.seed, "timesteps", step))
-    return select_train_timesteps(
-        config.sampling.num_steps, fraction=config.algo.timestep_fraction, mode=config.timestep_mode, generator=generator
-    )
-
-
-def evaluate(model, config: TrainConfig) -> tuple[dict[str, float], np.ndarray, list[str]]:
-    """ODE samples on fixed held-out seeds, the same at every evaluation."""
-    prompts = [f"digit {d}" for d in range(10) for _ in range(config.eval.per_digit)]
-    noise = keyed_normal([sample_key(config.eval.seed, i) for i in range(len(prompts))], model.latent_shape)
-    images = latents_to_images(sample_ode(model, prompts, sde_settings(config).sigmas, noise))
-    scores = score(images, prompts, config.reward)
-    return {name: float(values.mean()) for name, values in scores.items()}, images, prompts
 
 
 def rl_step(model, optimizer, config: TrainConfig, step: int, reference_model=None) -> dict:
@@ -86,17 +63,48 @@ def rl_step(model, optimizer, config: TrainConfig, step: int, reference_model=No
     return metrics
 
 
-def make_optimizer(model, config: TrainConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=config.train.lr, weight_decay=config.train.weight_decay)
+class StepLog:
+    """What happens after every optimizer step, whoever ran it: metrics, evaluation, checkpoints, progress."""
+
+    def __init__(self, run: RunDir, config: TrainConfig, model, optimizer, last_step: int, eval_reward: float, progress: Progress):
+        self.run, self.config, self.model, self.optimizer = run, config, model, optimizer
+        self.last_step = last_step
+        self.eval_reward = eval_reward
+        self.samples_per_s: list[float] = []
+        self.progress = progress
+        self.task = progress.add_task("train", total=last_step, reward=0.0, eval=eval_reward, sps=0.0)
+
+    def needs_weights(self, done: int) -> bool:
+        """Whether step `done` evaluates or checkpoints (the Ray driver then fetches the trainer state)."""
+        return self._eval_due(done) or done % self.config.checkpoint.every == 0 or done == self.last_step
+
+    def _eval_due(self, done: int) -> bool:
+        return done % self.config.eval.every == 0 or done == self.last_step
+
+    def record(self, done: int, metrics: dict, checkpoint_extra: dict | None = None) -> None:
+        metrics = {"step": done} | metrics
+        self.samples_per_s.append(metrics["samples_per_s"])
+        if self._eval_due(done):
+            start = time.perf_counter()
+            eval_scores, images, prompts = evaluate(self.model, self.config)
+            self.eval_reward = eval_scores["total"]
+            metrics |= {"eval_reward": self.eval_reward, "eval_s": time.perf_counter() - start}
+            metrics |= {f"eval/{name}": value for name, value in eval_scores.items()}
+            self.run.save_eval_grid(images, prompts, "eval_latest.png")
+        self.run.append_metrics(metrics)
+        if done % self.config.checkpoint.every == 0 or done == self.last_step:
+            self.run.save_checkpoint(done, self.model, self.optimizer, checkpoint_extra)
+        self.progress.update(self.task, completed=done, reward=metrics["reward/total"], eval=self.eval_reward,
+                             sps=metrics["samples_per_s"])
 
 
-def train(config: TrainConfig, out: Path, *, steps: int | None = None, resume: Path | None = None) -> dict:
-    """Run the reference loop to `steps` (default config.train.steps); returns the summary."""
+def train(config: TrainConfig, out: Path, *, steps: int | None = None, resume: Path | None = None, after_part=None) -> dict:
+    """Train to `steps` (default config.train.steps) under config.policy; returns the summary.
+    `after_part` is the Ray executor's fault-injection hook, for tests."""
     torch.set_num_threads(1)
     run = RunDir(out)
     model = load_model(config.model.checkpoint)
     optimizer = make_optimizer(model, config)
-    reference_model = copy.deepcopy(model).requires_grad_(False) if config.algo.beta > 0 else None
     first_step = 0
     if resume is not None:
         first_step = run.load_checkpoint(resume, model, optimizer)
@@ -109,34 +117,26 @@ def train(config: TrainConfig, out: Path, *, steps: int | None = None, resume: P
         summary |= {"base_eval_reward": base["total"], "base_eval": base}
         run.save_eval_grid(images, prompts, "eval_base.png")
 
-    eval_reward = summary.get("final_eval_reward", summary["base_eval_reward"])
-    samples_per_s = []
     with Progress(
         TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
         TextColumn("reward {task.fields[reward]:.3f}  eval {task.fields[eval]:.3f}  {task.fields[sps]:.1f} samples/s"),
         TimeElapsedColumn(),
     ) as progress:
-        task = progress.add_task("train", total=last_step, completed=first_step, reward=0.0, eval=eval_reward, sps=0.0)
-        for step in range(first_step, last_step):
-            metrics = {"step": step + 1} | rl_step(model, optimizer, config, step, reference_model)
-            samples_per_s.append(metrics["samples_per_s"])
-            done = step + 1
-            if done % config.eval.every == 0 or done == last_step:
-                start = time.perf_counter()
-                eval_scores, images, prompts = evaluate(model, config)
-                eval_reward = eval_scores["total"]
-                metrics |= {"eval_reward": eval_reward, "eval_s": time.perf_counter() - start}
-                metrics |= {f"eval/{name}": value for name, value in eval_scores.items()}
-                run.save_eval_grid(images, prompts, "eval_latest.png")
-            run.append_metrics(metrics)
-            if done % config.checkpoint.every == 0 or done == last_step:
-                run.save_checkpoint(done, model, optimizer)
-            progress.update(task, completed=done, reward=metrics["reward/total"], eval=eval_reward, sps=metrics["samples_per_s"])
+        log = StepLog(run, config, model, optimizer, last_step, summary.get("final_eval_reward", summary["base_eval_reward"]), progress)
+        progress.update(log.task, completed=first_step)
+        if config.policy == "reference":
+            reference_model = copy.deepcopy(model).requires_grad_(False) if config.algo.beta > 0 else None
+            for step in range(first_step, last_step):
+                log.record(step + 1, rl_step(model, optimizer, config, step, reference_model))
+        else:
+            from dovetail.exec.driver import train_on_ray
+
+            summary |= train_on_ray(config, log, first_step, last_step, after_part=after_part)
 
     summary |= {
-        "final_eval_reward": eval_reward,
+        "final_eval_reward": log.eval_reward,
         "steps": last_step,
-        "samples_per_s": float(np.mean(samples_per_s)) if samples_per_s else summary.get("samples_per_s", 0.0),
+        "samples_per_s": float(np.mean(log.samples_per_s)) if log.samples_per_s else summary.get("samples_per_s", 0.0),
     }
     run.write_summary(summary)
     return summary

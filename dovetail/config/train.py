@@ -57,9 +57,22 @@ class CheckpointSection(Section):
     every: int = Field(50, ge=1, description="save every N steps (and at the end)")
 
 
+class RuntimeSection(Section):
+    """The Ray runtime (every policy but `reference`): devices, cluster, and shape overrides."""
+
+    devices: int = Field(2, ge=1, description="devices (DeviceWorker actors): GPUs, or CPU cores here")
+    device: str = Field("cpu-core", description="device type in the cost model's catalogue (H100, H200, cpu-core...)")
+    address: str | None = Field(None, description="Ray cluster address; None starts a local Ray instance")
+    fragments: int | None = Field(None, ge=1, description="GAP fragments M (whole groups); None: the policy's choice")
+    tsp_chunk: int | None = Field(None, ge=1, description="timesteps per train node; None: the policy's choice")
+    trainer_devices: int | None = Field(None, ge=1, description="trainer pool of disaggregated policies")
+    tag: bool = Field(True, description="let digen insert trainer-assisted generation where it predicts a gain")
+    profile_samples: int = Field(8, ge=1, description="samples in the start-up profile that seeds the cost model")
+
+
 class TrainConfig(Section):
     algorithm: Literal["flow_grpo", "dance_grpo"] = "flow_grpo"
-    policy: Literal["reference"] = "reference"
+    policy: Literal["reference", "colocated", "disaggregated", "digen", "digen+tcss"] = "reference"
     seed: int = 0
     model: ModelSection = ModelSection()
     sampling: SamplingSection = SamplingSection()
@@ -68,6 +81,7 @@ class TrainConfig(Section):
     reward: dict[str, float] = Field(default_factory=lambda: {"digit_match": 1.0})
     eval: EvalSection = EvalSection()
     checkpoint: CheckpointSection = CheckpointSection()
+    runtime: RuntimeSection = RuntimeSection()
 
     @field_validator("reward")
     @classmethod
@@ -83,6 +97,15 @@ class TrainConfig(Section):
     def _dance_grpo_sde(self) -> "TrainConfig":
         if self.algorithm == "dance_grpo" and self.sampling.sde_kind != "flow_grpo":
             raise ValueError("algorithm dance_grpo uses its own constant-eta SDE; leave sampling.sde_kind unset")
+        return self
+
+    @model_validator(mode="after")
+    def _streaming_needs_group_statistics(self) -> "TrainConfig":
+        if self.policy != "reference" and self.algo.std_scope == "global":
+            raise ValueError(
+                f"algo.std_scope=global needs the whole batch scored before any training; policy {self.policy} "
+                "trains fragments as they finish: use algo.std_scope=group (or none), or policy=reference"
+            )
         return self
 
     @property

@@ -1,0 +1,96 @@
+"""Start the Ray runtime for a training config: Ray, one DeviceWorker per device, a cost model
+corrected by a profile of those devices, the policy's graph, and the RayExecutor that runs it."""
+
+from __future__ import annotations
+
+import ray
+
+from dovetail.config.train import TrainConfig
+from dovetail.exec.ray_executor import RayExecutor
+from dovetail.exec.worker import DEVICE_RESOURCE, DeviceWorker
+from dovetail.graph.node import Kind
+from dovetail.recipe import step_timesteps
+from dovetail.scenario import Prepared, Scenario, parse_scenario, prepare
+from dovetail.sched.cost import CostModel
+
+PIPELINE = "digits"
+COST_KIND = {Kind.GENERATE: "generate", Kind.SCORE: "score", Kind.LOGPROB: "logprob", Kind.TRAIN: "train",
+             Kind.COMMIT: "optimizer", Kind.PUBLISH: "publish"}
+
+
+def flow_scenario(config: TrainConfig, steps: int) -> Scenario:
+    """The training config as a scenario the planner understands (the same graph the simulator would run)."""
+    algo = config.algo
+    return parse_scenario({
+        "name": "train-" + config.policy,
+        "cluster": {"device": config.runtime.device, "devices": config.runtime.devices},
+        "pipelines": [{
+            "kind": "flow", "name": PIPELINE, "model": "digits-t2i",
+            "algorithm": "dancegrpo" if config.algorithm == "dance_grpo" else "flowgrpo",
+            "prompts": algo.prompts_per_step, "group": algo.group_size,
+            "denoising_steps": config.sampling.num_steps, "trained_timesteps": len(step_timesteps(config, 0)),
+            "height": 8, "width": 8, "reward": "rule",
+        }],
+        "schedule": {"steps": steps, "policies": [config.policy], "trainer_devices": config.runtime.trainer_devices},
+    }, "training config")
+
+
+def shape_overrides(config: TrainConfig) -> dict:
+    runtime = config.runtime
+    return {k: v for k, v in (("fragments", runtime.fragments), ("tsp_chunk", runtime.tsp_chunk)) if v is not None}
+
+
+def start_ray(config: TrainConfig) -> None:
+    """A local Ray instance with one `dovetail_device` per device, or the cluster at runtime.address."""
+    if ray.is_initialized():
+        available = ray.cluster_resources().get(DEVICE_RESOURCE, 0)
+        if available < config.runtime.devices:
+            raise RuntimeError(f"the running Ray instance has {available:g} {DEVICE_RESOURCE}; runtime.devices={config.runtime.devices}")
+        return
+    if config.runtime.address:
+        ray.init(address=config.runtime.address)
+    else:
+        ray.init(num_cpus=1, resources={DEVICE_RESOURCE: config.runtime.devices}, include_dashboard=False,
+                 log_to_driver=False, configure_logging=False)
+
+
+_POOL: list = []
+
+
+def start_workers(config: TrainConfig, trainer_state: dict) -> tuple[list, ray.ObjectRef, ray.ObjectRef]:
+    """One DeviceWorker per device, configured for this run and holding `trainer_state` (weights +
+    optimizer). The actors are kept for the next run in this process."""
+    while len(_POOL) < config.runtime.devices:
+        _POOL.append(DeviceWorker.remote(len(_POOL)))
+    workers = _POOL[: config.runtime.devices]
+    state_ref = ray.put(trainer_state)
+    weights_ref = ray.put(trainer_state["weights"])
+    ray.get([w.configure.remote(config.model_dump(mode="json"), state_ref) for w in workers])
+    return workers, weights_ref, state_ref
+
+
+def profiled_cost(config: TrainConfig, scenario: Scenario, workers: list) -> CostModel:
+    """The analytic cost model, rescaled per kind of work by what these devices measured."""
+    samples = config.runtime.profile_samples
+    measured = ray.get(workers[0].profile.remote(samples))
+    analytic = prepare(scenario, config.policy, steps=1, **shape_overrides(config)).graph
+    per_unit: dict[str, float] = {}
+    for node in analytic:
+        pairs = len(node.samples) * (node.chunk[1] - node.chunk[0] if node.chunk else 1)
+        units = pairs if node.kind in (Kind.GENERATE, Kind.SCORE, Kind.TRAIN) else 1
+        per_unit.setdefault(COST_KIND[node.kind], node.cost_s / units)
+    records = [(kind, per_unit[kind], measured[kind] / (samples if kind in ("generate", "score", "train") else 1))
+               for kind in measured if kind in per_unit and per_unit[kind] > 0]
+    return CostModel.from_measurements(config.runtime.device, records)
+
+
+def prepare_run(config: TrainConfig, steps: int, workers: list) -> Prepared:
+    scenario = flow_scenario(config, steps)
+    cost = profiled_cost(config, scenario, workers)
+    return prepare(scenario, config.policy, steps=steps, cost=cost, options={"tag": config.runtime.tag},
+                   **shape_overrides(config))
+
+
+def make_executor(config: TrainConfig, prepared: Prepared, workers: list, weights, trainer_state, first_step: int, **hooks) -> RayExecutor:
+    return RayExecutor(prepared.graph, prepared.setup, config, workers, first_step=first_step,
+                       initial_weights=weights, initial_trainer_state=trainer_state, **hooks)

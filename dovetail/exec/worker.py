@@ -1,0 +1,203 @@
+"""DeviceWorker: one Ray actor per device (a GPU, or on a CPU-only machine one pinned core).
+
+It holds the engines of one flow pipeline: a rollout engine (an inference copy of the policy at some
+published weights version), a trainer engine (parameters and optimizer state) and the reward engine.
+It carries out work and never decides: which node runs where is the policy's, through the executor.
+
+Gradients leave the worker as one flat array per train node and are summed in a fixed order at the
+commit, so a worker that dies mid-step loses no finished work and every trainer replica stays equal.
+"""
+
+import copy
+import os
+import time
+
+import numpy as np
+import ray
+import torch
+
+from dovetail.algo import group_advantages, sde_step
+from dovetail.config.train import TrainConfig
+from dovetail.models.flow_rl import SampleId, accumulate_policy_gradient, commit, generate
+from dovetail.models.pretrain import latents_to_images
+from dovetail.models.sampling import Trajectories
+from dovetail.models.t2i import load_model
+from dovetail.rewards import score
+from dovetail.recipe import make_optimizer, sde_settings
+
+DEVICE_RESOURCE = "dovetail_device"
+
+
+def pack(trajectories: Trajectories, ids: list[SampleId]) -> dict:
+    """Trajectories as numpy arrays: Ray moves numpy views ~10x faster than pickled tensors."""
+    return {
+        "prompts": trajectories.prompts,
+        "prompt_ids": trajectories.prompt_ids.numpy(),
+        "latents": trajectories.latents.numpy(),
+        "log_probs": trajectories.log_probs.numpy(),
+        "ids": [(s.step, s.prompt, s.index) for s in ids],
+    }
+
+
+def unpack(parts: list[dict], sigmas: torch.Tensor) -> tuple[Trajectories, list[tuple[int, int, int]]]:
+    joined = Trajectories.concat([
+        Trajectories(p["prompts"], torch.tensor(p["prompt_ids"]), torch.tensor(p["latents"]), torch.tensor(p["log_probs"]), sigmas)
+        for p in parts
+    ])
+    return joined, [tuple(i) for p in parts for i in p["ids"]]
+
+
+def flat_gradient(model) -> np.ndarray:
+    return torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel()) for p in model.parameters()]).numpy()
+
+
+@ray.remote(num_cpus=0, resources={DEVICE_RESOURCE: 1}, max_restarts=-1, max_task_retries=0)
+class DeviceWorker:
+    def __init__(self, index: int, pin_core: bool = True):
+        torch.set_num_threads(1)
+        if pin_core and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, {index % os.cpu_count()})
+        self.index = index
+        self.config: TrainConfig | None = None
+
+    def configure(self, config: dict, trainer_state: dict) -> None:
+        """Build the engines for a run: trainer (weights + optimizer), rollout copy, reward judge.
+        Workers outlive a run, so one pool serves many runs (and tests) without restarting torch."""
+        self.config = TrainConfig(**config)
+        self.sde = sde_settings(self.config)
+        self.trainer = load_model(self.config.model.checkpoint)
+        self.optimizer = make_optimizer(self.trainer, self.config)
+        self.load_trainer_state(trainer_state)
+        self.reference = copy.deepcopy(self.trainer).requires_grad_(False) if self.config.algo.beta > 0 else None
+        self.rollout = copy.deepcopy(self.trainer).requires_grad_(False)
+        self.rollout_version: int | None = None
+        self.role: str | None = None
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def profile(self, samples: int) -> dict[str, float]:
+        """Measured seconds of each kind of work on this device, on throw-away copies of the engines
+        (samples of RL step -1, never trained): what the cost model is corrected with before planning."""
+        trainer = copy.deepcopy(self.trainer)
+        optimizer = make_optimizer(trainer, self.config)
+        ids = [SampleId(-1, p, i) for p in range(samples) for i in range(1)]
+        prompts = [f"digit {p % 10}" for p in range(samples)]
+        seconds = {}
+        start = time.perf_counter()
+        trajectories = generate(trainer, prompts, ids, self.sde, seed=self.config.seed, shared_group_noise=False)
+        seconds["generate"] = time.perf_counter() - start
+        start = time.perf_counter()
+        score(latents_to_images(trajectories.images), prompts, self.config.reward)
+        seconds["score"] = time.perf_counter() - start
+        start = time.perf_counter()
+        accumulate_policy_gradient(trainer, trajectories, torch.ones(samples), [0], self.sde, chunk_size=samples,
+                                   total_pairs=samples, clip_range=self.config.algo.clip_range)
+        seconds["train"] = time.perf_counter() - start
+        start = time.perf_counter()
+        commit(trainer, optimizer, self.config.train.max_grad_norm)
+        seconds["optimizer"] = time.perf_counter() - start
+        start = time.perf_counter()
+        ray.put(self.export_weights())
+        seconds["publish"] = time.perf_counter() - start
+        return seconds
+
+    # ---------------------------------------------------------------- trainer state
+    def trainer_state(self) -> dict:
+        return {
+            "weights": {k: v.numpy().copy() for k, v in self.trainer.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+        }
+
+    def load_trainer_state(self, state: dict) -> None:
+        """Take over another replica's committed state (after a restart, or to join the trainer pool)."""
+        self.trainer.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state["weights"].items()})
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def export_weights(self) -> dict:
+        """The trainer's weights as numpy arrays: what `publish_weights` puts in the object store."""
+        return {k: v.numpy().copy() for k, v in self.trainer.state_dict().items()}
+
+    def load_rollout_weights(self, version: int, weights: list) -> float:
+        """Switch the rollout engine to `version` (called between trajectories, never inside one)."""
+        start = time.perf_counter()
+        if self.rollout_version != version:
+            state = weights[0] if isinstance(weights[0], dict) else ray.get(weights[0])
+            self.rollout.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state.items()})
+            self.rollout_version = version
+        return time.perf_counter() - start
+
+    def switch_role(self, role: str) -> float:
+        """Sleep one engine, wake the other. Both stay resident on a CPU core; the call measures the
+        round trip, which is what a switch costs here."""
+        start = time.perf_counter()
+        self.role = role
+        return time.perf_counter() - start
+
+    # ---------------------------------------------------------------- work
+    def generate(self, ids: list[tuple[int, int, int]], prompts: list[str], version: int, weights: list) -> dict:
+        self.load_rollout_weights(version, weights)
+        sample_ids = [SampleId(*i) for i in ids]
+        trajectories = generate(
+            self.rollout, prompts, sample_ids, self.sde, seed=self.config.seed, shared_group_noise=self.config.shared_group_noise
+        )
+        return pack(trajectories, sample_ids) | {"version": version}
+
+    def score(self, *parts: dict) -> dict:
+        trajectories, ids = unpack(list(parts), self.sde.sigmas)
+        scores = score(latents_to_images(trajectories.images), trajectories.prompts, self.config.reward)
+        return {"ids": ids, "scores": scores}
+
+    def old_log_probs(self, timesteps: list[int], *parts: dict) -> dict:
+        """Recompute the log-probs of the taken steps under the trainer's weights (colocated baselines)."""
+        trajectories, ids = unpack(list(parts), self.sde.sigmas)
+        log_probs = trajectories.log_probs.clone()
+        with torch.no_grad():
+            for k in timesteps:
+                x = trajectories.latents[:, k]
+                velocity = self.trainer(x, self.sde.sigmas[k].expand(len(x)), trajectories.prompt_ids)
+                log_probs[:, k] = sde_step(
+                    velocity, x, self.sde.sigmas[k], self.sde.sigmas[k + 1], noise_level=self.sde.noise_level,
+                    kind=self.sde.kind, prev_latents=trajectories.latents[:, k + 1],
+                ).log_prob
+        return {"ids": ids, "log_probs": log_probs.numpy()}
+
+    def train(self, samples: list, timesteps: list[int], total_pairs: int, counts: tuple[int, ...], *inputs: dict) -> dict:
+        """Gradient of the GRPO loss of `samples` over `timesteps`.
+
+        `inputs` are the trajectory parts, score parts and, when the policy recomputes them, old
+        log-prob parts the node reads (`counts` says how many of each); they hold whole groups, over
+        which the advantages are computed.
+        """
+        trajectories, ids = unpack(list(inputs[: counts[0]]), self.sde.sigmas)
+        position = {sample: row for row, sample in enumerate(ids)}
+        rows = [position[tuple(sample)] for sample in samples]
+        rewards = np.zeros(len(ids))
+        for part in inputs[counts[0] : counts[0] + counts[1]]:
+            rewards[[position[tuple(s)] for s in part["ids"]]] = part["scores"]["total"]
+        for part in inputs[counts[0] + counts[1] :]:
+            trajectories.log_probs[[position[tuple(s)] for s in part["ids"]]] = torch.from_numpy(part["log_probs"])
+        algo = self.config.algo
+        advantages = group_advantages(
+            torch.from_numpy(rewards), torch.tensor([sample[1] for sample in ids]), std_scope=algo.std_scope, clip=algo.adv_clip
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = accumulate_policy_gradient(
+            self.trainer, trajectories.select(rows), advantages[rows], timesteps, self.sde,
+            chunk_size=self.config.train.chunk_size, total_pairs=total_pairs, clip_range=algo.clip_range,
+            beta=algo.beta, reference_model=self.reference,
+        )
+        gradient = flat_gradient(self.trainer)
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"gradient": gradient, "stats": sums, "ids": [ids[r] for r in rows], "timesteps": timesteps,
+                "rewards": rewards[rows]}
+
+    def commit(self, *train_outputs: dict) -> float:
+        """Sum the step's gradients in the order given and take one optimizer step; returns the grad norm."""
+        total = np.sum([out["gradient"] for out in train_outputs], axis=0, dtype=np.float64).astype(np.float32)
+        offset = 0
+        for p in self.trainer.parameters():
+            p.grad = torch.from_numpy(total[offset : offset + p.numel()].copy()).view_as(p)
+            offset += p.numel()
+        return commit(self.trainer, self.optimizer, self.config.train.max_grad_norm)
