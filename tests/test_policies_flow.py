@@ -71,7 +71,7 @@ def test_predicted_makespan_closed_form():
 
 
 def test_digen_pipelines_generation_and_training_without_recompute():
-    prepared, trace = simulate(load_scenario("digen-flux-16"), "digen", steps=1)
+    prepared, trace = simulate(load_scenario("digen-flux-16"), "digen", steps=1, trainer_devices=8)
     assert not any(n.kind == Kind.LOGPROB for n in prepared.graph), "on-policy: the rollout's log-probs are the old ones"
     first_train = min(s.start for s in trace.spans if s.kind == "train")
     last_generate = max(s.end for s in trace.spans if s.kind == "generate")
@@ -89,8 +89,8 @@ def test_digen_beats_disaggregated_on_the_same_pools():
 
 def test_tag_runs_generation_on_trainer_devices_only_when_allowed():
     flux = load_scenario("digen-flux-16")
-    on = simulate(flux, "digen", steps=1)
-    off = simulate(flux, "digen", steps=1, options={"tag": False})
+    on = simulate(flux, "digen", steps=1, trainer_devices=12)
+    off = simulate(flux, "digen", steps=1, trainer_devices=12, options={"tag": False})
     trainers = set(on[0].policy.trainer_pool)
     assert on[0].policy.tag_decisions, "the search lends trainer devices while they would wait"
     assert any(s.kind == "generate" and s.device in trainers for s in on[1].spans)

@@ -28,8 +28,10 @@ BF16 = 2
 @dataclass(frozen=True)
 class FlowShape:
     """How a policy cuts a step: GAP fragments, TSP chunk (1 = per-timestep loop), whether the trainer
-    recomputes old log-probs, and the trainer group size (sets per-pass FSDP traffic, optimizer and
-    publication costs). `staged`: a stage-synchronous trainer (veRL-Omni, GenRL, flow_grpo): rollout
+    recomputes old log-probs, and the trainer pool size. `trainer_group`: devices of one FSDP group (None: the
+    whole trainer pool); a pool of several groups (hybrid sharding) trains whole train nodes per group and
+    all-reduces the gradients across groups at the optimizer step. The group sets per-pass FSDP traffic, trainer
+    memory and the optimizer step's cost. `staged`: a stage-synchronous trainer (veRL-Omni, GenRL, flow_grpo): rollout
     fragments split the mini-batch's samples evenly (verl's data.chunk, groups may straddle devices)
     and the trainer's log-prob and train nodes cover the whole mini-batch."""
 
@@ -38,12 +40,22 @@ class FlowShape:
     recompute_logprob: bool
     trainer_devices: int
     staged: bool = False
+    trainer_group: int | None = None
+
+    @property
+    def group(self) -> int:
+        """Devices of one FSDP trainer group."""
+        return self.trainer_group or self.trainer_devices
+
+    @property
+    def groups(self) -> int:
+        return self.trainer_devices // self.group
 
     def build(self, spec: FlowSpec, steps: int, cost: CostModel) -> list[Node]:
         return build_flow(spec, steps, self, cost)
 
     def engines(self, spec: FlowSpec, cost: CostModel) -> Engines:
-        return engines(spec, cost, self.trainer_devices)
+        return engines(spec, cost, self.group)
 
     def check(self, spec: FlowSpec) -> None:
         if self.staged and not 1 <= self.fragments <= spec.samples:
@@ -56,6 +68,8 @@ class FlowShape:
             raise ValueError(f"{spec.name}: tsp_chunk={self.tsp_chunk} must be in 1..trained_timesteps={spec.trained_timesteps}")
         if self.trainer_devices < 1:
             raise ValueError(f"{spec.name}: trainer_devices must be >= 1")
+        if not 1 <= self.group <= self.trainer_devices or self.trainer_devices % self.group:
+            raise ValueError(f"{spec.name}: trainer_group={self.group} must divide trainer_devices={self.trainer_devices}")
 
 
 def split(total: int, parts: int) -> list[range]:
@@ -96,12 +110,13 @@ def build_flow(spec: FlowSpec, steps: int, shape: FlowShape, cost: CostModel) ->
     per_mini_batch = shape.fragments // spec.mini_batches
     chunks = [(c.start, c.stop) for c in split(spec.trained_timesteps, -(-spec.trained_timesteps // shape.tsp_chunk))]
     generate_gb = cost.training_memory(0, 1, model.hidden, tokens * passes * spec.group, checkpointing=False).activations / GB
-    optimizer_s = cost.optimizer_step(model.params, shape.trainer_devices, offloaded=spec.offload)
+    optimizer_s = cost.optimizer_step(model.params, shape.group, offloaded=spec.offload)
+    optimizer_s += cost.replica_allreduce_seconds(model.params, shape.group, shape.groups)
     publish_s = cost.publish(model.params)
     name = spec.name
     nodes: list[Node] = []
     previous_commit: str | None = None
-    trainer = shape.trainer_devices
+    trainer = shape.group
     micro = spec.micro_batch
 
     def trainer_nodes(prefix: str, step: int, label: str, samples: tuple, data: list[str], weights: tuple) -> list[Node]:

@@ -259,6 +259,17 @@ class CostModel:
         link = self.device.interconnect_bandwidth if devices <= self.device.node_size else self.device.network_bandwidth
         return nbytes * (devices - 1) / devices / (link * self.calibration.collective_bandwidth_efficiency)
 
+    def replica_allreduce_seconds(self, params: float, group: int, replicas: int) -> float:
+        """Hybrid sharding (HSDP): `replicas` FSDP groups of `group` devices each hold a full copy of the model;
+        at the optimizer step every device all-reduces its 1/group shard of the accumulated gradients with the
+        same shard of the other replicas (a ring: reduce-scatter + all-gather), over the intra-node interconnect
+        while all replicas fit in one node and over the network otherwise."""
+        if replicas <= 1:
+            return 0.0
+        nbytes = params * self.calibration.grad_reduce_bytes / group
+        link = self.device.interconnect_bandwidth if group * replicas <= self.device.node_size else self.device.network_bandwidth
+        return 2 * nbytes * (replicas - 1) / replicas / (link * self.calibration.collective_bandwidth_efficiency)
+
     def pass_mfu(self, mfu: float, tokens: float) -> float:
         """Efficiency of one forward/backward holding `tokens` tokens: the large-pass `mfu` scaled down by
         small-batch under-utilisation, tokens / (tokens + dit_half_mfu_tokens)."""

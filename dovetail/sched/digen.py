@@ -24,8 +24,8 @@ from dovetail.graph.spec import FlowSpec, PipelineSpec
 from dovetail.sched.colocated import flow_only
 from dovetail.sched.disaggregated import split_pools
 from dovetail.sched.policy import (
-    Begin, Decision, Event, NodeStarted, Policy, Run, Setup, StartStep, SwitchRole, all_idle, idle_devices,
-    open_steps_on_publish, ready_of,
+    Begin, Decision, Event, NodeStarted, Policy, Run, Setup, StartStep, SwitchRole, VersionPublished, all_idle,
+    idle_devices, open_steps_on_publish, ready_of,
 )
 
 TAG_MIN_GAIN = 0.01
@@ -46,10 +46,12 @@ def predict_makespan(
     tag_in_s: float = 0.0,
     tag_out_s: float = 0.0,
     now: float = 0.0,
+    groups: int = 1,
 ) -> float:
     """End of the step under GAP: `pending` fragments go to the earliest-free rollout device, `tag` of
-    them to trainer devices (each pays `tag_in_s`, generates, pays `tag_out_s`, holding the trainer group
-    until all are back); the trainer group trains fragments in arrival order, then `tail_s`."""
+    them to trainer devices (each pays `tag_in_s`, generates, pays `tag_out_s`, holding the trainer pool
+    until all are back); each fragment trains (`train_s`) on the earliest-free of `groups` trainer groups
+    in arrival order, then `tail_s` (optimizer step and publication)."""
     free = list(rollout_free)
     heapq.heapify(free)
     landed = list(arrivals)
@@ -61,20 +63,23 @@ def predict_makespan(
         done = heapq.heappop(free) + generate_s
         landed.append(done + score_s)
         heapq.heappush(free, done)
+    trainers = [trainer] * groups
     for arrival in sorted(landed):
-        trainer = max(trainer, arrival) + train_s
-    return trainer + tail_s
+        heapq.heappush(trainers, max(heapq.heappop(trainers), arrival) + train_s)
+    return max(trainers) + tail_s
 
 
-def _step_costs(nodes: Sequence[Node], fragments: int, trainer_devices: int) -> tuple[float, float, float, float]:
-    """Per-fragment generate, score and (trainer-group wall) train seconds — reference forwards
-    included — and the step's tail."""
+def _step_costs(nodes: Sequence[Node], fragments: int, group: int) -> tuple[float, float, float, float, float]:
+    """Per-fragment generate, score and (one trainer group's wall) train seconds — reference forwards
+    included —, the trainer's tail of the step (optimizer step, publication) and one rollout device's
+    weight load (the publication's bytes through its own host link)."""
     total = {kind: sum(n.cost_s for n in nodes if n.kind == kind) for kind in Kind}
     return (
         total[Kind.GENERATE] / fragments,
         total[Kind.SCORE] / fragments,
-        (total[Kind.TRAIN] + total[Kind.LOGPROB]) / fragments / trainer_devices,
+        (total[Kind.TRAIN] + total[Kind.LOGPROB]) / fragments / group,
         total[Kind.COMMIT] + total[Kind.PUBLISH],
+        total[Kind.PUBLISH],
     )
 
 
@@ -89,41 +94,90 @@ class Digen(Policy):
 
     @classmethod
     def candidates(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost) -> list[tuple[float, FlowShape]]:
-        """(predicted step seconds, shape) for every trainer pool, fragment count and TSP chunk that fits in
-        memory, best first (ties: the larger chunk). The scenario's own choices are kept when given."""
+        """(predicted step seconds, shape) for every trainer pool (around the balanced split, `_pool_choices`),
+        trainer group size, fragment count and TSP chunk that fits in memory, best first (ties: the larger
+        chunk). The scenario's own choices are kept when given."""
         spec = flow_only(cls.name, spec)
         capacity = cost.device.memory_bytes / 1e9
-        pools = [trainer_devices] if trainer_devices else range(1, devices)
+        pools = [trainer_devices] if trainer_devices else cls._pool_choices(spec, devices, cost) + [devices] * (not cls.tcss)
         ranked: list[tuple[float, int, FlowShape]] = []
         for trainers in pools:
             rollout = devices - trainers
-            held = engines(spec, cost, trainers).resident_gb
-            for fragments in cls._fragment_choices(spec, rollout):
-                for chunk in cls._chunk_choices(spec):
-                    shape = FlowShape(fragments, chunk, False, trainers)
-                    nodes = build_flow(spec, 1, shape, cost)
-                    if max(n.memory_gb for n in nodes if n.kind == Kind.TRAIN) + held[Role.TRAINER] > capacity:
-                        continue
-                    generate_s, score_s, train_s, tail_s = _step_costs(nodes, fragments, trainers)
-                    if cls.tcss:
-                        # Steps overlap: the slower of the two pools sets the pace.
-                        predicted = max(-(-fragments // rollout) * (generate_s + score_s), fragments * train_s + tail_s)
-                    else:
-                        predicted = min(
-                            predict_makespan((0.0,) * rollout, fragments, (), 0.0, generate_s, score_s, train_s, tail_s, tag)
-                            for tag in range(0, min(trainers, fragments) + 1)
-                        )
-                    ranked.append((predicted, -chunk, shape))
+            for group in cls._group_choices(devices, trainers, cost.device.node_size):
+                held = engines(spec, cost, group)
+                for fragments in cls._fragment_choices(spec, rollout or trainers, trainers // group):
+                    for chunk in cls._chunk_choices(spec):
+                        shape = FlowShape(fragments, chunk, False, trainers, trainer_group=None if group == trainers else group)
+                        nodes = build_flow(spec, 1, shape, cost)
+                        if max(n.memory_gb for n in nodes if n.kind == Kind.TRAIN) + held.resident_gb[Role.TRAINER] > capacity:
+                            continue
+                        ranked.append((cls._predict(nodes, shape, rollout, held, capacity), -chunk, shape))
         if not ranked:
             raise ValueError(f"{spec.name}: no digen shape fits in {capacity:.0f} GB per device; enable offload or use a smaller tsp_chunk")
         ranked.sort(key=lambda r: r[:2])
         return [(predicted, shape) for predicted, _, shape in ranked]
 
+    @classmethod
+    def _predict(cls, nodes: Sequence[Node], shape: FlowShape, rollout: int, held, capacity: float) -> float:
+        """Predicted seconds per step of `shape`: with TCSS the slower pool sets the pace (a rollout device loads
+        the new weights once per step); synchronous, one step from the weight load to the publication, with
+        the best number of TAG fragments (none when both engines do not fit on a trainer device). No rollout pool:
+        every device switches to generate, then to train (colocated-like)."""
+        generate_s, score_s, train_s, tail_s, load_s = _step_costs(nodes, shape.fragments, shape.group)
+        fragments, groups = shape.fragments, shape.groups
+        if not rollout:
+            to_rollout = held.sleep_s[Role.TRAINER] + held.wake_s[Role.ROLLOUT]
+            to_trainer = held.sleep_s[Role.ROLLOUT] + held.wake_s[Role.TRAINER]
+            return predict_makespan(
+                (to_rollout,) * shape.trainer_devices, fragments, (), 0.0, generate_s, score_s + to_trainer, train_s, tail_s,
+                groups=groups,
+            )
+        if cls.tcss:
+            # Steps overlap: the rollout pool streams fragments across steps (a fragment holds one device), the trainer
+            # pool trains a step's fragments between two optimizer steps; the slower of the two sets the pace.
+            rollout_s = max(fragments / rollout, 1.0) * (generate_s + score_s) + load_s
+            return max(rollout_s, -(-fragments // groups) * train_s + tail_s)
+        lendable = shape.trainer_devices if held.resident_gb[Role.TRAINER] + held.resident_gb[Role.ROLLOUT] <= capacity else 0
+        return min(
+            predict_makespan(
+                (load_s,) * rollout, fragments, (), 0.0, generate_s, score_s, train_s, tail_s, tag,
+                held.wake_s[Role.ROLLOUT], held.sleep_s[Role.ROLLOUT], 0.0, groups,
+            )
+            for tag in range(0, min(lendable, fragments) + 1)
+        )
+
+    @classmethod
+    def _pool_choices(cls, spec: FlowSpec, devices: int, cost) -> list[int]:
+        """Trainer pool sizes within a quarter of the cluster of the split that balances the predicted
+        device-seconds of rollout (generate + score) and training (one node-sized group, whole-step TSP)."""
+        group = max(1, min(cost.device.node_size, devices // 2))
+        fragments = spec.prompts - spec.prompts % spec.mini_batches
+        nodes = build_flow(spec, 1, FlowShape(fragments, spec.tsp_chunk or spec.trained_timesteps, False, group), cost)
+        rollout = sum(n.cost_s for n in nodes if n.kind in (Kind.GENERATE, Kind.SCORE))
+        training = sum(n.cost_s for n in nodes if n.kind in (Kind.TRAIN, Kind.LOGPROB))
+        seed = round(devices * training / (rollout + training))
+        window = max(2, devices // 4)
+        return list(range(max(1, seed - window), min(devices - 1, seed + window) + 1))
+
     @staticmethod
-    def _fragment_choices(spec: FlowSpec, rollout: int) -> list[int]:
+    def _group_choices(devices: int, trainers: int, node_size: int) -> list[int]:
+        """The whole pool as one FSDP group, or groups of a node / half a node that tile the pool (the
+        trainer pool is the last `trainers` devices) without straddling two nodes."""
+        choices = [trainers] + [g for g in (node_size, node_size // 2) if 1 <= g < trainers and trainers % g == 0]
+        first = devices - trainers
+
+        def inside_nodes(g: int) -> bool:
+            return g == trainers or all(
+                start // node_size == (start + g - 1) // node_size for start in range(first, devices, g)
+            )
+
+        return [g for g in dict.fromkeys(choices) if inside_nodes(g)]
+
+    @staticmethod
+    def _fragment_choices(spec: FlowSpec, rollout: int, groups: int = 1) -> list[int]:
         if spec.fragments:
             return [spec.fragments]
-        choices = {min(spec.prompts, k * rollout) for k in (1, 2, 4, 8)}
+        choices = {min(spec.prompts, k * workers) for k in (1, 2, 4, 8) for workers in (rollout, groups)}
         return sorted({max(spec.mini_batches, m - m % spec.mini_batches) for m in choices})
 
     @staticmethod
@@ -137,12 +191,23 @@ class Digen(Policy):
         if len(setup.engines) != 1:
             raise ValueError(f"policy digen runs one pipeline, got {sorted(setup.engines)}")
         (self.pipeline,) = setup.engines
-        self.rollout_pool, self.trainer_pool = split_pools(setup.devices, setup.trainer_devices)
-        self.everyone = tuple(range(setup.devices))
+        self.shared = setup.trainer_devices == setup.devices
+        """Colocated-like shape: every device generates, then trains (one engine resident at a time, switch costs
+        paid), with GAP, TSP, trainer groups and no recompute."""
+        if self.shared:
+            self.rollout_pool, self.trainer_pool = (), tuple(range(setup.devices))
+        else:
+            self.rollout_pool, self.trainer_pool = split_pools(setup.devices, setup.trainer_devices)
+        group = getattr(setup.shapes.get(self.pipeline), "group", len(self.trainer_pool))
+        self.groups = [self.trainer_pool[i:i + group] for i in range(0, len(self.trainer_pool), group)]
+        """FSDP trainer groups; each trains whole train nodes, all of them commit together."""
         held = setup.engines[self.pipeline].resident_gb
+        self.rollout_resident_gb = held[Role.ROLLOUT]
         self.tag_resident_gb = held[Role.TRAINER] + held[Role.ROLLOUT]
         self.tag_reserved: dict[int, str] = {}
         self.started_at: dict[str, float] = {}
+        self.loaded = dict.fromkeys(range(setup.devices), 0)
+        """Weights version in each device's rollout engine: a device loads a newer one between fragments."""
         self.tag_decisions: list[tuple[float, int]] = []
         """(time, fragments) of every TAG insertion, for the run's log."""
 
@@ -152,23 +217,52 @@ class Digen(Policy):
         for event in events:
             if isinstance(event, Begin):
                 decisions += [self.setup.switch(d, self.pipeline, None, Role.ROLLOUT) for d in self.rollout_pool]
-                decisions += [self.setup.switch(d, self.pipeline, None, Role.TRAINER) for d in self.trainer_pool]
+                first = Role.ROLLOUT if self.shared else Role.TRAINER
+                decisions += [self.setup.switch(d, self.pipeline, None, first) for d in self.trainer_pool]
+            elif isinstance(event, VersionPublished) and event.version:
+                self.loaded.update(dict.fromkeys(self.trainer_pool, event.version))
         decisions += open_steps_on_publish(view, events)
         if any(isinstance(d, SwitchRole) for d in decisions):
             return decisions
-        if self.tcss:
+        if self.tcss and not self.shared:
             decisions += self._early_start(view, decisions)
         taken: set[int] = set()
 
+        # No cluster barrier: the trainer pool publishes, rollout devices load the new weights between fragments.
         publish = ready_of(view, Kind.PUBLISH)
-        if publish:
-            if all_idle(view, self.everyone):
-                decisions.append(Run(publish[0].id, self.everyone))
-            return decisions
-
-        decisions += self._trainer_group(view, taken)
+        if publish and self._trainers_ready(view, self.trainer_pool):
+            decisions.append(Run(publish[0].id, self.trainer_pool))
+            taken.update(self.trainer_pool)
+        elif not publish:
+            decisions += self._trainer_groups(view, taken)
+        if self.shared:
+            return decisions + self._take_turns(view, taken)
         decisions += self._tag_devices(view, taken)
         decisions += self._rollout(view, taken)
+        return decisions
+
+    def _take_turns(self, view, taken: set[int]) -> list[Decision]:
+        """Shared devices: scores first, then fragments on rollout engines; a rollout device with nothing left to
+        generate switches to its trainer engine, a trainer device switches back once a new step's fragments wait
+        and no trainer work is ready."""
+        scores = ready_of(view, Kind.SCORE, self.pipeline)
+        fragments = sorted(ready_of(view, Kind.GENERATE, self.pipeline), key=lambda n: n.step)
+        trainer_work = any(ready_of(view, kind, self.pipeline) for kind in (Kind.TRAIN, Kind.LOGPROB, Kind.COMMIT, Kind.PUBLISH))
+        decisions: list[Decision] = []
+        for device in self.trainer_pool:
+            state = view.devices[device]
+            if device in taken or not state.idle:
+                continue
+            if scores:
+                decisions.append(Run(scores.pop(0).id, (device,)))
+            elif state.role == Role.ROLLOUT and fragments:
+                decisions.append(self._generate(view, fragments[0], device, self.rollout_resident_gb))
+                if isinstance(decisions[-1], Run):
+                    fragments.pop(0)
+            elif state.role == Role.ROLLOUT:
+                decisions.append(self.setup.switch(device, self.pipeline, Role.ROLLOUT, Role.TRAINER))
+            elif fragments and not trainer_work:
+                decisions.append(self.setup.switch(device, self.pipeline, Role.TRAINER, Role.ROLLOUT))
         return decisions
 
     def _early_start(self, view, decided: list[Decision]) -> list[Decision]:
@@ -188,16 +282,28 @@ class Digen(Policy):
             return []
         return [StartStep(self.pipeline, following, version)]
 
-    def _trainer_group(self, view, taken: set[int]) -> list[Decision]:
-        group = self.trainer_pool
-        if not all_idle(view, group) or any(view.devices[d].role != Role.TRAINER for d in group):
-            return []
-        for kind in (Kind.COMMIT, Kind.TRAIN, Kind.LOGPROB):
-            nodes = ready_of(view, kind, self.pipeline)
-            if nodes:
-                node = min(nodes, key=lambda n: n.step)
+    @staticmethod
+    def _trainers_ready(view, devices: Sequence[int]) -> bool:
+        return all_idle(view, devices) and all(view.devices[d].role == Role.TRAINER for d in devices)
+
+    def _trainer_groups(self, view, taken: set[int]) -> list[Decision]:
+        """The optimizer step on the whole pool once every group is free (nothing new starts while it waits);
+        otherwise each idle group takes the oldest ready train node, then reference forwards; TAG when the
+        whole pool is idle with nothing to train."""
+        commits = ready_of(view, Kind.COMMIT, self.pipeline)
+        if commits:
+            if not self._trainers_ready(view, self.trainer_pool):
+                return []
+            taken.update(self.trainer_pool)
+            return [Run(commits[0].id, self.trainer_pool)]
+        work = [node for kind in (Kind.TRAIN, Kind.LOGPROB) for node in sorted(ready_of(view, kind, self.pipeline), key=lambda n: n.step)]
+        decisions: list[Decision] = []
+        for group in self.groups:
+            if work and self._trainers_ready(view, group):
+                decisions.append(Run(work.pop(0).id, group))
                 taken.update(group)
-                return [Run(node.id, group)]
+        if decisions or self.shared or not self._trainers_ready(view, self.trainer_pool):
+            return decisions
         return self._consider_tag(view, taken)
 
     def _consider_tag(self, view, taken: set[int]) -> list[Decision]:
@@ -214,7 +320,8 @@ class Digen(Policy):
         generate_s, score_s, train_s, tail_s = (
             self.costs.seconds(n) for n in self._typical(nodes)
         )
-        train_s /= len(self.trainer_pool)
+        group = len(self.groups[0])
+        train_s /= group
         arrivals, rollout_free = [], []
         for d in self.rollout_pool:
             remaining = 0.0
@@ -225,16 +332,16 @@ class Digen(Policy):
         engines_ = self.setup.engines[self.pipeline]
         tag_in = engines_.wake_s[Role.ROLLOUT]
         tag_out = engines_.sleep_s[Role.ROLLOUT]
-        backlog = sum(self.costs.seconds(n, len(self.trainer_pool)) for n in ready_of(view, Kind.TRAIN, self.pipeline))
+        backlog = sum(self.costs.seconds(n, group) for n in ready_of(view, Kind.TRAIN, self.pipeline)) / len(self.groups)
         pending = len(unclaimed)
         args = (
             tuple(round(t, 2) for t in rollout_free), pending, tuple(round(t, 2) for t in arrivals),
             round(view.now + backlog, 2), round(generate_s, 2), round(score_s, 2), round(train_s, 2), round(tail_s, 2),
         )
-        baseline = predict_makespan(*args)
+        baseline = predict_makespan(*args, groups=len(self.groups))
         best_k, best = 0, baseline
         for k in range(1, min(len(self.trainer_pool), len(waiting)) + 1):
-            predicted = predict_makespan(*args, k, round(tag_in, 2), round(tag_out, 2), round(view.now, 2))
+            predicted = predict_makespan(*args, k, round(tag_in, 2), round(tag_out, 2), round(view.now, 2), len(self.groups))
             if predicted < best:
                 best_k, best = k, predicted
         if best_k == 0 or baseline - best < TAG_MIN_GAIN * (baseline - view.now):
@@ -271,7 +378,7 @@ class Digen(Policy):
                 continue
             node_id = self.tag_reserved.get(device)
             if node_id is not None and node_id in view.ready:
-                decisions.append(Run(node_id, (device,)))
+                decisions.append(self._generate(view, view.graph[node_id], device, self.tag_resident_gb))
             else:
                 self.tag_reserved.pop(device, None)
                 held = self.setup.engines[self.pipeline]
@@ -286,7 +393,25 @@ class Digen(Policy):
         work = ready_of(view, Kind.SCORE, self.pipeline) + sorted(
             (n for n in ready_of(view, Kind.GENERATE, self.pipeline) if n.id not in reserved), key=lambda n: n.step
         )
-        return [Run(node.id, (device,)) for node, device in zip(work, devices)]
+        decisions: list[Decision] = []
+        for device in devices:
+            if not work:
+                break
+            decision = self._generate(view, work[0], device, self.rollout_resident_gb)
+            if isinstance(decision, Run):
+                work.pop(0)
+            decisions.append(decision)
+        return decisions
+
+    def _generate(self, view, node: Node, device: int, resident_gb: float) -> Decision:
+        """Run `node` on `device`, or first load the weights its step generates with (a fragment never
+        mixes versions): the published bytes through the device's host link, on its own timeline."""
+        version = view.started[(node.pipeline, node.step)]
+        if node.kind != Kind.GENERATE or self.loaded[device] == version:
+            return Run(node.id, (device,))
+        self.loaded[device] = version
+        (publication,) = view.graph.of(node.pipeline, version - 1, Kind.PUBLISH)
+        return SwitchRole(device, Role.ROLLOUT, self.costs.seconds(publication), resident_gb)
 
     def observe(self, view, events: Sequence[Event]) -> None:
         super().observe(view, events)
