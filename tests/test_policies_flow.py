@@ -1,13 +1,18 @@
 """Flow policies: closed-form step times for the baselines, and what makes digen digen (GAP, no
 recompute, TAG only where predicted to help, TCSS staleness)."""
 
+from dataclasses import replace
+
 import pytest
 
 from dovetail.exec.state import ClusterState, DecisionError
 from dovetail.graph.node import Graph, Kind, Node, Role
 from dovetail.scenario import Scenario, load_scenario, simulate
 from dovetail.exec.metrics import summarize
-from dovetail.sched.digen import predict_makespan
+from dovetail.graph.flow import build_flow
+from dovetail.sched.catalog import diffusion_model
+from dovetail.sched.cost import CostModel
+from dovetail.sched.digen import Digen, predict_makespan
 from dovetail.sched.policy import Engines, Run, Setup, StartStep, SwitchRole
 
 
@@ -147,11 +152,78 @@ def test_executor_refuses_impossible_decisions(decisions, message):
             state.apply(decision)
 
 
-@pytest.mark.parametrize(("name", "margin"), [("digen-flux-16", 3.5), ("digen-wan-16", 1.45)])
-def test_digen_beats_colocated_on_the_digenrl_scenarios(name, margin):
+@pytest.mark.parametrize(
+    ("name", "policy", "margin", "efficiency"),
+    [
+        ("digen-flux-16", "digen", 4.4, 0.94),
+        ("digen-wan-16", "digen", 1.8, 0.97),
+        ("digen-hunyuan-32", "digen", 1.2, 0.97),
+        ("digen-qwenimage-32", "digen", 1.05, 0.75),
+        ("digen-qwenimage-32", "digen+tcss", 1.25, 0.8),
+    ],
+)
+def test_digen_beats_colocated_on_the_digenrl_scenarios(name, policy, margin, efficiency):
     """The per-timestep loop pays FSDP traffic per pass across two nodes; digen's TSP passes hide it, and
-    GAP drops the recompute and the switches. Margins are what the simulator reaches (BENCHMARKS.md)."""
-    flux = load_scenario(name)
-    colocated = summarize(simulate(flux, "colocated")[1])
-    digen = summarize(simulate(flux, "digen")[1])
+    GAP drops the recompute. Margins and efficiencies are what the simulator reaches (BENCHMARKS.md); the
+    2.1x / 0.93 targets are not met on Wan, HunyuanVideo and Qwen-Image."""
+    scenario = load_scenario(name)
+    colocated = summarize(simulate(scenario, "colocated")[1])
+    digen = summarize(simulate(scenario, policy)[1])
     assert digen.samples_per_s >= margin * colocated.samples_per_s
+    assert digen.efficiency >= efficiency
+
+
+def test_trainer_groups_train_fragments_side_by_side_and_commit_together():
+    prepared, trace = simulate(load_scenario("digen-qwenimage-32"), "digen+tcss", steps=2)
+    shape, policy = prepared.setup.shapes["qwenimage"], prepared.policy
+    assert shape.groups > 1 and len(policy.groups) == shape.groups
+    groups = {tuple(group) for group in policy.groups}
+    devices: dict[str, set[int]] = {}
+    for span in trace.spans:
+        devices.setdefault(span.node, set()).add(span.device)
+    trains = [s for s in trace.spans if s.kind == "train"]
+    assert all(tuple(sorted(devices[s.node])) in groups for s in trains), "a train node runs on one whole group"
+    assert any(a.start < b.end and b.start < a.end and devices[a.node] != devices[b.node] for a in trains for b in trains)
+    assert all(devices[s.node] == set(policy.trainer_pool) for s in trace.spans if s.kind == "commit")
+    # The optimizer step all-reduces the gradient shards across the groups (over the network between nodes).
+    spec, cost = load_scenario("digen-qwenimage-32").pipelines[0], CostModel("H100")
+    single = replace(shape, trainer_group=None, trainer_devices=shape.group)
+    commit, commit_single = (
+        next(n.cost_s for n in build_flow(spec, 1, s, cost) if n.kind == Kind.COMMIT) for s in (shape, single)
+    )
+    allreduce = cost.replica_allreduce_seconds(diffusion_model(spec.model).params, shape.group, shape.groups)
+    assert allreduce > 0 and commit == pytest.approx(commit_single + allreduce)
+
+
+def test_publication_has_no_cluster_barrier():
+    """The trainer pool publishes while the rollout pool keeps generating; each rollout device loads a new
+    version between two fragments (a switch on its own timeline), never inside one."""
+    prepared, trace = simulate(load_scenario("digen-qwenimage-32"), "digen+tcss", steps=3)
+    rollout, trainers = set(prepared.policy.rollout_pool), set(prepared.policy.trainer_pool)
+    publishes = [s for s in trace.spans if s.kind == "publish"]
+    assert {s.device for s in publishes} == trainers
+    generates = [s for s in trace.spans if s.kind == "generate" and s.device in rollout]
+    assert any(g.start < p.end and p.start < g.end for g in generates for p in publishes)
+    changes = 0
+    for device in rollout:
+        mine = sorted((s for s in generates if s.device == device), key=lambda s: s.start)
+        loads = [w for w in trace.switches if w.device == device and w.start > 0]
+        for before, after in zip(mine, mine[1:]):
+            assert before.version <= after.version
+            if after.version != before.version:
+                changes += 1
+                assert any(before.end <= w.start and w.end <= after.start for w in loads)
+    assert changes >= len(rollout)
+
+
+def test_digen_search_includes_the_colocated_like_shape():
+    """Every device generates, then trains (TSP, trainer groups, no recompute): the synchronous search's
+    candidate that keeps digen at or above colocated where pipelining cannot pay (HunyuanVideo)."""
+    spec, cost = load_scenario("digen-hunyuan-32").pipelines[0], CostModel("H100")
+    shapes = [shape for _, shape in Digen.candidates(spec, 32, None, cost)]
+    assert any(shape.trainer_devices == 32 for shape in shapes)
+    prepared, trace = simulate(load_scenario("digen-hunyuan-32"), "digen", steps=1)
+    assert prepared.setup.trainer_devices == 32 and prepared.policy.shared
+    assert not any(n.kind == Kind.LOGPROB for n in prepared.graph)
+    assert {s.device for s in trace.spans if s.kind == "generate"} == set(range(32))
+    assert {s.device for s in trace.spans if s.kind == "train"} == set(range(32))

@@ -99,7 +99,7 @@ class Digen(Policy):
         chunk). The scenario's own choices are kept when given."""
         spec = flow_only(cls.name, spec)
         capacity = cost.device.memory_bytes / 1e9
-        pools = [trainer_devices] if trainer_devices else cls._pool_choices(spec, devices, cost) + [devices] * (not cls.tcss)
+        pools = [trainer_devices] if trainer_devices else cls._pool_choices(spec, devices, cost) + [devices]
         ranked: list[tuple[float, int, FlowShape]] = []
         for trainers in pools:
             rollout = devices - trainers
