@@ -68,7 +68,7 @@ def render_table(result: dict) -> str:
 
 
 def plan_digen(scenario: Scenario, devices: int) -> str:
-    """Rank digen shapes (trainer pool, fragments, TSP chunk) by predicted step time under the memory
+    """Rank digen shapes (trainer pool and FSDP group, fragments, TSP chunk) by predicted step time under the memory
     limit, simulate the best few with TAG on/off and TCSS off/on, and report the fastest."""
     from dovetail.sched.cost import CostModel
     from dovetail.sched.digen import Digen, DigenTCSS
@@ -82,29 +82,30 @@ def plan_digen(scenario: Scenario, devices: int) -> str:
     shapes = {shape for cls in (Digen, DigenTCSS) for _, shape in cls.candidates(spec, devices, None, cost)[:PLAN_CANDIDATES]}
     baseline = summarize(simulate(scenario, "colocated", devices=devices)[1]).samples_per_s
     rows = []
-    for shape in sorted(shapes, key=lambda s: (s.trainer_devices, s.fragments, s.tsp_chunk)):
+    for shape in sorted(shapes, key=lambda s: (s.trainer_devices, s.group, s.fragments, s.tsp_chunk)):
         for tcss in (False, True):
             for tag in (True, False):
                 name = "digen+tcss" if tcss else "digen"
                 _, run = simulate(
                     scenario, name, devices=devices, options={"tag": tag},
                     trainer_devices=shape.trainer_devices, fragments=shape.fragments, tsp_chunk=shape.tsp_chunk,
+                    trainer_group=shape.trainer_group,
                 )
                 rows.append((summarize(run), shape, tcss, tag))
     rows.sort(key=lambda row: -row[0].samples_per_s)
     lines = [
         f"plan for {scenario.name} on {devices}x {scenario.cluster.device} (colocated: {baseline:.3f} samples/s)",
-        f"{'trainers':>8s} {'fragments':>9s} {'tsp':>4s} {'TAG':>4s} {'TCSS':>5s} {'samples/s':>10s} {'speedup':>8s} {'effic.':>7s} {'peak GB':>8s}",
+        f"{'trainers':>8s} {'group':>5s} {'fragments':>9s} {'tsp':>4s} {'TAG':>4s} {'TCSS':>5s} {'samples/s':>10s} {'speedup':>8s} {'effic.':>7s} {'peak GB':>8s}",
     ]
     for metrics, shape, tcss, tag in rows:
         lines.append(
-            f"{shape.trainer_devices:8d} {shape.fragments:9d} {shape.tsp_chunk:4d} {'on' if tag else 'off':>4s} "
+            f"{shape.trainer_devices:8d} {shape.group:5d} {shape.fragments:9d} {shape.tsp_chunk:4d} {'on' if tag else 'off':>4s} "
             f"{'on' if tcss else 'off':>5s} {metrics.samples_per_s:10.3f} {metrics.samples_per_s / baseline:7.2f}x "
             f"{metrics.efficiency:7.3f} {metrics.peak_memory_gb:8.1f}"
         )
     best, shape, tcss, tag = rows[0]
     lines.append(
-        f"best: trainer_devices={shape.trainer_devices} (rollout {devices - shape.trainer_devices}), fragments={shape.fragments}, "
+        f"best: trainer_devices={shape.trainer_devices} (rollout {devices - shape.trainer_devices}, FSDP groups of {shape.group}), fragments={shape.fragments}, "
         f"tsp_chunk={shape.tsp_chunk}, TAG {'on' if tag else 'off'}, TCSS {'on' if tcss else 'off'} -> "
         f"{best.samples_per_s:.3f} samples/s, {best.step_time_s:.1f} s/step"
     )
