@@ -7,9 +7,9 @@ import pytest
 
 from dovetail.exec.state import ClusterState, DecisionError
 from dovetail.graph.node import Graph, Kind, Node, Role
-from dovetail.scenario import Scenario, load_scenario, simulate
+from dovetail.scenario import Scenario, _run, load_scenario, prepare, simulate
 from dovetail.exec.metrics import summarize
-from dovetail.graph.flow import build_flow
+from dovetail.graph.flow import FlowShape, build_flow
 from dovetail.sched.catalog import diffusion_model
 from dovetail.sched.cost import CostModel
 from dovetail.sched.digen import Digen, predict_makespan
@@ -227,3 +227,15 @@ def test_digen_search_includes_the_colocated_like_shape():
     assert not any(n.kind == Kind.LOGPROB for n in prepared.graph)
     assert {s.device for s in trace.spans if s.kind == "generate"} == set(range(32))
     assert {s.device for s in trace.spans if s.kind == "train"} == set(range(32))
+
+
+def test_trainer_devices_lent_under_tcss_load_the_step_s_older_weights():
+    """TAG under TCSS: a trainer device holds the newest weights but generates a fragment of a step that runs
+    one version behind; it loads that version first (same bytes as a publication) and never mixes them."""
+    wan = load_scenario("digen-wan-16")
+    prepared = prepare(wan, "digen+tcss", shapes={"wan": FlowShape(64, 12, False, 12)})
+    trace = _run(wan, prepared)
+    trainers = set(prepared.policy.trainer_pool)
+    lent = [s for s in trace.spans if s.kind == "generate" and s.device in trainers]
+    assert prepared.policy.tag_decisions and any(s.step - s.version == 1 for s in lent)
+    assert {r.step - r.rollout_version for r in trace.steps} <= {0, 1}

@@ -410,7 +410,8 @@ class Digen(Policy):
         if node.kind != Kind.GENERATE or self.loaded[device] == version:
             return Run(node.id, (device,))
         self.loaded[device] = version
-        (publication,) = view.graph.of(node.pipeline, version - 1, Kind.PUBLISH)
+        # Any version is the same bytes (a device lent by the trainer may need the older weights of a TCSS step).
+        publication = view.graph.of(node.pipeline, max(version - 1, 0), Kind.PUBLISH)[0]
         return SwitchRole(device, Role.ROLLOUT, self.costs.seconds(publication), resident_gb)
 
     def observe(self, view, events: Sequence[Event]) -> None:
