@@ -15,20 +15,28 @@ def train(
     out: Path = typer.Option(Path("runs/latest"), help="run directory"),
     steps: int = typer.Option(None, help="train up to this many steps (default: train.steps)"),
     resume: Path = typer.Option(None, help="RUN_DIR or RUN_DIR/checkpoints/step_NNNNNN to continue from"),
+    policy: str = typer.Option(None, help="reference | colocated | disaggregated | digen (same as policy=...)"),
+    devices: int = typer.Option(None, help="devices for the Ray runtime (same as runtime.devices=...)"),
 ):
     """Post-train the model with RL and write a run directory."""
     from dovetail.config.train import ConfigError, load_config
+    from dovetail.rewards import RewardError
 
     if config is not None and "=" in str(config):
         overrides, config = [str(config), *(overrides or [])], None
+    flags = ([f"policy={policy}"] if policy else []) + ([f"runtime.devices={devices}"] if devices else [])
     try:
-        run_config = load_config(config, overrides or [])
+        run_config = load_config(config, [*(overrides or []), *flags])
     except ConfigError as error:
         typer.echo(str(error), err=True)
         raise typer.Exit(2)
     from dovetail.train import train as run_training
 
-    summary = run_training(run_config, out, steps=steps, resume=resume)
+    try:
+        summary = run_training(run_config, out, steps=steps, resume=resume)
+    except (RewardError, FileNotFoundError) as error:
+        typer.echo(str(error), err=True)
+        raise typer.Exit(1)
     typer.echo(
         f"eval reward {summary['base_eval_reward']:.3f} -> {summary['final_eval_reward']:.3f} "
         f"after {summary['steps']} steps, {summary['samples_per_s']:.1f} samples/s; run in {out}"
@@ -64,11 +72,28 @@ def simulate(
     trace: Path = typer.Option(None, help="Chrome trace (Perfetto) file; one per policy when several"),
     gantt: Path = typer.Option(None, help="Gantt PNG; one per policy when several"),
     list_: bool = typer.Option(False, "--list", help="list the shipped scenarios"),
+    from_run: Path = typer.Option(None, help="replay a `dovetail train` run with the costs it measured"),
 ):
     """Simulate policies on a scenario and compare throughput, efficiency, bubbles, staleness, memory."""
     from dovetail.report import compare, render_table
     from dovetail.scenario import list_scenarios, load_scenario
 
+    if from_run is not None:
+        from dovetail.exec.replay import replay_run
+
+        try:
+            result = replay_run(from_run)
+        except (FileNotFoundError, ValueError) as error:
+            typer.echo(str(error), err=True)
+            raise typer.Exit(2)
+        if json_out:
+            typer.echo(json.dumps(result))
+        else:
+            typer.echo(
+                f"{result['policy']} over {result['steps']} steps: measured {result['measured_step_time_s']:.3f} s/step, "
+                f"simulated {result['predicted_step_time_s']:.3f} s/step ({result['relative_error']:+.1%})"
+            )
+        return
     if list_:
         for name, description in list_scenarios().items():
             typer.echo(f"{name:28s} {description}")

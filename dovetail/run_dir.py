@@ -15,6 +15,11 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         self.checkpoints = self.path / "checkpoints"
 
+    def start_fresh(self) -> None:
+        """A new run in an existing directory replaces its metrics and summary (checkpoints stay)."""
+        for name in ("metrics.jsonl", "summary.json"):
+            (self.path / name).unlink(missing_ok=True)
+
     def write_config(self, text: str) -> None:
         (self.path / "config.yaml").write_text(text)
 

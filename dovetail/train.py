@@ -108,6 +108,8 @@ def train(config: TrainConfig, out: Path, *, steps: int | None = None, resume: P
     first_step = 0
     if resume is not None:
         first_step = run.load_checkpoint(resume, model, optimizer)
+    else:
+        run.start_fresh()
     run.write_config(dump_config(config))
     last_step = steps if steps is not None else config.train.steps
 

@@ -6,7 +6,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dovetail.rewards import REWARDS
+from dovetail.rewards import check_reward_names
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CHECKPOINT = PACKAGE_ROOT / "assets" / "digits-t2i"
@@ -41,7 +41,7 @@ class AlgoSection(Section):
 
 class TrainSection(Section):
     steps: int = Field(200, ge=1)
-    lr: float = Field(2e-4, gt=0)
+    lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     chunk_size: int = Field(128, ge=1, description="(sample, timestep) pairs per batched forward/backward")
@@ -86,9 +86,7 @@ class TrainConfig(Section):
     @field_validator("reward")
     @classmethod
     def _known_rewards(cls, weights: dict[str, float]) -> dict[str, float]:
-        unknown = sorted(set(weights) - set(REWARDS))
-        if unknown:
-            raise ValueError(f"unknown reward(s) {unknown}; known rewards: {sorted(REWARDS)}")
+        check_reward_names(weights)
         if not weights:
             raise ValueError("name at least one reward, e.g. reward.digit_match=1.0")
         return weights

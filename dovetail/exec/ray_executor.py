@@ -123,6 +123,7 @@ class RayExecutor:
                 for event in events:
                     if isinstance(event, StepCommitted) and self.on_commit is not None:
                         self.on_commit(self.first_step + event.step, self)
+                        state.now = time.perf_counter() - start  # the driver's logging took wall time too
                 decisions = policy.react(state, events)
                 if not events and not decisions:
                     break

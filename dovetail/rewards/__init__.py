@@ -3,6 +3,7 @@
 Rewards combine with weights: ``{"digit_match": 1.0, "jpeg_compressibility": 0.1}``.
 """
 
+import importlib
 import io
 import re
 from collections.abc import Callable, Sequence
@@ -63,19 +64,30 @@ class RewardError(RuntimeError):
     """A reward failed or returned a non-finite value; names the reward and the sample."""
 
 
+def reward_fn(name: str) -> RewardFn:
+    """A reward by name, or your own as "package.module:function" (same signature)."""
+    if name in REWARDS:
+        return REWARDS[name]
+    if ":" in name:
+        module, _, attribute = name.partition(":")
+        try:
+            return getattr(importlib.import_module(module), attribute)
+        except (ImportError, AttributeError) as error:
+            raise ValueError(f"reward {name!r} cannot be imported: {error}") from None
+    raise ValueError(f"unknown reward {name!r}; known rewards: {sorted(REWARDS)}, or give module:function")
+
+
 def check_reward_names(weights: dict[str, float]) -> None:
-    unknown = sorted(set(weights) - set(REWARDS))
-    if unknown:
-        raise ValueError(f"unknown reward(s) {unknown}; known rewards: {sorted(REWARDS)}")
+    for name in weights:
+        reward_fn(name)
 
 
 def score(images: np.ndarray, prompts: Sequence[str], weights: dict[str, float]) -> dict[str, np.ndarray]:
     """Each named reward and their weighted sum under "total"."""
-    check_reward_names(weights)
     scores = {}
     for name in weights:
         try:
-            values = np.asarray(REWARDS[name](images, prompts), dtype=np.float64)
+            values = np.asarray(reward_fn(name)(images, prompts), dtype=np.float64)
         except Exception as error:
             raise RewardError(f"reward {name!r} raised {type(error).__name__}: {error}") from error
         bad = np.flatnonzero(~np.isfinite(values))

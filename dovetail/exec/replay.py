@@ -1,0 +1,58 @@
+"""`dovetail simulate --from-run RUN_DIR`: replay a real run's graph in the simulator, with the costs
+that run measured, and compare the predicted step time with the one the run achieved.
+
+This is the check that the simulator is a trustworthy planner: the same policy, the same graph, the
+measured per-kind costs; only the executor differs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dovetail.config.train import TrainConfig
+from dovetail.exec.driver import time_per_step
+from dovetail.exec.launch import COST_KIND, flow_scenario
+from dovetail.exec.sim import SimExecutor
+from dovetail.scenario import prepare
+from dovetail.sched.cost import CostModel
+
+
+def replay_run(run_dir: Path | str) -> dict:
+    path = Path(run_dir) / "run_profile.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: --from-run needs a run directory written by `dovetail train --policy colocated|disaggregated|digen`")
+    profile = json.loads(path.read_text())
+    config = TrainConfig(**profile["config"])
+    scenario = flow_scenario(config, profile["steps"])
+    shape = {k: v for k, v in profile["shape"].items() if v is not None}
+    options = {"tag": config.runtime.tag}
+    analytic = prepare(scenario, config.policy, steps=profile["steps"], options=options, **shape)
+    measured = profile["node_seconds"]
+    records = []
+    for node in analytic.graph:
+        if node.id not in measured or node.cost_s <= 0:
+            continue
+        seconds, width = measured[node.id]
+        predicted = node.cost_s if node.collective else node.cost_s / width
+        if seconds > 0:
+            records.append((COST_KIND[node.kind], predicted, seconds))
+    engines = analytic.setup.engines[next(iter(analytic.setup.engines))]
+    wake = max(engines.wake_s.values())
+    records += [("switch", wake, max(s, 1e-6)) for s in profile["switch_seconds"]]
+    cost = CostModel.from_measurements(config.runtime.device, records)
+    replayed = prepare(scenario, config.policy, steps=profile["steps"], options=options, cost=cost, **shape)
+    missing = set(measured) - set(replayed.graph.nodes)
+    if missing:
+        raise ValueError(f"the replayed graph lacks nodes the run ran, e.g. {sorted(missing)[:3]}: the policy's shape changed")
+    trace = SimExecutor(replayed.graph, replayed.setup).run(replayed.policy)
+    predicted = time_per_step(trace)
+    measured_step = profile["measured_step_time_s"]
+    return {
+        "run": str(run_dir),
+        "policy": config.policy,
+        "steps": profile["steps"],
+        "measured_step_time_s": measured_step,
+        "predicted_step_time_s": predicted,
+        "relative_error": (predicted - measured_step) / measured_step,
+        "corrections": cost.corrections(),
+    }
