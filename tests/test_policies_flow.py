@@ -239,3 +239,16 @@ def test_trainer_devices_lent_under_tcss_load_the_step_s_older_weights():
     lent = [s for s in trace.spans if s.kind == "generate" and s.device in trainers]
     assert prepared.policy.tag_decisions and any(s.step - s.version == 1 for s in lent)
     assert {r.step - r.rollout_version for r in trace.steps} <= {0, 1}
+
+
+def test_pool_split_search_is_seeded_by_predicted_device_seconds():
+    """The search scores trainer pools in a window around the split that balances rollout and training
+    device-seconds: more trained timesteps move the window towards more trainers."""
+    cost = CostModel("H100")
+    light = load_scenario("digen-flux-16").pipelines[0].model_copy(update={"trained_timesteps": 2})
+    heavy = light.model_copy(update={"trained_timesteps": 14})
+    windows = [Digen._pool_choices(spec, 16, cost) for spec in (light, heavy)]
+    for window in windows:
+        assert window == list(range(window[0], window[-1] + 1)) and len(window) <= 16 // 2 + 1
+    assert sum(windows[1]) / len(windows[1]) > sum(windows[0]) / len(windows[0])
+    assert {shape.trainer_devices for _, shape in Digen.candidates(heavy, 16, None, cost)} <= set(windows[1]) | {16}
