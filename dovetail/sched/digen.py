@@ -9,6 +9,14 @@
   where it shortens the step. `Setup.options["tag"] = False` turns it off (for ablations and `plan`).
 * TCSS (opt-in) — once every fragment of step s has started, the rollout pool starts step s + 1 on
   weights s (staleness 1, never more, one version per step so no group or trajectory mixes versions).
+* Trainer groups — the trainer pool is one FSDP group or several (hybrid sharding, a node each): every group
+  trains whole train nodes, all of them commit together (gradients all-reduced across groups).
+* Publication without a cluster barrier — the trainer pool publishes; a rollout device loads the new weights on
+  its own timeline, between two fragments, before the first fragment that uses them.
+* Shape — `candidates` ranks pool splits (a window around the split balancing predicted rollout and training
+  device-seconds), group sizes, fragment counts and TSP chunks; it includes the colocated-like shared shape
+  (every device generates, then trains with TSP in groups, no recompute), so digen never needs to lose to
+  `colocated`.
 """
 
 from __future__ import annotations
