@@ -4,7 +4,6 @@ prompts -> G samples per prompt (SDE) -> rewards -> advantages -> train the sele
 (batched) -> one optimizer step. Every other policy must reproduce these parameters.
 """
 
-import copy
 import time
 from pathlib import Path
 
@@ -127,7 +126,7 @@ def train(config: TrainConfig, out: Path, *, steps: int | None = None, resume: P
         log = StepLog(run, config, model, optimizer, last_step, summary.get("final_eval_reward", summary["base_eval_reward"]), progress)
         progress.update(log.task, completed=first_step)
         if config.policy == "reference":
-            reference_model = copy.deepcopy(model).requires_grad_(False) if config.algo.beta > 0 else None
+            reference_model = load_model(config.model.checkpoint).requires_grad_(False) if config.algo.beta > 0 else None
             for step in range(first_step, last_step):
                 log.record(step + 1, rl_step(model, optimizer, config, step, reference_model))
         else:

@@ -128,3 +128,21 @@ def test_timestep_selection_never_trains_the_last_step():
         select_train_timesteps(10, fraction=1.0, mode="window", window=10)
     with pytest.raises(ValueError, match="mode"):
         select_train_timesteps(10, fraction=0.5, mode="suffix")
+
+
+def test_decoupled_correction_is_a_truncated_importance_weighted_policy_gradient():
+    """Stale samples: clip around the current policy, weight by pi_prox / pi_behaviour (capped)."""
+    from dovetail.algo import decoupled_old_log_prob
+
+    theta = torch.tensor([0.3, -0.2, 0.1], requires_grad=True)
+    log_prob = theta * 2.0  # d log_prob / d theta = 2
+    behaviour = torch.tensor([0.6, -0.4, -1.0])  # 0.2 - 1.0 -> weight e^1.2 > cap
+    advantages = torch.tensor([1.0, -2.0, 0.5])
+    old, weight = decoupled_old_log_prob(log_prob, behaviour, max_weight=2.0)
+    assert torch.equal(old, log_prob.detach())
+    expected_weight = torch.exp(log_prob.detach() - behaviour).clamp(max=2.0)
+    assert torch.equal(weight, expected_weight) and weight[2].item() == 2.0
+    loss, stats = flow_grpo_loss(log_prob, old, advantages, clip_range=1e-4, importance_weight=weight)
+    loss.backward()
+    torch.testing.assert_close(theta.grad, -expected_weight * advantages * 2.0 / 3)
+    assert stats["ratio_mean"] == 1.0 and stats["clip_frac"] == 0.0

@@ -57,7 +57,7 @@ def reference_run(tmp_path_factory) -> Path:
 @pytest.mark.parametrize(
     "policy, overrides",
     [
-        ("digen", ["runtime.fragments=4", "runtime.tsp_chunk=5"]),
+        ("digen", ["runtime.fragments=4", "runtime.tsp_chunk=5", "runtime.tag=force"]),
         ("colocated", []),
         ("disaggregated", []),
     ],
@@ -68,6 +68,8 @@ def test_policy_reproduces_the_reference_parameters(policy, overrides, reference
     assert max_difference(weights(out), load_file(DEFAULT_CHECKPOINT / "model.safetensors")) > 1e-4  # it did train
     ledger = json.loads((out / "ledger.json").read_text())
     assert ledger["problems"] == [] and len(ledger["generated"]) == STEPS * 64
+    if policy == "digen":  # TAG forced: the trainer device generated some fragments too
+        assert len({device for *_, device, _ in ledger["generated"]}) == 2
 
 
 def test_run_directory_has_trace_gantt_and_runtime_metrics():
@@ -124,3 +126,17 @@ def test_nan_reward_stops_with_a_checkpoint_and_the_run_resumes(local_ray, tmp_p
     summary = train(config, tmp_path / "run", steps=STEPS, resume=tmp_path / "run")
     assert summary["steps"] == STEPS
     assert (tmp_path / "run/checkpoints/step_000003/model.safetensors").exists()
+
+
+def test_tcss_trains_stale_samples_with_the_decoupled_correction_and_the_reward_rises(tmp_path):
+    """One-step bounded asynchrony: the rollout device starts the next batch on the previous weights;
+    staleness never exceeds one version and training still improves the model."""
+    config = load_config(None, ["policy=digen+tcss", "runtime.devices=2", "eval.every=100", "checkpoint.every=100"])
+    summary = train(config, tmp_path / "tcss", steps=30)
+    lines = [json.loads(line) for line in (tmp_path / "tcss/metrics.jsonl").read_text().splitlines()]
+    assert {m["staleness"] for m in lines} == {0, 1} and summary["max_staleness"] == 1
+    ledger = json.loads((tmp_path / "tcss/ledger.json").read_text())
+    assert ledger["problems"] == []
+    versions = {(step, version) for step, _, _, _, version in ledger["generated"]}
+    assert all(step - version in (0, 1) for step, version in versions)
+    assert summary["final_eval_reward"] >= summary["base_eval_reward"] + 0.1, summary

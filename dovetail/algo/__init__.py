@@ -1,10 +1,11 @@
 """Pure math: the SDE step with its log-prob, advantages, the policy loss, timestep choice."""
 
-from dovetail.algo.grpo import flow_grpo_loss, group_advantages, select_train_timesteps
+from dovetail.algo.grpo import decoupled_old_log_prob, flow_grpo_loss, group_advantages, select_train_timesteps
 from dovetail.algo.sde import SDEStep, gaussian_log_prob, sde_step
 
 __all__ = [
     "SDEStep",
+    "decoupled_old_log_prob",
     "flow_grpo_loss",
     "gaussian_log_prob",
     "group_advantages",

@@ -37,6 +37,7 @@ class AlgoSection(Section):
     beta: float = Field(0.0, ge=0, description="weight of the KL to the base model")
     std_scope: Literal["group", "global", "none"] = "group"
     adv_clip: float = Field(5.0, gt=0)
+    stale_max_weight: float = Field(2.0, ge=1, description="truncation of pi_prox/pi_behaviour for TCSS's stale samples")
 
 
 class TrainSection(Section):
@@ -66,7 +67,9 @@ class RuntimeSection(Section):
     fragments: int | None = Field(None, ge=1, description="GAP fragments M (whole groups); None: the policy's choice")
     tsp_chunk: int | None = Field(None, ge=1, description="timesteps per train node; None: the policy's choice")
     trainer_devices: int | None = Field(None, ge=1, description="trainer pool of disaggregated policies")
-    tag: bool = Field(True, description="let digen insert trainer-assisted generation where it predicts a gain")
+    tag: Literal["auto", "off", "force"] = Field(
+        "auto", description="digen's trainer-assisted generation: where it predicts a gain, never, or whenever a trainer idles"
+    )
     profile_samples: int = Field(8, ge=1, description="samples in the start-up profile that seeds the cost model")
 
 

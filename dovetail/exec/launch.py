@@ -87,7 +87,7 @@ def profiled_cost(config: TrainConfig, scenario: Scenario, workers: list) -> Cos
 def prepare_run(config: TrainConfig, steps: int, workers: list) -> Prepared:
     scenario = flow_scenario(config, steps)
     cost = profiled_cost(config, scenario, workers)
-    return prepare(scenario, config.policy, steps=steps, cost=cost, options={"tag": config.runtime.tag},
+    return prepare(scenario, config.policy, steps=steps, cost=cost, options={"tag": {"auto": True, "off": False, "force": "force"}[config.runtime.tag]},
                    **shape_overrides(config))
 
 

@@ -222,9 +222,10 @@ class RayExecutor:
             chunk = timesteps[node.chunk[0] : node.chunk[1]]
             counts = tuple(len(refs) for refs in inputs)
             samples = [(step, p, i) for (_, p, i) in node.samples]
+            stale = self.state.started[(node.pipeline, node.step)] < node.version
             for device, rows in zip(devices, split(len(samples), len(devices))):
                 if rows:
-                    parts.append(Part(node.id, device, "train", ([samples[r] for r in rows], chunk, total_pairs, counts,
+                    parts.append(Part(node.id, device, "train", ([samples[r] for r in rows], chunk, total_pairs, stale, counts,
                                                                  *[r for refs in inputs for r in refs])))
         elif node.kind == Kind.COMMIT:
             gradients = [ref for train_id in node.deps if self.graph[train_id].kind == Kind.TRAIN for ref in self.outputs[train_id]]

@@ -25,7 +25,7 @@ def replay_run(run_dir: Path | str) -> dict:
     config = TrainConfig(**profile["config"])
     scenario = flow_scenario(config, profile["steps"])
     shape = {k: v for k, v in profile["shape"].items() if v is not None}
-    options = {"tag": config.runtime.tag}
+    options = {"tag": {"auto": True, "off": False, "force": "force"}[config.runtime.tag]}
     analytic = prepare(scenario, config.policy, steps=profile["steps"], options=options, **shape)
     measured = profile["node_seconds"]
     records = []

@@ -6,7 +6,8 @@
 * TSP — a train node covers a chunk of trained timesteps, batched into one forward/backward.
 * TAG — while the trainer pool would wait for data, its devices generate fragments; a bounded,
   memoized search over the predicted makespan (switch costs included) decides how many, and only
-  where it shortens the step. `Setup.options["tag"] = False` turns it off (for ablations and `plan`).
+  where it shortens the step. `Setup.options["tag"] = False` turns it off (for ablations and `plan`),
+  "force" inserts it whenever a trainer idles while fragments wait (to test that TAG changes no number).
 * TCSS (opt-in) — once every fragment of step s has started, the rollout pool starts step s + 1 on
   weights s (staleness 1, never more, one version per step so no group or trajectory mixes versions).
 * Trainer groups — the trainer pool is one FSDP group or several (hybrid sharding, a node each): every group
@@ -352,7 +353,9 @@ class Digen(Policy):
             predicted = predict_makespan(*args, k, round(tag_in, 2), round(tag_out, 2), round(view.now, 2), len(self.groups))
             if predicted < best:
                 best_k, best = k, predicted
-        if best_k == 0 or baseline - best < TAG_MIN_GAIN * (baseline - view.now):
+        if self.setup.options.get("tag") == "force":
+            best_k = max(best_k, 1)  # for tests of exactness under TAG: insert it even where it does not pay
+        elif best_k == 0 or baseline - best < TAG_MIN_GAIN * (baseline - view.now):
             return []
         chosen = self.trainer_pool[:best_k]
         for device, node in zip(chosen, reversed(waiting)):
