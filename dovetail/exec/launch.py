@@ -4,6 +4,8 @@ corrected by a profile of those devices, the policy's graph, and the RayExecutor
 from __future__ import annotations
 
 import ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dovetail.config.train import TrainConfig
 from dovetail.exec.ray_executor import RayExecutor
@@ -57,11 +59,25 @@ def start_ray(config: TrainConfig) -> None:
 _POOL: list = []
 
 
+def device_bundle(config: TrainConfig) -> dict[str, float]:
+    """What one device is to Ray: a GPU, or here one `dovetail_device` (a CPU core)."""
+    return {DEVICE_RESOURCE: 1} if config.runtime.device == "cpu-core" else {"GPU": 1}
+
+
 def start_workers(config: TrainConfig, trainer_state: dict) -> tuple[list, ray.ObjectRef, ray.ObjectRef]:
-    """One DeviceWorker per device, configured for this run and holding `trainer_state` (weights +
-    optimizer). The actors are kept for the next run in this process."""
-    while len(_POOL) < config.runtime.devices:
-        _POOL.append(DeviceWorker.remote(len(_POOL)))
+    """One DeviceWorker per device, placed through a placement group (one bundle per device),
+    configured for this run and holding `trainer_state` (weights + optimizer). The actors are kept
+    for the next run in this process."""
+    missing = config.runtime.devices - len(_POOL)
+    if missing > 0:
+        bundle = device_bundle(config)
+        group = placement_group([bundle] * missing, strategy="PACK")
+        ray.get(group.ready(), timeout=120)
+        for index in range(missing):
+            options = {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)}
+            if "GPU" in bundle:
+                options |= {"num_gpus": 1, "resources": {}}
+            _POOL.append(DeviceWorker.options(**options).remote(len(_POOL)))
     workers = _POOL[: config.runtime.devices]
     state_ref = ray.put(trainer_state)
     weights_ref = ray.put(trainer_state["weights"])
