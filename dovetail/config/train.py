@@ -70,7 +70,7 @@ class RuntimeSection(Section):
     tag: Literal["auto", "off", "force"] = Field(
         "auto", description="digen's trainer-assisted generation: where it predicts a gain, never, or whenever a trainer idles"
     )
-    profile_samples: int = Field(8, ge=1, description="samples in the start-up profile that seeds the cost model")
+    profile_samples: int = Field(32, ge=1, description="samples in the start-up profile that seeds the cost model")
 
 
 class TrainConfig(Section):

@@ -76,7 +76,7 @@ def train_on_ray(config, log, first_step: int, last_step: int, *, after_part=Non
     """Train steps [first_step, last_step) under config.policy; returns run-level figures for the summary."""
     start_ray(config)
     workers, weights, trainer_state = start_workers(config, trainer_state_of(log.model, log.optimizer))
-    prepared = prepare_run(config, last_step - first_step, workers)
+    cost, prepared = prepare_run(config, last_step - first_step, workers)
     step_metrics = StepMetrics(prepared.policy)
 
     def on_commit(rl_step: int, executor: RayExecutor) -> None:
@@ -95,7 +95,7 @@ def train_on_ray(config, log, first_step: int, last_step: int, *, after_part=Non
         load_trainer_state(log.model, log.optimizer, ray.get(executor.trainer_state))
         checkpoint = log.run.save_checkpoint(done, log.model, log.optimizer, {"policy": config.policy, "version": done})
         raise RewardError(f"{error}; the last committed step is saved in {checkpoint}: fix the reward and resume with --resume {log.run.path}") from None
-    return write_run_outputs(log.run.path, config, prepared, executor, trace)
+    return write_run_outputs(log.run.path, config, prepared, executor, trace, cost.calibration.dit_half_mfu_tokens)
 
 
 def time_per_step(trace) -> float:
@@ -112,7 +112,7 @@ def node_seconds(trace) -> dict[str, tuple[float, int]]:
     return {node: (max(s.end for s in group) - min(s.start for s in group), len({s.device for s in group})) for node, group in spans.items()}
 
 
-def write_run_outputs(path, config, prepared, executor: RayExecutor, trace) -> dict:
+def write_run_outputs(path, config, prepared, executor: RayExecutor, trace, half_mfu_tokens: float) -> dict:
     """trace.json (Perfetto / chrome://tracing), gantt.png, ledger.json, and run_profile.json for
     `dovetail simulate --from-run`."""
     trace.write_chrome(path / "trace.json")
@@ -139,6 +139,7 @@ def write_run_outputs(path, config, prepared, executor: RayExecutor, trace) -> d
         },
         "node_seconds": node_seconds(trace),
         "switch_seconds": executor.switch_seconds,
+        "dit_half_mfu_tokens": half_mfu_tokens,
         "measured_step_time_s": time_per_step(trace),
     }
     (path / "run_profile.json").write_text(json.dumps(profile))

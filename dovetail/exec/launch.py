@@ -3,6 +3,9 @@ corrected by a profile of those devices, the policy's graph, and the RayExecutor
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
+
 import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -10,9 +13,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from dovetail.config.train import TrainConfig
 from dovetail.exec.ray_executor import RayExecutor
 from dovetail.exec.worker import DEVICE_RESOURCE, DeviceWorker
-from dovetail.graph.node import Kind
+from dovetail.graph.node import Kind, Role
 from dovetail.recipe import step_timesteps
 from dovetail.scenario import Prepared, Scenario, parse_scenario, prepare
+from dovetail.sched.calibration import DEFAULT
+from dovetail.sched.catalog import diffusion_model
 from dovetail.sched.cost import CostModel
 
 PIPELINE = "digits"
@@ -23,6 +28,7 @@ COST_KIND = {Kind.GENERATE: "generate", Kind.SCORE: "score", Kind.LOGPROB: "logp
 def flow_scenario(config: TrainConfig, steps: int) -> Scenario:
     """The training config as a scenario the planner understands (the same graph the simulator would run)."""
     algo = config.algo
+    trained = len(step_timesteps(config, 0))
     return parse_scenario({
         "name": "train-" + config.policy,
         "cluster": {"device": config.runtime.device, "devices": config.runtime.devices},
@@ -30,8 +36,10 @@ def flow_scenario(config: TrainConfig, steps: int) -> Scenario:
             "kind": "flow", "name": PIPELINE, "model": "digits-t2i",
             "algorithm": "dancegrpo" if config.algorithm == "dance_grpo" else "flowgrpo",
             "prompts": algo.prompts_per_step, "group": algo.group_size,
-            "denoising_steps": config.sampling.num_steps, "trained_timesteps": len(step_timesteps(config, 0)),
+            "denoising_steps": config.sampling.num_steps, "trained_timesteps": trained,
             "height": 8, "width": 8, "reward": "rule",
+            # train.chunk_size (sample, timestep) pairs share one forward/backward
+            "micro_batch": max(1, config.train.chunk_size // trained),
         }],
         "schedule": {"steps": steps, "policies": [config.policy], "trainer_devices": config.runtime.trainer_devices},
     }, "training config")
@@ -86,24 +94,41 @@ def start_workers(config: TrainConfig, trainer_state: dict) -> tuple[list, ray.O
 
 
 def profiled_cost(config: TrainConfig, scenario: Scenario, workers: list) -> CostModel:
-    """The analytic cost model, rescaled per kind of work by what these devices measured."""
+    """The analytic cost model fitted to what these devices measured: the small-pass half point from
+    generation at two batch sizes, then one correction per kind of work (`CostModel.from_measurements`)."""
     samples = config.runtime.profile_samples
     measured = ray.get(workers[0].profile.remote(samples))
-    analytic = prepare(scenario, config.policy, steps=1, **shape_overrides(config)).graph
-    per_unit: dict[str, float] = {}
-    for node in analytic:
-        pairs = len(node.samples) * (node.chunk[1] - node.chunk[0] if node.chunk else 1)
-        units = pairs if node.kind in (Kind.GENERATE, Kind.SCORE, Kind.TRAIN) else 1
-        per_unit.setdefault(COST_KIND[node.kind], node.cost_s / units)
-    records = [(kind, per_unit[kind], measured[kind] / (samples if kind in ("generate", "score", "train") else 1))
-               for kind in measured if kind in per_unit and per_unit[kind] > 0]
-    return CostModel.from_measurements(config.runtime.device, records)
+    start = time.perf_counter()
+    ray.get(workers[0].switch_role.remote("rollout"))
+    measured["switch"] = time.perf_counter() - start
+
+    spec = scenario.pipelines[0]
+    model = diffusion_model(spec.model)
+    tokens = model.latent_tokens(spec.height, spec.width)
+    small = max(1, samples // 4)
+    ratio = measured["generate"] / measured["generate_small"]
+    half = tokens * (samples - ratio * small) / (ratio - 1) if ratio > 1 else DEFAULT.dit_half_mfu_tokens
+    calibration = replace(DEFAULT, dit_half_mfu_tokens=max(half, 0.0))
+
+    analytic = CostModel(config.runtime.device, calibration)
+    engines = prepare(scenario, config.policy, steps=1, cost=analytic, **shape_overrides(config)).setup.engines[PIPELINE]
+    predicted = {
+        "generate": analytic.generate(model, samples, spec.height, spec.width, spec.denoising_steps),
+        "score": analytic.rule_score(samples),
+        "logprob": analytic.dit_logprob(model, samples, 1, tokens),
+        "train": analytic.dit_train(model, samples, 1, tokens),
+        "optimizer": analytic.optimizer_step(model.params),
+        "publish": analytic.publish(model.params),
+        "switch": engines.wake_s[Role.ROLLOUT],
+    }
+    records = [(kind, predicted[kind], max(measured[kind], 1e-9)) for kind in predicted]
+    return CostModel.from_measurements(config.runtime.device, records, calibration)
 
 
-def prepare_run(config: TrainConfig, steps: int, workers: list) -> Prepared:
+def prepare_run(config: TrainConfig, steps: int, workers: list) -> tuple[CostModel, Prepared]:
     scenario = flow_scenario(config, steps)
     cost = profiled_cost(config, scenario, workers)
-    return prepare(scenario, config.policy, steps=steps, cost=cost, options={"tag": {"auto": True, "off": False, "force": "force"}[config.runtime.tag]},
+    return cost, prepare(scenario, config.policy, steps=steps, cost=cost, options={"tag": {"auto": True, "off": False, "force": "force"}[config.runtime.tag]},
                    **shape_overrides(config))
 
 

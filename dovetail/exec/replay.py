@@ -7,6 +7,7 @@ measured per-kind costs; only the executor differs."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from dovetail.config.train import TrainConfig
@@ -14,6 +15,7 @@ from dovetail.exec.driver import time_per_step
 from dovetail.exec.launch import COST_KIND, flow_scenario
 from dovetail.exec.sim import SimExecutor
 from dovetail.scenario import prepare
+from dovetail.sched.calibration import DEFAULT
 from dovetail.sched.cost import CostModel
 
 
@@ -26,7 +28,9 @@ def replay_run(run_dir: Path | str) -> dict:
     scenario = flow_scenario(config, profile["steps"])
     shape = {k: v for k, v in profile["shape"].items() if v is not None}
     options = {"tag": {"auto": True, "off": False, "force": "force"}[config.runtime.tag]}
-    analytic = prepare(scenario, config.policy, steps=profile["steps"], options=options, **shape)
+    calibration = replace(DEFAULT, dit_half_mfu_tokens=profile["dit_half_mfu_tokens"])
+    analytic = prepare(scenario, config.policy, steps=profile["steps"], options=options,
+                       cost=CostModel(config.runtime.device, calibration), **shape)
     measured = profile["node_seconds"]
     records = []
     for node in analytic.graph:
@@ -39,7 +43,7 @@ def replay_run(run_dir: Path | str) -> dict:
     engines = analytic.setup.engines[next(iter(analytic.setup.engines))]
     wake = max(engines.wake_s.values())
     records += [("switch", wake, max(s, 1e-6)) for s in profile["switch_seconds"]]
-    cost = CostModel.from_measurements(config.runtime.device, records)
+    cost = CostModel.from_measurements(config.runtime.device, records, calibration)
     replayed = prepare(scenario, config.policy, steps=profile["steps"], options=options, cost=cost, **shape)
     missing = set(measured) - set(replayed.graph.nodes)
     if missing:

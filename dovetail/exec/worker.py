@@ -78,28 +78,30 @@ class DeviceWorker:
 
     def profile(self, samples: int) -> dict[str, float]:
         """Measured seconds of each kind of work on this device, on throw-away copies of the engines
-        (samples of RL step -1, never trained): what the cost model is corrected with before planning."""
+        (samples of RL step -1, never trained): what the cost model is fitted to before planning.
+        Generation is timed at two batch sizes, which pins down the fixed cost of a small pass."""
         trainer = copy.deepcopy(self.trainer)
         optimizer = make_optimizer(trainer, self.config)
-        ids = [SampleId(-1, p, i) for p in range(samples) for i in range(1)]
         prompts = [f"digit {p % 10}" for p in range(samples)]
+        ids = [SampleId(-1, p, 0) for p in range(samples)]
         seconds = {}
-        start = time.perf_counter()
-        trajectories = generate(trainer, prompts, ids, self.sde, seed=self.config.seed, shared_group_noise=False)
-        seconds["generate"] = time.perf_counter() - start
-        start = time.perf_counter()
-        score(latents_to_images(trajectories.images), prompts, self.config.reward)
-        seconds["score"] = time.perf_counter() - start
-        start = time.perf_counter()
-        accumulate_policy_gradient(trainer, trajectories, torch.ones(samples), [0], self.sde, chunk_size=samples,
-                                   total_pairs=samples, clip_range=self.config.algo.clip_range)
-        seconds["train"] = time.perf_counter() - start
-        start = time.perf_counter()
-        commit(trainer, optimizer, self.config.train.max_grad_norm)
-        seconds["optimizer"] = time.perf_counter() - start
-        start = time.perf_counter()
-        ray.put(self.export_weights())
-        seconds["publish"] = time.perf_counter() - start
+
+        def timed(name, work):
+            start = time.perf_counter()
+            result = work()
+            seconds[name] = time.perf_counter() - start
+            return result
+
+        small = max(1, samples // 4)
+        timed("generate_small", lambda: generate(trainer, prompts[:small], ids[:small], self.sde, seed=self.config.seed, shared_group_noise=False))
+        trajectories = timed("generate", lambda: generate(trainer, prompts, ids, self.sde, seed=self.config.seed, shared_group_noise=False))
+        timed("score", lambda: score(latents_to_images(trajectories.images), prompts, self.config.reward))
+        with torch.no_grad():
+            timed("logprob", lambda: trainer(trajectories.latents[:, 0], self.sde.sigmas[:1].expand(samples), trajectories.prompt_ids))
+        timed("train", lambda: accumulate_policy_gradient(trainer, trajectories, torch.ones(samples), [0], self.sde, chunk_size=samples,
+                                                          total_pairs=samples, clip_range=self.config.algo.clip_range))
+        timed("optimizer", lambda: commit(trainer, optimizer, self.config.train.max_grad_norm))
+        timed("publish", lambda: ray.put(self.export_weights()))
         return seconds
 
     # ---------------------------------------------------------------- trainer state

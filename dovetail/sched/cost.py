@@ -243,10 +243,13 @@ class CostModel:
         cfg: bool = False,
         devices: int = 1,
     ) -> float:
-        """Text encoding (once per sample), `steps` DiT forwards (two with CFG), VAE decode."""
+        """Text encoding (once per sample), `steps` DiT forwards (two with CFG) at the efficiency of a pass
+        holding all `samples`, VAE decode."""
         tokens = model.latent_tokens(height, width, frames)
         passes = samples * steps * (2 if cfg else 1)
-        dit = self.compute_seconds(passes * self.dit_forward_flops(model, tokens), self.calibration.dit_inference_mfu, devices)
+        held = samples * (2 if cfg else 1) * tokens  # each denoising step is one batched forward of the samples
+        mfu = self.pass_mfu(self.calibration.dit_inference_mfu, held)
+        dit = self.compute_seconds(passes * self.dit_forward_flops(model, tokens), mfu, devices)
         seconds = dit + self.text_encode_seconds(model, samples, devices) + self.vae_decode_seconds(model, samples, height, width, frames, devices)
         return self._corrected("generate", seconds)
 
