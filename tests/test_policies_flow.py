@@ -159,7 +159,7 @@ def test_executor_refuses_impossible_decisions(decisions, message):
         ("digen-wan-16", "digen", 1.8, 0.97),
         ("digen-hunyuan-32", "digen", 1.2, 0.97),
         ("digen-qwenimage-32", "digen", 1.05, 0.75),
-        ("digen-qwenimage-32", "digen+tcss", 1.25, 0.8),
+        ("digen-qwenimage-32", "digen+tcss", 1.2, 0.74),
     ],
 )
 def test_digen_beats_colocated_on_the_digenrl_scenarios(name, policy, margin, efficiency):
