@@ -49,7 +49,7 @@ def main() -> None:
             replay = replay_run(out)
             row |= {
                 "efficiency": statistics.median(m["efficiency"] for m in lines),
-                "bubble": [round(statistics.median(m["bubble_ratio_per_device"][d] for m in lines), 3) for d in range(config.runtime.devices)],
+                "bubble": [round(statistics.median(m["bubble_ratio_per_device"][d] for m in lines), 3) for d in range(config.cluster.devices)],
                 "measured_run_step_s": replay["measured_step_time_s"],
                 "simulated_run_step_s": replay["predicted_step_time_s"],
                 "simulator_error": replay["relative_error"],

@@ -16,7 +16,7 @@ def train(
     steps: int = typer.Option(None, help="train up to this many steps (default: train.steps)"),
     resume: Path = typer.Option(None, help="RUN_DIR or RUN_DIR/checkpoints/step_NNNNNN to continue from"),
     policy: str = typer.Option(None, help="reference | colocated | disaggregated | digen (same as policy=...)"),
-    devices: int = typer.Option(None, help="devices for the Ray runtime (same as runtime.devices=...)"),
+    devices: int = typer.Option(None, help="devices for the Ray runtime (same as cluster.devices=...)"),
 ):
     """Post-train the model with RL and write a run directory."""
     from dovetail.config.train import ConfigError, load_config
@@ -24,7 +24,7 @@ def train(
 
     if config is not None and "=" in str(config):
         overrides, config = [str(config), *(overrides or [])], None
-    flags = ([f"policy={policy}"] if policy else []) + ([f"runtime.devices={devices}"] if devices else [])
+    flags = ([f"policy={policy}"] if policy else []) + ([f"cluster.devices={devices}"] if devices else [])
     try:
         run_config = load_config(config, [*(overrides or []), *flags])
     except ConfigError as error:

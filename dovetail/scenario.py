@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -16,6 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from dovetail.graph.node import Graph
 from dovetail.graph.spec import FlowSpec, LLMSpec
 from dovetail.sched.policy import Policy, Setup
+
+if TYPE_CHECKING:
+    from dovetail.sched.cost import CostModel
 
 
 class _Model(BaseModel):
@@ -118,7 +121,7 @@ def prepare(
     devices: int | None = None,
     options: dict | None = None,
     shapes: dict | None = None,
-    cost: "CostModel | None" = None,
+    cost: CostModel | None = None,
     **shape_overrides,
 ) -> Prepared:
     """Build the sub-stage graph the policy wants for every pipeline, the engines' footprints, and the policy.

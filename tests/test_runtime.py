@@ -19,7 +19,7 @@ from dovetail.rewards import RewardError
 from dovetail.train import train
 
 STEPS = 3
-COMMON = ["eval.every=100", "checkpoint.every=100", "runtime.devices=2"]
+COMMON = ["eval.every=100", "checkpoint.every=100", "cluster.devices=2"]
 RUNS: dict[str, Path] = {}
 
 
@@ -131,7 +131,7 @@ def test_nan_reward_stops_with_a_checkpoint_and_the_run_resumes(local_ray, tmp_p
 def test_tcss_trains_stale_samples_with_the_decoupled_correction_and_the_reward_rises(tmp_path):
     """One-step bounded asynchrony: the rollout device starts the next batch on the previous weights;
     staleness never exceeds one version and training still improves the model."""
-    config = load_config(None, ["policy=digen+tcss", "runtime.devices=2", "runtime.trainer_devices=1", "eval.every=100",
+    config = load_config(None, ["policy=digen+tcss", "cluster.devices=2", "runtime.trainer_devices=1", "eval.every=100",
                                 "checkpoint.every=100"])
     summary = train(config, tmp_path / "tcss", steps=30)
     lines = [json.loads(line) for line in (tmp_path / "tcss/metrics.jsonl").read_text().splitlines()]

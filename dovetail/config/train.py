@@ -58,12 +58,17 @@ class CheckpointSection(Section):
     every: int = Field(50, ge=1, description="save every N steps (and at the end)")
 
 
-class RuntimeSection(Section):
-    """The Ray runtime (every policy but `reference`): devices, cluster, and shape overrides."""
+class ClusterSection(Section):
+    """Where the Ray runtime (every policy but `reference`) runs."""
 
     devices: int = Field(2, ge=1, description="devices (DeviceWorker actors): GPUs, or CPU cores here")
     device: str = Field("cpu-core", description="device type in the cost model's catalogue (H100, H200, cpu-core...)")
     address: str | None = Field(None, description="Ray cluster address; None starts a local Ray instance")
+
+
+class RuntimeSection(Section):
+    """How the Ray runtime cuts the step, where the policy should not choose."""
+
     fragments: int | None = Field(None, ge=1, description="GAP fragments M (whole groups); None: the policy's choice")
     tsp_chunk: int | None = Field(None, ge=1, description="timesteps per train node; None: the policy's choice")
     trainer_devices: int | None = Field(None, ge=1, description="trainer pool of disaggregated policies")
@@ -84,6 +89,7 @@ class TrainConfig(Section):
     reward: dict[str, float] = Field(default_factory=lambda: {"digit_match": 1.0})
     eval: EvalSection = EvalSection()
     checkpoint: CheckpointSection = CheckpointSection()
+    cluster: ClusterSection = ClusterSection()
     runtime: RuntimeSection = RuntimeSection()
 
     @field_validator("reward")

@@ -116,7 +116,7 @@ def write_run_outputs(path, config, prepared, executor: RayExecutor, trace, half
     """trace.json (Perfetto / chrome://tracing), gantt.png, ledger.json, and run_profile.json for
     `dovetail simulate --from-run`."""
     trace.write_chrome(path / "trace.json")
-    trace.write_gantt(path / "gantt.png", f"dovetail train, policy {config.policy}, {config.runtime.devices} devices")
+    trace.write_gantt(path / "gantt.png", f"dovetail train, policy {config.policy}, {config.cluster.devices} devices")
     expected = {
         (executor.first_step + s, p, i): executor.timesteps_of(executor.first_step + s)
         for node in prepared.graph if node.kind == Kind.GENERATE for (s, p, i) in node.samples

@@ -31,7 +31,7 @@ def flow_scenario(config: TrainConfig, steps: int) -> Scenario:
     trained = len(step_timesteps(config, 0))
     return parse_scenario({
         "name": "train-" + config.policy,
-        "cluster": {"device": config.runtime.device, "devices": config.runtime.devices},
+        "cluster": {"device": config.cluster.device, "devices": config.cluster.devices},
         "pipelines": [{
             "kind": "flow", "name": PIPELINE, "model": "digits-t2i",
             "algorithm": "dancegrpo" if config.algorithm == "dance_grpo" else "flowgrpo",
@@ -51,16 +51,16 @@ def shape_overrides(config: TrainConfig) -> dict:
 
 
 def start_ray(config: TrainConfig) -> None:
-    """A local Ray instance with one `dovetail_device` per device, or the cluster at runtime.address."""
+    """A local Ray instance with one `dovetail_device` per device, or the cluster at cluster.address."""
     if ray.is_initialized():
         available = ray.cluster_resources().get(DEVICE_RESOURCE, 0)
-        if available < config.runtime.devices:
-            raise RuntimeError(f"the running Ray instance has {available:g} {DEVICE_RESOURCE}; runtime.devices={config.runtime.devices}")
+        if available < config.cluster.devices:
+            raise RuntimeError(f"the running Ray instance has {available:g} {DEVICE_RESOURCE}; cluster.devices={config.cluster.devices}")
         return
-    if config.runtime.address:
-        ray.init(address=config.runtime.address)
+    if config.cluster.address:
+        ray.init(address=config.cluster.address)
     else:
-        ray.init(num_cpus=1, resources={DEVICE_RESOURCE: config.runtime.devices}, include_dashboard=False,
+        ray.init(num_cpus=1, resources={DEVICE_RESOURCE: config.cluster.devices}, include_dashboard=False,
                  log_to_driver=False, configure_logging=False)
 
 
@@ -69,14 +69,14 @@ _POOL: list = []
 
 def device_bundle(config: TrainConfig) -> dict[str, float]:
     """What one device is to Ray: a GPU, or here one `dovetail_device` (a CPU core)."""
-    return {DEVICE_RESOURCE: 1} if config.runtime.device == "cpu-core" else {"GPU": 1}
+    return {DEVICE_RESOURCE: 1} if config.cluster.device == "cpu-core" else {"GPU": 1}
 
 
 def start_workers(config: TrainConfig, trainer_state: dict) -> tuple[list, ray.ObjectRef, ray.ObjectRef]:
     """One DeviceWorker per device, placed through a placement group (one bundle per device),
     configured for this run and holding `trainer_state` (weights + optimizer). The actors are kept
     for the next run in this process."""
-    missing = config.runtime.devices - len(_POOL)
+    missing = config.cluster.devices - len(_POOL)
     if missing > 0:
         bundle = device_bundle(config)
         group = placement_group([bundle] * missing, strategy="PACK")
@@ -86,7 +86,7 @@ def start_workers(config: TrainConfig, trainer_state: dict) -> tuple[list, ray.O
             if "GPU" in bundle:
                 options |= {"num_gpus": 1, "resources": {}}
             _POOL.append(DeviceWorker.options(**options).remote(len(_POOL)))
-    workers = _POOL[: config.runtime.devices]
+    workers = _POOL[: config.cluster.devices]
     state_ref = ray.put(trainer_state)
     weights_ref = ray.put(trainer_state["weights"])
     ray.get([w.configure.remote(config.model_dump(mode="json"), state_ref) for w in workers])
@@ -110,7 +110,7 @@ def profiled_cost(config: TrainConfig, scenario: Scenario, workers: list) -> Cos
     half = tokens * (samples - ratio * small) / (ratio - 1) if ratio > 1 else DEFAULT.dit_half_mfu_tokens
     calibration = replace(DEFAULT, dit_half_mfu_tokens=max(half, 0.0))
 
-    analytic = CostModel(config.runtime.device, calibration)
+    analytic = CostModel(config.cluster.device, calibration)
     engines = prepare(scenario, config.policy, steps=1, cost=analytic, **shape_overrides(config)).setup.engines[PIPELINE]
     predicted = {
         "generate": analytic.generate(model, samples, spec.height, spec.width, spec.denoising_steps),
@@ -122,7 +122,7 @@ def profiled_cost(config: TrainConfig, scenario: Scenario, workers: list) -> Cos
         "switch": engines.wake_s[Role.ROLLOUT],
     }
     records = [(kind, predicted[kind], max(measured[kind], 1e-9)) for kind in predicted]
-    return CostModel.from_measurements(config.runtime.device, records, calibration)
+    return CostModel.from_measurements(config.cluster.device, records, calibration)
 
 
 def prepare_run(config: TrainConfig, steps: int, workers: list) -> tuple[CostModel, Prepared]:

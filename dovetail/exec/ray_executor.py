@@ -22,13 +22,14 @@ from ray.exceptions import RayActorError
 from dovetail.config.train import TrainConfig
 from dovetail.exec.state import ClusterState
 from dovetail.exec.trace import Trace
-from dovetail.graph.node import Graph, Kind, Node, Role
+from dovetail.graph.node import Graph, Kind, Node
 from dovetail.graph.flow import split
 from dovetail.models.flow_rl import step_prompts
 from dovetail.recipe import step_timesteps
 from dovetail.sched.policy import Migrate, Policy, Run, Setup, StepCommitted, SwitchRole
 
 SampleKey = tuple[int, int, int]
+RESTART_POLLS = 600
 
 
 @dataclass
@@ -41,6 +42,8 @@ class Part:
     args: tuple
     index: int = 0
     """Position of the part's output among the node's outputs (results are read in this order)."""
+    switch: SwitchRole | None = None
+    """Set for a role switch, which is no node."""
 
 
 @dataclass
@@ -154,21 +157,22 @@ class RayExecutor:
         """The worker died: wait for Ray to restart it, restore the committed trainer state, re-send."""
         worker = self.workers[part.device]
         self.ledger.restarts.append((round(now, 3), part.device, part.node))
-        for attempt in range(600):
+        for _ in range(RESTART_POLLS):
             try:
                 ray.get(worker.ping.remote(), timeout=30)
                 break
             except RayActorError:
-                time.sleep(0.1)
+                time.sleep(0.1)  # Ray is still restarting the actor
+        else:
+            raise RuntimeError(f"device {part.device} did not come back after it died running {part.node}")
         ray.get(worker.configure.remote(self.config.model_dump(mode="json"), self.trainer_state))
         self._submit(part)
 
     # ------------------------------------------------------------ decisions -> actor calls
     def _launch(self, decision) -> None:
         if isinstance(decision, SwitchRole):
-            self._left[f"switch{decision.device}"] = 1
-            self._submit(Part(f"switch:{decision.device}:{decision.role.value}:{decision.resident_gb}", decision.device,
-                              "switch_role", (decision.role.value,)))
+            self._submit(Part(f"switch to {decision.role.value}", decision.device, "switch_role", (decision.role.value,),
+                              switch=decision))
         elif isinstance(decision, Run):
             self._run(self.graph[decision.node], decision.devices)
         elif isinstance(decision, Migrate):
@@ -246,10 +250,9 @@ class RayExecutor:
 
     # ------------------------------------------------------------ completions
     def _complete(self, part: Part, ref: ray.ObjectRef, result) -> None:
-        if part.method == "switch_role":
-            _, device, role, resident = part.node.split(":")
+        if part.switch is not None:
             self.switch_seconds.append(result)
-            self.state.finish_switch(int(device), Role(role), float(resident))
+            self.state.finish_switch(part.switch.device, part.switch.role, part.switch.resident_gb)
             return
         node = self.graph[part.node]
         self.outputs[node.id][part.index] = ref

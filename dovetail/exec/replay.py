@@ -10,6 +10,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from dovetail.config.train import TrainConfig
 from dovetail.exec.driver import time_per_step
 from dovetail.exec.launch import COST_KIND, flow_scenario
@@ -24,13 +26,16 @@ def replay_run(run_dir: Path | str) -> dict:
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: --from-run needs a run directory written by `dovetail train --policy colocated|disaggregated|digen`")
     profile = json.loads(path.read_text())
-    config = TrainConfig(**profile["config"])
+    try:
+        config = TrainConfig(**profile["config"])
+    except ValidationError as error:
+        raise ValueError(f"{path} was written by an older dovetail whose config this one cannot read: {error}") from None
     scenario = flow_scenario(config, profile["steps"])
     shape = {k: v for k, v in profile["shape"].items() if v is not None}
     options = {"tag": {"auto": True, "off": False, "force": "force"}[config.runtime.tag]}
     calibration = replace(DEFAULT, dit_half_mfu_tokens=profile["dit_half_mfu_tokens"])
     analytic = prepare(scenario, config.policy, steps=profile["steps"], options=options,
-                       cost=CostModel(config.runtime.device, calibration), **shape)
+                       cost=CostModel(config.cluster.device, calibration), **shape)
     measured = profile["node_seconds"]
     records = []
     for node in analytic.graph:
@@ -43,7 +48,7 @@ def replay_run(run_dir: Path | str) -> dict:
     engines = analytic.setup.engines[next(iter(analytic.setup.engines))]
     wake = max(engines.wake_s.values())
     records += [("switch", wake, max(s, 1e-6)) for s in profile["switch_seconds"]]
-    cost = CostModel.from_measurements(config.runtime.device, records, calibration)
+    cost = CostModel.from_measurements(config.cluster.device, records, calibration)
     replayed = prepare(scenario, config.policy, steps=profile["steps"], options=options, cost=cost, **shape)
     missing = set(measured) - set(replayed.graph.nodes)
     if missing:
