@@ -97,9 +97,10 @@ def test_killed_worker_is_restarted_and_no_sample_is_lost_or_trained_twice(refer
     killed = []
 
     def kill_once(executor, part):
-        if not killed and part.node.endswith("s1/gen1"):
-            killed.append(part.device)
-            ray.kill(executor.workers[0], no_restart=False)
+        """Kill a device right after it trained part of step 1: it holds gradients of the open step."""
+        if not killed and part.method == "train" and "/s1/" in part.node:
+            killed.append((part.device, part.node))
+            ray.kill(executor.workers[part.device], no_restart=False)
 
     out = tmp_path / "faulty"
     config = load_config(None, COMMON + ["policy=digen", "runtime.fragments=4", "runtime.tsp_chunk=5"])
@@ -107,6 +108,7 @@ def test_killed_worker_is_restarted_and_no_sample_is_lost_or_trained_twice(refer
     assert killed and summary["restarts"] >= 1
     ledger = json.loads((out / "ledger.json").read_text())
     assert ledger["problems"] == [] and ledger["restarts"]
+    assert list(killed[0]) in ledger["reruns"]  # its accumulated gradients were rebuilt
     assert max_difference(weights(out), weights(reference_run)) <= 1e-5
 
 

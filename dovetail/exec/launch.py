@@ -12,7 +12,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dovetail.config.train import TrainConfig
 from dovetail.exec.ray_executor import RayExecutor
-from dovetail.exec.worker import DEVICE_RESOURCE, DeviceWorker
+from dovetail.exec.worker import DEVICE_RESOURCE, DeviceWorker, form_group
 from dovetail.graph.node import Kind, Role
 from dovetail.recipe import step_timesteps
 from dovetail.scenario import Prepared, Scenario, parse_scenario, prepare
@@ -90,6 +90,7 @@ def start_workers(config: TrainConfig, trainer_state: dict) -> tuple[list, ray.O
     state_ref = ray.put(trainer_state)
     weights_ref = ray.put(trainer_state["weights"])
     ray.get([w.configure.remote(config.model_dump(mode="json"), state_ref) for w in workers])
+    form_group(workers)
     return workers, weights_ref, state_ref
 
 

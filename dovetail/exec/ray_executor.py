@@ -5,8 +5,10 @@ checked and booked by `ClusterState` and launched as actor calls; whenever a cal
 finished node's event goes back to the policy. Data moves as Ray object refs; weights are published
 as versioned refs that rollout engines load between trajectories.
 
-A worker that dies is restarted by Ray; the executor gives it the last committed trainer state and
-runs its unfinished parts again. Finished work lives in the object store, so nothing is redone twice.
+A worker that dies is restarted by Ray; the executor gives it the last committed trainer state, forms
+the device group again, re-runs the train parts whose gradients it held (their results are already
+booked, so no sample counts twice) and sends its unfinished parts again. Trajectories and scores
+live in the object store and survive the worker.
 """
 
 from __future__ import annotations
@@ -14,14 +16,15 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 from dovetail.config.train import TrainConfig
 from dovetail.exec.state import ClusterState
 from dovetail.exec.trace import Trace
+from dovetail.exec.worker import form_group
 from dovetail.graph.node import Graph, Kind, Node
 from dovetail.graph.flow import split
 from dovetail.models.flow_rl import step_prompts
@@ -44,6 +47,8 @@ class Part:
     """Position of the part's output among the node's outputs (results are read in this order)."""
     switch: SwitchRole | None = None
     """Set for a role switch, which is no node."""
+    rerun: bool = False
+    """A finished train part sent again to a restarted device, to rebuild its accumulated gradients."""
 
 
 @dataclass
@@ -55,6 +60,8 @@ class Ledger:
     trained: dict[tuple[SampleKey, int], int] = field(default_factory=dict)
     """(sample, timestep) -> times its gradient entered a commit."""
     restarts: list[tuple[float, int, str]] = field(default_factory=list)
+    reruns: list[tuple[int, str]] = field(default_factory=list)
+    """(device, train node) re-run on a restarted device to rebuild the gradients it held."""
 
     def problems(self, expected: dict[SampleKey, list[int]]) -> list[str]:
         """Every sample generated once and scored once, every (sample, timestep) trained once."""
@@ -74,6 +81,7 @@ class Ledger:
             "generated": [[*s, d, v] for s, uses in sorted(self.generated.items()) for d, v in uses],
             "trained": [[*s, k, n] for (s, k), n in sorted(self.trained.items())],
             "restarts": self.restarts,
+            "reruns": self.reruns,
         }
 
 
@@ -104,8 +112,11 @@ class RayExecutor:
         self.trainer_state = initial_trainer_state
         self.trainer_devices: tuple[int, ...] = ()
         self.outputs: dict[str, list[ray.ObjectRef | None]] = {}
-        self.train_pairs: dict[str, list] = defaultdict(list)
-        """Train node -> (sample ids, timesteps) of its finished parts, booked when their commit lands."""
+        self.train_pairs: dict[str, dict[int, tuple]] = defaultdict(dict)
+        """Train node -> part index -> (sample ids, timesteps), booked when their commit lands."""
+        self.uncommitted: dict[int, list[Part]] = defaultdict(list)
+        """Device -> train parts whose gradients it holds, not yet consumed by a commit."""
+        self._pids = ray.get([worker.ping.remote() for worker in workers])
         self.ledger = Ledger()
         self.publish_bytes = sum(v.nbytes for v in ray.get(initial_weights).values())
         self.publish_seconds: list[float] = []
@@ -144,6 +155,11 @@ class RayExecutor:
             except RayActorError:
                 self._recover(part, time.perf_counter() - start)
                 continue
+            except RayTaskError:
+                if part.method != "commit" or not self.ledger.restarts:
+                    raise
+                self._submit(part)  # its all-reduce lost a peer that died; the group is formed again
+                continue
             state.now = time.perf_counter() - start
             self._complete(part, ref, result)
             if self.after_part is not None:
@@ -154,18 +170,25 @@ class RayExecutor:
         self._pending[ref] = part
 
     def _recover(self, part: Part, now: float) -> None:
-        """The worker died: wait for Ray to restart it, restore the committed trainer state, re-send."""
+        """The worker died: wait for Ray to restart it, give it the committed trainer state, form the
+        device group again, rebuild its accumulated gradients, and re-send the part."""
         worker = self.workers[part.device]
-        self.ledger.restarts.append((round(now, 3), part.device, part.node))
         for _ in range(RESTART_POLLS):
             try:
-                ray.get(worker.ping.remote(), timeout=30)
+                pid = ray.get(worker.ping.remote(), timeout=30)
                 break
             except RayActorError:
                 time.sleep(0.1)  # Ray is still restarting the actor
         else:
             raise RuntimeError(f"device {part.device} did not come back after it died running {part.node}")
-        ray.get(worker.configure.remote(self.config.model_dump(mode="json"), self.trainer_state))
+        if pid != self._pids[part.device]:  # a new incarnation: restore it once
+            self._pids[part.device] = pid
+            self.ledger.restarts.append((round(now, 3), part.device, part.node))
+            ray.get(worker.configure.remote(self.config.model_dump(mode="json"), self.trainer_state))
+            form_group(self.workers)
+            for lost in self.uncommitted[part.device]:
+                self.ledger.reruns.append((part.device, lost.node))
+                self._submit(replace(lost, rerun=True))
         self._submit(part)
 
     # ------------------------------------------------------------ decisions -> actor calls
@@ -232,8 +255,7 @@ class RayExecutor:
                     parts.append(Part(node.id, device, "train", ([samples[r] for r in rows], chunk, total_pairs, stale, counts,
                                                                  *[r for refs in inputs for r in refs])))
         elif node.kind == Kind.COMMIT:
-            gradients = [ref for train_id in node.deps if self.graph[train_id].kind == Kind.TRAIN for ref in self.outputs[train_id]]
-            parts = [Part(node.id, device, "commit", tuple(gradients)) for device in devices]
+            parts = [Part(node.id, device, "commit", (tuple(devices),)) for device in devices]
             self.trainer_devices = tuple(devices)
         elif node.kind == Kind.PUBLISH:
             weights = self.workers[self.trainer_devices[0]].export_weights.remote()
@@ -254,6 +276,9 @@ class RayExecutor:
             self.switch_seconds.append(result)
             self.state.finish_switch(part.switch.device, part.switch.role, part.switch.resident_gb)
             return
+        if part.rerun:
+            self.uncommitted[part.device].append(replace(part, rerun=False))
+            return
         node = self.graph[part.node]
         self.outputs[node.id][part.index] = ref
         self._book(node, part, result)
@@ -272,10 +297,14 @@ class RayExecutor:
             for sample in result["ids"]:
                 self.ledger.scored[tuple(sample)] = self.ledger.scored.get(tuple(sample), 0) + 1
         elif node.kind == Kind.TRAIN:
-            self.train_pairs[node.id].append((result["ids"], result["timesteps"]))
-        elif node.kind == Kind.COMMIT and part.device == self.trainer_devices[0]:
+            self.train_pairs[node.id][part.index] = (result["ids"], result["timesteps"])
+            self.uncommitted[part.device].append(part)
+        elif node.kind == Kind.COMMIT:
+            self.uncommitted[part.device] = []
+            if part.device != self.trainer_devices[0]:
+                return
             for train_id in node.deps:
-                for ids, timesteps in self.train_pairs.pop(train_id, []):
+                for ids, timesteps in self.train_pairs.pop(train_id, {}).values():
                     for sample in ids:
                         for k in timesteps:
                             key = (tuple(sample), k)

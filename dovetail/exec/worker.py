@@ -4,17 +4,22 @@ It holds the engines of one flow pipeline: a rollout engine (an inference copy o
 published weights version), a trainer engine (parameters and optimizer state) and the reward engine.
 It carries out work and never decides: which node runs where is the policy's, through the executor.
 
-Gradients leave the worker as one flat array per train node and are summed in a fixed order at the
-commit, so a worker that dies mid-step loses no finished work and every trainer replica stays equal.
+Gradients accumulate on the device; at the commit the devices that hold the trainer engine all-reduce
+them in a torch.distributed group (gloo on CPU cores, NCCL on GPUs) and take the same optimizer step,
+so every trainer replica stays equal. A worker that dies loses its accumulated gradients: the
+executor re-runs its train nodes of the open step.
 """
 
 import copy
 import os
+import socket
 import time
+from datetime import timedelta
 
 import numpy as np
 import ray
 import torch
+import torch.distributed as dist
 
 from dovetail.algo import group_advantages, sde_step
 from dovetail.config.train import TrainConfig
@@ -26,6 +31,7 @@ from dovetail.rewards import score
 from dovetail.recipe import make_optimizer, sde_settings
 
 DEVICE_RESOURCE = "dovetail_device"
+GROUP_TIMEOUT_S = 120
 
 
 def pack(trajectories: Trajectories, ids: list[SampleId]) -> dict:
@@ -47,8 +53,33 @@ def unpack(parts: list[dict], sigmas: torch.Tensor) -> tuple[Trajectories, list[
     return joined, [tuple(i) for p in parts for i in p["ids"]]
 
 
-def flat_gradient(model) -> np.ndarray:
-    return torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel()) for p in model.parameters()]).numpy()
+def form_group(workers: list) -> None:
+    """Every device joins one torch.distributed group, rendezvous on the first device's node."""
+    address, port = ray.get(workers[0].rendezvous.remote())
+    ray.get([w.join_group.remote(address, port, len(workers)) for w in workers])
+
+
+def join_process_group(address: str, port: int, rank: int, world: int) -> None:
+    """gloo on CPU cores, NCCL on GPUs. (Module-level: Ray cannot pickle actor methods that use
+    torch.distributed.)"""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+
+
+def all_reduce_sum(tensor: torch.Tensor, ranks: tuple[int, ...], groups: dict) -> None:
+    """Sum `tensor` in place over the devices `ranks` (a subgroup cut once, by its members only)."""
+    if len(ranks) < 2:
+        return
+    if ranks not in groups:
+        groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+    dist.all_reduce(tensor, group=groups[ranks])
+
+
+def flat_gradient(model) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel()) for p in model.parameters()])
 
 
 @ray.remote(num_cpus=0, resources={DEVICE_RESOURCE: 1}, max_restarts=-1, max_task_retries=0)
@@ -72,6 +103,19 @@ class DeviceWorker:
         self.rollout = copy.deepcopy(self.trainer).requires_grad_(False)
         self.rollout_version: int | None = None
         self.role: str | None = None
+        self.accumulated: torch.Tensor | None = None
+
+    def join_group(self, address: str, port: int, world: int) -> None:
+        """(Re)join the torch.distributed group of all devices; trainer groups are cut from it at commits.
+        Accumulated gradients survive (a re-join follows another device's restart)."""
+        join_process_group(address, port, self.index, world)
+        self.groups: dict[tuple[int, ...], object] = {}
+
+    def rendezvous(self) -> tuple[str, int]:
+        """An address and a free port on this device's node, for the group's TCP rendezvous."""
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            return ray.util.get_node_ip_address(), probe.getsockname()[1]
 
     def ping(self) -> int:
         return os.getpid()
@@ -192,15 +236,19 @@ class DeviceWorker:
             beta=algo.beta, reference_model=self.reference, stale_max_weight=algo.stale_max_weight if stale else None,
         )
         gradient = flat_gradient(self.trainer)
+        self.accumulated = gradient if self.accumulated is None else self.accumulated + gradient
         self.optimizer.zero_grad(set_to_none=True)
-        return {"gradient": gradient, "stats": sums, "ids": [ids[r] for r in rows], "timesteps": timesteps,
+        return {"stats": sums, "ids": [ids[r] for r in rows], "timesteps": timesteps,
                 "rewards": rewards[rows]}
 
-    def commit(self, *train_outputs: dict) -> float:
-        """Sum the step's gradients in the order given and take one optimizer step; returns the grad norm."""
-        total = np.sum([out["gradient"] for out in train_outputs], axis=0, dtype=np.float64).astype(np.float32)
+    def commit(self, ranks: tuple[int, ...]) -> float:
+        """All-reduce the step's gradients over the trainer devices `ranks` and take one optimizer step;
+        returns the pre-clip gradient norm (the same on every replica)."""
+        total = torch.zeros(sum(p.numel() for p in self.trainer.parameters())) if self.accumulated is None else self.accumulated.clone()
+        all_reduce_sum(total, ranks, self.groups)
         offset = 0
         for p in self.trainer.parameters():
-            p.grad = torch.from_numpy(total[offset : offset + p.numel()].copy()).view_as(p)
+            p.grad = total[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
+        self.accumulated = None
         return commit(self.trainer, self.optimizer, self.config.train.max_grad_norm)
