@@ -5,7 +5,7 @@ published weights version), a trainer engine (parameters and optimizer state) an
 It carries out work and never decides: which node runs where is the policy's, through the executor.
 
 Gradients accumulate on the device; at the commit the devices that hold the trainer engine all-reduce
-them in a torch.distributed group (gloo on CPU cores, NCCL on GPUs) and take the same optimizer step,
+them in a torch.distributed group (gloo) and take the same optimizer step,
 so every trainer replica stays equal. A worker that dies loses its accumulated gradients: the
 executor re-runs its train nodes of the open step.
 """
@@ -60,12 +60,11 @@ def form_group(workers: list) -> None:
 
 
 def join_process_group(address: str, port: int, rank: int, world: int) -> None:
-    """gloo on CPU cores, NCCL on GPUs. (Module-level: Ray cannot pickle actor methods that use
-    torch.distributed.)"""
+    """gloo, because the engines keep their tensors on the CPU in this version (NCCL needs them on CUDA).
+    Module-level: Ray cannot pickle actor methods that use torch.distributed."""
     if dist.is_initialized():
         dist.destroy_process_group()
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=GROUP_TIMEOUT_S))
 
 
@@ -162,7 +161,7 @@ class DeviceWorker:
         self.optimizer.zero_grad(set_to_none=True)
 
     def export_weights(self) -> dict:
-        """The trainer's weights as numpy arrays: what `publish_weights` puts in the object store."""
+        """The trainer's weights as numpy arrays: what a publish node puts in the object store."""
         return {k: v.numpy().copy() for k, v in self.trainer.state_dict().items()}
 
     def load_rollout_weights(self, version: int, weights: list) -> float:
