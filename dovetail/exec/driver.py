@@ -7,24 +7,15 @@ import json
 
 import numpy as np
 import ray
-import torch
 
 from dovetail.exec.launch import PIPELINE, make_executor, prepare_run, start_ray, start_workers
 from dovetail.exec.metrics import summarize
 from dovetail.exec.ray_executor import RayExecutor
+from dovetail.exec.worker import load_trainer_state, trainer_state_of
 from dovetail.graph.node import Kind
 from dovetail.rewards import RewardError
 
 STAT_MEANS = ("clip_frac", "approx_kl", "ratio_mean", "loss", "kl_ref")
-
-
-def trainer_state_of(model, optimizer) -> dict:
-    return {"weights": {k: v.numpy().copy() for k, v in model.state_dict().items()}, "optimizer": optimizer.state_dict()}
-
-
-def load_trainer_state(model, optimizer, state: dict) -> None:
-    model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state["weights"].items()})
-    optimizer.load_state_dict(state["optimizer"])
 
 
 def window_busy(executor: RayExecutor, start: float, end: float) -> list[float]:

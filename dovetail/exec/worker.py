@@ -59,6 +59,24 @@ def form_group(workers: list) -> None:
     ray.get([w.join_group.remote(address, port, len(workers)) for w in workers])
 
 
+def weights_of(model) -> dict[str, np.ndarray]:
+    """Parameters as numpy arrays: Ray moves numpy views ~10x faster than pickled tensors."""
+    return {k: v.numpy().copy() for k, v in model.state_dict().items()}
+
+
+def tensors_of(weights: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(v.copy()) for k, v in weights.items()}
+
+
+def trainer_state_of(model, optimizer) -> dict:
+    return {"weights": weights_of(model), "optimizer": optimizer.state_dict()}
+
+
+def load_trainer_state(model, optimizer, state: dict) -> None:
+    model.load_state_dict(tensors_of(state["weights"]))
+    optimizer.load_state_dict(state["optimizer"])
+
+
 def join_process_group(address: str, port: int, rank: int, world: int) -> None:
     """gloo, because the engines keep their tensors on the CPU in this version (NCCL needs them on CUDA).
     Module-level: Ray cannot pickle actor methods that use torch.distributed."""
@@ -149,27 +167,23 @@ class DeviceWorker:
 
     # ---------------------------------------------------------------- trainer state
     def trainer_state(self) -> dict:
-        return {
-            "weights": {k: v.numpy().copy() for k, v in self.trainer.state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
-        }
+        return trainer_state_of(self.trainer, self.optimizer)
 
     def load_trainer_state(self, state: dict) -> None:
         """Take over another replica's committed state (after a restart, or to join the trainer pool)."""
-        self.trainer.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state["weights"].items()})
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_trainer_state(self.trainer, self.optimizer, state)
         self.optimizer.zero_grad(set_to_none=True)
 
     def export_weights(self) -> dict:
         """The trainer's weights as numpy arrays: what a publish node puts in the object store."""
-        return {k: v.numpy().copy() for k, v in self.trainer.state_dict().items()}
+        return weights_of(self.trainer)
 
     def load_rollout_weights(self, version: int, weights: list) -> float:
         """Switch the rollout engine to `version` (called between trajectories, never inside one)."""
         start = time.perf_counter()
         if self.rollout_version != version:
             state = weights[0] if isinstance(weights[0], dict) else ray.get(weights[0])
-            self.rollout.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state.items()})
+            self.rollout.load_state_dict(tensors_of(state))
             self.rollout_version = version
         return time.perf_counter() - start
 
