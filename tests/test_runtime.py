@@ -4,6 +4,7 @@ repeating a sample, stop cleanly on a NaN reward, and be predicted by the simula
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -91,6 +92,16 @@ def test_simulator_replays_the_run_within_15_percent():
     for policy in ("digen", "colocated", "disaggregated"):
         result = replay_run(RUNS[policy])
         assert abs(result["relative_error"]) <= 0.15, result
+
+
+def test_simulate_from_run_on_the_command_line(tmp_path):
+    command = [sys.executable, "-m", "dovetail.cli", "simulate", "--from-run"]
+    result = subprocess.run([*command, str(RUNS["digen"]), "--json"], capture_output=True, text=True, check=True)
+    replayed = json.loads(result.stdout)
+    assert replayed["policy"] == "digen" and replayed["steps"] == STEPS
+    assert replayed["measured_step_time_s"] == json.loads((RUNS["digen"] / "run_profile.json").read_text())["measured_step_time_s"]
+    missing = subprocess.run([*command, str(tmp_path)], capture_output=True, text=True)
+    assert missing.returncode == 2 and "run_profile.json not found" in missing.stderr
 
 
 def test_killed_worker_is_restarted_and_no_sample_is_lost_or_trained_twice(reference_run, tmp_path):
