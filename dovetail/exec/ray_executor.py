@@ -232,8 +232,9 @@ class RayExecutor:
             version = self.state.started[(node.pipeline, node.step)]
             for device, rows in zip(devices, split(len(samples), len(devices))):
                 ids = [samples[r] for r in rows]
-                parts.append(Part(node.id, device, "generate", (ids, [prompts[p] for _, p, _ in ids], self.first_step + version,
-                                                                [self.versions[version]])))
+                if ids:
+                    parts.append(Part(node.id, device, "generate", (ids, [prompts[p] for _, p, _ in ids], self.first_step + version,
+                                                                    [self.versions[version]])))
         elif node.kind in (Kind.SCORE, Kind.LOGPROB):
             trajectories = [ref for gen in self._sources(node)[Kind.GENERATE] for ref in self.outputs[gen]]
             method = "score" if node.kind == Kind.SCORE else "old_log_probs"
