@@ -1,12 +1,13 @@
 """What one RL step of a training config is, shared by the reference loop and the Ray workers:
-the SDE, the trained timesteps of a step, the optimizer, and the held-out evaluation."""
+the SDE, the trained timesteps of a step, advantages, the policy gradient, the optimizer, and the
+held-out evaluation."""
 
 import numpy as np
 import torch
 
-from dovetail.algo import select_train_timesteps
+from dovetail.algo import group_advantages, select_train_timesteps
 from dovetail.config.train import TrainConfig
-from dovetail.models.flow_rl import SDESettings
+from dovetail.models.flow_rl import SDESettings, accumulate_policy_gradient
 from dovetail.models.pretrain import latents_to_images
 from dovetail.models.sampling import keyed_normal, sample_key, sample_ode
 from dovetail.models.t2i import flow_sigmas
@@ -37,3 +38,21 @@ def evaluate(model, config: TrainConfig) -> tuple[dict[str, float], np.ndarray, 
 
 def make_optimizer(model, config: TrainConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=config.train.lr, weight_decay=config.train.weight_decay)
+
+
+def advantages_of(config: TrainConfig, rewards: np.ndarray, prompts: list[int]) -> torch.Tensor:
+    """Group-relative advantages; `prompts[i]` is sample i's prompt index (its group)."""
+    return group_advantages(
+        torch.as_tensor(rewards), torch.tensor(prompts), std_scope=config.algo.std_scope, clip=config.algo.adv_clip
+    )
+
+
+def policy_gradient(model, trajectories, advantages, timesteps: list[int], config: TrainConfig, *, total_pairs: int,
+                    reference_model=None, stale: bool = False) -> dict[str, float]:
+    """`accumulate_policy_gradient` with the config's knobs; `stale` (TCSS) turns on the decoupled correction."""
+    algo = config.algo
+    return accumulate_policy_gradient(
+        model, trajectories, advantages, timesteps, sde_settings(config), chunk_size=config.train.chunk_size,
+        total_pairs=total_pairs, clip_range=algo.clip_range, beta=algo.beta, reference_model=reference_model,
+        stale_max_weight=algo.stale_max_weight if stale else None,
+    )

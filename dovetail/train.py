@@ -11,12 +11,11 @@ import numpy as np
 import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from dovetail.algo import group_advantages
 from dovetail.config.train import TrainConfig, dump_config
-from dovetail.models.flow_rl import accumulate_policy_gradient, commit, generate, group_sample_ids, step_prompts
+from dovetail.models.flow_rl import commit, generate, group_sample_ids, step_prompts
 from dovetail.models.pretrain import latents_to_images
 from dovetail.models.t2i import load_model
-from dovetail.recipe import evaluate, make_optimizer, sde_settings, step_timesteps
+from dovetail.recipe import advantages_of, evaluate, make_optimizer, policy_gradient, sde_settings, step_timesteps
 from dovetail.rewards import score
 from dovetail.run_dir import RunDir
 
@@ -36,19 +35,14 @@ def rl_step(model, optimizer, config: TrainConfig, step: int, reference_model=No
 
     start = time.perf_counter()
     rewards = score(latents_to_images(trajectories.images), sample_prompts, config.reward)
-    advantages = group_advantages(
-        torch.tensor(rewards["total"]), torch.tensor([s.prompt for s in ids]),
-        std_scope=algo.std_scope, clip=algo.adv_clip,
-    )
+    advantages = advantages_of(config, rewards["total"], [s.prompt for s in ids])
     timings["score_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
     timesteps = step_timesteps(config, step)
     total_pairs = len(ids) * len(timesteps)
-    sums = accumulate_policy_gradient(
-        model, trajectories, advantages, timesteps, sde, chunk_size=config.train.chunk_size, total_pairs=total_pairs,
-        clip_range=algo.clip_range, beta=algo.beta, reference_model=reference_model,
-    )
+    sums = policy_gradient(model, trajectories, advantages, timesteps, config, total_pairs=total_pairs,
+                           reference_model=reference_model)
     timings["train_s"] = time.perf_counter() - start
 
     start = time.perf_counter()

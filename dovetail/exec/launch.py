@@ -13,7 +13,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from dovetail.config.train import TrainConfig
 from dovetail.exec.ray_executor import RayExecutor
 from dovetail.exec.worker import DEVICE_RESOURCE, DeviceWorker, form_group
-from dovetail.graph.node import Kind, Role
+from dovetail.graph.node import Role
 from dovetail.recipe import step_timesteps
 from dovetail.scenario import Prepared, Scenario, parse_scenario, prepare
 from dovetail.sched.calibration import DEFAULT
@@ -21,8 +21,6 @@ from dovetail.sched.catalog import diffusion_model
 from dovetail.sched.cost import CostModel
 
 PIPELINE = "digits"
-COST_KIND = {Kind.GENERATE: "generate", Kind.SCORE: "score", Kind.LOGPROB: "logprob", Kind.TRAIN: "train",
-             Kind.COMMIT: "optimizer", Kind.PUBLISH: "publish"}
 
 
 def flow_scenario(config: TrainConfig, steps: int) -> Scenario:

@@ -14,11 +14,16 @@ from pydantic import ValidationError
 
 from dovetail.config.train import TrainConfig
 from dovetail.exec.driver import time_per_step
-from dovetail.exec.launch import COST_KIND, flow_scenario
+from dovetail.exec.launch import flow_scenario
 from dovetail.exec.sim import SimExecutor
+from dovetail.graph.node import Kind
 from dovetail.scenario import prepare
 from dovetail.sched.calibration import DEFAULT
 from dovetail.sched.cost import CostModel
+
+COST_KIND = {Kind.GENERATE: "generate", Kind.SCORE: "score", Kind.LOGPROB: "logprob", Kind.TRAIN: "train",
+             Kind.COMMIT: "optimizer", Kind.PUBLISH: "publish"}
+"""The cost model's op kind of each node kind: what a measured node corrects."""
 
 
 def replay_run(run_dir: Path | str) -> dict:

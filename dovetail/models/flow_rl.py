@@ -125,6 +125,21 @@ def accumulate_policy_gradient(
     return totals
 
 
+@torch.no_grad()
+def recompute_log_probs(model, trajectories: Trajectories, timesteps: list[int], sde: SDESettings) -> torch.Tensor:
+    """The trajectories' log-probs with the taken steps at `timesteps` re-scored under `model`'s weights
+    (colocated trainers recompute old log-probs this way); the other steps keep the rollout's."""
+    log_probs = trajectories.log_probs.clone()
+    for k in timesteps:
+        x = trajectories.latents[:, k]
+        velocity = model(x, sde.sigmas[k].expand(len(x)), trajectories.prompt_ids)
+        log_probs[:, k] = sde_step(
+            velocity, x, sde.sigmas[k], sde.sigmas[k + 1], noise_level=sde.noise_level, kind=sde.kind,
+            prev_latents=trajectories.latents[:, k + 1],
+        ).log_prob
+    return log_probs
+
+
 def commit(model, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> float:
     """One optimizer step for the whole logical batch; returns the pre-clip gradient norm."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
