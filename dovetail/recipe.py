@@ -14,9 +14,9 @@ from dovetail.models.t2i import flow_sigmas
 from dovetail.rewards import score
 
 
-def sde_settings(config: TrainConfig) -> SDESettings:
+def sde_settings(config: TrainConfig, device: torch.device | str = "cpu") -> SDESettings:
     return SDESettings(
-        flow_sigmas(config.sampling.num_steps, config.sampling.shift), config.noise_level, config.sde_kind
+        flow_sigmas(config.sampling.num_steps, config.sampling.shift).to(device), config.noise_level, config.sde_kind
     )
 
 
@@ -30,8 +30,8 @@ def step_timesteps(config: TrainConfig, step: int) -> list[int]:
 def evaluate(model, config: TrainConfig) -> tuple[dict[str, float], np.ndarray, list[str]]:
     """ODE samples on fixed held-out seeds, the same at every evaluation."""
     prompts = [f"digit {d}" for d in range(10) for _ in range(config.eval.per_digit)]
-    noise = keyed_normal([sample_key(config.eval.seed, i) for i in range(len(prompts))], model.latent_shape)
-    images = latents_to_images(sample_ode(model, prompts, sde_settings(config).sigmas, noise))
+    noise = keyed_normal([sample_key(config.eval.seed, i) for i in range(len(prompts))], model.latent_shape).to(model.device)
+    images = latents_to_images(sample_ode(model, prompts, sde_settings(config, model.device).sigmas, noise))
     scores = score(images, prompts, config.reward)
     return {name: float(values.mean()) for name, values in scores.items()}, images, prompts
 
@@ -50,9 +50,9 @@ def advantages_of(config: TrainConfig, rewards: np.ndarray, prompts: list[int]) 
 def policy_gradient(model, trajectories, advantages, timesteps: list[int], config: TrainConfig, *, total_pairs: int,
                     reference_model=None, stale: bool = False) -> dict[str, float]:
     """`accumulate_policy_gradient` with the config's knobs; `stale` (TCSS) turns on the decoupled correction."""
-    algo = config.algo
+    algo, device = config.algo, trajectories.latents.device
     return accumulate_policy_gradient(
-        model, trajectories, advantages, timesteps, sde_settings(config), chunk_size=config.train.chunk_size,
+        model, trajectories, advantages.to(device), timesteps, sde_settings(config, device), chunk_size=config.train.chunk_size,
         total_pairs=total_pairs, clip_range=algo.clip_range, beta=algo.beta, reference_model=reference_model,
         stale_max_weight=algo.stale_max_weight if stale else None,
     )

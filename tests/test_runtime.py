@@ -154,3 +154,30 @@ def test_tcss_trains_stale_samples_with_the_decoupled_correction_and_the_reward_
     versions = {(step, version) for step, _, _, _, version in ledger["generated"]}
     assert all(step - version in (0, 1) for step, version in versions)
     assert summary["final_eval_reward"] >= summary["base_eval_reward"] + 0.1, summary
+
+
+def test_devices_the_ray_instance_lacks_are_refused_with_the_fix(tmp_path):
+    more_gpus_than_any_machine = load_config(None, COMMON + ["policy=digen", "cluster.device=H200", "cluster.devices=4096"])
+    with pytest.raises(RuntimeError, match=r"cluster.devices=4096 H200 .* 'GPU'; lower cluster.devices, or set cluster.device=cpu-core"):
+        train(more_gpus_than_any_machine, tmp_path / "gpus", steps=1)
+    planning_only = load_config(None, COMMON + ["policy=digen", "cluster.device=Ascend-910B"])
+    with pytest.raises(ValueError, match=r"cluster.device='Ascend-910B' can be planned .* but not run"):
+        train(planning_only, tmp_path / "npu", steps=1)
+
+
+GPUS = torch.cuda.device_count()
+
+
+@pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU (run on a GPU machine: pytest tests/test_runtime.py -k gpu)")
+def test_gpu_devices_train_where_the_cpu_reference_goes(reference_run, tmp_path):
+    """Engines on CUDA (NCCL between trainer GPUs when there are two) land where the CPU reference went:
+    the kernels differ, so the bound is a small share of how far training moved the weights."""
+    if ray.cluster_resources().get("GPU", 0) < 1:
+        pytest.skip("this test session's Ray instance was started without GPUs")
+    policy = ["policy=digen", "runtime.fragments=4", "runtime.tsp_chunk=5", "runtime.tag=force"] if GPUS >= 2 else ["policy=colocated"]
+    out = tmp_path / "gpu"
+    train(load_config(None, COMMON + policy + ["cluster.device=H200", f"cluster.devices={min(GPUS, 2)}"]), out, steps=STEPS)
+    moved = max_difference(weights(reference_run), load_file(DEFAULT_CHECKPOINT / "model.safetensors"))
+    assert max_difference(weights(out), weights(reference_run)) <= 0.05 * moved
+    ledger = json.loads((out / "ledger.json").read_text())
+    assert ledger["problems"] == [] and len(ledger["generated"]) == STEPS * 64

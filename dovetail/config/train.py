@@ -7,6 +7,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dovetail.rewards import check_reward_names
+from dovetail.sched.catalog import device
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CHECKPOINT = PACKAGE_ROOT / "assets" / "digits-t2i"
@@ -64,6 +65,12 @@ class ClusterSection(Section):
     devices: int = Field(2, ge=1, description="devices (DeviceWorker actors): GPUs, or CPU cores here")
     device: str = Field("cpu-core", description="device type in the cost model's catalogue (H100, H200, cpu-core...)")
     address: str | None = Field(None, description="Ray cluster address; None starts a local Ray instance")
+
+    @field_validator("device")
+    @classmethod
+    def known_device(cls, name: str) -> str:
+        device(name)
+        return name
 
 
 class RuntimeSection(Section):

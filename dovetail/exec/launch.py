@@ -48,33 +48,50 @@ def shape_overrides(config: TrainConfig) -> dict:
     return {k: v for k, v in (("fragments", runtime.fragments), ("tsp_chunk", runtime.tsp_chunk)) if v is not None}
 
 
-def start_ray(config: TrainConfig) -> None:
-    """A local Ray instance with one `dovetail_device` per device, or the cluster at cluster.address."""
-    if ray.is_initialized():
-        available = ray.cluster_resources().get(DEVICE_RESOURCE, 0)
-        if available < config.cluster.devices:
-            raise RuntimeError(f"the running Ray instance has {available:g} {DEVICE_RESOURCE}; cluster.devices={config.cluster.devices}")
-        return
-    if config.cluster.address:
-        ray.init(address=config.cluster.address)
-    else:
-        ray.init(num_cpus=1, resources={DEVICE_RESOURCE: config.cluster.devices}, include_dashboard=False,
-                 log_to_driver=False, configure_logging=False)
-
-
-_POOL: list = []
+CPU_DEVICE = "cpu-core"
+CUDA_DEVICES = ("H100", "H800", "H200", "A100-80G", "L40S")
 
 
 def device_bundle(config: TrainConfig) -> dict[str, float]:
     """What one device is to Ray: a GPU, or here one `dovetail_device` (a CPU core)."""
-    return {DEVICE_RESOURCE: 1} if config.cluster.device == "cpu-core" else {"GPU": 1}
+    device = config.cluster.device
+    if device == CPU_DEVICE:
+        return {DEVICE_RESOURCE: 1}
+    if device in CUDA_DEVICES:
+        return {"GPU": 1}
+    raise ValueError(f"cluster.device={device!r} can be planned (`dovetail simulate`) but not run: the Ray runtime "
+                     f"drives CUDA GPUs ({', '.join(CUDA_DEVICES)}) or CPU cores ({CPU_DEVICE!r})")
+
+
+def start_ray(config: TrainConfig) -> None:
+    """A local Ray instance (one `dovetail_device` per core, or the GPUs Ray finds), or the cluster at
+    cluster.address; either way it must hold cluster.devices devices."""
+    (resource,) = device_bundle(config)
+    if not ray.is_initialized():
+        quiet = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
+        if config.cluster.address:
+            ray.init(address=config.cluster.address)
+        elif resource == DEVICE_RESOURCE:
+            ray.init(num_cpus=1, resources={DEVICE_RESOURCE: config.cluster.devices}, **quiet)
+        else:
+            ray.init(num_cpus=1, **quiet)
+    available = ray.cluster_resources().get(resource, 0)
+    if available < config.cluster.devices:
+        fix = (f"start the cluster's nodes with `ray start --resources='{{\"{DEVICE_RESOURCE}\": CORES}}'`"
+               if resource == DEVICE_RESOURCE else f"lower cluster.devices, or set cluster.device={CPU_DEVICE} to use CPU cores")
+        raise RuntimeError(f"cluster.devices={config.cluster.devices} {config.cluster.device} devices asked for, but the Ray "
+                           f"instance has {available:g} {resource!r}; {fix}")
+
+
+_POOLS: dict[str, list] = {}
 
 
 def start_workers(config: TrainConfig, trainer_state: dict) -> tuple[list, ray.ObjectRef, ray.ObjectRef]:
     """One DeviceWorker per device, placed through a placement group (one bundle per device),
     configured for this run and holding `trainer_state` (weights + optimizer). The actors are kept
-    for the next run in this process."""
-    missing = config.cluster.devices - len(_POOL)
+    for the next run on the same kind of device in this process."""
+    pool = _POOLS.setdefault(config.cluster.device, [])
+    missing = config.cluster.devices - len(pool)
     if missing > 0:
         bundle = device_bundle(config)
         group = placement_group([bundle] * missing, strategy="PACK")
@@ -83,8 +100,8 @@ def start_workers(config: TrainConfig, trainer_state: dict) -> tuple[list, ray.O
             options = {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)}
             if "GPU" in bundle:
                 options |= {"num_gpus": 1, "resources": {}}
-            _POOL.append(DeviceWorker.options(**options).remote(len(_POOL)))
-    workers = _POOL[: config.cluster.devices]
+            pool.append(DeviceWorker.options(**options).remote(len(pool)))
+    workers = pool[: config.cluster.devices]
     state_ref = ray.put(trainer_state)
     weights_ref = ray.put(trainer_state["weights"])
     ray.get([w.configure.remote(config.model_dump(mode="json"), state_ref) for w in workers])

@@ -4,9 +4,11 @@ It holds the engines of one flow pipeline: a rollout engine (an inference copy o
 published weights version), a trainer engine (parameters and optimizer state) and the reward engine.
 It carries out work and never decides: which node runs where is the policy's, through the executor.
 
+The engines live on the worker's device (the GPU Ray assigned it, else the CPU); what crosses Ray
+(trajectories, scores, weights, trainer state) is CPU numpy / tensors, so the driver needs no GPU.
 Gradients accumulate on the device; at the commit the devices that hold the trainer engine all-reduce
-them in a torch.distributed group (gloo) and take the same optimizer step,
-so every trainer replica stays equal. A worker that dies loses its accumulated gradients: the
+them in a torch.distributed group (NCCL between GPUs, gloo between CPU cores) and take the same
+optimizer step, so every trainer replica stays equal. A worker that dies loses its accumulated gradients: the
 executor re-runs its train nodes of the open step.
 """
 
@@ -37,17 +39,20 @@ def pack(trajectories: Trajectories, ids: list[SampleId]) -> dict:
     """Trajectories as numpy arrays: Ray moves numpy views ~10x faster than pickled tensors."""
     return {
         "prompts": trajectories.prompts,
-        "prompt_ids": trajectories.prompt_ids.numpy(),
-        "latents": trajectories.latents.numpy(),
-        "log_probs": trajectories.log_probs.numpy(),
+        "prompt_ids": trajectories.prompt_ids.cpu().numpy(),
+        "latents": trajectories.latents.cpu().numpy(),
+        "log_probs": trajectories.log_probs.cpu().numpy(),
         "ids": [(s.step, s.prompt, s.index) for s in ids],
     }
 
 
 def unpack(parts: list[dict], sigmas: torch.Tensor) -> tuple[Trajectories, list[tuple[int, int, int]]]:
+    """Packed parts joined into one batch, on the device of `sigmas`."""
+    def tensor(array):
+        return torch.tensor(array, device=sigmas.device)
+
     joined = Trajectories.concat([
-        Trajectories(p["prompts"], torch.tensor(p["prompt_ids"]), torch.tensor(p["latents"]), torch.tensor(p["log_probs"]), sigmas)
-        for p in parts
+        Trajectories(p["prompts"], tensor(p["prompt_ids"]), tensor(p["latents"]), tensor(p["log_probs"]), sigmas) for p in parts
     ])
     return joined, [tuple(i) for p in parts for i in p["ids"]]
 
@@ -60,7 +65,7 @@ def form_group(workers: list) -> None:
 
 def weights_of(model) -> dict[str, np.ndarray]:
     """Parameters as numpy arrays: Ray moves numpy views ~10x faster than pickled tensors."""
-    return {k: v.numpy().copy() for k, v in model.state_dict().items()}
+    return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
 
 
 def tensors_of(weights: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
@@ -68,20 +73,34 @@ def tensors_of(weights: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
 
 
 def trainer_state_of(model, optimizer) -> dict:
-    return {"weights": weights_of(model), "optimizer": optimizer.state_dict()}
+    """Weights and optimizer state on the CPU: checkpoints and restarts must not need the GPU they came from."""
+    optimizer_state = optimizer.state_dict()
+    moments = {index: {name: value.cpu() if torch.is_tensor(value) else value for name, value in per_param.items()}
+               for index, per_param in optimizer_state["state"].items()}
+    return {"weights": weights_of(model), "optimizer": optimizer_state | {"state": moments}}
 
 
 def load_trainer_state(model, optimizer, state: dict) -> None:
+    """Into `model` / `optimizer` wherever they live: both loaders copy to the parameters' device."""
     model.load_state_dict(tensors_of(state["weights"]))
     optimizer.load_state_dict(state["optimizer"])
 
 
-def join_process_group(address: str, port: int, rank: int, world: int) -> None:
-    """gloo, because the engines keep their tensors on the CPU in this version (NCCL needs them on CUDA).
-    Module-level: Ray cannot pickle actor methods that use torch.distributed."""
+def worker_device() -> torch.device:
+    """The GPU Ray assigned to this actor (Ray narrows CUDA_VISIBLE_DEVICES to it), else the CPU."""
+    return torch.device("cuda", 0) if ray.get_gpu_ids() else torch.device("cpu")
+
+
+def group_backend(device: torch.device) -> str:
+    """NCCL all-reduces tensors on CUDA devices, gloo on the CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def join_process_group(address: str, port: int, rank: int, world: int, backend: str) -> None:
+    """Module-level: Ray cannot pickle actor methods that use torch.distributed."""
     if dist.is_initialized():
         dist.destroy_process_group()
-    dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=rank, world_size=world,
+    dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=GROUP_TIMEOUT_S))
 
 
@@ -95,14 +114,24 @@ def all_reduce_sum(tensor: torch.Tensor, ranks: tuple[int, ...], groups: dict) -
 
 
 def flat_gradient(model) -> torch.Tensor:
-    return torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel()) for p in model.parameters()])
+    return torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel(), device=p.device)
+                      for p in model.parameters()])
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued kernels, so that a wall-clock time covers the work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @ray.remote(num_cpus=0, resources={DEVICE_RESOURCE: 1}, max_restarts=-1, max_task_retries=0)
 class DeviceWorker:
     def __init__(self, index: int, pin_core: bool = True):
         torch.set_num_threads(1)
-        if pin_core and hasattr(os, "sched_setaffinity"):
+        self.device = worker_device()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        elif pin_core and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, {index % os.cpu_count()})
         self.index = index
         self.config: TrainConfig | None = None
@@ -111,11 +140,12 @@ class DeviceWorker:
         """Build the engines for a run: trainer (weights + optimizer), rollout copy, reward judge.
         Workers outlive a run, so one pool serves many runs (and tests) without restarting torch."""
         self.config = TrainConfig(**config)
-        self.sde = sde_settings(self.config)
-        self.trainer = load_model(self.config.model.checkpoint)
+        self.sde = sde_settings(self.config, self.device)
+        self.trainer = load_model(self.config.model.checkpoint).to(self.device)
         self.optimizer = make_optimizer(self.trainer, self.config)
         self.load_trainer_state(trainer_state)
-        self.reference = load_model(self.config.model.checkpoint).requires_grad_(False) if self.config.algo.beta > 0 else None
+        self.reference = (load_model(self.config.model.checkpoint).to(self.device).requires_grad_(False)
+                          if self.config.algo.beta > 0 else None)
         self.rollout = copy.deepcopy(self.trainer).requires_grad_(False)
         self.rollout_version: int | None = None
         self.role: str | None = None
@@ -124,7 +154,7 @@ class DeviceWorker:
     def join_group(self, address: str, port: int, world: int) -> None:
         """(Re)join the torch.distributed group of all devices; trainer groups are cut from it at commits.
         Accumulated gradients survive (a re-join follows another device's restart)."""
-        join_process_group(address, port, self.index, world)
+        join_process_group(address, port, self.index, world, group_backend(self.device))
         self.groups: dict[tuple[int, ...], object] = {}
 
     def rendezvous(self) -> tuple[str, int]:
@@ -147,8 +177,10 @@ class DeviceWorker:
         seconds = {}
 
         def timed(name, work):
+            synchronize(self.device)
             start = time.perf_counter()
             result = work()
+            synchronize(self.device)
             seconds[name] = time.perf_counter() - start
             return result
 
@@ -158,7 +190,7 @@ class DeviceWorker:
         timed("score", lambda: score(latents_to_images(trajectories.images), prompts, self.config.reward))
         with torch.no_grad():
             timed("logprob", lambda: trainer(trajectories.latents[:, 0], self.sde.sigmas[:1].expand(samples), trajectories.prompt_ids))
-        timed("train", lambda: accumulate_policy_gradient(trainer, trajectories, torch.ones(samples), [0], self.sde, chunk_size=samples,
+        timed("train", lambda: accumulate_policy_gradient(trainer, trajectories, torch.ones(samples, device=self.device), [0], self.sde, chunk_size=samples,
                                                           total_pairs=samples, clip_range=self.config.algo.clip_range))
         timed("optimizer", lambda: commit(trainer, optimizer, self.config.train.max_grad_norm))
         timed("publish", lambda: ray.put(self.export_weights()))
@@ -187,8 +219,8 @@ class DeviceWorker:
         return time.perf_counter() - start
 
     def switch_role(self, role: str) -> float:
-        """Sleep one engine, wake the other. Both stay resident on a CPU core; the call measures the
-        round trip, which is what a switch costs here."""
+        """Sleep one engine, wake the other. Both stay resident on the device (the model is small); the
+        call measures the round trip, which is what a switch costs here."""
         start = time.perf_counter()
         self.role = role
         return time.perf_counter() - start
@@ -210,7 +242,7 @@ class DeviceWorker:
     def old_log_probs(self, timesteps: list[int], *parts: dict) -> dict:
         """Recompute the log-probs of the taken steps under the trainer's weights (colocated baselines)."""
         trajectories, ids = unpack(list(parts), self.sde.sigmas)
-        return {"ids": ids, "log_probs": recompute_log_probs(self.trainer, trajectories, timesteps, self.sde).numpy()}
+        return {"ids": ids, "log_probs": recompute_log_probs(self.trainer, trajectories, timesteps, self.sde).cpu().numpy()}
 
     def train(self, samples: list, timesteps: list[int], total_pairs: int, stale: bool, counts: tuple[int, ...], *inputs: dict) -> dict:
         """Gradient of the GRPO loss of `samples` over `timesteps`; `stale` when they were generated by
@@ -227,7 +259,7 @@ class DeviceWorker:
         for part in inputs[counts[0] : counts[0] + counts[1]]:
             rewards[[position[tuple(s)] for s in part["ids"]]] = part["scores"]["total"]
         for part in inputs[counts[0] + counts[1] :]:
-            trajectories.log_probs[[position[tuple(s)] for s in part["ids"]]] = torch.from_numpy(part["log_probs"])
+            trajectories.log_probs[[position[tuple(s)] for s in part["ids"]]] = torch.from_numpy(part["log_probs"]).to(self.device)
         advantages = advantages_of(self.config, rewards, [sample[1] for sample in ids])
         self.optimizer.zero_grad(set_to_none=True)
         sums = policy_gradient(self.trainer, trajectories.select(rows), advantages[rows], timesteps, self.config,
@@ -241,7 +273,7 @@ class DeviceWorker:
     def commit(self, ranks: tuple[int, ...]) -> float:
         """All-reduce the step's gradients over the trainer devices `ranks` and take one optimizer step;
         returns the pre-clip gradient norm (the same on every replica)."""
-        total = torch.zeros(sum(p.numel() for p in self.trainer.parameters())) if self.accumulated is None else self.accumulated.clone()
+        total = torch.zeros(sum(p.numel() for p in self.trainer.parameters()), device=self.device) if self.accumulated is None else self.accumulated.clone()
         all_reduce_sum(total, ranks, self.groups)
         offset = 0
         for p in self.trainer.parameters():

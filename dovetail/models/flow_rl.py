@@ -48,7 +48,8 @@ def generate(
     seed: int,
     shared_group_noise: bool,
 ) -> Trajectories:
-    """SDE rollouts of `ids`; prompts[i] belongs to ids[i]."""
+    """SDE rollouts of `ids` on the model's device; prompts[i] belongs to ids[i]. The noise is drawn on
+    the CPU from the samples' keys and then moved, so it is the same on every kind of device."""
     shape = model.latent_shape
     num_steps = len(sde.sigmas) - 1
     init_keys = [
@@ -56,8 +57,8 @@ def generate(
         for s in ids
     ]
     step_keys = [sample_key(seed, "sde", s.step, s.prompt, s.index) for s in ids]
-    init_noise = keyed_normal(init_keys, shape)
-    step_noise = keyed_normal(step_keys, (num_steps, *shape))
+    init_noise = keyed_normal(init_keys, shape).to(model.device)
+    step_noise = keyed_normal(step_keys, (num_steps, *shape)).to(model.device)
     return sample_sde(
         model, prompts, sde.sigmas, init_noise=init_noise, step_noise=step_noise, noise_level=sde.noise_level, kind=sde.kind
     )

@@ -23,7 +23,7 @@ def digits_dataset() -> tuple[torch.Tensor, list[str]]:
 
 def latents_to_images(latents: torch.Tensor) -> np.ndarray:
     """Model space [-1, 1] (B, 1, H, W) to reward space [0, 1] (B, H, W)."""
-    return ((latents[:, 0].detach().float().clamp(-1, 1) + 1) / 2).numpy()
+    return ((latents[:, 0].detach().float().clamp(-1, 1) + 1) / 2).cpu().numpy()
 
 
 def pretrain_digits(

@@ -62,9 +62,13 @@ class TinyT2I(torch.nn.Module):
     def latent_shape(self) -> tuple[int, int, int]:
         return (1, self.config.image_size, self.config.image_size)
 
+    @property
+    def device(self) -> torch.device:
+        return self.token_embedding.weight.device
+
     def encode_prompts(self, prompts: list[str]) -> torch.Tensor:
         ids = [tokenize(p, self.config.max_prompt_tokens) for p in prompts]
-        return torch.tensor(ids, dtype=torch.long)
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     def forward(self, latents: torch.Tensor, sigma: torch.Tensor, prompt_ids: torch.Tensor) -> torch.Tensor:
         tokens = self.token_embedding(prompt_ids)
