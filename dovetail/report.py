@@ -75,11 +75,13 @@ def plan_digen(scenario: Scenario, devices: int) -> str:
 
     if len(scenario.pipelines) != 1:
         raise ValueError("plan searches digen, which runs one flow pipeline; this scenario has several")
-    if devices < 2:
-        raise ValueError(f"--devices must be at least 2 (a rollout and a trainer pool), got {devices}")
+    scorers = scenario.schedule.reward_devices
+    compute = devices - scorers
+    if compute < 2:
+        raise ValueError(f"--devices must be at least 2 (a rollout and a trainer pool) besides {scorers} reward devices, got {devices}")
     spec = scenario.pipelines[0]
     cost = CostModel(scenario.cluster.device)
-    shapes = {shape for cls in (Digen, DigenTCSS) for _, shape in cls.candidates(spec, devices, None, cost)[:PLAN_CANDIDATES]}
+    shapes = {shape for cls in (Digen, DigenTCSS) for _, shape in cls.candidates(spec, compute, None, cost)[:PLAN_CANDIDATES]}
     baseline = summarize(simulate(scenario, "colocated", devices=devices)[1]).samples_per_s
     rows = []
     for shape in sorted(shapes, key=lambda s: (s.trainer_devices, s.group, s.fragments, s.tsp_chunk)):
@@ -105,7 +107,8 @@ def plan_digen(scenario: Scenario, devices: int) -> str:
         )
     best, shape, tcss, tag = rows[0]
     lines.append(
-        f"best: trainer_devices={shape.trainer_devices} (rollout {devices - shape.trainer_devices}, FSDP groups of {shape.group}), fragments={shape.fragments}, "
+        f"best: trainer_devices={shape.trainer_devices} (rollout {compute - shape.trainer_devices}"
+        f"{f', reward {scorers}' if scorers else ''}, FSDP groups of {shape.group}), fragments={shape.fragments}, "
         f"tsp_chunk={shape.tsp_chunk}, TAG {'on' if tag else 'off'}, TCSS {'on' if tcss else 'off'} -> "
         f"{best.samples_per_s:.3f} samples/s, {best.step_time_s:.1f} s/step"
     )

@@ -37,6 +37,7 @@ class ScheduleSpec(_Model):
         description="Policies to compare (see `dovetail.sched.POLICIES`); the first is the baseline of speedups.",
     )
     trainer_devices: int | None = Field(None, gt=0, description="Trainer pool size of disaggregated policies; None lets them choose.")
+    reward_devices: int = Field(0, ge=0, description="Devices that only score (flow policies); 0: reward engines share the rollout devices.")
     seed: int = 0
     noise: float = Field(0.0, ge=0, description="Log-normal sigma of simulated durations (0: exactly the predicted costs).")
 
@@ -62,10 +63,13 @@ class Scenario(_Model):
         names = [p.name for p in self.pipelines]
         if len(set(names)) != len(names):
             raise ValueError(f"pipelines: names must be unique, got {names}")
-        split = self.schedule.trainer_devices
-        if split is not None and split >= self.cluster.devices:
+        split, scorers = self.schedule.trainer_devices, self.schedule.reward_devices
+        if scorers >= self.cluster.devices:
+            raise ValueError(f"schedule.reward_devices={scorers} must leave devices to generate and train of cluster.devices={self.cluster.devices}")
+        if split is not None and split + scorers >= self.cluster.devices:
             raise ValueError(
                 f"schedule.trainer_devices={split} must leave at least one rollout device of cluster.devices={self.cluster.devices}"
+                + (f" after schedule.reward_devices={scorers}" if scorers else "")
             )
         return self
 
@@ -138,9 +142,10 @@ def prepare(
     steps = steps or scenario.schedule.steps
     cost = cost or CostModel(scenario.cluster.device)
     trainer_devices = shape_overrides.pop("trainer_devices", None) or scenario.schedule.trainer_devices
+    reward_devices = scenario.schedule.reward_devices
     nodes, engines, trainer_pools = [], {}, {}
     # Policies that give each pipeline its own slice of the pool (verl-sync, streamrl, areal) cut steps for it.
-    pipeline_devices = devices // len(scenario.pipelines) if getattr(cls, "splits_pool", False) else devices
+    pipeline_devices = devices // len(scenario.pipelines) if getattr(cls, "splits_pool", False) else devices - reward_devices
     if shapes is None:
         shapes = {spec.name: cls.shape(spec, pipeline_devices, trainer_devices, cost) for spec in scenario.pipelines}
         if shape_overrides:
@@ -170,6 +175,7 @@ def prepare(
         memory_gb=capacity,
         engines=engines,
         trainer_devices=next(iter(trainer_pools.values())) if len(set(trainer_pools.values())) == 1 else trainer_devices,
+        reward_devices=reward_devices,
         trainer_groups={name: size for name, size in trainer_pools.items() if size is not None},
         options=options or {},
         shapes=shapes,

@@ -16,7 +16,7 @@ from dovetail.sched.digen import Digen, predict_makespan
 from dovetail.sched.policy import Engines, Run, Setup, StartStep, SwitchRole
 
 
-def scenario(devices=4, prompts=8, policies=("colocated",)) -> Scenario:
+def scenario(devices=4, prompts=8, policies=("colocated",), **schedule) -> Scenario:
     return Scenario.model_validate({
         "name": "small",
         "cluster": {"device": "H100", "devices": devices},
@@ -24,7 +24,7 @@ def scenario(devices=4, prompts=8, policies=("colocated",)) -> Scenario:
             "kind": "flow", "name": "p", "model": "SD3.5-M", "prompts": prompts, "group": 4, "denoising_steps": 10,
             "trained_timesteps": 3, "height": 512, "width": 512,
         }],
-        "schedule": {"steps": 1, "policies": list(policies)},
+        "schedule": {"steps": 1, "policies": list(policies), **schedule},
     })
 
 
@@ -252,3 +252,35 @@ def test_pool_split_search_is_seeded_by_predicted_device_seconds():
         assert window == list(range(window[0], window[-1] + 1)) and len(window) <= 16 // 2 + 1
     assert sum(windows[1]) / len(windows[1]) > sum(windows[0]) / len(windows[0])
     assert {shape.trainer_devices for _, shape in Digen.candidates(heavy, 16, None, cost)} <= set(windows[1]) | {16}
+
+
+@pytest.mark.parametrize("policy", ["colocated", "disaggregated", "digen", "digen+tcss"])
+def test_reward_pool_scores_every_sample_and_nothing_else(policy):
+    prepared, trace = simulate(scenario(devices=5, policies=(policy,), reward_devices=1), policy, steps=2)
+    scores = [s for s in trace.spans if s.kind == "score"]
+    assert sorted(sample for s in scores for sample in prepared.graph[s.node].samples) == sorted(
+        sample for node in prepared.graph if node.kind == Kind.GENERATE for sample in node.samples)
+    assert {s.device for s in scores} == {4}
+    assert all(s.device != 4 for s in trace.spans if s.kind != "score")
+    assert [r.step for r in trace.steps] == [0, 1]
+
+
+def test_a_reward_pool_moves_scoring_and_nothing_else_in_the_staged_baseline():
+    """disaggregated on 2 + 2 devices plus reward devices: with two, the fragments score side by side as on the
+    rollout pool, so the step is as long as on 4 devices; with one, the second fragment's score waits for the first."""
+    _, shared = simulate(scenario(devices=4), "disaggregated")
+    _, two = simulate(scenario(devices=6, reward_devices=2), "disaggregated")
+    prepared, one_device = simulate(scenario(devices=5, reward_devices=1), "disaggregated")
+    assert two.makespan == pytest.approx(shared.makespan)
+    assert one_device.makespan == pytest.approx(shared.makespan + one(prepared.graph, Kind.SCORE))
+
+
+def test_reward_pool_errors_name_the_field():
+    with pytest.raises(ValueError, match="reward_devices=4 must leave devices to generate and train"):
+        scenario(devices=4, reward_devices=4)
+    with pytest.raises(ValueError, match="trainer_devices=4 must leave at least one rollout device.*after schedule.reward_devices=1"):
+        scenario(devices=5, reward_devices=1, trainer_devices=4)
+    llm = load_scenario("jigsaw-mixed-0.6b-8b")
+    pooled = llm.model_copy(update={"schedule": llm.schedule.model_copy(update={"reward_devices": 1})})
+    with pytest.raises(ValueError, match="policy verl-sync co-locates reward engines; reward_devices=1 needs a flow policy"):
+        prepare(pooled, "verl-sync", steps=1)

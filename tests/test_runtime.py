@@ -73,6 +73,15 @@ def test_policy_reproduces_the_reference_parameters(policy, overrides, reference
         assert len({device for *_, device, _ in ledger["generated"]}) == 2
 
 
+def test_a_reward_device_scores_every_sample_and_the_parameters_stay_the_reference(reference_run, tmp_path):
+    out = run("reward-pool", tmp_path, ["policy=digen", "runtime.reward_devices=1"])
+    assert max_difference(weights(out), weights(reference_run)) <= 1e-5
+    spans = [e for e in json.loads((out / "trace.json").read_text())["traceEvents"] if e["ph"] == "X" and e["cat"] != "switch"]
+    assert {e["tid"] for e in spans if e["cat"] == "score"} == {1}
+    assert all(e["tid"] == 0 for e in spans if e["cat"] != "score")
+    assert json.loads((out / "ledger.json").read_text())["problems"] == []
+
+
 def test_run_directory_has_trace_gantt_and_runtime_metrics():
     out = RUNS["digen"]
     trace = json.loads((out / "trace.json").read_text())
@@ -89,8 +98,8 @@ def test_run_directory_has_trace_gantt_and_runtime_metrics():
 
 
 def test_simulator_replays_the_run_within_15_percent():
-    for policy in ("digen", "colocated", "disaggregated"):
-        result = replay_run(RUNS[policy])
+    for name in ("digen", "colocated", "disaggregated", "reward-pool"):
+        result = replay_run(RUNS[name])
         assert abs(result["relative_error"]) <= 0.15, result
 
 

@@ -70,7 +70,7 @@ def flow_grpo_loss(
     if importance_weight is not None:
         surrogate = surrogate * importance_weight
     loss = surrogate.mean()
-    kl = torch.zeros((), dtype=loss.dtype)
+    kl = torch.zeros((), dtype=loss.dtype, device=loss.device)
     if beta > 0:
         if ref_mean is None or mean is None or std is None:
             raise ValueError("beta > 0 needs ref_mean, mean and std for the KL term")

@@ -79,6 +79,7 @@ class RuntimeSection(Section):
     fragments: int | None = Field(None, ge=1, description="GAP fragments M (whole groups); None: the policy's choice")
     tsp_chunk: int | None = Field(None, ge=1, description="timesteps per train node; None: the policy's choice")
     trainer_devices: int | None = Field(None, ge=1, description="trainer pool of disaggregated policies")
+    reward_devices: int = Field(0, ge=0, description="devices that only score (for a reward model); 0: rollout devices score")
     tag: Literal["auto", "off", "force"] = Field(
         "auto", description="digen's trainer-assisted generation: where it predicts a gain, never, or whenever a trainer idles"
     )

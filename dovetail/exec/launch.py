@@ -39,7 +39,8 @@ def flow_scenario(config: TrainConfig, steps: int) -> Scenario:
             # train.chunk_size (sample, timestep) pairs share one forward/backward
             "micro_batch": max(1, config.train.chunk_size // trained),
         }],
-        "schedule": {"steps": steps, "policies": [config.policy], "trainer_devices": config.runtime.trainer_devices},
+        "schedule": {"steps": steps, "policies": [config.policy], "trainer_devices": config.runtime.trainer_devices,
+                     "reward_devices": config.runtime.reward_devices},
     }, "training config")
 
 

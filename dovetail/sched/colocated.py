@@ -16,7 +16,7 @@ from dovetail.graph.node import Kind, Node, Role
 from dovetail.graph.spec import FlowSpec, PipelineSpec
 from dovetail.sched.policy import (
     Begin, Decision, Event, Policy, Run, Setup, SwitchRole, VersionPublished, all_idle, idle_devices, open_steps_on_publish,
-    ready_of,
+    ready_of, reward_roles, score_on_reward_pool,
 )
 
 
@@ -37,6 +37,7 @@ class StagedFlow(Policy):
     Trainer nodes run on the whole trainer pool (one FSDP group), one at a time."""
 
     switching: bool
+    supports_reward_pool = True
 
     def __init__(self, setup: Setup) -> None:
         super().__init__(setup)
@@ -44,7 +45,8 @@ class StagedFlow(Policy):
             raise ValueError(f"policy {self.name} runs one pipeline, got {sorted(setup.engines)}")
         (self.pipeline,) = setup.engines
         self.rollout_pool, self.trainer_pool = self.pools(setup)
-        self.everyone = tuple(range(setup.devices))
+        self.everyone = tuple(range(setup.compute_devices))
+        """Every device that holds the policy's engines (reward devices hold only the reward engine)."""
 
     def pools(self, setup: Setup) -> tuple[tuple[int, ...], tuple[int, ...]]:
         raise NotImplementedError
@@ -53,7 +55,7 @@ class StagedFlow(Policy):
         roles = {d: Role.ROLLOUT for d in self.rollout_pool}
         if not self.switching:
             roles.update({d: Role.TRAINER for d in self.trainer_pool})
-        return [self.setup.switch(d, self.pipeline, None, role) for d, role in roles.items()]
+        return [self.setup.switch(d, self.pipeline, None, role) for d, role in roles.items()] + reward_roles(self.setup, self.pipeline)
 
     def _finished(self, view, step: int, kind: Kind) -> bool:
         return all(n.id in view.finished for n in view.graph.of(self.pipeline, step, kind))
@@ -92,10 +94,10 @@ class StagedFlow(Policy):
         rollout = idle_devices(view, self.rollout_pool, Role.ROLLOUT)
         work = ready_of(view, Kind.GENERATE)
         if self._finished(view, step, Kind.GENERATE):
-            work = ready_of(view, Kind.SCORE)
+            work = [] if self.setup.reward_devices else ready_of(view, Kind.SCORE)
         for node, device in zip(work, rollout):
             decisions.append(Run(node.id, (device,)))
-        return decisions
+        return decisions + score_on_reward_pool(view, self.setup, self.pipeline)
 
     def _next_trainer_node(self, view, step: int) -> Node | None:
         """Optimizer step first, then the per-timestep loop once every old log-prob is recomputed."""
@@ -118,5 +120,5 @@ class Colocated(StagedFlow):
         return FlowShape(data_parallel_fragments(spec, devices), 1, True, devices, staged=True)
 
     def pools(self, setup: Setup) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        everyone = tuple(range(setup.devices))
+        everyone = tuple(range(setup.compute_devices))
         return everyone, everyone

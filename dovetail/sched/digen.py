@@ -34,7 +34,7 @@ from dovetail.sched.colocated import flow_only
 from dovetail.sched.disaggregated import split_pools
 from dovetail.sched.policy import (
     Begin, Decision, Event, NodeStarted, Policy, Run, Setup, StartStep, SwitchRole, VersionPublished, all_idle,
-    idle_devices, open_steps_on_publish, ready_of,
+    idle_devices, open_steps_on_publish, ready_of, reward_roles, score_on_reward_pool,
 )
 
 TAG_MIN_GAIN = 0.01
@@ -95,6 +95,7 @@ def _step_costs(nodes: Sequence[Node], fragments: int, group: int) -> tuple[floa
 class Digen(Policy):
     name = "digen"
     tcss = False
+    supports_reward_pool = True
 
     @classmethod
     def shape(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost) -> FlowShape:
@@ -200,13 +201,13 @@ class Digen(Policy):
         if len(setup.engines) != 1:
             raise ValueError(f"policy digen runs one pipeline, got {sorted(setup.engines)}")
         (self.pipeline,) = setup.engines
-        self.shared = setup.trainer_devices == setup.devices
+        self.shared = setup.trainer_devices == setup.compute_devices
         """Colocated-like shape: every device generates, then trains (one engine resident at a time, switch costs
         paid), with GAP, TSP, trainer groups and no recompute."""
         if self.shared:
-            self.rollout_pool, self.trainer_pool = (), tuple(range(setup.devices))
+            self.rollout_pool, self.trainer_pool = (), tuple(range(setup.compute_devices))
         else:
-            self.rollout_pool, self.trainer_pool = split_pools(setup.devices, setup.trainer_devices)
+            self.rollout_pool, self.trainer_pool = split_pools(setup.compute_devices, setup.trainer_devices)
         group = getattr(setup.shapes.get(self.pipeline), "group", len(self.trainer_pool))
         self.groups = [self.trainer_pool[i:i + group] for i in range(0, len(self.trainer_pool), group)]
         """FSDP trainer groups; each trains whole train nodes, all of them commit together."""
@@ -228,6 +229,7 @@ class Digen(Policy):
                 decisions += [self.setup.switch(d, self.pipeline, None, Role.ROLLOUT) for d in self.rollout_pool]
                 first = Role.ROLLOUT if self.shared else Role.TRAINER
                 decisions += [self.setup.switch(d, self.pipeline, None, first) for d in self.trainer_pool]
+                decisions += reward_roles(self.setup, self.pipeline)
             elif isinstance(event, VersionPublished) and event.version:
                 self.loaded.update(dict.fromkeys(self.trainer_pool, event.version))
         decisions += open_steps_on_publish(view, events)
@@ -244,6 +246,7 @@ class Digen(Policy):
             taken.update(self.trainer_pool)
         elif not publish:
             decisions += self._trainer_groups(view, taken)
+        decisions += score_on_reward_pool(view, self.setup, self.pipeline)
         if self.shared:
             return decisions + self._take_turns(view, taken)
         decisions += self._tag_devices(view, taken)
@@ -254,7 +257,7 @@ class Digen(Policy):
         """Shared devices: scores first, then fragments on rollout engines; a rollout device with nothing left to
         generate switches to its trainer engine, a trainer device switches back once a new step's fragments wait
         and no trainer work is ready."""
-        scores = ready_of(view, Kind.SCORE, self.pipeline)
+        scores = [] if self.setup.reward_devices else ready_of(view, Kind.SCORE, self.pipeline)
         fragments = sorted(ready_of(view, Kind.GENERATE, self.pipeline), key=lambda n: n.step)
         trainer_work = any(ready_of(view, kind, self.pipeline) for kind in (Kind.TRAIN, Kind.LOGPROB, Kind.COMMIT, Kind.PUBLISH))
         decisions: list[Decision] = []
@@ -398,10 +401,11 @@ class Digen(Policy):
         return decisions
 
     def _rollout(self, view, taken: set[int]) -> list[Decision]:
-        """Scores first (they unblock the trainer), then fragments, oldest step first."""
+        """Scores first (they unblock the trainer) unless a reward pool takes them, then fragments, oldest step first."""
         devices = [d for d in idle_devices(view, self.rollout_pool, Role.ROLLOUT) if d not in taken]
         reserved = set(self.tag_reserved.values())
-        work = ready_of(view, Kind.SCORE, self.pipeline) + sorted(
+        scores = [] if self.setup.reward_devices else ready_of(view, Kind.SCORE, self.pipeline)
+        work = scores + sorted(
             (n for n in ready_of(view, Kind.GENERATE, self.pipeline) if n.id not in reserved), key=lambda n: n.step
         )
         decisions: list[Decision] = []

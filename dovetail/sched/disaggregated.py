@@ -31,4 +31,4 @@ class Disaggregated(StagedFlow):
         return FlowShape(data_parallel_fragments(spec, len(rollout)), 1, True, len(trainer), staged=True)
 
     def pools(self, setup: Setup) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        return split_pools(setup.devices, setup.trainer_devices)
+        return split_pools(setup.compute_devices, setup.trainer_devices)

@@ -157,6 +157,9 @@ class Setup:
     engines: Mapping[str, Engines]
     trainer_devices: int | None = None
     """Size of the trainer pool for disaggregated policies; None lets the policy choose."""
+    reward_devices: int = 0
+    """Devices kept for reward engines (the last ones): they score every sample and nothing else. 0: reward
+    engines are co-resident on the devices that generate (policies with `supports_reward_pool` take a pool)."""
     trainer_groups: Mapping[str, int] = field(default_factory=dict)
     """Trainer group size each pipeline's step was cut for (pipeline -> devices)."""
     options: Mapping[str, object] = field(default_factory=dict)
@@ -164,6 +167,15 @@ class Setup:
     """The shape each pipeline's steps were cut with (pipeline -> e.g. `graph.llm.LLMShape`)."""
     max_staleness: int = 1
     """Versions a step's rollouts may lag its training (the executor refuses more); AReaL's bound eta."""
+
+    @property
+    def compute_devices(self) -> int:
+        """Devices left to the rollout and trainer engines."""
+        return self.devices - self.reward_devices
+
+    @property
+    def reward_pool(self) -> tuple[int, ...]:
+        return tuple(range(self.compute_devices, self.devices))
 
     def switch(self, device: int, pipeline: str, old: Role | None, new: Role) -> SwitchRole:
         """The decision that moves a device from `old` to `new` for `pipeline`, with its cost."""
@@ -232,11 +244,17 @@ class CostTracker:
 
 
 class Policy(ABC):
-    """Base of every policy. Subclasses set `name` and implement `decide`."""
+    """Base of every policy. Subclasses set `name` and implement `decide`; those that can give the reward
+    engines their own devices (`Setup.reward_devices`) set `supports_reward_pool`."""
 
     name: ClassVar[str]
+    supports_reward_pool: ClassVar[bool] = False
 
     def __init__(self, setup: Setup) -> None:
+        if setup.reward_devices and not self.supports_reward_pool:
+            raise ValueError(f"policy {self.name} co-locates reward engines; reward_devices={setup.reward_devices} needs a flow policy")
+        if not 0 <= setup.reward_devices < setup.devices:
+            raise ValueError(f"reward_devices={setup.reward_devices} must leave 1..{setup.devices} devices for rollout and training")
         self.setup = setup
         self.costs = CostTracker()
 
@@ -273,6 +291,17 @@ def ready_of(view: View, kind: Kind, pipeline: str | None = None) -> list[Node]:
     """Ready nodes of one kind, in the order they became ready."""
     nodes = (view.graph[node_id] for node_id in view.ready)
     return [n for n in nodes if n.kind == kind and (pipeline is None or n.pipeline == pipeline)]
+
+
+def score_on_reward_pool(view: View, setup: Setup, pipeline: str) -> list[Decision]:
+    """Idle reward devices take the ready score nodes, oldest first."""
+    scores = ready_of(view, Kind.SCORE, pipeline)
+    return [Run(node.id, (device,)) for node, device in zip(scores, idle_devices(view, setup.reward_pool, Role.REWARD))]
+
+
+def reward_roles(setup: Setup, pipeline: str) -> list[Decision]:
+    """At Begin: bring up the reward engine on every reward device."""
+    return [setup.switch(device, pipeline, None, Role.REWARD) for device in setup.reward_pool]
 
 
 def open_steps_on_publish(view: View, events: Sequence[Event]) -> list[Decision]:
