@@ -27,7 +27,7 @@ from dovetail.config.train import TrainConfig
 from dovetail.models.flow_rl import SampleId, accumulate_policy_gradient, commit, generate, recompute_log_probs
 from dovetail.models.pretrain import latents_to_images
 from dovetail.models.sampling import Trajectories
-from dovetail.models.t2i import load_model
+from dovetail.models.t2i import load_model, strict_fp32
 from dovetail.rewards import score
 from dovetail.recipe import advantages_of, make_optimizer, policy_gradient, sde_settings
 
@@ -131,6 +131,7 @@ class DeviceWorker:
         self.device = worker_device()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            strict_fp32()
         elif pin_core and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, {index % os.cpu_count()})
         self.index = index

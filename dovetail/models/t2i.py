@@ -80,6 +80,12 @@ class TinyT2I(torch.nn.Module):
         ).sample
 
 
+def strict_fp32() -> None:
+    """No TF32 in CUDA matmuls or convolutions: the fp32 engines then compute on a GPU what the CPU reference does."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
 def flow_sigmas(num_steps: int, shift: float = 1.0) -> torch.Tensor:
     """num_steps + 1 sigmas from 1 down to 0, as diffusers' flow-matching Euler scheduler lays them."""
     scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)

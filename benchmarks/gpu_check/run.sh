@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Run on the lent GPU machine (device tool: carry [".whl"], command `bash benchmarks/gpu_check/run.sh`), after
+# pack.sh here. Installs the carried packages, then runs the GPU tests: the engines on CUDA against the CPU
+# (tests/test_gpu.py) and a Ray run with GPU DeviceWorkers against the CPU reference (tests/test_runtime.py -k gpu).
+set -uo pipefail
+out=${OUT:-/tmp}
+mkdir -p /tmp/site
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+tar -xJf .whl/ray-slim.tar.xz -C /tmp/site || exit 1
+export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu_check.log"
+python3 -c "import torch, ray, diffusers; print('torch', torch.__version__, 'ray', ray.__version__, 'diffusers', diffusers.__version__)" | tee -a "$out/gpu_check.log"
+python3 -m pytest -q -rs tests/test_gpu.py "tests/test_runtime.py::test_gpu_devices_train_where_the_cpu_reference_goes" 2>&1 | tee -a "$out/gpu_check.log"
+exit "${PIPESTATUS[0]}"
