@@ -17,6 +17,7 @@ def train(
     resume: Path = typer.Option(None, help="RUN_DIR or RUN_DIR/checkpoints/step_NNNNNN to continue from"),
     policy: str = typer.Option(None, help="reference | colocated | disaggregated | digen (same as policy=...)"),
     devices: int = typer.Option(None, help="devices for the Ray runtime (same as cluster.devices=...)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="check the config, checkpoint and devices, print the predicted plan; train nothing"),
 ):
     """Post-train the model with RL and write a run directory."""
     from dovetail.config.train import ConfigError, load_config
@@ -30,6 +31,9 @@ def train(
     except ConfigError as error:
         typer.echo(str(error), err=True)
         raise typer.Exit(2)
+    if dry_run:
+        _print_dry_run(run_config, steps or run_config.train.steps)
+        return
     from dovetail.train import train as run_training
 
     try:
@@ -40,6 +44,31 @@ def train(
     typer.echo(
         f"eval reward {summary['base_eval_reward']:.3f} -> {summary['final_eval_reward']:.3f} "
         f"after {summary['steps']} steps, {summary['samples_per_s']:.1f} samples/s; run in {out}"
+    )
+
+
+def _print_dry_run(config, steps: int) -> None:
+    from dovetail.exec.launch import dry_run
+
+    try:
+        plan = dry_run(config, steps)
+    except (FileNotFoundError, ValueError) as error:
+        typer.echo(str(error), err=True)
+        raise typer.Exit(2)
+    if plan["policy"] == "reference":
+        typer.echo("config and checkpoint OK; policy reference trains in this process, one stage after another (nothing to schedule)")
+        return
+    pools = (f"{plan['devices'] - plan['reward_devices'] - plan['trainer_devices']} rollout + {plan['trainer_devices']} trainer"
+             if plan["devices"] - plan["reward_devices"] > plan["trainer_devices"] else f"{plan['trainer_devices']} shared")
+    pools += f" + {plan['reward_devices']} reward" if plan["reward_devices"] else ""
+    typer.echo(
+        f"policy {plan['policy']} on {plan['devices']}x {plan['device']} ({pools}): {plan['fragments']} fragments, "
+        f"TSP chunk {plan['tsp_chunk']}, old log-probs {'recomputed' if plan['recompute_logprob'] else 'from the rollout'}\n"
+        f"predicted {plan['step_time_s']:.3f} s/step, {plan['samples_per_s']:.1f} samples/s, efficiency {plan['efficiency']:.3f}, "
+        f"bubble {100 * plan['bubble_ratio']:.1f}%; {steps} steps in about {plan['run_s'] / 60:.1f} min of training\n"
+        + ("(costs profiled on one core of this machine in this process; the run adds Ray's dispatch and object-store hops)"
+           if plan["costs"] == "profiled"
+           else "(analytic costs of the device catalogue; the run profiles its GPUs at start-up and plans again)")
     )
 
 

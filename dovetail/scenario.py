@@ -191,11 +191,12 @@ def simulate(
     steps: int | None = None,
     devices: int | None = None,
     options: dict | None = None,
+    cost: CostModel | None = None,
     **shape_overrides,
 ):
     """Prepare and simulate one policy on a scenario; returns (Prepared, Trace). Shared devices slow each
-    other down by the calibrated interference table."""
-    prepared = prepare(scenario, policy, steps=steps, devices=devices, options=options, **shape_overrides)
+    other down by the calibrated interference table; `cost` replaces the analytic cost model."""
+    prepared = prepare(scenario, policy, steps=steps, devices=devices, options=options, cost=cost, **shape_overrides)
     return prepared, _run(scenario, prepared)
 
 

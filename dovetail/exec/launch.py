@@ -3,19 +3,23 @@ corrected by a profile of those devices, the policy's graph, and the RayExecutor
 
 from __future__ import annotations
 
+import pickle
 import time
 from dataclasses import replace
 
 import ray
+import torch
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dovetail.config.train import TrainConfig
 from dovetail.exec.ray_executor import RayExecutor
-from dovetail.exec.worker import DEVICE_RESOURCE, DeviceWorker, form_group
+from dovetail.exec.worker import DEVICE_RESOURCE, DeviceWorker, form_group, profile_work
+from dovetail.exec.metrics import summarize
 from dovetail.graph.node import Role
-from dovetail.recipe import step_timesteps
-from dovetail.scenario import Prepared, Scenario, parse_scenario, prepare
+from dovetail.models.t2i import checkpoint_weights, load_model
+from dovetail.recipe import sde_settings, step_timesteps
+from dovetail.scenario import Prepared, Scenario, parse_scenario, prepare, simulate
 from dovetail.sched.calibration import DEFAULT
 from dovetail.sched.catalog import diffusion_model
 from dovetail.sched.cost import CostModel
@@ -47,6 +51,10 @@ def flow_scenario(config: TrainConfig, steps: int) -> Scenario:
 def shape_overrides(config: TrainConfig) -> dict:
     runtime = config.runtime
     return {k: v for k, v in (("fragments", runtime.fragments), ("tsp_chunk", runtime.tsp_chunk)) if v is not None}
+
+
+def policy_options(config: TrainConfig) -> dict:
+    return {"tag": {"auto": True, "off": False, "force": "force"}[config.runtime.tag]}
 
 
 CPU_DEVICE = "cpu-core"
@@ -111,14 +119,18 @@ def start_workers(config: TrainConfig, trainer_state: dict) -> tuple[list, ray.O
 
 
 def profiled_cost(config: TrainConfig, scenario: Scenario, workers: list) -> CostModel:
-    """The analytic cost model fitted to what these devices measured: the small-pass half point from
-    generation at two batch sizes, then one correction per kind of work (`CostModel.from_measurements`)."""
-    samples = config.runtime.profile_samples
-    measured = ray.get(workers[0].profile.remote(samples))
+    """The cost model fitted to what the first device measures (`profile_work`) and to a role switch's round trip."""
+    measured = ray.get(workers[0].profile.remote(config.runtime.profile_samples))
     start = time.perf_counter()
     ray.get(workers[0].switch_role.remote("rollout"))
     measured["switch"] = time.perf_counter() - start
+    return fitted_cost(config, scenario, measured)
 
+
+def fitted_cost(config: TrainConfig, scenario: Scenario, measured: dict[str, float]) -> CostModel:
+    """The analytic cost model fitted to a device's measured seconds: the small-pass half point from generation
+    at two batch sizes, then one correction per kind of work (`CostModel.from_measurements`)."""
+    samples = config.runtime.profile_samples
     spec = scenario.pipelines[0]
     model = diffusion_model(spec.model)
     tokens = model.latent_tokens(spec.height, spec.width)
@@ -145,8 +157,40 @@ def profiled_cost(config: TrainConfig, scenario: Scenario, workers: list) -> Cos
 def prepare_run(config: TrainConfig, steps: int, workers: list) -> tuple[CostModel, Prepared]:
     scenario = flow_scenario(config, steps)
     cost = profiled_cost(config, scenario, workers)
-    return cost, prepare(scenario, config.policy, steps=steps, cost=cost, options={"tag": {"auto": True, "off": False, "force": "force"}[config.runtime.tag]},
-                   **shape_overrides(config))
+    return cost, prepare(scenario, config.policy, steps=steps, cost=cost, options=policy_options(config), **shape_overrides(config))
+
+
+DRY_RUN_STEPS = 3
+"""RL steps the dry run simulates: enough for the steady state of every policy (TCSS overlaps two)."""
+
+
+def dry_run(config: TrainConfig, steps: int) -> dict:
+    """What `dovetail train` would do for `steps` steps, without Ray: the checkpoint and the devices checked, then
+    the policy's shape and throughput as the simulator predicts them. On CPU cores the costs are profiled here, in
+    this process, as the run profiles its first device; for GPUs they are the device catalogue's analytic costs
+    (the run, profiling its GPUs, may then choose another shape)."""
+    checkpoint_weights(config.model.checkpoint)
+    if config.policy == "reference":
+        return {"policy": "reference"}
+    device_bundle(config)
+    simulated = min(steps, DRY_RUN_STEPS)
+    scenario = flow_scenario(config, simulated)
+    cost = None
+    if config.cluster.device == CPU_DEVICE:
+        torch.set_num_threads(1)
+        measured = profile_work(load_model(config.model.checkpoint), config, sde_settings(config), config.runtime.profile_samples,
+                                carry=lambda weights: pickle.loads(pickle.dumps(weights)))
+        cost = fitted_cost(config, scenario, measured | {"switch": 0.0})  # no Ray round trip to time here
+    prepared, trace = simulate(scenario, config.policy, steps=simulated, options=policy_options(config), cost=cost,
+                               **shape_overrides(config))
+    shape, metrics = prepared.setup.shapes[PIPELINE], summarize(trace)
+    return {
+        "policy": config.policy, "devices": config.cluster.devices, "device": config.cluster.device,
+        "fragments": shape.fragments, "tsp_chunk": shape.tsp_chunk, "trainer_devices": shape.trainer_devices,
+        "reward_devices": config.runtime.reward_devices, "recompute_logprob": shape.recompute_logprob,
+        "step_time_s": metrics.step_time_s, "samples_per_s": metrics.samples_per_s, "efficiency": metrics.efficiency,
+        "bubble_ratio": metrics.bubble_ratio, "run_s": metrics.step_time_s * steps, "costs": "profiled" if cost else "analytic",
+    }
 
 
 def make_executor(config: TrainConfig, prepared: Prepared, workers: list, weights, trainer_state, first_step: int, **hooks) -> RayExecutor:

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from dovetail.config.train import TrainConfig
 from dovetail.exec.driver import time_per_step
-from dovetail.exec.launch import flow_scenario
+from dovetail.exec.launch import flow_scenario, policy_options
 from dovetail.exec.sim import SimExecutor
 from dovetail.graph.node import Kind
 from dovetail.scenario import prepare
@@ -37,7 +37,7 @@ def replay_run(run_dir: Path | str) -> dict:
         raise ValueError(f"{path} was written by an older dovetail whose config this one cannot read: {error}") from None
     scenario = flow_scenario(config, profile["steps"])
     shape = {k: v for k, v in profile["shape"].items() if v is not None}
-    options = {"tag": {"auto": True, "off": False, "force": "force"}[config.runtime.tag]}
+    options = policy_options(config)
     calibration = replace(DEFAULT, dit_half_mfu_tokens=profile["dit_half_mfu_tokens"])
     analytic = prepare(scenario, config.policy, steps=profile["steps"], options=options,
                        cost=CostModel(config.cluster.device, calibration), **shape)

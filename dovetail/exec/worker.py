@@ -16,6 +16,7 @@ import copy
 import os
 import socket
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import numpy as np
@@ -124,6 +125,44 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def profile_work(model, config: TrainConfig, sde, samples: int, carry: Callable[[dict], dict]) -> dict[str, float]:
+    """Measured seconds of each kind of work on `model`'s device, on a throw-away copy of it (samples of RL step
+    -1, never trained): what the cost model is fitted to before planning. A small untimed round first takes the
+    one-off costs (the judge is fitted on first use, first-call allocations); generation is then timed at two
+    batch sizes, which pins down the fixed cost of a small pass. A publication is timed from the trainer's weights
+    to a loaded rollout copy; `carry` moves the weights between them (the object store, or pickle in a dry run)."""
+    trainer = copy.deepcopy(model)
+    rollout = copy.deepcopy(model).requires_grad_(False)
+    optimizer = make_optimizer(trainer, config)
+
+    def one_of_each(n: int) -> dict[str, float]:
+        prompts = [f"digit {p % 10}" for p in range(n)]
+        ids = [SampleId(-1, p, 0) for p in range(n)]
+        seconds = {}
+
+        def timed(name, work):
+            synchronize(trainer.device)
+            start = time.perf_counter()
+            result = work()
+            synchronize(trainer.device)
+            seconds[name] = time.perf_counter() - start
+            return result
+
+        trajectories = timed("generate", lambda: generate(trainer, prompts, ids, sde, seed=config.seed, shared_group_noise=False))
+        timed("score", lambda: score(latents_to_images(trajectories.images), prompts, config.reward))
+        with torch.no_grad():
+            timed("logprob", lambda: trainer(trajectories.latents[:, 0], sde.sigmas[:1].expand(n), trajectories.prompt_ids))
+        timed("train", lambda: accumulate_policy_gradient(trainer, trajectories, torch.ones(n, device=trainer.device), [0], sde,
+                                                          chunk_size=n, total_pairs=n, clip_range=config.algo.clip_range))
+        timed("optimizer", lambda: commit(trainer, optimizer, config.train.max_grad_norm))
+        timed("publish", lambda: rollout.load_state_dict(tensors_of(carry(weights_of(trainer)))))
+        return seconds
+
+    small = max(1, samples // 4)
+    one_of_each(small)
+    return one_of_each(samples) | {"generate_small": one_of_each(small)["generate"]}
+
+
 @ray.remote(num_cpus=0, resources={DEVICE_RESOURCE: 1}, max_restarts=-1, max_task_retries=0)
 class DeviceWorker:
     def __init__(self, index: int, pin_core: bool = True):
@@ -168,34 +207,7 @@ class DeviceWorker:
         return os.getpid()
 
     def profile(self, samples: int) -> dict[str, float]:
-        """Measured seconds of each kind of work on this device, on throw-away copies of the engines
-        (samples of RL step -1, never trained): what the cost model is fitted to before planning.
-        Generation is timed at two batch sizes, which pins down the fixed cost of a small pass."""
-        trainer = copy.deepcopy(self.trainer)
-        optimizer = make_optimizer(trainer, self.config)
-        prompts = [f"digit {p % 10}" for p in range(samples)]
-        ids = [SampleId(-1, p, 0) for p in range(samples)]
-        seconds = {}
-
-        def timed(name, work):
-            synchronize(self.device)
-            start = time.perf_counter()
-            result = work()
-            synchronize(self.device)
-            seconds[name] = time.perf_counter() - start
-            return result
-
-        small = max(1, samples // 4)
-        timed("generate_small", lambda: generate(trainer, prompts[:small], ids[:small], self.sde, seed=self.config.seed, shared_group_noise=False))
-        trajectories = timed("generate", lambda: generate(trainer, prompts, ids, self.sde, seed=self.config.seed, shared_group_noise=False))
-        timed("score", lambda: score(latents_to_images(trajectories.images), prompts, self.config.reward))
-        with torch.no_grad():
-            timed("logprob", lambda: trainer(trajectories.latents[:, 0], self.sde.sigmas[:1].expand(samples), trajectories.prompt_ids))
-        timed("train", lambda: accumulate_policy_gradient(trainer, trajectories, torch.ones(samples, device=self.device), [0], self.sde, chunk_size=samples,
-                                                          total_pairs=samples, clip_range=self.config.algo.clip_range))
-        timed("optimizer", lambda: commit(trainer, optimizer, self.config.train.max_grad_norm))
-        timed("publish", lambda: ray.put(self.export_weights()))
-        return seconds
+        return profile_work(self.trainer, self.config, self.sde, samples, carry=lambda weights: ray.get(ray.put(weights)))
 
     # ---------------------------------------------------------------- trainer state
     def trainer_state(self) -> dict:

@@ -99,13 +99,17 @@ def save_model(model: TinyT2I, directory: Path) -> None:
     (directory / "config.json").write_text(model.config.model_dump_json(indent=2))
 
 
+def checkpoint_weights(directory: Path | str) -> Path:
+    """The weights file of a model checkpoint directory; a missing one is an error that says how to make it."""
+    weights = Path(directory) / "model.safetensors"
+    if not weights.exists():
+        raise FileNotFoundError(f"no checkpoint at {weights}; run `dovetail pretrain digits --out {directory}` to make one")
+    return weights
+
+
 def load_model(directory: Path | str) -> TinyT2I:
     directory = Path(directory)
-    weights = directory / "model.safetensors"
-    if not weights.exists():
-        raise FileNotFoundError(
-            f"no checkpoint at {weights}; run `dovetail pretrain digits --out {directory}` to make one"
-        )
+    weights = checkpoint_weights(directory)
     config = T2IConfig(**json.loads((directory / "config.json").read_text()))
     model = TinyT2I(config)
     model.load_state_dict(load_file(weights))

@@ -1,0 +1,39 @@
+"""`dovetail train --dry-run`: the config, checkpoint and devices checked and the plan predicted, nothing trained."""
+
+import subprocess
+import sys
+
+import pytest
+
+from dovetail.config.train import load_config
+from dovetail.exec.launch import dry_run
+
+
+def test_dry_run_on_cpu_cores_profiles_this_machine_and_keeps_the_config_s_choices():
+    plan = dry_run(load_config(None, ["policy=digen", "runtime.fragments=2", "runtime.tsp_chunk=1"]), 200)
+    assert plan["costs"] == "profiled" and (plan["fragments"], plan["tsp_chunk"]) == (2, 1)
+    assert 0 < plan["step_time_s"] and plan["run_s"] == pytest.approx(200 * plan["step_time_s"])
+    assert plan["samples_per_s"] == pytest.approx(64 / plan["step_time_s"], rel=0.05)
+    assert 0 < plan["efficiency"] <= 1
+
+
+def test_dry_run_on_gpus_uses_the_catalogue_and_splits_the_pools():
+    plan = dry_run(load_config(None, ["policy=disaggregated", "cluster.device=H100", "cluster.devices=8",
+                                      "runtime.trainer_devices=2", "runtime.reward_devices=1"]), 10)
+    assert plan["costs"] == "analytic" and plan["trainer_devices"] == 2 and plan["recompute_logprob"]
+
+
+def test_dry_run_refuses_what_the_run_would_refuse():
+    with pytest.raises(FileNotFoundError, match="dovetail pretrain digits --out /nonexistent"):
+        dry_run(load_config(None, ["model.checkpoint=/nonexistent"]), 10)
+    with pytest.raises(ValueError, match="can be planned .* but not run"):
+        dry_run(load_config(None, ["policy=digen", "cluster.device=Ascend-910B"]), 10)
+    assert dry_run(load_config(None, ["policy=reference"]), 10) == {"policy": "reference"}
+
+
+def test_dry_run_on_the_command_line_writes_no_run(tmp_path):
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "dovetail.cli", "train", "--dry-run", "--policy", "colocated", "--out", str(out), "--steps", "50"]
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    assert "policy colocated on 2x cpu-core (2 shared)" in result.stdout and "50 steps in about" in result.stdout
+    assert not out.exists()
