@@ -123,6 +123,17 @@ class TrainConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _pools_fit_the_devices(self) -> "TrainConfig":
+        devices, runtime = self.cluster.devices, self.runtime
+        if runtime.reward_devices >= devices:
+            raise ValueError(f"runtime.reward_devices={runtime.reward_devices} leaves none of cluster.devices={devices} "
+                             "to generate and train: lower it or add devices")
+        if runtime.trainer_devices is not None and runtime.trainer_devices + runtime.reward_devices >= devices:
+            raise ValueError(f"runtime.trainer_devices={runtime.trainer_devices} leaves no rollout device of cluster.devices={devices}"
+                             + (f" besides runtime.reward_devices={runtime.reward_devices}" if runtime.reward_devices else ""))
+        return self
+
     @property
     def noise_level(self) -> float:
         if self.sampling.noise_level is not None:
