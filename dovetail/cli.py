@@ -120,7 +120,8 @@ def simulate(
         else:
             typer.echo(
                 f"{result['policy']} over {result['steps']} steps: measured {result['measured_step_time_s']:.3f} s/step, "
-                f"simulated {result['predicted_step_time_s']:.3f} s/step ({result['relative_error']:+.1%})"
+                f"simulated {result['predicted_step_time_s']:.3f} s/step ({result['relative_error']:+.1%}); "
+                f"device pace {', '.join(f'{p:.2f}' for p in result['device_pace'])}"
             )
         return
     if list_:

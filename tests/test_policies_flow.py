@@ -284,3 +284,23 @@ def test_reward_pool_errors_name_the_field():
     pooled = llm.model_copy(update={"schedule": llm.schedule.model_copy(update={"reward_devices": 1})})
     with pytest.raises(ValueError, match="policy verl-sync co-locates reward engines; reward_devices=1 needs a flow policy"):
         prepare(pooled, "verl-sync", steps=1)
+
+
+def test_a_straggler_device_sets_the_pace_of_the_staged_baseline():
+    """colocated: every stage has work on every device, so one device at half speed makes the step as long as all
+    four at half speed; the switches (not device work) keep their cost."""
+    from dovetail.exec.sim import SimExecutor
+
+    prepared = prepare(scenario(), "colocated")
+    engines = prepared.setup.engines["p"]
+    switches = engines.wake_s[Role.ROLLOUT] + engines.sleep_s[Role.ROLLOUT] + engines.wake_s[Role.TRAINER]
+
+    def makespan(pace):
+        fresh = prepare(scenario(), "colocated")
+        return SimExecutor(fresh.graph, fresh.setup, device_pace=pace).run(fresh.policy).makespan
+
+    plain = makespan(None)
+    assert makespan([1.0, 1.0, 1.0, 2.0]) == pytest.approx(makespan([2.0] * 4))
+    assert makespan([2.0] * 4) == pytest.approx(2 * plain - switches)
+    with pytest.raises(ValueError, match="one positive factor per device"):
+        SimExecutor(prepared.graph, prepared.setup, device_pace=[1.0, 2.0])

@@ -80,6 +80,7 @@ def test_a_reward_device_scores_every_sample_and_the_parameters_stay_the_referen
     assert {e["tid"] for e in spans if e["cat"] == "score"} == {1}
     assert all(e["tid"] == 0 for e in spans if e["cat"] != "score")
     assert json.loads((out / "ledger.json").read_text())["problems"] == []
+    assert json.loads((out / "summary.json").read_text())["device_engines"] == [["trainer", "rollout", "reward"], ["reward"]]
 
 
 def test_run_directory_has_trace_gantt_and_runtime_metrics():
@@ -101,6 +102,7 @@ def test_simulator_replays_the_run_within_15_percent():
     for name in ("digen", "colocated", "disaggregated", "reward-pool"):
         result = replay_run(RUNS[name])
         assert abs(result["relative_error"]) <= 0.15, result
+        assert len(result["device_pace"]) == 2 and min(result["device_pace"]) > 0
 
 
 def test_simulate_from_run_on_the_command_line(tmp_path):

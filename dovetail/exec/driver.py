@@ -95,12 +95,13 @@ def time_per_step(trace) -> float:
     return max(record.end for record in trace.steps) / len(trace.steps)
 
 
-def node_seconds(trace) -> dict[str, tuple[float, int]]:
-    """Node id -> (wall seconds from first start to last end, devices it ran on)."""
+def node_seconds(trace) -> dict[str, tuple[float, list[int]]]:
+    """Node id -> (wall seconds from first start to last end, the devices it ran on)."""
     spans: dict[str, list] = {}
     for span in trace.spans:
         spans.setdefault(span.node, []).append(span)
-    return {node: (max(s.end for s in group) - min(s.start for s in group), len({s.device for s in group})) for node, group in spans.items()}
+    return {node: (max(s.end for s in group) - min(s.start for s in group), sorted({s.device for s in group}))
+            for node, group in spans.items()}
 
 
 def write_run_outputs(path, config, prepared, executor: RayExecutor, trace, half_mfu_tokens: float) -> dict:
@@ -141,4 +142,5 @@ def write_run_outputs(path, config, prepared, executor: RayExecutor, trace, half
         "step_time_s": metrics.step_time_s,
         "max_staleness": metrics.max_staleness,
         "restarts": len(executor.ledger.restarts),
+        "device_engines": ray.get([worker.engines.remote() for worker in executor.workers]),
     }

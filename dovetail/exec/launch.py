@@ -4,6 +4,7 @@ corrected by a profile of those devices, the policy's graph, and the RayExecutor
 from __future__ import annotations
 
 import pickle
+import statistics
 import time
 from dataclasses import replace
 
@@ -119,8 +120,12 @@ def start_workers(config: TrainConfig, trainer_state: dict) -> tuple[list, ray.O
 
 
 def profiled_cost(config: TrainConfig, scenario: Scenario, workers: list) -> CostModel:
-    """The cost model fitted to what the first device measures (`profile_work`) and to a role switch's round trip."""
-    measured = ray.get(workers[0].profile.remote(config.runtime.profile_samples))
+    """The cost model fitted to what the devices that hold the policy's engines measure (`profile_work`), all at
+    once as they will run, the median over them; and to a role switch's round trip. Profiling also warms every
+    device's engines up, so the run's first step is like the others."""
+    compute = workers[: config.cluster.devices - config.runtime.reward_devices]
+    profiles = ray.get([worker.profile.remote(config.runtime.profile_samples) for worker in compute])
+    measured = {kind: statistics.median(profile[kind] for profile in profiles) for kind in profiles[0]}
     start = time.perf_counter()
     ray.get(workers[0].switch_role.remote("rollout"))
     measured["switch"] = time.perf_counter() - start

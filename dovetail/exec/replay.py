@@ -46,10 +46,9 @@ def replay_run(run_dir: Path | str) -> dict:
     for node in analytic.graph:
         if node.id not in measured or node.cost_s <= 0:
             continue
-        seconds, width = measured[node.id]
-        predicted = node.cost_s if node.collective else node.cost_s / width
+        seconds, devices = measured[node.id]
         if seconds > 0:
-            records.append((COST_KIND[node.kind], predicted, seconds))
+            records.append((COST_KIND[node.kind], predicted_seconds(node, len(devices)), seconds))
     engines = analytic.setup.engines[next(iter(analytic.setup.engines))]
     wake = max(engines.wake_s.values())
     records += [("switch", wake, max(s, 1e-6)) for s in profile["switch_seconds"]]
@@ -58,7 +57,8 @@ def replay_run(run_dir: Path | str) -> dict:
     missing = set(measured) - set(replayed.graph.nodes)
     if missing:
         raise ValueError(f"the replayed graph lacks nodes the run ran, e.g. {sorted(missing)[:3]}: the policy's shape changed")
-    trace = SimExecutor(replayed.graph, replayed.setup).run(replayed.policy)
+    pace = device_pace(replayed.graph, measured, replayed.setup.devices)
+    trace = SimExecutor(replayed.graph, replayed.setup, device_pace=pace).run(replayed.policy)
     predicted = time_per_step(trace)
     measured_step = profile["measured_step_time_s"]
     return {
@@ -69,4 +69,24 @@ def replay_run(run_dir: Path | str) -> dict:
         "predicted_step_time_s": predicted,
         "relative_error": (predicted - measured_step) / measured_step,
         "corrections": cost.corrections(),
+        "device_pace": pace,
     }
+
+
+def predicted_seconds(node, width: int) -> float:
+    return node.cost_s if node.collective else node.cost_s / width
+
+
+def device_pace(graph, measured: dict, devices: int) -> list[float]:
+    """How much slower each device ran its own nodes than the corrected cost model says, relative to the others:
+    the per-kind corrections fit the devices' mean, but a synchronous commit waits for the slowest. Fitted on the
+    nodes that ran on one device alone; normalised so that the fitted per-kind totals stay the run's."""
+    took, predicted = [0.0] * devices, [0.0] * devices
+    for node_id, (seconds, where) in measured.items():
+        if len(where) == 1 and node_id in graph.nodes and graph[node_id].cost_s > 0:
+            took[where[0]] += seconds
+            predicted[where[0]] += predicted_seconds(graph[node_id], 1)
+    if not any(predicted):
+        return [1.0] * devices
+    mean = sum(took) / sum(predicted)
+    return [t / p / mean if p else 1.0 for t, p in zip(took, predicted)]

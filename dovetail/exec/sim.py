@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from dovetail.exec.state import ClusterState
 from dovetail.exec.trace import Trace
@@ -29,11 +29,17 @@ class SimExecutor:
         seed: int = 0,
         noise: float = 0.0,
         slowdown: Callable[[str, str], float] | None = None,
+        device_pace: Sequence[float] | None = None,
     ) -> None:
         """`slowdown(kind, alongside_kind)`: the interference model of nodes sharing a device (e.g.
-        `Calibration.slowdown`); None means a shareable node runs at its share."""
+        `Calibration.slowdown`); None means a shareable node runs at its share. `device_pace[d]` stretches the
+        work of device d (a straggler: the replay of a real run fits one per device); a node on several devices
+        goes at its slowest one's pace."""
         if noise < 0:
             raise ValueError(f"noise must be >= 0 (log-normal sigma of durations), got {noise}")
+        if device_pace is not None and (len(device_pace) != setup.devices or min(device_pace) <= 0):
+            raise ValueError(f"device_pace needs one positive factor per device ({setup.devices}), got {list(device_pace)}")
+        self.device_pace = device_pace
         self.graph = graph
         self.setup = setup
         self.seed = seed
@@ -56,8 +62,9 @@ class SimExecutor:
                 for decision in decisions:
                     state.apply(decision)
                     counter += 1
-                    if isinstance(decision, (Run, Migrate)) and self.noise:
-                        state.set_pace(decision.node, math.exp(rng.gauss(0.0, self.noise)))
+                    if isinstance(decision, (Run, Migrate)) and (self.noise or self.device_pace):
+                        pace = max(self.device_pace[d] for d in decision.devices) if self.device_pace else 1.0
+                        state.set_pace(decision.node, pace * (math.exp(rng.gauss(0.0, self.noise)) if self.noise else 1.0))
                     elif isinstance(decision, SwitchRole):
                         heapq.heappush(heap, (state.now + decision.cost_s, counter, "switch", decision))
                 for node_id in state.take_retimed():

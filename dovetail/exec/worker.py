@@ -30,7 +30,7 @@ from dovetail.models.flow_rl import SampleId, accumulate_policy_gradient, commit
 from dovetail.models.pretrain import latents_to_images
 from dovetail.models.sampling import Trajectories
 from dovetail.models.t2i import load_model, strict_fp32
-from dovetail.rewards import score
+from dovetail.rewards import load_rewards, score
 from dovetail.recipe import advantages_of, make_optimizer, policy_gradient, sde_settings
 
 DEVICE_RESOURCE = "dovetail_device"
@@ -183,19 +183,29 @@ class DeviceWorker:
         self.config: TrainConfig | None = None
 
     def configure(self, config: dict, trainer_state: dict) -> None:
-        """Build the engines for a run: trainer (weights + optimizer), rollout copy, reward judge.
-        Workers outlive a run, so one pool serves many runs (and tests) without restarting torch."""
+        """Build the engines for a run: trainer (weights + optimizer), rollout copy, reward judge; a device of the
+        reward pool (the last runtime.reward_devices) holds the reward engine alone. Workers outlive a run, so
+        one pool serves many runs (and tests) without restarting torch."""
         self.config = TrainConfig(**config)
         self.sde = sde_settings(self.config, self.device)
+        self.rollout_version: int | None = None
+        self.role: str | None = None
+        self.accumulated: torch.Tensor | None = None
+        load_rewards(self.config.reward)
+        if self.index >= self.config.cluster.devices - self.config.runtime.reward_devices:
+            self.trainer = self.optimizer = self.reference = self.rollout = None
+            return
         self.trainer = load_model(self.config.model.checkpoint).to(self.device)
         self.optimizer = make_optimizer(self.trainer, self.config)
         self.load_trainer_state(trainer_state)
         self.reference = (load_model(self.config.model.checkpoint).to(self.device).requires_grad_(False)
                           if self.config.algo.beta > 0 else None)
         self.rollout = copy.deepcopy(self.trainer).requires_grad_(False)
-        self.rollout_version: int | None = None
-        self.role: str | None = None
-        self.accumulated: torch.Tensor | None = None
+
+    def engines(self) -> list[str]:
+        """The engines this device holds (the reward judge is built on first use, on every device)."""
+        held = {"trainer": self.trainer, "rollout": self.rollout, "reference": self.reference}
+        return [name for name, engine in held.items() if engine is not None] + ["reward"]
 
     def join_group(self, address: str, port: int, world: int) -> None:
         """(Re)join the torch.distributed group of all devices; trainer groups are cut from it at commits.

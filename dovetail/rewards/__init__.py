@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from PIL import Image
 
-from dovetail.rewards.judge import digit_probabilities
+from dovetail.rewards.judge import digit_judge, digit_probabilities
 
 RewardFn = Callable[[np.ndarray, Sequence[str]], np.ndarray]
 
@@ -80,6 +80,13 @@ def reward_fn(name: str) -> RewardFn:
 def check_reward_names(weights: dict[str, float]) -> None:
     for name in weights:
         reward_fn(name)
+
+
+def load_rewards(weights: dict[str, float]) -> None:
+    """Build now what the rewards would build on first use (the judge is fitted in about a second), so that the
+    first step of a run does not pay for it."""
+    if "digit_match" in weights:
+        digit_judge()
 
 
 def score(images: np.ndarray, prompts: Sequence[str], weights: dict[str, float]) -> dict[str, np.ndarray]:
