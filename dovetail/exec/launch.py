@@ -126,6 +126,7 @@ def profiled_cost(config: TrainConfig, scenario: Scenario, workers: list) -> Cos
     compute = workers[: config.cluster.devices - config.runtime.reward_devices]
     profiles = ray.get([worker.profile.remote(config.runtime.profile_samples) for worker in compute])
     measured = {kind: statistics.median(profile[kind] for profile in profiles) for kind in profiles[0]}
+    measured |= {kind: min(profile[kind] for profile in profiles) for kind in ("generate_fastest", "generate_small_fastest")}
     start = time.perf_counter()
     ray.get(workers[0].switch_role.remote("rollout"))
     measured["switch"] = time.perf_counter() - start
@@ -133,14 +134,14 @@ def profiled_cost(config: TrainConfig, scenario: Scenario, workers: list) -> Cos
 
 
 def fitted_cost(config: TrainConfig, scenario: Scenario, measured: dict[str, float]) -> CostModel:
-    """The analytic cost model fitted to a device's measured seconds: the small-pass half point from generation
-    at two batch sizes, then one correction per kind of work (`CostModel.from_measurements`)."""
+    """The analytic cost model fitted to a device's measured seconds: the small-pass half point from the fastest
+    generation at two batch sizes, then one correction per kind of work (`CostModel.from_measurements`)."""
     samples = config.runtime.profile_samples
     spec = scenario.pipelines[0]
     model = diffusion_model(spec.model)
     tokens = model.latent_tokens(spec.height, spec.width)
     small = max(1, samples // 4)
-    ratio = measured["generate"] / measured["generate_small"]
+    ratio = measured["generate_fastest"] / measured["generate_small_fastest"]
     half = tokens * (samples - ratio * small) / (ratio - 1) if ratio > 1 else DEFAULT.dit_half_mfu_tokens
     calibration = replace(DEFAULT, dit_half_mfu_tokens=max(half, 0.0))
 
