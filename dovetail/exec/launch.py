@@ -14,15 +14,15 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dovetail.config.train import TrainConfig
+from dovetail.exec.metrics import summarize
 from dovetail.exec.ray_executor import RayExecutor
 from dovetail.exec.worker import DEVICE_RESOURCE, DeviceWorker, form_group, profile_work
-from dovetail.exec.metrics import summarize
 from dovetail.graph.node import Role
 from dovetail.models.t2i import checkpoint_weights, load_model
 from dovetail.recipe import sde_settings, step_timesteps
 from dovetail.scenario import Prepared, Scenario, parse_scenario, prepare, simulate
 from dovetail.sched.calibration import DEFAULT
-from dovetail.sched.catalog import diffusion_model
+from dovetail.sched.catalog import DEVICES, device, diffusion_model
 from dovetail.sched.cost import CostModel
 
 PIPELINE = "digits"
@@ -58,19 +58,16 @@ def policy_options(config: TrainConfig) -> dict:
     return {"tag": {"auto": True, "off": False, "force": "force"}[config.runtime.tag]}
 
 
-CPU_DEVICE = "cpu-core"
-CUDA_DEVICES = ("H100", "H800", "H200", "A100-80G", "L40S")
-
-
 def device_bundle(config: TrainConfig) -> dict[str, float]:
     """What one device is to Ray: a GPU, or here one `dovetail_device` (a CPU core)."""
-    device = config.cluster.device
-    if device == CPU_DEVICE:
+    platform = device(config.cluster.device).platform
+    if platform == "cpu":
         return {DEVICE_RESOURCE: 1}
-    if device in CUDA_DEVICES:
+    if platform == "cuda":
         return {"GPU": 1}
-    raise ValueError(f"cluster.device={device!r} can be planned (`dovetail simulate`) but not run: the Ray runtime "
-                     f"drives CUDA GPUs ({', '.join(CUDA_DEVICES)}) or CPU cores ({CPU_DEVICE!r})")
+    runnable = ", ".join(name for name, d in DEVICES.items() if d.platform in ("cuda", "cpu"))
+    raise ValueError(f"cluster.device={config.cluster.device!r} can be planned (`dovetail simulate`) but not run: the Ray "
+                     f"runtime drives CUDA GPUs or CPU cores ({runnable})")
 
 
 def start_ray(config: TrainConfig) -> None:
@@ -88,7 +85,7 @@ def start_ray(config: TrainConfig) -> None:
     available = ray.cluster_resources().get(resource, 0)
     if available < config.cluster.devices:
         fix = (f"start the cluster's nodes with `ray start --resources='{{\"{DEVICE_RESOURCE}\": CORES}}'`"
-               if resource == DEVICE_RESOURCE else f"lower cluster.devices, or set cluster.device={CPU_DEVICE} to use CPU cores")
+               if resource == DEVICE_RESOURCE else "lower cluster.devices, or set cluster.device=cpu-core to use CPU cores")
         raise RuntimeError(f"cluster.devices={config.cluster.devices} {config.cluster.device} devices asked for, but the Ray "
                            f"instance has {available:g} {resource!r}; {fix}")
 
@@ -173,7 +170,7 @@ DRY_RUN_STEPS = 3
 def dry_run(config: TrainConfig, steps: int) -> dict:
     """What `dovetail train` would do for `steps` steps, without Ray: the checkpoint and the devices checked, then
     the policy's shape and throughput as the simulator predicts them. On CPU cores the costs are profiled here, in
-    this process, as the run profiles its first device; for GPUs they are the device catalogue's analytic costs
+    this process, as the run profiles its devices; for GPUs they are the device catalogue's analytic costs
     (the run, profiling its GPUs, may then choose another shape)."""
     checkpoint_weights(config.model.checkpoint)
     if config.policy == "reference":
@@ -182,7 +179,7 @@ def dry_run(config: TrainConfig, steps: int) -> dict:
     simulated = min(steps, DRY_RUN_STEPS)
     scenario = flow_scenario(config, simulated)
     cost = None
-    if config.cluster.device == CPU_DEVICE:
+    if device(config.cluster.device).platform == "cpu":
         torch.set_num_threads(1)
         measured = profile_work(load_model(config.model.checkpoint), config, sde_settings(config), config.runtime.profile_samples,
                                 carry=lambda weights: pickle.loads(pickle.dumps(weights)))

@@ -22,6 +22,7 @@ class Device:
     interconnect_bandwidth: float  # bytes/s per direction to a peer in the same node
     network_bandwidth: float  # bytes/s per direction to a peer in another node (the device's own NIC)
     node_size: int = 8  # devices sharing the intra-node interconnect
+    platform: str = "cuda"  # what the Ray runtime drives it with: cuda, cpu, or npu (planning only)
 
 
 DEVICES: dict[str, Device] = {
@@ -38,10 +39,10 @@ DEVICES: dict[str, Device] = {
         # L40S: 362 TFLOP/s bf16 dense (733 with sparsity), 864 GB/s GDDR6, 48 GB, PCIe Gen4 x16.
         Device("L40S", 362e12, 0.864 * TB, 48 * GB, 32 * GB, 12.5 * GB),
         # Ascend 910B (Atlas 800T A2): ~320 TFLOP/s fp16/bf16, 64 GB HBM2e at 1.6 TB/s, HCCS 392 GB/s.
-        Device("Ascend-910B", 320e12, 1.6 * TB, 64 * GB, 196 * GB, 25 * GB),
+        Device("Ascend-910B", 320e12, 1.6 * TB, 64 * GB, 196 * GB, 25 * GB, platform="npu"),
         # One x86 core with AVX-512 (2 FMA units x 16 fp32 lanes x ~3 GHz), a DRAM-bandwidth share and
         # the memory one core is given when a machine's cores serve as devices.
-        Device("cpu-core", 0.1e12, 10 * GB, 8 * GB, 5 * GB, 1.25 * GB, node_size=1),
+        Device("cpu-core", 0.1e12, 10 * GB, 8 * GB, 5 * GB, 1.25 * GB, node_size=1, platform="cpu"),
     )
 }
 
