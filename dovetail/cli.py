@@ -58,8 +58,8 @@ def _print_dry_run(config, steps: int) -> None:
     if plan["policy"] == "reference":
         typer.echo("config and checkpoint OK; policy reference trains in this process, one stage after another (nothing to schedule)")
         return
-    pools = (f"{plan['devices'] - plan['reward_devices'] - plan['trainer_devices']} rollout + {plan['trainer_devices']} trainer"
-             if plan["devices"] - plan["reward_devices"] > plan["trainer_devices"] else f"{plan['trainer_devices']} shared")
+    pools = (f"{plan['rollout_devices']} rollout + {plan['trainer_devices']} trainer" if plan["rollout_devices"]
+             else f"{plan['trainer_devices']} shared")
     pools += f" + {plan['reward_devices']} reward" if plan["reward_devices"] else ""
     typer.echo(
         f"policy {plan['policy']} on {plan['devices']}x {plan['device']} ({pools}): {plan['fragments']} fragments, "

@@ -47,12 +47,12 @@ def advantages_of(config: TrainConfig, rewards: np.ndarray, prompts: list[int]) 
     )
 
 
-def policy_gradient(model, trajectories, advantages, timesteps: list[int], config: TrainConfig, *, total_pairs: int,
-                    reference_model=None, stale: bool = False) -> dict[str, float]:
+def policy_gradient(model, trajectories, advantages, timesteps: list[int], sde: SDESettings, config: TrainConfig, *,
+                    total_pairs: int, reference_model=None, stale: bool = False) -> dict[str, float]:
     """`accumulate_policy_gradient` with the config's knobs; `stale` (TCSS) turns on the decoupled correction."""
-    algo, device = config.algo, trajectories.latents.device
+    algo = config.algo
     return accumulate_policy_gradient(
-        model, trajectories, advantages.to(device), timesteps, sde_settings(config, device), chunk_size=config.train.chunk_size,
+        model, trajectories, advantages.to(trajectories.latents.device), timesteps, sde, chunk_size=config.train.chunk_size,
         total_pairs=total_pairs, clip_range=algo.clip_range, beta=algo.beta, reference_model=reference_model,
         stale_max_weight=algo.stale_max_weight if stale else None,
     )

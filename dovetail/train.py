@@ -41,7 +41,7 @@ def rl_step(model, optimizer, config: TrainConfig, step: int, reference_model=No
     start = time.perf_counter()
     timesteps = step_timesteps(config, step)
     total_pairs = len(ids) * len(timesteps)
-    sums = policy_gradient(model, trajectories, advantages, timesteps, config, total_pairs=total_pairs,
+    sums = policy_gradient(model, trajectories, advantages, timesteps, sde, config, total_pairs=total_pairs,
                            reference_model=reference_model)
     timings["train_s"] = time.perf_counter() - start
 

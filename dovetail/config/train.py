@@ -126,13 +126,18 @@ class TrainConfig(Section):
     @model_validator(mode="after")
     def _pools_fit_the_devices(self) -> "TrainConfig":
         devices, runtime = self.cluster.devices, self.runtime
-        if runtime.reward_devices >= devices:
+        if self.compute_devices < 1:
             raise ValueError(f"runtime.reward_devices={runtime.reward_devices} leaves none of cluster.devices={devices} "
                              "to generate and train: lower it or add devices")
-        if runtime.trainer_devices is not None and runtime.trainer_devices + runtime.reward_devices >= devices:
+        if runtime.trainer_devices is not None and runtime.trainer_devices >= self.compute_devices:
             raise ValueError(f"runtime.trainer_devices={runtime.trainer_devices} leaves no rollout device of cluster.devices={devices}"
                              + (f" besides runtime.reward_devices={runtime.reward_devices}" if runtime.reward_devices else ""))
         return self
+
+    @property
+    def compute_devices(self) -> int:
+        """Devices that hold the policy's engines: all but the reward pool (the last runtime.reward_devices)."""
+        return self.cluster.devices - self.runtime.reward_devices
 
     @property
     def noise_level(self) -> float:

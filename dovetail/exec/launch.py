@@ -120,7 +120,7 @@ def profiled_cost(config: TrainConfig, scenario: Scenario, workers: list) -> Cos
     """The cost model fitted to what the devices that hold the policy's engines measure (`profile_work`), all at
     once as they will run, the median over them; and to a role switch's round trip. Profiling also warms every
     device's engines up, so the run's first step is like the others."""
-    compute = workers[: config.cluster.devices - config.runtime.reward_devices]
+    compute = workers[: config.compute_devices]
     profiles = ray.get([worker.profile.remote(config.runtime.profile_samples) for worker in compute])
     measured = {kind: statistics.median(profile[kind] for profile in profiles) for kind in profiles[0]}
     measured |= {kind: min(profile[kind] for profile in profiles) for kind in ("generate_fastest", "generate_small_fastest")}
@@ -190,7 +190,7 @@ def dry_run(config: TrainConfig, steps: int) -> dict:
     return {
         "policy": config.policy, "devices": config.cluster.devices, "device": config.cluster.device,
         "fragments": shape.fragments, "tsp_chunk": shape.tsp_chunk, "trainer_devices": shape.trainer_devices,
-        "reward_devices": config.runtime.reward_devices, "recompute_logprob": shape.recompute_logprob,
+        "rollout_devices": config.compute_devices - shape.trainer_devices, "reward_devices": config.runtime.reward_devices, "recompute_logprob": shape.recompute_logprob,
         "step_time_s": metrics.step_time_s, "samples_per_s": metrics.samples_per_s, "efficiency": metrics.efficiency,
         "bubble_ratio": metrics.bubble_ratio, "run_s": metrics.step_time_s * steps, "costs": "profiled" if cost else "analytic",
     }

@@ -80,10 +80,11 @@ def predicted_seconds(node, width: int) -> float:
 def device_pace(graph, measured: dict, devices: int) -> list[float]:
     """How much slower each device ran its own nodes than the corrected cost model says, relative to the others:
     the per-kind corrections fit the devices' mean, but a synchronous commit waits for the slowest. Fitted on the
-    nodes that ran on one device alone; normalised so that the fitted per-kind totals stay the run's."""
+    nodes that ran on one device alone (every measured node is in `graph`: replay_run checks it first); normalised
+    so that the fitted per-kind totals stay the run's."""
     took, predicted = [0.0] * devices, [0.0] * devices
     for node_id, (seconds, where) in measured.items():
-        if len(where) == 1 and node_id in graph.nodes and graph[node_id].cost_s > 0:
+        if len(where) == 1 and graph[node_id].cost_s > 0:
             took[where[0]] += seconds
             predicted[where[0]] += predicted_seconds(graph[node_id], 1)
     if not any(predicted):

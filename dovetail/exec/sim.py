@@ -64,7 +64,9 @@ class SimExecutor:
                     counter += 1
                     if isinstance(decision, (Run, Migrate)) and (self.noise or self.device_pace):
                         pace = max(self.device_pace[d] for d in decision.devices) if self.device_pace else 1.0
-                        state.set_pace(decision.node, pace * (math.exp(rng.gauss(0.0, self.noise)) if self.noise else 1.0))
+                        if self.noise:
+                            pace *= math.exp(rng.gauss(0.0, self.noise))
+                        state.set_pace(decision.node, pace)
                     elif isinstance(decision, SwitchRole):
                         heapq.heappush(heap, (state.now + decision.cost_s, counter, "switch", decision))
                 for node_id in state.take_retimed():

@@ -133,9 +133,9 @@ def profile_work(model, config: TrainConfig, sde, samples: int, carry: Callable[
     """Measured seconds of each kind of work on `model`'s device, on a throw-away copy of it (samples of RL step
     -1, never trained): what the cost model is fitted to before planning. A small untimed round first takes the
     one-off costs (the judge is fitted on first use, first-call allocations); generation is then timed at two
-    batch sizes, which pins down the fixed cost of a small pass; each time is the median of PROFILE_ROUNDS, and the
-    fastest of the generation rounds are kept too (interference only adds time: the cleanest reading of the curve). A publication is timed from the trainer's weights
-    to a loaded rollout copy; `carry` moves the weights between them (the object store, or pickle in a dry run)."""
+    batch sizes, which pins down the fixed cost of a small pass (from the fastest rounds: interference only adds
+    time); every other time is the median of PROFILE_ROUNDS. A publication is timed from the trainer's weights to a
+    loaded rollout copy; `carry` moves the weights between them (the object store, or pickle in a dry run)."""
     trainer = copy.deepcopy(model)
     rollout = copy.deepcopy(model).requires_grad_(False)
     optimizer = make_optimizer(trainer, config)
@@ -168,7 +168,6 @@ def profile_work(model, config: TrainConfig, sde, samples: int, carry: Callable[
     rounds = [(one_of_each(samples), one_of_each(small)) for _ in range(PROFILE_ROUNDS)]
     seconds = {name: statistics.median(full[name] for full, _ in rounds) for name in rounds[0][0]}
     return seconds | {
-        "generate_small": statistics.median(part["generate"] for _, part in rounds),
         "generate_fastest": min(full["generate"] for full, _ in rounds),
         "generate_small_fastest": min(part["generate"] for _, part in rounds),
     }
@@ -197,7 +196,7 @@ class DeviceWorker:
         self.role: str | None = None
         self.accumulated: torch.Tensor | None = None
         load_rewards(self.config.reward)
-        if self.index >= self.config.cluster.devices - self.config.runtime.reward_devices:
+        if self.index >= self.config.compute_devices:
             self.trainer = self.optimizer = self.reference = self.rollout = None
             return
         self.trainer = load_model(self.config.model.checkpoint).to(self.device)
@@ -208,7 +207,7 @@ class DeviceWorker:
         self.rollout = copy.deepcopy(self.trainer).requires_grad_(False)
 
     def engines(self) -> list[str]:
-        """The engines this device holds (the reward judge is built on first use, on every device)."""
+        """The engines this device holds (every device holds the reward engine, built at configure)."""
         held = {"trainer": self.trainer, "rollout": self.rollout, "reference": self.reference}
         return [name for name, engine in held.items() if engine is not None] + ["reward"]
 
@@ -296,7 +295,7 @@ class DeviceWorker:
             trajectories.log_probs[[position[tuple(s)] for s in part["ids"]]] = torch.from_numpy(part["log_probs"]).to(self.device)
         advantages = advantages_of(self.config, rewards, [sample[1] for sample in ids])
         self.optimizer.zero_grad(set_to_none=True)
-        sums = policy_gradient(self.trainer, trajectories.select(rows), advantages[rows], timesteps, self.config,
+        sums = policy_gradient(self.trainer, trajectories.select(rows), advantages[rows], timesteps, self.sde, self.config,
                                total_pairs=total_pairs, reference_model=self.reference, stale=stale)
         gradient = flat_gradient(self.trainer)
         self.accumulated = gradient if self.accumulated is None else self.accumulated + gradient
