@@ -16,6 +16,8 @@ demo: $(STAMP)
 	.venv/bin/dovetail train configs/digits.yaml --out runs/demo
 
 test: $(STAMP)
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
 	HF_HUB_OFFLINE=1 $(PY) -m pytest tests
 
 .PHONY: install demo test

@@ -34,7 +34,9 @@ def measure(policy: str, steps: int, out: Path, overrides: list[str]) -> dict:
     row = {
         "policy": policy,
         "samples_per_s": statistics.median(m["samples_per_s"] for m in lines),
-        "step_s": statistics.median(m["step_s"] for m in lines) if policy != "reference" else statistics.median(64 / m["samples_per_s"] for m in lines),
+        "step_s": statistics.median(m["step_s"] for m in lines)
+        if policy != "reference"
+        else statistics.median(64 / m["samples_per_s"] for m in lines),
         "wall_s": wall,
         "final_eval_reward": summary["final_eval_reward"],
     }
@@ -42,7 +44,9 @@ def measure(policy: str, steps: int, out: Path, overrides: list[str]) -> dict:
         replay = replay_run(out)
         row |= {
             "efficiency": statistics.median(m["efficiency"] for m in lines),
-            "bubble": [statistics.median(m["bubble_ratio_per_device"][d] for m in lines) for d in range(config.cluster.devices)],
+            "bubble": [
+                statistics.median(m["bubble_ratio_per_device"][d] for m in lines) for d in range(config.cluster.devices)
+            ],
             "dry_run_step_s": predicted,
             "measured_run_step_s": replay["measured_step_time_s"],
             "simulated_run_step_s": replay["predicted_step_time_s"],
@@ -72,8 +76,11 @@ def main() -> None:
         return statistics.median(row[key] for row in rounds[policy])
 
     base = median(policies[0], "samples_per_s")
-    print("\n| policy | samples/s (median, range) | speedup | step (s) | efficiency | bubble per device | dry-run step (s) "
-          "| replayed step (s) | measured step (s) | replay error |")
+    print(
+        "\n| policy | samples/s (median, range) | speedup | step (s) | efficiency | bubble per "
+        "device | dry-run step (s) "
+        "| replayed step (s) | measured step (s) | replay error |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for policy in policies:
         rows = rounds[policy]
@@ -81,9 +88,11 @@ def main() -> None:
         spread = f"{rate:.1f} ({min(r['samples_per_s'] for r in rows):.1f}-{max(r['samples_per_s'] for r in rows):.1f})"
         if "efficiency" in rows[0]:
             bubble = [round(statistics.median(r["bubble"][d] for r in rows), 3) for d in range(len(rows[0]["bubble"]))]
-            cells = (f"{median(policy, 'efficiency'):.3f} | {bubble} | {median(policy, 'dry_run_step_s'):.3f} | "
-                     f"{median(policy, 'simulated_run_step_s'):.3f} | {median(policy, 'measured_run_step_s'):.3f} | "
-                     f"{median(policy, 'simulator_error'):+.1%}")
+            cells = (
+                f"{median(policy, 'efficiency'):.3f} | {bubble} | {median(policy, 'dry_run_step_s'):.3f} | "
+                f"{median(policy, 'simulated_run_step_s'):.3f} | {median(policy, 'measured_run_step_s'):.3f} | "
+                f"{median(policy, 'simulator_error'):+.1%}"
+            )
         else:
             cells = "1 device | — | — | — | — | —"
         print(f"| {policy} | {spread} | {rate / base:.2f}x | {median(policy, 'step_s'):.3f} | {cells} |")

@@ -17,7 +17,9 @@ def train(
     resume: Path = typer.Option(None, help="RUN_DIR or RUN_DIR/checkpoints/step_NNNNNN to continue from"),
     policy: str = typer.Option(None, help="reference | colocated | disaggregated | digen (same as policy=...)"),
     devices: int = typer.Option(None, help="devices for the Ray runtime (same as cluster.devices=...)"),
-    dry_run: bool = typer.Option(False, "--dry-run", help="check the config, checkpoint and devices, print the predicted plan; train nothing"),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="check the config, checkpoint and devices, print the predicted plan; train nothing"
+    ),
 ):
     """Post-train the model with RL and write a run directory."""
     from dovetail.config.train import ConfigError, load_config
@@ -30,7 +32,7 @@ def train(
         run_config = load_config(config, [*(overrides or []), *flags])
     except ConfigError as error:
         typer.echo(str(error), err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     if dry_run:
         _print_dry_run(run_config, steps or run_config.train.steps)
         return
@@ -40,7 +42,7 @@ def train(
         summary = run_training(run_config, out, steps=steps, resume=resume)
     except (RewardError, FileNotFoundError) as error:
         typer.echo(str(error), err=True)
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     typer.echo(
         f"eval reward {summary['base_eval_reward']:.3f} -> {summary['final_eval_reward']:.3f} "
         f"after {summary['steps']} steps, {summary['samples_per_s']:.1f} samples/s; run in {out}"
@@ -54,21 +56,32 @@ def _print_dry_run(config, steps: int) -> None:
         plan = dry_run(config, steps)
     except (FileNotFoundError, ValueError) as error:
         typer.echo(str(error), err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     if plan["policy"] == "reference":
-        typer.echo("config and checkpoint OK; policy reference trains in this process, one stage after another (nothing to schedule)")
+        typer.echo(
+            "config and checkpoint OK; policy reference trains in this process, one stage after "
+            "another (nothing to schedule)"
+        )
         return
-    pools = (f"{plan['rollout_devices']} rollout + {plan['trainer_devices']} trainer" if plan["rollout_devices"]
-             else f"{plan['trainer_devices']} shared")
+    pools = (
+        f"{plan['rollout_devices']} rollout + {plan['trainer_devices']} trainer"
+        if plan["rollout_devices"]
+        else f"{plan['trainer_devices']} shared"
+    )
     pools += f" + {plan['reward_devices']} reward" if plan["reward_devices"] else ""
     typer.echo(
         f"policy {plan['policy']} on {plan['devices']}x {plan['device']} ({pools}): {plan['fragments']} fragments, "
-        f"TSP chunk {plan['tsp_chunk']}, old log-probs {'recomputed' if plan['recompute_logprob'] else 'from the rollout'}\n"
-        f"predicted {plan['step_time_s']:.3f} s/step, {plan['samples_per_s']:.1f} samples/s, efficiency {plan['efficiency']:.3f}, "
+        f"TSP chunk {plan['tsp_chunk']}, old log-probs "
+        f"{'recomputed' if plan['recompute_logprob'] else 'from the rollout'}\n"
+        f"predicted {plan['step_time_s']:.3f} s/step, {plan['samples_per_s']:.1f} samples/s, "
+        f"efficiency {plan['efficiency']:.3f}, "
         f"bubble {100 * plan['bubble_ratio']:.1f}%; {steps} steps in about {plan['run_s'] / 60:.1f} min of training\n"
-        + ("(costs profiled on one core of this machine in this process; the run adds Ray's dispatch and object-store hops)"
-           if plan["costs"] == "profiled"
-           else "(analytic costs of the device catalogue; the run profiles its GPUs at start-up and plans again)")
+        + (
+            "(costs profiled on one core of this machine in this process; the run adds Ray's "
+            "dispatch and object-store hops)"
+            if plan["costs"] == "profiled"
+            else "(analytic costs of the device catalogue; the run profiles its GPUs at start-up and plans again)"
+        )
     )
 
 
@@ -82,7 +95,7 @@ def pretrain(
     """Pretrain the tiny text-to-image flow model (rectified flow) from random init."""
     if dataset != "digits":
         typer.echo(f"unknown dataset {dataset!r}; known datasets: ['digits']", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     import torch
 
     from dovetail.config.train import DEFAULT_CHECKPOINT
@@ -114,12 +127,13 @@ def simulate(
             result = replay_run(from_run)
         except (FileNotFoundError, ValueError) as error:
             typer.echo(str(error), err=True)
-            raise typer.Exit(2)
+            raise typer.Exit(2) from None
         if json_out:
             typer.echo(json.dumps(result))
         else:
             typer.echo(
-                f"{result['policy']} over {result['steps']} steps: measured {result['measured_step_time_s']:.3f} s/step, "
+                f"{result['policy']} over {result['steps']} steps: measured "
+                f"{result['measured_step_time_s']:.3f} s/step, "
                 f"simulated {result['predicted_step_time_s']:.3f} s/step ({result['relative_error']:+.1%}); "
                 f"device pace {', '.join(f'{p:.2f}' for p in result['device_pace'])}"
             )
@@ -130,14 +144,14 @@ def simulate(
         return
     if scenario is None:
         typer.echo("give a SCENARIO (a shipped name or a YAML path) or --list", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     try:
         loaded = load_scenario(scenario)
         names = policies.split(",") if policies else None
         result = compare(loaded, names, steps=steps, trace=trace, gantt=gantt)
     except ValueError as error:
         typer.echo(str(error), err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     typer.echo(json.dumps(result) if json_out else render_table(result))
 
 
@@ -154,7 +168,7 @@ def plan(
         typer.echo(plan_digen(load_scenario(scenario), devices))
     except ValueError as error:
         typer.echo(str(error), err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
 
 
 if __name__ == "__main__":

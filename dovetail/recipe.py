@@ -23,14 +23,19 @@ def sde_settings(config: TrainConfig, device: torch.device | str = "cpu") -> SDE
 def step_timesteps(config: TrainConfig, step: int) -> list[int]:
     generator = torch.Generator().manual_seed(sample_key(config.seed, "timesteps", step))
     return select_train_timesteps(
-        config.sampling.num_steps, fraction=config.algo.timestep_fraction, mode=config.timestep_mode, generator=generator
+        config.sampling.num_steps,
+        fraction=config.algo.timestep_fraction,
+        mode=config.timestep_mode,
+        generator=generator,
     )
 
 
 def evaluate(model, config: TrainConfig) -> tuple[dict[str, float], np.ndarray, list[str]]:
     """ODE samples on fixed held-out seeds, the same at every evaluation."""
     prompts = [f"digit {d}" for d in range(10) for _ in range(config.eval.per_digit)]
-    noise = keyed_normal([sample_key(config.eval.seed, i) for i in range(len(prompts))], model.latent_shape).to(model.device)
+    noise = keyed_normal([sample_key(config.eval.seed, i) for i in range(len(prompts))], model.latent_shape).to(
+        model.device
+    )
     images = latents_to_images(sample_ode(model, prompts, sde_settings(config, model.device).sigmas, noise))
     scores = score(images, prompts, config.reward)
     return {name: float(values.mean()) for name, values in scores.items()}, images, prompts
@@ -47,12 +52,30 @@ def advantages_of(config: TrainConfig, rewards: np.ndarray, prompts: list[int]) 
     )
 
 
-def policy_gradient(model, trajectories, advantages, timesteps: list[int], sde: SDESettings, config: TrainConfig, *,
-                    total_pairs: int, reference_model=None, stale: bool = False) -> dict[str, float]:
+def policy_gradient(
+    model,
+    trajectories,
+    advantages,
+    timesteps: list[int],
+    sde: SDESettings,
+    config: TrainConfig,
+    *,
+    total_pairs: int,
+    reference_model=None,
+    stale: bool = False,
+) -> dict[str, float]:
     """`accumulate_policy_gradient` with the config's knobs; `stale` (TCSS) turns on the decoupled correction."""
     algo = config.algo
     return accumulate_policy_gradient(
-        model, trajectories, advantages.to(trajectories.latents.device), timesteps, sde, chunk_size=config.train.chunk_size,
-        total_pairs=total_pairs, clip_range=algo.clip_range, beta=algo.beta, reference_model=reference_model,
+        model,
+        trajectories,
+        advantages.to(trajectories.latents.device),
+        timesteps,
+        sde,
+        chunk_size=config.train.chunk_size,
+        total_pairs=total_pairs,
+        clip_range=algo.clip_range,
+        beta=algo.beta,
+        reference_model=reference_model,
         stale_max_weight=algo.stale_max_weight if stale else None,
     )

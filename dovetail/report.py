@@ -18,7 +18,12 @@ def _per_policy(path: Path | None, policy: str, several: bool) -> Path | None:
 
 
 def compare(
-    scenario: Scenario, policies: list[str] | None = None, *, steps: int | None = None, trace: Path | None = None, gantt: Path | None = None
+    scenario: Scenario,
+    policies: list[str] | None = None,
+    *,
+    steps: int | None = None,
+    trace: Path | None = None,
+    gantt: Path | None = None,
 ) -> dict:
     """Simulate every policy; the JSON object `dovetail simulate --json` prints. Speedups are over the first."""
     names = policies or scenario.schedule.policies
@@ -54,14 +59,18 @@ def compare(
 
 
 def render_table(result: dict) -> str:
-    header = f"{'policy':16s} {'samples/s':>10s} {'step s':>9s} {'speedup':>8s} {'effic.':>7s} {'bubble':>7s} {'stale':>6s} {'peak GB':>8s}"
+    header = (
+        f"{'policy':16s} {'samples/s':>10s} {'step s':>9s} {'speedup':>8s} {'effic.':>7s} {'bubble':>7s} "
+        f"{'stale':>6s} {'peak GB':>8s}"
+    )
     lines = [f"{result['scenario']} ({result['devices']} devices)", header, "-" * len(header)]
     for name, m in result["policies"].items():
         if "error" in m:
             lines.append(f"{name:16s} does not fit: {m['error']}")
             continue
         lines.append(
-            f"{name:16s} {m['samples_per_s']:10.3f} {m['step_time_s']:9.1f} {m['speedup']:7.2f}x {m['efficiency']:7.3f} "
+            f"{name:16s} {m['samples_per_s']:10.3f} {m['step_time_s']:9.1f} {m['speedup']:7.2f}x "
+            f"{m['efficiency']:7.3f} "
             f"{100 * m['bubble_ratio']:6.1f}% {m['max_staleness']:6d} {m['peak_memory_gb']:8.1f}"
         )
     return "\n".join(lines)
@@ -70,7 +79,7 @@ def render_table(result: dict) -> str:
 def plan_digen(scenario: Scenario, devices: int) -> str:
     """Rank digen shapes (trainer pool and FSDP group, fragments, TSP chunk) by predicted step time under the memory
     limit, simulate the best few with TAG on/off and TCSS off/on, and report the fastest."""
-    from dovetail.sched.cost import CostModel
+    from dovetail.cost.model import CostModel
     from dovetail.sched.digen import Digen, DigenTCSS
 
     if len(scenario.pipelines) != 1:
@@ -78,10 +87,15 @@ def plan_digen(scenario: Scenario, devices: int) -> str:
     scorers = scenario.schedule.reward_devices
     compute = devices - scorers
     if compute < 2:
-        raise ValueError(f"--devices must be at least 2 (a rollout and a trainer pool) besides {scorers} reward devices, got {devices}")
+        raise ValueError(
+            f"--devices must be at least 2 (a rollout and a trainer pool) besides {scorers} reward "
+            f"devices, got {devices}"
+        )
     spec = scenario.pipelines[0]
     cost = CostModel(scenario.cluster.device)
-    shapes = {shape for cls in (Digen, DigenTCSS) for _, shape in cls.candidates(spec, compute, None, cost)[:PLAN_CANDIDATES]}
+    shapes = {
+        shape for cls in (Digen, DigenTCSS) for _, shape in cls.candidates(spec, compute, None, cost)[:PLAN_CANDIDATES]
+    }
     baseline = summarize(simulate(scenario, "colocated", devices=devices)[1]).samples_per_s
     rows = []
     for shape in sorted(shapes, key=lambda s: (s.trainer_devices, s.group, s.fragments, s.tsp_chunk)):
@@ -89,19 +103,26 @@ def plan_digen(scenario: Scenario, devices: int) -> str:
             for tag in (True, False):
                 name = "digen+tcss" if tcss else "digen"
                 _, run = simulate(
-                    scenario, name, devices=devices, options={"tag": tag},
-                    trainer_devices=shape.trainer_devices, fragments=shape.fragments, tsp_chunk=shape.tsp_chunk,
+                    scenario,
+                    name,
+                    devices=devices,
+                    options={"tag": tag},
+                    trainer_devices=shape.trainer_devices,
+                    fragments=shape.fragments,
+                    tsp_chunk=shape.tsp_chunk,
                     trainer_group=shape.trainer_group,
                 )
                 rows.append((summarize(run), shape, tcss, tag))
     rows.sort(key=lambda row: -row[0].samples_per_s)
     lines = [
         f"plan for {scenario.name} on {devices}x {scenario.cluster.device} (colocated: {baseline:.3f} samples/s)",
-        f"{'trainers':>8s} {'group':>5s} {'fragments':>9s} {'tsp':>4s} {'TAG':>4s} {'TCSS':>5s} {'samples/s':>10s} {'speedup':>8s} {'effic.':>7s} {'peak GB':>8s}",
+        f"{'trainers':>8s} {'group':>5s} {'fragments':>9s} {'tsp':>4s} {'TAG':>4s} {'TCSS':>5s} "
+        f"{'samples/s':>10s} {'speedup':>8s} {'effic.':>7s} {'peak GB':>8s}",
     ]
     for metrics, shape, tcss, tag in rows:
         lines.append(
-            f"{shape.trainer_devices:8d} {shape.group:5d} {shape.fragments:9d} {shape.tsp_chunk:4d} {'on' if tag else 'off':>4s} "
+            f"{shape.trainer_devices:8d} {shape.group:5d} {shape.fragments:9d} {shape.tsp_chunk:4d} "
+            f"{'on' if tag else 'off':>4s} "
             f"{'on' if tcss else 'off':>5s} {metrics.samples_per_s:10.3f} {metrics.samples_per_s / baseline:7.2f}x "
             f"{metrics.efficiency:7.3f} {metrics.peak_memory_gb:8.1f}"
         )

@@ -8,17 +8,19 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from dovetail.cost.calibration import DEFAULT
+from dovetail.cost.catalog import device as lookup_device
+from dovetail.cost.model import CostModel
+from dovetail.exec.sim import SimExecutor
 from dovetail.graph.node import Graph
 from dovetail.graph.spec import FlowSpec, LLMSpec
+from dovetail.sched import policy_class
 from dovetail.sched.policy import Policy, Setup
-
-if TYPE_CHECKING:
-    from dovetail.sched.cost import CostModel
 
 
 class _Model(BaseModel):
@@ -26,7 +28,9 @@ class _Model(BaseModel):
 
 
 class ClusterSpec(_Model):
-    device: str = Field(description="Device from the catalogue: H100, H800, H200, A100-80G, L40S, Ascend-910B, cpu-core.")
+    device: str = Field(
+        description="Device from the catalogue: H100, H800, H200, A100-80G, L40S, Ascend-910B, cpu-core."
+    )
     devices: int = Field(gt=0, description="Number of devices in the pool.")
 
 
@@ -36,10 +40,16 @@ class ScheduleSpec(_Model):
         min_length=1,
         description="Policies to compare (see `dovetail.sched.POLICIES`); the first is the baseline of speedups.",
     )
-    trainer_devices: int | None = Field(None, gt=0, description="Trainer pool size of disaggregated policies; None lets them choose.")
-    reward_devices: int = Field(0, ge=0, description="Devices that only score (flow policies); 0: reward engines share the rollout devices.")
+    trainer_devices: int | None = Field(
+        None, gt=0, description="Trainer pool size of disaggregated policies; None lets them choose."
+    )
+    reward_devices: int = Field(
+        0, ge=0, description="Devices that only score (flow policies); 0: reward engines share the rollout devices."
+    )
     seed: int = 0
-    noise: float = Field(0.0, ge=0, description="Log-normal sigma of simulated durations (0: exactly the predicted costs).")
+    noise: float = Field(
+        0.0, ge=0, description="Log-normal sigma of simulated durations (0: exactly the predicted costs)."
+    )
 
 
 class PublishedRun(_Model):
@@ -47,7 +57,9 @@ class PublishedRun(_Model):
 
     source: str
     step_time_s: float = Field(gt=0)
-    phases_s: dict[str, float] = Field(default_factory=dict, description="Published seconds per phase (generate, logprob, train, publish...).")
+    phases_s: dict[str, float] = Field(
+        default_factory=dict, description="Published seconds per phase (generate, logprob, train, publish...)."
+    )
 
 
 class Scenario(_Model):
@@ -65,10 +77,14 @@ class Scenario(_Model):
             raise ValueError(f"pipelines: names must be unique, got {names}")
         split, scorers = self.schedule.trainer_devices, self.schedule.reward_devices
         if scorers >= self.cluster.devices:
-            raise ValueError(f"schedule.reward_devices={scorers} must leave devices to generate and train of cluster.devices={self.cluster.devices}")
+            raise ValueError(
+                f"schedule.reward_devices={scorers} must leave devices to generate and train of "
+                f"cluster.devices={self.cluster.devices}"
+            )
         if split is not None and split + scorers >= self.cluster.devices:
             raise ValueError(
-                f"schedule.trainer_devices={split} must leave at least one rollout device of cluster.devices={self.cluster.devices}"
+                f"schedule.trainer_devices={split} must leave at least one rollout device of "
+                f"cluster.devices={self.cluster.devices}"
                 + (f" after schedule.reward_devices={scorers}" if scorers else "")
             )
         return self
@@ -89,9 +105,7 @@ def parse_scenario(data: dict, origin: str = "scenario") -> Scenario:
     try:
         return Scenario.model_validate(data)
     except ValidationError as error:
-        lines = [
-            f"  {'.'.join(str(part) for part in e['loc']) or '(top level)'}: {e['msg']}" for e in error.errors()
-        ]
+        lines = [f"  {'.'.join(str(part) for part in e['loc']) or '(top level)'}: {e['msg']}" for e in error.errors()]
         raise ValueError(f"{origin}: invalid scenario\n" + "\n".join(lines)) from None
 
 
@@ -99,9 +113,7 @@ def load_scenario(name_or_path: str | Path) -> Scenario:
     shipped = _shipped()
     path = shipped.get(str(name_or_path), Path(name_or_path))
     if not path.is_file():
-        raise ValueError(
-            f"no scenario {str(name_or_path)!r}: give a YAML path or one of {', '.join(sorted(shipped))}"
-        )
+        raise ValueError(f"no scenario {str(name_or_path)!r}: give a YAML path or one of {', '.join(sorted(shipped))}")
     data = yaml.safe_load(path.read_text())
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a scenario is a YAML mapping with cluster, pipelines and schedule")
@@ -133,11 +145,13 @@ def prepare(
     `shapes` (pipeline -> shape) fixes every pipeline's shape; otherwise `shape_overrides` (fragments, tsp_chunk,
     trainer_devices...) replace what the policy would choose. `cost` replaces the analytic cost model (the Ray
     runtime passes one corrected by costs profiled on its own devices)."""
-    from dovetail.sched import policy_class
-    from dovetail.sched.catalog import device as lookup_device
-    from dovetail.sched.cost import CostModel
-
     cls = policy_class(policy)
+    for spec in scenario.pipelines:
+        if spec.kind not in cls.pipeline_kinds:
+            raise ValueError(
+                f"policy {policy} schedules {'/'.join(sorted(cls.pipeline_kinds))} pipelines; "
+                f"pipeline {spec.name!r} is a {spec.kind} pipeline"
+            )
     devices = devices or scenario.cluster.devices
     steps = steps or scenario.schedule.steps
     cost = cost or CostModel(scenario.cluster.device)
@@ -145,15 +159,20 @@ def prepare(
     reward_devices = scenario.schedule.reward_devices
     nodes, engines, trainer_pools = [], {}, {}
     # Policies that give each pipeline its own slice of the pool (verl-sync, streamrl, areal) cut steps for it.
-    pipeline_devices = devices // len(scenario.pipelines) if getattr(cls, "splits_pool", False) else devices - reward_devices
+    pipeline_devices = devices // len(scenario.pipelines) if cls.splits_pool else devices - reward_devices
     if shapes is None:
         shapes = {spec.name: cls.shape(spec, pipeline_devices, trainer_devices, cost) for spec in scenario.pipelines}
         if shape_overrides:
             shapes = {name: replace(shape, **shape_overrides) for name, shape in shapes.items()}
-        elif hasattr(cls, "plan_shapes"):
-            # The policy chooses among shapes by rolling the simulator forward a bounded horizon per candidate.
+        else:
+            # A policy that plans pipelines together rolls the simulator forward a bounded horizon per candidate.
             def forecast(candidate: dict, horizon: int) -> float:
-                trace = _run(scenario, prepare(scenario, policy, steps=horizon, devices=devices, options=options, shapes=candidate, cost=cost))
+                trace = _run(
+                    scenario,
+                    prepare(
+                        scenario, policy, steps=horizon, devices=devices, options=options, shapes=candidate, cost=cost
+                    ),
+                )
                 return sum(r.samples for r in trace.steps) / trace.makespan
 
             shapes = cls.plan_shapes(scenario.pipelines, shapes, cost, forecast)
@@ -161,25 +180,29 @@ def prepare(
         shape = shapes[spec.name]
         nodes += shape.build(spec, steps, cost)
         engines[spec.name] = shape.engines(spec, cost)
-        trainer_pools[spec.name] = getattr(shape, "trainer_devices", None)
+        trainer_pools[spec.name] = shape.trainer_devices
     capacity = lookup_device(scenario.cluster.device).memory_bytes / 1e9
     for node in nodes:
         need = engines[node.pipeline].resident_gb.get(node.role, 0.0) + node.memory_gb
         if need > capacity:
             raise ValueError(
-                f"pipeline {node.pipeline}: {node.kind} needs {need:.0f} GB per device under {policy} (engine + working "
-                f"memory), more than a {scenario.cluster.device}'s {capacity:.0f} GB; use more devices or set offload: true"
+                f"pipeline {node.pipeline}: {node.kind} needs {need:.0f} GB per device under {policy} "
+                "(engine + working "
+                f"memory), more than a {scenario.cluster.device}'s {capacity:.0f} GB; use more "
+                "devices or set offload: true"
             )
     setup = Setup(
         devices=devices,
         memory_gb=capacity,
         engines=engines,
-        trainer_devices=next(iter(trainer_pools.values())) if len(set(trainer_pools.values())) == 1 else trainer_devices,
+        trainer_devices=next(iter(trainer_pools.values()))
+        if len(set(trainer_pools.values())) == 1
+        else trainer_devices,
         reward_devices=reward_devices,
         trainer_groups={name: size for name, size in trainer_pools.items() if size is not None},
         options=options or {},
         shapes=shapes,
-        max_staleness=getattr(cls, "max_staleness", 1),
+        max_staleness=cls.max_staleness,
     )
     return Prepared(Graph(nodes), setup, cls(setup))
 
@@ -201,10 +224,11 @@ def simulate(
 
 
 def _run(scenario: Scenario, prepared: Prepared):
-    from dovetail.exec.sim import SimExecutor
-    from dovetail.sched.calibration import DEFAULT
-
     executor = SimExecutor(
-        prepared.graph, prepared.setup, seed=scenario.schedule.seed, noise=scenario.schedule.noise, slowdown=DEFAULT.slowdown
+        prepared.graph,
+        prepared.setup,
+        seed=scenario.schedule.seed,
+        noise=scenario.schedule.noise,
+        slowdown=DEFAULT.slowdown,
     )
     return executor.run(prepared.policy)

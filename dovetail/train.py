@@ -30,7 +30,9 @@ def rl_step(model, optimizer, config: TrainConfig, step: int, reference_model=No
     prompts = step_prompts(config.seed, step, algo.prompts_per_step)
     ids = group_sample_ids(step, list(range(algo.prompts_per_step)), algo.group_size)
     sample_prompts = [prompts[s.prompt] for s in ids]
-    trajectories = generate(model, sample_prompts, ids, sde, seed=config.seed, shared_group_noise=config.shared_group_noise)
+    trajectories = generate(
+        model, sample_prompts, ids, sde, seed=config.seed, shared_group_noise=config.shared_group_noise
+    )
     timings["generate_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -41,8 +43,16 @@ def rl_step(model, optimizer, config: TrainConfig, step: int, reference_model=No
     start = time.perf_counter()
     timesteps = step_timesteps(config, step)
     total_pairs = len(ids) * len(timesteps)
-    sums = policy_gradient(model, trajectories, advantages, timesteps, sde, config, total_pairs=total_pairs,
-                           reference_model=reference_model)
+    sums = policy_gradient(
+        model,
+        trajectories,
+        advantages,
+        timesteps,
+        sde,
+        config,
+        total_pairs=total_pairs,
+        reference_model=reference_model,
+    )
     timings["train_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -51,7 +61,9 @@ def rl_step(model, optimizer, config: TrainConfig, step: int, reference_model=No
 
     step_seconds = sum(timings.values())
     metrics = {f"reward/{name}": float(values.mean()) for name, values in rewards.items()}
-    metrics |= {name: value if name in ("ratio_min", "ratio_max") else value / total_pairs for name, value in sums.items()}
+    metrics |= {
+        name: value if name in ("ratio_min", "ratio_max") else value / total_pairs for name, value in sums.items()
+    }
     metrics |= timings | {"grad_norm": grad_norm, "samples_per_s": len(ids) / step_seconds, "timesteps": timesteps}
     return metrics
 
@@ -59,7 +71,9 @@ def rl_step(model, optimizer, config: TrainConfig, step: int, reference_model=No
 class StepLog:
     """What happens after every optimizer step, whoever ran it: metrics, evaluation, checkpoints, progress."""
 
-    def __init__(self, run: RunDir, config: TrainConfig, model, optimizer, last_step: int, eval_reward: float, progress: Progress):
+    def __init__(
+        self, run: RunDir, config: TrainConfig, model, optimizer, last_step: int, eval_reward: float, progress: Progress
+    ):
         self.run, self.config, self.model, self.optimizer = run, config, model, optimizer
         self.last_step = last_step
         self.eval_reward = eval_reward
@@ -87,11 +101,18 @@ class StepLog:
         self.run.append_metrics(metrics)
         if done % self.config.checkpoint.every == 0 or done == self.last_step:
             self.run.save_checkpoint(done, self.model, self.optimizer, checkpoint_extra)
-        self.progress.update(self.task, completed=done, reward=metrics["reward/total"], eval=self.eval_reward,
-                             sps=metrics["samples_per_s"])
+        self.progress.update(
+            self.task,
+            completed=done,
+            reward=metrics["reward/total"],
+            eval=self.eval_reward,
+            sps=metrics["samples_per_s"],
+        )
 
 
-def train(config: TrainConfig, out: Path, *, steps: int | None = None, resume: Path | None = None, after_part=None) -> dict:
+def train(
+    config: TrainConfig, out: Path, *, steps: int | None = None, resume: Path | None = None, after_part=None
+) -> dict:
     """Train to `steps` (default config.train.steps) under config.policy; returns the summary.
     `after_part` is the Ray executor's fault-injection hook, for tests."""
     torch.set_num_threads(1)
@@ -113,14 +134,25 @@ def train(config: TrainConfig, out: Path, *, steps: int | None = None, resume: P
         run.save_eval_grid(images, prompts, "eval_base.png")
 
     with Progress(
-        TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
+        TextColumn("[bold]step {task.completed}/{task.total}"),
+        BarColumn(),
         TextColumn("reward {task.fields[reward]:.3f}  eval {task.fields[eval]:.3f}  {task.fields[sps]:.1f} samples/s"),
         TimeElapsedColumn(),
     ) as progress:
-        log = StepLog(run, config, model, optimizer, last_step, summary.get("final_eval_reward", summary["base_eval_reward"]), progress)
+        log = StepLog(
+            run,
+            config,
+            model,
+            optimizer,
+            last_step,
+            summary.get("final_eval_reward", summary["base_eval_reward"]),
+            progress,
+        )
         progress.update(log.task, completed=first_step)
         if config.policy == "reference":
-            reference_model = load_model(config.model.checkpoint).requires_grad_(False) if config.algo.beta > 0 else None
+            reference_model = (
+                load_model(config.model.checkpoint).requires_grad_(False) if config.algo.beta > 0 else None
+            )
             for step in range(first_step, last_step):
                 log.record(step + 1, rl_step(model, optimizer, config, step, reference_model))
         else:

@@ -122,7 +122,9 @@ def test_timestep_selection_never_trains_the_last_step():
     random = select_train_timesteps(10, fraction=0.6, mode="random", generator=torch.Generator().manual_seed(3))
     assert len(random) == 6 and random == sorted(set(random)) and max(random) <= 8
     for seed in range(20):
-        window = select_train_timesteps(10, fraction=1.0, mode="window", window=3, generator=torch.Generator().manual_seed(seed))
+        window = select_train_timesteps(
+            10, fraction=1.0, mode="window", window=3, generator=torch.Generator().manual_seed(seed)
+        )
         assert window == list(range(window[0], window[0] + 3)) and window[-1] <= 8
     with pytest.raises(ValueError, match="window"):
         select_train_timesteps(10, fraction=1.0, mode="window", window=10)

@@ -37,7 +37,9 @@ def assert_step_and_phases(published, trace, phase_of) -> None:
 def test_qwen3_4b_gsm8k_verl_sync_matches_the_published_step():
     scenario, graph, trace = simulate("calib-qwen3-4b-gsm8k", "verl-sync")
     published = scenario.published
-    assert_step_and_phases(published, trace, lambda span: "generate" if stage(graph[span.node]) == "rollout" else stage(graph[span.node]))
+    assert_step_and_phases(
+        published, trace, lambda span: "generate" if stage(graph[span.node]) == "rollout" else stage(graph[span.node])
+    )
 
 
 def test_qwenimage_colocated_matches_the_published_throughput():

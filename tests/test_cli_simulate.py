@@ -12,20 +12,48 @@ runner = CliRunner()
 def test_list_names_every_shipped_flow_scenario():
     result = runner.invoke(app, ["simulate", "--list"])
     assert result.exit_code == 0
-    for name in ("calib-qwenimage-4xh200", "calib-wan22-colocated", "digen-flux-16", "digen-wan-16", "digen-hunyuan-32", "digen-qwenimage-32"):
+    for name in (
+        "calib-qwenimage-4xh200",
+        "calib-wan22-colocated",
+        "digen-flux-16",
+        "digen-wan-16",
+        "digen-hunyuan-32",
+        "digen-qwenimage-32",
+    ):
         assert name in result.output
 
 
 def test_json_has_every_field_and_speedups_over_the_first_policy(tmp_path):
     trace, gantt = tmp_path / "t.json", tmp_path / "g.png"
-    result = runner.invoke(app, [
-        "simulate", "digen-flux-16", "--policies", "colocated,digen", "--steps", "1", "--json",
-        "--trace", str(trace), "--gantt", str(gantt),
-    ])
+    result = runner.invoke(
+        app,
+        [
+            "simulate",
+            "digen-flux-16",
+            "--policies",
+            "colocated,digen",
+            "--steps",
+            "1",
+            "--json",
+            "--trace",
+            str(trace),
+            "--gantt",
+            str(gantt),
+        ],
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["scenario"] == "digen-flux-16" and list(data["policies"]) == ["colocated", "digen"]
-    fields = {"samples_per_s", "tokens_per_s", "step_time_s", "efficiency", "bubble_ratio", "max_staleness", "peak_memory_gb", "phase_seconds"}
+    fields = {
+        "samples_per_s",
+        "tokens_per_s",
+        "step_time_s",
+        "efficiency",
+        "bubble_ratio",
+        "max_staleness",
+        "peak_memory_gb",
+        "phase_seconds",
+    }
     for metrics in data["policies"].values():
         assert fields <= set(metrics)
         assert 0 < metrics["efficiency"] <= 1
@@ -40,7 +68,9 @@ def test_json_has_every_field_and_speedups_over_the_first_policy(tmp_path):
 
 
 def test_table_lists_each_policy():
-    result = runner.invoke(app, ["simulate", "calib-qwenimage-4xh200", "--policies", "colocated,disaggregated", "--steps", "1"])
+    result = runner.invoke(
+        app, ["simulate", "calib-qwenimage-4xh200", "--policies", "colocated,disaggregated", "--steps", "1"]
+    )
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert lines[0].startswith("calib-qwenimage-4xh200") and "speedup" in lines[1]
@@ -55,7 +85,9 @@ def test_bad_input_is_named(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(
         "name: bad\ncluster: {device: H100, devices: 4}\nschedule: {policies: [colocated]}\n"
-        "pipelines:\n  - {kind: flow, name: p, model: SD3.5-M, prompts: 4, group: 0, denoising_steps: 4, trained_timesteps: 2, height: 256, width: 256}\n"
+        "pipelines:\n  - "
+        "{kind: flow, name: p, model: SD3.5-M, prompts: 4, group: 0, denoising_steps: 4, trained_timesteps: 2, "
+        "height: 256, width: 256}\n"
     )
     result = runner.invoke(app, ["simulate", str(bad)])
     assert result.exit_code == 2 and "pipelines.0.flow.group" in result.output and "greater than 0" in result.output

@@ -59,7 +59,9 @@ def test_digit_match_prefers_the_prompted_digit():
 def test_jpeg_rewards_rank_flat_images_as_compressible():
     flat = np.full((1, 8, 8), 0.5)
     noisy = np.random.default_rng(0).random((1, 8, 8))
-    comp = score(np.concatenate([flat, noisy]), ["digit 0"] * 2, {"jpeg_compressibility": 1.0, "jpeg_incompressibility": 1.0})
+    comp = score(
+        np.concatenate([flat, noisy]), ["digit 0"] * 2, {"jpeg_compressibility": 1.0, "jpeg_incompressibility": 1.0}
+    )
     assert comp["jpeg_compressibility"][0] > comp["jpeg_compressibility"][1]
     np.testing.assert_allclose(comp["jpeg_incompressibility"], -comp["jpeg_compressibility"])
     np.testing.assert_allclose(comp["total"], 0.0)

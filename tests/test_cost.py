@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from dovetail.sched.calibration import Calibration
-from dovetail.sched.catalog import device, diffusion_model, language_model
-from dovetail.sched.cost import CostModel
+from dovetail.cost.calibration import Calibration
+from dovetail.cost.catalog import device, diffusion_model, language_model
+from dovetail.cost.model import CostModel
 
 QWEN4B = language_model("Qwen3-4B")
 
@@ -20,7 +20,10 @@ def test_single_sequence_decode_is_bandwidth_plus_overhead():
     prompt, tokens = 100, 50
     kv_tokens = sum(prompt + j for j in range(tokens))
     bytes_read = tokens * QWEN4B.params * 2 + QWEN4B.kv_bytes_per_token * kv_tokens
-    expected = bytes_read / (h100.memory_bandwidth * cal.decode_bandwidth_efficiency) + tokens * QWEN4B.layers * cal.decode_layer_overhead_s
+    expected = (
+        bytes_read / (h100.memory_bandwidth * cal.decode_bandwidth_efficiency)
+        + tokens * QWEN4B.layers * cal.decode_layer_overhead_s
+    )
     assert cost.decode(QWEN4B, [prompt], [tokens]) == pytest.approx(expected, rel=1e-12)
 
 
@@ -123,8 +126,12 @@ def test_ring_collectives_use_nvlink_inside_a_node_and_the_nic_across_nodes():
     cost, h100 = CostModel("H100", cal), device("H100")
     nbytes = FLUX.params * 2
     assert cost.collective_seconds(nbytes, 1) == 0.0
-    assert cost.collective_seconds(nbytes, 8) == pytest.approx(nbytes * 7 / 8 / (h100.interconnect_bandwidth * cal.collective_bandwidth_efficiency))
-    assert cost.collective_seconds(nbytes, 16) == pytest.approx(nbytes * 15 / 16 / (h100.network_bandwidth * cal.collective_bandwidth_efficiency))
+    assert cost.collective_seconds(nbytes, 8) == pytest.approx(
+        nbytes * 7 / 8 / (h100.interconnect_bandwidth * cal.collective_bandwidth_efficiency)
+    )
+    assert cost.collective_seconds(nbytes, 16) == pytest.approx(
+        nbytes * 15 / 16 / (h100.network_bandwidth * cal.collective_bandwidth_efficiency)
+    )
 
 
 def test_a_communication_bound_pass_costs_its_fsdp_traffic():
@@ -133,7 +140,12 @@ def test_a_communication_bound_pass_costs_its_fsdp_traffic():
     cal = Calibration()
     cost = CostModel("H100", cal)
     tokens = FLUX.latent_tokens(720, 720)
-    traffic = (2 * FLUX.params * 2 + FLUX.params * cal.grad_reduce_bytes) * 15 / 16 / (device("H100").network_bandwidth * cal.collective_bandwidth_efficiency)
+    traffic = (
+        (2 * FLUX.params * 2 + FLUX.params * cal.grad_reduce_bytes)
+        * 15
+        / 16
+        / (device("H100").network_bandwidth * cal.collective_bandwidth_efficiency)
+    )
     samples = 32  # two per device: two passes
     assert cost.dit_train(FLUX, samples, 1, tokens, devices=16, micro_batch=1) == pytest.approx(16 * 2 * traffic)
     # The forward-only loop pays one all-gather per pass.
@@ -151,7 +163,9 @@ def test_tsp_amortises_per_pass_traffic_and_small_pass_underutilisation():
     batched = cost.dit_train(FLUX, 16, 10, tokens, devices=16, micro_batch=1)
     pairs = 10
     mfu = cal.dit_train_mfu * pairs * tokens / (pairs * tokens + cal.dit_half_mfu_tokens)
-    assert batched == pytest.approx(16 * 4 * pairs * CostModel.dit_forward_flops(FLUX, tokens) / (device("H100").peak_flops * mfu))
+    assert batched == pytest.approx(
+        16 * 4 * pairs * CostModel.dit_forward_flops(FLUX, tokens) / (device("H100").peak_flops * mfu)
+    )
     assert looped > 3 * batched
     assert cost.pass_mfu(0.6, cal.dit_half_mfu_tokens) == pytest.approx(0.3)
 
@@ -164,7 +178,9 @@ def test_reference_forward_streams_its_shard_from_host_each_pass():
     tokens = FLUX.latent_tokens(256, 256)  # a small pass: transfer-bound once streaming
     gather = FLUX.params * 2 * 7 / 8 / (h100.interconnect_bandwidth * cal.collective_bandwidth_efficiency)
     host = FLUX.params * 2 / 8 / cal.host_link_bytes_per_s
-    compute = CostModel.dit_forward_flops(FLUX, tokens) / (h100.peak_flops * cal.dit_logprob_mfu * tokens / (tokens + cal.dit_half_mfu_tokens))
+    compute = CostModel.dit_forward_flops(FLUX, tokens) / (
+        h100.peak_flops * cal.dit_logprob_mfu * tokens / (tokens + cal.dit_half_mfu_tokens)
+    )
     assert compute < gather + host
     streamed = cost.dit_logprob(FLUX, 8, 1, tokens, devices=8, micro_batch=1, host_streaming=True)
     assert streamed == pytest.approx(8 * (gather + host))

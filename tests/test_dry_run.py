@@ -18,8 +18,19 @@ def test_dry_run_on_cpu_cores_profiles_this_machine_and_keeps_the_config_s_choic
 
 
 def test_dry_run_on_gpus_uses_the_catalogue_and_splits_the_pools():
-    plan = dry_run(load_config(None, ["policy=disaggregated", "cluster.device=H100", "cluster.devices=8",
-                                      "runtime.trainer_devices=2", "runtime.reward_devices=1"]), 10)
+    plan = dry_run(
+        load_config(
+            None,
+            [
+                "policy=disaggregated",
+                "cluster.device=H100",
+                "cluster.devices=8",
+                "runtime.trainer_devices=2",
+                "runtime.reward_devices=1",
+            ],
+        ),
+        10,
+    )
     assert plan["costs"] == "analytic" and plan["trainer_devices"] == 2 and plan["recompute_logprob"]
 
 
@@ -33,7 +44,19 @@ def test_dry_run_refuses_what_the_run_would_refuse():
 
 def test_dry_run_on_the_command_line_writes_no_run(tmp_path):
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "dovetail.cli", "train", "--dry-run", "--policy", "colocated", "--out", str(out), "--steps", "50"]
+    command = [
+        sys.executable,
+        "-m",
+        "dovetail.cli",
+        "train",
+        "--dry-run",
+        "--policy",
+        "colocated",
+        "--out",
+        str(out),
+        "--steps",
+        "50",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     assert "policy colocated on 2x cpu-core (2 shared)" in result.stdout and "50 steps in about" in result.stdout
     assert not out.exists()

@@ -32,7 +32,9 @@ def test_generation_and_policy_gradient_on_cuda_match_the_cpu():
     for device in ("cpu", "cuda"):
         model = load_model(config.model.checkpoint).to(device)
         sde = sde_settings(config, device)
-        trajectories = generate(model, sample_prompts, ids, sde, seed=config.seed, shared_group_noise=config.shared_group_noise)
+        trajectories = generate(
+            model, sample_prompts, ids, sde, seed=config.seed, shared_group_noise=config.shared_group_noise
+        )
         policy_gradient(model, trajectories, advantages, timesteps, sde, config, total_pairs=len(ids) * len(timesteps))
         gradient = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
         results[device] = trajectories, gradient

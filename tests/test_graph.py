@@ -2,14 +2,21 @@
 
 import pytest
 
+from dovetail.cost.catalog import diffusion_model
+from dovetail.cost.model import CostModel
 from dovetail.graph.flow import FlowShape, build_flow, split
 from dovetail.graph.node import Graph, Kind, Node, Role
 from dovetail.graph.spec import FlowSpec
-from dovetail.sched.catalog import diffusion_model
-from dovetail.sched.cost import CostModel
 
 SPEC = FlowSpec(
-    name="flux", model="FLUX.1-12B", prompts=6, group=3, denoising_steps=8, trained_timesteps=5, height=256, width=256,
+    name="flux",
+    model="FLUX.1-12B",
+    prompts=6,
+    group=3,
+    denoising_steps=8,
+    trained_timesteps=5,
+    height=256,
+    width=256,
     mini_batches=2,
 )
 COST = CostModel("H100")
@@ -86,13 +93,19 @@ def test_flow_nodes_cost_their_pairs_on_the_trainer_group():
         for n in nodes:
             if n.kind == Kind.TRAIN:
                 span = n.chunk[1] - n.chunk[0]
-                assert n.cost_s == pytest.approx(COST.dit_train(model, len(n.samples), span, tokens, False, 3, SPEC.micro_batch))
+                assert n.cost_s == pytest.approx(
+                    COST.dit_train(model, len(n.samples), span, tokens, False, 3, SPEC.micro_batch)
+                )
             elif n.kind == Kind.LOGPROB:
-                assert n.cost_s == pytest.approx(COST.dit_logprob(model, len(n.samples), SPEC.trained_timesteps, tokens, False, 3, SPEC.micro_batch))
+                assert n.cost_s == pytest.approx(
+                    COST.dit_logprob(model, len(n.samples), SPEC.trained_timesteps, tokens, False, 3, SPEC.micro_batch)
+                )
         trained = [sample for n in nodes if n.kind == Kind.TRAIN for sample in n.samples]
         assert sorted(set(trained)) == sorted({(0, p, i) for p in range(SPEC.prompts) for i in range(SPEC.group)})
     staged = build_flow(SPEC, 1, FlowShape(4, 1, True, 3, staged=True), COST)
-    assert [len(n.samples) for n in staged if n.kind == Kind.GENERATE] == [5, 4, 5, 4], "samples split evenly per mini-batch"
+    assert [len(n.samples) for n in staged if n.kind == Kind.GENERATE] == [5, 4, 5, 4], (
+        "samples split evenly per mini-batch"
+    )
     assert sum(n.kind == Kind.LOGPROB for n in staged) == SPEC.mini_batches
 
 

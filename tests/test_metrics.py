@@ -16,6 +16,10 @@ class Scripted(Policy):
 
     name = "scripted"
 
+    @classmethod
+    def shape(cls, spec, devices, trainer_devices, cost):
+        raise NotImplementedError("runs hand-built graphs only")
+
     def __init__(self, setup: Setup, placement: dict[str, tuple[tuple[int, ...], float]]) -> None:
         super().__init__(setup)
         self.placement = placement
@@ -34,11 +38,15 @@ def test_busy_bubble_and_efficiency_follow_their_closed_forms():
     # Device 0: a and b share it (each slowed by SLOWDOWN); device 1: c alone on a 0.3 share, then the
     # collective d on both devices. The commit closes the step.
     a, b, c, d = 4.0, 6.0, 3.0, 2.0
-    graph = Graph([
-        node("a", a), node("b", b), node("c", c, kind=Kind.TRAIN),
-        node("d", d, ("a", "b", "c"), kind=Kind.PUBLISH, collective=True),
-        Node("commit", "p", 0, Kind.COMMIT, Role.ANY, ("d",), cost_s=0.0),
-    ])
+    graph = Graph(
+        [
+            node("a", a),
+            node("b", b),
+            node("c", c, kind=Kind.TRAIN),
+            node("d", d, ("a", "b", "c"), kind=Kind.PUBLISH, collective=True),
+            Node("commit", "p", 0, Kind.COMMIT, Role.ANY, ("d",), cost_s=0.0),
+        ]
+    )
     setup = Setup(2, 80.0, {"p": Engines({}, {}, {})})
     placement = {"a": ((0,), 0.5), "b": ((0,), 0.5), "c": ((1,), 0.3), "d": ((0, 1), 1.0), "commit": ((0,), 1.0)}
     trace = SimExecutor(graph, setup, slowdown=lambda kind, other: SLOWDOWN).run(Scripted(setup, placement))

@@ -5,27 +5,38 @@ from dataclasses import replace
 
 import pytest
 
+from dovetail.cost.catalog import diffusion_model
+from dovetail.cost.model import CostModel
+from dovetail.exec.metrics import summarize
 from dovetail.exec.state import ClusterState, DecisionError
+from dovetail.graph.flow import FlowShape, build_flow
 from dovetail.graph.node import Graph, Kind, Node, Role
 from dovetail.scenario import Scenario, _run, load_scenario, prepare, simulate
-from dovetail.exec.metrics import summarize
-from dovetail.graph.flow import FlowShape, build_flow
-from dovetail.sched.catalog import diffusion_model
-from dovetail.sched.cost import CostModel
 from dovetail.sched.digen import Digen, predict_makespan
 from dovetail.sched.policy import Engines, Run, Setup, StartStep, SwitchRole
 
 
 def scenario(devices=4, prompts=8, policies=("colocated",), **schedule) -> Scenario:
-    return Scenario.model_validate({
-        "name": "small",
-        "cluster": {"device": "H100", "devices": devices},
-        "pipelines": [{
-            "kind": "flow", "name": "p", "model": "SD3.5-M", "prompts": prompts, "group": 4, "denoising_steps": 10,
-            "trained_timesteps": 3, "height": 512, "width": 512,
-        }],
-        "schedule": {"steps": 1, "policies": list(policies), **schedule},
-    })
+    return Scenario.model_validate(
+        {
+            "name": "small",
+            "cluster": {"device": "H100", "devices": devices},
+            "pipelines": [
+                {
+                    "kind": "flow",
+                    "name": "p",
+                    "model": "SD3.5-M",
+                    "prompts": prompts,
+                    "group": 4,
+                    "denoising_steps": 10,
+                    "trained_timesteps": 3,
+                    "height": 512,
+                    "width": 512,
+                }
+            ],
+            "schedule": {"steps": 1, "policies": list(policies), **schedule},
+        }
+    )
 
 
 def total(graph: Graph, kind: Kind) -> float:
@@ -42,10 +53,15 @@ def test_colocated_step_is_the_sum_of_its_stages():
     prepared, trace = simulate(scenario(), "colocated")
     graph, engines, n = prepared.graph, prepared.setup.engines["p"], 4
     expected = (
-        engines.wake_s[Role.ROLLOUT] + one(graph, Kind.GENERATE) + one(graph, Kind.SCORE)
-        + engines.sleep_s[Role.ROLLOUT] + engines.wake_s[Role.TRAINER]
-        + total(graph, Kind.LOGPROB) / n + total(graph, Kind.TRAIN) / n
-        + one(graph, Kind.COMMIT) + one(graph, Kind.PUBLISH)
+        engines.wake_s[Role.ROLLOUT]
+        + one(graph, Kind.GENERATE)
+        + one(graph, Kind.SCORE)
+        + engines.sleep_s[Role.ROLLOUT]
+        + engines.wake_s[Role.TRAINER]
+        + total(graph, Kind.LOGPROB) / n
+        + total(graph, Kind.TRAIN) / n
+        + one(graph, Kind.COMMIT)
+        + one(graph, Kind.PUBLISH)
     )
     assert trace.makespan == pytest.approx(expected)
     assert sum(1 for n in graph if n.kind == Kind.TRAIN) == 3, "the per-timestep loop: one train node per timestep"
@@ -56,8 +72,13 @@ def test_disaggregated_trainer_waits_for_the_whole_batch():
     prepared, trace = simulate(scenario(), "disaggregated")
     graph, engines = prepared.graph, prepared.setup.engines["p"]
     expected = (
-        engines.wake_s[Role.ROLLOUT] + one(graph, Kind.GENERATE) + one(graph, Kind.SCORE)
-        + total(graph, Kind.LOGPROB) / 2 + total(graph, Kind.TRAIN) / 2 + one(graph, Kind.COMMIT) + one(graph, Kind.PUBLISH)
+        engines.wake_s[Role.ROLLOUT]
+        + one(graph, Kind.GENERATE)
+        + one(graph, Kind.SCORE)
+        + total(graph, Kind.LOGPROB) / 2
+        + total(graph, Kind.TRAIN) / 2
+        + one(graph, Kind.COMMIT)
+        + one(graph, Kind.PUBLISH)
     )
     assert trace.makespan == pytest.approx(expected)
     last_score = max(s.end for s in trace.spans if s.kind == "score")
@@ -77,7 +98,9 @@ def test_predicted_makespan_closed_form():
 
 def test_digen_pipelines_generation_and_training_without_recompute():
     prepared, trace = simulate(load_scenario("digen-flux-16"), "digen", steps=1, trainer_devices=8)
-    assert not any(n.kind == Kind.LOGPROB for n in prepared.graph), "on-policy: the rollout's log-probs are the old ones"
+    assert not any(n.kind == Kind.LOGPROB for n in prepared.graph), (
+        "on-policy: the rollout's log-probs are the old ones"
+    )
     first_train = min(s.start for s in trace.spans if s.kind == "train")
     last_generate = max(s.end for s in trace.spans if s.kind == "generate")
     assert first_train < last_generate, "GAP: training starts while the batch is still being generated"
@@ -183,7 +206,9 @@ def test_trainer_groups_train_fragments_side_by_side_and_commit_together():
         devices.setdefault(span.node, set()).add(span.device)
     trains = [s for s in trace.spans if s.kind == "train"]
     assert all(tuple(sorted(devices[s.node])) in groups for s in trains), "a train node runs on one whole group"
-    assert any(a.start < b.end and b.start < a.end and devices[a.node] != devices[b.node] for a in trains for b in trains)
+    assert any(
+        a.start < b.end and b.start < a.end and devices[a.node] != devices[b.node] for a in trains for b in trains
+    )
     assert all(devices[s.node] == set(policy.trainer_pool) for s in trace.spans if s.kind == "commit")
     # The optimizer step all-reduces the gradient shards across the groups (over the network between nodes).
     spec, cost = load_scenario("digen-qwenimage-32").pipelines[0], CostModel("H100")
@@ -259,7 +284,8 @@ def test_reward_pool_scores_every_sample_and_nothing_else(policy):
     prepared, trace = simulate(scenario(devices=5, policies=(policy,), reward_devices=1), policy, steps=2)
     scores = [s for s in trace.spans if s.kind == "score"]
     assert sorted(sample for s in scores for sample in prepared.graph[s.node].samples) == sorted(
-        sample for node in prepared.graph if node.kind == Kind.GENERATE for sample in node.samples)
+        sample for node in prepared.graph if node.kind == Kind.GENERATE for sample in node.samples
+    )
     assert {s.device for s in scores} == {4}
     assert all(s.device != 4 for s in trace.spans if s.kind != "score")
     assert [r.step for r in trace.steps] == [0, 1]
@@ -278,11 +304,15 @@ def test_a_reward_pool_moves_scoring_and_nothing_else_in_the_staged_baseline():
 def test_reward_pool_errors_name_the_field():
     with pytest.raises(ValueError, match="reward_devices=4 must leave devices to generate and train"):
         scenario(devices=4, reward_devices=4)
-    with pytest.raises(ValueError, match="trainer_devices=4 must leave at least one rollout device.*after schedule.reward_devices=1"):
+    with pytest.raises(
+        ValueError, match="trainer_devices=4 must leave at least one rollout device.*after schedule.reward_devices=1"
+    ):
         scenario(devices=5, reward_devices=1, trainer_devices=4)
     llm = load_scenario("jigsaw-mixed-0.6b-8b")
     pooled = llm.model_copy(update={"schedule": llm.schedule.model_copy(update={"reward_devices": 1})})
-    with pytest.raises(ValueError, match="policy verl-sync co-locates reward engines; reward_devices=1 needs a flow policy"):
+    with pytest.raises(
+        ValueError, match="policy verl-sync co-locates reward engines; reward_devices=1 needs a flow policy"
+    ):
         prepare(pooled, "verl-sync", steps=1)
 
 

@@ -46,7 +46,9 @@ def test_every_sample_is_generated_once_and_trained_once(name, policy):
         chunks.sort()
         assert chunks[0][0] == 0 and all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
     migrated = {(n.pipeline, s) for n in graph if n.kind == Kind.MIGRATE for s in n.samples}
-    tails = {(n.pipeline, s) for n in graph if n.kind == Kind.DECODE and n.id.split("/")[3] == "tail" for s in n.samples}
+    tails = {
+        (n.pipeline, s) for n in graph if n.kind == Kind.DECODE and n.id.split("/")[3] == "tail" for s in n.samples
+    }
     assert migrated == tails
     if policy.startswith("jigsaw"):
         assert migrated, "jigsaw migrates the long tail"
@@ -77,7 +79,11 @@ def test_shared_devices_slow_each_other_by_the_interference_table():
         predicted = node.cost_s / len(group)
         took = group[0].end - start
         devices = {s.device for s in group}
-        neighbours = [s for s in trace.spans if s.device in devices and s.node != node_id and s.start < group[0].end and s.end > start]
+        neighbours = [
+            s
+            for s in trace.spans
+            if s.device in devices and s.node != node_id and s.start < group[0].end and s.end > start
+        ]
         if neighbours:
             overlapped += 1
             assert took > predicted
@@ -116,7 +122,7 @@ def test_one_step_of_the_64_gpu_scenario_simulates_in_under_two_seconds(policy):
 
 
 def test_jigsaw_picks_the_shape_its_forecast_ranks_best_and_runs_the_tail_on_that_engine():
-    from dovetail.sched.cost import CostModel
+    from dovetail.cost.model import CostModel
     from dovetail.sched.jigsaw import Jigsaw
 
     scenario = load_scenario("jigsaw-qwen3-4b-8xh100")

@@ -30,7 +30,13 @@ def local_ray(tmp_path_factory):
     os.environ["DOVETAIL_TEST_NAN_FLAG"] = str(flag)
     os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), *sys.path])
     if not ray.is_initialized():
-        ray.init(num_cpus=1, resources={DEVICE_RESOURCE: 2}, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ray.init(
+            num_cpus=1,
+            resources={DEVICE_RESOURCE: 2},
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
     yield flag
     ray.shutdown()
 
@@ -76,18 +82,30 @@ def test_policy_reproduces_the_reference_parameters(policy, overrides, reference
 def test_a_reward_device_scores_every_sample_and_the_parameters_stay_the_reference(reference_run, tmp_path):
     out = run("reward-pool", tmp_path, ["policy=digen", "runtime.reward_devices=1"])
     assert max_difference(weights(out), weights(reference_run)) <= 1e-5
-    spans = [e for e in json.loads((out / "trace.json").read_text())["traceEvents"] if e["ph"] == "X" and e["cat"] != "switch"]
+    spans = [
+        e
+        for e in json.loads((out / "trace.json").read_text())["traceEvents"]
+        if e["ph"] == "X" and e["cat"] != "switch"
+    ]
     assert {e["tid"] for e in spans if e["cat"] == "score"} == {1}
     assert all(e["tid"] == 0 for e in spans if e["cat"] != "score")
     assert json.loads((out / "ledger.json").read_text())["problems"] == []
-    assert json.loads((out / "summary.json").read_text())["device_engines"] == [["trainer", "rollout", "reward"], ["reward"]]
+    assert json.loads((out / "summary.json").read_text())["device_engines"] == [
+        ["trainer", "rollout", "reward"],
+        ["reward"],
+    ]
 
 
 def test_run_directory_has_trace_gantt_and_runtime_metrics():
     out = RUNS["digen"]
     trace = json.loads((out / "trace.json").read_text())
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    assert {e["name"].split(":")[-1] for e in events if e.get("ph") == "X"} >= {"generate", "train", "commit", "publish"}
+    assert {e["name"].split(":")[-1] for e in events if e.get("ph") == "X"} >= {
+        "generate",
+        "train",
+        "commit",
+        "publish",
+    }
     assert (out / "gantt.png").read_bytes()[:4] == b"\x89PNG"
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3]
@@ -110,7 +128,10 @@ def test_simulate_from_run_on_the_command_line(tmp_path):
     result = subprocess.run([*command, str(RUNS["digen"]), "--json"], capture_output=True, text=True, check=True)
     replayed = json.loads(result.stdout)
     assert replayed["policy"] == "digen" and replayed["steps"] == STEPS
-    assert replayed["measured_step_time_s"] == json.loads((RUNS["digen"] / "run_profile.json").read_text())["measured_step_time_s"]
+    assert (
+        replayed["measured_step_time_s"]
+        == json.loads((RUNS["digen"] / "run_profile.json").read_text())["measured_step_time_s"]
+    )
     missing = subprocess.run([*command, str(tmp_path)], capture_output=True, text=True)
     assert missing.returncode == 2 and "run_profile.json not found" in missing.stderr
 
@@ -155,8 +176,16 @@ def test_nan_reward_stops_with_a_checkpoint_and_the_run_resumes(local_ray, tmp_p
 def test_tcss_trains_stale_samples_with_the_decoupled_correction_and_the_reward_rises(tmp_path):
     """One-step bounded asynchrony: the rollout device starts the next batch on the previous weights;
     staleness never exceeds one version and training still improves the model."""
-    config = load_config(None, ["policy=digen+tcss", "cluster.devices=2", "runtime.trainer_devices=1", "eval.every=100",
-                                "checkpoint.every=100"])
+    config = load_config(
+        None,
+        [
+            "policy=digen+tcss",
+            "cluster.devices=2",
+            "runtime.trainer_devices=1",
+            "eval.every=100",
+            "checkpoint.every=100",
+        ],
+    )
     summary = train(config, tmp_path / "tcss", steps=30)
     lines = [json.loads(line) for line in (tmp_path / "tcss/metrics.jsonl").read_text().splitlines()]
     assert {m["staleness"] for m in lines} == {0, 1} and summary["max_staleness"] == 1
@@ -168,8 +197,12 @@ def test_tcss_trains_stale_samples_with_the_decoupled_correction_and_the_reward_
 
 
 def test_devices_the_ray_instance_lacks_are_refused_with_the_fix(tmp_path):
-    more_gpus_than_any_machine = load_config(None, COMMON + ["policy=digen", "cluster.device=H200", "cluster.devices=4096"])
-    with pytest.raises(RuntimeError, match=r"cluster.devices=4096 H200 .* 'GPU'; lower cluster.devices, or set cluster.device=cpu-core"):
+    more_gpus_than_any_machine = load_config(
+        None, COMMON + ["policy=digen", "cluster.device=H200", "cluster.devices=4096"]
+    )
+    with pytest.raises(
+        RuntimeError, match=r"cluster.devices=4096 H200 .* 'GPU'; lower cluster.devices, or set cluster.device=cpu-core"
+    ):
         train(more_gpus_than_any_machine, tmp_path / "gpus", steps=1)
     planning_only = load_config(None, COMMON + ["policy=digen", "cluster.device=Ascend-910B"])
     with pytest.raises(ValueError, match=r"cluster.device='Ascend-910B' can be planned .* but not run"):
@@ -185,9 +218,17 @@ def test_gpu_devices_train_where_the_cpu_reference_goes(reference_run, tmp_path)
     the kernels differ, so the bound is a small share of how far training moved the weights."""
     if ray.cluster_resources().get("GPU", 0) < 1:
         pytest.skip("this test session's Ray instance was started without GPUs")
-    policy = ["policy=digen", "runtime.fragments=4", "runtime.tsp_chunk=5", "runtime.tag=force"] if GPUS >= 2 else ["policy=colocated"]
+    policy = (
+        ["policy=digen", "runtime.fragments=4", "runtime.tsp_chunk=5", "runtime.tag=force"]
+        if GPUS >= 2
+        else ["policy=colocated"]
+    )
     out = tmp_path / "gpu"
-    train(load_config(None, COMMON + policy + ["cluster.device=H200", f"cluster.devices={min(GPUS, 2)}"]), out, steps=STEPS)
+    train(
+        load_config(None, COMMON + policy + ["cluster.device=H200", f"cluster.devices={min(GPUS, 2)}"]),
+        out,
+        steps=STEPS,
+    )
     moved = max_difference(weights(reference_run), load_file(DEFAULT_CHECKPOINT / "model.safetensors"))
     assert max_difference(weights(out), weights(reference_run)) <= 0.05 * moved
     ledger = json.loads((out / "ledger.json").read_text())

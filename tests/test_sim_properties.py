@@ -20,7 +20,9 @@ def check_trace(graph: Graph, setup: Setup, trace: Trace) -> None:
     """No exclusive overlap, shares <= 1, dependencies respected, memory within capacity."""
     by_device: dict[int, list] = {}
     for span in trace.spans:
-        by_device.setdefault(span.device, []).append((span.start, span.end, graph[span.node].exclusive, span.share, graph[span.node].memory_gb))
+        by_device.setdefault(span.device, []).append(
+            (span.start, span.end, graph[span.node].exclusive, span.share, graph[span.node].memory_gb)
+        )
     for switch in trace.switches:
         by_device.setdefault(switch.device, []).append((switch.start, switch.end, True, 1.0, 0.0))
     for intervals in by_device.values():
@@ -61,32 +63,47 @@ def check_samples(graph: Graph, trace: Trace) -> None:
     assert len(timesteps) == 1 and len(set(next(iter(timesteps)))) == len(next(iter(timesteps)))
 
 
-flow_cases = st.fixed_dictionaries({
-    "policy": st.sampled_from(["colocated", "disaggregated", "digen", "digen+tcss"]),
-    "devices": st.integers(2, 8),
-    "prompts": st.integers(2, 8),
-    "group": st.integers(1, 4),
-    "trained": st.integers(1, 4),
-    "mini_batches": st.sampled_from([1, 2]),
-    "model": st.sampled_from(["FLUX.1-12B", "SD3.5-M", "Wan2.1-14B"]),
-    "seed": st.integers(0, 3),
-    "noise": st.sampled_from([0.0, 0.3]),
-})
+flow_cases = st.fixed_dictionaries(
+    {
+        "policy": st.sampled_from(["colocated", "disaggregated", "digen", "digen+tcss"]),
+        "devices": st.integers(2, 8),
+        "prompts": st.integers(2, 8),
+        "group": st.integers(1, 4),
+        "trained": st.integers(1, 4),
+        "mini_batches": st.sampled_from([1, 2]),
+        "model": st.sampled_from(["FLUX.1-12B", "SD3.5-M", "Wan2.1-14B"]),
+        "seed": st.integers(0, 3),
+        "noise": st.sampled_from([0.0, 0.3]),
+    }
+)
 
 
 def flow_scenario(case) -> Scenario:
     prompts = case["prompts"] - case["prompts"] % case["mini_batches"]
     video = case["model"] == "Wan2.1-14B"
-    return Scenario.model_validate({
-        "name": "random",
-        "cluster": {"device": "H100", "devices": case["devices"]},
-        "pipelines": [{
-            "kind": "flow", "name": "p", "model": case["model"], "prompts": prompts, "group": case["group"],
-            "denoising_steps": 6, "trained_timesteps": case["trained"], "height": 256, "width": 256,
-            "frames": 9 if video else 1, "mini_batches": case["mini_batches"], "offload": case["model"] != "SD3.5-M",
-        }],
-        "schedule": {"steps": 3, "policies": [case["policy"]], "seed": case["seed"], "noise": case["noise"]},
-    })
+    return Scenario.model_validate(
+        {
+            "name": "random",
+            "cluster": {"device": "H100", "devices": case["devices"]},
+            "pipelines": [
+                {
+                    "kind": "flow",
+                    "name": "p",
+                    "model": case["model"],
+                    "prompts": prompts,
+                    "group": case["group"],
+                    "denoising_steps": 6,
+                    "trained_timesteps": case["trained"],
+                    "height": 256,
+                    "width": 256,
+                    "frames": 9 if video else 1,
+                    "mini_batches": case["mini_batches"],
+                    "offload": case["model"] != "SD3.5-M",
+                }
+            ],
+            "schedule": {"steps": 3, "policies": [case["policy"]], "seed": case["seed"], "noise": case["noise"]},
+        }
+    )
 
 
 @FAST
@@ -114,6 +131,10 @@ class RandomGreedy(Policy):
 
     name = "random-greedy"
 
+    @classmethod
+    def shape(cls, spec, devices, trainer_devices, cost):
+        raise NotImplementedError("runs hand-built graphs only")
+
     def __init__(self, setup: Setup, seed: int) -> None:
         super().__init__(setup)
         self.rng = random.Random(seed)
@@ -135,8 +156,10 @@ class RandomGreedy(Policy):
             node = view.graph[node_id]
             share = 1.0 if node.exclusive else self.rng.choice([0.25, 0.5, 1.0])
             fits = [
-                d.index for d in view.devices
-                if d.role is not None and d.index not in exclusive_busy
+                d.index
+                for d in view.devices
+                if d.role is not None
+                and d.index not in exclusive_busy
                 and (share_left[d.index] >= 1.0 if node.exclusive else share_left[d.index] >= share)
                 and memory[d.index] + node.memory_gb <= d.capacity_gb
             ]
@@ -151,8 +174,15 @@ class RandomGreedy(Policy):
             if node_id in self.migrated or self.rng.random() > 0.3:
                 continue
             node = view.graph[node_id]
-            idle = [d.index for d in view.devices if d.idle and d.role is not None and d.index not in exclusive_busy
-                    and share_left[d.index] >= 1.0 and memory[d.index] + node.memory_gb <= d.capacity_gb]
+            idle = [
+                d.index
+                for d in view.devices
+                if d.idle
+                and d.role is not None
+                and d.index not in exclusive_busy
+                and share_left[d.index] >= 1.0
+                and memory[d.index] + node.memory_gb <= d.capacity_gb
+            ]
             if idle:
                 device = self.rng.choice(idle)
                 exclusive_busy.add(device)
@@ -163,18 +193,32 @@ class RandomGreedy(Policy):
         return decisions
 
 
-random_graphs = st.integers(1, 20).flatmap(lambda n: st.lists(
-    st.tuples(st.floats(0.1, 5.0), st.floats(0.0, 30.0), st.booleans(), st.lists(st.integers(0, n), max_size=3)),
-    min_size=n, max_size=n,
-))
+random_graphs = st.integers(1, 20).flatmap(
+    lambda n: st.lists(
+        st.tuples(st.floats(0.1, 5.0), st.floats(0.0, 30.0), st.booleans(), st.lists(st.integers(0, n), max_size=3)),
+        min_size=n,
+        max_size=n,
+    )
+)
 
 
 @FAST
 @given(random_graphs, st.integers(1, 5), st.integers(0, 10), st.sampled_from([0.0, 0.2]))
 def test_random_graphs_with_shares_and_migration(spec, devices, seed, noise):
     nodes = [
-        Node(f"n{i}", "p", 0, Kind.GENERATE, Role.ROLLOUT, tuple(sorted({f"n{d}" for d in deps if d < i})), 0,
-             ((0, i, 0),), cost_s=cost, memory_gb=memory, exclusive=exclusive)
+        Node(
+            f"n{i}",
+            "p",
+            0,
+            Kind.GENERATE,
+            Role.ROLLOUT,
+            tuple(sorted({f"n{d}" for d in deps if d < i})),
+            0,
+            ((0, i, 0),),
+            cost_s=cost,
+            memory_gb=memory,
+            exclusive=exclusive,
+        )
         for i, (cost, memory, exclusive, deps) in enumerate(spec)
     ]
     graph = Graph(nodes)
@@ -192,7 +236,11 @@ def test_random_graphs_with_shares_and_migration(spec, devices, seed, noise):
             spans = [s for s in trace.spans if s.node == node.id]
             work = sum((s.end - s.start) * s.share for s in spans)
             reprefill = 0.2 * sum(s.share for s in spans[1:])
-            assert work == pytest.approx(node.cost_s + reprefill, abs=1e-6), "a migration loses no work and adds its cost"
-            assert sum(s.work for s in spans) == pytest.approx(node.cost_s, abs=1e-6), "Span.work counts the node's work once"
+            assert work == pytest.approx(node.cost_s + reprefill, abs=1e-6), (
+                "a migration loses no work and adds its cost"
+            )
+            assert sum(s.work for s in spans) == pytest.approx(node.cost_s, abs=1e-6), (
+                "Span.work counts the node's work once"
+            )
     again = SimExecutor(graph, setup, seed=seed, noise=noise).run(RandomGreedy(setup, seed))
     assert trace == again

@@ -22,7 +22,9 @@ def test_flow_grpo_raises_the_eval_reward(tmp_path):
 
 
 def test_dance_grpo_raises_the_eval_reward(tmp_path):
-    config = load_config(None, ["algorithm=dance_grpo", "algo.timestep_fraction=0.6", "eval.every=100", "checkpoint.every=100"])
+    config = load_config(
+        None, ["algorithm=dance_grpo", "algo.timestep_fraction=0.6", "eval.every=100", "checkpoint.every=100"]
+    )
     assert config.sde_kind == "dance_grpo" and config.timestep_mode == "random" and config.shared_group_noise
     summary = train(config, tmp_path, steps=30)
     assert summary["final_eval_reward"] >= summary["base_eval_reward"] + 0.1, summary
@@ -69,7 +71,8 @@ def test_resume_from_a_missing_checkpoint_says_how_to_find_one(tmp_path):
 def test_cli_rejects_a_bad_value_before_any_work(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "dovetail.cli", "train", "train.lr=-1", "--out", str(tmp_path / "run")],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 2
     assert "train.lr" in result.stderr and "greater than 0" in result.stderr

@@ -36,8 +36,15 @@ def per_timestep_loop(model, sde, trajectories, advantages, timesteps, clip_rang
     for k in timesteps:
         x = trajectories.latents[:, k]
         velocity = model(x, sde.sigmas[k].expand(len(x)), trajectories.prompt_ids)
-        step = sde_step(velocity, x, sde.sigmas[k], sde.sigmas[k + 1], noise_level=sde.noise_level, kind=sde.kind,
-                        prev_latents=trajectories.latents[:, k + 1])
+        step = sde_step(
+            velocity,
+            x,
+            sde.sigmas[k],
+            sde.sigmas[k + 1],
+            noise_level=sde.noise_level,
+            kind=sde.kind,
+            prev_latents=trajectories.latents[:, k + 1],
+        )
         loss, _ = flow_grpo_loss(step.log_prob, trajectories.log_probs[:, k], advantages, clip_range=clip_range)
         (loss / len(timesteps)).backward()
     return gradient(model)
@@ -49,8 +56,9 @@ def test_batched_chunks_match_the_per_timestep_loop(rollout, chunk_size):
     timesteps = [0, 1, 2, 3, 4]
     expected = per_timestep_loop(model, sde, trajectories, advantages, timesteps, clip_range=1e-3)
     n_pairs = len(trajectories.prompts) * len(timesteps)
-    accumulate_policy_gradient(model, trajectories, advantages, timesteps, sde, chunk_size=chunk_size,
-                               total_pairs=n_pairs, clip_range=1e-3)
+    accumulate_policy_gradient(
+        model, trajectories, advantages, timesteps, sde, chunk_size=chunk_size, total_pairs=n_pairs, clip_range=1e-3
+    )
     got = gradient(model)
     assert expected.abs().max() > 0
     assert ((got - expected).norm() / expected.norm()).item() <= 1e-5
@@ -63,7 +71,15 @@ def test_fragments_accumulate_to_the_whole_batch_gradient(rollout):
     n_pairs = len(trajectories.prompts) * len(timesteps)
     expected = per_timestep_loop(model, sde, trajectories, advantages, timesteps, clip_range=1e-3)
     for rows in ([6, 7, 8], [0, 1, 2], [3, 4, 5]):
-        accumulate_policy_gradient(model, trajectories.select(rows), advantages[rows], timesteps, sde, chunk_size=4,
-                                   total_pairs=n_pairs, clip_range=1e-3)
+        accumulate_policy_gradient(
+            model,
+            trajectories.select(rows),
+            advantages[rows],
+            timesteps,
+            sde,
+            chunk_size=4,
+            total_pairs=n_pairs,
+            clip_range=1e-3,
+        )
     got = gradient(model)
     assert ((got - expected).norm() / expected.norm()).item() <= 1e-5

@@ -6,8 +6,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from dovetail.cost.catalog import device
 from dovetail.rewards import check_reward_names
-from dovetail.sched.catalog import device
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CHECKPOINT = PACKAGE_ROOT / "assets" / "digits-t2i"
@@ -38,7 +38,9 @@ class AlgoSection(Section):
     beta: float = Field(0.0, ge=0, description="weight of the KL to the base model")
     std_scope: Literal["group", "global", "none"] = "group"
     adv_clip: float = Field(5.0, gt=0)
-    stale_max_weight: float = Field(2.0, ge=1, description="truncation of pi_prox/pi_behaviour for TCSS's stale samples")
+    stale_max_weight: float = Field(
+        2.0, ge=1, description="truncation of pi_prox/pi_behaviour for TCSS's stale samples"
+    )
 
 
 class TrainSection(Section):
@@ -79,9 +81,12 @@ class RuntimeSection(Section):
     fragments: int | None = Field(None, ge=1, description="GAP fragments M (whole groups); None: the policy's choice")
     tsp_chunk: int | None = Field(None, ge=1, description="timesteps per train node; None: the policy's choice")
     trainer_devices: int | None = Field(None, ge=1, description="trainer pool of disaggregated policies")
-    reward_devices: int = Field(0, ge=0, description="devices that only score (for a reward model); 0: rollout devices score")
+    reward_devices: int = Field(
+        0, ge=0, description="devices that only score (for a reward model); 0: rollout devices score"
+    )
     tag: Literal["auto", "off", "force"] = Field(
-        "auto", description="digen's trainer-assisted generation: where it predicts a gain, never, or whenever a trainer idles"
+        "auto",
+        description="digen's trainer-assisted generation: where it predicts a gain, never, or whenever a trainer idles",
     )
     profile_samples: int = Field(32, ge=1, description="samples in the start-up profile that seeds the cost model")
 
@@ -127,11 +132,16 @@ class TrainConfig(Section):
     def _pools_fit_the_devices(self) -> "TrainConfig":
         devices, runtime = self.cluster.devices, self.runtime
         if self.compute_devices < 1:
-            raise ValueError(f"runtime.reward_devices={runtime.reward_devices} leaves none of cluster.devices={devices} "
-                             "to generate and train: lower it or add devices")
+            raise ValueError(
+                f"runtime.reward_devices={runtime.reward_devices} leaves none of cluster.devices={devices} "
+                "to generate and train: lower it or add devices"
+            )
         if runtime.trainer_devices is not None and runtime.trainer_devices >= self.compute_devices:
-            raise ValueError(f"runtime.trainer_devices={runtime.trainer_devices} leaves no rollout device of cluster.devices={devices}"
-                             + (f" besides runtime.reward_devices={runtime.reward_devices}" if runtime.reward_devices else ""))
+            raise ValueError(
+                f"runtime.trainer_devices={runtime.trainer_devices} leaves no rollout device of "
+                f"cluster.devices={devices}"
+                + (f" besides runtime.reward_devices={runtime.reward_devices}" if runtime.reward_devices else "")
+            )
         return self
 
     @property

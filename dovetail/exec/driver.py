@@ -38,8 +38,14 @@ class StepMetrics:
 
     def __call__(self, executor: RayExecutor, graph_step: int) -> dict:
         graph, now = executor.graph, executor.state.now
-        scores = [ray.get(ref)["scores"]["total"] for node in graph.of(PIPELINE, graph_step, Kind.SCORE) for ref in executor.outputs[node.id]]
-        outputs = [ray.get(ref) for node in graph.of(PIPELINE, graph_step, Kind.TRAIN) for ref in executor.outputs[node.id]]
+        scores = [
+            ray.get(ref)["scores"]["total"]
+            for node in graph.of(PIPELINE, graph_step, Kind.SCORE)
+            for ref in executor.outputs[node.id]
+        ]
+        outputs = [
+            ray.get(ref) for node in graph.of(PIPELINE, graph_step, Kind.TRAIN) for ref in executor.outputs[node.id]
+        ]
         pairs = sum(len(o["ids"]) * len(o["timesteps"]) for o in outputs)
         rewards = np.concatenate(scores)
         window = now - self.last_commit_time
@@ -56,7 +62,9 @@ class StepMetrics:
             "publish_s": executor.publish_seconds[-1] if executor.publish_seconds else 0.0,
             "tag_decisions": [k for _, k in tag[self.tag_seen :]],
         }
-        metrics |= {name: sum(o["stats"][name] for o in outputs) / pairs for name in STAT_MEANS if name in outputs[0]["stats"]}
+        metrics |= {
+            name: sum(o["stats"][name] for o in outputs) / pairs for name in STAT_MEANS if name in outputs[0]["stats"]
+        }
         metrics["ratio_min"] = min(o["stats"]["ratio_min"] for o in outputs)
         metrics["ratio_max"] = max(o["stats"]["ratio_max"] for o in outputs)
         self.last_commit_time, self.tag_seen = now, len(tag)
@@ -77,15 +85,19 @@ def train_on_ray(config, log, first_step: int, last_step: int, *, after_part=Non
             load_trainer_state(log.model, log.optimizer, ray.get(executor.trainer_state))
         log.record(done, metrics, {"policy": config.policy, "version": done})
 
-    executor = make_executor(config, prepared, workers, weights, trainer_state, first_step,
-                             on_commit=on_commit, after_part=after_part)
+    executor = make_executor(
+        config, prepared, workers, weights, trainer_state, first_step, on_commit=on_commit, after_part=after_part
+    )
     try:
         trace = executor.run(prepared.policy)
     except RewardError as error:
         done = first_step + len(executor.state.trace.steps)
         load_trainer_state(log.model, log.optimizer, ray.get(executor.trainer_state))
         checkpoint = log.run.save_checkpoint(done, log.model, log.optimizer, {"policy": config.policy, "version": done})
-        raise RewardError(f"{error}; the last committed step is saved in {checkpoint}: fix the reward and resume with --resume {log.run.path}") from None
+        raise RewardError(
+            f"{error}; the last committed step is saved in {checkpoint}: fix the reward and resume "
+            f"with --resume {log.run.path}"
+        ) from None
     return write_run_outputs(log.run.path, config, prepared, executor, trace, cost.calibration.dit_half_mfu_tokens)
 
 
@@ -100,8 +112,10 @@ def node_seconds(trace) -> dict[str, tuple[float, list[int]]]:
     spans: dict[str, list] = {}
     for span in trace.spans:
         spans.setdefault(span.node, []).append(span)
-    return {node: (max(s.end for s in group) - min(s.start for s in group), sorted({s.device for s in group}))
-            for node, group in spans.items()}
+    return {
+        node: (max(s.end for s in group) - min(s.start for s in group), sorted({s.device for s in group}))
+        for node, group in spans.items()
+    }
 
 
 def write_run_outputs(path, config, prepared, executor: RayExecutor, trace, half_mfu_tokens: float) -> dict:
@@ -111,7 +125,9 @@ def write_run_outputs(path, config, prepared, executor: RayExecutor, trace, half
     trace.write_gantt(path / "gantt.png", f"dovetail train, policy {config.policy}, {config.cluster.devices} devices")
     expected = {
         (executor.first_step + s, p, i): executor.timesteps_of(executor.first_step + s)
-        for node in prepared.graph if node.kind == Kind.GENERATE for (s, p, i) in node.samples
+        for node in prepared.graph
+        if node.kind == Kind.GENERATE
+        for (s, p, i) in node.samples
     }
     problems = executor.ledger.problems(expected)
     (path / "ledger.json").write_text(json.dumps(executor.ledger.to_json() | {"problems": problems}))

@@ -14,6 +14,9 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dovetail.config.train import TrainConfig
+from dovetail.cost.calibration import DEFAULT
+from dovetail.cost.catalog import DEVICES, device, diffusion_model
+from dovetail.cost.model import CostModel
 from dovetail.exec.metrics import summarize
 from dovetail.exec.ray_executor import RayExecutor
 from dovetail.exec.worker import DEVICE_RESOURCE, DeviceWorker, form_group, profile_work
@@ -21,9 +24,6 @@ from dovetail.graph.node import Role
 from dovetail.models.t2i import checkpoint_weights, load_model
 from dovetail.recipe import sde_settings, step_timesteps
 from dovetail.scenario import Prepared, Scenario, parse_scenario, prepare, simulate
-from dovetail.sched.calibration import DEFAULT
-from dovetail.sched.catalog import DEVICES, device, diffusion_model
-from dovetail.sched.cost import CostModel
 
 PIPELINE = "digits"
 
@@ -32,21 +32,36 @@ def flow_scenario(config: TrainConfig, steps: int) -> Scenario:
     """The training config as a scenario the planner understands (the same graph the simulator would run)."""
     algo = config.algo
     trained = len(step_timesteps(config, 0))
-    return parse_scenario({
-        "name": "train-" + config.policy,
-        "cluster": {"device": config.cluster.device, "devices": config.cluster.devices},
-        "pipelines": [{
-            "kind": "flow", "name": PIPELINE, "model": "digits-t2i",
-            "algorithm": "dancegrpo" if config.algorithm == "dance_grpo" else "flowgrpo",
-            "prompts": algo.prompts_per_step, "group": algo.group_size,
-            "denoising_steps": config.sampling.num_steps, "trained_timesteps": trained,
-            "height": 8, "width": 8, "reward": "rule",
-            # train.chunk_size (sample, timestep) pairs share one forward/backward
-            "micro_batch": max(1, config.train.chunk_size // trained),
-        }],
-        "schedule": {"steps": steps, "policies": [config.policy], "trainer_devices": config.runtime.trainer_devices,
-                     "reward_devices": config.runtime.reward_devices},
-    }, "training config")
+    return parse_scenario(
+        {
+            "name": "train-" + config.policy,
+            "cluster": {"device": config.cluster.device, "devices": config.cluster.devices},
+            "pipelines": [
+                {
+                    "kind": "flow",
+                    "name": PIPELINE,
+                    "model": "digits-t2i",
+                    "algorithm": "dancegrpo" if config.algorithm == "dance_grpo" else "flowgrpo",
+                    "prompts": algo.prompts_per_step,
+                    "group": algo.group_size,
+                    "denoising_steps": config.sampling.num_steps,
+                    "trained_timesteps": trained,
+                    "height": 8,
+                    "width": 8,
+                    "reward": "rule",
+                    # train.chunk_size (sample, timestep) pairs share one forward/backward
+                    "micro_batch": max(1, config.train.chunk_size // trained),
+                }
+            ],
+            "schedule": {
+                "steps": steps,
+                "policies": [config.policy],
+                "trainer_devices": config.runtime.trainer_devices,
+                "reward_devices": config.runtime.reward_devices,
+            },
+        },
+        "training config",
+    )
 
 
 def shape_overrides(config: TrainConfig) -> dict:
@@ -66,8 +81,10 @@ def device_bundle(config: TrainConfig) -> dict[str, float]:
     if platform == "cuda":
         return {"GPU": 1}
     runnable = ", ".join(name for name, d in DEVICES.items() if d.platform in ("cuda", "cpu"))
-    raise ValueError(f"cluster.device={config.cluster.device!r} can be planned (`dovetail simulate`) but not run: the Ray "
-                     f"runtime drives CUDA GPUs or CPU cores ({runnable})")
+    raise ValueError(
+        f"cluster.device={config.cluster.device!r} can be planned (`dovetail simulate`) but not run: the Ray "
+        f"runtime drives CUDA GPUs or CPU cores ({runnable})"
+    )
 
 
 def start_ray(config: TrainConfig) -> None:
@@ -84,10 +101,15 @@ def start_ray(config: TrainConfig) -> None:
             ray.init(num_cpus=1, **quiet)
     available = ray.cluster_resources().get(resource, 0)
     if available < config.cluster.devices:
-        fix = (f"start the cluster's nodes with `ray start --resources='{{\"{DEVICE_RESOURCE}\": CORES}}'`"
-               if resource == DEVICE_RESOURCE else "lower cluster.devices, or set cluster.device=cpu-core to use CPU cores")
-        raise RuntimeError(f"cluster.devices={config.cluster.devices} {config.cluster.device} devices asked for, but the Ray "
-                           f"instance has {available:g} {resource!r}; {fix}")
+        fix = (
+            f"start the cluster's nodes with `ray start --resources='{{\"{DEVICE_RESOURCE}\": CORES}}'`"
+            if resource == DEVICE_RESOURCE
+            else "lower cluster.devices, or set cluster.device=cpu-core to use CPU cores"
+        )
+        raise RuntimeError(
+            f"cluster.devices={config.cluster.devices} {config.cluster.device} devices asked for, but the Ray "
+            f"instance has {available:g} {resource!r}; {fix}"
+        )
 
 
 _POOLS: dict[str, list] = {}
@@ -104,7 +126,9 @@ def start_workers(config: TrainConfig, trainer_state: dict) -> tuple[list, ray.O
         group = placement_group([bundle] * missing, strategy="PACK")
         ray.get(group.ready(), timeout=120)
         for index in range(missing):
-            options = {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)}
+            options = {
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)
+            }
             if "GPU" in bundle:
                 options |= {"num_gpus": 1, "resources": {}}
             pool.append(DeviceWorker.options(**options).remote(len(pool)))
@@ -123,7 +147,9 @@ def profiled_cost(config: TrainConfig, scenario: Scenario, workers: list) -> Cos
     compute = workers[: config.compute_devices]
     profiles = ray.get([worker.profile.remote(config.runtime.profile_samples) for worker in compute])
     measured = {kind: statistics.median(profile[kind] for profile in profiles) for kind in profiles[0]}
-    measured |= {kind: min(profile[kind] for profile in profiles) for kind in ("generate_fastest", "generate_small_fastest")}
+    measured |= {
+        kind: min(profile[kind] for profile in profiles) for kind in ("generate_fastest", "generate_small_fastest")
+    }
     start = time.perf_counter()
     ray.get(workers[0].switch_role.remote("rollout"))
     measured["switch"] = time.perf_counter() - start
@@ -143,7 +169,9 @@ def fitted_cost(config: TrainConfig, scenario: Scenario, measured: dict[str, flo
     calibration = replace(DEFAULT, dit_half_mfu_tokens=max(half, 0.0))
 
     analytic = CostModel(config.cluster.device, calibration)
-    engines = prepare(scenario, config.policy, steps=1, cost=analytic, **shape_overrides(config)).setup.engines[PIPELINE]
+    engines = prepare(scenario, config.policy, steps=1, cost=analytic, **shape_overrides(config)).setup.engines[
+        PIPELINE
+    ]
     predicted = {
         "generate": analytic.generate(model, samples, spec.height, spec.width, spec.denoising_steps),
         "score": analytic.rule_score(samples),
@@ -160,7 +188,9 @@ def fitted_cost(config: TrainConfig, scenario: Scenario, measured: dict[str, flo
 def prepare_run(config: TrainConfig, steps: int, workers: list) -> tuple[CostModel, Prepared]:
     scenario = flow_scenario(config, steps)
     cost = profiled_cost(config, scenario, workers)
-    return cost, prepare(scenario, config.policy, steps=steps, cost=cost, options=policy_options(config), **shape_overrides(config))
+    return cost, prepare(
+        scenario, config.policy, steps=steps, cost=cost, options=policy_options(config), **shape_overrides(config)
+    )
 
 
 DRY_RUN_STEPS = 3
@@ -181,21 +211,47 @@ def dry_run(config: TrainConfig, steps: int) -> dict:
     cost = None
     if device(config.cluster.device).platform == "cpu":
         torch.set_num_threads(1)
-        measured = profile_work(load_model(config.model.checkpoint), config, sde_settings(config), config.runtime.profile_samples,
-                                carry=lambda weights: pickle.loads(pickle.dumps(weights)))
+        measured = profile_work(
+            load_model(config.model.checkpoint),
+            config,
+            sde_settings(config),
+            config.runtime.profile_samples,
+            carry=lambda weights: pickle.loads(pickle.dumps(weights)),
+        )
         cost = fitted_cost(config, scenario, measured | {"switch": 0.0})  # no Ray round trip to time here
-    prepared, trace = simulate(scenario, config.policy, steps=simulated, options=policy_options(config), cost=cost,
-                               **shape_overrides(config))
+    prepared, trace = simulate(
+        scenario, config.policy, steps=simulated, options=policy_options(config), cost=cost, **shape_overrides(config)
+    )
     shape, metrics = prepared.setup.shapes[PIPELINE], summarize(trace)
     return {
-        "policy": config.policy, "devices": config.cluster.devices, "device": config.cluster.device,
-        "fragments": shape.fragments, "tsp_chunk": shape.tsp_chunk, "trainer_devices": shape.trainer_devices,
-        "rollout_devices": config.compute_devices - shape.trainer_devices, "reward_devices": config.runtime.reward_devices, "recompute_logprob": shape.recompute_logprob,
-        "step_time_s": metrics.step_time_s, "samples_per_s": metrics.samples_per_s, "efficiency": metrics.efficiency,
-        "bubble_ratio": metrics.bubble_ratio, "run_s": metrics.step_time_s * steps, "costs": "profiled" if cost else "analytic",
+        "policy": config.policy,
+        "devices": config.cluster.devices,
+        "device": config.cluster.device,
+        "fragments": shape.fragments,
+        "tsp_chunk": shape.tsp_chunk,
+        "trainer_devices": shape.trainer_devices,
+        "rollout_devices": config.compute_devices - shape.trainer_devices,
+        "reward_devices": config.runtime.reward_devices,
+        "recompute_logprob": shape.recompute_logprob,
+        "step_time_s": metrics.step_time_s,
+        "samples_per_s": metrics.samples_per_s,
+        "efficiency": metrics.efficiency,
+        "bubble_ratio": metrics.bubble_ratio,
+        "run_s": metrics.step_time_s * steps,
+        "costs": "profiled" if cost else "analytic",
     }
 
 
-def make_executor(config: TrainConfig, prepared: Prepared, workers: list, weights, trainer_state, first_step: int, **hooks) -> RayExecutor:
-    return RayExecutor(prepared.graph, prepared.setup, config, workers, first_step=first_step,
-                       initial_weights=weights, initial_trainer_state=trainer_state, **hooks)
+def make_executor(
+    config: TrainConfig, prepared: Prepared, workers: list, weights, trainer_state, first_step: int, **hooks
+) -> RayExecutor:
+    return RayExecutor(
+        prepared.graph,
+        prepared.setup,
+        config,
+        workers,
+        first_step=first_step,
+        initial_weights=weights,
+        initial_trainer_state=trainer_state,
+        **hooks,
+    )

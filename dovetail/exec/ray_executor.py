@@ -25,8 +25,8 @@ from dovetail.config.train import TrainConfig
 from dovetail.exec.state import ClusterState
 from dovetail.exec.trace import Trace
 from dovetail.exec.worker import form_group
-from dovetail.graph.node import Graph, Kind, Node
 from dovetail.graph.flow import split
+from dovetail.graph.node import Graph, Kind, Node
 from dovetail.models.flow_rl import step_prompts
 from dovetail.recipe import step_timesteps
 from dovetail.sched.policy import Migrate, Policy, Run, Setup, StepCommitted, SwitchRole
@@ -96,8 +96,8 @@ class RayExecutor:
         first_step: int = 0,
         initial_weights: ray.ObjectRef,
         initial_trainer_state: ray.ObjectRef,
-        on_commit: Callable[[int, "RayExecutor"], None] | None = None,
-        after_part: Callable[["RayExecutor", Part], None] | None = None,
+        on_commit: Callable[[int, RayExecutor], None] | None = None,
+        after_part: Callable[[RayExecutor, Part], None] | None = None,
     ) -> None:
         """`first_step` is the RL step of the graph's step 0 (after a resume); `on_commit(rl_step, self)`
         runs after each optimizer step; `after_part` is a hook for fault-injection tests."""
@@ -194,8 +194,15 @@ class RayExecutor:
     # ------------------------------------------------------------ decisions -> actor calls
     def _launch(self, decision) -> None:
         if isinstance(decision, SwitchRole):
-            self._submit(Part(f"switch to {decision.role.value}", decision.device, "switch_role", (decision.role.value,),
-                              switch=decision))
+            self._submit(
+                Part(
+                    f"switch to {decision.role.value}",
+                    decision.device,
+                    "switch_role",
+                    (decision.role.value,),
+                    switch=decision,
+                )
+            )
         elif isinstance(decision, Run):
             self._run(self.graph[decision.node], decision.devices)
         elif isinstance(decision, Migrate):
@@ -227,14 +234,22 @@ class RayExecutor:
         step = self.rl_step(node)
         parts: list[Part] = []
         if node.kind == Kind.GENERATE:
-            prompts = self._prompts.setdefault(step, step_prompts(self.config.seed, step, self.config.algo.prompts_per_step))
+            prompts = self._prompts.setdefault(
+                step, step_prompts(self.config.seed, step, self.config.algo.prompts_per_step)
+            )
             samples = [(step, p, i) for (_, p, i) in node.samples]
             version = self.state.started[(node.pipeline, node.step)]
             for device, rows in zip(devices, split(len(samples), len(devices))):
                 ids = [samples[r] for r in rows]
                 if ids:
-                    parts.append(Part(node.id, device, "generate", (ids, [prompts[p] for _, p, _ in ids], self.first_step + version,
-                                                                    [self.versions[version]])))
+                    parts.append(
+                        Part(
+                            node.id,
+                            device,
+                            "generate",
+                            (ids, [prompts[p] for _, p, _ in ids], self.first_step + version, [self.versions[version]]),
+                        )
+                    )
         elif node.kind in (Kind.SCORE, Kind.LOGPROB):
             trajectories = [ref for gen in self._sources(node)[Kind.GENERATE] for ref in self.outputs[gen]]
             method = "score" if node.kind == Kind.SCORE else "old_log_probs"
@@ -244,7 +259,10 @@ class RayExecutor:
                     parts.append(Part(node.id, device, method, (*leading, *[trajectories[r] for r in rows])))
         elif node.kind == Kind.TRAIN:
             sources = self._sources(node)
-            inputs = [[ref for source in sources[kind] for ref in self.outputs[source]] for kind in (Kind.GENERATE, Kind.SCORE, Kind.LOGPROB)]
+            inputs = [
+                [ref for source in sources[kind] for ref in self.outputs[source]]
+                for kind in (Kind.GENERATE, Kind.SCORE, Kind.LOGPROB)
+            ]
             timesteps = self.timesteps_of(step)
             total_pairs = self.config.algo.prompts_per_step * self.config.algo.group_size * len(timesteps)
             chunk = timesteps[node.chunk[0] : node.chunk[1]]
@@ -253,8 +271,21 @@ class RayExecutor:
             stale = self.state.started[(node.pipeline, node.step)] < node.version
             for device, rows in zip(devices, split(len(samples), len(devices))):
                 if rows:
-                    parts.append(Part(node.id, device, "train", ([samples[r] for r in rows], chunk, total_pairs, stale, counts,
-                                                                 *[r for refs in inputs for r in refs])))
+                    parts.append(
+                        Part(
+                            node.id,
+                            device,
+                            "train",
+                            (
+                                [samples[r] for r in rows],
+                                chunk,
+                                total_pairs,
+                                stale,
+                                counts,
+                                *[r for refs in inputs for r in refs],
+                            ),
+                        )
+                    )
         elif node.kind == Kind.COMMIT:
             parts = [Part(node.id, device, "commit", (tuple(devices),)) for device in devices]
             self.trainer_devices = tuple(devices)

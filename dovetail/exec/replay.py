@@ -13,34 +13,51 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from dovetail.config.train import TrainConfig
+from dovetail.cost.calibration import DEFAULT
+from dovetail.cost.model import CostModel
 from dovetail.exec.driver import time_per_step
 from dovetail.exec.launch import flow_scenario, policy_options
 from dovetail.exec.sim import SimExecutor
 from dovetail.graph.node import Kind
 from dovetail.scenario import prepare
-from dovetail.sched.calibration import DEFAULT
-from dovetail.sched.cost import CostModel
 
-COST_KIND = {Kind.GENERATE: "generate", Kind.SCORE: "score", Kind.LOGPROB: "logprob", Kind.TRAIN: "train",
-             Kind.COMMIT: "optimizer", Kind.PUBLISH: "publish"}
+COST_KIND = {
+    Kind.GENERATE: "generate",
+    Kind.SCORE: "score",
+    Kind.LOGPROB: "logprob",
+    Kind.TRAIN: "train",
+    Kind.COMMIT: "optimizer",
+    Kind.PUBLISH: "publish",
+}
 """The cost model's op kind of each node kind: what a measured node corrects."""
 
 
 def replay_run(run_dir: Path | str) -> dict:
     path = Path(run_dir) / "run_profile.json"
     if not path.exists():
-        raise FileNotFoundError(f"{path} not found: --from-run needs a run directory written by `dovetail train --policy colocated|disaggregated|digen`")
+        raise FileNotFoundError(
+            f"{path} not found: --from-run needs a run directory written by `dovetail train --policy "
+            "colocated|disaggregated|digen`"
+        )
     profile = json.loads(path.read_text())
     try:
         config = TrainConfig(**profile["config"])
     except ValidationError as error:
-        raise ValueError(f"{path} was written by an older dovetail whose config this one cannot read: {error}") from None
+        raise ValueError(
+            f"{path} was written by an older dovetail whose config this one cannot read: {error}"
+        ) from None
     scenario = flow_scenario(config, profile["steps"])
     shape = {k: v for k, v in profile["shape"].items() if v is not None}
     options = policy_options(config)
     calibration = replace(DEFAULT, dit_half_mfu_tokens=profile["dit_half_mfu_tokens"])
-    analytic = prepare(scenario, config.policy, steps=profile["steps"], options=options,
-                       cost=CostModel(config.cluster.device, calibration), **shape)
+    analytic = prepare(
+        scenario,
+        config.policy,
+        steps=profile["steps"],
+        options=options,
+        cost=CostModel(config.cluster.device, calibration),
+        **shape,
+    )
     measured = profile["node_seconds"]
     records = []
     for node in analytic.graph:
@@ -56,7 +73,9 @@ def replay_run(run_dir: Path | str) -> dict:
     replayed = prepare(scenario, config.policy, steps=profile["steps"], options=options, cost=cost, **shape)
     missing = set(measured) - set(replayed.graph.nodes)
     if missing:
-        raise ValueError(f"the replayed graph lacks nodes the run ran, e.g. {sorted(missing)[:3]}: the policy's shape changed")
+        raise ValueError(
+            f"the replayed graph lacks nodes the run ran, e.g. {sorted(missing)[:3]}: the policy's shape changed"
+        )
     pace = device_pace(replayed.graph, measured, replayed.setup.devices)
     trace = SimExecutor(replayed.graph, replayed.setup, device_pace=pace).run(replayed.policy)
     predicted = time_per_step(trace)

@@ -38,7 +38,9 @@ class SimExecutor:
         if noise < 0:
             raise ValueError(f"noise must be >= 0 (log-normal sigma of durations), got {noise}")
         if device_pace is not None and (len(device_pace) != setup.devices or min(device_pace) <= 0):
-            raise ValueError(f"device_pace needs one positive factor per device ({setup.devices}), got {list(device_pace)}")
+            raise ValueError(
+                f"device_pace needs one positive factor per device ({setup.devices}), got {list(device_pace)}"
+            )
         self.device_pace = device_pace
         self.graph = graph
         self.setup = setup

@@ -7,11 +7,25 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from dovetail.graph.node import Graph, Kind, Role
 from dovetail.exec.trace import Span, StepRecord, Switch, Trace
+from dovetail.graph.node import Graph, Kind, Role
 from dovetail.sched.policy import (
-    Begin, Decision, DeviceIdle, Event, Migrate, NodeFinished, NodeReady, NodeStarted, RoleSwitched, Run,
-    Setup, StartStep, StepCommitted, SwitchRole, VersionPublished, can_run,
+    Begin,
+    Decision,
+    DeviceIdle,
+    Event,
+    Migrate,
+    NodeFinished,
+    NodeReady,
+    NodeStarted,
+    RoleSwitched,
+    Run,
+    Setup,
+    StartStep,
+    StepCommitted,
+    SwitchRole,
+    VersionPublished,
+    can_run,
 )
 
 EPS = 1e-9
@@ -143,7 +157,9 @@ class ClusterState:
         """Account the work done since `progress_at` at the current speed."""
         running = self.running[node_id]
         working_since = max(running.progress_at, running.start + running.delay * running.pace)
-        done = min(running.work_left, max(0.0, self.now - working_since) * self._width(node_id) * running.speed / running.pace)
+        done = min(
+            running.work_left, max(0.0, self.now - working_since) * self._width(node_id) * running.speed / running.pace
+        )
         running.work_left -= done
         running.work_done += done * running.pace / self._width(node_id)
         running.progress_at = self.now
@@ -300,7 +316,18 @@ class ClusterState:
         version = self._version_used(node_id)
         for index in running.devices:
             self.trace.spans.append(
-                Span(node_id, node.pipeline, node.step, node.kind.value, index, running.start, end, running.share, version, running.work_done)
+                Span(
+                    node_id,
+                    node.pipeline,
+                    node.step,
+                    node.kind.value,
+                    index,
+                    running.start,
+                    end,
+                    running.share,
+                    version,
+                    running.work_done,
+                )
             )
 
     def finish_node(self, node_id: str) -> None:
@@ -329,7 +356,15 @@ class ClusterState:
         samples = {sample for node in nodes for sample in node.samples}
         tokens = sum(node.tokens for node in nodes)
         self.trace.steps.append(
-            StepRecord(pipeline, step, self.started[(pipeline, step)], self._step_start[(pipeline, step)], self.now, len(samples), tokens)
+            StepRecord(
+                pipeline,
+                step,
+                self.started[(pipeline, step)],
+                self._step_start[(pipeline, step)],
+                self.now,
+                len(samples),
+                tokens,
+            )
         )
         self._events.append(StepCommitted(self.now, pipeline, step, step + 1))
 

@@ -87,16 +87,31 @@ class Trace:
             for d in range(self.devices)
         ]
         for s in self.spans:
-            events.append({
-                "ph": "X", "pid": 0, "tid": s.device, "cat": s.kind,
-                "name": f"{s.pipeline}:{s.kind}", "ts": s.start * 1e6, "dur": (s.end - s.start) * 1e6,
-                "args": {"node": s.node, "step": s.step, "version": s.version, "share": s.share},
-            })
+            events.append(
+                {
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": s.device,
+                    "cat": s.kind,
+                    "name": f"{s.pipeline}:{s.kind}",
+                    "ts": s.start * 1e6,
+                    "dur": (s.end - s.start) * 1e6,
+                    "args": {"node": s.node, "step": s.step, "version": s.version, "share": s.share},
+                }
+            )
         for s in self.switches:
-            events.append({
-                "ph": "X", "pid": 0, "tid": s.device, "cat": "switch",
-                "name": f"switch->{s.role}", "ts": s.start * 1e6, "dur": (s.end - s.start) * 1e6, "args": {},
-            })
+            events.append(
+                {
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": s.device,
+                    "cat": "switch",
+                    "name": f"switch->{s.role}",
+                    "ts": s.start * 1e6,
+                    "dur": (s.end - s.start) * 1e6,
+                    "args": {},
+                }
+            )
         Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
     def write_gantt(self, path: str | Path, title: str = "") -> None:
@@ -115,9 +130,13 @@ class Trace:
                 if s.kind == kind:
                     rows.setdefault(s.device, []).append((s.start, s.end - s.start))
             for device, bars in rows.items():
-                ax.broken_barh(bars, (device - 0.4, 0.8), color=colours[kind], label=kind if device == min(rows) else None)
+                ax.broken_barh(
+                    bars, (device - 0.4, 0.8), color=colours[kind], label=kind if device == min(rows) else None
+                )
         for s in self.switches:
-            ax.broken_barh([(s.start, s.end - s.start)], (s.device - 0.4, 0.8), facecolor="white", edgecolor="grey", hatch="//")
+            ax.broken_barh(
+                [(s.start, s.end - s.start)], (s.device - 0.4, 0.8), facecolor="white", edgecolor="grey", hatch="//"
+            )
         ax.set_xlabel("seconds")
         ax.set_ylabel("device")
         ax.set_yticks(range(self.devices))

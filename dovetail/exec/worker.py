@@ -30,8 +30,8 @@ from dovetail.models.flow_rl import SampleId, accumulate_policy_gradient, commit
 from dovetail.models.pretrain import latents_to_images
 from dovetail.models.sampling import Trajectories
 from dovetail.models.t2i import load_model, strict_fp32
-from dovetail.rewards import load_rewards, score
 from dovetail.recipe import advantages_of, make_optimizer, policy_gradient, sde_settings
+from dovetail.rewards import load_rewards, score
 
 DEVICE_RESOURCE = "dovetail_device"
 GROUP_TIMEOUT_S = 120
@@ -53,12 +53,16 @@ def pack(trajectories: Trajectories, ids: list[SampleId]) -> dict:
 
 def unpack(parts: list[dict], sigmas: torch.Tensor) -> tuple[Trajectories, list[tuple[int, int, int]]]:
     """Packed parts joined into one batch, on the device of `sigmas`."""
+
     def tensor(array):
         return torch.tensor(array, device=sigmas.device)
 
-    joined = Trajectories.concat([
-        Trajectories(p["prompts"], tensor(p["prompt_ids"]), tensor(p["latents"]), tensor(p["log_probs"]), sigmas) for p in parts
-    ])
+    joined = Trajectories.concat(
+        [
+            Trajectories(p["prompts"], tensor(p["prompt_ids"]), tensor(p["latents"]), tensor(p["log_probs"]), sigmas)
+            for p in parts
+        ]
+    )
     return joined, [tuple(i) for p in parts for i in p["ids"]]
 
 
@@ -80,8 +84,10 @@ def tensors_of(weights: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
 def trainer_state_of(model, optimizer) -> dict:
     """Weights and optimizer state on the CPU: checkpoints and restarts must not need the GPU they came from."""
     optimizer_state = optimizer.state_dict()
-    moments = {index: {name: value.cpu() if torch.is_tensor(value) else value for name, value in per_param.items()}
-               for index, per_param in optimizer_state["state"].items()}
+    moments = {
+        index: {name: value.cpu() if torch.is_tensor(value) else value for name, value in per_param.items()}
+        for index, per_param in optimizer_state["state"].items()
+    }
     return {"weights": weights_of(model), "optimizer": optimizer_state | {"state": moments}}
 
 
@@ -105,8 +111,13 @@ def join_process_group(address: str, port: int, rank: int, world: int, backend: 
     """Module-level: Ray cannot pickle actor methods that use torch.distributed."""
     if dist.is_initialized():
         dist.destroy_process_group()
-    dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{address}:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=GROUP_TIMEOUT_S),
+    )
 
 
 def all_reduce_sum(tensor: torch.Tensor, ranks: tuple[int, ...], groups: dict) -> None:
@@ -119,8 +130,12 @@ def all_reduce_sum(tensor: torch.Tensor, ranks: tuple[int, ...], groups: dict) -
 
 
 def flat_gradient(model) -> torch.Tensor:
-    return torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel(), device=p.device)
-                      for p in model.parameters()])
+    return torch.cat(
+        [
+            p.grad.flatten() if p.grad is not None else torch.zeros(p.numel(), device=p.device)
+            for p in model.parameters()
+        ]
+    )
 
 
 def synchronize(device: torch.device) -> None:
@@ -153,12 +168,28 @@ def profile_work(model, config: TrainConfig, sde, samples: int, carry: Callable[
             seconds[name] = time.perf_counter() - start
             return result
 
-        trajectories = timed("generate", lambda: generate(trainer, prompts, ids, sde, seed=config.seed, shared_group_noise=False))
+        trajectories = timed(
+            "generate", lambda: generate(trainer, prompts, ids, sde, seed=config.seed, shared_group_noise=False)
+        )
         timed("score", lambda: score(latents_to_images(trajectories.images), prompts, config.reward))
         with torch.no_grad():
-            timed("logprob", lambda: trainer(trajectories.latents[:, 0], sde.sigmas[:1].expand(n), trajectories.prompt_ids))
-        timed("train", lambda: accumulate_policy_gradient(trainer, trajectories, torch.ones(n, device=trainer.device), [0], sde,
-                                                          chunk_size=n, total_pairs=n, clip_range=config.algo.clip_range))
+            timed(
+                "logprob",
+                lambda: trainer(trajectories.latents[:, 0], sde.sigmas[:1].expand(n), trajectories.prompt_ids),
+            )
+        timed(
+            "train",
+            lambda: accumulate_policy_gradient(
+                trainer,
+                trajectories,
+                torch.ones(n, device=trainer.device),
+                [0],
+                sde,
+                chunk_size=n,
+                total_pairs=n,
+                clip_range=config.algo.clip_range,
+            ),
+        )
         timed("optimizer", lambda: commit(trainer, optimizer, config.train.max_grad_norm))
         timed("publish", lambda: rollout.load_state_dict(tensors_of(carry(weights_of(trainer)))))
         return seconds
@@ -202,8 +233,11 @@ class DeviceWorker:
         self.trainer = load_model(self.config.model.checkpoint).to(self.device)
         self.optimizer = make_optimizer(self.trainer, self.config)
         self.load_trainer_state(trainer_state)
-        self.reference = (load_model(self.config.model.checkpoint).to(self.device).requires_grad_(False)
-                          if self.config.algo.beta > 0 else None)
+        self.reference = (
+            load_model(self.config.model.checkpoint).to(self.device).requires_grad_(False)
+            if self.config.algo.beta > 0
+            else None
+        )
         self.rollout = copy.deepcopy(self.trainer).requires_grad_(False)
 
     def engines(self) -> list[str]:
@@ -227,7 +261,9 @@ class DeviceWorker:
         return os.getpid()
 
     def profile(self, samples: int) -> dict[str, float]:
-        return profile_work(self.trainer, self.config, self.sde, samples, carry=lambda weights: ray.get(ray.put(weights)))
+        return profile_work(
+            self.trainer, self.config, self.sde, samples, carry=lambda weights: ray.get(ray.put(weights))
+        )
 
     # ---------------------------------------------------------------- trainer state
     def trainer_state(self) -> dict:
@@ -263,7 +299,12 @@ class DeviceWorker:
         self.load_rollout_weights(version, weights)
         sample_ids = [SampleId(*i) for i in ids]
         trajectories = generate(
-            self.rollout, prompts, sample_ids, self.sde, seed=self.config.seed, shared_group_noise=self.config.shared_group_noise
+            self.rollout,
+            prompts,
+            sample_ids,
+            self.sde,
+            seed=self.config.seed,
+            shared_group_noise=self.config.shared_group_noise,
         )
         return pack(trajectories, sample_ids) | {"version": version}
 
@@ -275,9 +316,14 @@ class DeviceWorker:
     def old_log_probs(self, timesteps: list[int], *parts: dict) -> dict:
         """Recompute the log-probs of the taken steps under the trainer's weights (colocated baselines)."""
         trajectories, ids = unpack(list(parts), self.sde.sigmas)
-        return {"ids": ids, "log_probs": recompute_log_probs(self.trainer, trajectories, timesteps, self.sde).cpu().numpy()}
+        return {
+            "ids": ids,
+            "log_probs": recompute_log_probs(self.trainer, trajectories, timesteps, self.sde).cpu().numpy(),
+        }
 
-    def train(self, samples: list, timesteps: list[int], total_pairs: int, stale: bool, counts: tuple[int, ...], *inputs: dict) -> dict:
+    def train(
+        self, samples: list, timesteps: list[int], total_pairs: int, stale: bool, counts: tuple[int, ...], *inputs: dict
+    ) -> dict:
         """Gradient of the GRPO loss of `samples` over `timesteps`; `stale` when they were generated by
         the previous weights (TCSS), which switches on the decoupled importance correction.
 
@@ -292,21 +338,35 @@ class DeviceWorker:
         for part in inputs[counts[0] : counts[0] + counts[1]]:
             rewards[[position[tuple(s)] for s in part["ids"]]] = part["scores"]["total"]
         for part in inputs[counts[0] + counts[1] :]:
-            trajectories.log_probs[[position[tuple(s)] for s in part["ids"]]] = torch.from_numpy(part["log_probs"]).to(self.device)
+            trajectories.log_probs[[position[tuple(s)] for s in part["ids"]]] = torch.from_numpy(part["log_probs"]).to(
+                self.device
+            )
         advantages = advantages_of(self.config, rewards, [sample[1] for sample in ids])
         self.optimizer.zero_grad(set_to_none=True)
-        sums = policy_gradient(self.trainer, trajectories.select(rows), advantages[rows], timesteps, self.sde, self.config,
-                               total_pairs=total_pairs, reference_model=self.reference, stale=stale)
+        sums = policy_gradient(
+            self.trainer,
+            trajectories.select(rows),
+            advantages[rows],
+            timesteps,
+            self.sde,
+            self.config,
+            total_pairs=total_pairs,
+            reference_model=self.reference,
+            stale=stale,
+        )
         gradient = flat_gradient(self.trainer)
         self.accumulated = gradient if self.accumulated is None else self.accumulated + gradient
         self.optimizer.zero_grad(set_to_none=True)
-        return {"stats": sums, "ids": [ids[r] for r in rows], "timesteps": timesteps,
-                "rewards": rewards[rows]}
+        return {"stats": sums, "ids": [ids[r] for r in rows], "timesteps": timesteps, "rewards": rewards[rows]}
 
     def commit(self, ranks: tuple[int, ...]) -> float:
         """All-reduce the step's gradients over the trainer devices `ranks` and take one optimizer step;
         returns the pre-clip gradient norm (the same on every replica)."""
-        total = torch.zeros(sum(p.numel() for p in self.trainer.parameters()), device=self.device) if self.accumulated is None else self.accumulated.clone()
+        total = (
+            torch.zeros(sum(p.numel() for p in self.trainer.parameters()), device=self.device)
+            if self.accumulated is None
+            else self.accumulated.clone()
+        )
         all_reduce_sum(total, ranks, self.groups)
         offset = 0
         for p in self.trainer.parameters():

@@ -12,14 +12,11 @@ Step s trains weights version s; its first train node waits for the previous ste
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from dovetail.graph.node import Kind, Node, Role
+from dovetail.cost.catalog import diffusion_model
+from dovetail.cost.model import CostModel
+from dovetail.graph.node import Engines, Kind, Node, Role
 from dovetail.graph.spec import FlowSpec
-
-if TYPE_CHECKING:
-    from dovetail.sched.cost import CostModel
-    from dovetail.sched.policy import Engines
 
 GB = 1e9
 BF16 = 2
@@ -61,15 +58,23 @@ class FlowShape:
         if self.staged and not 1 <= self.fragments <= spec.samples:
             raise ValueError(f"{spec.name}: fragments={self.fragments} must be in 1..samples={spec.samples}")
         if not self.staged and not 1 <= self.fragments <= spec.prompts:
-            raise ValueError(f"{spec.name}: fragments={self.fragments} must be in 1..prompts={spec.prompts} (whole groups)")
+            raise ValueError(
+                f"{spec.name}: fragments={self.fragments} must be in 1..prompts={spec.prompts} (whole groups)"
+            )
         if self.fragments % spec.mini_batches:
-            raise ValueError(f"{spec.name}: fragments={self.fragments} must be a multiple of mini_batches={spec.mini_batches}")
+            raise ValueError(
+                f"{spec.name}: fragments={self.fragments} must be a multiple of mini_batches={spec.mini_batches}"
+            )
         if not 1 <= self.tsp_chunk <= spec.trained_timesteps:
-            raise ValueError(f"{spec.name}: tsp_chunk={self.tsp_chunk} must be in 1..trained_timesteps={spec.trained_timesteps}")
+            raise ValueError(
+                f"{spec.name}: tsp_chunk={self.tsp_chunk} must be in 1..trained_timesteps={spec.trained_timesteps}"
+            )
         if self.trainer_devices < 1:
             raise ValueError(f"{spec.name}: trainer_devices must be >= 1")
         if not 1 <= self.group <= self.trainer_devices or self.trainer_devices % self.group:
-            raise ValueError(f"{spec.name}: trainer_group={self.group} must divide trainer_devices={self.trainer_devices}")
+            raise ValueError(
+                f"{spec.name}: trainer_group={self.group} must divide trainer_devices={self.trainer_devices}"
+            )
 
 
 def split(total: int, parts: int) -> list[range]:
@@ -85,12 +90,11 @@ def split(total: int, parts: int) -> list[range]:
 
 def engines(spec: FlowSpec, cost: CostModel, trainer_devices: int) -> Engines:
     """Resident memory of the rollout and trainer engines on one device and their sleep / wake costs."""
-    from dovetail.sched.catalog import diffusion_model
-    from dovetail.sched.policy import Engines
-
     model = diffusion_model(spec.model)
     rollout = (model.params + model.text_encoder_params) * BF16
-    trainer_state = cost.training_memory(model.params, model.layers, model.hidden, 0, trainer_devices, offload=spec.offload)
+    trainer_state = cost.training_memory(
+        model.params, model.layers, model.hidden, 0, trainer_devices, offload=spec.offload
+    )
     trainer = trainer_state.total
     resident = {Role.ROLLOUT: rollout / GB, Role.TRAINER: trainer / GB}
     switch = {Role.ROLLOUT: cost.switch(rollout), Role.TRAINER: cost.switch(trainer)}
@@ -99,7 +103,6 @@ def engines(spec: FlowSpec, cost: CostModel, trainer_devices: int) -> Engines:
 
 def build_flow(spec: FlowSpec, steps: int, shape: FlowShape, cost: CostModel) -> list[Node]:
     """All nodes of `steps` consecutive steps of one flow pipeline."""
-    from dovetail.sched.catalog import diffusion_model
 
     shape.check(spec)
     model = diffusion_model(spec.model)
@@ -109,7 +112,9 @@ def build_flow(spec: FlowSpec, steps: int, shape: FlowShape, cost: CostModel) ->
     fragments = split(spec.prompts, shape.fragments)
     per_mini_batch = shape.fragments // spec.mini_batches
     chunks = [(c.start, c.stop) for c in split(spec.trained_timesteps, -(-spec.trained_timesteps // shape.tsp_chunk))]
-    generate_gb = cost.training_memory(0, 1, model.hidden, tokens * passes * spec.group, checkpointing=False).activations / GB
+    generate_gb = (
+        cost.training_memory(0, 1, model.hidden, tokens * passes * spec.group, checkpointing=False).activations / GB
+    )
     optimizer_s = cost.optimizer_step(model.params, shape.group, offloaded=spec.offload)
     optimizer_s += cost.replica_allreduce_seconds(model.params, shape.group, shape.groups)
     publish_s = cost.publish(model.params)
@@ -119,7 +124,9 @@ def build_flow(spec: FlowSpec, steps: int, shape: FlowShape, cost: CostModel) ->
     trainer = shape.group
     micro = spec.micro_batch
 
-    def trainer_nodes(prefix: str, step: int, label: str, samples: tuple, data: list[str], weights: tuple) -> list[Node]:
+    def trainer_nodes(
+        prefix: str, step: int, label: str, samples: tuple, data: list[str], weights: tuple
+    ) -> list[Node]:
         """Old / reference log-prob forward (if any; it needs the `data` and the step's `weights`) and one train
         node per timestep chunk for `samples` (it needs the data and the previous optimizer step)."""
         n = len(samples)
@@ -130,21 +137,45 @@ def build_flow(spec: FlowSpec, steps: int, shape: FlowShape, cost: CostModel) ->
             if shape.recompute_logprob:
                 logprob_s += cost.dit_logprob(model, n, spec.trained_timesteps, tokens, train_cfg, trainer, micro)
             if spec.reference:  # verl's reference model runs under FSDP CPUOffload: parameters stream in per pass
-                logprob_s += cost.dit_logprob(model, n, spec.trained_timesteps, tokens, train_cfg, trainer, micro, host_streaming=True)
+                logprob_s += cost.dit_logprob(
+                    model, n, spec.trained_timesteps, tokens, train_cfg, trainer, micro, host_streaming=True
+                )
             logprob = Node(
-                f"{prefix}/logprob{label}", name, step, Kind.LOGPROB, Role.TRAINER,
-                (*data, *weights), step, samples, cost_s=logprob_s,
-                memory_gb=cost.training_memory(0, 1, model.hidden, tokens * passes * micro, checkpointing=False).activations / GB,
+                f"{prefix}/logprob{label}",
+                name,
+                step,
+                Kind.LOGPROB,
+                Role.TRAINER,
+                (*data, *weights),
+                step,
+                samples,
+                cost_s=logprob_s,
+                memory_gb=cost.training_memory(
+                    0, 1, model.hidden, tokens * passes * micro, checkpointing=False
+                ).activations
+                / GB,
             )
             out.append(logprob)
             train_deps.append(logprob.id)
         for start, stop in chunks:
-            out.append(Node(
-                f"{prefix}/train{label}.t{start}-{stop}", name, step, Kind.TRAIN, Role.TRAINER, tuple(train_deps), step,
-                samples, chunk=(start, stop),
-                cost_s=cost.dit_train(model, n, stop - start, tokens, train_cfg, trainer, micro),
-                memory_gb=cost.training_memory(0, model.layers, model.hidden, tokens * passes * micro * (stop - start)).activations / GB,
-            ))
+            out.append(
+                Node(
+                    f"{prefix}/train{label}.t{start}-{stop}",
+                    name,
+                    step,
+                    Kind.TRAIN,
+                    Role.TRAINER,
+                    tuple(train_deps),
+                    step,
+                    samples,
+                    chunk=(start, stop),
+                    cost_s=cost.dit_train(model, n, stop - start, tokens, train_cfg, trainer, micro),
+                    memory_gb=cost.training_memory(
+                        0, model.layers, model.hidden, tokens * passes * micro * (stop - start)
+                    ).activations
+                    / GB,
+                )
+            )
         return out
 
     for step in range(steps):
@@ -153,21 +184,45 @@ def build_flow(spec: FlowSpec, steps: int, shape: FlowShape, cost: CostModel) ->
         for mini_batch in range(spec.mini_batches):
             train_ids: list[str] = []
             if shape.staged:
-                batch_samples = [(step, p, i) for p in split(spec.prompts, spec.mini_batches)[mini_batch] for i in range(spec.group)]
-                pieces = [tuple(batch_samples[r.start:r.stop]) for r in split(len(batch_samples), per_mini_batch)]
+                batch_samples = [
+                    (step, p, i) for p in split(spec.prompts, spec.mini_batches)[mini_batch] for i in range(spec.group)
+                ]
+                pieces = [tuple(batch_samples[r.start : r.stop]) for r in split(len(batch_samples), per_mini_batch)]
             else:
-                pieces = [tuple((step, p, i) for p in fragments[f] for i in range(spec.group))
-                          for f in range(mini_batch * per_mini_batch, (mini_batch + 1) * per_mini_batch)]
+                pieces = [
+                    tuple((step, p, i) for p in fragments[f] for i in range(spec.group))
+                    for f in range(mini_batch * per_mini_batch, (mini_batch + 1) * per_mini_batch)
+                ]
             scores: list[str] = []
             for f, samples in zip(range(mini_batch * per_mini_batch, (mini_batch + 1) * per_mini_batch), pieces):
                 n = len(samples)
                 generate = Node(
-                    f"{prefix}/gen{f}", name, step, Kind.GENERATE, Role.ROLLOUT, (), step, samples,
-                    cost_s=cost.generate(model, n, spec.height, spec.width, spec.denoising_steps, spec.frames, spec.cfg),
-                    memory_gb=generate_gb, tokens=n * tokens,
+                    f"{prefix}/gen{f}",
+                    name,
+                    step,
+                    Kind.GENERATE,
+                    Role.ROLLOUT,
+                    (),
+                    step,
+                    samples,
+                    cost_s=cost.generate(
+                        model, n, spec.height, spec.width, spec.denoising_steps, spec.frames, spec.cfg
+                    ),
+                    memory_gb=generate_gb,
+                    tokens=n * tokens,
                 )
                 score_s = cost.vlm_score(n) if spec.reward == "vlm" else cost.rule_score(n)
-                score = Node(f"{prefix}/score{f}", name, step, Kind.SCORE, Role.REWARD, (generate.id,), step, samples, cost_s=score_s)
+                score = Node(
+                    f"{prefix}/score{f}",
+                    name,
+                    step,
+                    Kind.SCORE,
+                    Role.REWARD,
+                    (generate.id,),
+                    step,
+                    samples,
+                    cost_s=score_s,
+                )
                 nodes += [generate, score]
                 scores.append(score.id)
                 if not shape.staged:
@@ -179,10 +234,29 @@ def build_flow(spec: FlowSpec, steps: int, shape: FlowShape, cost: CostModel) ->
                 nodes += made
                 train_ids += [m.id for m in made if m.kind == Kind.TRAIN]
             commit = Node(
-                f"{prefix}/commit{mini_batch}", name, step, Kind.COMMIT, Role.TRAINER, tuple(train_ids), step,
-                cost_s=optimizer_s, collective=True,
+                f"{prefix}/commit{mini_batch}",
+                name,
+                step,
+                Kind.COMMIT,
+                Role.TRAINER,
+                tuple(train_ids),
+                step,
+                cost_s=optimizer_s,
+                collective=True,
             )
             nodes.append(commit)
             previous_commit = commit.id
-        nodes.append(Node(f"{prefix}/publish", name, step, Kind.PUBLISH, Role.ANY, (previous_commit,), step, cost_s=publish_s, collective=True))
+        nodes.append(
+            Node(
+                f"{prefix}/publish",
+                name,
+                step,
+                Kind.PUBLISH,
+                Role.ANY,
+                (previous_commit,),
+                step,
+                cost_s=publish_s,
+                collective=True,
+            )
+        )
     return nodes

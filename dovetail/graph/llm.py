@@ -24,15 +24,11 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
-from dovetail.graph.node import Kind, Node, Role, SampleId
+from dovetail.cost.catalog import LanguageModel, language_model
+from dovetail.cost.model import CostModel
+from dovetail.graph.node import Engines, Kind, Node, Role, SampleId
 from dovetail.graph.spec import LLMSpec
-
-if TYPE_CHECKING:
-    from dovetail.sched.catalog import LanguageModel
-    from dovetail.sched.cost import CostModel
-    from dovetail.sched.policy import Engines
 
 GB = 1e9
 
@@ -91,17 +87,23 @@ class LLMShape:
 
     def check(self, spec: LLMSpec) -> None:
         if not 0 < self.shards <= spec.batch:
-            raise ValueError(f"{spec.name}: shards={self.shards} must be in 1..batch={spec.batch} (a shard holds whole groups)")
+            raise ValueError(
+                f"{spec.name}: shards={self.shards} must be in 1..batch={spec.batch} (a shard holds whole groups)"
+            )
         if self.trainer_devices < 1:
             raise ValueError(f"{spec.name}: trainer_devices must be >= 1")
         if self.migrate_at is not None and not 0 < self.migrate_at < spec.max_length:
-            raise ValueError(f"{spec.name}: migrate_at={self.migrate_at} must be in 1..max_length-1={spec.max_length - 1}")
+            raise ValueError(
+                f"{spec.name}: migrate_at={self.migrate_at} must be in 1..max_length-1={spec.max_length - 1}"
+            )
         if spec.batch % spec.micro_batches:
             raise ValueError(f"{spec.name}: micro_batches={spec.micro_batches} must divide batch={spec.batch}")
         if self.tail_parallel is not None and self.tail_parallel < 1:
             raise ValueError(f"{spec.name}: tail_parallel={self.tail_parallel} must be >= 1")
         if self.rollout_memory is not None and not 0 < self.rollout_memory <= 1:
-            raise ValueError(f"{spec.name}: rollout_memory={self.rollout_memory} must be a fraction of device memory in (0, 1]")
+            raise ValueError(
+                f"{spec.name}: rollout_memory={self.rollout_memory} must be a fraction of device memory in (0, 1]"
+            )
 
     def cost_model(self, cost: CostModel) -> CostModel:
         return cost if self.rollout_memory is None else cost.with_rollout_memory(self.rollout_memory)
@@ -118,15 +120,13 @@ def stage(node: Node) -> str:
     if node.kind in (Kind.PREFILL, Kind.DECODE, Kind.MIGRATE):
         return "rollout"
     if node.kind == Kind.LOGPROB:
-        return node.id.split("/")[3]
+        return "ref" if node.reference else "old"
     return node.kind.value
 
 
 def engines(spec: LLMSpec, cost: CostModel, shape: LLMShape) -> Engines:
     """Per-device resident memory of the rollout engine (weights / TP + its KV-cache share) and the
     FSDP trainer (weights, grads, optimizer / trainer group), and their sleep / wake costs."""
-    from dovetail.sched.catalog import language_model
-    from dovetail.sched.policy import Engines
 
     model = language_model(spec.model)
     tp = spec.tensor_parallel
@@ -140,7 +140,6 @@ def engines(spec: LLMSpec, cost: CostModel, shape: LLMShape) -> Engines:
 
 def build_llm(spec: LLMSpec, steps: int, shape: LLMShape, cost: CostModel, seed: int = 0) -> list[Node]:
     """All nodes of `steps` consecutive GRPO steps of one language-model pipeline."""
-    from dovetail.sched.catalog import language_model
 
     shape.check(spec)
     model = language_model(spec.model)
@@ -160,12 +159,24 @@ def _id(spec: LLMSpec, step: int, *parts: object) -> str:
     return "/".join([spec.name, str(step), *map(str, parts)])
 
 
-def _decode(spec, model, cost, step, node_id, deps, members: list[Sample], low: int, high: int, tp: int) -> Node:
+def _decode(
+    spec, model, cost, step, node_id, deps, members: list[Sample], low: int, high: int, tp: int, shard: int | None
+) -> Node:
     new_tokens = [min(s.response_tokens, high) - low for s in members]
     seconds = cost.decode(model, [s.prompt_tokens + low for s in members], new_tokens, devices=tp)
     return Node(
-        node_id, spec.name, step, Kind.DECODE, Role.ROLLOUT, deps, version=step,
-        samples=tuple(s.id for s in members), chunk=(low, high), cost_s=seconds * tp, tokens=sum(new_tokens),
+        node_id,
+        spec.name,
+        step,
+        Kind.DECODE,
+        Role.ROLLOUT,
+        deps,
+        version=step,
+        samples=tuple(s.id for s in members),
+        chunk=(low, high),
+        cost_s=seconds * tp,
+        tokens=sum(new_tokens),
+        shard=shard,
     )
 
 
@@ -181,8 +192,15 @@ def _rollout(spec: LLMSpec, model: LanguageModel, cost: CostModel, shape: LLMSha
     for shard in range(shape.shards):
         mine = [s for s in samples if s.shard == shard]
         prefill = Node(
-            _id(spec, step, "prefill", shard), spec.name, step, Kind.PREFILL, Role.ROLLOUT, version=step,
-            samples=tuple(s.id for s in mine), cost_s=cost.prefill(model, [s.prompt_tokens for s in mine], devices=tp) * tp,
+            _id(spec, step, "prefill", shard),
+            spec.name,
+            step,
+            Kind.PREFILL,
+            Role.ROLLOUT,
+            version=step,
+            samples=tuple(s.id for s in mine),
+            cost_s=cost.prefill(model, [s.prompt_tokens for s in mine], devices=tp) * tp,
+            shard=shard,
         )
         nodes.append(prefill)
         previous = prefill.id
@@ -190,7 +208,19 @@ def _rollout(spec: LLMSpec, model: LanguageModel, cost: CostModel, shape: LLMSha
             members = [s for s in mine if s.response_tokens > low]
             if not members:
                 break
-            node = _decode(spec, model, cost, step, _id(spec, step, "decode", shard, low), (previous,), members, low, high, tp)
+            node = _decode(
+                spec,
+                model,
+                cost,
+                step,
+                _id(spec, step, "decode", shard, low),
+                (previous,),
+                members,
+                low,
+                high,
+                tp,
+                shard,
+            )
             nodes.append(node)
             last_of.update((s.id, node.id) for s in members)
             previous = node.id
@@ -199,11 +229,29 @@ def _rollout(spec: LLMSpec, model: LanguageModel, cost: CostModel, shape: LLMSha
     if tail:
         tp = shape.tail_parallel or tp
         migrate = Node(
-            _id(spec, step, "migrate"), spec.name, step, Kind.MIGRATE, Role.ROLLOUT, tuple(tail_deps), version=step,
+            _id(spec, step, "migrate"),
+            spec.name,
+            step,
+            Kind.MIGRATE,
+            Role.ROLLOUT,
+            tuple(tail_deps),
+            version=step,
             samples=tuple(s.id for s in tail),
             cost_s=cost.migrate(model, [s.prompt_tokens + migrate_at for s in tail], devices=tp) * tp,
         )
-        decode = _decode(spec, model, cost, step, _id(spec, step, "decode", "tail"), (migrate.id,), tail, migrate_at, spec.max_length, tp)
+        decode = _decode(
+            spec,
+            model,
+            cost,
+            step,
+            _id(spec, step, "decode", "tail"),
+            (migrate.id,),
+            tail,
+            migrate_at,
+            spec.max_length,
+            tp,
+            None,
+        )
         nodes += [migrate, decode]
         last_of.update((s.id, decode.id) for s in tail)
     return nodes, last_of
@@ -217,7 +265,9 @@ def _prompt_order(samples: list[Sample]) -> list[int]:
     return sorted(longest, key=lambda prompt: (longest[prompt], prompt))
 
 
-def _training(spec, model, cost, shape: LLMShape, step, samples: list[Sample], last_of, previous_commit: str | None) -> list[Node]:
+def _training(
+    spec, model, cost, shape: LLMShape, step, samples: list[Sample], last_of, previous_commit: str | None
+) -> list[Node]:
     """Score, log-probs and train per micro-batch (whole prompt groups), then commit and publish."""
     per_micro = spec.batch // spec.micro_batches
     order = _prompt_order(samples) if shape.stream else list(range(spec.batch))
@@ -230,33 +280,73 @@ def _training(spec, model, cost, shape: LLMShape, step, samples: list[Sample], l
         ids = tuple(s.id for s in members)
         lengths = [s.prompt_tokens + s.response_tokens for s in members]
         score = Node(
-            _id(spec, step, "score", micro), spec.name, step, Kind.SCORE, Role.ANY,
-            tuple(sorted({last_of[s.id] for s in members})), version=step, samples=ids, cost_s=cost.rule_score(len(members)),
+            _id(spec, step, "score", micro),
+            spec.name,
+            step,
+            Kind.SCORE,
+            Role.ANY,
+            tuple(sorted({last_of[s.id] for s in members})),
+            version=step,
+            samples=ids,
+            cost_s=cost.rule_score(len(members)),
         )
         nodes.append(score)
         before_train = [score.id, *after_commit]
         for which, wanted in (("old", spec.recompute_logprob), ("ref", spec.reference)):
             if wanted:
                 logprob = Node(
-                    _id(spec, step, "logprob", which, micro), spec.name, step, Kind.LOGPROB, Role.TRAINER, (score.id, *after_commit),
-                    version=step, samples=ids, cost_s=cost.logprob(model, lengths, reference=which == "ref"),
+                    _id(spec, step, "logprob", which, micro),
+                    spec.name,
+                    step,
+                    Kind.LOGPROB,
+                    Role.TRAINER,
+                    (score.id, *after_commit),
+                    version=step,
+                    samples=ids,
+                    cost_s=cost.logprob(model, lengths, reference=which == "ref"),
+                    reference=which == "ref",
                 )
                 nodes.append(logprob)
                 before_train.append(logprob.id)
         tokens_per_device = math.ceil(sum(lengths) / shape.trainer_devices)
-        activations = cost.training_memory(model.params, model.layers, model.hidden, tokens_per_device, shape.trainer_devices).activations
+        activations = cost.training_memory(
+            model.params, model.layers, model.hidden, tokens_per_device, shape.trainer_devices
+        ).activations
         train = Node(
-            _id(spec, step, "train", micro), spec.name, step, Kind.TRAIN, Role.TRAINER, tuple(before_train),
-            version=step, samples=ids, chunk=(micro, micro + 1), cost_s=cost.train(model, lengths), memory_gb=activations / GB,
+            _id(spec, step, "train", micro),
+            spec.name,
+            step,
+            Kind.TRAIN,
+            Role.TRAINER,
+            tuple(before_train),
+            version=step,
+            samples=ids,
+            chunk=(micro, micro + 1),
+            cost_s=cost.train(model, lengths),
+            memory_gb=activations / GB,
         )
         nodes.append(train)
         trains.append(train.id)
     commit = Node(
-        _id(spec, step, "commit"), spec.name, step, Kind.COMMIT, Role.TRAINER, tuple(trains), version=step,
-        cost_s=cost.optimizer_step(model.params, devices=shape.trainer_devices), collective=True,
+        _id(spec, step, "commit"),
+        spec.name,
+        step,
+        Kind.COMMIT,
+        Role.TRAINER,
+        tuple(trains),
+        version=step,
+        cost_s=cost.optimizer_step(model.params, devices=shape.trainer_devices),
+        collective=True,
     )
     publish = Node(
-        _id(spec, step, "publish"), spec.name, step, Kind.PUBLISH, Role.TRAINER, (commit.id,), version=step,
-        cost_s=cost.publish(model.params), collective=True,
+        _id(spec, step, "publish"),
+        spec.name,
+        step,
+        Kind.PUBLISH,
+        Role.TRAINER,
+        (commit.id,),
+        version=step,
+        cost_s=cost.publish(model.params),
+        collective=True,
     )
     return nodes + [commit, publish]

@@ -6,12 +6,19 @@ each node runs; executors (simulated or real) run them. Nothing here knows about
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import NamedTuple
 
-SampleId = tuple[int, int, int]
-"""(step, prompt, sample index) — the key of per-sample randomness and of the sample ledger."""
+
+class SampleId(NamedTuple):
+    """The `index`-th sample of the group of prompt `prompt` in RL step `step`: the one key of per-sample
+    randomness and of the sample ledger, for every kind of pipeline. A tuple, so it crosses Ray as one."""
+
+    step: int
+    prompt: int
+    index: int
 
 
 class Role(StrEnum):
@@ -36,6 +43,16 @@ class Kind(StrEnum):
     TRAIN = "train"
     COMMIT = "commit"
     PUBLISH = "publish"
+
+
+@dataclass(frozen=True)
+class Engines:
+    """One pipeline's engines on one device, from the cost model: memory held while a device holds a
+    role, and the seconds to bring a role's engine up (wake) or put it away (sleep)."""
+
+    resident_gb: Mapping[Role, float]
+    wake_s: Mapping[Role, float]
+    sleep_s: Mapping[Role, float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +80,11 @@ class Node:
     collective: bool = False
     tokens: int = 0
     """Tokens this node produces (LLM decode) or processes (flow generate), for tokens/s."""
+    shard: int | None = None
+    """Rollout engine (shard of whole prompt groups) an LLM prefill / decode node belongs to; None elsewhere and
+    for the migrated tail, which decodes wherever the policy puts it."""
+    reference: bool = False
+    """A logprob node of the frozen reference model (the KL term), not of the weights being trained."""
 
     def __post_init__(self) -> None:
         if self.cost_s < 0 or self.memory_gb < 0:
@@ -120,7 +142,9 @@ class Graph:
         return [
             self.nodes[node_id]
             for node_id in self.order
-            if node_id not in finished and node_id not in started and all(d in finished for d in self.nodes[node_id].deps)
+            if node_id not in finished
+            and node_id not in started
+            and all(d in finished for d in self.nodes[node_id].deps)
         ]
 
     def pipelines(self) -> list[str]:

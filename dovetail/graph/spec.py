@@ -23,20 +23,30 @@ class FlowSpec(_Spec):
     denoising_steps: int = Field(gt=1, description="Sampler steps per sample (K).")
     trained_timesteps: int = Field(gt=0, description="Timesteps trained per sample (never the last one).")
     cfg: bool = Field(False, description="Classifier-free guidance in rollout: two DiT passes per denoising step.")
-    train_cfg: bool | None = Field(None, description="CFG in training too (two passes per trained pair); None: same as cfg.")
+    train_cfg: bool | None = Field(
+        None, description="CFG in training too (two passes per trained pair); None: same as cfg."
+    )
     reference: bool = Field(False, description="KL to a frozen reference: one reference forward per trained pair.")
     height: int = Field(gt=0)
     width: int = Field(gt=0)
     frames: int = Field(1, gt=0, description="1 for images.")
     mini_batches: int = Field(1, gt=0, description="Optimizer steps per RL step (the batch is split by prompt).")
-    reward: Literal["vlm", "rule"] = Field("vlm", description="vlm: a model judge (OCR, PickScore-like); rule: a cheap function.")
-    offload: bool = Field(False, description="Trainer parameters and optimizer state live in host memory (FSDP offload).")
-    micro_batch: int = Field(
-        1, gt=0,
-        description="Samples per device in one trainer forward/backward (the recipe's train micro-batch); the "
-        "per-timestep loop runs one pass per micro-batch per trained timestep, TSP batches a chunk of timesteps into it.",
+    reward: Literal["vlm", "rule"] = Field(
+        "vlm", description="vlm: a model judge (OCR, PickScore-like); rule: a cheap function."
     )
-    fragments: int | None = Field(None, gt=0, description="GAP fragments M (whole groups); None lets the policy choose.")
+    offload: bool = Field(
+        False, description="Trainer parameters and optimizer state live in host memory (FSDP offload)."
+    )
+    micro_batch: int = Field(
+        1,
+        gt=0,
+        description="Samples per device in one trainer forward/backward (the recipe's train micro-batch); the "
+        "per-timestep loop runs one pass per micro-batch per trained timestep, TSP batches a chunk "
+        "of timesteps into it.",
+    )
+    fragments: int | None = Field(
+        None, gt=0, description="GAP fragments M (whole groups); None lets the policy choose."
+    )
     tsp_chunk: int | None = Field(None, gt=0, description="Timesteps per TSP train node; None lets the policy choose.")
 
     @model_validator(mode="after")
@@ -49,7 +59,9 @@ class FlowSpec(_Spec):
         if self.prompts % self.mini_batches:
             raise ValueError(f"mini_batches={self.mini_batches} must divide prompts={self.prompts}")
         if self.fragments is not None and self.fragments > self.prompts:
-            raise ValueError(f"fragments={self.fragments} cannot exceed prompts={self.prompts} (a fragment holds whole groups)")
+            raise ValueError(
+                f"fragments={self.fragments} cannot exceed prompts={self.prompts} (a fragment holds whole groups)"
+            )
         return self
 
     @property

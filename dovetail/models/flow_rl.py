@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from dovetail.algo import decoupled_old_log_prob, flow_grpo_loss, sde_step
+from dovetail.graph.node import SampleId
 from dovetail.models.sampling import Trajectories, keyed_normal, sample_key, sample_sde
 
 
@@ -18,15 +19,6 @@ class SDESettings:
     sigmas: torch.Tensor
     noise_level: float
     kind: str
-
-
-@dataclass(frozen=True)
-class SampleId:
-    """A sample is the `index`-th of the group of prompt `prompt` in RL step `step`."""
-
-    step: int
-    prompt: int
-    index: int
 
 
 def step_prompts(seed: int, step: int, count: int) -> list[str]:
@@ -53,14 +45,22 @@ def generate(
     shape = model.latent_shape
     num_steps = len(sde.sigmas) - 1
     init_keys = [
-        sample_key(seed, "init", s.step, s.prompt) if shared_group_noise else sample_key(seed, "init", s.step, s.prompt, s.index)
+        sample_key(seed, "init", s.step, s.prompt)
+        if shared_group_noise
+        else sample_key(seed, "init", s.step, s.prompt, s.index)
         for s in ids
     ]
     step_keys = [sample_key(seed, "sde", s.step, s.prompt, s.index) for s in ids]
     init_noise = keyed_normal(init_keys, shape).to(model.device)
     step_noise = keyed_normal(step_keys, (num_steps, *shape)).to(model.device)
     return sample_sde(
-        model, prompts, sde.sigmas, init_noise=init_noise, step_noise=step_noise, noise_level=sde.noise_level, kind=sde.kind
+        model,
+        prompts,
+        sde.sigmas,
+        init_noise=init_noise,
+        step_noise=step_noise,
+        noise_level=sde.noise_level,
+        kind=sde.kind,
     )
 
 
@@ -97,21 +97,40 @@ def accumulate_policy_gradient(
         prompt_ids = trajectories.prompt_ids[rows]
         velocity = model(x, sigma, prompt_ids)
         step = sde_step(
-            velocity, x, sigma, sigma_next, noise_level=sde.noise_level, kind=sde.kind,
+            velocity,
+            x,
+            sigma,
+            sigma_next,
+            noise_level=sde.noise_level,
+            kind=sde.kind,
             prev_latents=trajectories.latents[rows, [k + 1 for k in steps]],
         )
         ref_mean = None
         if beta > 0:
             with torch.no_grad():
                 ref_velocity = reference_model(x, sigma, prompt_ids)
-                ref_mean = sde_step(ref_velocity, x, sigma, sigma_next, noise_level=sde.noise_level, kind=sde.kind,
-                                    prev_latents=step.prev_latents).mean
+                ref_mean = sde_step(
+                    ref_velocity,
+                    x,
+                    sigma,
+                    sigma_next,
+                    noise_level=sde.noise_level,
+                    kind=sde.kind,
+                    prev_latents=step.prev_latents,
+                ).mean
         old_log_prob, weight = trajectories.log_probs[rows, steps], None
         if stale_max_weight is not None:
             old_log_prob, weight = decoupled_old_log_prob(step.log_prob, old_log_prob, max_weight=stale_max_weight)
         loss, stats = flow_grpo_loss(
-            step.log_prob, old_log_prob, advantages[rows],
-            clip_range=clip_range, ref_mean=ref_mean, mean=step.mean, std=step.std, beta=beta, importance_weight=weight,
+            step.log_prob,
+            old_log_prob,
+            advantages[rows],
+            clip_range=clip_range,
+            ref_mean=ref_mean,
+            mean=step.mean,
+            std=step.std,
+            beta=beta,
+            importance_weight=weight,
         )
         weight = len(rows) / total_pairs
         (loss * weight).backward()
@@ -135,7 +154,12 @@ def recompute_log_probs(model, trajectories: Trajectories, timesteps: list[int],
         x = trajectories.latents[:, k]
         velocity = model(x, sde.sigmas[k].expand(len(x)), trajectories.prompt_ids)
         log_probs[:, k] = sde_step(
-            velocity, x, sde.sigmas[k], sde.sigmas[k + 1], noise_level=sde.noise_level, kind=sde.kind,
+            velocity,
+            x,
+            sde.sigmas[k],
+            sde.sigmas[k + 1],
+            noise_level=sde.noise_level,
+            kind=sde.kind,
             prev_latents=trajectories.latents[:, k + 1],
         ).log_prob
     return log_probs

@@ -27,7 +27,13 @@ def latents_to_images(latents: torch.Tensor) -> np.ndarray:
 
 
 def pretrain_digits(
-    out: Path, *, steps: int = 400, batch_size: int = 128, lr: float = 1e-3, seed: int = 0, config: T2IConfig | None = None
+    out: Path,
+    *,
+    steps: int = 400,
+    batch_size: int = 128,
+    lr: float = 1e-3,
+    seed: int = 0,
+    config: T2IConfig | None = None,
 ) -> TinyT2I:
     torch.manual_seed(seed)
     images, prompts = digits_dataset()

@@ -75,7 +75,9 @@ def sample_sde(
     chain, log_probs = [x], []
     for k in range(len(sigmas) - 1):
         velocity = model(x, sigmas[k].expand(x.shape[0]), prompt_ids)
-        step = sde_step(velocity, x, sigmas[k], sigmas[k + 1], noise_level=noise_level, kind=kind, noise=step_noise[:, k])
+        step = sde_step(
+            velocity, x, sigmas[k], sigmas[k + 1], noise_level=noise_level, kind=kind, noise=step_noise[:, k]
+        )
         x = step.prev_latents
         chain.append(x)
         log_probs.append(step.log_prob)

@@ -103,7 +103,9 @@ def checkpoint_weights(directory: Path | str) -> Path:
     """The weights file of a model checkpoint directory; a missing one is an error that says how to make it."""
     weights = Path(directory) / "model.safetensors"
     if not weights.exists():
-        raise FileNotFoundError(f"no checkpoint at {weights}; run `dovetail pretrain digits --out {directory}` to make one")
+        raise FileNotFoundError(
+            f"no checkpoint at {weights}; run `dovetail pretrain digits --out {directory}` to make one"
+        )
     return weights
 
 

@@ -1,20 +1,28 @@
-"""Scheduling policies by name. A policy class has `name`, `shape(spec, devices, trainer_devices, cost)`
-(how it cuts each pipeline's step into nodes) and `decide(view, events)`."""
+"""Scheduling policies by name. The contract every policy keeps is `sched.policy.Policy`.
 
-from dovetail.sched.areal import Areal
-from dovetail.sched.colocated import Colocated
-from dovetail.sched.digen import Digen, DigenTCSS
-from dovetail.sched.disaggregated import Disaggregated
-from dovetail.sched.jigsaw import Jigsaw, JigsawGreedy
+The registry is lazy: a name maps to where its class lives, imported on first use, so importing one policy (or
+the package) never imports all of them."""
+
+from importlib import import_module
+
 from dovetail.sched.policy import Policy
-from dovetail.sched.streamrl import StreamRL
-from dovetail.sched.verl_sync import VerlSync
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Colocated, Disaggregated, Digen, DigenTCSS, VerlSync, StreamRL, Areal, Jigsaw, JigsawGreedy)}
+POLICIES: dict[str, str] = {
+    "colocated": "dovetail.sched.colocated:Colocated",
+    "disaggregated": "dovetail.sched.disaggregated:Disaggregated",
+    "digen": "dovetail.sched.digen:Digen",
+    "digen+tcss": "dovetail.sched.digen:DigenTCSS",
+    "verl-sync": "dovetail.sched.verl_sync:VerlSync",
+    "streamrl": "dovetail.sched.streamrl:StreamRL",
+    "areal": "dovetail.sched.areal:Areal",
+    "jigsaw": "dovetail.sched.jigsaw:Jigsaw",
+    "jigsaw-greedy": "dovetail.sched.jigsaw:JigsawGreedy",
+}
+"""Policy name -> "module:Class"."""
 
 
 def policy_class(name: str) -> type[Policy]:
-    try:
-        return POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(sorted(POLICIES))}") from None
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(sorted(POLICIES))}")
+    module, _, attribute = POLICIES[name].partition(":")
+    return getattr(import_module(module), attribute)

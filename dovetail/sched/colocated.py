@@ -15,8 +15,20 @@ from dovetail.graph.flow import FlowShape
 from dovetail.graph.node import Kind, Node, Role
 from dovetail.graph.spec import FlowSpec, PipelineSpec
 from dovetail.sched.policy import (
-    Begin, Decision, Event, Policy, Run, Setup, SwitchRole, VersionPublished, all_idle, idle_devices, open_steps_on_publish,
-    ready_of, reward_roles, score_on_reward_pool,
+    Begin,
+    Decision,
+    Event,
+    Policy,
+    Run,
+    Setup,
+    SwitchRole,
+    VersionPublished,
+    all_idle,
+    idle_devices,
+    open_steps_on_publish,
+    ready_of,
+    reward_roles,
+    score_on_reward_pool,
 )
 
 
@@ -35,6 +47,8 @@ def data_parallel_fragments(spec: FlowSpec, devices: int) -> int:
 class StagedFlow(Policy):
     """Stage-synchronous FlowGRPO on a rollout pool and a trainer pool (the same devices when colocated).
     Trainer nodes run on the whole trainer pool (one FSDP group), one at a time."""
+
+    pipeline_kinds = frozenset({"flow"})
 
     switching: bool
     supports_reward_pool = True
@@ -55,7 +69,9 @@ class StagedFlow(Policy):
         roles = {d: Role.ROLLOUT for d in self.rollout_pool}
         if not self.switching:
             roles.update({d: Role.TRAINER for d in self.trainer_pool})
-        return [self.setup.switch(d, self.pipeline, None, role) for d, role in roles.items()] + reward_roles(self.setup, self.pipeline)
+        return [self.setup.switch(d, self.pipeline, None, role) for d, role in roles.items()] + reward_roles(
+            self.setup, self.pipeline
+        )
 
     def _finished(self, view, step: int, kind: Kind) -> bool:
         return all(n.id in view.finished for n in view.graph.of(self.pipeline, step, kind))
@@ -65,9 +81,15 @@ class StagedFlow(Policy):
         for event in events:
             if isinstance(event, Begin):
                 decisions += self._initial_roles()
-            elif isinstance(event, VersionPublished) and self.switching and event.version in view.graph.steps(self.pipeline):
+            elif (
+                isinstance(event, VersionPublished)
+                and self.switching
+                and event.version in view.graph.steps(self.pipeline)
+            ):
                 if event.version > 0:
-                    decisions += [self.setup.switch(d, self.pipeline, Role.TRAINER, Role.ROLLOUT) for d in self.everyone]
+                    decisions += [
+                        self.setup.switch(d, self.pipeline, Role.TRAINER, Role.ROLLOUT) for d in self.everyone
+                    ]
         decisions += open_steps_on_publish(view, events)
         if not view.started:
             return decisions
@@ -85,7 +107,9 @@ class StagedFlow(Policy):
         if self.switching and scored and view.devices[0].role == Role.ROLLOUT and all_idle(view, self.everyone):
             return decisions + [self.setup.switch(d, self.pipeline, Role.ROLLOUT, Role.TRAINER) for d in self.everyone]
 
-        trainer_ready = all_idle(view, self.trainer_pool) and all(view.devices[d].role == Role.TRAINER for d in self.trainer_pool)
+        trainer_ready = all_idle(view, self.trainer_pool) and all(
+            view.devices[d].role == Role.TRAINER for d in self.trainer_pool
+        )
         if scored and trainer_ready:
             node = self._next_trainer_node(view, step)
             if node is not None:

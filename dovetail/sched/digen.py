@@ -33,8 +33,22 @@ from dovetail.graph.spec import FlowSpec, PipelineSpec
 from dovetail.sched.colocated import flow_only
 from dovetail.sched.disaggregated import split_pools
 from dovetail.sched.policy import (
-    Begin, Decision, Event, NodeStarted, Policy, Run, Setup, StartStep, SwitchRole, VersionPublished, all_idle,
-    idle_devices, open_steps_on_publish, ready_of, reward_roles, score_on_reward_pool,
+    Begin,
+    Decision,
+    Event,
+    NodeStarted,
+    Policy,
+    Run,
+    Setup,
+    StartStep,
+    SwitchRole,
+    VersionPublished,
+    all_idle,
+    idle_devices,
+    open_steps_on_publish,
+    ready_of,
+    reward_roles,
+    score_on_reward_pool,
 )
 
 TAG_MIN_GAIN = 0.01
@@ -94,6 +108,7 @@ def _step_costs(nodes: Sequence[Node], fragments: int, group: int) -> tuple[floa
 
 class Digen(Policy):
     name = "digen"
+    pipeline_kinds = frozenset({"flow"})
     tcss = False
     supports_reward_pool = True
 
@@ -103,7 +118,9 @@ class Digen(Policy):
         return cls.candidates(spec, devices, trainer_devices, cost)[0][1]
 
     @classmethod
-    def candidates(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost) -> list[tuple[float, FlowShape]]:
+    def candidates(
+        cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost
+    ) -> list[tuple[float, FlowShape]]:
         """(predicted step seconds, shape) for every trainer pool (around the balanced split, `_pool_choices`),
         trainer group size, fragment count and TSP chunk that fits in memory, best first (ties: the larger
         chunk). The scenario's own choices are kept when given."""
@@ -117,13 +134,21 @@ class Digen(Policy):
                 held = engines(spec, cost, group)
                 for fragments in cls._fragment_choices(spec, rollout or trainers, trainers // group):
                     for chunk in cls._chunk_choices(spec):
-                        shape = FlowShape(fragments, chunk, False, trainers, trainer_group=None if group == trainers else group)
+                        shape = FlowShape(
+                            fragments, chunk, False, trainers, trainer_group=None if group == trainers else group
+                        )
                         nodes = build_flow(spec, 1, shape, cost)
-                        if max(n.memory_gb for n in nodes if n.kind == Kind.TRAIN) + held.resident_gb[Role.TRAINER] > capacity:
+                        if (
+                            max(n.memory_gb for n in nodes if n.kind == Kind.TRAIN) + held.resident_gb[Role.TRAINER]
+                            > capacity
+                        ):
                             continue
                         ranked.append((cls._predict(nodes, shape, rollout, held, capacity), -chunk, shape))
         if not ranked:
-            raise ValueError(f"{spec.name}: no digen shape fits in {capacity:.0f} GB per device; enable offload or use a smaller tsp_chunk")
+            raise ValueError(
+                f"{spec.name}: no digen shape fits in {capacity:.0f} GB per device; enable offload or "
+                "use a smaller tsp_chunk"
+            )
         ranked.sort(key=lambda r: r[:2])
         return [(predicted, shape) for predicted, _, shape in ranked]
 
@@ -139,7 +164,14 @@ class Digen(Policy):
             to_rollout = held.sleep_s[Role.TRAINER] + held.wake_s[Role.ROLLOUT]
             to_trainer = held.sleep_s[Role.ROLLOUT] + held.wake_s[Role.TRAINER]
             return predict_makespan(
-                (to_rollout,) * shape.trainer_devices, fragments, (), 0.0, generate_s, score_s + to_trainer, train_s, tail_s,
+                (to_rollout,) * shape.trainer_devices,
+                fragments,
+                (),
+                0.0,
+                generate_s,
+                score_s + to_trainer,
+                train_s,
+                tail_s,
                 groups=groups,
             )
         if cls.tcss:
@@ -147,11 +179,24 @@ class Digen(Policy):
             # pool trains a step's fragments between two optimizer steps; the slower of the two sets the pace.
             rollout_s = max(fragments / rollout, 1.0) * (generate_s + score_s) + load_s
             return max(rollout_s, -(-fragments // groups) * train_s + tail_s)
-        lendable = shape.trainer_devices if held.resident_gb[Role.TRAINER] + held.resident_gb[Role.ROLLOUT] <= capacity else 0
+        lendable = (
+            shape.trainer_devices if held.resident_gb[Role.TRAINER] + held.resident_gb[Role.ROLLOUT] <= capacity else 0
+        )
         return min(
             predict_makespan(
-                (load_s,) * rollout, fragments, (), 0.0, generate_s, score_s, train_s, tail_s, tag,
-                held.wake_s[Role.ROLLOUT], held.sleep_s[Role.ROLLOUT], 0.0, groups,
+                (load_s,) * rollout,
+                fragments,
+                (),
+                0.0,
+                generate_s,
+                score_s,
+                train_s,
+                tail_s,
+                tag,
+                held.wake_s[Role.ROLLOUT],
+                held.sleep_s[Role.ROLLOUT],
+                0.0,
+                groups,
             )
             for tag in range(0, min(lendable, fragments) + 1)
         )
@@ -209,7 +254,7 @@ class Digen(Policy):
         else:
             self.rollout_pool, self.trainer_pool = split_pools(setup.compute_devices, setup.trainer_devices)
         group = getattr(setup.shapes.get(self.pipeline), "group", len(self.trainer_pool))
-        self.groups = [self.trainer_pool[i:i + group] for i in range(0, len(self.trainer_pool), group)]
+        self.groups = [self.trainer_pool[i : i + group] for i in range(0, len(self.trainer_pool), group)]
         """FSDP trainer groups; each trains whole train nodes, all of them commit together."""
         held = setup.engines[self.pipeline].resident_gb
         self.rollout_resident_gb = held[Role.ROLLOUT]
@@ -259,7 +304,9 @@ class Digen(Policy):
         and no trainer work is ready."""
         scores = [] if self.setup.reward_devices else ready_of(view, Kind.SCORE, self.pipeline)
         fragments = sorted(ready_of(view, Kind.GENERATE, self.pipeline), key=lambda n: n.step)
-        trainer_work = any(ready_of(view, kind, self.pipeline) for kind in (Kind.TRAIN, Kind.LOGPROB, Kind.COMMIT, Kind.PUBLISH))
+        trainer_work = any(
+            ready_of(view, kind, self.pipeline) for kind in (Kind.TRAIN, Kind.LOGPROB, Kind.COMMIT, Kind.PUBLISH)
+        )
         decisions: list[Decision] = []
         for device in self.trainer_pool:
             state = view.devices[device]
@@ -308,7 +355,11 @@ class Digen(Policy):
                 return []
             taken.update(self.trainer_pool)
             return [Run(commits[0].id, self.trainer_pool)]
-        work = [node for kind in (Kind.TRAIN, Kind.LOGPROB) for node in sorted(ready_of(view, kind, self.pipeline), key=lambda n: n.step)]
+        work = [
+            node
+            for kind in (Kind.TRAIN, Kind.LOGPROB)
+            for node in sorted(ready_of(view, kind, self.pipeline), key=lambda n: n.step)
+        ]
         decisions: list[Decision] = []
         for group in self.groups:
             if work and self._trainers_ready(view, group):
@@ -325,13 +376,11 @@ class Digen(Policy):
             return []
         unclaimed = [n for n in ready_of(view, Kind.GENERATE, self.pipeline) if n.id not in self.tag_reserved.values()]
         rollout_idle = idle_devices(view, self.rollout_pool, Role.ROLLOUT)
-        waiting = unclaimed[len(rollout_idle):]
+        waiting = unclaimed[len(rollout_idle) :]
         if not waiting:
             return []
         nodes = view.graph.of(self.pipeline, waiting[0].step)
-        generate_s, score_s, train_s, tail_s = (
-            self.costs.seconds(n) for n in self._typical(nodes)
-        )
+        generate_s, score_s, train_s, tail_s = (self.costs.seconds(n) for n in self._typical(nodes))
         group = len(self.groups[0])
         train_s /= group
         arrivals, rollout_free = [], []
@@ -344,16 +393,26 @@ class Digen(Policy):
         engines_ = self.setup.engines[self.pipeline]
         tag_in = engines_.wake_s[Role.ROLLOUT]
         tag_out = engines_.sleep_s[Role.ROLLOUT]
-        backlog = sum(self.costs.seconds(n, group) for n in ready_of(view, Kind.TRAIN, self.pipeline)) / len(self.groups)
+        backlog = sum(self.costs.seconds(n, group) for n in ready_of(view, Kind.TRAIN, self.pipeline)) / len(
+            self.groups
+        )
         pending = len(unclaimed)
         args = (
-            tuple(round(t, 2) for t in rollout_free), pending, tuple(round(t, 2) for t in arrivals),
-            round(view.now + backlog, 2), round(generate_s, 2), round(score_s, 2), round(train_s, 2), round(tail_s, 2),
+            tuple(round(t, 2) for t in rollout_free),
+            pending,
+            tuple(round(t, 2) for t in arrivals),
+            round(view.now + backlog, 2),
+            round(generate_s, 2),
+            round(score_s, 2),
+            round(train_s, 2),
+            round(tail_s, 2),
         )
         baseline = predict_makespan(*args, groups=len(self.groups))
         best_k, best = 0, baseline
         for k in range(1, min(len(self.trainer_pool), len(waiting)) + 1):
-            predicted = predict_makespan(*args, k, round(tag_in, 2), round(tag_out, 2), round(view.now, 2), len(self.groups))
+            predicted = predict_makespan(
+                *args, k, round(tag_in, 2), round(tag_out, 2), round(view.now, 2), len(self.groups)
+            )
             if predicted < best:
                 best_k, best = k, predicted
         if self.setup.options.get("tag") == "force":
@@ -396,12 +455,15 @@ class Digen(Policy):
             else:
                 self.tag_reserved.pop(device, None)
                 held = self.setup.engines[self.pipeline]
-                decisions.append(SwitchRole(device, Role.TRAINER, held.sleep_s[Role.ROLLOUT], held.resident_gb[Role.TRAINER]))
+                decisions.append(
+                    SwitchRole(device, Role.TRAINER, held.sleep_s[Role.ROLLOUT], held.resident_gb[Role.TRAINER])
+                )
             taken.add(device)
         return decisions
 
     def _rollout(self, view, taken: set[int]) -> list[Decision]:
-        """Scores first (they unblock the trainer) unless a reward pool takes them, then fragments, oldest step first."""
+        """Scores first (they unblock the trainer) unless a reward pool takes them, then fragments, "
+        "oldest step first."""
         devices = [d for d in idle_devices(view, self.rollout_pool, Role.ROLLOUT) if d not in taken]
         reserved = set(self.tag_reserved.values())
         scores = [] if self.setup.reward_devices else ready_of(view, Kind.SCORE, self.pipeline)

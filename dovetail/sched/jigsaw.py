@@ -27,12 +27,18 @@ from dataclasses import replace
 from functools import lru_cache
 from itertools import combinations
 
+from dovetail.cost.calibration import DEFAULT
 from dovetail.graph.llm import GB, LLMShape, response_lengths, stage
 from dovetail.graph.node import Kind, Node, Role
 from dovetail.graph.spec import PipelineSpec
-from dovetail.sched.calibration import DEFAULT
 from dovetail.sched.llm_common import (
-    StagedLLMPolicy, engine_devices, llm_only, rollout_engines, rollout_seconds, shard_of, tensor_parallel, trainer_seconds,
+    StagedLLMPolicy,
+    engine_devices,
+    llm_only,
+    rollout_engines,
+    rollout_seconds,
+    tensor_parallel,
+    trainer_seconds,
 )
 from dovetail.sched.policy import Begin, Decision, Event, Run, Setup, SwitchRole, View, open_steps_on_publish
 
@@ -72,7 +78,11 @@ def predict_completion(phases: tuple[tuple[tuple[str, float], ...], ...], runnin
     while True:
         if not training and queue:
             training.add(queue.pop(0))
-        active = [i for i in range(len(phases)) if position[i] < len(phases[i]) and (phases[i][position[i]][0] == "decode" or i in training)]
+        active = [
+            i
+            for i in range(len(phases))
+            if position[i] < len(phases[i]) and (phases[i][position[i]][0] == "decode" or i in training)
+        ]
         if not active:
             return sum(finished) / len(phases)
         speed = {}
@@ -107,10 +117,14 @@ class Jigsaw(StagedLLMPolicy):
         micro-batches in finishing order, so finished length bands train while the tail decodes."""
         spec = llm_only(cls.name, spec)
         shards = rollout_engines(spec, devices)
-        return LLMShape(shards, devices, tail_edge(spec, shards), stream=True, shared=True, tail_parallel=spec.tensor_parallel)
+        return LLMShape(
+            shards, devices, tail_edge(spec, shards), stream=True, shared=True, tail_parallel=spec.tensor_parallel
+        )
 
     @classmethod
-    def plan_shapes(cls, specs: Sequence[PipelineSpec], shapes: dict[str, LLMShape], cost, forecast) -> dict[str, LLMShape]:
+    def plan_shapes(
+        cls, specs: Sequence[PipelineSpec], shapes: dict[str, LLMShape], cost, forecast
+    ) -> dict[str, LLMShape]:
         """Rollout memory from the memory model; then (`jigsaw`) where the tail migrates and how wide its engine
         is, by rolling the simulator forward `HORIZON_STEPS` steps per candidate (`forecast(shapes, steps)` ->
         samples/s; memoized): coordinate descent over the tail engine's width (the home width doubled while it
@@ -129,7 +143,11 @@ class Jigsaw(StagedLLMPolicy):
 
         def candidate(point: tuple[int, int]) -> dict[str, LLMShape]:
             return {
-                name: replace(shapes[name], migrate_at=edges[min(point[0], len(edges) - 1)], tail_parallel=widths[min(point[1], len(widths) - 1)])
+                name: replace(
+                    shapes[name],
+                    migrate_at=edges[min(point[0], len(edges) - 1)],
+                    tail_parallel=widths[min(point[1], len(widths) - 1)],
+                )
                 for name, (edges, widths) in options.items()
             }
 
@@ -140,7 +158,13 @@ class Jigsaw(StagedLLMPolicy):
                 memo[point] = forecast(candidate(point), HORIZON_STEPS)
             return memo[point]
 
-        start = [max(edges.index(shapes[n].migrate_at) if shapes[n].migrate_at in edges else 0 for n, (edges, _) in options.items()), 0]
+        start = [
+            max(
+                edges.index(shapes[n].migrate_at) if shapes[n].migrate_at in edges else 0
+                for n, (edges, _) in options.items()
+            ),
+            0,
+        ]
         sizes = [max(len(e) for e, _ in options.values()), max(len(w) for _, w in options.values())]
         point = tuple(start)
         for _ in range(2):
@@ -156,14 +180,24 @@ class Jigsaw(StagedLLMPolicy):
 
     def __init__(self, setup: Setup) -> None:
         super().__init__(setup)
-        held = [gb for engines in setup.engines.values() for role, gb in engines.resident_gb.items() if role in (Role.ROLLOUT, Role.TRAINER)]
+        held = [
+            gb
+            for engines in setup.engines.values()
+            for role, gb in engines.resident_gb.items()
+            if role in (Role.ROLLOUT, Role.TRAINER)
+        ]
         self.resident_gb = sum(held)
         if self.resident_gb > setup.memory_gb:
             raise ValueError(
                 f"{self.name}: every pipeline's engines together need {self.resident_gb:.0f} GB per device, more than "
                 f"{setup.memory_gb:.0f} GB; multiplex fewer or smaller pipelines, or raise tensor_parallel"
             )
-        self.wake_s = sum(s for engines in setup.engines.values() for role, s in engines.wake_s.items() if role in (Role.ROLLOUT, Role.TRAINER))
+        self.wake_s = sum(
+            s
+            for engines in setup.engines.values()
+            for role, s in engines.wake_s.items()
+            if role in (Role.ROLLOUT, Role.TRAINER)
+        )
         self.everyone = tuple(range(setup.devices))
         self.tail_on: dict[tuple[str, int], tuple[int, ...]] = {}
         self.choices: list[tuple[float, tuple[str, ...]]] = []
@@ -185,7 +219,10 @@ class Jigsaw(StagedLLMPolicy):
 
     # ------------------------------------------------------------ placement
     def _fits(self, node: Node, devices: Sequence[int], share: float) -> bool:
-        return all(self.free[d] >= share - EPS and self.memory[d] + node.memory_gb <= self.setup.memory_gb + EPS for d in devices)
+        return all(
+            self.free[d] >= share - EPS and self.memory[d] + node.memory_gb <= self.setup.memory_gb + EPS
+            for d in devices
+        )
 
     def _take(self, node: Node, devices: tuple[int, ...], share: float) -> Run:
         for d in devices:
@@ -204,7 +241,7 @@ class Jigsaw(StagedLLMPolicy):
         for node in self.ready_nodes(view, pipeline):
             if stage(node) != "rollout":
                 continue
-            shard = shard_of(node)
+            shard = node.shard
             if shard is not None:
                 devices = engine_devices(self.everyone, shard, tp)
             elif node.kind == Kind.MIGRATE:
@@ -228,12 +265,16 @@ class Jigsaw(StagedLLMPolicy):
             if node.role == Role.TRAINER and node.pipeline not in busy and node.pipeline not in waiting:
                 waiting[node.pipeline] = node
         candidates = [
-            group for size in range(len(waiting), -1, -1) for group in combinations(sorted(waiting), size)
+            group
+            for size in range(len(waiting), -1, -1)
+            for group in combinations(sorted(waiting), size)
             if self._fits_all([waiting[p] for p in group]) and (group or busy)
         ]
         if not candidates:
             return []
-        chosen = candidates[0] if not self.look_ahead or len(candidates) == 1 else self._look_ahead(view, candidates, busy)
+        chosen = (
+            candidates[0] if not self.look_ahead or len(candidates) == 1 else self._look_ahead(view, candidates, busy)
+        )
         if len(candidates) > 1:
             self.choices.append((view.now, chosen))
         return [self._take(waiting[p], self.everyone, SHARE) for p in chosen]
@@ -291,5 +332,7 @@ def rollout_shares(specs: Sequence[PipelineSpec], shapes: dict[str, LLMShape], c
         held += max(n.memory_gb for n in shape.build(spec, 1, cost) if n.role == Role.TRAINER)
     share = min(DEFAULT.rollout_memory_fraction, (capacity - held) / (len(specs) * capacity))
     if share <= 0:
-        raise ValueError(f"jigsaw: the pipelines' trainers alone need {held:.0f} GB per device, more than {capacity:.0f} GB")
+        raise ValueError(
+            f"jigsaw: the pipelines' trainers alone need {held:.0f} GB per device, more than {capacity:.0f} GB"
+        )
     return {name: replace(shape, rollout_memory=share) for name, shape in shapes.items()}

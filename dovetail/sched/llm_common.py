@@ -14,17 +14,10 @@ from dovetail.graph.node import Kind, Node, Role
 from dovetail.graph.spec import LLMSpec, PipelineSpec
 from dovetail.sched.policy import Begin, Decision, Event, Policy, Run, StartStep, View
 
-def shard_of(node: Node) -> int | None:
-    """The rollout engine a prefill / home decode node belongs to (None for the migrated tail)."""
-    parts = node.id.split("/")
-    if node.kind in (Kind.PREFILL, Kind.DECODE) and parts[3] != "tail":
-        return int(parts[3])
-    return None
-
 
 def engine_devices(group: Sequence[int], shard: int, tensor_parallel: int) -> tuple[int, ...]:
     start = shard * tensor_parallel
-    return tuple(group[start:start + tensor_parallel])
+    return tuple(group[start : start + tensor_parallel])
 
 
 def split_pool(devices: int, parts: int) -> list[tuple[int, ...]]:
@@ -56,17 +49,21 @@ def step_done(view: View, pipeline: str, step: int, stage_name: str) -> bool:
 class StagedLLMPolicy(Policy):
     """Common machinery: role switches for a device group, rollout placement, trainer stages in order."""
 
+    pipeline_kinds = frozenset({"llm"})
+
     def ready_nodes(self, view: View, pipeline: str) -> list[Node]:
         return [view.graph[n] for n in view.ready if view.graph[n].pipeline == pipeline]
 
-    def place_rollout(self, view: View, group: Sequence[int], tensor_parallel: int, nodes: Sequence[Node]) -> list[Decision]:
+    def place_rollout(
+        self, view: View, group: Sequence[int], tensor_parallel: int, nodes: Sequence[Node]
+    ) -> list[Decision]:
         """Each shard's chain on its engine; the migrated tail on the group's first engine."""
         decisions: list[Decision] = []
         busy: set[int] = set()
         for node in nodes:
             if stage(node) != "rollout":
                 continue
-            shard = shard_of(node)
+            shard = node.shard
             devices = engine_devices(group, 0 if shard is None else shard, tensor_parallel)
             if self.free(view, devices, Role.ROLLOUT) and not busy & set(devices):
                 decisions.append(Run(node.id, devices))
@@ -85,7 +82,9 @@ class StagedLLMPolicy(Policy):
             if view.devices[d].idle and view.devices[d].role != role
         ]
 
-    def run_trainer_stage(self, view: View, pipeline: str, step: int, group: Sequence[int], ready: Sequence[Node], name: str) -> list[Decision]:
+    def run_trainer_stage(
+        self, view: View, pipeline: str, step: int, group: Sequence[int], ready: Sequence[Node], name: str
+    ) -> list[Decision]:
         """One node of a trainer stage at a time on the whole trainer group (FSDP data parallel)."""
         if not self.free(view, group, Role.TRAINER):
             return []
@@ -121,7 +120,7 @@ def rollout_seconds(nodes: Sequence[Node], tensor_parallel: int) -> float:
     chains: dict[int | None, float] = {}
     for node in nodes:
         if stage(node) == "rollout":
-            shard = shard_of(node)
+            shard = node.shard
             chains[shard] = chains.get(shard, 0.0) + node.cost_s / tensor_parallel
     tail = chains.pop(None, 0.0)
     return max(chains.values(), default=0.0) + tail
@@ -129,11 +128,7 @@ def rollout_seconds(nodes: Sequence[Node], tensor_parallel: int) -> float:
 
 def trainer_seconds(nodes: Sequence[Node], trainer_devices: int) -> float:
     """Wall time of a step's trainer work on a group of `trainer_devices` (collectives take their cost)."""
-    return sum(
-        n.cost_s if n.collective else n.cost_s / trainer_devices
-        for n in nodes
-        if n.role == Role.TRAINER
-    )
+    return sum(n.cost_s if n.collective else n.cost_s / trainer_devices for n in nodes if n.role == Role.TRAINER)
 
 
 class SplitLLMPolicy(StagedLLMPolicy):
@@ -148,7 +143,7 @@ class SplitLLMPolicy(StagedLLMPolicy):
     @classmethod
     def shape(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost) -> LLMShape:
         """The trainer pool that balances rollout and training time (they overlap), within memory."""
-        from dovetail.sched.catalog import device as lookup_device
+        from dovetail.cost.catalog import device as lookup_device
 
         spec = llm_only(cls.name, spec)
         capacity = lookup_device(cost.device.name).memory_bytes / 1e9
@@ -165,13 +160,15 @@ class SplitLLMPolicy(StagedLLMPolicy):
             if best is None or predicted < best[0]:
                 best = (predicted, shape)
         if best is None:
-            raise ValueError(f"{spec.name}: no rollout / trainer split of {devices} devices fits the trainer in {capacity:.0f} GB")
+            raise ValueError(
+                f"{spec.name}: no rollout / trainer split of {devices} devices fits the trainer in {capacity:.0f} GB"
+            )
         return best[1]
 
     def pools(self, view: View, pipeline: str, group: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Rollout devices first, the trainer group last."""
         trainers = self.setup.trainer_groups[pipeline]
-        return group[:len(group) - trainers], group[len(group) - trainers:]
+        return group[: len(group) - trainers], group[len(group) - trainers :]
 
     def opens(self, view: View, pipeline: str, step: int) -> int | None:
         """Open the next step on the latest weights as soon as the staleness bound allows."""

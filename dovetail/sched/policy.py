@@ -10,12 +10,14 @@ simulator in seconds and drives real devices.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
-from dovetail.graph.node import Graph, Kind, Node, Role
-from dovetail.sched.calibration import DEFAULT
+from dovetail.cost.calibration import DEFAULT
+from dovetail.cost.model import CostModel
+from dovetail.graph.node import Engines, Graph, Kind, Node, Role
+from dovetail.graph.spec import PipelineSpec
 
 # ---------------------------------------------------------------- events (executor -> policy)
 
@@ -139,16 +141,6 @@ Decision = Run | SwitchRole | StartStep | Migrate
 
 
 @dataclass(frozen=True)
-class Engines:
-    """One pipeline's engines on one device, from the cost model: memory held while a device holds a
-    role, and the seconds to bring a role's engine up (wake) or put it away (sleep)."""
-
-    resident_gb: Mapping[Role, float]
-    wake_s: Mapping[Role, float]
-    sleep_s: Mapping[Role, float]
-
-
-@dataclass(frozen=True)
 class Setup:
     """What a policy knows before the run: the cluster, each pipeline's engines, and the user's choices."""
 
@@ -243,18 +235,60 @@ class CostTracker:
         return predicted * self.ratio.get((node.pipeline, node.kind), 1.0)
 
 
+class Shape(Protocol):
+    """How a policy cuts one pipeline's steps into nodes (`graph.flow.FlowShape`, `graph.llm.LLMShape`)."""
+
+    trainer_devices: int
+
+    def build(self, spec: PipelineSpec, steps: int, cost: CostModel) -> list[Node]: ...
+
+    def engines(self, spec: PipelineSpec, cost: CostModel) -> Engines: ...
+
+
+Forecast = Callable[[dict[str, Shape], int], float]
+"""Shapes (pipeline -> shape) and a horizon in steps -> the samples/s the simulator predicts for them."""
+
+
 class Policy(ABC):
-    """Base of every policy. Subclasses set `name` and implement `decide`; those that can give the reward
-    engines their own devices (`Setup.reward_devices`) set `supports_reward_pool`."""
+    """Base of every policy: the whole contract an executor and the planner rely on.
+
+    A subclass sets `name`, says how it cuts a pipeline's step (`shape`) and decides (`decide`). The class
+    attributes below describe it to the planner (`scenario.prepare`), which reads nothing else."""
 
     name: ClassVar[str]
+    pipeline_kinds: ClassVar[frozenset[str]]
+    """Kinds of pipeline (`flow`, `llm`) the policy can schedule."""
     supports_reward_pool: ClassVar[bool] = False
+    """Whether it can give the reward engines their own devices (`Setup.reward_devices`)."""
+    splits_pool: ClassVar[bool] = False
+    """Each pipeline gets its own even slice of the pool (verl-sync, streamrl, areal), and its steps are cut for
+    that slice; otherwise every pipeline's steps are cut for the whole pool (less the reward devices)."""
+    max_staleness: ClassVar[int] = 1
+    """Versions a step's rollouts may lag its training (the executor refuses more)."""
+
+    @classmethod
+    @abstractmethod
+    def shape(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost: CostModel) -> Shape:
+        """How this policy cuts `spec`'s steps on `devices` (trainer pool `trainer_devices`, None: its choice)."""
+
+    @classmethod
+    def plan_shapes(
+        cls, specs: Sequence[PipelineSpec], shapes: dict[str, Shape], cost: CostModel, forecast: Forecast
+    ) -> dict[str, Shape]:
+        """The shapes to run, given each pipeline's own `shape`: a policy that plans pipelines together
+        (jigsaw) searches here, rolling the simulator forward with `forecast`; the others keep them."""
+        return shapes
 
     def __init__(self, setup: Setup) -> None:
         if setup.reward_devices and not self.supports_reward_pool:
-            raise ValueError(f"policy {self.name} co-locates reward engines; reward_devices={setup.reward_devices} needs a flow policy")
+            raise ValueError(
+                f"policy {self.name} co-locates reward engines; reward_devices={setup.reward_devices} "
+                "needs a flow policy"
+            )
         if not 0 <= setup.reward_devices < setup.devices:
-            raise ValueError(f"reward_devices={setup.reward_devices} must leave 1..{setup.devices} devices for rollout and training")
+            raise ValueError(
+                f"reward_devices={setup.reward_devices} must leave 1..{setup.devices} devices for rollout and training"
+            )
         self.setup = setup
         self.costs = CostTracker()
 

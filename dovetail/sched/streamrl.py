@@ -17,4 +17,3 @@ from dovetail.sched.llm_common import SplitLLMPolicy
 class StreamRL(SplitLLMPolicy):
     name = "streamrl"
     stream = True
-

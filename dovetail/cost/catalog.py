@@ -3,8 +3,8 @@
 Devices: dense (no sparsity) bf16 peak, HBM bandwidth, memory and per-direction device-to-device
 bandwidth from the vendors' data sheets; network bandwidth is the one NIC per device of the vendors'
 reference nodes (HGX/DGX H100, H200, H800: ConnectX-7 NDR 400 Gb/s = 50 GB/s; DGX A100: HDR 200 Gb/s;
-Atlas 800T A2: 200 GbE RoCE per NPU; L40S servers: 100 GbE assumed). Models: shapes from each model's public `config.json` /
-model card. Plain dataclasses; the cost model turns them into seconds and bytes.
+Atlas 800T A2: 200 GbE RoCE per NPU; L40S servers: 100 GbE assumed). Models: shapes from each model's public
+`config.json` / model card. Plain dataclasses; the cost model turns them into seconds and bytes.
 """
 
 from dataclasses import dataclass
@@ -138,10 +138,26 @@ DIFFUSION_MODELS: dict[str, DiffusionModel] = {
         # black-forest-labs/FLUX.1-dev: 19 double + 38 single blocks, 3072 wide, 24 heads, 2x2 patches.
         DiffusionModel("FLUX.1-12B", 11.9e9, 57, 3072, 24, 8, 2, 512, 4.7e9, 2.4e6),
         # Wan-AI/Wan2.1-T2V-14B: 40 layers, 5120 wide, 40 heads, patch (1,2,2), Wan-VAE 4x8x8, umT5.
-        DiffusionModel("Wan2.1-14B", 14.0e9, 40, 5120, 40, 8, 2, 512, 5.7e9, 3.2e6, vae_temporal=4, cross_attention=True),
+        DiffusionModel(
+            "Wan2.1-14B", 14.0e9, 40, 5120, 40, 8, 2, 512, 5.7e9, 3.2e6, vae_temporal=4, cross_attention=True
+        ),
         # Wan-AI/Wan2.2-T2V-A14B: two 14B experts (high / low noise), each shaped like Wan2.1-14B; one
         # expert is active per denoising step, so per-step cost is that of a 14B model.
-        DiffusionModel("Wan2.2-A14B", 14.0e9, 40, 5120, 40, 8, 2, 512, 5.7e9, 3.2e6, vae_temporal=4, cross_attention=True, experts=2),
+        DiffusionModel(
+            "Wan2.2-A14B",
+            14.0e9,
+            40,
+            5120,
+            40,
+            8,
+            2,
+            512,
+            5.7e9,
+            3.2e6,
+            vae_temporal=4,
+            cross_attention=True,
+            experts=2,
+        ),
         # tencent/HunyuanVideo: 20 dual + 40 single blocks, 3072 wide, 24 heads, causal 3D VAE 4x8x8.
         DiffusionModel("HunyuanVideo-13B", 12.8e9, 60, 3072, 24, 8, 2, 256, 8.0e9, 3.2e6, vae_temporal=4),
         # Qwen/Qwen-Image: 60 MMDiT blocks, 3072 wide, 24 heads, 2x2 patches over a 16-channel 8x VAE.

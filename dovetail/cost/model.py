@@ -10,8 +10,9 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from dovetail.sched.calibration import DEFAULT, Calibration
-from dovetail.sched.catalog import Device, DiffusionModel, LanguageModel, device as lookup_device
+from dovetail.cost.calibration import DEFAULT, Calibration
+from dovetail.cost.catalog import Device, DiffusionModel, LanguageModel
+from dovetail.cost.catalog import device as lookup_device
 
 BF16 = 2
 FP32 = 4
@@ -96,9 +97,7 @@ class CostModel:
         if kind not in OP_KINDS:
             raise ValueError(f"unknown op kind {kind!r}; use one of {', '.join(OP_KINDS)}")
         if predicted_s <= 0 or measured_s <= 0:
-            raise ValueError(
-                f"{kind}: predicted_s={predicted_s} and measured_s={measured_s} must both be > 0"
-            )
+            raise ValueError(f"{kind}: predicted_s={predicted_s} and measured_s={measured_s} must both be > 0")
 
     def _corrected(self, kind: str, seconds: float) -> float:
         return seconds * self.scale(kind)
@@ -187,7 +186,9 @@ class CostModel:
                 flops = 2 * model.params * active * span + 4 * model.layers * model.attention_width * kv_tokens
                 waves = max(1, math.ceil(kv * kv_tokens / span / kv_room))
                 compute = self.compute_seconds(flops, cal.decode_mfu, devices)
-                memory = self.memory_seconds(waves * span * weight_bytes + kv * kv_tokens, cal.decode_bandwidth_efficiency, devices)
+                memory = self.memory_seconds(
+                    waves * span * weight_bytes + kv * kv_tokens, cal.decode_bandwidth_efficiency, devices
+                )
                 total += max(compute, memory) + waves * span * per_iteration_overhead
                 done_at = finished_at
             active -= 1
@@ -201,7 +202,9 @@ class CostModel:
             seconds *= self.calibration.reference_offload_factor
         return self._corrected("logprob", seconds)
 
-    def train(self, model: LanguageModel, lengths: Sequence[int], devices: int = 1, checkpointing: bool = True) -> float:
+    def train(
+        self, model: LanguageModel, lengths: Sequence[int], devices: int = 1, checkpointing: bool = True
+    ) -> float:
         """Forward + backward = 3 forwards, plus one more when activations are recomputed."""
         forwards = 4 if checkpointing else 3
         flops = forwards * self.llm_forward_flops(model, lengths)
@@ -228,7 +231,9 @@ class CostModel:
         flops = 2 * model.text_encoder_params * model.text_tokens * prompts
         return self.compute_seconds(flops, self.calibration.encoder_mfu, devices)
 
-    def vae_decode_seconds(self, model: DiffusionModel, samples: int, height: int, width: int, frames: int = 1, devices: int = 1) -> float:
+    def vae_decode_seconds(
+        self, model: DiffusionModel, samples: int, height: int, width: int, frames: int = 1, devices: int = 1
+    ) -> float:
         flops = model.vae_decoder_flops_per_pixel * height * width * frames * samples
         return self.compute_seconds(flops, self.calibration.encoder_mfu, devices)
 
@@ -250,7 +255,11 @@ class CostModel:
         held = samples * (2 if cfg else 1) * tokens  # each denoising step is one batched forward of the samples
         mfu = self.pass_mfu(self.calibration.dit_inference_mfu, held)
         dit = self.compute_seconds(passes * self.dit_forward_flops(model, tokens), mfu, devices)
-        seconds = dit + self.text_encode_seconds(model, samples, devices) + self.vae_decode_seconds(model, samples, height, width, frames, devices)
+        seconds = (
+            dit
+            + self.text_encode_seconds(model, samples, devices)
+            + self.vae_decode_seconds(model, samples, height, width, frames, devices)
+        )
         return self._corrected("generate", seconds)
 
     def collective_seconds(self, nbytes: float, devices: int) -> float:
@@ -270,7 +279,11 @@ class CostModel:
         if replicas <= 1:
             return 0.0
         nbytes = params * self.calibration.grad_reduce_bytes / group
-        link = self.device.interconnect_bandwidth if group * replicas <= self.device.node_size else self.device.network_bandwidth
+        link = (
+            self.device.interconnect_bandwidth
+            if group * replicas <= self.device.node_size
+            else self.device.network_bandwidth
+        )
         return 2 * nbytes * (replicas - 1) / replicas / (link * self.calibration.collective_bandwidth_efficiency)
 
     def pass_mfu(self, mfu: float, tokens: float) -> float:
@@ -278,7 +291,9 @@ class CostModel:
         small-batch under-utilisation, tokens / (tokens + dit_half_mfu_tokens)."""
         return mfu * tokens / (tokens + self.calibration.dit_half_mfu_tokens)
 
-    def fsdp_pass_transfer_seconds(self, model: DiffusionModel, devices: int, backward: bool, host_streaming: bool = False) -> float:
+    def fsdp_pass_transfer_seconds(
+        self, model: DiffusionModel, devices: int, backward: bool, host_streaming: bool = False
+    ) -> float:
         """Per-pass traffic of an FSDP (ZeRO-3) group: the bf16 parameters all-gathered for the forward
         and, with a backward, all-gathered again and the gradients reduce-scattered; with parameter
         CPU offload (verl's reference model) each forward also copies the device's shard in from host."""
@@ -313,33 +328,64 @@ class CostModel:
         per_device = math.ceil(pairs / devices)
         passes = math.ceil(per_device / (pairs_per_pass or per_device))
         held = per_device / passes * (2 if cfg else 1)
-        compute = self.compute_seconds(forwards * held * self.dit_forward_flops(model, latent_tokens), self.pass_mfu(mfu, held * latent_tokens))
+        compute = self.compute_seconds(
+            forwards * held * self.dit_forward_flops(model, latent_tokens), self.pass_mfu(mfu, held * latent_tokens)
+        )
         transfer = self.fsdp_pass_transfer_seconds(model, devices, backward, host_streaming)
         return devices * passes * max(compute, transfer)
 
     def dit_logprob(
-        self, model: DiffusionModel, samples: int, timesteps: int, latent_tokens: int, cfg: bool = False, devices: int = 1,
-        micro_batch: int | None = None, host_streaming: bool = False,
+        self,
+        model: DiffusionModel,
+        samples: int,
+        timesteps: int,
+        latent_tokens: int,
+        cfg: bool = False,
+        devices: int = 1,
+        micro_batch: int | None = None,
+        host_streaming: bool = False,
     ) -> float:
         """Forward-only log-probs of `samples` samples at `timesteps` timesteps each in the trainers' loop: one
         forward pass per micro-batch of samples per timestep. Device-seconds over the group."""
         seconds = timesteps * self.dit_passes(
-            model, samples, latent_tokens, forwards=1, mfu=self.calibration.dit_logprob_mfu, backward=False, cfg=cfg,
-            devices=devices, pairs_per_pass=micro_batch, host_streaming=host_streaming,
+            model,
+            samples,
+            latent_tokens,
+            forwards=1,
+            mfu=self.calibration.dit_logprob_mfu,
+            backward=False,
+            cfg=cfg,
+            devices=devices,
+            pairs_per_pass=micro_batch,
+            host_streaming=host_streaming,
         )
         return self._corrected("logprob", seconds)
 
     def dit_train(
-        self, model: DiffusionModel, samples: int, timesteps: int, latent_tokens: int, cfg: bool = False, devices: int = 1,
-        micro_batch: int | None = None, checkpointing: bool = True,
+        self,
+        model: DiffusionModel,
+        samples: int,
+        timesteps: int,
+        latent_tokens: int,
+        cfg: bool = False,
+        devices: int = 1,
+        micro_batch: int | None = None,
+        checkpointing: bool = True,
     ) -> float:
         """Forward + backward of `samples` samples at `timesteps` timesteps each. The samples x timesteps pairs
         spread over the group (TSP: devices may hold different timesteps of one sample) in passes of up to
         micro_batch x timesteps pairs; the per-timestep loop is one call per timestep (timesteps=1).
         Device-seconds over the group."""
         seconds = self.dit_passes(
-            model, samples * timesteps, latent_tokens, forwards=4 if checkpointing else 3, mfu=self.calibration.dit_train_mfu,
-            backward=True, cfg=cfg, devices=devices, pairs_per_pass=micro_batch and micro_batch * timesteps,
+            model,
+            samples * timesteps,
+            latent_tokens,
+            forwards=4 if checkpointing else 3,
+            mfu=self.calibration.dit_train_mfu,
+            backward=True,
+            cfg=cfg,
+            devices=devices,
+            pairs_per_pass=micro_batch and micro_batch * timesteps,
         )
         return self._corrected("train", seconds)
 
@@ -369,7 +415,9 @@ class CostModel:
         """Full bf16 weights to every rollout engine (each holds a whole replica); engines receive in
         parallel, each through its host link (verl's default "naive" checkpoint engine)."""
         nbytes = params * BF16
-        seconds = self.calibration.publish_fixed_s + nbytes / (self.calibration.host_link_bytes_per_s * self.calibration.publish_bandwidth_efficiency)
+        seconds = self.calibration.publish_fixed_s + nbytes / (
+            self.calibration.host_link_bytes_per_s * self.calibration.publish_bandwidth_efficiency
+        )
         return self._corrected("publish", seconds)
 
     # --- memory ---------------------------------------------------------------------------------
