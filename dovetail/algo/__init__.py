@@ -1,6 +1,7 @@
 """Pure math: the SDE step with its log-prob, advantages, the policy loss, timestep choice."""
 
 from dovetail.algo.grpo import decoupled_old_log_prob, flow_grpo_loss, group_advantages, select_train_timesteps
+from dovetail.algo.lm_grpo import lm_grpo_loss
 from dovetail.algo.sde import SDEStep, gaussian_log_prob, sde_step
 
 __all__ = [
@@ -9,6 +10,7 @@ __all__ = [
     "flow_grpo_loss",
     "gaussian_log_prob",
     "group_advantages",
+    "lm_grpo_loss",
     "sde_step",
     "select_train_timesteps",
 ]
