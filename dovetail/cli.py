@@ -70,9 +70,7 @@ def _print_dry_run(config, steps: int) -> None:
     )
     pools += f" + {plan['reward_devices']} reward" if plan["reward_devices"] else ""
     typer.echo(
-        f"policy {plan['policy']} on {plan['devices']}x {plan['device']} ({pools}): {plan['fragments']} fragments, "
-        f"TSP chunk {plan['tsp_chunk']}, old log-probs "
-        f"{'recomputed' if plan['recompute_logprob'] else 'from the rollout'}\n"
+        f"policy {plan['policy']} on {plan['devices']}x {plan['device']} ({pools}): {_shape_line(plan['shape'])}\n"
         f"predicted {plan['step_time_s']:.3f} s/step, {plan['samples_per_s']:.1f} samples/s, "
         f"efficiency {plan['efficiency']:.3f}, "
         f"bubble {100 * plan['bubble_ratio']:.1f}%; {steps} steps in about {plan['run_s'] / 60:.1f} min of training\n"
@@ -83,6 +81,13 @@ def _print_dry_run(config, steps: int) -> None:
             else "(analytic costs of the device catalogue; the run profiles its GPUs at start-up and plans again)"
         )
     )
+
+
+def _shape_line(shape: dict) -> str:
+    if "fragments" in shape:
+        old = "recomputed" if shape["recompute_logprob"] else "from the rollout"
+        return f"{shape['fragments']} fragments, TSP chunk {shape['tsp_chunk']}, old log-probs {old}"
+    return f"{shape['shards']} rollout engines" + (", streaming micro-batches" if shape["stream"] else "")
 
 
 @app.command()

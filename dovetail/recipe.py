@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from dovetail.algo import group_advantages, select_train_timesteps
-from dovetail.config.train import TrainConfig
+from dovetail.config.train import FlowTrainConfig
 from dovetail.models.flow_rl import SDESettings, accumulate_policy_gradient
 from dovetail.models.pretrain import latents_to_images
 from dovetail.models.sampling import keyed_normal, sample_key, sample_ode
@@ -14,13 +14,13 @@ from dovetail.models.t2i import flow_sigmas
 from dovetail.rewards import score
 
 
-def sde_settings(config: TrainConfig, device: torch.device | str = "cpu") -> SDESettings:
+def sde_settings(config: FlowTrainConfig, device: torch.device | str = "cpu") -> SDESettings:
     return SDESettings(
         flow_sigmas(config.sampling.num_steps, config.sampling.shift).to(device), config.noise_level, config.sde_kind
     )
 
 
-def step_timesteps(config: TrainConfig, step: int) -> list[int]:
+def step_timesteps(config: FlowTrainConfig, step: int) -> list[int]:
     generator = torch.Generator().manual_seed(sample_key(config.seed, "timesteps", step))
     return select_train_timesteps(
         config.sampling.num_steps,
@@ -30,7 +30,7 @@ def step_timesteps(config: TrainConfig, step: int) -> list[int]:
     )
 
 
-def evaluate(model, config: TrainConfig) -> tuple[dict[str, float], np.ndarray, list[str]]:
+def evaluate(model, config: FlowTrainConfig) -> tuple[dict[str, float], np.ndarray, list[str]]:
     """ODE samples on fixed held-out seeds, the same at every evaluation."""
     prompts = [f"digit {d}" for d in range(10) for _ in range(config.eval.per_digit)]
     noise = keyed_normal([sample_key(config.eval.seed, i) for i in range(len(prompts))], model.latent_shape).to(
@@ -41,11 +41,11 @@ def evaluate(model, config: TrainConfig) -> tuple[dict[str, float], np.ndarray, 
     return {name: float(values.mean()) for name, values in scores.items()}, images, prompts
 
 
-def make_optimizer(model, config: TrainConfig) -> torch.optim.Optimizer:
+def make_optimizer(model, config: FlowTrainConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=config.train.lr, weight_decay=config.train.weight_decay)
 
 
-def advantages_of(config: TrainConfig, rewards: np.ndarray, prompts: list[int]) -> torch.Tensor:
+def advantages_of(config: FlowTrainConfig, rewards: np.ndarray, prompts: list[int]) -> torch.Tensor:
     """Group-relative advantages; `prompts[i]` is sample i's prompt index (its group)."""
     return group_advantages(
         torch.as_tensor(rewards), torch.tensor(prompts), std_scope=config.algo.std_scope, clip=config.algo.adv_clip
@@ -58,7 +58,7 @@ def policy_gradient(
     advantages,
     timesteps: list[int],
     sde: SDESettings,
-    config: TrainConfig,
+    config: FlowTrainConfig,
     *,
     total_pairs: int,
     reference_model=None,

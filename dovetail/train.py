@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from dovetail.config.train import TrainConfig, dump_config
+from dovetail.config.train import FlowTrainConfig, dump_config
 from dovetail.models.flow_rl import commit, generate, group_sample_ids, step_prompts
 from dovetail.models.pretrain import latents_to_images
 from dovetail.models.t2i import load_model
@@ -20,7 +20,7 @@ from dovetail.rewards import score
 from dovetail.run_dir import RunDir
 
 
-def rl_step(model, optimizer, config: TrainConfig, step: int, reference_model=None) -> dict:
+def rl_step(model, optimizer, config: FlowTrainConfig, step: int, reference_model=None) -> dict:
     """One on-policy step of the reference path; returns its metrics."""
     sde = sde_settings(config)
     algo = config.algo
@@ -72,7 +72,14 @@ class StepLog:
     """What happens after every optimizer step, whoever ran it: metrics, evaluation, checkpoints, progress."""
 
     def __init__(
-        self, run: RunDir, config: TrainConfig, model, optimizer, last_step: int, eval_reward: float, progress: Progress
+        self,
+        run: RunDir,
+        config: FlowTrainConfig,
+        model,
+        optimizer,
+        last_step: int,
+        eval_reward: float,
+        progress: Progress,
     ):
         self.run, self.config, self.model, self.optimizer = run, config, model, optimizer
         self.last_step = last_step
@@ -111,7 +118,7 @@ class StepLog:
 
 
 def train(
-    config: TrainConfig, out: Path, *, steps: int | None = None, resume: Path | None = None, after_part=None
+    config: FlowTrainConfig, out: Path, *, steps: int | None = None, resume: Path | None = None, after_part=None
 ) -> dict:
     """Train to `steps` (default config.train.steps) under config.policy; returns the summary.
     `after_part` is the Ray executor's fault-injection hook, for tests."""

@@ -11,7 +11,7 @@ from dovetail.exec.launch import dry_run
 
 def test_dry_run_on_cpu_cores_profiles_this_machine_and_keeps_the_config_s_choices():
     plan = dry_run(load_config(None, ["policy=digen", "runtime.fragments=2", "runtime.tsp_chunk=1"]), 200)
-    assert plan["costs"] == "profiled" and (plan["fragments"], plan["tsp_chunk"]) == (2, 1)
+    assert plan["costs"] == "profiled" and (plan["shape"]["fragments"], plan["shape"]["tsp_chunk"]) == (2, 1)
     assert 0 < plan["step_time_s"] and plan["run_s"] == pytest.approx(200 * plan["step_time_s"])
     assert plan["samples_per_s"] == pytest.approx(64 / plan["step_time_s"], rel=0.05)
     assert 0 < plan["efficiency"] <= 1
@@ -31,7 +31,7 @@ def test_dry_run_on_gpus_uses_the_catalogue_and_splits_the_pools():
         ),
         10,
     )
-    assert plan["costs"] == "analytic" and plan["trainer_devices"] == 2 and plan["recompute_logprob"]
+    assert plan["costs"] == "analytic" and plan["trainer_devices"] == 2 and plan["shape"]["recompute_logprob"]
 
 
 def test_dry_run_refuses_what_the_run_would_refuse():

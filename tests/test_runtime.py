@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from dovetail.config.train import DEFAULT_CHECKPOINT, load_config
+from dovetail.exec.messages import FlowTrain
 from dovetail.exec.replay import replay_run
 from dovetail.exec.worker import DEVICE_RESOURCE
 from dovetail.rewards import RewardError
@@ -141,7 +142,7 @@ def test_killed_worker_is_restarted_and_no_sample_is_lost_or_trained_twice(refer
 
     def kill_once(executor, part):
         """Kill a device right after it trained part of step 1: it holds gradients of the open step."""
-        if not killed and part.method == "train" and "/s1/" in part.node:
+        if not killed and isinstance(part.work, FlowTrain) and "/s1/" in part.node:
             killed.append((part.device, part.node))
             ray.kill(executor.workers[part.device], no_restart=False)
 

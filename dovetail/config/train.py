@@ -1,5 +1,10 @@
-"""The training run's typed config: YAML file plus dotted overrides, validated before any work."""
+"""The training run's typed config: YAML file plus dotted overrides, validated before any work.
 
+One schema per run, chosen by `kind`: `flow` (a text-to-image flow model, the default) or `lm` (a causal language
+model on a verifiable task). Either derives the planner's scenario itself (`scenario(steps)`), without torch, so
+the simulator, the dry run and the replay of a run plan from the very config that trains."""
+
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -8,6 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from dovetail.cost.catalog import device
 from dovetail.rewards import check_reward_names
+from dovetail.rewards.text import text_reward_fn
+from dovetail.scenario import Scenario, parse_scenario
+from dovetail.tasks import task
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CHECKPOINT = PACKAGE_ROOT / "assets" / "digits-t2i"
@@ -48,6 +56,9 @@ class TrainSection(Section):
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
+
+
+class FlowTrainSection(TrainSection):
     chunk_size: int = Field(128, ge=1, description="(sample, timestep) pairs per batched forward/backward")
 
 
@@ -91,18 +102,27 @@ class RuntimeSection(Section):
     profile_samples: int = Field(32, ge=1, description="samples in the start-up profile that seeds the cost model")
 
 
-class TrainConfig(Section):
+class RunSection(Section):
+    """What every run config has, whatever its pipeline: a seed, the optimizer loop, checkpoints, the cluster."""
+
+    seed: int = 0
+    train: TrainSection = TrainSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    cluster: ClusterSection = ClusterSection()
+
+
+class FlowTrainConfig(RunSection):
+    """A FlowGRPO / DanceGRPO run of a text-to-image flow model."""
+
+    kind: Literal["flow"] = "flow"
     algorithm: Literal["flow_grpo", "dance_grpo"] = "flow_grpo"
     policy: Literal["reference", "colocated", "disaggregated", "digen", "digen+tcss"] = "reference"
-    seed: int = 0
     model: ModelSection = ModelSection()
     sampling: SamplingSection = SamplingSection()
     algo: AlgoSection = AlgoSection()
-    train: TrainSection = TrainSection()
+    train: FlowTrainSection = FlowTrainSection()
     reward: dict[str, float] = Field(default_factory=lambda: {"digit_match": 1.0})
     eval: EvalSection = EvalSection()
-    checkpoint: CheckpointSection = CheckpointSection()
-    cluster: ClusterSection = ClusterSection()
     runtime: RuntimeSection = RuntimeSection()
 
     @field_validator("reward")
@@ -114,13 +134,13 @@ class TrainConfig(Section):
         return weights
 
     @model_validator(mode="after")
-    def _dance_grpo_sde(self) -> "TrainConfig":
+    def _dance_grpo_sde(self) -> "FlowTrainConfig":
         if self.algorithm == "dance_grpo" and self.sampling.sde_kind != "flow_grpo":
             raise ValueError("algorithm dance_grpo uses its own constant-eta SDE; leave sampling.sde_kind unset")
         return self
 
     @model_validator(mode="after")
-    def _streaming_needs_group_statistics(self) -> "TrainConfig":
+    def _streaming_needs_group_statistics(self) -> "FlowTrainConfig":
         if self.policy != "reference" and self.algo.std_scope == "global":
             raise ValueError(
                 f"algo.std_scope=global needs the whole batch scored before any training; policy {self.policy} "
@@ -129,7 +149,7 @@ class TrainConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _pools_fit_the_devices(self) -> "TrainConfig":
+    def _pools_fit_the_devices(self) -> "FlowTrainConfig":
         devices, runtime = self.cluster.devices, self.runtime
         if self.compute_devices < 1:
             raise ValueError(
@@ -169,6 +189,210 @@ class TrainConfig(Section):
         """DanceGRPO starts every sample of a group from the same initial noise."""
         return self.algorithm == "dance_grpo"
 
+    @property
+    def trained_timesteps(self) -> int:
+        """Timesteps a step trains per sample: `algo.select_train_timesteps`'s count, without torch (the planner
+        derives its scenario from the config; a test pins the two equal)."""
+        trainable = self.sampling.num_steps - 1
+        return max(1, min(trainable, math.ceil(self.algo.timestep_fraction * trainable - 1e-9)))
+
+    def scenario(self, steps: int) -> Scenario:
+        """This run as the planner's scenario: the graph the simulator would schedule, built without torch."""
+        trained = self.trained_timesteps
+        pipeline = {
+            "kind": "flow",
+            "name": self.pipeline_name,
+            "model": "digits-t2i",
+            "algorithm": "dancegrpo" if self.algorithm == "dance_grpo" else "flowgrpo",
+            "prompts": self.algo.prompts_per_step,
+            "group": self.algo.group_size,
+            "denoising_steps": self.sampling.num_steps,
+            "trained_timesteps": trained,
+            "height": 8,
+            "width": 8,
+            "reward": "rule",
+            # train.chunk_size (sample, timestep) pairs share one forward/backward
+            "micro_batch": max(1, self.train.chunk_size // trained),
+        }
+        return _scenario(self, pipeline, steps, self.runtime.trainer_devices, self.runtime.reward_devices)
+
+    @property
+    def pipeline_name(self) -> str:
+        return "digits"
+
+    def shape_overrides(self) -> dict:
+        """The step's cut where the config fixes it instead of the policy."""
+        runtime = self.runtime
+        return {k: v for k, v in (("fragments", runtime.fragments), ("tsp_chunk", runtime.tsp_chunk)) if v is not None}
+
+    def policy_options(self) -> dict:
+        return {"tag": {"auto": True, "off": False, "force": "force"}[self.runtime.tag]}
+
+
+class LMModelSection(Section):
+    checkpoint: Path | None = Field(
+        None, description="directory with model.safetensors, config.json, tokenizer.json; None: the task's base model"
+    )
+
+
+class LMSamplingSection(Section):
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int | None = Field(None, ge=1, description="None: the task's longest ideal completion + a margin")
+
+
+class LMAlgoSection(Section):
+    prompts_per_step: int = Field(16, ge=1, description="B: prompts per step")
+    group_size: int = Field(8, ge=2, description="G: responses per prompt")
+    micro_batches: int = Field(2, ge=1, description="train micro-batches per step (whole prompt groups each)")
+    clip_low: float = Field(0.2, ge=0, lt=1, description="PPO clip below 1")
+    clip_high: float = Field(0.28, ge=0, description="PPO clip above 1 (DAPO's clip-higher)")
+    aggregation: Literal["token", "sequence", "drgrpo"] = Field(
+        "token", description="token (DAPO), sequence (GRPO), drgrpo (Dr. GRPO: / (B x max_new_tokens))"
+    )
+    beta: float = Field(0.0, ge=0, description="weight of the KL to the base model")
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    entropy_coef: float = Field(0.0, ge=0)
+    std_scope: Literal["group", "none"] = Field("group", description="none: Dr. GRPO's unscaled advantages")
+    adv_clip: float = Field(5.0, gt=0)
+    stale_max_weight: float = Field(2.0, ge=1, description="truncation of pi_prox/pi_behaviour for stale samples")
+
+
+class LMEvalSection(Section):
+    every: int = Field(10, ge=1, description="evaluate every N steps (and at the start and end)")
+    prompts: int = Field(100, ge=1, description="held-out prompts (the task's eval split), one sample each")
+    seed: int = 10_000
+
+
+class LMRuntimeSection(Section):
+    """How the Ray runtime cuts an LM step, where the policy should not choose."""
+
+    trainer_devices: int | None = Field(None, ge=1, description="trainer pool of disaggregated policies")
+    length_bands: list[int] = Field(
+        default_factory=list, description="upper edges (tokens) of decode length bands; [] one band to the end"
+    )
+    profile_samples: int = Field(16, ge=1, description="responses in the start-up profile that seeds the cost model")
+
+
+class LMTrainConfig(RunSection):
+    """A GRPO run of a causal language model on a verifiable task."""
+
+    kind: Literal["lm"]
+    task: str = Field("arithmetic", description="a task of dovetail.tasks: its prompts, answers and base model")
+    policy: Literal["reference", "verl-sync", "streamrl", "areal"] = "reference"
+    model: LMModelSection = LMModelSection()
+    sampling: LMSamplingSection = LMSamplingSection()
+    algo: LMAlgoSection = LMAlgoSection()
+    reward: dict[str, float] | None = Field(None, description="text rewards and weights; None: the task's own")
+    eval: LMEvalSection = LMEvalSection()
+    runtime: LMRuntimeSection = LMRuntimeSection()
+
+    @field_validator("task")
+    @classmethod
+    def _known_task(cls, name: str) -> str:
+        task(name)
+        return name
+
+    @field_validator("reward")
+    @classmethod
+    def _known_text_rewards(cls, weights: dict[str, float] | None) -> dict[str, float] | None:
+        if weights is not None:
+            if not weights:
+                raise ValueError("name at least one reward, e.g. reward.exact_answer=1.0, or leave it unset")
+            for name in weights:
+                text_reward_fn(name)
+        return weights
+
+    @model_validator(mode="after")
+    def _shape_fits(self) -> "LMTrainConfig":
+        algo, runtime = self.algo, self.runtime
+        if algo.prompts_per_step % algo.micro_batches:
+            raise ValueError(
+                f"algo.micro_batches={algo.micro_batches} must divide algo.prompts_per_step={algo.prompts_per_step}"
+            )
+        if runtime.trainer_devices is not None and runtime.trainer_devices >= self.cluster.devices:
+            raise ValueError(
+                f"runtime.trainer_devices={runtime.trainer_devices} leaves no rollout device of "
+                f"cluster.devices={self.cluster.devices}"
+            )
+        bands = runtime.length_bands
+        if bands != sorted(set(bands)) or (bands and not 0 < bands[0] and bands[-1] < self.max_new_tokens):
+            raise ValueError(
+                f"runtime.length_bands={bands} must be strictly ascending token counts between 1 and "
+                f"max_new_tokens - 1 = {self.max_new_tokens - 1}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _task_base_model(self) -> "LMTrainConfig":
+        """No checkpoint given: the task's shipped base model."""
+        if self.model.checkpoint is None:
+            self.model.checkpoint = PACKAGE_ROOT / "assets" / f"{self.task}-lm"
+        return self
+
+    @property
+    def rewards(self) -> dict[str, float]:
+        return self.reward if self.reward is not None else task(self.task).reward_names
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.sampling.max_new_tokens or task(self.task).max_new_tokens
+
+    @property
+    def compute_devices(self) -> int:
+        return self.cluster.devices
+
+    @property
+    def pipeline_name(self) -> str:
+        return self.task
+
+    def shape_overrides(self) -> dict:
+        return {}
+
+    def policy_options(self) -> dict:
+        return {}
+
+    def scenario(self, steps: int) -> Scenario:
+        """This run as the planner's scenario, without torch: response lengths are the task's ideal completions
+        on a step's worth of training prompts (the base model's are near them; the run's profile corrects)."""
+        problems = task(self.task).prompts("train", self.seed, 0, self.algo.prompts_per_step * self.algo.group_size)
+        lengths = [min(self.max_new_tokens, len(task(self.task).solution(p)) + 1) for p in problems]
+        pipeline = {
+            "kind": "llm",
+            "name": self.pipeline_name,
+            "model": "arithmetic-lm",
+            "batch": self.algo.prompts_per_step,
+            "group": self.algo.group_size,
+            "prompt_length": round(sum(len(p) + 1 for p in problems) / len(problems)),
+            "lengths": {"kind": "empirical", "values": lengths},
+            "max_length": self.max_new_tokens,
+            "length_bands": self.runtime.length_bands,
+            "micro_batches": self.algo.micro_batches,
+            "reference": self.algo.beta > 0,
+        }
+        return _scenario(self, pipeline, steps, self.runtime.trainer_devices, 0)
+
+
+TrainConfig = FlowTrainConfig | LMTrainConfig
+"""One run's config: `kind: flow` (the default) or `kind: lm`."""
+
+
+def _scenario(config: TrainConfig, pipeline: dict, steps: int, trainer_devices: int | None, reward_devices: int):
+    return parse_scenario(
+        {
+            "name": f"train-{config.pipeline_name}-{config.policy}",
+            "cluster": {"device": config.cluster.device, "devices": config.cluster.devices},
+            "pipelines": [pipeline],
+            "schedule": {
+                "steps": steps,
+                "policies": [config.policy],
+                "trainer_devices": trainer_devices,
+                "reward_devices": reward_devices,
+            },
+        },
+        "training config",
+    )
+
 
 class ConfigError(ValueError):
     """An invalid config: the message names each bad field and what it allows."""
@@ -196,8 +420,19 @@ def load_config(path: Path | str | None = None, overrides: list[str] = ()) -> Tr
         tree = yaml.safe_load(path.read_text()) or {}
     for override in overrides:
         apply_override(tree, override)
+    return parse_config(tree)
+
+
+def parse_config(tree: Any) -> TrainConfig:
+    """A config tree (YAML's, or `model_dump(mode="json")`'s) as the run config of its `kind`."""
+    if not isinstance(tree, dict):
+        raise ConfigError(f"invalid config: a config is a mapping of sections, got {type(tree).__name__}")
+    kinds = {"flow": FlowTrainConfig, "lm": LMTrainConfig}
+    kind = tree.get("kind", "flow")
+    if kind not in kinds:
+        raise ConfigError(f"invalid config:\n  kind: {kind!r} is not a pipeline kind; use one of {sorted(kinds)}")
     try:
-        return TrainConfig(**tree)
+        return kinds[kind](**tree)
     except ValidationError as error:
         lines = []
         for problem in error.errors():

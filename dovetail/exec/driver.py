@@ -4,18 +4,18 @@ leave the run's trace, Gantt chart, sample ledger and profiled costs in the run 
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import numpy as np
 import ray
 
-from dovetail.exec.launch import PIPELINE, make_executor, prepare_run, start_ray, start_workers
-from dovetail.exec.metrics import summarize
+from dovetail.cost.calibration import DEFAULT
+from dovetail.exec.launch import make_executor, prepare_run, start_ray, start_workers
+from dovetail.exec.metrics import summarize, time_per_step
+from dovetail.exec.pipeline import load_trainer_state, trainer_state_of
 from dovetail.exec.ray_executor import RayExecutor
-from dovetail.exec.worker import load_trainer_state, trainer_state_of
 from dovetail.graph.node import Kind
 from dovetail.rewards import RewardError
-
-STAT_MEANS = ("clip_frac", "approx_kl", "ratio_mean", "loss", "kl_ref")
 
 
 def window_busy(executor: RayExecutor, start: float, end: float) -> list[float]:
@@ -31,42 +31,29 @@ def window_busy(executor: RayExecutor, start: float, end: float) -> list[float]:
 class StepMetrics:
     """Turns the executor's state at a commit into the step's line of metrics.jsonl."""
 
-    def __init__(self, policy):
+    def __init__(self, policy, pipeline: str):
         self.policy = policy
+        self.pipeline = pipeline
         self.last_commit_time = 0.0
         self.tag_seen = 0
 
     def __call__(self, executor: RayExecutor, graph_step: int) -> dict:
         graph, now = executor.graph, executor.state.now
-        scores = [
-            ray.get(ref)["scores"]["total"]
-            for node in graph.of(PIPELINE, graph_step, Kind.SCORE)
-            for ref in executor.outputs[node.id]
-        ]
-        outputs = [
-            ray.get(ref) for node in graph.of(PIPELINE, graph_step, Kind.TRAIN) for ref in executor.outputs[node.id]
-        ]
-        pairs = sum(len(o["ids"]) * len(o["timesteps"]) for o in outputs)
-        rewards = np.concatenate(scores)
+        scores = ray.get(executor.outputs_of([n.id for n in graph.of(self.pipeline, graph_step, Kind.SCORE)]))
+        trained = ray.get(executor.outputs_of([n.id for n in graph.of(self.pipeline, graph_step, Kind.TRAIN)]))
         window = now - self.last_commit_time
         busy = window_busy(executor, self.last_commit_time, now)
-        tag = getattr(self.policy, "tag_decisions", [])
-        metrics = {
-            "reward/total": float(rewards.mean()),
-            "samples_per_s": len(rewards) / window,
+        tag = self.policy.tag_decisions
+        metrics = executor.adapter.step_metrics(scores, trained, executor, graph_step) | {
+            "samples_per_s": sum(len(s.samples) for s in scores) / window,
             "step_s": window,
             "efficiency": float(np.mean(busy)),
             "bubble_ratio_per_device": [round(1 - b, 4) for b in busy],
-            "staleness": graph_step - executor.state.started[(PIPELINE, graph_step)],
+            "staleness": graph_step - executor.state.started[(self.pipeline, graph_step)],
             "publish_bytes": executor.publish_bytes,
             "publish_s": executor.publish_seconds[-1] if executor.publish_seconds else 0.0,
             "tag_decisions": [k for _, k in tag[self.tag_seen :]],
         }
-        metrics |= {
-            name: sum(o["stats"][name] for o in outputs) / pairs for name in STAT_MEANS if name in outputs[0]["stats"]
-        }
-        metrics["ratio_min"] = min(o["stats"]["ratio_min"] for o in outputs)
-        metrics["ratio_max"] = max(o["stats"]["ratio_max"] for o in outputs)
         self.last_commit_time, self.tag_seen = now, len(tag)
         return metrics
 
@@ -76,7 +63,7 @@ def train_on_ray(config, log, first_step: int, last_step: int, *, after_part=Non
     start_ray(config)
     workers, weights, trainer_state = start_workers(config, trainer_state_of(log.model, log.optimizer))
     cost, prepared = prepare_run(config, last_step - first_step, workers)
-    step_metrics = StepMetrics(prepared.policy)
+    step_metrics = StepMetrics(prepared.policy, config.pipeline_name)
 
     def on_commit(rl_step: int, executor: RayExecutor) -> None:
         done = rl_step + 1
@@ -98,13 +85,7 @@ def train_on_ray(config, log, first_step: int, last_step: int, *, after_part=Non
             f"{error}; the last committed step is saved in {checkpoint}: fix the reward and resume "
             f"with --resume {log.run.path}"
         ) from None
-    return write_run_outputs(log.run.path, config, prepared, executor, trace, cost.calibration.dit_half_mfu_tokens)
-
-
-def time_per_step(trace) -> float:
-    """Seconds from the start to the last optimizer step, per step: what the simulator must predict
-    (the run's final publish and evaluation come after it)."""
-    return max(record.end for record in trace.steps) / len(trace.steps)
+    return write_run_outputs(log.run.path, config, prepared, executor, trace, cost)
 
 
 def node_seconds(trace) -> dict[str, tuple[float, list[int]]]:
@@ -118,36 +99,25 @@ def node_seconds(trace) -> dict[str, tuple[float, list[int]]]:
     }
 
 
-def write_run_outputs(path, config, prepared, executor: RayExecutor, trace, half_mfu_tokens: float) -> dict:
+def write_run_outputs(path, config, prepared, executor: RayExecutor, trace, cost) -> dict:
     """trace.json (Perfetto / chrome://tracing), gantt.png, ledger.json, and run_profile.json for
     `dovetail simulate --from-run`."""
     trace.write_chrome(path / "trace.json")
     trace.write_gantt(path / "gantt.png", f"dovetail train, policy {config.policy}, {config.cluster.devices} devices")
-    expected = {
-        (executor.first_step + s, p, i): executor.timesteps_of(executor.first_step + s)
-        for node in prepared.graph
-        if node.kind == Kind.GENERATE
-        for (s, p, i) in node.samples
-    }
-    problems = executor.ledger.problems(expected)
+    problems = executor.ledger.problems(executor.expected_samples())
     (path / "ledger.json").write_text(json.dumps(executor.ledger.to_json() | {"problems": problems}))
     if problems:
         raise RuntimeError(f"sample ledger violated: {problems[:5]} (see {path / 'ledger.json'})")
     metrics = summarize(trace)
-    graph = prepared.graph
-    first_train = graph.of(PIPELINE, 0, Kind.TRAIN)[0]
+    fitted = {k: v for k, v in asdict(cost.calibration).items() if v != getattr(DEFAULT, k)}
     profile = {
         "policy": config.policy,
         "config": config.model_dump(mode="json"),
         "steps": len(trace.steps),
-        "shape": {
-            "fragments": len(graph.of(PIPELINE, 0, Kind.GENERATE)),
-            "tsp_chunk": first_train.chunk[1] - first_train.chunk[0],
-            "trainer_devices": prepared.setup.trainer_devices,
-        },
+        "shape": asdict(prepared.setup.shapes[config.pipeline_name]),
         "node_seconds": node_seconds(trace),
         "switch_seconds": executor.switch_seconds,
-        "dit_half_mfu_tokens": half_mfu_tokens,
+        "calibration": fitted,
         "measured_step_time_s": time_per_step(trace),
     }
     (path / "run_profile.json").write_text(json.dumps(profile))
@@ -158,5 +128,5 @@ def write_run_outputs(path, config, prepared, executor: RayExecutor, trace, half
         "step_time_s": metrics.step_time_s,
         "max_staleness": metrics.max_staleness,
         "restarts": len(executor.ledger.restarts),
-        "device_engines": ray.get([worker.engines.remote() for worker in executor.workers]),
+        "device_engines": ray.get([worker.held_engines.remote() for worker in executor.workers]),
     }

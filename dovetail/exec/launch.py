@@ -1,4 +1,4 @@
-"""Start the Ray runtime for a training config: Ray, one DeviceWorker per device, a cost model
+"""Start the Ray runtime for a training config (any pipeline kind): Ray, one DeviceWorker per device, a cost model
 corrected by a profile of those devices, the policy's graph, and the RayExecutor that runs it."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pickle
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import asdict
 
 import ray
 import torch
@@ -14,63 +14,13 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dovetail.config.train import TrainConfig
-from dovetail.cost.calibration import DEFAULT
-from dovetail.cost.catalog import DEVICES, device, diffusion_model
+from dovetail.cost.catalog import DEVICES, device
 from dovetail.cost.model import CostModel
 from dovetail.exec.metrics import summarize
+from dovetail.exec.pipeline import pipeline_module
 from dovetail.exec.ray_executor import RayExecutor
-from dovetail.exec.worker import DEVICE_RESOURCE, DeviceWorker, form_group, profile_work
-from dovetail.graph.node import Role
-from dovetail.models.t2i import checkpoint_weights, load_model
-from dovetail.recipe import sde_settings, step_timesteps
-from dovetail.scenario import Prepared, Scenario, parse_scenario, prepare, simulate
-
-PIPELINE = "digits"
-
-
-def flow_scenario(config: TrainConfig, steps: int) -> Scenario:
-    """The training config as a scenario the planner understands (the same graph the simulator would run)."""
-    algo = config.algo
-    trained = len(step_timesteps(config, 0))
-    return parse_scenario(
-        {
-            "name": "train-" + config.policy,
-            "cluster": {"device": config.cluster.device, "devices": config.cluster.devices},
-            "pipelines": [
-                {
-                    "kind": "flow",
-                    "name": PIPELINE,
-                    "model": "digits-t2i",
-                    "algorithm": "dancegrpo" if config.algorithm == "dance_grpo" else "flowgrpo",
-                    "prompts": algo.prompts_per_step,
-                    "group": algo.group_size,
-                    "denoising_steps": config.sampling.num_steps,
-                    "trained_timesteps": trained,
-                    "height": 8,
-                    "width": 8,
-                    "reward": "rule",
-                    # train.chunk_size (sample, timestep) pairs share one forward/backward
-                    "micro_batch": max(1, config.train.chunk_size // trained),
-                }
-            ],
-            "schedule": {
-                "steps": steps,
-                "policies": [config.policy],
-                "trainer_devices": config.runtime.trainer_devices,
-                "reward_devices": config.runtime.reward_devices,
-            },
-        },
-        "training config",
-    )
-
-
-def shape_overrides(config: TrainConfig) -> dict:
-    runtime = config.runtime
-    return {k: v for k, v in (("fragments", runtime.fragments), ("tsp_chunk", runtime.tsp_chunk)) if v is not None}
-
-
-def policy_options(config: TrainConfig) -> dict:
-    return {"tag": {"auto": True, "off": False, "force": "force"}[config.runtime.tag]}
+from dovetail.exec.worker import DEVICE_RESOURCE, DeviceWorker, form_group
+from dovetail.scenario import Prepared, Scenario, prepare, simulate
 
 
 def device_bundle(config: TrainConfig) -> dict[str, float]:
@@ -147,49 +97,19 @@ def profiled_cost(config: TrainConfig, scenario: Scenario, workers: list) -> Cos
     compute = workers[: config.compute_devices]
     profiles = ray.get([worker.profile.remote(config.runtime.profile_samples) for worker in compute])
     measured = {kind: statistics.median(profile[kind] for profile in profiles) for kind in profiles[0]}
-    measured |= {
-        kind: min(profile[kind] for profile in profiles) for kind in ("generate_fastest", "generate_small_fastest")
-    }
+    # interference only adds time: a "fastest" figure is the best any device saw
+    measured |= {kind: min(profile[kind] for profile in profiles) for kind in profiles[0] if kind.endswith("_fastest")}
     start = time.perf_counter()
     ray.get(workers[0].switch_role.remote("rollout"))
     measured["switch"] = time.perf_counter() - start
-    return fitted_cost(config, scenario, measured)
-
-
-def fitted_cost(config: TrainConfig, scenario: Scenario, measured: dict[str, float]) -> CostModel:
-    """The analytic cost model fitted to a device's measured seconds: the small-pass half point from the fastest
-    generation at two batch sizes, then one correction per kind of work (`CostModel.from_measurements`)."""
-    samples = config.runtime.profile_samples
-    spec = scenario.pipelines[0]
-    model = diffusion_model(spec.model)
-    tokens = model.latent_tokens(spec.height, spec.width)
-    small = max(1, samples // 4)
-    ratio = measured["generate_fastest"] / measured["generate_small_fastest"]
-    half = tokens * (samples - ratio * small) / (ratio - 1) if ratio > 1 else DEFAULT.dit_half_mfu_tokens
-    calibration = replace(DEFAULT, dit_half_mfu_tokens=max(half, 0.0))
-
-    analytic = CostModel(config.cluster.device, calibration)
-    engines = prepare(scenario, config.policy, steps=1, cost=analytic, **shape_overrides(config)).setup.engines[
-        PIPELINE
-    ]
-    predicted = {
-        "generate": analytic.generate(model, samples, spec.height, spec.width, spec.denoising_steps),
-        "score": analytic.rule_score(samples),
-        "logprob": analytic.dit_logprob(model, samples, 1, tokens),
-        "train": analytic.dit_train(model, samples, 1, tokens),
-        "optimizer": analytic.optimizer_step(model.params),
-        "publish": analytic.publish(model.params),
-        "switch": engines.wake_s[Role.ROLLOUT],
-    }
-    records = [(kind, predicted[kind], max(measured[kind], 1e-9)) for kind in predicted]
-    return CostModel.from_measurements(config.cluster.device, records, calibration)
+    return pipeline_module(config.kind).fitted_cost(config, scenario, measured)
 
 
 def prepare_run(config: TrainConfig, steps: int, workers: list) -> tuple[CostModel, Prepared]:
-    scenario = flow_scenario(config, steps)
+    scenario = config.scenario(steps)
     cost = profiled_cost(config, scenario, workers)
     return cost, prepare(
-        scenario, config.policy, steps=steps, cost=cost, options=policy_options(config), **shape_overrides(config)
+        scenario, config.policy, steps=steps, cost=cost, options=config.policy_options(), **config.shape_overrides()
     )
 
 
@@ -202,37 +122,30 @@ def dry_run(config: TrainConfig, steps: int) -> dict:
     the policy's shape and throughput as the simulator predicts them. On CPU cores the costs are profiled here, in
     this process, as the run profiles its devices; for GPUs they are the device catalogue's analytic costs
     (the run, profiling its GPUs, may then choose another shape)."""
-    checkpoint_weights(config.model.checkpoint)
+    kind = pipeline_module(config.kind)
+    kind.check_checkpoint(config)
     if config.policy == "reference":
         return {"policy": "reference"}
     device_bundle(config)
     simulated = min(steps, DRY_RUN_STEPS)
-    scenario = flow_scenario(config, simulated)
+    scenario = config.scenario(simulated)
     cost = None
     if device(config.cluster.device).platform == "cpu":
         torch.set_num_threads(1)
-        measured = profile_work(
-            load_model(config.model.checkpoint),
-            config,
-            sde_settings(config),
-            config.runtime.profile_samples,
-            carry=lambda weights: pickle.loads(pickle.dumps(weights)),
-        )
-        cost = fitted_cost(config, scenario, measured | {"switch": 0.0})  # no Ray round trip to time here
+        measured = kind.profile_here(config, carry=lambda weights: pickle.loads(pickle.dumps(weights)))
+        cost = kind.fitted_cost(config, scenario, measured | {"switch": 0.0})  # no Ray round trip to time here
     prepared, trace = simulate(
-        scenario, config.policy, steps=simulated, options=policy_options(config), cost=cost, **shape_overrides(config)
+        scenario, config.policy, steps=simulated, options=config.policy_options(), cost=cost, **config.shape_overrides()
     )
-    shape, metrics = prepared.setup.shapes[PIPELINE], summarize(trace)
+    shape, metrics = prepared.setup.shapes[config.pipeline_name], summarize(trace)
     return {
         "policy": config.policy,
         "devices": config.cluster.devices,
         "device": config.cluster.device,
-        "fragments": shape.fragments,
-        "tsp_chunk": shape.tsp_chunk,
+        "shape": asdict(shape),
         "trainer_devices": shape.trainer_devices,
         "rollout_devices": config.compute_devices - shape.trainer_devices,
-        "reward_devices": config.runtime.reward_devices,
-        "recompute_logprob": shape.recompute_logprob,
+        "reward_devices": config.cluster.devices - config.compute_devices,
         "step_time_s": metrics.step_time_s,
         "samples_per_s": metrics.samples_per_s,
         "efficiency": metrics.efficiency,

@@ -93,3 +93,9 @@ def _covered(intervals: list[tuple[float, float]]) -> float:
             total += end - max(start, reach)
             reach = end
     return total
+
+
+def time_per_step(trace) -> float:
+    """Seconds from the start to the last optimizer step, per step: what the simulator must predict
+    (the run's final publish and evaluation come after it)."""
+    return max(record.end for record in trace.steps) / len(trace.steps)

@@ -12,17 +12,21 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from dovetail.config.train import TrainConfig
+from dovetail.config.train import ConfigError, parse_config
 from dovetail.cost.calibration import DEFAULT
 from dovetail.cost.model import CostModel
-from dovetail.exec.driver import time_per_step
-from dovetail.exec.launch import flow_scenario, policy_options
+from dovetail.exec.metrics import time_per_step
 from dovetail.exec.sim import SimExecutor
+from dovetail.graph.flow import FlowShape
+from dovetail.graph.llm import LLMShape
 from dovetail.graph.node import Kind
 from dovetail.scenario import prepare
 
 COST_KIND = {
     Kind.GENERATE: "generate",
+    Kind.PREFILL: "prefill",
+    Kind.DECODE: "decode",
+    Kind.MIGRATE: "migrate",
     Kind.SCORE: "score",
     Kind.LOGPROB: "logprob",
     Kind.TRAIN: "train",
@@ -41,22 +45,23 @@ def replay_run(run_dir: Path | str) -> dict:
         )
     profile = json.loads(path.read_text())
     try:
-        config = TrainConfig(**profile["config"])
-    except ValidationError as error:
+        config = parse_config(profile["config"])
+    except (ConfigError, ValidationError) as error:
         raise ValueError(
             f"{path} was written by an older dovetail whose config this one cannot read: {error}"
         ) from None
-    scenario = flow_scenario(config, profile["steps"])
-    shape = {k: v for k, v in profile["shape"].items() if v is not None}
-    options = policy_options(config)
-    calibration = replace(DEFAULT, dit_half_mfu_tokens=profile["dit_half_mfu_tokens"])
+    scenario = config.scenario(profile["steps"])
+    shape_class = FlowShape if config.kind == "flow" else LLMShape
+    shapes = {config.pipeline_name: shape_class(**profile["shape"])}
+    options = config.policy_options()
+    calibration = replace(DEFAULT, **profile["calibration"])
     analytic = prepare(
         scenario,
         config.policy,
         steps=profile["steps"],
         options=options,
         cost=CostModel(config.cluster.device, calibration),
-        **shape,
+        shapes=shapes,
     )
     measured = profile["node_seconds"]
     records = []
@@ -70,7 +75,7 @@ def replay_run(run_dir: Path | str) -> dict:
     wake = max(engines.wake_s.values())
     records += [("switch", wake, max(s, 1e-6)) for s in profile["switch_seconds"]]
     cost = CostModel.from_measurements(config.cluster.device, records, calibration)
-    replayed = prepare(scenario, config.policy, steps=profile["steps"], options=options, cost=cost, **shape)
+    replayed = prepare(scenario, config.policy, steps=profile["steps"], options=options, cost=cost, shapes=shapes)
     missing = set(measured) - set(replayed.graph.nodes)
     if missing:
         raise ValueError(

@@ -12,12 +12,11 @@ import math
 import random
 from collections.abc import Callable, Sequence
 
+from dovetail.exec.loop import settle
 from dovetail.exec.state import ClusterState
 from dovetail.exec.trace import Trace
 from dovetail.graph.node import Graph
 from dovetail.sched.policy import Migrate, Policy, Run, Setup, SwitchRole
-
-MAX_ROUNDS_AT_ONE_TIME = 100_000
 
 
 class SimExecutor:
@@ -55,28 +54,24 @@ class SimExecutor:
         segment: dict[str, int] = {}
         counter = 0
         state.begin()
+
+        def carry_out(decision) -> None:
+            nonlocal counter
+            counter += 1
+            if isinstance(decision, (Run, Migrate)) and (self.noise or self.device_pace):
+                pace = max(self.device_pace[d] for d in decision.devices) if self.device_pace else 1.0
+                if self.noise:
+                    pace *= math.exp(rng.gauss(0.0, self.noise))
+                state.set_pace(decision.node, pace)
+            elif isinstance(decision, SwitchRole):
+                heapq.heappush(heap, (state.now + decision.cost_s, counter, "switch", decision))
+
         while True:
-            for _ in range(MAX_ROUNDS_AT_ONE_TIME):
-                events = state.take_events()
-                decisions = policy.react(state, events)
-                if not events and not decisions:
-                    break
-                for decision in decisions:
-                    state.apply(decision)
-                    counter += 1
-                    if isinstance(decision, (Run, Migrate)) and (self.noise or self.device_pace):
-                        pace = max(self.device_pace[d] for d in decision.devices) if self.device_pace else 1.0
-                        if self.noise:
-                            pace *= math.exp(rng.gauss(0.0, self.noise))
-                        state.set_pace(decision.node, pace)
-                    elif isinstance(decision, SwitchRole):
-                        heapq.heappush(heap, (state.now + decision.cost_s, counter, "switch", decision))
-                for node_id in state.take_retimed():
-                    counter += 1
-                    segment[node_id] = counter
-                    heapq.heappush(heap, (state.now + state.remaining(node_id), counter, "node", node_id))
-            else:
-                raise RuntimeError(f"policy {policy.name} keeps deciding at t={state.now:.3f}s without time passing")
+            settle(state, policy, carry_out)
+            for node_id in state.take_retimed():
+                counter += 1
+                segment[node_id] = counter
+                heapq.heappush(heap, (state.now + state.remaining(node_id), counter, "node", node_id))
             if not heap:
                 if state.done:
                     return state.trace

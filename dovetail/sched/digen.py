@@ -263,7 +263,6 @@ class Digen(Policy):
         self.started_at: dict[str, float] = {}
         self.loaded = dict.fromkeys(range(setup.devices), 0)
         """Weights version in each device's rollout engine: a device loads a newer one between fragments."""
-        self.tag_decisions: list[tuple[float, int]] = []
         """(time, fragments) of every TAG insertion, for the run's log."""
 
     # ------------------------------------------------------------ decisions

@@ -291,6 +291,8 @@ class Policy(ABC):
             )
         self.setup = setup
         self.costs = CostTracker()
+        self.tag_decisions: list[tuple[float, int]] = []
+        """(time, fragments) of each trainer-assisted generation the policy chose (only digen chooses any)."""
 
     def react(self, view: View, events: Sequence[Event]) -> list[Decision]:
         """What executors call: learn from the events, then decide."""

@@ -1,0 +1,206 @@
+"""What the Ray runtime needs of a kind of pipeline, written down once: a driver-side adapter and worker-side engines.
+
+`PipelineAdapter` (driver) maps a node of the sub-stage graph to typed work on the devices the policy chose and
+books the results in the sample ledger; `PipelineEngines` (one per DeviceWorker) holds that pipeline's engines on
+the device and does the work. Commit and publish are the same for every kind and live in the executor and the
+worker; `exec.flow` and `exec.lm` implement the rest.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import import_module
+
+import numpy as np
+import ray
+import torch
+
+from dovetail.exec.messages import Work
+from dovetail.graph.flow import split
+from dovetail.graph.node import Node, SampleId
+
+PROFILE_ROUNDS = 3
+"""Rounds of the start-up profile. One round's small-pass fit swung with this machine's noise (a fitted half point
+of 0 made digen cut 8 fragments where 4 ran 1.4x faster)."""
+
+KINDS = {"flow": "dovetail.exec.flow", "lm": "dovetail.exec.lm"}
+"""Pipeline kind -> the module with its `Adapter` and `Engines` (imported on first use)."""
+
+
+@dataclass
+class Part:
+    """One actor call that carries out (part of) a node on one device; kept so it can be re-sent."""
+
+    node: str
+    device: int
+    work: object
+    index: int = 0
+    """Position of the part's output among the node's outputs (results are read in this order)."""
+    rerun: bool = False
+    """A finished train part sent again to a restarted device, to rebuild its accumulated gradients."""
+
+
+@dataclass
+class Ledger:
+    """Per sample and per weights version: what was generated, scored and trained, and where."""
+
+    generated: dict[SampleId, list[tuple[int, int]]] = field(default_factory=dict)
+    scored: dict[SampleId, int] = field(default_factory=dict)
+    trained: dict[tuple[SampleId, int], int] = field(default_factory=dict)
+    """(sample, unit) -> times its gradient entered a commit (unit: a timestep, or 0 for an LM response)."""
+    restarts: list[tuple[float, int, str]] = field(default_factory=list)
+    reruns: list[tuple[int, str]] = field(default_factory=list)
+    """(device, train node) re-run on a restarted device to rebuild the gradients it held."""
+
+    def problems(self, expected: dict[SampleId, list[int]]) -> list[str]:
+        """Every sample generated once and scored once, every (sample, unit) trained once."""
+        found = []
+        for sample, units in expected.items():
+            if len(self.generated.get(sample, [])) != 1:
+                found.append(f"sample {sample} generated {len(self.generated.get(sample, []))} times")
+            if self.scored.get(sample, 0) != 1:
+                found.append(f"sample {sample} scored {self.scored.get(sample, 0)} times")
+            for unit in units:
+                if self.trained.get((sample, unit), 0) != 1:
+                    found.append(f"sample {sample} unit {unit} trained {self.trained.get((sample, unit), 0)} times")
+        return found
+
+    def to_json(self) -> dict:
+        return {
+            "generated": [[*s, d, v] for s, uses in sorted(self.generated.items()) for d, v in uses],
+            "trained": [[*s, k, n] for (s, k), n in sorted(self.trained.items())],
+            "restarts": self.restarts,
+            "reruns": self.reruns,
+        }
+
+
+class PipelineAdapter(ABC):
+    """The driver side of one pipeline kind."""
+
+    def __init__(self, config, first_step: int) -> None:
+        self.config = config
+        self.first_step = first_step
+
+    def rl_step(self, node: Node) -> int:
+        """The RL step of a node (the graph counts from 0 at the run's first step, e.g. after a resume)."""
+        return self.first_step + node.step
+
+    @abstractmethod
+    def parts(self, node: Node, devices: tuple[int, ...], executor) -> list[Part]:
+        """The actor calls that carry out `node` on `devices` (not commit / publish, which the executor does)."""
+
+    @abstractmethod
+    def book(self, node: Node, part: Part, result, ledger: Ledger) -> None:
+        """Account a finished part's result in the ledger (generated, scored); training is booked at the commit."""
+
+    @abstractmethod
+    def units_of(self, sample: SampleId) -> list[int]:
+        """What training a sample consists of (the ledger's units): its trained timesteps, or [0]."""
+
+    @abstractmethod
+    def step_metrics(self, scores: list, trained: list, executor, graph_step: int) -> dict:
+        """The pipeline's own figures of a committed step (rewards, loss statistics) from its score and train
+        results; the driver adds throughput, efficiency and staleness."""
+
+    def commit_scale(self, trained: list) -> float:
+        """What the commit multiplies the summed gradients by, given the step's train results: 1 when each part's
+        loss was already divided by the step's normaliser, else 1 / the sum of their contributions."""
+        return 1.0
+
+    @staticmethod
+    def spread(items: list, devices: tuple[int, ...]) -> list[tuple[int, list]]:
+        """`items` dealt to `devices` in contiguous runs (sizes differ by at most one); an empty share is dropped."""
+        runs = zip(devices, split(len(items), len(devices)))
+        return [(device, [items[r] for r in rows]) for device, rows in runs if rows]
+
+
+class PipelineEngines(ABC):
+    """The worker side of one pipeline kind: its engines on one device. `trainer` / `optimizer` are None on a
+    device that holds no policy engine (a reward device)."""
+
+    def __init__(self, config, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.trainer = self.optimizer = self.reference = self.rollout = None
+        self.rollout_version: int | None = None
+
+    @abstractmethod
+    def run(self, work: Work):
+        """Do one piece of work and return its result message (a train leaves its gradient in `trainer`)."""
+
+    @abstractmethod
+    def load_rollout(self, weights: dict[str, np.ndarray]) -> None:
+        """Put published weights into the rollout engine."""
+
+    @abstractmethod
+    def profile(self, samples: int, carry: Callable[[dict], dict]) -> dict[str, float]:
+        """Measured seconds of each kind of work here, for the cost model the policy plans with."""
+
+    def held(self) -> list[str]:
+        engines = {"trainer": self.trainer, "rollout": self.rollout, "reference": self.reference}
+        return [name for name, engine in engines.items() if engine is not None] + ["reward"]
+
+    def load_rollout_weights(self, version: int, weights) -> None:
+        """Switch the rollout engine to `version` (between trajectories, never inside one)."""
+        if self.rollout_version != version:
+            self.load_rollout(weights if isinstance(weights, dict) else ray.get(weights))
+            self.rollout_version = version
+
+    def load_trainer_state(self, state: dict) -> None:
+        """Take over another replica's committed state (after a restart, or to join the trainer pool)."""
+        load_trainer_state(self.trainer, self.optimizer, state)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @staticmethod
+    def fetch(refs: list) -> list:
+        """Results of earlier nodes: a message's refs are not resolved by Ray, the worker gets them."""
+        return ray.get(list(refs)) if refs else []
+
+
+def pipeline_module(kind: str):
+    return import_module(KINDS[kind])
+
+
+# ---------------------------------------------------------------- torch <-> what crosses Ray
+
+
+def weights_of(model) -> dict[str, np.ndarray]:
+    """Parameters as numpy arrays: Ray moves numpy views ~10x faster than pickled tensors."""
+    return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def tensors_of(weights: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(np.array(v, copy=True)) if isinstance(v, np.ndarray) else v for k, v in weights.items()}
+
+
+def trainer_state_of(model, optimizer) -> dict:
+    """Weights and optimizer state on the CPU: checkpoints and restarts must not need the GPU they came from."""
+    optimizer_state = optimizer.state_dict()
+    moments = {
+        index: {name: value.cpu() if torch.is_tensor(value) else value for name, value in per_param.items()}
+        for index, per_param in optimizer_state["state"].items()
+    }
+    return {"weights": weights_of(model), "optimizer": optimizer_state | {"state": moments}}
+
+
+def load_trainer_state(model, optimizer, state: dict) -> None:
+    """Into `model` / `optimizer` wherever they live: both loaders copy to the parameters' device."""
+    model.load_state_dict(tensors_of(state["weights"]))
+    optimizer.load_state_dict(state["optimizer"])
+
+
+def flat_gradient(model) -> torch.Tensor:
+    return torch.cat(
+        [
+            p.grad.flatten() if p.grad is not None else torch.zeros(p.numel(), device=p.device)
+            for p in model.parameters()
+        ]
+    )
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued kernels, so that a wall-clock time covers the work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

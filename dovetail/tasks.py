@@ -1,0 +1,335 @@
+"""Synthetic text tasks whose answers a rule can verify: what GRPO trains the tiny language model on.
+
+Every completion has one shape: an optional scratchpad, the answer marker ">", the final answer, the end marker
+".". Problem sizes are drawn uniformly, so ideal completions range from a few tokens to seventy and more: the
+rollouts of one batch have the long tail that the scheduler must hide.
+
+A prompt names its task by its first word, so a reward recognises the task from the prompt alone, and the answer
+is always derived from the prompt, never stored. Problems are split into train and eval by a hash of the prompt
+text, so the two splits never share a problem whichever seed or index drew it.
+"""
+
+import ast
+import hashlib
+import random
+import re
+import string
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from fractions import Fraction
+from functools import lru_cache
+from typing import ClassVar, NamedTuple
+
+ANSWER_MARKER = ">"
+END_MARKER = "."
+SPLITS = ("train", "eval")
+EVAL_ONE_IN = 10  # one problem in ten is held out for evaluation
+LENGTH_MARGIN = 8  # tokens allowed past the longest ideal completion, so a slightly long answer is still scored
+
+
+def split_of(prompt: str) -> str:
+    """The split a problem belongs to, from a hash of its text (stable across Python processes, unlike hash())."""
+    digest = hashlib.sha256(prompt.encode()).digest()
+    return "eval" if int.from_bytes(digest[:8], "big") % EVAL_ONE_IN == 0 else "train"
+
+
+def final_answer(completion: str) -> str | None:
+    """The text between the last answer marker and the first end marker; None if either is missing."""
+    body, end, _ = completion.partition(END_MARKER)
+    if not end or ANSWER_MARKER not in body:
+        return None
+    return body.rpartition(ANSWER_MARKER)[2]
+
+
+class Task(ABC):
+    """A family of problems: draws prompts, writes their ideal completions, and checks final answers."""
+
+    name: str
+    prefix: ClassVar[str]  # every prompt starts with it
+    completion_pattern: ClassVar[re.Pattern]  # what a well-formed completion looks like, scratchpad included
+
+    @property
+    def reward_names(self) -> dict[str, float]:
+        """The rewards (and weights) a GRPO run on this task uses unless told otherwise."""
+        return {"exact_answer": 1.0}
+
+    @property
+    @abstractmethod
+    def max_new_tokens(self) -> int:
+        """The longest ideal completion in tokens, its end of sequence and LENGTH_MARGIN."""
+
+    @abstractmethod
+    def draw(self, rng: random.Random) -> str:
+        """A prompt drawn from the whole problem space, either split."""
+
+    @abstractmethod
+    def solution(self, prompt: str) -> str:
+        """The ideal completion of the prompt: scratchpad, answer marker, answer, end marker."""
+
+    @abstractmethod
+    def is_correct(self, prompt: str, answer: str) -> bool:
+        """Whether answer (the text after the answer marker) solves the prompt's problem."""
+
+    def prompt(self, split: str, seed: int, index: int) -> str:
+        """The index-th prompt of split under seed: the same arguments give the same prompt in any process."""
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+        attempt = 0
+        while True:
+            prompt = self.draw(random.Random(f"{self.name}/{split}/{seed}/{index}/{attempt}"))
+            if split_of(prompt) == split:
+                return prompt
+            attempt += 1
+
+    def prompts(self, split: str, seed: int, step: int, count: int) -> list[str]:
+        """The count prompts of an RL step: consecutive indices, so steps of one run never repeat a draw."""
+        return [self.prompt(split, seed, step * count + i) for i in range(count)]
+
+    def is_well_formed(self, completion: str) -> bool:
+        return self.completion_pattern.fullmatch(completion) is not None
+
+    def _match(self, pattern: re.Pattern, prompt: str) -> re.Match:
+        match = pattern.fullmatch(prompt)
+        if match is None:
+            raise ValueError(f"prompt {prompt!r} is not a {self.name} prompt (expected {pattern.pattern!r})")
+        return match
+
+
+@dataclass(frozen=True)
+class Addition(Task):
+    """Add two numbers of 1..max_digits digits column by column, right to left, carries written out.
+
+    ``add 57+968:`` -> ``7+8+0=15,5+6+1=12,0+9+1=10>1025.``: one column per digit of the longer operand, so the
+    length of the scratchpad follows the operands.
+    """
+
+    name: str = "arithmetic"
+    max_digits: int = 7
+    prefix: ClassVar[str] = "add "
+    prompt_pattern: ClassVar[re.Pattern] = re.compile(r"add (\d+)\+(\d+):")
+    completion_pattern: ClassVar[re.Pattern] = re.compile(r"\d\+\d\+[01]=\d{1,2}(,\d\+\d\+[01]=\d{1,2})*>\d+\.")
+
+    @property
+    def max_new_tokens(self) -> int:
+        longest = "9" * self.max_digits
+        return len(self.solution(f"add {longest}+{longest}:")) + 1 + LENGTH_MARGIN
+
+    def draw(self, rng: random.Random) -> str:
+        a, b = (self._number(rng.randint(1, self.max_digits), rng) for _ in range(2))
+        return f"add {a}+{b}:"
+
+    @staticmethod
+    def _number(digits: int, rng: random.Random) -> int:
+        return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
+
+    def solution(self, prompt: str) -> str:
+        a, b = self._match(self.prompt_pattern, prompt).groups()
+        width = max(len(a), len(b))
+        columns, carry = [], 0
+        for da, db in zip(reversed(a.zfill(width)), reversed(b.zfill(width))):
+            total = int(da) + int(db) + carry
+            columns.append(f"{da}+{db}+{carry}={total}")
+            carry = total // 10
+        return ",".join(columns) + f"{ANSWER_MARKER}{int(a) + int(b)}{END_MARKER}"
+
+    def is_correct(self, prompt: str, answer: str) -> bool:
+        a, b = self._match(self.prompt_pattern, prompt).groups()
+        return answer == str(int(a) + int(b))
+
+
+@dataclass(frozen=True)
+class Sort(Task):
+    """Sort 1..max_items distinct letters alphabetically: ``sort qdax:`` -> ``>adqx.``.
+
+    Letters, one token each, and distinct, so the next letter is always the smallest one in the prompt above the
+    last written: a content lookup that a tiny model learns within minutes. Numbers of several characters need
+    it to compare spans first, which it does not learn in a CPU-minutes budget.
+    """
+
+    name: str = "sort"
+    max_items: int = 20
+    prefix: ClassVar[str] = "sort "
+    prompt_pattern: ClassVar[re.Pattern] = re.compile(r"sort ([a-z]+):")
+    completion_pattern: ClassVar[re.Pattern] = re.compile(r">[a-z]+\.")
+
+    @property
+    def max_new_tokens(self) -> int:
+        return len(self.solution(f"sort {string.ascii_lowercase[: self.max_items]}:")) + 1 + LENGTH_MARGIN
+
+    def draw(self, rng: random.Random) -> str:
+        return f"sort {''.join(rng.sample(string.ascii_lowercase, rng.randint(1, self.max_items)))}:"
+
+    def _sorted(self, prompt: str) -> str:
+        return "".join(sorted(self._match(self.prompt_pattern, prompt).group(1)))
+
+    def solution(self, prompt: str) -> str:
+        return f"{ANSWER_MARKER}{self._sorted(prompt)}{END_MARKER}"
+
+    def is_correct(self, prompt: str, answer: str) -> bool:
+        return answer == self._sorted(prompt)
+
+
+class ExpressionError(ValueError):
+    """An expression uses something other than +, -, *, / on small integer literals, or is too big."""
+
+
+class Evaluated(NamedTuple):
+    value: Fraction
+    literals: tuple[int, ...]  # in the order written
+
+
+MAX_EXPRESSION_CHARS = 200  # checked before parsing: ast.parse of a huge text is itself costly
+MAX_EXPRESSION_NODES = 64
+MAX_LITERAL = 10_000
+MAX_MAGNITUDE = 10**12  # bound on every intermediate numerator and denominator
+_OPERATIONS = {ast.Add: Fraction.__add__, ast.Sub: Fraction.__sub__, ast.Mult: Fraction.__mul__}
+
+
+def evaluate_expression(text: str) -> Evaluated:
+    """Exact value of an arithmetic expression, walking its syntax tree: never eval.
+
+    Only binary +, -, *, / on non-negative integer literals up to MAX_LITERAL are allowed; division is exact
+    (fractions). Raises ExpressionError for anything else and ZeroDivisionError for a division by zero.
+    """
+    if len(text) > MAX_EXPRESSION_CHARS:
+        raise ExpressionError(f"expression of {len(text)} characters; at most {MAX_EXPRESSION_CHARS}")
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except SyntaxError as error:
+        raise ExpressionError(f"{text!r} does not parse: {error.msg}") from None
+    nodes = sum(1 for _ in ast.walk(tree))
+    if nodes > MAX_EXPRESSION_NODES:
+        raise ExpressionError(f"{text!r} has {nodes} syntax nodes; at most {MAX_EXPRESSION_NODES}")
+    literals: list[int] = []
+
+    def walk(node: ast.AST) -> Fraction:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            if node.value > MAX_LITERAL:
+                raise ExpressionError(f"literal {node.value} is above {MAX_LITERAL}")
+            literals.append(node.value)
+            return Fraction(node.value)
+        if not isinstance(node, ast.BinOp) or type(node.op) not in (*_OPERATIONS, ast.Div):
+            raise ExpressionError(f"{ast.unparse(node)!r} is not allowed: only + - * / on integer literals")
+        left, right = walk(node.left), walk(node.right)
+        value = left / right if isinstance(node.op, ast.Div) else _OPERATIONS[type(node.op)](left, right)
+        if max(abs(value.numerator), value.denominator) > MAX_MAGNITUDE:
+            raise ExpressionError(f"{ast.unparse(node)!r} exceeds {MAX_MAGNITUDE} in magnitude")
+        return value
+
+    return Evaluated(walk(tree.body), tuple(literals))
+
+
+@dataclass(frozen=True)
+class Countdown(Task):
+    """Reach a target with +, -, *, / using each of 2..max_numbers given numbers exactly once.
+
+    ``make 22 from 3,5,7:`` -> ``3*5=15,15+7=22>(3*5)+7.``: the steps, then one expression that the reward
+    evaluates. Intermediate results stay positive integers up to MAX_INTERMEDIATE, in the drawn problems and in
+    the solutions alike, so every drawn problem has a solution of that kind.
+    """
+
+    name: str = "countdown"
+    max_numbers: int = 4
+    max_number: int = 20
+    prefix: ClassVar[str] = "make "
+    prompt_pattern: ClassVar[re.Pattern] = re.compile(r"make (\d+) from (\d+(?:,\d+)*):")
+    completion_pattern: ClassVar[re.Pattern] = re.compile(r"(\d+[-+*/]\d+=\d+(,\d+[-+*/]\d+=\d+)*)?>[-+*/()\d]+\.")
+    MAX_INTERMEDIATE: ClassVar[int] = 999
+
+    @property
+    def reward_names(self) -> dict[str, float]:
+        return {"countdown": 1.0}
+
+    @property
+    def max_new_tokens(self) -> int:
+        """max_numbers - 1 steps of at most "999*999=999," and one expression of max_numbers literals."""
+        steps = (self.max_numbers - 1) * len(
+            f"{self.MAX_INTERMEDIATE}*{self.MAX_INTERMEDIATE}={self.MAX_INTERMEDIATE},"
+        )
+        parenthesised = self.max_numbers * len(str(self.max_number)) + (self.max_numbers - 1) * 3
+        return steps + len(ANSWER_MARKER) + parenthesised + len(END_MARKER) + 1 + LENGTH_MARGIN
+
+    def draw(self, rng: random.Random) -> str:
+        while True:
+            numbers = [rng.randint(1, self.max_number) for _ in range(rng.randint(2, self.max_numbers))]
+            target = _random_combination(numbers, rng)
+            if target is not None:
+                return f"make {target} from {','.join(map(str, numbers))}:"
+
+    def _problem(self, prompt: str) -> tuple[int, tuple[int, ...]]:
+        target, numbers = self._match(self.prompt_pattern, prompt).groups()
+        return int(target), tuple(int(n) for n in numbers.split(","))
+
+    def solution(self, prompt: str) -> str:
+        target, numbers = self._problem(prompt)
+        found = _search(target, tuple((n, str(n)) for n in numbers))
+        if found is None:
+            raise ValueError(f"prompt {prompt!r} has no solution with positive integer steps")
+        steps, expression = found
+        return ",".join(steps) + f"{ANSWER_MARKER}{expression}{END_MARKER}"
+
+    def is_correct(self, prompt: str, answer: str) -> bool:
+        target, numbers = self._problem(prompt)
+        try:
+            evaluated = evaluate_expression(answer)
+        except (ExpressionError, ZeroDivisionError):
+            return False
+        return evaluated.value == target and sorted(evaluated.literals) == sorted(numbers)
+
+
+def _steps(a: int, b: int) -> list[tuple[str, int]]:
+    """The operations on a and b (in that order) whose result is a positive integer up to MAX_INTERMEDIATE."""
+    candidates = [("+", a + b), ("-", a - b), ("*", a * b), ("/", a // b if a % b == 0 else 0)]
+    return [(op, result) for op, result in candidates if 0 < result <= Countdown.MAX_INTERMEDIATE]
+
+
+def _random_combination(numbers: list[int], rng: random.Random) -> int | None:
+    """Combine random pairs of numbers by random allowed operations down to one value; None if stuck."""
+    values = list(numbers)
+    while len(values) > 1:
+        a, b = values.pop(rng.randrange(len(values))), values.pop(rng.randrange(len(values)))
+        results = [result for _, result in _steps(a, b)]
+        if not results:
+            return None
+        values.append(rng.choice(results))
+    return values[0]
+
+
+@lru_cache(maxsize=65536)
+def _search(target: int, items: tuple[tuple[int, str], ...]) -> tuple[tuple[str, ...], str] | None:
+    """Depth-first search for steps combining all (value, expression) items into target, in a fixed order."""
+    if len(items) == 1:
+        return ((), items[0][1]) if items[0][0] == target else None
+    for i, (a, a_text) in enumerate(items):
+        for j, (b, b_text) in enumerate(items):
+            if i == j:
+                continue
+            rest = tuple(item for k, item in enumerate(items) if k not in (i, j))
+            for op, result in _steps(a, b):
+                expression = f"{_operand(a_text)}{op}{_operand(b_text)}"
+                found = _search(target, (*rest, (result, expression)))
+                if found is not None:
+                    return (f"{a}{op}{b}={result}", *found[0]), found[1]
+    return None
+
+
+def _operand(expression: str) -> str:
+    """An expression as an operand: bracketed unless it is a single number."""
+    return expression if expression.isdigit() else f"({expression})"
+
+
+TASKS: dict[str, Task] = {task.name: task for task in (Addition(), Sort(), Countdown())}
+
+
+def task(name: str) -> Task:
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}")
+    return TASKS[name]
+
+
+def task_of_prompt(prompt: str) -> Task:
+    """The task a prompt belongs to, from its first word."""
+    for candidate in TASKS.values():
+        if prompt.startswith(candidate.prefix):
+            return candidate
+    raise ValueError(f"prompt {prompt!r} starts with no task's prefix {[t.prefix for t in TASKS.values()]}")
