@@ -1,0 +1,396 @@
+"""Language-model generation for GRPO rollouts: the `Engine` interface and our own `TorchEngine`.
+
+A rollout device keeps an engine and asks it to decode requests. The runtime needs three things of it
+beyond plain generation: to stop a request part-way (`generate(..., until=k)` leaves it paused), to hand
+a paused request to another device (`export`), and to continue it there token for token (pass the
+exported `Request` to `generate` on the other engine, which re-prefills prompt + tokens). That is why
+every token is drawn from a uniform keyed by (seed, step, prompt, sample, token index) rather than by a
+generator that lives in the engine: a sequence's tokens do not depend on its batch position, its
+neighbours, the device, or where it was migrated.
+
+How a GPU serving engine maps onto `Engine`:
+
+* vLLM / SGLang `generate(requests, until)`: submit each request with `max_tokens = min(until,
+  max_new_tokens) - len(tokens)` and the stop ids; the engines batch continuously themselves.
+* `export(key)`: abort the request (vLLM `abort_request`, SGLang `abort_request`) and keep the output
+  tokens and log-probs it has produced; the engine frees its KV blocks.
+* import: resubmit prompt + tokens as a new prompt with the remaining max_tokens. Prefix caching makes
+  the re-prefill cheap when the request comes back to the engine that paused it.
+* keyed sampling: a per-request logits processor (vLLM) / custom sampler (SGLang) that draws the token
+  at index len(tokens) with `keyed_uniforms` and `sample_tokens` below, so the continuation after an
+  import is the same sequence as without the migration; `logprobs=0` (the sampled token's log-prob,
+  taken from the temperature-scaled distribution before top-p, which is what the trainer recomputes).
+"""
+
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+Key = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One engine's sampling settings; a tiny top_p (keep only the most likely token) is greedy decoding."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    stop_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class Request:
+    """One sequence being generated; also what crosses Ray when it moves (plain Python only).
+
+    `key` is (step, prompt, sample), the sample id used everywhere in the repo. log_probs[i] is the
+    log-prob of tokens[i] under the sampling temperature (before top-p truncation)."""
+
+    key: Key
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    finished: bool = False
+
+    def copy(self) -> "Request":
+        return replace(self, prompt=list(self.prompt), tokens=list(self.tokens), log_probs=list(self.log_probs))
+
+
+class Engine(ABC):
+    """What a rollout device needs of a generation engine; `TorchEngine` is ours, vLLM / SGLang could be
+    others (see the module docstring)."""
+
+    params: SamplingParams
+
+    @abstractmethod
+    def load_weights(self, state_dict: dict) -> None:
+        """Take the policy's new weights (Hugging Face Llama names); paused caches become stale."""
+
+    @abstractmethod
+    def generate(self, requests: list[Request], until: int | None = None) -> list[Request]:
+        """Decode every request until it finishes (a stop id or max_new_tokens) or has `until` tokens.
+
+        Returns updated copies in the given order; the unfinished ones are paused and stay exportable.
+        A request with tokens that this engine did not pause (an import) is re-prefilled first."""
+
+    @abstractmethod
+    def export(self, key: Key) -> Request:
+        """Hand over a paused request and free what the engine holds for it."""
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser: a bijection of uint64 that mixes every input bit into every output bit."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def keyed_uniforms(seed: int, keys: list[Key], positions: list[int]) -> torch.Tensor:
+    """u[i] in (0, 1), float64, a pure function of (seed, *keys[i], positions[i]): a counter-based hash,
+    so the draw for a token is the same in any batch, on any device, before and after a migration."""
+    parts = np.array([[seed, *key, position] for key, position in zip(keys, positions)], dtype=np.int64)
+    state = np.full(len(parts), _GOLDEN, dtype=np.uint64)
+    for column in parts.astype(np.uint64).T:
+        state = _splitmix64(state ^ _splitmix64(column + _GOLDEN))
+    # The top 52 bits on a grid offset by half a step: never 0, never 1.
+    return torch.from_numpy((state >> np.uint64(12)).astype(np.float64) * 2.0**-52 + 2.0**-53)
+
+
+def sample_tokens(
+    logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse-CDF sampling of one token per row of `logits` (B, V) with the uniforms `u` (B,), in float64.
+
+    The distribution is softmax(logits / temperature), truncated to the smallest prefix of tokens sorted
+    by probability (ties: lower id first) whose mass reaches top_p. Returns the tokens and their
+    log-probs before the truncation, which is what the trainer recomputes for the GRPO ratio."""
+    log_probs = (logits.double() / temperature).log_softmax(-1)
+    sorted_probs, order = log_probs.exp().sort(dim=-1, descending=True, stable=True)
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    kept = mass_before < top_p
+    cdf = torch.where(kept, sorted_probs, 0.0).cumsum(-1)
+    u = u.to(cdf.device, torch.float64)
+    index = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    index = torch.minimum(index, kept.sum(-1) - 1)  # u * total can round up to the total
+    tokens = order.gather(1, index.unsqueeze(1)).squeeze(1)
+    return tokens, log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+class LlamaWeights:
+    """The Llama architecture (RMSNorm, RoPE, GQA, SwiGLU) in fp32 from a `LlamaForCausalLM` state dict, with
+    its attention reading and writing a caller-given KV cache; equal to Hugging Face's logits up to fp32
+    rounding (tested at 1e-5).
+
+    Fewer, larger kernels per layer than HF's modules: q/k/v and gate/up are fused into one matrix each,
+    the RMSNorm weights are folded into the matrices they feed, and queries of a GQA group share one
+    batched product with their kv head's cache."""
+
+    def __init__(self, config, state_dict: dict, *, max_len: int, device: str | torch.device = "cpu"):
+        rope = getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": config.rope_theta}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"only default RoPE is implemented, got {rope}")
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_layers = config.num_hidden_layers
+        self.eps = config.rms_norm_eps
+
+        def weight(name: str) -> torch.Tensor:
+            return torch.as_tensor(state_dict[name]).detach().to(device, torch.float32).clone()
+
+        self.embed = weight("model.embed_tokens.weight")
+        lm_head = weight("lm_head.weight") if "lm_head.weight" in state_dict else self.embed
+        # Each RMSNorm's weight is folded into the matrix it feeds: W (w * n) == (W diag(w)) n.
+        self.lm_head = lm_head * weight("model.norm.weight")
+        self.layers = []
+        for i in range(self.num_layers):
+            prefix = f"model.layers.{i}."
+            attn = [weight(prefix + f"self_attn.{p}_proj.weight") for p in "qkvo"]
+            mlp = [weight(prefix + f"mlp.{p}_proj.weight") for p in ("gate", "up", "down")]
+            self.layers.append(
+                {
+                    "qkv": torch.cat(attn[:3]) * weight(prefix + "input_layernorm.weight"),
+                    "o": attn[3],
+                    "gate_up": torch.cat(mlp[:2]) * weight(prefix + "post_attention_layernorm.weight"),
+                    "down": mlp[2],
+                }
+            )
+        half = torch.arange(0, self.head_dim, 2, dtype=torch.int64).to(device, torch.float32)
+        inv_freq = 1.0 / (rope["rope_theta"] ** (half / self.head_dim))
+        angles = torch.arange(max_len, device=device, dtype=torch.float32)[:, None] * inv_freq[None]
+        angles = torch.cat([angles, angles], dim=-1)
+        # HF's rotate_half(x) * sin == roll(x, half) * sin with the first half's sign flipped (negation is
+        # exact): one roll instead of two slices, a negation and a concatenation per rotation.
+        self.cos, self.signed_sin = angles.cos(), angles.sin()
+        self.signed_sin[:, : self.head_dim // 2] *= -1
+
+    def forward(
+        self, tokens: torch.Tensor, start: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """Final normalised hidden states (B, T, hidden) of `tokens` (B, T) placed at positions start[b] + t.
+
+        The caches are views holding the first start[b] positions of row b: keys [layers, B, kv_heads,
+        head_dim, max_len] (stored transposed, so q @ K^T reads a plain slice), values [layers, B, kv_heads,
+        max_len, head_dim]; this call writes the new positions into them. Query t of row b attends to cache
+        positions <= start[b] + t: causal and per-row length mask at once, so rows of different lengths
+        decode together, and right padding in a prefill only writes positions that the next tokens
+        overwrite before anything reads them."""
+        batch, steps = tokens.shape
+        groups = self.num_heads // self.num_kv_heads
+        positions = start[:, None] + torch.arange(steps, device=tokens.device)  # (B, T)
+        span = int(positions.max()) + 1
+        unseen = torch.arange(span, device=tokens.device) > positions[..., None]  # (B, T, span)
+        # Scores are (B * kv_heads, groups * T, span), row g * T + t: the same mask for every group.
+        bias = torch.zeros(unseen.shape, device=tokens.device).masked_fill_(unseen, -torch.inf)
+        bias = bias[:, None, None].expand(batch, self.num_kv_heads, groups, steps, span)
+        bias = bias.reshape(batch * self.num_kv_heads, groups * steps, span)
+        rows = torch.arange(batch, device=tokens.device)[:, None]
+        cos, sin = self.cos[positions][:, :, None], self.signed_sin[positions][:, :, None]  # (B, T, 1, head_dim)
+        qk_heads, q_size = self.num_heads + self.num_kv_heads, self.num_heads * self.head_dim
+        x = self.embed[tokens]
+        for layer, layer_k, layer_v in zip(self.layers, k_cache, v_cache):
+            qkv = F.linear(self._normalize(x), layer["qkv"])
+            qkv = qkv.view(batch, steps, qk_heads + self.num_kv_heads, self.head_dim)
+            qk = qkv[:, :, :qk_heads]
+            qk = qk * cos + qk.roll(self.head_dim // 2, dims=-1) * sin
+            layer_k[rows, :, :, positions] = qk[:, :, self.num_heads :]
+            layer_v[rows, :, positions] = qkv[:, :, qk_heads:]
+            # Query head h reads kv head h // groups (HF repeat_kv): group the queries, never copy the cache.
+            q = qk[:, :, : self.num_heads].view(batch, steps, self.num_kv_heads, groups, self.head_dim)
+            q = q.permute(0, 2, 3, 1, 4).reshape(batch * self.num_kv_heads, groups * steps, self.head_dim)
+            keys = layer_k[..., :span].reshape(batch * self.num_kv_heads, self.head_dim, span)
+            scores = torch.baddbmm(bias, q, keys, alpha=self.head_dim**-0.5)
+            attended = scores.softmax(-1) @ layer_v[:, :, :span].reshape(batch * self.num_kv_heads, span, -1)
+            attended = attended.view(batch, self.num_kv_heads, groups, steps, self.head_dim).permute(0, 3, 1, 2, 4)
+            x = x + F.linear(attended.reshape(batch, steps, q_size), layer["o"])
+            gate, up = F.linear(self._normalize(x), layer["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer["down"])
+        return self._normalize(x)
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm without its weight (folded into the next matrix)."""
+        return x * x.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head)
+
+
+class TorchEngine(Engine):
+    """Batched decoding with a preallocated KV cache and continuous batching, on CPU or one GPU.
+
+    The cache is two preallocated tensors, keys [layers, slots, kv_heads, head_dim, max_len] and values
+    [layers, slots, kv_heads, max_len, head_dim]; a slot holds one sequence. The running requests (at
+    most `max_batch`) always occupy slots 0..n-1, so a decode step reads the cache as one contiguous
+    view: a request that joins is swapped into slot n, one that leaves is swapped with the last running
+    one. Each slot's cache holds every token of its sequence but the last, which is the input of the
+    next decode step; a newly admitted request is prefilled up to that point, batched with the others
+    joining at the same step.
+
+    Paused requests keep their slot (beyond the running ones), so the next `generate` on this engine
+    resumes them without a prefill. When a joining request needs a slot and none is free, the paused
+    occupant is evicted and re-prefilled if it comes back: slower, the same tokens."""
+
+    def __init__(
+        self,
+        config,
+        params: SamplingParams,
+        *,
+        max_batch: int = 32,
+        num_slots: int | None = None,
+        max_len: int | None = None,
+        device: str | torch.device = "cpu",
+    ):
+        self.config = config
+        self.params = params
+        self.max_batch = max_batch
+        self.num_slots = num_slots or 2 * max_batch
+        if self.num_slots < max_batch:
+            raise ValueError(f"num_slots ({self.num_slots}) must be >= max_batch ({max_batch})")
+        self.max_len = max_len or config.max_position_embeddings
+        self.device = torch.device(device)
+        self.weights: LlamaWeights | None = None
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        slots = (config.num_hidden_layers, self.num_slots, config.num_key_value_heads)
+        self.k_cache = torch.zeros((*slots, head_dim, self.max_len), device=self.device)  # see LlamaWeights.forward
+        self.v_cache = torch.zeros((*slots, self.max_len, head_dim), device=self.device)
+        self.slot_owner: list[Key | None] = [None] * self.num_slots
+        self.cached_len = [0] * self.num_slots  # positions of the slot's sequence held in the cache
+        self.paused: dict[Key, Request] = {}
+        self.running: list[Request] = []  # running[i] occupies slot i; empty between generate calls
+        self.prefill_tokens = 0  # tokens prefilled so far: shows re-prefills after evictions / imports
+
+    @classmethod
+    def from_model(cls, model, params: SamplingParams, **kwargs) -> "TorchEngine":
+        engine = cls(model.config, params, **kwargs)
+        engine.load_weights(model.state_dict())
+        return engine
+
+    def load_weights(self, state_dict: dict) -> None:
+        self.weights = LlamaWeights(self.config, state_dict, max_len=self.max_len, device=self.device)
+        self.slot_owner = [None] * self.num_slots  # caches were computed by the old weights
+
+    def export(self, key: Key) -> Request:
+        request = self.paused.pop(key)
+        if key in self.slot_owner:
+            self.slot_owner[self.slot_owner.index(key)] = None
+        return request
+
+    def generate(self, requests: list[Request], until: int | None = None) -> list[Request]:
+        if self.weights is None:
+            raise RuntimeError("load_weights first")
+        limit = self.params.max_new_tokens if until is None else min(until, self.params.max_new_tokens)
+        results = [request.copy() for request in requests]
+        for request in results:
+            if not request.prompt or len(request.prompt) + self.params.max_new_tokens > self.max_len:
+                raise ValueError(
+                    f"request {request.key}: prompt of {len(request.prompt)} tokens + "
+                    f"{self.params.max_new_tokens} new ones must fit in 1..{self.max_len}"
+                )
+        waiting = deque(r for r in results if not r.finished and len(r.tokens) < limit)
+        while waiting or self.running:
+            self._admit(waiting)
+            self._decode_step()
+            self._retire(limit)
+        for request in results:
+            if request.finished:
+                self.paused.pop(request.key, None)
+            else:
+                self.paused[request.key] = request.copy()
+        return results
+
+    def _admit(self, waiting: deque) -> None:
+        """Move waiting requests into the running slots; resumes first, then the new ones, prefilled as
+        one batch in the contiguous slots after them."""
+        joining = [waiting.popleft() for _ in range(min(len(waiting), self.max_batch - len(self.running)))]
+        to_prefill = []
+        for request in joining:
+            if self._is_cached(request):
+                self._swap(self.slot_owner.index(request.key), len(self.running))
+                self.running.append(request)
+            else:
+                to_prefill.append(request)
+        first = len(self.running)
+        for request in to_prefill:
+            self._claim_slot(request.key, len(self.running))
+            self.running.append(request)
+        sequences = [(r.prompt + r.tokens)[:-1] for r in to_prefill]
+        for offset, sequence in enumerate(sequences):
+            self.cached_len[first + offset] = len(sequence)
+        width = max(map(len, sequences), default=0)
+        if width == 0:
+            return
+        padded = torch.tensor([s + [0] * (width - len(s)) for s in sequences], device=self.device)
+        start = torch.zeros(len(sequences), dtype=torch.long, device=self.device)
+        rows = slice(first, first + len(sequences))
+        self.weights.forward(padded, start, self.k_cache[:, rows], self.v_cache[:, rows])
+        self.prefill_tokens += sum(map(len, sequences))
+
+    def _is_cached(self, request: Request) -> bool:
+        paused = self.paused.get(request.key)
+        return (
+            request.key in self.slot_owner
+            and paused is not None
+            and paused.prompt == request.prompt
+            and paused.tokens == request.tokens
+        )
+
+    def _claim_slot(self, key: Key, slot: int) -> None:
+        """Give `slot` (not running) to `key`: a stale copy of it is dropped; the slot's paused occupant
+        moves to a free slot, or is evicted when there is none."""
+        if key in self.slot_owner:
+            self.slot_owner[self.slot_owner.index(key)] = None
+        if self.slot_owner[slot] is not None and None in self.slot_owner[slot:]:
+            self._swap(slot, self.slot_owner.index(None, slot))
+        self.slot_owner[slot] = key
+
+    def _swap(self, a: int, b: int) -> None:
+        if a == b:
+            return
+        for cache in (self.k_cache, self.v_cache):
+            cache[:, [a, b]] = cache[:, [b, a]]
+        self.slot_owner[a], self.slot_owner[b] = self.slot_owner[b], self.slot_owner[a]
+        self.cached_len[a], self.cached_len[b] = self.cached_len[b], self.cached_len[a]
+
+    def _decode_step(self) -> None:
+        """One token for every running request: feed each its last token, sample the next."""
+        batch = len(self.running)
+        last = [(r.tokens or r.prompt)[-1] for r in self.running]
+        tokens = torch.tensor(last, device=self.device)[:, None]
+        start = torch.tensor(self.cached_len[:batch], device=self.device)
+        hidden = self.weights.forward(tokens, start, self.k_cache[:, :batch], self.v_cache[:, :batch])
+        logits = self.weights.logits(hidden[:, -1])
+        u = keyed_uniforms(self.params.seed, [r.key for r in self.running], [len(r.tokens) for r in self.running])
+        sampled, log_probs = sample_tokens(logits, u, self.params.temperature, self.params.top_p)
+        for slot, (request, token, log_prob) in enumerate(zip(self.running, sampled.tolist(), log_probs.tolist())):
+            request.tokens.append(token)
+            request.log_probs.append(log_prob)
+            request.finished = token in self.params.stop_ids or len(request.tokens) >= self.params.max_new_tokens
+            self.cached_len[slot] += 1
+
+    def _retire(self, limit: int) -> None:
+        """Finished requests free their slot, ones at `limit` stay in theirs (paused); either way the last
+        running request takes the leaver's slot, so the running ones stay in slots 0..n-1."""
+        for slot in reversed(range(len(self.running))):
+            request = self.running[slot]
+            if request.finished or len(request.tokens) >= limit:
+                if request.finished:
+                    self.slot_owner[slot] = None
+                self._swap(slot, len(self.running) - 1)
+                self.running[slot] = self.running[-1]
+                self.running.pop()
