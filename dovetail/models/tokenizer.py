@@ -1,0 +1,47 @@
+"""A character-level tokenizer of our own: one token per character of a fixed alphabet.
+
+The synthetic tasks write digits, a few operators and short keywords, so characters are the natural unit:
+no merges to learn, no files to download, and a completion's length in tokens is its length in characters.
+"""
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
+DEFAULT_ALPHABET = "0123456789+-*/=()<>,.:; abcdefghijklmnopqrstuvwxyz"
+
+
+class CharTokenizer:
+    """Ids 0, 1, 2 are pad, bos and eos; the alphabet's characters follow in order."""
+
+    def __init__(self, alphabet: str = DEFAULT_ALPHABET):
+        if len(set(alphabet)) != len(alphabet):
+            raise ValueError(f"alphabet {alphabet!r} repeats a character")
+        self.alphabet = alphabet
+        self.pad_id, self.bos_id, self.eos_id = range(len(SPECIAL_TOKENS))
+        self._ids = {char: len(SPECIAL_TOKENS) + i for i, char in enumerate(alphabet)}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(SPECIAL_TOKENS) + len(self.alphabet)
+
+    def encode(self, text: str) -> list[int]:
+        unknown = sorted({char for char in text if char not in self._ids})
+        if unknown:
+            raise ValueError(f"text {text!r} has characters {unknown} outside the alphabet {self.alphabet!r}")
+        return [self._ids[char] for char in text]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """The characters of ids, skipping pad, bos and eos wherever they are (the caller decides where to stop)."""
+        first = len(SPECIAL_TOKENS)
+        return "".join(self.alphabet[i - first] for i in map(int, ids) if i >= first)
+
+    def save(self, directory: Path | str) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "tokenizer.json").write_text(json.dumps({"alphabet": self.alphabet}, indent=2))
+
+    @classmethod
+    def load(cls, directory: Path | str) -> "CharTokenizer":
+        return cls(json.loads((Path(directory) / "tokenizer.json").read_text())["alphabet"])
