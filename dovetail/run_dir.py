@@ -65,9 +65,15 @@ class RunDir:
         fig.savefig(self.path / name, dpi=110)
         plt.close(fig)
 
-    def save_checkpoint(self, step: int, model, optimizer: torch.optim.Optimizer, extra: dict | None = None) -> Path:
+    def save_checkpoint(
+        self, step: int, model, optimizer: torch.optim.Optimizer, extra: dict | None = None, save_weights=None
+    ) -> Path:
+        """`save_weights(directory)` writes the model in its own format (default: the flow model's)."""
         directory = self.checkpoints / f"step_{step:06d}"
-        save_model(model, directory)
+        if save_weights is None:
+            save_model(model, directory)
+        else:
+            save_weights(directory)
         torch.save(optimizer.state_dict(), directory / "optimizer.pt")
         torch.save({"torch": torch.get_rng_state()}, directory / "rng.pt")
         (directory / "state.json").write_text(json.dumps({"step": step} | (extra or {})))

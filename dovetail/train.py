@@ -11,13 +11,18 @@ import numpy as np
 import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from dovetail.config.train import FlowTrainConfig, dump_config
+from dovetail.config.train import FlowTrainConfig, LMTrainConfig, dump_config
+from dovetail.exec.pipeline import weights_of
+from dovetail.graph.node import SampleId
 from dovetail.models.flow_rl import commit, generate, group_sample_ids, step_prompts
+from dovetail.models.lm import load_lm, save_lm
 from dovetail.models.pretrain import latents_to_images
 from dovetail.models.t2i import load_model
 from dovetail.recipe import advantages_of, evaluate, make_optimizer, policy_gradient, sde_settings, step_timesteps
 from dovetail.rewards import score
+from dovetail.rewards.text import score_text
 from dovetail.run_dir import RunDir
+from dovetail.tasks import task
 
 
 def rl_step(model, optimizer, config: FlowTrainConfig, step: int, reference_model=None) -> dict:
@@ -80,13 +85,24 @@ class StepLog:
         last_step: int,
         eval_reward: float,
         progress: Progress,
+        evaluate=None,
+        save_weights=None,
     ):
+        """`evaluate(done)` scores the model on held-out prompts and writes what it shows (default: the flow
+        model's ODE samples and their grid); `save_weights(directory)` writes the model into a checkpoint."""
         self.run, self.config, self.model, self.optimizer = run, config, model, optimizer
+        self.evaluate = evaluate or self._evaluate_flow
+        self.save_weights = save_weights
         self.last_step = last_step
         self.eval_reward = eval_reward
         self.samples_per_s: list[float] = []
         self.progress = progress
         self.task = progress.add_task("train", total=last_step, reward=0.0, eval=eval_reward, sps=0.0)
+
+    def _evaluate_flow(self, done: int) -> dict[str, float]:
+        scores, images, prompts = evaluate(self.model, self.config)
+        self.run.save_eval_grid(images, prompts, "eval_latest.png")
+        return scores
 
     def needs_weights(self, done: int) -> bool:
         """Whether step `done` evaluates or checkpoints (the Ray driver then fetches the trainer state)."""
@@ -100,14 +116,13 @@ class StepLog:
         self.samples_per_s.append(metrics["samples_per_s"])
         if self._eval_due(done):
             start = time.perf_counter()
-            eval_scores, images, prompts = evaluate(self.model, self.config)
+            eval_scores = self.evaluate(done)
             self.eval_reward = eval_scores["total"]
             metrics |= {"eval_reward": self.eval_reward, "eval_s": time.perf_counter() - start}
             metrics |= {f"eval/{name}": value for name, value in eval_scores.items()}
-            self.run.save_eval_grid(images, prompts, "eval_latest.png")
         self.run.append_metrics(metrics)
         if done % self.config.checkpoint.every == 0 or done == self.last_step:
-            self.run.save_checkpoint(done, self.model, self.optimizer, checkpoint_extra)
+            self.run.save_checkpoint(done, self.model, self.optimizer, checkpoint_extra, self.save_weights)
         self.progress.update(
             self.task,
             completed=done,
@@ -123,6 +138,8 @@ def train(
     """Train to `steps` (default config.train.steps) under config.policy; returns the summary.
     `after_part` is the Ray executor's fault-injection hook, for tests."""
     torch.set_num_threads(1)
+    if config.kind == "lm":
+        return train_lm(config, out, steps=steps, resume=resume, after_part=after_part)
     run = RunDir(out)
     model = load_model(config.model.checkpoint)
     optimizer = make_optimizer(model, config)
@@ -140,12 +157,7 @@ def train(
         summary |= {"base_eval_reward": base["total"], "base_eval": base}
         run.save_eval_grid(images, prompts, "eval_base.png")
 
-    with Progress(
-        TextColumn("[bold]step {task.completed}/{task.total}"),
-        BarColumn(),
-        TextColumn("reward {task.fields[reward]:.3f}  eval {task.fields[eval]:.3f}  {task.fields[sps]:.1f} samples/s"),
-        TimeElapsedColumn(),
-    ) as progress:
+    with _progress() as progress:
         log = StepLog(
             run,
             config,
@@ -171,6 +183,107 @@ def train(
         "final_eval_reward": log.eval_reward,
         "steps": last_step,
         "samples_per_s": float(np.mean(log.samples_per_s)) if log.samples_per_s else summary.get("samples_per_s", 0.0),
+    }
+    run.write_summary(summary)
+    return summary
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("[bold]step {task.completed}/{task.total}"),
+        BarColumn(),
+        TextColumn("reward {task.fields[reward]:.3f}  eval {task.fields[eval]:.3f}  {task.fields[sps]:.1f} samples/s"),
+        TimeElapsedColumn(),
+    )
+
+
+def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
+    """One on-policy GRPO step of the reference path, in this process, through the very work the Ray workers do:
+    every response to the end, scores, one train pass over the whole batch, one optimizer step."""
+    from dovetail.exec.lm import lm_step_metrics, prompt_ids, step_prompts
+    from dovetail.exec.messages import Decode, LMLogProbs, LMTrain, Prefill, Score
+
+    pipeline, algo = config.task, config.algo
+    start = time.perf_counter()
+    ids = [SampleId(step, p, i) for p in range(algo.prompts_per_step) for i in range(algo.group_size)]
+    prompts = [prompt_ids(engines.tokenizer, p) for p in step_prompts(config, step)]
+    weights = weights_of(engines.trainer)
+    started = engines.run(Prefill(pipeline, ids, [prompts[s.prompt] for s in ids], step, weights))
+    responses = engines.run(Decode(pipeline, [started], config.max_new_tokens, weights))
+    scores = engines.run(Score(pipeline, [responses], None))
+    ref = [engines.run(LMLogProbs(pipeline, ids, [responses], True))] if algo.beta > 0 else []
+    engines.trainer.zero_grad(set_to_none=True)
+    trained = engines.run(LMTrain(pipeline, ids, False, [responses], [scores], ref_log_probs=ref))
+    for p in engines.trainer.parameters():
+        if p.grad is not None:
+            p.grad /= trained.normaliser
+    grad_norm = commit(engines.trainer, engines.optimizer, config.train.max_grad_norm)
+    seconds = time.perf_counter() - start
+    return lm_step_metrics(config, [scores], [trained]) | {
+        "grad_norm": grad_norm,
+        "samples_per_s": len(ids) / seconds,
+        "step_s": seconds,
+    }
+
+
+def lm_evaluate(engines, config: LMTrainConfig) -> dict[str, float]:
+    """Held-out success: one response per eval-split prompt, sampled as in training from the eval seed."""
+    from dovetail.exec.lm import prompt_ids, sampling_params, success_rate
+    from dovetail.models.engine import Request, TorchEngine
+
+    the_task = task(config.task)
+    prompts = the_task.prompts("eval", config.eval.seed, 0, config.eval.prompts)
+    engine = TorchEngine.from_model(
+        engines.trainer, sampling_params(config, engines.tokenizer.eos_id, seed=config.eval.seed), max_batch=64
+    )
+    requests = [Request((0, i, 0), prompt_ids(engines.tokenizer, p)) for i, p in enumerate(prompts)]
+    completions = [engines.tokenizer.decode(r.tokens) for r in engine.generate(requests)]
+    scores = score_text(completions, prompts, config.rewards)
+    return {"total": success_rate(config, completions, prompts)} | {
+        f"reward/{name}": float(values.mean()) for name, values in scores.items()
+    }
+
+
+def train_lm(config: LMTrainConfig, out: Path, *, steps=None, resume=None, after_part=None) -> dict:
+    """`train` for a language-model pipeline: eval_reward is the held-out success rate."""
+    from dovetail.exec.lm import LMEngines
+
+    if resume is not None:
+        raise ValueError("--resume of language-model runs is not built yet; start the run again without it")
+    run = RunDir(out)
+    run.start_fresh()
+    run.write_config(dump_config(config))
+    engines = LMEngines(config, torch.device("cpu"), True, None)
+    last_step = steps if steps is not None else config.train.steps
+    base = lm_evaluate(engines, config)
+    summary = {"base_eval_reward": base["total"], "base_eval": base}
+
+    def save_weights(directory: Path) -> None:
+        save_lm(engines.trainer, engines.tokenizer, load_lm(config.model.checkpoint)[2], directory)
+
+    with _progress() as progress:
+        log = StepLog(
+            run,
+            config,
+            engines.trainer,
+            engines.optimizer,
+            last_step,
+            base["total"],
+            progress,
+            evaluate=lambda done: lm_evaluate(engines, config),
+            save_weights=save_weights,
+        )
+        if config.policy == "reference":
+            for step in range(last_step):
+                log.record(step + 1, lm_rl_step(engines, config, step))
+        else:
+            from dovetail.exec.driver import train_on_ray
+
+            summary |= train_on_ray(config, log, 0, last_step, after_part=after_part)
+    summary |= {
+        "final_eval_reward": log.eval_reward,
+        "steps": last_step,
+        "samples_per_s": float(np.mean(log.samples_per_s)),
     }
     run.write_summary(summary)
     return summary

@@ -278,7 +278,7 @@ class LMTrainConfig(RunSection):
     """A GRPO run of a causal language model on a verifiable task."""
 
     kind: Literal["lm"]
-    task: str = Field("arithmetic", description="a task of dovetail.tasks: its prompts, answers and base model")
+    task: str = Field("sort", description="a task of dovetail.tasks: its prompts, answers and base model")
     policy: Literal["reference", "verl-sync", "streamrl", "areal"] = "reference"
     model: LMModelSection = LMModelSection()
     sampling: LMSamplingSection = LMSamplingSection()
@@ -347,7 +347,8 @@ class LMTrainConfig(RunSection):
         return self.task
 
     def shape_overrides(self) -> dict:
-        return {}
+        """A run learns its response lengths by decoding (`graph.llm.LLMShape.lengths_known`)."""
+        return {"lengths_known": False}
 
     def policy_options(self) -> dict:
         return {}
@@ -360,7 +361,7 @@ class LMTrainConfig(RunSection):
         pipeline = {
             "kind": "llm",
             "name": self.pipeline_name,
-            "model": "arithmetic-lm",
+            "model": "tiny-lm",
             "batch": self.algo.prompts_per_step,
             "group": self.algo.group_size,
             "prompt_length": round(sum(len(p) + 1 for p in problems) / len(problems)),

@@ -124,9 +124,9 @@ LANGUAGE_MODELS: dict[str, LanguageModel] = {
         LanguageModel("Qwen3-14B", 14.8e9, 40, 5120, 40, 8, 128, 151936),
         LanguageModel("Qwen3-32B", 32.8e9, 64, 5120, 64, 8, 128, 151936),
         LanguageModel("Llama-3.1-8B", 8.03e9, 32, 4096, 32, 8, 128, 128256),
-        # dovetail's own tiny Llama on the arithmetic task (dovetail/assets/arithmetic-lm), character tokens.
-        # What the CPU quick start of LM GRPO runs.
-        LanguageModel("arithmetic-lm", 1.0e6, 5, 128, 4, 4, 32, 32),
+        # dovetail's own tiny Llama on a synthetic task (dovetail/assets/<task>-lm), character tokens: 5 layers,
+        # 128 wide, 4 heads. What the CPU quick start of LM GRPO runs.
+        LanguageModel("tiny-lm", 1.0e6, 5, 128, 4, 4, 32, 53),
     )
 }
 

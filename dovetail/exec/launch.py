@@ -96,7 +96,11 @@ def profiled_cost(config: TrainConfig, scenario: Scenario, workers: list) -> Cos
     device's engines up, so the run's first step is like the others."""
     compute = workers[: config.compute_devices]
     profiles = ray.get([worker.profile.remote(config.runtime.profile_samples) for worker in compute])
-    measured = {kind: statistics.median(profile[kind] for profile in profiles) for kind in profiles[0]}
+    # seconds are the median over devices; what describes the profiled work (e.g. response lengths) is the first's
+    measured = {
+        kind: statistics.median(p[kind] for p in profiles) if isinstance(value, float) else value
+        for kind, value in profiles[0].items()
+    }
     # interference only adds time: a "fastest" figure is the best any device saw
     measured |= {kind: min(profile[kind] for profile in profiles) for kind in profiles[0] if kind.endswith("_fastest")}
     start = time.perf_counter()

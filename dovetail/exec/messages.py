@@ -78,9 +78,10 @@ class Trajectories:
 
 @dataclass(frozen=True)
 class Score(Work):
-    """Score every sample of the given rollout results (flow `Trajectories`, LM `Responses`)."""
+    """Score the samples of the given rollout results (flow `Trajectories`, LM `Responses`): `samples`, or all."""
 
     rollouts: list[Any]
+    samples: list[SampleId] | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,8 @@ class Decode(Work):
 
     rollouts: list[Any]
     until: int
+    weights: Any
+    """The ref of the rollouts' weights version: an engine that holds another version reloads it (and re-prefills)."""
 
 
 @dataclass(frozen=True)

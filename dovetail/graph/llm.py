@@ -84,6 +84,10 @@ class LLMShape:
     rollout_memory: float | None = None
     tail_parallel: int | None = None
     """Devices of the engine the migrated tail decodes on (tensor parallel); None: `spec.tensor_parallel`."""
+    lengths_known: bool = True
+    """Whether a step's response lengths are known when its graph is built (the simulator draws them). A real run
+    learns them only by decoding: then every shard decodes every band, whichever sequences are still running, and
+    a micro-batch waits for the ends of its shards' chains; the drawn lengths still predict the costs."""
 
     def check(self, spec: LLMSpec) -> None:
         if not 0 < self.shards <= spec.batch:
@@ -206,7 +210,7 @@ def _rollout(spec: LLMSpec, model: LanguageModel, cost: CostModel, shape: LLMSha
         previous = prefill.id
         for low, high in home_bands:
             members = [s for s in mine if s.response_tokens > low]
-            if not members:
+            if not members and shape.lengths_known:
                 break
             node = _decode(
                 spec,
@@ -222,7 +226,7 @@ def _rollout(spec: LLMSpec, model: LanguageModel, cost: CostModel, shape: LLMSha
                 shard,
             )
             nodes.append(node)
-            last_of.update((s.id, node.id) for s in members)
+            last_of.update((s.id, node.id) for s in (members if shape.lengths_known else mine))
             previous = node.id
         tail_deps.append(previous)
     tail = [s for s in samples if migrate_at is not None and s.response_tokens > migrate_at]

@@ -1,0 +1,386 @@
+"""Language-model pipelines (GRPO) on the Ray runtime: the driver's adapter and the worker's engines.
+
+`LMAdapter` turns the nodes of `graph.llm` into typed work: a shard's prefill and decode bands on its rollout
+engine (a decode band continues whatever is still running, up to the band's upper edge: lengths are learnt by
+decoding), scores of a micro-batch of whole groups, old / reference log-probs and the train micro-batches on the
+trainer devices. `LMEngines` holds the tiny Llama as trainer, our `TorchEngine` as rollout engine, the frozen base
+model for a KL term and the task's rule rewards.
+
+Each train part sums its loss (`lm_grpo_loss(loss_scale=1)`) and says how much it adds to the step's normaliser
+(tokens, sequences, or sequences x max_new_tokens); the commit divides the all-reduced sum by the step's total, so
+any split into micro-batches and devices, in any finishing order, trains what one batch would.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import ray
+import torch
+
+from dovetail.algo import decoupled_old_log_prob, group_advantages, lm_grpo_loss
+from dovetail.config.train import LMTrainConfig
+from dovetail.cost.catalog import language_model
+from dovetail.cost.model import CostModel
+from dovetail.exec.messages import (
+    Decode,
+    LMLogProbs,
+    LMTrain,
+    LogProbs,
+    Prefill,
+    Responses,
+    Score,
+    Scores,
+    Trained,
+    Work,
+)
+from dovetail.exec.pipeline import (
+    PROFILE_ROUNDS,
+    Part,
+    PipelineAdapter,
+    PipelineEngines,
+    synchronize,
+    tensors_of,
+    trainer_state_of,
+    weights_of,
+)
+from dovetail.graph.node import Kind, Node, SampleId
+from dovetail.models.engine import Request, SamplingParams, TorchEngine
+from dovetail.models.flow_rl import commit
+from dovetail.models.lm import load_lm
+from dovetail.models.lm_rl import response_log_probs
+from dovetail.recipe import make_optimizer
+from dovetail.rewards.text import score_text
+from dovetail.scenario import Scenario
+from dovetail.tasks import final_answer, task
+
+STAT_MEANS = ("clip_frac", "approx_kl", "ratio_mean", "kl_ref", "entropy")
+"""Per-token means each train part reports; the step's are weighted by the parts' tokens."""
+
+
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """A prompt as the model reads it: beginning of sequence, then its characters."""
+    return [tokenizer.bos_id, *tokenizer.encode(prompt)]
+
+
+def step_prompts(config: LMTrainConfig, rl_step: int) -> list[str]:
+    """The B prompts of an RL step: a pure function of (seed, step), from the task's train split."""
+    return task(config.task).prompts("train", config.seed, rl_step, config.algo.prompts_per_step)
+
+
+def sampling_params(config: LMTrainConfig, eos_id: int, seed: int | None = None) -> SamplingParams:
+    return SamplingParams(
+        temperature=config.sampling.temperature,
+        top_p=config.sampling.top_p,
+        max_new_tokens=config.max_new_tokens,
+        stop_ids=(eos_id,),
+        seed=config.seed if seed is None else seed,
+    )
+
+
+def responses_of(requests: list[Request], version: int) -> Responses:
+    return Responses(
+        version=version,
+        samples=[SampleId(*r.key) for r in requests],
+        prompts=[r.prompt for r in requests],
+        tokens=[r.tokens for r in requests],
+        log_probs=[r.log_probs for r in requests],
+        finished=[r.finished for r in requests],
+    )
+
+
+def requests_of(parts: list[Responses]) -> dict[SampleId, Request]:
+    return {
+        SampleId(*sample): Request(tuple(sample), prompt, list(tokens), list(log_probs), done)
+        for part in parts
+        for sample, prompt, tokens, log_probs, done in zip(
+            part.samples, part.prompts, part.tokens, part.log_probs, part.finished
+        )
+    }
+
+
+class LMEngines(PipelineEngines):
+    """A language-model pipeline's engines on one device."""
+
+    def __init__(self, config: LMTrainConfig, device: torch.device, holds_policy: bool, trainer_state: dict | None):
+        super().__init__(config, device)
+        model, self.tokenizer, _ = load_lm(config.model.checkpoint)
+        self.task = task(config.task)
+        if not holds_policy:
+            return
+        self.trainer = model.to(device)
+        self.optimizer = make_optimizer(self.trainer, config)
+        if trainer_state is not None:
+            self.load_trainer_state(trainer_state)
+        if config.algo.beta > 0:
+            self.reference = load_lm(config.model.checkpoint)[0].to(device).requires_grad_(False)
+        self.rollout = TorchEngine.from_model(
+            self.trainer, sampling_params(config, self.tokenizer.eos_id), max_batch=64, device=device
+        )
+
+    def load_rollout(self, weights: dict) -> None:
+        self.rollout.load_weights(tensors_of(weights))
+
+    def fetch(self, refs: list) -> list:
+        """Earlier results, as refs (on Ray) or as themselves (the reference loop runs the same work in-process)."""
+        return [ray.get(r) if isinstance(r, ray.ObjectRef) else r for r in refs]
+
+    def run(self, work: Work):
+        if isinstance(work, Prefill):
+            self.load_rollout_weights(work.version, work.weights)
+            requests = [Request(tuple(s), list(p)) for s, p in zip(work.samples, work.prompts)]
+            return responses_of(self.rollout.generate(requests, until=1), work.version)
+        if isinstance(work, Decode):
+            parts = self.fetch(work.rollouts)
+            self.load_rollout_weights(parts[0].version, work.weights)
+            requests = list(requests_of(parts).values())
+            return responses_of(self.rollout.generate(requests, until=work.until), parts[0].version)
+        if isinstance(work, Score):
+            chosen = self._select(work.rollouts, work.samples)
+            completions = [self.tokenizer.decode(r.tokens) for r in chosen.values()]
+            prompts = [self.tokenizer.decode(r.prompt) for r in chosen.values()]
+            return Scores(list(chosen), score_text(completions, prompts, self.config.rewards))
+        if isinstance(work, LMLogProbs):
+            chosen = self._select(work.rollouts, work.samples)
+            model = self.reference if work.reference else self.trainer
+            with torch.no_grad():
+                log_probs, mask = self._log_probs(model, list(chosen.values()))
+            return LogProbs(list(chosen), [row[m].cpu().numpy() for row, m in zip(log_probs, mask)])
+        if isinstance(work, LMTrain):
+            return self._train(work)
+        raise TypeError(f"language-model engines cannot do {type(work).__name__}")
+
+    def _select(self, rollouts: list, samples: list | None) -> dict[SampleId, Request]:
+        requests = requests_of(self.fetch(rollouts))
+        return requests if samples is None else {SampleId(*s): requests[SampleId(*s)] for s in samples}
+
+    def _log_probs(self, model, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        prompts = [r.prompt for r in requests]
+        responses = [r.tokens for r in requests]
+        return response_log_probs(model, prompts, responses, self.config.sampling.temperature)
+
+    def _train(self, work: LMTrain) -> Trained:
+        algo = self.config.algo
+        scores = self.fetch(work.scores)
+        rewards = {SampleId(*s): r for part in scores for s, r in zip(part.samples, part.scores["total"])}
+        group = sorted(rewards)
+        advantages = group_advantages(
+            torch.tensor([rewards[s] for s in group]),
+            torch.tensor([s.prompt for s in group]),
+            std_scope=algo.std_scope,
+            clip=algo.adv_clip,
+        )
+        advantage_of = dict(zip(group, advantages.tolist()))
+        samples = [SampleId(*s) for s in work.samples]
+        requests = [self._select(work.rollouts, samples)[s] for s in samples]
+        log_probs, mask = self._log_probs(self.trainer, requests)
+
+        def padded(per_sample: dict) -> torch.Tensor:
+            out = torch.zeros_like(log_probs)
+            for row, sample in enumerate(samples):
+                values = torch.as_tensor(np.asarray(per_sample[sample]), dtype=log_probs.dtype)
+                out[row, : len(values)] = values.to(out.device)
+            return out
+
+        def given(parts: list) -> dict:
+            return {SampleId(*s): v for part in self.fetch(parts) for s, v in zip(part.samples, part.log_probs)}
+
+        old = padded(given(work.old_log_probs)) if work.old_log_probs else log_probs.detach()
+        weight = None
+        if work.stale:
+            behaviour = padded({s: r.log_probs for s, r in zip(samples, requests)})
+            old, weight = decoupled_old_log_prob(log_probs, behaviour, max_weight=algo.stale_max_weight)
+        loss, stats = lm_grpo_loss(
+            log_probs,
+            old,
+            torch.tensor([advantage_of[s] for s in samples], device=log_probs.device),
+            mask,
+            clip_low=algo.clip_low,
+            clip_high=algo.clip_high,
+            aggregation=algo.aggregation,
+            max_tokens=self.config.max_new_tokens,
+            ref_log_probs=padded(given(work.ref_log_probs)) if work.ref_log_probs else None,
+            beta=algo.beta,
+            kl_estimator=algo.kl_estimator,
+            importance_weight=weight,
+            loss_scale=1.0,
+        )
+        loss.backward()
+        return Trained(samples, [0], stats | {"loss": loss.item()}, normaliser_of(self.config, mask))
+
+    def profile(self, samples: int, carry: Callable[[dict], dict]) -> dict[str, float]:
+        return profile_work(self, samples, carry)
+
+
+def normaliser_of(config: LMTrainConfig, mask: torch.Tensor) -> float:
+    """What a train part adds to the step's loss normaliser under the configured aggregation."""
+    if config.algo.aggregation == "token":
+        return float(mask.sum())
+    sequences = float(mask.shape[0])
+    return sequences if config.algo.aggregation == "sequence" else sequences * config.max_new_tokens
+
+
+def profile_work(engines: LMEngines, samples: int, carry: Callable[[dict], dict]) -> dict[str, float]:
+    """Measured seconds of each kind of LM work here, on copies of the engines' state (responses of RL step -1,
+    never trained; the trainer's weights and optimizer are put back): medians of PROFILE_ROUNDS after a warm-up."""
+    config = engines.config
+    saved = trainer_state_of(engines.trainer, engines.optimizer)
+    prompts = task(config.task).prompts("train", config.seed, -1, samples)
+    ids = [SampleId(-1, p, 0) for p in range(samples)]
+    encoded = [prompt_ids(engines.tokenizer, p) for p in prompts]
+
+    def one_round() -> dict[str, float]:
+        seconds: dict[str, float] = {}
+
+        def timed(name, work):
+            synchronize(engines.device)
+            start = time.perf_counter()
+            result = work()
+            synchronize(engines.device)
+            seconds[name] = time.perf_counter() - start
+            return result
+
+        engines.rollout_version = None
+        weights = carry(weights_of(engines.trainer))
+        prefilled = timed("prefill", lambda: engines.run(Prefill(config.task, ids, encoded, -1, weights)))
+        decoded = timed("decode", lambda: engines.run(Decode(config.task, [prefilled], config.max_new_tokens, weights)))
+        scores = timed("score", lambda: engines.run(Score(config.task, [decoded], None)))
+        timed("logprob", lambda: engines.run(LMLogProbs(config.task, ids, [decoded], False)))
+        engines.trainer.zero_grad(set_to_none=True)
+        timed("train", lambda: engines.run(LMTrain(config.task, ids, False, [decoded], [scores])))
+        timed("optimizer", lambda: commit(engines.trainer, engines.optimizer, config.train.max_grad_norm))
+        timed("publish", lambda: engines.load_rollout(carry(weights_of(engines.trainer))))
+        seconds["response_tokens"] = sum(len(t) for t in decoded.tokens)
+        seconds["lengths"] = [len(t) for t in decoded.tokens]
+        return seconds
+
+    one_round()
+    rounds = [one_round() for _ in range(PROFILE_ROUNDS)]
+    engines.load_trainer_state(saved)
+    engines.rollout_version = None
+    measured = {name: statistics.median(r[name] for r in rounds) for name in rounds[0] if name != "lengths"}
+    return measured | {"lengths": rounds[0]["lengths"], "prompt_tokens": [len(p) for p in encoded]}
+
+
+def fitted_cost(config: LMTrainConfig, scenario: Scenario, measured: dict) -> CostModel:
+    """The analytic cost model with one correction per kind of work, fitted to a device's measured seconds."""
+    spec = scenario.pipelines[0]
+    analytic = CostModel(config.cluster.device)
+    model = language_model(spec.model)
+    prompts, lengths = measured["prompt_tokens"], measured["lengths"]
+    full = [p + n for p, n in zip(prompts, lengths)]
+    predicted = {
+        "prefill": analytic.prefill(model, prompts),
+        "decode": analytic.decode(model, prompts, lengths),
+        "score": analytic.rule_score(len(prompts)),
+        "logprob": analytic.logprob(model, full),
+        "train": analytic.train(model, full),
+        "optimizer": analytic.optimizer_step(model.params),
+        "publish": analytic.publish(model.params),
+    }
+    records = [(kind, predicted[kind], max(measured[kind], 1e-9)) for kind in predicted if predicted[kind] > 0]
+    return CostModel.from_measurements(config.cluster.device, records)
+
+
+def check_checkpoint(config: LMTrainConfig) -> None:
+    load_lm(config.model.checkpoint)
+
+
+def profile_here(config: LMTrainConfig, carry: Callable[[dict], dict]) -> dict:
+    """The start-up profile in this process (the dry run's)."""
+    return LMEngines(config, torch.device("cpu"), True, None).profile(config.runtime.profile_samples, carry)
+
+
+class LMAdapter(PipelineAdapter):
+    """The driver side of a language-model pipeline."""
+
+    def __init__(self, config: LMTrainConfig, first_step: int) -> None:
+        super().__init__(config, first_step)
+        self.tokenizer = load_lm(config.model.checkpoint)[1]
+        self._prompts: dict[int, list[list[int]]] = {}
+
+    def units_of(self, sample: SampleId) -> list[int]:
+        return [0]
+
+    def parts(self, node: Node, devices: tuple[int, ...], executor) -> list[Part]:
+        pipeline, graph = node.pipeline, executor.graph
+        version = executor.state.started[(pipeline, node.step)]
+        if node.kind == Kind.PREFILL:
+            step = self.rl_step(node)
+            if step not in self._prompts:
+                self._prompts[step] = [prompt_ids(self.tokenizer, p) for p in step_prompts(self.config, step)]
+            samples = [SampleId(step, p, i) for (_, p, i) in node.samples]
+            prompts = [self._prompts[step][s.prompt] for s in samples]
+            weights = executor.versions[version]
+            return [Part(node.id, devices[0], Prefill(pipeline, samples, prompts, self.first_step + version, weights))]
+        if node.kind == Kind.DECODE:
+            weights = executor.versions[version]
+            return [Part(node.id, devices[0], Decode(pipeline, executor.outputs_of(node.deps), node.chunk[1], weights))]
+        samples = [SampleId(self.rl_step(node), p, i) for (_, p, i) in node.samples]
+        if node.kind == Kind.SCORE:
+            return [Part(node.id, devices[0], Score(pipeline, executor.outputs_of(node.deps), samples))]
+        score = next(graph[d] for d in node.deps if graph[d].kind == Kind.SCORE)
+        rollouts = executor.outputs_of(score.deps)
+        if node.kind == Kind.LOGPROB:
+            return [
+                Part(node.id, d, LMLogProbs(pipeline, ids, rollouts, node.reference))
+                for d, ids in self.spread(samples, devices)
+            ]
+        if node.kind == Kind.TRAIN:
+            logprobs = [graph[d] for d in node.deps if graph[d].kind == Kind.LOGPROB]
+            old = executor.outputs_of([n.id for n in logprobs if not n.reference])
+            ref = executor.outputs_of([n.id for n in logprobs if n.reference])
+            stale = version < node.version
+            scores = executor.outputs_of([score.id])
+            return [
+                Part(node.id, d, LMTrain(pipeline, ids, stale, rollouts, scores, old, ref))
+                for d, ids in self.spread(samples, devices)
+            ]
+        raise ValueError(f"node {node.id}: the language-model runtime does not run {node.kind} nodes yet")
+
+    def book(self, node: Node, part: Part, result, ledger) -> None:
+        if isinstance(result, Responses) and node.kind == Kind.DECODE and self._ends_chain(node, part):
+            for sample in result.samples:
+                ledger.generated.setdefault(SampleId(*sample), []).append((part.device, result.version))
+        elif isinstance(result, Scores):
+            for sample in result.samples:
+                ledger.scored[SampleId(*sample)] = ledger.scored.get(SampleId(*sample), 0) + 1
+
+    def _ends_chain(self, node: Node, part: Part) -> bool:
+        """The last decode band of its shard: every response of the shard is finished there."""
+        return part.work.until >= self.config.max_new_tokens
+
+    def commit_scale(self, trained: list[Trained]) -> float:
+        return 1.0 / sum(t.normaliser for t in trained)
+
+    def step_metrics(self, scores: list[Scores], trained: list[Trained], executor, graph_step: int) -> dict:
+        return lm_step_metrics(self.config, scores, trained)
+
+
+def lm_step_metrics(config: LMTrainConfig, scores: list[Scores], trained: list[Trained]) -> dict:
+    """Rewards (each and their total), and the loss statistics as per-token means over the step."""
+    metrics = {
+        f"reward/{name}": float(np.concatenate([s.scores[name] for s in scores]).mean()) for name in scores[0].scores
+    }
+    tokens = sum(t.stats["tokens"] for t in trained)
+    means = [name for name in STAT_MEANS if name in trained[0].stats]
+    metrics |= {name: sum(t.stats[name] * t.stats["tokens"] for t in trained) / tokens for name in means}
+    metrics |= {"response_tokens": tokens, "ratio_min": min(t.stats["ratio_min"] for t in trained)}
+    metrics["ratio_max"] = max(t.stats["ratio_max"] for t in trained)
+    return metrics
+
+
+def success_rate(config: LMTrainConfig, completions: list[str], prompts: list[str]) -> float:
+    """Share of completions whose final answer solves its prompt."""
+    the_task = task(config.task)
+    return float(
+        np.mean(
+            [(a := final_answer(c)) is not None and the_task.is_correct(p, a) for c, p in zip(completions, prompts)]
+        )
+    )
+
+
+Adapter, Engines = LMAdapter, LMEngines
