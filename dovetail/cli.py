@@ -92,22 +92,30 @@ def _shape_line(shape: dict) -> str:
 
 @app.command()
 def pretrain(
-    dataset: str = typer.Argument("digits", help="the only dataset: digits (scikit-learn)"),
+    dataset: str = typer.Argument("digits", help="digits (the flow model) or a text task: sort, arithmetic, countdown"),
     out: Path = typer.Option(None, help="checkpoint directory (default: the shipped base model)"),
-    steps: int = typer.Option(110, help="optimizer steps; short on purpose so RL has room"),
+    steps: int = typer.Option(None, help="optimizer steps (default: the shipped model's; short so RL has room)"),
     seed: int = typer.Option(0),
 ):
-    """Pretrain the tiny text-to-image flow model (rectified flow) from random init."""
-    if dataset != "digits":
-        typer.echo(f"unknown dataset {dataset!r}; known datasets: ['digits']", err=True)
-        raise typer.Exit(2) from None
+    """Pretrain a tiny base model from random init: the text-to-image flow model, or a task's language model."""
     import torch
 
+    from dovetail.tasks import TASKS
+
+    torch.set_num_threads(1)
+    if dataset in TASKS:
+        from dovetail.models.lm import checkpoint_dir
+        from dovetail.models.lm_pretrain import DEFAULT_STEPS, pretrain_lm
+
+        pretrain_lm(dataset, out or checkpoint_dir(dataset), steps=steps or DEFAULT_STEPS, seed=seed)
+        return
+    if dataset != "digits":
+        typer.echo(f"unknown dataset {dataset!r}; known: ['digits', {', '.join(map(repr, sorted(TASKS)))}]", err=True)
+        raise typer.Exit(2) from None
     from dovetail.config.train import DEFAULT_CHECKPOINT
     from dovetail.models.pretrain import pretrain_digits
 
-    torch.set_num_threads(1)
-    pretrain_digits(out or DEFAULT_CHECKPOINT, steps=steps, seed=seed)
+    pretrain_digits(out or DEFAULT_CHECKPOINT, steps=steps or 110, seed=seed)
 
 
 @app.command()
