@@ -15,7 +15,7 @@ from dovetail.config.train import FlowTrainConfig, LMTrainConfig, dump_config
 from dovetail.exec.pipeline import weights_of
 from dovetail.graph.node import SampleId
 from dovetail.models.flow_rl import commit, generate, group_sample_ids, step_prompts
-from dovetail.models.lm import load_lm, save_lm
+from dovetail.models.lm import save_lm
 from dovetail.models.pretrain import latents_to_images
 from dovetail.models.t2i import load_model
 from dovetail.recipe import advantages_of, evaluate, make_optimizer, policy_gradient, sde_settings, step_timesteps
@@ -259,7 +259,7 @@ def train_lm(config: LMTrainConfig, out: Path, *, steps=None, resume=None, after
     summary = {"base_eval_reward": base["total"], "base_eval": base}
 
     def save_weights(directory: Path) -> None:
-        save_lm(engines.trainer, engines.tokenizer, load_lm(config.model.checkpoint)[2], directory)
+        save_lm(engines.trainer, engines.tokenizer, engines.lm_config, directory)
 
     with _progress() as progress:
         log = StepLog(

@@ -5,6 +5,7 @@ import pytest
 from sklearn.datasets import load_digits
 
 from dovetail.config.train import ConfigError, load_config
+from dovetail.recipe import step_timesteps
 from dovetail.rewards import REWARDS, RewardError, score
 
 
@@ -91,3 +92,24 @@ def test_raising_reward_is_wrapped_with_its_name(monkeypatch):
     monkeypatch.setitem(REWARDS, "remote", raises)
     with pytest.raises(RewardError, match="'remote' raised OSError: judge server down"):
         score(np.zeros((1, 8, 8)), ["digit 0"], {"remote": 1.0})
+
+
+@pytest.mark.parametrize("algorithm", ["flow_grpo", "dance_grpo"])
+@pytest.mark.parametrize("num_steps", [2, 3, 10, 16])
+@pytest.mark.parametrize("fraction", [0.1, 0.3, 0.5, 0.6, 1.0])
+def test_the_planner_counts_the_timesteps_that_training_selects(algorithm, num_steps, fraction):
+    """The config's torch-free count (what the simulator plans with) is the trained timesteps' count."""
+    config = load_config(
+        None, [f"algorithm={algorithm}", f"sampling.num_steps={num_steps}", f"algo.timestep_fraction={fraction}"]
+    )
+    assert config.trained_timesteps == len(step_timesteps(config, 0)) == len(step_timesteps(config, 7))
+
+
+@pytest.mark.parametrize("bands", ["[0]", "[8, 4]", "[4, 4]", "[31]", "[5, 100]"])
+def test_lm_length_bands_must_lie_inside_the_generation_budget(bands):
+    with pytest.raises(ConfigError, match="runtime.length_bands"):
+        load_config(None, ["kind=lm", "task=sort", f"runtime.length_bands={bands}"])
+
+
+def test_lm_length_bands_inside_the_budget_are_taken():
+    assert load_config(None, ["kind=lm", "task=sort", "runtime.length_bands=[4, 12]"]).runtime.length_bands == [4, 12]

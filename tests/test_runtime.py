@@ -3,7 +3,6 @@ must reproduce the reference training path exactly, survive a killed worker with
 repeating a sample, stop cleanly on a NaN reward, and be predicted by the simulator."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,6 @@ from safetensors.torch import load_file
 from dovetail.config.train import DEFAULT_CHECKPOINT, load_config
 from dovetail.exec.messages import FlowTrain
 from dovetail.exec.replay import replay_run
-from dovetail.exec.worker import DEVICE_RESOURCE
 from dovetail.rewards import RewardError
 from dovetail.train import train
 
@@ -25,21 +23,7 @@ COMMON = ["eval.every=100", "checkpoint.every=100", "cluster.devices=2"]
 RUNS: dict[str, Path] = {}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def local_ray(tmp_path_factory):
-    flag = tmp_path_factory.mktemp("flags") / "nan"
-    os.environ["DOVETAIL_TEST_NAN_FLAG"] = str(flag)
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), *sys.path])
-    if not ray.is_initialized():
-        ray.init(
-            num_cpus=1,
-            resources={DEVICE_RESOURCE: 2},
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
-    yield flag
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("local_ray")
 
 
 def run(name: str, tmp_root: Path, overrides: list[str], **kwargs) -> Path:

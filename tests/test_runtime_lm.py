@@ -21,6 +21,7 @@ SMALL = [
     "train.lr=1e-3",
 ]
 STEPS = 3
+pytestmark = pytest.mark.usefixtures("local_ray")
 
 
 def final_weights(out):

@@ -316,7 +316,7 @@ class LMTrainConfig(RunSection):
                 f"cluster.devices={self.cluster.devices}"
             )
         bands = runtime.length_bands
-        if bands != sorted(set(bands)) or (bands and not 0 < bands[0] and bands[-1] < self.max_new_tokens):
+        if bands != sorted(set(bands)) or (bands and not 0 < bands[0] <= bands[-1] < self.max_new_tokens):
             raise ValueError(
                 f"runtime.length_bands={bands} must be strictly ascending token counts between 1 and "
                 f"max_new_tokens - 1 = {self.max_new_tokens - 1}"

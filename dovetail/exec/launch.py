@@ -62,14 +62,15 @@ def start_ray(config: TrainConfig) -> None:
         )
 
 
-_POOLS: dict[str, list] = {}
+_POOLS: dict[tuple[str, str], list] = {}
+"""(Ray job, device type) -> its DeviceWorkers: a pool outlives a run, never the Ray instance it lives in."""
 
 
 def start_workers(config: TrainConfig, trainer_state: dict) -> tuple[list, ray.ObjectRef, ray.ObjectRef]:
     """One DeviceWorker per device, placed through a placement group (one bundle per device),
     configured for this run and holding `trainer_state` (weights + optimizer). The actors are kept
-    for the next run on the same kind of device in this process."""
-    pool = _POOLS.setdefault(config.cluster.device, [])
+    for the next run on the same kind of device in this process, while Ray stays up."""
+    pool = _POOLS.setdefault((ray.get_runtime_context().get_job_id(), config.cluster.device), [])
     missing = config.cluster.devices - len(pool)
     if missing > 0:
         bundle = device_bundle(config)

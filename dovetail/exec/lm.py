@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-import ray
 import torch
 
 from dovetail.algo import decoupled_old_log_prob, group_advantages, lm_grpo_loss
@@ -52,6 +51,7 @@ from dovetail.models.engine import Request, SamplingParams, TorchEngine
 from dovetail.models.flow_rl import commit
 from dovetail.models.lm import load_lm
 from dovetail.models.lm_rl import response_log_probs
+from dovetail.models.tokenizer import CharTokenizer
 from dovetail.recipe import make_optimizer
 from dovetail.rewards.text import score_text
 from dovetail.scenario import Scenario
@@ -107,10 +107,10 @@ class LMEngines(PipelineEngines):
 
     def __init__(self, config: LMTrainConfig, device: torch.device, holds_policy: bool, trainer_state: dict | None):
         super().__init__(config, device)
-        model, self.tokenizer, _ = load_lm(config.model.checkpoint)
-        self.task = task(config.task)
+        self.tokenizer = CharTokenizer.load(config.model.checkpoint)
         if not holds_policy:
             return
+        model, _, self.lm_config = load_lm(config.model.checkpoint)
         self.trainer = model.to(device)
         self.optimizer = make_optimizer(self.trainer, config)
         if trainer_state is not None:
@@ -123,10 +123,6 @@ class LMEngines(PipelineEngines):
 
     def load_rollout(self, weights: dict) -> None:
         self.rollout.load_weights(tensors_of(weights))
-
-    def fetch(self, refs: list) -> list:
-        """Earlier results, as refs (on Ray) or as themselves (the reference loop runs the same work in-process)."""
-        return [ray.get(r) if isinstance(r, ray.ObjectRef) else r for r in refs]
 
     def run(self, work: Work):
         if isinstance(work, Prefill):
@@ -175,7 +171,8 @@ class LMEngines(PipelineEngines):
         )
         advantage_of = dict(zip(group, advantages.tolist()))
         samples = [SampleId(*s) for s in work.samples]
-        requests = [self._select(work.rollouts, samples)[s] for s in samples]
+        selected = self._select(work.rollouts, samples)
+        requests = [selected[s] for s in samples]
         log_probs, mask = self._log_probs(self.trainer, requests)
 
         def padded(per_sample: dict) -> torch.Tensor:
@@ -253,7 +250,6 @@ def profile_work(engines: LMEngines, samples: int, carry: Callable[[dict], dict]
         timed("train", lambda: engines.run(LMTrain(config.task, ids, False, [decoded], [scores])))
         timed("optimizer", lambda: commit(engines.trainer, engines.optimizer, config.train.max_grad_norm))
         timed("publish", lambda: engines.load_rollout(carry(weights_of(engines.trainer))))
-        seconds["response_tokens"] = sum(len(t) for t in decoded.tokens)
         seconds["lengths"] = [len(t) for t in decoded.tokens]
         return seconds
 
@@ -299,7 +295,7 @@ class LMAdapter(PipelineAdapter):
 
     def __init__(self, config: LMTrainConfig, first_step: int) -> None:
         super().__init__(config, first_step)
-        self.tokenizer = load_lm(config.model.checkpoint)[1]
+        self.tokenizer = CharTokenizer.load(config.model.checkpoint)
         self._prompts: dict[int, list[list[int]]] = {}
 
     def units_of(self, sample: SampleId) -> list[int]:
@@ -342,14 +338,14 @@ class LMAdapter(PipelineAdapter):
         raise ValueError(f"node {node.id}: the language-model runtime does not run {node.kind} nodes yet")
 
     def book(self, node: Node, part: Part, result, ledger) -> None:
-        if isinstance(result, Responses) and node.kind == Kind.DECODE and self._ends_chain(node, part):
+        if isinstance(result, Responses) and node.kind == Kind.DECODE and self._ends_chain(part):
             for sample in result.samples:
                 ledger.generated.setdefault(SampleId(*sample), []).append((part.device, result.version))
         elif isinstance(result, Scores):
             for sample in result.samples:
                 ledger.scored[SampleId(*sample)] = ledger.scored.get(SampleId(*sample), 0) + 1
 
-    def _ends_chain(self, node: Node, part: Part) -> bool:
+    def _ends_chain(self, part: Part) -> bool:
         """The last decode band of its shard: every response of the shard is finished there."""
         return part.work.until >= self.config.max_new_tokens
 

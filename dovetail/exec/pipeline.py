@@ -155,8 +155,9 @@ class PipelineEngines(ABC):
 
     @staticmethod
     def fetch(refs: list) -> list:
-        """Results of earlier nodes: a message's refs are not resolved by Ray, the worker gets them."""
-        return ray.get(list(refs)) if refs else []
+        """Results of earlier nodes: a message's refs are not resolved by Ray, the worker gets them; a result
+        that is no ref is itself (the LM reference loop runs the workers' work in-process)."""
+        return [ray.get(r) if isinstance(r, ray.ObjectRef) else r for r in refs]
 
 
 def pipeline_module(kind: str):
