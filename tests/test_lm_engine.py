@@ -1,6 +1,11 @@
 """TorchEngine against Hugging Face Llama, and the properties the runtime relies on: a request's tokens
 do not depend on its batch, on continuous batching, on pausing, or on migrating to another engine."""
 
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -13,7 +18,9 @@ from dovetail.models.engine import (
     keyed_uniforms,
     sample_tokens,
 )
+from dovetail.models.lm import load_lm
 from dovetail.models.lm_rl import response_log_probs
+from dovetail.tasks import task
 
 VOCAB = 40
 PROMPTS = [[1, 5, 9], [3], [7, 7, 2, 30, 11, 4, 8], [12, 13], [39, 0, 21, 22, 5], [6, 6, 6, 6], [17], [25, 26, 27]]
@@ -123,6 +130,15 @@ def test_migrated_request_continues_token_for_token(model):
     assert_same(destination.generate(exported), reference)
 
 
+def test_identical_prompts_are_computed_once_with_the_same_tokens(model):
+    many = requests(PROMPTS * 3)
+    shared = engine(model, max_batch=24)
+    results = shared.generate(many)
+    assert_same(results[8:16], engine(model).generate(many[8:16]))  # no duplicate in the batch: computed
+    assert_same(results[16:], engine(model).generate(many[16:]))
+    assert shared.prefill_tokens == 3 * sum(len(prompt) - 1 for prompt in PROMPTS)  # positions cached, copies too
+
+
 def test_stop_ids_and_max_new_tokens(model):
     free = engine(model, max_new_tokens=20).generate(requests())
     assert all(len(r.tokens) == 20 and r.finished for r in free)
@@ -144,11 +160,95 @@ def test_engine_log_probs_equal_trainer_log_probs(model, temperature):
         torch.testing.assert_close(log_probs[row, : len(result.tokens)], expected, atol=1e-5, rtol=0)
 
 
+SORT_LM = Path(__file__).resolve().parents[1] / "dovetail" / "assets" / "sort-lm"
+# What the engine sampled from the shipped sort-lm before its decode step was optimised, for the first 64 train
+# prompts of the sort task (seed 0), keys (1, i, 0), sampling seed 3: the first three sequences, the sha256 of
+# json.dumps of all 64 token lists, and the sum of all their log-probs. Retraining the asset changes them.
+PINNED = {
+    (1.0, 1.0): (
+        [[21, 29, 32, 41, 43, 46, 51, 23, 2], [21, 27, 29, 31, 37, 42, 13, 2], [21, 38, 40, 44, 49, 50, 23, 2]],
+        "2de0ba270ee2c8e48d8604690c5a08f76e073ae10d927b4948e0f97e00b0ebc2",
+        -469.0960975324766,
+    ),
+    (0.7, 0.9): (
+        [
+            [21, 29, 32, 41, 43, 46, 51, 23, 2],
+            [21, 27, 29, 31, 37, 42, 43, 44, 46, 50, 51, 23, 2],
+            [21, 30, 32, 33, 37, 38, 40, 44, 49, 50, 23, 2],
+        ],
+        "fdaeb7f1c778a1fbf509beb7819c6c4cb8e6aa2fa0e4541660c0ceac52cc76dd",
+        -11.40338978737228,
+    ),
+    (1.5, 0.95): (
+        [[21, 29, 16, 2], [21, 29, 31, 37, 37, 40, 28, 29, 0, 2], [21, 39, 40, 45, 49, 52, 23, 2]],
+        "a30b6c683792000ea5991a2782916c18c2efce77df58278828ae29cff0341a55",
+        -1002.1292927278232,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def sort_lm():
+    torch.set_num_threads(1)
+    model, tokenizer, _ = load_lm(SORT_LM)
+    prompts = [[tokenizer.bos_id, *tokenizer.encode(p)] for p in task("sort").prompts("train", 0, 0, 64)]
+    return model, tokenizer, prompts
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), list(PINNED))
+@pytest.mark.parametrize("max_batch", [64, 7])
+def test_shipped_model_samples_the_pinned_tokens(sort_lm, temperature, top_p, max_batch):
+    model, tokenizer, prompts = sort_lm
+    params = SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        max_new_tokens=task("sort").max_new_tokens,
+        stop_ids=(tokenizer.eos_id,),
+        seed=3,
+    )
+    results = TorchEngine.from_model(model, params, max_batch=max_batch).generate(
+        [Request((1, index, 0), list(prompt)) for index, prompt in enumerate(prompts)]
+    )
+    first, digest, log_prob_sum = PINNED[temperature, top_p]
+    assert [r.tokens for r in results[:3]] == first
+    assert hashlib.sha256(json.dumps([r.tokens for r in results]).encode()).hexdigest() == digest
+    assert all(r.finished for r in results)
+    assert sum(sum(r.log_probs) for r in results) == pytest.approx(log_prob_sum, abs=1e-4)
+
+
 def test_response_log_probs_carry_gradients(model):
     log_probs, mask = response_log_probs(model, PROMPTS[:2], [[4, 5], [6]], 1.0)
     log_probs[mask].sum().backward()
     assert model.lm_head.weight.grad.abs().sum() > 0
     model.zero_grad()
+
+
+def numpy_keyed_uniforms(seed: int, keys: list, positions: list[int]) -> torch.Tensor:
+    """The definition of the keyed draws, on numpy uint64 (the engine computes it on torch int64 bits)."""
+    golden = np.uint64(0x9E3779B97F4A7C15)
+
+    def splitmix64(z):
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+    parts = np.array([[seed, *key, position] for key, position in zip(keys, positions)], dtype=np.int64)
+    state = np.full(len(parts), golden, dtype=np.uint64)
+    for column in parts.astype(np.uint64).T:
+        state = splitmix64(state ^ splitmix64(column + golden))
+    return torch.from_numpy((state >> np.uint64(12)).astype(np.float64) * 2.0**-52 + 2.0**-53)
+
+
+def test_keyed_uniforms_equal_the_numpy_definition_bit_for_bit():
+    generator = np.random.default_rng(0)
+    edges = [0, 1, 2**31, 2**32 - 1, 2**62, 2**63 - 1, -1, -(2**63)]
+    for _ in range(20):
+        count = int(generator.integers(1, 200))
+        values = generator.integers(-(2**63), 2**63 - 1, size=(count, 4), dtype=np.int64, endpoint=True).tolist()
+        values += [[edges[(i + j) % len(edges)] for j in range(4)] for i in range(len(edges))]
+        seed = int(generator.integers(-(2**63), 2**63 - 1, endpoint=True))
+        keys, positions = [tuple(v[:3]) for v in values], [v[3] for v in values]
+        assert torch.equal(keyed_uniforms(seed, keys, positions), numpy_keyed_uniforms(seed, keys, positions))
 
 
 def keyed_draws(logits: torch.Tensor, count: int, top_p: float) -> torch.Tensor:

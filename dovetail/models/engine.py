@@ -26,7 +26,6 @@ from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -91,25 +90,55 @@ class Engine(ABC):
         """Hand over a paused request and free what the engine holds for it."""
 
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+def _signed(value: int) -> int:
+    """A uint64 constant as the int64 with the same bits: the hash runs on int64 tensors, whose + and * wrap."""
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def _splitmix64(z: np.ndarray) -> np.ndarray:
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_MIX = (_signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB))
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint64 z >> bits on int64 bits: the arithmetic shift, then the sign copies masked off."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix64(z: torch.Tensor) -> torch.Tensor:
     """The splitmix64 finaliser: a bijection of uint64 that mixes every input bit into every output bit."""
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
+    z = (z ^ _shift_right(z, 30)) * _MIX[0]
+    z = (z ^ _shift_right(z, 27)) * _MIX[1]
+    return z ^ _shift_right(z, 31)
+
+
+def _absorb(state: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+    return _splitmix64(state ^ _splitmix64(column + _GOLDEN))
+
+
+def key_states(seed: int, keys: list[Key], device: str | torch.device = "cpu") -> torch.Tensor:
+    """The hash state (int64) after absorbing (seed, *key): what `keyed_uniforms` shares between the tokens of
+    one request, so a decode step only absorbs the token index."""
+    parts = torch.tensor([[seed, *key] for key in keys], dtype=torch.int64, device=device).reshape(len(keys), 4)
+    state = torch.full((len(keys),), _GOLDEN, dtype=torch.int64, device=device)
+    for column in parts.T:
+        state = _absorb(state, column)
+    return state
+
+
+def uniforms_of(states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """u for the token index `positions` of the requests whose `key_states` are `states`."""
+    state = _absorb(states, positions.to(torch.int64))
+    # The top 52 bits on a grid offset by half a step: never 0, never 1.
+    return _shift_right(state, 12).double() * 2.0**-52 + 2.0**-53
 
 
 def keyed_uniforms(seed: int, keys: list[Key], positions: list[int]) -> torch.Tensor:
     """u[i] in (0, 1), float64, a pure function of (seed, *keys[i], positions[i]): a counter-based hash,
-    so the draw for a token is the same in any batch, on any device, before and after a migration."""
-    parts = np.array([[seed, *key, position] for key, position in zip(keys, positions)], dtype=np.int64)
-    state = np.full(len(parts), _GOLDEN, dtype=np.uint64)
-    for column in parts.astype(np.uint64).T:
-        state = _splitmix64(state ^ _splitmix64(column + _GOLDEN))
-    # The top 52 bits on a grid offset by half a step: never 0, never 1.
-    return torch.from_numpy((state >> np.uint64(12)).astype(np.float64) * 2.0**-52 + 2.0**-53)
+    so the draw for a token is the same in any batch, on any device, before and after a migration.
+
+    The hash is splitmix64 absorbing seed, step, prompt, sample and position in turn, on uint64 (computed on
+    int64 bits, whose wrapping + and * are uint64's)."""
+    return uniforms_of(key_states(seed, keys), torch.tensor(positions, dtype=torch.int64))
 
 
 def sample_tokens(
@@ -187,38 +216,91 @@ class LlamaWeights:
 
         The caches are views holding the first start[b] positions of row b: keys [layers, B, kv_heads,
         head_dim, max_len] (stored transposed, so q @ K^T reads a plain slice), values [layers, B, kv_heads,
-        max_len, head_dim]; this call writes the new positions into them. Query t of row b attends to cache
-        positions <= start[b] + t: causal and per-row length mask at once, so rows of different lengths
-        decode together, and right padding in a prefill only writes positions that the next tokens
-        overwrite before anything reads them."""
+        max_len, head_dim], each layer's contiguous; this call writes the new positions into them. Query t of
+        row b attends to cache positions <= start[b] + t: causal and per-row length mask at once, so rows of
+        different lengths decode together, and right padding in a prefill only writes positions that the next
+        tokens overwrite before anything reads them."""
         batch, steps = tokens.shape
-        groups = self.num_heads // self.num_kv_heads
-        positions = start[:, None] + torch.arange(steps, device=tokens.device)  # (B, T)
+        positions = start[:, None] + torch.arange(steps, device=tokens.device)
+        return self._layers(tokens.reshape(-1), positions, None, k_cache, v_cache).view(batch, steps, -1)
+
+    def decode(
+        self, tokens: torch.Tensor, start: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits (B, vocab) of one token per row, tokens[b] at position start[b]: `forward` with T = 1."""
+        return self.logits(self._layers(tokens, start[:, None], None, k_cache, v_cache))
+
+    def prefill(self, sequences: list[list[int]], k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Cache the keys and values of sequences[b] at positions 0.. of row b, as `forward` on the
+        right-padded batch would, without its padding or its output: the linear layers see the real tokens
+        only, packed; attention alone runs on the (B, longest) grid; the last layer stops at its keys and
+        values."""
+        device = k_cache.device
+        lengths = torch.tensor([len(sequence) for sequence in sequences], device=device)
+        width = max(map(len, sequences))
+        positions = torch.arange(width, device=device).expand(len(sequences), width)
+        real = positions < lengths[:, None]
+        tokens = torch.tensor([token for sequence in sequences for token in sequence], device=device)
+        self._layers(tokens, positions, real, k_cache, v_cache, output=False)
+
+    def _layers(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        real: torch.Tensor | None,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        output: bool = True,
+    ) -> torch.Tensor | None:
+        """The layers on `tokens` (N,), packed row by row: the grid cells of `positions` (B, T) where `real`
+        (B, T) holds, or every cell when it is None. Returns the final normalised hidden states (N, hidden),
+        or nothing without `output`, which skips what only the output needs (the last layer past its cache).
+
+        Every per-token operation (linear layers, norms, RoPE, cache writes) runs on the N packed tokens;
+        attention runs on the grid, as in `forward` on a padded batch."""
+        device = tokens.device
+        batch, steps = positions.shape
+        kv_heads, head_dim, max_len = self.num_kv_heads, self.head_dim, k_cache.shape[-1]
+        groups = self.num_heads // kv_heads
         span = int(positions.max()) + 1
-        unseen = torch.arange(span, device=tokens.device) > positions[..., None]  # (B, T, span)
+        unseen = torch.arange(span, device=device) > positions[..., None]  # (B, T, span)
         # Scores are (B * kv_heads, groups * T, span), row g * T + t: the same mask for every group.
-        bias = torch.zeros(unseen.shape, device=tokens.device).masked_fill_(unseen, -torch.inf)
-        bias = bias[:, None, None].expand(batch, self.num_kv_heads, groups, steps, span)
-        bias = bias.reshape(batch * self.num_kv_heads, groups * steps, span)
-        rows = torch.arange(batch, device=tokens.device)[:, None]
-        cos, sin = self.cos[positions][:, :, None], self.signed_sin[positions][:, :, None]  # (B, T, 1, head_dim)
-        qk_heads, q_size = self.num_heads + self.num_kv_heads, self.num_heads * self.head_dim
+        bias = torch.zeros(unseen.shape, device=device).masked_fill_(unseen, -torch.inf)
+        bias = bias[:, None, None].expand(batch, kv_heads, groups, steps, span)
+        bias = bias.reshape(batch * kv_heads, groups * steps, span)
+        rows = torch.arange(batch, device=device)[:, None].expand(batch, steps)
+        token_rows, token_positions = (rows, positions) if real is None else (rows[real], positions[real])
+        token_rows, token_positions = token_rows.reshape(-1), token_positions.reshape(-1)
+        # Where each token's keys and values go, as offsets into each layer's flattened cache: one index_copy_
+        # per layer and tensor. Keys: [row, head, dim, position]; values: rows of head_dim at [row, head, position].
+        row_heads = (token_rows * kv_heads)[:, None] + torch.arange(kv_heads, device=device)  # (N, kv_heads)
+        v_index = (row_heads * max_len + token_positions[:, None]).reshape(-1)
+        k_index = (row_heads[..., None] * head_dim + torch.arange(head_dim, device=device)) * max_len
+        k_index = (k_index + token_positions[:, None, None]).reshape(-1)
+        cos, sin = self.cos[token_positions][:, None], self.signed_sin[token_positions][:, None]  # (N, 1, head_dim)
+        qk_heads, q_size = self.num_heads + kv_heads, self.num_heads * head_dim
         x = self.embed[tokens]
-        for layer, layer_k, layer_v in zip(self.layers, k_cache, v_cache):
-            qkv = F.linear(self._normalize(x), layer["qkv"])
-            qkv = qkv.view(batch, steps, qk_heads + self.num_kv_heads, self.head_dim)
-            qk = qkv[:, :, :qk_heads]
-            qk = qk * cos + qk.roll(self.head_dim // 2, dims=-1) * sin
-            layer_k[rows, :, :, positions] = qk[:, :, self.num_heads :]
-            layer_v[rows, :, positions] = qkv[:, :, qk_heads:]
+        for index, (layer, layer_k, layer_v) in enumerate(zip(self.layers, k_cache, v_cache)):
+            qkv = F.linear(self._normalize(x), layer["qkv"]).view(len(tokens), qk_heads + kv_heads, head_dim)
+            qk = qkv[:, :qk_heads]
+            qk = qk * cos + qk.roll(head_dim // 2, dims=-1) * sin
+            layer_k.view(-1).index_copy_(0, k_index, qk[:, self.num_heads :].reshape(-1))
+            layer_v.view(-1, head_dim).index_copy_(0, v_index, qkv[:, qk_heads:].reshape(-1, head_dim))
+            if not output and index == self.num_layers - 1:
+                return None
+            q = qk[:, : self.num_heads]
+            if real is not None:
+                q = q.new_zeros(batch, steps, self.num_heads, head_dim).index_put_((real,), q)
             # Query head h reads kv head h // groups (HF repeat_kv): group the queries, never copy the cache.
-            q = qk[:, :, : self.num_heads].view(batch, steps, self.num_kv_heads, groups, self.head_dim)
-            q = q.permute(0, 2, 3, 1, 4).reshape(batch * self.num_kv_heads, groups * steps, self.head_dim)
-            keys = layer_k[..., :span].reshape(batch * self.num_kv_heads, self.head_dim, span)
-            scores = torch.baddbmm(bias, q, keys, alpha=self.head_dim**-0.5)
-            attended = scores.softmax(-1) @ layer_v[:, :, :span].reshape(batch * self.num_kv_heads, span, -1)
-            attended = attended.view(batch, self.num_kv_heads, groups, steps, self.head_dim).permute(0, 3, 1, 2, 4)
-            x = x + F.linear(attended.reshape(batch, steps, q_size), layer["o"])
+            q = q.reshape(batch, steps, kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4)
+            q = q.reshape(batch * kv_heads, groups * steps, head_dim)
+            keys = layer_k[..., :span].reshape(batch * kv_heads, head_dim, span)
+            scores = torch.baddbmm(bias, q, keys, alpha=head_dim**-0.5)
+            attended = scores.softmax(-1) @ layer_v[:, :, :span].reshape(batch * kv_heads, span, -1)
+            attended = attended.view(batch, kv_heads, groups, steps, head_dim).permute(0, 3, 1, 2, 4)
+            attended = attended.reshape(batch, steps, q_size)
+            attended = attended.reshape(-1, q_size) if real is None else attended[real]
+            x = x + F.linear(attended, layer["o"])
             gate, up = F.linear(self._normalize(x), layer["gate_up"]).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer["down"])
         return self._normalize(x)
@@ -240,7 +322,11 @@ class TorchEngine(Engine):
     view: a request that joins is swapped into slot n, one that leaves is swapped with the last running
     one. Each slot's cache holds every token of its sequence but the last, which is the input of the
     next decode step; a newly admitted request is prefilled up to that point, batched with the others
-    joining at the same step.
+    joining at the same step (identical sequences, a GRPO group's prompt, computed once).
+
+    Swaps are bookkeeping first (`slot_owner`, `cached_len`, a pending permutation of the slots); the cache
+    rows move in one gather / scatter per tensor before the next forward reads them, and only the rows
+    whose new slot is owned: a finished sequence's rows are never copied.
 
     Paused requests keep their slot (beyond the running ones), so the next `generate` on this engine
     resumes them without a prefill. When a joining request needs a slot and none is free, the paused
@@ -274,6 +360,8 @@ class TorchEngine(Engine):
         self.paused: dict[Key, Request] = {}
         self.running: list[Request] = []  # running[i] occupies slot i; empty between generate calls
         self.prefill_tokens = 0  # tokens prefilled so far: shows re-prefills after evictions / imports
+        self._source = list(range(self.num_slots))  # slot s's cache rows are in slot _source[s] until _move_rows
+        self._key_states: dict[Key, int] = {}  # keyed_uniforms' state after (seed, *key), per request
 
     @classmethod
     def from_model(cls, model, params: SamplingParams, **kwargs) -> "TorchEngine":
@@ -303,10 +391,14 @@ class TorchEngine(Engine):
                     f"{self.params.max_new_tokens} new ones must fit in 1..{self.max_len}"
                 )
         waiting = deque(r for r in results if not r.finished and len(r.tokens) < limit)
-        while waiting or self.running:
-            self._admit(waiting)
-            self._decode_step()
-            self._retire(limit)
+        keys = [r.key for r in waiting]
+        self._key_states = dict(zip(keys, key_states(self.params.seed, keys, self.device).tolist()))
+        with torch.inference_mode():
+            while waiting or self.running:
+                self._admit(waiting)
+                self._decode_step()
+                self._retire(limit)
+            self._move_rows()
         for request in results:
             if request.finished:
                 self.paused.pop(request.key, None)
@@ -332,13 +424,24 @@ class TorchEngine(Engine):
         sequences = [(r.prompt + r.tokens)[:-1] for r in to_prefill]
         for offset, sequence in enumerate(sequences):
             self.cached_len[first + offset] = len(sequence)
-        width = max(map(len, sequences), default=0)
-        if width == 0:
+        prefilled = range(first, first + len(sequences))
+        self._move_rows(skip=prefilled)  # the prefill writes every position of those slots that is read
+        if not any(sequences):
             return
-        padded = torch.tensor([s + [0] * (width - len(s)) for s in sequences], device=self.device)
-        start = torch.zeros(len(sequences), dtype=torch.long, device=self.device)
+        # A GRPO group's samples share their prompt: each distinct sequence is computed once, in the slot of
+        # its first occurrence, and the others copy its cache rows.
+        first_of: dict[tuple[int, ...], int] = {}
+        sources = [first_of.setdefault(tuple(sequence), offset) for offset, sequence in enumerate(sequences)]
+        computed = [
+            sequence if source == offset else [] for offset, (sequence, source) in enumerate(zip(sequences, sources))
+        ]
         rows = slice(first, first + len(sequences))
-        self.weights.forward(padded, start, self.k_cache[:, rows], self.v_cache[:, rows])
+        self.weights.prefill(computed, self.k_cache[:, rows], self.v_cache[:, rows])
+        copies = [(first + offset, first + source) for offset, source in enumerate(sources) if source != offset]
+        if copies:
+            slots, sources = torch.tensor(copies, device=self.device).T
+            for cache in (self.k_cache, self.v_cache):
+                cache.index_copy_(1, slots, cache.index_select(1, sources))
         self.prefill_tokens += sum(map(len, sequences))
 
     def _is_cached(self, request: Request) -> bool:
@@ -360,27 +463,44 @@ class TorchEngine(Engine):
         self.slot_owner[slot] = key
 
     def _swap(self, a: int, b: int) -> None:
+        """Exchange two slots' sequences; their cache rows follow at the next `_move_rows`."""
         if a == b:
             return
-        for cache in (self.k_cache, self.v_cache):
-            cache[:, [a, b]] = cache[:, [b, a]]
+        self._source[a], self._source[b] = self._source[b], self._source[a]
         self.slot_owner[a], self.slot_owner[b] = self.slot_owner[b], self.slot_owner[a]
         self.cached_len[a], self.cached_len[b] = self.cached_len[b], self.cached_len[a]
+
+    def _move_rows(self, skip: range = range(0)) -> None:
+        """Carry out the pending swaps for the slots with an owner, except `skip`: one gather and one
+        scatter per cache tensor."""
+        moves = [
+            (slot, source)
+            for slot, source in enumerate(self._source)
+            if source != slot and self.slot_owner[slot] is not None and slot not in skip
+        ]
+        self._source = list(range(self.num_slots))
+        if moves:
+            slots, sources = torch.tensor(moves, device=self.device).T
+            for cache in (self.k_cache, self.v_cache):
+                cache.index_copy_(1, slots, cache.index_select(1, sources))
 
     def _decode_step(self) -> None:
         """One token for every running request: feed each its last token, sample the next."""
         batch = len(self.running)
-        last = [(r.tokens or r.prompt)[-1] for r in self.running]
-        tokens = torch.tensor(last, device=self.device)[:, None]
+        tokens = torch.tensor([(r.tokens or r.prompt)[-1] for r in self.running], device=self.device)
         start = torch.tensor(self.cached_len[:batch], device=self.device)
-        hidden = self.weights.forward(tokens, start, self.k_cache[:, :batch], self.v_cache[:, :batch])
-        logits = self.weights.logits(hidden[:, -1])
-        u = keyed_uniforms(self.params.seed, [r.key for r in self.running], [len(r.tokens) for r in self.running])
-        sampled, log_probs = sample_tokens(logits, u, self.params.temperature, self.params.top_p)
-        for slot, (request, token, log_prob) in enumerate(zip(self.running, sampled.tolist(), log_probs.tolist())):
+        logits = self.weights.decode(tokens, start, self.k_cache[:, :batch], self.v_cache[:, :batch])
+        states = torch.tensor([self._key_states[r.key] for r in self.running], device=self.device)
+        indices = torch.tensor([len(r.tokens) for r in self.running], device=self.device)
+        sampled, log_probs = sample_tokens(
+            logits, uniforms_of(states, indices), self.params.temperature, self.params.top_p
+        )
+        stop_ids, max_new_tokens = self.params.stop_ids, self.params.max_new_tokens
+        for request, token, log_prob in zip(self.running, sampled.tolist(), log_probs.tolist()):
             request.tokens.append(token)
             request.log_probs.append(log_prob)
-            request.finished = token in self.params.stop_ids or len(request.tokens) >= self.params.max_new_tokens
+            request.finished = token in stop_ids or len(request.tokens) >= max_new_tokens
+        for slot in range(batch):
             self.cached_len[slot] += 1
 
     def _retire(self, limit: int) -> None:
