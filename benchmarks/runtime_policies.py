@@ -1,6 +1,10 @@
 """Side by side on this machine: every runtime policy on the same workload, measured and simulated.
 
     .venv/bin/python benchmarks/runtime_policies.py --steps 20 --repeats 3 --out runs/bench
+    .venv/bin/python benchmarks/runtime_policies.py --kind lm --steps 10 --repeats 3 --out runs/bench-lm
+
+`--kind flow` runs the digits text-to-image model, `--kind lm` LM GRPO on the sort task's tiny language model
+(`configs/sort.yaml`'s workload; tokens/s counts generated response tokens).
 
 For each policy: samples/s and step time between optimizer steps (median over steps after the first),
 efficiency and per-device bubble ratio from the real trace, the step time `dovetail train --dry-run` predicted
@@ -21,11 +25,16 @@ from dovetail.exec.launch import dry_run
 from dovetail.exec.replay import replay_run
 from dovetail.train import train
 
-POLICIES = ("reference", "colocated", "disaggregated", "digen", "digen+tcss")
+POLICIES = {
+    "flow": ("reference", "colocated", "disaggregated", "digen", "digen+tcss"),
+    "lm": ("reference", "verl-sync", "streamrl", "areal"),
+}
+WORKLOADS = {"flow": [], "lm": ["kind=lm", "task=sort", "algo.prompts_per_step=32", "train.lr=2e-4"]}
 
 
 def measure(policy: str, steps: int, out: Path, overrides: list[str]) -> dict:
     config = load_config(None, [f"policy={policy}", "eval.every=1000", "checkpoint.every=1000", *overrides])
+    samples_per_step = config.algo.prompts_per_step * config.algo.group_size
     predicted = dry_run(config, steps).get("step_time_s")
     start = time.perf_counter()
     summary = train(config, out, steps=steps)
@@ -34,9 +43,11 @@ def measure(policy: str, steps: int, out: Path, overrides: list[str]) -> dict:
     row = {
         "policy": policy,
         "samples_per_s": statistics.median(m["samples_per_s"] for m in lines),
-        "step_s": statistics.median(m["step_s"] for m in lines)
-        if policy != "reference"
-        else statistics.median(64 / m["samples_per_s"] for m in lines),
+        "step_s": statistics.median(samples_per_step / m["samples_per_s"] for m in lines),
+        "tokens_per_s": statistics.median(m["response_tokens"] * m["samples_per_s"] / samples_per_step for m in lines)
+        if "response_tokens" in lines[0]
+        else None,
+        "max_staleness": max(m.get("staleness", 0) for m in lines),
         "wall_s": wall,
         "final_eval_reward": summary["final_eval_reward"],
     }
@@ -60,15 +71,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("runs/bench"))
-    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--kind", choices=sorted(POLICIES), default="flow")
+    parser.add_argument("--policies", help="comma-separated; default: every runtime policy of the kind")
     parser.add_argument("overrides", nargs="*", help="config overrides applied to every policy")
     args = parser.parse_args()
 
-    policies = args.policies.split(",")
+    policies = args.policies.split(",") if args.policies else list(POLICIES[args.kind])
+    overrides = [*WORKLOADS[args.kind], *args.overrides]
     rounds: dict[str, list[dict]] = {policy: [] for policy in policies}
     for repeat in range(args.repeats):
         for policy in policies:
-            row = measure(policy, args.steps, args.out / str(repeat) / policy, args.overrides)
+            row = measure(policy, args.steps, args.out / str(repeat) / policy, overrides)
             rounds[policy].append(row)
             print(json.dumps(row), flush=True)
 
@@ -77,11 +90,10 @@ def main() -> None:
 
     base = median(policies[0], "samples_per_s")
     print(
-        "\n| policy | samples/s (median, range) | speedup | step (s) | efficiency | bubble per "
-        "device | dry-run step (s) "
-        "| replayed step (s) | measured step (s) | replay error |"
+        "\n| policy | samples/s (median, range) | speedup | tokens/s | step (s) | max staleness | efficiency | "
+        "bubble per device | dry-run step (s) | replayed step (s) | measured step (s) | replay error |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for policy in policies:
         rows = rounds[policy]
         rate = median(policy, "samples_per_s")
@@ -95,7 +107,12 @@ def main() -> None:
             )
         else:
             cells = "1 device | — | — | — | — | —"
-        print(f"| {policy} | {spread} | {rate / base:.2f}x | {median(policy, 'step_s'):.3f} | {cells} |")
+        tokens = f"{median(policy, 'tokens_per_s'):.0f}" if rows[0]["tokens_per_s"] is not None else "—"
+        stale = max(r["max_staleness"] for r in rows)
+        print(
+            f"| {policy} | {spread} | {rate / base:.2f}x | {tokens} | {median(policy, 'step_s'):.3f} | {stale} | "
+            f"{cells} |"
+        )
 
 
 if __name__ == "__main__":
