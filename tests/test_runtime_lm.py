@@ -5,9 +5,13 @@ by the run itself) finds every response generated, scored and trained once."""
 import json
 
 import pytest
+import ray
 from safetensors.torch import load_file
 
 from dovetail.config.train import ConfigError, load_config
+from dovetail.exec.launch import dry_run
+from dovetail.exec.messages import LMTrain, Prefill
+from dovetail.exec.replay import replay_run
 from dovetail.train import train
 
 SMALL = [
@@ -37,6 +41,8 @@ def reference(tmp_path_factory):
 
 def test_verl_sync_on_ray_ends_at_the_reference_parameters(reference, tmp_path):
     train(load_config(None, [*SMALL, "policy=verl-sync"]), tmp_path, steps=STEPS)
+    replay = replay_run(tmp_path)
+    assert abs(replay["relative_error"]) < 0.3, replay
     expected, got = final_weights(reference), final_weights(tmp_path)
     start = load_file(str(load_config(None, SMALL).model.checkpoint / "model.safetensors"))
     assert max((expected[k] - start[k]).abs().max().item() for k in expected) > 1e-4, "training moved the weights"
@@ -65,3 +71,31 @@ def test_asynchronous_lm_policies_bound_their_staleness(policy, bound, tmp_path)
 def test_bad_lm_configs_name_the_field(override, field):
     with pytest.raises(ConfigError, match=field):
         load_config(None, [*SMALL, override])
+
+
+def test_killed_workers_lose_no_response_and_train_as_if_undisturbed(reference, tmp_path):
+    """One device dies with a paused response in its engine (after a prefill), another holding gradients of the
+    open step (after a train part): responses are re-prefilled token for token, gradients rebuilt."""
+    killed = []
+
+    def kill(executor, part):
+        victim = (not killed and isinstance(part.work, Prefill) and part.work.samples[0].step == 1) or (
+            len(killed) == 1 and isinstance(part.work, LMTrain) and part.work.samples[0].step == 2
+        )
+        if victim:
+            killed.append((part.device, part.node))
+            ray.kill(executor.workers[part.device], no_restart=False)
+
+    summary = train(load_config(None, [*SMALL, "policy=verl-sync"]), tmp_path, steps=STEPS, after_part=kill)
+    assert len(killed) == 2 and summary["restarts"] >= 2
+    ledger = json.loads((tmp_path / "ledger.json").read_text())
+    assert ledger["problems"] == [] and list(killed[1]) in ledger["reruns"]
+    expected, got = final_weights(reference), final_weights(tmp_path)
+    assert max((expected[k] - got[k]).abs().max().item() for k in expected) <= 1e-5
+
+
+def test_dry_run_of_an_lm_config_profiles_and_predicts():
+    plan = dry_run(load_config(None, [*SMALL, "policy=streamrl"]), 50)
+    assert plan["costs"] == "profiled" and plan["shape"]["shards"] >= 1 and plan["shape"]["stream"]
+    assert plan["trainer_devices"] + plan["rollout_devices"] == 2
+    assert 0 < plan["step_time_s"] and plan["run_s"] == pytest.approx(50 * plan["step_time_s"])
