@@ -46,7 +46,7 @@ from dovetail.exec.pipeline import (
     trainer_state_of,
     weights_of,
 )
-from dovetail.graph.node import Kind, Node, SampleId
+from dovetail.graph.node import Kind, Node, Role, SampleId
 from dovetail.models.engine import Request, SamplingParams, TorchEngine
 from dovetail.models.flow_rl import commit
 from dovetail.models.lm import load_lm
@@ -54,7 +54,7 @@ from dovetail.models.lm_rl import response_log_probs
 from dovetail.models.tokenizer import CharTokenizer
 from dovetail.recipe import make_optimizer
 from dovetail.rewards.text import score_text
-from dovetail.scenario import Scenario
+from dovetail.scenario import Scenario, prepare
 from dovetail.tasks import final_answer, task
 
 STAT_MEANS = ("clip_frac", "approx_kl", "ratio_mean", "kl_ref", "entropy")
@@ -262,9 +262,12 @@ def profile_work(engines: LMEngines, samples: int, carry: Callable[[dict], dict]
 
 
 def fitted_cost(config: LMTrainConfig, scenario: Scenario, measured: dict) -> CostModel:
-    """The analytic cost model with one correction per kind of work, fitted to a device's measured seconds."""
+    """The analytic cost model with one correction per kind of work, fitted to a device's measured seconds. A role
+    switch is fitted too: the catalogue's switch moves the engine's whole memory budget (gigabytes for a GPU's KV
+    cache), where a CPU core's engines stay resident and a switch is a round trip."""
     spec = scenario.pipelines[0]
     analytic = CostModel(config.cluster.device)
+    engines = prepare(scenario, config.policy, steps=1, cost=analytic, **config.shape_overrides()).setup.engines
     model = language_model(spec.model)
     prompts, lengths = measured["prompt_tokens"], measured["lengths"]
     full = [p + n for p, n in zip(prompts, lengths)]
@@ -276,6 +279,7 @@ def fitted_cost(config: LMTrainConfig, scenario: Scenario, measured: dict) -> Co
         "train": analytic.train(model, full),
         "optimizer": analytic.optimizer_step(model.params),
         "publish": analytic.publish(model.params),
+        "switch": engines[config.pipeline_name].wake_s[Role.ROLLOUT],
     }
     records = [(kind, predicted[kind], max(measured[kind], 1e-9)) for kind in predicted if predicted[kind] > 0]
     return CostModel.from_measurements(config.cluster.device, records)
