@@ -40,9 +40,12 @@ def train(
 
     try:
         summary = run_training(run_config, out, steps=steps, resume=resume)
-    except (RewardError, FileNotFoundError) as error:
+    except RewardError as error:
         typer.echo(str(error), err=True)
         raise typer.Exit(1) from None
+    except (FileNotFoundError, ValueError) as error:  # input the config could not check alone: a checkpoint, a prompt
+        typer.echo(str(error), err=True)
+        raise typer.Exit(2) from None
     typer.echo(
         f"eval reward {summary['base_eval_reward']:.3f} -> {summary['final_eval_reward']:.3f} "
         f"after {summary['steps']} steps, {summary['samples_per_s']:.1f} samples/s; run in {out}"

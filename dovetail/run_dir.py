@@ -94,10 +94,11 @@ class RunDir:
             raise FileNotFoundError(f"no checkpoint at {path}: expected RUN_DIR or RUN_DIR/checkpoints/step_NNNNNN")
         return latest
 
-    def load_checkpoint(self, path: Path | str, model, optimizer: torch.optim.Optimizer) -> int:
-        """Restore weights, optimizer and RNG state in place; returns the number of steps done."""
+    def load_checkpoint(self, path: Path | str, model, optimizer: torch.optim.Optimizer, load_weights=None) -> int:
+        """Restore weights, optimizer and RNG state in place; returns the number of steps done. `load_weights(dir)`
+        reads the model of a checkpoint in its own format (default: the flow model's)."""
         directory = self.resolve_checkpoint(path)
-        model.load_state_dict(load_model(directory).state_dict())
+        model.load_state_dict((load_weights or load_model)(directory).state_dict())
         optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
         torch.set_rng_state(torch.load(directory / "rng.pt", weights_only=True)["torch"])
         return json.loads((directory / "state.json").read_text())["step"]

@@ -12,10 +12,14 @@ import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from dovetail.config.train import FlowTrainConfig, LMTrainConfig, dump_config
+from dovetail.exec.driver import train_on_ray
+from dovetail.exec.lm import LMEngines, encode_prompts, lm_step_metrics, sampling_params, success_rate, task_prompts
+from dovetail.exec.messages import Decode, LMLogProbs, LMTrain, Prefill, Score
 from dovetail.exec.pipeline import weights_of
 from dovetail.graph.node import SampleId
+from dovetail.models.engine import Request, TorchEngine
 from dovetail.models.flow_rl import commit, generate, group_sample_ids, step_prompts
-from dovetail.models.lm import save_lm
+from dovetail.models.lm import load_lm, save_lm
 from dovetail.models.pretrain import latents_to_images
 from dovetail.models.t2i import load_model
 from dovetail.recipe import advantages_of, evaluate, make_optimizer, policy_gradient, sde_settings, step_timesteps
@@ -99,6 +103,9 @@ class StepLog:
         self.progress = progress
         self.task = progress.add_task("train", total=last_step, reward=0.0, eval=eval_reward, sps=0.0)
 
+    def checkpoint(self, done: int, extra: dict | None = None) -> Path:
+        return self.run.save_checkpoint(done, self.model, self.optimizer, extra, self.save_weights)
+
     def _evaluate_flow(self, done: int) -> dict[str, float]:
         scores, images, prompts = evaluate(self.model, self.config)
         self.run.save_eval_grid(images, prompts, "eval_latest.png")
@@ -122,7 +129,7 @@ class StepLog:
             metrics |= {f"eval/{name}": value for name, value in eval_scores.items()}
         self.run.append_metrics(metrics)
         if done % self.config.checkpoint.every == 0 or done == self.last_step:
-            self.run.save_checkpoint(done, self.model, self.optimizer, checkpoint_extra, self.save_weights)
+            self.checkpoint(done, checkpoint_extra)
         self.progress.update(
             self.task,
             completed=done,
@@ -175,8 +182,6 @@ def train(
             for step in range(first_step, last_step):
                 log.record(step + 1, rl_step(model, optimizer, config, step, reference_model))
         else:
-            from dovetail.exec.driver import train_on_ray
-
             summary |= train_on_ray(config, log, first_step, last_step, after_part=after_part)
 
     summary |= {
@@ -200,13 +205,11 @@ def _progress() -> Progress:
 def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
     """One on-policy GRPO step of the reference path, in this process, through the very work the Ray workers do:
     every response to the end, scores, one train pass over the whole batch, one optimizer step."""
-    from dovetail.exec.lm import lm_step_metrics, prompt_ids, step_prompts
-    from dovetail.exec.messages import Decode, LMLogProbs, LMTrain, Prefill, Score
 
     pipeline, algo = config.task, config.algo
     start = time.perf_counter()
     ids = [SampleId(step, p, i) for p in range(algo.prompts_per_step) for i in range(algo.group_size)]
-    prompts = [prompt_ids(engines.tokenizer, p) for p in step_prompts(config, step)]
+    prompts = encode_prompts(config, engines.tokenizer, task_prompts(config, step))
     weights = weights_of(engines.trainer)
     started = engines.run(Prefill(pipeline, ids, [prompts[s.prompt] for s in ids], step, weights))
     responses = engines.run(Decode(pipeline, [started], config.max_new_tokens, weights))
@@ -228,15 +231,14 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
 
 def lm_evaluate(engines, config: LMTrainConfig) -> dict[str, float]:
     """Held-out success: one response per eval-split prompt, sampled as in training from the eval seed."""
-    from dovetail.exec.lm import prompt_ids, sampling_params, success_rate
-    from dovetail.models.engine import Request, TorchEngine
 
     the_task = task(config.task)
     prompts = the_task.prompts("eval", config.eval.seed, 0, config.eval.prompts)
     engine = TorchEngine.from_model(
         engines.trainer, sampling_params(config, engines.tokenizer.eos_id, seed=config.eval.seed), max_batch=64
     )
-    requests = [Request((0, i, 0), prompt_ids(engines.tokenizer, p)) for i, p in enumerate(prompts)]
+    encoded = encode_prompts(config, engines.tokenizer, prompts)
+    requests = [Request((0, i, 0), ids) for i, ids in enumerate(encoded)]
     completions = [engines.tokenizer.decode(r.tokens) for r in engine.generate(requests)]
     scores = score_text(completions, prompts, config.rewards)
     return {"total": success_rate(config, completions, prompts)} | {
@@ -246,17 +248,22 @@ def lm_evaluate(engines, config: LMTrainConfig) -> dict[str, float]:
 
 def train_lm(config: LMTrainConfig, out: Path, *, steps=None, resume=None, after_part=None) -> dict:
     """`train` for a language-model pipeline: eval_reward is the held-out success rate."""
-    from dovetail.exec.lm import LMEngines
 
-    if resume is not None:
-        raise ValueError("--resume of language-model runs is not built yet; start the run again without it")
     run = RunDir(out)
-    run.start_fresh()
-    run.write_config(dump_config(config))
     engines = LMEngines(config, torch.device("cpu"), True, None)
+    first_step = 0
+    if resume is not None:
+        first_step = run.load_checkpoint(
+            resume, engines.trainer, engines.optimizer, load_weights=lambda directory: load_lm(directory)[0]
+        )
+    else:
+        run.start_fresh()
+    run.write_config(dump_config(config))
     last_step = steps if steps is not None else config.train.steps
-    base = lm_evaluate(engines, config)
-    summary = {"base_eval_reward": base["total"], "base_eval": base}
+    summary = run.read_summary()
+    if "base_eval_reward" not in summary:
+        base = lm_evaluate(engines, config)
+        summary |= {"base_eval_reward": base["total"], "base_eval": base}
 
     def save_weights(directory: Path) -> None:
         save_lm(engines.trainer, engines.tokenizer, engines.lm_config, directory)
@@ -268,22 +275,21 @@ def train_lm(config: LMTrainConfig, out: Path, *, steps=None, resume=None, after
             engines.trainer,
             engines.optimizer,
             last_step,
-            base["total"],
+            summary.get("final_eval_reward", summary["base_eval_reward"]),
             progress,
             evaluate=lambda done: lm_evaluate(engines, config),
             save_weights=save_weights,
         )
+        progress.update(log.task, completed=first_step)
         if config.policy == "reference":
-            for step in range(last_step):
+            for step in range(first_step, last_step):
                 log.record(step + 1, lm_rl_step(engines, config, step))
         else:
-            from dovetail.exec.driver import train_on_ray
-
-            summary |= train_on_ray(config, log, 0, last_step, after_part=after_part)
+            summary |= train_on_ray(config, log, first_step, last_step, after_part=after_part)
     summary |= {
         "final_eval_reward": log.eval_reward,
         "steps": last_step,
-        "samples_per_s": float(np.mean(log.samples_per_s)),
+        "samples_per_s": float(np.mean(log.samples_per_s)) if log.samples_per_s else summary.get("samples_per_s", 0.0),
     }
     run.write_summary(summary)
     return summary

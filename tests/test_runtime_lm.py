@@ -3,15 +3,19 @@ at the reference loop's parameters, the asynchronous ones bound and record their
 by the run itself) finds every response generated, scored and trained once."""
 
 import json
+import re
 
 import pytest
 import ray
 from safetensors.torch import load_file
+from typer.testing import CliRunner
 
+from dovetail.cli import app
 from dovetail.config.train import ConfigError, load_config
 from dovetail.exec.launch import dry_run
 from dovetail.exec.messages import LMTrain, Prefill
 from dovetail.exec.replay import replay_run
+from dovetail.rewards import RewardError
 from dovetail.train import train
 
 SMALL = [
@@ -99,3 +103,33 @@ def test_dry_run_of_an_lm_config_profiles_and_predicts():
     assert plan["costs"] == "profiled" and plan["shape"]["shards"] >= 1 and plan["shape"]["stream"]
     assert plan["trainer_devices"] + plan["rollout_devices"] == 2
     assert 0 < plan["step_time_s"] and plan["run_s"] == pytest.approx(50 * plan["step_time_s"])
+
+
+def test_a_failing_reward_saves_the_last_step_and_the_run_resumes_where_it_stopped(local_ray, reference, tmp_path):
+    flag = local_ray
+    overrides = [*SMALL, "policy=verl-sync", "reward={faulty_reward:nan_text_when_flagged: 1.0}"]
+
+    def break_reward_after_first_commit(executor, part):
+        if part.node == "sort/0/commit":
+            flag.touch()
+
+    with pytest.raises(RewardError, match=r"faulty_reward:nan_text_when_flagged.*sample 1.*resume"):
+        train(load_config(None, overrides), tmp_path, steps=STEPS, after_part=break_reward_after_first_commit)
+    flag.unlink()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001"]
+    train(load_config(None, overrides), tmp_path, steps=STEPS, resume=tmp_path)
+    expected, got = final_weights(reference), final_weights(tmp_path)
+    assert max((expected[k] - got[k]).abs().max().item() for k in expected) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("sampling.max_new_tokens=120", "exceed the model's context of 128 tokens .*lower sampling.max_new_tokens"),
+        ("model.checkpoint=/nonexistent-lm", "no language-model checkpoint in /nonexistent-lm; run `dovetail pretrain"),
+    ],
+)
+def test_bad_lm_input_is_one_line_with_the_fix_and_exit_code_2(override, message, tmp_path):
+    result = CliRunner().invoke(app, ["train", *SMALL, "policy=reference", override, "--out", str(tmp_path)])
+    assert result.exit_code == 2 and re.search(message, result.output)
+    assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output

@@ -80,7 +80,7 @@ def train_on_ray(config, log, first_step: int, last_step: int, *, after_part=Non
     except RewardError as error:
         done = first_step + len(executor.state.trace.steps)
         load_trainer_state(log.model, log.optimizer, ray.get(executor.trainer_state))
-        checkpoint = log.run.save_checkpoint(done, log.model, log.optimizer, {"policy": config.policy, "version": done})
+        checkpoint = log.checkpoint(done, {"policy": config.policy, "version": done})
         raise RewardError(
             f"{error}; the last committed step is saved in {checkpoint}: fix the reward and resume "
             f"with --resume {log.run.path}"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -49,9 +50,8 @@ from dovetail.exec.pipeline import (
 from dovetail.graph.node import Kind, Node, Role, SampleId
 from dovetail.models.engine import Request, SamplingParams, TorchEngine
 from dovetail.models.flow_rl import commit
-from dovetail.models.lm import load_lm
+from dovetail.models.lm import load_lm, load_tokenizer, read_lm_config
 from dovetail.models.lm_rl import response_log_probs
-from dovetail.models.tokenizer import CharTokenizer
 from dovetail.recipe import make_optimizer
 from dovetail.rewards.text import score_text
 from dovetail.scenario import Scenario, prepare
@@ -66,7 +66,21 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
     return [tokenizer.bos_id, *tokenizer.encode(prompt)]
 
 
-def step_prompts(config: LMTrainConfig, rl_step: int) -> list[str]:
+def encode_prompts(config: LMTrainConfig, tokenizer, prompts: list[str]) -> list[list[int]]:
+    """The prompts' token ids, each checked to leave room in the model's context for max_new_tokens: a prompt too
+    long is the config's error, named before any work is sent."""
+    context = read_lm_config(Path(config.model.checkpoint)).max_positions
+    encoded = [prompt_ids(tokenizer, p) for p in prompts]
+    for prompt, ids in zip(prompts, encoded):
+        if len(ids) + config.max_new_tokens > context:
+            raise ValueError(
+                f"prompt {prompt!r} ({len(ids)} tokens) and sampling.max_new_tokens={config.max_new_tokens} exceed "
+                f"the model's context of {context} tokens ({config.model.checkpoint}): lower sampling.max_new_tokens"
+            )
+    return encoded
+
+
+def task_prompts(config: LMTrainConfig, rl_step: int) -> list[str]:
     """The B prompts of an RL step: a pure function of (seed, step), from the task's train split."""
     return task(config.task).prompts("train", config.seed, rl_step, config.algo.prompts_per_step)
 
@@ -107,7 +121,7 @@ class LMEngines(PipelineEngines):
 
     def __init__(self, config: LMTrainConfig, device: torch.device, holds_policy: bool, trainer_state: dict | None):
         super().__init__(config, device)
-        self.tokenizer = CharTokenizer.load(config.model.checkpoint)
+        self.tokenizer = load_tokenizer(config.model.checkpoint)
         if not holds_policy:
             return
         model, _, self.lm_config = load_lm(config.model.checkpoint)
@@ -299,7 +313,7 @@ class LMAdapter(PipelineAdapter):
 
     def __init__(self, config: LMTrainConfig, first_step: int) -> None:
         super().__init__(config, first_step)
-        self.tokenizer = CharTokenizer.load(config.model.checkpoint)
+        self.tokenizer = load_tokenizer(config.model.checkpoint)
         self._prompts: dict[int, list[list[int]]] = {}
 
     def units_of(self, sample: SampleId) -> list[int]:
@@ -311,7 +325,7 @@ class LMAdapter(PipelineAdapter):
         if node.kind == Kind.PREFILL:
             step = self.rl_step(node)
             if step not in self._prompts:
-                self._prompts[step] = [prompt_ids(self.tokenizer, p) for p in step_prompts(self.config, step)]
+                self._prompts[step] = encode_prompts(self.config, self.tokenizer, task_prompts(self.config, step))
             samples = [SampleId(step, p, i) for (_, p, i) in node.samples]
             prompts = [self._prompts[step][s.prompt] for s in samples]
             weights = executor.versions[version]

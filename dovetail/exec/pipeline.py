@@ -177,10 +177,13 @@ def tensors_of(weights: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
 
 
 def trainer_state_of(model, optimizer) -> dict:
-    """Weights and optimizer state on the CPU: checkpoints and restarts must not need the GPU they came from."""
+    """A snapshot of the weights and optimizer state on the CPU: checkpoints and restarts must not need the GPU they
+    came from, and later optimizer steps must not change it (`.cpu()` of a CPU tensor is the tensor itself)."""
     optimizer_state = optimizer.state_dict()
     moments = {
-        index: {name: value.cpu() if torch.is_tensor(value) else value for name, value in per_param.items()}
+        index: {
+            name: value.detach().cpu().clone() if torch.is_tensor(value) else value for name, value in per_param.items()
+        }
         for index, per_param in optimizer_state["state"].items()
     }
     return {"weights": weights_of(model), "optimizer": optimizer_state | {"state": moments}}

@@ -70,19 +70,33 @@ def save_lm(model: LlamaForCausalLM, tokenizer: CharTokenizer, config: LMConfig,
     (directory / "config.json").write_text(config.model_dump_json(indent=2) + "\n")
 
 
-def load_lm(directory: Path | str) -> tuple[LlamaForCausalLM, CharTokenizer, LMConfig]:
-    """The model (in eval mode), its tokenizer and its config; a missing checkpoint says how to make one."""
+def require_checkpoint(directory: Path | str) -> Path:
+    """The checkpoint directory, or one line saying how to make one."""
     directory = Path(directory)
-    if not (directory / "model.safetensors").exists():
+    if not all((directory / name).exists() for name in ("model.safetensors", "config.json", "tokenizer.json")):
         task = directory.name.removesuffix("-lm") if directory.name.endswith("-lm") else "<task>"
         raise FileNotFoundError(
             f"no language-model checkpoint in {directory}; run `dovetail pretrain {task} --out {directory}` to make one"
         )
+    return directory
+
+
+def load_tokenizer(directory: Path | str) -> CharTokenizer:
+    return CharTokenizer.load(require_checkpoint(directory))
+
+
+def read_lm_config(directory: Path) -> LMConfig:
     try:
-        config = LMConfig(**json.loads((directory / "config.json").read_text()))
+        return LMConfig(**json.loads((directory / "config.json").read_text()))
     except (OSError, ValueError, TypeError) as error:  # pydantic's ValidationError is a ValueError
         reason = " ".join(str(error).split())
         raise ValueError(f"unreadable {directory / 'config.json'}: {reason}") from None
+
+
+def load_lm(directory: Path | str) -> tuple[LlamaForCausalLM, CharTokenizer, LMConfig]:
+    """The model (in eval mode), its tokenizer and its config; a missing checkpoint says how to make one."""
+    directory = require_checkpoint(directory)
+    config = read_lm_config(directory)
     model = build_lm(config)
     load_model(model, str(directory / "model.safetensors"))
     return model.eval(), CharTokenizer.load(directory), config
