@@ -57,6 +57,16 @@ def test_verl_sync_on_ray_ends_at_the_reference_parameters(reference, tmp_path):
     assert all(m["staleness"] == 0 and abs(m["ratio_mean"] - 1) < 1e-5 for m in lines)
 
 
+def test_decode_by_length_band_pauses_and_continues_responses_exactly(reference, tmp_path):
+    """Three bands per shard: each continues the responses the last one paused, on the engine's cache."""
+    train(load_config(None, [*SMALL, "policy=verl-sync", "runtime.length_bands=[6, 12]"]), tmp_path, steps=STEPS)
+    ran = json.loads((tmp_path / "run_profile.json").read_text())["node_seconds"]
+    bands = {node.rsplit("/", 1)[1] for node in ran if "/decode/" in node}
+    assert bands == {"0", "6", "12"}
+    expected, got = final_weights(reference), final_weights(tmp_path)
+    assert max((expected[k] - got[k]).abs().max().item() for k in expected) <= 1e-5
+
+
 @pytest.mark.parametrize(("policy", "bound"), [("streamrl", 1), ("areal", 4)])
 def test_asynchronous_lm_policies_bound_their_staleness(policy, bound, tmp_path):
     summary = train(load_config(None, [*SMALL, f"policy={policy}"]), tmp_path, steps=STEPS)
