@@ -75,19 +75,24 @@ class Scenario(_Model):
         names = [p.name for p in self.pipelines]
         if len(set(names)) != len(names):
             raise ValueError(f"pipelines: names must be unique, got {names}")
-        split, scorers = self.schedule.trainer_devices, self.schedule.reward_devices
-        if scorers >= self.cluster.devices:
-            raise ValueError(
-                f"schedule.reward_devices={scorers} must leave devices to generate and train of "
-                f"cluster.devices={self.cluster.devices}"
-            )
-        if split is not None and split + scorers >= self.cluster.devices:
-            raise ValueError(
-                f"schedule.trainer_devices={split} must leave at least one rollout device of "
-                f"cluster.devices={self.cluster.devices}"
-                + (f" after schedule.reward_devices={scorers}" if scorers else "")
-            )
+        check_pools(self.cluster.devices, self.schedule.trainer_devices, self.schedule.reward_devices, "schedule")
         return self
+
+
+def check_pools(devices: int, trainer_devices: int | None, reward_devices: int, section: str) -> None:
+    """The pools by role fit the cluster: the reward pool leaves devices to generate and train, a trainer pool
+    leaves at least one rollout device. One check for scenarios and run configs; `section` names the fields."""
+    if reward_devices >= devices:
+        raise ValueError(
+            f"{section}.reward_devices={reward_devices} must leave devices to generate and train of "
+            f"cluster.devices={devices}: lower it or add devices"
+        )
+    if trainer_devices is not None and trainer_devices + reward_devices >= devices:
+        raise ValueError(
+            f"{section}.trainer_devices={trainer_devices} must leave at least one rollout device of "
+            f"cluster.devices={devices}"
+            + (f" after {section}.reward_devices={reward_devices}" if reward_devices else "")
+        )
 
 
 def _shipped() -> dict[str, Path]:

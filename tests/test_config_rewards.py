@@ -27,8 +27,14 @@ def test_yaml_plus_dotted_overrides(tmp_path):
         ("train.learning_rate=1e-4", "train.learning_rate"),
         ("sampling.sde_kind=ddim", "sampling.sde_kind"),
         ("cluster.device=B300", "cluster.device"),
-        ("runtime.reward_devices=2", "runtime.reward_devices=2 leaves none of cluster.devices=2"),
-        ("runtime.trainer_devices=2", "runtime.trainer_devices=2 leaves no rollout device of cluster.devices=2"),
+        (
+            "runtime.reward_devices=2",
+            "runtime.reward_devices=2 must leave devices to generate and train of cluster.devices=2",
+        ),
+        (
+            "runtime.trainer_devices=2",
+            "runtime.trainer_devices=2 must leave at least one rollout device of cluster.devices=2",
+        ),
     ],
 )
 def test_bad_values_name_the_field(override, field):

@@ -143,3 +143,13 @@ def test_bad_lm_input_is_one_line_with_the_fix_and_exit_code_2(override, message
     result = CliRunner().invoke(app, ["train", *SMALL, "policy=reference", override, "--out", str(tmp_path)])
     assert result.exit_code == 2 and re.search(message, result.output)
     assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+
+
+def test_lm_grpo_on_ray_raises_held_out_success(tmp_path):
+    """A short version of configs/sort.yaml: 30 steps of verl-sync on 2 devices (bitwise reproducible on CPU)."""
+    config = load_config("configs/sort.yaml", ["train.steps=30", "eval.every=30", "checkpoint.every=100"])
+    summary = train(config, tmp_path, steps=30)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    first, last = (sum(m["reward/total"] for m in part) / 5 for part in (lines[:5], lines[-5:]))
+    assert last >= first + 0.05, (first, last)
+    assert summary["final_eval_reward"] >= summary["base_eval_reward"] + 0.05, summary

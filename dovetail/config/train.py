@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from dovetail.cost.catalog import device
 from dovetail.rewards import check_reward_names
 from dovetail.rewards.text import text_reward_fn
-from dovetail.scenario import Scenario, parse_scenario
+from dovetail.scenario import Scenario, check_pools, parse_scenario
 from dovetail.tasks import task
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
@@ -150,18 +150,7 @@ class FlowTrainConfig(RunSection):
 
     @model_validator(mode="after")
     def _pools_fit_the_devices(self) -> "FlowTrainConfig":
-        devices, runtime = self.cluster.devices, self.runtime
-        if self.compute_devices < 1:
-            raise ValueError(
-                f"runtime.reward_devices={runtime.reward_devices} leaves none of cluster.devices={devices} "
-                "to generate and train: lower it or add devices"
-            )
-        if runtime.trainer_devices is not None and runtime.trainer_devices >= self.compute_devices:
-            raise ValueError(
-                f"runtime.trainer_devices={runtime.trainer_devices} leaves no rollout device of "
-                f"cluster.devices={devices}"
-                + (f" besides runtime.reward_devices={runtime.reward_devices}" if runtime.reward_devices else "")
-            )
+        check_pools(self.cluster.devices, self.runtime.trainer_devices, self.runtime.reward_devices, "runtime")
         return self
 
     @property
@@ -203,7 +192,7 @@ class FlowTrainConfig(RunSection):
             "kind": "flow",
             "name": self.pipeline_name,
             "model": "digits-t2i",
-            "algorithm": "dancegrpo" if self.algorithm == "dance_grpo" else "flowgrpo",
+            "algorithm": self.algorithm,
             "prompts": self.algo.prompts_per_step,
             "group": self.algo.group_size,
             "denoising_steps": self.sampling.num_steps,
@@ -310,11 +299,7 @@ class LMTrainConfig(RunSection):
             raise ValueError(
                 f"algo.micro_batches={algo.micro_batches} must divide algo.prompts_per_step={algo.prompts_per_step}"
             )
-        if runtime.trainer_devices is not None and runtime.trainer_devices >= self.cluster.devices:
-            raise ValueError(
-                f"runtime.trainer_devices={runtime.trainer_devices} leaves no rollout device of "
-                f"cluster.devices={self.cluster.devices}"
-            )
+        check_pools(self.cluster.devices, runtime.trainer_devices, 0, "runtime")
         bands = runtime.length_bands
         if bands != sorted(set(bands)) or (bands and not 0 < bands[0] <= bands[-1] < self.max_new_tokens):
             raise ValueError(

@@ -17,7 +17,7 @@ class FlowSpec(_Spec):
     kind: Literal["flow"] = "flow"
     name: str = Field(description="Pipeline name, unique in a scenario.")
     model: str = Field(description="Diffusion model from the catalogue, e.g. FLUX.1-12B.")
-    algorithm: Literal["flowgrpo", "dancegrpo"] = "flowgrpo"
+    algorithm: Literal["flow_grpo", "dance_grpo"] = "flow_grpo"
     prompts: int = Field(gt=0, description="Prompts per step (B).")
     group: int = Field(gt=0, description="Samples per prompt (G); a group is never split across fragments.")
     denoising_steps: int = Field(gt=1, description="Sampler steps per sample (K).")
