@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from dovetail.config.train import FlowTrainConfig, LMTrainConfig, dump_config
+from dovetail.config.train import FlowTrainConfig, LMTrainConfig, TrainConfig, dump_config
 from dovetail.exec.driver import train_on_ray
 from dovetail.exec.lm import LMEngines, encode_prompts, lm_step_metrics, sampling_params, success_rate, task_prompts
 from dovetail.exec.messages import Decode, LMLogProbs, LMTrain, Prefill, Score
@@ -80,23 +80,10 @@ def rl_step(model, optimizer, config: FlowTrainConfig, step: int, reference_mode
 class StepLog:
     """What happens after every optimizer step, whoever ran it: metrics, evaluation, checkpoints, progress."""
 
-    def __init__(
-        self,
-        run: RunDir,
-        config: FlowTrainConfig,
-        model,
-        optimizer,
-        last_step: int,
-        eval_reward: float,
-        progress: Progress,
-        evaluate=None,
-        save_weights=None,
-    ):
-        """`evaluate(done)` scores the model on held-out prompts and writes what it shows (default: the flow
-        model's ODE samples and their grid); `save_weights(directory)` writes the model into a checkpoint."""
-        self.run, self.config, self.model, self.optimizer = run, config, model, optimizer
-        self.evaluate = evaluate or self._evaluate_flow
-        self.save_weights = save_weights
+    def __init__(self, run: RunDir, config: TrainConfig, local, last_step: int, eval_reward: float, progress: Progress):
+        """`local` is the run's model in this process (`FlowLocal`, `LMLocal`): what is evaluated and saved."""
+        self.run, self.config, self.local = run, config, local
+        self.model, self.optimizer = local.model, local.optimizer
         self.last_step = last_step
         self.eval_reward = eval_reward
         self.samples_per_s: list[float] = []
@@ -104,12 +91,7 @@ class StepLog:
         self.task = progress.add_task("train", total=last_step, reward=0.0, eval=eval_reward, sps=0.0)
 
     def checkpoint(self, done: int, extra: dict | None = None) -> Path:
-        return self.run.save_checkpoint(done, self.model, self.optimizer, extra, self.save_weights)
-
-    def _evaluate_flow(self, done: int) -> dict[str, float]:
-        scores, images, prompts = evaluate(self.model, self.config)
-        self.run.save_eval_grid(images, prompts, "eval_latest.png")
-        return scores
+        return self.run.save_checkpoint(done, self.model, self.optimizer, extra, self.local.save_weights)
 
     def needs_weights(self, done: int) -> bool:
         """Whether step `done` evaluates or checkpoints (the Ray driver then fetches the trainer state)."""
@@ -123,7 +105,7 @@ class StepLog:
         self.samples_per_s.append(metrics["samples_per_s"])
         if self._eval_due(done):
             start = time.perf_counter()
-            eval_scores = self.evaluate(done)
+            eval_scores = self.local.evaluate(self.run, "eval_latest.png")
             self.eval_reward = eval_scores["total"]
             metrics |= {"eval_reward": self.eval_reward, "eval_s": time.perf_counter() - start}
             metrics |= {f"eval/{name}": value for name, value in eval_scores.items()}
@@ -139,20 +121,62 @@ class StepLog:
         )
 
 
+class FlowLocal:
+    """A flow run's model in this process: the reference loop trains it; evaluations and checkpoints read it."""
+
+    save_weights = load_weights = None  # the run directory's default: the flow model's own format
+
+    def __init__(self, config: FlowTrainConfig) -> None:
+        self.config = config
+        self.model = load_model(config.model.checkpoint)
+        self.optimizer = make_optimizer(self.model, config)
+        self._reference_model = None
+
+    def evaluate(self, run: RunDir, grid: str) -> dict[str, float]:
+        """ODE samples on the held-out seeds, drawn as one grid image."""
+        scores, images, prompts = evaluate(self.model, self.config)
+        run.save_eval_grid(images, prompts, grid)
+        return scores
+
+    def rl_step(self, step: int) -> dict:
+        if self.config.algo.beta > 0 and self._reference_model is None:
+            self._reference_model = load_model(self.config.model.checkpoint).requires_grad_(False)
+        return rl_step(self.model, self.optimizer, self.config, step, self._reference_model)
+
+
+class LMLocal:
+    """A language-model run's engines in this process (trainer, rollout engine, rewards)."""
+
+    def __init__(self, config: LMTrainConfig) -> None:
+        self.config = config
+        self.engines = LMEngines(config, torch.device("cpu"), True, None)
+        self.model, self.optimizer = self.engines.trainer, self.engines.optimizer
+
+    def evaluate(self, run: RunDir, grid: str) -> dict[str, float]:
+        return lm_evaluate(self.engines, self.config)
+
+    def rl_step(self, step: int) -> dict:
+        return lm_rl_step(self.engines, self.config, step)
+
+    def save_weights(self, directory: Path) -> None:
+        save_lm(self.engines.trainer, self.engines.tokenizer, self.engines.lm_config, directory)
+
+    @staticmethod
+    def load_weights(directory: Path):
+        return load_lm(directory)[0]
+
+
 def train(
-    config: FlowTrainConfig, out: Path, *, steps: int | None = None, resume: Path | None = None, after_part=None
+    config: TrainConfig, out: Path, *, steps: int | None = None, resume: Path | None = None, after_part=None
 ) -> dict:
     """Train to `steps` (default config.train.steps) under config.policy; returns the summary.
     `after_part` is the Ray executor's fault-injection hook, for tests."""
     torch.set_num_threads(1)
-    if config.kind == "lm":
-        return train_lm(config, out, steps=steps, resume=resume, after_part=after_part)
     run = RunDir(out)
-    model = load_model(config.model.checkpoint)
-    optimizer = make_optimizer(model, config)
+    local = FlowLocal(config) if config.kind == "flow" else LMLocal(config)
     first_step = 0
     if resume is not None:
-        first_step = run.load_checkpoint(resume, model, optimizer)
+        first_step = run.load_checkpoint(resume, local.model, local.optimizer, local.load_weights)
     else:
         run.start_fresh()
     run.write_config(dump_config(config))
@@ -160,27 +184,16 @@ def train(
 
     summary = run.read_summary()
     if "base_eval_reward" not in summary:
-        base, images, prompts = evaluate(model, config)
+        base = local.evaluate(run, "eval_base.png")
         summary |= {"base_eval_reward": base["total"], "base_eval": base}
-        run.save_eval_grid(images, prompts, "eval_base.png")
 
     with _progress() as progress:
-        log = StepLog(
-            run,
-            config,
-            model,
-            optimizer,
-            last_step,
-            summary.get("final_eval_reward", summary["base_eval_reward"]),
-            progress,
-        )
+        eval_reward = summary.get("final_eval_reward", summary["base_eval_reward"])
+        log = StepLog(run, config, local, last_step, eval_reward, progress)
         progress.update(log.task, completed=first_step)
         if config.policy == "reference":
-            reference_model = (
-                load_model(config.model.checkpoint).requires_grad_(False) if config.algo.beta > 0 else None
-            )
             for step in range(first_step, last_step):
-                log.record(step + 1, rl_step(model, optimizer, config, step, reference_model))
+                log.record(step + 1, local.rl_step(step))
         else:
             summary |= train_on_ray(config, log, first_step, last_step, after_part=after_part)
 
@@ -244,52 +257,3 @@ def lm_evaluate(engines, config: LMTrainConfig) -> dict[str, float]:
     return {"total": success_rate(config, completions, prompts)} | {
         f"reward/{name}": float(values.mean()) for name, values in scores.items()
     }
-
-
-def train_lm(config: LMTrainConfig, out: Path, *, steps=None, resume=None, after_part=None) -> dict:
-    """`train` for a language-model pipeline: eval_reward is the held-out success rate."""
-
-    run = RunDir(out)
-    engines = LMEngines(config, torch.device("cpu"), True, None)
-    first_step = 0
-    if resume is not None:
-        first_step = run.load_checkpoint(
-            resume, engines.trainer, engines.optimizer, load_weights=lambda directory: load_lm(directory)[0]
-        )
-    else:
-        run.start_fresh()
-    run.write_config(dump_config(config))
-    last_step = steps if steps is not None else config.train.steps
-    summary = run.read_summary()
-    if "base_eval_reward" not in summary:
-        base = lm_evaluate(engines, config)
-        summary |= {"base_eval_reward": base["total"], "base_eval": base}
-
-    def save_weights(directory: Path) -> None:
-        save_lm(engines.trainer, engines.tokenizer, engines.lm_config, directory)
-
-    with _progress() as progress:
-        log = StepLog(
-            run,
-            config,
-            engines.trainer,
-            engines.optimizer,
-            last_step,
-            summary.get("final_eval_reward", summary["base_eval_reward"]),
-            progress,
-            evaluate=lambda done: lm_evaluate(engines, config),
-            save_weights=save_weights,
-        )
-        progress.update(log.task, completed=first_step)
-        if config.policy == "reference":
-            for step in range(first_step, last_step):
-                log.record(step + 1, lm_rl_step(engines, config, step))
-        else:
-            summary |= train_on_ray(config, log, first_step, last_step, after_part=after_part)
-    summary |= {
-        "final_eval_reward": log.eval_reward,
-        "steps": last_step,
-        "samples_per_s": float(np.mean(log.samples_per_s)) if log.samples_per_s else summary.get("samples_per_s", 0.0),
-    }
-    run.write_summary(summary)
-    return summary
