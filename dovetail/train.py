@@ -51,7 +51,7 @@ def rl_step(model, optimizer, config: FlowTrainConfig, step: int, reference_mode
 
     start = time.perf_counter()
     timesteps = step_timesteps(config, step)
-    total_pairs = len(ids) * len(timesteps)
+    total_pairs = config.pairs_per_step
     sums = policy_gradient(
         model,
         trajectories,

@@ -185,6 +185,11 @@ class FlowTrainConfig(RunSection):
         trainable = self.sampling.num_steps - 1
         return max(1, min(trainable, math.ceil(self.algo.timestep_fraction * trainable - 1e-9)))
 
+    @property
+    def pairs_per_step(self) -> int:
+        """(sample, timestep) pairs a step trains: the loss normaliser, whoever splits the step."""
+        return self.algo.prompts_per_step * self.algo.group_size * self.trained_timesteps
+
     def scenario(self, steps: int) -> Scenario:
         """This run as the planner's scenario: the graph the simulator would schedule, built without torch."""
         trained = self.trained_timesteps

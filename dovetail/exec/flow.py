@@ -257,7 +257,6 @@ class FlowAdapter(PipelineAdapter):
                 for d, refs in self.spread(trajectories, devices)
             ]
         if node.kind == Kind.TRAIN:
-            total_pairs = self.config.algo.prompts_per_step * self.config.algo.group_size * len(timesteps)
             chunk = timesteps[node.chunk[0] : node.chunk[1]]
             samples = [SampleId(step, p, i) for (_, p, i) in node.samples]
             stale = executor.state.started[(pipeline, node.step)] < node.version
@@ -269,7 +268,7 @@ class FlowAdapter(PipelineAdapter):
                         pipeline,
                         ids,
                         chunk,
-                        total_pairs,
+                        self.config.pairs_per_step,
                         stale,
                         trajectories,
                         sources[Kind.SCORE],
