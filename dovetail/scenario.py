@@ -106,12 +106,15 @@ def list_scenarios() -> dict[str, str]:
 
 
 def parse_scenario(data: dict, origin: str = "scenario") -> Scenario:
-    """Validate a scenario dict; errors name the field (dotted path) and what is wrong with it."""
+    """Validate a scenario dict; errors name the field (dotted path) and what is wrong with it, one line for a
+    single problem, one line each under a heading for several."""
     try:
         return Scenario.model_validate(data)
     except ValidationError as error:
-        lines = [f"  {'.'.join(str(part) for part in e['loc']) or '(top level)'}: {e['msg']}" for e in error.errors()]
-        raise ValueError(f"{origin}: invalid scenario\n" + "\n".join(lines)) from None
+        problems = [f"{'.'.join(str(part) for part in e['loc']) or '(top level)'}: {e['msg']}" for e in error.errors()]
+        if len(problems) == 1:
+            raise ValueError(f"{origin}: invalid scenario: {problems[0]}") from None
+        raise ValueError(f"{origin}: invalid scenario\n" + "\n".join(f"  {p}" for p in problems)) from None
 
 
 def load_scenario(name_or_path: str | Path) -> Scenario:
@@ -146,7 +149,7 @@ def prepare(
     **shape_overrides,
 ) -> Prepared:
     """Build the sub-stage graph the policy wants for every pipeline, the engines' footprints, and the policy.
-    `options` go to the policy (e.g. {"tag": False});
+    `options` go to the policy (e.g. {"tag": False}), with each pipeline's `priority` under "priority";
     `shapes` (pipeline -> shape) fixes every pipeline's shape; otherwise `shape_overrides` (fragments, tsp_chunk,
     trainer_devices...) replace what the policy would choose. `cost` replaces the analytic cost model (the Ray
     runtime passes one corrected by costs profiled on its own devices)."""
@@ -157,6 +160,7 @@ def prepare(
                 f"policy {policy} schedules {'/'.join(sorted(cls.pipeline_kinds))} pipelines; "
                 f"pipeline {spec.name!r} is a {spec.kind} pipeline"
             )
+    options = {"priority": {spec.name: spec.priority for spec in scenario.pipelines}, **(options or {})}
     devices = devices or scenario.cluster.devices
     steps = steps or scenario.schedule.steps
     cost = cost or CostModel(scenario.cluster.device)
@@ -205,7 +209,7 @@ def prepare(
         else trainer_devices,
         reward_devices=reward_devices,
         trainer_groups={name: size for name, size in trainer_pools.items() if size is not None},
-        options=options or {},
+        options=options,
         shapes=shapes,
         max_staleness=cls.max_staleness,
     )

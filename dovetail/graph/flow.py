@@ -11,7 +11,7 @@ Step s trains weights version s; its first train node waits for the previous ste
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dovetail.cost.catalog import diffusion_model
 from dovetail.cost.model import CostModel
@@ -30,7 +30,8 @@ class FlowShape:
     all-reduces the gradients across groups at the optimizer step. The group sets per-pass FSDP traffic, trainer
     memory and the optimizer step's cost. `staged`: a stage-synchronous trainer (veRL-Omni, GenRL, flow_grpo): rollout
     fragments split the mini-batch's samples evenly (verl's data.chunk, groups may straddle devices)
-    and the trainer's log-prob and train nodes cover the whole mini-batch."""
+    and the trainer's log-prob and train nodes cover the whole mini-batch. `shared`: every node may share its devices
+    with other shareable nodes (pipeline multiplexing, as `graph.llm.LLMShape.shared`)."""
 
     fragments: int
     tsp_chunk: int
@@ -38,6 +39,7 @@ class FlowShape:
     trainer_devices: int
     staged: bool = False
     trainer_group: int | None = None
+    shared: bool = False
 
     @property
     def group(self) -> int:
@@ -259,4 +261,4 @@ def build_flow(spec: FlowSpec, steps: int, shape: FlowShape, cost: CostModel) ->
                 collective=True,
             )
         )
-    return nodes
+    return [replace(node, exclusive=False) for node in nodes] if shape.shared else nodes

@@ -11,7 +11,18 @@ class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class FlowSpec(_Spec):
+class _PipelineSpec(_Spec):
+    """What every kind of pipeline has."""
+
+    priority: float = Field(
+        1.0,
+        gt=0,
+        description="Weight of this pipeline's step completion times where a policy that multiplexes pipelines "
+        "(jigsaw) chooses whose trainer work goes first: the higher, the sooner.",
+    )
+
+
+class FlowSpec(_PipelineSpec):
     """A FlowGRPO / DanceGRPO step of a diffusion or flow-matching model."""
 
     kind: Literal["flow"] = "flow"
@@ -86,7 +97,7 @@ class LengthDistribution(_Spec):
         return self
 
 
-class LLMSpec(_Spec):
+class LLMSpec(_PipelineSpec):
     """A GRPO step of a causal language model."""
 
     kind: Literal["llm"] = "llm"

@@ -1,4 +1,4 @@
-"""`jigsaw`: JigsawRL's pipeline multiplexing for LLM GRPO, and `jigsaw-greedy`, its ablation.
+"""`jigsaw`: JigsawRL's pipeline multiplexing (LLM GRPO, flow GRPO beside it), and `jigsaw-greedy`, its ablation.
 
 Several RL pipelines share one pool. Every device holds every pipeline's rollout engine (with a reduced
 KV-cache budget) and FSDP trainer shard (role ANY), so nothing is ever put to sleep. Each step is the
@@ -9,15 +9,18 @@ different pipelines — bandwidth-bound decode beside compute-bound log-prob / t
 migrate at `migrate_at` tokens (re-prefill counted) onto one engine of `tail_parallel` devices, freeing the
 others for the other pipeline's decode and trainer work; micro-batches are whole prompt groups in finishing
 order, so finished length bands get their log-probs and gradients while the tail decodes (one optimizer
-step per batch: steps stay on-policy, staleness 0).
+step per batch: steps stay on-policy, staleness 0). A flow (text-to-image) pipeline multiplexes the same way:
+its generate fragments (whole prompt groups, one per device) are rollout work on the roomiest devices, its
+log-prob, train, commit and publish nodes trainer work on the whole pool.
 
 `jigsaw` chooses where the tail migrates and how wide its engine is by rolling the simulator forward one
 step per candidate (`plan_shapes`, memoized coordinate descent); each rollout engine's memory is what the
 trainers leave, split evenly (`rollout_shares`). At run time, when several pipelines' trainer work wants
 the (compute-bound) pool, it rolls a memoized stage-level model of the pool forward over each pipeline's
-current and next step for every candidate set and takes the earliest mean completion. `jigsaw-greedy`,
-the ablation, keeps the cost-model default shape (tail at `tail_edge`, engine as wide as the home ones)
-and starts everything that fits now.
+current and next step for every candidate set and takes the earliest mean completion, weighted by each
+pipeline's `priority`. `jigsaw-greedy`, the ablation, keeps the cost-model default shape (tail at `tail_edge`,
+engine as wide as the home ones) and starts everything that fits now, higher priorities first when not
+everything fits.
 """
 
 from __future__ import annotations
@@ -28,13 +31,14 @@ from functools import lru_cache
 from itertools import combinations
 
 from dovetail.cost.calibration import DEFAULT
-from dovetail.graph.llm import GB, LLMShape, response_lengths, stage
+from dovetail.graph.flow import FlowShape
+from dovetail.graph.llm import GB, LLMShape, response_lengths
 from dovetail.graph.node import Kind, Node, Role
-from dovetail.graph.spec import PipelineSpec
+from dovetail.graph.spec import FlowSpec, LLMSpec, PipelineSpec
 from dovetail.sched.llm_common import (
+    TRAINER_KINDS,
     StagedLLMPolicy,
     engine_devices,
-    llm_only,
     rollout_engines,
     rollout_seconds,
     tensor_parallel,
@@ -64,12 +68,20 @@ def tail_edge(spec, shards: int) -> int | None:
     return edges[-1] if edges else None
 
 
+def generate_seconds(nodes: Sequence[Node], devices: int) -> float:
+    """Wall time of a flow step's generate fragments spread over `devices`, at most one per device."""
+    fragments = [n.cost_s for n in nodes if n.kind == Kind.GENERATE]
+    return sum(fragments) / min(len(fragments), devices) if fragments else 0.0
+
+
 @lru_cache(maxsize=65536)
-def predict_completion(phases: tuple[tuple[tuple[str, float], ...], ...], running: frozenset[int]) -> float:
-    """Mean time at which each pipeline finishes its list of (class, seconds) phases, where "decode"
-    phases always run, "train" phases run one pipeline at a time (first come, first served) except the
-    pipelines in `running`, which are in a train phase now; co-running phases slow each other down by
-    the interference table."""
+def predict_completion(
+    phases: tuple[tuple[tuple[str, float], ...], ...], running: frozenset[int], weights: tuple[float, ...]
+) -> float:
+    """Weighted mean time at which each pipeline finishes its list of (class, seconds) phases, where rollout
+    phases ("decode", "generate") always run, "train" phases run one pipeline at a time (first come, first
+    served) except the pipelines in `running`, which are in a train phase now; co-running phases slow each
+    other down by the interference table. `weights`: each pipeline's priority."""
     position = [0] * len(phases)
     left = [p[0][1] if p else 0.0 for p in phases]
     training = set(running)
@@ -81,10 +93,10 @@ def predict_completion(phases: tuple[tuple[tuple[str, float], ...], ...], runnin
         active = [
             i
             for i in range(len(phases))
-            if position[i] < len(phases[i]) and (phases[i][position[i]][0] == "decode" or i in training)
+            if position[i] < len(phases[i]) and (phases[i][position[i]][0] != "train" or i in training)
         ]
         if not active:
-            return sum(finished) / len(phases)
+            return sum(w * f for w, f in zip(weights, finished)) / sum(weights)
         speed = {}
         for i in active:
             mine = phases[i][position[i]][0]
@@ -105,17 +117,44 @@ def predict_completion(phases: tuple[tuple[tuple[str, float], ...], ...], runnin
                     queue.append(i)
 
 
+def flow_shape(spec: FlowSpec, devices: int, cost) -> FlowShape:
+    """A flow step cut for the shared pool: whole-group fragments, one per device (at most the prompts, a multiple
+    of the mini-batches) unless the spec fixes them, and the trainer on the whole pool. No old log-prob recompute:
+    steps are on-policy (staleness 0), so the rollout's log-probs are the old ones (a KL term still gets its
+    reference forward). The TSP chunk is the spec's, or the one that trains the step fastest by the cost model
+    (ties: the larger) among those whose train node fits beside the pipeline's engines."""
+    one_per_device = min(spec.prompts, devices)
+    fragments = spec.fragments or max(spec.mini_batches, one_per_device - one_per_device % spec.mini_batches)
+    shape = FlowShape(fragments, spec.tsp_chunk or 1, False, devices, shared=True)
+    if spec.tsp_chunk:
+        return shape
+    capacity = cost.device.memory_bytes / GB
+    resident = sum(shape.engines(spec, cost).resident_gb.values())
+    timed = []
+    for chunk in range(1, spec.trained_timesteps + 1):
+        nodes = replace(shape, tsp_chunk=chunk).build(spec, 1, cost)
+        if resident + max(n.memory_gb for n in nodes if n.kind == Kind.TRAIN) <= capacity:
+            timed.append((trainer_seconds(nodes, devices), -chunk))
+    if not timed:
+        raise ValueError(
+            f"{spec.name}: no train node fits beside the engines in {capacity:.0f} GB per device; set offload: true"
+        )
+    return replace(shape, tsp_chunk=-min(timed)[1])
+
+
 class Jigsaw(StagedLLMPolicy):
     name = "jigsaw"
+    pipeline_kinds = frozenset({"llm", "flow"})
     look_ahead = True
 
     search = True
 
     @classmethod
-    def shape(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost) -> LLMShape:
-        """The cost-model default: the tail leaves at `tail_edge` for an engine as wide as the home ones;
-        micro-batches in finishing order, so finished length bands train while the tail decodes."""
-        spec = llm_only(cls.name, spec)
+    def shape(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost) -> LLMShape | FlowShape:
+        """LLM, the cost-model default: the tail leaves at `tail_edge` for an engine as wide as the home ones;
+        micro-batches in finishing order, so finished length bands train while the tail decodes. Flow: `flow_shape`."""
+        if isinstance(spec, FlowSpec):
+            return flow_shape(spec, devices, cost)
         shards = rollout_engines(spec, devices)
         return LLMShape(
             shards, devices, tail_edge(spec, shards), stream=True, shared=True, tail_parallel=spec.tensor_parallel
@@ -123,26 +162,28 @@ class Jigsaw(StagedLLMPolicy):
 
     @classmethod
     def plan_shapes(
-        cls, specs: Sequence[PipelineSpec], shapes: dict[str, LLMShape], cost, forecast
-    ) -> dict[str, LLMShape]:
-        """Rollout memory from the memory model; then (`jigsaw`) where the tail migrates and how wide its engine
-        is, by rolling the simulator forward `HORIZON_STEPS` steps per candidate (`forecast(shapes, steps)` ->
-        samples/s; memoized): coordinate descent over the tail engine's width (the home width doubled while it
-        stays within one pipeline's fair share of the pool) and the migration edge (the length bands)."""
+        cls, specs: Sequence[PipelineSpec], shapes: dict[str, LLMShape | FlowShape], cost, forecast
+    ) -> dict[str, LLMShape | FlowShape]:
+        """Rollout memory from the memory model; then (`jigsaw`) where each LLM pipeline's tail migrates and how
+        wide its engine is, by rolling the simulator forward `HORIZON_STEPS` steps per candidate
+        (`forecast(shapes, steps)` -> samples/s; memoized): coordinate descent over the tail engine's width (the
+        home width doubled while it stays within one pipeline's fair share of the pool) and the migration edge
+        (the length bands). Flow shapes pass through."""
         shapes = rollout_shares(specs, shapes, cost)
-        if not cls.search:
+        llm_specs = [spec for spec in specs if isinstance(spec, LLMSpec)]
+        if not cls.search or not llm_specs:
             return shapes
         devices = next(iter(shapes.values())).trainer_devices
         options: dict[str, tuple[list[int | None], list[int]]] = {}
-        for spec in specs:
+        for spec in llm_specs:
             edges = [e for e in spec.length_bands if e < spec.max_length] or [shapes[spec.name].migrate_at]
             widths = [spec.tensor_parallel]
             while widths[-1] * 2 <= devices // len(specs):
                 widths.append(widths[-1] * 2)
             options[spec.name] = (edges, widths)
 
-        def candidate(point: tuple[int, int]) -> dict[str, LLMShape]:
-            return {
+        def candidate(point: tuple[int, int]) -> dict[str, LLMShape | FlowShape]:
+            return shapes | {
                 name: replace(
                     shapes[name],
                     migrate_at=edges[min(point[0], len(edges) - 1)],
@@ -199,6 +240,10 @@ class Jigsaw(StagedLLMPolicy):
             if role in (Role.ROLLOUT, Role.TRAINER)
         )
         self.everyone = tuple(range(setup.devices))
+        self.flow = {name for name, shape in setup.shapes.items() if isinstance(shape, FlowShape)}
+        """Flow pipelines: their rollout is generate fragments, not LLM engines."""
+        priority: dict[str, float] = setup.options.get("priority", {})
+        self.priority = {name: priority.get(name, 1.0) for name in setup.engines}
         self.tail_on: dict[tuple[str, int], tuple[int, ...]] = {}
         self.choices: list[tuple[float, tuple[str, ...]]] = []
         """(time, pipelines started) of every look-ahead choice among several, for the run's log."""
@@ -235,12 +280,17 @@ class Jigsaw(StagedLLMPolicy):
         return max(fitting, key=lambda d: (self.free[d], -d), default=None)
 
     def _rollout(self, view: View, pipeline: str) -> list[Decision]:
-        """Home shards on their engines; the migrated tail on the least-loaded engine, then decoded there."""
+        """LLM: home shards on their engines; the migrated tail on the least-loaded engine, then decoded there.
+        Flow: each generate fragment on the device with the most free share, as the migrated tail."""
         decisions: list[Decision] = []
+        ready = [node for node in self.ready_nodes(view, pipeline) if node.role == Role.ROLLOUT]
+        if pipeline in self.flow:
+            for node in ready:
+                if (device := self._roomiest(node, SHARE)) is not None:
+                    decisions.append(self._take(node, (device,), SHARE))
+            return decisions
         tp = tensor_parallel(view, pipeline, self.everyone)
-        for node in self.ready_nodes(view, pipeline):
-            if stage(node) != "rollout":
-                continue
+        for node in ready:
             shard = node.shard
             if shard is not None:
                 devices = engine_devices(self.everyone, shard, tp)
@@ -257,17 +307,19 @@ class Jigsaw(StagedLLMPolicy):
 
     def _trainer(self, view: View) -> list[Decision]:
         """Each pipeline's next trainer node on the whole pool, one at a time per pipeline; which of the
-        waiting pipelines start now is the look-ahead's (or the greedy) choice."""
-        busy = {view.graph[n].pipeline for n in view.running if view.graph[n].role == Role.TRAINER}
+        waiting pipelines start now is the look-ahead's (or the greedy) choice. Candidates come largest first,
+        higher priorities first among equal sizes: the greedy starts the first."""
+        busy = {view.graph[n].pipeline for n in view.running if view.graph[n].kind in TRAINER_KINDS}
         waiting: dict[str, Node] = {}
         for node_id in view.ready:
             node = view.graph[node_id]
-            if node.role == Role.TRAINER and node.pipeline not in busy and node.pipeline not in waiting:
+            if node.kind in TRAINER_KINDS and node.pipeline not in busy and node.pipeline not in waiting:
                 waiting[node.pipeline] = node
+        by_priority = sorted(waiting, key=lambda p: (-self.priority[p], p))
         candidates = [
             group
             for size in range(len(waiting), -1, -1)
-            for group in combinations(sorted(waiting), size)
+            for group in combinations(by_priority, size)
             if self._fits_all([waiting[p] for p in group]) and (group or busy)
         ]
         if not candidates:
@@ -288,27 +340,31 @@ class Jigsaw(StagedLLMPolicy):
     def _look_ahead(self, view: View, candidates: list[tuple[str, ...]], busy: set[str]) -> tuple[str, ...]:
         pipelines = view.graph.pipelines()
         phases = tuple(self._phases(view, p) for p in pipelines)
+        weights = tuple(self.priority[p] for p in pipelines)
         index = {p: i for i, p in enumerate(pipelines)}
-        scored = [
-            (predict_completion(phases, frozenset(index[p] for p in (*group, *busy))), -len(group), group)
-            for group in candidates
-        ]
-        return min(scored)[2]
+
+        def predicted(group: tuple[str, ...]) -> float:
+            return predict_completion(phases, frozenset(index[p] for p in (*group, *busy)), weights)
+
+        return min(candidates, key=predicted)  # ties: the first candidate (largest, then highest priorities)
 
     def _phases(self, view: View, pipeline: str) -> tuple[tuple[str, float], ...]:
-        """What is left of the pipeline's open step and its next one, as (class, seconds on the pool)."""
+        """What is left of the pipeline's open step and its next one, as (class, seconds on the pool): an LLM's
+        rollout decodes on its engines, a flow pipeline's generate fragments spread one per device."""
         opened = [s for (p, s) in view.started if p == pipeline]
         if not opened:
             return ()
         step = max(opened)
-        tp = tensor_parallel(view, pipeline, self.everyone)
+        devices = len(self.everyone)
+        flow = pipeline in self.flow
+        tp = None if flow else tensor_parallel(view, pipeline, self.everyone)
         phases: list[tuple[str, float]] = []
         for s in (step, step + 1):
             nodes = [n for n in view.graph.of(pipeline, s) if n.id not in view.finished]
-            rollout = rollout_seconds(nodes, tp)
+            rollout = generate_seconds(nodes, devices) if flow else rollout_seconds(nodes, tp)
             if rollout > 0:
-                phases.append(("decode", round(rollout, 1)))
-            train = trainer_seconds(nodes, len(self.everyone))
+                phases.append(("generate" if flow else "decode", round(rollout, 1)))
+            train = trainer_seconds(nodes, devices)
             if train > 0:
                 phases.append(("train", round(train, 1)))
         return tuple(phases)
@@ -320,19 +376,29 @@ class JigsawGreedy(Jigsaw):
     search = False
 
 
-def rollout_shares(specs: Sequence[PipelineSpec], shapes: dict[str, LLMShape], cost) -> dict[str, LLMShape]:
-    """Each pipeline's rollout engine gets an even share of what every pipeline's resident FSDP trainer shard
-    and the largest working memory of its trainer nodes (which may run side by side) leave of a device, at
-    most the calibrated rollout memory fraction."""
+def rollout_shares(
+    specs: Sequence[PipelineSpec], shapes: dict[str, LLMShape | FlowShape], cost
+) -> dict[str, LLMShape | FlowShape]:
+    """Each LLM pipeline's rollout engine (weights and KV cache) gets an even share of what the rest leaves of a
+    device, at most the calibrated rollout memory fraction. The rest: every pipeline's resident FSDP trainer shard
+    and the largest working memory of its trainer nodes (which may run side by side), and a flow pipeline's
+    rollout engine with its largest generate fragment's working memory (it may generate beside its trainer)."""
     capacity = cost.device.memory_bytes / GB
     held = 0.0
     for spec in specs:
         shape = shapes[spec.name]
-        held += shape.engines(spec, cost).resident_gb[Role.TRAINER]
-        held += max(n.memory_gb for n in shape.build(spec, 1, cost) if n.role == Role.TRAINER)
-    share = min(DEFAULT.rollout_memory_fraction, (capacity - held) / (len(specs) * capacity))
-    if share <= 0:
+        resident = shape.engines(spec, cost).resident_gb
+        nodes = shape.build(spec, 1, cost)
+        held += resident[Role.TRAINER] + max(n.memory_gb for n in nodes if n.kind in TRAINER_KINDS)
+        if isinstance(spec, FlowSpec):
+            held += resident[Role.ROLLOUT] + max(n.memory_gb for n in nodes if n.kind == Kind.GENERATE)
+    if held >= capacity:
         raise ValueError(
-            f"jigsaw: the pipelines' trainers alone need {held:.0f} GB per device, more than {capacity:.0f} GB"
+            f"jigsaw: the pipelines' trainers and flow rollout engines alone need {held:.0f} GB per device, "
+            f"more than {capacity:.0f} GB"
         )
-    return {name: replace(shape, rollout_memory=share) for name, shape in shapes.items()}
+    llm = [spec.name for spec in specs if isinstance(spec, LLMSpec)]
+    if not llm:
+        return shapes
+    share = min(DEFAULT.rollout_memory_fraction, (capacity - held) / capacity / len(llm))
+    return shapes | {name: replace(shapes[name], rollout_memory=share) for name in llm}

@@ -126,9 +126,13 @@ def rollout_seconds(nodes: Sequence[Node], tensor_parallel: int) -> float:
     return max(chains.values(), default=0.0) + tail
 
 
+TRAINER_KINDS = frozenset({Kind.LOGPROB, Kind.TRAIN, Kind.COMMIT, Kind.PUBLISH})
+"""The trainer's work in a step of either kind of pipeline (a flow publish holds role ANY, an LLM one TRAINER)."""
+
+
 def trainer_seconds(nodes: Sequence[Node], trainer_devices: int) -> float:
     """Wall time of a step's trainer work on a group of `trainer_devices` (collectives take their cost)."""
-    return sum(n.cost_s if n.collective else n.cost_s / trainer_devices for n in nodes if n.role == Role.TRAINER)
+    return sum(n.cost_s if n.collective else n.cost_s / trainer_devices for n in nodes if n.kind in TRAINER_KINDS)
 
 
 class SplitLLMPolicy(StagedLLMPolicy):
