@@ -46,10 +46,12 @@ def train(
     except (FileNotFoundError, ValueError) as error:  # input the config could not check alone: a checkpoint, a prompt
         typer.echo(str(error), err=True)
         raise typer.Exit(2) from None
-    typer.echo(
-        f"eval reward {summary['base_eval_reward']:.3f} -> {summary['final_eval_reward']:.3f} "
-        f"after {summary['steps']} steps, {summary['samples_per_s']:.1f} samples/s; run in {out}"
-    )
+    for name, pipeline in summary.get("pipelines", {"": summary}).items():
+        typer.echo(
+            f"{name + ': ' if name else ''}eval reward {pipeline['base_eval_reward']:.3f} -> "
+            f"{pipeline['final_eval_reward']:.3f} after {pipeline['steps']} steps, "
+            f"{pipeline['samples_per_s']:.1f} samples/s; run in {out / name}"
+        )
 
 
 def _print_dry_run(config, steps: int) -> None:
@@ -66,14 +68,19 @@ def _print_dry_run(config, steps: int) -> None:
             "another (nothing to schedule)"
         )
         return
-    pools = (
-        f"{plan['rollout_devices']} rollout + {plan['trainer_devices']} trainer"
-        if plan["rollout_devices"]
-        else f"{plan['trainer_devices']} shared"
-    )
-    pools += f" + {plan['reward_devices']} reward" if plan["reward_devices"] else ""
+    if "shapes" in plan:  # several pipelines share every device
+        cut = "; ".join(f"{name}: {_shape_line(shape)}" for name, shape in plan["shapes"].items())
+        pools = "shared by every pipeline"
+    else:
+        cut = _shape_line(plan["shape"])
+        pools = (
+            f"{plan['rollout_devices']} rollout + {plan['trainer_devices']} trainer"
+            if plan["rollout_devices"]
+            else f"{plan['trainer_devices']} shared"
+        )
+        pools += f" + {plan['reward_devices']} reward" if plan["reward_devices"] else ""
     typer.echo(
-        f"policy {plan['policy']} on {plan['devices']}x {plan['device']} ({pools}): {_shape_line(plan['shape'])}\n"
+        f"policy {plan['policy']} on {plan['devices']}x {plan['device']} ({pools}): {cut}\n"
         f"predicted {plan['step_time_s']:.3f} s/step, {plan['samples_per_s']:.1f} samples/s, "
         f"efficiency {plan['efficiency']:.3f}, "
         f"bubble {100 * plan['bubble_ratio']:.1f}%; {steps} steps in about {plan['run_s'] / 60:.1f} min of training\n"

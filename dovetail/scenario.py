@@ -5,6 +5,7 @@ Shipped scenarios live in `dovetail/scenarios/*.yaml`; `load_scenario` takes a s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
@@ -145,14 +146,15 @@ def prepare(
     devices: int | None = None,
     options: dict | None = None,
     shapes: dict | None = None,
-    cost: CostModel | None = None,
+    cost: CostModel | Mapping[str, CostModel] | None = None,
     **shape_overrides,
 ) -> Prepared:
     """Build the sub-stage graph the policy wants for every pipeline, the engines' footprints, and the policy.
-    `options` go to the policy (e.g. {"tag": False}), with each pipeline's `priority` under "priority";
+    `options` go to the policy (e.g. {"tag": False});
     `shapes` (pipeline -> shape) fixes every pipeline's shape; otherwise `shape_overrides` (fragments, tsp_chunk,
-    trainer_devices...) replace what the policy would choose. `cost` replaces the analytic cost model (the Ray
-    runtime passes one corrected by costs profiled on its own devices)."""
+    trainer_devices...) replace what the policy would choose. `cost` replaces the analytic cost model, for every
+    pipeline or per pipeline name (the Ray runtime passes each pipeline's, corrected by costs profiled on its own
+    devices)."""
     cls = policy_class(policy)
     for spec in scenario.pipelines:
         if spec.kind not in cls.pipeline_kinds:
@@ -160,17 +162,20 @@ def prepare(
                 f"policy {policy} schedules {'/'.join(sorted(cls.pipeline_kinds))} pipelines; "
                 f"pipeline {spec.name!r} is a {spec.kind} pipeline"
             )
-    options = {"priority": {spec.name: spec.priority for spec in scenario.pipelines}, **(options or {})}
     devices = devices or scenario.cluster.devices
     steps = steps or scenario.schedule.steps
     cost = cost or CostModel(scenario.cluster.device)
+    costs = cost if isinstance(cost, Mapping) else {spec.name: cost for spec in scenario.pipelines}
     trainer_devices = shape_overrides.pop("trainer_devices", None) or scenario.schedule.trainer_devices
     reward_devices = scenario.schedule.reward_devices
     nodes, engines, trainer_pools = [], {}, {}
     # Policies that give each pipeline its own slice of the pool (verl-sync, streamrl, areal) cut steps for it.
     pipeline_devices = devices // len(scenario.pipelines) if cls.splits_pool else devices - reward_devices
     if shapes is None:
-        shapes = {spec.name: cls.shape(spec, pipeline_devices, trainer_devices, cost) for spec in scenario.pipelines}
+        shapes = {
+            spec.name: cls.shape(spec, pipeline_devices, trainer_devices, costs[spec.name])
+            for spec in scenario.pipelines
+        }
         if shape_overrides:
             shapes = {name: replace(shape, **shape_overrides) for name, shape in shapes.items()}
         else:
@@ -184,11 +189,11 @@ def prepare(
                 )
                 return sum(r.samples for r in trace.steps) / trace.makespan
 
-            shapes = cls.plan_shapes(scenario.pipelines, shapes, cost, forecast)
+            shapes = cls.plan_shapes(scenario.pipelines, shapes, costs, forecast)
     for spec in scenario.pipelines:
         shape = shapes[spec.name]
-        nodes += shape.build(spec, steps, cost)
-        engines[spec.name] = shape.engines(spec, cost)
+        nodes += shape.build(spec, steps, costs[spec.name])
+        engines[spec.name] = shape.engines(spec, costs[spec.name])
         trainer_pools[spec.name] = shape.trainer_devices
     capacity = lookup_device(scenario.cluster.device).memory_bytes / 1e9
     for node in nodes:
@@ -209,7 +214,8 @@ def prepare(
         else trainer_devices,
         reward_devices=reward_devices,
         trainer_groups={name: size for name, size in trainer_pools.items() if size is not None},
-        options=options,
+        options=options or {},
+        priorities={spec.name: spec.priority for spec in scenario.pipelines},
         shapes=shapes,
         max_staleness=cls.max_staleness,
     )

@@ -11,7 +11,15 @@ import numpy as np
 import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from dovetail.config.train import FlowTrainConfig, LMTrainConfig, TrainConfig, dump_config
+from dovetail.config.train import (
+    FlowTrainConfig,
+    LMTrainConfig,
+    MultiplexConfig,
+    PipelineConfig,
+    TrainConfig,
+    dump_config,
+    pipeline_configs,
+)
 from dovetail.exec.driver import train_on_ray
 from dovetail.exec.lm import LMEngines, encode_prompts, lm_step_metrics, sampling_params, success_rate, task_prompts
 from dovetail.exec.messages import Decode, LMLogProbs, LMTrain, Prefill, Score
@@ -78,17 +86,38 @@ def rl_step(model, optimizer, config: FlowTrainConfig, step: int, reference_mode
 
 
 class StepLog:
-    """What happens after every optimizer step, whoever ran it: metrics, evaluation, checkpoints, progress."""
+    """What happens after every optimizer step of a pipeline, whoever ran it: metrics, evaluation, checkpoints,
+    progress; and the pipeline's summary.json when the run ends."""
 
-    def __init__(self, run: RunDir, config: TrainConfig, local, last_step: int, eval_reward: float, progress: Progress):
-        """`local` is the run's model in this process (`FlowLocal`, `LMLocal`): what is evaluated and saved."""
+    def __init__(self, run: RunDir, config: PipelineConfig, local, last_step: int, summary: dict, progress: Progress):
+        """`local` is the pipeline's model in this process (`FlowLocal`, `LMLocal`): what is evaluated and saved."""
         self.run, self.config, self.local = run, config, local
         self.model, self.optimizer = local.model, local.optimizer
         self.last_step = last_step
-        self.eval_reward = eval_reward
+        self.summary = summary
+        self.eval_reward = summary.get("final_eval_reward", summary["base_eval_reward"])
         self.samples_per_s: list[float] = []
         self.progress = progress
-        self.task = progress.add_task("train", total=last_step, reward=0.0, eval=eval_reward, sps=0.0)
+        self.task = progress.add_task(config.pipeline_name, total=last_step, reward=0.0, eval=self.eval_reward, sps=0.0)
+
+    @classmethod
+    def open(cls, config: PipelineConfig, run: RunDir, resume: Path | None, last_step: int, progress: Progress):
+        """The pipeline's model, fresh or from a checkpoint, evaluated once before its first step; returns the log
+        and the number of steps already done."""
+        local = FlowLocal(config) if config.kind == "flow" else LMLocal(config)
+        first_step = 0
+        if resume is not None:
+            first_step = run.load_checkpoint(resume, local.model, local.optimizer, local.load_weights)
+        else:
+            run.start_fresh()
+        run.write_config(dump_config(config))
+        summary = run.read_summary()
+        if "base_eval_reward" not in summary:
+            base = local.evaluate(run, "eval_base.png")
+            summary |= {"base_eval_reward": base["total"], "base_eval": base}
+        log = cls(run, config, local, last_step, summary, progress)
+        progress.update(log.task, completed=first_step)
+        return log, first_step
 
     def checkpoint(self, done: int, extra: dict | None = None) -> Path:
         return self.run.save_checkpoint(done, self.model, self.optimizer, extra, self.local.save_weights)
@@ -119,6 +148,14 @@ class StepLog:
             eval=self.eval_reward,
             sps=metrics["samples_per_s"],
         )
+
+    def finish(self, extra: dict | None = None) -> dict:
+        """The pipeline's summary.json: its evaluations before and after, and its mean throughput."""
+        mean_sps = float(np.mean(self.samples_per_s)) if self.samples_per_s else self.summary.get("samples_per_s", 0.0)
+        self.summary |= {"final_eval_reward": self.eval_reward, "steps": self.last_step, "samples_per_s": mean_sps}
+        self.summary |= extra or {}
+        self.run.write_summary(self.summary)
+        return self.summary
 
 
 class FlowLocal:
@@ -169,46 +206,38 @@ class LMLocal:
 def train(
     config: TrainConfig, out: Path, *, steps: int | None = None, resume: Path | None = None, after_part=None
 ) -> dict:
-    """Train to `steps` (default config.train.steps) under config.policy; returns the summary.
+    """Train every pipeline of the run to `steps` (default config.train.steps) under config.policy; returns the
+    summary. A multiplexed run keeps each pipeline in its own sub-directory of `out` (and resumes each from there).
     `after_part` is the Ray executor's fault-injection hook, for tests."""
     torch.set_num_threads(1)
-    run = RunDir(out)
-    local = FlowLocal(config) if config.kind == "flow" else LMLocal(config)
-    first_step = 0
-    if resume is not None:
-        first_step = run.load_checkpoint(resume, local.model, local.optimizer, local.load_weights)
-    else:
-        run.start_fresh()
-    run.write_config(dump_config(config))
+    root = RunDir(out)
+    multiplexed = isinstance(config, MultiplexConfig)
     last_step = steps if steps is not None else config.train.steps
-
-    summary = run.read_summary()
-    if "base_eval_reward" not in summary:
-        base = local.evaluate(run, "eval_base.png")
-        summary |= {"base_eval_reward": base["total"], "base_eval": base}
-
+    logs, first_steps = {}, {}
     with _progress() as progress:
-        eval_reward = summary.get("final_eval_reward", summary["base_eval_reward"])
-        log = StepLog(run, config, local, last_step, eval_reward, progress)
-        progress.update(log.task, completed=first_step)
+        for name, pipeline in pipeline_configs(config).items():
+            run = RunDir(root.path / name) if multiplexed else root
+            checkpoint = None if resume is None else (Path(resume) / name if multiplexed else resume)
+            logs[name], first_steps[name] = StepLog.open(pipeline, run, checkpoint, last_step, progress)
+        if multiplexed:
+            root.write_config(dump_config(config))
         if config.policy == "reference":
-            for step in range(first_step, last_step):
-                log.record(step + 1, local.rl_step(step))
+            (log,) = logs.values()
+            for step in range(first_steps[log.config.pipeline_name], last_step):
+                log.record(step + 1, log.local.rl_step(step))
+            run_figures = {}
         else:
-            summary |= train_on_ray(config, log, first_step, last_step, after_part=after_part)
-
-    summary |= {
-        "final_eval_reward": log.eval_reward,
-        "steps": last_step,
-        "samples_per_s": float(np.mean(log.samples_per_s)) if log.samples_per_s else summary.get("samples_per_s", 0.0),
-    }
-    run.write_summary(summary)
+            run_figures = train_on_ray(config, logs, first_steps, last_step, after_part=after_part)
+    if not multiplexed:
+        return next(iter(logs.values())).finish(run_figures)
+    summary = {"pipelines": {name: log.finish() for name, log in logs.items()}} | run_figures
+    root.write_summary(summary)
     return summary
 
 
 def _progress() -> Progress:
     return Progress(
-        TextColumn("[bold]step {task.completed}/{task.total}"),
+        TextColumn("[bold]{task.description} step {task.completed}/{task.total}"),
         BarColumn(),
         TextColumn("reward {task.fields[reward]:.3f}  eval {task.fields[eval]:.3f}  {task.fields[sps]:.1f} samples/s"),
         TimeElapsedColumn(),

@@ -75,7 +75,7 @@ def test_a_reward_device_scores_every_sample_and_the_parameters_stay_the_referen
     assert {e["tid"] for e in spans if e["cat"] == "score"} == {1}
     assert all(e["tid"] == 0 for e in spans if e["cat"] != "score")
     assert json.loads((out / "ledger.json").read_text())["problems"] == []
-    assert json.loads((out / "summary.json").read_text())["device_engines"] == [
+    assert json.loads((out / "summary.json").read_text())["device_engines"]["digits"] == [
         ["trainer", "rollout", "reward"],
         ["reward"],
     ]
@@ -128,7 +128,7 @@ def test_killed_worker_is_restarted_and_no_sample_is_lost_or_trained_twice(refer
         """Kill a device right after it trained part of step 1: it holds gradients of the open step."""
         if not killed and isinstance(part.work, FlowTrain) and "/s1/" in part.node:
             killed.append((part.device, part.node))
-            ray.kill(executor.workers[part.device], no_restart=False)
+            ray.kill(executor.worker_of(part), no_restart=False)
 
     out = tmp_path / "faulty"
     config = load_config(None, COMMON + ["policy=digen", "runtime.fragments=4", "runtime.tsp_chunk=5"])

@@ -98,7 +98,7 @@ def test_killed_workers_lose_no_response_and_train_as_if_undisturbed(reference, 
         )
         if victim:
             killed.append((part.device, part.node))
-            ray.kill(executor.workers[part.device], no_restart=False)
+            ray.kill(executor.worker_of(part), no_restart=False)
 
     summary = train(load_config(None, [*SMALL, "policy=verl-sync"]), tmp_path, steps=STEPS, after_part=kill)
     assert len(killed) == 2 and summary["restarts"] >= 2

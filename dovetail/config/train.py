@@ -1,15 +1,25 @@
 """The training run's typed config: YAML file plus dotted overrides, validated before any work.
 
-One schema per run, chosen by `kind`: `flow` (a text-to-image flow model, the default) or `lm` (a causal language
-model on a verifiable task). Either derives the planner's scenario itself (`scenario(steps)`), without torch, so
-the simulator, the dry run and the replay of a run plan from the very config that trains."""
+One schema per run, chosen by `kind`: `flow` (a text-to-image flow model, the default), `lm` (a causal language
+model on a verifiable task), or `multiplex` (several flow / lm pipelines sharing one pool of devices, each entry
+of `pipelines` a flow or lm config of its own). Each derives the planner's scenario itself (`scenario(steps)`),
+without torch, so the simulator, the dry run and the replay of a run plan from the very config that trains."""
 
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from dovetail.cost.catalog import device
 from dovetail.rewards import check_reward_names
@@ -102,9 +112,19 @@ class RuntimeSection(Section):
     profile_samples: int = Field(32, ge=1, description="samples in the start-up profile that seeds the cost model")
 
 
-class RunSection(Section):
-    """What every run config has, whatever its pipeline: a seed, the optimizer loop, checkpoints, the cluster."""
+MULTIPLEXING_POLICIES = ("jigsaw", "jigsaw-greedy")
+"""Policies that fit several pipelines' sub-stages together on one pool; either runs a pipeline alone too."""
 
+
+class RunSection(Section):
+    """What every pipeline's run config has: a name, a seed, the optimizer loop, checkpoints, the cluster."""
+
+    name: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description="the pipeline's name (node ids, run sub-directory, trace colour); None: the task, or 'digits'",
+    )
+    priority: float = Field(1.0, gt=0, description="weight of this pipeline's step latency when multiplexed")
     seed: int = 0
     train: TrainSection = TrainSection()
     checkpoint: CheckpointSection = CheckpointSection()
@@ -116,7 +136,9 @@ class FlowTrainConfig(RunSection):
 
     kind: Literal["flow"] = "flow"
     algorithm: Literal["flow_grpo", "dance_grpo"] = "flow_grpo"
-    policy: Literal["reference", "colocated", "disaggregated", "digen", "digen+tcss"] = "reference"
+    policy: Literal["reference", "colocated", "disaggregated", "digen", "digen+tcss", *MULTIPLEXING_POLICIES] = (
+        "reference"
+    )
     model: ModelSection = ModelSection()
     sampling: SamplingSection = SamplingSection()
     algo: AlgoSection = AlgoSection()
@@ -207,12 +229,13 @@ class FlowTrainConfig(RunSection):
             "reward": "rule",
             # train.chunk_size (sample, timestep) pairs share one forward/backward
             "micro_batch": max(1, self.train.chunk_size // trained),
+            "priority": self.priority,
         }
-        return _scenario(self, pipeline, steps, self.runtime.trainer_devices, self.runtime.reward_devices)
+        return _scenario(self, [pipeline], steps, self.runtime.trainer_devices, self.runtime.reward_devices)
 
     @property
     def pipeline_name(self) -> str:
-        return "digits"
+        return self.name or "digits"
 
     def shape_overrides(self) -> dict:
         """The step's cut where the config fixes it instead of the policy."""
@@ -273,7 +296,7 @@ class LMTrainConfig(RunSection):
 
     kind: Literal["lm"]
     task: str = Field("sort", description="a task of dovetail.tasks: its prompts, answers and base model")
-    policy: Literal["reference", "verl-sync", "streamrl", "areal"] = "reference"
+    policy: Literal["reference", "verl-sync", "streamrl", "areal", *MULTIPLEXING_POLICIES] = "reference"
     model: LMModelSection = LMModelSection()
     sampling: LMSamplingSection = LMSamplingSection()
     algo: LMAlgoSection = LMAlgoSection()
@@ -334,11 +357,10 @@ class LMTrainConfig(RunSection):
 
     @property
     def pipeline_name(self) -> str:
-        return self.task
+        return self.name or self.task
 
     def shape_overrides(self) -> dict:
-        """A run learns its response lengths by decoding (`graph.llm.LLMShape.lengths_known`)."""
-        return {"lengths_known": False}
+        return {}
 
     def policy_options(self) -> dict:
         return {}
@@ -360,20 +382,85 @@ class LMTrainConfig(RunSection):
             "length_bands": self.runtime.length_bands,
             "micro_batches": self.algo.micro_batches,
             "reference": self.algo.beta > 0,
+            "lengths_known": False,  # a run learns them by decoding
+            "priority": self.priority,
         }
-        return _scenario(self, pipeline, steps, self.runtime.trainer_devices, 0)
+        return _scenario(self, [pipeline], steps, self.runtime.trainer_devices, 0)
 
 
-TrainConfig = FlowTrainConfig | LMTrainConfig
-"""One run's config: `kind: flow` (the default) or `kind: lm`."""
+def _kind_of(entry) -> str:
+    return entry.get("kind", "flow") if isinstance(entry, dict) else entry.kind
 
 
-def _scenario(config: TrainConfig, pipeline: dict, steps: int, trainer_devices: int | None, reward_devices: int):
+PipelineConfig = Annotated[
+    Annotated[FlowTrainConfig, Tag("flow")] | Annotated[LMTrainConfig, Tag("lm")], Discriminator(_kind_of)
+]
+"""One pipeline's run config: `kind: flow` (the default) or `kind: lm`."""
+
+
+class MultiplexTrainSection(Section):
+    steps: int = Field(50, ge=1, description="RL steps of every pipeline")
+
+
+class MultiplexConfig(Section):
+    """Several RL pipelines multiplexed on one pool of devices (JigsawRL). Each entry of `pipelines` is a flow or lm
+    run config of its own — model, algorithm, reward, prompts, batch, optimizer, eval, checkpoints, `name`,
+    `priority` — and trains its own weights into its own run sub-directory; the cluster, the policy and the number
+    of steps are the run's (an entry may repeat them, not change them)."""
+
+    kind: Literal["multiplex"]
+    policy: Literal[MULTIPLEXING_POLICIES] = "jigsaw"
+    train: MultiplexTrainSection = MultiplexTrainSection()
+    cluster: ClusterSection = ClusterSection()
+    pipelines: list[PipelineConfig] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _names_unique(self) -> "MultiplexConfig":
+        names = [p.pipeline_name for p in self.pipelines]
+        if len(set(names)) != len(names):
+            raise ValueError(f"pipelines: names must be unique, got {names}; give each entry a `name`")
+        return self
+
+    def pipeline_configs(self) -> dict[str, PipelineConfig]:
+        return {p.pipeline_name: p for p in self.pipelines}
+
+    @property
+    def compute_devices(self) -> int:
+        return self.cluster.devices
+
+    @property
+    def pipeline_name(self) -> str:
+        return "+".join(self.pipeline_configs())
+
+    def scenario(self, steps: int) -> Scenario:
+        """Every pipeline's own scenario pipeline on the run's cluster."""
+        pipelines = [p.scenario(steps).pipelines[0].model_dump() for p in self.pipelines]
+        return _scenario(self, pipelines, steps, None, 0)
+
+    def shape_overrides(self) -> dict:
+        return {}
+
+    def policy_options(self) -> dict:
+        return {}
+
+
+TrainConfig = FlowTrainConfig | LMTrainConfig | MultiplexConfig
+"""One run's config: `kind: flow` (the default), `kind: lm`, or `kind: multiplex`."""
+
+
+def pipeline_configs(config: TrainConfig) -> dict[str, PipelineConfig]:
+    """The run's pipelines by name: one for a flow or lm run, each entry of a multiplexed run."""
+    if isinstance(config, MultiplexConfig):
+        return config.pipeline_configs()
+    return {config.pipeline_name: config}
+
+
+def _scenario(config: TrainConfig, pipelines: list[dict], steps: int, trainer_devices: int | None, reward_devices: int):
     return parse_scenario(
         {
             "name": f"train-{config.pipeline_name}-{config.policy}",
             "cluster": {"device": config.cluster.device, "devices": config.cluster.devices},
-            "pipelines": [pipeline],
+            "pipelines": pipelines,
             "schedule": {
                 "steps": steps,
                 "policies": [config.policy],
@@ -418,18 +505,63 @@ def parse_config(tree: Any) -> TrainConfig:
     """A config tree (YAML's, or `model_dump(mode="json")`'s) as the run config of its `kind`."""
     if not isinstance(tree, dict):
         raise ConfigError(f"invalid config: a config is a mapping of sections, got {type(tree).__name__}")
-    kinds = {"flow": FlowTrainConfig, "lm": LMTrainConfig}
+    kinds = {"flow": FlowTrainConfig, "lm": LMTrainConfig, "multiplex": MultiplexConfig}
     kind = tree.get("kind", "flow")
     if kind not in kinds:
-        raise ConfigError(f"invalid config:\n  kind: {kind!r} is not a pipeline kind; use one of {sorted(kinds)}")
+        raise ConfigError(f"invalid config:\n  kind: {kind!r} is not a run kind; use one of {sorted(kinds)}")
+    if kind == "multiplex":
+        tree = _multiplexed(tree)
     try:
         return kinds[kind](**tree)
     except ValidationError as error:
         lines = []
         for problem in error.errors():
-            field = ".".join(str(part) for part in problem["loc"]) or "config"
-            lines.append(f"  {field}: {problem['msg']} (got {problem.get('input')!r})")
+            field = ".".join(str(part) for part in problem["loc"] if part not in ("flow", "lm"))
+            if field:
+                lines.append(f"  {field}: {problem['msg']} (got {problem.get('input')!r})")
+            else:  # a check across fields: its message names them
+                lines.append(f"  {problem['msg'].removeprefix('Value error, ')}")
         raise ConfigError("invalid config:\n" + "\n".join(lines)) from None
+
+
+RUN_WIDE = {"policy": "policy", "cluster": "cluster", "train.steps": "train.steps"}
+"""What every pipeline of a multiplexed run shares: the run's (an entry may repeat it, not change it)."""
+
+
+def _multiplexed(tree: dict) -> dict:
+    """The run's policy, cluster and steps written into every pipeline entry (each is a whole pipeline config);
+    an entry that says otherwise is an error naming the field, not silently overridden."""
+    defaults = MultiplexConfig.model_fields
+    run = {
+        "policy": tree.get("policy", defaults["policy"].default),
+        "cluster": tree.get("cluster", {}),
+        "train.steps": (tree.get("train") or {}).get("steps", MultiplexTrainSection().steps),
+    }
+    entries = tree.get("pipelines")
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise ConfigError("invalid config:\n  pipelines: a list of pipeline configs (mappings, each kind flow or lm)")
+    filled = []
+    for index, entry in enumerate(entries):
+        entry = {**entry, "train": dict(entry.get("train") or {})}
+        for field, value in run.items():
+            section, _, leaf = field.partition(".")
+            holder = entry["train"] if leaf else entry
+            key = leaf or section
+            if key in holder and holder[key] != value and not (key == "cluster" and _same_cluster(holder[key], value)):
+                raise ConfigError(
+                    f"invalid config:\n  pipelines.{index}.{field}: a multiplexed pipeline takes the run's "
+                    f"{field} ({value!r}); set it at the top of the config"
+                )
+            holder[key] = value
+        filled.append(entry)
+    return {**tree, "pipelines": filled}
+
+
+def _same_cluster(a, b) -> bool:
+    try:
+        return ClusterSection(**a) == ClusterSection(**b)
+    except (TypeError, ValidationError):
+        return False
 
 
 def dump_config(config: TrainConfig) -> str:

@@ -29,7 +29,7 @@ def window_busy(executor: RayExecutor, start: float, end: float) -> list[float]:
 
 
 class StepMetrics:
-    """Turns the executor's state at a commit into the step's line of metrics.jsonl."""
+    """Turns the executor's state at a pipeline's commit into the step's line of its metrics.jsonl."""
 
     def __init__(self, policy, pipeline: str):
         self.policy = policy
@@ -38,54 +38,57 @@ class StepMetrics:
         self.tag_seen = 0
 
     def __call__(self, executor: RayExecutor, graph_step: int) -> dict:
-        graph, now = executor.graph, executor.state.now
+        graph, now, run = executor.graph, executor.state.now, executor.pipelines[self.pipeline]
         scores = ray.get(executor.outputs_of([n.id for n in graph.of(self.pipeline, graph_step, Kind.SCORE)]))
         trained = ray.get(executor.outputs_of([n.id for n in graph.of(self.pipeline, graph_step, Kind.TRAIN)]))
         window = now - self.last_commit_time
         busy = window_busy(executor, self.last_commit_time, now)
         tag = self.policy.tag_decisions
-        metrics = executor.adapter.step_metrics(scores, trained, executor, graph_step) | {
+        metrics = run.adapter.step_metrics(scores, trained, executor, graph_step) | {
             "samples_per_s": sum(len(s.samples) for s in scores) / window,
             "step_s": window,
             "efficiency": float(np.mean(busy)),
             "bubble_ratio_per_device": [round(1 - b, 4) for b in busy],
             "staleness": graph_step - executor.state.started[(self.pipeline, graph_step)],
-            "publish_bytes": executor.publish_bytes,
-            "publish_s": executor.publish_seconds[-1] if executor.publish_seconds else 0.0,
+            "publish_bytes": run.publish_bytes,
+            "publish_s": run.publish_seconds[-1] if run.publish_seconds else 0.0,
             "tag_decisions": [k for _, k in tag[self.tag_seen :]],
         }
         self.last_commit_time, self.tag_seen = now, len(tag)
         return metrics
 
 
-def train_on_ray(config, log, first_step: int, last_step: int, *, after_part=None) -> dict:
-    """Train steps [first_step, last_step) under config.policy; returns run-level figures for the summary."""
+def train_on_ray(config, logs: dict, first_steps: dict[str, int], last_step: int, *, after_part=None) -> dict:
+    """Train every pipeline of the run from its first step up to `last_step` under config.policy; `logs` are the
+    pipelines' `StepLog`s (metrics, eval, checkpoints). Returns run-level figures for the summary."""
     start_ray(config)
-    workers, weights, trainer_state = start_workers(config, trainer_state_of(log.model, log.optimizer))
-    cost, prepared = prepare_run(config, last_step - first_step, workers)
-    step_metrics = StepMetrics(prepared.policy, config.pipeline_name)
+    started = start_workers(config, {name: trainer_state_of(log.model, log.optimizer) for name, log in logs.items()})
+    steps = {last_step - first for first in first_steps.values()}
+    if len(steps) != 1:
+        raise ValueError(f"every pipeline of a run resumes from the same step; got {first_steps}")
+    costs, prepared = prepare_run(config, steps.pop(), started)
+    step_metrics = {name: StepMetrics(prepared.policy, name) for name in logs}
 
-    def on_commit(rl_step: int, executor: RayExecutor) -> None:
-        done = rl_step + 1
-        metrics = step_metrics(executor, rl_step - first_step)
+    def on_commit(pipeline: str, rl_step: int, executor: RayExecutor) -> None:
+        done, log = rl_step + 1, logs[pipeline]
+        metrics = step_metrics[pipeline](executor, rl_step - first_steps[pipeline])
         if log.needs_weights(done):
-            load_trainer_state(log.model, log.optimizer, ray.get(executor.trainer_state))
+            load_trainer_state(log.model, log.optimizer, ray.get(executor.pipelines[pipeline].trainer_state))
         log.record(done, metrics, {"policy": config.policy, "version": done})
 
-    executor = make_executor(
-        config, prepared, workers, weights, trainer_state, first_step, on_commit=on_commit, after_part=after_part
-    )
+    executor = make_executor(config, prepared, started, first_steps, on_commit=on_commit, after_part=after_part)
     try:
         trace = executor.run(prepared.policy)
     except RewardError as error:
-        done = first_step + len(executor.state.trace.steps)
-        load_trainer_state(log.model, log.optimizer, ray.get(executor.trainer_state))
+        (name, log), *_ = logs.items()
+        done = first_steps[name] + len(executor.state.trace.steps)
+        load_trainer_state(log.model, log.optimizer, ray.get(executor.pipelines[name].trainer_state))
         checkpoint = log.checkpoint(done, {"policy": config.policy, "version": done})
         raise RewardError(
             f"{error}; the last committed step is saved in {checkpoint}: fix the reward and resume "
             f"with --resume {log.run.path}"
         ) from None
-    return write_run_outputs(log.run.path, config, prepared, executor, trace, cost)
+    return write_run_outputs(logs, config, prepared, executor, trace, costs)
 
 
 def node_seconds(trace) -> dict[str, tuple[float, list[int]]]:
@@ -99,25 +102,28 @@ def node_seconds(trace) -> dict[str, tuple[float, list[int]]]:
     }
 
 
-def write_run_outputs(path, config, prepared, executor: RayExecutor, trace, cost) -> dict:
-    """trace.json (Perfetto / chrome://tracing), gantt.png, ledger.json, and run_profile.json for
-    `dovetail simulate --from-run`."""
+def write_run_outputs(logs: dict, config, prepared, executor: RayExecutor, trace, costs: dict) -> dict:
+    """In the run directory: trace.json (Perfetto / chrome://tracing), gantt.png and run_profile.json for
+    `dovetail simulate --from-run`; in each pipeline's directory (the run's own for a single pipeline) its sample
+    ledger.json."""
+    path = next(iter(logs.values())).run.path if len(logs) == 1 else next(iter(logs.values())).run.path.parent
     trace.write_chrome(path / "trace.json")
     trace.write_gantt(path / "gantt.png", f"dovetail train, policy {config.policy}, {config.cluster.devices} devices")
-    problems = executor.ledger.problems(executor.expected_samples())
-    (path / "ledger.json").write_text(json.dumps(executor.ledger.to_json() | {"problems": problems}))
-    if problems:
-        raise RuntimeError(f"sample ledger violated: {problems[:5]} (see {path / 'ledger.json'})")
+    for name, log in logs.items():
+        ledger = executor.pipelines[name].ledger
+        problems = ledger.problems(executor.expected_samples(name))
+        (log.run.path / "ledger.json").write_text(json.dumps(ledger.to_json() | {"problems": problems}))
+        if problems:
+            raise RuntimeError(f"sample ledger of {name} violated: {problems[:5]} (see {log.run.path / 'ledger.json'})")
     metrics = summarize(trace)
-    fitted = {k: v for k, v in asdict(cost.calibration).items() if v != getattr(DEFAULT, k)}
     profile = {
         "policy": config.policy,
         "config": config.model_dump(mode="json"),
-        "steps": len(trace.steps),
-        "shape": asdict(prepared.setup.shapes[config.pipeline_name]),
+        "steps": len(trace.steps) // len(logs),
+        "shapes": {name: asdict(prepared.setup.shapes[name]) for name in logs},
         "node_seconds": node_seconds(trace),
         "switch_seconds": executor.switch_seconds,
-        "calibration": fitted,
+        "calibration": {name: _fitted(cost) for name, cost in costs.items()},
         "measured_step_time_s": time_per_step(trace),
     }
     (path / "run_profile.json").write_text(json.dumps(profile))
@@ -127,6 +133,14 @@ def write_run_outputs(path, config, prepared, executor: RayExecutor, trace, cost
         "run_samples_per_s": metrics.samples_per_s,
         "step_time_s": metrics.step_time_s,
         "max_staleness": metrics.max_staleness,
-        "restarts": len(executor.ledger.restarts),
-        "device_engines": ray.get([worker.held_engines.remote() for worker in executor.workers]),
+        "restarts": sum(len(run.ledger.restarts) for run in executor.pipelines.values()),
+        "device_engines": {
+            name: ray.get([worker.held_engines.remote() for worker in run.workers])
+            for name, run in executor.pipelines.items()
+        },
     }
+
+
+def _fitted(cost) -> dict:
+    """The calibration fields a profile moved off the defaults."""
+    return {k: v for k, v in asdict(cost.calibration).items() if v != getattr(DEFAULT, k)}

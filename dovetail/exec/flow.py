@@ -237,7 +237,7 @@ class FlowAdapter(PipelineAdapter):
             )
             samples = [SampleId(step, p, i) for (_, p, i) in node.samples]
             version = executor.state.started[(pipeline, node.step)]
-            weights = executor.versions[version]
+            weights = executor.weights(pipeline, version)
             return [
                 Part(
                     node.id,

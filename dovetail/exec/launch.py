@@ -6,19 +6,19 @@ from __future__ import annotations
 import pickle
 import statistics
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 
 import ray
 import torch
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from dovetail.config.train import TrainConfig
+from dovetail.config.train import TrainConfig, pipeline_configs
 from dovetail.cost.catalog import DEVICES, device
 from dovetail.cost.model import CostModel
 from dovetail.exec.metrics import summarize
 from dovetail.exec.pipeline import pipeline_module
-from dovetail.exec.ray_executor import RayExecutor
+from dovetail.exec.ray_executor import PipelineRun, RayExecutor
 from dovetail.exec.worker import DEVICE_RESOURCE, DeviceWorker, form_group
 from dovetail.scenario import Prepared, Scenario, prepare, simulate
 
@@ -62,33 +62,66 @@ def start_ray(config: TrainConfig) -> None:
         )
 
 
-_POOLS: dict[tuple[str, str], list] = {}
-"""(Ray job, device type) -> its DeviceWorkers: a pool outlives a run, never the Ray instance it lives in."""
+MAX_PIPELINES = 4
+"""Pipelines one run may multiplex. Each has a worker process of its own on every device, so pipelines share a
+device the way JigsawRL's share a GPU (on a CPU core, the processes split its time; on a GPU, MPS shares), and
+each such worker takes this fraction of the device's Ray resource."""
 
 
-def start_workers(config: TrainConfig, trainer_state: dict) -> tuple[list, ray.ObjectRef, ray.ObjectRef]:
-    """One DeviceWorker per device, placed through a placement group (one bundle per device),
-    configured for this run and holding `trainer_state` (weights + optimizer). The actors are kept
-    for the next run on the same kind of device in this process, while Ray stays up."""
-    pool = _POOLS.setdefault((ray.get_runtime_context().get_job_id(), config.cluster.device), [])
-    missing = config.cluster.devices - len(pool)
+@dataclass
+class DevicePool:
+    """The DeviceWorkers of one Ray job on one type of device: a placement group bundle per device, and per slot
+    (a pipeline's place in a run) a worker on each device. A pool outlives a run, never the Ray instance."""
+
+    bundles: list[tuple[object, int]] = field(default_factory=list)
+    slots: dict[int, list] = field(default_factory=dict)
+
+
+_POOLS: dict[tuple[str, str], DevicePool] = {}
+
+
+def _workers(config: TrainConfig, slot: int) -> list:
+    """Slot `slot`'s DeviceWorkers on the run's devices, placed (and kept for later runs) as they are first needed."""
+    pool = _POOLS.setdefault((ray.get_runtime_context().get_job_id(), config.cluster.device), DevicePool())
+    bundle = device_bundle(config)
+    missing = config.cluster.devices - len(pool.bundles)
     if missing > 0:
-        bundle = device_bundle(config)
         group = placement_group([bundle] * missing, strategy="PACK")
         ray.get(group.ready(), timeout=120)
-        for index in range(missing):
-            options = {
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)
-            }
-            if "GPU" in bundle:
-                options |= {"num_gpus": 1, "resources": {}}
-            pool.append(DeviceWorker.options(**options).remote(len(pool)))
-    workers = pool[: config.cluster.devices]
-    state_ref = ray.put(trainer_state)
-    weights_ref = ray.put(trainer_state["weights"])
-    ray.get([w.configure.remote(config.model_dump(mode="json"), state_ref) for w in workers])
-    form_group(workers)
-    return workers, weights_ref, state_ref
+        pool.bundles += [(group, index) for index in range(missing)]
+    workers = pool.slots.setdefault(slot, [])
+    share = 1 / MAX_PIPELINES
+    for device_index in range(len(workers), config.cluster.devices):
+        group, index = pool.bundles[device_index]
+        options = {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)}
+        options |= {"num_gpus": share, "resources": {}} if "GPU" in bundle else {"resources": {DEVICE_RESOURCE: share}}
+        workers.append(DeviceWorker.options(**options).remote(device_index))
+    return workers[: config.cluster.devices]
+
+
+@dataclass
+class Started:
+    """A pipeline's workers, configured for the run, and its initial weights and trainer state in the object store."""
+
+    workers: list
+    weights: ray.ObjectRef
+    trainer_state: ray.ObjectRef
+
+
+def start_workers(config: TrainConfig, trainer_states: dict[str, dict]) -> dict[str, Started]:
+    """Each pipeline's DeviceWorkers (one per device, in its own process), configured for this run and holding the
+    pipeline's `trainer_states[name]` (weights + optimizer), each pipeline's workers one torch.distributed group."""
+    if len(trainer_states) > MAX_PIPELINES:
+        raise ValueError(f"pipelines: at most {MAX_PIPELINES} pipelines share a pool, got {len(trainer_states)}")
+    started = {}
+    for slot, (name, pipeline) in enumerate(pipeline_configs(config).items()):
+        workers = _workers(config, slot)
+        state_ref = ray.put(trainer_states[name])
+        weights_ref = ray.put(trainer_states[name]["weights"])
+        ray.get([w.configure.remote(pipeline.model_dump(mode="json"), state_ref) for w in workers])
+        form_group(workers)
+        started[name] = Started(workers, weights_ref, state_ref)
+    return started
 
 
 def profiled_cost(config: TrainConfig, scenario: Scenario, workers: list) -> CostModel:
@@ -110,11 +143,21 @@ def profiled_cost(config: TrainConfig, scenario: Scenario, workers: list) -> Cos
     return pipeline_module(config.kind).fitted_cost(config, scenario, measured)
 
 
-def prepare_run(config: TrainConfig, steps: int, workers: list) -> tuple[CostModel, Prepared]:
-    scenario = config.scenario(steps)
-    cost = profiled_cost(config, scenario, workers)
-    return cost, prepare(
-        scenario, config.policy, steps=steps, cost=cost, options=config.policy_options(), **config.shape_overrides()
+def prepare_run(config: TrainConfig, steps: int, started: dict[str, Started]) -> tuple[dict[str, CostModel], Prepared]:
+    """Each pipeline's costs profiled on its own workers (one pipeline at a time, so the profiles do not slow each
+    other), then the policy's graph of every pipeline."""
+    configs = pipeline_configs(config)
+    costs = {
+        name: profiled_cost(pipeline, pipeline.scenario(steps), started[name].workers)
+        for name, pipeline in configs.items()
+    }
+    return costs, prepare(
+        config.scenario(steps),
+        config.policy,
+        steps=steps,
+        cost=costs,
+        options=config.policy_options(),
+        **config.shape_overrides(),
     )
 
 
@@ -123,53 +166,69 @@ DRY_RUN_STEPS = 3
 
 
 def dry_run(config: TrainConfig, steps: int) -> dict:
-    """What `dovetail train` would do for `steps` steps, without Ray: the checkpoint and the devices checked, then
-    the policy's shape and throughput as the simulator predicts them. On CPU cores the costs are profiled here, in
+    """What `dovetail train` would do for `steps` steps, without Ray: the checkpoints and the devices checked, then
+    the policy's shapes and throughput as the simulator predicts them. On CPU cores the costs are profiled here, in
     this process, as the run profiles its devices; for GPUs they are the device catalogue's analytic costs
     (the run, profiling its GPUs, may then choose another shape)."""
-    kind = pipeline_module(config.kind)
-    kind.check_checkpoint(config)
+    configs = pipeline_configs(config)
+    for pipeline in configs.values():
+        pipeline_module(pipeline.kind).check_checkpoint(pipeline)
     if config.policy == "reference":
         return {"policy": "reference"}
     device_bundle(config)
     simulated = min(steps, DRY_RUN_STEPS)
-    scenario = config.scenario(simulated)
-    cost = None
+    costs = None
     if device(config.cluster.device).platform == "cpu":
         torch.set_num_threads(1)
-        measured = kind.profile_here(config, carry=lambda weights: pickle.loads(pickle.dumps(weights)))
-        cost = kind.fitted_cost(config, scenario, measured | {"switch": 0.0})  # no Ray round trip to time here
+        costs = {}
+        for name, pipeline in configs.items():
+            kind = pipeline_module(pipeline.kind)
+            measured = kind.profile_here(pipeline, carry=lambda weights: pickle.loads(pickle.dumps(weights)))
+            # no Ray round trip to time here
+            costs[name] = kind.fitted_cost(pipeline, pipeline.scenario(simulated), measured | {"switch": 0.0})
     prepared, trace = simulate(
-        scenario, config.policy, steps=simulated, options=config.policy_options(), cost=cost, **config.shape_overrides()
+        config.scenario(simulated),
+        config.policy,
+        steps=simulated,
+        options=config.policy_options(),
+        cost=costs,
+        **config.shape_overrides(),
     )
-    shape, metrics = prepared.setup.shapes[config.pipeline_name], summarize(trace)
-    return {
+    metrics = summarize(trace)
+    plan = {
         "policy": config.policy,
         "devices": config.cluster.devices,
         "device": config.cluster.device,
-        "shape": asdict(shape),
-        "trainer_devices": shape.trainer_devices,
-        "rollout_devices": config.compute_devices - shape.trainer_devices,
-        "reward_devices": config.cluster.devices - config.compute_devices,
         "step_time_s": metrics.step_time_s,
         "samples_per_s": metrics.samples_per_s,
         "efficiency": metrics.efficiency,
         "bubble_ratio": metrics.bubble_ratio,
         "run_s": metrics.step_time_s * steps,
-        "costs": "profiled" if cost else "analytic",
+        "costs": "profiled" if costs else "analytic",
+    }
+    if len(configs) > 1:
+        return plan | {"shapes": {name: asdict(prepared.setup.shapes[name]) for name in configs}}
+    shape = prepared.setup.shapes[config.pipeline_name]
+    return plan | {
+        "shape": asdict(shape),
+        "trainer_devices": shape.trainer_devices,
+        "rollout_devices": config.compute_devices - shape.trainer_devices,
+        "reward_devices": config.cluster.devices - config.compute_devices,
     }
 
 
 def make_executor(
-    config: TrainConfig, prepared: Prepared, workers: list, weights, trainer_state, first_step: int, **hooks
+    config: TrainConfig, prepared: Prepared, started: dict[str, Started], first_steps: dict[str, int], **hooks
 ) -> RayExecutor:
-    return RayExecutor(
-        prepared.graph,
-        prepared.setup,
-        config,
-        workers,
-        first_step=first_step,
-        initial_weights=weights,
-        initial_trainer_state=trainer_state,
-        **hooks,
-    )
+    pipelines = {
+        name: PipelineRun(
+            name,
+            pipeline,
+            started[name].workers,
+            first_steps[name],
+            {0: started[name].weights},
+            started[name].trainer_state,
+        )
+        for name, pipeline in pipeline_configs(config).items()
+    }
+    return RayExecutor(prepared.graph, prepared.setup, pipelines, **hooks)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import ray
 import torch
 
 from dovetail.algo import decoupled_old_log_prob, group_advantages, lm_grpo_loss
@@ -47,6 +48,7 @@ from dovetail.exec.pipeline import (
     trainer_state_of,
     weights_of,
 )
+from dovetail.graph.flow import split
 from dovetail.graph.node import Kind, Node, Role, SampleId
 from dovetail.models.engine import Request, SamplingParams, TorchEngine
 from dovetail.models.flow_rl import commit
@@ -146,8 +148,10 @@ class LMEngines(PipelineEngines):
         if isinstance(work, Decode):
             parts = self.fetch(work.rollouts)
             self.load_rollout_weights(parts[0].version, work.weights)
-            requests = list(requests_of(parts).values())
+            requests = [r for r in requests_of(parts).values() if not (work.running_only and r.finished)]
             return responses_of(self.rollout.generate(requests, until=work.until), parts[0].version)
+        if isinstance(work, (Score, LMLogProbs, LMTrain)) and work.samples == []:
+            return self._nothing(work)
         if isinstance(work, Score):
             chosen = self._select(work.rollouts, work.samples)
             completions = [self.tokenizer.decode(r.tokens) for r in chosen.values()]
@@ -162,6 +166,15 @@ class LMEngines(PipelineEngines):
         if isinstance(work, LMTrain):
             return self._train(work)
         raise TypeError(f"language-model engines cannot do {type(work).__name__}")
+
+    def _nothing(self, work: Work):
+        """The answer of a streamed micro-batch left empty (its groups all finished later): no reward, no gradient."""
+        if isinstance(work, Score):
+            return Scores([], {name: np.zeros(0) for name in [*self.config.rewards, "total"]})
+        if isinstance(work, LMLogProbs):
+            return LogProbs([], [])
+        stats = dict.fromkeys([*STAT_MEANS, "tokens", "loss"], 0.0) | {"ratio_min": np.inf, "ratio_max": -np.inf}
+        return Trained([], [0], stats, 0.0)
 
     def _select(self, rollouts: list, samples: list | None) -> dict[SampleId, Request]:
         requests = requests_of(self.fetch(rollouts))
@@ -315,6 +328,9 @@ class LMAdapter(PipelineAdapter):
         super().__init__(config, first_step)
         self.tokenizer = load_tokenizer(config.model.checkpoint)
         self._prompts: dict[int, list[list[int]]] = {}
+        self._assigned: dict[tuple[str, int], tuple[dict[str, list[SampleId]], set[int]]] = {}
+        """(pipeline, graph step) -> streamed micro-batches' samples by score node, and the groups they took."""
+        self._shape = None
 
     def units_of(self, sample: SampleId) -> list[int]:
         return [0]
@@ -322,26 +338,32 @@ class LMAdapter(PipelineAdapter):
     def parts(self, node: Node, devices: tuple[int, ...], executor) -> list[Part]:
         pipeline, graph = node.pipeline, executor.graph
         version = executor.state.started[(pipeline, node.step)]
+        self._shape = executor.setup.shapes[pipeline]
         if node.kind == Kind.PREFILL:
             step = self.rl_step(node)
             if step not in self._prompts:
                 self._prompts[step] = encode_prompts(self.config, self.tokenizer, task_prompts(self.config, step))
             samples = [SampleId(step, p, i) for (_, p, i) in node.samples]
             prompts = [self._prompts[step][s.prompt] for s in samples]
-            weights = executor.versions[version]
+            weights = executor.weights(pipeline, version)
             return [Part(node.id, devices[0], Prefill(pipeline, samples, prompts, self.first_step + version, weights))]
-        if node.kind == Kind.DECODE:
-            weights = executor.versions[version]
-            return [Part(node.id, devices[0], Decode(pipeline, executor.outputs_of(node.deps), node.chunk[1], weights))]
-        samples = [SampleId(self.rl_step(node), p, i) for (_, p, i) in node.samples]
+        if node.kind in (Kind.DECODE, Kind.MIGRATE):
+            weights = executor.weights(pipeline, version)
+            rollouts = executor.outputs_of(node.deps)
+            if node.kind == Kind.MIGRATE:  # the tail leaves its engines: re-prefilled here, one token decoded
+                return [
+                    Part(node.id, devices[0], Decode(pipeline, rollouts, self._shape.migrate_at + 1, weights, True))
+                ]
+            return [Part(node.id, devices[0], Decode(pipeline, rollouts, node.chunk[1], weights))]
+        score = node if node.kind == Kind.SCORE else next(graph[d] for d in node.deps if graph[d].kind == Kind.SCORE)
+        rollouts = self._rollouts(score, executor)
+        samples = self._members(score, executor)
         if node.kind == Kind.SCORE:
-            return [Part(node.id, devices[0], Score(pipeline, executor.outputs_of(node.deps), samples))]
-        score = next(graph[d] for d in node.deps if graph[d].kind == Kind.SCORE)
-        rollouts = executor.outputs_of(score.deps)
+            return [Part(node.id, devices[0], Score(pipeline, rollouts, samples))]
         if node.kind == Kind.LOGPROB:
             return [
                 Part(node.id, d, LMLogProbs(pipeline, ids, rollouts, node.reference))
-                for d, ids in self.spread(samples, devices)
+                for d, ids in self.spread(samples, devices, keep_empty=True)
             ]
         if node.kind == Kind.TRAIN:
             logprobs = [graph[d] for d in node.deps if graph[d].kind == Kind.LOGPROB]
@@ -351,21 +373,82 @@ class LMAdapter(PipelineAdapter):
             scores = executor.outputs_of([score.id])
             return [
                 Part(node.id, d, LMTrain(pipeline, ids, stale, rollouts, scores, old, ref))
-                for d, ids in self.spread(samples, devices)
+                for d, ids in self.spread(samples, devices, keep_empty=True)
             ]
         raise ValueError(f"node {node.id}: the language-model runtime does not run {node.kind} nodes yet")
 
+    def _rollouts(self, score: Node, executor) -> list:
+        """The responses a micro-batch reads: the home engines' outputs at its level, and the migrated tail's after
+        them (a response the tail finished replaces its paused copy)."""
+        graph = executor.graph
+        ends = list(score.deps)
+        if len(ends) == 1 and graph[ends[0]].shard is None:  # the migrated tail: its migrate node reads the homes
+            migrate = graph[graph[ends[0]].deps[0]]
+            ends = [*migrate.deps, *ends]
+        return executor.outputs_of(ends)
+
+    def _members(self, score: Node, executor) -> list[SampleId]:
+        """A micro-batch's samples. Fixed micro-batches hold the graph's; streamed ones, with lengths learnt by
+        decoding, hold the whole groups that finished by their level, in finishing order (`_assign`)."""
+        if not executor.setup.shapes[score.pipeline].stream:
+            return [SampleId(self.rl_step(score), p, i) for (_, p, i) in score.samples]
+        return self._assign(score, executor)[score.id]
+
+    def _assign(self, score: Node, executor) -> dict[str, list[SampleId]]:
+        """Whole groups to the step's streamed micro-batches, level by level up to the score's (a level: the decode
+        nodes after which a micro-batch may start, ordered by their band's upper edge, the migrated tail last). A
+        level's micro-batches take the groups finished by then and not taken before, shortest longest-response
+        first, `B / micro_batches` each; the last level takes every group left. Sizes may differ from the planned
+        ones (even be empty): the commit divides by the step's normaliser, so the gradient is the batch's whatever
+        the split. Deterministic: a level reads only its own nodes' outputs and what the levels below took."""
+        graph, algo = executor.graph, self.config.algo
+        per_micro = algo.prompts_per_step // algo.micro_batches
+        levels: dict[tuple[str, ...], list[Node]] = {}
+        for micro in graph.of(score.pipeline, score.step, Kind.SCORE):
+            levels.setdefault(micro.deps, []).append(micro)
+        ordered = sorted(levels, key=lambda deps: graph[deps[0]].chunk[1])
+        assignment, taken = self._assigned.setdefault((score.pipeline, score.step), ({}, set()))
+        for rank, deps in enumerate(ordered[: ordered.index(score.deps) + 1]):
+            micros = levels[deps]
+            if micros[0].id in assignment:
+                continue
+            groups: dict[int, list[Request]] = {}
+            for sample, request in requests_of(ray.get(self._rollouts(micros[0], executor))).items():
+                groups.setdefault(sample.prompt, []).append(request)
+            finished = [
+                prompt
+                for _, prompt in sorted(
+                    (max(len(r.tokens) for r in members), prompt)
+                    for prompt, members in groups.items()
+                    if prompt not in taken and all(r.finished for r in members)
+                )
+            ]
+            if rank == len(ordered) - 1:
+                runs = split(len(finished), len(micros))
+            else:
+                finished = finished[: per_micro * len(micros)]
+                runs = [range(i * per_micro, min(len(finished), (i + 1) * per_micro)) for i in range(len(micros))]
+            for micro, rows in zip(micros, runs):
+                step = self.rl_step(micro)
+                assignment[micro.id] = [SampleId(step, finished[r], i) for r in rows for i in range(algo.group_size)]
+            taken.update(finished)
+        return assignment
+
     def book(self, node: Node, part: Part, result, ledger) -> None:
-        if isinstance(result, Responses) and node.kind == Kind.DECODE and self._ends_chain(part):
-            for sample in result.samples:
-                ledger.generated.setdefault(SampleId(*sample), []).append((part.device, result.version))
+        if isinstance(result, Responses) and node.kind == Kind.MIGRATE:
+            ledger.migrated.append((self.rl_step(node), len(result.samples), part.device))
+        elif isinstance(result, Responses) and node.kind == Kind.DECODE and self._ends_chain(node):
+            for sample, done in zip(result.samples, result.finished):
+                if done:
+                    ledger.generated.setdefault(SampleId(*sample), []).append((part.device, result.version))
         elif isinstance(result, Scores):
             for sample in result.samples:
                 ledger.scored[SampleId(*sample)] = ledger.scored.get(SampleId(*sample), 0) + 1
 
-    def _ends_chain(self, part: Part) -> bool:
-        """The last decode band of its shard: every response of the shard is finished there."""
-        return part.work.until >= self.config.max_new_tokens
+    def _ends_chain(self, node: Node) -> bool:
+        """A response is generated where it finishes: in its shard's last band before the migration edge (or the
+        end), or in the migrated tail."""
+        return node.shard is None or node.chunk[1] == (self._shape.migrate_at or self.config.max_new_tokens)
 
     def commit_scale(self, trained: list[Trained]) -> float:
         return 1.0 / sum(t.normaliser for t in trained)
@@ -379,6 +462,7 @@ def lm_step_metrics(config: LMTrainConfig, scores: list[Scores], trained: list[T
     metrics = {
         f"reward/{name}": float(np.concatenate([s.scores[name] for s in scores]).mean()) for name in scores[0].scores
     }
+    trained = [t for t in trained if t.samples]  # a streamed micro-batch may be empty
     tokens = sum(t.stats["tokens"] for t in trained)
     means = [name for name in STAT_MEANS if name in trained[0].stats]
     metrics |= {name: sum(t.stats[name] * t.stats["tokens"] for t in trained) / tokens for name in means}

@@ -142,6 +142,8 @@ class Decode(Work):
     until: int
     weights: Any
     """The ref of the rollouts' weights version: an engine that holds another version reloads it (and re-prefills)."""
+    running_only: bool = False
+    """Answer the unfinished responses alone: a migration moves the tail and leaves the finished ones where they are."""
 
 
 @dataclass(frozen=True)

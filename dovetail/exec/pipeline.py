@@ -50,6 +50,8 @@ class Ledger:
     scored: dict[SampleId, int] = field(default_factory=dict)
     trained: dict[tuple[SampleId, int], int] = field(default_factory=dict)
     """(sample, unit) -> times its gradient entered a commit (unit: a timestep, or 0 for an LM response)."""
+    migrated: list[tuple[int, int, int]] = field(default_factory=list)
+    """(RL step, responses, destination device) of each tail migration."""
     restarts: list[tuple[float, int, str]] = field(default_factory=list)
     reruns: list[tuple[int, str]] = field(default_factory=list)
     """(device, train node) re-run on a restarted device to rebuild the gradients it held."""
@@ -71,6 +73,7 @@ class Ledger:
         return {
             "generated": [[*s, d, v] for s, uses in sorted(self.generated.items()) for d, v in uses],
             "trained": [[*s, k, n] for (s, k), n in sorted(self.trained.items())],
+            "migrated": self.migrated,
             "restarts": self.restarts,
             "reruns": self.reruns,
         }
@@ -110,10 +113,12 @@ class PipelineAdapter(ABC):
         return 1.0
 
     @staticmethod
-    def spread(items: list, devices: tuple[int, ...]) -> list[tuple[int, list]]:
-        """`items` dealt to `devices` in contiguous runs (sizes differ by at most one); an empty share is dropped."""
+    def spread(items: list, devices: tuple[int, ...], keep_empty: bool = False) -> list[tuple[int, list]]:
+        """`items` dealt to `devices` in contiguous runs (sizes differ by at most one); an empty share is dropped,
+        but with `keep_empty` a node of no items still has one (empty) part, so that it finishes."""
         runs = zip(devices, split(len(items), len(devices)))
-        return [(device, [items[r] for r in rows]) for device, rows in runs if rows]
+        spread = [(device, [items[r] for r in rows]) for device, rows in runs if rows]
+        return spread or ([(devices[0], [])] if keep_empty else [])
 
 
 class PipelineEngines(ABC):

@@ -16,14 +16,14 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from dovetail.exec.loop import settle
 from dovetail.exec.messages import Commit, LoadWeights, Trained
-from dovetail.exec.pipeline import Ledger, Part, pipeline_module
+from dovetail.exec.pipeline import Ledger, Part, PipelineAdapter, pipeline_module
 from dovetail.exec.state import ClusterState
 from dovetail.exec.trace import Trace
 from dovetail.exec.worker import form_group
@@ -33,45 +33,71 @@ from dovetail.sched.policy import Migrate, Policy, Run, Setup, StepCommitted, Sw
 RESTART_POLLS = 600
 
 
+@dataclass
+class PipelineRun:
+    """One pipeline's side of a run: its config, driver adapter and DeviceWorkers (one per device: a multiplexed
+    pipeline has a worker process of its own on every device), its published weights versions, its last committed
+    trainer state and its sample ledger. Pipelines share the devices and nothing else."""
+
+    name: str
+    config: object
+    workers: list
+    first_step: int
+    versions: dict[int, ray.ObjectRef]
+    """Published weights by graph version (0: the run's initial weights)."""
+    trainer_state: ray.ObjectRef
+    adapter: PipelineAdapter = field(init=False)
+    ledger: Ledger = field(default_factory=Ledger)
+    trainer_devices: tuple[int, ...] = ()
+    uncommitted: dict[int, list[Part]] = field(default_factory=lambda: defaultdict(list))
+    """Device -> train parts whose gradients its worker holds, not yet consumed by a commit."""
+    pids: list[int] = field(default_factory=list)
+    publish_bytes: int = 0
+    publish_seconds: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.adapter = pipeline_module(self.config.kind).Adapter(self.config, self.first_step)
+        self.pids = ray.get([worker.ping.remote() for worker in self.workers])
+        self.publish_bytes = sum(v.nbytes for v in ray.get(self.versions[0]).values())
+
+
 class RayExecutor:
     def __init__(
         self,
         graph: Graph,
         setup: Setup,
-        config,
-        workers: list,
+        pipelines: dict[str, PipelineRun],
         *,
-        first_step: int = 0,
-        initial_weights: ray.ObjectRef,
-        initial_trainer_state: ray.ObjectRef,
-        on_commit: Callable[[int, RayExecutor], None] | None = None,
+        on_commit: Callable[[str, int, RayExecutor], None] | None = None,
         after_part: Callable[[RayExecutor, Part], None] | None = None,
     ) -> None:
-        """`first_step` is the RL step of the graph's step 0 (after a resume); `on_commit(rl_step, self)`
-        runs after each optimizer step; `after_part` is a hook for fault-injection tests."""
+        """`on_commit(pipeline, rl_step, self)` runs after each optimizer step; `after_part` is a hook for
+        fault-injection tests."""
         self.graph = graph
         self.setup = setup
-        self.config = config
-        self.workers = workers
-        self.first_step = first_step
-        self.adapter = pipeline_module(config.kind).Adapter(config, first_step)
+        self.pipelines = pipelines
         self.on_commit = on_commit
         self.after_part = after_part
-        self.versions: dict[int, ray.ObjectRef] = {0: initial_weights}
-        self.trainer_state = initial_trainer_state
-        self.trainer_devices: tuple[int, ...] = ()
         self.outputs: dict[str, list[ray.ObjectRef | None]] = {}
         self.results: dict[str, list] = {}
         """Train node -> its parts' `Trained` results, booked in the ledger when their commit lands."""
-        self.uncommitted: dict[int, list[Part]] = defaultdict(list)
-        """Device -> train parts whose gradients it holds, not yet consumed by a commit."""
-        self._pids = ray.get([worker.ping.remote() for worker in workers])
-        self.ledger = Ledger()
-        self.publish_bytes = sum(v.nbytes for v in ray.get(initial_weights).values())
-        self.publish_seconds: list[float] = []
         self.switch_seconds: list[float] = []
         self._pending: dict[ray.ObjectRef, Part | SwitchRole] = {}
         self._left: dict[str, int] = {}
+
+    def run_of(self, node_id: str) -> PipelineRun:
+        return self.pipelines[self.graph[node_id].pipeline]
+
+    def worker_of(self, part: Part | SwitchRole):
+        """The DeviceWorker that carries out a part (a role switch goes to the first pipeline's worker: the
+        device's engines all stay resident here, so a switch is a round trip)."""
+        if isinstance(part, SwitchRole):
+            return next(iter(self.pipelines.values())).workers[part.device]
+        return self.run_of(part.node).workers[part.device]
+
+    def weights(self, pipeline: str, version: int) -> ray.ObjectRef:
+        """The published weights a pipeline's step opened on."""
+        return self.pipelines[pipeline].versions[version]
 
     # ------------------------------------------------------------ the loop
     def run(self, policy: Policy) -> Trace:
@@ -81,7 +107,8 @@ class RayExecutor:
         def log_commits(events) -> None:
             for event in events:
                 if isinstance(event, StepCommitted) and self.on_commit is not None:
-                    self.on_commit(self.first_step + event.step, self)
+                    run = self.pipelines[event.pipeline]
+                    self.on_commit(event.pipeline, run.first_step + event.step, self)
                     state.now = time.perf_counter() - start  # the driver's logging took wall time too
 
         state.begin()
@@ -99,7 +126,7 @@ class RayExecutor:
                 self._recover(part, time.perf_counter() - start)
                 continue
             except RayTaskError:
-                if not isinstance(part, Part) or not isinstance(part.work, Commit) or not self.ledger.restarts:
+                if not self._lost_a_peer(part):
                     raise
                 self._submit(part)  # its all-reduce lost a peer that died; the group is formed again
                 continue
@@ -112,8 +139,12 @@ class RayExecutor:
             if self.after_part is not None:
                 self.after_part(self, part)
 
+    def _lost_a_peer(self, part: Part | SwitchRole) -> bool:
+        """A commit that failed after a restart in its pipeline: its all-reduce lost the peer that died."""
+        return isinstance(part, Part) and isinstance(part.work, Commit) and bool(self.run_of(part.node).ledger.restarts)
+
     def _submit(self, part: Part | SwitchRole) -> None:
-        worker = self.workers[part.device]
+        worker = self.worker_of(part)
         if isinstance(part, SwitchRole):
             ref = worker.switch_role.remote(part.role.value)
         else:
@@ -121,9 +152,10 @@ class RayExecutor:
         self._pending[ref] = part
 
     def _recover(self, part: Part | SwitchRole, now: float) -> None:
-        """The worker died: wait for Ray to restart it, give it the committed trainer state, form the
-        device group again, rebuild its accumulated gradients, and re-send the part."""
-        worker = self.workers[part.device]
+        """The worker died: wait for Ray to restart it, give it its pipeline's committed trainer state, form the
+        pipeline's device group again, rebuild its accumulated gradients, and re-send the part."""
+        worker = self.worker_of(part)
+        run = next(iter(self.pipelines.values())) if isinstance(part, SwitchRole) else self.run_of(part.node)
         for _ in range(RESTART_POLLS):
             try:
                 pid = ray.get(worker.ping.remote(), timeout=30)
@@ -131,14 +163,14 @@ class RayExecutor:
             except RayActorError:
                 time.sleep(0.1)  # Ray is still restarting the actor
         else:
-            raise RuntimeError(f"device {part.device} did not come back after it died")
-        if pid != self._pids[part.device]:  # a new incarnation: restore it once
-            self._pids[part.device] = pid
-            self.ledger.restarts.append((round(now, 3), part.device, getattr(part, "node", "switch")))
-            ray.get(worker.configure.remote(self.config.model_dump(mode="json"), self.trainer_state))
-            form_group(self.workers)
-            for lost in self.uncommitted[part.device]:
-                self.ledger.reruns.append((part.device, lost.node))
+            raise RuntimeError(f"device {part.device} of pipeline {run.name} did not come back after it died")
+        if pid != run.pids[part.device]:  # a new incarnation: restore it once
+            run.pids[part.device] = pid
+            run.ledger.restarts.append((round(now, 3), part.device, getattr(part, "node", "switch")))
+            ray.get(worker.configure.remote(run.config.model_dump(mode="json"), run.trainer_state))
+            form_group(run.workers)
+            for lost in run.uncommitted[part.device]:
+                run.ledger.reruns.append((part.device, lost.node))
                 self._submit(replace(lost, rerun=True))
         self._submit(part)
 
@@ -152,18 +184,19 @@ class RayExecutor:
             raise NotImplementedError("the runtime does not migrate running nodes yet")
 
     def _run(self, node: Node, devices: tuple[int, ...]) -> None:
+        run = self.pipelines[node.pipeline]
         if node.kind == Kind.COMMIT:
             trained = [result for train in node.deps for result in self.results.get(train, [])]
-            scale = self.adapter.commit_scale(trained)
+            scale = run.adapter.commit_scale(trained)
             parts = [Part(node.id, d, Commit(node.pipeline, tuple(devices), scale)) for d in devices]
-            self.trainer_devices = tuple(devices)
+            run.trainer_devices = tuple(devices)
         elif node.kind == Kind.PUBLISH:
-            weights = self.workers[self.trainer_devices[0]].export_weights.remote()
-            self.versions[node.version + 1] = weights
-            version = self.first_step + node.version + 1
+            weights = run.workers[run.trainer_devices[0]].export_weights.remote()
+            run.versions[node.version + 1] = weights
+            version = run.first_step + node.version + 1
             parts = [Part(node.id, d, LoadWeights(node.pipeline, version, weights)) for d in devices]
         else:
-            parts = self.adapter.parts(node, devices, self)
+            parts = run.adapter.parts(node, devices, self)
         self._left[node.id] = len(parts)
         self.outputs[node.id] = [None] * len(parts)
         for index, part in enumerate(parts):
@@ -190,42 +223,44 @@ class RayExecutor:
 
     # ------------------------------------------------------------ completions
     def _complete(self, part: Part, ref: ray.ObjectRef, result) -> None:
+        run = self.run_of(part.node)
         if part.rerun:
-            self.uncommitted[part.device].append(replace(part, rerun=False))
+            run.uncommitted[part.device].append(replace(part, rerun=False))
             return
         node = self.graph[part.node]
         self.outputs[node.id][part.index] = ref
         if isinstance(result, Trained):
             self.results.setdefault(node.id, []).append(result)
-            self.uncommitted[part.device].append(part)
+            run.uncommitted[part.device].append(part)
         elif node.kind == Kind.COMMIT:
-            self.uncommitted[part.device] = []
-            if part.device == self.trainer_devices[0]:
-                self._book_training(node)
+            run.uncommitted[part.device] = []
+            if part.device == run.trainer_devices[0]:
+                self._book_training(run, node)
         elif node.kind == Kind.PUBLISH:
-            self.publish_seconds.append(result)
+            run.publish_seconds.append(result)
         else:
-            self.adapter.book(node, part, result, self.ledger)
+            run.adapter.book(node, part, result, run.ledger)
         self._left[part.node] -= 1
         if self._left[part.node] == 0:
             if node.kind == Kind.COMMIT:
-                self.trainer_state = self.workers[self.trainer_devices[0]].trainer_state.remote()
+                run.trainer_state = run.workers[run.trainer_devices[0]].trainer_state.remote()
             self.state.finish_node(part.node)
 
-    def _book_training(self, commit: Node) -> None:
+    def _book_training(self, run: PipelineRun, commit: Node) -> None:
         for train_id in commit.deps:
             for result in self.results.pop(train_id, []):
                 for sample in result.samples:
                     for unit in result.units:
                         key = (SampleId(*sample), unit)
-                        self.ledger.trained[key] = self.ledger.trained.get(key, 0) + 1
+                        run.ledger.trained[key] = run.ledger.trained.get(key, 0) + 1
 
-    def expected_samples(self) -> dict[SampleId, list[int]]:
-        """Every sample the run's graph generates, with the units training it must cover."""
+    def expected_samples(self, pipeline: str) -> dict[SampleId, list[int]]:
+        """Every sample the pipeline's part of the graph generates, with the units training it must cover."""
+        run = self.pipelines[pipeline]
         samples = {
-            SampleId(self.first_step + s, p, i)
+            SampleId(run.first_step + s, p, i)
             for node in self.graph
-            if node.kind in (Kind.GENERATE, Kind.PREFILL)
+            if node.pipeline == pipeline and node.kind in (Kind.GENERATE, Kind.PREFILL)
             for (s, p, i) in node.samples
         }
-        return {sample: self.adapter.units_of(sample) for sample in sorted(samples)}
+        return {sample: run.adapter.units_of(sample) for sample in sorted(samples)}

@@ -51,31 +51,35 @@ def replay_run(run_dir: Path | str) -> dict:
             f"{path} was written by an older dovetail whose config this one cannot read: {error}"
         ) from None
     scenario = config.scenario(profile["steps"])
-    shape_class = FlowShape if config.kind == "flow" else LLMShape
-    shapes = {config.pipeline_name: shape_class(**profile["shape"])}
+    kinds = {spec.name: spec.kind for spec in scenario.pipelines}
+    shapes = {
+        name: (FlowShape if kinds[name] == "flow" else LLMShape)(**shape) for name, shape in profile["shapes"].items()
+    }
     options = config.policy_options()
-    calibration = replace(DEFAULT, **profile["calibration"])
+    calibrations = {name: replace(DEFAULT, **fitted) for name, fitted in profile["calibration"].items()}
     analytic = prepare(
         scenario,
         config.policy,
         steps=profile["steps"],
         options=options,
-        cost=CostModel(config.cluster.device, calibration),
+        cost={name: CostModel(config.cluster.device, c) for name, c in calibrations.items()},
         shapes=shapes,
     )
     measured = profile["node_seconds"]
-    records = []
+    records: dict[str, list] = {name: [] for name in shapes}
     for node in analytic.graph:
         if node.id not in measured or node.cost_s <= 0:
             continue
         seconds, devices = measured[node.id]
         if seconds > 0:
-            records.append((COST_KIND[node.kind], predicted_seconds(node, len(devices)), seconds))
-    engines = analytic.setup.engines[next(iter(analytic.setup.engines))]
-    wake = max(engines.wake_s.values())
-    records += [("switch", wake, max(s, 1e-6)) for s in profile["switch_seconds"]]
-    cost = CostModel.from_measurements(config.cluster.device, records, calibration)
-    replayed = prepare(scenario, config.policy, steps=profile["steps"], options=options, cost=cost, shapes=shapes)
+            records[node.pipeline].append((COST_KIND[node.kind], predicted_seconds(node, len(devices)), seconds))
+    for name, engines in analytic.setup.engines.items():
+        wake = max(engines.wake_s.values())
+        records[name] += [("switch", wake, max(s, 1e-6)) for s in profile["switch_seconds"]]
+    costs = {
+        name: CostModel.from_measurements(config.cluster.device, records[name], calibrations[name]) for name in shapes
+    }
+    replayed = prepare(scenario, config.policy, steps=profile["steps"], options=options, cost=costs, shapes=shapes)
     missing = set(measured) - set(replayed.graph.nodes)
     if missing:
         raise ValueError(
@@ -92,7 +96,7 @@ def replay_run(run_dir: Path | str) -> dict:
         "measured_step_time_s": measured_step,
         "predicted_step_time_s": predicted,
         "relative_error": (predicted - measured_step) / measured_step,
-        "corrections": cost.corrections(),
+        "corrections": {name: cost.corrections() for name, cost in costs.items()},
         "device_pace": pace,
     }
 

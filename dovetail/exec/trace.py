@@ -115,24 +115,35 @@ class Trace:
         Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
     def write_gantt(self, path: str | Path, title: str = "") -> None:
-        """A PNG with one row per device, coloured by node kind (hatched: role switches)."""
+        """A PNG with one row per device, coloured by node kind (hatched: role switches). With several pipelines,
+        each has a lane of every device's row and a colour family of its own (a shade per kind)."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
         kinds = sorted({s.kind for s in self.spans})
-        colours = {kind: plt.get_cmap("tab10")(i % 10) for i, kind in enumerate(kinds)}
-        fig, ax = plt.subplots(figsize=(12, 0.35 * self.devices + 1.5))
-        for kind in kinds:
+        pipelines = sorted({s.pipeline for s in self.spans})
+        families = ["Blues", "Oranges", "Greens", "Purples", "Reds", "Greys"]
+        if len(pipelines) == 1:
+            colours = {(pipelines[0], k): plt.get_cmap("tab10")(i % 10) for i, k in enumerate(kinds)}
+        else:
+            colours = {
+                (p, k): plt.get_cmap(families[j % len(families)])(0.35 + 0.6 * i / max(1, len(kinds) - 1))
+                for j, p in enumerate(pipelines)
+                for i, k in enumerate(kinds)
+            }
+        lane = 0.8 / len(pipelines)
+        fig, ax = plt.subplots(figsize=(12, 0.35 * self.devices * len(pipelines) + 1.5))
+        for (pipeline, kind), colour in colours.items():
             rows: dict[int, list[tuple[float, float]]] = {}
             for s in self.spans:
-                if s.kind == kind:
+                if s.kind == kind and s.pipeline == pipeline:
                     rows.setdefault(s.device, []).append((s.start, s.end - s.start))
+            top = pipelines.index(pipeline) * lane - 0.4
+            label = kind if len(pipelines) == 1 else f"{pipeline}: {kind}"
             for device, bars in rows.items():
-                ax.broken_barh(
-                    bars, (device - 0.4, 0.8), color=colours[kind], label=kind if device == min(rows) else None
-                )
+                ax.broken_barh(bars, (device + top, lane), color=colour, label=label if device == min(rows) else None)
         for s in self.switches:
             ax.broken_barh(
                 [(s.start, s.end - s.start)], (s.device - 0.4, 0.8), facecolor="white", edgecolor="grey", hatch="//"
@@ -142,7 +153,7 @@ class Trace:
         ax.set_yticks(range(self.devices))
         ax.invert_yaxis()
         ax.set_title(title)
-        ax.legend(loc="upper right", fontsize="small")
+        ax.legend(loc="upper right", fontsize="small", ncols=max(1, len(pipelines)))
         fig.tight_layout()
         fig.savefig(path, dpi=100)
         plt.close(fig)

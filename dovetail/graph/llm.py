@@ -84,10 +84,6 @@ class LLMShape:
     rollout_memory: float | None = None
     tail_parallel: int | None = None
     """Devices of the engine the migrated tail decodes on (tensor parallel); None: `spec.tensor_parallel`."""
-    lengths_known: bool = True
-    """Whether a step's response lengths are known when its graph is built (the simulator draws them). A real run
-    learns them only by decoding: then every shard decodes every band, whichever sequences are still running, and
-    a micro-batch waits for the ends of its shards' chains; the drawn lengths still predict the costs."""
 
     def check(self, spec: LLMSpec) -> None:
         if not 0 < self.shards <= spec.batch:
@@ -210,7 +206,7 @@ def _rollout(spec: LLMSpec, model: LanguageModel, cost: CostModel, shape: LLMSha
         previous = prefill.id
         for low, high in home_bands:
             members = [s for s in mine if s.response_tokens > low]
-            if not members and shape.lengths_known:
+            if not members and spec.lengths_known:
                 break
             node = _decode(
                 spec,
@@ -226,11 +222,13 @@ def _rollout(spec: LLMSpec, model: LanguageModel, cost: CostModel, shape: LLMSha
                 shard,
             )
             nodes.append(node)
-            last_of.update((s.id, node.id) for s in (members if shape.lengths_known else mine))
+            last_of.update((s.id, node.id) for s in (members if spec.lengths_known else mine))
             previous = node.id
         tail_deps.append(previous)
     tail = [s for s in samples if migrate_at is not None and s.response_tokens > migrate_at]
-    if tail:
+    # A run learns which responses outlive the migration edge only by decoding: its tail nodes are always there
+    # (costed by the drawn lengths), and carry whatever is still running, if anything.
+    if tail or (migrate_at is not None and not spec.lengths_known):
         tp = shape.tail_parallel or tp
         migrate = Node(
             _id(spec, step, "migrate"),
@@ -258,7 +256,45 @@ def _rollout(spec: LLMSpec, model: LanguageModel, cost: CostModel, shape: LLMSha
         )
         nodes += [migrate, decode]
         last_of.update((s.id, decode.id) for s in tail)
+    if not spec.lengths_known:
+        last_of = _finishing_levels(samples, nodes, shape)
     return nodes, last_of
+
+
+def _finishing_levels(samples: list[Sample], rollout: list[Node], shape: LLMShape) -> dict[SampleId, tuple]:
+    """Where a run learns that a sample finished, when lengths are learnt by decoding: at the end of its band on
+    every shard (the engine that holds it is known only at run time), or of the migrated tail. Per sample, the
+    level (band edge, or past every edge for the tail) and the nodes after which its drawn length says it is done.
+    Only streamed micro-batches wait for the predicted level: the runtime fills them with whichever whole groups
+    have finished by then (`exec.lm`), the last level taking the rest; fixed micro-batches wait for the end."""
+    migrate_at = shape.migrate_at
+    bands: dict[int, list[str]] = {}
+    tail: tuple[str, ...] = ()
+    for node in rollout:
+        if node.kind == Kind.DECODE and node.shard is not None:
+            bands.setdefault(node.chunk[1], []).append(node.id)
+        elif node.kind == Kind.DECODE:
+            tail = (node.id,)
+    edges = sorted(bands)
+    level: dict[SampleId, tuple] = {}
+    final = (len(edges), tail) if tail else (len(edges) - 1, tuple(bands[edges[-1]]))
+    for s in samples:
+        if not shape.stream:
+            level[s.id] = final  # a micro-batch of fixed members waits for all of them, however long they run
+        elif migrate_at is not None and s.response_tokens > migrate_at:
+            level[s.id] = final
+        else:
+            edge = next((e for e in edges if s.response_tokens <= e), edges[-1])
+            level[s.id] = (edges.index(edge), tuple(bands[edge]))
+    return level
+
+
+def _finished_after(members: list[Sample], last_of: dict, lengths_known: bool) -> tuple[str, ...]:
+    """The decode nodes after which every member has finished: their shards' last bands; with lengths learnt at
+    run time, the latest finishing level among them."""
+    if lengths_known:
+        return tuple(sorted({last_of[s.id] for s in members}))
+    return max(last_of[s.id] for s in members)[1]
 
 
 def _prompt_order(samples: list[Sample]) -> list[int]:
@@ -289,7 +325,7 @@ def _training(
             step,
             Kind.SCORE,
             Role.ANY,
-            tuple(sorted({last_of[s.id] for s in members})),
+            _finished_after(members, last_of, spec.lengths_known),
             version=step,
             samples=ids,
             cost_s=cost.rule_score(len(members)),

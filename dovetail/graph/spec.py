@@ -109,6 +109,12 @@ class LLMSpec(_PipelineSpec):
     lengths: LengthDistribution
     max_length: int = Field(gt=0, description="Responses are cut at this many tokens.")
     length_bands: list[int] = Field(default_factory=list, description="Upper bounds of decode length bands, ascending.")
+    lengths_known: bool = Field(
+        True,
+        description="Whether a step's response lengths are known when its graph is built (the simulator draws them); "
+        "false for a real run, which learns them by decoding: every shard then decodes every band, whichever "
+        "responses still run, and the drawn lengths only predict the costs.",
+    )
     micro_batches: int = Field(1, gt=0, description="Train micro-steps per step.")
     tensor_parallel: int = Field(1, gt=0, description="Devices per rollout engine.")
     reference: bool = Field(True, description="Compute reference log-probs for a KL term.")

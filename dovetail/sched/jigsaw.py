@@ -162,14 +162,14 @@ class Jigsaw(StagedLLMPolicy):
 
     @classmethod
     def plan_shapes(
-        cls, specs: Sequence[PipelineSpec], shapes: dict[str, LLMShape | FlowShape], cost, forecast
+        cls, specs: Sequence[PipelineSpec], shapes: dict[str, LLMShape | FlowShape], costs, forecast
     ) -> dict[str, LLMShape | FlowShape]:
         """Rollout memory from the memory model; then (`jigsaw`) where each LLM pipeline's tail migrates and how
         wide its engine is, by rolling the simulator forward `HORIZON_STEPS` steps per candidate
         (`forecast(shapes, steps)` -> samples/s; memoized): coordinate descent over the tail engine's width (the
         home width doubled while it stays within one pipeline's fair share of the pool) and the migration edge
         (the length bands). Flow shapes pass through."""
-        shapes = rollout_shares(specs, shapes, cost)
+        shapes = rollout_shares(specs, shapes, costs)
         llm_specs = [spec for spec in specs if isinstance(spec, LLMSpec)]
         if not cls.search or not llm_specs:
             return shapes
@@ -242,8 +242,7 @@ class Jigsaw(StagedLLMPolicy):
         self.everyone = tuple(range(setup.devices))
         self.flow = {name for name, shape in setup.shapes.items() if isinstance(shape, FlowShape)}
         """Flow pipelines: their rollout is generate fragments, not LLM engines."""
-        priority: dict[str, float] = setup.options.get("priority", {})
-        self.priority = {name: priority.get(name, 1.0) for name in setup.engines}
+        self.priority = {name: setup.priorities.get(name, 1.0) for name in setup.engines}
         self.tail_on: dict[tuple[str, int], tuple[int, ...]] = {}
         self.choices: list[tuple[float, tuple[str, ...]]] = []
         """(time, pipelines started) of every look-ahead choice among several, for the run's log."""
@@ -377,16 +376,16 @@ class JigsawGreedy(Jigsaw):
 
 
 def rollout_shares(
-    specs: Sequence[PipelineSpec], shapes: dict[str, LLMShape | FlowShape], cost
+    specs: Sequence[PipelineSpec], shapes: dict[str, LLMShape | FlowShape], costs
 ) -> dict[str, LLMShape | FlowShape]:
     """Each LLM pipeline's rollout engine (weights and KV cache) gets an even share of what the rest leaves of a
     device, at most the calibrated rollout memory fraction. The rest: every pipeline's resident FSDP trainer shard
     and the largest working memory of its trainer nodes (which may run side by side), and a flow pipeline's
     rollout engine with its largest generate fragment's working memory (it may generate beside its trainer)."""
-    capacity = cost.device.memory_bytes / GB
+    capacity = costs[specs[0].name].device.memory_bytes / GB
     held = 0.0
     for spec in specs:
-        shape = shapes[spec.name]
+        shape, cost = shapes[spec.name], costs[spec.name]
         resident = shape.engines(spec, cost).resident_gb
         nodes = shape.build(spec, 1, cost)
         held += resident[Role.TRAINER] + max(n.memory_gb for n in nodes if n.kind in TRAINER_KINDS)

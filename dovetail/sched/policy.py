@@ -155,6 +155,8 @@ class Setup:
     trainer_groups: Mapping[str, int] = field(default_factory=dict)
     """Trainer group size each pipeline's step was cut for (pipeline -> devices)."""
     options: Mapping[str, object] = field(default_factory=dict)
+    priorities: Mapping[str, float] = field(default_factory=dict)
+    """Weight of each pipeline's step latency when pipelines compete for devices (1 when absent)."""
     shapes: Mapping[str, object] = field(default_factory=dict)
     """The shape each pipeline's steps were cut with (pipeline -> e.g. `graph.llm.LLMShape`)."""
     max_staleness: int = 1
@@ -273,10 +275,10 @@ class Policy(ABC):
 
     @classmethod
     def plan_shapes(
-        cls, specs: Sequence[PipelineSpec], shapes: dict[str, Shape], cost: CostModel, forecast: Forecast
+        cls, specs: Sequence[PipelineSpec], shapes: dict[str, Shape], costs: Mapping[str, CostModel], forecast: Forecast
     ) -> dict[str, Shape]:
-        """The shapes to run, given each pipeline's own `shape`: a policy that plans pipelines together
-        (jigsaw) searches here, rolling the simulator forward with `forecast`; the others keep them."""
+        """The shapes to run, given each pipeline's own `shape` and cost model: a policy that plans pipelines
+        together (jigsaw) searches here, rolling the simulator forward with `forecast`; the others keep them."""
         return shapes
 
     def __init__(self, setup: Setup) -> None:

@@ -1,0 +1,95 @@
+"""Several pipelines multiplexed on one pool of Ray devices (JigsawRL): a language-model and a flow pipeline share
+two devices under `jigsaw` / `jigsaw-greedy`; each ends at the parameters it reaches alone under `reference`, in its
+own run sub-directory, with its own ledger; the migrated tail and streamed micro-batches change nothing of that."""
+
+import json
+
+import pytest
+from safetensors.torch import load_file
+
+from dovetail.config.train import ConfigError, parse_config
+from dovetail.train import train
+
+STEPS = 3
+LM = {
+    "kind": "lm",
+    "task": "sort",
+    "algo": {"prompts_per_step": 4, "group_size": 4},
+    "eval": {"prompts": 8, "every": 100},
+    "checkpoint": {"every": 100},
+    "runtime": {"profile_samples": 4},
+    "train": {"lr": 1e-3},
+}
+FLOW = {
+    "kind": "flow",
+    "algo": {"prompts_per_step": 4, "group_size": 4},
+    "eval": {"per_digit": 2, "every": 100},
+    "checkpoint": {"every": 100},
+    "runtime": {"profile_samples": 8},
+}
+
+
+def multiplexed(policy: str, *pipelines: dict) -> dict:
+    return {"kind": "multiplex", "policy": policy, "cluster": {"devices": 2}, "pipelines": list(pipelines)}
+
+
+def final_weights(run_dir) -> dict:
+    return load_file(str(run_dir / "checkpoints" / f"step_{STEPS:06d}" / "model.safetensors"))
+
+
+def max_difference(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory) -> dict:
+    """Each pipeline trained alone by the reference loop."""
+    runs = {}
+    for name, tree in (("sort", LM), ("digits", FLOW)):
+        runs[name] = tmp_path_factory.mktemp(f"alone-{name}")
+        train(parse_config(tree | {"policy": "reference"}), runs[name], steps=STEPS)
+    return runs
+
+
+@pytest.mark.usefixtures("local_ray")
+@pytest.mark.parametrize("policy", ["jigsaw", "jigsaw-greedy"])
+def test_an_lm_and_a_flow_pipeline_multiplexed_end_where_each_ends_alone(policy, alone, tmp_path):
+    summary = train(parse_config(multiplexed(policy, LM, FLOW)), tmp_path, steps=STEPS)
+    assert set(summary["pipelines"]) == {"sort", "digits"}
+    for name in ("sort", "digits"):
+        own = tmp_path / name
+        assert json.loads((own / "ledger.json").read_text())["problems"] == []
+        assert len((own / "metrics.jsonl").read_text().splitlines()) == STEPS
+        assert max_difference(final_weights(alone[name]), final_weights(own)) <= 1e-5
+    spans = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    devices_of = {name: {e["tid"] for e in spans if e["name"].startswith(f"{name}:")} for name in ("sort", "digits")}
+    assert devices_of["sort"] & devices_of["digits"], "the pipelines share the pool's devices"
+    assert (tmp_path / "gantt.png").exists() and (tmp_path / "run_profile.json").exists()
+
+
+@pytest.mark.usefixtures("local_ray")
+def test_the_long_tail_migrates_and_streamed_micro_batches_train_what_the_batch_would(alone, tmp_path):
+    """Length bands and a migration edge: the responses still decoding at the edge move to one engine (re-prefilled
+    token for token), whole groups train in finishing order while the tail decodes; the weights are the batch's."""
+    banded = LM | {"runtime": LM["runtime"] | {"length_bands": [4, 8, 12]}}
+    train(parse_config(multiplexed("jigsaw-greedy", banded, FLOW)), tmp_path, steps=STEPS)
+    ledger = json.loads((tmp_path / "sort" / "ledger.json").read_text())
+    assert ledger["problems"] == [] and ledger["migrated"], ledger["migrated"]
+    assert max_difference(final_weights(alone["sort"]), final_weights(tmp_path / "sort")) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("tree", "message"),
+    [
+        (multiplexed("jigsaw", LM | {"policy": "verl-sync"}), "pipelines.0.policy: a multiplexed pipeline takes"),
+        (multiplexed("jigsaw", LM, LM), "names must be unique"),
+        (multiplexed("jigsaw", LM | {"name": "a/b"}), "pipelines.0.name"),
+        (multiplexed("verl-sync", LM), "policy"),
+        (multiplexed("jigsaw", LM | {"cluster": {"devices": 3}}), "pipelines.0.cluster"),
+        (multiplexed("jigsaw", LM | {"priority": 0}), "pipelines.0.priority"),
+        ({"kind": "multiplex", "pipelines": "sort"}, "pipelines: a list of pipeline configs"),
+    ],
+)
+def test_bad_multiplex_configs_name_the_field(tree, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(tree)
