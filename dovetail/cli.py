@@ -52,6 +52,10 @@ def train(
             f"{pipeline['final_eval_reward']:.3f} after {pipeline['steps']} steps, "
             f"{pipeline['samples_per_s']:.1f} samples/s; run in {out / name}"
         )
+    for message in summary.get("stopped", {}).values():  # the other pipelines went on
+        typer.echo(message, err=True)
+    if summary.get("stopped"):
+        raise typer.Exit(1)
 
 
 def _print_dry_run(config, steps: int) -> None:

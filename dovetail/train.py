@@ -230,7 +230,13 @@ def train(
             run_figures = train_on_ray(config, logs, first_steps, last_step, after_part=after_part)
     if not multiplexed:
         return next(iter(logs.values())).finish(run_figures)
-    summary = {"pipelines": {name: log.finish() for name, log in logs.items()}} | run_figures
+    stopped = run_figures.get("stopped", {})
+    summary = {
+        "pipelines": {
+            name: log.finish({"stopped": stopped[name]} if name in stopped else {}) for name, log in logs.items()
+        }
+    }
+    summary |= run_figures
     root.write_summary(summary)
     return summary
 

@@ -3,11 +3,14 @@ two devices under `jigsaw` / `jigsaw-greedy`; each ends at the parameters it rea
 own run sub-directory, with its own ledger; the migrated tail and streamed micro-batches change nothing of that."""
 
 import json
+import re
 
 import pytest
+import ray
 from safetensors.torch import load_file
 
 from dovetail.config.train import ConfigError, parse_config
+from dovetail.exec.messages import LMTrain
 from dovetail.train import train
 
 STEPS = 3
@@ -76,6 +79,46 @@ def test_the_long_tail_migrates_and_streamed_micro_batches_train_what_the_batch_
     ledger = json.loads((tmp_path / "sort" / "ledger.json").read_text())
     assert ledger["problems"] == [] and ledger["migrated"], ledger["migrated"]
     assert max_difference(final_weights(alone["sort"]), final_weights(tmp_path / "sort")) <= 1e-5
+
+
+@pytest.mark.usefixtures("local_ray")
+def test_a_killed_worker_in_a_multiplexed_run_loses_no_sample_of_any_pipeline(alone, tmp_path):
+    """The LM pipeline's worker on a device dies holding gradients of its open step: Ray restarts it, its
+    gradients are rebuilt; the flow pipeline's worker on that device is another process and never notices."""
+    killed = []
+
+    def kill(executor, part):
+        if not killed and isinstance(part.work, LMTrain) and part.work.samples and part.work.samples[0].step == 1:
+            killed.append((part.device, part.node))
+            ray.kill(executor.worker_of(part), no_restart=False)
+
+    summary = train(parse_config(multiplexed("jigsaw", LM, FLOW)), tmp_path, steps=STEPS, after_part=kill)
+    assert killed and summary["restarts"] >= 1
+    for name in ("sort", "digits"):
+        assert json.loads((tmp_path / name / "ledger.json").read_text())["problems"] == []
+        assert max_difference(final_weights(alone[name]), final_weights(tmp_path / name)) <= 1e-5
+    assert list(killed[0]) in json.loads((tmp_path / "sort" / "ledger.json").read_text())["reruns"]
+
+
+def test_a_pipeline_whose_reward_fails_stops_alone_and_the_other_goes_on(local_ray, alone, tmp_path):
+    flag = local_ray
+    broken = LM | {"reward": {"faulty_reward:nan_text_when_flagged": 1.0}}
+
+    def break_after_first_commit(executor, part):
+        if part.node == "sort/0/commit":
+            flag.touch()
+
+    try:
+        config = parse_config(multiplexed("jigsaw", broken, FLOW))
+        summary = train(config, tmp_path, steps=STEPS, after_part=break_after_first_commit)
+    finally:
+        flag.unlink(missing_ok=True)
+    assert set(summary["stopped"]) == {"sort"}
+    assert re.search(r"nan_text_when_flagged.*pipeline sort stopped.*step_000001.*--resume", summary["stopped"]["sort"])
+    assert sorted(p.name for p in (tmp_path / "sort" / "checkpoints").iterdir()) == ["step_000001"]
+    assert summary["pipelines"]["sort"]["steps"] == 1 and summary["pipelines"]["digits"]["steps"] == STEPS
+    assert json.loads((tmp_path / "digits" / "ledger.json").read_text())["problems"] == []
+    assert max_difference(final_weights(alone["digits"]), final_weights(tmp_path / "digits")) <= 1e-5
 
 
 @pytest.mark.parametrize(

@@ -77,18 +77,26 @@ def train_on_ray(config, logs: dict, first_steps: dict[str, int], last_step: int
         log.record(done, metrics, {"policy": config.policy, "version": done})
 
     executor = make_executor(config, prepared, started, first_steps, on_commit=on_commit, after_part=after_part)
-    try:
-        trace = executor.run(prepared.policy)
-    except RewardError as error:
-        (name, log), *_ = logs.items()
-        done = first_steps[name] + len(executor.state.trace.steps)
-        load_trainer_state(log.model, log.optimizer, ray.get(executor.pipelines[name].trainer_state))
-        checkpoint = log.checkpoint(done, {"policy": config.policy, "version": done})
-        raise RewardError(
-            f"{error}; the last committed step is saved in {checkpoint}: fix the reward and resume "
-            f"with --resume {log.run.path}"
-        ) from None
-    return write_run_outputs(logs, config, prepared, executor, trace, costs)
+    trace = executor.run(prepared.policy)
+    stopped = {name: save_stopped(executor, name, logs, first_steps[name]) for name in executor.stopped}
+    if stopped and len(logs) == 1:
+        raise RewardError(next(iter(stopped.values())))
+    return write_run_outputs(logs, config, prepared, executor, trace, costs) | ({"stopped": stopped} if stopped else {})
+
+
+def save_stopped(executor: RayExecutor, name: str, logs: dict, first_step: int) -> str:
+    """Save a pipeline whose reward failed at its last committed step, where its run ends; returns what to tell the
+    user (a multiplexed pipeline resumes alone, from the config in its sub-directory)."""
+    log = logs[name]
+    done = first_step + executor.committed_steps(name)
+    load_trainer_state(log.model, log.optimizer, ray.get(executor.pipelines[name].trainer_state))
+    checkpoint = log.checkpoint(done, {"policy": log.config.policy, "version": done})
+    log.last_step = done
+    alone = f"{log.run.path / 'config.yaml'} " if len(logs) > 1 else ""
+    return (
+        f"{executor.stopped[name]}; pipeline {name} stopped, its last committed step is saved in {checkpoint}: "
+        f"fix the reward and resume with `dovetail train {alone}--resume {log.run.path}`"
+    )
 
 
 def node_seconds(trace) -> dict[str, tuple[float, list[int]]]:

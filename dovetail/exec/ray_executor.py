@@ -6,6 +6,9 @@ finished node's event goes back to the policy. What a node asks of a worker is i
 (`exec.pipeline.PipelineAdapter`); commits and publications are the same for every kind and live here. Data moves
 as Ray object refs; weights are published as versioned refs that rollout engines load between trajectories.
 
+Several pipelines may share the devices (a multiplexed run): each has its own workers, weights versions and
+trainer state (`PipelineRun`), and a pipeline whose reward fails stops alone after its last committed step.
+
 A worker that dies is restarted by Ray; the executor gives it the last committed trainer state, forms the device
 group again, re-runs the train parts whose gradients it held (their results are already booked, so no sample
 counts twice) and sends its unfinished parts again. Rollouts and scores live in the object store and survive it.
@@ -28,6 +31,7 @@ from dovetail.exec.state import ClusterState
 from dovetail.exec.trace import Trace
 from dovetail.exec.worker import form_group
 from dovetail.graph.node import Graph, Kind, Node, SampleId
+from dovetail.rewards import RewardError
 from dovetail.sched.policy import Migrate, Policy, Run, Setup, StepCommitted, SwitchRole
 
 RESTART_POLLS = 600
@@ -82,6 +86,8 @@ class RayExecutor:
         self.results: dict[str, list] = {}
         """Train node -> its parts' `Trained` results, booked in the ledger when their commit lands."""
         self.switch_seconds: list[float] = []
+        self.stopped: dict[str, RewardError] = {}
+        """Pipelines whose reward failed, with the error; they stopped after their last committed step."""
         self._pending: dict[ray.ObjectRef, Part | SwitchRole] = {}
         self._left: dict[str, int] = {}
 
@@ -120,12 +126,17 @@ class RayExecutor:
                 raise RuntimeError(f"policy {policy.name} stalled: {state.stuck_message()}")
             (ref,), _ = ray.wait(list(self._pending), num_returns=1)
             part = self._pending.pop(ref)
+            if isinstance(part, Part) and self.graph[part.node].pipeline in self.stopped:
+                continue  # the answer of a pipeline that stopped: nothing waits for it
             try:
                 result = ray.get(ref)
             except RayActorError:
                 self._recover(part, time.perf_counter() - start)
                 continue
-            except RayTaskError:
+            except RayTaskError as error:
+                if isinstance(error, RewardError):
+                    self._stop(part, error)
+                    continue
                 if not self._lost_a_peer(part):
                     raise
                 self._submit(part)  # its all-reduce lost a peer that died; the group is formed again
@@ -138,6 +149,16 @@ class RayExecutor:
             self._complete(part, ref, result)
             if self.after_part is not None:
                 self.after_part(self, part)
+
+    def _stop(self, part: Part, error: RewardError) -> None:
+        """A pipeline's reward failed: it stops after its last committed step (its trainer state stays that
+        step's), the others go on. The driver saves the stopped pipeline and says so."""
+        pipeline = self.graph[part.node].pipeline
+        self.stopped[pipeline] = error
+        self.state.stop(pipeline)
+
+    def committed_steps(self, pipeline: str) -> int:
+        return sum(1 for record in self.state.trace.steps if record.pipeline == pipeline)
 
     def _lost_a_peer(self, part: Part | SwitchRole) -> bool:
         """A commit that failed after a restart in its pipeline: its all-reduce lost the peer that died."""
@@ -255,12 +276,14 @@ class RayExecutor:
                         run.ledger.trained[key] = run.ledger.trained.get(key, 0) + 1
 
     def expected_samples(self, pipeline: str) -> dict[SampleId, list[int]]:
-        """Every sample the pipeline's part of the graph generates, with the units training it must cover."""
+        """Every sample of the pipeline's committed steps, with the units training it must cover (all its steps,
+        unless it stopped)."""
         run = self.pipelines[pipeline]
+        committed = self.committed_steps(pipeline)
         samples = {
             SampleId(run.first_step + s, p, i)
             for node in self.graph
-            if node.pipeline == pipeline and node.kind in (Kind.GENERATE, Kind.PREFILL)
+            if node.pipeline == pipeline and node.kind in (Kind.GENERATE, Kind.PREFILL) and node.step < committed
             for (s, p, i) in node.samples
         }
         return {sample: run.adapter.units_of(sample) for sample in sorted(samples)}

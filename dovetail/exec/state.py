@@ -109,6 +109,8 @@ class ClusterState:
                 self._last_commit[(node.pipeline, node.step)] = node_id
         self._step_start: dict[tuple[str, int], float] = {}
         self._events: list[Event] = []
+        self.stopped: set[str] = set()
+        """Pipelines withdrawn from the run (`stop`): their unfinished nodes count as done and never run."""
 
     # ------------------------------------------------------------ events
     def take_events(self) -> list[Event]:
@@ -204,7 +206,21 @@ class ClusterState:
             if self._missing[node.id] == 0:
                 self._make_ready(node.id)
 
+    def stop(self, pipeline: str) -> None:
+        """Withdraw a pipeline (its reward failed): its ready and running nodes leave their devices, and every node
+        of it not finished counts as done without running, so the other pipelines go on and the run can end."""
+        self.stopped.add(pipeline)
+        for node_id in [n for n in self.ready if self.graph[n].pipeline == pipeline]:
+            del self.ready[node_id]
+        for node_id in [n for n in self.running if self.graph[n].pipeline == pipeline]:
+            running = self.running.pop(node_id)
+            self._release(node_id, running.devices)
+            self._retime_around(running.devices)
+        self.finished |= {node.id for node in self.graph if node.pipeline == pipeline}
+
     def _make_ready(self, node_id: str) -> None:
+        if self.graph[node_id].pipeline in self.stopped:
+            return
         self.ready[node_id] = None
         self._events.append(NodeReady(self.now, node_id))
 
