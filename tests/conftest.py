@@ -21,6 +21,8 @@ def local_ray(tmp_path_factory):
     os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), *sys.path])
     if not ray.is_initialized():
         ray.init(
+            address="local",  # never join a Ray instance already running on this machine
+            _node_ip_address="127.0.0.1",
             num_cpus=1,
             resources={DEVICE_RESOURCE: 2},
             include_dashboard=False,

@@ -1,0 +1,191 @@
+"""An LM pipeline and a flow pipeline on one pool of 2 local devices: multiplexed (jigsaw, jigsaw-greedy) against
+the ways to run them without multiplexing, measured side by side in one invocation, interleaved and repeated.
+
+    .venv/bin/python benchmarks/multiplex.py [--steps 10] [--repeats 3] [--out runs/bench-multiplex]
+
+The pipelines are the two of configs/multiplex.yaml (sort GRPO, digits FlowGRPO), with the same batches and steps in
+every arrangement:
+  back-to-back   each alone on both devices under its synchronous baseline (LM verl-sync, flow colocated), in turn
+  split-pool     the same policies, each on one device (its own core, `taskset`), at the same time
+  async          each alone on both devices under its asynchronous baseline (LM streamrl, flow digen+tcss), in turn
+  jigsaw-greedy  one multiplexed run, no look-ahead, the cost model's default shapes
+  jigsaw         one multiplexed run, the look-ahead scheduler and its shape search
+
+Every arrangement is a fresh `dovetail train` process (its own local Ray instance). Time is the training itself:
+a pipeline's time is the sum of its steps' `step_s` (commit to commit, start-up profile and base eval excluded);
+an arrangement's makespan adds the pipelines that ran in turn and takes the longest of those that ran together.
+The simulator's prediction of each arrangement comes from `dry_run` (the costs profiled in this process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+SYNC = {"lm": "verl-sync", "flow": "colocated"}
+ASYNC = {"lm": "streamrl", "flow": "digen+tcss"}
+ARRANGEMENTS = ("back-to-back", "split-pool", "async", "jigsaw-greedy", "jigsaw")
+
+
+def pipelines(steps: int) -> dict[str, dict]:
+    """configs/multiplex.yaml's pipelines with the benchmark's steps; evaluation only at the end, and small."""
+    multiplex = yaml.safe_load((ROOT / "configs" / "multiplex.yaml").read_text())
+    found = {}
+    for entry in multiplex["pipelines"]:
+        entry = copy.deepcopy(entry)
+        entry.setdefault("train", {})["steps"] = steps
+        entry["eval"] = {"every": 10_000} | ({"prompts": 8} if entry["kind"] == "lm" else {"per_digit": 1})
+        entry["checkpoint"] = {"every": 10_000}
+        found["sort" if entry["kind"] == "lm" else "digits"] = entry
+    return found
+
+
+def run(config: dict, out: Path, overrides: list[str] = (), cores: str | None = None) -> subprocess.Popen:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "bench.yaml"
+    path.write_text(yaml.safe_dump(config))
+    command = [str(ROOT / ".venv" / "bin" / "dovetail"), "train", str(path), *overrides, "--out", str(out)]
+    command = ["taskset", "-c", cores, *command] if cores else command
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(out / "stderr.log", "w"))
+
+
+def finish(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        if process.wait() != 0:
+            raise RuntimeError(f"{process.args} failed: see {process.args[-1]}/stderr.log")
+
+
+def pipeline_figures(run_dir: Path) -> dict:
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    return {
+        "seconds": sum(m["step_s"] for m in metrics),
+        "step_s": statistics.mean(m["step_s"] for m in metrics),
+        "samples": sum(m["samples_per_s"] * m["step_s"] for m in metrics),
+        "tokens": sum(m.get("response_tokens", 0) for m in metrics),
+        "migrated": sum(count for _, count, _ in ledger.get("migrated", [])),
+    }
+
+
+def measure(arrangement: str, configs: dict[str, dict], out: Path) -> dict:
+    """Run one arrangement; returns per-pipeline figures and the makespan."""
+    if arrangement in ("jigsaw", "jigsaw-greedy"):
+        tree = {
+            "kind": "multiplex",
+            "policy": arrangement,
+            "train": {"steps": next(iter(configs.values()))["train"]["steps"]},
+            "cluster": {"devices": 2, "device": "cpu-core"},
+            "pipelines": [
+                {k: v for k, v in c.items() if k != "train"} | {"train": {"lr": c["train"]["lr"]}}
+                for c in configs.values()
+            ],
+        }
+        finish([run(tree, out)])
+        summary = json.loads((out / "summary.json").read_text())
+        figures = {name: pipeline_figures(out / name) for name in configs}
+        makespan = max(f["seconds"] for f in figures.values())
+        return {"pipelines": figures, "makespan": makespan, "efficiency": summary["efficiency"]}
+    policies = ASYNC if arrangement == "async" else SYNC
+    figures, efficiencies = {}, {}
+    if arrangement == "split-pool":
+        processes = [
+            run(c | {"policy": policies[c["kind"]]}, out / name, ["cluster.devices=1"], cores=str(core))
+            for core, (name, c) in enumerate(configs.items())
+        ]
+        finish(processes)
+    for name, config in configs.items():
+        if arrangement != "split-pool":
+            finish([run(config | {"policy": policies[config["kind"]]}, out / name)])
+        figures[name] = pipeline_figures(out / name)
+        efficiencies[name] = json.loads((out / name / "summary.json").read_text())["efficiency"]
+    together = arrangement == "split-pool"
+    seconds = [f["seconds"] for f in figures.values()]
+    makespan = max(seconds) if together else sum(seconds)
+    # busy share of the pool over the makespan: each run's efficiency over its own devices and time
+    devices = 1 if together else 2
+    busy = sum(efficiencies[n] * figures[n]["seconds"] * devices for n in figures)
+    return {"pipelines": figures, "makespan": makespan, "efficiency": busy / (2 * makespan)}
+
+
+def predicted(arrangement: str, configs: dict[str, dict], steps: int) -> float:
+    """The simulator's aggregate samples/s for the arrangement (costs profiled in this process)."""
+    from dovetail.config.train import parse_config
+    from dovetail.exec.launch import dry_run
+
+    if arrangement in ("jigsaw", "jigsaw-greedy"):
+        tree = {"kind": "multiplex", "policy": arrangement, "cluster": {"devices": 2}, "train": {"steps": steps}}
+        tree["pipelines"] = [{k: v for k, v in c.items() if k != "train"} for c in configs.values()]
+        return dry_run(parse_config(tree), steps)["samples_per_s"]
+    policies = ASYNC if arrangement == "async" else SYNC
+    devices = 1 if arrangement == "split-pool" else 2
+    plans = [
+        dry_run(parse_config(c | {"policy": policies[c["kind"]], "cluster": {"devices": devices}}), steps)
+        for c in configs.values()
+    ]
+    samples = [p["samples_per_s"] * p["step_time_s"] * steps for p in plans]
+    seconds = [p["step_time_s"] * steps for p in plans]
+    return sum(samples) / (max(seconds) if arrangement == "split-pool" else sum(seconds))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-multiplex")
+    parser.add_argument("--arrangements", nargs="*", default=list(ARRANGEMENTS))
+    args = parser.parse_args()
+    configs = pipelines(args.steps)
+    results: dict[str, list[dict]] = {a: [] for a in args.arrangements}
+    started = time.time()
+    for repeat in range(args.repeats):
+        for arrangement in args.arrangements:  # interleaved: the machine's drift hits every arrangement alike
+            results[arrangement].append(measure(arrangement, configs, args.out / f"{arrangement}-{repeat}"))
+            print(f"[{time.time() - started:6.0f}s] {arrangement} #{repeat}: {results[arrangement][-1]}", flush=True)
+    predictions = {a: predicted(a, configs, args.steps) for a in args.arrangements}
+    report(results, predictions, configs)
+    (args.out / "results.json").write_text(json.dumps({"results": results, "predicted": predictions}, indent=1))
+
+
+def report(results: dict[str, list[dict]], predictions: dict[str, float], configs: dict) -> None:
+    def spread(values: list[float], digits: int = 1) -> str:
+        return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+
+    alone = (
+        {
+            name: statistics.median(r["pipelines"][name]["step_s"] for r in results.get("back-to-back", []))
+            for name in configs
+        }
+        if "back-to-back" in results
+        else None
+    )
+    print(
+        "| arrangement | makespan s | samples/s | LM tokens/s | "
+        + " | ".join(f"{n} step vs alone" for n in configs)
+        + " | efficiency | migrated | simulator samples/s |"
+    )
+    print("|---" * (7 + len(configs)) + "|")
+    for arrangement, runs in results.items():
+        samples = [sum(p["samples"] for p in r["pipelines"].values()) / r["makespan"] for r in runs]
+        tokens = [r["pipelines"]["sort"]["tokens"] / r["makespan"] for r in runs]
+        relative = [
+            spread([r["pipelines"][n]["step_s"] / alone[n] for r in runs], 2) if alone else "—" for n in configs
+        ]
+        migrated = statistics.median(sum(p["migrated"] for p in r["pipelines"].values()) for r in runs)
+        print(
+            f"| {arrangement} | {spread([r['makespan'] for r in runs])} | {spread(samples)} | {spread(tokens, 0)} | "
+            + " | ".join(relative)
+            + f" | {spread([r['efficiency'] for r in runs], 2)} | {migrated:g} | {predictions[arrangement]:.1f} |"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
