@@ -71,6 +71,19 @@ def test_an_lm_and_a_flow_pipeline_multiplexed_end_where_each_ends_alone(policy,
 
 
 @pytest.mark.usefixtures("local_ray")
+def test_two_language_model_pipelines_multiplexed_end_where_each_ends_alone(tmp_path):
+    """Two LM pipelines of the same task and model (their prompts differ by seed) keep apart: weights, versions,
+    optimizer, ledger; each ends where it ends alone."""
+    second = LM | {"name": "sort-b", "seed": 7, "train": {"lr": 5e-4}}
+    train(parse_config(multiplexed("jigsaw", LM, second)), tmp_path / "both", steps=STEPS)
+    for tree, name in ((LM, "sort"), (second, "sort-b")):
+        train(parse_config(tree | {"policy": "reference"}), tmp_path / name, steps=STEPS)
+        assert json.loads((tmp_path / "both" / name / "ledger.json").read_text())["problems"] == []
+        assert max_difference(final_weights(tmp_path / name), final_weights(tmp_path / "both" / name)) <= 1e-5
+    assert max_difference(final_weights(tmp_path / "sort"), final_weights(tmp_path / "sort-b")) > 1e-4
+
+
+@pytest.mark.usefixtures("local_ray")
 def test_the_long_tail_migrates_and_streamed_micro_batches_train_what_the_batch_would(alone, tmp_path):
     """Length bands and a migration edge: the responses still decoding at the edge move to one engine (re-prefilled
     token for token), whole groups train in finishing order while the tail decodes; the weights are the batch's."""
