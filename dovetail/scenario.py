@@ -14,7 +14,6 @@ from typing import Annotated
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from dovetail.cost.calibration import DEFAULT
 from dovetail.cost.catalog import device as lookup_device
 from dovetail.cost.model import CostModel
 from dovetail.exec.sim import SimExecutor
@@ -154,7 +153,7 @@ def prepare(
     `shapes` (pipeline -> shape) fixes every pipeline's shape; otherwise `shape_overrides` (fragments, tsp_chunk,
     trainer_devices...) replace what the policy would choose. `cost` replaces the analytic cost model, for every
     pipeline or per pipeline name (the Ray runtime passes each pipeline's, corrected by costs profiled on its own
-    devices)."""
+    devices); the pool has one interference table (`Setup.slowdown`), the first pipeline's cost model's."""
     cls = policy_class(policy)
     for spec in scenario.pipelines:
         if spec.kind not in cls.pipeline_kinds:
@@ -218,6 +217,7 @@ def prepare(
         priorities={spec.name: spec.priority for spec in scenario.pipelines},
         shapes=shapes,
         max_staleness=cls.max_staleness,
+        slowdown=costs[scenario.pipelines[0].name].calibration.slowdown,
     )
     return Prepared(Graph(nodes), setup, cls(setup))
 
@@ -233,7 +233,7 @@ def simulate(
     **shape_overrides,
 ):
     """Prepare and simulate one policy on a scenario; returns (Prepared, Trace). Shared devices slow each
-    other down by the calibrated interference table; `cost` replaces the analytic cost model."""
+    other down by the cost model's interference table (`Setup.slowdown`); `cost` replaces the analytic cost model."""
     prepared = prepare(scenario, policy, steps=steps, devices=devices, options=options, cost=cost, **shape_overrides)
     return prepared, _run(scenario, prepared)
 
@@ -244,6 +244,6 @@ def _run(scenario: Scenario, prepared: Prepared):
         prepared.setup,
         seed=scenario.schedule.seed,
         noise=scenario.schedule.noise,
-        slowdown=DEFAULT.slowdown,
+        slowdown=prepared.setup.slowdown,
     )
     return executor.run(prepared.policy)

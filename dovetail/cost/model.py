@@ -104,7 +104,15 @@ class CostModel:
 
     def with_rollout_memory(self, fraction: float) -> "CostModel":
         """The same model with rollout engines limited to `fraction` of device memory (weights + KV cache)."""
-        model = CostModel(self.device, replace(self.calibration, rollout_memory_fraction=fraction))
+        return self._recalibrated(rollout_memory_fraction=fraction)
+
+    def with_interference(self, table: dict[tuple[str, str], float]) -> "CostModel":
+        """The same model with `table`'s slowdowns (measured on the run's devices) over its interference table."""
+        return self._recalibrated(interference=self.calibration.interference | table)
+
+    def _recalibrated(self, **changes) -> "CostModel":
+        """The same model, corrections included, with `changes` to its calibration."""
+        model = CostModel(self.device, replace(self.calibration, **changes))
         model._scale = dict(self._scale)
         return model
 

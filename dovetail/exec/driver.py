@@ -150,5 +150,9 @@ def write_run_outputs(logs: dict, config, prepared, executor: RayExecutor, trace
 
 
 def _fitted(cost) -> dict:
-    """The calibration fields a profile moved off the defaults."""
-    return {k: v for k, v in asdict(cost.calibration).items() if v != getattr(DEFAULT, k)}
+    """The calibration fields a profile moved off the defaults. JSON keys are strings: an interference table's
+    (kind, alongside) keys are written "kind|alongside" (`replay.fitted_calibration` reads them back)."""
+    fitted = {k: v for k, v in asdict(cost.calibration).items() if v != getattr(DEFAULT, k)}
+    if "interference" in fitted:
+        fitted["interference"] = {f"{kind}|{alongside}": s for (kind, alongside), s in fitted["interference"].items()}
+    return fitted

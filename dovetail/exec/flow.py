@@ -21,6 +21,7 @@ from dovetail.config.train import FlowTrainConfig
 from dovetail.cost.calibration import DEFAULT
 from dovetail.cost.catalog import diffusion_model
 from dovetail.cost.model import CostModel
+from dovetail.exec.interference import Span, time_work
 from dovetail.exec.messages import (
     FlowLogProbs,
     FlowTrain,
@@ -151,55 +152,64 @@ class FlowEngines(PipelineEngines):
     def profile(self, samples: int, carry: Callable[[dict], dict]) -> dict[str, float]:
         return profile_work(self.trainer, self.config, self.sde, samples, carry)
 
+    def time_kind(self, kind: str, samples: int, repeats: int, carry: Callable[[dict], dict]) -> list[Span]:
+        works = profile_works(self.trainer, self.config, self.sde, samples, carry)
+        return time_work(works, kind, repeats, self.device)
 
-def profile_work(model, config: FlowTrainConfig, sde, samples: int, carry: Callable[[dict], dict]) -> dict[str, float]:
-    """Measured seconds of each kind of work on `model`'s device, on a throw-away copy of it (samples of RL step
-    -1, never trained): what the cost model is fitted to before planning. A small untimed round first takes the
-    one-off costs (the judge is fitted on first use, first-call allocations); generation is then timed at two
-    batch sizes, which pins down the fixed cost of a small pass (from the fastest rounds: interference only adds
-    time); every other time is the median of PROFILE_ROUNDS. A publication is timed from the trainer's weights to a
-    loaded rollout copy; `carry` moves the weights between them (the object store, or pickle in a dry run)."""
+
+def profile_works(
+    model, config: FlowTrainConfig, sde, n: int, carry: Callable[[dict], dict]
+) -> dict[str, Callable[[dict], object]]:
+    """The start-up profile's work of each kind, in the order it runs, each taking the earlier ones' results by kind,
+    on throw-away copies of `model` (trainer, optimizer, rollout copy) and `n` samples of RL step -1: generation,
+    score, log-probs, a train and an optimizer step, and a publication from the trainer to the loaded rollout copy
+    (`carry` moves the weights between them: the object store, or pickle in a dry run)."""
     trainer = copy.deepcopy(model)
     rollout = copy.deepcopy(model).requires_grad_(False)
     optimizer = make_optimizer(trainer, config)
+    prompts = [f"digit {p % 10}" for p in range(n)]
+    ids = [SampleId(-1, p, 0) for p in range(n)]
+
+    def logprob(done: dict) -> torch.Tensor:
+        with torch.no_grad():
+            return trainer(done["generate"].latents[:, 0], sde.sigmas[:1].expand(n), done["generate"].prompt_ids)
+
+    def train(done: dict) -> dict[str, float]:
+        return accumulate_policy_gradient(
+            trainer,
+            done["generate"],
+            torch.ones(n, device=trainer.device),
+            [0],
+            sde,
+            chunk_size=n,
+            total_pairs=n,
+            clip_range=config.algo.clip_range,
+        )
+
+    return {
+        "generate": lambda done: generate(trainer, prompts, ids, sde, seed=config.seed, shared_group_noise=False),
+        "score": lambda done: score(latents_to_images(done["generate"].images), prompts, config.reward),
+        "logprob": logprob,
+        "train": train,
+        "optimizer": lambda done: commit(trainer, optimizer, config.train.max_grad_norm),
+        "publish": lambda done: rollout.load_state_dict(tensors_of(carry(weights_of(trainer)))),
+    }
+
+
+def profile_work(model, config: FlowTrainConfig, sde, samples: int, carry: Callable[[dict], dict]) -> dict[str, float]:
+    """Measured seconds of each kind of work on `model`'s device (`profile_works`): what the cost model is fitted
+    to before planning. A small untimed round first takes the one-off costs (the judge is fitted on first use,
+    first-call allocations); generation is then timed at two batch sizes, which pins down the fixed cost of a small
+    pass (from the fastest rounds: interference only adds time); every other time is the median of PROFILE_ROUNDS."""
 
     def one_of_each(n: int) -> dict[str, float]:
-        prompts = [f"digit {p % 10}" for p in range(n)]
-        ids = [SampleId(-1, p, 0) for p in range(n)]
-        seconds = {}
-
-        def timed(name, work):
-            synchronize(trainer.device)
+        seconds, done = {}, {}
+        for name, work in profile_works(model, config, sde, n, carry).items():
+            synchronize(model.device)
             start = time.perf_counter()
-            result = work()
-            synchronize(trainer.device)
+            done[name] = work(done)
+            synchronize(model.device)
             seconds[name] = time.perf_counter() - start
-            return result
-
-        trajectories = timed(
-            "generate", lambda: generate(trainer, prompts, ids, sde, seed=config.seed, shared_group_noise=False)
-        )
-        timed("score", lambda: score(latents_to_images(trajectories.images), prompts, config.reward))
-        with torch.no_grad():
-            timed(
-                "logprob",
-                lambda: trainer(trajectories.latents[:, 0], sde.sigmas[:1].expand(n), trajectories.prompt_ids),
-            )
-        timed(
-            "train",
-            lambda: accumulate_policy_gradient(
-                trainer,
-                trajectories,
-                torch.ones(n, device=trainer.device),
-                [0],
-                sde,
-                chunk_size=n,
-                total_pairs=n,
-                clip_range=config.algo.clip_range,
-            ),
-        )
-        timed("optimizer", lambda: commit(trainer, optimizer, config.train.max_grad_norm))
-        timed("publish", lambda: rollout.load_state_dict(tensors_of(carry(weights_of(trainer)))))
         return seconds
 
     small = max(1, samples // 4)

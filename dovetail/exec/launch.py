@@ -16,6 +16,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from dovetail.config.train import TrainConfig, pipeline_configs
 from dovetail.cost.catalog import DEVICES, device
 from dovetail.cost.model import CostModel
+from dovetail.exec.interference import measure_interference
 from dovetail.exec.metrics import summarize
 from dovetail.exec.pipeline import pipeline_module
 from dovetail.exec.ray_executor import PipelineRun, RayExecutor
@@ -145,12 +146,17 @@ def profiled_cost(config: TrainConfig, scenario: Scenario, workers: list) -> Cos
 
 def prepare_run(config: TrainConfig, steps: int, started: dict[str, Started]) -> tuple[dict[str, CostModel], Prepared]:
     """Each pipeline's costs profiled on its own workers (one pipeline at a time, so the profiles do not slow each
-    other), then the policy's graph of every pipeline."""
+    other); with several pipelines (a multiplexing policy: jigsaw, jigsaw-greedy), how much their work slows each
+    other down on one device, measured there and put in every pipeline's cost model; then the policy's graph of every
+    pipeline."""
     configs = pipeline_configs(config)
     costs = {
         name: profiled_cost(pipeline, pipeline.scenario(steps), started[name].workers)
         for name, pipeline in configs.items()
     }
+    if len(configs) > 1:
+        table = measure_interference(started, configs)
+        costs = {name: cost.with_interference(table) for name, cost in costs.items()}
     return costs, prepare(
         config.scenario(steps),
         config.policy,

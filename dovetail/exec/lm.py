@@ -16,6 +16,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,7 @@ from dovetail.algo import decoupled_old_log_prob, group_advantages, lm_grpo_loss
 from dovetail.config.train import LMTrainConfig
 from dovetail.cost.catalog import language_model
 from dovetail.cost.model import CostModel
+from dovetail.exec.interference import Span, time_work
 from dovetail.exec.messages import (
     Decode,
     LMLogProbs,
@@ -238,6 +240,10 @@ class LMEngines(PipelineEngines):
     def profile(self, samples: int, carry: Callable[[dict], dict]) -> dict[str, float]:
         return profile_work(self, samples, carry)
 
+    def time_kind(self, kind: str, samples: int, repeats: int, carry: Callable[[dict], dict]) -> list[Span]:
+        with trainer_kept(self):
+            return time_work(profile_works(self, samples, carry), kind, repeats, self.device)
+
 
 def normaliser_of(config: LMTrainConfig, mask: torch.Tensor) -> float:
     """What a train part adds to the step's loss normaliser under the configured aggregation."""
@@ -247,45 +253,69 @@ def normaliser_of(config: LMTrainConfig, mask: torch.Tensor) -> float:
     return sequences if config.algo.aggregation == "sequence" else sequences * config.max_new_tokens
 
 
-def profile_work(engines: LMEngines, samples: int, carry: Callable[[dict], dict]) -> dict[str, float]:
-    """Measured seconds of each kind of LM work here, on copies of the engines' state (responses of RL step -1,
-    never trained; the trainer's weights and optimizer are put back): medians of PROFILE_ROUNDS after a warm-up."""
-    config = engines.config
+@contextmanager
+def trainer_kept(engines: LMEngines):
+    """The profile's work trains and steps the engines' own trainer and loads its weights into the rollout engine:
+    afterwards the trainer's weights and optimizer are put back and the next work reloads the rollout's."""
     saved = trainer_state_of(engines.trainer, engines.optimizer)
+    try:
+        yield
+    finally:
+        engines.load_trainer_state(saved)
+        engines.rollout_version = None
+
+
+def profile_works(
+    engines: LMEngines, samples: int, carry: Callable[[dict], dict]
+) -> dict[str, Callable[[dict], object]]:
+    """The start-up profile's work of each kind, in the order it runs, each taking the earlier ones' results by
+    kind: `samples` responses of RL step -1 (never trained) prefilled (the trainer's weights loaded into the rollout
+    engine first), decoded, scored, their log-probs, a train and an optimizer step of the engines' own trainer (run
+    them `trainer_kept`), a publication to the rollout engine."""
+    config = engines.config
     prompts = task(config.task).prompts("train", config.seed, -1, samples)
     ids = [SampleId(-1, p, 0) for p in range(samples)]
     encoded = [prompt_ids(engines.tokenizer, p) for p in prompts]
+    engines.rollout_version = None
+    weights = carry(weights_of(engines.trainer))
 
-    def one_round() -> dict[str, float]:
-        seconds: dict[str, float] = {}
+    def train(done: dict) -> Trained:
+        engines.trainer.zero_grad(set_to_none=True)
+        return engines.run(LMTrain(config.task, ids, False, [done["decode"]], [done["score"]]))
 
-        def timed(name, work):
+    return {
+        "prefill": lambda done: engines.run(Prefill(config.task, ids, encoded, -1, weights)),
+        "decode": lambda done: engines.run(Decode(config.task, [done["prefill"]], config.max_new_tokens, weights)),
+        "score": lambda done: engines.run(Score(config.task, [done["decode"]], None)),
+        "logprob": lambda done: engines.run(LMLogProbs(config.task, ids, [done["decode"]], False)),
+        "train": train,
+        "optimizer": lambda done: commit(engines.trainer, engines.optimizer, config.train.max_grad_norm),
+        "publish": lambda done: engines.load_rollout(carry(weights_of(engines.trainer))),
+    }
+
+
+def profile_work(engines: LMEngines, samples: int, carry: Callable[[dict], dict]) -> dict[str, float]:
+    """Measured seconds of each kind of LM work here (`profile_works`): medians of PROFILE_ROUNDS after a warm-up."""
+
+    def one_round() -> tuple[dict[str, float], dict[str, object]]:
+        seconds, done = {}, {}
+        for name, work in profile_works(engines, samples, carry).items():
             synchronize(engines.device)
             start = time.perf_counter()
-            result = work()
+            done[name] = work(done)
             synchronize(engines.device)
             seconds[name] = time.perf_counter() - start
-            return result
+        return seconds, done
 
-        engines.rollout_version = None
-        weights = carry(weights_of(engines.trainer))
-        prefilled = timed("prefill", lambda: engines.run(Prefill(config.task, ids, encoded, -1, weights)))
-        decoded = timed("decode", lambda: engines.run(Decode(config.task, [prefilled], config.max_new_tokens, weights)))
-        scores = timed("score", lambda: engines.run(Score(config.task, [decoded], None)))
-        timed("logprob", lambda: engines.run(LMLogProbs(config.task, ids, [decoded], False)))
-        engines.trainer.zero_grad(set_to_none=True)
-        timed("train", lambda: engines.run(LMTrain(config.task, ids, False, [decoded], [scores])))
-        timed("optimizer", lambda: commit(engines.trainer, engines.optimizer, config.train.max_grad_norm))
-        timed("publish", lambda: engines.load_rollout(carry(weights_of(engines.trainer))))
-        seconds["lengths"] = [len(t) for t in decoded.tokens]
-        return seconds
-
-    one_round()
-    rounds = [one_round() for _ in range(PROFILE_ROUNDS)]
-    engines.load_trainer_state(saved)
-    engines.rollout_version = None
-    measured = {name: statistics.median(r[name] for r in rounds) for name in rounds[0] if name != "lengths"}
-    return measured | {"lengths": rounds[0]["lengths"], "prompt_tokens": [len(p) for p in encoded]}
+    with trainer_kept(engines):
+        one_round()
+        rounds = [one_round() for _ in range(PROFILE_ROUNDS)]
+    measured = {name: statistics.median(seconds[name] for seconds, _ in rounds) for name in rounds[0][0]}
+    _, done = rounds[0]
+    return measured | {
+        "lengths": [len(t) for t in done["decode"].tokens],
+        "prompt_tokens": [len(p) for p in done["prefill"].prompts],
+    }
 
 
 def fitted_cost(config: LMTrainConfig, scenario: Scenario, measured: dict) -> CostModel:

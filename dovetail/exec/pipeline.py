@@ -143,6 +143,13 @@ class PipelineEngines(ABC):
     def profile(self, samples: int, carry: Callable[[dict], dict]) -> dict[str, float]:
         """Measured seconds of each kind of work here, for the cost model the policy plans with."""
 
+    @abstractmethod
+    def time_kind(
+        self, kind: str, samples: int, repeats: int, carry: Callable[[dict], dict]
+    ) -> list[tuple[float, float]]:
+        """(start, end) of each of `repeats` runs of one kind of the profile's work here (`exec.interference.time_work`:
+        what the interference table is measured with), the trainer left as it was."""
+
     def held(self) -> list[str]:
         engines = {"trainer": self.trainer, "rollout": self.rollout, "reference": self.reference}
         return [name for name, engine in engines.items() if engine is not None] + ["reward"]

@@ -13,7 +13,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from dovetail.config.train import ConfigError, parse_config
-from dovetail.cost.calibration import DEFAULT
+from dovetail.cost.calibration import DEFAULT, Calibration
 from dovetail.cost.model import CostModel
 from dovetail.exec.metrics import time_per_step
 from dovetail.exec.sim import SimExecutor
@@ -56,7 +56,7 @@ def replay_run(run_dir: Path | str) -> dict:
         name: (FlowShape if kinds[name] == "flow" else LLMShape)(**shape) for name, shape in profile["shapes"].items()
     }
     options = config.policy_options()
-    calibrations = {name: replace(DEFAULT, **fitted) for name, fitted in profile["calibration"].items()}
+    calibrations = {name: fitted_calibration(fitted) for name, fitted in profile["calibration"].items()}
     analytic = prepare(
         scenario,
         config.policy,
@@ -99,6 +99,14 @@ def replay_run(run_dir: Path | str) -> dict:
         "corrections": {name: cost.corrections() for name, cost in costs.items()},
         "device_pace": pace,
     }
+
+
+def fitted_calibration(fitted: dict) -> Calibration:
+    """A pipeline's calibration as the run wrote it (`driver._fitted`): its fields over DEFAULT, an interference
+    table's "kind|alongside" keys back to (kind, alongside)."""
+    if "interference" in fitted:
+        fitted = fitted | {"interference": {tuple(key.split("|")): s for key, s in fitted["interference"].items()}}
+    return replace(DEFAULT, **fitted)
 
 
 def predicted_seconds(node, width: int) -> float:

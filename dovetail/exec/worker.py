@@ -36,6 +36,11 @@ def form_group(workers: list) -> None:
     ray.get([w.join_group.remote(address, port, len(workers)) for w in workers])
 
 
+def through_object_store(weights: dict) -> dict:
+    """Weights as a publication moves them: into Ray's object store and out (what the profile times)."""
+    return ray.get(ray.put(weights))
+
+
 def worker_device() -> torch.device:
     """The GPU Ray assigned to this actor (Ray narrows CUDA_VISIBLE_DEVICES to it), else the CPU."""
     return torch.device("cuda", 0) if ray.get_gpu_ids() else torch.device("cpu")
@@ -112,7 +117,12 @@ class DeviceWorker:
         return os.getpid()
 
     def profile(self, samples: int) -> dict[str, float]:
-        return self.engines.profile(samples, carry=lambda weights: ray.get(ray.put(weights)))
+        return self.engines.profile(samples, carry=through_object_store)
+
+    def time_kind(self, kind: str, samples: int, repeats: int) -> list[tuple[float, float]]:
+        """(start, end) of each of `repeats` runs of one kind of the profile's work here: `exec.interference` times
+        it alone, and beside another pipeline's work on this device."""
+        return self.engines.time_kind(kind, samples, repeats, carry=through_object_store)
 
     def trainer_state(self) -> dict:
         return trainer_state_of(self.engines.trainer, self.engines.optimizer)

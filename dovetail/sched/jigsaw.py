@@ -5,7 +5,8 @@ KV-cache budget) and FSDP trainer shard (role ANY), so nothing is ever put to sl
 sub-stage graph of `graph.llm` with shareable nodes: a pipeline's rollout runs on all devices as one
 engine per `tensor_parallel` devices, its trainer work on the whole pool. Complementary sub-stages of
 different pipelines — bandwidth-bound decode beside compute-bound log-prob / training — share devices
-(share `SHARE` each) and slow each other down by the calibrated interference table. Long-tail responses
+(share `SHARE` each) and slow each other down by the pool's interference table (`Setup.slowdown`: the calibrated
+default, or the table a multiplexed run measures on its own devices, `exec.interference`). Long-tail responses
 migrate at `migrate_at` tokens (re-prefill counted) onto one engine of `tail_parallel` devices, freeing the
 others for the other pipeline's decode and trainer work; micro-batches are whole prompt groups in finishing
 order, so finished length bands get their log-probs and gradients while the tail decodes (one optimizer
@@ -25,7 +26,7 @@ everything fits.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import lru_cache
 from itertools import combinations
@@ -74,14 +75,29 @@ def generate_seconds(nodes: Sequence[Node], devices: int) -> float:
     return sum(fragments) / min(len(fragments), devices) if fragments else 0.0
 
 
+PHASES = ("decode", "generate", "train")
+"""The classes of work the look-ahead rolls forward: an LLM's rollout, a flow pipeline's, and trainer work."""
+
+
+def phase_slowdowns(slowdown: Callable[[str, str], float]) -> tuple[tuple[tuple[str, str], float], ...]:
+    """The interference table (`Setup.slowdown`) between the look-ahead's classes of work, as `predict_completion`
+    takes it: hashable, for its cache."""
+    return tuple(((mine, other), slowdown(mine, other)) for mine in PHASES for other in PHASES)
+
+
 @lru_cache(maxsize=65536)
 def predict_completion(
-    phases: tuple[tuple[tuple[str, float], ...], ...], running: frozenset[int], weights: tuple[float, ...]
+    phases: tuple[tuple[tuple[str, float], ...], ...],
+    running: frozenset[int],
+    weights: tuple[float, ...],
+    slowdowns: tuple[tuple[tuple[str, str], float], ...],
 ) -> float:
     """Weighted mean time at which each pipeline finishes its list of (class, seconds) phases, where rollout
     phases ("decode", "generate") always run, "train" phases run one pipeline at a time (first come, first
     served) except the pipelines in `running`, which are in a train phase now; co-running phases slow each
-    other down by the interference table. `weights`: each pipeline's priority."""
+    other down by `slowdowns` (`phase_slowdowns` of the pool's interference table). `weights`: each pipeline's
+    priority."""
+    slowdown = dict(slowdowns)
     position = [0] * len(phases)
     left = [p[0][1] if p else 0.0 for p in phases]
     training = set(running)
@@ -101,7 +117,7 @@ def predict_completion(
         for i in active:
             mine = phases[i][position[i]][0]
             others = [phases[j][position[j]][0] for j in active if j != i]
-            speed[i] = 1.0 / max((DEFAULT.slowdown(mine, o) for o in others), default=1.0)
+            speed[i] = 1.0 / max((slowdown[(mine, o)] for o in others), default=1.0)
         step = min(left[i] / speed[i] for i in active)
         now += step
         for i in active:
@@ -243,6 +259,7 @@ class Jigsaw(StagedLLMPolicy):
         self.flow = {name for name, shape in setup.shapes.items() if isinstance(shape, FlowShape)}
         """Flow pipelines: their rollout is generate fragments, not LLM engines."""
         self.priority = {name: setup.priorities.get(name, 1.0) for name in setup.engines}
+        self.slowdowns = phase_slowdowns(setup.slowdown)
         self.tail_on: dict[tuple[str, int], tuple[int, ...]] = {}
         self.choices: list[tuple[float, tuple[str, ...]]] = []
         """(time, pipelines started) of every look-ahead choice among several, for the run's log."""
@@ -343,7 +360,7 @@ class Jigsaw(StagedLLMPolicy):
         index = {p: i for i, p in enumerate(pipelines)}
 
         def predicted(group: tuple[str, ...]) -> float:
-            return predict_completion(phases, frozenset(index[p] for p in (*group, *busy)), weights)
+            return predict_completion(phases, frozenset(index[p] for p in (*group, *busy)), weights, self.slowdowns)
 
         return min(candidates, key=predicted)  # ties: the first candidate (largest, then highest priorities)
 

@@ -161,6 +161,10 @@ class Setup:
     """The shape each pipeline's steps were cut with (pipeline -> e.g. `graph.llm.LLMShape`)."""
     max_staleness: int = 1
     """Versions a step's rollouts may lag its training (the executor refuses more); AReaL's bound eta."""
+    slowdown: Callable[[str, str], float] = DEFAULT.slowdown
+    """How much a node of one kind slows down beside another kind on its devices: slowdown(kind, alongside)
+    (`Calibration.slowdown`). One table for the pool: `scenario.prepare` takes the first pipeline's cost model's
+    (a multiplexed run measures its table once, on its own devices, and gives it to every pipeline)."""
 
     @property
     def compute_devices(self) -> int:
