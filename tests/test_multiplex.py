@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from dovetail.config.train import ConfigError, parse_config
 from dovetail.exec.messages import LMTrain
+from dovetail.exec.replay import replay_run
 from dovetail.train import train
 
 STEPS = 3
@@ -67,7 +68,11 @@ def test_an_lm_and_a_flow_pipeline_multiplexed_end_where_each_ends_alone(policy,
     spans = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     devices_of = {name: {e["tid"] for e in spans if e["name"].startswith(f"{name}:")} for name in ("sort", "digits")}
     assert devices_of["sort"] & devices_of["digits"], "the pipelines share the pool's devices"
-    assert (tmp_path / "gantt.png").exists() and (tmp_path / "run_profile.json").exists()
+    assert (tmp_path / "gantt.png").exists()
+    if policy == "jigsaw-greedy":  # the simulator, given the costs this run measured, predicts it (see BENCHMARKS.md
+        # for jigsaw's replay: its look-ahead re-decides on durations that already hold the interference)
+        replay = replay_run(tmp_path)
+        assert abs(replay["relative_error"]) < 0.3, replay
 
 
 @pytest.mark.usefixtures("local_ray")

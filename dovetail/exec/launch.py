@@ -46,10 +46,11 @@ def start_ray(config: TrainConfig) -> None:
         quiet = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
         if config.cluster.address:
             ray.init(address=config.cluster.address)
-        elif resource == DEVICE_RESOURCE:
-            ray.init(num_cpus=1, resources={DEVICE_RESOURCE: config.cluster.devices}, **quiet)
-        else:
-            ray.init(num_cpus=1, **quiet)
+        else:  # our own instance, never one already running on this machine; on loopback
+            local = {"address": "local", "_node_ip_address": "127.0.0.1", "num_cpus": 1} | quiet
+            if resource == DEVICE_RESOURCE:
+                local["resources"] = {DEVICE_RESOURCE: config.cluster.devices}
+            ray.init(**local)
     available = ray.cluster_resources().get(resource, 0)
     if available < config.cluster.devices:
         fix = (

@@ -86,7 +86,11 @@ def replay_run(run_dir: Path | str) -> dict:
             f"the replayed graph lacks nodes the run ran, e.g. {sorted(missing)[:3]}: the policy's shape changed"
         )
     pace = device_pace(replayed.graph, measured, replayed.setup.devices)
-    trace = SimExecutor(replayed.graph, replayed.setup, device_pace=pace).run(replayed.policy)
+    # A measured node time already holds the slowdown of whatever shared its device: replayed nodes run at full
+    # speed side by side, or interference would count twice (and a shared node at its share, twice again).
+    trace = SimExecutor(replayed.graph, replayed.setup, device_pace=pace, slowdown=lambda kind, alongside: 1.0).run(
+        replayed.policy
+    )
     predicted = time_per_step(trace)
     measured_step = profile["measured_step_time_s"]
     return {

@@ -82,7 +82,10 @@ class DeviceWorker:
             torch.cuda.set_device(self.device)
             strict_fp32()
         elif pin_core and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, {index % os.cpu_count()})
+            # device i is the i-th core this process may use (taskset / cgroups narrow them): two runs started on
+            # different cores keep to them
+            cores = sorted(os.sched_getaffinity(0))
+            os.sched_setaffinity(0, {cores[index % len(cores)]})
         self.index = index
         self.engines = None
 
