@@ -14,6 +14,7 @@ every arrangement:
 Every arrangement is a fresh `dovetail train` process (its own local Ray instance). Time is the training itself:
 a pipeline's time is the sum of its steps' `step_s` (commit to commit, start-up profile and base eval excluded);
 an arrangement's makespan adds the pipelines that ran in turn and takes the longest of those that ran together.
+Efficiency is the pool's busy device-seconds (a core with any node on it) over 2 x the makespan.
 The simulator's prediction of each arrangement comes from `dry_run` (the costs profiled in this process).
 """
 
@@ -76,6 +77,23 @@ def pipeline_figures(run_dir: Path) -> dict:
     }
 
 
+def busy_seconds(run_dir: Path) -> float:
+    """Device-seconds with at least one node running, from the run's trace: a node placed at a share of its device
+    still has the whole core when nothing runs beside it, so this, not the share-weighted efficiency, is the busy
+    time of a core."""
+    spans: dict[int, list[tuple[float, float]]] = {}
+    for event in json.loads((run_dir / "trace.json").read_text())["traceEvents"]:
+        if event["ph"] == "X" and event["cat"] != "switch":
+            spans.setdefault(event["tid"], []).append((event["ts"], event["ts"] + event["dur"]))
+    busy = 0.0
+    for intervals in spans.values():
+        end = float("-inf")
+        for start, stop in sorted(intervals):
+            busy += max(0.0, stop - max(start, end))
+            end = max(end, stop)
+    return busy / 1e6
+
+
 def measure(arrangement: str, configs: dict[str, dict], out: Path) -> dict:
     """Run one arrangement; returns per-pipeline figures and the makespan."""
     if arrangement in ("jigsaw", "jigsaw-greedy"):
@@ -90,12 +108,11 @@ def measure(arrangement: str, configs: dict[str, dict], out: Path) -> dict:
             ],
         }
         finish([run(tree, out)])
-        summary = json.loads((out / "summary.json").read_text())
         figures = {name: pipeline_figures(out / name) for name in configs}
         makespan = max(f["seconds"] for f in figures.values())
-        return {"pipelines": figures, "makespan": makespan, "efficiency": summary["efficiency"]}
+        return {"pipelines": figures, "makespan": makespan, "efficiency": busy_seconds(out) / (2 * makespan)}
     policies = ASYNC if arrangement == "async" else SYNC
-    figures, efficiencies = {}, {}
+    figures = {}
     if arrangement == "split-pool":
         processes = [
             run(c | {"policy": policies[c["kind"]]}, out / name, ["cluster.devices=1"], cores=str(core))
@@ -106,13 +123,9 @@ def measure(arrangement: str, configs: dict[str, dict], out: Path) -> dict:
         if arrangement != "split-pool":
             finish([run(config | {"policy": policies[config["kind"]]}, out / name)])
         figures[name] = pipeline_figures(out / name)
-        efficiencies[name] = json.loads((out / name / "summary.json").read_text())["efficiency"]
-    together = arrangement == "split-pool"
     seconds = [f["seconds"] for f in figures.values()]
-    makespan = max(seconds) if together else sum(seconds)
-    # busy share of the pool over the makespan: each run's efficiency over its own devices and time
-    devices = 1 if together else 2
-    busy = sum(efficiencies[n] * figures[n]["seconds"] * devices for n in figures)
+    makespan = max(seconds) if arrangement == "split-pool" else sum(seconds)
+    busy = sum(busy_seconds(out / name) for name in configs)
     return {"pipelines": figures, "makespan": makespan, "efficiency": busy / (2 * makespan)}
 
 

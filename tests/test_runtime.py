@@ -136,8 +136,13 @@ def test_killed_worker_is_restarted_and_no_sample_is_lost_or_trained_twice(refer
     assert killed and summary["restarts"] >= 1
     ledger = json.loads((out / "ledger.json").read_text())
     assert ledger["problems"] == [] and ledger["restarts"]
-    assert list(killed[0]) in ledger["reruns"]  # its accumulated gradients were rebuilt
+    assert list(killed[0]) in ledger["reruns"]  # its gradients were rebuilt
     assert max_difference(weights(out), weights(reference_run)) <= 1e-5
+    # digen places work by measured time, so two runs split the work differently; the commit sums every part's
+    # gradient in the order of its key: an undisturbed run and the one that lost a worker agree to the last bit
+    undisturbed = tmp_path / "undisturbed"
+    train(config, undisturbed, steps=STEPS)
+    assert all(torch.equal(weights(out)[k], weights(undisturbed)[k]) for k in weights(out))
 
 
 def test_nan_reward_stops_with_a_checkpoint_and_the_run_resumes(local_ray, tmp_path):

@@ -34,8 +34,9 @@ class LoadWeights(Work):
 
 @dataclass(frozen=True)
 class Commit(Work):
-    """All-reduce the step's accumulated gradients over the trainer devices `ranks`, scale the sum by `scale`
-    (1 / the loss normaliser when the train parts summed their losses) and take one optimizer step."""
+    """Sum the step's train parts' gradients over the trainer devices `ranks` (in the order of the parts' keys: the
+    same bits wherever each part ran), scale the sum by `scale` (1 / the loss normaliser when the train parts summed
+    their losses) and take one optimizer step."""
 
     ranks: tuple[int, ...]
     scale: float = 1.0

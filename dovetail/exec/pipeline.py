@@ -39,7 +39,7 @@ class Part:
     index: int = 0
     """Position of the part's output among the node's outputs (results are read in this order)."""
     rerun: bool = False
-    """A finished train part sent again to a restarted device, to rebuild its accumulated gradients."""
+    """A finished train part sent again to a restarted device, to rebuild its gradient."""
 
 
 @dataclass

@@ -169,12 +169,12 @@ class RayExecutor:
         if isinstance(part, SwitchRole):
             ref = worker.switch_role.remote(part.role.value)
         else:
-            ref = worker.run.remote(part.work)
+            ref = worker.run.remote(part.work, (part.node, part.index))
         self._pending[ref] = part
 
     def _recover(self, part: Part | SwitchRole, now: float) -> None:
         """The worker died: wait for Ray to restart it, give it its pipeline's committed trainer state, form the
-        pipeline's device group again, rebuild its accumulated gradients, and re-send the part."""
+        pipeline's device group again, rebuild its train parts' gradients, and re-send the part."""
         worker = self.worker_of(part)
         run = next(iter(self.pipelines.values())) if isinstance(part, SwitchRole) else self.run_of(part.node)
         for _ in range(RESTART_POLLS):

@@ -5,10 +5,12 @@ trainer, reference and reward engines) and does the typed work the driver sends 
 work and never decides: which node runs where is the policy's, through the executor.
 
 The engines live on the worker's device (the GPU Ray assigned it, else the CPU); what crosses Ray (rollouts,
-scores, weights, trainer state) is CPU numpy / tensors, so the driver needs no GPU. Gradients accumulate on the
-device; at the commit the devices that hold the trainer engine all-reduce them in a torch.distributed group (NCCL
-between GPUs, gloo between CPU cores) and take the same optimizer step, so every trainer replica stays equal. A
-worker that dies loses its accumulated gradients: the executor re-runs its train nodes of the open step.
+scores, weights, trainer state) is CPU numpy / tensors, so the driver needs no GPU. Each train part's gradient stays
+on the device, keyed by the part (node, index); at the commit the devices that hold the trainer engine gather every
+part's gradient in a torch.distributed group (NCCL between GPUs, gloo between CPU cores) and each adds them up in
+the order of their keys, so the sum is the same bits whichever device trained which part, in whatever order — a run
+is bitwise reproducible under a scheduler that places work by measured time — and every trainer replica takes the
+same optimizer step. A worker that dies loses its parts' gradients: the executor re-runs them (same keys, same bits).
 """
 
 import os
@@ -64,13 +66,15 @@ def join_process_group(address: str, port: int, rank: int, world: int, backend: 
     )
 
 
-def all_reduce_sum(tensor: torch.Tensor, ranks: tuple[int, ...], groups: dict) -> None:
-    """Sum `tensor` in place over the devices `ranks` (a subgroup cut once, by its members only)."""
+def gather_parts(parts: dict, ranks: tuple[int, ...], groups: dict) -> dict:
+    """Every device's `parts` (key -> gradient) over the devices `ranks` (a subgroup cut once, by its members only)."""
     if len(ranks) < 2:
-        return
+        return parts
     if ranks not in groups:
         groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-    dist.all_reduce(tensor, group=groups[ranks])
+    gathered: list[dict | None] = [None] * len(ranks)
+    dist.all_gather_object(gathered, {key: g.cpu() for key, g in parts.items()}, group=groups[ranks])
+    return {key: gradient for device_parts in gathered for key, gradient in device_parts.items()}
 
 
 @ray.remote(num_cpus=0, resources={DEVICE_RESOURCE: 1}, max_restarts=-1, max_task_retries=0)
@@ -97,7 +101,8 @@ class DeviceWorker:
         holds_policy = self.index < self.config.compute_devices
         engines = pipeline_module(self.config.kind).Engines
         self.engines = engines(self.config, self.device, holds_policy, trainer_state)
-        self.accumulated: torch.Tensor | None = None
+        self.gradients: dict[tuple[str, int], torch.Tensor] = {}
+        """The open step's train parts' gradients here, by part (node, index)."""
         self.role: str | None = None
 
     def held_engines(self) -> list[str]:
@@ -141,9 +146,9 @@ class DeviceWorker:
         self.role = role
         return time.perf_counter() - start
 
-    def run(self, work: Work):
-        """Do one piece of work. A train's gradient joins the step's accumulated gradient, which the commit
-        all-reduces over the trainer devices."""
+    def run(self, work: Work, part: tuple[str, int] | None = None):
+        """Do one piece of work, `part` (node, index) of a node. A train part's gradient is kept under that key
+        for the commit."""
         if isinstance(work, Commit):
             return self._commit(work)
         if isinstance(work, LoadWeights):
@@ -155,23 +160,23 @@ class DeviceWorker:
             trainer.zero_grad(set_to_none=True)
         result = self.engines.run(work)
         if isinstance(result, Trained):
-            gradient = flat_gradient(trainer)
-            self.accumulated = gradient if self.accumulated is None else self.accumulated + gradient
+            self.gradients[part] = flat_gradient(trainer)
             trainer.zero_grad(set_to_none=True)
         return result
 
     def _commit(self, work: Commit) -> float:
-        """All-reduce the step's gradients over the trainer devices and take one optimizer step; returns the
-        pre-clip gradient norm (the same on every replica)."""
+        """Sum the step's train parts' gradients of every trainer device, in the order of their keys, and take one
+        optimizer step; returns the pre-clip gradient norm (the same on every replica)."""
         trainer = self.engines.trainer
-        size = sum(p.numel() for p in trainer.parameters())
-        total = torch.zeros(size, device=self.device) if self.accumulated is None else self.accumulated.clone()
-        all_reduce_sum(total, work.ranks, self.groups)
+        total = torch.zeros(sum(p.numel() for p in trainer.parameters()), device=self.device)
+        parts = gather_parts(self.gradients, work.ranks, self.groups)
+        for key in sorted(parts):
+            total += parts[key].to(self.device)
         if work.scale != 1.0:
             total *= work.scale
         offset = 0
         for p in trainer.parameters():
             p.grad = total[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
-        self.accumulated = None
+        self.gradients = {}
         return commit(trainer, self.engines.optimizer, self.config.train.max_grad_norm)
