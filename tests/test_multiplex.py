@@ -69,6 +69,7 @@ def test_an_lm_and_a_flow_pipeline_multiplexed_end_where_each_ends_alone(policy,
     devices_of = {name: {e["tid"] for e in spans if e["name"].startswith(f"{name}:")} for name in ("sort", "digits")}
     assert devices_of["sort"] & devices_of["digits"], "the pipelines share the pool's devices"
     assert (tmp_path / "gantt.png").exists()
+    assert json.loads((tmp_path / "ledger.json").read_text()).keys() == {"sort", "digits"}
     if policy == "jigsaw-greedy":  # the simulator, given the costs this run measured, predicts it (see BENCHMARKS.md
         # for jigsaw's replay: its look-ahead re-decides on durations that already hold the interference)
         replay = replay_run(tmp_path)

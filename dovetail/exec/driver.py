@@ -113,16 +113,20 @@ def node_seconds(trace) -> dict[str, tuple[float, list[int]]]:
 def write_run_outputs(logs: dict, config, prepared, executor: RayExecutor, trace, costs: dict) -> dict:
     """In the run directory: trace.json (Perfetto / chrome://tracing), gantt.png and run_profile.json for
     `dovetail simulate --from-run`; in each pipeline's directory (the run's own for a single pipeline) its sample
-    ledger.json."""
+    ledger.json, and with several pipelines all of them in the run directory's ledger.json."""
     path = next(iter(logs.values())).run.path if len(logs) == 1 else next(iter(logs.values())).run.path.parent
     trace.write_chrome(path / "trace.json")
     trace.write_gantt(path / "gantt.png", f"dovetail train, policy {config.policy}, {config.cluster.devices} devices")
+    ledgers = {}
     for name, log in logs.items():
         ledger = executor.pipelines[name].ledger
         problems = ledger.problems(executor.expected_samples(name))
-        (log.run.path / "ledger.json").write_text(json.dumps(ledger.to_json() | {"problems": problems}))
+        ledgers[name] = ledger.to_json() | {"problems": problems}
+        (log.run.path / "ledger.json").write_text(json.dumps(ledgers[name]))
         if problems:
             raise RuntimeError(f"sample ledger of {name} violated: {problems[:5]} (see {log.run.path / 'ledger.json'})")
+    if len(logs) > 1:  # every pipeline's ledger in one file too
+        (path / "ledger.json").write_text(json.dumps(ledgers))
     metrics = summarize(trace)
     profile = {
         "policy": config.policy,
