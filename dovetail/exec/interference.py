@@ -101,23 +101,25 @@ def time_alone(side: Side) -> float:
     return per_run(ray.get(side.runs(REPEATS * math.ceil(UNIT_S / (end - start)))))
 
 
+ATTEMPTS = 3
+"""Tries at a pair, each twice as long as the last, before it is taken as time slicing (`SAME_PIPELINE`)."""
+
+
 def slowdowns_beside(a: Side, b: Side) -> tuple[float, float]:
     """The slowdowns of `a` and `b` started at the same moment, each on its own worker, each for as long (alone)
     as the longer of their `repeats_s`. Only the runs that lie wholly inside the time both were running count:
-    one side's work before its first run (its inputs), or after the other's last, had the device to itself."""
+    one side's work before its first run (its inputs), or after the other's last, had the device to itself. A
+    machine busy with other work can stretch one side so far that none of its runs fits: then the pair is tried
+    again for twice as long, and after ATTEMPTS taken as time slicing rather than stopping the run."""
     seconds = max(a.repeats_s(), b.repeats_s())
-    spans = ray.get([side.runs(math.ceil(seconds / side.run_s)) for side in (a, b)])
-    both = (max(s[0][0] for s in spans), min(s[-1][1] for s in spans))
-    slowdowns = []
-    for side, other, runs in ((a, b, spans[0]), (b, a, spans[1])):
-        inside = [(start, end) for start, end in runs if both[0] <= start and end <= both[1]]
-        if not inside:
-            raise RuntimeError(
-                f"no run of {side.pipeline}'s {side.kind} ({side.run_s:.2f} s alone) lay wholly within the time "
-                f"{other.pipeline}'s {other.kind} ran beside it"
-            )
-        slowdowns.append(per_run(inside) / side.run_s)
-    return slowdowns[0], slowdowns[1]
+    for _ in range(ATTEMPTS):
+        spans = ray.get([side.runs(math.ceil(seconds / side.run_s)) for side in (a, b)])
+        both = (max(s[0][0] for s in spans), min(s[-1][1] for s in spans))
+        inside = [[(start, end) for start, end in runs if both[0] <= start and end <= both[1]] for runs in spans]
+        if all(inside):
+            return per_run(inside[0]) / a.run_s, per_run(inside[1]) / b.run_s
+        seconds *= 2
+    return SAME_PIPELINE, SAME_PIPELINE
 
 
 def per_run(spans: list[Span]) -> float:
