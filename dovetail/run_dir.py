@@ -1,12 +1,45 @@
-"""A run directory: config.yaml, metrics.jsonl, summary.json, eval grids and checkpoints/step_{k:06d}/."""
+"""A run directory: config.yaml, metrics.jsonl, summary.json, eval grids and checkpoints/step_{k:06d}/.
 
+A checkpoint is what a long run cannot afford to lose, nor to trust when it should not:
+* it appears whole or not at all: written into checkpoints/.partial-step_NNNNNN/, sealed by a manifest.json (its step,
+  every file's size and sha256), fsynced, then renamed into place;
+* resuming verifies it: the manifest, every file against it, state.json's step against the manifest's and the
+  directory's, and the weights (they load into the run's model and are finite), all before the model is touched.
+  `--resume RUN_DIR` takes the newest checkpoint that passes and names, on stderr, each newer one it skipped and
+  why; `--resume RUN_DIR/checkpoints/step_NNNNNN` naming a broken one is a one-line error naming the file;
+* a run never writes over checkpoints it did not make: one that starts at step k (a fresh run: before step 0) first
+  moves every checkpoint of a later step into superseded/<time>/, beside copies of the config, metrics and summary
+  they belong to, and says so on stderr. So a resumed run cannot overwrite a newer checkpoint, intact or not, and a
+  fresh run in an old directory keeps the old run whole; delete superseded/ when you no longer want it;
+* the run's history stays right across a resume: metrics.jsonl is cut back to the steps up to k (a re-run step
+  appears once), and state.json carries the run's base evaluation, so the summary reports the base the run
+  started from whatever happened to summary.json.
+"""
+
+import hashlib
 import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from dovetail.models.lm import one_line
 from dovetail.models.t2i import load_model, save_model
+
+MANIFEST = "manifest.json"
+SEALED = ("model.safetensors", "config.json", "optimizer.pt", "rng.pt", "state.json")  # in every checkpoint
+STEP_DIR = re.compile(r"step_(\d+)")
+NO_CHECKPOINT = "expected RUN_DIR or RUN_DIR/checkpoints/step_NNNNNN"
+
+
+class BrokenCheckpoint(ValueError):
+    """A checkpoint that must not be resumed from; the message names the file and what is wrong with it."""
 
 
 class RunDir:
@@ -15,10 +48,28 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         self.checkpoints = self.path / "checkpoints"
 
-    def start_fresh(self) -> None:
-        """A new run in an existing directory replaces its metrics and summary (checkpoints stay)."""
-        for name in ("metrics.jsonl", "summary.json"):
-            (self.path / name).unlink(missing_ok=True)
+    def begin(self, resumed_step: int | None) -> None:
+        """Make way for a run that continues after `resumed_step` (None: a fresh run): checkpoints of later steps
+        move to superseded/<time>/, metrics.jsonl keeps the lines of the steps up to it, summary.json goes (the run
+        writes its own when it ends)."""
+        later = [d for step, d in checkpoint_dirs(self.checkpoints) if resumed_step is None or step > resumed_step]
+        if later:
+            (self.path / "superseded").mkdir(exist_ok=True)
+            aside = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=self.path / "superseded"))
+            for name in ("config.yaml", "metrics.jsonl", "summary.json"):
+                if (self.path / name).exists():
+                    shutil.copy2(self.path / name, aside / name)
+            (aside / "checkpoints").mkdir()
+            for directory in later:
+                os.replace(directory, aside / "checkpoints" / directory.name)
+            names = ", ".join(sorted(d.name for d in later))
+            start = "a fresh run" if resumed_step is None else f"a run resumed at step {resumed_step}"
+            print(f"{self.checkpoints}: moved {names} to {aside} to make way for {start}", file=sys.stderr)
+        metrics = self.path / "metrics.jsonl"
+        lines = metrics.read_text().splitlines(keepends=True) if metrics.exists() else []
+        kept = [line for line in lines if resumed_step is not None and _step_of(line) <= resumed_step]
+        _write_atomically(metrics, "".join(kept))
+        (self.path / "summary.json").unlink(missing_ok=True)
 
     def write_config(self, text: str) -> None:
         (self.path / "config.yaml").write_text(text)
@@ -26,14 +77,6 @@ class RunDir:
     def append_metrics(self, metrics: dict) -> None:
         with open(self.path / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
-
-    def read_metrics(self) -> list[dict]:
-        path = self.path / "metrics.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-    def read_summary(self) -> dict:
-        path = self.path / "summary.json"
-        return json.loads(path.read_text()) if path.exists() else {}
 
     def write_summary(self, summary: dict) -> None:
         (self.path / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -66,39 +109,193 @@ class RunDir:
         plt.close(fig)
 
     def save_checkpoint(
-        self, step: int, model, optimizer: torch.optim.Optimizer, extra: dict | None = None, save_weights=None
+        self, step: int, model, optimizer: torch.optim.Optimizer, state: dict, save_weights=None
     ) -> Path:
-        """`save_weights(directory)` writes the model in its own format (default: the flow model's)."""
-        directory = self.checkpoints / f"step_{step:06d}"
+        """Write checkpoints/step_{step:06d}/ whole or not at all; `state` goes into its state.json beside the step.
+        `save_weights(directory)` writes the model in its own format (default: the flow model's)."""
+        final = self.checkpoints / f"step_{step:06d}"
+        partial = self.checkpoints / f".partial-{final.name}"
+        shutil.rmtree(partial, ignore_errors=True)  # left by a crash in the middle of saving this step
+        partial.mkdir(parents=True)
         if save_weights is None:
-            save_model(model, directory)
+            save_model(model, partial)
         else:
-            save_weights(directory)
-        torch.save(optimizer.state_dict(), directory / "optimizer.pt")
-        torch.save({"torch": torch.get_rng_state()}, directory / "rng.pt")
-        (directory / "state.json").write_text(json.dumps({"step": step} | (extra or {})))
-        return directory
+            save_weights(partial)
+        torch.save(optimizer.state_dict(), partial / "optimizer.pt")
+        torch.save({"torch": torch.get_rng_state()}, partial / "rng.pt")
+        (partial / "state.json").write_text(json.dumps({"step": step} | state))
+        seal(partial, step)
+        if final.exists():  # a step saved again: its run's reward failed right after a periodic save
+            replaced = self.checkpoints / f".replaced-{final.name}"
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.replace(final, replaced)
+            os.replace(partial, final)
+            shutil.rmtree(replaced)
+        else:
+            os.replace(partial, final)
+        _fsync(self.checkpoints)
+        return final
 
-    def latest_checkpoint(self) -> Path | None:
-        found = sorted(self.checkpoints.glob("step_*/state.json"))
-        return found[-1].parent if found else None
 
-    @staticmethod
-    def resolve_checkpoint(path: Path | str) -> Path:
-        """A checkpoint directory, or a run directory meaning its latest checkpoint."""
-        path = Path(path)
-        if (path / "state.json").exists():
-            return path
-        latest = RunDir(path).latest_checkpoint() if path.is_dir() else None
-        if latest is None:
-            raise FileNotFoundError(f"no checkpoint at {path}: expected RUN_DIR or RUN_DIR/checkpoints/step_NNNNNN")
-        return latest
+def checkpoint_dirs(checkpoints: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every checkpoints/step_N, newest first, intact or not."""
+    found = [(int(m[1]), p) for p in checkpoints.glob("step_*") if (m := STEP_DIR.fullmatch(p.name))]
+    return sorted(found, reverse=True)
 
-    def load_checkpoint(self, path: Path | str, model, optimizer: torch.optim.Optimizer, load_weights=None) -> int:
-        """Restore weights, optimizer and RNG state in place; returns the number of steps done. `load_weights(dir)`
-        reads the model of a checkpoint in its own format (default: the flow model's)."""
-        directory = self.resolve_checkpoint(path)
-        model.load_state_dict((load_weights or load_model)(directory).state_dict())
-        optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
-        torch.set_rng_state(torch.load(directory / "rng.pt", weights_only=True)["torch"])
-        return json.loads((directory / "state.json").read_text())["step"]
+
+def seal(directory: Path, step: int) -> None:
+    """Write a checkpoint directory's manifest.json (its step, every other file's size and sha256), everything
+    fsynced: what resuming checks the checkpoint against."""
+    files = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST):
+        _fsync(path)
+        files[path.relative_to(directory).as_posix()] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    (directory / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=2))
+    _fsync(directory / MANIFEST)
+    _fsync(directory)
+
+
+def load_checkpoint(path: Path | str, model, optimizer: torch.optim.Optimizer, load_weights=None) -> dict:
+    """Restore weights, optimizer and RNG state in place from a checkpoint directory, or from the newest intact
+    checkpoint of a run directory (a line on stderr for each newer one skipped); returns its state.json.
+    `load_weights(directory)` reads the model of a checkpoint in its own format (default: the flow model's)."""
+    path = Path(path)
+    if STEP_DIR.fullmatch(path.name):
+        if not path.is_dir():
+            raise FileNotFoundError(f"no checkpoint at {path}: {NO_CHECKPOINT}")
+        try:
+            return _restore(path, model, optimizer, load_weights)
+        except BrokenCheckpoint as broken:
+            run = path.parent.parent
+            raise BrokenCheckpoint(
+                f"checkpoint {path} is broken: {broken}; resume from another one (--resume {run} takes the newest "
+                "intact checkpoint)"
+            ) from None
+    skipped = []
+    for _, directory in checkpoint_dirs(path / "checkpoints"):
+        try:
+            state = _restore(directory, model, optimizer, load_weights)
+        except BrokenCheckpoint as broken:
+            skipped.append((directory, broken))
+            continue
+        for broken_directory, reason in skipped:
+            print(f"skipped broken checkpoint {broken_directory}: {reason}; resuming from {directory}", file=sys.stderr)
+        return state
+    if skipped:
+        reasons = "; ".join(f"{d.name}: {reason}" for d, reason in skipped)
+        raise BrokenCheckpoint(f"no intact checkpoint in {path / 'checkpoints'} ({reasons}); train afresh instead")
+    raise FileNotFoundError(f"no checkpoint at {path}: {NO_CHECKPOINT}")
+
+
+def _restore(directory: Path, model, optimizer: torch.optim.Optimizer, load_weights) -> dict:
+    """Load one checkpoint into the model, optimizer and RNG; everything is read and checked before any of them
+    changes, so a broken checkpoint (BrokenCheckpoint) leaves them as they were."""
+    state = _verify(directory)
+    try:
+        weights = (load_weights or load_model)(directory).state_dict()
+    except (ValueError, FileNotFoundError) as error:  # the loaders' one-line errors name the file
+        raise BrokenCheckpoint(str(error)) from None
+    expected = model.state_dict()
+    misfit = sorted(
+        k
+        for k in expected.keys() | weights.keys()
+        if k not in expected or k not in weights or weights[k].shape != expected[k].shape
+    )
+    if misfit:
+        raise BrokenCheckpoint(f"model.safetensors does not fit the run's model (tensor {misfit[0]})")
+    non_finite = sorted(k for k, v in weights.items() if v.is_floating_point() and not torch.isfinite(v).all())
+    if non_finite:
+        raise BrokenCheckpoint(f"model.safetensors holds NaN or infinite weights (tensor {non_finite[0]})")
+    optimizer_state = _torch_load(directory / "optimizer.pt")
+    rng = _torch_load(directory / "rng.pt")
+    rng = rng.get("torch") if isinstance(rng, dict) else None
+    if not isinstance(rng, torch.Tensor) or rng.dtype != torch.uint8 or rng.shape != torch.get_rng_state().shape:
+        raise BrokenCheckpoint("rng.pt holds no torch RNG state")
+    try:
+        optimizer.load_state_dict(optimizer_state)  # checks its parameter groups before it changes anything
+    except (ValueError, KeyError, TypeError) as error:
+        raise BrokenCheckpoint(f"optimizer.pt does not fit the run's optimizer: {one_line(error)}") from None
+    model.load_state_dict(weights)
+    torch.set_rng_state(rng)
+    return state
+
+
+def _verify(directory: Path) -> dict:
+    """state.json of a checkpoint whose files are the ones its manifest lists and whose steps agree."""
+    step = int(STEP_DIR.fullmatch(directory.name)[1])
+    manifest = _read_json(directory / MANIFEST)
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or manifest.get("step") != step:
+        raise BrokenCheckpoint(f"{MANIFEST} is not the manifest of step {step}")
+    unlisted = [name for name in SEALED if name not in files]
+    if unlisted:
+        raise BrokenCheckpoint(f"{MANIFEST} does not list {unlisted[0]}")
+    for name, entry in files.items():
+        path, entry = directory / name, entry if isinstance(entry, dict) else {}
+        if not path.is_file():
+            raise BrokenCheckpoint(f"{name} missing")
+        if path.stat().st_size != entry.get("bytes"):
+            raise BrokenCheckpoint(f"{name} has {path.stat().st_size} bytes, {MANIFEST} says {entry.get('bytes')}")
+        if _sha256(path) != entry.get("sha256"):
+            raise BrokenCheckpoint(f"{name} checksum mismatch (changed after it was saved)")
+    state = _read_json(directory / "state.json")
+    recorded = state.get("step") if isinstance(state, dict) else None
+    if type(recorded) is not int or recorded < 0:
+        raise BrokenCheckpoint(f"state.json step {recorded!r} is not a non-negative integer")
+    if recorded != step:
+        raise BrokenCheckpoint(f"state.json says step {recorded}, the directory and {MANIFEST} step {step}")
+    base = state.get("base_eval")
+    if not isinstance(base, dict) or not isinstance(base.get("total"), float | int):
+        raise BrokenCheckpoint("state.json has no base_eval with a total")
+    if not isinstance(state.get("eval_reward"), float | int):
+        raise BrokenCheckpoint("state.json has no eval_reward")
+    return state
+
+
+def _read_json(path: Path):
+    if not path.is_file():
+        raise BrokenCheckpoint(f"{path.name} missing")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as error:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise BrokenCheckpoint(f"{path.name} unreadable: {one_line(error)}") from None
+
+
+def _torch_load(path: Path):
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as error:  # a damaged file raises RuntimeError, EOFError, UnpicklingError... as it happens
+        raise BrokenCheckpoint(f"{path.name} unreadable: {one_line(error)}") from None
+
+
+def _step_of(line: str) -> float:
+    """The step of a metrics.jsonl line; infinite for a line a crash cut short (never kept)."""
+    try:
+        step = json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
+    return step if type(step) is int else float("inf")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    """Push a file, or a directory's entries, to the disk: a rename is only as durable as what it renames."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    partial = path.with_name(f".partial-{path.name}")
+    partial.write_text(text)
+    _fsync(partial)
+    os.replace(partial, path)

@@ -31,9 +31,9 @@ from dovetail.models.lm import load_lm, save_lm
 from dovetail.models.pretrain import latents_to_images
 from dovetail.models.t2i import load_model
 from dovetail.recipe import advantages_of, evaluate, make_optimizer, policy_gradient, sde_settings, step_timesteps
-from dovetail.rewards import score
+from dovetail.rewards import RewardError, score
 from dovetail.rewards.text import score_text
-from dovetail.run_dir import RunDir
+from dovetail.run_dir import RunDir, load_checkpoint
 from dovetail.tasks import task
 
 
@@ -89,38 +89,55 @@ class StepLog:
     """What happens after every optimizer step of a pipeline, whoever ran it: metrics, evaluation, checkpoints,
     progress; and the pipeline's summary.json when the run ends."""
 
-    def __init__(self, run: RunDir, config: PipelineConfig, local, last_step: int, summary: dict, progress: Progress):
-        """`local` is the pipeline's model in this process (`FlowLocal`, `LMLocal`): what is evaluated and saved."""
+    def __init__(
+        self,
+        run: RunDir,
+        config: PipelineConfig,
+        local,
+        last_step: int,
+        base_eval: dict,
+        eval_reward: float,
+        progress: Progress,
+    ):
+        """`local` is the pipeline's model in this process (`FlowLocal`, `LMLocal`): what is evaluated and saved;
+        `eval_reward` its latest evaluation."""
         self.run, self.config, self.local = run, config, local
         self.model, self.optimizer = local.model, local.optimizer
         self.last_step = last_step
-        self.summary = summary
-        self.eval_reward = summary.get("final_eval_reward", summary["base_eval_reward"])
+        self.summary = {"base_eval_reward": base_eval["total"], "base_eval": base_eval}
+        self.eval_reward = eval_reward
         self.samples_per_s: list[float] = []
         self.progress = progress
         self.task = progress.add_task(config.pipeline_name, total=last_step, reward=0.0, eval=self.eval_reward, sps=0.0)
 
     @classmethod
     def open(cls, config: PipelineConfig, run: RunDir, resume: Path | None, last_step: int, progress: Progress):
-        """The pipeline's model, fresh or from a checkpoint, evaluated once before its first step; returns the log
-        and the number of steps already done."""
+        """The pipeline's model: fresh, evaluated once before its first step, or from a checkpoint, whose state.json
+        holds the run's base and latest evaluations (a resumed run reports the base its run started from). Returns
+        the log and the number of steps already done."""
         local = FlowLocal(config) if config.kind == "flow" else LMLocal(config)
-        first_step = 0
-        if resume is not None:
-            first_step = run.load_checkpoint(resume, local.model, local.optimizer, local.load_weights)
-        else:
-            run.start_fresh()
+        state = None if resume is None else load_checkpoint(resume, local.model, local.optimizer, local.load_weights)
+        run.begin(None if state is None else state["step"])
         run.write_config(dump_config(config))
-        summary = run.read_summary()
-        if "base_eval_reward" not in summary:
+        if state is None:
             base = local.evaluate(run, "eval_base.png")
-            summary |= {"base_eval_reward": base["total"], "base_eval": base}
-        log = cls(run, config, local, last_step, summary, progress)
-        progress.update(log.task, completed=first_step)
-        return log, first_step
+            state = {"step": 0, "base_eval": base, "eval_reward": base["total"]}
+        log = cls(run, config, local, last_step, state["base_eval"], state["eval_reward"], progress)
+        progress.update(log.task, completed=state["step"])
+        return log, state["step"]
 
     def checkpoint(self, done: int, extra: dict | None = None) -> Path:
-        return self.run.save_checkpoint(done, self.model, self.optimizer, extra, self.local.save_weights)
+        """Save step `done` with the run's base and latest evaluations, which a run resumed from it reports."""
+        state = {"base_eval": self.summary["base_eval"], "eval_reward": self.eval_reward} | (extra or {})
+        return self.run.save_checkpoint(done, self.model, self.optimizer, state, self.local.save_weights)
+
+    def stop(self, done: int, error: RewardError) -> str:
+        """Save step `done`, the last one completed, of a run whose reward failed; returns what to tell the user."""
+        checkpoint = self.checkpoint(done)
+        return (
+            f"{error}; pipeline {self.config.pipeline_name} stopped, its last completed step is saved in {checkpoint}: "
+            f"fix the reward and resume with `dovetail train {self.run.path / 'config.yaml'} --resume {self.run.path}`"
+        )
 
     def needs_weights(self, done: int) -> bool:
         """Whether step `done` evaluates or checkpoints (the Ray driver then fetches the trainer state)."""
@@ -151,7 +168,7 @@ class StepLog:
 
     def finish(self, extra: dict | None = None) -> dict:
         """The pipeline's summary.json: its evaluations before and after, and its mean throughput."""
-        mean_sps = float(np.mean(self.samples_per_s)) if self.samples_per_s else self.summary.get("samples_per_s", 0.0)
+        mean_sps = float(np.mean(self.samples_per_s)) if self.samples_per_s else 0.0
         self.summary |= {"final_eval_reward": self.eval_reward, "steps": self.last_step, "samples_per_s": mean_sps}
         self.summary |= extra or {}
         self.run.write_summary(self.summary)
@@ -224,7 +241,11 @@ def train(
         if config.policy == "reference":
             (log,) = logs.values()
             for step in range(first_steps[log.config.pipeline_name], last_step):
-                log.record(step + 1, log.local.rl_step(step))
+                try:
+                    metrics = log.local.rl_step(step)
+                except RewardError as error:  # the step changed nothing yet: its reward comes before its training
+                    raise RewardError(log.stop(step, error)) from error
+                log.record(step + 1, metrics)
             run_figures = {}
         else:
             run_figures = train_on_ray(config, logs, first_steps, last_step, after_part=after_part)

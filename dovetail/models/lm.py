@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ConfigDict
+from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -85,20 +86,33 @@ def load_tokenizer(directory: Path | str) -> CharTokenizer:
     return CharTokenizer.load(require_checkpoint(directory))
 
 
+def one_line(error: BaseException, limit: int = 300) -> str:
+    """An exception's message on one line, cut at `limit` characters: torch and pydantic write several lines (a
+    state dict that does not fit lists every tensor), an error for the user is one line."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def read_lm_config(directory: Path) -> LMConfig:
     try:
         return LMConfig(**json.loads((directory / "config.json").read_text()))
     except (OSError, ValueError, TypeError) as error:  # pydantic's ValidationError is a ValueError
-        reason = " ".join(str(error).split())
-        raise ValueError(f"unreadable {directory / 'config.json'}: {reason}") from None
+        raise ValueError(f"unreadable {directory / 'config.json'}: {one_line(error)}") from None
 
 
 def load_lm(directory: Path | str) -> tuple[LlamaForCausalLM, CharTokenizer, LMConfig]:
-    """The model (in eval mode), its tokenizer and its config; a missing checkpoint says how to make one."""
+    """The model (in eval mode), its tokenizer and its config; a missing checkpoint says how to make one, weights
+    that do not load (a damaged file, another model's) are one line naming the file."""
     directory = require_checkpoint(directory)
     config = read_lm_config(directory)
     model = build_lm(config)
-    load_model(model, str(directory / "model.safetensors"))
+    weights = directory / "model.safetensors"
+    try:
+        load_model(model, str(weights))
+    except (SafetensorError, RuntimeError, OSError) as error:  # a damaged header; a tensor missing or misshapen
+        raise ValueError(
+            f"cannot load {weights} into the model {directory / 'config.json'} describes: {one_line(error)}"
+        ) from None
     return model.eval(), CharTokenizer.load(directory), config
 
 

@@ -10,7 +10,10 @@ from pathlib import Path
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 from pydantic import BaseModel, ConfigDict
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+
+from dovetail.models.lm import one_line
 
 VOCAB = ("<pad>", "digit", *[str(d) for d in range(10)])
 CHECKPOINT_DIR = Path(__file__).resolve().parent.parent / "assets"
@@ -110,9 +113,18 @@ def checkpoint_weights(directory: Path | str) -> Path:
 
 
 def load_model(directory: Path | str) -> TinyT2I:
+    """The model of a checkpoint directory, in eval mode; a config or weights that do not load (a damaged file,
+    another model's) are one line naming the file."""
     directory = Path(directory)
     weights = checkpoint_weights(directory)
-    config = T2IConfig(**json.loads((directory / "config.json").read_text()))
+    config_path = directory / "config.json"
+    try:
+        config = T2IConfig(**json.loads(config_path.read_text()))
+    except (OSError, ValueError, TypeError) as error:  # pydantic's ValidationError is a ValueError
+        raise ValueError(f"unreadable {config_path}: {one_line(error)}") from None
     model = TinyT2I(config)
-    model.load_state_dict(load_file(weights))
+    try:
+        model.load_state_dict(load_file(weights))
+    except (SafetensorError, RuntimeError, OSError) as error:  # a damaged header; a tensor missing or misshapen
+        raise ValueError(f"cannot load {weights} into the model {config_path} describes: {one_line(error)}") from None
     return model.eval()
