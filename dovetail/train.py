@@ -221,11 +221,17 @@ class LMLocal:
 
 
 def train(
-    config: TrainConfig, out: Path, *, steps: int | None = None, resume: Path | None = None, after_part=None
+    config: TrainConfig,
+    out: Path,
+    *,
+    steps: int | None = None,
+    resume: Path | None = None,
+    after_start=None,
+    after_part=None,
 ) -> dict:
     """Train every pipeline of the run to `steps` (default config.train.steps) under config.policy; returns the
     summary. A multiplexed run keeps each pipeline in its own sub-directory of `out` (and resumes each from there).
-    `after_part` is the Ray executor's fault-injection hook, for tests."""
+    `after_start` / `after_part` are the Ray runtime's fault-injection hooks, for tests."""
     torch.set_num_threads(1)
     root = RunDir(out)
     multiplexed = isinstance(config, MultiplexConfig)
@@ -248,7 +254,9 @@ def train(
                 log.record(step + 1, metrics)
             run_figures = {}
         else:
-            run_figures = train_on_ray(config, logs, first_steps, last_step, after_part=after_part)
+            run_figures = train_on_ray(
+                config, logs, first_steps, last_step, after_start=after_start, after_part=after_part
+            )
     if not multiplexed:
         return next(iter(logs.values())).finish(run_figures)
     stopped = run_figures.get("stopped", {})

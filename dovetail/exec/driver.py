@@ -58,11 +58,16 @@ class StepMetrics:
         return metrics
 
 
-def train_on_ray(config, logs: dict, first_steps: dict[str, int], last_step: int, *, after_part=None) -> dict:
+def train_on_ray(
+    config, logs: dict, first_steps: dict[str, int], last_step: int, *, after_start=None, after_part=None
+) -> dict:
     """Train every pipeline of the run from its first step up to `last_step` under config.policy; `logs` are the
-    pipelines' `StepLog`s (metrics, eval, checkpoints). Returns run-level figures for the summary."""
+    pipelines' `StepLog`s (metrics, eval, checkpoints). Returns run-level figures for the summary. Fault-injection
+    hooks: `after_start(started)` once the workers are configured, before the start-up profile; `after_part`."""
     start_ray(config)
     started = start_workers(config, {name: trainer_state_of(log.model, log.optimizer) for name, log in logs.items()})
+    if after_start is not None:
+        after_start(started)
     steps = {last_step - first for first in first_steps.values()}
     if len(steps) != 1:
         raise ValueError(f"every pipeline of a run resumes from the same step; got {first_steps}")
@@ -73,7 +78,7 @@ def train_on_ray(config, logs: dict, first_steps: dict[str, int], last_step: int
         done, log = rl_step + 1, logs[pipeline]
         metrics = step_metrics[pipeline](executor, rl_step - first_steps[pipeline])
         if log.needs_weights(done):
-            load_trainer_state(log.model, log.optimizer, ray.get(executor.pipelines[pipeline].trainer_state))
+            load_trainer_state(log.model, log.optimizer, executor.committed_state(pipeline))
         log.record(done, metrics, {"policy": config.policy, "version": done})
 
     executor = make_executor(config, prepared, started, first_steps, on_commit=on_commit, after_part=after_part)
@@ -89,7 +94,7 @@ def save_stopped(executor: RayExecutor, name: str, logs: dict, first_step: int) 
     user (a multiplexed pipeline resumes alone, from the config in its sub-directory)."""
     log = logs[name]
     done = first_step + executor.committed_steps(name)
-    load_trainer_state(log.model, log.optimizer, ray.get(executor.pipelines[name].trainer_state))
+    load_trainer_state(log.model, log.optimizer, executor.committed_state(name))
     checkpoint = log.checkpoint(done, {"policy": log.config.policy, "version": done})
     log.last_step = done
     alone = f"{log.run.path / 'config.yaml'} " if len(logs) > 1 else ""
@@ -115,6 +120,7 @@ def write_run_outputs(logs: dict, config, prepared, executor: RayExecutor, trace
     `dovetail simulate --from-run`; in each pipeline's directory (the run's own for a single pipeline) its sample
     ledger.json, and with several pipelines all of them in the run directory's ledger.json."""
     path = next(iter(logs.values())).run.path if len(logs) == 1 else next(iter(logs.values())).run.path.parent
+    device_engines = executor.held_engines()  # first: a worker that died after the last step is brought back
     trace.write_chrome(path / "trace.json")
     trace.write_gantt(path / "gantt.png", f"dovetail train, policy {config.policy}, {config.cluster.devices} devices")
     ledgers = {}
@@ -146,10 +152,7 @@ def write_run_outputs(logs: dict, config, prepared, executor: RayExecutor, trace
         "step_time_s": metrics.step_time_s,
         "max_staleness": metrics.max_staleness,
         "restarts": sum(len(run.ledger.restarts) for run in executor.pipelines.values()),
-        "device_engines": {
-            name: ray.get([worker.held_engines.remote() for worker in run.workers])
-            for name, run in executor.pipelines.items()
-        },
+        "device_engines": device_engines,
     }
 
 

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 import ray
 import torch
+from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -18,9 +19,10 @@ from dovetail.cost.catalog import DEVICES, device
 from dovetail.cost.model import CostModel
 from dovetail.exec.interference import measure_interference
 from dovetail.exec.metrics import summarize
-from dovetail.exec.pipeline import pipeline_module
+from dovetail.exec.pipeline import Ledger, pipeline_module
 from dovetail.exec.ray_executor import PipelineRun, RayExecutor
-from dovetail.exec.worker import DEVICE_RESOURCE, DeviceWorker, form_group
+from dovetail.exec.recovery import RECOVERY_DEADLINE_S, revive
+from dovetail.exec.worker import DEVICE_RESOURCE, DeviceWorker, WorkerRestarted
 from dovetail.scenario import Prepared, Scenario, prepare, simulate
 
 
@@ -64,6 +66,8 @@ def start_ray(config: TrainConfig) -> None:
         )
 
 
+STARTUP_ATTEMPTS = 3
+"""Start-up profiles tried before a run gives up on workers that keep dying."""
 MAX_PIPELINES = 4
 """Pipelines one run may multiplex. Each has a worker process of its own on every device, so pipelines share a
 device the way JigsawRL's share a GPU (on a CPU core, the processes split its time; on a GPU, MPS shares), and
@@ -105,9 +109,19 @@ def _workers(config: TrainConfig, slot: int) -> list:
 class Started:
     """A pipeline's workers, configured for the run, and its initial weights and trainer state in the object store."""
 
+    config: dict
+    """The pipeline's config dump, as its workers were configured (and a restarted one is again)."""
     workers: list
+    pids: list[int]
+    """The process of each worker now: a new one is a restart (`recovery.revive`)."""
     weights: ray.ObjectRef
     trainer_state: ray.ObjectRef
+    restarts: list[tuple[float, int, str]] = field(default_factory=list)
+    """Devices that restarted before the run's first step (during the start-up profile), as the ledger keeps them."""
+
+    def revive(self, during: str) -> None:
+        for index in revive(self.workers, self.pids, self.config, self.trainer_state, RECOVERY_DEADLINE_S):
+            self.restarts.append((0.0, index, during))
 
 
 def start_workers(config: TrainConfig, trainer_states: dict[str, dict]) -> dict[str, Started]:
@@ -120,9 +134,9 @@ def start_workers(config: TrainConfig, trainer_states: dict[str, dict]) -> dict[
         workers = _workers(config, slot)
         state_ref = ray.put(trainer_states[name])
         weights_ref = ray.put(trainer_states[name]["weights"])
-        ray.get([w.configure.remote(pipeline.model_dump(mode="json"), state_ref) for w in workers])
-        form_group(workers)
-        started[name] = Started(workers, weights_ref, state_ref)
+        started[name] = Started(pipeline.model_dump(mode="json"), workers, [0] * len(workers), weights_ref, state_ref)
+        started[name].revive("configure")  # every worker is new to this run: configured and grouped, even if one
+        started[name].restarts.clear()  # dies meanwhile; not a restart of the run's
     return started
 
 
@@ -151,13 +165,21 @@ def prepare_run(config: TrainConfig, steps: int, started: dict[str, Started]) ->
     other down on one device, measured there and put in every pipeline's cost model; then the policy's graph of every
     pipeline."""
     configs = pipeline_configs(config)
-    costs = {
-        name: profiled_cost(pipeline, pipeline.scenario(steps), started[name].workers)
-        for name, pipeline in configs.items()
-    }
-    if len(configs) > 1:
-        table = measure_interference(started, configs)
-        costs = {name: cost.with_interference(table) for name, cost in costs.items()}
+    for attempt in range(STARTUP_ATTEMPTS):
+        try:
+            costs = {
+                name: profiled_cost(pipeline, pipeline.scenario(steps), started[name].workers)
+                for name, pipeline in configs.items()
+            }
+            if len(configs) > 1:
+                table = measure_interference(started, configs)
+                costs = {name: cost.with_interference(table) for name, cost in costs.items()}
+            break
+        except (RayActorError, WorkerRestarted):  # a worker died while profiling: bring it back, profile again
+            if attempt == STARTUP_ATTEMPTS - 1:
+                raise
+            for pipeline in started.values():
+                pipeline.revive("start-up")
     return costs, prepare(
         config.scenario(steps),
         config.policy,
@@ -232,9 +254,11 @@ def make_executor(
             name,
             pipeline,
             started[name].workers,
+            started[name].pids,
             first_steps[name],
             {0: started[name].weights},
             started[name].trainer_state,
+            ledger=Ledger(restarts=list(started[name].restarts)),
         )
         for name, pipeline in pipeline_configs(config).items()
     }

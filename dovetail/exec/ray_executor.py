@@ -27,14 +27,13 @@ from ray.exceptions import RayActorError, RayTaskError
 from dovetail.exec.loop import settle
 from dovetail.exec.messages import Commit, LoadWeights, Trained
 from dovetail.exec.pipeline import Ledger, Part, PipelineAdapter, pipeline_module
+from dovetail.exec.recovery import RECOVERY_DEADLINE_S, revive
 from dovetail.exec.state import ClusterState
 from dovetail.exec.trace import Trace
-from dovetail.exec.worker import form_group
+from dovetail.exec.worker import WorkerRestarted
 from dovetail.graph.node import Graph, Kind, Node, SampleId
 from dovetail.rewards import RewardError
 from dovetail.sched.policy import Migrate, Policy, Run, Setup, StepCommitted, SwitchRole
-
-RESTART_POLLS = 600
 
 
 @dataclass
@@ -46,6 +45,8 @@ class PipelineRun:
     name: str
     config: object
     workers: list
+    pids: list[int]
+    """The process of each worker now: a new one is a restart (`recovery.revive`)."""
     first_step: int
     versions: dict[int, ray.ObjectRef]
     """Published weights by graph version (0: the run's initial weights)."""
@@ -55,13 +56,11 @@ class PipelineRun:
     trainer_devices: tuple[int, ...] = ()
     uncommitted: dict[int, list[Part]] = field(default_factory=lambda: defaultdict(list))
     """Device -> train parts whose gradients its worker holds, not yet consumed by a commit."""
-    pids: list[int] = field(default_factory=list)
     publish_bytes: int = 0
     publish_seconds: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.adapter = pipeline_module(self.config.kind).Adapter(self.config, self.first_step)
-        self.pids = ray.get([worker.ping.remote() for worker in self.workers])
         self.publish_bytes = sum(v.nbytes for v in ray.get(self.versions[0]).values())
 
 
@@ -74,9 +73,11 @@ class RayExecutor:
         *,
         on_commit: Callable[[str, int, RayExecutor], None] | None = None,
         after_part: Callable[[RayExecutor, Part], None] | None = None,
+        recovery_deadline_s: float = RECOVERY_DEADLINE_S,
     ) -> None:
         """`on_commit(pipeline, rl_step, self)` runs after each optimizer step; `after_part` is a hook for
-        fault-injection tests."""
+        fault-injection tests; a worker that dies must be back within `recovery_deadline_s`."""
+        self.recovery_deadline_s = recovery_deadline_s
         self.graph = graph
         self.setup = setup
         self.pipelines = pipelines
@@ -137,9 +138,12 @@ class RayExecutor:
                 if isinstance(error, RewardError):
                     self._stop(part, error)
                     continue
-                if not self._lost_a_peer(part):
+                if isinstance(error, WorkerRestarted):  # sent before the executor saw the death
+                    self._recover(part, time.perf_counter() - start)
+                    continue
+                if not self._lost_a_peer(part, time.perf_counter() - start):
                     raise
-                self._submit(part)  # its all-reduce lost a peer that died; the group is formed again
+                self._submit(part)  # its gather lost a peer that died; the group is formed again
                 continue
             state.now = time.perf_counter() - start
             if isinstance(part, SwitchRole):
@@ -157,12 +161,23 @@ class RayExecutor:
         self.stopped[pipeline] = error
         self.state.stop(pipeline)
 
+    def held_engines(self) -> dict[str, list[list[str]]]:
+        """The engines each pipeline's devices hold, its workers brought back first if one died after the last step."""
+        for run in self.pipelines.values():
+            self._revive(run, self.state.now, "end")
+        return {name: ray.get([w.held_engines.remote() for w in run.workers]) for name, run in self.pipelines.items()}
+
     def committed_steps(self, pipeline: str) -> int:
         return sum(1 for record in self.state.trace.steps if record.pipeline == pipeline)
 
-    def _lost_a_peer(self, part: Part | SwitchRole) -> bool:
-        """A commit that failed after a restart in its pipeline: its all-reduce lost the peer that died."""
-        return isinstance(part, Part) and isinstance(part.work, Commit) and bool(self.run_of(part.node).ledger.restarts)
+    def _lost_a_peer(self, part: Part | SwitchRole, now: float) -> bool:
+        """Whether a failed part is a commit whose gather lost a peer that died: then the pipeline's workers are
+        brought back (the dead one's parts rebuilt before its commit is sent again) and the commit may be re-sent."""
+        if not (isinstance(part, Part) and isinstance(part.work, Commit)):
+            return False
+        run = self.run_of(part.node)
+        self._revive(run, now, part.node)
+        return bool(run.ledger.restarts)
 
     def _submit(self, part: Part | SwitchRole) -> None:
         worker = self.worker_of(part)
@@ -173,27 +188,34 @@ class RayExecutor:
         self._pending[ref] = part
 
     def _recover(self, part: Part | SwitchRole, now: float) -> None:
-        """The worker died: wait for Ray to restart it, give it its pipeline's committed trainer state, form the
-        pipeline's device group again, rebuild its train parts' gradients, and re-send the part."""
-        worker = self.worker_of(part)
+        """A worker died (or answered from a new, bare incarnation): bring its pipeline back, send the part again."""
         run = next(iter(self.pipelines.values())) if isinstance(part, SwitchRole) else self.run_of(part.node)
-        for _ in range(RESTART_POLLS):
-            try:
-                pid = ray.get(worker.ping.remote(), timeout=30)
-                break
-            except RayActorError:
-                time.sleep(0.1)  # Ray is still restarting the actor
-        else:
-            raise RuntimeError(f"device {part.device} of pipeline {run.name} did not come back after it died")
-        if pid != run.pids[part.device]:  # a new incarnation: restore it once
-            run.pids[part.device] = pid
-            run.ledger.restarts.append((round(now, 3), part.device, getattr(part, "node", "switch")))
-            ray.get(worker.configure.remote(run.config.model_dump(mode="json"), run.trainer_state))
-            form_group(run.workers)
-            for lost in run.uncommitted[part.device]:
-                run.ledger.reruns.append((part.device, lost.node))
-                self._submit(replace(lost, rerun=True))
+        self._revive(run, now, getattr(part, "node", "switch"))
         self._submit(part)
+
+    def committed_state(self, pipeline: str) -> dict:
+        """The pipeline's last committed trainer state (weights + optimizer). Its ref was taken from the first trainer
+        device at the commit; should that device have died since, another trainer replica holds the same state."""
+        run = self.pipelines[pipeline]
+        for device in (None, *run.trainer_devices[1:]):
+            if device is not None:
+                run.trainer_state = run.workers[device].trainer_state.remote()
+            try:
+                return ray.get(run.trainer_state)
+            except (RayActorError, RayTaskError):
+                continue
+        raise RuntimeError(f"pipeline {pipeline}: every trainer device died after the commit; resume from a checkpoint")
+
+    def _revive(self, run: PipelineRun, now: float, during: str) -> None:
+        """Bring the pipeline's workers back with its committed trainer state and group (`recovery.revive`) and
+        rebuild the gradients of the restarted devices' train parts of the open step (sent before anything else)."""
+        config = run.config.model_dump(mode="json")
+        state = ray.put(self.committed_state(run.name))
+        for device in revive(run.workers, run.pids, config, state, self.recovery_deadline_s):
+            run.ledger.restarts.append((round(now, 3), device, during))
+            for lost in run.uncommitted[device]:
+                run.ledger.reruns.append((device, lost.node))
+                self._submit(replace(lost, rerun=True))
 
     # ------------------------------------------------------------ decisions -> actor calls
     def _launch(self, decision) -> None:

@@ -32,6 +32,11 @@ DEVICE_RESOURCE = "dovetail_device"
 GROUP_TIMEOUT_S = 120
 
 
+class WorkerRestarted(RuntimeError):
+    """A restarted DeviceWorker got work before it was configured again: the executor revives it and sends the work
+    again (`exec.recovery`)."""
+
+
 def form_group(workers: list) -> None:
     """Every device joins one torch.distributed group, rendezvous on the first device's node."""
     address, port = ray.get(workers[0].rendezvous.remote())
@@ -91,7 +96,7 @@ class DeviceWorker:
             cores = sorted(os.sched_getaffinity(0))
             os.sched_setaffinity(0, {cores[index % len(cores)]})
         self.index = index
-        self.engines = None
+        self._engines = None
 
     def configure(self, config: dict, trainer_state: dict) -> None:
         """Build the pipeline's engines for a run; a device past `compute_devices` (the reward pool) holds the
@@ -100,10 +105,17 @@ class DeviceWorker:
         self.config = parse_config(config)
         holds_policy = self.index < self.config.compute_devices
         engines = pipeline_module(self.config.kind).Engines
-        self.engines = engines(self.config, self.device, holds_policy, trainer_state)
+        self._engines = engines(self.config, self.device, holds_policy, trainer_state)
         self.gradients: dict[tuple[str, int], torch.Tensor] = {}
         """The open step's train parts' gradients here, by part (node, index)."""
         self.role: str | None = None
+
+    @property
+    def engines(self):
+        """The pipeline's engines here; a new incarnation (Ray restarted this actor) has none until `configure`."""
+        if self._engines is None:
+            raise WorkerRestarted(f"device {self.index} restarted and is not configured yet")
+        return self._engines
 
     def held_engines(self) -> list[str]:
         """The engines this device holds (every device holds the reward engine, built at configure)."""
