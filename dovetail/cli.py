@@ -1,11 +1,26 @@
-"""The `dovetail` command: train, pretrain, simulate, plan."""
+"""The `dovetail` command: train, pretrain, simulate, plan.
+
+Bad input (a config, a scenario, a flag) is one line on stderr naming the file, field or flag and the fix, exit
+code 2, and nothing written."""
 
 import json
 from pathlib import Path
+from typing import NoReturn
 
 import typer
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+
+
+def _refuse(message: str) -> NoReturn:
+    typer.echo(message, err=True)
+    raise typer.Exit(2)
+
+
+def _check_count(flag: str, value: int | None, most: int) -> None:
+    """A count given on the command line (None: not given) lies in 1..most."""
+    if value is not None and not 1 <= value <= most:
+        _refuse(f"{flag} {value}: give a number from 1 to {most}")
 
 
 @app.command()
@@ -22,19 +37,31 @@ def train(
     ),
 ):
     """Post-train the model with RL and write a run directory."""
-    from dovetail.config.train import ConfigError, load_config
+    from dovetail.config.train import MAX_STEPS, check_this_machine, load_config
+    from dovetail.graph.spec import MAX_DEVICES
     from dovetail.rewards import RewardError
 
     if config is not None and "=" in str(config):
         overrides, config = [str(config), *(overrides or [])], None
-    flags = ([f"policy={policy}"] if policy else []) + ([f"cluster.devices={devices}"] if devices else [])
+    _check_count("--steps", steps, MAX_STEPS)
+    _check_count("--devices", devices, MAX_DEVICES)
+    if policy is not None and not policy.strip():
+        _refuse("--policy '': name a policy, e.g. --policy digen")
+    if out.exists() and not out.is_dir():
+        _refuse(f"--out {out}: is a file; give a directory for the run")
+    if resume is not None and not resume.exists():
+        _refuse(f"--resume {resume}: no such run directory or checkpoint")
+    flags = [f"policy={json.dumps(policy)}"] if policy is not None else []
+    flags += [f"cluster.devices={devices}"] if devices is not None else []
     try:
         run_config = load_config(config, [*(overrides or []), *flags])
-    except ConfigError as error:
-        typer.echo(str(error), err=True)
-        raise typer.Exit(2) from None
+        if not dry_run:
+            check_this_machine(run_config)
+    except ValueError as error:  # ConfigError among them
+        _refuse(str(error))
+    steps = steps if steps is not None else run_config.train.steps
     if dry_run:
-        _print_dry_run(run_config, steps or run_config.train.steps)
+        _print_dry_run(run_config, steps)
         return
     from dovetail.train import train as run_training
 
@@ -44,8 +71,7 @@ def train(
         typer.echo(str(error), err=True)
         raise typer.Exit(1) from None
     except (FileNotFoundError, ValueError) as error:  # input the config could not check alone: a checkpoint, a prompt
-        typer.echo(str(error), err=True)
-        raise typer.Exit(2) from None
+        _refuse(str(error))
     for name, pipeline in summary.get("pipelines", {"": summary}).items():
         typer.echo(
             f"{name + ': ' if name else ''}eval reward {pipeline['base_eval_reward']:.3f} -> "
@@ -64,8 +90,7 @@ def _print_dry_run(config, steps: int) -> None:
     try:
         plan = dry_run(config, steps)
     except (FileNotFoundError, ValueError) as error:
-        typer.echo(str(error), err=True)
-        raise typer.Exit(2) from None
+        _refuse(str(error))
     if plan["policy"] == "reference":
         typer.echo(
             "config and checkpoint OK; policy reference trains in this process, one stage after "
@@ -114,22 +139,23 @@ def pretrain(
     """Pretrain a tiny base model from random init: the text-to-image flow model, or a task's language model."""
     import torch
 
+    from dovetail.config.train import MAX_STEPS
     from dovetail.tasks import TASKS
 
+    _check_count("--steps", steps, MAX_STEPS)
     torch.set_num_threads(1)
     if dataset in TASKS:
         from dovetail.models.lm import checkpoint_dir
         from dovetail.models.lm_pretrain import DEFAULT_STEPS, pretrain_lm
 
-        pretrain_lm(dataset, out or checkpoint_dir(dataset), steps=steps or DEFAULT_STEPS, seed=seed)
+        pretrain_lm(dataset, out or checkpoint_dir(dataset), steps=DEFAULT_STEPS if steps is None else steps, seed=seed)
         return
     if dataset != "digits":
-        typer.echo(f"unknown dataset {dataset!r}; known: ['digits', {', '.join(map(repr, sorted(TASKS)))}]", err=True)
-        raise typer.Exit(2) from None
+        _refuse(f"unknown dataset {dataset!r}; known: ['digits', {', '.join(map(repr, sorted(TASKS)))}]")
     from dovetail.config.train import DEFAULT_CHECKPOINT
     from dovetail.models.pretrain import pretrain_digits
 
-    pretrain_digits(out or DEFAULT_CHECKPOINT, steps=steps or 110, seed=seed)
+    pretrain_digits(out or DEFAULT_CHECKPOINT, steps=110 if steps is None else steps, seed=seed)
 
 
 @app.command()
@@ -145,7 +171,7 @@ def simulate(
 ):
     """Simulate policies on a scenario and compare throughput, efficiency, bubbles, staleness, memory."""
     from dovetail.report import compare, render_table
-    from dovetail.scenario import list_scenarios, load_scenario
+    from dovetail.scenario import MAX_SIMULATED_STEPS, list_scenarios, load_scenario
 
     if from_run is not None:
         from dovetail.exec.replay import replay_run
@@ -153,8 +179,7 @@ def simulate(
         try:
             result = replay_run(from_run)
         except (FileNotFoundError, ValueError) as error:
-            typer.echo(str(error), err=True)
-            raise typer.Exit(2) from None
+            _refuse(str(error))
         if json_out:
             typer.echo(json.dumps(result))
         else:
@@ -170,15 +195,18 @@ def simulate(
             typer.echo(f"{name:28s} {description}")
         return
     if scenario is None:
-        typer.echo("give a SCENARIO (a shipped name or a YAML path) or --list", err=True)
-        raise typer.Exit(2) from None
+        _refuse("give a SCENARIO (a shipped name or a YAML path) or --list")
+    _check_count("--steps", steps, MAX_SIMULATED_STEPS)
+    names = None if policies is None else [name.strip() for name in policies.split(",")]
+    if names is not None and not all(names):
+        _refuse(f"--policies {policies!r}: name policies separated by commas, e.g. --policies colocated,digen")
+    for flag, path in (("--trace", trace), ("--gantt", gantt)):
+        if path is not None and not path.parent.is_dir():
+            _refuse(f"{flag} {path}: no directory {path.parent} to write it in")
     try:
-        loaded = load_scenario(scenario)
-        names = policies.split(",") if policies else None
-        result = compare(loaded, names, steps=steps, trace=trace, gantt=gantt)
+        result = compare(load_scenario(scenario), names, steps=steps, trace=trace, gantt=gantt)
     except ValueError as error:
-        typer.echo(str(error), err=True)
-        raise typer.Exit(2) from None
+        _refuse(str(error))
     typer.echo(json.dumps(result) if json_out else render_table(result))
 
 
@@ -188,14 +216,15 @@ def plan(
     devices: int = typer.Option(..., help="devices to plan for"),
 ):
     """Search pool split, GAP fragments, TSP chunk, TAG and TCSS for digen; print the best plan."""
+    from dovetail.graph.spec import MAX_DEVICES
     from dovetail.report import plan_digen
     from dovetail.scenario import load_scenario
 
+    _check_count("--devices", devices, MAX_DEVICES)
     try:
         typer.echo(plan_digen(load_scenario(scenario), devices))
     except ValueError as error:
-        typer.echo(str(error), err=True)
-        raise typer.Exit(2) from None
+        _refuse(str(error))
 
 
 if __name__ == "__main__":

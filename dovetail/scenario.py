@@ -5,50 +5,74 @@ Shipped scenarios live in `dovetail/scenarios/*.yaml`; `load_scenario` takes a s
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dovetail.cost.catalog import device as lookup_device
+from dovetail.cost.catalog import diffusion_model, language_model
 from dovetail.cost.model import CostModel
 from dovetail.exec.sim import SimExecutor
 from dovetail.graph.node import Graph
-from dovetail.graph.spec import FlowSpec, LLMSpec
+from dovetail.graph.spec import MAX_DEVICES, FlowSpec, LLMSpec
 from dovetail.sched import policy_class
 from dovetail.sched.policy import Policy, Setup
 
+MAX_SIMULATED_STEPS = 1000
+"""RL steps one simulation runs: a step of a large scenario takes the simulator up to a second or so."""
+
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """Strict (`true` is not the number 1, "3" not 3) and finite: what a scenario file says is what is planned."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class ClusterSpec(_Model):
     device: str = Field(
-        description="Device from the catalogue: H100, H800, H200, A100-80G, L40S, Ascend-910B, cpu-core."
+        max_length=100,
+        description="Device from the catalogue: H100, H800, H200, A100-80G, L40S, Ascend-910B, cpu-core.",
     )
-    devices: int = Field(gt=0, description="Number of devices in the pool.")
+    devices: int = Field(gt=0, le=MAX_DEVICES, description="Number of devices in the pool.")
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, name: str) -> str:
+        lookup_device(name)
+        return name
 
 
 class ScheduleSpec(_Model):
-    steps: int = Field(3, gt=0, description="RL steps to simulate.")
+    steps: int = Field(
+        3, gt=0, le=MAX_SIMULATED_STEPS, description=f"RL steps to simulate (at most {MAX_SIMULATED_STEPS})."
+    )
     policies: list[str] = Field(
         min_length=1,
+        max_length=32,
         description="Policies to compare (see `dovetail.sched.POLICIES`); the first is the baseline of speedups.",
     )
     trainer_devices: int | None = Field(
-        None, gt=0, description="Trainer pool size of disaggregated policies; None lets them choose."
+        None, gt=0, le=MAX_DEVICES, description="Trainer pool size of disaggregated policies; None lets them choose."
     )
     reward_devices: int = Field(
-        0, ge=0, description="Devices that only score (flow policies); 0: reward engines share the rollout devices."
+        0,
+        ge=0,
+        le=MAX_DEVICES,
+        description="Devices that only score (flow policies); 0: reward engines share the rollout devices.",
     )
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**63, description="Seed of the simulated durations' noise.")
     noise: float = Field(
-        0.0, ge=0, description="Log-normal sigma of simulated durations (0: exactly the predicted costs)."
+        0.0,
+        ge=0,
+        le=3,
+        description="Log-normal sigma of simulated durations (0: exactly the predicted costs; at most 3, a spread "
+        "of e^3 = 20x per sigma).",
     )
 
 
@@ -57,16 +81,16 @@ class PublishedRun(_Model):
 
     source: str
     step_time_s: float = Field(gt=0)
-    phases_s: dict[str, float] = Field(
+    phases_s: dict[str, Annotated[float, Field(ge=0)]] = Field(
         default_factory=dict, description="Published seconds per phase (generate, logprob, train, publish...)."
     )
 
 
 class Scenario(_Model):
-    name: str
+    name: str = Field(max_length=100)
     description: str = ""
     cluster: ClusterSpec
-    pipelines: list[Annotated[FlowSpec | LLMSpec, Field(discriminator="kind")]] = Field(min_length=1)
+    pipelines: list[Annotated[FlowSpec | LLMSpec, Field(discriminator="kind")]] = Field(min_length=1, max_length=16)
     schedule: ScheduleSpec
     published: PublishedRun | None = None
 
@@ -75,6 +99,11 @@ class Scenario(_Model):
         names = [p.name for p in self.pipelines]
         if len(set(names)) != len(names):
             raise ValueError(f"pipelines: names must be unique, got {names}")
+        for index, spec in enumerate(self.pipelines):
+            try:
+                (diffusion_model if spec.kind == "flow" else language_model)(spec.model)
+            except ValueError as error:
+                raise ValueError(f"pipelines.{index}.model: {error}") from None
         check_pools(self.cluster.devices, self.schedule.trainer_devices, self.schedule.reward_devices, "schedule")
         return self
 
@@ -105,27 +134,109 @@ def list_scenarios() -> dict[str, str]:
     return {name: load_scenario(name).description.strip().splitlines()[0] for name in sorted(_shipped())}
 
 
-def parse_scenario(data: dict, origin: str = "scenario") -> Scenario:
+def parse_scenario(data: Any, origin: str = "scenario") -> Scenario:
     """Validate a scenario dict; errors name the field (dotted path) and what is wrong with it, one line for a
     single problem, one line each under a heading for several."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{origin}: a scenario is a mapping with cluster, pipelines and schedule")
     try:
         return Scenario.model_validate(data)
     except ValidationError as error:
-        problems = [f"{'.'.join(str(part) for part in e['loc']) or '(top level)'}: {e['msg']}" for e in error.errors()]
-        if len(problems) == 1:
-            raise ValueError(f"{origin}: invalid scenario: {problems[0]}") from None
-        raise ValueError(f"{origin}: invalid scenario\n" + "\n".join(f"  {p}" for p in problems)) from None
+        raise ValueError(problem_report(f"{origin}: invalid scenario", problem_lines(error))) from None
 
 
 def load_scenario(name_or_path: str | Path) -> Scenario:
     shipped = _shipped()
     path = shipped.get(str(name_or_path), Path(name_or_path))
-    if not path.is_file():
-        raise ValueError(f"no scenario {str(name_or_path)!r}: give a YAML path or one of {', '.join(sorted(shipped))}")
-    data = yaml.safe_load(path.read_text())
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: a scenario is a YAML mapping with cluster, pipelines and schedule")
-    return parse_scenario(data, str(path))
+    if not path.exists():
+        raise ValueError(
+            f"no scenario {clip(str(name_or_path))!r}: give a YAML path or one of {', '.join(sorted(shipped))}"
+        )
+    return parse_scenario(read_yaml(path), str(path))
+
+
+def clip(text: str, limit: int = 80) -> str:
+    """text cut to `limit` characters: an error line shows what it refuses, never megabytes of it."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def problem_lines(error: ValidationError, hidden: tuple[str, ...] = ()) -> list[str]:
+    """One "field: what is wrong (got value)" per problem of a validation, the field a dotted path (its parts in
+    `hidden` left out); a check across fields (a value error) names its fields in its own words."""
+    lines = []
+    for problem in error.errors():
+        field = clip(".".join(str(part) for part in problem["loc"] if part not in hidden))
+        line = clip(problem["msg"].removeprefix("Value error, "), 300)  # some echo their input
+        if problem["type"] not in ("value_error", "missing"):  # they say what they got, or got nothing
+            line += f" (got {clip(repr(problem['input']))})"
+        lines.append(f"{field}: {line}" if field else line)
+    return lines
+
+
+def problem_report(heading: str, problems: list[str]) -> str:
+    """One line for one problem; the heading and a line each for several."""
+    if len(problems) == 1:
+        return f"{heading}: {problems[0]}"
+    return f"{heading}:\n" + "\n".join(f"  {problem}" for problem in problems)
+
+
+class _Loader(yaml.SafeLoader):
+    """`yaml.safe_load`'s loader (no tags that build Python objects) with two changes. It refuses aliases: `*name`
+    repeats a node, so a few hundred bytes of nested aliases expand to gigabytes, and no config or scenario needs
+    one. And it reads YAML 1.2's floats: `1e-4` is a number, not the string YAML 1.1 makes of it."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(
+                None, None, "aliases (*name) are not read: write the value out", self.peek_event().start_mark
+            )
+        return super().compose_node(parent, index)
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def parse_yaml(text: str, origin: str) -> Any:
+    """YAML text's value, or a one-line ValueError saying where (`origin`:line:column) and what is wrong."""
+    try:
+        return yaml.load(text, _Loader)
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        where = f"{origin}:{mark.line + 1}:{mark.column + 1}" if mark else origin
+        fix = (
+            "; only plain YAML values are read (no !!python or other tags)"
+            if isinstance(error, yaml.constructor.ConstructorError)
+            else ""
+        )
+        raise ValueError(f"{where}: invalid YAML: {error.problem or error.context}{fix}") from None
+    except yaml.YAMLError as error:  # a character YAML does not allow
+        raise ValueError(f"{origin}: invalid YAML: {' '.join(str(error).split())}") from None
+    except ValueError as error:  # an integer of thousands of digits
+        raise ValueError(f"{origin}: invalid YAML: {error}") from None
+    except RecursionError:
+        raise ValueError(f"{origin}: invalid YAML: nested too deeply") from None
+
+
+def read_yaml(path: Path) -> Any:
+    """A YAML file's value, or a one-line ValueError naming the file and what to fix: every way a config or
+    scenario file can be unreadable ends here, never in a traceback."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path}: is a directory; give a YAML file") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"{path}: not UTF-8 text (byte {error.start} is {error.object[error.start]:#04x}); save it as UTF-8"
+        ) from None
+    except OSError as error:
+        raise ValueError(f"{path}: cannot be read: {error.strerror}") from None
+    return parse_yaml(text, str(path))
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,16 @@
 One schema per run, chosen by `kind`: `flow` (a text-to-image flow model, the default), `lm` (a causal language
 model on a verifiable task), or `multiplex` (several flow / lm pipelines sharing one pool of devices, each entry
 of `pipelines` a flow or lm config of its own). Each derives the planner's scenario itself (`scenario(steps)`),
-without torch, so the simulator, the dry run and the replay of a run plan from the very config that trains."""
+without torch, so the simulator, the dry run and the replay of a run plan from the very config that trains.
+
+Every number is bounded: floats finite, sizes below maxima that keep a run's allocations (and the planner's
+simulation) sane, each bound's reason in its description. Types are strict: `true` is not the number 1, nor "8"
+the number 8 (an int is a float). Every way a config can be wrong is a ConfigError: one line per problem, naming the
+file or the field and what it allows."""
 
 import math
+import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -15,6 +22,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    StringConstraints,
     Tag,
     ValidationError,
     field_validator,
@@ -22,72 +30,123 @@ from pydantic import (
 )
 
 from dovetail.cost.catalog import device
+from dovetail.graph.spec import MAX_DEVICES, MAX_SAMPLES
 from dovetail.rewards import check_reward_names
 from dovetail.rewards.text import text_reward_fn
-from dovetail.scenario import Scenario, check_pools, parse_scenario
+from dovetail.scenario import (
+    MAX_SIMULATED_STEPS,
+    Scenario,
+    check_pools,
+    clip,
+    parse_scenario,
+    parse_yaml,
+    problem_lines,
+    problem_report,
+    read_yaml,
+)
 from dovetail.tasks import task
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CHECKPOINT = PACKAGE_ROOT / "assets" / "digits-t2i"
 
+MAX_STEPS = 10**7
+"""Steps of a run, and of anything counted in steps (eval, checkpoints): far beyond any run, finite."""
+
+MAX_PER_STEP = 256
+"""Prompts per step, and samples per prompt: 256 x 256 is the planner's MAX_SAMPLES."""
+
+Seed = Annotated[int, Field(ge=0, lt=2**63, description="a non-negative 63-bit seed")]
+
+RewardWeights = dict[
+    Annotated[str, StringConstraints(max_length=120)],
+    Annotated[float, Field(ge=-1000, le=1000)],
+]
+"""Reward name (a built-in, or module:function) -> weight: finite, at most 1000 either way (only the weights'
+ratios matter once advantages are standardised)."""
+
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class ModelSection(Section):
-    checkpoint: Path = Field(DEFAULT_CHECKPOINT, description="directory holding model.safetensors + config.json")
+    checkpoint: Path = Field(
+        DEFAULT_CHECKPOINT, strict=False, description="directory holding model.safetensors + config.json"
+    )
 
 
 class SamplingSection(Section):
-    num_steps: int = Field(10, ge=2, description="denoising steps K")
+    num_steps: int = Field(10, ge=2, le=1000, description="denoising steps K")
     noise_level: float | None = Field(
-        None, gt=0, description="SDE noise: a of Flow-GRPO (default 1.0), constant eta of DanceGRPO (default 0.5)"
+        None,
+        gt=0,
+        le=10,
+        description="SDE noise: a of Flow-GRPO (default 1.0), constant eta of DanceGRPO (default 0.5); beyond a "
+        "few the samples are noise, and at most 10 the SDE's arithmetic stays finite",
     )
     sde_kind: Literal["flow_grpo", "cps"] = Field("flow_grpo", description="SDE of algorithm flow_grpo")
-    shift: float = Field(1.0, gt=0, description="sigma schedule shift of the flow-matching scheduler")
+    shift: float = Field(
+        1.0, gt=0, le=100, description="sigma schedule shift of the flow-matching scheduler (SD3 uses 3)"
+    )
 
 
 class AlgoSection(Section):
-    prompts_per_step: int = Field(8, ge=1, description="B: prompts per step")
-    group_size: int = Field(8, ge=2, description="G: samples per prompt")
+    prompts_per_step: int = Field(8, ge=1, le=MAX_PER_STEP, description="B: prompts per step")
+    group_size: int = Field(8, ge=2, le=MAX_PER_STEP, description="G: samples per prompt")
     timestep_fraction: float = Field(0.5, gt=0, le=1, description="share of the K-1 trainable steps trained")
-    clip_range: float = Field(1e-4, gt=0)
-    beta: float = Field(0.0, ge=0, description="weight of the KL to the base model")
+    clip_range: float = Field(1e-4, gt=0, le=1, description="PPO clip of the ratio: 1 +- clip_range")
+    beta: float = Field(0.0, ge=0, le=100, description="weight of the KL to the base model")
     std_scope: Literal["group", "global", "none"] = "group"
-    adv_clip: float = Field(5.0, gt=0)
+    adv_clip: float = Field(5.0, gt=0, le=1000, description="clip of the (standardised) advantages")
     stale_max_weight: float = Field(
-        2.0, ge=1, description="truncation of pi_prox/pi_behaviour for TCSS's stale samples"
+        2.0, ge=1, le=1000, description="truncation of pi_prox/pi_behaviour for TCSS's stale samples"
     )
 
 
 class TrainSection(Section):
-    steps: int = Field(200, ge=1)
-    lr: float = Field(1e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
+    steps: int = Field(200, ge=1, le=MAX_STEPS)
+    lr: float = Field(1e-4, gt=0, le=1, description="Adam's learning rate: beyond 1 every step diverges")
+    weight_decay: float = Field(
+        0.0, ge=0, le=1, description="AdamW's decoupled decay: at most 1, so lr x weight_decay only shrinks weights"
+    )
+    max_grad_norm: float = Field(1.0, gt=0, le=1e4)
 
 
 class FlowTrainSection(TrainSection):
-    chunk_size: int = Field(128, ge=1, description="(sample, timestep) pairs per batched forward/backward")
+    chunk_size: int = Field(
+        128, ge=1, le=MAX_SAMPLES, description="(sample, timestep) pairs per batched forward/backward"
+    )
 
 
 class EvalSection(Section):
-    every: int = Field(25, ge=1, description="evaluate every N steps (and at the start and end)")
-    per_digit: int = Field(8, ge=1, description="held-out ODE samples per digit")
-    seed: int = 10_000
+    every: int = Field(25, ge=1, le=MAX_STEPS, description="evaluate every N steps (and at the start and end)")
+    per_digit: int = Field(
+        8, ge=1, le=1000, description="held-out ODE samples per digit (at most 1000: every eval generates them all)"
+    )
+    seed: Seed = 10_000
 
 
 class CheckpointSection(Section):
-    every: int = Field(50, ge=1, description="save every N steps (and at the end)")
+    every: int = Field(50, ge=1, le=MAX_STEPS, description="save every N steps (and at the end)")
+
+
+RAY_ADDRESS = re.compile(r"(ray://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?):(?P<port>[0-9]{1,5})")
+"""host:port or ray://host:port, the host a name, an IPv4 address or a bracketed IPv6 address."""
 
 
 class ClusterSection(Section):
     """Where the Ray runtime (every policy but `reference`) runs."""
 
-    devices: int = Field(2, ge=1, description="devices (DeviceWorker actors): GPUs, or CPU cores here")
-    device: str = Field("cpu-core", description="device type in the cost model's catalogue (H100, H200, cpu-core...)")
-    address: str | None = Field(None, description="Ray cluster address; None starts a local Ray instance")
+    devices: int = Field(2, ge=1, le=MAX_DEVICES, description="devices (DeviceWorker actors): GPUs, or CPU cores here")
+    device: str = Field(
+        "cpu-core",
+        max_length=100,
+        description="device type in the cost model's catalogue (H100, H200, cpu-core...)",
+    )
+    address: str | None = Field(
+        None,
+        description="Ray cluster address (host:port, ray://host:port, or auto); None starts a local Ray instance",
+    )
 
     @field_validator("device")
     @classmethod
@@ -95,21 +154,49 @@ class ClusterSection(Section):
         device(name)
         return name
 
+    @field_validator("address")
+    @classmethod
+    def _ray_address(cls, address: str | None) -> str | None:
+        if address is None or address == "auto":
+            return address
+        match = RAY_ADDRESS.fullmatch(address)
+        if match is None or not 0 < int(match["port"]) < 65536:
+            raise ValueError(
+                f"{clip(repr(address))} is not a Ray address: give host:port (e.g. 10.0.0.1:6379), "
+                "ray://host:port, or auto"
+            )
+        return address
+
 
 class RuntimeSection(Section):
     """How the Ray runtime cuts the step, where the policy should not choose."""
 
-    fragments: int | None = Field(None, ge=1, description="GAP fragments M (whole groups); None: the policy's choice")
-    tsp_chunk: int | None = Field(None, ge=1, description="timesteps per train node; None: the policy's choice")
-    trainer_devices: int | None = Field(None, ge=1, description="trainer pool of disaggregated policies")
+    fragments: int | None = Field(
+        None, ge=1, le=MAX_PER_STEP, description="GAP fragments M (whole groups); None: the policy's choice"
+    )
+    tsp_chunk: int | None = Field(
+        None, ge=1, le=1000, description="timesteps per train node; None: the policy's choice"
+    )
+    trainer_devices: int | None = Field(
+        None, ge=1, le=MAX_DEVICES, description="trainer pool of disaggregated policies"
+    )
+    trainer_group: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_DEVICES,
+        description="devices of one trainer group (1: each device trains whole train nodes); None: the policy's "
+        "choice from the profiled costs. Fixing the cut (with fragments and tsp_chunk) makes runs bitwise repeatable",
+    )
     reward_devices: int = Field(
-        0, ge=0, description="devices that only score (for a reward model); 0: rollout devices score"
+        0, ge=0, le=MAX_DEVICES, description="devices that only score (for a reward model); 0: rollout devices score"
     )
     tag: Literal["auto", "off", "force"] = Field(
         "auto",
         description="digen's trainer-assisted generation: where it predicts a gain, never, or whenever a trainer idles",
     )
-    profile_samples: int = Field(32, ge=1, description="samples in the start-up profile that seeds the cost model")
+    profile_samples: int = Field(
+        32, ge=1, le=1024, description="samples in the start-up profile that seeds the cost model"
+    )
 
 
 MULTIPLEXING_POLICIES = ("jigsaw", "jigsaw-greedy")
@@ -122,10 +209,11 @@ class RunSection(Section):
     name: str | None = Field(
         None,
         pattern=r"^[A-Za-z0-9_-]+$",
+        max_length=64,
         description="the pipeline's name (node ids, run sub-directory, trace colour); None: the task, or 'digits'",
     )
-    priority: float = Field(1.0, gt=0, description="weight of this pipeline's step latency when multiplexed")
-    seed: int = 0
+    priority: float = Field(1.0, gt=0, le=1000, description="weight of this pipeline's step latency when multiplexed")
+    seed: Seed = 0
     train: TrainSection = TrainSection()
     checkpoint: CheckpointSection = CheckpointSection()
     cluster: ClusterSection = ClusterSection()
@@ -143,7 +231,7 @@ class FlowTrainConfig(RunSection):
     sampling: SamplingSection = SamplingSection()
     algo: AlgoSection = AlgoSection()
     train: FlowTrainSection = FlowTrainSection()
-    reward: dict[str, float] = Field(default_factory=lambda: {"digit_match": 1.0})
+    reward: RewardWeights = Field(default_factory=lambda: {"digit_match": 1.0})
     eval: EvalSection = EvalSection()
     runtime: RuntimeSection = RuntimeSection()
 
@@ -158,7 +246,10 @@ class FlowTrainConfig(RunSection):
     @model_validator(mode="after")
     def _dance_grpo_sde(self) -> "FlowTrainConfig":
         if self.algorithm == "dance_grpo" and self.sampling.sde_kind != "flow_grpo":
-            raise ValueError("algorithm dance_grpo uses its own constant-eta SDE; leave sampling.sde_kind unset")
+            raise ValueError(
+                f"sampling.sde_kind={self.sampling.sde_kind}: algorithm dance_grpo uses its own constant-eta SDE; "
+                "leave sampling.sde_kind unset"
+            )
         return self
 
     @model_validator(mode="after")
@@ -240,7 +331,12 @@ class FlowTrainConfig(RunSection):
     def shape_overrides(self) -> dict:
         """The step's cut where the config fixes it instead of the policy."""
         runtime = self.runtime
-        return {k: v for k, v in (("fragments", runtime.fragments), ("tsp_chunk", runtime.tsp_chunk)) if v is not None}
+        fixed = (
+            ("fragments", runtime.fragments),
+            ("tsp_chunk", runtime.tsp_chunk),
+            ("trainer_group", runtime.trainer_group),
+        )
+        return {k: v for k, v in fixed if v is not None}
 
     def policy_options(self) -> dict:
         return {"tag": {"auto": True, "off": False, "force": "force"}[self.runtime.tag]}
@@ -248,47 +344,61 @@ class FlowTrainConfig(RunSection):
 
 class LMModelSection(Section):
     checkpoint: Path | None = Field(
-        None, description="directory with model.safetensors, config.json, tokenizer.json; None: the task's base model"
+        None,
+        strict=False,
+        description="directory with model.safetensors, config.json, tokenizer.json; None: the task's base model",
     )
 
 
 class LMSamplingSection(Section):
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, gt=0, le=100, description="beyond 100 every token is as likely")
     top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens: int | None = Field(None, ge=1, description="None: the task's longest ideal completion + a margin")
+    max_new_tokens: int | None = Field(
+        None, ge=1, le=4096, description="None: the task's longest ideal completion + a margin"
+    )
 
 
 class LMAlgoSection(Section):
-    prompts_per_step: int = Field(16, ge=1, description="B: prompts per step")
-    group_size: int = Field(8, ge=2, description="G: responses per prompt")
-    micro_batches: int = Field(2, ge=1, description="train micro-batches per step (whole prompt groups each)")
+    prompts_per_step: int = Field(16, ge=1, le=MAX_PER_STEP, description="B: prompts per step")
+    group_size: int = Field(8, ge=2, le=MAX_PER_STEP, description="G: responses per prompt")
+    micro_batches: int = Field(
+        2, ge=1, le=MAX_PER_STEP, description="train micro-batches per step (whole prompt groups each)"
+    )
     clip_low: float = Field(0.2, ge=0, lt=1, description="PPO clip below 1")
-    clip_high: float = Field(0.28, ge=0, description="PPO clip above 1 (DAPO's clip-higher)")
+    clip_high: float = Field(0.28, ge=0, le=10, description="PPO clip above 1 (DAPO's clip-higher)")
     aggregation: Literal["token", "sequence", "drgrpo"] = Field(
         "token", description="token (DAPO), sequence (GRPO), drgrpo (Dr. GRPO: / (B x max_new_tokens))"
     )
-    beta: float = Field(0.0, ge=0, description="weight of the KL to the base model")
+    beta: float = Field(0.0, ge=0, le=100, description="weight of the KL to the base model")
     kl_estimator: Literal["k1", "k3"] = "k3"
-    entropy_coef: float = Field(0.0, ge=0)
+    entropy_coef: float = Field(0.0, ge=0, le=100)
     std_scope: Literal["group", "none"] = Field("group", description="none: Dr. GRPO's unscaled advantages")
-    adv_clip: float = Field(5.0, gt=0)
-    stale_max_weight: float = Field(2.0, ge=1, description="truncation of pi_prox/pi_behaviour for stale samples")
+    adv_clip: float = Field(5.0, gt=0, le=1000, description="clip of the advantages")
+    stale_max_weight: float = Field(
+        2.0, ge=1, le=1000, description="truncation of pi_prox/pi_behaviour for stale samples"
+    )
 
 
 class LMEvalSection(Section):
-    every: int = Field(10, ge=1, description="evaluate every N steps (and at the start and end)")
-    prompts: int = Field(100, ge=1, description="held-out prompts (the task's eval split), one sample each")
-    seed: int = 10_000
+    every: int = Field(10, ge=1, le=MAX_STEPS, description="evaluate every N steps (and at the start and end)")
+    prompts: int = Field(100, ge=1, le=10_000, description="held-out prompts (the task's eval split), one sample each")
+    seed: Seed = 10_000
 
 
 class LMRuntimeSection(Section):
     """How the Ray runtime cuts an LM step, where the policy should not choose."""
 
-    trainer_devices: int | None = Field(None, ge=1, description="trainer pool of disaggregated policies")
-    length_bands: list[int] = Field(
-        default_factory=list, description="upper edges (tokens) of decode length bands; [] one band to the end"
+    trainer_devices: int | None = Field(
+        None, ge=1, le=MAX_DEVICES, description="trainer pool of disaggregated policies"
     )
-    profile_samples: int = Field(16, ge=1, description="responses in the start-up profile that seeds the cost model")
+    length_bands: list[int] = Field(
+        default_factory=list,
+        max_length=64,
+        description="upper edges (tokens) of decode length bands; [] one band to the end",
+    )
+    profile_samples: int = Field(
+        16, ge=1, le=1024, description="responses in the start-up profile that seeds the cost model"
+    )
 
 
 class LMTrainConfig(RunSection):
@@ -300,7 +410,7 @@ class LMTrainConfig(RunSection):
     model: LMModelSection = LMModelSection()
     sampling: LMSamplingSection = LMSamplingSection()
     algo: LMAlgoSection = LMAlgoSection()
-    reward: dict[str, float] | None = Field(None, description="text rewards and weights; None: the task's own")
+    reward: RewardWeights | None = Field(None, description="text rewards and weights; None: the task's own")
     eval: LMEvalSection = LMEvalSection()
     runtime: LMRuntimeSection = LMRuntimeSection()
 
@@ -388,8 +498,10 @@ class LMTrainConfig(RunSection):
         return _scenario(self, [pipeline], steps, self.runtime.trainer_devices, 0)
 
 
-def _kind_of(entry) -> str:
-    return entry.get("kind", "flow") if isinstance(entry, dict) else entry.kind
+def _kind_of(entry) -> str | None:
+    """The entry's tag; None (an error naming the entry) for a kind that is not even a string."""
+    kind = entry.get("kind", "flow") if isinstance(entry, dict) else entry.kind
+    return kind if isinstance(kind, str) else None
 
 
 PipelineConfig = Annotated[
@@ -399,7 +511,7 @@ PipelineConfig = Annotated[
 
 
 class MultiplexTrainSection(Section):
-    steps: int = Field(50, ge=1, description="RL steps of every pipeline")
+    steps: int = Field(50, ge=1, le=MAX_STEPS, description="RL steps of every pipeline")
 
 
 class MultiplexConfig(Section):
@@ -412,7 +524,7 @@ class MultiplexConfig(Section):
     policy: Literal[MULTIPLEXING_POLICIES] = "jigsaw"
     train: MultiplexTrainSection = MultiplexTrainSection()
     cluster: ClusterSection = ClusterSection()
-    pipelines: list[PipelineConfig] = Field(min_length=1)
+    pipelines: list[PipelineConfig] = Field(min_length=1, max_length=16)
 
     @model_validator(mode="after")
     def _names_unique(self) -> "MultiplexConfig":
@@ -462,7 +574,8 @@ def _scenario(config: TrainConfig, pipelines: list[dict], steps: int, trainer_de
             "cluster": {"device": config.cluster.device, "devices": config.cluster.devices},
             "pipelines": pipelines,
             "schedule": {
-                "steps": steps,
+                # what `dovetail simulate` of this scenario would run; a run passes its own steps to `prepare`
+                "steps": min(steps, MAX_SIMULATED_STEPS),
                 "policies": [config.policy],
                 "trainer_devices": trainer_devices,
                 "reward_devices": reward_devices,
@@ -473,29 +586,45 @@ def _scenario(config: TrainConfig, pipelines: list[dict], steps: int, trainer_de
 
 
 class ConfigError(ValueError):
-    """An invalid config: the message names each bad field and what it allows."""
+    """An invalid config: the message names each bad field, or the file, and what it allows."""
+
+
+def _invalid(*problems: str) -> ConfigError:
+    return ConfigError(problem_report("invalid config", list(problems)))
 
 
 def apply_override(tree: dict[str, Any], override: str) -> None:
-    if "=" not in override:
-        raise ConfigError(f"override {override!r} must look like section.field=value, e.g. train.lr=1e-4")
-    dotted, raw = override.split("=", 1)
-    *parents, leaf = dotted.strip().split(".")
+    shown = clip(repr(override))
+    dotted, equals, raw = override.partition("=")
+    path = dotted.strip().split(".")
+    if not equals or not all(path):
+        raise ConfigError(f"override {shown} must look like section.field=value, e.g. train.lr=1e-4")
+    *parents, leaf = path
     node = tree
     for key in parents:
         node = node.setdefault(key, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"override {override!r}: {key!r} is a value, not a section")
-    node[leaf] = yaml.safe_load(raw)
+            raise ConfigError(f"override {shown}: {clip(repr(key))} is a value, not a section")
+    try:
+        node[leaf] = parse_yaml(raw, f"override {shown}")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def load_config(path: Path | str | None = None, overrides: list[str] = ()) -> TrainConfig:
-    tree: dict[str, Any] = {}
+    """The run config of a YAML file (None, or an empty file: the defaults) with dotted overrides applied."""
+    tree: Any = {}
     if path is not None:
-        path = Path(path)
-        if not path.exists():
-            raise ConfigError(f"config file {path} does not exist")
-        tree = yaml.safe_load(path.read_text()) or {}
+        try:
+            tree = read_yaml(Path(path))
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        if tree is None:
+            tree = {}
+        if not isinstance(tree, dict):
+            raise ConfigError(
+                f"{path}: a config is a mapping of sections (algo:, train: ...), got {type(tree).__name__}"
+            )
     for override in overrides:
         apply_override(tree, override)
     return parse_config(tree)
@@ -504,24 +633,17 @@ def load_config(path: Path | str | None = None, overrides: list[str] = ()) -> Tr
 def parse_config(tree: Any) -> TrainConfig:
     """A config tree (YAML's, or `model_dump(mode="json")`'s) as the run config of its `kind`."""
     if not isinstance(tree, dict):
-        raise ConfigError(f"invalid config: a config is a mapping of sections, got {type(tree).__name__}")
+        raise _invalid(f"a config is a mapping of sections, got {type(tree).__name__}")
     kinds = {"flow": FlowTrainConfig, "lm": LMTrainConfig, "multiplex": MultiplexConfig}
     kind = tree.get("kind", "flow")
-    if kind not in kinds:
-        raise ConfigError(f"invalid config:\n  kind: {kind!r} is not a run kind; use one of {sorted(kinds)}")
+    if not isinstance(kind, str) or kind not in kinds:
+        raise _invalid(f"kind: {clip(repr(kind))} is not a run kind; use one of {sorted(kinds)}")
     if kind == "multiplex":
         tree = _multiplexed(tree)
     try:
-        return kinds[kind](**tree)
+        return kinds[kind].model_validate(tree)
     except ValidationError as error:
-        lines = []
-        for problem in error.errors():
-            field = ".".join(str(part) for part in problem["loc"] if part not in ("flow", "lm"))
-            if field:
-                lines.append(f"  {field}: {problem['msg']} (got {problem.get('input')!r})")
-            else:  # a check across fields: its message names them
-                lines.append(f"  {problem['msg'].removeprefix('Value error, ')}")
-        raise ConfigError("invalid config:\n" + "\n".join(lines)) from None
+        raise _invalid(*problem_lines(error, hidden=("flow", "lm"))) from None
 
 
 RUN_WIDE = {"policy": "policy", "cluster": "cluster", "train.steps": "train.steps"}
@@ -532,36 +654,73 @@ def _multiplexed(tree: dict) -> dict:
     """The run's policy, cluster and steps written into every pipeline entry (each is a whole pipeline config);
     an entry that says otherwise is an error naming the field, not silently overridden."""
     defaults = MultiplexConfig.model_fields
+    train = _section(tree, "train", "train")
     run = {
         "policy": tree.get("policy", defaults["policy"].default),
         "cluster": tree.get("cluster", {}),
-        "train.steps": (tree.get("train") or {}).get("steps", MultiplexTrainSection().steps),
+        "train.steps": train.get("steps", MultiplexTrainSection().steps),
     }
     entries = tree.get("pipelines")
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
-        raise ConfigError("invalid config:\n  pipelines: a list of pipeline configs (mappings, each kind flow or lm)")
+        raise _invalid("pipelines: a list of pipeline configs (mappings, each kind flow or lm)")
     filled = []
     for index, entry in enumerate(entries):
-        entry = {**entry, "train": dict(entry.get("train") or {})}
+        entry = {**entry, "train": dict(_section(entry, "train", f"pipelines.{index}.train"))}
         for field, value in run.items():
             section, _, leaf = field.partition(".")
             holder = entry["train"] if leaf else entry
             key = leaf or section
             if key in holder and holder[key] != value and not (key == "cluster" and _same_cluster(holder[key], value)):
-                raise ConfigError(
-                    f"invalid config:\n  pipelines.{index}.{field}: a multiplexed pipeline takes the run's "
-                    f"{field} ({value!r}); set it at the top of the config"
+                raise _invalid(
+                    f"pipelines.{index}.{field}: a multiplexed pipeline takes the run's {field} "
+                    f"({clip(repr(value))}); set it at the top of the config"
                 )
             holder[key] = value
         filled.append(entry)
     return {**tree, "pipelines": filled}
 
 
+def _section(tree: dict, key: str, field: str) -> dict:
+    """tree[key], a mapping ({} where it is absent)."""
+    section = tree.get(key, {})
+    if not isinstance(section, dict):
+        raise _invalid(f"{field}: a mapping of fields, e.g. {key}: {{steps: 50}} (got {clip(repr(section))})")
+    return section
+
+
 def _same_cluster(a, b) -> bool:
     try:
-        return ClusterSection(**a) == ClusterSection(**b)
-    except (TypeError, ValidationError):
+        return ClusterSection.model_validate(a) == ClusterSection.model_validate(b)
+    except ValidationError:
         return False
+
+
+def check_this_machine(config: TrainConfig) -> None:
+    """A local run (no cluster.address) of the Ray runtime has this machine's devices: as many CPU cores as this
+    process may use (taskset / cgroups narrow them; device i is pinned to the i-th), or its CUDA GPUs. Checked when
+    a run starts, never when a config is parsed: a dry run plans a GPU cluster from a laptop. Policy reference
+    trains in this process and needs no cluster."""
+    cluster = config.cluster
+    if config.policy == "reference" or cluster.address is not None:
+        return
+    platform = device(cluster.device).platform
+    if platform == "cpu":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        if cluster.devices > cores:
+            raise ConfigError(
+                f"cluster.devices={cluster.devices}: this machine has {cores} CPU cores for a local run; lower "
+                "cluster.devices, or give cluster.address of a Ray cluster"
+            )
+    elif platform == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if cluster.devices > gpus:
+            raise ConfigError(
+                f"cluster.device={cluster.device}: {cluster.devices} GPUs asked for, this machine has {gpus} for "
+                "a local run; set cluster.device=cpu-core, lower cluster.devices, or give cluster.address of a Ray "
+                "cluster"
+            )
 
 
 def dump_config(config: TrainConfig) -> str:

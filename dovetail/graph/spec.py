@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+MAX_DEVICES = 4096
+"""Devices of one pool: more than any run here needs, few enough that the planner's search over pool splits ends."""
+
+MAX_SAMPLES = 65_536
+"""Samples (prompts x group) of one step: the simulator draws and schedules each one."""
+
+MAX_TOKENS = 131_072
+"""Tokens of a prompt or a response."""
+
 
 class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """Strict (`true` is not the number 1) and finite, as scenario files are read."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class _PipelineSpec(_Spec):
@@ -17,6 +28,7 @@ class _PipelineSpec(_Spec):
     priority: float = Field(
         1.0,
         gt=0,
+        le=1000,
         description="Weight of this pipeline's step completion times where a policy that multiplexes pipelines "
         "(jigsaw) chooses whose trainer work goes first: the higher, the sooner.",
     )
@@ -26,21 +38,21 @@ class FlowSpec(_PipelineSpec):
     """A FlowGRPO / DanceGRPO step of a diffusion or flow-matching model."""
 
     kind: Literal["flow"] = "flow"
-    name: str = Field(description="Pipeline name, unique in a scenario.")
-    model: str = Field(description="Diffusion model from the catalogue, e.g. FLUX.1-12B.")
+    name: str = Field(max_length=100, description="Pipeline name, unique in a scenario.")
+    model: str = Field(max_length=100, description="Diffusion model from the catalogue, e.g. FLUX.1-12B.")
     algorithm: Literal["flow_grpo", "dance_grpo"] = "flow_grpo"
-    prompts: int = Field(gt=0, description="Prompts per step (B).")
-    group: int = Field(gt=0, description="Samples per prompt (G); a group is never split across fragments.")
-    denoising_steps: int = Field(gt=1, description="Sampler steps per sample (K).")
+    prompts: int = Field(gt=0, le=MAX_SAMPLES, description="Prompts per step (B).")
+    group: int = Field(gt=0, le=1024, description="Samples per prompt (G); a group is never split across fragments.")
+    denoising_steps: int = Field(gt=1, le=1000, description="Sampler steps per sample (K).")
     trained_timesteps: int = Field(gt=0, description="Timesteps trained per sample (never the last one).")
     cfg: bool = Field(False, description="Classifier-free guidance in rollout: two DiT passes per denoising step.")
     train_cfg: bool | None = Field(
         None, description="CFG in training too (two passes per trained pair); None: same as cfg."
     )
     reference: bool = Field(False, description="KL to a frozen reference: one reference forward per trained pair.")
-    height: int = Field(gt=0)
-    width: int = Field(gt=0)
-    frames: int = Field(1, gt=0, description="1 for images.")
+    height: int = Field(gt=0, le=16384, description="Pixels.")
+    width: int = Field(gt=0, le=16384, description="Pixels.")
+    frames: int = Field(1, gt=0, le=1024, description="1 for images.")
     mini_batches: int = Field(1, gt=0, description="Optimizer steps per RL step (the batch is split by prompt).")
     reward: Literal["vlm", "rule"] = Field(
         "vlm", description="vlm: a model judge (OCR, PickScore-like); rule: a cheap function."
@@ -51,6 +63,7 @@ class FlowSpec(_PipelineSpec):
     micro_batch: int = Field(
         1,
         gt=0,
+        le=MAX_SAMPLES,
         description="Samples per device in one trainer forward/backward (the recipe's train micro-batch); the "
         "per-timestep loop runs one pass per micro-batch per trained timestep, TSP batches a chunk "
         "of timesteps into it.",
@@ -58,7 +71,9 @@ class FlowSpec(_PipelineSpec):
     fragments: int | None = Field(
         None, gt=0, description="GAP fragments M (whole groups); None lets the policy choose."
     )
-    tsp_chunk: int | None = Field(None, gt=0, description="Timesteps per TSP train node; None lets the policy choose.")
+    tsp_chunk: int | None = Field(
+        None, gt=0, le=1000, description="Timesteps per TSP train node; None lets the policy choose."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> FlowSpec:
@@ -69,6 +84,7 @@ class FlowSpec(_PipelineSpec):
             )
         if self.prompts % self.mini_batches:
             raise ValueError(f"mini_batches={self.mini_batches} must divide prompts={self.prompts}")
+        _check_samples(self.prompts, self.group, "prompts")
         if self.fragments is not None and self.fragments > self.prompts:
             raise ValueError(
                 f"fragments={self.fragments} cannot exceed prompts={self.prompts} (a fragment holds whole groups)"
@@ -84,9 +100,9 @@ class LengthDistribution(_Spec):
     """Response lengths: lognormal (median, sigma) or an empirical list sampled with replacement."""
 
     kind: Literal["lognormal", "empirical"] = "lognormal"
-    median: float | None = Field(None, gt=0)
-    sigma: float | None = Field(None, ge=0)
-    values: list[int] | None = Field(None, min_length=1)
+    median: float | None = Field(None, gt=0, le=MAX_TOKENS)
+    sigma: float | None = Field(None, ge=0, le=5)
+    values: list[Annotated[int, Field(gt=0, le=MAX_TOKENS)]] | None = Field(None, min_length=1, max_length=MAX_SAMPLES)
 
     @model_validator(mode="after")
     def _check(self) -> LengthDistribution:
@@ -101,22 +117,24 @@ class LLMSpec(_PipelineSpec):
     """A GRPO step of a causal language model."""
 
     kind: Literal["llm"] = "llm"
-    name: str = Field(description="Pipeline name, unique in a scenario.")
-    model: str = Field(description="Language model from the catalogue, e.g. Qwen3-4B.")
-    batch: int = Field(gt=0, description="Prompts per step.")
-    group: int = Field(gt=0, description="Responses per prompt (n).")
-    prompt_length: int = Field(256, gt=0)
+    name: str = Field(max_length=100, description="Pipeline name, unique in a scenario.")
+    model: str = Field(max_length=100, description="Language model from the catalogue, e.g. Qwen3-4B.")
+    batch: int = Field(gt=0, le=MAX_SAMPLES, description="Prompts per step.")
+    group: int = Field(gt=0, le=1024, description="Responses per prompt (n).")
+    prompt_length: int = Field(256, gt=0, le=MAX_TOKENS)
     lengths: LengthDistribution
-    max_length: int = Field(gt=0, description="Responses are cut at this many tokens.")
-    length_bands: list[int] = Field(default_factory=list, description="Upper bounds of decode length bands, ascending.")
+    max_length: int = Field(gt=0, le=MAX_TOKENS, description="Responses are cut at this many tokens.")
+    length_bands: list[int] = Field(
+        default_factory=list, max_length=64, description="Upper bounds of decode length bands, ascending."
+    )
     lengths_known: bool = Field(
         True,
         description="Whether a step's response lengths are known when its graph is built (the simulator draws them); "
         "false for a real run, which learns them by decoding: every shard then decodes every band, whichever "
         "responses still run, and the drawn lengths only predict the costs.",
     )
-    micro_batches: int = Field(1, gt=0, description="Train micro-steps per step.")
-    tensor_parallel: int = Field(1, gt=0, description="Devices per rollout engine.")
+    micro_batches: int = Field(1, gt=0, le=MAX_SAMPLES, description="Train micro-steps per step.")
+    tensor_parallel: int = Field(1, gt=0, le=64, description="Devices per rollout engine.")
     reference: bool = Field(True, description="Compute reference log-probs for a KL term.")
     recompute_logprob: bool = Field(True, description="Recompute old log-probs in the trainer.")
 
@@ -126,7 +144,15 @@ class LLMSpec(_PipelineSpec):
             raise ValueError(f"length_bands must be strictly ascending, got {self.length_bands}")
         if self.length_bands and self.length_bands[-1] > self.max_length:
             raise ValueError(f"the last length band {self.length_bands[-1]} exceeds max_length={self.max_length}")
+        _check_samples(self.batch, self.group, "batch")
         return self
+
+
+def _check_samples(prompts: int, group: int, field: str) -> None:
+    if prompts * group > MAX_SAMPLES:
+        raise ValueError(
+            f"{field} x group = {prompts} x {group} samples per step: at most {MAX_SAMPLES}; lower {field} or group"
+        )
 
 
 PipelineSpec = FlowSpec | LLMSpec

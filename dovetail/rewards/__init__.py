@@ -1,10 +1,15 @@
 """Rewards by name. Each takes images in [0, 1] of shape (B, H, W) and the prompts, returns (B,).
 
-Rewards combine with weights: ``{"digit_match": 1.0, "jpeg_compressibility": 0.1}``.
+Rewards combine with weights: ``{"digit_match": 1.0, "jpeg_compressibility": 0.1}``. Your own reward is named
+"package.module:function" and imported, when the config is read, even for a dry run: a config is code. Set
+DOVETAIL_REWARD_MODULES to the comma-separated module prefixes that may be imported so (e.g. "myrewards,lab.rl";
+"" allows none) to run configs you did not write.
 """
 
 import importlib
+import inspect
 import io
+import os
 import re
 from collections.abc import Callable, Sequence
 
@@ -64,17 +69,48 @@ class RewardError(RuntimeError):
     """A reward failed or returned a non-finite value; names the reward and the sample."""
 
 
+ALLOWED_MODULES = "DOVETAIL_REWARD_MODULES"
+"""Environment variable: comma-separated module prefixes a custom reward may be imported from; unset, any."""
+
+
 def reward_fn(name: str) -> RewardFn:
     """A reward by name, or your own as "package.module:function" (same signature)."""
     if name in REWARDS:
         return REWARDS[name]
     if ":" in name:
-        module, _, attribute = name.partition(":")
-        try:
-            return getattr(importlib.import_module(module), attribute)
-        except (ImportError, AttributeError) as error:
-            raise ValueError(f"reward {name!r} cannot be imported: {error}") from None
+        return custom_reward(name, "(images, prompts)")
     raise ValueError(f"unknown reward {name!r}; known rewards: {sorted(REWARDS)}, or give module:function")
+
+
+def custom_reward(name: str, arguments: str) -> Callable:
+    """Your own reward "package.module:function": its module imported (which runs the module's code, so only
+    from a module DOVETAIL_REWARD_MODULES allows, where it is set), and the function checked to take `arguments`
+    (two: the samples and their prompts)."""
+    module, _, attribute = name.partition(":")
+    allowed = os.environ.get(ALLOWED_MODULES)
+    if allowed is not None:
+        prefixes = [prefix.strip() for prefix in allowed.split(",") if prefix.strip()]
+        if not any(module == prefix or module.startswith(prefix + ".") for prefix in prefixes):
+            raise ValueError(
+                f"reward {name!r}: module {module!r} is not allowed by {ALLOWED_MODULES}={allowed!r}; add it there "
+                "if you trust its code"
+            )
+    try:
+        fn = getattr(importlib.import_module(module), attribute)
+    except Exception as error:  # importing runs the module: it may raise anything
+        message = " ".join(str(error).split())
+        raise ValueError(f"reward {name!r} cannot be imported: {type(error).__name__}: {message}") from None
+    if not callable(fn):
+        raise ValueError(f"reward {name!r} must be a function of {arguments}, not a {type(fn).__name__}")
+    try:
+        signature = inspect.signature(fn)
+    except ValueError:  # no signature to read (some built-ins): its first call tells
+        return fn
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        raise ValueError(f"reward {name!r} must be a function of {arguments}, not {attribute}{signature}") from None
+    return fn
 
 
 def check_reward_names(weights: dict[str, float]) -> None:
@@ -89,14 +125,28 @@ def load_rewards(weights: dict[str, float]) -> None:
         digit_judge()
 
 
+def reward_values(name: str, output, samples: int) -> np.ndarray:
+    """A reward's output as float64 scores, one number per sample; anything else (None, a scalar, the wrong shape,
+    strings) is a RewardError naming the reward and what it must return."""
+    try:
+        values = np.asarray(output)
+        got = f"{type(output).__name__} of shape {values.shape} and dtype {values.dtype}"
+    except Exception:  # a ragged nesting of lists, or an object numpy cannot read
+        values, got = None, f"a {type(output).__name__} that is no array"
+    if values is None or values.dtype.kind not in "biuf" or values.shape != (samples,):
+        raise RewardError(f"reward {name!r} returned {got}; return one number per sample: shape ({samples},)")
+    return values.astype(np.float64)
+
+
 def score(images: np.ndarray, prompts: Sequence[str], weights: dict[str, float]) -> dict[str, np.ndarray]:
     """Each named reward and their weighted sum under "total"."""
     scores = {}
     for name in weights:
         try:
-            values = np.asarray(reward_fn(name)(images, prompts), dtype=np.float64)
+            output = reward_fn(name)(images, prompts)
         except Exception as error:
             raise RewardError(f"reward {name!r} raised {type(error).__name__}: {error}") from error
+        values = reward_values(name, output, len(prompts))
         bad = np.flatnonzero(~np.isfinite(values))
         if bad.size:
             i = int(bad[0])

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from dovetail.rewards import RewardError, reward_fn
+from dovetail.rewards import RewardError, custom_reward, reward_values
 from dovetail.tasks import Countdown, ExpressionError, evaluate_expression, final_answer, task_of_prompt
 
 TextRewardFn = Callable[[Sequence[str], Sequence[str]], np.ndarray]
@@ -68,7 +68,7 @@ def text_reward_fn(name: str) -> TextRewardFn:
     if name in TEXT_REWARDS:
         return TEXT_REWARDS[name]
     if ":" in name:
-        return reward_fn(name)
+        return custom_reward(name, "(completions, prompts)")
     raise ValueError(
         f"unknown text reward {name!r}; known text rewards: {sorted(TEXT_REWARDS)}, or give module:function"
     )
@@ -81,12 +81,11 @@ def score_text(completions: Sequence[str], prompts: Sequence[str], weights: dict
     for name in weights:
         fn = text_reward_fn(name)
         try:
-            values = np.asarray(fn(completions, prompts), dtype=np.float64)
+            output = fn(completions, prompts)
         except Exception as error:
             culprit = _first_raising_sample(fn, completions, prompts)
             raise RewardError(f"reward {name!r} raised {type(error).__name__}: {error}{culprit}") from error
-        if values.shape != (len(completions),):
-            raise RewardError(f"reward {name!r} returned shape {values.shape} for {len(completions)} samples")
+        values = reward_values(name, output, len(completions))
         bad = np.flatnonzero(~np.isfinite(values))
         if bad.size:
             i = int(bad[0])
