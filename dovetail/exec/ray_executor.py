@@ -286,8 +286,22 @@ class RayExecutor:
         self._left[part.node] -= 1
         if self._left[part.node] == 0:
             if node.kind == Kind.COMMIT:
-                run.trainer_state = run.workers[run.trainer_devices[0]].trainer_state.remote()
+                self._keep_committed_state(run)
             self.state.finish_node(part.node)
+
+    def _keep_committed_state(self, run: PipelineRun) -> None:
+        """The new committed trainer state, in the object store before the commit counts as done: the object store
+        outlives the workers, so even if every trainer replica dies next, their restarts resume from this step."""
+        for device in run.trainer_devices:
+            run.trainer_state = run.workers[device].trainer_state.remote()
+            try:
+                ray.get(run.trainer_state)  # the driver needs it at evaluations and checkpoints anyway
+                return
+            except (RayActorError, RayTaskError):
+                continue  # that replica died after the commit: another holds the same state
+        raise RuntimeError(
+            f"pipeline {run.name}: every trainer device died right after its commit; resume from a checkpoint"
+        )
 
     def _book_training(self, run: PipelineRun, commit: Node) -> None:
         for train_id in commit.deps:
