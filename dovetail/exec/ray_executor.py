@@ -35,6 +35,9 @@ from dovetail.graph.node import Graph, Kind, Node, SampleId
 from dovetail.rewards import RewardError
 from dovetail.sched.policy import Migrate, Policy, Run, Setup, StepCommitted, SwitchRole
 
+MAX_RESENDS = 5
+"""Times one part is sent again after its worker died before the run gives up on it."""
+
 
 @dataclass
 class PipelineRun:
@@ -90,6 +93,7 @@ class RayExecutor:
         self.stopped: dict[str, RewardError] = {}
         """Pipelines whose reward failed, with the error; they stopped after their last committed step."""
         self._pending: dict[ray.ObjectRef, Part | SwitchRole] = {}
+        self._resent: dict[tuple[str, int, int], int] = {}
         self._left: dict[str, int] = {}
 
     def run_of(self, node_id: str) -> PipelineRun:
@@ -188,7 +192,12 @@ class RayExecutor:
         self._pending[ref] = part
 
     def _recover(self, part: Part | SwitchRole, now: float) -> None:
-        """A worker died (or answered from a new, bare incarnation): bring its pipeline back, send the part again."""
+        """A worker died (or answered from a new, bare incarnation): bring its pipeline back, send the part again
+        (at most MAX_RESENDS times: a part that fails again and again is a bug, not a fault, and must not spin)."""
+        key = (getattr(part, "node", "switch"), part.device, getattr(part, "index", 0))
+        self._resent[key] = self._resent.get(key, 0) + 1
+        if self._resent[key] > MAX_RESENDS:
+            raise RuntimeError(f"{key[0]} on device {part.device} failed {MAX_RESENDS} times after restarts; giving up")
         run = next(iter(self.pipelines.values())) if isinstance(part, SwitchRole) else self.run_of(part.node)
         self._revive(run, now, getattr(part, "node", "switch"))
         self._submit(part)
@@ -234,7 +243,7 @@ class RayExecutor:
             parts = [Part(node.id, d, Commit(node.pipeline, tuple(devices), scale)) for d in devices]
             run.trainer_devices = tuple(devices)
         elif node.kind == Kind.PUBLISH:
-            weights = run.workers[run.trainer_devices[0]].export_weights.remote()
+            weights = self._from_a_trainer(run, "export_weights")
             run.versions[node.version + 1] = weights
             version = run.first_step + node.version + 1
             parts = [Part(node.id, d, LoadWeights(node.pipeline, version, weights)) for d in devices]
@@ -292,13 +301,19 @@ class RayExecutor:
     def _keep_committed_state(self, run: PipelineRun) -> None:
         """The new committed trainer state, in the object store before the commit counts as done: the object store
         outlives the workers, so even if every trainer replica dies next, their restarts resume from this step."""
+        run.trainer_state = self._from_a_trainer(run, "trainer_state")
+
+    def _from_a_trainer(self, run: PipelineRun, method: str) -> ray.ObjectRef:
+        """A ref of what a trainer replica answers (`trainer_state`, `export_weights`), known to hold the answer: a
+        replica that died since the commit is passed over for another (they hold the same state); a ref that held
+        an error would poison every part that reads it."""
         for device in run.trainer_devices:
-            run.trainer_state = run.workers[device].trainer_state.remote()
+            ref = getattr(run.workers[device], method).remote()
             try:
-                ray.get(run.trainer_state)  # the driver needs it at evaluations and checkpoints anyway
-                return
+                ray.get(ref)
+                return ref
             except (RayActorError, RayTaskError):
-                continue  # that replica died after the commit: another holds the same state
+                continue
         raise RuntimeError(
             f"pipeline {run.name}: every trainer device died right after its commit; resume from a checkpoint"
         )
