@@ -23,22 +23,13 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from fault_injection import MOMENTS, SPREADS, Fault  # noqa: E402
+from fault_injection import CONFIG, MOMENTS, SPREADS, Fault  # noqa: E402
 
 from dovetail.config.train import load_config  # noqa: E402
 from dovetail.exec.worker import DEVICE_RESOURCE  # noqa: E402
 from dovetail.train import train  # noqa: E402
 
 STEPS = 3
-CONFIG = [
-    "eval.every=100",
-    "checkpoint.every=100",
-    "cluster.devices=2",
-    "policy=digen",
-    "runtime.fragments=4",
-    "runtime.tsp_chunk=5",
-    "runtime.trainer_group=1",  # the whole cut fixed, not chosen from profiled costs: runs repeat bitwise
-]
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:

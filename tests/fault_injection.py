@@ -22,6 +22,16 @@ import ray
 
 from dovetail.exec.messages import Commit, FlowTrain, Generate, LMTrain, LoadWeights, Prefill
 
+CONFIG = [
+    "eval.every=100",
+    "checkpoint.every=100",
+    "cluster.devices=2",
+    "policy=digen",
+    "runtime.fragments=4",
+    "runtime.tsp_chunk=5",
+    "runtime.trainer_group=1",  # the whole cut fixed, not chosen from profiled costs: runs repeat bitwise
+]
+"""The run the faults are injected into (tests and benchmarks/kill_matrix.py): digen on 2 devices."""
 MOMENTS = ("start-up", "generate", "train", "commit", "publish", "last step")
 SPREADS = ("one", "two close", "all")
 START_UP_DELAY_S = 0.5

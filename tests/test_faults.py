@@ -7,22 +7,13 @@ import json
 
 import pytest
 import torch
-from fault_injection import Fault
+from fault_injection import CONFIG, Fault
 from safetensors.torch import load_file
 
 from dovetail.config.train import load_config
 from dovetail.train import train
 
 STEPS = 3
-CONFIG = [
-    "eval.every=100",
-    "checkpoint.every=100",
-    "cluster.devices=2",
-    "policy=digen",
-    "runtime.fragments=4",
-    "runtime.tsp_chunk=5",
-    "runtime.trainer_group=1",  # the whole cut fixed, not chosen from profiled costs: runs repeat bitwise
-]
 pytestmark = pytest.mark.usefixtures("local_ray")
 
 

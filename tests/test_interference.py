@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import ray
 from test_jigsaw_mixed import flow, llm, scenario
+from test_multiplex import FLOW, LM
 
 from dovetail.config.train import parse_config, pipeline_configs
 from dovetail.cost.calibration import DEFAULT
@@ -23,22 +24,6 @@ from dovetail.scenario import prepare, simulate
 from dovetail.sched.jigsaw import phase_slowdowns, predict_completion
 from dovetail.train import FlowLocal, LMLocal
 
-LM = {
-    "kind": "lm",
-    "task": "sort",
-    "algo": {"prompts_per_step": 4, "group_size": 4},
-    "eval": {"prompts": 8, "every": 100},
-    "checkpoint": {"every": 100},
-    "runtime": {"profile_samples": 4},
-    "train": {"lr": 1e-3},
-}
-FLOW = {
-    "kind": "flow",
-    "algo": {"prompts_per_step": 4, "group_size": 4},
-    "eval": {"per_digit": 2, "every": 100},
-    "checkpoint": {"every": 100},
-    "runtime": {"profile_samples": 8},
-}
 ACROSS = {
     (kind, alongside)
     for lm, fl in (("decode", "generate"), ("decode", "train"), ("logprob", "generate"), ("logprob", "train"))

@@ -203,17 +203,9 @@ class RayExecutor:
         self._submit(part)
 
     def committed_state(self, pipeline: str) -> dict:
-        """The pipeline's last committed trainer state (weights + optimizer). Its ref was taken from the first trainer
-        device at the commit; should that device have died since, another trainer replica holds the same state."""
-        run = self.pipelines[pipeline]
-        for device in (None, *run.trainer_devices[1:]):
-            if device is not None:
-                run.trainer_state = run.workers[device].trainer_state.remote()
-            try:
-                return ray.get(run.trainer_state)
-            except (RayActorError, RayTaskError):
-                continue
-        raise RuntimeError(f"pipeline {pipeline}: every trainer device died after the commit; resume from a checkpoint")
+        """The pipeline's last committed trainer state (weights + optimizer): in the object store since the commit
+        (`_keep_committed_state`), which outlives the workers."""
+        return ray.get(self.pipelines[pipeline].trainer_state)
 
     def _revive(self, run: PipelineRun, now: float, during: str) -> None:
         """Bring the pipeline's workers back with its committed trainer state and group (`recovery.revive`) and
