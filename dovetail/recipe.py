@@ -37,7 +37,7 @@ def evaluate(model, config: FlowTrainConfig) -> tuple[dict[str, float], np.ndarr
         model.device
     )
     images = latents_to_images(sample_ode(model, prompts, sde_settings(config, model.device).sigmas, noise))
-    scores = score(images, prompts, config.reward)
+    scores = score(images, prompts, config.reward, config.reward_timeout_s)
     return {name: float(values.mean()) for name, values in scores.items()}, images, prompts
 
 

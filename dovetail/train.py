@@ -53,7 +53,7 @@ def rl_step(model, optimizer, config: FlowTrainConfig, step: int, reference_mode
     timings["generate_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    rewards = score(latents_to_images(trajectories.images), sample_prompts, config.reward)
+    rewards = score(latents_to_images(trajectories.images), sample_prompts, config.reward, config.reward_timeout_s)
     advantages = advantages_of(config, rewards["total"], [s.prompt for s in ids])
     timings["score_s"] = time.perf_counter() - start
 
@@ -317,7 +317,7 @@ def lm_evaluate(engines, config: LMTrainConfig) -> dict[str, float]:
     encoded = encode_prompts(config, engines.tokenizer, prompts)
     requests = [Request((0, i, 0), ids) for i, ids in enumerate(encoded)]
     completions = [engines.tokenizer.decode(r.tokens) for r in engine.generate(requests)]
-    scores = score_text(completions, prompts, config.rewards)
+    scores = score_text(completions, prompts, config.rewards, config.reward_timeout_s)
     return {"total": success_rate(config, completions, prompts)} | {
         f"reward/{name}": float(values.mean()) for name, values in scores.items()
     }

@@ -14,20 +14,12 @@ def local_ray(tmp_path_factory):
     modules (a custom reward); yields the file whose existence makes `faulty_reward` return NaN."""
     import ray
 
-    from dovetail.exec.worker import DEVICE_RESOURCE
+    from dovetail.exec.launch import start_local_ray
 
     flag = tmp_path_factory.mktemp("flags") / "nan"
     os.environ["DOVETAIL_TEST_NAN_FLAG"] = str(flag)
     os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), *sys.path])
     if not ray.is_initialized():
-        ray.init(
-            address="local",  # never join a Ray instance already running on this machine
-            _node_ip_address="127.0.0.1",
-            num_cpus=1,
-            resources={DEVICE_RESOURCE: 2},
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
+        start_local_ray(cpu_devices=2)
     yield flag
     ray.shutdown()

@@ -1,5 +1,8 @@
 """Configs fail early with the field's name; rewards fail loudly with the reward's and sample's name."""
 
+import threading
+import time
+
 import numpy as np
 import pytest
 from sklearn.datasets import load_digits
@@ -7,6 +10,7 @@ from sklearn.datasets import load_digits
 from dovetail.config.train import ConfigError, load_config
 from dovetail.recipe import step_timesteps
 from dovetail.rewards import REWARDS, RewardError, score
+from dovetail.rewards.text import TEXT_REWARDS, score_text
 
 
 def test_yaml_plus_dotted_overrides(tmp_path):
@@ -98,6 +102,33 @@ def test_raising_reward_is_wrapped_with_its_name(monkeypatch):
     monkeypatch.setitem(REWARDS, "remote", raises)
     with pytest.raises(RewardError, match="'remote' raised OSError: judge server down"):
         score(np.zeros((1, 8, 8)), ["digit 0"], {"remote": 1.0})
+
+
+def test_a_reward_that_hangs_stops_at_the_timeout_naming_the_setting(monkeypatch):
+    released = threading.Event()
+
+    def hangs(samples, prompts):  # a request to a reward server that never answers
+        released.wait(60)
+        return np.zeros(len(samples))
+
+    monkeypatch.setitem(REWARDS, "server", hangs)
+    monkeypatch.setitem(TEXT_REWARDS, "server", hangs)
+    start = time.perf_counter()
+    with pytest.raises(RewardError, match=r"^reward 'server' took longer than reward_timeout_s=0.2 s on 2 samples"):
+        score(np.zeros((2, 8, 8)), ["digit 0", "digit 1"], {"server": 1.0}, timeout_s=0.2)
+    with pytest.raises(RewardError, match=r"^reward 'server' took longer than reward_timeout_s=0.1 s on 1 samples"):
+        score_text(["1 2"], ["sort: 2 1"], {"server": 1.0}, timeout_s=0.1)
+    assert time.perf_counter() - start < 5
+    released.set()
+
+
+def test_a_reward_within_its_time_scores_as_called_directly():
+    images = load_digits().images[:6] / 16.0
+    prompts = [f"digit {d}" for d in load_digits().target[:6]]
+    scored = score(images, prompts, {"digit_match": 1.0}, timeout_s=60)["digit_match"]
+    assert np.array_equal(scored, REWARDS["digit_match"](images, prompts))
+    with pytest.raises(ConfigError, match="reward_timeout_s"):
+        load_config(None, ["reward_timeout_s=0"])
 
 
 @pytest.mark.parametrize("algorithm", ["flow_grpo", "dance_grpo"])

@@ -2,7 +2,9 @@
 must reproduce the reference training path exactly, survive a killed worker without losing or
 repeating a sample, stop cleanly on a NaN reward, and be predicted by the simulator."""
 
+import ipaddress
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -79,6 +81,63 @@ def test_a_reward_device_scores_every_sample_and_the_parameters_stay_the_referen
         ["trainer", "rollout", "reward"],
         ["reward"],
     ]
+
+
+def listening_sockets(root_pid: int) -> list[str]:
+    """host:port of every TCP socket listening in `root_pid` or its descendants (the driver, Ray's servers and
+    workers), read from /proc: the sockets a process holds, and the kernel's table of listening ones."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    family, frontier = {root_pid}, [root_pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in family]
+        family.update(children)
+        frontier += children
+    inodes = set()
+    for pid in family:
+        for fd in Path(f"/proc/{pid}/fd").glob("*"):
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    listening = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            local, state, inode = row.split()[1], row.split()[3], row.split()[9]
+            if state == "0A" and inode in inodes:  # 0A: LISTEN
+                address, port = local.split(":")
+                raw = bytes.fromhex(address)
+                host = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                listening.append(f"{ipaddress.ip_address(host)}:{int(port, 16)}")
+    return listening
+
+
+def is_loopback(socket_address: str) -> bool:
+    host = ipaddress.ip_address(socket_address.rsplit(":", 1)[0])
+    mapped = getattr(host, "ipv4_mapped", None)
+    return (mapped or host).is_loopback
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc")
+def test_a_local_run_listens_on_loopback_only(tmp_path):
+    seen = []
+    small = ["policy=colocated", "algo.prompts_per_step=2", "algo.group_size=2"]
+    train(
+        load_config(None, COMMON + small),
+        tmp_path,
+        steps=1,
+        after_start=lambda _: seen.extend(listening_sockets(os.getpid())),
+    )
+    assert len(seen) >= 4, seen  # Ray's GCS and raylet, the driver's and the workers' own servers
+    assert [s for s in seen if not is_loopback(s)] == []
 
 
 def test_run_directory_has_trace_gantt_and_runtime_metrics():

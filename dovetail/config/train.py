@@ -31,7 +31,7 @@ from pydantic import (
 
 from dovetail.cost.catalog import device
 from dovetail.graph.spec import MAX_DEVICES, MAX_SAMPLES
-from dovetail.rewards import check_reward_names
+from dovetail.rewards import REWARD_TIMEOUT_S, check_reward_names
 from dovetail.rewards.text import text_reward_fn
 from dovetail.scenario import (
     MAX_SIMULATED_STEPS,
@@ -213,6 +213,12 @@ class RunSection(Section):
         description="the pipeline's name (node ids, run sub-directory, trace colour); None: the task, or 'digits'",
     )
     priority: float = Field(1.0, gt=0, le=1000, description="weight of this pipeline's step latency when multiplexed")
+    reward_timeout_s: float = Field(
+        REWARD_TIMEOUT_S,
+        gt=0,
+        le=86_400,
+        description="seconds one reward may take on one batch before the run stops (saved) instead of hanging",
+    )
     seed: Seed = 0
     train: TrainSection = TrainSection()
     checkpoint: CheckpointSection = CheckpointSection()

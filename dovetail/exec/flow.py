@@ -116,7 +116,8 @@ class FlowEngines(PipelineEngines):
             return pack(trajectories, work.samples, work.version)
         if isinstance(work, Score):
             trajectories, ids = unpack(self.fetch(work.rollouts), self.sde.sigmas)
-            return Scores(ids, score(latents_to_images(trajectories.images), trajectories.prompts, config.reward))
+            images = latents_to_images(trajectories.images)
+            return Scores(ids, score(images, trajectories.prompts, config.reward, config.reward_timeout_s))
         if isinstance(work, FlowLogProbs):
             trajectories, ids = unpack(self.fetch(work.trajectories), self.sde.sigmas)
             log_probs = recompute_log_probs(self.trainer, trajectories, work.timesteps, self.sde).cpu().numpy()
@@ -188,7 +189,9 @@ def profile_works(
 
     return {
         "generate": lambda done: generate(trainer, prompts, ids, sde, seed=config.seed, shared_group_noise=False),
-        "score": lambda done: score(latents_to_images(done["generate"].images), prompts, config.reward),
+        "score": lambda done: score(
+            latents_to_images(done["generate"].images), prompts, config.reward, config.reward_timeout_s
+        ),
         "logprob": logprob,
         "train": train,
         "optimizer": lambda done: commit(trainer, optimizer, config.train.max_grad_norm),

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 import ray
 import torch
+from ray._private import ray_constants
 from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -22,7 +23,7 @@ from dovetail.exec.metrics import summarize
 from dovetail.exec.pipeline import Ledger, pipeline_module
 from dovetail.exec.ray_executor import PipelineRun, RayExecutor
 from dovetail.exec.recovery import RECOVERY_DEADLINE_S, revive
-from dovetail.exec.worker import DEVICE_RESOURCE, DeviceWorker, WorkerRestarted
+from dovetail.exec.worker import DEVICE_RESOURCE, LOOPBACK, DeviceWorker, WorkerRestarted
 from dovetail.scenario import Prepared, Scenario, prepare, simulate
 
 
@@ -45,14 +46,10 @@ def start_ray(config: TrainConfig) -> None:
     cluster.address; either way it must hold cluster.devices devices."""
     (resource,) = device_bundle(config)
     if not ray.is_initialized():
-        quiet = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
         if config.cluster.address:
             ray.init(address=config.cluster.address)
-        else:  # our own instance, never one already running on this machine; on loopback
-            local = {"address": "local", "_node_ip_address": "127.0.0.1", "num_cpus": 1} | quiet
-            if resource == DEVICE_RESOURCE:
-                local["resources"] = {DEVICE_RESOURCE: config.cluster.devices}
-            ray.init(**local)
+        else:
+            start_local_ray(config.cluster.devices if resource == DEVICE_RESOURCE else None)
     available = ray.cluster_resources().get(resource, 0)
     if available < config.cluster.devices:
         fix = (
@@ -64,6 +61,24 @@ def start_ray(config: TrainConfig) -> None:
             f"cluster.devices={config.cluster.devices} {config.cluster.device} devices asked for, but the Ray "
             f"instance has {available:g} {resource!r}; {fix}"
         )
+
+
+def start_local_ray(cpu_devices: int | None) -> None:
+    """Our own Ray instance, never one already running on this machine (Ray's current-cluster file would join it),
+    with every server on loopback: nothing of a local run is reachable from the network. Ray takes a loopback node
+    address for the machine's own (so that other nodes could reach it) unless it runs as a single-machine instance,
+    which is what its `ENABLE_RAY_CLUSTER` switch says while the node starts. `cpu_devices`: the CPU cores offered as
+    devices (None on GPUs, which Ray finds itself)."""
+    options = {"address": "local", "_node_ip_address": LOOPBACK, "num_cpus": 1}
+    options |= {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
+    if cpu_devices is not None:
+        options["resources"] = {DEVICE_RESOURCE: cpu_devices}
+    cluster_mode = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(**options)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
 
 
 STARTUP_ATTEMPTS = 3

@@ -158,7 +158,9 @@ class LMEngines(PipelineEngines):
             chosen = self._select(work.rollouts, work.samples)
             completions = [self.tokenizer.decode(r.tokens) for r in chosen.values()]
             prompts = [self.tokenizer.decode(r.prompt) for r in chosen.values()]
-            return Scores(list(chosen), score_text(completions, prompts, self.config.rewards))
+            return Scores(
+                list(chosen), score_text(completions, prompts, self.config.rewards, self.config.reward_timeout_s)
+            )
         if isinstance(work, LMLogProbs):
             chosen = self._select(work.rollouts, work.samples)
             model = self.reference if work.reference else self.trainer

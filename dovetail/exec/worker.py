@@ -15,8 +15,11 @@ same optimizer step. A worker that dies loses its parts' gradients: the executor
 
 import os
 import socket
+import tempfile
 import time
+import uuid
 from datetime import timedelta
+from pathlib import Path
 
 import ray
 import torch
@@ -30,6 +33,8 @@ from dovetail.models.t2i import strict_fp32
 
 DEVICE_RESOURCE = "dovetail_device"
 GROUP_TIMEOUT_S = 120
+LOOPBACK = "127.0.0.1"
+"""The node address of a local run (`launch.start_local_ray`): every server on it, and every peer on this machine."""
 
 
 class WorkerRestarted(RuntimeError):
@@ -39,8 +44,8 @@ class WorkerRestarted(RuntimeError):
 
 def form_group(workers: list) -> None:
     """Every device joins one torch.distributed group, rendezvous on the first device's node."""
-    address, port = ray.get(workers[0].rendezvous.remote())
-    ray.get([w.join_group.remote(address, port, len(workers)) for w in workers])
+    init_method = ray.get(workers[0].rendezvous.remote())
+    ray.get([w.join_group.remote(init_method, len(workers)) for w in workers])
 
 
 def through_object_store(weights: dict) -> dict:
@@ -58,17 +63,24 @@ def group_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def join_process_group(address: str, port: int, rank: int, world: int, backend: str) -> None:
-    """Module-level: Ray cannot pickle actor methods that use torch.distributed."""
+def join_process_group(init_method: str, rank: int, world: int, backend: str) -> None:
+    """Module-level: Ray cannot pickle actor methods that use torch.distributed. A group of one machine's
+    processes (a `file://` rendezvous) keeps gloo's own connections on loopback too."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    if init_method.startswith("file://"):
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
     dist.init_process_group(
-        backend,
-        init_method=f"tcp://{address}:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=GROUP_TIMEOUT_S),
+        backend, init_method=init_method, rank=rank, world_size=world, timeout=timedelta(seconds=GROUP_TIMEOUT_S)
     )
+
+
+def loopback_interface() -> str:
+    """This machine's loopback network interface (`lo` on Linux, `lo0` on macOS)."""
+    names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
+    if not names:
+        raise RuntimeError("no loopback network interface (lo) on this machine: a local run keeps its group on it")
+    return min(names, key=len)
 
 
 def gather_parts(parts: dict, ranks: tuple[int, ...], groups: dict) -> dict:
@@ -121,17 +133,22 @@ class DeviceWorker:
         """The engines this device holds (every device holds the reward engine, built at configure)."""
         return self.engines.held()
 
-    def join_group(self, address: str, port: int, world: int) -> None:
+    def join_group(self, init_method: str, world: int) -> None:
         """(Re)join the torch.distributed group of all devices; trainer groups are cut from it at commits.
         Accumulated gradients survive (a re-join follows another device's restart)."""
-        join_process_group(address, port, self.index, world, group_backend(self.device))
+        join_process_group(init_method, self.index, world, group_backend(self.device))
         self.groups: dict[tuple[int, ...], object] = {}
 
-    def rendezvous(self) -> tuple[str, int]:
-        """An address and a free port on this device's node, for the group's TCP rendezvous."""
+    def rendezvous(self) -> str:
+        """Where the group meets, new at each forming. On a local run's node (loopback) every peer is on this
+        machine: a file, so that nothing listens on the network (torch's TCP store listens on every interface).
+        Otherwise a free TCP port on this device's node."""
+        node = ray.util.get_node_ip_address()
+        if node == LOOPBACK:
+            return f"file://{Path(tempfile.gettempdir()) / f'dovetail-group-{uuid.uuid4().hex}'}"
         with socket.socket() as probe:
-            probe.bind(("", 0))
-            return ray.util.get_node_ip_address(), probe.getsockname()[1]
+            probe.bind((node, 0))
+            return f"tcp://{node}:{probe.getsockname()[1]}"
 
     def ping(self) -> int:
         return os.getpid()

@@ -11,6 +11,7 @@ import inspect
 import io
 import os
 import re
+import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -67,6 +68,35 @@ REWARDS: dict[str, RewardFn] = {
 
 class RewardError(RuntimeError):
     """A reward failed or returned a non-finite value; names the reward and the sample."""
+
+
+REWARD_TIMEOUT_S = 600.0
+"""Default of a run's `reward_timeout_s`: a reward call (one batch) that takes longer is a failure, not a hang."""
+
+
+def call_reward(name: str, fn: Callable, args: tuple, timeout_s: float):
+    """`fn(*args)`, in a thread so that a reward that hangs (a stuck request to a reward server, a sleep) stops the
+    run after `timeout_s` with a RewardError instead of holding up the step for ever; what the call raises is
+    raised here. The stuck thread is left behind (Python cannot stop one); the run stops anyway."""
+    outcome: dict = {}
+
+    def call() -> None:
+        try:
+            outcome["output"] = fn(*args)
+        except BaseException as error:  # re-raised in the caller's thread, which decides what it means
+            outcome["error"] = error
+
+    thread = threading.Thread(target=call, name=f"reward {name}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise RewardError(
+            f"reward {name!r} took longer than reward_timeout_s={timeout_s:g} s on {len(args[0])} samples; make it "
+            "faster, or raise reward_timeout_s in the config"
+        )
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["output"]
 
 
 ALLOWED_MODULES = "DOVETAIL_REWARD_MODULES"
@@ -138,12 +168,16 @@ def reward_values(name: str, output, samples: int) -> np.ndarray:
     return values.astype(np.float64)
 
 
-def score(images: np.ndarray, prompts: Sequence[str], weights: dict[str, float]) -> dict[str, np.ndarray]:
+def score(
+    images: np.ndarray, prompts: Sequence[str], weights: dict[str, float], timeout_s: float = REWARD_TIMEOUT_S
+) -> dict[str, np.ndarray]:
     """Each named reward and their weighted sum under "total"."""
     scores = {}
     for name in weights:
         try:
-            output = reward_fn(name)(images, prompts)
+            output = call_reward(name, reward_fn(name), (images, prompts), timeout_s)
+        except RewardError:
+            raise
         except Exception as error:
             raise RewardError(f"reward {name!r} raised {type(error).__name__}: {error}") from error
         values = reward_values(name, output, len(prompts))

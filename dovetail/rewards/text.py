@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from dovetail.rewards import RewardError, custom_reward, reward_values
+from dovetail.rewards import REWARD_TIMEOUT_S, RewardError, call_reward, custom_reward, reward_values
 from dovetail.tasks import Countdown, ExpressionError, evaluate_expression, final_answer, task_of_prompt
 
 TextRewardFn = Callable[[Sequence[str], Sequence[str]], np.ndarray]
@@ -74,14 +74,18 @@ def text_reward_fn(name: str) -> TextRewardFn:
     )
 
 
-def score_text(completions: Sequence[str], prompts: Sequence[str], weights: dict[str, float]) -> dict[str, np.ndarray]:
+def score_text(
+    completions: Sequence[str], prompts: Sequence[str], weights: dict[str, float], timeout_s: float = REWARD_TIMEOUT_S
+) -> dict[str, np.ndarray]:
     """Each named reward and their weighted sum under "total"; a reward that raises, returns a non-finite value or
     the wrong number of values is a RewardError naming the reward and, where one can be found, the sample."""
     scores = {}
     for name in weights:
         fn = text_reward_fn(name)
         try:
-            output = fn(completions, prompts)
+            output = call_reward(name, fn, (completions, prompts), timeout_s)
+        except RewardError:
+            raise
         except Exception as error:
             culprit = _first_raising_sample(fn, completions, prompts)
             raise RewardError(f"reward {name!r} raised {type(error).__name__}: {error}{culprit}") from error
