@@ -208,21 +208,30 @@ def simulate(
     except ValueError as error:
         _refuse(str(error))
     typer.echo(json.dumps(result) if json_out else render_table(result))
+    if all("error" in row for row in result["policies"].values()):  # each row says why; nothing was simulated
+        raise typer.Exit(2)
 
 
 @app.command()
 def plan(
     scenario: str = typer.Argument(..., help="shipped scenario name or YAML path"),
     devices: int = typer.Option(..., help="devices to plan for"),
+    policies: str = typer.Option(
+        None, help="comma-separated policies; default: the scenario's first and every one that searches"
+    ),
 ):
-    """Search pool split, GAP fragments, TSP chunk, TAG and TCSS for digen; print the best plan."""
+    """Show every shape the policies' searches simulated (digen: pool split, FSDP groups, GAP fragments, TSP chunk,
+    TAG, TCSS; jigsaw: the tail's edge and engine width), the one each chose, and the best."""
     from dovetail.graph.spec import MAX_DEVICES
-    from dovetail.report import plan_digen
+    from dovetail.report import plan as plan_policies
     from dovetail.scenario import load_scenario
 
     _check_count("--devices", devices, MAX_DEVICES)
+    names = None if policies is None else [name.strip() for name in policies.split(",")]
+    if names is not None and not all(names):
+        _refuse(f"--policies {policies!r}: name policies separated by commas, e.g. --policies digen,digen+tcss")
     try:
-        typer.echo(plan_digen(load_scenario(scenario), devices))
+        typer.echo(plan_policies(load_scenario(scenario), devices, names))
     except ValueError as error:
         _refuse(str(error))
 

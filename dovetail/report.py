@@ -1,14 +1,16 @@
-"""Compare policies on a scenario and search digen's plan: what `dovetail simulate` and `dovetail plan` print."""
+"""Compare policies on a scenario and show what their searches chose from: what `dovetail simulate` and
+`dovetail plan` print."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from dovetail.exec.metrics import summarize
-from dovetail.scenario import Scenario, simulate
-
-PLAN_CANDIDATES = 6
-"""How many of digen's analytically best shapes `plan` simulates (each with and without TAG and TCSS)."""
+from dovetail.graph.flow import FlowShape
+from dovetail.graph.llm import LLMShape
+from dovetail.scenario import Scenario, Searched, _run, prepare, simulate
+from dovetail.sched import policy_class
+from dovetail.sched.policy import search_horizon
 
 
 def _per_policy(path: Path | None, policy: str, several: bool) -> Path | None:
@@ -25,16 +27,18 @@ def compare(
     trace: Path | None = None,
     gantt: Path | None = None,
 ) -> dict:
-    """Simulate every policy; the JSON object `dovetail simulate --json` prints. Speedups are over the first."""
+    """Simulate every policy; the JSON object `dovetail simulate --json` prints. Speedups are over the first policy
+    that runs. A policy that cannot run the scenario (memory, too few devices, a field it cannot honour) gets
+    {"error": its one-line reason} in place of numbers; an unknown policy name is bad input (ValueError)."""
     names = policies or scenario.schedule.policies
+    for name in names:
+        policy_class(name)
     result: dict = {"scenario": scenario.name, "devices": scenario.cluster.devices, "policies": {}}
     baseline = None
     for name in names:
         try:
             _, run = simulate(scenario, name, steps=steps)
         except ValueError as error:
-            if "GB per device" not in str(error):
-                raise
             result["policies"][name] = {"error": str(error)}
             continue
         metrics = summarize(run)
@@ -66,7 +70,7 @@ def render_table(result: dict) -> str:
     lines = [f"{result['scenario']} ({result['devices']} devices)", header, "-" * len(header)]
     for name, m in result["policies"].items():
         if "error" in m:
-            lines.append(f"{name:16s} does not fit: {m['error']}")
+            lines.append(f"{name:16s} cannot run: {' '.join(m['error'].split())}")
             continue
         lines.append(
             f"{name:16s} {m['samples_per_s']:10.3f} {m['step_time_s']:9.1f} {m['speedup']:7.2f}x "
@@ -76,61 +80,78 @@ def render_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def plan_digen(scenario: Scenario, devices: int) -> str:
-    """Rank digen shapes (trainer pool and FSDP group, fragments, TSP chunk) by predicted step time under the memory
-    limit, simulate the best few with TAG on/off and TCSS off/on, and report the fastest."""
-    from dovetail.cost.model import CostModel
-    from dovetail.sched.digen import Digen, DigenTCSS
+def describe(shape) -> str:
+    """A shape in the scenario's own words (the fields a user would set to run it)."""
+    if isinstance(shape, FlowShape):
+        text = (
+            f"trainer_devices={shape.trainer_devices} (FSDP groups of {shape.group}), fragments={shape.fragments}, "
+            f"tsp_chunk={shape.tsp_chunk}"
+        )
+        if hasattr(shape, "tag"):
+            text += f", TAG {'on' if shape.tag else 'off'}, TCSS {'on' if shape.tcss else 'off'}"
+        return text
+    if isinstance(shape, LLMShape):
+        text = f"trainer_devices={shape.trainer_devices}, {shape.shards} rollout engines"
+        if shape.migrate_at is not None:
+            text += f", tail past {shape.migrate_at} tokens on {shape.tail_parallel} devices"
+        return text
+    return repr(shape)
 
-    if len(scenario.pipelines) != 1:
-        raise ValueError("plan searches digen, which runs one flow pipeline; this scenario has several")
-    scorers = scenario.schedule.reward_devices
-    compute = devices - scorers
-    if compute < 2:
+
+def _describe_all(shapes: dict) -> str:
+    if len(shapes) == 1:
+        return describe(next(iter(shapes.values())))
+    return "; ".join(f"{name}: {describe(shape)}" for name, shape in shapes.items())
+
+
+def plan(scenario: Scenario, devices: int, policies: list[str] | None = None) -> str:
+    """What each searching policy of the scenario (or `policies`) considered on `devices` and what it chose: every
+    candidate its search simulated over the run's steps (at most `SEARCH_STEPS`), fastest first, the chosen one
+    marked `*` — it is never slower than another row of its policy —, beside the first policy's throughput."""
+    schedule = scenario.schedule.policies
+    names = list(dict.fromkeys(policies or [schedule[0], *(p for p in schedule if policy_class(p).searches)]))
+    for name in names:
+        policy_class(name)
+    reward = scenario.schedule.reward_devices
+    if scenario.pipelines[0].kind == "flow" and devices - reward < 2:
         raise ValueError(
-            f"--devices must be at least 2 (a rollout and a trainer pool) besides {scorers} reward "
-            f"devices, got {devices}"
+            f"--devices must be at least 2 (a rollout and a trainer pool) besides {reward} reward devices, "
+            f"got {devices}"
         )
-    spec = scenario.pipelines[0]
-    cost = CostModel(scenario.cluster.device)
-    shapes = {
-        shape for cls in (Digen, DigenTCSS) for _, shape in cls.candidates(spec, compute, None, cost)[:PLAN_CANDIDATES]
-    }
-    baseline = summarize(simulate(scenario, "colocated", devices=devices)[1]).samples_per_s
-    rows = []
-    for shape in sorted(shapes, key=lambda s: (s.trainer_devices, s.group, s.fragments, s.tsp_chunk)):
-        for tcss in (False, True):
-            for tag in (True, False):
-                name = "digen+tcss" if tcss else "digen"
-                _, run = simulate(
-                    scenario,
-                    name,
-                    devices=devices,
-                    options={"tag": tag},
-                    trainer_devices=shape.trainer_devices,
-                    fragments=shape.fragments,
-                    tsp_chunk=shape.tsp_chunk,
-                    trainer_group=shape.trainer_group,
-                )
-                rows.append((summarize(run), shape, tcss, tag))
-    rows.sort(key=lambda row: -row[0].samples_per_s)
-    lines = [
-        f"plan for {scenario.name} on {devices}x {scenario.cluster.device} (colocated: {baseline:.3f} samples/s)",
-        f"{'trainers':>8s} {'group':>5s} {'fragments':>9s} {'tsp':>4s} {'TAG':>4s} {'TCSS':>5s} "
-        f"{'samples/s':>10s} {'speedup':>8s} {'effic.':>7s} {'peak GB':>8s}",
-    ]
-    for metrics, shape, tcss, tag in rows:
+    steps = search_horizon(scenario.schedule.steps)
+    lines = [f"plan for {scenario.name} on {devices}x {scenario.cluster.device}, simulated over {steps} steps"]
+    baseline: float | None = None
+    best: tuple[float, float, str, dict] | None = None
+    for name in names:
+        searched: list[Searched] = []
+        try:
+            prepared = prepare(scenario, name, steps=steps, devices=devices, searched=searched)
+        except ValueError as error:
+            lines.append(f"{name}: cannot run: {' '.join(str(error).split())}")
+            continue
+        rows = [(s.samples_per_s, s.step_time_s, s.shapes) for s in searched if s.horizon == steps]
+        chosen = prepared.setup.shapes
+        if not any(shapes == chosen for _, _, shapes in rows):  # no search, or the search ran nothing this long
+            trace = _run(scenario, prepared)
+            rows.append((sum(r.samples for r in trace.steps) / trace.makespan, trace.makespan / steps, chosen))
+        rows.sort(key=lambda row: -row[0])
+        rate, step_s = next((r, s) for r, s, shapes in rows if shapes == chosen)
+        baseline = baseline or rate
+        screened = len(searched) - sum(1 for s in searched if s.horizon == steps)
         lines.append(
-            f"{shape.trainer_devices:8d} {shape.group:5d} {shape.fragments:9d} {shape.tsp_chunk:4d} "
-            f"{'on' if tag else 'off':>4s} "
-            f"{'on' if tcss else 'off':>5s} {metrics.samples_per_s:10.3f} {metrics.samples_per_s / baseline:7.2f}x "
-            f"{metrics.efficiency:7.3f} {metrics.peak_memory_gb:8.1f}"
+            f"{name}: {len(rows)} candidate{'s' if len(rows) > 1 else ''} simulated"
+            + (f" (after a one-step screen of {screened})" if screened else "")
         )
-    best, shape, tcss, tag = rows[0]
-    lines.append(
-        f"best: trainer_devices={shape.trainer_devices} (rollout {compute - shape.trainer_devices}"
-        f"{f', reward {scorers}' if scorers else ''}, FSDP groups of {shape.group}), fragments={shape.fragments}, "
-        f"tsp_chunk={shape.tsp_chunk}, TAG {'on' if tag else 'off'}, TCSS {'on' if tcss else 'off'} -> "
-        f"{best.samples_per_s:.3f} samples/s, {best.step_time_s:.1f} s/step"
-    )
+        for candidate_rate, candidate_step_s, shapes in rows:
+            mark = "*" if shapes == chosen else " "
+            lines.append(
+                f"  {mark} {candidate_rate:10.3f} samples/s {candidate_step_s:9.1f} s/step "
+                f"{candidate_rate / baseline:6.2f}x  {_describe_all(shapes)}"
+            )
+        if best is None or rate > best[0]:
+            best = (rate, step_s, name, chosen)
+    if best is None:
+        raise ValueError(f"{scenario.name}: no policy can run it on {devices} devices:\n" + "\n".join(lines[1:]))
+    rate, step_s, name, chosen = best
+    lines.append(f"best: {_describe_all(chosen)} under {name} -> {rate:.3f} samples/s, {step_s:.1f} s/step")
     return "\n".join(lines)

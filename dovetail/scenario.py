@@ -248,6 +248,17 @@ class Prepared:
     policy: Policy
 
 
+@dataclass(frozen=True)
+class Searched:
+    """One candidate a policy's search simulated: its shapes, over how many steps, and what it achieved."""
+
+    policy: str
+    shapes: dict
+    horizon: int
+    samples_per_s: float
+    step_time_s: float
+
+
 def prepare(
     scenario: Scenario,
     policy: str,
@@ -257,6 +268,7 @@ def prepare(
     options: dict | None = None,
     shapes: dict | None = None,
     cost: CostModel | Mapping[str, CostModel] | None = None,
+    searched: list | None = None,
     **shape_overrides,
 ) -> Prepared:
     """Build the sub-stage graph the policy wants for every pipeline, the engines' footprints, and the policy.
@@ -264,7 +276,9 @@ def prepare(
     `shapes` (pipeline -> shape) fixes every pipeline's shape; otherwise `shape_overrides` (fragments, tsp_chunk,
     trainer_devices...) replace what the policy would choose. `cost` replaces the analytic cost model, for every
     pipeline or per pipeline name (the Ray runtime passes each pipeline's, corrected by costs profiled on its own
-    devices); the pool has one interference table (`Setup.slowdown`), the first pipeline's cost model's."""
+    devices); the pool has one interference table (`Setup.slowdown`), the first pipeline's cost model's. A policy that
+    searches simulates its candidates here; `searched` (a list), when given, receives a `Searched` for each (what
+    `dovetail plan` shows)."""
     cls = policy_class(policy)
     for spec in scenario.pipelines:
         if spec.kind not in cls.pipeline_kinds:
@@ -297,9 +311,21 @@ def prepare(
                         scenario, policy, steps=horizon, devices=devices, options=options, shapes=candidate, cost=cost
                     ),
                 )
-                return sum(r.samples for r in trace.steps) / trace.makespan
+                rate = sum(r.samples for r in trace.steps) / trace.makespan
+                if searched is not None:
+                    searched.append(Searched(policy, candidate, horizon, rate, trace.makespan / horizon))
+                return rate
 
-            shapes = cls.plan_shapes(scenario.pipelines, shapes, costs, forecast)
+            shapes = cls.plan_shapes(
+                scenario.pipelines,
+                shapes,
+                costs,
+                forecast,
+                steps=steps,
+                devices=pipeline_devices,
+                trainer_devices=trainer_devices,
+                options=options or {},
+            )
     for spec in scenario.pipelines:
         shape = shapes[spec.name]
         nodes += shape.build(spec, steps, costs[spec.name])

@@ -15,16 +15,18 @@
 * Publication without a cluster barrier — the trainer pool publishes; a rollout device loads the new weights on
   its own timeline, between two fragments, before the first fragment that uses them.
 * Shape — `candidates` ranks pool splits (a window around the split balancing predicted rollout and training
-  device-seconds), group sizes, fragment counts and TSP chunks; it includes the colocated-like shared shape
-  (every device generates, then trains with TSP in groups, no recompute), so digen never needs to lose to
-  `colocated`.
+  device-seconds), group sizes, fragment counts and TSP chunks by the cost model; it includes the colocated-like
+  shared shape (every device generates, then trains with TSP in groups, no recompute). `plan_shapes` then
+  simulates the best few, the best shared one, each with TAG allowed and not (and, for digen+tcss, with TCSS off
+  too: digen's own candidates), and keeps the fastest: the chosen shape is never slower in the simulator than one
+  it considered, digen+tcss never slower than digen.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from dovetail.graph.flow import FlowShape, build_flow, engines
@@ -44,15 +46,29 @@ from dovetail.sched.policy import (
     SwitchRole,
     VersionPublished,
     all_idle,
+    best_by_forecast,
     idle_devices,
     open_steps_on_publish,
     ready_of,
     reward_roles,
     score_on_reward_pool,
+    search_horizon,
 )
 
 TAG_MIN_GAIN = 0.01
 """TAG must shorten the predicted step by at least this fraction; otherwise switching is not worth it."""
+SIMULATED = 4
+"""Shapes of each kind (synchronous, TCSS) the search simulates: the cost model's best few, and the best shared one
+(the cost model ranks within a few percent of the simulator; the simulator settles the order)."""
+
+
+@dataclass(frozen=True)
+class DigenShape(FlowShape):
+    """A digen cut with the run-time choices the search makes per shape: whether TAG may lend trainer devices, and
+    whether steps overlap (TCSS; only digen+tcss overlaps, and it may choose not to)."""
+
+    tag: bool = True
+    tcss: bool = False
 
 
 @lru_cache(maxsize=65536)
@@ -111,19 +127,72 @@ class Digen(Policy):
     pipeline_kinds = frozenset({"flow"})
     tcss = False
     supports_reward_pool = True
+    searches = True
 
     @classmethod
-    def shape(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost) -> FlowShape:
-        """The best of `candidates`."""
+    def shape(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost) -> DigenShape:
+        """The cost model's best of `candidates` (`plan_shapes` then lets the simulator choose among the best few)."""
         return cls.candidates(spec, devices, trainer_devices, cost)[0][1]
 
     @classmethod
+    def plan_shapes(
+        cls,
+        specs: Sequence[PipelineSpec],
+        shapes: dict[str, FlowShape],
+        costs,
+        forecast,
+        *,
+        steps: int = 1,
+        devices: int | None = None,
+        trainer_devices: int | None = None,
+        options: Mapping[str, object] | None = None,
+    ) -> dict[str, FlowShape]:
+        """The fastest in the simulator of `finalists`, over the run's steps (at most `SEARCH_STEPS`)."""
+        if len(specs) != 1 or devices is None:
+            return shapes  # __init__ refuses several pipelines
+        (spec,) = specs
+        finalists = cls.finalists(spec, devices, trainer_devices, costs[spec.name], tag_fixed="tag" in (options or {}))
+        return best_by_forecast([{spec.name: shape} for shape in finalists], forecast, search_horizon(steps))
+
+    @classmethod
+    def finalists(
+        cls, spec: FlowSpec, devices: int, trainer_devices: int | None, cost, tag_fixed: bool = False
+    ) -> list[DigenShape]:
+        """The shapes the search simulates, the cost model's best first: the `SIMULATED` best synchronous shapes and
+        the best shared (colocated-like) one; for digen+tcss those again with TCSS on (the synchronous ones also
+        with it off, so it never loses to digen) and the `SIMULATED` best TCSS shapes. Each with TAG allowed and,
+        where a trainer device can hold both engines and the run's options do not fix TAG, not allowed."""
+        synchronous = cls._best(spec, devices, trainer_devices, cost, tcss=False)
+        shapes = list(synchronous)
+        if cls.tcss:
+            overlapped = cls._best(spec, devices, trainer_devices, cost, tcss=True)
+            shapes = overlapped[:1] + shapes + [replace(s, tcss=True) for s in synchronous] + overlapped[1:]
+        shapes = [replace(s, tcss=False) if s.trainer_devices == devices else s for s in shapes]  # nothing to overlap
+        capacity = cost.device.memory_bytes / 1e9
+        with_tag_off = []
+        for shape in dict.fromkeys(shapes):
+            with_tag_off.append(shape)
+            held = shape.engines(spec, cost).resident_gb
+            lendable = held[Role.TRAINER] + held[Role.ROLLOUT] <= capacity and shape.trainer_devices < devices
+            if lendable and not tag_fixed:
+                with_tag_off.append(replace(shape, tag=False))
+        return with_tag_off
+
+    @classmethod
+    def _best(cls, spec: FlowSpec, devices: int, trainer_devices: int | None, cost, tcss: bool) -> list[DigenShape]:
+        ranked = [shape for _, shape in cls.candidates(spec, devices, trainer_devices, cost, tcss=tcss)]
+        shared = [shape for shape in ranked if shape.trainer_devices == devices][:1]
+        return list(dict.fromkeys(ranked[:SIMULATED] + shared))
+
+    @classmethod
     def candidates(
-        cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost
-    ) -> list[tuple[float, FlowShape]]:
+        cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost, tcss: bool | None = None
+    ) -> list[tuple[float, DigenShape]]:
         """(predicted step seconds, shape) for every trainer pool (around the balanced split, `_pool_choices`),
         trainer group size, fragment count and TSP chunk that fits in memory, best first (ties: the larger
-        chunk). The scenario's own choices are kept when given."""
+        chunk), predicted with TCSS on or off (default: the policy's). The scenario's own choices are kept when
+        given."""
+        tcss = cls.tcss if tcss is None else tcss
         spec = flow_only(cls.name, spec)
         capacity = cost.device.memory_bytes / 1e9
         pools = [trainer_devices] if trainer_devices else cls._pool_choices(spec, devices, cost) + [devices]
@@ -134,8 +203,13 @@ class Digen(Policy):
                 held = engines(spec, cost, group)
                 for fragments in cls._fragment_choices(spec, rollout or trainers, trainers // group):
                     for chunk in cls._chunk_choices(spec):
-                        shape = FlowShape(
-                            fragments, chunk, False, trainers, trainer_group=None if group == trainers else group
+                        shape = DigenShape(
+                            fragments,
+                            chunk,
+                            False,
+                            trainers,
+                            trainer_group=None if group == trainers else group,
+                            tcss=tcss,
                         )
                         nodes = build_flow(spec, 1, shape, cost)
                         if (
@@ -143,7 +217,7 @@ class Digen(Policy):
                             > capacity
                         ):
                             continue
-                        ranked.append((cls._predict(nodes, shape, rollout, held, capacity), -chunk, shape))
+                        ranked.append((cls._predict(nodes, shape, rollout, held, capacity, tcss), -chunk, shape))
         if not ranked:
             raise ValueError(
                 f"{spec.name}: no digen shape fits in {capacity:.0f} GB per device; enable offload or "
@@ -153,7 +227,9 @@ class Digen(Policy):
         return [(predicted, shape) for predicted, _, shape in ranked]
 
     @classmethod
-    def _predict(cls, nodes: Sequence[Node], shape: FlowShape, rollout: int, held, capacity: float) -> float:
+    def _predict(
+        cls, nodes: Sequence[Node], shape: FlowShape, rollout: int, held, capacity: float, tcss: bool
+    ) -> float:
         """Predicted seconds per step of `shape`: with TCSS the slower pool sets the pace (a rollout device loads
         the new weights once per step); synchronous, one step from the weight load to the publication, with
         the best number of TAG fragments (none when both engines do not fit on a trainer device). No rollout pool:
@@ -174,7 +250,7 @@ class Digen(Policy):
                 tail_s,
                 groups=groups,
             )
-        if cls.tcss:
+        if tcss:
             # Steps overlap: the rollout pool streams fragments across steps (a fragment holds one device), the trainer
             # pool trains a step's fragments between two optimizer steps; the slower of the two sets the pace.
             rollout_s = max(fragments / rollout, 1.0) * (generate_s + score_s) + load_s
@@ -246,6 +322,11 @@ class Digen(Policy):
         if len(setup.engines) != 1:
             raise ValueError(f"policy digen runs one pipeline, got {sorted(setup.engines)}")
         (self.pipeline,) = setup.engines
+        shape = setup.shapes.get(self.pipeline)
+        self.tcss = type(self).tcss and getattr(shape, "tcss", True)
+        """Steps overlap: digen+tcss on a shape its search cut with TCSS (or one given without that choice)."""
+        self.tag = setup.options.get("tag", getattr(shape, "tag", True))
+        """TAG allowed (the run's options, else the shape's choice); "force" inserts it wherever it can."""
         self.shared = setup.trainer_devices == setup.compute_devices
         """Colocated-like shape: every device generates, then trains (one engine resident at a time, switch costs
         paid), with GAP, TSP, trainer groups and no recompute."""
@@ -371,7 +452,7 @@ class Digen(Policy):
     def _consider_tag(self, view, taken: set[int]) -> list[Decision]:
         """The trainer group is idle with nothing to train: let k of its devices generate fragments if
         the predicted makespan of the step drops by more than TAG_MIN_GAIN."""
-        if not self.setup.options.get("tag", True) or self.tag_resident_gb > self.setup.memory_gb:
+        if not self.tag or self.tag_resident_gb > self.setup.memory_gb:
             return []
         unclaimed = [n for n in ready_of(view, Kind.GENERATE, self.pipeline) if n.id not in self.tag_reserved.values()]
         rollout_idle = idle_devices(view, self.rollout_pool, Role.ROLLOUT)
@@ -414,7 +495,7 @@ class Digen(Policy):
             )
             if predicted < best:
                 best_k, best = k, predicted
-        if self.setup.options.get("tag") == "force":
+        if self.tag == "force":
             best_k = max(best_k, 1)  # for tests of exactness under TAG: insert it even where it does not pay
         elif best_k == 0 or baseline - best < TAG_MIN_GAIN * (baseline - view.now):
             return []

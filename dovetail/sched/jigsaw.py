@@ -45,11 +45,24 @@ from dovetail.sched.llm_common import (
     tensor_parallel,
     trainer_seconds,
 )
-from dovetail.sched.policy import Begin, Decision, Event, Run, Setup, SwitchRole, View, open_steps_on_publish
+from dovetail.sched.policy import (
+    Begin,
+    Decision,
+    Event,
+    Run,
+    Setup,
+    SwitchRole,
+    View,
+    best_by_forecast,
+    open_steps_on_publish,
+    search_horizon,
+)
 
 HORIZON_STEPS = 1
 """Look-ahead horizon of the shape search: one step of every pipeline, the pipelines sharing the pool (the
 freed devices taken by the other pipeline's work); on these scenarios it ranks candidates as a 3-step run does."""
+FINALISTS = 2
+"""Candidates of the one-step screen simulated again over the run's steps (each costs a full simulation)."""
 SHARE = 0.475
 """Share of a device a rollout or trainer node reserves: two fit side by side ..."""
 SCORE_SHARE = 0.05
@@ -162,8 +175,7 @@ class Jigsaw(StagedLLMPolicy):
     name = "jigsaw"
     pipeline_kinds = frozenset({"llm", "flow"})
     look_ahead = True
-
-    search = True
+    searches = True
 
     @classmethod
     def shape(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost) -> LLMShape | FlowShape:
@@ -178,16 +190,27 @@ class Jigsaw(StagedLLMPolicy):
 
     @classmethod
     def plan_shapes(
-        cls, specs: Sequence[PipelineSpec], shapes: dict[str, LLMShape | FlowShape], costs, forecast
+        cls,
+        specs: Sequence[PipelineSpec],
+        shapes: dict[str, LLMShape | FlowShape],
+        costs,
+        forecast,
+        *,
+        steps: int = 1,
+        devices: int | None = None,
+        trainer_devices: int | None = None,
+        options=None,
     ) -> dict[str, LLMShape | FlowShape]:
-        """Rollout memory from the memory model; then (`jigsaw`) where each LLM pipeline's tail migrates and how
-        wide its engine is, by rolling the simulator forward `HORIZON_STEPS` steps per candidate
-        (`forecast(shapes, steps)` -> samples/s; memoized): coordinate descent over the tail engine's width (the
-        home width doubled while it stays within one pipeline's fair share of the pool) and the migration edge
-        (the length bands). Flow shapes pass through."""
-        shapes = rollout_shares(specs, shapes, costs)
+        """Rollout memory from the memory model (for every step the run trains); then (`jigsaw`) where each LLM
+        pipeline's tail migrates and how wide its engine is, by rolling the simulator forward `HORIZON_STEPS` steps
+        per candidate (`forecast(shapes, steps)` -> samples/s; memoized): coordinate descent over the tail engine's
+        width (the home width doubled while it stays within one pipeline's fair share of the pool) and the migration
+        edge (the length bands). The `FINALISTS` best of that screen are simulated again over the run's steps (at
+        most `SEARCH_STEPS`) and the fastest kept, so no candidate the search ranks over the run's steps beats the
+        chosen one. Flow shapes pass through."""
+        shapes = rollout_shares(specs, shapes, costs, steps)
         llm_specs = [spec for spec in specs if isinstance(spec, LLMSpec)]
-        if not cls.search or not llm_specs:
+        if not cls.searches or not llm_specs:
             return shapes
         devices = next(iter(shapes.values())).trainer_devices
         options: dict[str, tuple[list[int | None], list[int]]] = {}
@@ -233,7 +256,11 @@ class Jigsaw(StagedLLMPolicy):
                 )
             if point == before:
                 break
-        return candidate(point)
+        horizon = search_horizon(steps)
+        if horizon == HORIZON_STEPS:
+            return candidate(point)
+        screened = sorted(memo, key=lambda p: (-memo[p], p != point, p[1], -p[0]))
+        return best_by_forecast([candidate(p) for p in screened[:FINALISTS]], forecast, horizon)
 
     def __init__(self, setup: Setup) -> None:
         super().__init__(setup)
@@ -268,6 +295,8 @@ class Jigsaw(StagedLLMPolicy):
         decisions: list[Decision] = open_steps_on_publish(view, events)
         if any(isinstance(e, Begin) for e in events):
             return decisions + [SwitchRole(d, Role.ANY, self.wake_s, self.resident_gb) for d in self.everyone]
+        if not view.ready:
+            return decisions
         self.free = {d: view.devices[d].free_share for d in self.everyone}
         self.memory = {d: view.devices[d].memory_gb for d in self.everyone}
         for pipeline in view.graph.pipelines():
@@ -348,8 +377,10 @@ class Jigsaw(StagedLLMPolicy):
         return [self._take(waiting[p], self.everyone, SHARE) for p in chosen]
 
     def _fits_all(self, nodes: list[Node]) -> bool:
-        return all(self.free[d] >= SHARE * len(nodes) - EPS for d in self.everyone) and all(
-            self.memory[d] + sum(n.memory_gb for n in nodes) <= self.setup.memory_gb + EPS for d in self.everyone
+        """Whether `nodes` fit side by side on every device (share and memory)."""
+        return (
+            min(self.free.values()) >= SHARE * len(nodes) - EPS
+            and max(self.memory.values()) + sum(n.memory_gb for n in nodes) <= self.setup.memory_gb + EPS
         )
 
     # ------------------------------------------------------------ look-ahead
@@ -389,22 +420,23 @@ class Jigsaw(StagedLLMPolicy):
 class JigsawGreedy(Jigsaw):
     name = "jigsaw-greedy"
     look_ahead = False
-    search = False
+    searches = False
 
 
 def rollout_shares(
-    specs: Sequence[PipelineSpec], shapes: dict[str, LLMShape | FlowShape], costs
+    specs: Sequence[PipelineSpec], shapes: dict[str, LLMShape | FlowShape], costs, steps: int = 1
 ) -> dict[str, LLMShape | FlowShape]:
     """Each LLM pipeline's rollout engine (weights and KV cache) gets an even share of what the rest leaves of a
     device, at most the calibrated rollout memory fraction. The rest: every pipeline's resident FSDP trainer shard
-    and the largest working memory of its trainer nodes (which may run side by side), and a flow pipeline's
-    rollout engine with its largest generate fragment's working memory (it may generate beside its trainer)."""
+    and the largest working memory of its trainer nodes over the run's `steps` (they may run side by side; a
+    later step's longest micro-batch may need more than the first's), and a flow pipeline's rollout engine with
+    its largest generate fragment's working memory (it may generate beside its trainer)."""
     capacity = costs[specs[0].name].device.memory_bytes / GB
     held = 0.0
     for spec in specs:
         shape, cost = shapes[spec.name], costs[spec.name]
         resident = shape.engines(spec, cost).resident_gb
-        nodes = shape.build(spec, 1, cost)
+        nodes = shape.build(spec, steps, cost)
         held += resident[Role.TRAINER] + max(n.memory_gb for n in nodes if n.kind in TRAINER_KINDS)
         if isinstance(spec, FlowSpec):
             held += resident[Role.ROLLOUT] + max(n.memory_gb for n in nodes if n.kind == Kind.GENERATE)

@@ -254,6 +254,26 @@ class Shape(Protocol):
 Forecast = Callable[[dict[str, Shape], int], float]
 """Shapes (pipeline -> shape) and a horizon in steps -> the samples/s the simulator predicts for them."""
 
+SEARCH_STEPS = 6
+"""Longest horizon a search simulates a candidate over: a run of at most this many steps is ranked on exactly the
+run the executor will carry out (so the chosen shape is never slower than a candidate it could have taken); a
+longer one on its first `SEARCH_STEPS` (TCSS overlaps two steps; three reach the steady state)."""
+
+
+def search_horizon(steps: int) -> int:
+    return min(steps, SEARCH_STEPS)
+
+
+def best_by_forecast(candidates: Sequence[dict[str, Shape]], forecast: Forecast, horizon: int) -> dict[str, Shape]:
+    """The candidate the simulator predicts the most samples/s for over `horizon` steps; ties: the earlier one (a
+    search lists its candidates best first by its own cost model). Each candidate is simulated once."""
+    best, best_rate = candidates[0], forecast(candidates[0], horizon)
+    for candidate in candidates[1:]:
+        rate = forecast(candidate, horizon)
+        if rate > best_rate:
+            best, best_rate = candidate, rate
+    return best
+
 
 class Policy(ABC):
     """Base of every policy: the whole contract an executor and the planner rely on.
@@ -271,6 +291,8 @@ class Policy(ABC):
     that slice; otherwise every pipeline's steps are cut for the whole pool (less the reward devices)."""
     max_staleness: ClassVar[int] = 1
     """Versions a step's rollouts may lag its training (the executor refuses more)."""
+    searches: ClassVar[bool] = False
+    """Chooses its shapes by simulating candidates (`plan_shapes`); `dovetail plan` shows what it considered."""
 
     @classmethod
     @abstractmethod
@@ -279,10 +301,20 @@ class Policy(ABC):
 
     @classmethod
     def plan_shapes(
-        cls, specs: Sequence[PipelineSpec], shapes: dict[str, Shape], costs: Mapping[str, CostModel], forecast: Forecast
+        cls,
+        specs: Sequence[PipelineSpec],
+        shapes: dict[str, Shape],
+        costs: Mapping[str, CostModel],
+        forecast: Forecast,
+        *,
+        steps: int = 1,
+        devices: int | None = None,
+        trainer_devices: int | None = None,
+        options: Mapping[str, object] | None = None,
     ) -> dict[str, Shape]:
-        """The shapes to run, given each pipeline's own `shape` and cost model: a policy that plans pipelines
-        together (jigsaw) searches here, rolling the simulator forward with `forecast`; the others keep them."""
+        """The shapes to run `steps` steps with, given each pipeline's own `shape` (cut for `devices`, trainer pool
+        `trainer_devices`) and cost model: a policy that searches (digen, jigsaw) ranks its candidates here by
+        rolling the simulator forward with `forecast` (the run's `options` given); the others keep them."""
         return shapes
 
     def __init__(self, setup: Setup) -> None:
