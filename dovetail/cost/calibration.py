@@ -39,20 +39,23 @@ class Calibration:
     decode_mfu: float = 0.30
     # Fraction of HBM bandwidth a decode step achieves reading weights and KV cache.
     decode_bandwidth_efficiency: float = 0.70
-    # Fixed cost of one decode iteration per layer (kernel launches under CUDA graphs, TP all-reduce,
-    # sampling). [LLM]: the longest response (8192 tokens) alone sets ~33 s of the 59 s generation
-    # after the bulk finishes, i.e. ~4.0 ms per iteration for 36 layers at TP 4 where bandwidth
-    # accounts for < 1 ms.
-    decode_layer_overhead_s: float = 125e-6
+    # Fixed cost of one decode iteration per layer besides its two tensor-parallel all-reduces (which the
+    # cost model charges on the engine's link, `CostModel.allreduce_seconds`): kernel launches, norms,
+    # sampling. verl's rollout runs vLLM with enforce_eager=True (no CUDA graphs), so launches dominate.
+    # [LLM]: the longest response (8192 tokens) alone sets ~33 s of the 59 s generation after the bulk
+    # finishes, i.e. ~4.0 ms per iteration for 36 layers at TP 4 where bandwidth accounts for < 1 ms and the
+    # NVLink all-reduces for ~0.3 ms. A server with CUDA graphs (vLLM's default) pays ~0 here.
+    decode_layer_overhead_s: float = 100e-6
     # Share of device memory the rollout engine may use (verl's rollout.gpu_memory_utilization
     # default is 0.5; [LLM] recipe uses 0.6); the KV cache gets what the weights leave of it.
     rollout_memory_fraction: float = 0.6
     # FSDP forward-only (old / reference log-prob) efficiency: [LLM] old log-prob 12.2 s over the
-    # batch's ~2.1 M tokens on 4 devices.
-    logprob_mfu: float = 0.345
-    # FSDP forward+backward with gradient checkpointing: [LLM] actor update 35.6 s, i.e. 4 forwards
+    # batch's ~2.1 M tokens on 4 devices. (This and the two factors around it were refitted, from 0.345, 0.47
+    # and 125 us, when tensor-parallel all-reduces were charged on the link: [LLM] +7.9 % of its step.)
+    logprob_mfu: float = 0.365
+    # FSDP forward+backward with gradient checkpointing: [LLM] actor update 35.6 s (35.8 predicted), i.e. 4 forwards
     # (3x training + 1 recompute) at this efficiency.
-    train_mfu: float = 0.47
+    train_mfu: float = 0.50
     # verl places the reference model with param_offload=True: each forward pass streams the
     # weights in from host memory. [LLM]: reference 18.2 s vs old log-prob 12.2 s -> 1.5x.
     reference_offload_factor: float = 1.49
@@ -81,9 +84,11 @@ class Calibration:
     dit_half_mfu_tokens: float = 512.0
     # Text encoders and VAE decoders run at low batch and small shapes.
     encoder_mfu: float = 0.25
-    # Ascend 910B relative to the NVIDIA efficiencies above for the same kernels. [WAN]: 48 videos x
-    # 20 steps x 2 (CFG) forwards of 14040 latent tokens (5.6e14 FLOP each) in 869 s on 8 NPUs.
-    ascend_relative_efficiency: float = 0.80
+    # Kernel efficiency of a device relative to the Hopper-fitted factors above, by catalogue name (1.0 if
+    # absent). Ascend 910B, fitted to [WAN]: 48 videos x 20 steps x 2 (CFG) forwards of 14040 latent tokens
+    # (5.6e14 FLOP each) in 869 s on 8 NPUs. A100 and L40S carry their own peaks (L40S: the fp32-accumulate
+    # figure) and no further factor.
+    device_efficiency: dict[str, float] = field(default_factory=lambda: {"Ascend-910B": 0.80})
     # Vision-language judge (OCR reward, Qwen3-VL-8B on vLLM): seconds per image per device, fitted
     # to the residual of [QI] after generation, log-prob and update.
     vlm_reward_s_per_image_device: float = 0.10
@@ -93,8 +98,15 @@ class Calibration:
     # reduce-scatters the gradients; prefetch overlaps them with compute, so a pass takes the longer of
     # the two. Ring collectives over NVLink inside a node, over each device's NIC across nodes, at this
     # share of the nominal per-direction bandwidth: nccl-tests all_gather / reduce_scatter bus bandwidth
-    # on HGX H100 is ~360 GB/s over NVLink (450 nominal) and ~40-45 GB/s per GPU across NDR400 (50).
+    # on HGX H100 is ~360 GB/s over NVLink (450 nominal).
     collective_bandwidth_efficiency: float = 0.8
+    # The same share for collectives whose ring crosses nodes (FSDP groups wider than a node, tensor-parallel
+    # engines wider than a node). FITTED to [QI64] (see calib-qwenimage-64xh100.yaml): the 64-GPU run's step is
+    # 105 s where per-layer FSDP traffic at nccl-tests' ~0.8 x NIC bus bandwidth predicts ~42 s; its
+    # all-gathers and fp32 reduce-scatters (4 passes x 3 per step, plus the old log-prob's) account for the gap
+    # only at ~0.2 of the 50 GB/s NIC per GPU. Either the cluster had less than one NDR400 NIC per GPU or
+    # FSDP1's per-layer collectives over 8 nodes run that far below nccl-tests' peak; the page does not say.
+    network_collective_efficiency: float = 0.2
     # Bytes per parameter of the gradient reduce-scatter: verl's FSDP workers use
     # MixedPrecision(param_dtype=bf16, reduce_dtype=float32). fastvideo (DanceGRPO) defaults to fp32 for
     # both (master_weight_type="fp32"), i.e. heavier all-gathers; we charge every trainer verl's lighter figures.
@@ -103,14 +115,15 @@ class Calibration:
     # --- optimizer, offload, switches, weight publication --------------------------------------
     # AdamW step streams fp32 master weights, two moments and grads: bytes / (HBM bw x this).
     optimizer_bandwidth_efficiency: float = 0.5
-    # Host<->device copies (param / optimizer offload, sleep / wake of the rollout engine) run at
-    # PCIe Gen5 x16 ~ 50 GB/s nominal; 25 GB/s effective is what verl logs show for wake_up.
-    host_link_bytes_per_s: float = 25e9
+    # Host<->device copies (param / optimizer offload, sleep / wake of the rollout engine) run at this share
+    # of the device's host link (`Device.host_bandwidth`): 25 GB/s effective on PCIe Gen5 x16 (64 nominal) is
+    # what verl logs show for wake_up; pageable host memory and bucketed copies keep it well below nominal.
+    host_link_efficiency: float = 25 / 64
     # Fixed part of a rollout sleep / wake (allocator reset, CUDA-graph re-capture is skipped).
     switch_fixed_s: float = 1.0
     # Weight publication trainer -> rollout engines, each receiving a full bf16 replica through the
     # host (verl's default "naive" checkpoint engine, bucketed). [WAN]: weight update 6.8 s for the
-    # 56 GB of both Wan2.2-A14B experts -> 56e9 / (25e9 x 0.36) + 0.5 s = 6.7 s.
+    # 56 GB of both Wan2.2-A14B experts -> 56e9 / (64e9 x 25/64 x 0.36) + 0.5 s = 6.7 s.
     publish_bandwidth_efficiency: float = 0.36
     publish_fixed_s: float = 0.5
 

@@ -1,48 +1,87 @@
 """Device and model catalogues: the public figures the cost model starts from.
 
-Devices: dense (no sparsity) bf16 peak, HBM bandwidth, memory and per-direction device-to-device
-bandwidth from the vendors' data sheets; network bandwidth is the one NIC per device of the vendors'
-reference nodes (HGX/DGX H100, H200, H800: ConnectX-7 NDR 400 Gb/s = 50 GB/s; DGX A100: HDR 200 Gb/s;
-Atlas 800T A2: 200 GbE RoCE per NPU; L40S servers: 100 GbE assumed). Models: shapes from each model's public
-`config.json` / model card. Plain dataclasses; the cost model turns them into seconds and bytes.
+Devices: dense (no sparsity) bf16 peak with fp32 accumulation (what training and inference kernels use), HBM
+bandwidth, memory, and the three links a device talks over, each with its bandwidth per direction and the latency
+of one hop of a collective: the intra-node link to a peer of the same node (NVLink through NVSwitch, or PCIe where a
+device has no NVLink), the network to a peer in another node (the NIC per device of the vendors' reference nodes),
+and the host link (PCIe to CPU memory: offload, engine sleep / wake, weight publication). Hop latencies are the
+small-message regime of nccl-tests (NVIDIA/nccl-tests README, "Performance" section: an all-reduce of a few KB over
+8 NVLink GPUs takes ~10 us, i.e. ~0.7 us per ring step; across InfiniBand nodes each step adds a NIC round trip of
+a few us plus NCCL's proxy thread, ~8 us; through a PCIe root complex ~3 us). Models: shapes from each model's
+public `config.json` / model card. Plain dataclasses; the cost model turns them into seconds and bytes.
 """
 
 from dataclasses import dataclass
 
 GB = 1e9
 TB = 1e12
+US = 1e-6
 
 
 @dataclass(frozen=True)
 class Device:
     name: str
-    peak_flops: float  # dense bf16 FLOP/s
+    peak_flops: float  # dense bf16 FLOP/s (fp32 accumulate)
     memory_bandwidth: float  # bytes/s, HBM (or DRAM share for a CPU core)
     memory_bytes: float
     interconnect_bandwidth: float  # bytes/s per direction to a peer in the same node
     network_bandwidth: float  # bytes/s per direction to a peer in another node (the device's own NIC)
     node_size: int = 8  # devices sharing the intra-node interconnect
     platform: str = "cuda"  # what the Ray runtime drives it with: cuda, cpu, or npu (planning only)
+    interconnect_latency_s: float = 0.7 * US  # one ring step of a small collective inside a node
+    network_latency_s: float = 8 * US  # one ring step across nodes
+    host_bandwidth: float = 64 * GB  # bytes/s per direction to host memory: PCIe Gen5 x16
 
 
 DEVICES: dict[str, Device] = {
     d.name: d
     for d in (
-        # H100 SXM5 data sheet: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, 80 GB, NVLink 900 GB/s bidirectional.
+        # H100 SXM5 data sheet: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, 80 GB, NVLink4 900 GB/s bidirectional,
+        # PCIe Gen5 x16; HGX H100 reference node: one ConnectX-7 NDR 400 Gb/s (50 GB/s) per GPU.
         Device("H100", 989e12, 3.35 * TB, 80 * GB, 450 * GB, 50 * GB),
-        # H800 SXM: H100 silicon with NVLink cut to 400 GB/s bidirectional.
+        # H800 SXM: H100 silicon with NVLink cut to 400 GB/s bidirectional (200 per direction; DeepSeek-V3
+        # technical report, section 3.2: 160 GB/s achievable NVLink, 50 GB/s InfiniBand per GPU).
         Device("H800", 989e12, 3.35 * TB, 80 * GB, 200 * GB, 50 * GB),
-        # H200 SXM: H100 compute, 141 GB HBM3e at 4.8 TB/s.
+        # H200 SXM data sheet: H100 compute and links, 141 GB HBM3e at 4.8 TB/s. Never below an H100 in any figure.
         Device("H200", 989e12, 4.8 * TB, 141 * GB, 450 * GB, 50 * GB),
-        # A100 SXM 80 GB: 312 TFLOP/s bf16 dense, 2.039 TB/s HBM2e, NVLink 600 GB/s bidirectional.
-        Device("A100-80G", 312e12, 2.039 * TB, 80 * GB, 300 * GB, 25 * GB),
-        # L40S: 362 TFLOP/s bf16 dense (733 with sparsity), 864 GB/s GDDR6, 48 GB, PCIe Gen4 x16.
-        Device("L40S", 362e12, 0.864 * TB, 48 * GB, 32 * GB, 12.5 * GB),
-        # Ascend 910B (Atlas 800T A2): ~320 TFLOP/s fp16/bf16, 64 GB HBM2e at 1.6 TB/s, HCCS 392 GB/s.
-        Device("Ascend-910B", 320e12, 1.6 * TB, 64 * GB, 196 * GB, 25 * GB, platform="npu"),
+        # A100 SXM 80 GB data sheet: 312 TFLOP/s bf16 dense, 2.039 TB/s HBM2e, NVLink3 600 GB/s bidirectional,
+        # PCIe Gen4 x16 (32 GB/s); DGX A100: one HDR 200 Gb/s (25 GB/s) NIC per GPU.
+        Device("A100-80G", 312e12, 2.039 * TB, 80 * GB, 300 * GB, 25 * GB, host_bandwidth=32 * GB),
+        # A100 SXM 40 GB: the same silicon with 1.555 TB/s HBM2 (data sheet); the device of a published decode sweep.
+        Device("A100-40G", 312e12, 1.555 * TB, 40 * GB, 300 * GB, 25 * GB, host_bandwidth=32 * GB),
+        # L40S (Ada, PCIe card, no NVLink): 183 TFLOP/s bf16 dense with fp32 accumulation (the data sheet's 362 is
+        # with sparsity / fp16 accumulation; GEMM target in the "L40S x12 benchmarks" guide of ai-hpc.github.io),
+        # 864 GB/s GDDR6, 48 GB. Peers and host over PCIe Gen4 x16 (32 GB/s nominal, ~25 measured P2P through a
+        # PCIe switch, same guide), hops through the PCIe root complex; 100 GbE per device assumed.
+        Device(
+            "L40S",
+            183e12,
+            0.864 * TB,
+            48 * GB,
+            25 * GB,
+            12.5 * GB,
+            interconnect_latency_s=3 * US,
+            network_latency_s=10 * US,
+            host_bandwidth=32 * GB,
+        ),
+        # Ascend 910B (Atlas 800T A2): ~320 TFLOP/s fp16/bf16, 64 GB HBM2e at 1.6 TB/s, HCCS 392 GB/s,
+        # 200 GbE RoCE per NPU, PCIe Gen5 x16 to the host.
+        Device("Ascend-910B", 320e12, 1.6 * TB, 64 * GB, 196 * GB, 25 * GB, platform="npu", network_latency_s=10 * US),
         # One x86 core with AVX-512 (2 FMA units x 16 fp32 lanes x ~3 GHz), a DRAM-bandwidth share and
         # the memory one core is given when a machine's cores serve as devices.
-        Device("cpu-core", 0.1e12, 10 * GB, 8 * GB, 5 * GB, 1.25 * GB, node_size=1, platform="cpu"),
+        Device(
+            "cpu-core",
+            0.1e12,
+            10 * GB,
+            8 * GB,
+            5 * GB,
+            1.25 * GB,
+            node_size=1,
+            platform="cpu",
+            interconnect_latency_s=1 * US,
+            network_latency_s=20 * US,
+            host_bandwidth=10 * GB,
+        ),
     )
 }
 

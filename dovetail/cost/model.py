@@ -1,7 +1,10 @@
 """CostModel: how long a piece of work takes on a device, and how much memory it holds.
 
 Durations are analytic — FLOPs / (peak x efficiency) for compute-bound work, bytes / (bandwidth x
-efficiency) for memory-bound work — with every efficiency taken from `calibration.py`.
+efficiency) for memory-bound work, collectives on the link their group crosses (NVLink or PCIe inside a node,
+the NIC once the group spans nodes: bandwidth plus one hop latency per ring step) — with every efficiency taken
+from `calibration.py`. LoRA (`lora_params`): the trainer keeps the frozen base weights, all-gathers them for
+forward and backward as before, but trains, reduces, optimizes and publishes only the adapter.
 `from_measurements` replays a profiled run (a per-op-kind correction); the online correction during a
 run is the policies' `sched.policy.CostTracker`, fed by both executors.
 """
@@ -57,8 +60,8 @@ class CostModel:
         self.device = lookup_device(device) if isinstance(device, str) else device
         self.calibration = calibration
         self._scale: dict[str, float] = {}
-        # Vendor-specific kernel efficiency relative to the NVIDIA-fitted factors.
-        self._vendor = calibration.ascend_relative_efficiency if self.device.name.startswith("Ascend") else 1.0
+        # Device-specific kernel efficiency relative to the Hopper-fitted factors.
+        self._vendor = calibration.device_efficiency.get(self.device.name, 1.0)
 
     # --- correction from a profiled run ----------------------------------------------------------------------
 
@@ -124,6 +127,33 @@ class CostModel:
     def memory_seconds(self, nbytes: float, efficiency: float, devices: int = 1) -> float:
         return nbytes / (self.device.memory_bandwidth * efficiency * devices)
 
+    def host_seconds(self, nbytes: float) -> float:
+        """Copying `nbytes` between one device and host memory (offload, sleep / wake, publication)."""
+        return nbytes / (self.device.host_bandwidth * self.calibration.host_link_efficiency)
+
+    def link(self, devices: int) -> tuple[float, float]:
+        """(effective bytes/s per direction, seconds per ring step) of the slowest link a group of `devices`
+        contiguous devices crosses: the intra-node interconnect while it fits in one node, the NIC once it spans
+        nodes."""
+        d, cal = self.device, self.calibration
+        if devices <= d.node_size:
+            return d.interconnect_bandwidth * cal.collective_bandwidth_efficiency, d.interconnect_latency_s
+        return d.network_bandwidth * cal.network_collective_efficiency, d.network_latency_s
+
+    def collective_seconds(self, nbytes: float, devices: int, messages: int = 1) -> float:
+        """A ring all-gather or reduce-scatter of an (unsharded) tensor of `nbytes` over `devices`, issued as
+        `messages` separate collectives (FSDP: one per wrapped layer): devices - 1 ring steps each, every step
+        paying the link's hop latency and moving nbytes / devices through the ring's slowest link."""
+        if devices <= 1:
+            return 0.0
+        bandwidth, latency = self.link(devices)
+        return (devices - 1) * (messages * latency + nbytes / devices / bandwidth)
+
+    def allreduce_seconds(self, nbytes: float, devices: int) -> float:
+        """A ring all-reduce (reduce-scatter + all-gather) of `nbytes` over `devices`: 2 (devices - 1) steps.
+        What a tensor-parallel layer pays twice per forward (after attention and after the MLP)."""
+        return 2 * self.collective_seconds(nbytes, devices)
+
     # --- language models: FLOPs -------------------------------------------------------------------
 
     @staticmethod
@@ -135,14 +165,19 @@ class CostModel:
 
     # --- language models: durations -------------------------------------------------------------
 
+    def _forward_seconds(self, model: LanguageModel, lengths: Sequence[int], devices: int) -> float:
+        """A tensor-parallel forward over whole sequences: compute split over the engine, plus two all-reduces of
+        the tokens' hidden states per layer on the engine's link."""
+        flops = self.llm_forward_flops(model, lengths)
+        allreduces = 2 * model.layers * self.allreduce_seconds(sum(lengths) * model.hidden * BF16, devices)
+        return self.compute_seconds(flops, self.calibration.prefill_mfu, devices) + allreduces
+
     def prefill(self, model: LanguageModel, prompt_lengths: Sequence[int], devices: int = 1) -> float:
-        flops = self.llm_forward_flops(model, prompt_lengths)
-        return self._corrected("prefill", self.compute_seconds(flops, self.calibration.prefill_mfu, devices))
+        return self._corrected("prefill", self._forward_seconds(model, prompt_lengths, devices))
 
     def migrate(self, model: LanguageModel, context_lengths: Sequence[int], devices: int = 1) -> float:
         """Moving running sequences to other devices costs a prefill of their context there."""
-        flops = self.llm_forward_flops(model, context_lengths)
-        return self._corrected("migrate", self.compute_seconds(flops, self.calibration.prefill_mfu, devices))
+        return self._corrected("migrate", self._forward_seconds(model, context_lengths, devices))
 
     def kv_cache_bytes(self, model: LanguageModel, devices: int = 1) -> float:
         """KV-cache room of a rollout engine: its memory share minus the weights."""
@@ -166,10 +201,12 @@ class CostModel:
 
         Sequence i starts at context length `context_start[i]` and generates `new_tokens[i]` tokens.
         Each iteration reads the weights once and every active sequence's KV cache, costs 2 FLOPs per
-        parameter per active sequence, and pays a fixed per-layer overhead; an iteration is bound by
-        whichever of compute and bandwidth is slower. Iterations are grouped into segments of constant
-        active count, so the sum is exact and O(n log n). More sequences than the KV cache holds run
-        in waves (paged KV: what counts is the tokens held, not the maximum length).
+        parameter per active sequence, and pays per layer a fixed overhead plus two all-reduces of the active
+        sequences' hidden states on the engine's link; an iteration is bound by whichever of compute and
+        bandwidth is slower. However many devices the engine has, an iteration never takes less than its
+        all-reduces and launches: one response's per-token latency has a floor. Iterations are grouped into
+        segments of constant active count, so the sum is exact and O(n log n). More sequences than the KV cache
+        holds run in waves (paged KV: what counts is the tokens held, not the maximum length).
         """
         if len(context_start) != len(new_tokens):
             raise ValueError("decode: context_start and new_tokens must have one entry per sequence")
@@ -181,7 +218,6 @@ class CostModel:
         kv_room = self.kv_cache_bytes(model, devices)
         weight_bytes = model.params * BF16
         kv = model.kv_bytes_per_token
-        per_iteration_overhead = cal.decode_layer_overhead_s * model.layers
         total = 0.0
         done_at = 0  # iterations already accounted for
         context_sum = sum(c for _, c in work)  # sum of start contexts of still-active sequences
@@ -197,7 +233,9 @@ class CostModel:
                 memory = self.memory_seconds(
                     waves * span * weight_bytes + kv * kv_tokens, cal.decode_bandwidth_efficiency, devices
                 )
-                total += max(compute, memory) + waves * span * per_iteration_overhead
+                allreduce = self.allreduce_seconds(active / waves * model.hidden * BF16, devices)
+                overhead = model.layers * (cal.decode_layer_overhead_s + 2 * allreduce)
+                total += max(compute, memory) + waves * span * overhead
                 done_at = finished_at
             active -= 1
             context_sum -= start
@@ -211,10 +249,15 @@ class CostModel:
         return self._corrected("logprob", seconds)
 
     def train(
-        self, model: LanguageModel, lengths: Sequence[int], devices: int = 1, checkpointing: bool = True
+        self,
+        model: LanguageModel,
+        lengths: Sequence[int],
+        devices: int = 1,
+        checkpointing: bool = True,
+        lora: bool = False,
     ) -> float:
-        """Forward + backward = 3 forwards, plus one more when activations are recomputed."""
-        forwards = 4 if checkpointing else 3
+        """Forward + backward, plus one more forward when activations are recomputed (`backward_forwards`)."""
+        forwards = 1 + backward_forwards(lora) + (1 if checkpointing else 0)
         flops = forwards * self.llm_forward_flops(model, lengths)
         return self._corrected("train", self.compute_seconds(flops, self.calibration.train_mfu, devices))
 
@@ -270,29 +313,16 @@ class CostModel:
         )
         return self._corrected("generate", seconds)
 
-    def collective_seconds(self, nbytes: float, devices: int) -> float:
-        """A ring all-gather or reduce-scatter of an (unsharded) tensor of `nbytes` over `devices`: each
-        device moves nbytes x (devices - 1) / devices through the ring's slowest link — the intra-node
-        interconnect while the group fits in one node, the device's network link once it spans nodes."""
-        if devices <= 1:
-            return 0.0
-        link = self.device.interconnect_bandwidth if devices <= self.device.node_size else self.device.network_bandwidth
-        return nbytes * (devices - 1) / devices / (link * self.calibration.collective_bandwidth_efficiency)
-
     def replica_allreduce_seconds(self, params: float, group: int, replicas: int) -> float:
         """Hybrid sharding (HSDP): `replicas` FSDP groups of `group` devices each hold a full copy of the model;
-        at the optimizer step every device all-reduces its 1/group shard of the accumulated gradients with the
-        same shard of the other replicas (a ring: reduce-scatter + all-gather), over the intra-node interconnect
-        while all replicas fit in one node and over the network otherwise."""
+        at the optimizer step every device all-reduces its 1/group shard of the accumulated gradients (of the
+        `params` trained) with the same shard of the other replicas — a ring over the replicas, on the intra-node
+        interconnect while all of them fit in one node and over the network otherwise."""
         if replicas <= 1:
             return 0.0
         nbytes = params * self.calibration.grad_reduce_bytes / group
-        link = (
-            self.device.interconnect_bandwidth
-            if group * replicas <= self.device.node_size
-            else self.device.network_bandwidth
-        )
-        return 2 * nbytes * (replicas - 1) / replicas / (link * self.calibration.collective_bandwidth_efficiency)
+        bandwidth, latency = self.link(group * replicas)
+        return 2 * (replicas - 1) * (latency + nbytes / replicas / bandwidth)
 
     def pass_mfu(self, mfu: float, tokens: float) -> float:
         """Efficiency of one forward/backward holding `tokens` tokens: the large-pass `mfu` scaled down by
@@ -300,18 +330,25 @@ class CostModel:
         return mfu * tokens / (tokens + self.calibration.dit_half_mfu_tokens)
 
     def fsdp_pass_transfer_seconds(
-        self, model: DiffusionModel, devices: int, backward: bool, host_streaming: bool = False
+        self,
+        model: DiffusionModel,
+        devices: int,
+        backward: bool,
+        host_streaming: bool = False,
+        trainable: float | None = None,
     ) -> float:
-        """Per-pass traffic of an FSDP (ZeRO-3) group: the bf16 parameters all-gathered for the forward
-        and, with a backward, all-gathered again and the gradients reduce-scattered; with parameter
-        CPU offload (verl's reference model) each forward also copies the device's shard in from host."""
+        """Per-pass traffic of an FSDP (ZeRO-3) group, one collective per layer: the bf16 parameters
+        all-gathered for the forward and, with a backward, all-gathered again and the gradients of the
+        `trainable` parameters (None: all; LoRA: the adapter) reduce-scattered; with parameter CPU offload
+        (verl's reference model) each forward also copies the device's shard in from host."""
         weights = model.params * BF16
-        seconds = self.collective_seconds(weights, devices)
+        seconds = self.collective_seconds(weights, devices, model.layers)
         if backward:
-            seconds += self.collective_seconds(weights, devices)
-            seconds += self.collective_seconds(model.params * self.calibration.grad_reduce_bytes, devices)
+            grads = (model.params if trainable is None else trainable) * self.calibration.grad_reduce_bytes
+            seconds += self.collective_seconds(weights, devices, model.layers)
+            seconds += self.collective_seconds(grads, devices, model.layers)
         if host_streaming:
-            seconds += weights / devices / self.calibration.host_link_bytes_per_s
+            seconds += self.host_seconds(weights / devices)
         return seconds
 
     def dit_passes(
@@ -327,6 +364,7 @@ class CostModel:
         devices: int = 1,
         pairs_per_pass: int | None = None,
         host_streaming: bool = False,
+        trainable: float | None = None,
     ) -> float:
         """Device-seconds (`devices` x wall) of an FSDP group of `devices` running `pairs` (sample, timestep)
         transitions, spread evenly over the devices, each device its share in passes of at most
@@ -339,7 +377,7 @@ class CostModel:
         compute = self.compute_seconds(
             forwards * held * self.dit_forward_flops(model, latent_tokens), self.pass_mfu(mfu, held * latent_tokens)
         )
-        transfer = self.fsdp_pass_transfer_seconds(model, devices, backward, host_streaming)
+        transfer = self.fsdp_pass_transfer_seconds(model, devices, backward, host_streaming, trainable)
         return devices * passes * max(compute, transfer)
 
     def dit_logprob(
@@ -379,21 +417,25 @@ class CostModel:
         devices: int = 1,
         micro_batch: int | None = None,
         checkpointing: bool = True,
+        trainable: float | None = None,
     ) -> float:
         """Forward + backward of `samples` samples at `timesteps` timesteps each. The samples x timesteps pairs
         spread over the group (TSP: devices may hold different timesteps of one sample) in passes of up to
-        micro_batch x timesteps pairs; the per-timestep loop is one call per timestep (timesteps=1).
+        micro_batch x timesteps pairs; the per-timestep loop is one call per timestep (timesteps=1). With
+        `trainable` adapter parameters (LoRA) the backward skips the base weights' gradients.
         Device-seconds over the group."""
+        lora = trainable is not None
         seconds = self.dit_passes(
             model,
             samples * timesteps,
             latent_tokens,
-            forwards=4 if checkpointing else 3,
+            forwards=1 + backward_forwards(lora) + (1 if checkpointing else 0),
             mfu=self.calibration.dit_train_mfu,
             backward=True,
             cfg=cfg,
             devices=devices,
             pairs_per_pass=micro_batch and micro_batch * timesteps,
+            trainable=trainable,
         )
         return self._corrected("train", seconds)
 
@@ -411,20 +453,21 @@ class CostModel:
         state_bytes = params * (3 * FP32 * 2 + BF16)
         seconds = self.memory_seconds(state_bytes, self.calibration.optimizer_bandwidth_efficiency, devices)
         if offloaded:
-            seconds += 2 * params * BF16 / devices / self.calibration.host_link_bytes_per_s
+            seconds += self.host_seconds(2 * params * BF16 / devices)
         return self._corrected("optimizer", seconds)
 
     def switch(self, resident_bytes: float) -> float:
         """Sleep or wake an engine: move its resident bytes over the host link, plus a fixed cost."""
-        seconds = self.calibration.switch_fixed_s + resident_bytes / self.calibration.host_link_bytes_per_s
+        seconds = self.calibration.switch_fixed_s + self.host_seconds(resident_bytes)
         return self._corrected("switch", seconds)
 
     def publish(self, params: float) -> float:
-        """Full bf16 weights to every rollout engine (each holds a whole replica); engines receive in
-        parallel, each through its host link (verl's default "naive" checkpoint engine)."""
+        """The `params` trained (the whole model, or a LoRA adapter) in bf16 to every rollout engine (each holds a
+        whole replica); engines receive in parallel, each through its host link (verl's default "naive" checkpoint
+        engine)."""
         nbytes = params * BF16
-        seconds = self.calibration.publish_fixed_s + nbytes / (
-            self.calibration.host_link_bytes_per_s * self.calibration.publish_bandwidth_efficiency
+        seconds = (
+            self.calibration.publish_fixed_s + self.host_seconds(nbytes) / self.calibration.publish_bandwidth_efficiency
         )
         return self._corrected("publish", seconds)
 
@@ -439,26 +482,61 @@ class CostModel:
         devices: int = 1,
         checkpointing: bool = True,
         offload: bool = False,
+        trainable: float | None = None,
     ) -> MemoryUse:
         """FSDP (ZeRO-3) trainer on one device: bf16 weights and grads, fp32 master + Adam moments.
 
         Activations: with checkpointing one bf16 hidden state per layer per token plus one layer's
         full activations (~34 x hidden bytes per token, Korthikanti et al. 2022); without, all layers'.
-        Offloading moves the optimizer state (and weights between uses) to host memory.
+        Offloading moves the optimizer state (and weights between uses) to host memory. With `trainable`
+        adapter parameters (LoRA) the base weights are frozen: bf16 only, no grads or optimizer state; the adapter
+        has its bf16 weights and grads and fp32 master + moments.
         """
         per_layer = 34 * hidden * tokens_per_device
         if checkpointing:
             activations = layers * hidden * tokens_per_device * BF16 + per_layer
         else:
             activations = layers * per_layer
-        weights = params * BF16 / devices
+        trained = params if trainable is None else trainable
+        weights = (params + (0.0 if trainable is None else trainable)) * BF16 / devices
         return MemoryUse(
             weights=0.0 if offload else weights,
-            grads=params * BF16 / devices,
-            optimizer=0.0 if offload else params * 3 * FP32 / devices,
+            grads=trained * BF16 / devices,
+            optimizer=0.0 if offload else trained * 3 * FP32 / devices,
             activations=activations,
         )
 
     def rollout_memory(self, model: LanguageModel, kv_tokens: int, devices: int = 1) -> MemoryUse:
         """An LLM rollout engine: bf16 weights and the KV cache of `kv_tokens` tokens, TP-sharded."""
         return MemoryUse(weights=model.params * BF16 / devices, kv_cache=model.kv_bytes_per_token * kv_tokens / devices)
+
+
+def backward_forwards(lora: bool) -> int:
+    """A backward pass in forwards' worth of FLOPs. Full fine-tuning: 2 (the activation gradients, x^T-sized, and
+    the weight gradients, each one forward's matmuls). LoRA: 1 — activation gradients still flow back through every
+    frozen base matmul, but no base weight gradient is formed; the adapter's own gradients (2 x rank x (d_in + d_out)
+    FLOPs per token per adapted matrix) are < 2 % of a forward at the ranks used (<= 128) and left out."""
+    return 1 if lora else 2
+
+
+LORA_TARGETS = ("attention", "all-linear")
+"""Which linear layers carry adapters: the attention projections (q, k, v, out) or every linear layer of a block."""
+
+
+def lora_params(model: LanguageModel | DiffusionModel, rank: int, targets: str) -> float:
+    """Parameters of a rank-`rank` LoRA adapter: rank x (d_in + d_out) per adapted matrix. Per layer the attention
+    has four hidden x hidden projections (8 x hidden x rank); "all-linear" adds the MLP, whose matrices (2 for a
+    DiT's GELU MLP, 3 for an LLM's SwiGLU) share an intermediate width I found from the layer's remaining parameters
+    (per-layer params - 4 hidden^2 = k x hidden x I). Every expert of a mixture of experts (Wan2.2) has its adapter.
+    Dual-stream MMDiT blocks are counted as one stream (their text stream is a small share of the tokens)."""
+    if targets not in LORA_TARGETS:
+        raise ValueError(f"LoRA targets {targets!r}: choose one of {', '.join(LORA_TARGETS)}")
+    hidden, layers = model.hidden, model.layers
+    per_layer = 8 * hidden * rank
+    if targets == "all-linear":
+        matrices = 3 if isinstance(model, LanguageModel) else 2
+        mlp_params = max(0.0, model.params / layers - 4 * hidden * hidden)
+        intermediate = mlp_params / (matrices * hidden)
+        per_layer += matrices * (hidden + intermediate) * rank
+    experts = getattr(model, "experts", 1)
+    return per_layer * layers * experts

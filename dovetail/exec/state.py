@@ -153,7 +153,9 @@ class ClusterState:
         return retimed
 
     def _width(self, node_id: str) -> int:
-        return 1 if self.graph[node_id].collective else len(self.running[node_id].devices)
+        """Devices the node's work spreads over (a collective's cost_s is its wall time already)."""
+        node, devices = self.graph[node_id], len(self.running[node_id].devices)
+        return 1 if node.collective else min(devices, node.max_width or devices)
 
     def _progress(self, node_id: str) -> None:
         """Account the work done since `progress_at` at the current speed."""

@@ -177,6 +177,7 @@ def _decode(
         cost_s=seconds * tp,
         tokens=sum(new_tokens),
         shard=shard,
+        max_width=tp,
     )
 
 
@@ -201,6 +202,7 @@ def _rollout(spec: LLMSpec, model: LanguageModel, cost: CostModel, shape: LLMSha
             samples=tuple(s.id for s in mine),
             cost_s=cost.prefill(model, [s.prompt_tokens for s in mine], devices=tp) * tp,
             shard=shard,
+            max_width=tp,
         )
         nodes.append(prefill)
         previous = prefill.id
@@ -240,6 +242,7 @@ def _rollout(spec: LLMSpec, model: LanguageModel, cost: CostModel, shape: LLMSha
             version=step,
             samples=tuple(s.id for s in tail),
             cost_s=cost.migrate(model, [s.prompt_tokens + migrate_at for s in tail], devices=tp) * tp,
+            max_width=tp,
         )
         decode = _decode(
             spec,

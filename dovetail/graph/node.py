@@ -85,10 +85,22 @@ class Node:
     for the migrated tail, which decodes wherever the policy puts it."""
     reference: bool = False
     """A logprob node of the frozen reference model (the KL term), not of the weights being trained."""
+    max_width: int | None = None
+    """Devices past which the node goes no faster (None: it spreads over any number): an LLM prefill / decode node
+    runs on one engine of `tensor_parallel` devices, so more devices cannot shorten one response's decode."""
+
+    def seconds_on(self, devices: int) -> float:
+        """Predicted seconds on `devices` devices: a collective occupies them all for cost_s; other work spreads
+        over at most `max_width` of them."""
+        if self.collective:
+            return self.cost_s
+        return self.cost_s / min(devices, self.max_width or devices)
 
     def __post_init__(self) -> None:
         if self.cost_s < 0 or self.memory_gb < 0:
             raise ValueError(f"node {self.id}: cost_s and memory_gb must be >= 0, got {self.cost_s}, {self.memory_gb}")
+        if self.max_width is not None and self.max_width < 1:
+            raise ValueError(f"node {self.id}: max_width must be >= 1, got {self.max_width}")
         if self.chunk is not None and not self.chunk[0] < self.chunk[1]:
             raise ValueError(f"node {self.id}: chunk must be [start, stop) with start < stop, got {self.chunk}")
 
