@@ -37,7 +37,7 @@ class _Model(BaseModel):
 class ClusterSpec(_Model):
     device: str = Field(
         max_length=100,
-        description="Device from the catalogue: H100, H800, H200, A100-80G, L40S, Ascend-910B, cpu-core.",
+        description="Device from the catalogue: H100, H800, H200, A100-80G, A100-40G, L40S, Ascend-910B, cpu-core.",
     )
     devices: int = Field(gt=0, le=MAX_DEVICES, description="Number of devices in the pool.")
 
@@ -81,6 +81,11 @@ class PublishedRun(_Model):
 
     source: str
     step_time_s: float = Field(gt=0)
+    held_out: bool = Field(
+        False,
+        description="true: no calibration factor was fitted to this run (a check, within 20 %); false: the cost "
+        "model's free parameters were fitted to it (within 10 %).",
+    )
     phases_s: dict[str, Annotated[float, Field(ge=0)]] = Field(
         default_factory=dict, description="Published seconds per phase (generate, logprob, train, publish...)."
     )

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from dovetail.cost.catalog import diffusion_model
-from dovetail.cost.model import CostModel
+from dovetail.cost.model import CostModel, lora_params
 from dovetail.graph.node import Engines, Kind, Node, Role
 from dovetail.graph.spec import FlowSpec
 
@@ -90,12 +90,23 @@ def split(total: int, parts: int) -> list[range]:
     return ranges
 
 
+def trainable_params(spec: FlowSpec) -> float | None:
+    """Parameters the trainer trains: None for the whole model, the adapter's count under LoRA."""
+    return lora_params(diffusion_model(spec.model), spec.lora.rank, spec.lora.targets) if spec.lora else None
+
+
 def engines(spec: FlowSpec, cost: CostModel, trainer_devices: int) -> Engines:
     """Resident memory of the rollout and trainer engines on one device and their sleep / wake costs."""
     model = diffusion_model(spec.model)
     rollout = (model.params + model.text_encoder_params) * BF16
     trainer_state = cost.training_memory(
-        model.params, model.layers, model.hidden, 0, trainer_devices, offload=spec.offload
+        model.params,
+        model.layers,
+        model.hidden,
+        0,
+        trainer_devices,
+        offload=spec.offload,
+        trainable=trainable_params(spec),
     )
     trainer = trainer_state.total
     resident = {Role.ROLLOUT: rollout / GB, Role.TRAINER: trainer / GB}
@@ -117,9 +128,11 @@ def build_flow(spec: FlowSpec, steps: int, shape: FlowShape, cost: CostModel) ->
     generate_gb = (
         cost.training_memory(0, 1, model.hidden, tokens * passes * spec.group, checkpointing=False).activations / GB
     )
-    optimizer_s = cost.optimizer_step(model.params, shape.group, offloaded=spec.offload)
-    optimizer_s += cost.replica_allreduce_seconds(model.params, shape.group, shape.groups)
-    publish_s = cost.publish(model.params)
+    trainable = trainable_params(spec)
+    trained = model.params if trainable is None else trainable
+    optimizer_s = cost.optimizer_step(trained, shape.group, offloaded=spec.offload)
+    optimizer_s += cost.replica_allreduce_seconds(trained, shape.group, shape.groups)
+    publish_s = cost.publish(trained)
     name = spec.name
     nodes: list[Node] = []
     previous_commit: str | None = None
@@ -171,7 +184,9 @@ def build_flow(spec: FlowSpec, steps: int, shape: FlowShape, cost: CostModel) ->
                     step,
                     samples,
                     chunk=(start, stop),
-                    cost_s=cost.dit_train(model, n, stop - start, tokens, train_cfg, trainer, micro),
+                    cost_s=cost.dit_train(
+                        model, n, stop - start, tokens, train_cfg, trainer, micro, trainable=trainable
+                    ),
                     memory_gb=cost.training_memory(
                         0, model.layers, model.hidden, tokens * passes * micro * (stop - start)
                     ).activations

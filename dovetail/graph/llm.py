@@ -26,7 +26,7 @@ import random
 from dataclasses import dataclass, replace
 
 from dovetail.cost.catalog import LanguageModel, language_model
-from dovetail.cost.model import CostModel
+from dovetail.cost.model import CostModel, lora_params
 from dovetail.graph.node import Engines, Kind, Node, Role, SampleId
 from dovetail.graph.spec import LLMSpec
 
@@ -132,10 +132,17 @@ def engines(spec: LLMSpec, cost: CostModel, shape: LLMShape) -> Engines:
     tp = spec.tensor_parallel
     cost = shape.cost_model(cost)
     rollout = cost.rollout_memory(model, 0, tp).weights + cost.kv_cache_bytes(model, tp) / tp
-    trainer = cost.training_memory(model.params, model.layers, model.hidden, 0, shape.trainer_devices).total
+    trainer = cost.training_memory(
+        model.params, model.layers, model.hidden, 0, shape.trainer_devices, trainable=trainable_params(spec)
+    ).total
     resident = {Role.ROLLOUT: rollout / GB, Role.TRAINER: trainer / GB}
     switch = {Role.ROLLOUT: cost.switch(rollout), Role.TRAINER: cost.switch(trainer)}
     return Engines(resident_gb=resident, wake_s=switch, sleep_s=switch)
+
+
+def trainable_params(spec: LLMSpec) -> float | None:
+    """Parameters the trainer trains: None for the whole model, the adapter's count under LoRA."""
+    return lora_params(language_model(spec.model), spec.lora.rank, spec.lora.targets) if spec.lora else None
 
 
 def build_llm(spec: LLMSpec, steps: int, shape: LLMShape, cost: CostModel, seed: int = 0) -> list[Node]:
@@ -313,6 +320,8 @@ def _training(
 ) -> list[Node]:
     """Score, log-probs and train per micro-batch (whole prompt groups), then commit and publish."""
     per_micro = spec.batch // spec.micro_batches
+    trainable = trainable_params(spec)
+    trained = model.params if trainable is None else trainable
     order = _prompt_order(samples) if shape.stream else list(range(spec.batch))
     rank = {prompt: position for position, prompt in enumerate(order)}
     after_commit = (previous_commit,) if previous_commit else ()
@@ -365,7 +374,7 @@ def _training(
             version=step,
             samples=ids,
             chunk=(micro, micro + 1),
-            cost_s=cost.train(model, lengths),
+            cost_s=cost.train(model, lengths, lora=spec.lora is not None),
             memory_gb=activations / GB,
         )
         nodes.append(train)
@@ -378,7 +387,7 @@ def _training(
         Role.TRAINER,
         tuple(trains),
         version=step,
-        cost_s=cost.optimizer_step(model.params, devices=shape.trainer_devices),
+        cost_s=cost.optimizer_step(trained, devices=shape.trainer_devices),
         collective=True,
     )
     publish = Node(
@@ -389,7 +398,7 @@ def _training(
         Role.TRAINER,
         (commit.id,),
         version=step,
-        cost_s=cost.publish(model.params),
+        cost_s=cost.publish(trained),
         collective=True,
     )
     return nodes + [commit, publish]

@@ -22,8 +22,27 @@ class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
+class LoRASpec(_Spec):
+    """A LoRA adapter trained instead of the whole model: the base weights stay frozen (`cost.model.lora_params`
+    says how many parameters the adapter has)."""
+
+    rank: int = Field(
+        gt=0, le=1024, description="Adapter rank r: each adapted d_in x d_out matrix gains r (d_in + d_out)."
+    )
+    targets: Literal["attention", "all-linear"] = Field(
+        "all-linear",
+        description="attention: the q, k, v and output projections; all-linear: those and the MLP's matrices.",
+    )
+
+
 class _PipelineSpec(_Spec):
     """What every kind of pipeline has."""
+
+    lora: LoRASpec | None = Field(
+        None,
+        description="Train a LoRA adapter (rank, targets) instead of every weight: trainer memory and optimizer state "
+        "of the adapter only, a backward without base-weight gradients, publication of the adapter only.",
+    )
 
     priority: float = Field(
         1.0,

@@ -1,0 +1,41 @@
+"""Every shipped scenario with a published run, simulated under its first policy, lands on the published step time:
+within 10 % where the cost model's free parameters were fitted to the run, within 20 % where none was (held out).
+Sources are named in each scenario file."""
+
+import pytest
+
+from dovetail.scenario import list_scenarios, load_scenario, simulate
+
+PUBLISHED = [name for name in list_scenarios() if load_scenario(name).published is not None]
+
+KNOWN_MISSES = {
+    "calib-qwenimage-lora-async-5xh800": "the simulated colocated step scores each fragment on the one reward device "
+    "after generation (+35 %); veRL-Omni's async reward overlaps the judge with the rollout",
+}
+
+
+def steady_step_s(name: str) -> float:
+    scenario = load_scenario(name)
+    _, trace = simulate(scenario, scenario.schedule.policies[0], steps=2)
+    first, second = sorted(record.end for record in trace.steps)
+    return second - first
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=pytest.mark.xfail(reason=KNOWN_MISSES[name], strict=True))
+        if name in KNOWN_MISSES
+        else name
+        for name in PUBLISHED
+    ],
+)
+def test_published_step_time_within_bounds(name):
+    published = load_scenario(name).published
+    bound = 0.20 if published.held_out else 0.10
+    assert steady_step_s(name) == pytest.approx(published.step_time_s, rel=bound)
+
+
+def test_at_least_a_third_of_the_published_runs_are_held_out():
+    held_out = [name for name in PUBLISHED if load_scenario(name).published.held_out]
+    assert len(held_out) * 3 >= len(PUBLISHED)
