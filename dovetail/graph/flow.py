@@ -96,21 +96,26 @@ def trainable_params(spec: FlowSpec) -> float | None:
 
 
 def engines(spec: FlowSpec, cost: CostModel, trainer_devices: int) -> Engines:
-    """Resident memory of the rollout and trainer engines on one device and their sleep / wake costs."""
+    """Resident memory of the rollout and trainer engines on one device and their sleep / wake costs. A trainer
+    whose parameters and optimizer state are offloaded (veRL-Omni's colocated recipes: param_offload and
+    optimizer_offload) holds less while it is up, but its wake brings that state in from host memory and its sleep
+    takes it back: a switch moves the whole sharded state either way."""
     model = diffusion_model(spec.model)
     rollout = (model.params + model.text_encoder_params) * BF16
-    trainer_state = cost.training_memory(
-        model.params,
-        model.layers,
-        model.hidden,
-        0,
-        trainer_devices,
-        offload=spec.offload,
-        trainable=trainable_params(spec),
-    )
-    trainer = trainer_state.total
-    resident = {Role.ROLLOUT: rollout / GB, Role.TRAINER: trainer / GB}
-    switch = {Role.ROLLOUT: cost.switch(rollout), Role.TRAINER: cost.switch(trainer)}
+
+    def state(offload: bool) -> float:
+        return cost.training_memory(
+            model.params,
+            model.layers,
+            model.hidden,
+            0,
+            trainer_devices,
+            offload=offload,
+            trainable=trainable_params(spec),
+        ).total
+
+    resident = {Role.ROLLOUT: rollout / GB, Role.TRAINER: state(spec.offload) / GB}
+    switch = {Role.ROLLOUT: cost.switch(rollout), Role.TRAINER: cost.switch(state(False))}
     return Engines(resident_gb=resident, wake_s=switch, sleep_s=switch)
 
 
