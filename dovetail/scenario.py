@@ -21,7 +21,7 @@ from dovetail.cost.model import CostModel
 from dovetail.exec.sim import SimExecutor
 from dovetail.graph.node import Graph
 from dovetail.graph.spec import MAX_DEVICES, FlowSpec, LLMSpec
-from dovetail.sched import policy_class
+from dovetail.sched import POLICIES, policy_class
 from dovetail.sched.policy import Policy, Setup
 
 MAX_SIMULATED_STEPS = 1000
@@ -253,6 +253,30 @@ class Prepared:
     policy: Policy
 
 
+def refuse_fixed_fields(scenario: Scenario, policy: str) -> None:
+    """A field the scenario sets that the policy decides itself (`Policy.fixes`) is refused by name, with the
+    policies that honour it: a plan must never silently be something else than what the file says."""
+    fixes = policy_class(policy).fixes
+    sections = [(f"pipelines.{i}", spec) for i, spec in enumerate(scenario.pipelines)] + [
+        ("schedule", scenario.schedule)
+    ]
+    for section, values in sections:
+        for field, why in fixes.items():
+            value = getattr(values, field, None)
+            if value is None:
+                continue
+            honour = [
+                name
+                for name in sorted(POLICIES)
+                if field not in policy_class(name).fixes
+                and all(spec.kind in policy_class(name).pipeline_kinds for spec in scenario.pipelines)
+            ]
+            raise ValueError(
+                f"{section}.{field}={value}: policy {policy} {why}, so it cannot honour it; remove the field"
+                + (f" or simulate {', '.join(honour)}" if honour else "")
+            )
+
+
 @dataclass(frozen=True)
 class Searched:
     """One candidate a policy's search simulated: its shapes, over how many steps, and what it achieved."""
@@ -291,6 +315,7 @@ def prepare(
                 f"policy {policy} schedules {'/'.join(sorted(cls.pipeline_kinds))} pipelines; "
                 f"pipeline {spec.name!r} is a {spec.kind} pipeline"
             )
+    refuse_fixed_fields(scenario, policy)
     devices = devices or scenario.cluster.devices
     steps = steps or scenario.schedule.steps
     cost = cost or CostModel(scenario.cluster.device)

@@ -52,6 +52,10 @@ class StagedFlow(Policy):
 
     switching: bool
     supports_reward_pool = True
+    fixes = {
+        "tsp_chunk": "trains one timestep per forward/backward (the per-timestep loop)",
+        "fragments": "splits each mini-batch's samples evenly over its rollout devices (verl's data.chunk)",
+    }
 
     def __init__(self, setup: Setup) -> None:
         super().__init__(setup)
@@ -137,6 +141,7 @@ class StagedFlow(Policy):
 class Colocated(StagedFlow):
     name = "colocated"
     switching = True
+    fixes = StagedFlow.fixes | {"trainer_devices": "trains on every device"}
 
     @classmethod
     def shape(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost) -> FlowShape:

@@ -193,23 +193,29 @@ class Digen(Policy):
         chunk), predicted with TCSS on or off (default: the policy's). The scenario's own choices are kept when
         given."""
         tcss = cls.tcss if tcss is None else tcss
-        spec = flow_only(cls.name, spec)
+        ranked = cls._predicted_shapes(flow_only(cls.name, spec), devices, trainer_devices, cost)
+        ranked = sorted(ranked, key=lambda r: (r[1] if tcss else r[0], r[2]))
+        return [(r[1] if tcss else r[0], replace(r[3], tcss=tcss)) for r in ranked]
+
+    @staticmethod
+    @lru_cache(maxsize=8)
+    def _predicted_shapes(
+        spec: FlowSpec, devices: int, trainer_devices: int | None, cost
+    ) -> tuple[tuple[float, float, int, DigenShape], ...]:
+        """(synchronous seconds, TCSS seconds, -chunk, shape) of every shape `candidates` ranks: one graph per shape
+        for both predictions, memoized (`prepare` asks for the policy's shape, then its search for the best few; on 64
+        devices this enumeration, not the simulation, is most of a search's time)."""
         capacity = cost.device.memory_bytes / 1e9
-        pools = [trainer_devices] if trainer_devices else cls._pool_choices(spec, devices, cost) + [devices]
-        ranked: list[tuple[float, int, FlowShape]] = []
+        pools = [trainer_devices] if trainer_devices else Digen._pool_choices(spec, devices, cost) + [devices]
+        ranked = []
         for trainers in pools:
             rollout = devices - trainers
-            for group in cls._group_choices(devices, trainers, cost.device.node_size):
+            for group in Digen._group_choices(devices, trainers, cost.device.node_size):
                 held = engines(spec, cost, group)
-                for fragments in cls._fragment_choices(spec, rollout or trainers, trainers // group):
-                    for chunk in cls._chunk_choices(spec):
+                for fragments in Digen._fragment_choices(spec, rollout or trainers, trainers // group):
+                    for chunk in Digen._chunk_choices(spec):
                         shape = DigenShape(
-                            fragments,
-                            chunk,
-                            False,
-                            trainers,
-                            trainer_group=None if group == trainers else group,
-                            tcss=tcss,
+                            fragments, chunk, False, trainers, trainer_group=None if group == trainers else group
                         )
                         nodes = build_flow(spec, 1, shape, cost)
                         if (
@@ -217,19 +223,19 @@ class Digen(Policy):
                             > capacity
                         ):
                             continue
-                        ranked.append((cls._predict(nodes, shape, rollout, held, capacity, tcss), -chunk, shape))
+                        synchronous, overlapped = (
+                            Digen._predict(nodes, shape, rollout, held, capacity, tcss) for tcss in (False, True)
+                        )
+                        ranked.append((synchronous, overlapped, -chunk, shape))
         if not ranked:
             raise ValueError(
                 f"{spec.name}: no digen shape fits in {capacity:.0f} GB per device; enable offload or "
                 "use a smaller tsp_chunk"
             )
-        ranked.sort(key=lambda r: r[:2])
-        return [(predicted, shape) for predicted, _, shape in ranked]
+        return tuple(ranked)
 
-    @classmethod
-    def _predict(
-        cls, nodes: Sequence[Node], shape: FlowShape, rollout: int, held, capacity: float, tcss: bool
-    ) -> float:
+    @staticmethod
+    def _predict(nodes: Sequence[Node], shape: FlowShape, rollout: int, held, capacity: float, tcss: bool) -> float:
         """Predicted seconds per step of `shape`: with TCSS the slower pool sets the pace (a rollout device loads
         the new weights once per step); synchronous, one step from the weight load to the publication, with
         the best number of TAG fragments (none when both engines do not fit on a trainer device). No rollout pool:

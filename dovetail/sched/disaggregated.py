@@ -14,9 +14,16 @@ from dovetail.sched.policy import Setup
 
 def split_pools(devices: int, trainer_devices: int | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Rollout devices first, trainer devices last; half and half unless told."""
+    if devices < 2:
+        raise ValueError(
+            f"a rollout pool and a trainer pool need at least 2 devices, there {'is' if devices == 1 else 'are'} "
+            f"{devices} to generate and train on: add devices (cluster.devices) or use colocated, which shares them"
+        )
     trainers = trainer_devices or devices // 2
     if not 1 <= trainers < devices:
-        raise ValueError(f"trainer_devices={trainers} must leave 1..{devices - 1} devices to the trainer pool")
+        raise ValueError(
+            f"trainer_devices={trainers} must be in 1..{devices - 1}, leaving a rollout device of the {devices}"
+        )
     return tuple(range(devices - trainers)), tuple(range(devices - trainers, devices))
 
 

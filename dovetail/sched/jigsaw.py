@@ -32,7 +32,8 @@ from functools import lru_cache
 from itertools import combinations
 
 from dovetail.cost.calibration import DEFAULT
-from dovetail.graph.flow import FlowShape
+from dovetail.cost.catalog import language_model
+from dovetail.graph.flow import BF16, FlowShape
 from dovetail.graph.llm import GB, LLMShape, response_lengths
 from dovetail.graph.node import Kind, Node, Role
 from dovetail.graph.spec import FlowSpec, LLMSpec, PipelineSpec
@@ -176,6 +177,7 @@ class Jigsaw(StagedLLMPolicy):
     pipeline_kinds = frozenset({"llm", "flow"})
     look_ahead = True
     searches = True
+    fixes = {"trainer_devices": "trains every pipeline on the whole pool"}
 
     @classmethod
     def shape(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost) -> LLMShape | FlowShape:
@@ -445,8 +447,16 @@ def rollout_shares(
             f"jigsaw: the pipelines' trainers and flow rollout engines alone need {held:.0f} GB per device, "
             f"more than {capacity:.0f} GB"
         )
-    llm = [spec.name for spec in specs if isinstance(spec, LLMSpec)]
+    llm = [spec for spec in specs if isinstance(spec, LLMSpec)]
     if not llm:
         return shapes
     share = min(DEFAULT.rollout_memory_fraction, (capacity - held) / capacity / len(llm))
-    return shapes | {name: replace(shapes[name], rollout_memory=share) for name in llm}
+    for spec in llm:
+        weights_gb = language_model(spec.model).params * BF16 / GB / spec.tensor_parallel
+        if weights_gb >= share * capacity:
+            raise ValueError(
+                f"{spec.name}: jigsaw keeps every pipeline's trainer resident, which leaves {share * capacity:.0f} GB "
+                f"per device for its rollout engine, less than its weights ({weights_gb:.0f} GB at tensor_parallel="
+                f"{spec.tensor_parallel}): add devices (the trainer's shard shrinks) or raise tensor_parallel"
+            )
+    return shapes | {spec.name: replace(shapes[spec.name], rollout_memory=share) for spec in llm}

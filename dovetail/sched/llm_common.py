@@ -151,21 +151,36 @@ class SplitLLMPolicy(StagedLLMPolicy):
 
         spec = llm_only(cls.name, spec)
         capacity = lookup_device(cost.device.name).memory_bytes / 1e9
+        tp = spec.tensor_parallel
+        if devices < tp + 1:
+            raise ValueError(
+                f"{spec.name}: {cls.name} splits the pipeline's {devices} device{'s' if devices > 1 else ''} into a "
+                f"rollout engine of tensor_parallel={tp} and a trainer pool of at least 1, so it needs {tp + 1}: "
+                "add devices (cluster.devices) or use verl-sync or jigsaw, which share them"
+            )
+        if trainer_devices and devices - trainer_devices < tp:
+            raise ValueError(
+                f"{spec.name}: trainer_devices={trainer_devices} leaves {devices - trainer_devices} of the pipeline's "
+                f"{devices} devices to roll out, fewer than tensor_parallel={tp}: lower it"
+            )
         best: tuple[float, LLMShape] | None = None
-        for trainers in [trainer_devices] if trainer_devices else range(1, devices):
-            if devices - trainers < spec.tensor_parallel:
-                continue
+        least_gb = float("inf")
+        for trainers in [trainer_devices] if trainer_devices else range(1, devices - tp + 1):
             shape = LLMShape(rollout_engines(spec, devices - trainers), trainers, stream=cls.stream)
             nodes = shape.build(spec, 1, cost)
-            held = shape.engines(spec, cost).resident_gb[Role.TRAINER]
-            if held + max(n.memory_gb for n in nodes) > capacity:
+            need = shape.engines(spec, cost).resident_gb[Role.TRAINER] + max(n.memory_gb for n in nodes)
+            least_gb = min(least_gb, need)
+            if need > capacity:
                 continue
-            predicted = max(rollout_seconds(nodes, spec.tensor_parallel), trainer_seconds(nodes, trainers))
+            predicted = max(rollout_seconds(nodes, tp), trainer_seconds(nodes, trainers))
             if best is None or predicted < best[0]:
                 best = (predicted, shape)
         if best is None:
+            largest = trainer_devices or devices - tp
             raise ValueError(
-                f"{spec.name}: no rollout / trainer split of {devices} devices fits the trainer in {capacity:.0f} GB"
+                f"{spec.name}: {cls.name}'s trainer needs {least_gb:.0f} GB per device even on {largest} trainer "
+                f"device{'s' if largest > 1 else ''} (the rest roll out), more than {capacity:.0f} GB: add devices "
+                "(cluster.devices) or raise micro_batches (fewer tokens per trainer pass)"
             )
         return best[1]
 

@@ -293,6 +293,9 @@ class Policy(ABC):
     """Versions a step's rollouts may lag its training (the executor refuses more)."""
     searches: ClassVar[bool] = False
     """Chooses its shapes by simulating candidates (`plan_shapes`); `dovetail plan` shows what it considered."""
+    fixes: ClassVar[Mapping[str, str]] = {}
+    """Scenario fields (of a pipeline or the schedule) this policy's schedule decides itself, with why: a scenario
+    that sets one is refused by name (`scenario.prepare`) instead of planned as something else."""
 
     @classmethod
     @abstractmethod

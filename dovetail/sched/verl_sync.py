@@ -22,6 +22,7 @@ ORDER = ("rollout", "score", "old", "ref", "train", "commit", "publish")
 class VerlSync(StagedLLMPolicy):
     name = "verl-sync"
     splits_pool = True
+    fixes = {"trainer_devices": "trains on every device of a pipeline's slice (hybrid engine)"}
 
     @classmethod
     def shape(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost) -> LLMShape:
