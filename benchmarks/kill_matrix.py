@@ -16,7 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import ray
 import torch
 from safetensors.torch import load_file
 
@@ -26,7 +25,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from fault_injection import CONFIG, MOMENTS, SPREADS, Fault  # noqa: E402
 
 from dovetail.config.train import load_config  # noqa: E402
-from dovetail.exec.worker import DEVICE_RESOURCE  # noqa: E402
+from dovetail.exec.launch import start_local_ray  # noqa: E402
 from dovetail.train import train  # noqa: E402
 
 STEPS = 3
@@ -42,14 +41,7 @@ def main() -> None:
     parser.add_argument("--moments", nargs="*", default=list(MOMENTS), help="a subset of the moments")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    ray.init(
-        address="local",
-        _node_ip_address="127.0.0.1",
-        num_cpus=1,
-        resources={DEVICE_RESOURCE: 2},
-        include_dashboard=False,
-        log_to_driver=False,
-    )
+    start_local_ray(cpu_devices=2)
     train(load_config(None, CONFIG), args.out / "undisturbed", steps=STEPS)
     expected = weights(args.out / "undisturbed")
     print("| moment | workers killed | kills | restarts | ledger problems | weights bitwise equal | wall s |")

@@ -30,7 +30,14 @@ def undisturbed(tmp_path_factory):
 
 @pytest.mark.parametrize(
     ("moment", "spread"),
-    [("start-up", "one"), ("commit", "one"), ("last step", "one"), ("train", "two close"), ("generate", "all")],
+    [
+        ("start-up", "one"),
+        ("commit", "one"),
+        ("commit", "two close"),  # every trainer replica dead by the publish: one is brought back to publish from
+        ("last step", "one"),
+        ("train", "two close"),
+        ("generate", "all"),
+    ],
 )
 def test_killed_workers_recover_and_the_run_is_bitwise_the_undisturbed_one(moment, spread, undisturbed, tmp_path):
     fault = Fault(moment, spread, STEPS)

@@ -39,6 +39,10 @@ MAX_RESENDS = 5
 """Times one part is sent again after its worker died before the run gives up on it."""
 
 
+class TrainersLost(RuntimeError):
+    """Every trainer replica of a pipeline died before the driver had what it asked of them."""
+
+
 @dataclass
 class PipelineRun:
     """One pipeline's side of a run: its config, driver adapter and DeviceWorkers (one per device: a multiplexed
@@ -235,7 +239,7 @@ class RayExecutor:
             parts = [Part(node.id, d, Commit(node.pipeline, tuple(devices), scale)) for d in devices]
             run.trainer_devices = tuple(devices)
         elif node.kind == Kind.PUBLISH:
-            weights = self._from_a_trainer(run, "export_weights")
+            weights = self._published_weights(run)
             run.versions[node.version + 1] = weights
             version = run.first_step + node.version + 1
             parts = [Part(node.id, d, LoadWeights(node.pipeline, version, weights)) for d in devices]
@@ -295,6 +299,15 @@ class RayExecutor:
         outlives the workers, so even if every trainer replica dies next, their restarts resume from this step."""
         run.trainer_state = self._from_a_trainer(run, "trainer_state")
 
+    def _published_weights(self, run: PipelineRun) -> ray.ObjectRef:
+        """The committed weights, for a publish: from a trainer replica, or, if every one died since the commit (its
+        state already in the object store), from one brought back with that state."""
+        try:
+            return self._from_a_trainer(run, "export_weights")
+        except TrainersLost:
+            self._revive(run, self.state.now, "publish")
+            return self._from_a_trainer(run, "export_weights")
+
     def _from_a_trainer(self, run: PipelineRun, method: str) -> ray.ObjectRef:
         """A ref of what a trainer replica answers (`trainer_state`, `export_weights`), known to hold the answer: a
         replica that died since the commit is passed over for another (they hold the same state); a ref that held
@@ -306,7 +319,7 @@ class RayExecutor:
                 return ref
             except (RayActorError, RayTaskError):
                 continue
-        raise RuntimeError(
+        raise TrainersLost(
             f"pipeline {run.name}: every trainer device died right after its commit; resume from a checkpoint"
         )
 
