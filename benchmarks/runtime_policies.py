@@ -54,9 +54,10 @@ def measure(policy: str, steps: int, out: Path, overrides: list[str]) -> dict:
     if policy != "reference":
         replay = replay_run(out)
         row |= {
-            "efficiency": statistics.median(m["efficiency"] for m in lines),
-            "bubble": [
-                statistics.median(m["bubble_ratio_per_device"][d] for m in lines) for d in range(config.cluster.devices)
+            "occupancy": statistics.median(m["occupancy"] for m in lines),
+            "idle": [
+                statistics.median(1 - m["occupancy_per_device"][d] for m in lines)
+                for d in range(config.cluster.devices)
             ],
             "dry_run_step_s": predicted,
             "measured_run_step_s": replay["measured_step_time_s"],
@@ -90,18 +91,18 @@ def main() -> None:
 
     base = median(policies[0], "samples_per_s")
     print(
-        "\n| policy | samples/s (median, range) | speedup | tokens/s | step (s) | max staleness | efficiency | "
-        "bubble per device | dry-run step (s) | replayed step (s) | measured step (s) | replay error |"
+        "\n| policy | samples/s (median, range) | speedup | tokens/s | step (s) | max staleness | occupancy | "
+        "idle per device | dry-run step (s) | replayed step (s) | measured step (s) | replay error |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for policy in policies:
         rows = rounds[policy]
         rate = median(policy, "samples_per_s")
         spread = f"{rate:.1f} ({min(r['samples_per_s'] for r in rows):.1f}-{max(r['samples_per_s'] for r in rows):.1f})"
-        if "efficiency" in rows[0]:
-            bubble = [round(statistics.median(r["bubble"][d] for r in rows), 3) for d in range(len(rows[0]["bubble"]))]
+        if "occupancy" in rows[0]:
+            idle = [round(statistics.median(r["idle"][d] for r in rows), 3) for d in range(len(rows[0]["idle"]))]
             cells = (
-                f"{median(policy, 'efficiency'):.3f} | {bubble} | {median(policy, 'dry_run_step_s'):.3f} | "
+                f"{median(policy, 'occupancy'):.3f} | {idle} | {median(policy, 'dry_run_step_s'):.3f} | "
                 f"{median(policy, 'simulated_run_step_s'):.3f} | {median(policy, 'measured_run_step_s'):.3f} | "
                 f"{median(policy, 'simulator_error'):+.1%}"
             )

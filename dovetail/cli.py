@@ -35,11 +35,20 @@ def train(
     dry_run: bool = typer.Option(
         False, "--dry-run", help="check the config, checkpoint and devices, print the predicted plan; train nothing"
     ),
+    overwrite: bool = typer.Option(
+        False,
+        "--overwrite",
+        help="train afresh into an --out holding another run (its checkpoints move to superseded/)",
+    ),
 ):
-    """Post-train the model with RL and write a run directory."""
-    from dovetail.config.train import MAX_STEPS, check_this_machine, load_config
+    """Post-train the model with RL and write a run directory.
+
+    Ctrl-C stops after the step in flight and saves it (a second Ctrl-C stops at once). A run that fails says why in
+    one line; the traceback is in RUN_DIR/error.log."""
+    from dovetail.config.train import MAX_STEPS, check_this_machine, load_config, pipeline_configs
     from dovetail.graph.spec import MAX_DEVICES
     from dovetail.rewards import RewardError
+    from dovetail.trackers import check_installed
 
     if config is not None and "=" in str(config):
         overrides, config = [str(config), *(overrides or [])], None
@@ -55,23 +64,28 @@ def train(
     flags += [f"cluster.devices={devices}"] if devices is not None else []
     try:
         run_config = load_config(config, [*(overrides or []), *flags])
+        check_installed(sorted({name for p in pipeline_configs(run_config).values() for name in p.logger}))
         if not dry_run:
             check_this_machine(run_config)
-    except ValueError as error:  # ConfigError among them
+    except ValueError as error:  # ConfigError, TrackerMissing among them
         _refuse(str(error))
     steps = steps if steps is not None else run_config.train.steps
     if dry_run:
         _print_dry_run(run_config, steps)
         return
+    from dovetail.train import RunInterrupted
     from dovetail.train import train as run_training
 
     try:
-        summary = run_training(run_config, out, steps=steps, resume=resume)
-    except RewardError as error:
+        summary = run_training(run_config, out, steps=steps, resume=resume, overwrite=overwrite)
+    except (RewardError, RunInterrupted) as error:  # the message says what was saved and how to go on
         typer.echo(str(error), err=True)
-        raise typer.Exit(1) from None
+        raise typer.Exit(130 if isinstance(error, RunInterrupted) else 1) from None
     except (FileNotFoundError, ValueError) as error:  # input the config could not check alone: a checkpoint, a prompt
         _refuse(str(error))
+    except (Exception, KeyboardInterrupt) as error:  # any other failure: one line, the traceback in a log
+        typer.echo(_failure(error, out), err=True)
+        raise typer.Exit(130 if isinstance(error, KeyboardInterrupt) else 1) from None
     for name, pipeline in summary.get("pipelines", {"": summary}).items():
         typer.echo(
             f"{name + ': ' if name else ''}eval reward {pipeline['base_eval_reward']:.3f} -> "
@@ -82,6 +96,43 @@ def train(
         typer.echo(message, err=True)
     if summary.get("stopped"):
         raise typer.Exit(1)
+
+
+def _failure(error: BaseException, out: Path) -> str:
+    """One line for a run that failed: the cause, the fix, how to resume from what is saved; the traceback goes to
+    out/error.log."""
+    import errno
+    import traceback
+
+    from dovetail.exec.recovery import RecoveryTimeout
+    from dovetail.models.lm import one_line
+    from dovetail.run_dir import checkpoint_dirs
+
+    log = out / "error.log"
+    out.mkdir(parents=True, exist_ok=True)
+    log.write_text("".join(traceback.format_exception(error)))
+    cause = one_line(error) or type(error).__name__
+    if isinstance(error, KeyboardInterrupt):
+        line = "stopped at once by a second Ctrl-C; the step in flight is lost"
+    elif isinstance(error, MemoryError) or "out of memory" in cause.lower():
+        line = (
+            f"out of memory ({cause}): lower algo.prompts_per_step or algo.group_size, or train.chunk_size "
+            "(pairs per forward/backward)"
+        )
+    elif isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        line = f"no space left on the device ({cause}): free space, or give an --out on another disk"
+    elif isinstance(error, RecoveryTimeout):
+        line = f"{cause}: workers that keep dying are out of memory or lost their node; check the Ray logs"
+    elif type(error).__module__.startswith("ray"):
+        line = f"the Ray runtime failed ({type(error).__name__}: {cause}): check the Ray cluster (`ray status`)"
+    else:
+        line = f"the run failed: {type(error).__name__}: {cause}"
+    saved = checkpoint_dirs(out / "checkpoints") or [
+        found for sub in out.iterdir() if sub.is_dir() for found in checkpoint_dirs(sub / "checkpoints")
+    ]
+    if saved:
+        line += f"; resume from the last saved step with `dovetail train {out / 'config.yaml'} --resume {out}`"
+    return f"{line} (traceback in {log})"
 
 
 def _print_dry_run(config, steps: int) -> None:

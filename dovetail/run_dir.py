@@ -42,6 +42,75 @@ class BrokenCheckpoint(ValueError):
     """A checkpoint that must not be resumed from; the message names the file and what is wrong with it."""
 
 
+class RunDirInUse(ValueError):
+    """A new run asked to write where another run's checkpoints are; the message says how to go on."""
+
+
+class ConfigMismatch(ValueError):
+    """A resumed run whose config changes what the checkpoint's run computed; the message names the fields."""
+
+
+RESUMABLE_FIELDS = (
+    "train.steps",
+    "eval.every",
+    "checkpoint.every",
+    "policy",
+    "priority",
+    "cluster",
+    "runtime",
+    "logger",
+)
+"""Config fields (and sections) a resumed run may change: how long it runs, how often it evaluates and saves, where
+and how the work is scheduled (every policy computes the reference's parameters), what it reports to. Any other
+field changes what a step computes, and the resumed run would not be the run its checkpoint belongs to."""
+
+
+def check_run_directory(path: Path, resume: Path | None, overwrite: bool) -> None:
+    """A run may write into `path`: it holds no checkpoints, or they are the run's own (it resumes from this very
+    directory), or `overwrite` (the old checkpoints then move to superseded/, `RunDir.begin`). Checked before
+    anything is written."""
+    found = checkpoint_dirs(Path(path) / "checkpoints")
+    if overwrite or not found:
+        return
+    if resume is not None:
+        resumed_run = Path(resume).parent.parent if STEP_DIR.fullmatch(Path(resume).name) else Path(resume)
+        if resumed_run.resolve() == Path(path).resolve():
+            return
+    raise RunDirInUse(
+        f"--out {path} holds another run's checkpoints (newest {found[0][1].name}): continue it with --resume {path}, "
+        f"give another --out, or pass --overwrite (its checkpoints move to {Path(path) / 'superseded'})"
+    )
+
+
+def check_resumable(saved: dict, current: dict, checkpoint: Path) -> None:
+    """The config a checkpoint was trained with (`saved`, as its state.json holds it) against a resumed run's:
+    equal but for RESUMABLE_FIELDS, or a ConfigMismatch naming every field that differs."""
+    differing = [f for f in _differing_fields(saved, current) if not f.startswith(RESUMABLE_FIELDS)]
+    if differing:
+        shown = ", ".join(f"{f} ({_at(saved, f)!r} -> {_at(current, f)!r})" for f in differing[:5])
+        more = f" and {len(differing) - 5} more" if len(differing) > 5 else ""
+        raise ConfigMismatch(
+            f"--resume {checkpoint}: the config differs from the checkpoint's in {shown}{more}; resume with the "
+            "run's own config.yaml, or train afresh into another --out"
+        )
+
+
+def _differing_fields(a, b, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [
+            f
+            for key in sorted(a.keys() | b.keys())
+            for f in _differing_fields(a.get(key), b.get(key), f"{prefix}{key}.")
+        ]
+    return [] if a == b else [prefix.rstrip(".")]
+
+
+def _at(tree, dotted: str):
+    for key in dotted.split("."):
+        tree = tree.get(key) if isinstance(tree, dict) else None
+    return tree
+
+
 class RunDir:
     def __init__(self, path: Path | str):
         self.path = Path(path)

@@ -4,12 +4,13 @@ prompts -> G samples per prompt (SDE) -> rewards -> advantages -> train the sele
 (batched) -> one optimizer step. Every other policy must reproduce these parameters.
 """
 
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from dovetail.config.train import (
     FlowTrainConfig,
@@ -18,6 +19,7 @@ from dovetail.config.train import (
     PipelineConfig,
     TrainConfig,
     dump_config,
+    parse_config,
     pipeline_configs,
 )
 from dovetail.exec.driver import train_on_ray
@@ -33,8 +35,9 @@ from dovetail.models.t2i import load_model
 from dovetail.recipe import advantages_of, evaluate, make_optimizer, policy_gradient, sde_settings, step_timesteps
 from dovetail.rewards import RewardError, score
 from dovetail.rewards.text import score_text
-from dovetail.run_dir import RunDir, load_checkpoint
+from dovetail.run_dir import RunDir, check_resumable, check_run_directory, load_checkpoint
 from dovetail.tasks import task
+from dovetail.trackers import Evaluation, RunProgress, Tracker, check_installed, open_trackers, scalars
 
 
 def rl_step(model, optimizer, config: FlowTrainConfig, step: int, reference_model=None) -> dict:
@@ -81,13 +84,13 @@ def rl_step(model, optimizer, config: FlowTrainConfig, step: int, reference_mode
     metrics |= {
         name: value if name in ("ratio_min", "ratio_max") else value / total_pairs for name, value in sums.items()
     }
-    metrics |= timings | {"grad_norm": grad_norm, "samples_per_s": len(ids) / step_seconds, "timesteps": timesteps}
-    return metrics
+    metrics |= timings | {"grad_norm": grad_norm, "timesteps": timesteps}
+    return metrics | {"samples_per_s": len(ids) / step_seconds, "step_s": step_seconds}
 
 
 class StepLog:
     """What happens after every optimizer step of a pipeline, whoever ran it: metrics, evaluation, checkpoints,
-    progress; and the pipeline's summary.json when the run ends."""
+    trackers, progress, callbacks; and the pipeline's summary.json when the run ends."""
 
     def __init__(
         self,
@@ -95,40 +98,63 @@ class StepLog:
         config: PipelineConfig,
         local,
         last_step: int,
-        base_eval: dict,
-        eval_reward: float,
-        progress: Progress,
+        state: dict,
+        progress: RunProgress,
+        trackers: list[Tracker],
+        callbacks: list,
     ):
         """`local` is the pipeline's model in this process (`FlowLocal`, `LMLocal`): what is evaluated and saved;
-        `eval_reward` its latest evaluation."""
+        `state` the run's evaluations so far (a checkpoint's state.json, or the base evaluation of a fresh run)."""
         self.run, self.config, self.local = run, config, local
         self.model, self.optimizer = local.model, local.optimizer
         self.last_step = last_step
-        self.summary = {"base_eval_reward": base_eval["total"], "base_eval": base_eval}
-        self.eval_reward = eval_reward
-        self.samples_per_s: list[float] = []
-        self.progress = progress
-        self.task = progress.add_task(config.pipeline_name, total=last_step, reward=0.0, eval=self.eval_reward, sps=0.0)
+        self.summary = {"base_eval_reward": state["base_eval"]["total"], "base_eval": state["base_eval"]}
+        self.eval_reward = state["eval_reward"]
+        self.recorded = self.saved = state["step"]
+        """The last step recorded, and the last one saved: Ctrl-C saves the one if it is not the other."""
+        self.samples = self.seconds = 0.0
+        self.progress, self.trackers, self.callbacks = progress, trackers, callbacks
+        self.interrupted = False
 
     @classmethod
-    def open(cls, config: PipelineConfig, run: RunDir, resume: Path | None, last_step: int, progress: Progress):
+    def open(
+        cls,
+        config: PipelineConfig,
+        run: RunDir,
+        resume: Path | None,
+        last_step: int,
+        progress: RunProgress,
+        callbacks: list,
+    ):
         """The pipeline's model: fresh, evaluated once before its first step, or from a checkpoint, whose state.json
-        holds the run's base and latest evaluations (a resumed run reports the base its run started from). Returns
-        the log and the number of steps already done."""
+        holds the run's base and latest evaluations (a resumed run reports the base its run started from) and its
+        config (which must allow this run's, `check_resumable`). Returns the log and the number of steps done."""
+        name = config.pipeline_name
+        progress.phase(name, "loading the model")
         local = FlowLocal(config) if config.kind == "flow" else LMLocal(config)
         state = None if resume is None else load_checkpoint(resume, local.model, local.optimizer, local.load_weights)
+        if state is not None and "config" in state:
+            check_resumable(state["config"], config.model_dump(mode="json"), resume)
         run.begin(None if state is None else state["step"])
         run.write_config(dump_config(config))
+        trackers = open_trackers(config.logger, run.path, name, config.model_dump(mode="json"))
+        base = None
         if state is None:
-            base = local.evaluate(run, "eval_base.png")
-            state = {"step": 0, "base_eval": base, "eval_reward": base["total"]}
-        log = cls(run, config, local, last_step, state["base_eval"], state["eval_reward"], progress)
-        progress.update(log.task, completed=state["step"])
+            progress.phase(name, "evaluating the base model")
+            base = local.evaluate(run, "eval_base.png", 0)
+            state = {"step": 0, "base_eval": base.scores, "eval_reward": base.scores["total"]}
+        log = cls(run, config, local, last_step, state, progress, trackers, callbacks)
+        if base is not None:
+            log._report_evaluation(base, {})
+        progress.start_at(name, state["step"], log.eval_reward)
         return log, state["step"]
 
     def checkpoint(self, done: int, extra: dict | None = None) -> Path:
-        """Save step `done` with the run's base and latest evaluations, which a run resumed from it reports."""
-        state = {"base_eval": self.summary["base_eval"], "eval_reward": self.eval_reward} | (extra or {})
+        """Save step `done` with the run's base and latest evaluations, which a run resumed from it reports, and
+        the config that trained it, which the resumed run's must match (`check_resumable`)."""
+        state = {"base_eval": self.summary["base_eval"], "eval_reward": self.eval_reward}
+        state |= {"config": self.config.model_dump(mode="json")} | (extra or {})
+        self.saved = done
         return self.run.save_checkpoint(done, self.model, self.optimizer, state, self.local.save_weights)
 
     def stop(self, done: int, error: RewardError) -> str:
@@ -141,38 +167,65 @@ class StepLog:
 
     def needs_weights(self, done: int) -> bool:
         """Whether step `done` evaluates or checkpoints (the Ray driver then fetches the trainer state)."""
-        return self._eval_due(done) or done % self.config.checkpoint.every == 0 or done == self.last_step
+        return self._eval_due(done) or self._save_due(done) or self.interrupted
 
     def _eval_due(self, done: int) -> bool:
         return done % self.config.eval.every == 0 or done == self.last_step
 
+    def _save_due(self, done: int) -> bool:
+        return done % self.config.checkpoint.every == 0 or done == self.last_step
+
     def record(self, done: int, metrics: dict, checkpoint_extra: dict | None = None) -> None:
         metrics = {"step": done} | metrics
-        self.samples_per_s.append(metrics["samples_per_s"])
+        self.samples += metrics["samples_per_s"] * metrics["step_s"]
+        self.seconds += metrics["step_s"]
+        evaluation = None
         if self._eval_due(done):
             start = time.perf_counter()
-            eval_scores = self.local.evaluate(self.run, "eval_latest.png")
-            self.eval_reward = eval_scores["total"]
+            evaluation = self.local.evaluate(self.run, "eval_latest.png", done)
+            self.eval_reward = evaluation.scores["total"]
             metrics |= {"eval_reward": self.eval_reward, "eval_s": time.perf_counter() - start}
-            metrics |= {f"eval/{name}": value for name, value in eval_scores.items()}
+            metrics |= {f"eval/{name}": value for name, value in evaluation.scores.items()}
         self.run.append_metrics(metrics)
-        if done % self.config.checkpoint.every == 0 or done == self.last_step:
+        self.recorded = done
+        if self._save_due(done):
             self.checkpoint(done, checkpoint_extra)
-        self.progress.update(
-            self.task,
-            completed=done,
-            reward=metrics["reward/total"],
-            eval=self.eval_reward,
-            sps=metrics["samples_per_s"],
-        )
+        for tracker in self.trackers:
+            tracker.log(done, scalars(metrics))
+        for callback in self.callbacks:
+            if hasattr(callback, "on_step"):
+                callback.on_step(metrics, self.config.pipeline_name)
+        if evaluation is not None:
+            self._report_evaluation(evaluation, metrics)
+        self.progress.step(self.config.pipeline_name, done, self.last_step, metrics, self.eval_reward)
+
+    def _report_evaluation(self, evaluation: Evaluation, metrics: dict) -> None:
+        """An evaluation to the trackers (the base one, at step 0, with its scores as a step's would be) and the
+        callbacks."""
+        if evaluation.step == 0:
+            values = {"eval_reward": evaluation.scores["total"]}
+            values |= {f"eval/{name}": value for name, value in evaluation.scores.items()}
+            for tracker in self.trackers:
+                tracker.log(0, values)
+        for tracker in self.trackers:
+            tracker.log_evaluation(evaluation)
+        for callback in self.callbacks:
+            if hasattr(callback, "on_eval"):
+                callback.on_eval(evaluation, self.config.pipeline_name)
 
     def finish(self, extra: dict | None = None) -> dict:
-        """The pipeline's summary.json: its evaluations before and after, and its mean throughput."""
-        mean_sps = float(np.mean(self.samples_per_s)) if self.samples_per_s else 0.0
-        self.summary |= {"final_eval_reward": self.eval_reward, "steps": self.last_step, "samples_per_s": mean_sps}
+        """The pipeline's summary.json: its evaluations before and after, and its throughput over its steps."""
+        samples_per_s = self.samples / self.seconds if self.seconds else 0.0
+        self.summary |= {"final_eval_reward": self.eval_reward, "steps": self.last_step, "samples_per_s": samples_per_s}
         self.summary |= extra or {}
         self.run.write_summary(self.summary)
+        self.close()
         return self.summary
+
+    def close(self, failed: bool = False) -> None:
+        for tracker in self.trackers:
+            tracker.close(failed)
+        self.trackers = []
 
 
 class FlowLocal:
@@ -186,11 +239,11 @@ class FlowLocal:
         self.optimizer = make_optimizer(self.model, config)
         self._reference_model = None
 
-    def evaluate(self, run: RunDir, grid: str) -> dict[str, float]:
+    def evaluate(self, run: RunDir, grid: str, step: int) -> Evaluation:
         """ODE samples on the held-out seeds, drawn as one grid image."""
         scores, images, prompts = evaluate(self.model, self.config)
         run.save_eval_grid(images, prompts, grid)
-        return scores
+        return Evaluation(step, scores, image=run.path / grid)
 
     def rl_step(self, step: int) -> dict:
         if self.config.algo.beta > 0 and self._reference_model is None:
@@ -206,8 +259,9 @@ class LMLocal:
         self.engines = LMEngines(config, torch.device("cpu"), True, None)
         self.model, self.optimizer = self.engines.trainer, self.engines.optimizer
 
-    def evaluate(self, run: RunDir, grid: str) -> dict[str, float]:
-        return lm_evaluate(self.engines, self.config)
+    def evaluate(self, run: RunDir, grid: str, step: int) -> Evaluation:
+        scores, samples = lm_evaluate(self.engines, self.config)
+        return Evaluation(step, scores, samples=samples)
 
     def rl_step(self, step: int) -> dict:
         return lm_rl_step(self.engines, self.config, step)
@@ -226,37 +280,80 @@ def train(
     *,
     steps: int | None = None,
     resume: Path | None = None,
+    overwrite: bool = False,
+    callbacks: list = (),
     after_start=None,
     after_part=None,
 ) -> dict:
     """Train every pipeline of the run to `steps` (default config.train.steps) under config.policy; returns the
     summary. A multiplexed run keeps each pipeline in its own sub-directory of `out` (and resumes each from there).
-    `after_start` / `after_part` are the Ray runtime's fault-injection hooks, for tests."""
+
+    Before any work: every tracker of `logger` is installed (`TrackerMissing`), and `out` holds no other run's
+    checkpoints unless `overwrite` (`RunDirInUse`; overwritten checkpoints move to out/superseded/). config.yaml
+    records the config as run, `steps` included. Ctrl-C stops after the step in flight, saves it and raises
+    `RunInterrupted` saying how to resume. `callbacks`: objects with `on_step(metrics, pipeline)` and / or
+    `on_eval(evaluation, pipeline)` (`dovetail.trackers.Evaluation`). `after_start` / `after_part` are the Ray
+    runtime's fault-injection hooks, for tests."""
     torch.set_num_threads(1)
-    root = RunDir(out)
+    config = with_steps(config, steps if steps is not None else config.train.steps)
+    last_step = config.train.steps
     multiplexed = isinstance(config, MultiplexConfig)
-    last_step = steps if steps is not None else config.train.steps
-    logs, first_steps = {}, {}
-    with _progress() as progress:
-        for name, pipeline in pipeline_configs(config).items():
-            run = RunDir(root.path / name) if multiplexed else root
-            checkpoint = None if resume is None else (Path(resume) / name if multiplexed else resume)
-            logs[name], first_steps[name] = StepLog.open(pipeline, run, checkpoint, last_step, progress)
-        if multiplexed:
-            root.write_config(dump_config(config))
-        if config.policy == "reference":
-            (log,) = logs.values()
-            for step in range(first_steps[log.config.pipeline_name], last_step):
-                try:
-                    metrics = log.local.rl_step(step)
-                except RewardError as error:  # the step changed nothing yet: its reward comes before its training
-                    raise RewardError(log.stop(step, error)) from error
-                log.record(step + 1, metrics)
-            run_figures = {}
-        else:
-            run_figures = train_on_ray(
-                config, logs, first_steps, last_step, after_start=after_start, after_part=after_part
-            )
+    pipelines = pipeline_configs(config)
+    check_installed(sorted({logger for pipeline in pipelines.values() for logger in pipeline.logger}))
+    out = Path(out)
+    paths = {name: out / name if multiplexed else out for name in pipelines}
+    resumes = {
+        name: None if resume is None else (Path(resume) / name if multiplexed else Path(resume)) for name in paths
+    }
+    for name, path in paths.items():
+        check_run_directory(path, resumes[name], overwrite)
+    root = RunDir(out)
+    console = any("console" in pipeline.logger for pipeline in pipelines.values())
+    logs = {}
+    try:
+        with RunProgress(console) as progress, Interrupt() as interrupt:
+            for name in pipelines:
+                progress.add(name, last_step)
+            first_steps = {}
+            for name, pipeline in pipelines.items():
+                run = RunDir(paths[name]) if multiplexed else root
+                logs[name], first_steps[name] = StepLog.open(
+                    pipeline, run, resumes[name], last_step, progress, list(callbacks)
+                )
+            if multiplexed:
+                root.write_config(dump_config(config))
+
+            def after_record() -> None:
+                """Stop here, saved, once Ctrl-C was pressed and every pipeline has recorded the same step."""
+                for log in logs.values():
+                    log.interrupted = interrupt.requested
+                if interrupt.requested and len({log.recorded for log in logs.values()}) == 1:
+                    raise RunInterrupted(_interrupted(logs, root, multiplexed))
+
+            if config.policy == "reference":
+                (log,) = logs.values()
+                for step in range(first_steps[log.config.pipeline_name], last_step):
+                    try:
+                        metrics = log.local.rl_step(step)
+                    except RewardError as error:  # the step changed nothing yet: its reward comes before training
+                        raise RewardError(log.stop(step, error)) from error
+                    log.record(step + 1, metrics)
+                    after_record()
+                run_figures = {}
+            else:
+                run_figures = train_on_ray(
+                    config,
+                    logs,
+                    first_steps,
+                    last_step,
+                    after_record=after_record,
+                    after_start=after_start,
+                    after_part=after_part,
+                )
+    except BaseException as error:
+        for log in logs.values():
+            log.close(failed=not isinstance(error, RunInterrupted))
+        raise
     if not multiplexed:
         return next(iter(logs.values())).finish(run_figures)
     stopped = run_figures.get("stopped", {})
@@ -270,12 +367,58 @@ def train(
     return summary
 
 
-def _progress() -> Progress:
-    return Progress(
-        TextColumn("[bold]{task.description} step {task.completed}/{task.total}"),
-        BarColumn(),
-        TextColumn("reward {task.fields[reward]:.3f}  eval {task.fields[eval]:.3f}  {task.fields[sps]:.1f} samples/s"),
-        TimeElapsedColumn(),
+def with_steps(config: TrainConfig, steps: int) -> TrainConfig:
+    """The config with train.steps = `steps` (every pipeline's too, when multiplexed): what the run records."""
+    tree = config.model_dump(mode="json")
+    tree["train"]["steps"] = steps
+    for pipeline in tree.get("pipelines", []):
+        pipeline["train"]["steps"] = steps
+    return parse_config(tree)
+
+
+class RunInterrupted(Exception):
+    """Ctrl-C stopped the run after a step that is saved; the message says how to resume."""
+
+
+class Interrupt:
+    """Ctrl-C (SIGINT) during a run: the first asks the run to stop after the step in flight, which it saves; a
+    second stops at once (KeyboardInterrupt), losing that step. Only the main thread can take signals: elsewhere
+    (a run started from a thread) Ctrl-C keeps its usual meaning."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self) -> "Interrupt":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print(
+            "Ctrl-C: stopping after the step in flight, which is saved (Ctrl-C again stops at once, unsaved)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _interrupted(logs: dict, root: RunDir, multiplexed: bool) -> str:
+    """Save every pipeline's last recorded step (unless it just was); say where, and how to go on."""
+    for log in logs.values():
+        if log.saved != log.recorded:
+            log.checkpoint(log.recorded, {"policy": log.config.policy, "version": log.recorded})
+    log = next(iter(logs.values()))
+    where = root.path if multiplexed else log.run.checkpoints / f"step_{log.recorded:06d}"
+    return (
+        f"interrupted: step {log.recorded} is saved in {where}; continue with "
+        f"`dovetail train {root.path / 'config.yaml'} --resume {root.path}`"
     )
 
 
@@ -284,30 +427,44 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
     every response to the end, scores, one train pass over the whole batch, one optimizer step."""
 
     pipeline, algo = config.task, config.algo
-    start = time.perf_counter()
+    timings: dict[str, float] = {}
+
+    def timed(phase: str, work):
+        start = time.perf_counter()
+        result = engines.run(work)
+        timings[f"{phase}_s"] = timings.get(f"{phase}_s", 0.0) + time.perf_counter() - start
+        return result
+
     ids = [SampleId(step, p, i) for p in range(algo.prompts_per_step) for i in range(algo.group_size)]
     prompts = encode_prompts(config, engines.tokenizer, task_prompts(config, step))
     weights = weights_of(engines.trainer)
-    started = engines.run(Prefill(pipeline, ids, [prompts[s.prompt] for s in ids], step, weights))
-    responses = engines.run(Decode(pipeline, [started], config.max_new_tokens, weights))
-    scores = engines.run(Score(pipeline, [responses], None))
-    ref = [engines.run(LMLogProbs(pipeline, ids, [responses], True))] if algo.beta > 0 else []
+    started = timed("prefill", Prefill(pipeline, ids, [prompts[s.prompt] for s in ids], step, weights))
+    responses = timed("decode", Decode(pipeline, [started], config.max_new_tokens, weights))
+    scores = timed("score", Score(pipeline, [responses], None))
+    ref = [timed("logprob", LMLogProbs(pipeline, ids, [responses], True))] if algo.beta > 0 else []
     engines.trainer.zero_grad(set_to_none=True)
-    trained = engines.run(LMTrain(pipeline, ids, False, [responses], [scores], ref_log_probs=ref))
+    trained = timed("train", LMTrain(pipeline, ids, False, [responses], [scores], ref_log_probs=ref))
+    start = time.perf_counter()
     for p in engines.trainer.parameters():
         if p.grad is not None:
             p.grad /= trained.normaliser
     grad_norm = commit(engines.trainer, engines.optimizer, config.train.max_grad_norm)
-    seconds = time.perf_counter() - start
-    return lm_step_metrics(config, [scores], [trained]) | {
-        "grad_norm": grad_norm,
-        "samples_per_s": len(ids) / seconds,
-        "step_s": seconds,
-    }
+    timings["commit_s"] = time.perf_counter() - start
+    seconds = sum(timings.values())
+    return (
+        lm_step_metrics(config, [scores], [trained])
+        | timings
+        | {
+            "grad_norm": grad_norm,
+            "samples_per_s": len(ids) / seconds,
+            "step_s": seconds,
+        }
+    )
 
 
-def lm_evaluate(engines, config: LMTrainConfig) -> dict[str, float]:
-    """Held-out success: one response per eval-split prompt, sampled as in training from the eval seed."""
+def lm_evaluate(engines, config: LMTrainConfig) -> tuple[dict[str, float], list[tuple[str, str]]]:
+    """Held-out success: one response per eval-split prompt, sampled as in training from the eval seed; and the
+    (prompt, completion) pairs."""
 
     the_task = task(config.task)
     prompts = the_task.prompts("eval", config.eval.seed, 0, config.eval.prompts)
@@ -318,6 +475,7 @@ def lm_evaluate(engines, config: LMTrainConfig) -> dict[str, float]:
     requests = [Request((0, i, 0), ids) for i, ids in enumerate(encoded)]
     completions = [engines.tokenizer.decode(r.tokens) for r in engine.generate(requests)]
     scores = score_text(completions, prompts, config.rewards, config.reward_timeout_s)
-    return {"total": success_rate(config, completions, prompts)} | {
-        f"reward/{name}": float(values.mean()) for name, values in scores.items()
-    }
+    success = {"total": success_rate(config, completions, prompts)}
+    return success | {f"reward/{name}": float(values.mean()) for name, values in scores.items()}, list(
+        zip(prompts, completions)
+    )

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from dovetail.cli import app
 from dovetail.config.train import load_config
 from dovetail.rewards import RewardError
-from dovetail.run_dir import BrokenCheckpoint, RunDir, load_checkpoint, seal
+from dovetail.run_dir import BrokenCheckpoint, RunDir, RunDirInUse, load_checkpoint, seal
 from dovetail.train import train
 
 FLOW = [
@@ -244,7 +244,11 @@ def test_resume_after_a_crash_keeps_each_step_once_and_the_run_base(crash, prist
 
 
 def test_a_fresh_run_in_an_old_run_directory_keeps_the_old_run_whole(pristine, run, capsys):
-    train(load_config(None, FLOW), run, steps=1)
+    before = snapshot(run)
+    with pytest.raises(RunDirInUse, match=f"--out {run} holds another run's checkpoints .*pass --overwrite"):
+        train(load_config(None, FLOW), run, steps=1)
+    assert snapshot(run) == before
+    train(load_config(None, FLOW), run, steps=1, overwrite=True)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001"]
     assert metric_steps(run) == [1]
     (aside,) = (run / "superseded").iterdir()

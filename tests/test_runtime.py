@@ -154,7 +154,7 @@ def test_run_directory_has_trace_gantt_and_runtime_metrics():
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3]
     for m in lines:
-        assert 0 < m["efficiency"] <= 1 and len(m["bubble_ratio_per_device"]) == 2
+        assert 0 < m["occupancy"] <= 1 and len(m["occupancy_per_device"]) == 2
         assert m["staleness"] == 0 and m["publish_bytes"] > 6e6 and m["samples_per_s"] > 0
     summary = json.loads((out / "summary.json").read_text())
     assert 0 < summary["efficiency"] <= 1 and summary["restarts"] == 0

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from dovetail.config.train import load_config
-from dovetail.train import train
+from dovetail.train import train, with_steps
 
 FAST = ["algo.prompts_per_step=6", "algo.group_size=6", "sampling.num_steps=8", "eval.per_digit=6"]
 
@@ -41,7 +41,8 @@ def test_run_directory_holds_what_the_user_needs(tmp_path):
         assert key in lines[0]
     assert lines[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # one update per rollout: on-policy
     assert "eval_reward" in lines[1] and "eval_reward" in lines[2] and "eval_reward" not in lines[0]
-    assert load_config(tmp_path / "config.yaml") == config
+    recorded = load_config(tmp_path / "config.yaml")  # the config as run: --steps 3 is train.steps 3
+    assert recorded.train.steps == 3 and recorded == with_steps(config, 3)
     for name in ("eval_base.png", "eval_latest.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     for step in (2, 3):

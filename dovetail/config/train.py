@@ -199,6 +199,9 @@ class RuntimeSection(Section):
     )
 
 
+TRACKERS = ("console", "tensorboard", "wandb", "mlflow")
+"""Experiment trackers a run can report to: the progress display, and three tracking services' local stores."""
+
 MULTIPLEXING_POLICIES = ("jigsaw", "jigsaw-greedy")
 """Policies that fit several pipelines' sub-stages together on one pool; either runs a pipeline alone too."""
 
@@ -223,6 +226,11 @@ class RunSection(Section):
     train: TrainSection = TrainSection()
     checkpoint: CheckpointSection = CheckpointSection()
     cluster: ClusterSection = ClusterSection()
+    logger: list[Literal[TRACKERS]] = Field(
+        default_factory=lambda: ["console"],
+        max_length=len(TRACKERS),
+        description="where each step's metrics and every evaluation go besides metrics.jsonl (dovetail.trackers)",
+    )
 
 
 class FlowTrainConfig(RunSection):

@@ -8,6 +8,7 @@ from dataclasses import asdict
 
 import numpy as np
 import ray
+from ray.exceptions import RayError
 
 from dovetail.cost.calibration import DEFAULT
 from dovetail.exec.launch import make_executor, prepare_run, start_ray, start_workers
@@ -18,8 +19,9 @@ from dovetail.graph.node import Kind
 from dovetail.rewards import RewardError
 
 
-def window_busy(executor: RayExecutor, start: float, end: float) -> list[float]:
-    """Busy share of each device between two commits, from the trace."""
+def window_occupancy(executor: RayExecutor, start: float, end: float) -> list[float]:
+    """Each device's occupancy between two commits, from the trace: the time-weighted share of it that running
+    nodes reserved (a node holding half a device for the whole window: 0.5)."""
     busy = [0.0] * executor.setup.devices
     for span in executor.state.trace.spans:
         overlap = min(span.end, end) - max(span.start, start)
@@ -41,14 +43,23 @@ class StepMetrics:
         graph, now, run = executor.graph, executor.state.now, executor.pipelines[self.pipeline]
         scores = ray.get(executor.outputs_of([n.id for n in graph.of(self.pipeline, graph_step, Kind.SCORE)]))
         trained = ray.get(executor.outputs_of([n.id for n in graph.of(self.pipeline, graph_step, Kind.TRAIN)]))
+        commits = executor.outputs_of([n.id for n in graph.of(self.pipeline, graph_step, Kind.COMMIT)])
         window = now - self.last_commit_time
-        busy = window_busy(executor, self.last_commit_time, now)
+        occupancy = window_occupancy(executor, self.last_commit_time, now)
         tag = self.policy.tag_decisions
-        metrics = run.adapter.step_metrics(scores, trained, executor, graph_step) | {
+        metrics = run.adapter.step_metrics(scores, trained, executor, graph_step)
+        metrics |= {  # every reward, as the reference path logs them
+            f"reward/{name}": float(np.concatenate([s.scores[name] for s in scores]).mean())
+            for name in scores[0].scores
+        }
+        if run.config.kind == "flow":
+            metrics["timesteps"] = sorted({unit for t in trained for unit in t.units})
+        metrics |= phase_seconds(executor, self.pipeline, graph_step) | {
+            "grad_norm": grad_norm_of(commits),
             "samples_per_s": sum(len(s.samples) for s in scores) / window,
             "step_s": window,
-            "efficiency": float(np.mean(busy)),
-            "bubble_ratio_per_device": [round(1 - b, 4) for b in busy],
+            "occupancy": float(np.mean(occupancy)),
+            "occupancy_per_device": [round(o, 4) for o in occupancy],
             "staleness": graph_step - executor.state.started[(self.pipeline, graph_step)],
             "publish_bytes": run.publish_bytes,
             "publish_s": run.publish_seconds[-1] if run.publish_seconds else 0.0,
@@ -58,20 +69,58 @@ class StepMetrics:
         return metrics
 
 
+def grad_norm_of(commit_refs: list) -> float:
+    """The pre-clip gradient norm of a step's commit: every trainer replica returns the same one, and a replica that
+    died after committing holds an error instead (NaN if none answers)."""
+    for ref in commit_refs:
+        try:
+            return float(ray.get(ref))
+        except RayError:
+            continue
+    return float("nan")
+
+
+def phase_seconds(executor: RayExecutor, pipeline: str, graph_step: int) -> dict[str, float]:
+    """`{kind}_s`: the seconds devices spent on the step's nodes of each kind, summed over devices (the reference
+    path's phase timings are the same on its one device)."""
+    seconds: dict[str, float] = {}
+    for span in executor.state.trace.spans:
+        if span.pipeline == pipeline and span.step == graph_step:
+            seconds[f"{span.kind}_s"] = seconds.get(f"{span.kind}_s", 0.0) + span.end - span.start
+    return dict(sorted(seconds.items()))
+
+
 def train_on_ray(
-    config, logs: dict, first_steps: dict[str, int], last_step: int, *, after_start=None, after_part=None
+    config,
+    logs: dict,
+    first_steps: dict[str, int],
+    last_step: int,
+    *,
+    after_record=None,
+    after_start=None,
+    after_part=None,
 ) -> dict:
     """Train every pipeline of the run from its first step up to `last_step` under config.policy; `logs` are the
-    pipelines' `StepLog`s (metrics, eval, checkpoints). Returns run-level figures for the summary. Fault-injection
+    pipelines' `StepLog`s (metrics, eval, checkpoints, progress). Returns run-level figures for the summary.
+    `after_record()` runs after each step is recorded (an exception it raises ends the run there). Fault-injection
     hooks: `after_start(started)` once the workers are configured, before the start-up profile; `after_part`."""
+
+    def phase(what: str) -> None:
+        for name, log in logs.items():
+            log.progress.phase(name, what)
+
+    phase("starting Ray")
     start_ray(config)
+    phase(f"starting {config.cluster.devices} device workers")
     started = start_workers(config, {name: trainer_state_of(log.model, log.optimizer) for name, log in logs.items()})
     if after_start is not None:
         after_start(started)
     steps = {last_step - first for first in first_steps.values()}
     if len(steps) != 1:
         raise ValueError(f"every pipeline of a run resumes from the same step; got {first_steps}")
+    phase("profiling the devices and planning the step")
     costs, prepared = prepare_run(config, steps.pop(), started)
+    phase("first step")
     step_metrics = {name: StepMetrics(prepared.policy, name) for name in logs}
 
     def on_commit(pipeline: str, rl_step: int, executor: RayExecutor) -> None:
@@ -80,6 +129,8 @@ def train_on_ray(
         if log.needs_weights(done):
             load_trainer_state(log.model, log.optimizer, executor.committed_state(pipeline))
         log.record(done, metrics, {"policy": config.policy, "version": done})
+        if after_record is not None:
+            after_record()
 
     executor = make_executor(config, prepared, started, first_steps, on_commit=on_commit, after_part=after_part)
     trace = executor.run(prepared.policy)
@@ -148,7 +199,6 @@ def write_run_outputs(logs: dict, config, prepared, executor: RayExecutor, trace
     return {
         "efficiency": metrics.efficiency,
         "bubble_ratio": metrics.bubble_ratio,
-        "run_samples_per_s": metrics.samples_per_s,
         "step_time_s": metrics.step_time_s,
         "max_staleness": metrics.max_staleness,
         "restarts": sum(len(run.ledger.restarts) for run in executor.pipelines.values()),
