@@ -4,10 +4,12 @@ Bad input (a config, a scenario, a flag) is one line on stderr naming the file, 
 code 2, and nothing written."""
 
 import json
+import sys
 from pathlib import Path
 from typing import NoReturn
 
 import typer
+from typer.exceptions import TyperException
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 
@@ -287,5 +289,20 @@ def plan(
         _refuse(str(error))
 
 
+def main() -> None:
+    """The console script: the app, with a command-line usage error (an unknown option or command, a missing or
+    malformed value) as one line naming it and exit code 2, instead of a usage block."""
+    try:
+        code = app(sys.argv[1:] or ["--help"], standalone_mode=False)
+    except TyperException as error:  # typer's own click raises these for what it cannot parse
+        context = getattr(error, "ctx", None)
+        command = context.command_path if context is not None else "dovetail"
+        typer.echo(f"{command}: {error.format_message()} (see {command} --help)", err=True)
+        code = 2
+    except typer.Abort:
+        code = 130
+    raise SystemExit(code if isinstance(code, int) else 0)
+
+
 if __name__ == "__main__":
-    app()
+    main()

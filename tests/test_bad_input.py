@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from dovetail.cli import app
+from dovetail.cli import app, main
 from dovetail.config.train import (
     ConfigError,
     FlowTrainConfig,
@@ -147,6 +147,31 @@ def test_the_dry_run_still_plans_for_devices_this_machine_lacks(tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert "policy digen on 8x H100" in result.stdout and not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["train", "--bogus"], ["dovetail train", "--bogus"]),
+        (["train", "--steps", "abc"], ["dovetail train", "--steps"]),
+        (["simulate", "--steps"], ["--steps", "requires an argument"]),
+        (["frobnicate"], ["frobnicate"]),
+    ],
+)
+def test_a_command_line_usage_error_is_one_line_naming_it(monkeypatch, capsys, argv, names):
+    monkeypatch.setattr(sys, "argv", ["dovetail", *argv])
+    with pytest.raises(SystemExit) as exit:
+        main()
+    out, err = capsys.readouterr()
+    assert exit.value.code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and all(name in err for name in names), err
+
+
+def test_no_arguments_print_the_help(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["dovetail"])
+    with pytest.raises(SystemExit) as exit:
+        main()
+    assert exit.value.code == 0 and "Commands" in capsys.readouterr().out
 
 
 def test_yaml_reads_exponent_floats_as_numbers():
