@@ -1,0 +1,187 @@
+"""The planner's figures in BENCHMARKS.md (issue 10): published runs against the simulator, per-GPU throughput
+scaling curves beside published points, and the DigenRL / JigsawRL tables with one ablation per mechanism.
+
+    python benchmarks/planner_figures.py [calibration] [scaling] [digen] [jigsaw]
+
+Every figure is the simulator's (`dovetail.scenario.simulate`, noise 0) on the shipped scenarios; nothing runs on a
+device. Sections print Markdown tables."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import replace
+
+from dovetail.cost.calibration import DEFAULT
+from dovetail.cost.model import CostModel
+from dovetail.exec.metrics import summarize
+from dovetail.exec.sim import SimExecutor
+from dovetail.graph.node import Kind
+from dovetail.scenario import Scenario, list_scenarios, load_scenario, parse_scenario, prepare, simulate
+
+
+def ablated(scenario: Scenario, policy: str, change: dict, cost: CostModel | None = None, options=None):
+    """The policy's searched shapes with `change` applied to every pipeline's (one mechanism taken away), simulated."""
+    searched = prepare(scenario, policy, cost=cost, options=options).setup.shapes
+    shapes = {name: replace(shape, **change) for name, shape in searched.items()}
+    prepared = prepare(scenario, policy, shapes=shapes, cost=cost, options=options)
+    return SimExecutor(prepared.graph, prepared.setup, slowdown=prepared.setup.slowdown).run(prepared.policy)
+
+
+def steady_step_s(scenario: Scenario, policy: str) -> float:
+    """Commit to commit of the second step: one whole step with its switches and weight sync."""
+    _, trace = simulate(scenario, policy, steps=2)
+    first, second = sorted(record.end for record in trace.steps)
+    return second - first
+
+
+def calibration() -> None:
+    print("| scenario | role | devices | published step | simulated step | error | source |")
+    print("|---|---|---|---|---|---|---|")
+    for name in list_scenarios():
+        scenario = load_scenario(name)
+        published = scenario.published
+        if published is None:
+            continue
+        simulated = steady_step_s(scenario, scenario.schedule.policies[0])
+        role = "held out" if published.held_out else "fitted"
+        print(
+            f"| {name} | {role} | {scenario.cluster.devices}x {scenario.cluster.device} | {published.step_time_s:g} s "
+            f"| {simulated:.1f} s | {simulated / published.step_time_s - 1:+.1%} | {published.source} |"
+        )
+
+
+def resized(name: str, devices: int, device: str | None = None) -> Scenario:
+    data = load_scenario(name).model_dump(mode="python", exclude_none=True)
+    data["cluster"] = {"device": device or data["cluster"]["device"], "devices": devices}
+    data.pop("published", None)
+    return parse_scenario(data, f"{name}@{devices}")
+
+
+def scaling() -> None:
+    """Per-GPU throughput of one diffusion job (veRL-Omni's Qwen-Image FlowGRPO recipe, colocated, on H100) and one
+    LLM job (NeMo RL's Llama-3.1-8B GRPO, verl-sync, on H100) from 1 to 128 GPUs; the batch stays the recipe's."""
+    print("| GPUs | Qwen-Image FlowGRPO: images/GPU/s | step s | Llama-3.1-8B GRPO: tokens/GPU/s | step s |")
+    print("|---|---|---|---|---|")
+    for devices in (1, 2, 4, 8, 16, 32, 64, 128):
+        row = [str(devices)]
+        for name, policy, per_sample in (
+            ("calib-qwenimage-64xh100", "colocated", None),
+            ("calib-nemorl-llama8b-16xh100", "verl-sync", "tokens"),
+        ):
+            try:
+                prepared, trace = simulate(resized(name, devices, "H100"), policy, steps=2)
+            except ValueError as error:
+                row += [f"does not run ({str(error).split(';')[0][:60]})", ""]
+                continue
+            first, second = sorted(record.end for record in trace.steps)
+            step = second - first
+            record = sorted(trace.steps, key=lambda r: r.end)[1]
+            if per_sample == "tokens":  # NeMo RL's tokens/s/GPU counts every prompt and response token trained
+                spec = prepared.graph.of(record.pipeline, record.step, Kind.DECODE)
+                tokens = sum(n.tokens for n in spec) + record.samples * load_scenario(name).pipelines[0].prompt_length
+                row += [f"{tokens / step / devices:.0f}", f"{step:.1f}"]
+            else:
+                row += [f"{record.samples / step / devices:.3f}", f"{step:.1f}"]
+        print("| " + " | ".join(row) + " |")
+
+
+DIGEN = ("digen-flux-16", "digen-wan-16", "digen-hunyuan-32", "digen-qwenimage-32")
+
+
+def digen(cross_node_efficiency: float | None = None) -> None:
+    """Each policy, then the digen search's own shape with one mechanism taken away: TAG (no lending of idle trainer
+    devices), TSP (one train node per timestep), GAP (staged: the trainer takes the whole mini-batch once it is
+    generated), and TCSS (digen+tcss against digen). `cross_node_efficiency` replaces the calibrated share of the NIC
+    that collectives spanning nodes reach (the sensitivity of these tables to the one factor fitted on 64 GPUs)."""
+    cost = None
+    if cross_node_efficiency is not None:
+        cost_of = {name: load_scenario(name).cluster.device for name in DIGEN}
+        calibration = replace(DEFAULT, network_collective_efficiency=cross_node_efficiency)
+    print(
+        "| scenario | colocated | disaggregated | digen | digen+tcss | digen, no TAG | digen, no TSP | digen, no GAP |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name in DIGEN:
+        scenario = load_scenario(name)
+        if cross_node_efficiency is not None:
+            cost = CostModel(cost_of[name], calibration)
+        rate = {}
+        for label, policy, options, overrides in (
+            ("colocated", "colocated", None, {}),
+            ("disaggregated", "disaggregated", None, {}),
+            ("digen", "digen", None, {}),
+            ("digen+tcss", "digen+tcss", None, {}),
+            ("no TAG", "digen", {"tag": False}, {}),
+            ("no TSP", "digen", None, {"tsp_chunk": 1}),
+            ("no GAP", "digen", None, {"staged": True}),
+        ):
+            try:
+                trace = (
+                    ablated(scenario, policy, overrides, cost, options)
+                    if overrides
+                    else simulate(scenario, policy, options=options, cost=cost)[1]
+                )
+                rate[label] = summarize(trace).samples_per_s
+            except ValueError as error:
+                rate[label] = str(error).split(";")[0][:50]
+        base = rate["colocated"]
+        cells = [
+            f"{value:.3f} ({value / base:.2f}x)" if isinstance(value, float) else f"n/a: {value}"
+            for value in rate.values()
+        ]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+JIGSAW = ("jigsaw-qwen3-4b-8xh100", "jigsaw-mixed-0.6b-8b", "jigsaw-64xa100")
+
+
+def jigsaw() -> None:
+    """Each LLM policy, then jigsaw's searched shapes with one mechanism taken away: migration of the long tail,
+    streamed micro-batches; jigsaw-greedy is the ablation of the search and the look-ahead. Sharing devices between
+    pipelines cannot be taken away alone (jigsaw places shareable nodes only); verl-sync is jigsaw's pool without
+    it."""
+    print(
+        "| scenario | verl-sync | streamrl | areal | jigsaw-greedy | jigsaw | jigsaw, no migration "
+        "| jigsaw, no streaming |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name in JIGSAW:
+        scenario = load_scenario(name)
+        rate = {}
+        for label, policy, overrides in (
+            ("verl-sync", "verl-sync", {}),
+            ("streamrl", "streamrl", {}),
+            ("areal", "areal", {}),
+            ("jigsaw-greedy", "jigsaw-greedy", {}),
+            ("jigsaw", "jigsaw", {}),
+            ("no migration", "jigsaw", {"migrate_at": None}),
+            ("no streaming", "jigsaw", {"stream": False}),
+        ):
+            try:
+                trace = ablated(scenario, policy, overrides) if overrides else simulate(scenario, policy)[1]
+                rate[label] = summarize(trace).samples_per_s
+            except (ValueError, RuntimeError) as error:
+                rate[label] = str(error).split(";")[0][:50]
+        base = rate["verl-sync"]
+        cells = [
+            f"{value:.2f} ({value / base:.2f}x)" if isinstance(value, float) else f"n/a: {value}"
+            for value in rate.values()
+        ]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+SECTIONS = {
+    "calibration": calibration,
+    "scaling": scaling,
+    "digen": digen,
+    "digen-nccl": lambda: digen(cross_node_efficiency=DEFAULT.collective_bandwidth_efficiency),
+    "jigsaw": jigsaw,
+}
+
+if __name__ == "__main__":
+    for section in sys.argv[1:] or list(SECTIONS):
+        start = time.perf_counter()
+        print(f"\n## {section}\n")
+        SECTIONS[section]()
+        print(f"\n({section}: {time.perf_counter() - start:.1f} s)")
