@@ -7,11 +7,13 @@ import torch
 
 from dovetail.algo import group_advantages, select_train_timesteps
 from dovetail.config.train import FlowTrainConfig
+from dovetail.exec.pipeline import trainable_parameters
 from dovetail.models.flow_rl import SDESettings, accumulate_policy_gradient
 from dovetail.models.pretrain import latents_to_images
 from dovetail.models.sampling import keyed_normal, sample_key, sample_ode
 from dovetail.models.t2i import flow_sigmas
 from dovetail.rewards import score
+from dovetail.prompts import eval_prompts
 
 
 def sde_settings(config: FlowTrainConfig, device: torch.device | str = "cpu") -> SDESettings:
@@ -30,19 +32,23 @@ def step_timesteps(config: FlowTrainConfig, step: int) -> list[int]:
     )
 
 
-def evaluate(model, config: FlowTrainConfig) -> tuple[dict[str, float], np.ndarray, list[str]]:
-    """ODE samples on fixed held-out seeds, the same at every evaluation."""
-    prompts = [f"digit {d}" for d in range(10) for _ in range(config.eval.per_digit)]
+def evaluate(
+    model, config: FlowTrainConfig, decode=latents_to_images
+) -> tuple[dict[str, float], np.ndarray, list[str]]:
+    """ODE samples of the eval prompts on fixed held-out seeds, the same at every evaluation; `decode` turns latents
+    into the images the rewards score."""
+    prompts = eval_prompts(config)
     noise = keyed_normal([sample_key(config.eval.seed, i) for i in range(len(prompts))], model.latent_shape).to(
         model.device
     )
-    images = latents_to_images(sample_ode(model, prompts, sde_settings(config, model.device).sigmas, noise))
+    images = decode(sample_ode(model, prompts, sde_settings(config, model.device).sigmas, noise))
     scores = score(images, prompts, config.reward, config.reward_timeout_s)
     return {name: float(values.mean()) for name, values in scores.items()}, images, prompts
 
 
 def make_optimizer(model, config: FlowTrainConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=config.train.lr, weight_decay=config.train.weight_decay)
+    """AdamW over the parameters that train (a LoRA run's adapter alone)."""
+    return torch.optim.AdamW(trainable_parameters(model), lr=config.train.lr, weight_decay=config.train.weight_decay)
 
 
 def advantages_of(config: FlowTrainConfig, rewards: np.ndarray, prompts: list[int]) -> torch.Tensor:

@@ -152,22 +152,24 @@ class RunDir:
 
     def save_eval_grid(self, images: np.ndarray, prompts: list[str], name: str) -> None:
         """One column per prompt, its samples down the column: tiled into one image and drawn once, because the
-        driver pauses training while it draws (80 subplots took 1.6 s, this takes a tenth of that)."""
+        driver pauses training while it draws (80 subplots took 1.6 s, this takes a tenth of that). Images are
+        (B, H, W) grey, drawn dark on white, or (B, H, W, 3) RGB, drawn as they are."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
         columns = sorted(set(prompts))
-        size, pad = images.shape[-1], 1
+        rgb = images.ndim == 4
+        size, pad = images.shape[1], 1
         rows = max(prompts.count(p) for p in columns)
-        grid = np.ones((rows * (size + pad) + pad, len(columns) * (size + pad) + pad))
+        grid = np.ones((rows * (size + pad) + pad, len(columns) * (size + pad) + pad, *images.shape[3:]))
         filled = dict.fromkeys(columns, 0)
         for image, prompt in zip(images, prompts):
             row, column = filled[prompt], columns.index(prompt)
             filled[prompt] += 1
             top, left = pad + row * (size + pad), pad + column * (size + pad)
-            grid[top : top + size, left : left + size] = 1 - image
+            grid[top : top + size, left : left + size] = image if rgb else 1 - image
         fig, ax = plt.subplots(figsize=(len(columns) * 0.8, rows * 0.8 + 0.4))
         ax.imshow(grid, cmap="gray", vmin=0, vmax=1, interpolation="nearest")
         ax.set_xticks([pad + c * (size + pad) + size / 2 - 0.5 for c in range(len(columns))], columns, fontsize=7)

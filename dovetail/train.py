@@ -27,11 +27,12 @@ from dovetail.exec.lm import LMEngines, encode_prompts, lm_step_metrics, samplin
 from dovetail.exec.messages import Decode, LMLogProbs, LMTrain, Prefill, Score
 from dovetail.exec.pipeline import weights_of
 from dovetail.graph.node import SampleId
+from dovetail.models.diffusers_flow import checkpoint_io, load_decoder, load_flow_model
 from dovetail.models.engine import Request, TorchEngine
 from dovetail.models.flow_rl import commit, generate, group_sample_ids, step_prompts
 from dovetail.models.lm import load_lm, save_lm
 from dovetail.models.pretrain import latents_to_images
-from dovetail.models.t2i import load_model
+from dovetail.prompts import train_prompts
 from dovetail.recipe import advantages_of, evaluate, make_optimizer, policy_gradient, sde_settings, step_timesteps
 from dovetail.rewards import RewardError, score
 from dovetail.rewards.text import score_text
@@ -40,14 +41,17 @@ from dovetail.tasks import task
 from dovetail.trackers import Evaluation, RunProgress, Tracker, check_installed, open_trackers, scalars
 
 
-def rl_step(model, optimizer, config: FlowTrainConfig, step: int, reference_model=None) -> dict:
-    """One on-policy step of the reference path; returns its metrics."""
+def rl_step(
+    model, optimizer, config: FlowTrainConfig, step: int, reference_model=None, decode=latents_to_images
+) -> dict:
+    """One on-policy step of the reference path; returns its metrics. `decode` turns latents into the images the
+    rewards score."""
     sde = sde_settings(config)
     algo = config.algo
     timings = {}
 
     start = time.perf_counter()
-    prompts = step_prompts(config.seed, step, algo.prompts_per_step)
+    prompts = step_prompts(config.seed, step, algo.prompts_per_step, train_prompts(config))
     ids = group_sample_ids(step, list(range(algo.prompts_per_step)), algo.group_size)
     sample_prompts = [prompts[s.prompt] for s in ids]
     trajectories = generate(
@@ -56,7 +60,7 @@ def rl_step(model, optimizer, config: FlowTrainConfig, step: int, reference_mode
     timings["generate_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    rewards = score(latents_to_images(trajectories.images), sample_prompts, config.reward, config.reward_timeout_s)
+    rewards = score(decode(trajectories.images), sample_prompts, config.reward, config.reward_timeout_s)
     advantages = advantages_of(config, rewards["total"], [s.prompt for s in ids])
     timings["score_s"] = time.perf_counter() - start
 
@@ -231,28 +235,28 @@ class StepLog:
 class FlowLocal:
     """A flow run's model in this process: the reference loop trains it; evaluations and checkpoints read it."""
 
-    save_weights = load_weights = None  # the run directory's default: the flow model's own format
-
     def __init__(self, config: FlowTrainConfig) -> None:
         self.config = config
-        self.model = load_model(config.model.checkpoint)
+        self.model = load_flow_model(config)
+        self.decode = load_decoder(config)
         self.optimizer = make_optimizer(self.model, config)
         self._reference_model = None
 
     def evaluate(self, run: RunDir, grid: str, step: int) -> Evaluation:
         """ODE samples on the held-out seeds, drawn as one grid image."""
-        scores, images, prompts = evaluate(self.model, self.config)
+        scores, images, prompts = evaluate(self.model, self.config, self.decode)
         run.save_eval_grid(images, prompts, grid)
         return Evaluation(step, scores, image=run.path / grid)
 
     def rl_step(self, step: int) -> dict:
         if self.config.algo.beta > 0 and self._reference_model is None:
-            self._reference_model = load_model(self.config.model.checkpoint).requires_grad_(False)
-        return rl_step(self.model, self.optimizer, self.config, step, self._reference_model)
+            self._reference_model = load_flow_model(self.config).requires_grad_(False)
+        return rl_step(self.model, self.optimizer, self.config, step, self._reference_model, self.decode)
 
 
 class LMLocal:
     """A language-model run's engines in this process (trainer, rollout engine, rewards)."""
+        self.save_weights, self.load_weights = checkpoint_io(config, self.model)
 
     def __init__(self, config: LMTrainConfig) -> None:
         self.config = config

@@ -10,6 +10,7 @@ simulation) sane, each bound's reason in its description. Types are strict: `tru
 the number 8 (an int is a float). Every way a config can be wrong is a ConfigError: one line per problem, naming the
 file or the field and what it allows."""
 
+import json
 import math
 import os
 import re
@@ -69,10 +70,102 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-class ModelSection(Section):
-    checkpoint: Path = Field(
-        DEFAULT_CHECKPOINT, strict=False, description="directory holding model.safetensors + config.json"
+DIFFUSERS_TRANSFORMERS = ("SD3Transformer2DModel",)
+"""Flow transformers `model.path` loads (dovetail.models.diffusers_flow)."""
+
+
+class LoraSection(Section):
+    """A peft LoRA adapter on the transformer: only the adapter trains, is published and checkpointed."""
+
+    rank: int = Field(8, ge=1, le=1024, description="r: the adapter's rank")
+    alpha: float | None = Field(None, gt=0, le=10_000, description="lora_alpha (scale alpha / rank); None: rank")
+    target_modules: list[Annotated[str, StringConstraints(min_length=1, max_length=200)]] = Field(
+        default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"],
+        min_length=1,
+        max_length=64,
+        description="names (suffixes) of the transformer's linear layers that get an adapter",
     )
+
+
+class ModelSection(Section):
+    checkpoint: Path | None = Field(
+        None,
+        strict=False,
+        description="the built-in model's directory (model.safetensors + config.json); None: the shipped digits model",
+    )
+    path: Path | None = Field(
+        None,
+        strict=False,
+        description="a diffusers directory (save_pretrained layout): a pipeline, or transformer/ with "
+        "prompt_embeds.safetensors",
+    )
+    lora: LoraSection | None = Field(None, description="train a LoRA adapter of model.path's transformer")
+    max_sequence_length: int = Field(
+        256, ge=1, le=4096, description="T5 tokens of an SD3 pipeline's prompt encoding (its encode_prompt's)"
+    )
+
+    @field_validator("checkpoint")
+    @classmethod
+    def _not_diffusers(cls, checkpoint: Path | None) -> Path | None:
+        if checkpoint is not None and (
+            (checkpoint / "model_index.json").is_file() or (checkpoint / "transformer" / "config.json").is_file()
+        ):
+            raise ValueError(f"{checkpoint} is a diffusers directory: give it as model.path")
+        if checkpoint is not None and "_class_name" in _json_or_empty(checkpoint / "config.json"):
+            raise ValueError(
+                f"{checkpoint} is a diffusers model directory: give the directory that holds it as transformer/ "
+                "as model.path"
+            )
+        return checkpoint
+
+    @field_validator("path")
+    @classmethod
+    def _diffusers_layout(cls, path: Path | None) -> Path | None:
+        problem = None if path is None else diffusers_layout_problem(path)
+        if problem:
+            raise ValueError(problem)
+        return path
+
+    @model_validator(mode="after")
+    def _one_model(self) -> "ModelSection":
+        if self.path is not None and self.checkpoint is not None:
+            raise ValueError("model: give model.path (a diffusers directory) or model.checkpoint, not both")
+        if self.lora is not None and self.path is None:
+            raise ValueError("model.lora: LoRA trains a diffusers model; give its directory as model.path")
+        if self.path is None:
+            self.checkpoint = DEFAULT_CHECKPOINT
+        return self
+
+
+def _json_or_empty(path: Path) -> dict:
+    try:
+        loaded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def diffusers_layout_problem(path: Path) -> str | None:
+    """What a `model.path` directory lacks, in one line naming it; None when the model can load from it."""
+    if not path.is_dir():
+        return f"{path} is not a directory; give a diffusers pipeline directory (save_pretrained layout)"
+    transformer = _json_or_empty(path / "transformer" / "config.json")
+    if not transformer:
+        return f"{path} has no transformer/config.json: not a diffusers pipeline directory (save_pretrained layout)"
+    if transformer.get("_class_name") not in DIFFUSERS_TRANSFORMERS:
+        return (
+            f"{path / 'transformer'} holds a {transformer.get('_class_name')!r}; model.path loads "
+            f"{', '.join(DIFFUSERS_TRANSFORMERS)}"
+        )
+    index = _json_or_empty(path / "model_index.json")
+    if not index and not (path / "prompt_embeds.safetensors").is_file():
+        return f"{path} has neither model_index.json with text encoders nor prompt_embeds.safetensors"
+    for name, entry in index.items():
+        if isinstance(entry, list) and entry[:1] != [None] and not (path / name).is_dir():
+            return f"{path / 'model_index.json'} lists {name}, and {path} has no {name}/"
+    if not (path / "vae").is_dir() and transformer.get("in_channels") not in (1, 3):
+        return f"{path} has no vae/ to decode the transformer's {transformer.get('in_channels')}-channel latents"
+    return None
 
 
 class SamplingSection(Section):
@@ -121,7 +214,11 @@ class FlowTrainSection(TrainSection):
 class EvalSection(Section):
     every: int = Field(25, ge=1, le=MAX_STEPS, description="evaluate every N steps (and at the start and end)")
     per_digit: int = Field(
-        8, ge=1, le=1000, description="held-out ODE samples per digit (at most 1000: every eval generates them all)"
+        8,
+        ge=1,
+        le=1000,
+        description="held-out ODE samples per eval prompt: each digit's, or each of prompts.eval_prompts (at most "
+        "1000: every eval generates them all)",
     )
     seed: Seed = 10_000
 
@@ -217,6 +314,35 @@ class RunSection(Section):
     )
     priority: float = Field(1.0, gt=0, le=1000, description="weight of this pipeline's step latency when multiplexed")
     reward_timeout_s: float = Field(
+class PromptsSection(Section):
+    """The run's prompts from a file or dataset (dovetail.prompts): one per line (.txt), a field of JSON lines
+    (.jsonl), of a JSON list (.json), or of a table `datasets` reads (.parquet, .csv); split into train and eval by a
+    hash of each prompt's text (eval_fraction), or the eval prompts from a file of their own (eval_path)."""
+
+    path: Path = Field(strict=False, description="the prompts file")
+    field: str = Field("prompt", min_length=1, max_length=200, description="the prompt's field in a record")
+    eval_fraction: float | None = Field(
+        None, gt=0, lt=1, description="share of the prompts held out for evaluation; None: 0.1 (without eval_path)"
+    )
+    eval_path: Path | None = Field(None, strict=False, description="eval prompts' file; then every prompt trains")
+    eval_prompts: int = Field(16, ge=1, le=1000, description="held-out prompts each evaluation samples")
+
+    @field_validator("path", "eval_path")
+    @classmethod
+    def _a_file(cls, path: Path | None) -> Path | None:
+        if path is not None and not path.is_file():
+            raise ValueError(f"no prompts file {path}")
+        return path
+
+    @model_validator(mode="after")
+    def _one_eval_split(self) -> "PromptsSection":
+        if self.eval_path is not None and self.eval_fraction is not None:
+            raise ValueError("prompts: give prompts.eval_fraction or prompts.eval_path, not both")
+        if self.eval_path is None and self.eval_fraction is None:
+            self.eval_fraction = 0.1
+        return self
+
+
         REWARD_TIMEOUT_S,
         gt=0,
         le=86_400,
@@ -333,6 +459,7 @@ class FlowTrainConfig(RunSection):
             "width": 8,
             "reward": "rule",
             # train.chunk_size (sample, timestep) pairs share one forward/backward
+    prompts: PromptsSection | None = Field(None, description="prompts from a file or dataset; None: 'digit N'")
             "micro_batch": max(1, self.train.chunk_size // trained),
             "priority": self.priority,
         }

@@ -38,15 +38,16 @@ from dovetail.exec.pipeline import (
     Part,
     PipelineAdapter,
     PipelineEngines,
+    load_weights,
     synchronize,
-    tensors_of,
     weights_of,
 )
 from dovetail.graph.node import Kind, Node, Role, SampleId
 from dovetail.models import sampling
+from dovetail.models.diffusers_flow import load_decoder, load_flow_model
 from dovetail.models.flow_rl import accumulate_policy_gradient, commit, generate, recompute_log_probs, step_prompts
-from dovetail.models.pretrain import latents_to_images
-from dovetail.models.t2i import checkpoint_weights, load_model
+from dovetail.models.t2i import checkpoint_weights
+from dovetail.prompts import prompt_split, train_prompts
 from dovetail.recipe import advantages_of, make_optimizer, policy_gradient, sde_settings, step_timesteps
 from dovetail.rewards import load_rewards, score
 from dovetail.scenario import Scenario, prepare
@@ -88,18 +89,19 @@ class FlowEngines(PipelineEngines):
     def __init__(self, config: FlowTrainConfig, device: torch.device, holds_policy: bool, trainer_state: dict):
         super().__init__(config, device)
         self.sde = sde_settings(config, device)
+        self.decode = load_decoder(config, device)
         load_rewards(config.reward)
         if not holds_policy:
             return
-        self.trainer = load_model(config.model.checkpoint).to(device)
+        self.trainer = load_flow_model(config).to(device)
         self.optimizer = make_optimizer(self.trainer, config)
         self.load_trainer_state(trainer_state)
         if config.algo.beta > 0:
-            self.reference = load_model(config.model.checkpoint).to(device).requires_grad_(False)
+            self.reference = load_flow_model(config).to(device).requires_grad_(False)
         self.rollout = copy.deepcopy(self.trainer).requires_grad_(False)
 
     def load_rollout(self, weights: dict) -> None:
-        self.rollout.load_state_dict(tensors_of(weights))
+        load_weights(self.rollout, weights)
 
     def run(self, work: Work):
         config = self.config
@@ -116,7 +118,7 @@ class FlowEngines(PipelineEngines):
             return pack(trajectories, work.samples, work.version)
         if isinstance(work, Score):
             trajectories, ids = unpack(self.fetch(work.rollouts), self.sde.sigmas)
-            images = latents_to_images(trajectories.images)
+            images = self.decode(trajectories.images)
             return Scores(ids, score(images, trajectories.prompts, config.reward, config.reward_timeout_s))
         if isinstance(work, FlowLogProbs):
             trajectories, ids = unpack(self.fetch(work.trajectories), self.sde.sigmas)
@@ -151,15 +153,15 @@ class FlowEngines(PipelineEngines):
         return Trained([ids[r] for r in rows], work.timesteps, sums)
 
     def profile(self, samples: int, carry: Callable[[dict], dict]) -> dict[str, float]:
-        return profile_work(self.trainer, self.config, self.sde, samples, carry)
+        return profile_work(self.trainer, self.decode, self.config, self.sde, samples, carry)
 
     def time_kind(self, kind: str, samples: int, repeats: int, carry: Callable[[dict], dict]) -> list[Span]:
-        works = profile_works(self.trainer, self.config, self.sde, samples, carry)
+        works = profile_works(self.trainer, self.decode, self.config, self.sde, samples, carry)
         return time_work(works, kind, repeats, self.device)
 
 
 def profile_works(
-    model, config: FlowTrainConfig, sde, n: int, carry: Callable[[dict], dict]
+    model, decode, config: FlowTrainConfig, sde, n: int, carry: Callable[[dict], dict]
 ) -> dict[str, Callable[[dict], object]]:
     """The start-up profile's work of each kind, in the order it runs, each taking the earlier ones' results by kind,
     on throw-away copies of `model` (trainer, optimizer, rollout copy) and `n` samples of RL step -1: generation,
@@ -168,7 +170,8 @@ def profile_works(
     trainer = copy.deepcopy(model)
     rollout = copy.deepcopy(model).requires_grad_(False)
     optimizer = make_optimizer(trainer, config)
-    prompts = [f"digit {p % 10}" for p in range(n)]
+    train = train_prompts(config)
+    prompts = [train[p % len(train)] for p in range(n)]
     ids = [SampleId(-1, p, 0) for p in range(n)]
 
     def logprob(done: dict) -> torch.Tensor:
@@ -189,17 +192,17 @@ def profile_works(
 
     return {
         "generate": lambda done: generate(trainer, prompts, ids, sde, seed=config.seed, shared_group_noise=False),
-        "score": lambda done: score(
-            latents_to_images(done["generate"].images), prompts, config.reward, config.reward_timeout_s
-        ),
+        "score": lambda done: score(decode(done["generate"].images), prompts, config.reward, config.reward_timeout_s),
         "logprob": logprob,
         "train": train,
         "optimizer": lambda done: commit(trainer, optimizer, config.train.max_grad_norm),
-        "publish": lambda done: rollout.load_state_dict(tensors_of(carry(weights_of(trainer)))),
+        "publish": lambda done: load_weights(rollout, carry(weights_of(trainer))),
     }
 
 
-def profile_work(model, config: FlowTrainConfig, sde, samples: int, carry: Callable[[dict], dict]) -> dict[str, float]:
+def profile_work(
+    model, decode, config: FlowTrainConfig, sde, samples: int, carry: Callable[[dict], dict]
+) -> dict[str, float]:
     """Measured seconds of each kind of work on `model`'s device (`profile_works`): what the cost model is fitted
     to before planning. A small untimed round first takes the one-off costs (the judge is fitted on first use,
     first-call allocations); generation is then timed at two batch sizes, which pins down the fixed cost of a small
@@ -207,7 +210,7 @@ def profile_work(model, config: FlowTrainConfig, sde, samples: int, carry: Calla
 
     def one_of_each(n: int) -> dict[str, float]:
         seconds, done = {}, {}
-        for name, work in profile_works(model, config, sde, n, carry).items():
+        for name, work in profile_works(model, decode, config, sde, n, carry).items():
             synchronize(model.device)
             start = time.perf_counter()
             done[name] = work(done)
@@ -246,7 +249,8 @@ class FlowAdapter(PipelineAdapter):
         pipeline = node.pipeline
         if node.kind == Kind.GENERATE:
             prompts = self._prompts.setdefault(
-                step, step_prompts(self.config.seed, step, self.config.algo.prompts_per_step)
+                step,
+                step_prompts(self.config.seed, step, self.config.algo.prompts_per_step, train_prompts(self.config)),
             )
             samples = [SampleId(step, p, i) for (_, p, i) in node.samples]
             version = executor.state.started[(pipeline, node.step)]
@@ -341,13 +345,17 @@ def fitted_cost(config: FlowTrainConfig, scenario: Scenario, measured: dict[str,
 
 
 def check_checkpoint(config: FlowTrainConfig) -> None:
-    checkpoint_weights(config.model.checkpoint)
+    """The model and prompts a run would load (a diffusers directory's layout the config has checked)."""
+    if config.model.path is None:
+        checkpoint_weights(config.model.checkpoint)
+    prompt_split(config)
 
 
 def profile_here(config: FlowTrainConfig, carry: Callable[[dict], dict]) -> dict[str, float]:
     """The start-up profile in this process (the dry run's), on the checkpoint's model."""
-    model = load_model(config.model.checkpoint)
-    return profile_work(model, config, sde_settings(config), config.runtime.profile_samples, carry)
+    model = load_flow_model(config)
+    samples = config.runtime.profile_samples
+    return profile_work(model, load_decoder(config), config, sde_settings(config), samples, carry)
 
 
 Adapter, Engines = FlowAdapter, FlowEngines

@@ -180,8 +180,10 @@ def pipeline_module(kind: str):
 
 
 def weights_of(model) -> dict[str, np.ndarray]:
-    """Parameters as numpy arrays: Ray moves numpy views ~10x faster than pickled tensors."""
-    return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
+    """The trained weights as numpy arrays (Ray moves numpy views ~10x faster than pickled tensors): a flow model's
+    `trained_state_dict` (a LoRA run's adapter alone), a language model's whole state."""
+    state = model.trained_state_dict() if hasattr(model, "trained_state_dict") else model.state_dict()
+    return {k: v.detach().cpu().numpy().copy() for k, v in state.items()}
 
 
 def tensors_of(weights: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
@@ -203,15 +205,29 @@ def trainer_state_of(model, optimizer) -> dict:
 
 def load_trainer_state(model, optimizer, state: dict) -> None:
     """Into `model` / `optimizer` wherever they live: both loaders copy to the parameters' device."""
-    model.load_state_dict(tensors_of(state["weights"]))
+    load_weights(model, state["weights"])
     optimizer.load_state_dict(state["optimizer"])
+
+
+def load_weights(model, weights: dict[str, np.ndarray]) -> None:
+    """Weights `weights_of` took into a model of the same kind."""
+    tensors = tensors_of(weights)
+    if hasattr(model, "load_trained_state_dict"):
+        model.load_trained_state_dict(tensors)
+    else:
+        model.load_state_dict(tensors)
+
+
+def trainable_parameters(model) -> list[torch.nn.Parameter]:
+    """The parameters that train (a LoRA run's adapter): gradients, their gather and the optimizer hold these."""
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def flat_gradient(model) -> torch.Tensor:
     return torch.cat(
         [
             p.grad.flatten() if p.grad is not None else torch.zeros(p.numel(), device=p.device)
-            for p in model.parameters()
+            for p in trainable_parameters(model)
         ]
     )
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from dovetail.config.train import parse_config
 from dovetail.exec.messages import Commit, LoadWeights, Trained, Work
-from dovetail.exec.pipeline import flat_gradient, pipeline_module, trainer_state_of, weights_of
+from dovetail.exec.pipeline import flat_gradient, pipeline_module, trainable_parameters, trainer_state_of, weights_of
 from dovetail.models.flow_rl import commit
 from dovetail.models.t2i import strict_fp32
 
@@ -197,14 +197,15 @@ class DeviceWorker:
         """Sum the step's train parts' gradients of every trainer device, in the order of their keys, and take one
         optimizer step; returns the pre-clip gradient norm (the same on every replica)."""
         trainer = self.engines.trainer
-        total = torch.zeros(sum(p.numel() for p in trainer.parameters()), device=self.device)
+        trained = trainable_parameters(trainer)
+        total = torch.zeros(sum(p.numel() for p in trained), device=self.device)
         parts = gather_parts(self.gradients, work.ranks, self.groups)
         for key in sorted(parts):
             total += parts[key].to(self.device)
         if work.scale != 1.0:
             total *= work.scale
         offset = 0
-        for p in trainer.parameters():
+        for p in trained:
             p.grad = total[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
         self.gradients = {}

@@ -5,6 +5,7 @@ on fragments of the batch on different devices. Every random draw is keyed by th
 identity, so both give the same numbers.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,7 @@ import torch
 from dovetail.algo import decoupled_old_log_prob, flow_grpo_loss, sde_step
 from dovetail.graph.node import SampleId
 from dovetail.models.sampling import Trajectories, keyed_normal, sample_key, sample_sde
+from dovetail.prompts import DIGIT_PROMPTS
 
 
 @dataclass(frozen=True)
@@ -21,10 +23,11 @@ class SDESettings:
     kind: str
 
 
-def step_prompts(seed: int, step: int, count: int) -> list[str]:
-    """The B prompts of an RL step, a pure function of (seed, step): resumable and device-free."""
+def step_prompts(seed: int, step: int, count: int, prompts: Sequence[str] = DIGIT_PROMPTS) -> list[str]:
+    """The B prompts of an RL step, drawn from the run's train `prompts` by (seed, step) alone: resumable and
+    device-free."""
     generator = torch.Generator().manual_seed(sample_key(seed, "prompts", step))
-    return [f"digit {d}" for d in torch.randint(0, 10, (count,), generator=generator).tolist()]
+    return [prompts[i] for i in torch.randint(0, len(prompts), (count,), generator=generator).tolist()]
 
 
 def group_sample_ids(step: int, prompt_indices: list[int], group_size: int) -> list[SampleId]:

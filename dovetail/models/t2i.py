@@ -82,6 +82,13 @@ class TinyT2I(torch.nn.Module):
             hidden_states=latents, encoder_hidden_states=tokens, pooled_projections=pooled, timestep=timestep
         ).sample
 
+    def trained_state_dict(self) -> dict[str, torch.Tensor]:
+        """What weight publication, trainer hand-over and checkpoints carry: the whole model."""
+        return self.state_dict()
+
+    def load_trained_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.load_state_dict(state)
+
 
 def strict_fp32() -> None:
     """No TF32 in CUDA matmuls or convolutions: the fp32 engines then compute on a GPU what the CPU reference does."""

@@ -1,0 +1,365 @@
+"""A user's own diffusers flow model, behind the interface the engines use (the built-in `TinyT2I`'s).
+
+`model.path` names a diffusers directory in `save_pretrained` layout: a pipeline (model_index.json, transformer/,
+scheduler/, text_encoder*/, tokenizer*/, vae/), or transformer/ beside precomputed prompt embeddings
+(prompt_embeds.safetensors, see `save_prompt_embeddings`) and, where the latents are not the image, vae/. The
+transformer trains (all of it, or a peft LoRA adapter); the text encoders and the VAE stay frozen, shared by the
+trainer, rollout and reference copies of one process, and encode prompts (with the pipeline's own `encode_prompt`,
+as upstream Flow-GRPO does) or decode latents into the images the rewards score.
+
+What the engines see of either model: `latent_shape`, `device`, `encode_prompts(prompts)` (one tensor per prompt),
+`forward(latents, sigma, encoding)` (the velocity), and `trained_state_dict` / `load_trained_state_dict`: what weight
+publication, trainer hand-over and checkpoints carry (a LoRA run's adapter alone).
+"""
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import diffusers
+import numpy as np
+import torch
+import transformers
+from diffusers import AutoencoderKL, SD3Transformer2DModel
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
+from dovetail.models.lm import one_line
+from dovetail.models.pretrain import latents_to_images
+from dovetail.models.sampling import sample_key
+from dovetail.models.t2i import load_model
+
+PROMPT_EMBEDDINGS = "prompt_embeds.safetensors"
+"""Precomputed prompt encodings of a directory without text encoders: tensors prompt_embeds (N, L, D) and
+pooled_prompt_embeds (N, P), and the N prompts (a JSON list) in the file's metadata under "prompts"."""
+
+ADAPTER_DIR = "lora"
+"""Where `export` writes a LoRA run's adapter in peft's layout, inside the exported pipeline directory."""
+
+
+class Frozen:
+    """A frozen part of the model (text encoders, prompt table): copies of the model share it, so the rollout and
+    reference copies of a trainer do not hold the encoders two and three times."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+class PipelinePrompts(Frozen):
+    """Prompts encoded by the pipeline's own `encode_prompt` (SD3: CLIP-L and CLIP-G, T5 where present), no
+    classifier-free guidance."""
+
+    def __init__(self, pipeline, max_sequence_length: int):
+        self.pipeline = pipeline
+        self.max_sequence_length = max_sequence_length
+        self.encoders = [
+            e for e in (pipeline.text_encoder, pipeline.text_encoder_2, pipeline.text_encoder_3) if e is not None
+        ]
+        for encoder in self.encoders:
+            encoder.requires_grad_(False).eval()
+
+    def to(self, device: torch.device) -> None:
+        for encoder in self.encoders:
+            encoder.to(device)
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        embeds, _, pooled, _ = self.pipeline.encode_prompt(
+            prompts,
+            None,
+            None,
+            device=device,
+            do_classifier_free_guidance=False,
+            max_sequence_length=self.max_sequence_length,
+        )
+        return embeds.float(), pooled.float()
+
+
+class PrecomputedPrompts(Frozen):
+    """Prompt encodings looked up in a prompt_embeds.safetensors: the prompts a run uses must all be there."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            with safe_open(path, "pt") as f:
+                prompts = json.loads((f.metadata() or {}).get("prompts", "null"))
+            tensors = load_file(path)
+        except (OSError, SafetensorError, ValueError) as error:
+            raise ValueError(f"unreadable {path}: {one_line(error)}") from None
+        embeds, pooled = tensors.get("prompt_embeds"), tensors.get("pooled_prompt_embeds")
+        if (
+            not isinstance(prompts, list)
+            or embeds is None
+            or pooled is None
+            or embeds.ndim != 3
+            or pooled.ndim != 2
+            or not len(prompts) == len(embeds) == len(pooled)
+        ):
+            raise ValueError(
+                f"{path} must hold prompt_embeds (N, L, D), pooled_prompt_embeds (N, P) and its N prompts in the "
+                "metadata; write it with dovetail.models.diffusers_flow.save_prompt_embeddings"
+            )
+        self.row = {prompt: i for i, prompt in enumerate(prompts)}
+        self.embeds, self.pooled = embeds.float(), pooled.float()
+
+    def to(self, device: torch.device) -> None:
+        """The table stays on the CPU; `encode` moves the rows a batch needs."""
+
+    def encode(self, prompts: list[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        missing = [p for p in prompts if p not in self.row]
+        if missing:
+            raise ValueError(
+                f"prompt {missing[0]!r} has no precomputed encoding in {self.path}: add it, or give a pipeline "
+                "directory with text encoders as model.path"
+            )
+        rows = [self.row[p] for p in prompts]
+        return self.embeds[rows].to(device), self.pooled[rows].to(device)
+
+
+def save_prompt_embeddings(path: Path | str, prompts: list[str], embeds: torch.Tensor, pooled: torch.Tensor) -> None:
+    """Write the prompt encodings of a directory without text encoders (e.g. from the pipeline's encode_prompt)."""
+    tensors = {"prompt_embeds": embeds.float().contiguous(), "pooled_prompt_embeds": pooled.float().contiguous()}
+    save_file(tensors, str(path), metadata={"prompts": json.dumps(list(prompts))})
+
+
+class DiffusersFlow(torch.nn.Module):
+    """Velocity model v(x_sigma, sigma, prompt) of a diffusers SD3-style MMDiT; `transformer` may carry a peft LoRA
+    adapter (then only the adapter trains)."""
+
+    def __init__(self, transformer: SD3Transformer2DModel, prompts, num_train_timesteps: int, source: dict):
+        super().__init__()
+        self.transformer = transformer
+        self.prompts = prompts
+        self.num_train_timesteps = num_train_timesteps
+        self.source = source
+        """How to build this model again: the directory, the LoRA settings, the T5 length (a checkpoint's config)."""
+        config = self.transformer_config
+        self._text_dims = (config.joint_attention_dim, config.pooled_projection_dim)
+
+    @property
+    def transformer_config(self):
+        base = self.transformer.get_base_model() if isinstance(self.transformer, PeftModel) else self.transformer
+        return base.config
+
+    @property
+    def lora(self) -> bool:
+        return isinstance(self.transformer, PeftModel)
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int]:
+        config = self.transformer_config
+        return (config.in_channels, config.sample_size, config.sample_size)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.transformer.parameters()).device
+
+    def _apply(self, fn, recurse=True):
+        """`.to(device)` moves the shared text encoders too (they are no sub-modules: see `Frozen`)."""
+        super()._apply(fn, recurse)
+        self.prompts.to(self.device)
+        return self
+
+    def encode_prompts(self, prompts: list[str]) -> torch.Tensor:
+        """Each prompt's encoding as one row: its token embeddings (L x D) flattened, then its pooled embedding (P)."""
+        embeds, pooled = self.prompts.encode(list(prompts), self.device)
+        width, pooled_width = self._text_dims
+        if embeds.shape[-1] != width or pooled.shape[-1] != pooled_width:
+            raise ValueError(
+                f"the prompt encodings have widths {embeds.shape[-1]} and {pooled.shape[-1]}, the transformer "
+                f"takes joint_attention_dim={width} and pooled_projection_dim={pooled_width}"
+            )
+        return torch.cat([embeds.flatten(1), pooled], dim=1)
+
+    def forward(self, latents: torch.Tensor, sigma: torch.Tensor, encoding: torch.Tensor) -> torch.Tensor:
+        width, pooled_width = self._text_dims
+        embeds = encoding[:, :-pooled_width].reshape(len(encoding), -1, width)
+        timestep = sigma.expand(latents.shape[0]) * self.num_train_timesteps
+        return self.transformer(
+            hidden_states=latents,
+            encoder_hidden_states=embeds,
+            pooled_projections=encoding[:, -pooled_width:],
+            timestep=timestep,
+        ).sample
+
+    def trained_state_dict(self) -> dict[str, torch.Tensor]:
+        """What trains: the LoRA adapter's tensors, or the whole transformer's."""
+        if self.lora:
+            return get_peft_model_state_dict(self.transformer)
+        return self.transformer.state_dict()
+
+    def load_trained_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if not self.lora:
+            self.transformer.load_state_dict(state)
+            return
+        expected = get_peft_model_state_dict(self.transformer)
+        misfit = sorted(expected.keys() ^ state.keys()) or sorted(
+            k for k in expected if state[k].shape != expected[k].shape
+        )
+        if misfit:
+            raise ValueError(f"the LoRA adapter's tensors do not fit the model's adapter (tensor {misfit[0]})")
+        set_peft_model_state_dict(self.transformer, state)
+
+
+def with_lora(transformer: SD3Transformer2DModel, lora: dict, seed: int) -> PeftModel:
+    """The transformer with a peft LoRA adapter (rank, alpha, target modules), the only part that trains. Its
+    random initial A matrices are drawn from `seed`, so every process of a run starts from the same adapter."""
+    config = LoraConfig(
+        r=lora["rank"],
+        lora_alpha=lora["alpha"] if lora["alpha"] is not None else lora["rank"],
+        target_modules=lora["target_modules"],
+        lora_dropout=0.0,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(sample_key(seed, "lora"))
+        try:
+            return get_peft_model(transformer, config)
+        except ValueError as error:  # no module matches the targets
+            raise ValueError(f"model.lora.target_modules={lora['target_modules']}: {one_line(error)}") from None
+
+
+def load_diffusers_flow(path: Path | str, *, lora: dict | None, max_sequence_length: int, seed: int) -> DiffusersFlow:
+    """The flow model of a diffusers directory (`config.train.ModelSection` has checked its layout), in eval mode."""
+    path = Path(path).resolve()
+    diffusers.utils.logging.disable_progress_bar()  # the run's own display says what start-up is doing
+    transformers.utils.logging.disable_progress_bar()
+    transformer = SD3Transformer2DModel.from_pretrained(path / "transformer", dtype=torch.float32)
+    if (path / PROMPT_EMBEDDINGS).is_file():
+        prompts = PrecomputedPrompts(path / PROMPT_EMBEDDINGS)
+    else:
+        prompts = PipelinePrompts(_text_pipeline(path, transformer), max_sequence_length)
+    scheduler_config = path / "scheduler" / "scheduler_config.json"
+    timesteps = (
+        json.loads(scheduler_config.read_text()).get("num_train_timesteps", 1000)
+        if scheduler_config.is_file()
+        else 1000
+    )
+    if lora is not None:
+        transformer = with_lora(transformer, lora, seed)
+    source = {"diffusers_path": str(path), "lora": lora, "max_sequence_length": max_sequence_length}
+    return DiffusersFlow(transformer, prompts, timesteps, source).eval()
+
+
+def _text_pipeline(path: Path, transformer: SD3Transformer2DModel):
+    """The StableDiffusion3Pipeline of the directory's text encoders and tokenizers (an absent one, e.g. SD3's T5
+    left out, None), in float32; the transformer is the model's own (encode_prompt reads its config), no VAE.
+    Imported here: diffusers' pipelines pull in transformers' image processors, which no other run needs."""
+    from diffusers import StableDiffusion3Pipeline
+
+    index = json.loads((path / "model_index.json").read_text())
+    absent = {
+        name: None
+        for name in ("text_encoder_3", "tokenizer_3", "image_encoder", "feature_extractor")
+        if index.get(name, [None])[0] is None
+    }
+    return StableDiffusion3Pipeline.from_pretrained(
+        path, transformer=transformer, vae=None, dtype=torch.float32, **absent
+    )
+
+
+class VaeDecoder:
+    """Latents to images in [0, 1] through the directory's VAE: (B, H, W, 3) for RGB, (B, H, W) for one channel."""
+
+    def __init__(self, vae: AutoencoderKL, device: torch.device | str):
+        self.vae = vae.requires_grad_(False).eval().to(device)
+
+    @torch.no_grad()
+    def __call__(self, latents: torch.Tensor) -> np.ndarray:
+        config = self.vae.config
+        latents = latents.to(next(self.vae.parameters()).device) / config.scaling_factor + (config.shift_factor or 0.0)
+        images = (self.vae.decode(latents).sample / 2 + 0.5).clamp(0, 1).float()
+        return _channels_last(images)
+
+
+def _channels_last(images: torch.Tensor) -> np.ndarray:
+    if images.shape[1] == 1:
+        return images[:, 0].cpu().numpy()
+    return images.permute(0, 2, 3, 1).cpu().numpy()
+
+
+def latents_as_rgb(latents: torch.Tensor) -> np.ndarray:
+    """A VAE-free model's 3-channel latents in [-1, 1] as RGB images in [0, 1]."""
+    return _channels_last((latents.detach().float().clamp(-1, 1) + 1) / 2)
+
+
+# ---------------------------------------------------------------- what a run loads, saves and exports
+
+
+def load_flow_model(config) -> torch.nn.Module:
+    """A flow run's model: the built-in checkpoint's, or the diffusers directory's of `model.path`."""
+    section = config.model
+    if section.path is None:
+        return load_model(section.checkpoint)
+    lora = None if section.lora is None else section.lora.model_dump()
+    return load_diffusers_flow(
+        section.path, lora=lora, max_sequence_length=section.max_sequence_length, seed=config.seed
+    )
+
+
+def load_decoder(config, device: torch.device | str = "cpu") -> Callable[[torch.Tensor], np.ndarray]:
+    """Latents to the images the rewards score: the directory's VAE, or the latents themselves where there is none
+    (the built-in model's one channel; a VAE-free directory's one or three)."""
+    path = config.model.path
+    if path is not None and (Path(path) / "vae").is_dir():
+        return VaeDecoder(AutoencoderKL.from_pretrained(Path(path) / "vae", dtype=torch.float32), device)
+    if path is not None and _in_channels(Path(path)) == 3:
+        return latents_as_rgb
+    return latents_to_images
+
+
+def _in_channels(path: Path) -> int:
+    return json.loads((path / "transformer" / "config.json").read_text())["in_channels"]
+
+
+def save_diffusers_checkpoint(model: DiffusersFlow, directory: Path) -> None:
+    """A checkpoint's model files: model.safetensors the trained tensors (a LoRA run's adapter alone), config.json
+    how to build the model they fit (the directory they came from, the LoRA settings)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {k: v.detach().contiguous() for k, v in model.trained_state_dict().items()}, directory / "model.safetensors"
+    )
+    (directory / "config.json").write_text(json.dumps(model.source, indent=2))
+
+
+def load_diffusers_checkpoint(directory: Path | str) -> DiffusersFlow:
+    """The model of a checkpoint `save_diffusers_checkpoint` wrote; a file that does not load is one line naming it."""
+    directory = Path(directory)
+    config_path, weights = directory / "config.json", directory / "model.safetensors"
+    try:
+        source = json.loads(config_path.read_text())
+        path = Path(source["diffusers_path"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"unreadable {config_path}: {one_line(error)}") from None
+    if not (path / "transformer").is_dir():
+        raise FileNotFoundError(f"{config_path}: the model directory {path} it names has no transformer/ any more")
+    model = load_diffusers_flow(
+        path, lora=source.get("lora"), max_sequence_length=source["max_sequence_length"], seed=0
+    )
+    try:
+        model.load_trained_state_dict(load_file(weights))
+    except (SafetensorError, RuntimeError, OSError, ValueError) as error:
+        raise ValueError(f"cannot load {weights} into the model {config_path} describes: {one_line(error)}") from None
+    return model
+
+
+def checkpoint_io(config, model) -> tuple[Callable | None, Callable | None]:
+    """(save_weights, load_weights) of a flow run's checkpoints for `RunDir`: None, None (the built-in format) for
+    the built-in model."""
+    if config.model.path is None:
+        return None, None
+    return (lambda directory: save_diffusers_checkpoint(model, directory)), load_diffusers_checkpoint
+
+
+def export(model: DiffusersFlow, out: Path) -> None:
+    """`out` as a diffusers directory that `from_pretrained` loads: the source directory's files with the trained
+    transformer in transformer/ (a LoRA adapter merged in), and a LoRA run's adapter in peft's layout in lora/
+    (`PeftModel.from_pretrained(transformer, out / "lora")`). The adapter is merged into `model` itself."""
+    source = Path(model.source["diffusers_path"])
+    shutil.copytree(source, out, ignore=lambda d, names: ["transformer"] if Path(d) == source else [])
+    transformer = model.transformer
+    if model.lora:
+        transformer.save_pretrained(out / ADAPTER_DIR)
+        transformer = transformer.merge_and_unload()
+    transformer.save_pretrained(out / "transformer")

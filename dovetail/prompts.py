@@ -1,0 +1,127 @@
+"""A flow run's prompts: the built-in "digit N" ones, or the user's from a file or dataset, split train / eval.
+
+A step's prompts are drawn from the train split by (seed, step) alone (`models.flow_rl.step_prompts`), so a resumed
+run draws what the uninterrupted one would have, given the same file. The split is by a hash of each prompt's text,
+like the LM tasks' (`tasks.split_of`): the same prompt is always on the same side, whatever the file's order, and
+a prompt repeated in the file never leaks into both.
+"""
+
+import hashlib
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+DIGIT_PROMPTS = tuple(f"digit {d}" for d in range(10))
+"""The built-in model's prompts: they train, and each is evaluated `eval.per_digit` times."""
+
+TABLE_FORMATS = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+"""File suffix -> the `datasets` builder that reads it."""
+
+
+@dataclass(frozen=True)
+class PromptSplit:
+    train: tuple[str, ...]
+    eval: tuple[str, ...]
+
+
+def prompt_split(config) -> PromptSplit:
+    """The run's train and eval prompts; a file that cannot give them is a ValueError, one line naming it."""
+    section = config.prompts
+    if section is None:
+        return PromptSplit(DIGIT_PROMPTS, DIGIT_PROMPTS)
+    return _split(section.path, section.field, section.eval_fraction, section.eval_path)
+
+
+def train_prompts(config) -> tuple[str, ...]:
+    return prompt_split(config).train
+
+
+def eval_prompts(config) -> list[str]:
+    """The prompts of an evaluation, each `eval.per_digit` times: every digit, or the first prompts.eval_prompts of
+    the eval split."""
+    split = prompt_split(config)
+    chosen = split.eval if config.prompts is None else split.eval[: config.prompts.eval_prompts]
+    return [p for p in chosen for _ in range(config.eval.per_digit)]
+
+
+@lru_cache(maxsize=16)
+def _split(path: Path, field: str, eval_fraction: float | None, eval_path: Path | None) -> PromptSplit:
+    prompts = read_prompts(path, field)
+    if eval_path is not None:
+        return PromptSplit(tuple(prompts), tuple(read_prompts(eval_path, field)))
+    held_out = [_hash_share(p) < eval_fraction for p in prompts]
+    train = tuple(p for p, held in zip(prompts, held_out) if not held)
+    evaluated = tuple(dict.fromkeys(p for p, held in zip(prompts, held_out) if held))
+    if not train or not evaluated:
+        side = "train" if not train else "eval"
+        raise ValueError(
+            f"prompts.path {path}: its {len(prompts)} prompts split by eval_fraction={eval_fraction} leave no "
+            f"{side} prompt; change prompts.eval_fraction or give prompts.eval_path"
+        )
+    return PromptSplit(train, evaluated)
+
+
+def _hash_share(prompt: str) -> float:
+    """A prompt's place in [0, 1), from a hash of its text (stable across processes, unlike hash())."""
+    return int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "big") / 2**64
+
+
+def read_prompts(path: Path, field: str) -> list[str]:
+    """The non-empty prompts of a file, in its order: a line each (.txt), `field` of each JSON line (.jsonl), of
+    each element of a JSON list (.json; or the list's strings), or of each row of a table (.parquet, .csv, .arrow,
+    read by `datasets`)."""
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".txt":
+            records = path.read_text().splitlines()
+        elif suffix == ".jsonl":
+            records = [_json(line, path, n) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+        elif suffix == ".json":
+            records = _json(path.read_text(), path, None)
+            if not isinstance(records, list):
+                raise ValueError(f"{path}: a JSON prompts file is a list (of strings, or of records with {field!r})")
+        elif suffix in TABLE_FORMATS:
+            records = _table(path, field)
+        else:
+            raise ValueError(
+                f"prompts file {path}: unknown format {suffix or '(no suffix)'}; use .txt, .jsonl, .json, "
+                f"{', '.join(TABLE_FORMATS)}"
+            )
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"unreadable prompts file {path}: {' '.join(str(error).split())}") from None
+    prompts = [_prompt(record, field, path, n) for n, record in enumerate(records, 1)]
+    prompts = [p.strip() for p in prompts if p.strip()]
+    if not prompts:
+        raise ValueError(f"prompts file {path} holds no prompt")
+    return prompts
+
+
+def _json(text: str, path: Path, line: int | None):
+    try:
+        return json.loads(text)
+    except ValueError as error:
+        where = f"{path} line {line}" if line is not None else str(path)
+        raise ValueError(f"{where} is not JSON: {error}") from None
+
+
+def _prompt(record, field: str, path: Path, n: int) -> str:
+    if isinstance(record, str):
+        return record
+    value = record.get(field) if isinstance(record, dict) else None
+    if not isinstance(value, str):
+        raise ValueError(f"{path} record {n} has no text field {field!r}; set prompts.field to the prompt's field")
+    return value
+
+
+def _table(path: Path, field: str) -> list:
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        table = datasets.load_dataset(TABLE_FORMATS[path.suffix.lower()], data_files=str(path), split="train")
+    except Exception as error:  # a damaged file raises whatever its reader does
+        raise ValueError(f"unreadable prompts file {path}: {' '.join(str(error).split())[:300]}") from None
+    if field not in table.column_names:
+        raise ValueError(f"{path} has no column {field!r} (columns: {table.column_names}); set prompts.field")
+    return [{field: value} for value in table[field]]
