@@ -12,8 +12,8 @@ from dovetail.models.flow_rl import SDESettings, accumulate_policy_gradient
 from dovetail.models.pretrain import latents_to_images
 from dovetail.models.sampling import keyed_normal, sample_key, sample_ode
 from dovetail.models.t2i import flow_sigmas
-from dovetail.rewards import score
 from dovetail.prompts import eval_prompts
+from dovetail.rewards import score
 
 
 def sde_settings(config: FlowTrainConfig, device: torch.device | str = "cpu") -> SDESettings:

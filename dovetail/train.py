@@ -240,6 +240,7 @@ class FlowLocal:
         self.model = load_flow_model(config)
         self.decode = load_decoder(config)
         self.optimizer = make_optimizer(self.model, config)
+        self.save_weights, self.load_weights = checkpoint_io(config, self.model)
         self._reference_model = None
 
     def evaluate(self, run: RunDir, grid: str, step: int) -> Evaluation:
@@ -256,7 +257,6 @@ class FlowLocal:
 
 class LMLocal:
     """A language-model run's engines in this process (trainer, rollout engine, rewards)."""
-        self.save_weights, self.load_weights = checkpoint_io(config, self.model)
 
     def __init__(self, config: LMTrainConfig) -> None:
         self.config = config

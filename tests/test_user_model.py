@@ -21,8 +21,6 @@ from typer.testing import CliRunner
 
 from dovetail.cli import app
 from dovetail.config.train import ConfigError, load_config
-from dovetail.exec.pipeline import weights_of
-from dovetail.models.diffusers_flow import load_flow_model
 from dovetail.train import train
 
 PROMPTS = ["a red cat", "a blue dog", "red house", "blue mat", "a green cat", "the red dog", "blue cat", "green mat"]
@@ -147,7 +145,8 @@ def max_difference(a: dict, b: dict) -> float:
 def test_a_diffusers_directory_given_as_the_checkpoint_is_one_line_naming_it(pipeline_dir, tmp_path):
     with pytest.raises(ConfigError) as refused:
         load_config(None, [f"model.checkpoint={pipeline_dir}"])
-    assert str(refused.value) == f"invalid config: model.checkpoint: {pipeline_dir} is a diffusers directory: give it as model.path"
+    expected = f"invalid config: model.checkpoint: {pipeline_dir} is a diffusers directory: give it as model.path"
+    assert str(refused.value) == expected
     (tmp_path / "transformer").mkdir()
     (tmp_path / "transformer" / "config.json").write_text('{"_class_name": "UNet2DConditionModel"}')
     for path, lacks in (

@@ -1,6 +1,12 @@
 """Pure math: the SDE step with its log-prob, advantages, the policy loss, timestep choice."""
 
-from dovetail.algo.grpo import decoupled_old_log_prob, flow_grpo_loss, group_advantages, select_train_timesteps
+from dovetail.algo.grpo import (
+    decoupled_old_log_prob,
+    flow_grpo_loss,
+    group_advantages,
+    select_train_timesteps,
+    train_timestep_count,
+)
 from dovetail.algo.lm_grpo import lm_grpo_loss
 from dovetail.algo.sde import SDEStep, gaussian_log_prob, sde_step
 
@@ -13,4 +19,5 @@ __all__ = [
     "lm_grpo_loss",
     "sde_step",
     "select_train_timesteps",
+    "train_timestep_count",
 ]

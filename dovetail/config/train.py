@@ -220,7 +220,37 @@ class EvalSection(Section):
         description="held-out ODE samples per eval prompt: each digit's, or each of prompts.eval_prompts (at most "
         "1000: every eval generates them all)",
     )
+
     seed: Seed = 10_000
+
+
+class PromptsSection(Section):
+    """The run's prompts from a file or dataset (dovetail.prompts): one per line (.txt), a field of JSON lines
+    (.jsonl), of a JSON list (.json), or of a table `datasets` reads (.parquet, .csv); split into train and eval by a
+    hash of each prompt's text (eval_fraction), or the eval prompts from a file of their own (eval_path)."""
+
+    path: Path = Field(strict=False, description="the prompts file")
+    field: str = Field("prompt", min_length=1, max_length=200, description="the prompt's field in a record")
+    eval_fraction: float | None = Field(
+        None, gt=0, lt=1, description="share of the prompts held out for evaluation; None: 0.1 (without eval_path)"
+    )
+    eval_path: Path | None = Field(None, strict=False, description="eval prompts' file; then every prompt trains")
+    eval_prompts: int = Field(16, ge=1, le=1000, description="held-out prompts each evaluation samples")
+
+    @field_validator("path", "eval_path")
+    @classmethod
+    def _a_file(cls, path: Path | None) -> Path | None:
+        if path is not None and not path.is_file():
+            raise ValueError(f"no prompts file {path}")
+        return path
+
+    @model_validator(mode="after")
+    def _one_eval_split(self) -> "PromptsSection":
+        if self.eval_path is not None and self.eval_fraction is not None:
+            raise ValueError("prompts: give prompts.eval_fraction or prompts.eval_path, not both")
+        if self.eval_path is None and self.eval_fraction is None:
+            self.eval_fraction = 0.1
+        return self
 
 
 class CheckpointSection(Section):
@@ -314,35 +344,6 @@ class RunSection(Section):
     )
     priority: float = Field(1.0, gt=0, le=1000, description="weight of this pipeline's step latency when multiplexed")
     reward_timeout_s: float = Field(
-class PromptsSection(Section):
-    """The run's prompts from a file or dataset (dovetail.prompts): one per line (.txt), a field of JSON lines
-    (.jsonl), of a JSON list (.json), or of a table `datasets` reads (.parquet, .csv); split into train and eval by a
-    hash of each prompt's text (eval_fraction), or the eval prompts from a file of their own (eval_path)."""
-
-    path: Path = Field(strict=False, description="the prompts file")
-    field: str = Field("prompt", min_length=1, max_length=200, description="the prompt's field in a record")
-    eval_fraction: float | None = Field(
-        None, gt=0, lt=1, description="share of the prompts held out for evaluation; None: 0.1 (without eval_path)"
-    )
-    eval_path: Path | None = Field(None, strict=False, description="eval prompts' file; then every prompt trains")
-    eval_prompts: int = Field(16, ge=1, le=1000, description="held-out prompts each evaluation samples")
-
-    @field_validator("path", "eval_path")
-    @classmethod
-    def _a_file(cls, path: Path | None) -> Path | None:
-        if path is not None and not path.is_file():
-            raise ValueError(f"no prompts file {path}")
-        return path
-
-    @model_validator(mode="after")
-    def _one_eval_split(self) -> "PromptsSection":
-        if self.eval_path is not None and self.eval_fraction is not None:
-            raise ValueError("prompts: give prompts.eval_fraction or prompts.eval_path, not both")
-        if self.eval_path is None and self.eval_fraction is None:
-            self.eval_fraction = 0.1
-        return self
-
-
         REWARD_TIMEOUT_S,
         gt=0,
         le=86_400,
@@ -368,6 +369,7 @@ class FlowTrainConfig(RunSection):
         "reference"
     )
     model: ModelSection = ModelSection()
+    prompts: PromptsSection | None = Field(None, description="prompts from a file or dataset; None: 'digit N'")
     sampling: SamplingSection = SamplingSection()
     algo: AlgoSection = AlgoSection()
     train: FlowTrainSection = FlowTrainSection()
@@ -459,7 +461,6 @@ class FlowTrainConfig(RunSection):
             "width": 8,
             "reward": "rule",
             # train.chunk_size (sample, timestep) pairs share one forward/backward
-    prompts: PromptsSection | None = Field(None, description="prompts from a file or dataset; None: 'digit N'")
             "micro_batch": max(1, self.train.chunk_size // trained),
             "priority": self.priority,
         }

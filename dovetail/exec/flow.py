@@ -48,7 +48,7 @@ from dovetail.models.diffusers_flow import load_decoder, load_flow_model
 from dovetail.models.flow_rl import accumulate_policy_gradient, commit, generate, recompute_log_probs, step_prompts
 from dovetail.models.t2i import checkpoint_weights
 from dovetail.prompts import prompt_split, train_prompts
-from dovetail.recipe import advantages_of, make_optimizer, policy_gradient, sde_settings, step_timesteps
+from dovetail.recipe import advantages_of, make_optimizer, policy_gradient, sample_timesteps, sde_settings, sde_steps
 from dovetail.rewards import load_rewards, score
 from dovetail.scenario import Scenario, prepare
 
@@ -114,6 +114,7 @@ class FlowEngines(PipelineEngines):
                 self.sde,
                 seed=config.seed,
                 shared_group_noise=config.shared_group_noise,
+                sde_steps=sde_steps(config, work.samples),
             )
             return pack(trajectories, work.samples, work.version)
         if isinstance(work, Score):
@@ -122,7 +123,8 @@ class FlowEngines(PipelineEngines):
             return Scores(ids, score(images, trajectories.prompts, config.reward, config.reward_timeout_s))
         if isinstance(work, FlowLogProbs):
             trajectories, ids = unpack(self.fetch(work.trajectories), self.sde.sigmas)
-            log_probs = recompute_log_probs(self.trainer, trajectories, work.timesteps, self.sde).cpu().numpy()
+            timesteps = self._timesteps(ids, work.units)
+            log_probs = recompute_log_probs(self.trainer, trajectories, timesteps, self.sde).cpu().numpy()
             return LogProbs(ids, list(log_probs))
         if isinstance(work, FlowTrain):
             return self._train(work)
@@ -138,19 +140,23 @@ class FlowEngines(PipelineEngines):
         for part in self.fetch(work.old_log_probs):
             for sample, log_probs in zip(part.samples, part.log_probs):
                 trajectories.log_probs[position[SampleId(*sample)]] = torch.from_numpy(log_probs).to(self.device)
-        advantages = advantages_of(self.config, rewards, [sample.prompt for sample in ids])
+        advantages = advantages_of(self.config, rewards, [sample.prompt for sample in ids], trajectories.prompts)
         sums = policy_gradient(
             self.trainer,
             trajectories.select(rows),
             advantages[rows],
-            work.timesteps,
+            self._timesteps([ids[r] for r in rows], work.units),
             self.sde,
             self.config,
             total_pairs=work.total_pairs,
             reference_model=self.reference,
             stale=work.stale,
         )
-        return Trained([ids[r] for r in rows], work.timesteps, sums)
+        return Trained([ids[r] for r in rows], work.units, sums)
+
+    def _timesteps(self, samples: list[SampleId], units: list[int]) -> list[list[int]]:
+        """Each sample's trained timesteps at positions `units` of its own list (`sample_timesteps`)."""
+        return [[sample_timesteps(self.config, sample)[u] for u in units] for sample in samples]
 
     def profile(self, samples: int, carry: Callable[[dict], dict]) -> dict[str, float]:
         return profile_work(self.trainer, self.decode, self.config, self.sde, samples, carry)
@@ -234,15 +240,11 @@ class FlowAdapter(PipelineAdapter):
     def __init__(self, config: FlowTrainConfig, first_step: int) -> None:
         super().__init__(config, first_step)
         self._prompts: dict[int, list[str]] = {}
-        self._timesteps: dict[int, list[int]] = {}
-
-    def timesteps_of(self, rl_step: int) -> list[int]:
-        if rl_step not in self._timesteps:
-            self._timesteps[rl_step] = step_timesteps(self.config, rl_step)
-        return self._timesteps[rl_step]
 
     def units_of(self, sample: SampleId) -> list[int]:
-        return self.timesteps_of(sample.step)
+        """Positions in the sample's trained timesteps (`sample_timesteps`): the engines look the timesteps up
+        from the sample's identity, so samples that train different timesteps share one train node's chunk."""
+        return list(range(self.config.trained_timesteps))
 
     def parts(self, node: Node, devices: tuple[int, ...], executor) -> list[Part]:
         step = self.rl_step(node)
@@ -267,14 +269,13 @@ class FlowAdapter(PipelineAdapter):
         trajectories = sources[Kind.GENERATE]
         if node.kind == Kind.SCORE:
             return [Part(node.id, d, Score(pipeline, refs)) for d, refs in self.spread(trajectories, devices)]
-        timesteps = self.timesteps_of(step)
+        units = list(range(self.config.trained_timesteps))
         if node.kind == Kind.LOGPROB:
             return [
-                Part(node.id, d, FlowLogProbs(pipeline, timesteps, refs))
-                for d, refs in self.spread(trajectories, devices)
+                Part(node.id, d, FlowLogProbs(pipeline, units, refs)) for d, refs in self.spread(trajectories, devices)
             ]
         if node.kind == Kind.TRAIN:
-            chunk = timesteps[node.chunk[0] : node.chunk[1]]
+            chunk = units[node.chunk[0] : node.chunk[1]]
             samples = [SampleId(step, p, i) for (_, p, i) in node.samples]
             stale = executor.state.started[(pipeline, node.step)] < node.version
             return [

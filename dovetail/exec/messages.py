@@ -49,7 +49,7 @@ class Trained:
 
     samples: list[SampleId]
     units: list[int]
-    """Flow: the trained timesteps of every sample; LM: one unit (the response)."""
+    """Flow: positions in every sample's trained timesteps; LM: one unit (the response)."""
     stats: dict[str, float]
     normaliser: float = 0.0
 
@@ -96,7 +96,8 @@ class Scores:
 class FlowLogProbs(Work):
     """Recompute the log-probs of the taken steps under the trainer's weights (the colocated baselines)."""
 
-    timesteps: list[int]
+    units: list[int]
+    """Positions in each sample's trained timesteps (`recipe.sample_timesteps`)."""
     trajectories: list[Any]
 
 
@@ -109,11 +110,12 @@ class LogProbs:
 
 @dataclass(frozen=True)
 class FlowTrain(Work):
-    """The GRPO gradient of `samples` over `timesteps`; `stale` samples (TCSS) get the decoupled correction.
-    The inputs hold whole groups, over which the advantages are computed."""
+    """The GRPO gradient of `samples` over their trained timesteps at positions `units` (of each sample's own
+    `recipe.sample_timesteps`); `stale` samples (TCSS) get the decoupled correction. The inputs hold whole groups,
+    over which the advantages are computed."""
 
     samples: list[SampleId]
-    timesteps: list[int]
+    units: list[int]
     total_pairs: int
     stale: bool
     trajectories: list[Any]

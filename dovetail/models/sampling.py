@@ -66,17 +66,27 @@ def sample_sde(
     *,
     init_noise: torch.Tensor,
     step_noise: torch.Tensor,
-    noise_level: float,
+    noise_level: float | torch.Tensor,
     kind: str,
+    cps_log_prob: str = "gaussian",
 ) -> Trajectories:
-    """Roll out the SDE from pure noise; step_noise[:, k] drives step k."""
+    """Roll out the SDE from pure noise; step_noise[:, k] drives step k, at `noise_level` (or noise_level[:, k],
+    one per sample and step)."""
     prompt_ids = model.encode_prompts(prompts)
     x = init_noise.float()
     chain, log_probs = [x], []
     for k in range(len(sigmas) - 1):
         velocity = model(x, sigmas[k].expand(x.shape[0]), prompt_ids)
+        level = noise_level if isinstance(noise_level, (int, float)) else noise_level[:, k]
         step = sde_step(
-            velocity, x, sigmas[k], sigmas[k + 1], noise_level=noise_level, kind=kind, noise=step_noise[:, k]
+            velocity,
+            x,
+            sigmas[k],
+            sigmas[k + 1],
+            noise_level=level,
+            kind=kind,
+            cps_log_prob=cps_log_prob,
+            noise=step_noise[:, k],
         )
         x = step.prev_latents
         chain.append(x)

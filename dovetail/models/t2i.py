@@ -96,8 +96,22 @@ def strict_fp32() -> None:
     torch.backends.cudnn.allow_tf32 = False
 
 
-def flow_sigmas(num_steps: int, shift: float = 1.0) -> torch.Tensor:
-    """num_steps + 1 sigmas from 1 down to 0, as diffusers' flow-matching Euler scheduler lays them."""
+SIGMA_SCHEDULES = ("diffusers", "dance_grpo")
+
+
+def flow_sigmas(num_steps: int, shift: float = 1.0, schedule: str = "diffusers") -> torch.Tensor:
+    """num_steps + 1 sigmas from 1 down to 0.
+
+    ``diffusers``: as diffusers' flow-matching Euler scheduler lays them (Flow-GRPO, verl-omni), which
+    spaces the steps down to its shifted sigma_min and shifts again: the last non-zero sigma is small
+    (0.0089 at 16 steps, shift 3). ``dance_grpo``: DanceGRPO's own, linspace(1, 0) shifted once by
+    shift * t / (1 + (shift - 1) * t): its last non-zero sigma is 0.167 there.
+    """
+    if schedule == "dance_grpo":
+        t = torch.linspace(1, 0, num_steps + 1)
+        return (shift * t) / (1 + (shift - 1) * t)
+    if schedule != "diffusers":
+        raise ValueError(f"schedule={schedule!r} is not one of {SIGMA_SCHEDULES}")
     scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
     scheduler.set_timesteps(num_steps)
     return scheduler.sigmas.float()
