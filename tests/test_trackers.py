@@ -135,3 +135,23 @@ def test_a_tracker_that_is_not_installed_is_one_line_before_any_work(tmp_path, m
         == "logger: wandb needs the wandb package: `pip install wandb`, or remove wandb from logger"
     )
     assert not out.exists()
+
+
+def test_a_language_model_run_logs_its_eval_samples_as_a_table(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from dovetail.tasks import task
+
+    lm = ["kind=lm", "task=sort", "algo.prompts_per_step=2", "algo.group_size=2", "eval.prompts=4"]
+    train(load_config(None, [*lm, "logger=[tensorboard]"]), tmp_path, steps=1)
+    (line,) = [json.loads(text) for text in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {"prefill_s", "decode_s", "score_s", "train_s", "commit_s", "grad_norm"} <= set(line)
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0}).Reload()
+    tables = {e.step: e.tensor_proto.string_val[0].decode() for e in events.Tensors("eval/samples/text_summary")}
+    assert sorted(tables) == [0, 1]
+    prompts = task("sort").prompts("eval", 10_000, 0, 4)
+    for step, table in tables.items():
+        rows = table.splitlines()[4:]
+        assert table.startswith(f"step {step}: eval reward ") and len(rows) == 4
+        assert [row.split(" | ")[0].removeprefix("| ") for row in rows] == prompts
+    assert events.Scalars("eval_reward")[-1].value == pytest.approx(line["eval_reward"], rel=1e-6)

@@ -84,8 +84,8 @@ def phase_seconds(executor: RayExecutor, pipeline: str, graph_step: int) -> dict
     """`{kind}_s`: the seconds devices spent on the step's nodes of each kind, summed over devices (the reference
     path's phase timings are the same on its one device)."""
     seconds: dict[str, float] = {}
-    for span in executor.state.trace.spans:
-        if span.pipeline == pipeline and span.step == graph_step:
+    for span in executor.state.trace.spans:  # a step's publish follows its commit: `publish_s` is another figure
+        if span.pipeline == pipeline and span.step == graph_step and span.kind != Kind.PUBLISH:
             seconds[f"{span.kind}_s"] = seconds.get(f"{span.kind}_s", 0.0) + span.end - span.start
     return dict(sorted(seconds.items()))
 

@@ -15,7 +15,7 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from dovetail.config.train import TrainConfig, pipeline_configs
+from dovetail.config.train import TrainConfig, pipeline_configs, ray_address
 from dovetail.cost.catalog import DEVICES, device
 from dovetail.cost.model import CostModel
 from dovetail.exec.interference import measure_interference
@@ -43,11 +43,12 @@ def device_bundle(config: TrainConfig) -> dict[str, float]:
 
 def start_ray(config: TrainConfig) -> None:
     """A local Ray instance (one `dovetail_device` per core, or the GPUs Ray finds), or the cluster at
-    cluster.address; either way it must hold cluster.devices devices."""
+    cluster.address or $RAY_ADDRESS (`ray_address`); either way it must hold cluster.devices devices."""
     (resource,) = device_bundle(config)
     if not ray.is_initialized():
-        if config.cluster.address:
-            ray.init(address=config.cluster.address)
+        address = ray_address(config.cluster)
+        if address:
+            ray.init(address=address)
         else:
             start_local_ray(config.cluster.devices if resource == DEVICE_RESOURCE else None)
     available = ray.cluster_resources().get(resource, 0)

@@ -6,7 +6,56 @@ switches, a migration's re-prefill delay and idle time excluded) divided by the 
 no device ever waited or switched; co-located nodes that slow each other down by less than their number
 (complementary sub-stages under the interference table) do more than one device-second of exclusive work
 per device-second, and efficiency then exceeds 1 by what multiplexing gains. A device is busy while anything runs on it,
-whatever share that node reserved; bubble = neither busy nor switching."""
+whatever share that node reserved; bubble = neither busy nor switching.
+
+Every figure a training run reports has one name and one meaning; a test holds every key of a run's
+metrics.jsonl and summary.json to this table (`<...>` stands for any name).
+
+metrics.jsonl, one line per step (Ray: only under a Ray policy; flow / LM: of that pipeline kind):
+  step                  optimizer steps done, this one included
+  reward/<name>         mean over the step's samples of each reward; reward/total of their weighted sum
+  loss                  the policy loss, mean over the step's trained pairs (flow) or tokens (LM)
+  clip_frac             share of trained pairs / tokens whose ratio the PPO clip cut
+  approx_kl             mean approximate KL between the behaviour and trained policies
+  ratio_mean            mean importance ratio (1 when on-policy)
+  ratio_min             smallest importance ratio of the step
+  ratio_max             largest importance ratio of the step
+  kl_ref                mean KL to the reference (base) model, when algo.beta > 0
+  entropy               LM: mean token entropy of the responses
+  response_tokens       LM: tokens of the step's responses
+  timesteps             flow: the denoising steps the step trained
+  grad_norm             the step's gradient norm before clipping
+  <kind>_s              seconds devices spent on the step's work of that kind (generate, prefill, decode, migrate,
+                        score, logprob, train, commit), summed over devices; policy reference: its one device's wall
+                        time
+  step_s                wall seconds of the step: since the previous step's commit (reference: its phases end to end)
+  samples_per_s         samples the step trained per wall second: its samples over step_s
+  eval_reward           on evaluation steps, the held-out total (flow: mean reward of ODE samples; LM: success rate)
+  eval/<name>           each score of that evaluation (eval/total is eval_reward)
+  eval_s                wall seconds the evaluation took (training waits for it)
+  occupancy             Ray: mean over devices of the time-weighted share of each device that running nodes reserved
+                        during the step (not efficiency: slowed and overlapping work counts in full)
+  occupancy_per_device  Ray: that share, device by device
+  staleness             Ray: versions between the weights that generated the step's samples and those that trained them
+  publish_bytes         Ray: bytes of one weight publication
+  publish_s             Ray: seconds the latest weight publication took (a step's own comes after its commit)
+  tag_decisions         Ray, digen: trainer-assisted generation decisions taken since the previous step
+
+summary.json, once per pipeline (a multiplexed run: under pipelines, and the Ray figures at the top):
+  base_eval_reward      the evaluation's total before the run's first step (a resumed run: its run's)
+  base_eval             every score of that evaluation
+  final_eval_reward     the last evaluation's total
+  steps                 the step the run ended at
+  samples_per_s         samples the run trained per wall second of its steps: all over the sum of step_s
+  efficiency            Ray: the trace's efficiency over the run, as defined above (Metrics.efficiency)
+  bubble_ratio          Ray: mean over devices of the share of the run neither busy nor switching
+  step_time_s           Ray: the trace's makespan over the steps (start-up excluded, the last publish included)
+  max_staleness         Ray: the largest staleness of any trained sample
+  restarts              Ray: workers that restarted during the run
+  device_engines        Ray: the engines each device held at the end, per pipeline
+  stopped               a pipeline whose reward failed: what it said
+  pipelines             a multiplexed run: each pipeline's summary
+"""
 
 from __future__ import annotations
 

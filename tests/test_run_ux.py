@@ -1,0 +1,262 @@
+"""What a researcher expects around a run: progress lines off a terminal, config.yaml as run, a run directory that
+refuses another run, --resume that checks the config, Ctrl-C that saves, one-line runtime errors with the traceback
+kept, one documented meaning per metric name (and the Ray policies logging what reference logs), RAY_ADDRESS, and
+the Python API with callbacks."""
+
+import errno
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import dovetail
+from dovetail.cli import app
+from dovetail.config.train import ConfigError, check_this_machine, load_config, ray_address
+from dovetail.exec import metrics as metrics_module
+from dovetail.run_dir import RunDir
+
+FAST = ["algo.prompts_per_step=4", "algo.group_size=4", "sampling.num_steps=6", "eval.per_digit=2"]
+STEP_LINE = re.compile(
+    r"^\[\d\d:\d\d:\d\d\] digits step (\d+)/(\d+) reward \d\.\d{3} eval \d\.\d{3} [\d.]+ samples/s ETA \d+:\d\d:\d\d$"
+)
+
+
+def metric_lines(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    """`dovetail train` as a batch job would run it (stdout a pipe), sent SIGINT once its second step is logged."""
+    out = tmp_path_factory.mktemp("interrupted") / "run"
+    command = [sys.executable, "-m", "dovetail.cli", "train", *FAST, "eval.every=3", "checkpoint.every=100"]
+    process = subprocess.Popen(
+        [*command, "--steps", "40", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    lines = []
+    for line in process.stdout:
+        lines.append(line.rstrip("\n"))
+        if "step 2/40" in line:
+            process.send_signal(signal.SIGINT)
+    stderr = process.stderr.read()
+    process.wait(timeout=120)
+    return out, process.returncode, lines, stderr
+
+
+def test_off_a_terminal_each_step_is_one_line_with_reward_eval_throughput_and_eta(interrupted):
+    _, _, lines, _ = interrupted
+    steps = [STEP_LINE.fullmatch(line) for line in lines]
+    assert all(steps), lines  # nothing but step lines on stdout
+    assert [int(m[1]) for m in steps] == list(range(1, len(steps) + 1)) and {m[2] for m in steps} == {"40"}
+
+
+def test_ctrl_c_saves_the_step_in_flight_and_says_how_to_resume(interrupted):
+    out, code, lines, stderr = interrupted
+    done = len(lines)
+    assert code == 130 and done >= 2, (code, stderr)
+    assert [m["step"] for m in metric_lines(out)] == list(range(1, done + 1))
+    assert [p.name for p in (out / "checkpoints").iterdir()] == [f"step_{done:06d}"]  # checkpoint.every=100
+    assert stderr.splitlines()[-1] == (
+        f"interrupted: step {done} is saved in {out / 'checkpoints' / f'step_{done:06d}'}; continue with "
+        f"`dovetail train {out / 'config.yaml'} --resume {out}`"
+    )
+    assert "Traceback" not in stderr
+    assert load_config(out / "config.yaml").train.steps == 40  # the config as run: --steps 40, not the default 200
+
+
+def test_resume_refuses_a_config_that_changes_the_run_naming_each_field(interrupted):
+    out, *_ = interrupted
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    changed = ["algo.clip_range=0.001", "seed=3", "train.steps=41"]  # train.steps may differ, the others not
+    result = CliRunner().invoke(
+        app, ["train", str(out / "config.yaml"), *changed, "--resume", str(out), "--out", str(out)]
+    )
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == (
+        f"--resume {out}: the config differs from the checkpoint's in algo.clip_range (0.0001 -> 0.001), "
+        "seed (0 -> 3); resume with the run's own config.yaml, or train afresh into another --out"
+    )
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_a_new_run_refuses_a_directory_holding_another_run(interrupted):
+    out, *_ = interrupted
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    result = CliRunner().invoke(app, ["train", *FAST, "--steps", "1", "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        f"--out {out} holds another run's checkpoints (newest {next((out / 'checkpoints').iterdir()).name}): "
+        f"continue it with --resume {out}, give another --out, or pass --overwrite (its checkpoints move to "
+        f"{out / 'superseded'})"
+    ]
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_the_run_resumes_as_the_interrupt_said_with_more_steps(interrupted):
+    """Last of the module's tests on the interrupted run: it changes it."""
+    out, _, lines, _ = interrupted
+    done = len(lines)
+    result = CliRunner().invoke(
+        app, ["train", str(out / "config.yaml"), f"train.steps={done + 1}", "--resume", str(out), "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    assert [m["step"] for m in metric_lines(out)] == list(range(1, done + 2))
+    assert load_config(out / "config.yaml").train.steps == done + 1
+
+
+def test_a_runtime_error_is_one_line_naming_cause_and_fix_with_the_traceback_in_the_run(tmp_path, monkeypatch):
+    """The disk fills while step 2 is saved: one line, exit 1, the traceback in RUN/error.log, step 1 resumable."""
+    save = RunDir.save_checkpoint
+
+    def disk_fills_at_step_2(self, step, *args, **kwargs):
+        if step == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.checkpoints))
+        return save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(RunDir, "save_checkpoint", disk_fills_at_step_2)
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["train", *FAST, "checkpoint.every=1", "--steps", "3", "--out", str(out)])
+    assert result.exit_code == 1, result.output
+    (line,) = [line for line in result.output.splitlines() if not STEP_LINE.fullmatch(line)]
+    assert line == (
+        f"no space left on the device ([Errno 28] No space left on device: '{out / 'checkpoints'}'): free space, or "
+        f"give an --out on another disk; resume from the last saved step with `dovetail train {out / 'config.yaml'} "
+        f"--resume {out}` (traceback in {out / 'error.log'})"
+    )
+    log = (out / "error.log").read_text()
+    assert log.startswith("Traceback") and "disk_fills_at_step_2" in log and "OSError" in log
+
+
+def documented_names() -> list[re.Pattern]:
+    """The names of the metric table in exec/metrics.py's docstring, as patterns (`<...>`: any name)."""
+    names = re.findall(r"^  (\S+) {2,}\S", metrics_module.__doc__, flags=re.MULTILINE)
+    return [
+        re.compile(re.escape(name).replace(re.escape("<name>"), "[a-z_]+").replace(re.escape("<kind>"), "[a-z]+"))
+        for name in names
+    ]
+
+
+def undocumented(keys) -> list[str]:
+    patterns = documented_names()
+    return sorted(k for k in keys if not any(p.fullmatch(k) for p in patterns))
+
+
+@pytest.mark.usefixtures("local_ray")
+def test_every_metric_is_documented_and_ray_logs_what_reference_logs(tmp_path):
+    from dovetail.train import train
+
+    runs = {}
+    for policy in ("reference", "colocated"):
+        config = load_config(None, FAST + [f"policy={policy}", "eval.every=100", "cluster.devices=2"])
+        runs[policy] = (train(config, tmp_path / policy, steps=2), metric_lines(tmp_path / policy))
+    (reference_summary, reference), (ray_summary, ray_lines) = runs["reference"], runs["colocated"]
+    for lines, summary in ((reference, reference_summary), (ray_lines, ray_summary)):
+        assert undocumented({k for line in lines for k in line} | set(summary)) == []
+    for line in reference:  # what the reference path logs, the Ray policies log
+        assert set(line) <= set(ray_lines[line["step"] - 1])
+    assert {"grad_norm", "reward/digit_match", "generate_s", "score_s", "train_s", "commit_s"} <= set(ray_lines[0])
+    for ours, theirs in zip(reference, ray_lines):  # same samples, same rewards; same math, same gradient
+        assert theirs["reward/digit_match"] == pytest.approx(ours["reward/digit_match"], abs=1e-6)
+        assert theirs["grad_norm"] == pytest.approx(ours["grad_norm"], rel=1e-4)
+        assert theirs["timesteps"] == ours["timesteps"]
+        assert all(theirs[k] > 0 for k in ("generate_s", "score_s", "train_s", "commit_s", "step_s"))
+    # summary.json's samples/s is the steps' samples over their seconds, the same figure as each step's
+    samples = sum(m["samples_per_s"] * m["step_s"] for m in ray_lines)
+    assert ray_summary["samples_per_s"] == pytest.approx(samples / sum(m["step_s"] for m in ray_lines))
+    assert "run_samples_per_s" not in ray_summary and "efficiency" not in ray_lines[0]
+
+
+def test_ray_address_is_read_from_the_environment_unless_the_config_names_one(monkeypatch):
+    config = load_config(None, ["policy=digen", "cluster.devices=64"])
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert ray_address(config.cluster) is None  # a local instance of its own, whatever runs on the machine
+    with pytest.raises(ConfigError, match="cluster.devices=64: this machine has"):
+        check_this_machine(config)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert ray_address(config.cluster) == "10.0.0.1:6379"
+    check_this_machine(config)  # the cluster's devices, not this machine's
+    named = load_config(None, ["policy=digen", "cluster.address=ray://head:10001"])
+    assert ray_address(named.cluster) == "ray://head:10001"
+    monkeypatch.setenv("RAY_ADDRESS", "not an address")
+    with pytest.raises(ConfigError, match=r"^RAY_ADDRESS: 'not an address' is not a Ray address: give host:port"):
+        ray_address(config.cluster)
+
+
+def test_start_ray_joins_the_cluster_of_ray_address(monkeypatch):
+    """start_ray hands $RAY_ADDRESS to ray.init (caught there: no cluster is started); unset, it starts its own."""
+    import ray
+
+    from dovetail.exec import launch
+
+    class Joined(Exception):
+        pass
+
+    def init(**options):
+        raise Joined(options)
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    config = load_config(None, ["policy=digen"])
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    with pytest.raises(Joined) as joined:
+        launch.start_ray(config)
+    assert joined.value.args[0] == {"address": "10.0.0.1:6379"}
+    monkeypatch.delenv("RAY_ADDRESS")
+    with pytest.raises(Joined) as local:
+        launch.start_ray(config)
+    assert local.value.args[0]["address"] == "local"
+
+
+class Recorder:
+    def __init__(self):
+        self.steps, self.evaluations = [], []
+
+    def on_step(self, metrics, pipeline):
+        self.steps.append((pipeline, metrics))
+
+    def on_eval(self, evaluation, pipeline):
+        self.evaluations.append((pipeline, evaluation))
+
+
+def test_the_python_api_trains_a_config_dict_with_callbacks(tmp_path):
+    import dovetail.train  # noqa: F401 - the module takes the package's name `train`, and still trains when called
+
+    recorder = Recorder()
+    tree = {"algo": {"prompts_per_step": 4, "group_size": 4}, "sampling": {"num_steps": 6}, "eval": {"per_digit": 2}}
+    summary = dovetail.train(tree, out=tmp_path / "api", steps=2, callbacks=[recorder], overrides=["logger=[]"])
+    assert summary == json.loads((tmp_path / "api" / "summary.json").read_text())
+    assert [metrics for _, metrics in recorder.steps] == metric_lines(tmp_path / "api")
+    assert [(pipeline, e.step) for pipeline, e in recorder.evaluations] == [("digits", 0), ("digits", 2)]
+    assert recorder.evaluations[0][1].scores["total"] == summary["base_eval_reward"]
+    assert recorder.evaluations[-1][1].scores["total"] == summary["final_eval_reward"]
+    assert recorder.evaluations[-1][1].image.read_bytes()[:4] == b"\x89PNG"
+    assert tree == {
+        "algo": {"prompts_per_step": 4, "group_size": 4},
+        "sampling": {"num_steps": 6},
+        "eval": {"per_digit": 2},
+    }
+
+
+def test_the_python_api_simulates_a_shipped_scenario():
+    result = dovetail.simulate("jigsaw-qwen3-4b-8xh100", ["verl-sync", "jigsaw"], steps=2)
+    assert list(result["policies"]) == ["verl-sync", "jigsaw"]
+    assert result["policies"]["verl-sync"]["speedup"] == 1.0
+    assert all(row["samples_per_s"] > 0 for row in result["policies"].values())
+
+
+def test_logger_console_off_prints_nothing(tmp_path):
+    env = os.environ | {"PYTHONPATH": str(Path(__file__).parent.parent)}
+    result = subprocess.run(
+        [sys.executable, "-m", "dovetail.cli", "train", *FAST, "logger=[]", "--steps", "1", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1].startswith("eval reward ") and len(result.stdout.splitlines()) == 1
