@@ -1,485 +1,869 @@
-"""The reference RL loop (`policy: reference`): one process, no Ray, every step in order.
+"""The training run's typed config: YAML file plus dotted overrides, validated before any work.
 
-prompts -> G samples per prompt (SDE) -> rewards -> advantages -> train the selected timesteps
-(batched) -> one optimizer step. Every other policy must reproduce these parameters.
-"""
+One schema per run, chosen by `kind`: `flow` (a text-to-image flow model, the default), `lm` (a causal language
+model on a verifiable task), or `multiplex` (several flow / lm pipelines sharing one pool of devices, each entry
+of `pipelines` a flow or lm config of its own). Each derives the planner's scenario itself (`scenario(steps)`),
+without torch, so the simulator, the dry run and the replay of a run plan from the very config that trains.
 
-import signal
-import sys
-import threading
-import time
+Every number is bounded: floats finite, sizes below maxima that keep a run's allocations (and the planner's
+simulation) sane, each bound's reason in its description. Types are strict: `true` is not the number 1, nor "8"
+the number 8 (an int is a float). Every way a config can be wrong is a ConfigError: one line per problem, naming the
+file or the field and what it allows."""
+
+import json
+import math
+import os
+import re
 from pathlib import Path
+from typing import Annotated, Any, Literal
 
-import torch
-
-from dovetail.config.train import (
-    FlowTrainConfig,
-    LMTrainConfig,
-    MultiplexConfig,
-    PipelineConfig,
-    TrainConfig,
-    dump_config,
-    parse_config,
-    pipeline_configs,
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StringConstraints,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
 )
-from dovetail.exec.driver import train_on_ray
-from dovetail.exec.lm import LMEngines, encode_prompts, lm_step_metrics, sampling_params, success_rate, task_prompts
-from dovetail.exec.messages import Decode, LMLogProbs, LMTrain, Prefill, Score
-from dovetail.exec.pipeline import weights_of
-from dovetail.graph.node import SampleId
-from dovetail.models.diffusers_flow import checkpoint_io, load_decoder, load_flow_model
-from dovetail.models.engine import Request, TorchEngine
-from dovetail.models.flow_rl import commit, generate, group_sample_ids, step_prompts
-from dovetail.models.lm import load_lm, save_lm
-from dovetail.models.pretrain import latents_to_images
-from dovetail.prompts import train_prompts
-from dovetail.recipe import advantages_of, evaluate, make_optimizer, policy_gradient, sde_settings, step_timesteps
-from dovetail.rewards import RewardError, score
-from dovetail.rewards.text import score_text
-from dovetail.run_dir import RunDir, check_resumable, check_run_directory, load_checkpoint
+
+from dovetail.cost.catalog import device
+from dovetail.graph.spec import MAX_DEVICES, MAX_SAMPLES
+from dovetail.rewards import REWARD_TIMEOUT_S, check_reward_names
+from dovetail.rewards.text import text_reward_fn
+from dovetail.scenario import (
+    MAX_SIMULATED_STEPS,
+    Scenario,
+    check_pools,
+    clip,
+    parse_scenario,
+    parse_yaml,
+    problem_lines,
+    problem_report,
+    read_yaml,
+)
 from dovetail.tasks import task
-from dovetail.trackers import Evaluation, RunProgress, Tracker, check_installed, open_trackers, scalars
+
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CHECKPOINT = PACKAGE_ROOT / "assets" / "digits-t2i"
+
+MAX_STEPS = 10**7
+"""Steps of a run, and of anything counted in steps (eval, checkpoints): far beyond any run, finite."""
+
+MAX_PER_STEP = 256
+"""Prompts per step, and samples per prompt: 256 x 256 is the planner's MAX_SAMPLES."""
+
+Seed = Annotated[int, Field(ge=0, lt=2**63, description="a non-negative 63-bit seed")]
+
+RewardWeights = dict[
+    Annotated[str, StringConstraints(max_length=120)],
+    Annotated[float, Field(ge=-1000, le=1000)],
+]
+"""Reward name (a built-in, or module:function) -> weight: finite, at most 1000 either way (only the weights'
+ratios matter once advantages are standardised)."""
 
 
-def rl_step(
-    model, optimizer, config: FlowTrainConfig, step: int, reference_model=None, decode=latents_to_images
-) -> dict:
-    """One on-policy step of the reference path; returns its metrics. `decode` turns latents into the images the
-    rewards score."""
-    sde = sde_settings(config)
-    algo = config.algo
-    timings = {}
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
-    start = time.perf_counter()
-    prompts = step_prompts(config.seed, step, algo.prompts_per_step, train_prompts(config))
-    ids = group_sample_ids(step, list(range(algo.prompts_per_step)), algo.group_size)
-    sample_prompts = [prompts[s.prompt] for s in ids]
-    trajectories = generate(
-        model, sample_prompts, ids, sde, seed=config.seed, shared_group_noise=config.shared_group_noise
+
+DIFFUSERS_TRANSFORMERS = ("SD3Transformer2DModel",)
+"""Flow transformers `model.path` loads (dovetail.models.diffusers_flow)."""
+
+
+class LoraSection(Section):
+    """A peft LoRA adapter on the transformer: only the adapter trains, is published and checkpointed."""
+
+    rank: int = Field(8, ge=1, le=1024, description="r: the adapter's rank")
+    alpha: float | None = Field(None, gt=0, le=10_000, description="lora_alpha (scale alpha / rank); None: rank")
+    target_modules: list[Annotated[str, StringConstraints(min_length=1, max_length=200)]] = Field(
+        default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"],
+        min_length=1,
+        max_length=64,
+        description="names (suffixes) of the transformer's linear layers that get an adapter",
     )
-    timings["generate_s"] = time.perf_counter() - start
 
-    start = time.perf_counter()
-    rewards = score(decode(trajectories.images), sample_prompts, config.reward, config.reward_timeout_s)
-    advantages = advantages_of(config, rewards["total"], [s.prompt for s in ids])
-    timings["score_s"] = time.perf_counter() - start
 
-    start = time.perf_counter()
-    timesteps = step_timesteps(config, step)
-    total_pairs = config.pairs_per_step
-    sums = policy_gradient(
-        model,
-        trajectories,
-        advantages,
-        timesteps,
-        sde,
-        config,
-        total_pairs=total_pairs,
-        reference_model=reference_model,
+class ModelSection(Section):
+    checkpoint: Path | None = Field(
+        None,
+        strict=False,
+        description="the built-in model's directory (model.safetensors + config.json); None: the shipped digits model",
     )
-    timings["train_s"] = time.perf_counter() - start
+    path: Path | None = Field(
+        None,
+        strict=False,
+        description="a diffusers directory (save_pretrained layout): a pipeline, or transformer/ with "
+        "prompt_embeds.safetensors",
+    )
+    lora: LoraSection | None = Field(None, description="train a LoRA adapter of model.path's transformer")
+    max_sequence_length: int = Field(
+        256, ge=1, le=4096, description="T5 tokens of an SD3 pipeline's prompt encoding (its encode_prompt's)"
+    )
 
-    start = time.perf_counter()
-    grad_norm = commit(model, optimizer, config.train.max_grad_norm)
-    timings["commit_s"] = time.perf_counter() - start
-
-    step_seconds = sum(timings.values())
-    metrics = {f"reward/{name}": float(values.mean()) for name, values in rewards.items()}
-    metrics |= {
-        name: value if name in ("ratio_min", "ratio_max") else value / total_pairs for name, value in sums.items()
-    }
-    metrics |= timings | {"grad_norm": grad_norm, "timesteps": timesteps}
-    return metrics | {"samples_per_s": len(ids) / step_seconds, "step_s": step_seconds}
-
-
-class StepLog:
-    """What happens after every optimizer step of a pipeline, whoever ran it: metrics, evaluation, checkpoints,
-    trackers, progress, callbacks; and the pipeline's summary.json when the run ends."""
-
-    def __init__(
-        self,
-        run: RunDir,
-        config: PipelineConfig,
-        local,
-        last_step: int,
-        state: dict,
-        progress: RunProgress,
-        trackers: list[Tracker],
-        callbacks: list,
-    ):
-        """`local` is the pipeline's model in this process (`FlowLocal`, `LMLocal`): what is evaluated and saved;
-        `state` the run's evaluations so far (a checkpoint's state.json, or the base evaluation of a fresh run)."""
-        self.run, self.config, self.local = run, config, local
-        self.model, self.optimizer = local.model, local.optimizer
-        self.last_step = last_step
-        self.summary = {"base_eval_reward": state["base_eval"]["total"], "base_eval": state["base_eval"]}
-        self.eval_reward = state["eval_reward"]
-        self.recorded = self.saved = state["step"]
-        """The last step recorded, and the last one saved: Ctrl-C saves the one if it is not the other."""
-        self.samples = self.seconds = 0.0
-        self.progress, self.trackers, self.callbacks = progress, trackers, callbacks
-        self.interrupted = False
-
+    @field_validator("checkpoint")
     @classmethod
-    def open(
-        cls,
-        config: PipelineConfig,
-        run: RunDir,
-        resume: Path | None,
-        last_step: int,
-        progress: RunProgress,
-        callbacks: list,
-    ):
-        """The pipeline's model: fresh, evaluated once before its first step, or from a checkpoint, whose state.json
-        holds the run's base and latest evaluations (a resumed run reports the base its run started from) and its
-        config (which must allow this run's, `check_resumable`). Returns the log and the number of steps done."""
-        name = config.pipeline_name
-        progress.phase(name, "loading the model")
-        local = FlowLocal(config) if config.kind == "flow" else LMLocal(config)
-        state = None if resume is None else load_checkpoint(resume, local.model, local.optimizer, local.load_weights)
-        if state is not None and "config" in state:
-            check_resumable(state["config"], config.model_dump(mode="json"), resume)
-        run.begin(None if state is None else state["step"])
-        run.write_config(dump_config(config))
-        trackers = open_trackers(config.logger, run.path, name, config.model_dump(mode="json"))
-        base = None
-        if state is None:
-            progress.phase(name, "evaluating the base model")
-            base = local.evaluate(run, "eval_base.png", 0)
-            state = {"step": 0, "base_eval": base.scores, "eval_reward": base.scores["total"]}
-        log = cls(run, config, local, last_step, state, progress, trackers, callbacks)
-        if base is not None:
-            log._report_evaluation(base, {})
-        progress.start_at(name, state["step"], log.eval_reward)
-        return log, state["step"]
+    def _not_diffusers(cls, checkpoint: Path | None) -> Path | None:
+        if checkpoint is not None and (
+            (checkpoint / "model_index.json").is_file() or (checkpoint / "transformer" / "config.json").is_file()
+        ):
+            raise ValueError(f"{checkpoint} is a diffusers directory: give it as model.path")
+        if checkpoint is not None and "_class_name" in _json_or_empty(checkpoint / "config.json"):
+            raise ValueError(
+                f"{checkpoint} is a diffusers model directory: give the directory that holds it as transformer/ "
+                "as model.path"
+            )
+        return checkpoint
 
-    def checkpoint(self, done: int, extra: dict | None = None) -> Path:
-        """Save step `done` with the run's base and latest evaluations, which a run resumed from it reports, and
-        the config that trained it, which the resumed run's must match (`check_resumable`)."""
-        state = {"base_eval": self.summary["base_eval"], "eval_reward": self.eval_reward}
-        state |= {"config": self.config.model_dump(mode="json")} | (extra or {})
-        self.saved = done
-        return self.run.save_checkpoint(done, self.model, self.optimizer, state, self.local.save_weights)
+    @field_validator("path")
+    @classmethod
+    def _diffusers_layout(cls, path: Path | None) -> Path | None:
+        problem = None if path is None else diffusers_layout_problem(path)
+        if problem:
+            raise ValueError(problem)
+        return path
 
-    def stop(self, done: int, error: RewardError) -> str:
-        """Save step `done`, the last one completed, of a run whose reward failed; returns what to tell the user."""
-        checkpoint = self.checkpoint(done)
-        return (
-            f"{error}; pipeline {self.config.pipeline_name} stopped, its last completed step is saved in {checkpoint}: "
-            f"fix the reward and resume with `dovetail train {self.run.path / 'config.yaml'} --resume {self.run.path}`"
-        )
-
-    def needs_weights(self, done: int) -> bool:
-        """Whether step `done` evaluates or checkpoints (the Ray driver then fetches the trainer state)."""
-        return self._eval_due(done) or self._save_due(done) or self.interrupted
-
-    def _eval_due(self, done: int) -> bool:
-        return done % self.config.eval.every == 0 or done == self.last_step
-
-    def _save_due(self, done: int) -> bool:
-        return done % self.config.checkpoint.every == 0 or done == self.last_step
-
-    def record(self, done: int, metrics: dict, checkpoint_extra: dict | None = None) -> None:
-        metrics = {"step": done} | metrics
-        self.samples += metrics["samples_per_s"] * metrics["step_s"]
-        self.seconds += metrics["step_s"]
-        evaluation = None
-        if self._eval_due(done):
-            start = time.perf_counter()
-            evaluation = self.local.evaluate(self.run, "eval_latest.png", done)
-            self.eval_reward = evaluation.scores["total"]
-            metrics |= {"eval_reward": self.eval_reward, "eval_s": time.perf_counter() - start}
-            metrics |= {f"eval/{name}": value for name, value in evaluation.scores.items()}
-        self.run.append_metrics(metrics)
-        self.recorded = done
-        if self._save_due(done):
-            self.checkpoint(done, checkpoint_extra)
-        for tracker in self.trackers:
-            tracker.log(done, scalars(metrics))
-        for callback in self.callbacks:
-            if hasattr(callback, "on_step"):
-                callback.on_step(metrics, self.config.pipeline_name)
-        if evaluation is not None:
-            self._report_evaluation(evaluation, metrics)
-        self.progress.step(self.config.pipeline_name, done, self.last_step, metrics, self.eval_reward)
-
-    def _report_evaluation(self, evaluation: Evaluation, metrics: dict) -> None:
-        """An evaluation to the trackers (the base one, at step 0, with its scores as a step's would be) and the
-        callbacks."""
-        if evaluation.step == 0:
-            values = {"eval_reward": evaluation.scores["total"]}
-            values |= {f"eval/{name}": value for name, value in evaluation.scores.items()}
-            for tracker in self.trackers:
-                tracker.log(0, values)
-        for tracker in self.trackers:
-            tracker.log_evaluation(evaluation)
-        for callback in self.callbacks:
-            if hasattr(callback, "on_eval"):
-                callback.on_eval(evaluation, self.config.pipeline_name)
-
-    def finish(self, extra: dict | None = None) -> dict:
-        """The pipeline's summary.json: its evaluations before and after, and its throughput over its steps."""
-        samples_per_s = self.samples / self.seconds if self.seconds else 0.0
-        self.summary |= {"final_eval_reward": self.eval_reward, "steps": self.last_step, "samples_per_s": samples_per_s}
-        self.summary |= extra or {}
-        self.run.write_summary(self.summary)
-        self.close()
-        return self.summary
-
-    def close(self, failed: bool = False) -> None:
-        for tracker in self.trackers:
-            tracker.close(failed)
-        self.trackers = []
+    @model_validator(mode="after")
+    def _one_model(self) -> "ModelSection":
+        if self.path is not None and self.checkpoint is not None:
+            raise ValueError("model: give model.path (a diffusers directory) or model.checkpoint, not both")
+        if self.lora is not None and self.path is None:
+            raise ValueError("model.lora: LoRA trains a diffusers model; give its directory as model.path")
+        if self.path is None:
+            self.checkpoint = DEFAULT_CHECKPOINT
+        return self
 
 
-class FlowLocal:
-    """A flow run's model in this process: the reference loop trains it; evaluations and checkpoints read it."""
-
-    def __init__(self, config: FlowTrainConfig) -> None:
-        self.config = config
-        self.model = load_flow_model(config)
-        self.decode = load_decoder(config)
-        self.optimizer = make_optimizer(self.model, config)
-        self.save_weights, self.load_weights = checkpoint_io(config, self.model)
-        self._reference_model = None
-
-    def evaluate(self, run: RunDir, grid: str, step: int) -> Evaluation:
-        """ODE samples on the held-out seeds, drawn as one grid image."""
-        scores, images, prompts = evaluate(self.model, self.config, self.decode)
-        run.save_eval_grid(images, prompts, grid)
-        return Evaluation(step, scores, image=run.path / grid)
-
-    def rl_step(self, step: int) -> dict:
-        if self.config.algo.beta > 0 and self._reference_model is None:
-            self._reference_model = load_flow_model(self.config).requires_grad_(False)
-        return rl_step(self.model, self.optimizer, self.config, step, self._reference_model, self.decode)
-
-
-class LMLocal:
-    """A language-model run's engines in this process (trainer, rollout engine, rewards)."""
-
-    def __init__(self, config: LMTrainConfig) -> None:
-        self.config = config
-        self.engines = LMEngines(config, torch.device("cpu"), True, None)
-        self.model, self.optimizer = self.engines.trainer, self.engines.optimizer
-
-    def evaluate(self, run: RunDir, grid: str, step: int) -> Evaluation:
-        scores, samples = lm_evaluate(self.engines, self.config)
-        return Evaluation(step, scores, samples=samples)
-
-    def rl_step(self, step: int) -> dict:
-        return lm_rl_step(self.engines, self.config, step)
-
-    def save_weights(self, directory: Path) -> None:
-        save_lm(self.engines.trainer, self.engines.tokenizer, self.engines.lm_config, directory)
-
-    @staticmethod
-    def load_weights(directory: Path):
-        return load_lm(directory)[0]
-
-
-def train(
-    config: TrainConfig,
-    out: Path,
-    *,
-    steps: int | None = None,
-    resume: Path | None = None,
-    overwrite: bool = False,
-    callbacks: list = (),
-    after_start=None,
-    after_part=None,
-) -> dict:
-    """Train every pipeline of the run to `steps` (default config.train.steps) under config.policy; returns the
-    summary. A multiplexed run keeps each pipeline in its own sub-directory of `out` (and resumes each from there).
-
-    Before any work: every tracker of `logger` is installed (`TrackerMissing`), and `out` holds no other run's
-    checkpoints unless `overwrite` (`RunDirInUse`; overwritten checkpoints move to out/superseded/). config.yaml
-    records the config as run, `steps` included. Ctrl-C stops after the step in flight, saves it and raises
-    `RunInterrupted` saying how to resume. `callbacks`: objects with `on_step(metrics, pipeline)` and / or
-    `on_eval(evaluation, pipeline)` (`dovetail.trackers.Evaluation`). `after_start` / `after_part` are the Ray
-    runtime's fault-injection hooks, for tests."""
-    torch.set_num_threads(1)
-    config = with_steps(config, steps if steps is not None else config.train.steps)
-    last_step = config.train.steps
-    multiplexed = isinstance(config, MultiplexConfig)
-    pipelines = pipeline_configs(config)
-    check_installed(sorted({logger for pipeline in pipelines.values() for logger in pipeline.logger}))
-    out = Path(out)
-    paths = {name: out / name if multiplexed else out for name in pipelines}
-    resumes = {
-        name: None if resume is None else (Path(resume) / name if multiplexed else Path(resume)) for name in paths
-    }
-    for name, path in paths.items():
-        check_run_directory(path, resumes[name], overwrite)
-    root = RunDir(out)
-    console = any("console" in pipeline.logger for pipeline in pipelines.values())
-    logs = {}
+def _json_or_empty(path: Path) -> dict:
     try:
-        with RunProgress(console) as progress, Interrupt() as interrupt:
-            for name in pipelines:
-                progress.add(name, last_step)
-            first_steps = {}
-            for name, pipeline in pipelines.items():
-                run = RunDir(paths[name]) if multiplexed else root
-                logs[name], first_steps[name] = StepLog.open(
-                    pipeline, run, resumes[name], last_step, progress, list(callbacks)
-                )
-            if multiplexed:
-                root.write_config(dump_config(config))
+        loaded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
 
-            def after_record() -> None:
-                """Stop here, saved, once Ctrl-C was pressed and every pipeline has recorded the same step."""
-                for log in logs.values():
-                    log.interrupted = interrupt.requested
-                if interrupt.requested and len({log.recorded for log in logs.values()}) == 1:
-                    raise RunInterrupted(_interrupted(logs, root, multiplexed))
 
-            if config.policy == "reference":
-                (log,) = logs.values()
-                for step in range(first_steps[log.config.pipeline_name], last_step):
-                    try:
-                        metrics = log.local.rl_step(step)
-                    except RewardError as error:  # the step changed nothing yet: its reward comes before training
-                        raise RewardError(log.stop(step, error)) from error
-                    log.record(step + 1, metrics)
-                    after_record()
-                run_figures = {}
-            else:
-                run_figures = train_on_ray(
-                    config,
-                    logs,
-                    first_steps,
-                    last_step,
-                    after_record=after_record,
-                    after_start=after_start,
-                    after_part=after_part,
-                )
-    except BaseException as error:
-        for log in logs.values():
-            log.close(failed=not isinstance(error, RunInterrupted))
-        raise
-    if not multiplexed:
-        return next(iter(logs.values())).finish(run_figures)
-    stopped = run_figures.get("stopped", {})
-    summary = {
-        "pipelines": {
-            name: log.finish({"stopped": stopped[name]} if name in stopped else {}) for name, log in logs.items()
+def diffusers_layout_problem(path: Path) -> str | None:
+    """What a `model.path` directory lacks, in one line naming it; None when the model can load from it."""
+    if not path.is_dir():
+        return f"{path} is not a directory; give a diffusers pipeline directory (save_pretrained layout)"
+    transformer = _json_or_empty(path / "transformer" / "config.json")
+    if not transformer:
+        return f"{path} has no transformer/config.json: not a diffusers pipeline directory (save_pretrained layout)"
+    if transformer.get("_class_name") not in DIFFUSERS_TRANSFORMERS:
+        return (
+            f"{path / 'transformer'} holds a {transformer.get('_class_name')!r}; model.path loads "
+            f"{', '.join(DIFFUSERS_TRANSFORMERS)}"
+        )
+    index = _json_or_empty(path / "model_index.json")
+    if not index and not (path / "prompt_embeds.safetensors").is_file():
+        return f"{path} has neither model_index.json with text encoders nor prompt_embeds.safetensors"
+    for name, entry in index.items():
+        if isinstance(entry, list) and entry[:1] != [None] and not (path / name).is_dir():
+            return f"{path / 'model_index.json'} lists {name}, and {path} has no {name}/"
+    if not (path / "vae").is_dir() and transformer.get("in_channels") not in (1, 3):
+        return f"{path} has no vae/ to decode the transformer's {transformer.get('in_channels')}-channel latents"
+    return None
+
+
+class SamplingSection(Section):
+    num_steps: int = Field(10, ge=2, le=1000, description="denoising steps K")
+    noise_level: float | None = Field(
+        None,
+        gt=0,
+        le=10,
+        description="SDE noise: a of Flow-GRPO (default 1.0), constant eta of DanceGRPO (default 0.5); beyond a "
+        "few the samples are noise, and at most 10 the SDE's arithmetic stays finite",
+    )
+    sde_kind: Literal["flow_grpo", "cps"] = Field("flow_grpo", description="SDE of algorithm flow_grpo")
+    shift: float = Field(
+        1.0, gt=0, le=100, description="sigma schedule shift of the flow-matching scheduler (SD3 uses 3)"
+    )
+
+
+class AlgoSection(Section):
+    prompts_per_step: int = Field(8, ge=1, le=MAX_PER_STEP, description="B: prompts per step")
+    group_size: int = Field(8, ge=2, le=MAX_PER_STEP, description="G: samples per prompt")
+    timestep_fraction: float = Field(0.5, gt=0, le=1, description="share of the K-1 trainable steps trained")
+    clip_range: float = Field(1e-4, gt=0, le=1, description="PPO clip of the ratio: 1 +- clip_range")
+    beta: float = Field(0.0, ge=0, le=100, description="weight of the KL to the base model")
+    std_scope: Literal["group", "global", "none"] = "group"
+    adv_clip: float = Field(5.0, gt=0, le=1000, description="clip of the (standardised) advantages")
+    stale_max_weight: float = Field(
+        2.0, ge=1, le=1000, description="truncation of pi_prox/pi_behaviour for TCSS's stale samples"
+    )
+
+
+class TrainSection(Section):
+    steps: int = Field(200, ge=1, le=MAX_STEPS)
+    lr: float = Field(1e-4, gt=0, le=1, description="Adam's learning rate: beyond 1 every step diverges")
+    weight_decay: float = Field(
+        0.0, ge=0, le=1, description="AdamW's decoupled decay: at most 1, so lr x weight_decay only shrinks weights"
+    )
+    max_grad_norm: float = Field(1.0, gt=0, le=1e4)
+
+
+class FlowTrainSection(TrainSection):
+    chunk_size: int = Field(
+        128, ge=1, le=MAX_SAMPLES, description="(sample, timestep) pairs per batched forward/backward"
+    )
+
+
+class EvalSection(Section):
+    every: int = Field(25, ge=1, le=MAX_STEPS, description="evaluate every N steps (and at the start and end)")
+    per_digit: int = Field(
+        8,
+        ge=1,
+        le=1000,
+        description="held-out ODE samples per eval prompt: each digit's, or each of prompts.eval_prompts (at most "
+        "1000: every eval generates them all)",
+    )
+
+    seed: Seed = 10_000
+
+
+class PromptsSection(Section):
+    """The run's prompts from a file or dataset (dovetail.prompts): one per line (.txt), a field of JSON lines
+    (.jsonl), of a JSON list (.json), or of a table `datasets` reads (.parquet, .csv); split into train and eval by a
+    hash of each prompt's text (eval_fraction), or the eval prompts from a file of their own (eval_path)."""
+
+    path: Path = Field(strict=False, description="the prompts file")
+    field: str = Field("prompt", min_length=1, max_length=200, description="the prompt's field in a record")
+    eval_fraction: float | None = Field(
+        None, gt=0, lt=1, description="share of the prompts held out for evaluation; None: 0.1 (without eval_path)"
+    )
+    eval_path: Path | None = Field(None, strict=False, description="eval prompts' file; then every prompt trains")
+    eval_prompts: int = Field(16, ge=1, le=1000, description="held-out prompts each evaluation samples")
+
+    @field_validator("path", "eval_path")
+    @classmethod
+    def _a_file(cls, path: Path | None) -> Path | None:
+        if path is not None and not path.is_file():
+            raise ValueError(f"no prompts file {path}")
+        return path
+
+    @model_validator(mode="after")
+    def _one_eval_split(self) -> "PromptsSection":
+        if self.eval_path is not None and self.eval_fraction is not None:
+            raise ValueError("prompts: give prompts.eval_fraction or prompts.eval_path, not both")
+        if self.eval_path is None and self.eval_fraction is None:
+            self.eval_fraction = 0.1
+        return self
+
+
+class CheckpointSection(Section):
+    every: int = Field(50, ge=1, le=MAX_STEPS, description="save every N steps (and at the end)")
+
+
+RAY_ADDRESS = re.compile(r"(ray://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?):(?P<port>[0-9]{1,5})")
+"""host:port or ray://host:port, the host a name, an IPv4 address or a bracketed IPv6 address."""
+
+
+class ClusterSection(Section):
+    """Where the Ray runtime (every policy but `reference`) runs."""
+
+    devices: int = Field(2, ge=1, le=MAX_DEVICES, description="devices (DeviceWorker actors): GPUs, or CPU cores here")
+    device: str = Field(
+        "cpu-core",
+        max_length=100,
+        description="device type in the cost model's catalogue (H100, H200, cpu-core...)",
+    )
+    address: str | None = Field(
+        None,
+        description="Ray cluster address (host:port, ray://host:port, or auto); None starts a local Ray instance",
+    )
+
+    @field_validator("device")
+    @classmethod
+    def known_device(cls, name: str) -> str:
+        device(name)
+        return name
+
+    @field_validator("address")
+    @classmethod
+    def _ray_address(cls, address: str | None) -> str | None:
+        if address is None or address == "auto":
+            return address
+        match = RAY_ADDRESS.fullmatch(address)
+        if match is None or not 0 < int(match["port"]) < 65536:
+            raise ValueError(
+                f"{clip(repr(address))} is not a Ray address: give host:port (e.g. 10.0.0.1:6379), "
+                "ray://host:port, or auto"
+            )
+        return address
+
+
+class RuntimeSection(Section):
+    """How the Ray runtime cuts the step, where the policy should not choose."""
+
+    fragments: int | None = Field(
+        None, ge=1, le=MAX_PER_STEP, description="GAP fragments M (whole groups); None: the policy's choice"
+    )
+    tsp_chunk: int | None = Field(
+        None, ge=1, le=1000, description="timesteps per train node; None: the policy's choice"
+    )
+    trainer_devices: int | None = Field(
+        None, ge=1, le=MAX_DEVICES, description="trainer pool of disaggregated policies"
+    )
+    trainer_group: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_DEVICES,
+        description="devices of one trainer group (1: each device trains whole train nodes); None: the policy's "
+        "choice from the profiled costs. Fixing the cut (with fragments and tsp_chunk) makes runs bitwise repeatable",
+    )
+    reward_devices: int = Field(
+        0, ge=0, le=MAX_DEVICES, description="devices that only score (for a reward model); 0: rollout devices score"
+    )
+    tag: Literal["auto", "off", "force"] = Field(
+        "auto",
+        description="digen's trainer-assisted generation: where it predicts a gain, never, or whenever a trainer idles",
+    )
+    profile_samples: int = Field(
+        32, ge=1, le=1024, description="samples in the start-up profile that seeds the cost model"
+    )
+
+
+TRACKERS = ("console", "tensorboard", "wandb", "mlflow")
+"""Experiment trackers a run can report to: the progress display, and three tracking services' local stores."""
+
+MULTIPLEXING_POLICIES = ("jigsaw", "jigsaw-greedy")
+"""Policies that fit several pipelines' sub-stages together on one pool; either runs a pipeline alone too."""
+
+
+class RunSection(Section):
+    """What every pipeline's run config has: a name, a seed, the optimizer loop, checkpoints, the cluster."""
+
+    name: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_-]+$",
+        max_length=64,
+        description="the pipeline's name (node ids, run sub-directory, trace colour); None: the task, or 'digits'",
+    )
+    priority: float = Field(1.0, gt=0, le=1000, description="weight of this pipeline's step latency when multiplexed")
+    reward_timeout_s: float = Field(
+        REWARD_TIMEOUT_S,
+        gt=0,
+        le=86_400,
+        description="seconds one reward may take on one batch before the run stops (saved) instead of hanging",
+    )
+    seed: Seed = 0
+    train: TrainSection = TrainSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    cluster: ClusterSection = ClusterSection()
+    logger: list[Literal[TRACKERS]] = Field(
+        default_factory=lambda: ["console"],
+        max_length=len(TRACKERS),
+        description="where each step's metrics and every evaluation go besides metrics.jsonl (dovetail.trackers)",
+    )
+
+
+class FlowTrainConfig(RunSection):
+    """A FlowGRPO / DanceGRPO run of a text-to-image flow model."""
+
+    kind: Literal["flow"] = "flow"
+    algorithm: Literal["flow_grpo", "dance_grpo"] = "flow_grpo"
+    policy: Literal["reference", "colocated", "disaggregated", "digen", "digen+tcss", *MULTIPLEXING_POLICIES] = (
+        "reference"
+    )
+    model: ModelSection = ModelSection()
+    prompts: PromptsSection | None = Field(None, description="prompts from a file or dataset; None: 'digit N'")
+    sampling: SamplingSection = SamplingSection()
+    algo: AlgoSection = AlgoSection()
+    train: FlowTrainSection = FlowTrainSection()
+    reward: RewardWeights = Field(default_factory=lambda: {"digit_match": 1.0})
+    eval: EvalSection = EvalSection()
+    runtime: RuntimeSection = RuntimeSection()
+
+    @field_validator("reward")
+    @classmethod
+    def _known_rewards(cls, weights: dict[str, float]) -> dict[str, float]:
+        check_reward_names(weights)
+        if not weights:
+            raise ValueError("name at least one reward, e.g. reward.digit_match=1.0")
+        return weights
+
+    @model_validator(mode="after")
+    def _dance_grpo_sde(self) -> "FlowTrainConfig":
+        if self.algorithm == "dance_grpo" and self.sampling.sde_kind != "flow_grpo":
+            raise ValueError(
+                f"sampling.sde_kind={self.sampling.sde_kind}: algorithm dance_grpo uses its own constant-eta SDE; "
+                "leave sampling.sde_kind unset"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _streaming_needs_group_statistics(self) -> "FlowTrainConfig":
+        if self.policy != "reference" and self.algo.std_scope == "global":
+            raise ValueError(
+                f"algo.std_scope=global needs the whole batch scored before any training; policy {self.policy} "
+                "trains fragments as they finish: use algo.std_scope=group (or none), or policy=reference"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _pools_fit_the_devices(self) -> "FlowTrainConfig":
+        check_pools(self.cluster.devices, self.runtime.trainer_devices, self.runtime.reward_devices, "runtime")
+        return self
+
+    @property
+    def compute_devices(self) -> int:
+        """Devices that hold the policy's engines: all but the reward pool (the last runtime.reward_devices)."""
+        return self.cluster.devices - self.runtime.reward_devices
+
+    @property
+    def noise_level(self) -> float:
+        if self.sampling.noise_level is not None:
+            return self.sampling.noise_level
+        return 0.5 if self.algorithm == "dance_grpo" else 1.0
+
+    @property
+    def sde_kind(self) -> str:
+        return "dance_grpo" if self.algorithm == "dance_grpo" else self.sampling.sde_kind
+
+    @property
+    def timestep_mode(self) -> str:
+        """Flow-GRPO trains the first (noisiest) steps, DanceGRPO a random subset."""
+        return "random" if self.algorithm == "dance_grpo" else "prefix"
+
+    @property
+    def shared_group_noise(self) -> bool:
+        """DanceGRPO starts every sample of a group from the same initial noise."""
+        return self.algorithm == "dance_grpo"
+
+    @property
+    def trained_timesteps(self) -> int:
+        """Timesteps a step trains per sample: `algo.select_train_timesteps`'s count, without torch (the planner
+        derives its scenario from the config; a test pins the two equal)."""
+        trainable = self.sampling.num_steps - 1
+        return max(1, min(trainable, math.ceil(self.algo.timestep_fraction * trainable - 1e-9)))
+
+    @property
+    def pairs_per_step(self) -> int:
+        """(sample, timestep) pairs a step trains: the loss normaliser, whoever splits the step."""
+        return self.algo.prompts_per_step * self.algo.group_size * self.trained_timesteps
+
+    def scenario(self, steps: int) -> Scenario:
+        """This run as the planner's scenario: the graph the simulator would schedule, built without torch."""
+        trained = self.trained_timesteps
+        pipeline = {
+            "kind": "flow",
+            "name": self.pipeline_name,
+            "model": "digits-t2i",
+            "algorithm": self.algorithm,
+            "prompts": self.algo.prompts_per_step,
+            "group": self.algo.group_size,
+            "denoising_steps": self.sampling.num_steps,
+            "trained_timesteps": trained,
+            "height": 8,
+            "width": 8,
+            "reward": "rule",
+            # train.chunk_size (sample, timestep) pairs share one forward/backward
+            "micro_batch": max(1, self.train.chunk_size // trained),
+            "priority": self.priority,
         }
-    }
-    summary |= run_figures
-    root.write_summary(summary)
-    return summary
+        return _scenario(self, [pipeline], steps, self.runtime.trainer_devices, self.runtime.reward_devices)
+
+    @property
+    def pipeline_name(self) -> str:
+        return self.name or "digits"
+
+    def shape_overrides(self) -> dict:
+        """The step's cut where the config fixes it instead of the policy."""
+        runtime = self.runtime
+        fixed = (
+            ("fragments", runtime.fragments),
+            ("tsp_chunk", runtime.tsp_chunk),
+            ("trainer_group", runtime.trainer_group),
+        )
+        return {k: v for k, v in fixed if v is not None}
+
+    def policy_options(self) -> dict:
+        return {"tag": {"auto": True, "off": False, "force": "force"}[self.runtime.tag]}
 
 
-def with_steps(config: TrainConfig, steps: int) -> TrainConfig:
-    """The config with train.steps = `steps` (every pipeline's too, when multiplexed): what the run records."""
-    tree = config.model_dump(mode="json")
-    tree["train"]["steps"] = steps
-    for pipeline in tree.get("pipelines", []):
-        pipeline["train"]["steps"] = steps
+class LMModelSection(Section):
+    checkpoint: Path | None = Field(
+        None,
+        strict=False,
+        description="directory with model.safetensors, config.json, tokenizer.json; None: the task's base model",
+    )
+
+
+class LMSamplingSection(Section):
+    temperature: float = Field(1.0, gt=0, le=100, description="beyond 100 every token is as likely")
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int | None = Field(
+        None, ge=1, le=4096, description="None: the task's longest ideal completion + a margin"
+    )
+
+
+class LMAlgoSection(Section):
+    prompts_per_step: int = Field(16, ge=1, le=MAX_PER_STEP, description="B: prompts per step")
+    group_size: int = Field(8, ge=2, le=MAX_PER_STEP, description="G: responses per prompt")
+    micro_batches: int = Field(
+        2, ge=1, le=MAX_PER_STEP, description="train micro-batches per step (whole prompt groups each)"
+    )
+    clip_low: float = Field(0.2, ge=0, lt=1, description="PPO clip below 1")
+    clip_high: float = Field(0.28, ge=0, le=10, description="PPO clip above 1 (DAPO's clip-higher)")
+    aggregation: Literal["token", "sequence", "drgrpo"] = Field(
+        "token", description="token (DAPO), sequence (GRPO), drgrpo (Dr. GRPO: / (B x max_new_tokens))"
+    )
+    beta: float = Field(0.0, ge=0, le=100, description="weight of the KL to the base model")
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    entropy_coef: float = Field(0.0, ge=0, le=100)
+    std_scope: Literal["group", "none"] = Field("group", description="none: Dr. GRPO's unscaled advantages")
+    adv_clip: float = Field(5.0, gt=0, le=1000, description="clip of the advantages")
+    stale_max_weight: float = Field(
+        2.0, ge=1, le=1000, description="truncation of pi_prox/pi_behaviour for stale samples"
+    )
+
+
+class LMEvalSection(Section):
+    every: int = Field(10, ge=1, le=MAX_STEPS, description="evaluate every N steps (and at the start and end)")
+    prompts: int = Field(100, ge=1, le=10_000, description="held-out prompts (the task's eval split), one sample each")
+    seed: Seed = 10_000
+
+
+class LMRuntimeSection(Section):
+    """How the Ray runtime cuts an LM step, where the policy should not choose."""
+
+    trainer_devices: int | None = Field(
+        None, ge=1, le=MAX_DEVICES, description="trainer pool of disaggregated policies"
+    )
+    length_bands: list[int] = Field(
+        default_factory=list,
+        max_length=64,
+        description="upper edges (tokens) of decode length bands; [] one band to the end",
+    )
+    profile_samples: int = Field(
+        16, ge=1, le=1024, description="responses in the start-up profile that seeds the cost model"
+    )
+
+
+class LMTrainConfig(RunSection):
+    """A GRPO run of a causal language model on a verifiable task."""
+
+    kind: Literal["lm"]
+    task: str = Field("sort", description="a task of dovetail.tasks: its prompts, answers and base model")
+    policy: Literal["reference", "verl-sync", "streamrl", "areal", *MULTIPLEXING_POLICIES] = "reference"
+    model: LMModelSection = LMModelSection()
+    sampling: LMSamplingSection = LMSamplingSection()
+    algo: LMAlgoSection = LMAlgoSection()
+    reward: RewardWeights | None = Field(None, description="text rewards and weights; None: the task's own")
+    eval: LMEvalSection = LMEvalSection()
+    runtime: LMRuntimeSection = LMRuntimeSection()
+
+    @field_validator("task")
+    @classmethod
+    def _known_task(cls, name: str) -> str:
+        task(name)
+        return name
+
+    @field_validator("reward")
+    @classmethod
+    def _known_text_rewards(cls, weights: dict[str, float] | None) -> dict[str, float] | None:
+        if weights is not None:
+            if not weights:
+                raise ValueError("name at least one reward, e.g. reward.exact_answer=1.0, or leave it unset")
+            for name in weights:
+                text_reward_fn(name)
+        return weights
+
+    @model_validator(mode="after")
+    def _shape_fits(self) -> "LMTrainConfig":
+        algo, runtime = self.algo, self.runtime
+        if algo.prompts_per_step % algo.micro_batches:
+            raise ValueError(
+                f"algo.micro_batches={algo.micro_batches} must divide algo.prompts_per_step={algo.prompts_per_step}"
+            )
+        check_pools(self.cluster.devices, runtime.trainer_devices, 0, "runtime")
+        bands = runtime.length_bands
+        if bands != sorted(set(bands)) or (bands and not 0 < bands[0] <= bands[-1] < self.max_new_tokens):
+            raise ValueError(
+                f"runtime.length_bands={bands} must be strictly ascending token counts between 1 and "
+                f"max_new_tokens - 1 = {self.max_new_tokens - 1}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _task_base_model(self) -> "LMTrainConfig":
+        """No checkpoint given: the task's shipped base model."""
+        if self.model.checkpoint is None:
+            self.model.checkpoint = PACKAGE_ROOT / "assets" / f"{self.task}-lm"
+        return self
+
+    @property
+    def rewards(self) -> dict[str, float]:
+        return self.reward if self.reward is not None else task(self.task).reward_names
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.sampling.max_new_tokens or task(self.task).max_new_tokens
+
+    @property
+    def compute_devices(self) -> int:
+        return self.cluster.devices
+
+    @property
+    def pipeline_name(self) -> str:
+        return self.name or self.task
+
+    def shape_overrides(self) -> dict:
+        return {}
+
+    def policy_options(self) -> dict:
+        return {}
+
+    def scenario(self, steps: int) -> Scenario:
+        """This run as the planner's scenario, without torch: response lengths are the task's ideal completions
+        on a step's worth of training prompts (the base model's are near them; the run's profile corrects)."""
+        problems = task(self.task).prompts("train", self.seed, 0, self.algo.prompts_per_step * self.algo.group_size)
+        lengths = [min(self.max_new_tokens, len(task(self.task).solution(p)) + 1) for p in problems]
+        pipeline = {
+            "kind": "llm",
+            "name": self.pipeline_name,
+            "model": "tiny-lm",
+            "batch": self.algo.prompts_per_step,
+            "group": self.algo.group_size,
+            "prompt_length": round(sum(len(p) + 1 for p in problems) / len(problems)),
+            "lengths": {"kind": "empirical", "values": lengths},
+            "max_length": self.max_new_tokens,
+            "length_bands": self.runtime.length_bands,
+            "micro_batches": self.algo.micro_batches,
+            "reference": self.algo.beta > 0,
+            "lengths_known": False,  # a run learns them by decoding
+            "priority": self.priority,
+        }
+        return _scenario(self, [pipeline], steps, self.runtime.trainer_devices, 0)
+
+
+def _kind_of(entry) -> str | None:
+    """The entry's tag; None (an error naming the entry) for a kind that is not even a string."""
+    kind = entry.get("kind", "flow") if isinstance(entry, dict) else entry.kind
+    return kind if isinstance(kind, str) else None
+
+
+PipelineConfig = Annotated[
+    Annotated[FlowTrainConfig, Tag("flow")] | Annotated[LMTrainConfig, Tag("lm")], Discriminator(_kind_of)
+]
+"""One pipeline's run config: `kind: flow` (the default) or `kind: lm`."""
+
+
+class MultiplexTrainSection(Section):
+    steps: int = Field(50, ge=1, le=MAX_STEPS, description="RL steps of every pipeline")
+
+
+class MultiplexConfig(Section):
+    """Several RL pipelines multiplexed on one pool of devices (JigsawRL). Each entry of `pipelines` is a flow or lm
+    run config of its own — model, algorithm, reward, prompts, batch, optimizer, eval, checkpoints, `name`,
+    `priority` — and trains its own weights into its own run sub-directory; the cluster, the policy and the number
+    of steps are the run's (an entry may repeat them, not change them)."""
+
+    kind: Literal["multiplex"]
+    policy: Literal[MULTIPLEXING_POLICIES] = "jigsaw"
+    train: MultiplexTrainSection = MultiplexTrainSection()
+    cluster: ClusterSection = ClusterSection()
+    pipelines: list[PipelineConfig] = Field(min_length=1, max_length=16)
+
+    @model_validator(mode="after")
+    def _names_unique(self) -> "MultiplexConfig":
+        names = [p.pipeline_name for p in self.pipelines]
+        if len(set(names)) != len(names):
+            raise ValueError(f"pipelines: names must be unique, got {names}; give each entry a `name`")
+        return self
+
+    def pipeline_configs(self) -> dict[str, PipelineConfig]:
+        return {p.pipeline_name: p for p in self.pipelines}
+
+    @property
+    def compute_devices(self) -> int:
+        return self.cluster.devices
+
+    @property
+    def pipeline_name(self) -> str:
+        return "+".join(self.pipeline_configs())
+
+    def scenario(self, steps: int) -> Scenario:
+        """Every pipeline's own scenario pipeline on the run's cluster."""
+        pipelines = [p.scenario(steps).pipelines[0].model_dump() for p in self.pipelines]
+        return _scenario(self, pipelines, steps, None, 0)
+
+    def shape_overrides(self) -> dict:
+        return {}
+
+    def policy_options(self) -> dict:
+        return {}
+
+
+TrainConfig = FlowTrainConfig | LMTrainConfig | MultiplexConfig
+"""One run's config: `kind: flow` (the default), `kind: lm`, or `kind: multiplex`."""
+
+
+def pipeline_configs(config: TrainConfig) -> dict[str, PipelineConfig]:
+    """The run's pipelines by name: one for a flow or lm run, each entry of a multiplexed run."""
+    if isinstance(config, MultiplexConfig):
+        return config.pipeline_configs()
+    return {config.pipeline_name: config}
+
+
+def _scenario(config: TrainConfig, pipelines: list[dict], steps: int, trainer_devices: int | None, reward_devices: int):
+    return parse_scenario(
+        {
+            "name": f"train-{config.pipeline_name}-{config.policy}",
+            "cluster": {"device": config.cluster.device, "devices": config.cluster.devices},
+            "pipelines": pipelines,
+            "schedule": {
+                # what `dovetail simulate` of this scenario would run; a run passes its own steps to `prepare`
+                "steps": min(steps, MAX_SIMULATED_STEPS),
+                "policies": [config.policy],
+                "trainer_devices": trainer_devices,
+                "reward_devices": reward_devices,
+            },
+        },
+        "training config",
+    )
+
+
+class ConfigError(ValueError):
+    """An invalid config: the message names each bad field, or the file, and what it allows."""
+
+
+def _invalid(*problems: str) -> ConfigError:
+    return ConfigError(problem_report("invalid config", list(problems)))
+
+
+def apply_override(tree: dict[str, Any], override: str) -> None:
+    shown = clip(repr(override))
+    dotted, equals, raw = override.partition("=")
+    path = dotted.strip().split(".")
+    if not equals or not all(path):
+        raise ConfigError(f"override {shown} must look like section.field=value, e.g. train.lr=1e-4")
+    *parents, leaf = path
+    node = tree
+    for key in parents:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {shown}: {clip(repr(key))} is a value, not a section")
+    try:
+        node[leaf] = parse_yaml(raw, f"override {shown}")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+def load_config(path: Path | str | None = None, overrides: list[str] = ()) -> TrainConfig:
+    """The run config of a YAML file (None, or an empty file: the defaults) with dotted overrides applied."""
+    tree: Any = {}
+    if path is not None:
+        try:
+            tree = read_yaml(Path(path))
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        if tree is None:
+            tree = {}
+        if not isinstance(tree, dict):
+            raise ConfigError(
+                f"{path}: a config is a mapping of sections (algo:, train: ...), got {type(tree).__name__}"
+            )
+    for override in overrides:
+        apply_override(tree, override)
     return parse_config(tree)
 
 
-class RunInterrupted(Exception):
-    """Ctrl-C stopped the run after a step that is saved; the message says how to resume."""
+def parse_config(tree: Any) -> TrainConfig:
+    """A config tree (YAML's, or `model_dump(mode="json")`'s) as the run config of its `kind`."""
+    if not isinstance(tree, dict):
+        raise _invalid(f"a config is a mapping of sections, got {type(tree).__name__}")
+    kinds = {"flow": FlowTrainConfig, "lm": LMTrainConfig, "multiplex": MultiplexConfig}
+    kind = tree.get("kind", "flow")
+    if not isinstance(kind, str) or kind not in kinds:
+        raise _invalid(f"kind: {clip(repr(kind))} is not a run kind; use one of {sorted(kinds)}")
+    if kind == "multiplex":
+        tree = _multiplexed(tree)
+    try:
+        return kinds[kind].model_validate(tree)
+    except ValidationError as error:
+        raise _invalid(*problem_lines(error, hidden=("flow", "lm"))) from None
 
 
-class Interrupt:
-    """Ctrl-C (SIGINT) during a run: the first asks the run to stop after the step in flight, which it saves; a
-    second stops at once (KeyboardInterrupt), losing that step. Only the main thread can take signals: elsewhere
-    (a run started from a thread) Ctrl-C keeps its usual meaning."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous = None
-
-    def __enter__(self) -> "Interrupt":
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        print(
-            "Ctrl-C: stopping after the step in flight, which is saved (Ctrl-C again stops at once, unsaved)",
-            file=sys.stderr,
-            flush=True,
-        )
+RUN_WIDE = {"policy": "policy", "cluster": "cluster", "train.steps": "train.steps"}
+"""What every pipeline of a multiplexed run shares: the run's (an entry may repeat it, not change it)."""
 
 
-def _interrupted(logs: dict, root: RunDir, multiplexed: bool) -> str:
-    """Save every pipeline's last recorded step (unless it just was); say where, and how to go on."""
-    for log in logs.values():
-        if log.saved != log.recorded:
-            log.checkpoint(log.recorded, {"policy": log.config.policy, "version": log.recorded})
-    log = next(iter(logs.values()))
-    where = root.path if multiplexed else log.run.checkpoints / f"step_{log.recorded:06d}"
-    return (
-        f"interrupted: step {log.recorded} is saved in {where}; continue with "
-        f"`dovetail train {root.path / 'config.yaml'} --resume {root.path}`"
-    )
+def _multiplexed(tree: dict) -> dict:
+    """The run's policy, cluster and steps written into every pipeline entry (each is a whole pipeline config);
+    an entry that says otherwise is an error naming the field, not silently overridden."""
+    defaults = MultiplexConfig.model_fields
+    train = _section(tree, "train", "train")
+    run = {
+        "policy": tree.get("policy", defaults["policy"].default),
+        "cluster": tree.get("cluster", {}),
+        "train.steps": train.get("steps", MultiplexTrainSection().steps),
+    }
+    entries = tree.get("pipelines")
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise _invalid("pipelines: a list of pipeline configs (mappings, each kind flow or lm)")
+    filled = []
+    for index, entry in enumerate(entries):
+        entry = {**entry, "train": dict(_section(entry, "train", f"pipelines.{index}.train"))}
+        for field, value in run.items():
+            section, _, leaf = field.partition(".")
+            holder = entry["train"] if leaf else entry
+            key = leaf or section
+            if key in holder and holder[key] != value and not (key == "cluster" and _same_cluster(holder[key], value)):
+                raise _invalid(
+                    f"pipelines.{index}.{field}: a multiplexed pipeline takes the run's {field} "
+                    f"({clip(repr(value))}); set it at the top of the config"
+                )
+            holder[key] = value
+        filled.append(entry)
+    return {**tree, "pipelines": filled}
 
 
-def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
-    """One on-policy GRPO step of the reference path, in this process, through the very work the Ray workers do:
-    every response to the end, scores, one train pass over the whole batch, one optimizer step."""
-
-    pipeline, algo = config.task, config.algo
-    timings: dict[str, float] = {}
-
-    def timed(phase: str, work):
-        start = time.perf_counter()
-        result = engines.run(work)
-        timings[f"{phase}_s"] = timings.get(f"{phase}_s", 0.0) + time.perf_counter() - start
-        return result
-
-    ids = [SampleId(step, p, i) for p in range(algo.prompts_per_step) for i in range(algo.group_size)]
-    prompts = encode_prompts(config, engines.tokenizer, task_prompts(config, step))
-    weights = weights_of(engines.trainer)
-    started = timed("prefill", Prefill(pipeline, ids, [prompts[s.prompt] for s in ids], step, weights))
-    responses = timed("decode", Decode(pipeline, [started], config.max_new_tokens, weights))
-    scores = timed("score", Score(pipeline, [responses], None))
-    ref = [timed("logprob", LMLogProbs(pipeline, ids, [responses], True))] if algo.beta > 0 else []
-    engines.trainer.zero_grad(set_to_none=True)
-    trained = timed("train", LMTrain(pipeline, ids, False, [responses], [scores], ref_log_probs=ref))
-    start = time.perf_counter()
-    for p in engines.trainer.parameters():
-        if p.grad is not None:
-            p.grad /= trained.normaliser
-    grad_norm = commit(engines.trainer, engines.optimizer, config.train.max_grad_norm)
-    timings["commit_s"] = time.perf_counter() - start
-    seconds = sum(timings.values())
-    return (
-        lm_step_metrics(config, [scores], [trained])
-        | timings
-        | {
-            "grad_norm": grad_norm,
-            "samples_per_s": len(ids) / seconds,
-            "step_s": seconds,
-        }
-    )
+def _section(tree: dict, key: str, field: str) -> dict:
+    """tree[key], a mapping ({} where it is absent)."""
+    section = tree.get(key, {})
+    if not isinstance(section, dict):
+        raise _invalid(f"{field}: a mapping of fields, e.g. {key}: {{steps: 50}} (got {clip(repr(section))})")
+    return section
 
 
-def lm_evaluate(engines, config: LMTrainConfig) -> tuple[dict[str, float], list[tuple[str, str]]]:
-    """Held-out success: one response per eval-split prompt, sampled as in training from the eval seed; and the
-    (prompt, completion) pairs."""
+def _same_cluster(a, b) -> bool:
+    try:
+        return ClusterSection.model_validate(a) == ClusterSection.model_validate(b)
+    except ValidationError:
+        return False
 
-    the_task = task(config.task)
-    prompts = the_task.prompts("eval", config.eval.seed, 0, config.eval.prompts)
-    engine = TorchEngine.from_model(
-        engines.trainer, sampling_params(config, engines.tokenizer.eos_id, seed=config.eval.seed), max_batch=64
-    )
-    encoded = encode_prompts(config, engines.tokenizer, prompts)
-    requests = [Request((0, i, 0), ids) for i, ids in enumerate(encoded)]
-    completions = [engines.tokenizer.decode(r.tokens) for r in engine.generate(requests)]
-    scores = score_text(completions, prompts, config.rewards, config.reward_timeout_s)
-    success = {"total": success_rate(config, completions, prompts)}
-    return success | {f"reward/{name}": float(values.mean()) for name, values in scores.items()}, list(
-        zip(prompts, completions)
-    )
+
+def check_this_machine(config: TrainConfig) -> None:
+    """A local run (no cluster.address) of the Ray runtime has this machine's devices: as many CPU cores as this
+    process may use (taskset / cgroups narrow them; device i is pinned to the i-th), or its CUDA GPUs. Checked when
+    a run starts, never when a config is parsed: a dry run plans a GPU cluster from a laptop. Policy reference
+    trains in this process and needs no cluster."""
+    cluster = config.cluster
+    if config.policy == "reference" or cluster.address is not None:
+        return
+    platform = device(cluster.device).platform
+    if platform == "cpu":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        if cluster.devices > cores:
+            raise ConfigError(
+                f"cluster.devices={cluster.devices}: this machine has {cores} CPU cores for a local run; lower "
+                "cluster.devices, or give cluster.address of a Ray cluster"
+            )
+    elif platform == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if cluster.devices > gpus:
+            raise ConfigError(
+                f"cluster.device={cluster.device}: {cluster.devices} GPUs asked for, this machine has {gpus} for "
+                "a local run; set cluster.device=cpu-core, lower cluster.devices, or give cluster.address of a Ray "
+                "cluster"
+            )
+
+
+def dump_config(config: TrainConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
