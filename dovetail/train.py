@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -33,7 +34,15 @@ from dovetail.models.flow_rl import commit, generate, group_sample_ids, step_pro
 from dovetail.models.lm import load_lm, save_lm
 from dovetail.models.pretrain import latents_to_images
 from dovetail.prompts import train_prompts
-from dovetail.recipe import advantages_of, evaluate, make_optimizer, policy_gradient, sde_settings, step_timesteps
+from dovetail.recipe import (
+    advantages_of,
+    evaluate,
+    make_optimizer,
+    policy_gradient,
+    sample_timesteps,
+    sde_settings,
+    sde_steps,
+)
 from dovetail.rewards import RewardError, score
 from dovetail.rewards.text import score_text
 from dovetail.run_dir import RunDir, check_resumable, check_run_directory, load_checkpoint
@@ -55,17 +64,23 @@ def rl_step(
     ids = group_sample_ids(step, list(range(algo.prompts_per_step)), algo.group_size)
     sample_prompts = [prompts[s.prompt] for s in ids]
     trajectories = generate(
-        model, sample_prompts, ids, sde, seed=config.seed, shared_group_noise=config.shared_group_noise
+        model,
+        sample_prompts,
+        ids,
+        sde,
+        seed=config.seed,
+        shared_group_noise=config.shared_group_noise,
+        sde_steps=sde_steps(config, ids),
     )
     timings["generate_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
     rewards = score(decode(trajectories.images), sample_prompts, config.reward, config.reward_timeout_s)
-    advantages = advantages_of(config, rewards["total"], [s.prompt for s in ids])
+    advantages = advantages_of(config, rewards["total"], [s.prompt for s in ids], sample_prompts)
     timings["score_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    timesteps = step_timesteps(config, step)
+    timesteps = [sample_timesteps(config, s) for s in ids]
     total_pairs = config.pairs_per_step
     sums = policy_gradient(
         model,
@@ -88,7 +103,9 @@ def rl_step(
     metrics |= {
         name: value if name in ("ratio_min", "ratio_max") else value / total_pairs for name, value in sums.items()
     }
-    metrics |= timings | {"grad_norm": grad_norm, "timesteps": timesteps}
+    metrics |= timings | {"grad_norm": grad_norm}
+    if not algo.per_sample_timesteps:
+        metrics["timesteps"] = timesteps[0]
     return metrics | {"samples_per_s": len(ids) / step_seconds, "step_s": step_seconds}
 
 
@@ -483,3 +500,16 @@ def lm_evaluate(engines, config: LMTrainConfig) -> tuple[dict[str, float], list[
     return success | {f"reward/{name}": float(values.mean()) for name, values in scores.items()}, list(
         zip(prompts, completions)
     )
+
+
+class _CallableModule(types.ModuleType):
+    """Importing this module makes it the package's attribute `train`, where the Python API's function was
+    (`dovetail.train(config, ...)`, `dovetail.api.train`): so the module answers that call too."""
+
+    def __call__(self, *args, **kwargs) -> dict:
+        from dovetail import api
+
+        return api.train(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

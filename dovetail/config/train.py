@@ -181,6 +181,15 @@ class SamplingSection(Section):
     shift: float = Field(
         1.0, gt=0, le=100, description="sigma schedule shift of the flow-matching scheduler (SD3 uses 3)"
     )
+    schedule: Literal["diffusers", "dance_grpo"] = Field(
+        "diffusers", description="sigmas as diffusers' scheduler lays them, or DanceGRPO's own (models.t2i.flow_sigmas)"
+    )
+    cps_log_prob: Literal["gaussian", "squared_error"] = Field(
+        "gaussian", description="log-prob of the cps SDE: the Gaussian's, or -(x - mean)^2 as Flow-GRPO and verl-omni"
+    )
+
+
+COMPAT_PRESETS = ("dovetail", "flow_grpo", "flow_grpo_fast", "dance_grpo", "verl_omni")
 
 
 class AlgoSection(Section):
@@ -194,6 +203,88 @@ class AlgoSection(Section):
     stale_max_weight: float = Field(
         2.0, ge=1, le=1000, description="truncation of pi_prox/pi_behaviour for TCSS's stale samples"
     )
+    compat: Literal[COMPAT_PRESETS] = Field(
+        "dovetail", description="whose conventions fill the knobs below left unset (COMPAT: docs/architecture.md)"
+    )
+    adv_baseline: Literal["group", "batch"] = Field(
+        "group", description="advantages subtract the group's mean, or the batch's (Flow-GRPO without per-prompt stats)"
+    )
+    adv_group: Literal["prompt", "prompt_text"] = Field(
+        "prompt", description="a group is one prompt's samples, or every sample of an equal prompt text (Flow-GRPO)"
+    )
+    adv_eps: float = Field(1e-4, ge=0, le=1, description="added to the std the advantages divide by")
+    adv_unbiased: bool = Field(False, description="the sample std (n - 1, torch's) instead of the population std")
+    kl_std: Literal["total", "std_dev_t"] = Field(
+        "total",
+        description="the KL divides by the step's total std^2 (the exact Gaussian KL), or by the SDE's std_dev_t^2 "
+        "(Flow-GRPO, verl-omni: 1/(-dt) times weaker)",
+    )
+    timesteps: Literal["prefix", "random", "window"] | None = Field(
+        None, description="which steps train: the first, a random subset, an SDE window; None: the algorithm's"
+    )
+    timestep_rounding: Literal["ceil", "floor"] = Field(
+        "ceil", description="fraction x pool rounded up (at least one) or down (Python's int(), as upstream)"
+    )
+    timestep_pool: Literal["trainable", "all"] = Field(
+        "trainable", description="the fraction is of the K - 1 trainable steps, or of all K (Flow-GRPO)"
+    )
+    per_sample_timesteps: bool = Field(
+        False, description="each sample draws its own steps (DanceGRPO), keyed by its identity; else one draw a step"
+    )
+    window_size: int | None = Field(None, ge=1, le=1000, description="steps of the SDE window (timesteps=window)")
+    window_range: list[Annotated[int, Field(ge=0, le=1000)]] | None = Field(
+        None,
+        min_length=2,
+        max_length=2,
+        description="[lo, hi]: the window lies in steps lo..hi-1; None: [0, K - 1], every trainable step",
+    )
+
+
+COMPAT = {
+    "dovetail": {},
+    "flow_grpo": {
+        "sampling.noise_level": 0.7,
+        "sampling.cps_log_prob": "squared_error",
+        "algo.std_scope": "global",
+        "algo.adv_group": "prompt_text",
+        "algo.kl_std": "std_dev_t",
+        "algo.timesteps": "prefix",
+        "algo.timestep_rounding": "floor",
+        "algo.timestep_pool": "all",
+    },
+    "flow_grpo_fast": {
+        "sampling.noise_level": 0.7,
+        "sampling.cps_log_prob": "squared_error",
+        "algo.std_scope": "global",
+        "algo.adv_group": "prompt_text",
+        "algo.kl_std": "std_dev_t",
+        "algo.timesteps": "window",
+        "algo.window_size": 2,
+    },
+    "dance_grpo": {
+        "algorithm": "dance_grpo",
+        "sampling.noise_level": 0.3,
+        "sampling.schedule": "dance_grpo",
+        "algo.adv_eps": 1e-8,
+        "algo.adv_unbiased": True,
+        "algo.timesteps": "random",
+        "algo.timestep_rounding": "floor",
+        "algo.per_sample_timesteps": True,
+    },
+    "verl_omni": {
+        "sampling.noise_level": 1.0,
+        "sampling.cps_log_prob": "squared_error",
+        "algo.std_scope": "global",
+        "algo.adv_unbiased": True,
+        "algo.kl_std": "std_dev_t",
+        "algo.timesteps": "prefix",
+        "algo.timestep_fraction": 1.0,
+    },
+}
+"""Each `algo.compat` preset's values for the fields a config leaves unset (`section.field`): the conventions of
+Flow-GRPO (yifan123/flow_grpo), Flow-GRPO-Fast, DanceGRPO (XueZeyue/DanceGRPO) and verl-omni, each transcribed and
+tested against its upstream in tests/test_compat.py. `dovetail` keeps dovetail's own (docs/architecture.md says why).
+`sampling.cps_log_prob` applies only where the SDE is cps."""
 
 
 class TrainSection(Section):
@@ -220,7 +311,6 @@ class EvalSection(Section):
         description="held-out ODE samples per eval prompt: each digit's, or each of prompts.eval_prompts (at most "
         "1000: every eval generates them all)",
     )
-
     seed: Seed = 10_000
 
 
@@ -386,20 +476,80 @@ class FlowTrainConfig(RunSection):
         return weights
 
     @model_validator(mode="after")
+    def _apply_compat(self) -> "FlowTrainConfig":
+        """The `algo.compat` preset's values for every field the config leaves unset; a field it sets otherwise is
+        the user's choice, except an algorithm the preset's upstream does not have."""
+        preset = self.algo.compat
+        for dotted, value in COMPAT[preset].items():
+            section, _, field = dotted.rpartition(".")
+            holder = getattr(self, section) if section else self
+            if field == "cps_log_prob" and self.sde_kind != "cps":
+                continue
+            if field not in holder.model_fields_set:
+                setattr(holder, field, value)
+            elif dotted == "algorithm" and self.algorithm != value:
+                raise ValueError(
+                    f"algorithm={self.algorithm}: algo.compat={preset} is algorithm {value}; leave it unset"
+                )
+        if preset in ("flow_grpo", "flow_grpo_fast") and self.algorithm != "flow_grpo":
+            raise ValueError(f"algorithm={self.algorithm}: algo.compat={preset} is algorithm flow_grpo; leave it unset")
+        return self
+
+    @model_validator(mode="after")
     def _dance_grpo_sde(self) -> "FlowTrainConfig":
         if self.algorithm == "dance_grpo" and self.sampling.sde_kind != "flow_grpo":
             raise ValueError(
                 f"sampling.sde_kind={self.sampling.sde_kind}: algorithm dance_grpo uses its own constant-eta SDE; "
                 "leave sampling.sde_kind unset"
             )
+        if self.sampling.cps_log_prob != "gaussian" and self.sde_kind != "cps":
+            raise ValueError(
+                f"sampling.cps_log_prob={self.sampling.cps_log_prob} applies to the cps SDE only; set "
+                "sampling.sde_kind=cps or leave sampling.cps_log_prob unset"
+            )
         return self
 
     @model_validator(mode="after")
     def _streaming_needs_group_statistics(self) -> "FlowTrainConfig":
-        if self.policy != "reference" and self.algo.std_scope == "global":
+        algo = self.algo
+        whole_batch = {
+            "std_scope=global": (algo.std_scope == "global", "algo.std_scope=group (or none)"),
+            "adv_baseline=batch": (algo.adv_baseline == "batch", "algo.adv_baseline=group"),
+            "adv_group=prompt_text": (algo.adv_group == "prompt_text", "algo.adv_group=prompt"),
+        }
+        needed = [(field, fix) for field, (needs, fix) in whole_batch.items() if needs]
+        if self.policy != "reference" and needed:
+            fields = " and ".join(f"algo.{field}" for field, _ in needed)
+            preset = f" (algo.compat={algo.compat})" if algo.compat != "dovetail" else ""
             raise ValueError(
-                f"algo.std_scope=global needs the whole batch scored before any training; policy {self.policy} "
-                "trains fragments as they finish: use algo.std_scope=group (or none), or policy=reference"
+                f"{fields}{preset} needs the whole batch scored before any training; policy {self.policy} "
+                f"trains fragments as they finish: use {' and '.join(fix for _, fix in needed)}, or policy=reference"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _timesteps_fit(self) -> "FlowTrainConfig":
+        """The trained steps exist: a count between 1 and K - 1, a window inside the trainable steps."""
+        algo, trainable = self.algo, self.sampling.num_steps - 1
+        if self.timestep_mode == "window":
+            low, high = algo.window_range if algo.window_range is not None else (0, trainable)
+            if not 0 <= low < high <= trainable:
+                raise ValueError(
+                    f"algo.window_range=[{low}, {high}] must satisfy 0 <= lo < hi <= num_steps - 1 = {trainable} "
+                    "(the last step is never trained)"
+                )
+            if algo.window_size is None or algo.window_size > high - low:
+                raise ValueError(
+                    f"algo.window_size={algo.window_size}: algo.timesteps=window needs a window of 1 to {high - low} "
+                    "steps (inside algo.window_range)"
+                )
+        elif not 1 <= self.trained_timesteps <= trainable:
+            hint = " (Flow-GRPO's own configs use 0.99)" if algo.timestep_pool == "all" else ""
+            raise ValueError(
+                f"algo.timestep_fraction={algo.timestep_fraction} trains {self.trained_timesteps} of "
+                f"{self.sampling.num_steps} steps with algo.timestep_rounding={algo.timestep_rounding}, "
+                f"algo.timestep_pool={algo.timestep_pool}; dovetail trains 1 to num_steps - 1 = {trainable} "
+                f"(never the last): change algo.timestep_fraction{hint}"
             )
         return self
 
@@ -425,7 +575,10 @@ class FlowTrainConfig(RunSection):
 
     @property
     def timestep_mode(self) -> str:
-        """Flow-GRPO trains the first (noisiest) steps, DanceGRPO a random subset."""
+        """algo.timesteps, else the algorithm's: Flow-GRPO trains the first (noisiest) steps, DanceGRPO a random
+        subset."""
+        if self.algo.timesteps is not None:
+            return self.algo.timesteps
         return "random" if self.algorithm == "dance_grpo" else "prefix"
 
     @property
@@ -437,8 +590,13 @@ class FlowTrainConfig(RunSection):
     def trained_timesteps(self) -> int:
         """Timesteps a step trains per sample: `algo.select_train_timesteps`'s count, without torch (the planner
         derives its scenario from the config; a test pins the two equal)."""
-        trainable = self.sampling.num_steps - 1
-        return max(1, min(trainable, math.ceil(self.algo.timestep_fraction * trainable - 1e-9)))
+        algo, trainable = self.algo, self.sampling.num_steps - 1
+        if self.timestep_mode == "window":
+            return algo.window_size
+        size = self.sampling.num_steps if algo.timestep_pool == "all" else trainable
+        if algo.timestep_rounding == "floor":
+            return int(size * algo.timestep_fraction)
+        return max(1, min(trainable, math.ceil(algo.timestep_fraction * size - 1e-9)))
 
     @property
     def pairs_per_step(self) -> int:
@@ -837,13 +995,28 @@ def _same_cluster(a, b) -> bool:
         return False
 
 
+def ray_address(cluster: ClusterSection) -> str | None:
+    """The Ray cluster a run joins: cluster.address, else $RAY_ADDRESS (as Ray's own tools read it), else None: a
+    local instance of the run's own. Ray's current-cluster file (what `auto` reads) counts only where the config
+    says `auto`, so a plain local run never joins a Ray head that happens to run on the machine."""
+    if cluster.address is not None:
+        return cluster.address
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    if not address:
+        return None
+    try:
+        return ClusterSection._ray_address(address)
+    except ValueError as error:
+        raise ConfigError(f"RAY_ADDRESS: {error}; or unset RAY_ADDRESS for a local run") from None
+
+
 def check_this_machine(config: TrainConfig) -> None:
-    """A local run (no cluster.address) of the Ray runtime has this machine's devices: as many CPU cores as this
-    process may use (taskset / cgroups narrow them; device i is pinned to the i-th), or its CUDA GPUs. Checked when
-    a run starts, never when a config is parsed: a dry run plans a GPU cluster from a laptop. Policy reference
-    trains in this process and needs no cluster."""
+    """A local run (no cluster.address, no RAY_ADDRESS) of the Ray runtime has this machine's devices: as many CPU
+    cores as this process may use (taskset / cgroups narrow them; device i is pinned to the i-th), or its CUDA GPUs.
+    Checked when a run starts, never when a config is parsed: a dry run plans a GPU cluster from a laptop. Policy
+    reference trains in this process and needs no cluster."""
     cluster = config.cluster
-    if config.policy == "reference" or cluster.address is not None:
+    if config.policy == "reference" or ray_address(cluster) is not None:
         return
     platform = device(cluster.device).platform
     if platform == "cpu":
