@@ -9,6 +9,7 @@ from dovetail.sched.policy import Policy
 
 POLICIES: dict[str, str] = {
     "colocated": "dovetail.sched.colocated:Colocated",
+    "colocated-hsdp": "dovetail.sched.colocated:ColocatedHSDP",
     "disaggregated": "dovetail.sched.disaggregated:Disaggregated",
     "digen": "dovetail.sched.digen:Digen",
     "digen+tcss": "dovetail.sched.digen:DigenTCSS",

@@ -10,6 +10,7 @@ runs it on two fixed pools instead of switching.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from dovetail.graph.flow import FlowShape
 from dovetail.graph.node import Kind, Node, Role
@@ -24,11 +25,13 @@ from dovetail.sched.policy import (
     SwitchRole,
     VersionPublished,
     all_idle,
+    best_by_forecast,
     idle_devices,
     open_steps_on_publish,
     ready_of,
     reward_roles,
     score_on_reward_pool,
+    search_horizon,
 )
 
 
@@ -44,14 +47,24 @@ def data_parallel_fragments(spec: FlowSpec, devices: int) -> int:
     return max(spec.mini_batches, fragments - fragments % spec.mini_batches)
 
 
+def fits(spec: FlowSpec, shape: FlowShape, cost) -> bool:
+    """Every node of a step fits beside its role's engine on a device (the check `scenario.prepare` makes)."""
+    held = shape.engines(spec, cost).resident_gb
+    capacity = cost.device.memory_bytes / 1e9
+    return all(held.get(n.role, 0.0) + n.memory_gb <= capacity for n in shape.build(spec, 1, cost))
+
+
 class StagedFlow(Policy):
     """Stage-synchronous FlowGRPO on a rollout pool and a trainer pool (the same devices when colocated).
-    Trainer nodes run on the whole trainer pool (one FSDP group), one at a time."""
+    Trainer nodes run on the whole trainer pool, one at a time, as one FSDP group (verl's default `fsdp_size: -1`,
+    what the published veRL-Omni runs use and the cross-node calibration was fitted on), or, with `hybrid_sharding`
+    (`colocated-hsdp`), the faster of that and FSDP groups of one node replicated across nodes (`plan_shapes`)."""
 
     pipeline_kinds = frozenset({"flow"})
 
     switching: bool
     supports_reward_pool = True
+    hybrid_sharding: bool = False
     fixes = {
         "tsp_chunk": "trains one timestep per forward/backward (the per-timestep loop)",
         "fragments": "splits each mini-batch's samples evenly over its rollout devices (verl's data.chunk)",
@@ -65,6 +78,34 @@ class StagedFlow(Policy):
         self.rollout_pool, self.trainer_pool = self.pools(setup)
         self.everyone = tuple(range(setup.compute_devices))
         """Every device that holds the policy's engines (reward devices hold only the reward engine)."""
+
+    @classmethod
+    def plan_shapes(
+        cls,
+        specs: Sequence[PipelineSpec],
+        shapes: dict[str, FlowShape],
+        costs,
+        forecast,
+        *,
+        steps: int = 1,
+        devices: int | None = None,
+        trainer_devices: int | None = None,
+        options=None,
+    ) -> dict[str, FlowShape]:
+        """verl's `fsdp_size`: the trainer pool as one FSDP group (its default, -1) or, past one node, HSDP groups of
+        a node (parameters gathered inside the node, gradients all-reduced across nodes once per optimizer step),
+        whichever the simulator finds faster over the run's steps — what a user tuning a multi-node run sets."""
+        if len(specs) != 1 or not cls.hybrid_sharding:
+            return shapes  # __init__ refuses several pipelines
+        (spec,) = specs
+        shape, cost = shapes[spec.name], costs[spec.name]
+        node = cost.device.node_size
+        if shape.trainer_devices <= node or shape.trainer_devices % node:
+            return shapes
+        hybrid = replace(shape, trainer_group=node)
+        if not fits(spec, hybrid, cost):
+            return shapes
+        return best_by_forecast([shapes, {spec.name: hybrid}], forecast, search_horizon(steps))
 
     def pools(self, setup: Setup) -> tuple[tuple[int, ...], tuple[int, ...]]:
         raise NotImplementedError
@@ -151,3 +192,12 @@ class Colocated(StagedFlow):
     def pools(self, setup: Setup) -> tuple[tuple[int, ...], tuple[int, ...]]:
         everyone = tuple(range(setup.compute_devices))
         return everyone, everyone
+
+
+class ColocatedHSDP(Colocated):
+    """`colocated` as a user tuning veRL-Omni for a multi-node cluster runs it: `fsdp_size` set to one node (HSDP)
+    where the simulator finds that faster than one FSDP group over every device."""
+
+    name = "colocated-hsdp"
+    hybrid_sharding = True
+    searches = True

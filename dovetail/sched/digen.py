@@ -32,8 +32,8 @@ from functools import lru_cache
 from dovetail.graph.flow import FlowShape, build_flow, engines
 from dovetail.graph.node import Kind, Node, Role
 from dovetail.graph.spec import FlowSpec, PipelineSpec
-from dovetail.sched.colocated import flow_only
-from dovetail.sched.disaggregated import split_pools
+from dovetail.sched.colocated import Colocated, fits, flow_only
+from dovetail.sched.disaggregated import Disaggregated, split_pools
 from dovetail.sched.policy import (
     Begin,
     Decision,
@@ -157,11 +157,12 @@ class Digen(Policy):
     @classmethod
     def finalists(
         cls, spec: FlowSpec, devices: int, trainer_devices: int | None, cost, tag_fixed: bool = False
-    ) -> list[DigenShape]:
+    ) -> list[FlowShape]:
         """The shapes the search simulates, the cost model's best first: the `SIMULATED` best synchronous shapes and
         the best shared (colocated-like) one; for digen+tcss those again with TCSS on (the synchronous ones also
         with it off, so it never loses to digen) and the `SIMULATED` best TCSS shapes. Each with TAG allowed and,
-        where a trainer device can hold both engines and the run's options do not fix TAG, not allowed."""
+        where a trainer device can hold both engines and the run's options do not fix TAG, not allowed. Last, the
+        staged baselines' own shapes (`_staged`), so digen never loses to colocated or disaggregated."""
         synchronous = cls._best(spec, devices, trainer_devices, cost, tcss=False)
         shapes = list(synchronous)
         if cls.tcss:
@@ -176,7 +177,26 @@ class Digen(Policy):
             lendable = held[Role.TRAINER] + held[Role.ROLLOUT] <= capacity and shape.trainer_devices < devices
             if lendable and not tag_fixed:
                 with_tag_off.append(replace(shape, tag=False))
-        return with_tag_off
+        return with_tag_off + cls._staged(spec, devices, trainer_devices, cost)
+
+    @staticmethod
+    def _staged(spec: FlowSpec, devices: int, trainer_devices: int | None, cost) -> list[FlowShape]:
+        """The stage-synchronous schedules digen generalises, cut as their policies cut them: colocated (one FSDP
+        group, or HSDP groups of a node past one node) and disaggregated; none where the scenario fixes a field they
+        cannot honour. A digen run on one of them runs that schedule: whole-group fragments cap generation at one
+        device per prompt, where verl's even split of the samples keeps every device busy (HunyuanVideo, 64 GPUs)."""
+        if spec.tsp_chunk or spec.fragments:
+            return []
+        shapes = []
+        if not trainer_devices:
+            colocated = Colocated.shape(spec, devices, None, cost)
+            node = cost.device.node_size
+            shapes.append(colocated)
+            if devices > node and not devices % node:
+                shapes.append(replace(colocated, trainer_group=node))
+        if devices >= 2:
+            shapes.append(Disaggregated.shape(spec, devices, trainer_devices, cost))
+        return [shape for shape in shapes if fits(spec, shape, cost)]
 
     @classmethod
     def _best(cls, spec: FlowSpec, devices: int, trainer_devices: int | None, cost, tcss: bool) -> list[DigenShape]:
@@ -329,6 +349,9 @@ class Digen(Policy):
             raise ValueError(f"policy digen runs one pipeline, got {sorted(setup.engines)}")
         (self.pipeline,) = setup.engines
         shape = setup.shapes.get(self.pipeline)
+        staged = Colocated if setup.trainer_devices == setup.compute_devices else Disaggregated
+        self.staged = staged(setup) if getattr(shape, "staged", False) else None
+        """The stage-synchronous schedule digen runs when its search chose a staged baseline's shape (`_staged`)."""
         self.tcss = type(self).tcss and getattr(shape, "tcss", True)
         """Steps overlap: digen+tcss on a shape its search cut with TCSS (or one given without that choice)."""
         self.tag = setup.options.get("tag", getattr(shape, "tag", True))
@@ -354,6 +377,8 @@ class Digen(Policy):
 
     # ------------------------------------------------------------ decisions
     def decide(self, view, events: Sequence[Event]) -> list[Decision]:
+        if self.staged is not None:
+            return self.staged.react(view, events)
         decisions: list[Decision] = []
         for event in events:
             if isinstance(event, Begin):
