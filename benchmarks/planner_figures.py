@@ -29,8 +29,10 @@ def ablated(scenario: Scenario, policy: str, change: dict, cost: CostModel | Non
 
 
 def steady_step_s(scenario: Scenario, policy: str) -> float:
-    """Commit to commit of the second step: one whole step with its switches and weight sync."""
-    _, trace = simulate(scenario, policy, steps=2)
+    """Commit to commit of the second step: one whole step with its switches and weight sync, under the settings
+    the published run's recipe fixed."""
+    recipe = scenario.published.shape.model_dump(exclude_none=True) if scenario.published else {}
+    _, trace = simulate(scenario, policy, steps=2, **recipe)
     first, second = sorted(record.end for record in trace.steps)
     return second - first
 
@@ -59,18 +61,19 @@ def resized(name: str, devices: int, device: str | None = None) -> Scenario:
 
 
 def scaling() -> None:
-    """Per-GPU throughput of one diffusion job (veRL-Omni's Qwen-Image FlowGRPO recipe, colocated, on H100) and one
-    LLM job (NeMo RL's Llama-3.1-8B GRPO, verl-sync, on H100) from 1 to 128 GPUs; the batch stays the recipe's."""
+    """Per-GPU throughput of one diffusion job (veRL-Omni's Qwen-Image FlowGRPO recipe, colocated, on H100, FSDP over
+    the whole pool as the recipe sets it) and one LLM job (NeMo RL's Llama-3.1-8B GRPO, verl-sync, on H100) from 1 to
+    128 GPUs; the batch stays the recipe's."""
     print("| GPUs | Qwen-Image FlowGRPO: images/GPU/s | step s | Llama-3.1-8B GRPO: tokens/GPU/s | step s |")
     print("|---|---|---|---|---|")
     for devices in (1, 2, 4, 8, 16, 32, 64, 128):
         row = [str(devices)]
-        for name, policy, per_sample in (
-            ("calib-qwenimage-64xh100", "colocated", None),
-            ("calib-nemorl-llama8b-16xh100", "verl-sync", "tokens"),
+        for name, policy, per_sample, recipe in (
+            ("calib-qwenimage-64xh100", "colocated", None, {"trainer_group": devices}),
+            ("calib-nemorl-llama8b-16xh100", "verl-sync", "tokens", {}),
         ):
             try:
-                prepared, trace = simulate(resized(name, devices, "H100"), policy, steps=2)
+                prepared, trace = simulate(resized(name, devices, "H100"), policy, steps=2, **recipe)
             except ValueError as error:
                 row += [f"does not run ({str(error).split(';')[0][:60]})", ""]
                 continue

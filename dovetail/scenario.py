@@ -76,6 +76,18 @@ class ScheduleSpec(_Model):
     )
 
 
+class PublishedShape(_Model):
+    """What the published run's recipe fixed that a policy would otherwise choose: reproducing the run applies it."""
+
+    trainer_group: int | None = Field(
+        None,
+        gt=0,
+        le=MAX_DEVICES,
+        description="Devices of one FSDP group (verl's fsdp_config.fsdp_size; the recipes' default -1 is the whole "
+        "pool).",
+    )
+
+
 class PublishedRun(_Model):
     """A published measurement a calibration scenario reproduces."""
 
@@ -88,6 +100,9 @@ class PublishedRun(_Model):
     )
     phases_s: dict[str, Annotated[float, Field(ge=0)]] = Field(
         default_factory=dict, description="Published seconds per phase (generate, logprob, train, publish...)."
+    )
+    shape: PublishedShape = Field(
+        default_factory=PublishedShape, description="Settings of the published run's recipe, applied to reproduce it."
     )
 
 

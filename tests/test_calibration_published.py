@@ -15,8 +15,10 @@ KNOWN_MISSES = {
 
 
 def steady_step_s(name: str) -> float:
+    """Commit to commit of the second step, under the first policy with the published recipe's fixed settings."""
     scenario = load_scenario(name)
-    _, trace = simulate(scenario, scenario.schedule.policies[0], steps=2)
+    recipe = scenario.published.shape.model_dump(exclude_none=True)
+    _, trace = simulate(scenario, scenario.schedule.policies[0], steps=2, **recipe)
     first, second = sorted(record.end for record in trace.steps)
     return second - first
 
