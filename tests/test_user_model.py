@@ -21,6 +21,8 @@ from typer.testing import CliRunner
 
 from dovetail.cli import app
 from dovetail.config.train import ConfigError, load_config
+from dovetail.exec.pipeline import weights_of
+from dovetail.models.diffusers_flow import load_diffusers_checkpoint
 from dovetail.train import train
 
 PROMPTS = ["a red cat", "a blue dog", "red house", "blue mat", "a green cat", "the red dog", "blue cat", "green mat"]
@@ -176,3 +178,36 @@ def test_a_saved_pipeline_trains_through_model_path_and_a_ray_policy_matches_the
     train(load_config(None, small(pipeline_dir, prompts_file, "policy=colocated")), tmp_path, steps=STEPS)
     assert max_difference(trained(tmp_path), trained(reference_run)) <= 1e-5
     assert json.loads((tmp_path / "ledger.json").read_text())["problems"] == []
+
+
+LORA = ["model.lora.rank=4", "model.lora.alpha=8.0"]
+
+
+@pytest.fixture(scope="module")
+def lora_reference_run(pipeline_dir, prompts_file, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("runs") / "lora-reference"
+    train(load_config(None, small(pipeline_dir, prompts_file, "policy=reference", *LORA)), out, steps=STEPS)
+    return out
+
+
+def test_lora_trains_publishes_and_checkpoints_the_adapter_alone_and_a_ray_policy_matches_the_reference(
+    lora_reference_run, pipeline_dir, prompts_file, local_ray, tmp_path
+):
+    adapter = trained(lora_reference_run)
+    assert adapter and all(".lora_A." in k or ".lora_B." in k for k in adapter)
+    assert max(v.abs().max().item() for k, v in adapter.items() if ".lora_B." in k) > 1e-4  # B starts at 0: it trained
+    model = load_diffusers_checkpoint(lora_reference_run / "checkpoints" / f"step_{STEPS:06d}")
+    base = load_file(pipeline_dir / "transformer" / "diffusion_pytorch_model.safetensors")
+    frozen = model.transformer.get_base_model().state_dict()
+    for name, weight in base.items():  # the base never moved (an adapted layer's weight is now its base_layer's)
+        wrapped = name.replace(".weight", ".base_layer.weight").replace(".bias", ".base_layer.bias")
+        assert torch.equal(frozen[wrapped if wrapped in frozen else name], weight)
+    published = sum(a.nbytes for a in weights_of(model).values())
+    assert published == sum(v.nbytes for v in adapter.values()) < sum(v.nbytes for v in base.values()) / 4
+    optimizer = torch.load(lora_reference_run / "checkpoints" / f"step_{STEPS:06d}" / "optimizer.pt")
+    assert len(optimizer["state"]) == len(adapter)  # Adam's moments of the adapter alone
+
+    train(load_config(None, small(pipeline_dir, prompts_file, "policy=colocated", *LORA)), tmp_path, steps=STEPS)
+    assert max_difference(trained(tmp_path), adapter) <= 1e-5
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {s["publish_bytes"] for s in steps} == {published}
