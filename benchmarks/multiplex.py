@@ -54,7 +54,15 @@ def run(config: dict, out: Path, overrides: list[str] = (), cores: str | None = 
     out.mkdir(parents=True, exist_ok=True)
     path = out / "bench.yaml"
     path.write_text(yaml.safe_dump(config))
-    command = [str(ROOT / ".venv" / "bin" / "dovetail"), "train", str(path), *overrides, "--out", str(out)]
+    command = [
+        str(ROOT / ".venv" / "bin" / "dovetail"),
+        "train",
+        str(path),
+        *overrides,
+        "--out",
+        str(out),
+        "--overwrite",
+    ]
     command = ["taskset", "-c", cores, *command] if cores else command
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(out / "stderr.log", "w"))
 

@@ -37,7 +37,7 @@ def measure(policy: str, steps: int, out: Path, overrides: list[str]) -> dict:
     samples_per_step = config.algo.prompts_per_step * config.algo.group_size
     predicted = dry_run(config, steps).get("step_time_s")
     start = time.perf_counter()
-    summary = train(config, out, steps=steps)
+    summary = train(config, out, steps=steps, overwrite=True)  # a re-run replaces its own earlier round
     wall = time.perf_counter() - start
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
     row = {

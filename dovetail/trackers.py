@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
 """Tracker -> (module it imports, package to install)."""
@@ -211,14 +211,11 @@ class RunProgress:
         self.terminal = self.stream.isatty() if terminal is None else terminal
         self.bar = None
         if enabled and self.terminal:
-            self.bar = Progress(
+            self.bar = Progress(  # fits 80 columns: a step's figures, or what start-up is doing, in one field
                 TextColumn("[bold]{task.description}"),
-                TextColumn("{task.fields[phase]}"),
-                BarColumn(),
-                TextColumn("step {task.completed}/{task.total}"),
-                TextColumn("reward {task.fields[reward]:.3f}  eval {task.fields[eval]:.3f}  {task.fields[sps]:.1f}"),
-                TextColumn("samples/s"),
-                TimeElapsedColumn(),
+                BarColumn(bar_width=12),
+                TextColumn("{task.completed}/{task.total}"),
+                TextColumn("{task.fields[status]}"),
                 TextColumn("ETA"),
                 TimeRemainingColumn(),
             )
@@ -237,40 +234,34 @@ class RunProgress:
 
     def add(self, pipeline: str, total: int) -> None:
         if self.bar is not None:
-            self.tasks[pipeline] = self.bar.add_task(pipeline, total=total, reward=0.0, eval=0.0, sps=0.0, phase="")
+            self.tasks[pipeline] = self.bar.add_task(pipeline, total=total, status="")
 
     def phase(self, pipeline: str, what: str) -> None:
         """What start-up is doing now for `pipeline`, on the bar. Plain output has step lines only: a start-up that
         fails on bad input (a broken checkpoint) then leaves its one-line error alone."""
         if self.bar is not None:
-            self.bar.update(self.tasks[pipeline], phase=what)
+            self.bar.update(self.tasks[pipeline], status=what)
 
     def step(self, pipeline: str, done: int, total: int, metrics: dict, eval_reward: float) -> None:
         now = time.monotonic()
         first_time, first_step = self.clock.setdefault(pipeline, (now - metrics.get("step_s", 0.0), done - 1))
         eta = (total - done) * (now - first_time) / max(1, done - first_step)
         if self.bar is not None:
-            self.bar.update(
-                self.tasks[pipeline],
-                completed=done,
-                phase="",
-                reward=metrics["reward/total"],
-                eval=eval_reward,
-                sps=metrics["samples_per_s"],
-            )
+            self.bar.update(self.tasks[pipeline], completed=done, status=_figures(metrics, eval_reward))
         elif self.enabled:
-            self._line(
-                f"{pipeline} step {done}/{total} reward {metrics['reward/total']:.3f} eval {eval_reward:.3f} "
-                f"{metrics['samples_per_s']:.1f} samples/s ETA {_clock(eta)}"
-            )
+            self._line(f"{pipeline} step {done}/{total} {_figures(metrics, eval_reward)} ETA {_clock(eta)}")
 
-    def start_at(self, pipeline: str, done: int, eval_reward: float) -> None:
-        """A pipeline whose run starts (or resumes) after step `done`, its latest eval reward known."""
+    def start_at(self, pipeline: str, done: int) -> None:
+        """A pipeline whose run starts (or resumes) after step `done`."""
         if self.bar is not None:
-            self.bar.update(self.tasks[pipeline], completed=done, eval=eval_reward)
+            self.bar.update(self.tasks[pipeline], completed=done)
 
     def _line(self, text: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {text}", file=self.stream, flush=True)
+
+
+def _figures(metrics: dict, eval_reward: float) -> str:
+    return f"reward {metrics['reward/total']:.3f} eval {eval_reward:.3f} {metrics['samples_per_s']:.1f} samples/s"
 
 
 def _clock(seconds: float) -> str:

@@ -167,7 +167,7 @@ class StepLog:
         log = cls(run, config, local, last_step, state, progress, trackers, callbacks)
         if base is not None:
             log._report_evaluation(base, {})
-        progress.start_at(name, state["step"], log.eval_reward)
+        progress.start_at(name, state["step"])
         return log, state["step"]
 
     def checkpoint(self, done: int, extra: dict | None = None) -> Path:
