@@ -1,4 +1,4 @@
-"""The `dovetail` command: train, pretrain, simulate, plan.
+"""The `dovetail` command: train, pretrain, simulate, plan, export.
 
 Bad input (a config, a scenario, a flag) is one line on stderr naming the file, field or flag and the fix, exit
 code 2, and nothing written."""
@@ -287,6 +287,23 @@ def plan(
         typer.echo(plan_policies(load_scenario(scenario), devices, names))
     except ValueError as error:
         _refuse(str(error))
+
+
+@app.command()
+def export(
+    run: Path = typer.Argument(..., help="run directory of `dovetail train` with model.path"),
+    out: Path = typer.Argument(..., help="new directory for the diffusers pipeline"),
+    step: int = typer.Option(None, help="the checkpoint's step (default: the newest)"),
+):
+    """Write a run's checkpoint as a diffusers directory (save_pretrained layout, the trained transformer in
+    transformer/) that from_pretrained loads; a LoRA run's adapter also in peft's layout in OUT/lora."""
+    from dovetail.models.diffusers_flow import export_run
+
+    try:
+        checkpoint = export_run(run, step, out)
+    except (FileNotFoundError, ValueError) as error:
+        _refuse(str(error))
+    typer.echo(f"exported {checkpoint} to {out}")
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ from diffusers import (
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
 )
+from peft import PeftModel, get_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
 from typer.testing import CliRunner
@@ -211,3 +212,46 @@ def test_lora_trains_publishes_and_checkpoints_the_adapter_alone_and_a_ray_polic
     assert max_difference(trained(tmp_path), adapter) <= 1e-5
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert {s["publish_bytes"] for s in steps} == {published}
+
+
+def test_export_writes_what_diffusers_and_peft_load_back_with_the_trained_weights(
+    lora_reference_run, reference_run, pipeline_dir, tmp_path
+):
+    runner = CliRunner()
+    out = tmp_path / "lora-export"
+    result = runner.invoke(app, ["export", str(lora_reference_run), "--step", str(STEPS), str(out)])
+    assert result.exit_code == 0, result.output
+    pipeline = StableDiffusion3Pipeline.from_pretrained(out, text_encoder_3=None, tokenizer_3=None)
+    adapter = trained(lora_reference_run)
+    base = load_file(pipeline_dir / "transformer" / "diffusion_pytorch_model.safetensors")
+    scale = 8.0 / 4  # alpha / rank
+    merged = dict(base)
+    for name in {k.split(".lora_A.")[0] for k in adapter if ".lora_A." in k}:
+        layer = name.removeprefix("base_model.model.")
+        lora_a, lora_b = adapter[f"{name}.lora_A.weight"], adapter[f"{name}.lora_B.weight"]
+        merged[f"{layer}.weight"] = base[f"{layer}.weight"] + scale * lora_b @ lora_a
+    assert max_difference(pipeline.transformer.state_dict(), merged) <= 1e-6
+    assert max_difference(pipeline.transformer.state_dict(), base) > 1e-4
+    images = pipeline(
+        ["a red cat"], num_inference_steps=2, height=16, width=16, max_sequence_length=4, output_type="np"
+    )
+    assert images.images.shape == (1, 16, 16, 3)
+
+    reloaded = PeftModel.from_pretrained(
+        SD3Transformer2DModel.from_pretrained(pipeline_dir / "transformer"), out / "lora"
+    )
+    assert max_difference(get_peft_model_state_dict(reloaded), adapter) == 0.0
+
+    full = tmp_path / "full-export"
+    assert runner.invoke(app, ["export", str(reference_run), str(full)]).exit_code == 0  # the newest step
+    transformer = SD3Transformer2DModel.from_pretrained(full / "transformer")
+    assert max_difference(transformer.state_dict(), trained(reference_run)) == 0.0
+    assert not (full / "lora").exists()
+
+    for args, names in (
+        ([str(tmp_path / "nowhere"), str(tmp_path / "a")], "no config.yaml"),
+        ([str(reference_run), "--step", "1", str(tmp_path / "b")], "no checkpoint of step 1; --step one of [2]"),
+        ([str(reference_run), str(full)], "exists and is not an empty directory"),
+    ):
+        result = runner.invoke(app, ["export", *args])
+        assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1 and names in result.output
