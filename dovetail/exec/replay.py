@@ -114,7 +114,7 @@ def fitted_calibration(fitted: dict) -> Calibration:
 
 
 def predicted_seconds(node, width: int) -> float:
-    return node.cost_s if node.collective else node.cost_s / width
+    return node.seconds_on(width)
 
 
 def device_pace(graph, measured: dict, devices: int) -> list[float]:
