@@ -30,7 +30,8 @@ def prompt_split(config) -> PromptSplit:
     section = config.prompts
     if section is None:
         return PromptSplit(DIGIT_PROMPTS, DIGIT_PROMPTS)
-    return _split(section.path, section.field, section.eval_fraction, section.eval_path)
+    stamps = tuple(_stamp(p) for p in (section.path, section.eval_path))
+    return _split(section.path, section.field, section.eval_fraction, section.eval_path, stamps)
 
 
 def train_prompts(config) -> tuple[str, ...]:
@@ -45,8 +46,17 @@ def eval_prompts(config) -> list[str]:
     return [p for p in chosen for _ in range(config.eval.per_digit)]
 
 
+def _stamp(path: Path | None) -> tuple[int, int] | None:
+    """What tells a file's versions apart for the cache: its size and modification time."""
+    if path is None or not path.is_file():
+        return None
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns
+
+
 @lru_cache(maxsize=16)
-def _split(path: Path, field: str, eval_fraction: float | None, eval_path: Path | None) -> PromptSplit:
+def _split(path: Path, field: str, eval_fraction: float | None, eval_path: Path | None, stamps: tuple) -> PromptSplit:
+    """The split of the files as they are (`stamps`: their sizes and times, so that an edited file is read again)."""
     prompts = read_prompts(path, field)
     if eval_path is not None:
         return PromptSplit(tuple(prompts), tuple(read_prompts(eval_path, field)))

@@ -6,6 +6,7 @@ diffusers' and peft's `from_pretrained` load back."""
 import json
 from pathlib import Path
 
+import datasets
 import numpy as np
 import pytest
 import torch
@@ -24,6 +25,8 @@ from dovetail.cli import app
 from dovetail.config.train import ConfigError, load_config
 from dovetail.exec.pipeline import weights_of
 from dovetail.models.diffusers_flow import load_diffusers_checkpoint
+from dovetail.models.flow_rl import step_prompts
+from dovetail.prompts import prompt_split, read_prompts
 from dovetail.train import train
 
 PROMPTS = ["a red cat", "a blue dog", "red house", "blue mat", "a green cat", "the red dog", "blue cat", "green mat"]
@@ -94,8 +97,13 @@ def tiny_sd3_pipeline(directory: Path) -> Path:
     return directory / "pipeline"
 
 
+SCORED: list[list[str]] = []
+"""The prompts of each call of `colour_match` in this process (the reference loop's)."""
+
+
 def colour_match(images: np.ndarray, prompts) -> np.ndarray:
     """A user's reward of images and prompts: the mean of the colour channel the prompt names, less the others'."""
+    SCORED.append(list(prompts))
     channel = [0 if "red" in p else 2 if "blue" in p else 1 for p in prompts]
     means = images.reshape(len(images), -1, 3).mean(axis=1)
     return np.array([2 * m[c] - m.sum() + m[c] for m, c in zip(means, channel)])
@@ -255,3 +263,71 @@ def test_export_writes_what_diffusers_and_peft_load_back_with_the_trained_weight
     ):
         result = runner.invoke(app, ["export", *args])
         assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1 and names in result.output
+
+
+def test_prompts_read_alike_from_text_jsonl_json_and_parquet_and_split_by_their_hash(tmp_path):
+    records = [{"text": p, "id": i} for i, p in enumerate(PROMPTS)]
+    (tmp_path / "p.txt").write_text("\n".join(PROMPTS) + "\n\n")
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "p.json").write_text(json.dumps(records))
+    datasets.Dataset.from_list(records).to_parquet(str(tmp_path / "p.parquet"))
+    for name in ("p.txt", "p.jsonl", "p.json", "p.parquet"):
+        assert read_prompts(tmp_path / name, "text") == PROMPTS
+
+    parquet = [f"prompts.path={tmp_path / 'p.parquet'}", "prompts.field=text", "prompts.eval_fraction=0.3"]
+    config = load_config(None, parquet)
+    split = prompt_split(config)
+    assert set(split.train) | set(split.eval) == set(PROMPTS) and not set(split.train) & set(split.eval)
+    reordered = tmp_path / "reordered.txt"
+    reordered.write_text("\n".join(reversed(PROMPTS)))
+    again = prompt_split(load_config(None, [f"prompts.path={reordered}", "prompts.eval_fraction=0.3"]))
+    assert set(again.eval) == set(split.eval)  # a prompt's side is its text's, whatever the file's order
+    (tmp_path / "eval.txt").write_text("green dog\n")
+    own_eval = prompt_split(
+        load_config(None, [f"prompts.path={reordered}", f"prompts.eval_path={tmp_path / 'eval.txt'}"])
+    )
+    assert own_eval.train == tuple(reversed(PROMPTS)) and own_eval.eval == ("green dog",)
+
+    drawn = step_prompts(7, 3, 64, split.train)
+    assert drawn == step_prompts(7, 3, 64, split.train) != step_prompts(7, 4, 64, split.train)  # (seed, step) alone
+    assert set(drawn) == set(split.train)
+
+
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (["prompts.path=/nowhere.txt"], "prompts.path: no prompts file /nowhere.txt"),
+        (
+            ["prompts.path={d}/p.jsonl", "prompts.field=prompt"],
+            "record 1 has no text field 'prompt'; set prompts.field",
+        ),
+        (["prompts.path={d}/p.parquet", "prompts.field=prompt"], "has no column 'prompt' (columns: ['text']); set"),
+        (["prompts.path={d}/p.csv.gz"], "unknown format .gz; use .txt, .jsonl, .json, .parquet, .csv, .arrow"),
+        (["prompts.path={d}/one.txt"], "leave no train prompt; change prompts.eval_fraction or give prompts.eval_path"),
+        (["prompts.path={d}/p.jsonl", "prompts.eval_path={d}/one.txt", "prompts.eval_fraction=0.2"], "not both"),
+    ],
+)
+def test_a_prompts_file_that_cannot_give_prompts_is_one_line_naming_it(overrides, says, tmp_path):
+    (tmp_path / "p.jsonl").write_text(json.dumps({"text": "a red cat"}) + "\n")
+    datasets.Dataset.from_list([{"text": "a red cat"}]).to_parquet(str(tmp_path / "p.parquet"))
+    (tmp_path / "p.csv.gz").write_text("")
+    (tmp_path / "one.txt").write_text("blue cat\n")  # its hash puts it in eval at eval_fraction 0.999
+    overrides = [o.format(d=tmp_path) for o in overrides]
+    overrides += ["prompts.eval_fraction=0.999"] if overrides[0].endswith("one.txt") else []
+    result = CliRunner().invoke(app, ["train", *overrides, "--dry-run"])
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert says in result.output
+
+
+def test_the_reward_scores_the_steps_prompts_from_the_train_split_and_evaluates_the_eval_split(
+    pipeline_dir, prompts_file, tmp_path
+):
+    config = load_config(None, small(pipeline_dir, prompts_file, "policy=reference"))
+    split = prompt_split(config)
+    SCORED.clear()
+    train(config, tmp_path, steps=STEPS)
+    base_eval, *steps, final_eval = SCORED
+    assert base_eval == final_eval == list(split.eval[:2])  # prompts.eval_prompts=2, eval.per_digit=1
+    for step, scored in enumerate(steps):
+        drawn = step_prompts(config.seed, step, 2, split.train)
+        assert scored == [p for p in drawn for _ in range(2)]  # each prompt's group of 2
