@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from dovetail.algo import sde_step
 from dovetail.config.train import DEFAULT_CHECKPOINT, ConfigError, dump_config, load_config, parse_config
 from dovetail.graph.node import SampleId
-from dovetail.models.flow_rl import SDESettings, generate
+from dovetail.models.flow_rl import SDESettings, generate, recompute_log_probs
 from dovetail.models.sampling import Trajectories, keyed_normal, sample_key
 from dovetail.recipe import advantages_of, policy_gradient, sample_timesteps, sde_settings, sde_steps
 from dovetail.train import train
@@ -198,7 +198,7 @@ UPSTREAM_NOISE = {
 
 
 PRESETS = {
-    # name: (overrides, upstream step, kl divisor)
+    # name: (overrides, upstream's step function)
     "flow_grpo": (["algo.compat=flow_grpo", "algo.timestep_fraction=0.99"], flow_grpo_sde_step),
     "flow_grpo cps": (["algo.compat=flow_grpo", "algo.timestep_fraction=0.99", "sampling.sde_kind=cps"], cps_step),
     "flow_grpo_fast cps": (["algo.compat=flow_grpo_fast", "sampling.sde_kind=cps"], cps_step),
@@ -401,7 +401,7 @@ def test_default_noise_levels_are_upstreams():
 
 
 LOSSES = {
-    # name: (overrides, upstream step, upstream advantages, KL coefficient in upstream's configs)
+    # name: (overrides with upstream configs' KL coefficient, upstream's step function)
     "flow_grpo": (["algo.compat=flow_grpo", "algo.timestep_fraction=0.99", "algo.beta=0.04"], flow_grpo_sde_step),
     "flow_grpo cps": (
         ["algo.compat=flow_grpo", "algo.timestep_fraction=0.99", "algo.beta=0.04", "sampling.sde_kind=cps"],
@@ -534,6 +534,31 @@ def test_flow_grpo_fast_samples_deterministically_outside_its_window(kind, upstr
                     assert ours.log_probs[row, k] == 0 and torch.equal(prev, mean)
                 x = prev
     assert {tuple(w) for w in windows} == {tuple(windows[0])}  # one window per RL step
+
+
+def test_old_log_probs_are_recomputed_at_each_samples_own_timesteps():
+    """What colocated trainers do with DanceGRPO's per-sample subsets: each sample's trained steps re-scored under the
+    trainer's weights, one sample at a time as upstream scores them; every other step keeps the rollout's."""
+    config = load_config(None, ["algo.compat=dance_grpo", "sampling.num_steps=12", "algo.timestep_fraction=0.4"])
+    sde, behaviour, trainer = sde_settings(config), LinearVelocity(0), LinearVelocity(5).to(DTYPE)
+    ids = step_samples(1, groups=2, group_size=3)
+    prompts = [f"digit {s.prompt}" for s in ids]
+    with torch.no_grad():
+        rollout = generate(behaviour, prompts, ids, sde, seed=3, shared_group_noise=True)
+    sigmas = sde.sigmas.to(DTYPE)
+    rollout = Trajectories(prompts, rollout.prompt_ids, rollout.latents.to(DTYPE), rollout.log_probs.to(DTYPE), sigmas)
+    timesteps = [sample_timesteps(config, s) for s in ids]
+    recomputed = recompute_log_probs(trainer, rollout, timesteps, SDESettings(sigmas, sde.noise_level, sde.kind))
+    for row, steps in enumerate(timesteps):
+        for k in range(config.sampling.num_steps):
+            if k not in steps:
+                assert recomputed[row, k] == rollout.log_probs[row, k]
+                continue
+            x, prev = rollout.latents[row : row + 1, k], rollout.latents[row : row + 1, k + 1]
+            with torch.no_grad():
+                v = trainer(x, sigmas[k : k + 1], rollout.prompt_ids[row : row + 1])
+            log_prob, _, _ = dance_grpo_step(sigmas, k, x, v, UPSTREAM_NOISE["dance_grpo"], prev)
+            torch.testing.assert_close(recomputed[row, k], log_prob[0], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize(
