@@ -534,6 +534,7 @@ def test_flow_grpo_fast_samples_deterministically_outside_its_window(kind, upstr
                     assert ours.log_probs[row, k] == 0 and torch.equal(prev, mean)
                 x = prev
     assert {tuple(w) for w in windows} == {tuple(windows[0])}  # one window per RL step
+    assert torch.equal(recompute_log_probs(model, ours, windows, sde), ours.log_probs)  # on policy the ratio is 1
 
 
 def test_old_log_probs_are_recomputed_at_each_samples_own_timesteps():

@@ -36,7 +36,7 @@ def sde_step(
     sigma,
     sigma_next,
     *,
-    noise_level: float | torch.Tensor,
+    noise_level: float,
     kind: str = "flow_grpo",
     cps_log_prob: str = "gaussian",
     prev_latents: torch.Tensor | None = None,
@@ -50,8 +50,7 @@ def sde_step(
     (std = sigma_next*sin(a*pi/2), the noise and data coefficients keep their ODE values).
     `noise` (standard normal, latents' shape) replaces drawing from `generator`: samplers key
     it by (step, prompt, sample) so that a sample does not depend on the device that made it.
-    `noise_level` may differ per sample (shape (B,)): 0 makes the step the deterministic Euler step
-    (Flow-GRPO-Fast's steps outside its SDE window).
+    `noise_level` 0 makes the step the deterministic Euler step (Flow-GRPO-Fast's steps outside its window).
 
     `std_dev_t` is what Flow-GRPO, DanceGRPO and verl-omni return from their steps and divide their KL
     by: std_t for the flow_grpo SDE (the total std is std_t * sqrt(-dt)), the total std for the others.
@@ -70,10 +69,9 @@ def sde_step(
     s = _per_sample(sigma, x)
     s_next = _per_sample(sigma_next, x)
     dt = s_next - s
-    a = noise_level if isinstance(noise_level, (int, float)) else _per_sample(noise_level, x)
 
     if kind == "cps":
-        std = s_next * (math.sin(a * math.pi / 2) if isinstance(a, (int, float)) else torch.sin(a * (math.pi / 2)))
+        std = s_next * math.sin(noise_level * math.pi / 2)
         x0_pred = x - s * v
         noise_pred = x + (1 - s) * v
         mean = x0_pred * (1 - s_next) + noise_pred * torch.sqrt((s_next**2 - std**2).clamp(min=0))
@@ -81,9 +79,9 @@ def sde_step(
     else:
         if kind == "flow_grpo":
             denominator = torch.where(s >= 1, 1 - s_next, 1 - s)
-            std_t = a * torch.sqrt(s / denominator)
+            std_t = noise_level * torch.sqrt(s / denominator)
         else:
-            std_t = torch.full_like(s, a) if isinstance(a, (int, float)) else a.expand_as(s)
+            std_t = torch.full_like(s, noise_level)
         mean = x + v * dt + std_t**2 / (2 * s) * (x + (1 - s) * v) * dt
         std = std_t * torch.sqrt(-dt)
         std_dev_t = std_t if kind == "flow_grpo" else std

@@ -60,21 +60,21 @@ def generate(
     step_keys = [sample_key(seed, "sde", s.step, s.prompt, s.index) for s in ids]
     init_noise = keyed_normal(init_keys, shape).to(model.device)
     step_noise = keyed_normal(step_keys, (num_steps, *shape)).to(model.device)
-    noise_level = sde.noise_level
+    stochastic = None
     if sde_steps is not None:
-        stochastic = torch.zeros(len(ids), num_steps)
+        stochastic = torch.zeros(len(ids), num_steps, dtype=torch.bool)
         for row, steps in enumerate(sde_steps):
-            stochastic[row, steps] = 1.0
-        noise_level = (stochastic * sde.noise_level).to(model.device)
+            stochastic[row, steps] = True
     return sample_sde(
         model,
         prompts,
         sde.sigmas,
         init_noise=init_noise,
         step_noise=step_noise,
-        noise_level=noise_level,
+        noise_level=sde.noise_level,
         kind=sde.kind,
         cps_log_prob=sde.cps_log_prob,
+        stochastic=stochastic,
     )
 
 

@@ -6,6 +6,7 @@ sample is the same wherever and with whatever neighbours it is generated.
 
 import hashlib
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -66,31 +67,29 @@ def sample_sde(
     *,
     init_noise: torch.Tensor,
     step_noise: torch.Tensor,
-    noise_level: float | torch.Tensor,
+    noise_level: float,
     kind: str,
     cps_log_prob: str = "gaussian",
+    stochastic: torch.Tensor | None = None,
 ) -> Trajectories:
-    """Roll out the SDE from pure noise; step_noise[:, k] drives step k, at `noise_level` (or noise_level[:, k],
-    one per sample and step)."""
+    """Roll out the SDE from pure noise; step_noise[:, k] drives step k. Where `stochastic[i, k]` (bool, (B, K)) is
+    False, sample i takes the deterministic Euler step k (noise level 0; log-prob 0); its stochastic steps are
+    computed exactly as training scores them."""
     prompt_ids = model.encode_prompts(prompts)
     x = init_noise.float()
     chain, log_probs = [x], []
     for k in range(len(sigmas) - 1):
         velocity = model(x, sigmas[k].expand(x.shape[0]), prompt_ids)
-        level = noise_level if isinstance(noise_level, (int, float)) else noise_level[:, k]
-        step = sde_step(
-            velocity,
-            x,
-            sigmas[k],
-            sigmas[k + 1],
-            noise_level=level,
-            kind=kind,
-            cps_log_prob=cps_log_prob,
-            noise=step_noise[:, k],
-        )
-        x = step.prev_latents
+        step_k = partial(sde_step, velocity, x, sigmas[k], sigmas[k + 1], kind=kind, cps_log_prob=cps_log_prob)
+        step = step_k(noise_level=noise_level, noise=step_noise[:, k])
+        x, log_prob = step.prev_latents, step.log_prob
+        if stochastic is not None and not bool(stochastic[:, k].all()):
+            euler = step_k(noise_level=0.0, noise=step_noise[:, k])
+            keep = stochastic[:, k].to(x.device)
+            x = torch.where(keep.view(-1, *[1] * (x.ndim - 1)), x, euler.prev_latents)
+            log_prob = torch.where(keep, log_prob, euler.log_prob)
         chain.append(x)
-        log_probs.append(step.log_prob)
+        log_probs.append(log_prob)
     return Trajectories(prompts, prompt_ids, torch.stack(chain, 1), torch.stack(log_probs, 1), sigmas)
 
 
