@@ -75,6 +75,14 @@ class ScheduleSpec(_Model):
         "of e^3 = 20x per sigma).",
     )
 
+    @field_validator("policies")
+    @classmethod
+    def _known_policies(cls, names: list[str]) -> list[str]:
+        unknown = [clip(name, 40) for name in names if name not in POLICIES]
+        if unknown:
+            raise ValueError(f"unknown policies {unknown}; choose among {', '.join(sorted(POLICIES))}")
+        return names
+
 
 class PublishedShape(_Model):
     """What the published run's recipe fixed that a policy would otherwise choose: reproducing the run applies it."""

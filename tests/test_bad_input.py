@@ -23,6 +23,7 @@ from dovetail.config.train import (
     load_config,
     parse_config,
 )
+from dovetail.report import compare
 from dovetail.rewards import REWARDS, RewardError, score
 from dovetail.rewards.text import TEXT_REWARDS, score_text
 from dovetail.scenario import Scenario, list_scenarios, load_scenario, parse_scenario
@@ -319,6 +320,41 @@ def test_a_mutated_scenario_parses_or_names_each_bad_field(tree):
         for line in problem_lines(str(error), "scenario: invalid scenario"):
             assert names_a_field(line, set(Scenario.model_fields)), line
             assert len(line) <= LONGEST_LINE, line[:200]
+
+
+SMALL_SCENARIOS = [tree for tree in SHIPPED_SCENARIOS if tree["cluster"]["devices"] <= 8]
+"""The shipped scenarios a simulation of every policy takes a second or so on."""
+
+PLAUSIBLE_VALUES = [1, 2, 3, 5, 8, 64, 4096, True, False, None]
+"""Values a scenario may well hold: most of these mutations parse, and each then has to simulate."""
+
+
+@st.composite
+def perturbed(draw, valid: list):
+    """A valid tree with one number, flag or unset field replaced by a plausible value."""
+    tree = draw(st.sampled_from(valid))
+    leaves = [path for path in paths(tree) if isinstance(value_at(tree, path), int | float | bool | type(None))]
+    return replaced(tree, draw(st.sampled_from(leaves)), draw(st.sampled_from(PLAUSIBLE_VALUES)))
+
+
+def value_at(tree, path: tuple):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(mutated(SMALL_SCENARIOS), perturbed(SMALL_SCENARIOS)))
+def test_a_mutated_scenario_that_parses_gets_every_policy_s_row_or_one_line_why(tree):
+    """What the scenario accepts, `dovetail simulate` runs: numbers, or a one-line reason per policy."""
+    try:
+        scenario = parse_scenario(tree)
+    except ValueError:
+        return  # named above
+    result = compare(scenario, steps=1)
+    assert list(result["policies"]) == scenario.schedule.policies
+    for row in result["policies"].values():
+        assert "error" not in row or ("\n" not in row["error"] and len(row["error"]) <= LONGEST_LINE), row
 
 
 # --- custom rewards: what may be imported, and what they may return -------------------------------------------

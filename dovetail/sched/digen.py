@@ -249,8 +249,9 @@ class Digen(Policy):
                         ranked.append((synchronous, overlapped, -chunk, shape))
         if not ranked:
             raise ValueError(
-                f"{spec.name}: no digen shape fits in {capacity:.0f} GB per device; enable offload or "
-                "use a smaller tsp_chunk"
+                f"{spec.name}: no digen shape fits in {capacity:.0f} GB per device: add devices (cluster.devices)"
+                + (", set offload: true" if not spec.offload else "")
+                + (" or lower tsp_chunk" if spec.tsp_chunk else "")
             )
         return tuple(ranked)
 

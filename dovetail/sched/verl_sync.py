@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dovetail.graph.llm import LLMShape
+from dovetail.graph.llm import LLMShape, stage
 from dovetail.graph.node import Role
 from dovetail.graph.spec import PipelineSpec
 from dovetail.sched.llm_common import StagedLLMPolicy, llm_only, rollout_engines, split_pool, step_done, tensor_parallel
@@ -49,7 +49,8 @@ class VerlSync(StagedLLMPolicy):
             if switches or not self.free(view, group, Role.ROLLOUT):
                 return switches
             return [StartStep(pipeline, following, view.published[pipeline])]
-        current = next(name for name in ORDER if not step_done(view, pipeline, step, name))
+        unfinished = {stage(n) for n in view.graph.of(pipeline, step) if n.id not in view.finished}
+        current = next(name for name in ORDER if name in unfinished)
         ready = [n for n in self.ready_nodes(view, pipeline) if n.step == step]
         if current == "rollout":
             return self.place_rollout(view, group, tensor_parallel(view, pipeline, group), ready)
