@@ -4,6 +4,7 @@ Ray policy to the same parameters, with and without LoRA; prompts come from file
 diffusers' and peft's `from_pretrained` load back."""
 
 import json
+import shutil
 from pathlib import Path
 
 import datasets
@@ -24,9 +25,10 @@ from typer.testing import CliRunner
 from dovetail.cli import app
 from dovetail.config.train import ConfigError, load_config
 from dovetail.exec.pipeline import weights_of
-from dovetail.models.diffusers_flow import load_diffusers_checkpoint
-from dovetail.models.flow_rl import step_prompts
+from dovetail.models.diffusers_flow import load_diffusers_checkpoint, load_flow_model, save_prompt_embeddings
+from dovetail.models.flow_rl import generate, group_sample_ids, step_prompts
 from dovetail.prompts import prompt_split, read_prompts
+from dovetail.recipe import sde_settings
 from dovetail.train import train
 
 PROMPTS = ["a red cat", "a blue dog", "red house", "blue mat", "a green cat", "the red dog", "blue cat", "green mat"]
@@ -331,3 +333,41 @@ def test_the_reward_scores_the_steps_prompts_from_the_train_split_and_evaluates_
     for step, scored in enumerate(steps):
         drawn = step_prompts(config.seed, step, 2, split.train)
         assert scored == [p for p in drawn for _ in range(2)]  # each prompt's group of 2
+
+
+def test_a_transformer_with_precomputed_prompt_embeddings_generates_what_its_pipeline_does(
+    pipeline_dir, prompts_file, tmp_path
+):
+    embedded = tmp_path / "embedded"
+    for part in ("transformer", "scheduler", "vae"):
+        shutil.copytree(pipeline_dir / part, embedded / part)
+    text = StableDiffusion3Pipeline.from_pretrained(pipeline_dir, text_encoder_3=None, tokenizer_3=None)
+    embeds, _, pooled, _ = text.encode_prompt(
+        PROMPTS, None, None, do_classifier_free_guidance=False, max_sequence_length=4
+    )
+    save_prompt_embeddings(embedded / "prompt_embeds.safetensors", PROMPTS, embeds, pooled)
+
+    models = []
+    for path in (pipeline_dir, embedded):
+        config = load_config(None, small(path, prompts_file))
+        models.append(load_flow_model(config))
+    ids = group_sample_ids(0, [0, 1, 2], 2)
+    prompts = [PROMPTS[s.prompt] for s in ids]
+    from_pipeline, from_table = (
+        generate(m, prompts, ids, sde_settings(config), seed=0, shared_group_noise=False) for m in models
+    )
+    assert torch.equal(from_table.prompt_ids, from_pipeline.prompt_ids)
+    assert torch.equal(from_table.latents, from_pipeline.latents)
+    with pytest.raises(
+        ValueError, match="prompt 'green dog' has no precomputed encoding in .*prompt_embeds.safetensors"
+    ):
+        models[1].encode_prompts(["green dog"])
+
+
+def test_a_run_of_a_diffusers_model_resumes_to_the_parameters_of_the_uninterrupted_run(
+    reference_run, pipeline_dir, prompts_file, tmp_path
+):
+    config = load_config(None, small(pipeline_dir, prompts_file, "policy=reference", "checkpoint.every=1"))
+    train(config, tmp_path, steps=1)
+    train(config, tmp_path, steps=STEPS, resume=tmp_path)
+    assert max_difference(trained(tmp_path), trained(reference_run)) == 0.0

@@ -132,7 +132,7 @@ class ModelSection(Section):
             raise ValueError("model: give model.path (a diffusers directory) or model.checkpoint, not both")
         if self.lora is not None and self.path is None:
             raise ValueError("model.lora: LoRA trains a diffusers model; give its directory as model.path")
-        if self.path is None:
+        if self.path is None and self.checkpoint is None:
             self.checkpoint = DEFAULT_CHECKPOINT
         return self
 

@@ -1,4 +1,5 @@
-"""Rewards by name. Each takes images in [0, 1] of shape (B, H, W) and the prompts, returns (B,).
+"""Rewards by name. Each takes images in [0, 1] of shape (B, H, W) (one channel: the built-in model's) or
+(B, H, W, 3) (RGB: a diffusers model's VAE) and the prompts, returns (B,).
 
 Rewards combine with weights: ``{"digit_match": 1.0, "jpeg_compressibility": 0.1}``. Your own reward is named
 "package.module:function" and imported, when the config is read, even for a dry run: a config is code. Set
@@ -37,7 +38,7 @@ def digit_match(images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
 
 def _jpeg_kilobytes(image: np.ndarray) -> float:
     """DDPO's measure: size of the JPEG at quality 95, after upscaling to at least 32x32."""
-    pil = Image.fromarray((np.clip(image, 0, 1) * 255).round().astype(np.uint8), mode="L")
+    pil = Image.fromarray((np.clip(image, 0, 1) * 255).round().astype(np.uint8))  # grey (H, W) or RGB (H, W, 3)
     scale = max(1, -(-32 // min(pil.size)))
     pil = pil.resize((pil.width * scale, pil.height * scale), Image.NEAREST)
     buffer = io.BytesIO()
