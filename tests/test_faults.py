@@ -11,6 +11,7 @@ from fault_injection import CONFIG, Fault
 from safetensors.torch import load_file
 
 from dovetail.config.train import load_config
+from dovetail.rewards import RewardError
 from dovetail.train import train
 
 STEPS = 3
@@ -45,5 +46,25 @@ def test_killed_workers_recover_and_the_run_is_bitwise_the_undisturbed_one(momen
     assert fault.killed and summary["restarts"] >= 1, (fault.killed, summary["restarts"])
     ledger = json.loads((tmp_path / "ledger.json").read_text())
     assert ledger["problems"] == []
+    got = weights(tmp_path)
+    assert all(torch.equal(got[k], undisturbed[k]) for k in undisturbed)
+
+
+def test_a_run_stopped_after_its_first_step_resumes_bitwise_to_the_undisturbed_one(local_ray, undisturbed, tmp_path):
+    """The driver's side of a fault: the run stops after step 1's commit (its reward fails: the driver saves the last
+    committed step and exits, as after a crash past a checkpoint) and `--resume` trains steps 2 and 3 to the same bits
+    as the run that never stopped (the reward is digit_match's values while unflagged)."""
+    flag = local_ray
+    config = load_config(None, [*CONFIG, "reward={faulty_reward:nan_when_flagged: 1.0}"])
+
+    def break_reward_after_first_commit(executor, part):
+        if part.node.endswith("s0/commit0"):
+            flag.touch()
+
+    with pytest.raises(RewardError):
+        train(config, tmp_path, steps=STEPS, after_part=break_reward_after_first_commit)
+    flag.unlink()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001"]
+    train(config, tmp_path, steps=STEPS, resume=tmp_path)
     got = weights(tmp_path)
     assert all(torch.equal(got[k], undisturbed[k]) for k in undisturbed)

@@ -58,6 +58,9 @@ class PipelineRun:
     versions: dict[int, ray.ObjectRef]
     """Published weights by graph version (0: the run's initial weights)."""
     trainer_state: ray.ObjectRef
+    state_of_commit: str | None = None
+    """The commit node whose new state `trainer_state` already holds: once one trainer replica finished a commit,
+    its state is the step's, for every replica (a restarted one takes it and has nothing left to commit)."""
     adapter: PipelineAdapter = field(init=False)
     ledger: Ledger = field(default_factory=Ledger)
     trainer_devices: tuple[int, ...] = ()
@@ -185,6 +188,7 @@ class RayExecutor:
             return False
         run = self.run_of(part.node)
         self._revive(run, now, part.node)
+        self._count_resend(part)
         return bool(run.ledger.restarts)
 
     def _submit(self, part: Part | SwitchRole) -> None:
@@ -198,13 +202,21 @@ class RayExecutor:
     def _recover(self, part: Part | SwitchRole, now: float) -> None:
         """A worker died (or answered from a new, bare incarnation): bring its pipeline back, send the part again
         (at most MAX_RESENDS times: a part that fails again and again is a bug, not a fault, and must not spin)."""
+        self._count_resend(part)
+        run = next(iter(self.pipelines.values())) if isinstance(part, SwitchRole) else self.run_of(part.node)
+        self._revive(run, now, getattr(part, "node", "switch"))
+        if isinstance(part, Part) and part.node == run.state_of_commit:
+            # another replica finished this commit and its state is the one just restored here: nothing to redo
+            done = next(ref for ref in self.outputs[part.node] if ref is not None)
+            self._complete(part, done, None)
+            return
+        self._submit(part)
+
+    def _count_resend(self, part: Part | SwitchRole) -> None:
         key = (getattr(part, "node", "switch"), part.device, getattr(part, "index", 0))
         self._resent[key] = self._resent.get(key, 0) + 1
         if self._resent[key] > MAX_RESENDS:
             raise RuntimeError(f"{key[0]} on device {part.device} failed {MAX_RESENDS} times after restarts; giving up")
-        run = next(iter(self.pipelines.values())) if isinstance(part, SwitchRole) else self.run_of(part.node)
-        self._revive(run, now, getattr(part, "node", "switch"))
-        self._submit(part)
 
     def committed_state(self, pipeline: str) -> dict:
         """The pipeline's last committed trainer state (weights + optimizer): in the object store since the commit
@@ -281,7 +293,8 @@ class RayExecutor:
             self.results.setdefault(node.id, []).append(result)
             run.uncommitted[part.device].append(part)
         elif node.kind == Kind.COMMIT:
-            run.uncommitted[part.device] = []
+            if run.state_of_commit != node.id:
+                self._keep_committed_state(run, node.id, part.device)
             if part.device == run.trainer_devices[0]:
                 self._book_training(run, node)
         elif node.kind == Kind.PUBLISH:
@@ -290,29 +303,32 @@ class RayExecutor:
             run.adapter.book(node, part, result, run.ledger)
         self._left[part.node] -= 1
         if self._left[part.node] == 0:
-            if node.kind == Kind.COMMIT:
-                self._keep_committed_state(run)
             self.state.finish_node(part.node)
 
-    def _keep_committed_state(self, run: PipelineRun) -> None:
-        """The new committed trainer state, in the object store before the commit counts as done: the object store
-        outlives the workers, so even if every trainer replica dies next, their restarts resume from this step."""
-        run.trainer_state = self._from_a_trainer(run, "trainer_state")
+    def _keep_committed_state(self, run: PipelineRun, commit: str, device: int) -> None:
+        """The new trainer state, taken into the object store from the first replica that finished the commit
+        (`device`): the object store outlives the workers, so a replica that dies from now on, still committing or
+        not, comes back with this step's state, and the step's gradients are spent."""
+        others = [d for d in run.trainer_devices if d != device]
+        run.trainer_state = self._from_a_trainer(run, "trainer_state", [device, *others])
+        run.state_of_commit = commit
+        run.uncommitted.clear()
 
     def _published_weights(self, run: PipelineRun) -> ray.ObjectRef:
         """The committed weights, for a publish: from a trainer replica, or, if every one died since the commit (its
         state already in the object store), from one brought back with that state."""
         try:
-            return self._from_a_trainer(run, "export_weights")
+            return self._from_a_trainer(run, "export_weights", run.trainer_devices)
         except TrainersLost:
             self._revive(run, self.state.now, "publish")
-            return self._from_a_trainer(run, "export_weights")
+            return self._from_a_trainer(run, "export_weights", run.trainer_devices)
 
-    def _from_a_trainer(self, run: PipelineRun, method: str) -> ray.ObjectRef:
-        """A ref of what a trainer replica answers (`trainer_state`, `export_weights`), known to hold the answer: a
-        replica that died since the commit is passed over for another (they hold the same state); a ref that held
-        an error would poison every part that reads it."""
-        for device in run.trainer_devices:
+    def _from_a_trainer(self, run: PipelineRun, method: str, devices: Sequence[int]) -> ray.ObjectRef:
+        """A ref of what the first of `devices` (trainer replicas) that answers gives (`trainer_state`,
+        `export_weights`), known to hold the answer: a replica that died since the commit is passed over for the next
+        (a replica still committing answers once its commit is done: they reach the same state); a ref that held an
+        error would poison every part that reads it."""
+        for device in devices:
             ref = getattr(run.workers[device], method).remote()
             try:
                 ray.get(ref)
