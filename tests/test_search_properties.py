@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from dovetail.cost.catalog import device as lookup_device
 from dovetail.cost.model import CostModel
-from dovetail.scenario import Scenario, Searched, _run, prepare, simulate
+from dovetail.report import plan
+from dovetail.scenario import Scenario, Searched, _run, load_scenario, prepare, simulate
 from dovetail.sched.digen import Digen
 from dovetail.sched.policy import search_horizon
 
@@ -146,7 +147,7 @@ def test_digen_never_below_its_colocated_like_shape_nor_the_staged_baselines_and
     assert at_least(rate(simulate(scenario, "digen+tcss")[1]), digen)
 
 
-@SEARCH
+@settings(SEARCH, max_examples=6)  # four searches per example
 @given(flow_cases, st.sampled_from(["digen", "digen+tcss"]))
 def test_doubling_the_devices_never_slows_digen(case, policy):
     """Inside a node and onto a second one: digen's search may keep the smaller run's cut per node (HSDP groups of a
@@ -193,3 +194,34 @@ def test_a_strictly_faster_device_is_never_slower_for_llm_policies(case, policy,
         return  # refused on this pool (tested in test_simulate_errors); nothing to compare
     quicker = rate(simulate(scenario, policy, cost=CostModel(faster("H100", factor)))[1])
     assert at_least(quicker, base), (policy, base, quicker)
+
+
+def test_jigsaw_keeps_the_tail_engine_inside_a_node_on_the_64_gpu_scenario():
+    """A tail engine wider than a node pays its tensor-parallel all-reduces over the network every token: the search
+    simulates the wide engines and lets them lose (it once picked 32 wide, costed as if free)."""
+    scenario = load_scenario("jigsaw-64xa100")
+    searched: list[Searched] = []
+    prepared = prepare(scenario, "jigsaw", searched=searched)
+    node = lookup_device(scenario.cluster.device).node_size
+    assert all(shape.tail_parallel <= node for shape in prepared.setup.shapes.values())
+    wide = [s for s in searched if all(shape.tail_parallel > node for shape in s.shapes.values())]
+    assert wide, "the search considered engines wider than a node"
+
+
+def test_plan_shows_each_policy_s_candidates_and_the_figure_simulate_gives_for_its_choice():
+    scenario = load_scenario("calib-qwenimage-4xh200")
+    text = plan(scenario, 4, ["digen", "digen+tcss"])
+    for policy in ("digen", "digen+tcss"):
+        after = text.split(f"\n{policy}: ")[1].splitlines()[1:]
+        block = after[: next(i for i, line in enumerate(after) if not line.startswith("  "))]
+        starred = [line for line in block if line.startswith("  *")]
+        assert len(starred) == 1 and len(block) > 1
+        shown = shown_rate(starred[0])
+        steps = search_horizon(scenario.schedule.steps)
+        assert shown == round(rate(simulate(scenario, policy, steps=steps)[1]), 3)
+        assert all(shown_rate(line) <= shown for line in block)
+
+
+def shown_rate(line: str) -> float:
+    """The samples/s of one of plan's candidate rows."""
+    return float(line.split("samples/s")[0].split()[-1])
