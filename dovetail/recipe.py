@@ -8,6 +8,7 @@ import torch
 from dovetail.algo import group_advantages, select_train_timesteps
 from dovetail.config.train import FlowTrainConfig
 from dovetail.exec.pipeline import trainable_parameters
+from dovetail.graph.node import SampleId
 from dovetail.models.flow_rl import SDESettings, accumulate_policy_gradient
 from dovetail.models.pretrain import latents_to_images
 from dovetail.models.sampling import keyed_normal, sample_key, sample_ode
@@ -17,18 +18,43 @@ from dovetail.rewards import score
 
 
 def sde_settings(config: FlowTrainConfig, device: torch.device | str = "cpu") -> SDESettings:
-    return SDESettings(
-        flow_sigmas(config.sampling.num_steps, config.sampling.shift).to(device), config.noise_level, config.sde_kind
-    )
+    sampling = config.sampling
+    sigmas = flow_sigmas(sampling.num_steps, sampling.shift, sampling.schedule).to(device)
+    return SDESettings(sigmas, config.noise_level, config.sde_kind, sampling.cps_log_prob)
 
 
 def step_timesteps(config: FlowTrainConfig, step: int) -> list[int]:
-    generator = torch.Generator().manual_seed(sample_key(config.seed, "timesteps", step))
+    """The trained steps of RL step `step`'s samples, one draw for all of them keyed by (seed, step)."""
+    return _select_timesteps(config, sample_key(config.seed, "timesteps", step))
+
+
+def sample_timesteps(config: FlowTrainConfig, sample: SampleId) -> list[int]:
+    """The steps trained on `sample`: its RL step's (`step_timesteps`), or with algo.per_sample_timesteps its own
+    (DanceGRPO), keyed by its identity so that every device and the reference loop draw the same."""
+    if not config.algo.per_sample_timesteps:
+        return step_timesteps(config, sample.step)
+    return _select_timesteps(config, sample_key(config.seed, "timesteps", sample.step, sample.prompt, sample.index))
+
+
+def sde_steps(config: FlowTrainConfig, samples: list[SampleId]) -> list[list[int]] | None:
+    """Each sample's stochastic steps where only its SDE window is (algo.timesteps=window, as Flow-GRPO-Fast
+    samples: the other steps are deterministic); None where every step is."""
+    if config.timestep_mode != "window":
+        return None
+    return [sample_timesteps(config, s) for s in samples]
+
+
+def _select_timesteps(config: FlowTrainConfig, key: int) -> list[int]:
+    algo = config.algo
     return select_train_timesteps(
         config.sampling.num_steps,
-        fraction=config.algo.timestep_fraction,
+        fraction=algo.timestep_fraction,
         mode=config.timestep_mode,
-        generator=generator,
+        window=algo.window_size,
+        window_range=None if algo.window_range is None else tuple(algo.window_range),
+        rounding=algo.timestep_rounding,
+        pool=algo.timestep_pool,
+        generator=torch.Generator().manual_seed(key),
     )
 
 
@@ -51,10 +77,24 @@ def make_optimizer(model, config: FlowTrainConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(trainable_parameters(model), lr=config.train.lr, weight_decay=config.train.weight_decay)
 
 
-def advantages_of(config: FlowTrainConfig, rewards: np.ndarray, prompts: list[int]) -> torch.Tensor:
-    """Group-relative advantages; `prompts[i]` is sample i's prompt index (its group)."""
+def advantages_of(
+    config: FlowTrainConfig, rewards: np.ndarray, prompts: list[int], texts: list[str] | None = None
+) -> torch.Tensor:
+    """Group-relative advantages; `prompts[i]` is sample i's prompt index (its group), `texts[i]` its prompt's text:
+    with algo.adv_group=prompt_text the samples of equal texts form one group (Flow-GRPO's per-prompt statistics)."""
+    algo = config.algo
+    if algo.adv_group == "prompt_text":
+        if texts is None:
+            raise ValueError("algo.adv_group=prompt_text groups the samples by their prompts' texts: pass `texts`")
+        prompts = [texts.index(text) for text in texts]
     return group_advantages(
-        torch.as_tensor(rewards), torch.tensor(prompts), std_scope=config.algo.std_scope, clip=config.algo.adv_clip
+        torch.as_tensor(rewards),
+        torch.tensor(prompts),
+        std_scope=algo.std_scope,
+        baseline=algo.adv_baseline,
+        eps=algo.adv_eps,
+        unbiased=algo.adv_unbiased,
+        clip=algo.adv_clip,
     )
 
 
@@ -62,7 +102,7 @@ def policy_gradient(
     model,
     trajectories,
     advantages,
-    timesteps: list[int],
+    timesteps: list[int] | list[list[int]],
     sde: SDESettings,
     config: FlowTrainConfig,
     *,
@@ -82,6 +122,7 @@ def policy_gradient(
         total_pairs=total_pairs,
         clip_range=algo.clip_range,
         beta=algo.beta,
+        kl_std=algo.kl_std,
         reference_model=reference_model,
         stale_max_weight=algo.stale_max_weight if stale else None,
     )
