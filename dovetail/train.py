@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from dovetail.config.train import (
+    ConfigError,
     FlowTrainConfig,
     LMTrainConfig,
     MultiplexConfig,
@@ -155,7 +156,7 @@ class StepLog:
         local = FlowLocal(config) if config.kind == "flow" else LMLocal(config)
         state = None if resume is None else load_checkpoint(resume, local.model, local.optimizer, local.load_weights)
         if state is not None and "config" in state:
-            check_resumable(state["config"], config.model_dump(mode="json"), resume)
+            check_resumable(_in_current_schema(state["config"]), config.model_dump(mode="json"), resume)
         run.begin(None if state is None else state["step"])
         run.write_config(dump_config(config))
         trackers = open_trackers(config.logger, run.path, name, config.model_dump(mode="json"))
@@ -386,6 +387,15 @@ def train(
     summary |= run_figures
     root.write_summary(summary)
     return summary
+
+
+def _in_current_schema(tree: dict) -> dict:
+    """A checkpoint's config as this version writes it (fields added since then at their defaults), so that only
+    what its run set differently counts as a difference; as saved if this version no longer reads it."""
+    try:
+        return parse_config(tree).model_dump(mode="json")
+    except ConfigError:
+        return tree
 
 
 def with_steps(config: TrainConfig, steps: int) -> TrainConfig:

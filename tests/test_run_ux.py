@@ -260,3 +260,21 @@ def test_logger_console_off_prints_nothing(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1].startswith("eval reward ") and len(result.stdout.splitlines()) == 1
+
+
+def test_resume_reads_an_older_checkpoint_config_with_the_fields_added_since_at_their_defaults(tmp_path):
+    """A checkpoint written before `sampling.shift` existed (its state.json's config lacks it, sealed again)
+    resumes: a field it never had, at its default now, is not a difference."""
+    from dovetail.run_dir import seal
+    from dovetail.train import train
+
+    config = load_config(None, [*FAST, "eval.every=100"])
+    train(config, tmp_path, steps=1)
+    checkpoint = tmp_path / "checkpoints" / "step_000001"
+    state = json.loads((checkpoint / "state.json").read_text())
+    del state["config"]["sampling"]["shift"]
+    (checkpoint / "state.json").write_text(json.dumps(state))
+    (checkpoint / "manifest.json").unlink()
+    seal(checkpoint, 1)
+    train(config, tmp_path, steps=2, resume=tmp_path)
+    assert [m["step"] for m in metric_lines(tmp_path)] == [1, 2]
