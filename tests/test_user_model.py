@@ -172,6 +172,8 @@ def test_a_diffusers_directory_given_as_the_checkpoint_is_one_line_naming_it(pip
         assert "\n" not in str(refused.value) and str(path) in str(refused.value) and lacks in str(refused.value)
     result = CliRunner().invoke(app, ["train", f"model.checkpoint={pipeline_dir}", "--dry-run"])
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    with pytest.raises(ConfigError, match="reward.digit_match judges the built-in model's 8x8 digits"):
+        load_config(None, [f"model.path={pipeline_dir}"])  # the default reward
 
 
 @pytest.fixture(scope="module")

@@ -496,6 +496,15 @@ class FlowTrainConfig(RunSection):
         return self
 
     @model_validator(mode="after")
+    def _digit_judge_needs_digits(self) -> "FlowTrainConfig":
+        if self.model.path is not None and "digit_match" in self.reward:
+            raise ValueError(
+                "reward.digit_match judges the built-in model's 8x8 digits: give a model.path run its own reward, "
+                "e.g. reward={mylab.rewards:aesthetic: 1.0} (a function of images and prompts)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _dance_grpo_sde(self) -> "FlowTrainConfig":
         if self.algorithm == "dance_grpo" and self.sampling.sde_kind != "flow_grpo":
             raise ValueError(

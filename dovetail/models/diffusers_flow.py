@@ -245,8 +245,14 @@ def load_diffusers_flow(path: Path | str, *, lora: dict | None, max_sequence_len
 def _text_pipeline(path: Path, transformer: SD3Transformer2DModel):
     """The StableDiffusion3Pipeline of the directory's text encoders and tokenizers (an absent one, e.g. SD3's T5
     left out, None), in float32; the transformer is the model's own (encode_prompt reads its config), no VAE.
-    Imported here: diffusers' pipelines pull in transformers' image processors, which no other run needs."""
-    from diffusers import StableDiffusion3Pipeline
+    Imported here: diffusers' pipelines pull in transformers' image processors, which no other run needs (nor this
+    one: their warnings that torchvision is missing are silenced)."""
+    verbosity = transformers.utils.logging.get_verbosity()
+    transformers.utils.logging.set_verbosity_error()
+    try:
+        from diffusers import StableDiffusion3Pipeline
+    finally:
+        transformers.utils.logging.set_verbosity(verbosity)
 
     index = json.loads((path / "model_index.json").read_text())
     absent = {
