@@ -3,7 +3,8 @@
 Every figure is an independent simulation: the candidate's shapes fixed (`prepare(shapes=...)`), run by the
 simulator, against the policy's own run with the shapes its search chose."""
 
-from dataclasses import replace
+import json
+from dataclasses import asdict, replace
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -12,6 +13,7 @@ from dovetail.cost.catalog import device as lookup_device
 from dovetail.cost.model import CostModel
 from dovetail.report import plan
 from dovetail.scenario import Scenario, Searched, _run, load_scenario, prepare, simulate
+from dovetail.sched import shape_from_fields
 from dovetail.sched.digen import Digen
 from dovetail.sched.policy import search_horizon
 
@@ -225,3 +227,15 @@ def test_plan_shows_each_policy_s_candidates_and_the_figure_simulate_gives_for_i
 def shown_rate(line: str) -> float:
     """The samples/s of one of plan's candidate rows."""
     return float(line.split("samples/s")[0].split()[-1])
+
+
+def test_every_policy_s_chosen_shape_survives_a_run_profile_round_trip():
+    """A run profile stores `asdict` of each pipeline's shape; `simulate --from-run` rebuilds it with the search's
+    choices (digen's TAG and TCSS) intact."""
+    for name, policy in (("calib-qwenimage-4xh200", "digen+tcss"), ("calib-qwenimage-4xh200", "colocated")):
+        scenario = load_scenario(name)
+        for shape in prepare(scenario, policy, steps=1).setup.shapes.values():
+            rebuilt = shape_from_fields("flow", json.loads(json.dumps(asdict(shape))))
+            assert rebuilt == shape and type(rebuilt) is type(shape)
+    shapes = prepare(load_scenario("jigsaw-qwen3-4b-8xh100"), "jigsaw-greedy", steps=1).setup.shapes
+    assert all(shape_from_fields("llm", asdict(shape)) == shape for shape in shapes.values())

@@ -17,10 +17,9 @@ from dovetail.cost.calibration import DEFAULT, Calibration
 from dovetail.cost.model import CostModel
 from dovetail.exec.metrics import time_per_step
 from dovetail.exec.sim import SimExecutor
-from dovetail.graph.flow import FlowShape
-from dovetail.graph.llm import LLMShape
 from dovetail.graph.node import Kind
 from dovetail.scenario import prepare
+from dovetail.sched import shape_from_fields
 
 COST_KIND = {
     Kind.GENERATE: "generate",
@@ -52,9 +51,7 @@ def replay_run(run_dir: Path | str) -> dict:
         ) from None
     scenario = config.scenario(profile["steps"])
     kinds = {spec.name: spec.kind for spec in scenario.pipelines}
-    shapes = {
-        name: (FlowShape if kinds[name] == "flow" else LLMShape)(**shape) for name, shape in profile["shapes"].items()
-    }
+    shapes = {name: shape_from_fields(kinds[name], shape) for name, shape in profile["shapes"].items()}
     options = config.policy_options()
     calibrations = {name: fitted_calibration(fitted) for name, fitted in profile["calibration"].items()}
     analytic = prepare(

@@ -27,3 +27,16 @@ def policy_class(name: str) -> type[Policy]:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(sorted(POLICIES))}")
     module, _, attribute = POLICIES[name].partition(":")
     return getattr(import_module(module), attribute)
+
+
+def shape_from_fields(kind: str, fields: dict):
+    """A pipeline's shape from its fields (`dataclasses.asdict`, as a run profile stores it): an LLM or flow shape,
+    or digen's, which carries its search's TAG and TCSS choices."""
+    if kind == "llm":
+        from dovetail.graph.llm import LLMShape
+
+        return LLMShape(**fields)
+    from dovetail.graph.flow import FlowShape
+    from dovetail.sched.digen import DigenShape
+
+    return (DigenShape if "tcss" in fields else FlowShape)(**fields)
