@@ -277,16 +277,18 @@ class Prepared:
 
 
 def refuse_fixed_fields(scenario: Scenario, policy: str) -> None:
-    """A field the scenario sets that the policy decides itself (`Policy.fixes`) is refused by name, with the
-    policies that honour it: a plan must never silently be something else than what the file says."""
+    """A field the scenario sets away from its default that the policy decides itself (`Policy.fixes`) is refused by
+    name, with the policies that honour it: a plan must never silently be something else than what the file says."""
     fixes = policy_class(policy).fixes
     sections = [(f"pipelines.{i}", spec) for i, spec in enumerate(scenario.pipelines)] + [
         ("schedule", scenario.schedule)
     ]
     for section, values in sections:
         for field, why in fixes.items():
-            value = getattr(values, field, None)
-            if value is None:
+            if field not in type(values).model_fields:
+                continue
+            value = getattr(values, field)
+            if value == type(values).model_fields[field].default:
                 continue
             honour = [
                 name

@@ -140,6 +140,10 @@ def test_a_field_a_policy_decides_itself_is_refused_by_name():
     assert chunked["digen"]["samples_per_s"] > 0
     fragmented = compare(flow(4, ("colocated",), fragments=2), steps=1)["policies"]["colocated"]["error"]
     assert fragmented.startswith("pipelines.0.fragments=2: policy colocated splits")
+    proximal = llm(4, policies=("areal",)).model_dump(mode="json")
+    proximal["pipelines"][0]["recompute_logprob"] = False
+    message = compare(Scenario.model_validate(proximal), steps=1)["policies"]["areal"]["error"]
+    assert message.startswith("pipelines.0.recompute_logprob=False: policy areal recomputes") and "streamrl" in message
     pooled = compare(flow(4, ("colocated", "disaggregated"), {"trainer_devices": 1}), steps=1)["policies"]
     assert pooled["colocated"]["error"].startswith("schedule.trainer_devices=1: policy colocated trains on every")
     assert pooled["disaggregated"]["samples_per_s"] > 0

@@ -23,6 +23,7 @@ ETA = 4
 class Areal(SplitLLMPolicy):
     name = "areal"
     max_staleness = ETA
+    fixes = {"recompute_logprob": "recomputes the proximal policy's log-probs its decoupled objective needs"}
 
     def trainable(self, view: View, pipeline: str, step: int) -> bool:
         return step_done(view, pipeline, step, "score")
