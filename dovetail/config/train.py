@@ -108,7 +108,7 @@ class ModelSection(Section):
     @classmethod
     def _not_diffusers(cls, checkpoint: Path | None) -> Path | None:
         if checkpoint is not None and (
-            (checkpoint / "model_index.json").is_file() or (checkpoint / "transformer" / "config.json").is_file()
+            _is_file(checkpoint / "model_index.json") or _is_file(checkpoint / "transformer" / "config.json")
         ):
             raise ValueError(f"{checkpoint} is a diffusers directory: give it as model.path")
         if checkpoint is not None and "_class_name" in _json_or_empty(checkpoint / "config.json"):
@@ -137,6 +137,21 @@ class ModelSection(Section):
         return self
 
 
+def _is_file(path: Path) -> bool:
+    """Path.is_file, a path the system cannot look up (one too long) being no file."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
+
+
 def _json_or_empty(path: Path) -> dict:
     try:
         loaded = json.loads(path.read_text())
@@ -147,7 +162,7 @@ def _json_or_empty(path: Path) -> dict:
 
 def diffusers_layout_problem(path: Path) -> str | None:
     """What a `model.path` directory lacks, in one line naming it; None when the model can load from it."""
-    if not path.is_dir():
+    if not _is_dir(path):
         return f"{path} is not a directory; give a diffusers pipeline directory (save_pretrained layout)"
     transformer = _json_or_empty(path / "transformer" / "config.json")
     if not transformer:
@@ -158,12 +173,12 @@ def diffusers_layout_problem(path: Path) -> str | None:
             f"{', '.join(DIFFUSERS_TRANSFORMERS)}"
         )
     index = _json_or_empty(path / "model_index.json")
-    if not index and not (path / "prompt_embeds.safetensors").is_file():
+    if not index and not _is_file(path / "prompt_embeds.safetensors"):
         return f"{path} has neither model_index.json with text encoders nor prompt_embeds.safetensors"
     for name, entry in index.items():
-        if isinstance(entry, list) and entry[:1] != [None] and not (path / name).is_dir():
+        if isinstance(entry, list) and entry[:1] != [None] and not _is_dir(path / name):
             return f"{path / 'model_index.json'} lists {name}, and {path} has no {name}/"
-    if not (path / "vae").is_dir() and transformer.get("in_channels") not in (1, 3):
+    if not _is_dir(path / "vae") and transformer.get("in_channels") not in (1, 3):
         return f"{path} has no vae/ to decode the transformer's {transformer.get('in_channels')}-channel latents"
     return None
 
@@ -330,7 +345,7 @@ class PromptsSection(Section):
     @field_validator("path", "eval_path")
     @classmethod
     def _a_file(cls, path: Path | None) -> Path | None:
-        if path is not None and not path.is_file():
+        if path is not None and not _is_file(path):
             raise ValueError(f"no prompts file {path}")
         return path
 
