@@ -142,6 +142,7 @@ def small(pipeline_dir: Path, prompts_file: Path, *extra: str) -> list[str]:
         "checkpoint.every=100",
         "train.lr=3e-3",
         "cluster.devices=2",
+        "runtime.profile_samples=4",  # the start-up profile only seeds the plan
         *extra,
     ]
 
@@ -224,6 +225,17 @@ def test_lora_trains_publishes_and_checkpoints_the_adapter_alone_and_a_ray_polic
     assert max_difference(trained(tmp_path), adapter) <= 1e-5
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert {s["publish_bytes"] for s in steps} == {published}
+
+
+def test_lora_under_digen_with_trainer_assisted_generation_matches_the_reference(
+    lora_reference_run, pipeline_dir, prompts_file, local_ray, tmp_path
+):
+    """digen publishes the adapter from its trainer device to its rollout device, and TAG lends the trainer's
+    rollout copy fragments too: the adapter still ends where the reference's does."""
+    digen = ["policy=digen", "runtime.fragments=2", "runtime.tag=force", *LORA]
+    train(load_config(None, small(pipeline_dir, prompts_file, *digen)), tmp_path, steps=STEPS)
+    assert max_difference(trained(tmp_path), trained(lora_reference_run)) <= 1e-5
+    assert json.loads((tmp_path / "ledger.json").read_text())["problems"] == []
 
 
 def test_export_writes_what_diffusers_and_peft_load_back_with_the_trained_weights(
