@@ -205,12 +205,11 @@ class RunProgress:
     one plain line per step, flushed, so a log file shows where a run is. Disabled (logger without console):
     nothing."""
 
-    def __init__(self, enabled: bool, terminal: bool | None = None, stream=None) -> None:
+    def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self.stream = stream or sys.stdout
-        self.terminal = self.stream.isatty() if terminal is None else terminal
+        self.stream = sys.stdout
         self.bar = None
-        if enabled and self.terminal:
+        if enabled and self.stream.isatty():
             self.bar = Progress(  # fits 80 columns: a step's figures, or what start-up is doing, in one field
                 TextColumn("[bold]{task.description}"),
                 BarColumn(bar_width=12),

@@ -124,6 +124,7 @@ class StepLog:
         progress: RunProgress,
         trackers: list[Tracker],
         callbacks: list,
+        interrupt: "Interrupt",
     ):
         """`local` is the pipeline's model in this process (`FlowLocal`, `LMLocal`): what is evaluated and saved;
         `state` the run's evaluations so far (a checkpoint's state.json, or the base evaluation of a fresh run)."""
@@ -132,11 +133,12 @@ class StepLog:
         self.last_step = last_step
         self.summary = {"base_eval_reward": state["base_eval"]["total"], "base_eval": state["base_eval"]}
         self.eval_reward = state["eval_reward"]
-        self.recorded = self.saved = state["step"]
-        """The last step recorded, and the last one saved: Ctrl-C saves the one if it is not the other."""
+        self.recorded = self.saved = self.holds = state["step"]
+        """The last step recorded, the last one saved, and the one whose weights `model` holds (the Ray driver
+        fetches them only when a step needs them): Ctrl-C stops at a recorded step the model holds, saved."""
         self.samples = self.seconds = 0.0
         self.progress, self.trackers, self.callbacks = progress, trackers, callbacks
-        self.interrupted = False
+        self.interrupt = interrupt
 
     @classmethod
     def open(
@@ -147,6 +149,7 @@ class StepLog:
         last_step: int,
         progress: RunProgress,
         callbacks: list,
+        interrupt: "Interrupt",
     ):
         """The pipeline's model: fresh, evaluated once before its first step, or from a checkpoint, whose state.json
         holds the run's base and latest evaluations (a resumed run reports the base its run started from) and its
@@ -165,7 +168,7 @@ class StepLog:
             progress.phase(name, "evaluating the base model")
             base = local.evaluate(run, "eval_base.png", 0)
             state = {"step": 0, "base_eval": base.scores, "eval_reward": base.scores["total"]}
-        log = cls(run, config, local, last_step, state, progress, trackers, callbacks)
+        log = cls(run, config, local, last_step, state, progress, trackers, callbacks, interrupt)
         if base is not None:
             log._report_evaluation(base, {})
         progress.start_at(name, state["step"])
@@ -188,8 +191,9 @@ class StepLog:
         )
 
     def needs_weights(self, done: int) -> bool:
-        """Whether step `done` evaluates or checkpoints (the Ray driver then fetches the trainer state)."""
-        return self._eval_due(done) or self._save_due(done) or self.interrupted
+        """Whether step `done` evaluates or checkpoints, or may be the last before Ctrl-C stops the run (the Ray
+        driver then fetches the trainer state)."""
+        return self._eval_due(done) or self._save_due(done) or self.interrupt.requested
 
     def _eval_due(self, done: int) -> bool:
         return done % self.config.eval.every == 0 or done == self.last_step
@@ -340,16 +344,15 @@ def train(
             for name, pipeline in pipelines.items():
                 run = RunDir(paths[name]) if multiplexed else root
                 logs[name], first_steps[name] = StepLog.open(
-                    pipeline, run, resumes[name], last_step, progress, list(callbacks)
+                    pipeline, run, resumes[name], last_step, progress, list(callbacks), interrupt
                 )
             if multiplexed:
                 root.write_config(dump_config(config))
 
             def after_record() -> None:
                 """Stop here, saved, once Ctrl-C was pressed and every pipeline has recorded the same step."""
-                for log in logs.values():
-                    log.interrupted = interrupt.requested
-                if interrupt.requested and len({log.recorded for log in logs.values()}) == 1:
+                recorded = {log.recorded for log in logs.values()}
+                if interrupt.requested and len(recorded) == 1 and all(log.holds in recorded for log in logs.values()):
                     raise RunInterrupted(_interrupted(logs, root, multiplexed))
 
             if config.policy == "reference":
@@ -359,6 +362,7 @@ def train(
                         metrics = log.local.rl_step(step)
                     except RewardError as error:  # the step changed nothing yet: its reward comes before training
                         raise RewardError(log.stop(step, error)) from error
+                    log.holds = step + 1
                     log.record(step + 1, metrics)
                     after_record()
                 run_figures = {}

@@ -251,15 +251,9 @@ def test_the_python_api_simulates_a_shipped_scenario():
 
 
 def test_logger_console_off_prints_nothing(tmp_path):
-    env = os.environ | {"PYTHONPATH": str(Path(__file__).parent.parent)}
-    result = subprocess.run(
-        [sys.executable, "-m", "dovetail.cli", "train", *FAST, "logger=[]", "--steps", "1", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[-1].startswith("eval reward ") and len(result.stdout.splitlines()) == 1
+    result = CliRunner().invoke(app, ["train", *FAST, "logger=[]", "--steps", "1", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("eval reward ") and len(result.output.splitlines()) == 1
 
 
 def test_resume_reads_an_older_checkpoint_config_with_the_fields_added_since_at_their_defaults(tmp_path):
@@ -278,3 +272,35 @@ def test_resume_reads_an_older_checkpoint_config_with_the_fields_added_since_at_
     seal(checkpoint, 1)
     train(config, tmp_path, steps=2, resume=tmp_path)
     assert [m["step"] for m in metric_lines(tmp_path)] == [1, 2]
+
+
+class CtrlCAfterStep:
+    """Presses Ctrl-C (SIGINT to this process) once step `step` is recorded, as a user would between two steps."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step(self, metrics, pipeline):
+        if metrics["step"] == self.step:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.usefixtures("local_ray")
+def test_ctrl_c_under_a_ray_policy_saves_the_committed_weights_of_its_last_step(tmp_path):
+    """The Ray driver fetches the trainer state only for steps that need it (step 1 does not here): the step Ctrl-C
+    stops at holds the committed weights of that step, equal to the reference path's after as many steps."""
+    from safetensors.torch import load_file
+
+    from dovetail.train import RunInterrupted, train
+
+    out = tmp_path / "colocated"
+    config = load_config(None, [*FAST, "policy=colocated", "eval.every=100", "checkpoint.every=100"])
+    with pytest.raises(RunInterrupted, match="^interrupted: step 2 is saved in ") as raised:
+        train(config, out, steps=40, callbacks=[CtrlCAfterStep(1)])
+    (saved,) = (out / "checkpoints").iterdir()
+    assert saved.name == "step_000002" and str(saved) in str(raised.value)
+    assert [m["step"] for m in metric_lines(out)] == [1, 2]
+    train(load_config(None, [*FAST, "eval.every=100"]), tmp_path / "reference", steps=2)
+    ours = load_file(saved / "model.safetensors")
+    reference = load_file(tmp_path / "reference" / "checkpoints" / saved.name / "model.safetensors")
+    assert max((ours[k] - reference[k]).abs().max().item() for k in reference) <= 1e-5

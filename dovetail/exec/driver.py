@@ -128,6 +128,7 @@ def train_on_ray(
         metrics = step_metrics[pipeline](executor, rl_step - first_steps[pipeline])
         if log.needs_weights(done):
             load_trainer_state(log.model, log.optimizer, executor.committed_state(pipeline))
+            log.holds = done
         log.record(done, metrics, {"policy": config.policy, "version": done})
         if after_record is not None:
             after_record()
