@@ -376,6 +376,11 @@ def test_a_transformer_with_precomputed_prompt_embeddings_generates_what_its_pip
         ValueError, match="prompt 'green dog' has no precomputed encoding in .*prompt_embeds.safetensors"
     ):
         models[1].encode_prompts(["green dog"])
+    unencoded = tmp_path / "unencoded.txt"
+    unencoded.write_text("\n".join([*PROMPTS, "green dog"]))
+    result = CliRunner().invoke(app, ["train", *small(embedded, unencoded), "--dry-run"])
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert "prompt 'green dog' (1 of the run's prompts in all) has no precomputed encoding in" in result.output
 
 
 def test_a_run_of_a_diffusers_model_resumes_to_the_parameters_of_the_uninterrupted_run(

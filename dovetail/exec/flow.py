@@ -44,7 +44,7 @@ from dovetail.exec.pipeline import (
 )
 from dovetail.graph.node import Kind, Node, Role, SampleId
 from dovetail.models import sampling
-from dovetail.models.diffusers_flow import load_decoder, load_flow_model
+from dovetail.models.diffusers_flow import check_prompt_table, load_decoder, load_flow_model
 from dovetail.models.flow_rl import accumulate_policy_gradient, commit, generate, recompute_log_probs, step_prompts
 from dovetail.models.t2i import checkpoint_weights
 from dovetail.prompts import prompt_split, train_prompts
@@ -350,6 +350,8 @@ def check_checkpoint(config: FlowTrainConfig) -> None:
     if config.model.path is None:
         checkpoint_weights(config.model.checkpoint)
     prompt_split(config)
+    if config.model.path is not None:
+        check_prompt_table(config)
 
 
 def profile_here(config: FlowTrainConfig, carry: Callable[[dict], dict]) -> dict[str, float]:

@@ -30,6 +30,7 @@ from dovetail.models.lm import one_line
 from dovetail.models.pretrain import latents_to_images
 from dovetail.models.sampling import sample_key
 from dovetail.models.t2i import load_model
+from dovetail.prompts import prompt_split
 
 PROMPT_EMBEDDINGS = "prompt_embeds.safetensors"
 """Precomputed prompt encodings of a directory without text encoders: tensors prompt_embeds (N, L, D) and
@@ -298,10 +299,31 @@ def load_flow_model(config) -> torch.nn.Module:
     section = config.model
     if section.path is None:
         return load_model(section.checkpoint)
+    check_prompt_table(config)
     lora = None if section.lora is None else section.lora.model_dump()
     return load_diffusers_flow(
         section.path, lora=lora, max_sequence_length=section.max_sequence_length, seed=config.seed
     )
+
+
+def check_prompt_table(config) -> None:
+    """A model.path of precomputed prompt encodings holds one for every prompt of the run (train and eval): else
+    one line naming the first that lacks one, before any work (reads the table's metadata alone)."""
+    table = Path(config.model.path) / PROMPT_EMBEDDINGS
+    if not table.is_file():
+        return
+    try:
+        with safe_open(table, "pt") as f:
+            known = set(json.loads((f.metadata() or {}).get("prompts", "[]")))
+    except (OSError, SafetensorError, ValueError) as error:
+        raise ValueError(f"unreadable {table}: {one_line(error)}") from None
+    split = prompt_split(config)
+    missing = [p for p in dict.fromkeys((*split.train, *split.eval)) if p not in known]
+    if missing:
+        raise ValueError(
+            f"prompt {missing[0]!r} ({len(missing)} of the run's prompts in all) has no precomputed encoding in "
+            f"{table}: add them, or give a pipeline directory with text encoders as model.path"
+        )
 
 
 def load_decoder(config, device: torch.device | str = "cpu") -> Callable[[torch.Tensor], np.ndarray]:
