@@ -1,5 +1,6 @@
 """Configs fail early with the field's name; rewards fail loudly with the reward's and sample's name."""
 
+import re
 import threading
 import time
 
@@ -45,6 +46,20 @@ def test_bad_values_name_the_field(override, field):
     with pytest.raises(ConfigError) as error:
         load_config(None, [override])
     assert field in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["policy=colocated", "runtime.trainer_devices=1"], "runtime.trainer_devices=1: policy colocated trains on"),
+        (["policy=colocated", "runtime.tsp_chunk=2"], "runtime.tsp_chunk=2: policy colocated trains one timestep"),
+        (["kind=lm", "policy=verl-sync", "runtime.trainer_devices=1"], "runtime.trainer_devices=1: policy verl-sync"),
+    ],
+)
+def test_a_runtime_field_the_policy_decides_itself_is_refused_under_its_own_name(overrides, named):
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        load_config(None, overrides)
+    load_config(None, [o.replace("colocated", "digen").replace("verl-sync", "streamrl") for o in overrides])
 
 
 def test_unknown_reward_lists_the_known_ones():

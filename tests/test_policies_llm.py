@@ -115,9 +115,9 @@ def test_same_seed_same_trace():
 
 @pytest.mark.parametrize("policy", ["verl-sync", "jigsaw"])
 def test_one_step_of_the_64_gpu_scenario_simulates_in_under_two_seconds(policy):
-    start = time.perf_counter()
+    start = time.process_time()  # the simulator's own work: wall time on this shared machine moves with its load
     _, trace = run("jigsaw-64xa100", policy, steps=1)
-    assert time.perf_counter() - start < 2.0
+    assert time.process_time() - start < 2.0
     assert len(trace.steps) == 2
 
 

@@ -45,6 +45,7 @@ from dovetail.scenario import (
     problem_report,
     read_yaml,
 )
+from dovetail.sched import POLICIES, policy_class
 from dovetail.tasks import task
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
@@ -463,6 +464,19 @@ class RunSection(Section):
         max_length=len(TRACKERS),
         description="where each step's metrics and every evaluation go besides metrics.jsonl (dovetail.trackers)",
     )
+
+    @model_validator(mode="after")
+    def _runtime_the_policy_honours(self) -> "RunSection":
+        """A runtime field the policy decides itself (`Policy.fixes`: e.g. colocated's trainer devices) is refused
+        under its own name here, before the planner would refuse it under the scenario's."""
+        policy = getattr(self, "policy", "reference")
+        if policy not in POLICIES:
+            return self
+        for field, why in policy_class(policy).fixes.items():
+            value = getattr(self.runtime, field, None)
+            if value is not None:
+                raise ValueError(f"runtime.{field}={value}: policy {policy} {why}, so it cannot honour it; remove it")
+        return self
 
 
 class FlowTrainConfig(RunSection):
