@@ -390,3 +390,20 @@ def test_a_run_of_a_diffusers_model_resumes_to_the_parameters_of_the_uninterrupt
     train(config, tmp_path, steps=1)
     train(config, tmp_path, steps=STEPS, resume=tmp_path)
     assert max_difference(trained(tmp_path), trained(reference_run)) == 0.0
+
+
+def test_the_planner_sees_a_model_path_run_as_its_cost_model_at_its_image_size_with_its_adapter(
+    pipeline_dir, prompts_file
+):
+    lora = load_config(None, small(pipeline_dir, prompts_file, "policy=digen", "model.cost_model=SD3.5-M", *LORA))
+    spec = lora.scenario(3).pipelines[0]
+    # 8 latent pixels a side, a VAE of two blocks (one 2x upsampling): 16-pixel images
+    assert (spec.model, spec.height, spec.width, spec.lora.rank, spec.lora.targets) == (
+        "SD3.5-M",
+        16,
+        16,
+        4,
+        "attention",
+    )
+    full = load_config(None, small(pipeline_dir, prompts_file, "policy=digen"))
+    assert full.scenario(3).pipelines[0].lora is None and full.scenario(3).pipelines[0].model == "digits-t2i"

@@ -30,7 +30,7 @@ from pydantic import (
     model_validator,
 )
 
-from dovetail.cost.catalog import device
+from dovetail.cost.catalog import device, diffusion_model
 from dovetail.graph.spec import MAX_DEVICES, MAX_SAMPLES
 from dovetail.rewards import REWARD_TIMEOUT_S, check_reward_names
 from dovetail.rewards.text import text_reward_fn
@@ -104,6 +104,18 @@ class ModelSection(Section):
     max_sequence_length: int = Field(
         256, ge=1, le=4096, description="T5 tokens of an SD3 pipeline's prompt encoding (its encode_prompt's)"
     )
+    cost_model: str = Field(
+        "digits-t2i",
+        max_length=100,
+        description="the cost catalogue's diffusion model the planner prices this one as before the run profiles "
+        "it (e.g. SD3.5-M): what a dry run on GPUs plans with",
+    )
+
+    @field_validator("cost_model")
+    @classmethod
+    def _known_cost_model(cls, name: str) -> str:
+        diffusion_model(name)
+        return name
 
     @field_validator("checkpoint")
     @classmethod
@@ -647,24 +659,44 @@ class FlowTrainConfig(RunSection):
         pipeline = {
             "kind": "flow",
             "name": self.pipeline_name,
-            "model": "digits-t2i",
+            "model": self.model.cost_model,
             "algorithm": self.algorithm,
             "prompts": self.algo.prompts_per_step,
             "group": self.algo.group_size,
             "denoising_steps": self.sampling.num_steps,
             "trained_timesteps": trained,
-            "height": 8,
-            "width": 8,
+            "height": self.image_size,
+            "width": self.image_size,
             "reward": "rule",
             # train.chunk_size (sample, timestep) pairs share one forward/backward
             "micro_batch": max(1, self.train.chunk_size // trained),
             "priority": self.priority,
+            "lora": self.lora_spec,
         }
         return _scenario(self, [pipeline], steps, self.runtime.trainer_devices, self.runtime.reward_devices)
 
     @property
     def pipeline_name(self) -> str:
         return self.name or "digits"
+
+    @property
+    def image_size(self) -> int:
+        """Pixels a side of the images: the built-in model's 8, or model.path's transformer sample size times its
+        VAE's scale (read from their config.json, without torch)."""
+        if self.model.path is None:
+            return 8
+        transformer = _json_or_empty(self.model.path / "transformer" / "config.json")
+        vae = _json_or_empty(self.model.path / "vae" / "config.json")
+        return transformer["sample_size"] * 2 ** (len(vae.get("block_out_channels", [None])) - 1)
+
+    @property
+    def lora_spec(self) -> dict | None:
+        """model.lora as the planner's LoRA spec: attention (q, k, v, out projections only) or all-linear."""
+        lora = self.model.lora
+        if lora is None:
+            return None
+        attention = {"to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"}
+        return {"rank": lora.rank, "targets": "attention" if set(lora.target_modules) <= attention else "all-linear"}
 
     def shape_overrides(self) -> dict:
         """The step's cut where the config fixes it instead of the policy."""
