@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	.venv/bin/dovetail train configs/digits.yaml --out runs/demo
+	.venv/bin/dovetail train configs/digits.yaml --out runs/demo --overwrite
 
 test: $(STAMP)
 	.venv/bin/ruff check .
