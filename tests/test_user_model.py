@@ -14,12 +14,23 @@ import torch
 from diffusers import (
     AutoencoderKL,
     FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    FluxTransformer2DModel,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
 )
 from peft import PeftModel, get_peft_model_state_dict
 from safetensors.torch import load_file
-from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
+from tokenizers import Tokenizer, models
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+    T5Config,
+    T5EncoderModel,
+    T5TokenizerFast,
+)
 from typer.testing import CliRunner
 
 from dovetail.cli import app
@@ -36,11 +47,8 @@ LETTERS = sorted(set("".join(PROMPTS)))
 STEPS = 2
 
 
-def tiny_sd3_pipeline(directory: Path) -> Path:
-    """A random-init StableDiffusion3Pipeline small enough to train in seconds, saved with save_pretrained. The
-    tokenizer is CLIP's BPE over single letters (a vocabulary written here, no merges); SD3's T5 is left out, as
-    diffusers allows (its encodings are then zeros)."""
-    torch.manual_seed(0)
+def clip_tokenizer(directory: Path) -> tuple[CLIPTokenizer, int]:
+    """CLIP's BPE over single letters (a vocabulary written here, no merges) and its vocabulary size."""
     vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
     for letter in LETTERS:
         vocab.setdefault(letter, len(vocab))
@@ -48,9 +56,32 @@ def tiny_sd3_pipeline(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "vocab.json").write_text(json.dumps(vocab))
     (directory / "merges.txt").write_text("#version: 0.2\n")
-    tokenizer = CLIPTokenizer(str(directory / "vocab.json"), str(directory / "merges.txt"), model_max_length=16)
+    return CLIPTokenizer(str(directory / "vocab.json"), str(directory / "merges.txt"), model_max_length=16), len(vocab)
+
+
+def tiny_vae() -> AutoencoderKL:
+    """Four latent channels, one 2x upsampling: 8x8 latents are 16x16 RGB images."""
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=["DownEncoderBlock2D"] * 2,
+        up_block_types=["UpDecoderBlock2D"] * 2,
+        block_out_channels=[8, 16],
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=16,
+        scaling_factor=1.5,
+        shift_factor=0.1,
+    )
+
+
+def tiny_sd3_pipeline(directory: Path) -> Path:
+    """A random-init StableDiffusion3Pipeline small enough to train in seconds, saved with save_pretrained. SD3's T5
+    is left out, as diffusers allows (its encodings are then zeros)."""
+    torch.manual_seed(0)
+    tokenizer, vocab_size = clip_tokenizer(directory)
     text = CLIPTextConfig(
-        vocab_size=len(vocab),
+        vocab_size=vocab_size,
         hidden_size=16,
         intermediate_size=32,
         num_hidden_layers=2,
@@ -76,18 +107,7 @@ def tiny_sd3_pipeline(directory: Path) -> Path:
             pos_embed_max_size=8,
         ),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        vae=AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=["DownEncoderBlock2D"] * 2,
-            up_block_types=["UpDecoderBlock2D"] * 2,
-            block_out_channels=[8, 16],
-            latent_channels=4,
-            norm_num_groups=4,
-            sample_size=16,
-            scaling_factor=1.5,
-            shift_factor=0.1,
-        ),
+        vae=tiny_vae(),
         text_encoder=CLIPTextModelWithProjection(text),
         tokenizer=tokenizer,
         text_encoder_2=CLIPTextModelWithProjection(text),
@@ -407,3 +427,78 @@ def test_the_planner_sees_a_model_path_run_as_its_cost_model_at_its_image_size_w
     )
     full = load_config(None, small(pipeline_dir, prompts_file, "policy=digen"))
     assert full.scenario(3).pipelines[0].lora is None and full.scenario(3).pipelines[0].model == "digits-t2i"
+
+
+def tiny_flux_pipeline(directory: Path) -> Path:
+    """A random-init guidance-distilled FluxPipeline (CLIP for the pooled embedding, a T5 encoder with a unigram
+    tokenizer of single letters made here), saved with save_pretrained."""
+    torch.manual_seed(0)
+    tokenizer, vocab_size = clip_tokenizer(directory)
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [(letter, -1.0) for letter in LETTERS]
+    unigram = Tokenizer(models.Unigram(pieces, unk_id=2))
+    clip = CLIPTextConfig(
+        vocab_size=vocab_size,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=16,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+    )
+    pipeline = FluxPipeline(
+        transformer=FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=16,  # 4 latent channels in 2x2 patches
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=8,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            pooled_projection_dim=16,
+            guidance_embeds=True,
+            axes_dims_rope=(2, 2, 4),
+        ),
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=tiny_vae(),
+        text_encoder=CLIPTextModel(clip),
+        tokenizer=tokenizer,
+        text_encoder_2=T5EncoderModel(
+            T5Config(vocab_size=len(pieces), d_model=32, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
+        ),
+        tokenizer_2=T5TokenizerFast(
+            tokenizer_object=unigram, eos_token="</s>", pad_token="<pad>", unk_token="<unk>", extra_ids=0
+        ),
+    )
+    pipeline.save_pretrained(directory / "pipeline")
+    return directory / "pipeline"
+
+
+def test_a_flux_pipeline_moves_as_flux_pipeline_drives_it_trains_and_exports(prompts_file, tmp_path):
+    flux = tiny_flux_pipeline(tmp_path / "flux")
+    run = small(flux, prompts_file, "policy=reference", "model.sample_size=8", "model.max_sequence_length=8")
+    config = load_config(None, run)
+    model = load_flow_model(config)
+    pipeline = FluxPipeline.from_pretrained(flux)
+    latents = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    embeds, pooled, text_ids = pipeline.encode_prompt(PROMPTS[:2], None, max_sequence_length=8)
+    expected = pipeline.transformer(  # FluxPipeline's own step: packed latents, their ids, timestep / 1000
+        hidden_states=pipeline._pack_latents(latents, 2, 4, 8, 8),
+        timestep=torch.full((2,), 0.7),
+        guidance=torch.full((2,), 3.5),
+        pooled_projections=pooled,
+        encoder_hidden_states=embeds,
+        txt_ids=text_ids,
+        img_ids=pipeline._prepare_latent_image_ids(2, 4, 4, "cpu", torch.float32),
+    ).sample
+    velocity = model(latents, torch.tensor(0.7), model.encode_prompts(PROMPTS[:2]))
+    assert (velocity - pipeline._unpack_latents(expected, 16, 16, 2)).abs().max() <= 1e-5
+
+    out = tmp_path / "run"
+    train(config, out, steps=STEPS)
+    start = load_file(flux / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert max_difference(trained(out), start) > 1e-4
+    assert CliRunner().invoke(app, ["export", str(out), str(tmp_path / "export")]).exit_code == 0
+    reloaded = FluxPipeline.from_pretrained(tmp_path / "export")
+    assert max_difference(reloaded.transformer.state_dict(), trained(out)) == 0.0

@@ -71,7 +71,7 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-DIFFUSERS_TRANSFORMERS = ("SD3Transformer2DModel",)
+DIFFUSERS_TRANSFORMERS = ("SD3Transformer2DModel", "FluxTransformer2DModel")
 """Flow transformers `model.path` loads (dovetail.models.diffusers_flow)."""
 
 
@@ -104,6 +104,14 @@ class ModelSection(Section):
     max_sequence_length: int = Field(
         256, ge=1, le=4096, description="T5 tokens of an SD3 pipeline's prompt encoding (its encode_prompt's)"
     )
+    sample_size: int | None = Field(
+        None,
+        ge=2,
+        le=1024,
+        multiple_of=2,
+        description="latent pixels a side; None: the transformer's sample_size (FLUX has none: FluxPipeline's 128)",
+    )
+    guidance: float = Field(3.5, ge=0, le=100, description="a guidance-distilled FLUX's (FLUX.1-dev's) guidance")
     cost_model: str = Field(
         "digits-t2i",
         max_length=100,
@@ -687,7 +695,8 @@ class FlowTrainConfig(RunSection):
             return 8
         transformer = _json_or_empty(self.model.path / "transformer" / "config.json")
         vae = _json_or_empty(self.model.path / "vae" / "config.json")
-        return transformer["sample_size"] * 2 ** (len(vae.get("block_out_channels", [None])) - 1)
+        latent = self.model.sample_size or transformer.get("sample_size") or 128  # FluxPipeline's default
+        return latent * 2 ** (len(vae.get("block_out_channels", [None])) - 1)
 
     @property
     def lora_spec(self) -> dict | None:

@@ -21,7 +21,7 @@ import diffusers
 import numpy as np
 import torch
 import transformers
-from diffusers import AutoencoderKL, SD3Transformer2DModel
+from diffusers import AutoencoderKL, FluxTransformer2DModel, SD3Transformer2DModel
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
@@ -49,15 +49,14 @@ class Frozen:
 
 
 class PipelinePrompts(Frozen):
-    """Prompts encoded by the pipeline's own `encode_prompt` (SD3: CLIP-L and CLIP-G, T5 where present), no
-    classifier-free guidance."""
+    """Prompts encoded by the pipeline's own `encode_prompt` (SD3: CLIP-L and CLIP-G, T5 where present; FLUX: CLIP
+    pooled, T5 tokens), no classifier-free guidance."""
 
     def __init__(self, pipeline, max_sequence_length: int):
         self.pipeline = pipeline
         self.max_sequence_length = max_sequence_length
-        self.encoders = [
-            e for e in (pipeline.text_encoder, pipeline.text_encoder_2, pipeline.text_encoder_3) if e is not None
-        ]
+        names = ("text_encoder", "text_encoder_2", "text_encoder_3")
+        self.encoders = [getattr(pipeline, n) for n in names if getattr(pipeline, n, None) is not None]
         for encoder in self.encoders:
             encoder.requires_grad_(False).eval()
 
@@ -67,14 +66,19 @@ class PipelinePrompts(Frozen):
 
     @torch.no_grad()
     def encode(self, prompts: list[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        embeds, _, pooled, _ = self.pipeline.encode_prompt(
-            prompts,
-            None,
-            None,
-            device=device,
-            do_classifier_free_guidance=False,
-            max_sequence_length=self.max_sequence_length,
-        )
+        if type(self.pipeline).__name__ == "FluxPipeline":
+            embeds, pooled, _ = self.pipeline.encode_prompt(
+                prompts, None, device=device, max_sequence_length=self.max_sequence_length
+            )
+        else:
+            embeds, _, pooled, _ = self.pipeline.encode_prompt(
+                prompts,
+                None,
+                None,
+                device=device,
+                do_classifier_free_guidance=False,
+                max_sequence_length=self.max_sequence_length,
+            )
         return embeds.float(), pooled.float()
 
 
@@ -204,6 +208,55 @@ class DiffusersFlow(torch.nn.Module):
         set_peft_model_state_dict(self.transformer, state)
 
 
+class FluxFlow(DiffusersFlow):
+    """A FLUX transformer behind the same interface: the engines' latents (B, C, H, W) are packed into FLUX's
+    2x2-patch tokens with their position ids on the way in and unpacked on the way out, as FluxPipeline does; its
+    timestep is sigma itself; a guidance-distilled transformer (FLUX.1-dev) gets `guidance` as its embedding's
+    input."""
+
+    def __init__(self, transformer, prompts, num_train_timesteps: int, source: dict):
+        super().__init__(transformer, prompts, num_train_timesteps, source)
+        self.sample_size = source["sample_size"]
+        self.guidance = source["guidance"]
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int]:
+        return (self.transformer_config.in_channels // 4, self.sample_size, self.sample_size)
+
+    def forward(self, latents: torch.Tensor, sigma: torch.Tensor, encoding: torch.Tensor) -> torch.Tensor:
+        width, pooled_width = self._text_dims
+        embeds = encoding[:, :-pooled_width].reshape(len(encoding), -1, width)
+        batch, channels, height, breadth = latents.shape
+        tokens = latents.view(batch, channels, height // 2, 2, breadth // 2, 2).permute(0, 2, 4, 1, 3, 5)
+        image_ids = torch.zeros(height // 2, breadth // 2, 3, device=latents.device)
+        image_ids[..., 1] += torch.arange(height // 2, device=latents.device)[:, None]
+        image_ids[..., 2] += torch.arange(breadth // 2, device=latents.device)[None, :]
+        guidance = None
+        if self.transformer_config.guidance_embeds:
+            guidance = torch.full((batch,), self.guidance, device=latents.device)
+        velocity = self.transformer(
+            hidden_states=tokens.reshape(batch, (height // 2) * (breadth // 2), channels * 4),
+            encoder_hidden_states=embeds,
+            pooled_projections=encoding[:, -pooled_width:],
+            timestep=sigma.expand(batch),
+            img_ids=image_ids.reshape(-1, 3),
+            txt_ids=torch.zeros(embeds.shape[1], 3, device=latents.device),
+            guidance=guidance,
+        ).sample
+        velocity = velocity.view(batch, height // 2, breadth // 2, channels, 2, 2).permute(0, 3, 1, 4, 2, 5)
+        return velocity.reshape(batch, channels, height, breadth)
+
+
+TRANSFORMERS = {
+    "SD3Transformer2DModel": (SD3Transformer2DModel, DiffusersFlow),
+    "FluxTransformer2DModel": (FluxTransformer2DModel, FluxFlow),
+}
+"""A transformer's _class_name -> its diffusers class and the wrapper the engines use."""
+
+FLUX_SAMPLE_SIZE = 128
+"""FluxPipeline's default latent size (1024-pixel images): FLUX's transformer config has none of its own."""
+
+
 def with_lora(transformer: SD3Transformer2DModel, lora: dict, seed: int) -> PeftModel:
     """The transformer with a peft LoRA adapter (rank, alpha, target modules), the only part that trains. Its
     random initial A matrices are drawn from `seed`, so every process of a run starts from the same adapter."""
@@ -221,12 +274,23 @@ def with_lora(transformer: SD3Transformer2DModel, lora: dict, seed: int) -> Peft
             raise ValueError(f"model.lora.target_modules={lora['target_modules']}: {one_line(error)}") from None
 
 
-def load_diffusers_flow(path: Path | str, *, lora: dict | None, max_sequence_length: int, seed: int) -> DiffusersFlow:
-    """The flow model of a diffusers directory (`config.train.ModelSection` has checked its layout), in eval mode."""
+def load_diffusers_flow(
+    path: Path | str,
+    *,
+    lora: dict | None,
+    max_sequence_length: int,
+    seed: int,
+    sample_size: int | None = None,
+    guidance: float = 3.5,
+) -> DiffusersFlow:
+    """The flow model of a diffusers directory (`config.train.ModelSection` has checked its layout), in eval mode.
+    `sample_size`: latent pixels a side (None: the transformer's own, or FluxPipeline's default); `guidance`: a
+    guidance-distilled FLUX's guidance."""
     path = Path(path).resolve()
     diffusers.utils.logging.disable_progress_bar()  # the run's own display says what start-up is doing
     transformers.utils.logging.disable_progress_bar()
-    transformer = SD3Transformer2DModel.from_pretrained(path / "transformer", dtype=torch.float32)
+    kind, wrapper = TRANSFORMERS[json.loads((path / "transformer" / "config.json").read_text())["_class_name"]]
+    transformer = kind.from_pretrained(path / "transformer", dtype=torch.float32)
     if (path / PROMPT_EMBEDDINGS).is_file():
         prompts = PrecomputedPrompts(path / PROMPT_EMBEDDINGS)
     else:
@@ -239,31 +303,35 @@ def load_diffusers_flow(path: Path | str, *, lora: dict | None, max_sequence_len
     )
     if lora is not None:
         transformer = with_lora(transformer, lora, seed)
-    source = {"diffusers_path": str(path), "lora": lora, "max_sequence_length": max_sequence_length}
-    return DiffusersFlow(transformer, prompts, timesteps, source).eval()
+    sample_size = sample_size or getattr(transformer.config, "sample_size", None) or FLUX_SAMPLE_SIZE
+    source = {
+        "diffusers_path": str(path),
+        "lora": lora,
+        "max_sequence_length": max_sequence_length,
+        "sample_size": sample_size,
+        "guidance": guidance,
+    }
+    return wrapper(transformer, prompts, timesteps, source).eval()
 
 
-def _text_pipeline(path: Path, transformer: SD3Transformer2DModel):
-    """The StableDiffusion3Pipeline of the directory's text encoders and tokenizers (an absent one, e.g. SD3's T5
-    left out, None), in float32; the transformer is the model's own (encode_prompt reads its config), no VAE.
+def _text_pipeline(path: Path, transformer):
+    """The directory's pipeline (StableDiffusion3Pipeline, FluxPipeline) of its text encoders and tokenizers (an
+    absent one, e.g. SD3's T5 left out, None), in float32; the transformer is the model's own (SD3's encode_prompt
+    reads its config), no VAE.
     Imported here: diffusers' pipelines pull in transformers' image processors, which no other run needs (nor this
     one: their warnings that torchvision is missing are silenced)."""
     verbosity = transformers.utils.logging.get_verbosity()
     transformers.utils.logging.set_verbosity_error()
     try:
-        from diffusers import StableDiffusion3Pipeline
+        from diffusers import FluxPipeline, StableDiffusion3Pipeline
     finally:
         transformers.utils.logging.set_verbosity(verbosity)
 
     index = json.loads((path / "model_index.json").read_text())
-    absent = {
-        name: None
-        for name in ("text_encoder_3", "tokenizer_3", "image_encoder", "feature_extractor")
-        if index.get(name, [None])[0] is None
-    }
-    return StableDiffusion3Pipeline.from_pretrained(
-        path, transformer=transformer, vae=None, dtype=torch.float32, **absent
-    )
+    pipeline = FluxPipeline if index["_class_name"].startswith("Flux") else StableDiffusion3Pipeline
+    optional = ("text_encoder_3", "tokenizer_3", "image_encoder", "feature_extractor")
+    absent = {name: None for name in optional if name in index and index[name][0] is None}
+    return pipeline.from_pretrained(path, transformer=transformer, vae=None, dtype=torch.float32, **absent)
 
 
 class VaeDecoder:
@@ -302,7 +370,12 @@ def load_flow_model(config) -> torch.nn.Module:
     check_prompt_table(config)
     lora = None if section.lora is None else section.lora.model_dump()
     return load_diffusers_flow(
-        section.path, lora=lora, max_sequence_length=section.max_sequence_length, seed=config.seed
+        section.path,
+        lora=lora,
+        max_sequence_length=section.max_sequence_length,
+        seed=config.seed,
+        sample_size=section.sample_size,
+        guidance=section.guidance,
     )
 
 
@@ -363,7 +436,12 @@ def load_diffusers_checkpoint(directory: Path | str) -> DiffusersFlow:
     if not (path / "transformer").is_dir():
         raise FileNotFoundError(f"{config_path}: the model directory {path} it names has no transformer/ any more")
     model = load_diffusers_flow(
-        path, lora=source.get("lora"), max_sequence_length=source["max_sequence_length"], seed=0
+        path,
+        lora=source.get("lora"),
+        max_sequence_length=source["max_sequence_length"],
+        seed=0,
+        sample_size=source.get("sample_size"),
+        guidance=source.get("guidance", 3.5),
     )
     try:
         model.load_trained_state_dict(load_file(weights))
