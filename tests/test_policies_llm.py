@@ -8,8 +8,9 @@ from collections import Counter
 import pytest
 
 from dovetail.exec.metrics import summarize
-from dovetail.graph.node import Kind
+from dovetail.graph.node import Kind, Node, Role
 from dovetail.scenario import load_scenario, simulate
+from dovetail.sched.policy import CostTracker
 
 LLM_POLICIES = ["verl-sync", "streamrl", "areal", "jigsaw", "jigsaw-greedy"]
 
@@ -151,3 +152,14 @@ def test_the_searched_shape_beats_the_cost_model_default():
     searched = summarize(simulate(scenario, "jigsaw")[1]).samples_per_s
     greedy = summarize(simulate(scenario, "jigsaw-greedy")[1]).samples_per_s
     assert searched > greedy
+
+
+def test_a_policy_predicts_a_decode_no_faster_than_its_engine_s_tensor_parallelism():
+    """CostTracker's prediction of a decode on 8 devices is its TP-2 engine's (cost / 2), and a measurement equal to
+    that leaves the correction at 1; work with no width bound spreads over all 8."""
+    decode = Node("d", "p", 0, Kind.DECODE, Role.ROLLOUT, cost_s=16.0, max_width=2)
+    train = Node("t", "p", 0, Kind.TRAIN, Role.TRAINER, cost_s=16.0)
+    costs = CostTracker()
+    assert costs.seconds(decode, 8) == 8.0 and costs.seconds(train, 8) == 2.0
+    costs.observe(decode, 8, 8.0)
+    assert costs.seconds(decode, 8) == 8.0

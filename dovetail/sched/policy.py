@@ -229,7 +229,7 @@ class CostTracker:
         self.ratio: dict[tuple[str, Kind], float] = {}
 
     def observe(self, node: Node, devices: int, seconds: float) -> None:
-        predicted = node.cost_s if node.collective else node.cost_s / devices
+        predicted = node.seconds_on(devices)
         if predicted <= 0:
             return
         key = (node.pipeline, node.kind)
@@ -237,8 +237,9 @@ class CostTracker:
         self.ratio[key] = (1 - self.smoothing) * old + self.smoothing * seconds / predicted
 
     def seconds(self, node: Node, devices: int = 1) -> float:
-        predicted = node.cost_s if node.collective else node.cost_s / devices
-        return predicted * self.ratio.get((node.pipeline, node.kind), 1.0)
+        """`Node.seconds_on` times the measured correction: work spreads over at most the node's `max_width`
+        devices, so a decode's prediction never falls below its engine's tensor-parallel time."""
+        return node.seconds_on(devices) * self.ratio.get((node.pipeline, node.kind), 1.0)
 
 
 class Shape(Protocol):
