@@ -409,6 +409,7 @@ def prepare(
         priorities={spec.name: spec.priority for spec in scenario.pipelines},
         shapes=shapes,
         max_staleness=cls.max_staleness,
+        node_size=costs[scenario.pipelines[0].name].device.node_size,
         slowdown=costs[scenario.pipelines[0].name].calibration.slowdown,
     )
     return Prepared(Graph(nodes), setup, cls(setup))

@@ -14,7 +14,7 @@ from dovetail.cost.model import CostModel
 from dovetail.report import plan
 from dovetail.scenario import Scenario, Searched, _run, load_scenario, prepare, simulate
 from dovetail.sched import shape_from_fields
-from dovetail.sched.digen import Digen
+from dovetail.sched.digen import Digen, trainer_layout
 from dovetail.sched.policy import search_horizon
 
 SEARCH = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -208,6 +208,31 @@ def test_jigsaw_keeps_the_tail_engine_inside_a_node_on_the_64_gpu_scenario():
     assert all(shape.tail_parallel <= node for shape in prepared.setup.shapes.values())
     wide = [s for s in searched if all(shape.tail_parallel > node for shape in s.shapes.values())]
     assert wide, "the search considered engines wider than a node"
+
+
+def test_trainer_groups_no_larger_than_a_node_each_lie_inside_one():
+    """The cost model prices a group that fits in a node on the intra-node links, so the pool places it inside one."""
+    assert trainer_layout(16, 12, 6, 8) == (*range(2, 8), *range(10, 16))
+    assert trainer_layout(16, 12, 4, 8) == tuple(range(4, 16))  # the last 12 devices already tile inside nodes
+    assert trainer_layout(16, 12, 12, 8) == tuple(range(4, 16))  # one group past a node: the NIC is priced
+    assert trainer_layout(12, 8, 8, 8) == tuple(range(8))  # the 4-device machine holds no group of 8
+    assert trainer_layout(16, 14, 7, 8) == (*range(1, 8), *range(9, 16))
+    assert trainer_layout(16, 12, 5, 8) is None  # 5 does not divide 12
+    assert trainer_layout(16, 15, 5, 8) is None  # one group of 5 per node: 10 of the 15
+    for devices, trainers, group in ((16, 12, 6), (24, 18, 6), (32, 21, 7), (16, 6, 3)):
+        pool = trainer_layout(devices, trainers, group, 8)
+        groups = [pool[i : i + group] for i in range(0, trainers, group)]
+        assert len(set(pool)) == trainers and all(g[0] // 8 == g[-1] // 8 for g in groups), (devices, trainers, group)
+
+
+def test_digen_with_a_fixed_trainer_pool_never_loses_to_a_group_size_plan_could_show():
+    """digen-flux-16 with 12 trainers: two groups of 6 (one per node, 179 s a step) beat groups of 4 (209 s), which
+    the search picked while it only tried groups tiling the last 12 devices (a group of 6 there straddles nodes)."""
+    scenario = load_scenario("digen-flux-16")
+    chosen = rate(simulate(scenario, "digen", trainer_devices=12, steps=3)[1])
+    for group in (4, 6, 12):
+        fixed = rate(simulate(scenario, "digen", trainer_devices=12, trainer_group=group, steps=3)[1])
+        assert at_least(chosen, fixed), (group, chosen, fixed)
 
 
 def test_plan_shows_each_policy_s_candidates_and_the_figure_simulate_gives_for_its_choice():

@@ -10,8 +10,9 @@
   "force" inserts it whenever a trainer idles while fragments wait (to test that TAG changes no number).
 * TCSS (opt-in) — once every fragment of step s has started, the rollout pool starts step s + 1 on
   weights s (staleness 1, never more, one version per step so no group or trajectory mixes versions).
-* Trainer groups — the trainer pool is one FSDP group or several (hybrid sharding, a node each): every group
-  trains whole train nodes, all of them commit together (gradients all-reduced across groups).
+* Trainer groups — the trainer pool is one FSDP group or several (hybrid sharding), a group no larger than a node
+  placed inside one (`trainer_layout`): every group trains whole train nodes, all of them commit together
+  (gradients all-reduced across groups).
 * Publication without a cluster barrier — the trainer pool publishes; a rollout device loads the new weights on
   its own timeline, between two fragments, before the first fragment that uses them.
 * Shape — `candidates` ranks pool splits (a window around the split balancing predicted rollout and training
@@ -120,6 +121,26 @@ def _step_costs(nodes: Sequence[Node], fragments: int, group: int) -> tuple[floa
         total[Kind.COMMIT] + total[Kind.PUBLISH],
         total[Kind.PUBLISH],
     )
+
+
+def trainer_layout(devices: int, trainers: int, group: int, node_size: int) -> tuple[int, ...] | None:
+    """Devices of a trainer pool of `trainers` cut into FSDP groups of `group`: groups no larger than a node each lie
+    inside one node, as many as fit at the end of each node from the last one (12 trainers in groups of 6 on two nodes
+    of 8: devices 2-7 and 10-15), the other devices generate; a larger group, the last `trainers` devices. The cost
+    model prices a group within a node on the intra-node links, so a group must not straddle two. None when the groups
+    do not fit inside the nodes, or do not divide the pool."""
+    if trainers % group:
+        return None
+    if group > node_size:
+        return tuple(range(devices - trainers, devices))
+    layout: list[int] = []
+    remaining = trainers // group
+    for start in range(devices - (devices - 1) % node_size - 1, -1, -node_size):
+        end = min(start + node_size, devices)
+        taken = min(remaining, (end - start) // group)
+        layout = list(range(end - taken * group, end)) + layout
+        remaining -= taken
+    return tuple(layout) if remaining == 0 else None
 
 
 class Digen(Policy):
@@ -319,17 +340,17 @@ class Digen(Policy):
 
     @staticmethod
     def _group_choices(devices: int, trainers: int, node_size: int) -> list[int]:
-        """The whole pool as one FSDP group, or groups of a node / half a node that tile the pool (the
-        trainer pool is the last `trainers` devices) without straddling two nodes."""
-        choices = [trainers] + [g for g in (node_size, node_size // 2) if 1 <= g < trainers and trainers % g == 0]
-        first = devices - trainers
-
-        def inside_nodes(g: int) -> bool:
-            return g == trainers or all(
-                start // node_size == (start + g - 1) // node_size for start in range(first, devices, g)
-            )
-
-        return [g for g in dict.fromkeys(choices) if inside_nodes(g)]
+        """The whole pool as one FSDP group, or groups of a node, of half a node, or the largest that divide the pool
+        and fit in a node (12 trainers on nodes of 8: two groups of 6), each placed inside one node
+        (`trainer_layout`)."""
+        largest = next(trainers // n for n in range(1, trainers + 1) if not trainers % n and trainers // n <= node_size)
+        sizes = (node_size, node_size // 2, largest)
+        choices = [trainers] + [g for g in sizes if 1 <= g < trainers and trainers % g == 0]
+        return [
+            g
+            for g in dict.fromkeys(choices)
+            if g == trainers or trainers == devices or trainer_layout(devices, trainers, g, node_size) is not None
+        ]
 
     @staticmethod
     def _fragment_choices(spec: FlowSpec, rollout: int, groups: int = 1) -> list[int]:
@@ -360,11 +381,17 @@ class Digen(Policy):
         self.shared = setup.trainer_devices == setup.compute_devices
         """Colocated-like shape: every device generates, then trains (one engine resident at a time, switch costs
         paid), with GAP, TSP, trainer groups and no recompute."""
+        devices = setup.compute_devices
         if self.shared:
-            self.rollout_pool, self.trainer_pool = (), tuple(range(setup.compute_devices))
+            self.rollout_pool, self.trainer_pool = (), tuple(range(devices))
         else:
-            self.rollout_pool, self.trainer_pool = split_pools(setup.compute_devices, setup.trainer_devices)
-        group = getattr(setup.shapes.get(self.pipeline), "group", len(self.trainer_pool))
+            self.rollout_pool, self.trainer_pool = split_pools(devices, setup.trainer_devices)
+        group = getattr(shape, "group", len(self.trainer_pool))
+        if not self.shared:
+            packed = trainer_layout(devices, len(self.trainer_pool), group, setup.node_size or devices)
+            if packed is not None:  # else a group the caller fixed that no node holds: the last devices, as given
+                self.trainer_pool = packed
+                self.rollout_pool = tuple(d for d in range(devices) if d not in packed)
         self.groups = [self.trainer_pool[i : i + group] for i in range(0, len(self.trainer_pool), group)]
         """FSDP trainer groups; each trains whole train nodes, all of them commit together."""
         held = setup.engines[self.pipeline].resident_gb

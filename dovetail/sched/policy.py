@@ -161,6 +161,9 @@ class Setup:
     """The shape each pipeline's steps were cut with (pipeline -> e.g. `graph.llm.LLMShape`)."""
     max_staleness: int = 1
     """Versions a step's rollouts may lag its training (the executor refuses more); AReaL's bound eta."""
+    node_size: int | None = None
+    """Devices per machine (the cluster's device type's `node_size`); None: one machine holds them all. A policy
+    that cuts FSDP groups places each group no larger than a node inside one (digen's `trainer_layout`)."""
     slowdown: Callable[[str, str], float] = DEFAULT.slowdown
     """How much a node of one kind slows down beside another kind on its devices: slowdown(kind, alongside)
     (`Calibration.slowdown`). One table for the pool: `scenario.prepare` takes the first pipeline's cost model's
