@@ -19,8 +19,9 @@
   device-seconds), group sizes, fragment counts and TSP chunks by the cost model; it includes the colocated-like
   shared shape (every device generates, then trains with TSP in groups, no recompute). `plan_shapes` then
   simulates the best few, the best shared one, each with TAG allowed and not (and, for digen+tcss, with TCSS off
-  too: digen's own candidates), and keeps the fastest: the chosen shape is never slower in the simulator than one
-  it considered, digen+tcss never slower than digen.
+  too: digen's own candidates), the best shared one stage-synchronous, and the staged baselines' shapes, and keeps the
+  fastest: the chosen shape is never slower in the simulator than one it considered, digen+tcss never slower than
+  digen.
 """
 
 from __future__ import annotations
@@ -183,7 +184,9 @@ class Digen(Policy):
         the best shared (colocated-like) one; for digen+tcss those again with TCSS on (the synchronous ones also
         with it off, so it never loses to digen) and the `SIMULATED` best TCSS shapes. Each with TAG allowed and,
         where a trainer device can hold both engines and the run's options do not fix TAG, not allowed. Last, the
-        staged baselines' own shapes (`_staged`), so digen never loses to colocated or disaggregated."""
+        best shared shape run stage-synchronously (its trainer takes the mini-batch once all of it is generated: fewer,
+        larger train nodes, which the simulator finds as fast or slightly faster than GAP on DigenRL's scenarios) and
+        the staged baselines' own shapes (`_staged`), so digen never loses to colocated or disaggregated."""
         synchronous = cls._best(spec, devices, trainer_devices, cost, tcss=False)
         shapes = list(synchronous)
         if cls.tcss:
@@ -198,7 +201,8 @@ class Digen(Policy):
             lendable = held[Role.TRAINER] + held[Role.ROLLOUT] <= capacity and shape.trainer_devices < devices
             if lendable and not tag_fixed:
                 with_tag_off.append(replace(shape, tag=False))
-        return with_tag_off + cls._staged(spec, devices, trainer_devices, cost)
+        shared = [replace(s, staged=True, tag=False) for s in synchronous if s.trainer_devices == devices][:1]
+        return with_tag_off + shared + cls._staged(spec, devices, trainer_devices, cost)
 
     @staticmethod
     def _staged(spec: FlowSpec, devices: int, trainer_devices: int | None, cost) -> list[FlowShape]:
@@ -349,7 +353,7 @@ class Digen(Policy):
         return [
             g
             for g in dict.fromkeys(choices)
-            if g == trainers or trainers == devices or trainer_layout(devices, trainers, g, node_size) is not None
+            if g == trainers or trainer_layout(devices, trainers, g, node_size) is not None
         ]
 
     @staticmethod
