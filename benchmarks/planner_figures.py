@@ -93,18 +93,22 @@ DIGEN = ("digen-flux-16", "digen-wan-16", "digen-hunyuan-32", "digen-qwenimage-3
 
 
 def digen(cross_node_efficiency: float | None = None) -> None:
-    """Each policy, then the digen search's own shape with one mechanism taken away: TAG (no lending of idle trainer
-    devices), TSP (one train node per timestep), GAP (staged: the trainer takes the whole mini-batch once it is
-    generated), and TCSS (digen+tcss against digen). `cross_node_efficiency` replaces the calibrated share of the NIC
-    that collectives spanning nodes reach (the sensitivity of these tables to the one factor fitted on 64 GPUs)."""
+    """Each policy (colocated: veRL-Omni's default, one FSDP group over the pool; colocated-hsdp: its fsdp_size set
+    to a node where that is faster), then the digen search's own shape with one mechanism taken away: TAG (no lending
+    of idle trainer devices), TSP (one train node per timestep), GAP against a stage-synchronous trainer (the trainer
+    takes the whole mini-batch once it is generated; the search picks the faster, so one of the two is digen's own
+    figure), and TCSS (digen+tcss against digen); last, digen over colocated-hsdp, the hybrid-sharded
+    baseline. `cross_node_efficiency` replaces the calibrated share of the NIC that collectives spanning nodes reach
+    (the sensitivity of these tables to the one factor fitted on 64 GPUs)."""
     cost = None
     if cross_node_efficiency is not None:
         cost_of = {name: load_scenario(name).cluster.device for name in DIGEN}
         calibration = replace(DEFAULT, network_collective_efficiency=cross_node_efficiency)
     print(
-        "| scenario | colocated | disaggregated | digen | digen+tcss | digen, no TAG | digen, no TSP | digen, no GAP |"
+        "| scenario | colocated | colocated-hsdp | disaggregated | digen | digen+tcss | digen, no TAG | digen, no TSP "
+        "| digen's shape, GAP | digen's shape, stage-synchronous | digen / colocated-hsdp |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in DIGEN:
         scenario = load_scenario(name)
         if cross_node_efficiency is not None:
@@ -112,12 +116,14 @@ def digen(cross_node_efficiency: float | None = None) -> None:
         rate = {}
         for label, policy, options, overrides in (
             ("colocated", "colocated", None, {}),
+            ("colocated-hsdp", "colocated-hsdp", None, {}),
             ("disaggregated", "disaggregated", None, {}),
             ("digen", "digen", None, {}),
             ("digen+tcss", "digen+tcss", None, {}),
             ("no TAG", "digen", {"tag": False}, {}),
             ("no TSP", "digen", None, {"tsp_chunk": 1}),
-            ("no GAP", "digen", None, {"staged": True}),
+            ("GAP", "digen", None, {"staged": False}),
+            ("stage-synchronous", "digen", None, {"staged": True}),
         ):
             try:
                 trace = (
@@ -133,6 +139,10 @@ def digen(cross_node_efficiency: float | None = None) -> None:
             f"{value:.3f} ({value / base:.2f}x)" if isinstance(value, float) else f"n/a: {value}"
             for value in rate.values()
         ]
+        hsdp = rate["colocated-hsdp"]
+        cells.append(
+            f"{rate['digen'] / hsdp:.2f}x" if isinstance(hsdp, float) and isinstance(rate["digen"], float) else ""
+        )
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
