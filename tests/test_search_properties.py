@@ -235,6 +235,15 @@ def test_digen_with_a_fixed_trainer_pool_never_loses_to_a_group_size_plan_could_
         assert at_least(chosen, fixed), (group, chosen, fixed)
 
 
+def test_digen_forced_to_lend_keeps_gap_and_otherwise_may_run_its_shape_stage_synchronously():
+    """On digen-flux-16 the stage-synchronous trainer on digen's shared shape is the fastest candidate; a run that
+    forces TAG gets a GAP shape (only GAP's schedule lends trainer devices)."""
+    scenario = load_scenario("digen-flux-16")
+    assert all(shape.staged for shape in prepare(scenario, "digen", steps=3).setup.shapes.values())
+    forced = prepare(scenario, "digen", steps=3, options={"tag": "force"}).setup.shapes
+    assert not any(shape.staged for shape in forced.values())
+
+
 def test_plan_shows_each_policy_s_candidates_and_the_figure_simulate_gives_for_its_choice():
     scenario = load_scenario("calib-qwenimage-4xh200")
     text = plan(scenario, 4, ["digen", "digen+tcss"])

@@ -173,12 +173,21 @@ class Digen(Policy):
         if len(specs) != 1 or devices is None:
             return shapes  # __init__ refuses several pipelines
         (spec,) = specs
-        finalists = cls.finalists(spec, devices, trainer_devices, costs[spec.name], tag_fixed="tag" in (options or {}))
+        tag = (options or {}).get("tag")
+        finalists = cls.finalists(
+            spec, devices, trainer_devices, costs[spec.name], tag_fixed=tag is not None, staged=tag != "force"
+        )
         return best_by_forecast([{spec.name: shape} for shape in finalists], forecast, search_horizon(steps))
 
     @classmethod
     def finalists(
-        cls, spec: FlowSpec, devices: int, trainer_devices: int | None, cost, tag_fixed: bool = False
+        cls,
+        spec: FlowSpec,
+        devices: int,
+        trainer_devices: int | None,
+        cost,
+        tag_fixed: bool = False,
+        staged: bool = True,
     ) -> list[FlowShape]:
         """The shapes the search simulates, the cost model's best first: the `SIMULATED` best synchronous shapes and
         the best shared (colocated-like) one; for digen+tcss those again with TCSS on (the synchronous ones also
@@ -186,7 +195,8 @@ class Digen(Policy):
         where a trainer device can hold both engines and the run's options do not fix TAG, not allowed. Last, the
         best shared shape run stage-synchronously (its trainer takes the mini-batch once all of it is generated: fewer,
         larger train nodes, which the simulator finds as fast or slightly faster than GAP on DigenRL's scenarios) and
-        the staged baselines' own shapes (`_staged`), so digen never loses to colocated or disaggregated."""
+        the staged baselines' own shapes (`_staged`), so digen never loses to colocated or disaggregated; none of these
+        when the run forces TAG (`staged` False), which only GAP's schedule has."""
         synchronous = cls._best(spec, devices, trainer_devices, cost, tcss=False)
         shapes = list(synchronous)
         if cls.tcss:
@@ -201,6 +211,8 @@ class Digen(Policy):
             lendable = held[Role.TRAINER] + held[Role.ROLLOUT] <= capacity and shape.trainer_devices < devices
             if lendable and not tag_fixed:
                 with_tag_off.append(replace(shape, tag=False))
+        if not staged:
+            return with_tag_off
         shared = [replace(s, staged=True, tag=False) for s in synchronous if s.trainer_devices == devices][:1]
         return with_tag_off + shared + cls._staged(spec, devices, trainer_devices, cost)
 
