@@ -190,7 +190,10 @@ def test_killed_worker_is_restarted_and_no_sample_is_lost_or_trained_twice(refer
             ray.kill(executor.worker_of(part), no_restart=False)
 
     out = tmp_path / "faulty"
-    config = load_config(None, COMMON + ["policy=digen", "runtime.fragments=4", "runtime.tsp_chunk=5"])
+    # the cut fixed (trainer_group too, which the planner would choose from profiled costs): runs repeat bitwise
+    config = load_config(
+        None, COMMON + ["policy=digen", "runtime.fragments=4", "runtime.tsp_chunk=5", "runtime.trainer_group=1"]
+    )
     summary = train(config, out, steps=STEPS, after_part=kill_once)
     assert killed and summary["restarts"] >= 1
     ledger = json.loads((out / "ledger.json").read_text())

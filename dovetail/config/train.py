@@ -946,6 +946,10 @@ def pipeline_configs(config: TrainConfig) -> dict[str, PipelineConfig]:
     return {config.pipeline_name: config}
 
 
+STAGED_BASELINE = {"flow": "colocated", "lm": "verl-sync"}
+"""What the planner simulates for a `reference` run, which schedules nothing: its kind's stage-after-stage policy."""
+
+
 def _scenario(config: TrainConfig, pipelines: list[dict], steps: int, trainer_devices: int | None, reward_devices: int):
     return parse_scenario(
         {
@@ -955,7 +959,7 @@ def _scenario(config: TrainConfig, pipelines: list[dict], steps: int, trainer_de
             "schedule": {
                 # what `dovetail simulate` of this scenario would run; a run passes its own steps to `prepare`
                 "steps": min(steps, MAX_SIMULATED_STEPS),
-                "policies": [config.policy],
+                "policies": [config.policy if config.policy in POLICIES else STAGED_BASELINE[pipelines[0]["kind"]]],
                 "trainer_devices": trainer_devices,
                 "reward_devices": reward_devices,
             },
