@@ -355,6 +355,8 @@ def prepare(
             spec.name: cls.shape(spec, pipeline_devices, trainer_devices, costs[spec.name])
             for spec in scenario.pipelines
         }
+        if reward_devices and cls.supports_reward_pool:
+            shapes = cls.with_reward_pool(scenario.pipelines, shapes)
         if shape_overrides:
             shapes = {name: replace(shape, **shape_overrides) for name, shape in shapes.items()}
         else:

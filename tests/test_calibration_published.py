@@ -8,11 +8,6 @@ from dovetail.scenario import list_scenarios, load_scenario, simulate
 
 PUBLISHED = [name for name in list_scenarios() if load_scenario(name).published is not None]
 
-KNOWN_MISSES = {
-    "calib-qwenimage-lora-async-5xh800": "the simulated colocated step scores each fragment on the one reward device "
-    "after generation (+35 %); veRL-Omni's async reward overlaps the judge with the rollout",
-}
-
 
 def steady_step_s(name: str) -> float:
     """Commit to commit of the second step, under the first policy with the published recipe's fixed settings."""
@@ -23,15 +18,7 @@ def steady_step_s(name: str) -> float:
     return second - first
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(name, marks=pytest.mark.xfail(reason=KNOWN_MISSES[name], strict=True))
-        if name in KNOWN_MISSES
-        else name
-        for name in PUBLISHED
-    ],
-)
+@pytest.mark.parametrize("name", PUBLISHED)
 def test_published_step_time_within_bounds(name):
     published = load_scenario(name).published
     bound = 0.20 if published.held_out else 0.10

@@ -299,14 +299,28 @@ def test_reward_pool_scores_every_sample_and_nothing_else(policy):
     assert [r.step for r in trace.steps] == [0, 1]
 
 
-def test_a_reward_pool_moves_scoring_and_nothing_else_in_the_staged_baseline():
-    """disaggregated on 2 + 2 devices plus reward devices: with two, the fragments score side by side as on the
-    rollout pool, so the step is as long as on 4 devices; with one, the second fragment's score waits for the first."""
-    _, shared = simulate(scenario(devices=4), "disaggregated")
-    _, two = simulate(scenario(devices=6, reward_devices=2), "disaggregated")
-    prepared, one_device = simulate(scenario(devices=5, reward_devices=1), "disaggregated")
-    assert two.makespan == pytest.approx(shared.makespan)
-    assert one_device.makespan == pytest.approx(shared.makespan + one(prepared.graph, Kind.SCORE))
+def test_a_reward_pool_scores_each_group_as_it_is_generated_while_the_trainer_takes_over():
+    """colocated on 4 devices plus a reward device (veRL-Omni's async reward): each rollout device generates its
+    share one prompt's group after another; the reward device scores each group as soon as it is generated and it is
+    free, so scoring overlaps the rest of the generation; the devices switch to the trainer and recompute old
+    log-probs once the last group is generated, and training starts when both that and the last score are done."""
+    prepared, trace = simulate(scenario(devices=5, reward_devices=1), "colocated")
+    graph, spans = prepared.graph, trace.spans
+    assert sum(1 for node in graph if node.kind == Kind.GENERATE) == 8  # one fragment per prompt
+    span_of = {s.node: s for s in spans}
+    scores = sorted((s for s in spans if s.kind == "score"), key=lambda s: s.start)
+    free = 0.0
+    for score in scores:
+        (generate,) = graph[score.node].deps
+        assert score.start == pytest.approx(max(span_of[generate].end, free))
+        free = score.end
+    generated = max(s.end for s in spans if s.kind == "generate")
+    assert scores[0].end < generated
+    wakes = [w for w in trace.switches if w.device < 4 and w.start > 0]
+    assert wakes and all(w.start == pytest.approx(generated) for w in wakes)
+    logprob_end = max(s.end for s in spans if s.kind == "logprob")
+    first_train = min(s.start for s in spans if s.kind == "train")
+    assert first_train == pytest.approx(max(logprob_end, scores[-1].end))
 
 
 def test_reward_pool_errors_name_the_field():

@@ -145,10 +145,11 @@ def build_flow(spec: FlowSpec, steps: int, shape: FlowShape, cost: CostModel) ->
     micro = spec.micro_batch
 
     def trainer_nodes(
-        prefix: str, step: int, label: str, samples: tuple, data: list[str], weights: tuple
+        prefix: str, step: int, label: str, samples: tuple, data: list[str], weights: tuple, generated: list[str]
     ) -> list[Node]:
-        """Old / reference log-prob forward (if any; it needs the `data` and the step's `weights`) and one train
-        node per timestep chunk for `samples` (it needs the data and the previous optimizer step)."""
+        """Old / reference log-prob forward (if any; it needs the `generated` samples and the step's `weights`, not
+        their rewards: verl awaits an async reward only after it) and one train node per timestep chunk for
+        `samples` (it needs the scored `data` and the previous optimizer step)."""
         n = len(samples)
         out: list[Node] = []
         train_deps = data + ([previous_commit] if previous_commit else [])
@@ -166,7 +167,7 @@ def build_flow(spec: FlowSpec, steps: int, shape: FlowShape, cost: CostModel) ->
                 step,
                 Kind.LOGPROB,
                 Role.TRAINER,
-                (*data, *weights),
+                (*generated, *weights),
                 step,
                 samples,
                 cost_s=logprob_s,
@@ -216,6 +217,7 @@ def build_flow(spec: FlowSpec, steps: int, shape: FlowShape, cost: CostModel) ->
                     for f in range(mini_batch * per_mini_batch, (mini_batch + 1) * per_mini_batch)
                 ]
             scores: list[str] = []
+            generates: list[str] = []
             for f, samples in zip(range(mini_batch * per_mini_batch, (mini_batch + 1) * per_mini_batch), pieces):
                 n = len(samples)
                 generate = Node(
@@ -247,12 +249,15 @@ def build_flow(spec: FlowSpec, steps: int, shape: FlowShape, cost: CostModel) ->
                 )
                 nodes += [generate, score]
                 scores.append(score.id)
+                generates.append(generate.id)
                 if not shape.staged:
-                    made = trainer_nodes(prefix, step, str(f), samples, [score.id], weights_of_step)
+                    made = trainer_nodes(prefix, step, str(f), samples, [score.id], weights_of_step, [score.id])
                     nodes += made
                     train_ids += [m.id for m in made if m.kind == Kind.TRAIN]
             if shape.staged:
-                made = trainer_nodes(prefix, step, f"-mb{mini_batch}", tuple(batch_samples), scores, weights_of_step)
+                made = trainer_nodes(
+                    prefix, step, f"-mb{mini_batch}", tuple(batch_samples), scores, weights_of_step, generates
+                )
                 nodes += made
                 train_ids += [m.id for m in made if m.kind == Kind.TRAIN]
             commit = Node(

@@ -4,7 +4,8 @@ Every device holds both engines and takes turns: all devices generate their shar
 barrier -> score -> sleep rollout / wake trainer -> recompute old log-probs over the batch -> the
 per-timestep training loop (one forward/backward per trained timestep, no TSP) -> optimizer step ->
 weight sync -> sleep trainer / wake rollout. The stage order is shared with `disaggregated`, which
-runs it on two fixed pools instead of switching.
+runs it on two fixed pools instead of switching. With a reward pool (veRL-Omni's async reward) the judge scores each
+prompt's group as it is generated and the trainer takes over once generation ends; training waits for the scores.
 """
 
 from __future__ import annotations
@@ -107,6 +108,17 @@ class StagedFlow(Policy):
             return shapes
         return best_by_forecast([shapes, {spec.name: hybrid}], forecast, search_horizon(steps))
 
+    @classmethod
+    def with_reward_pool(cls, specs: Sequence[PipelineSpec], shapes: dict[str, FlowShape]) -> dict[str, FlowShape]:
+        """veRL-Omni's async reward: the judge on its own devices scores each prompt's group as the rollout returns
+        it, overlapped with the rest of the generation. Each rollout device then generates its share one group after
+        another (a fragment per prompt), and the reward pool scores each fragment as it finishes; without this the
+        fragments would all end together and the whole batch would be judged after generation."""
+        return {
+            spec.name: replace(shapes[spec.name], fragments=max(shapes[spec.name].fragments, spec.prompts))
+            for spec in specs
+        }
+
     def pools(self, setup: Setup) -> tuple[tuple[int, ...], tuple[int, ...]]:
         raise NotImplementedError
 
@@ -148,14 +160,17 @@ class StagedFlow(Policy):
                 decisions.append(Run(publish[0].id, self.everyone))
             return decisions
 
-        scored = self._finished(view, step, Kind.GENERATE) and self._finished(view, step, Kind.SCORE)
-        if self.switching and scored and view.devices[0].role == Role.ROLLOUT and all_idle(view, self.everyone):
+        generated = self._finished(view, step, Kind.GENERATE)
+        # A reward pool scores while the trainer wakes and recomputes old log-probs (verl's async reward is awaited
+        # after old_log_prob); train nodes still wait for their scores. Without one, the rollout devices score first.
+        handed_over = generated if self.setup.reward_devices else generated and self._finished(view, step, Kind.SCORE)
+        if self.switching and handed_over and view.devices[0].role == Role.ROLLOUT and all_idle(view, self.everyone):
             return decisions + [self.setup.switch(d, self.pipeline, Role.ROLLOUT, Role.TRAINER) for d in self.everyone]
 
         trainer_ready = all_idle(view, self.trainer_pool) and all(
             view.devices[d].role == Role.TRAINER for d in self.trainer_pool
         )
-        if scored and trainer_ready:
+        if handed_over and trainer_ready:
             node = self._next_trainer_node(view, step)
             if node is not None:
                 decisions.append(Run(node.id, self.trainer_pool))

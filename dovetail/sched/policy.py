@@ -324,6 +324,13 @@ class Policy(ABC):
         rolling the simulator forward with `forecast` (the run's `options` given); the others keep them."""
         return shapes
 
+    @classmethod
+    def with_reward_pool(cls, specs: Sequence[PipelineSpec], shapes: dict[str, Shape]) -> dict[str, Shape]:
+        """The shapes to run with reward devices of their own (`Setup.reward_devices` > 0): a policy whose rollout
+        would otherwise finish all at once cuts it finer, so the reward pool scores early pieces while later ones
+        generate; the others keep them."""
+        return shapes
+
     def __init__(self, setup: Setup) -> None:
         if setup.reward_devices and not self.supports_reward_pool:
             raise ValueError(
