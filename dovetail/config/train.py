@@ -946,7 +946,7 @@ def pipeline_configs(config: TrainConfig) -> dict[str, PipelineConfig]:
     return {config.pipeline_name: config}
 
 
-STAGED_BASELINE = {"flow": "colocated", "lm": "verl-sync"}
+STAGED_BASELINE = {"flow": "colocated", "llm": "verl-sync"}
 """What the planner simulates for a `reference` run, which schedules nothing: its kind's stage-after-stage policy."""
 
 
