@@ -12,7 +12,7 @@ download() {
 }
 download -d .whl diffusers==0.42.1 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
   typing-inspection==0.4.5 importlib-metadata==10.2.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 \
-  referencing==0.37.0 rpds-py==2026.9.1
+  referencing==0.37.0 rpds-py==2026.9.1 peft==0.21.2 accelerate==1.16.0
 download -d /tmp/dovetail-ray ray==2.60.0
 (cd /tmp/dovetail-ray && unzip -q ray-*.whl && rm -rf ray-*.whl ray/jars ray/rllib ray/data ray/serve ray/tune ray/train ray/llm \
   && tar -cf - . | xz -T0 -6 > "$OLDPWD/.whl/ray-slim.tar.xz")
