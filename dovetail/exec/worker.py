@@ -109,6 +109,8 @@ class DeviceWorker:
             os.sched_setaffinity(0, {cores[index % len(cores)]})
         self.index = index
         self._engines = None
+        self.init_method: str | None = None
+        """Where this device's current group met (`rendezvous`)."""
 
     def configure(self, config: dict, trainer_state: dict) -> None:
         """Build the pipeline's engines for a run; a device past `compute_devices` (the reward pool) holds the
@@ -138,6 +140,11 @@ class DeviceWorker:
         Accumulated gradients survive (a re-join follows another device's restart)."""
         join_process_group(init_method, self.index, world, group_backend(self.device))
         self.groups: dict[tuple[int, ...], object] = {}
+        # every member has left the group this one replaces (each leaves before it joins, and joining waits for all):
+        # its rendezvous file is nobody's any more
+        previous, self.init_method = self.init_method, init_method
+        if previous is not None and previous != init_method and previous.startswith("file://"):
+            Path(previous.removeprefix("file://")).unlink(missing_ok=True)
 
     def rendezvous(self) -> str:
         """Where the group meets, new at each forming. On a local run's node (loopback) every peer is on this
