@@ -45,8 +45,9 @@ def train(
 ):
     """Post-train the model with RL and write a run directory.
 
-    Ctrl-C stops after the step in flight and saves it (a second Ctrl-C stops at once). A run that fails says why in
-    one line; the traceback is in RUN_DIR/error.log."""
+    Ctrl-C, SIGTERM (kill, systemd, Kubernetes, SLURM) and SIGHUP stop after the step in flight and save it, exit
+    code 130 / 143 / 129 (a second signal stops at once). A run that fails says why in one line; the traceback is in
+    RUN_DIR/error.log."""
     from dovetail.config.train import MAX_STEPS, check_this_machine, load_config, pipeline_configs
     from dovetail.graph.spec import MAX_DEVICES
     from dovetail.rewards import RewardError
@@ -82,7 +83,7 @@ def train(
         summary = run_training(run_config, out, steps=steps, resume=resume, overwrite=overwrite)
     except (RewardError, RunInterrupted) as error:  # the message says what was saved and how to go on
         typer.echo(str(error), err=True)
-        raise typer.Exit(130 if isinstance(error, RunInterrupted) else 1) from None
+        raise typer.Exit(error.exit_code if isinstance(error, RunInterrupted) else 1) from None
     except (FileNotFoundError, ValueError) as error:  # input the config could not check alone: a checkpoint, a prompt
         _refuse(str(error))
     except (Exception, KeyboardInterrupt) as error:  # any other failure: one line, the traceback in a log
@@ -103,16 +104,18 @@ def train(
 def _failure(error: BaseException, out: Path) -> str:
     """One line for a run that failed: the cause, the fix, how to resume from what is saved; the traceback goes to
     out/error.log."""
-    import errno
     import traceback
 
     from dovetail.exec.recovery import RecoveryTimeout
     from dovetail.models.lm import one_line
-    from dovetail.run_dir import checkpoint_dirs
+    from dovetail.run_dir import checkpoint_dirs, disk_full
 
-    log = out / "error.log"
-    out.mkdir(parents=True, exist_ok=True)
-    log.write_text("".join(traceback.format_exception(error)))
+    log: Path | None = out / "error.log"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        log.write_text("".join(traceback.format_exception(error)))
+    except OSError:  # the disk that failed the run may be the one the log would go on
+        log = None
     cause = one_line(error) or type(error).__name__
     if isinstance(error, KeyboardInterrupt):
         line = "stopped at once by a second Ctrl-C; the step in flight is lost"
@@ -121,7 +124,7 @@ def _failure(error: BaseException, out: Path) -> str:
             f"out of memory ({cause}): lower algo.prompts_per_step or algo.group_size, or train.chunk_size "
             "(pairs per forward/backward)"
         )
-    elif isinstance(error, OSError) and error.errno == errno.ENOSPC:
+    elif disk_full(error):
         line = f"no space left on the device ({cause}): free space, or give an --out on another disk"
     elif isinstance(error, RecoveryTimeout):
         line = f"{cause}: workers that keep dying are out of memory or lost their node; check the Ray logs"
@@ -129,12 +132,13 @@ def _failure(error: BaseException, out: Path) -> str:
         line = f"the Ray runtime failed ({type(error).__name__}: {cause}): check the Ray cluster (`ray status`)"
     else:
         line = f"the run failed: {type(error).__name__}: {cause}"
-    saved = checkpoint_dirs(out / "checkpoints") or [
-        found for sub in out.iterdir() if sub.is_dir() for found in checkpoint_dirs(sub / "checkpoints")
-    ]
+    saved = out.is_dir() and (
+        checkpoint_dirs(out / "checkpoints")
+        or [found for sub in out.iterdir() if sub.is_dir() for found in checkpoint_dirs(sub / "checkpoints")]
+    )
     if saved:
         line += f"; resume from the last saved step with `dovetail train {out / 'config.yaml'} --resume {out}`"
-    return f"{line} (traceback in {log})"
+    return f"{line} (traceback in {log})" if log is not None else f"{line} (no room for the traceback)"
 
 
 def _print_dry_run(config, steps: int) -> None:
@@ -188,27 +192,32 @@ def pretrain(
     out: Path = typer.Option(None, help="checkpoint directory (default: the shipped base model)"),
     steps: int = typer.Option(None, help="optimizer steps (default: the shipped model's; short so RL has room)"),
     seed: int = typer.Option(0),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace the model already in --out"),
 ):
     """Pretrain a tiny base model from random init: the text-to-image flow model, or a task's language model."""
     import torch
 
-    from dovetail.config.train import MAX_STEPS
+    from dovetail.config.train import DEFAULT_CHECKPOINT, MAX_STEPS
+    from dovetail.models.lm import checkpoint_dir
     from dovetail.tasks import TASKS
 
     _check_count("--steps", steps, MAX_STEPS)
+    if dataset not in TASKS and dataset != "digits":
+        _refuse(f"unknown dataset {dataset!r}; known: ['digits', {', '.join(map(repr, sorted(TASKS)))}]")
+    out = out or (checkpoint_dir(dataset) if dataset in TASKS else DEFAULT_CHECKPOINT)
+    if out.exists() and not out.is_dir():
+        _refuse(f"--out {out}: is a file; give a directory for the model")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        _refuse(f"--out {out} already holds a model: give another --out, or --overwrite to replace it")
     torch.set_num_threads(1)
     if dataset in TASKS:
-        from dovetail.models.lm import checkpoint_dir
         from dovetail.models.lm_pretrain import DEFAULT_STEPS, pretrain_lm
 
-        pretrain_lm(dataset, out or checkpoint_dir(dataset), steps=DEFAULT_STEPS if steps is None else steps, seed=seed)
+        pretrain_lm(dataset, out, steps=DEFAULT_STEPS if steps is None else steps, seed=seed)
         return
-    if dataset != "digits":
-        _refuse(f"unknown dataset {dataset!r}; known: ['digits', {', '.join(map(repr, sorted(TASKS)))}]")
-    from dovetail.config.train import DEFAULT_CHECKPOINT
     from dovetail.models.pretrain import pretrain_digits
 
-    pretrain_digits(out or DEFAULT_CHECKPOINT, steps=110 if steps is None else steps, seed=seed)
+    pretrain_digits(out, steps=110 if steps is None else steps, seed=seed)
 
 
 @app.command()
@@ -253,7 +262,9 @@ def simulate(
     names = None if policies is None else [name.strip() for name in policies.split(",")]
     if names is not None and not all(names):
         _refuse(f"--policies {policies!r}: name policies separated by commas, e.g. --policies colocated,digen")
-    for flag, path in (("--trace", trace), ("--gantt", gantt)):
+    for flag, path, example in (("--trace", trace, "trace.json"), ("--gantt", gantt, "gantt.png")):
+        if path is not None and path.is_dir():
+            _refuse(f"{flag} {path}: is a directory; give a file to write, e.g. {flag} {path / example}")
         if path is not None and not path.parent.is_dir():
             _refuse(f"{flag} {path}: no directory {path.parent} to write it in")
     try:

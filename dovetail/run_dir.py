@@ -16,6 +16,7 @@ A checkpoint is what a long run cannot afford to lose, nor to trust when it shou
   started from whatever happened to summary.json.
 """
 
+import errno
 import hashlib
 import json
 import os
@@ -187,15 +188,21 @@ class RunDir:
         final = self.checkpoints / f"step_{step:06d}"
         partial = self.checkpoints / f".partial-{final.name}"
         shutil.rmtree(partial, ignore_errors=True)  # left by a crash in the middle of saving this step
-        partial.mkdir(parents=True)
-        if save_weights is None:
-            save_model(model, partial)
-        else:
-            save_weights(partial)
-        torch.save(optimizer.state_dict(), partial / "optimizer.pt")
-        torch.save({"torch": torch.get_rng_state()}, partial / "rng.pt")
-        (partial / "state.json").write_text(json.dumps({"step": step} | state))
-        seal(partial, step)
+        try:
+            partial.mkdir(parents=True)
+            if save_weights is None:
+                save_model(model, partial)
+            else:
+                save_weights(partial)
+            torch.save(optimizer.state_dict(), partial / "optimizer.pt")
+            torch.save({"torch": torch.get_rng_state()}, partial / "rng.pt")
+            (partial / "state.json").write_text(json.dumps({"step": step} | state))
+            seal(partial, step)
+        except Exception as error:  # the earlier checkpoints stay as they were; this one leaves nothing behind
+            shutil.rmtree(partial, ignore_errors=True)
+            if disk_full(error) or shutil.disk_usage(self.checkpoints).free < checkpoint_bytes(model):
+                raise OSError(errno.ENOSPC, f"No space left on device while saving step {step} in {final}") from error
+            raise
         if final.exists():  # a step saved again: its run's reward failed right after a periodic save
             replaced = self.checkpoints / f".replaced-{final.name}"
             shutil.rmtree(replaced, ignore_errors=True)
@@ -206,6 +213,66 @@ class RunDir:
             os.replace(partial, final)
         _fsync(self.checkpoints)
         return final
+
+
+def checkpoint_bytes(model) -> int:
+    """About what a checkpoint of `model` takes: its weights and AdamW's two moments of each trained one. A save that
+    failed where less is free failed for the space, whatever the writing library said (torch's zip writer reports
+    a short write as "unexpected pos")."""
+    return sum(p.numel() * p.element_size() * (3 if p.requires_grad else 1) for p in model.parameters())
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether `error` is a write that ran out of disk space, however the library that wrote said so (safetensors
+    raises its own error carrying the OS's message)."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return "No space left on device" in str(error) or "os error 28" in str(error)
+
+
+class NothingToTrain(ValueError):
+    """`--resume` of a run that already reached the steps asked for; checked once the checkpoint is read, before the
+    run directory or the devices are touched."""
+
+
+def resume_points(resumes: dict[str, Path]) -> dict[str, Path | None]:
+    """The checkpoint each pipeline of a run resumes from, decided before anything starts. One pipeline: what it was
+    given (`load_checkpoint` takes a run directory's newest intact checkpoint). Several (multiplexed): pipelines
+    finish their steps at different times, so a run that was killed holds uneven newest steps; every pipeline resumes
+    from the newest step all of them saved intact (their later checkpoints then move to superseded/,
+    `RunDir.begin`), or starts afresh if they share none, said on stderr."""
+    if len(resumes) == 1:
+        points: dict[str, Path | None] = dict(resumes)
+    else:
+        saved = {
+            name: {step: d for step, d in checkpoint_dirs(_run_of(path) / "checkpoints") if _intact(d)}
+            for name, path in resumes.items()
+        }
+        shared = set.intersection(*(set(steps) for steps in saved.values()))
+        newest = {name: max(steps, default=0) for name, steps in saved.items()}
+        common = max(shared, default=0)
+        if len(set(newest.values())) > 1:
+            stood = ", ".join(f"{name} at step {step}" for name, step in newest.items())
+            start = (
+                f"from step {common}, the newest every pipeline saved" if common else "afresh: no step is saved by all"
+            )
+            print(f"the pipelines stopped unevenly ({stood}); every pipeline resumes {start}", file=sys.stderr)
+        points = {name: saved[name][common] if common else None for name in resumes}
+    return points
+
+
+def _run_of(path: Path) -> Path:
+    """The run directory of `--resume` given a run or one of its checkpoints."""
+    path = Path(path)
+    return path.parent.parent if STEP_DIR.fullmatch(path.name) else path
+
+
+def _intact(directory: Path) -> bool:
+    try:
+        _verify(directory)
+    except BrokenCheckpoint:
+        return False
+    return True
 
 
 def checkpoint_dirs(checkpoints: Path) -> list[tuple[int, Path]]:

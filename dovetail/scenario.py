@@ -19,6 +19,7 @@ from dovetail.cost.catalog import device as lookup_device
 from dovetail.cost.catalog import diffusion_model, language_model
 from dovetail.cost.model import CostModel
 from dovetail.exec.sim import SimExecutor
+from dovetail.files import read_text
 from dovetail.graph.node import Graph
 from dovetail.graph.spec import MAX_DEVICES, FlowSpec, LLMSpec
 from dovetail.sched import POLICIES, policy_class
@@ -188,12 +189,13 @@ def clip(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def problem_lines(error: ValidationError, hidden: tuple[str, ...] = ()) -> list[str]:
+def problem_lines(error: ValidationError, hidden: tuple[str, ...] = (), within: tuple[str, ...] = ()) -> list[str]:
     """One "field: what is wrong (got value)" per problem of a validation, the field a dotted path (its parts in
-    `hidden` left out); a check across fields (a value error) names its fields in its own words."""
+    `hidden` left out; `within`: the path of what was validated, for a section validated alone); a check across
+    fields (a value error) names its fields in its own words."""
     lines = []
     for problem in error.errors():
-        field = clip(".".join(str(part) for part in problem["loc"] if part not in hidden))
+        field = clip(".".join(str(part) for part in (*within, *problem["loc"]) if part not in hidden))
         line = clip(problem["msg"].removeprefix("Value error, "), 300)  # some echo their input
         if problem["type"] not in ("value_error", "missing"):  # they say what they got, or got nothing
             line += f" (got {clip(repr(problem['input']))})"
@@ -201,17 +203,26 @@ def problem_lines(error: ValidationError, hidden: tuple[str, ...] = ()) -> list[
     return lines
 
 
+MAX_REPORTED = 50
+"""Problems a report lists; the rest are counted: a file wrong everywhere gets a screenful, not thousands of lines."""
+
+
 def problem_report(heading: str, problems: list[str]) -> str:
-    """One line for one problem; the heading and a line each for several."""
+    """One line for one problem; the heading and a line each for several, the first MAX_REPORTED of them."""
     if len(problems) == 1:
         return f"{heading}: {problems[0]}"
-    return f"{heading}:\n" + "\n".join(f"  {problem}" for problem in problems)
+    lines = [f"  {problem}" for problem in problems[:MAX_REPORTED]]
+    if len(problems) > MAX_REPORTED:
+        lines.append(f"  ... and {len(problems) - MAX_REPORTED} more")
+    return f"{heading}:\n" + "\n".join(lines)
 
 
 class _Loader(yaml.SafeLoader):
-    """`yaml.safe_load`'s loader (no tags that build Python objects) with two changes. It refuses aliases: `*name`
+    """`yaml.safe_load`'s loader (no tags that build Python objects) with three changes. It refuses aliases: `*name`
     repeats a node, so a few hundred bytes of nested aliases expand to gigabytes, and no config or scenario needs
-    one. And it reads YAML 1.2's floats: `1e-4` is a number, not the string YAML 1.1 makes of it."""
+    one. It refuses a key repeated in one mapping, which YAML libraries merge silently (the last wins, the other
+    value is dropped unseen). And it reads YAML 1.2's floats: `1e-4` is a number, not the string YAML 1.1 makes of
+    it."""
 
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
@@ -219,6 +230,23 @@ class _Loader(yaml.SafeLoader):
                 None, None, "aliases (*name) are not read: write the value out", self.peek_event().start_mark
             )
         return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        first = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` overrides by design
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                mark = first.setdefault(key, key_node.start_mark)
+            except TypeError:  # an unhashable key: the base class says so
+                break
+            if mark is not key_node.start_mark:
+                raise yaml.MarkedYAMLError(
+                    problem=f"duplicate key {clip(repr(key))}, also on line {mark.line + 1}: keep one of them",
+                    problem_mark=key_node.start_mark,
+                )
+        return super().construct_mapping(node, deep)
 
 
 _Loader.add_implicit_resolver(
@@ -251,20 +279,8 @@ def parse_yaml(text: str, origin: str) -> Any:
 
 def read_yaml(path: Path) -> Any:
     """A YAML file's value, or a one-line ValueError naming the file and what to fix: every way a config or
-    scenario file can be unreadable ends here, never in a traceback."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ValueError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise ValueError(f"{path}: is a directory; give a YAML file") from None
-    except UnicodeDecodeError as error:
-        raise ValueError(
-            f"{path}: not UTF-8 text (byte {error.start} is {error.object[error.start]:#04x}); save it as UTF-8"
-        ) from None
-    except OSError as error:
-        raise ValueError(f"{path}: cannot be read: {error.strerror}") from None
-    return parse_yaml(text, str(path))
+    scenario file can be unreadable ends here, never in a traceback (or a hang: `files.read_text`)."""
+    return parse_yaml(read_text(path, "a YAML file"), str(path))
 
 
 @dataclass(frozen=True)

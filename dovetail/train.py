@@ -4,6 +4,7 @@ prompts -> G samples per prompt (SDE) -> rewards -> advantages -> train the sele
 (batched) -> one optimizer step. Every other policy must reproduce these parameters.
 """
 
+import os
 import signal
 import sys
 import threading
@@ -25,9 +26,17 @@ from dovetail.config.train import (
     pipeline_configs,
 )
 from dovetail.exec.driver import train_on_ray
-from dovetail.exec.lm import LMEngines, encode_prompts, lm_step_metrics, sampling_params, success_rate, task_prompts
+from dovetail.exec.lm import (
+    LMEngines,
+    commit_scale,
+    encode_prompts,
+    lm_step_metrics,
+    sampling_params,
+    success_rate,
+    task_prompts,
+)
 from dovetail.exec.messages import Decode, LMLogProbs, LMTrain, Prefill, Score
-from dovetail.exec.pipeline import weights_of
+from dovetail.exec.pipeline import pipeline_module, set_summed_gradient, weights_of
 from dovetail.graph.node import SampleId
 from dovetail.models.diffusers_flow import checkpoint_io, load_decoder, load_flow_model
 from dovetail.models.engine import Request, TorchEngine
@@ -46,7 +55,14 @@ from dovetail.recipe import (
 )
 from dovetail.rewards import RewardError, score
 from dovetail.rewards.text import score_text
-from dovetail.run_dir import RunDir, check_resumable, check_run_directory, load_checkpoint
+from dovetail.run_dir import (
+    NothingToTrain,
+    RunDir,
+    check_resumable,
+    check_run_directory,
+    load_checkpoint,
+    resume_points,
+)
 from dovetail.tasks import task
 from dovetail.trackers import Evaluation, RunProgress, Tracker, check_installed, open_trackers, scalars
 
@@ -158,6 +174,11 @@ class StepLog:
         progress.phase(name, "loading the model")
         local = FlowLocal(config) if config.kind == "flow" else LMLocal(config)
         state = None if resume is None else load_checkpoint(resume, local.model, local.optimizer, local.load_weights)
+        if state is not None and state["step"] >= last_step:
+            raise NothingToTrain(
+                f"nothing left to train: {run.path} is at step {state['step']}; raise train.steps (or --steps) to "
+                "continue"
+            )
         if state is not None and "config" in state:
             check_resumable(_in_current_schema(state["config"]), config.model_dump(mode="json"), resume)
         run.begin(None if state is None else state["step"])
@@ -193,7 +214,7 @@ class StepLog:
     def needs_weights(self, done: int) -> bool:
         """Whether step `done` evaluates or checkpoints, or may be the last before Ctrl-C stops the run (the Ray
         driver then fetches the trainer state)."""
-        return self._eval_due(done) or self._save_due(done) or self.interrupt.requested
+        return self._eval_due(done) or self._save_due(done) or self.interrupt.requested is not None
 
     def _eval_due(self, done: int) -> bool:
         return done % self.config.eval.every == 0 or done == self.last_step
@@ -314,7 +335,8 @@ def train(
     """Train every pipeline of the run to `steps` (default config.train.steps) under config.policy; returns the
     summary. A multiplexed run keeps each pipeline in its own sub-directory of `out` (and resumes each from there).
 
-    Before any work: every tracker of `logger` is installed (`TrackerMissing`), and `out` holds no other run's
+    Before any work: every tracker of `logger` is installed (`TrackerMissing`), every pipeline's checkpoint loads and
+    its first prompts fit its context (`check_checkpoint`, what the dry run checks), and `out` holds no other run's
     checkpoints unless `overwrite` (`RunDirInUse`; overwritten checkpoints move to out/superseded/). config.yaml
     records the config as run, `steps` included. Ctrl-C stops after the step in flight, saves it and raises
     `RunInterrupted` saying how to resume. `callbacks`: objects with `on_step(metrics, pipeline)` and / or
@@ -326,6 +348,8 @@ def train(
     multiplexed = isinstance(config, MultiplexConfig)
     pipelines = pipeline_configs(config)
     check_installed(sorted({logger for pipeline in pipelines.values() for logger in pipeline.logger}))
+    for pipeline in pipelines.values():
+        pipeline_module(pipeline.kind).check_checkpoint(pipeline)
     out = Path(out)
     paths = {name: out / name if multiplexed else out for name in pipelines}
     resumes = {
@@ -333,6 +357,8 @@ def train(
     }
     for name, path in paths.items():
         check_run_directory(path, resumes[name], overwrite)
+    if resume is not None:
+        resumes = resume_points(resumes)
     root = RunDir(out)
     console = any("console" in pipeline.logger for pipeline in pipelines.values())
     logs = {}
@@ -352,8 +378,12 @@ def train(
             def after_record() -> None:
                 """Stop here, saved, once Ctrl-C was pressed and every pipeline has recorded the same step."""
                 recorded = {log.recorded for log in logs.values()}
-                if interrupt.requested and len(recorded) == 1 and all(log.holds in recorded for log in logs.values()):
-                    raise RunInterrupted(_interrupted(logs, root, multiplexed))
+                if (
+                    interrupt.requested is not None
+                    and len(recorded) == 1
+                    and all(log.holds in recorded for log in logs.values())
+                ):
+                    raise RunInterrupted(_interrupted(logs, root, multiplexed), interrupt.requested)
 
             if config.policy == "reference":
                 (log,) = logs.values()
@@ -412,33 +442,55 @@ def with_steps(config: TrainConfig, steps: int) -> TrainConfig:
 
 
 class RunInterrupted(Exception):
-    """Ctrl-C stopped the run after a step that is saved; the message says how to resume."""
+    """A signal stopped the run after a step that is saved; the message says how to resume, `exit_code` is what a
+    process killed by that signal would have returned (128 + its number: 130 for Ctrl-C, 143 for SIGTERM)."""
+
+    def __init__(self, message: str, signum: int = signal.SIGINT) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+STOP_SIGNALS = {
+    signal.SIGINT: "Ctrl-C",
+    signal.SIGTERM: "SIGTERM",
+    **({signal.SIGHUP: "SIGHUP (the terminal closed)"} if hasattr(signal, "SIGHUP") else {}),
+}
+"""What asks a run to stop after the step in flight: Ctrl-C; SIGTERM, which `kill`, systemd, Kubernetes, Docker
+and SLURM send before they kill; and SIGHUP, which a closed terminal sends (the run's console output then goes
+nowhere; run long jobs under nohup, tmux or a scheduler)."""
 
 
 class Interrupt:
-    """Ctrl-C (SIGINT) during a run: the first asks the run to stop after the step in flight, which it saves; a
-    second stops at once (KeyboardInterrupt), losing that step. Only the main thread can take signals: elsewhere
-    (a run started from a thread) Ctrl-C keeps its usual meaning."""
+    """A stop signal during a run (`STOP_SIGNALS`): the first asks the run to stop after the step in flight, which it
+    saves; a second stops at once (KeyboardInterrupt), losing that step. Only the main thread can take signals:
+    elsewhere (a run started from a thread) they keep their usual meaning. Ray replaces a driver's SIGTERM handler
+    when it starts (`launch.start_ray` puts this one back)."""
 
     def __init__(self) -> None:
-        self.requested = False
-        self._previous = None
+        self.requested: int | None = None
+        """The signal that asked the run to stop, if one did."""
+        self._previous: dict[int, object] = {}
 
     def __enter__(self) -> "Interrupt":
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._previous = {signum: signal.signal(signum, self._handle) for signum in STOP_SIGNALS}
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
 
     def _handle(self, signum, frame) -> None:
-        if self.requested:
+        if self.requested is not None:
             raise KeyboardInterrupt
-        self.requested = True
+        self.requested = signum
+        if signum == getattr(signal, "SIGHUP", None):  # the terminal is gone: writing to it would fail the run
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            for stream in (sys.stdout, sys.stderr):
+                os.dup2(devnull, stream.fileno())
         print(
-            "Ctrl-C: stopping after the step in flight, which is saved (Ctrl-C again stops at once, unsaved)",
+            f"{STOP_SIGNALS[signum]}: stopping after the step in flight, which is saved (Ctrl-C again stops at once, "
+            "unsaved)",
             file=sys.stderr,
             flush=True,
         )
@@ -477,12 +529,9 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
     responses = timed("decode", Decode(pipeline, [started], config.max_new_tokens, weights))
     scores = timed("score", Score(pipeline, [responses], None))
     ref = [timed("logprob", LMLogProbs(pipeline, ids, [responses], True))] if algo.beta > 0 else []
-    engines.trainer.zero_grad(set_to_none=True)
     trained = timed("train", LMTrain(pipeline, ids, False, [responses], [scores], ref_log_probs=ref))
     start = time.perf_counter()
-    for p in engines.trainer.parameters():
-        if p.grad is not None:
-            p.grad /= trained.normaliser
+    set_summed_gradient(engines.trainer, [engines.part_gradient()], commit_scale([trained]))
     grad_norm = commit(engines.trainer, engines.optimizer, config.train.max_grad_norm)
     timings["commit_s"] = time.perf_counter() - start
     seconds = sum(timings.values())

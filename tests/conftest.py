@@ -23,3 +23,23 @@ def local_ray(tmp_path_factory):
         start_local_ray(cpu_devices=2)
     yield flag
     ray.shutdown()
+
+
+def train_until_the_reward_breaks(flag: Path, config, pipeline: str, steps: int, out: Path) -> tuple[str, int, str]:
+    """Train `config` (its reward `faulty_reward`, NaN while `flag` exists) for `steps`, the flag raised once the
+    pipeline's first step is committed; the run must stop on a RewardError with exactly one checkpoint. Returns the
+    checkpoint's name, the steps committed (metrics lines) and the error's message."""
+    from dovetail.rewards import RewardError
+    from dovetail.train import train
+
+    def break_reward_once_a_step_is_committed(executor, part):
+        if executor.committed_steps(pipeline):
+            flag.touch()
+
+    try:
+        with pytest.raises(RewardError) as stopped:
+            train(config, out, steps=steps, after_part=break_reward_once_a_step_is_committed)
+    finally:
+        flag.unlink(missing_ok=True)
+    (saved,) = (out / "checkpoints").iterdir()
+    return saved.name, len((out / "metrics.jsonl").read_text().splitlines()), str(stopped.value)

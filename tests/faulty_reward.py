@@ -1,6 +1,9 @@
-"""A reward that turns NaN while a flag file exists: how the runtime tests break a reward mid-run."""
+"""Rewards that fail: NaN while a flag file exists (how the runtime tests break a reward mid-run), and rewards that
+run too long holding the GIL, exit, interrupt, end their process or hang."""
 
 import os
+import re
+import threading
 
 import numpy as np
 
@@ -23,3 +26,32 @@ def nan_text_when_flagged(completions, prompts):
         values = values.copy()
         values[1] = np.nan
     return values
+
+
+def backtracks(completions, prompts):
+    """1 where the completion is all "a"s, by a regular expression that backtracks exponentially on "aa...ab": one
+    call into C that holds the GIL for as long as it runs (seconds at 26 "a"s, twice as long with each more)."""
+    return np.array([float(re.fullmatch(r"(a+)+", completion) is not None) for completion in completions])
+
+
+def powers(completions, prompts):
+    """The parity of 3 ** n for each completion n: big-integer arithmetic, another long call holding the GIL
+    (seconds at n = 10 ** 7)."""
+    return np.array([float(pow(3, int(completion)) % 2) for completion in completions])
+
+
+def exits(samples, prompts):
+    raise SystemExit(0)
+
+
+def interrupts(samples, prompts):
+    raise KeyboardInterrupt
+
+
+def ends_its_process(samples, prompts):
+    os._exit(3)
+
+
+def waits(samples, prompts):
+    """A request to a reward server that never answers."""
+    threading.Event().wait()

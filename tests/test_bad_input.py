@@ -2,9 +2,14 @@
 naming the file, field or flag and the fix, exit code 2, and nothing written: a table of hand-written cases through
 the real command line, and hypothesis mutating valid configs and scenarios."""
 
+import json
 import math
 import os
+import shutil
+import signal
 import sys
+from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,10 +28,12 @@ from dovetail.config.train import (
     load_config,
     parse_config,
 )
+from dovetail.models.lm import ASSETS_DIR as ASSETS
+from dovetail.models.tokenizer import DEFAULT_ALPHABET
 from dovetail.report import compare
 from dovetail.rewards import REWARDS, RewardError, score
 from dovetail.rewards.text import TEXT_REWARDS, score_text
-from dovetail.scenario import Scenario, list_scenarios, load_scenario, parse_scenario
+from dovetail.scenario import Scenario, list_scenarios, load_scenario, parse_scenario, prepare
 
 runner = CliRunner()
 
@@ -38,6 +45,8 @@ CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os
 BILLION_LAUGHS = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
     f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi")
 )
+
+FIVE_PIPELINES = "kind: multiplex\npipelines:\n" + "".join(f"  - {{kind: lm, name: p{i}}}\n" for i in range(5))
 
 CASES = [
     # (id, config file text or bytes (None: no file), arguments after `train`, what the line must name)
@@ -75,6 +84,27 @@ CASES = [
     ("reward-not-importable", None, ["reward.no_such_module_here:f=1"], "cannot be imported"),
     ("lm-micro-batches", None, ["kind=lm", "algo.micro_batches=3"], "algo.micro_batches"),
     ("multiplex-not-a-list", "kind: multiplex\npipelines: sort\n", [], "pipelines"),
+    ("multiplex-five-pipelines", FIVE_PIPELINES, [], "pipelines: List should have at most 4 items"),
+    (
+        "multiplex-cluster-unknown-key",
+        "kind: multiplex\npipelines:\n  - {kind: lm, cluster: {devices: 2, gpus: 2}}\n",
+        [],
+        "pipelines.0.cluster.gpus: Extra inputs are not permitted",
+    ),
+    (
+        "duplicate-key",
+        "train:\n  lr: 1e-3\n  steps: 3\n  lr: 1e-4\n",
+        [],
+        "bad.yaml:4:3: invalid YAML: duplicate key 'lr', also on line 2",
+    ),
+    ("duplicate-key-one-line", "train: {lr: 1e-3, lr: 1e-4}\n", [], "duplicate key 'lr'"),
+    (
+        "lm-temperature-underflow",
+        None,
+        ["kind=lm", "sampling.temperature=1e-300"],
+        "sampling.temperature: 1e-300 is below 1e-30",
+    ),
+    ("noise-level-underflow", None, ["sampling.noise_level=1e-300"], "sampling.noise_level"),
     ("devices-flag-zero", None, ["--devices", "0"], "--devices"),
     ("steps-flag-zero", None, ["--steps", "0"], "--steps"),
     ("policy-flag-empty", None, ["--policy", ""], "--policy"),
@@ -217,6 +247,207 @@ def merged(tree, changes):
     if isinstance(changes, list):
         return [merged(item, change) for item, change in zip(tree, changes)] + tree[len(changes) :]
     return changes
+
+
+@pytest.mark.parametrize(
+    ("base", "changes", "names"),
+    [
+        # what the run config refuses, a scenario refuses by the same rule
+        ("digen-flux-16", {"pipelines": [{"group": 1}]}, "pipelines.0.flow.group"),
+        ("digen-flux-16", {"pipelines": [{"name": ""}]}, "pipelines.0.flow.name"),
+        ("jigsaw-qwen3-4b-8xh100", {"pipelines": [{"group": 1}]}, "pipelines.0.llm.group"),
+        ("jigsaw-qwen3-4b-8xh100", {"pipelines": [{"length_bands": [0]}]}, "length_bands=[0, 2048, 4096] must be"),
+        ("jigsaw-qwen3-4b-8xh100", {"pipelines": [{"max_length": 4096}]}, "between 1 and max_length - 1 = 4095"),
+    ],
+)
+def test_a_scenario_is_held_to_the_run_config_s_rules(tmp_path, base, changes, names):
+    target = tmp_path / "bad.yaml"
+    target.write_text(yaml.safe_dump(merged(load_scenario(base).model_dump(mode="json"), changes)))
+    assert_one_line(runner.invoke(app, ["simulate", str(target), "--steps", "1"]), names)
+
+
+def test_the_run_config_refuses_what_the_scenario_refuses():
+    for override, field in (("algo.group_size=1", "algo.group_size"), ("name=''", "name")):
+        with pytest.raises(ConfigError, match=field):
+            load_config(None, ["kind=lm", override])
+
+
+@pytest.mark.parametrize(("flag", "several"), [("--gantt", False), ("--trace", True)])
+def test_a_directory_for_a_simulation_s_output_is_refused_and_nothing_is_written_beside_it(tmp_path, flag, several):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    policies = ["--policies", "colocated,digen"] if several else []
+    result = runner.invoke(app, ["simulate", "digen-flux-16", "--steps", "1", *policies, flag, str(folder)])
+    assert_one_line(result, f"{flag} {folder}: is a directory")
+    assert list(tmp_path.iterdir()) == [folder] and not any(folder.iterdir())
+
+
+def test_a_long_report_is_cut_with_a_count_of_the_rest(tmp_path):
+    text = "train:\n" + "".join(f"  unknown_{i}: 1\n" for i in range(80))
+    result, out = invoke_train(tmp_path, text, [], "--dry-run")
+    lines = result.stderr.splitlines()
+    assert result.exit_code == 2 and not out.exists()
+    assert lines[0] == "invalid config:" and len(lines) == 52, lines[:3]
+    assert lines[1].strip().startswith("train.unknown_0: Extra inputs") and lines[-1].strip() == "... and 30 more"
+
+
+# --- files a run reads: a checkpoint, a FIFO ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def fails_rather_than_hangs():
+    """Opening a FIFO for reading waits for a writer: a regression fails here after a while instead of hanging."""
+
+    def expire(signum, frame):
+        raise TimeoutError("blocked reading a FIFO")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def copied_checkpoint(tmp_path, name: str) -> Path:
+    directory = tmp_path / name
+    shutil.copytree(ASSETS / name, directory)
+    return directory
+
+
+WIDER_ALPHABET = json.dumps({"alphabet": DEFAULT_ALPHABET + "ABC"})
+
+
+@pytest.mark.parametrize(
+    ("file", "content", "names"),
+    [
+        ("tokenizer.json", "{}", "tokenizer.json is not a tokenizer: give the one saved with the model"),
+        ("tokenizer.json", "[]", "tokenizer.json is not a tokenizer"),
+        ("tokenizer.json", '{"alphabet": 5}', "tokenizer.json is not a tokenizer"),
+        ("tokenizer.json", "directory", "tokenizer.json: is a directory; give a file holding"),
+        ("tokenizer.json", "fifo", "tokenizer.json: not a regular file"),
+        ("tokenizer.json", None, "holds a model but no tokenizer.json: copy in what was saved with that model"),
+        ("tokenizer.json", WIDER_ALPHABET, "tokenizer.json has 56 tokens and the model"),
+        ("config.json", "fifo", "config.json: not a regular file"),
+        ("config.json", "sort -> arithmetic", "is a model of task 'arithmetic', not task=sort: set task=arithmetic"),
+    ],
+    ids=["empty", "list", "number", "directory", "fifo", "missing", "wider", "config-fifo", "other-task"],
+)
+def test_a_bad_lm_checkpoint_is_refused_by_the_reference_dry_run(
+    tmp_path, fails_rather_than_hangs, file, content, names
+):
+    """What the run would crash on (or hang on, or train the wrong model with) is refused before it starts, with a
+    fix that keeps the user's model: never `pretrain --out` over it."""
+    checkpoint = copied_checkpoint(tmp_path, "sort-lm")
+    target = checkpoint / file
+    if content == "sort -> arithmetic":
+        target.write_text(target.read_text().replace('"sort"', '"arithmetic"'))
+    elif content in ("directory", "fifo", None):
+        target.unlink()
+        {"directory": target.mkdir, "fifo": lambda: os.mkfifo(target), None: lambda: None}[content]()
+    else:
+        target.write_text(content)
+    before = sorted(p.name for p in checkpoint.iterdir())
+    result, out = invoke_train(tmp_path, None, ["kind=lm", f"model.checkpoint={checkpoint}"], "--dry-run")
+    assert_one_line(result, names)
+    assert f"--out {checkpoint}" not in result.stderr  # pretraining into it would overwrite the model
+    assert not out.exists() and sorted(p.name for p in checkpoint.iterdir()) == before
+
+
+def test_a_fifo_as_the_config_is_refused(tmp_path, fails_rather_than_hangs):
+    os.mkfifo(tmp_path / "config.yaml")
+    result = runner.invoke(app, ["train", str(tmp_path / "config.yaml"), "--dry-run", "--out", str(tmp_path / "run")])
+    assert_one_line(result, "config.yaml: not a regular file (a FIFO, socket or device); give a YAML file")
+
+
+@pytest.mark.parametrize(
+    ("arguments", "names"),
+    [
+        (["kind=lm", "sampling.max_new_tokens=120"], "exceed the model's context of 128 tokens"),
+        (["model.checkpoint={truncated}"], "cannot load {truncated}/model.safetensors"),
+    ],
+    ids=["lm-context", "flow-truncated"],
+)
+def test_the_reference_dry_run_checks_what_the_run_meets_as_it_starts(tmp_path, arguments, names):
+    truncated = copied_checkpoint(tmp_path, "digits-t2i")
+    weights = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    arguments = [argument.format(truncated=truncated) for argument in arguments]
+    result, out = invoke_train(tmp_path, None, [*arguments, "policy=reference"], "--dry-run")
+    assert_one_line(result, names.format(truncated=truncated))
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("arguments", "names"),
+    [
+        (["sampling.max_new_tokens=120"], "exceed the model's context of 128 tokens"),
+        (["model.checkpoint={wider}"], "tokenizer.json has 56 tokens and the model"),
+    ],
+    ids=["context", "wider-tokenizer"],
+)
+def test_the_run_refuses_what_the_dry_run_refuses_before_writing_anything(tmp_path, arguments, names):
+    wider = copied_checkpoint(tmp_path, "sort-lm")
+    (wider / "tokenizer.json").write_text(WIDER_ALPHABET)
+    arguments = [argument.format(wider=wider) for argument in arguments]
+    result, out = invoke_train(tmp_path, None, ["kind=lm", *arguments], "--steps", "1")
+    assert_one_line(result, names)
+    assert not out.exists()
+
+
+# --- simulate --from-run on a damaged run profile ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def run_profile() -> dict:
+    """A run profile as a 2-step colocated run of the digits model writes it (its measurements made up)."""
+    config = load_config(None, ["policy=colocated", "algo.prompts_per_step=2", "algo.group_size=2"])
+    prepared = prepare(config.scenario(2), config.policy, steps=2)
+    return {
+        "config": config.model_dump(mode="json"),
+        "steps": 2,
+        "shapes": {name: asdict(shape) for name, shape in prepared.setup.shapes.items()},
+        "node_seconds": {node.id: [0.01, [0]] for node in prepared.graph if node.cost_s > 0},
+        "switch_seconds": [0.001],
+        "calibration": {"digits": {}},
+        "measured_step_time_s": 0.5,
+    }
+
+
+def shape_with(profile: dict, **fields) -> dict:
+    return {"digits": profile["shapes"]["digits"] | fields}
+
+
+PROFILE_DAMAGE = {
+    "cut-short": (lambda p: json.dumps(p)[:100], "Invalid JSON"),
+    "no-shapes": (lambda p: {k: v for k, v in p.items() if k != "shapes"}, "shapes: Field required"),
+    "steps-a-string": (lambda p: p | {"steps": "2"}, "steps: Input should be a valid integer"),
+    "another-pipeline": (lambda p: p | {"shapes": {"other": p["shapes"]["digits"]}}, "shapes: pipelines ['other']"),
+    "shape-field-type": (lambda p: p | {"shapes": shape_with(p, fragments="x")}, "shapes.digits.fragments"),
+    "shape-unknown-field": (lambda p: p | {"shapes": shape_with(p, bogus=1)}, "shapes.digits.bogus"),
+    "calibration-unknown-field": (lambda p: p | {"calibration": {"digits": {"bogus": 1}}}, "calibration.digits.bogus"),
+    "calibration-type": (lambda p: p | {"calibration": {"digits": {"train_mfu": "x"}}}, "calibration.digits.train_mfu"),
+    "device-out-of-range": (
+        lambda p: p | {"node_seconds": {node: [0.01, [7]] for node in p["node_seconds"]}},
+        "devices [7] in a 2-device run",
+    ),
+    "no-step-time": (lambda p: p | {"measured_step_time_s": 0}, "measured_step_time_s: Input should be greater"),
+}
+
+
+def test_the_made_up_run_profile_replays(tmp_path, run_profile):
+    (tmp_path / "run_profile.json").write_text(json.dumps(run_profile))
+    result = runner.invoke(app, ["simulate", "--from-run", str(tmp_path)])
+    assert result.exit_code == 0 and "colocated over 2 steps" in result.stdout, result.output
+
+
+@pytest.mark.parametrize("damage", list(PROFILE_DAMAGE))
+def test_a_damaged_run_profile_is_one_line_naming_the_field(tmp_path, run_profile, damage):
+    damaged, names = PROFILE_DAMAGE[damage]
+    written = damaged(json.loads(json.dumps(run_profile)))
+    (tmp_path / "run_profile.json").write_text(written if isinstance(written, str) else json.dumps(written))
+    result = runner.invoke(app, ["simulate", "--from-run", str(tmp_path)])
+    assert_one_line(result, f"{tmp_path / 'run_profile.json'} is damaged (rerun `dovetail train`")
+    assert names in result.stderr, result.stderr
 
 
 # --- hypothesis: a valid tree with one node replaced by a bad value parses, or names its fields -----------------
@@ -391,6 +622,19 @@ def test_a_reward_module_the_allow_list_names_is_imported(monkeypatch, marking_r
         monkeypatch.setenv("DOVETAIL_REWARD_MODULES", allowed)
     assert load_config(None, ["reward.marking_reward:score=1"]).reward == {"marking_reward:score": 1.0}
     assert marking_reward.exists()
+
+
+def test_replaying_or_exporting_a_run_directory_imports_none_of_its_rewards(tmp_path, run_profile, marking_reward):
+    """Neither scores anything, so reading a run directory someone else wrote runs none of its code."""
+    run = tmp_path / "run"
+    run.mkdir()
+    foreign = run_profile | {"config": run_profile["config"] | {"reward": {"marking_reward:score": 1.0}}}
+    (run / "run_profile.json").write_text(json.dumps(foreign))
+    result = runner.invoke(app, ["simulate", "--from-run", str(run)])
+    assert result.exit_code == 0 and "colocated over 2 steps" in result.stdout, result.output
+    (run / "config.yaml").write_text(yaml.safe_dump(foreign["config"]))
+    assert_one_line(runner.invoke(app, ["export", str(run), str(tmp_path / "export")]), "trained no model.path")
+    assert not marking_reward.exists()
 
 
 @pytest.mark.parametrize(

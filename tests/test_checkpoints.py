@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from dovetail.cli import app
 from dovetail.config.train import load_config
 from dovetail.rewards import RewardError
-from dovetail.run_dir import BrokenCheckpoint, RunDir, RunDirInUse, load_checkpoint, seal
+from dovetail.run_dir import BrokenCheckpoint, NothingToTrain, RunDir, RunDirInUse, load_checkpoint, seal
 from dovetail.train import train
 
 FLOW = [
@@ -177,7 +177,12 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint_and_says_why(
     broken = damage_checkpoint(run, damage, sealed, step)
     broken_files = snapshot(broken)
     intact = 2 if step == STEPS else STEPS
-    summary = train(load_config(None, FLOW), run, steps=STEPS, resume=run)
+    if intact == STEPS:  # the newest intact checkpoint is the last step: nothing is left to train, nothing changes
+        with pytest.raises(NothingToTrain, match=f"^nothing left to train: {run} is at step {STEPS}; "):
+            train(load_config(None, FLOW), run, steps=STEPS, resume=run)
+        summary = json.loads((run / "summary.json").read_text())
+    else:
+        summary = train(load_config(None, FLOW), run, steps=STEPS, resume=run)
     said = [line for line in capsys.readouterr().err.splitlines() if str(broken) in line]
     assert len(said) == 1, said
     assert f"skipped broken checkpoint {broken}: " in said[0] and f"resuming from {step_dir(run, intact)}" in said[0]
@@ -188,8 +193,11 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint_and_says_why(
     assert summary["base_eval_reward"] == json.loads((pristine / "summary.json").read_text())["base_eval_reward"]
     # the older checkpoints are as they were, the broken one was moved aside as it was, not overwritten
     assert all(snapshot(step_dir(run, k)) == snapshot(step_dir(pristine, k)) for k in range(1, intact + 1))
-    (aside,) = (run / "superseded").glob(f"*/checkpoints/{broken.name}")
-    assert snapshot(aside) == broken_files
+    if intact == STEPS:  # a run with nothing to train leaves even the broken checkpoint where it was
+        assert snapshot(broken) == broken_files and not (run / "superseded").exists()
+    else:
+        (aside,) = (run / "superseded").glob(f"*/checkpoints/{broken.name}")
+        assert snapshot(aside) == broken_files
 
 
 @pytest.mark.parametrize(("damage", "sealed", "reason", "step"), CASES)

@@ -1,17 +1,18 @@
 """Configs fail early with the field's name; rewards fail loudly with the reward's and sample's name."""
 
 import re
-import threading
 import time
 
 import numpy as np
 import pytest
 from sklearn.datasets import load_digits
+from typer.testing import CliRunner
 
+from dovetail.cli import app
 from dovetail.config.train import ConfigError, load_config
 from dovetail.recipe import step_timesteps
 from dovetail.rewards import REWARDS, RewardError, score
-from dovetail.rewards.text import TEXT_REWARDS, score_text
+from dovetail.rewards.text import score_text
 
 
 def test_yaml_plus_dotted_overrides(tmp_path):
@@ -119,29 +120,74 @@ def test_raising_reward_is_wrapped_with_its_name(monkeypatch):
         score(np.zeros((1, 8, 8)), ["digit 0"], {"remote": 1.0})
 
 
-def test_a_reward_that_hangs_stops_at_the_timeout_naming_the_setting(monkeypatch):
-    released = threading.Event()
-
-    def hangs(samples, prompts):  # a request to a reward server that never answers
-        released.wait(60)
-        return np.zeros(len(samples))
-
-    monkeypatch.setitem(REWARDS, "server", hangs)
-    monkeypatch.setitem(TEXT_REWARDS, "server", hangs)
+def test_a_reward_that_hangs_stops_at_the_timeout_naming_the_setting():
+    name = "faulty_reward:waits"  # a request to a reward server that never answers
     start = time.perf_counter()
-    with pytest.raises(RewardError, match=r"^reward 'server' took longer than reward_timeout_s=0.2 s on 2 samples"):
-        score(np.zeros((2, 8, 8)), ["digit 0", "digit 1"], {"server": 1.0}, timeout_s=0.2)
-    with pytest.raises(RewardError, match=r"^reward 'server' took longer than reward_timeout_s=0.1 s on 1 samples"):
-        score_text(["1 2"], ["sort: 2 1"], {"server": 1.0}, timeout_s=0.1)
+    with pytest.raises(RewardError, match=rf"^reward '{name}' took longer than reward_timeout_s=0.2 s on 2 samples"):
+        score(np.zeros((2, 8, 8)), ["digit 0", "digit 1"], {name: 1.0}, timeout_s=0.2)
+    with pytest.raises(RewardError, match=rf"^reward '{name}' took longer than reward_timeout_s=0.1 s on 1 samples"):
+        score_text(["1 2"], ["sort: 2 1"], {name: 1.0}, timeout_s=0.1)
     assert time.perf_counter() - start < 5
-    released.set()
 
 
-def test_a_reward_within_its_time_scores_as_called_directly():
+@pytest.mark.parametrize(
+    ("name", "quick", "slow"),
+    [("faulty_reward:backtracks", "aaa", "a" * 27 + "b"), ("faulty_reward:powers", "3", str(2 * 10**7))],
+    ids=["regex", "big-integer"],
+)
+def test_a_reward_holding_the_gil_is_stopped_at_its_timeout_and_the_next_call_runs(name, quick, slow):
+    """The slow call is one call into C holding the GIL for many seconds: a thread's timeout would not even see it
+    pass, and the call would return its score."""
+    assert score_text([quick], ["sort ab:"], {name: 1.0})["total"].tolist() == [1.0]
+    start = time.perf_counter()
+    with pytest.raises(RewardError) as stopped:
+        score_text([slow], ["sort ab:"], {name: 1.0}, timeout_s=1)
+    assert time.perf_counter() - start < 3
+    assert str(stopped.value) == (
+        f"reward '{name}' took longer than reward_timeout_s=1 s on 1 samples and was stopped; make it faster, or raise "
+        "reward_timeout_s in the config"
+    )
+    assert score_text([quick], ["sort ab:"], {name: 1.0})["total"].tolist() == [1.0]  # in a new reward process
+
+
+@pytest.mark.parametrize(
+    ("name", "failure"),
+    [
+        ("faulty_reward:exits", "raised SystemExit: 0"),
+        ("faulty_reward:interrupts", "raised KeyboardInterrupt"),
+        ("faulty_reward:ends_its_process", r"ended its process \(exit code 3\); a reward must return its scores"),
+    ],
+)
+def test_a_reward_that_exits_or_interrupts_is_a_reward_failure_and_this_process_goes_on(name, failure):
+    with pytest.raises(RewardError, match=rf"^reward '{name}' {failure}"):
+        score(np.zeros((2, 8, 8)), ["digit 0", "digit 1"], {name: 1.0})
+    with pytest.raises(RewardError, match=rf"^reward '{name}' {failure}"):
+        score_text(["1", "2"], ["sort ab:", "sort ba:"], {name: 1.0})
+
+
+@pytest.mark.parametrize("exit_by", ["exits", "interrupts"])
+def test_a_run_whose_reward_exits_fails_in_one_line(exit_by, tmp_path):
+    """SystemExit(0) in a reward once ended `dovetail train` with exit code 0, and KeyboardInterrupt in one claimed
+    the user's Ctrl-C."""
+    lm = ["kind=lm", "task=sort", "algo.prompts_per_step=2", "algo.group_size=2", "eval.prompts=2"]
+    overrides = [*lm, "policy=reference", f"reward={{faulty_reward:{exit_by}: 1.0}}"]
+    result = CliRunner().invoke(app, ["train", *overrides, "--steps", "1", "--out", str(tmp_path)])
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
+    assert result.output.startswith(f"reward 'faulty_reward:{exit_by}' raised ")
+
+
+def test_a_reward_in_its_process_scores_as_called_directly(monkeypatch, tmp_path):
+    """A user's reward runs in the reward process and sees the caller's environment as it is at the call."""
     images = load_digits().images[:6] / 16.0
     prompts = [f"digit {d}" for d in load_digits().target[:6]]
-    scored = score(images, prompts, {"digit_match": 1.0}, timeout_s=60)["digit_match"]
-    assert np.array_equal(scored, REWARDS["digit_match"](images, prompts))
+    name, flag = "faulty_reward:nan_when_flagged", tmp_path / "nan"
+    monkeypatch.setenv("DOVETAIL_TEST_NAN_FLAG", str(flag))
+    assert np.array_equal(score(images, prompts, {name: 1.0})[name], REWARDS["digit_match"](images, prompts))
+    flag.touch()
+    with pytest.raises(RewardError, match=rf"^reward '{name}' returned nan for sample 1"):
+        score(images, prompts, {name: 1.0})
+    monkeypatch.setenv("DOVETAIL_TEST_NAN_FLAG", str(tmp_path / "elsewhere"))
+    assert np.array_equal(score(images, prompts, {name: 1.0})[name], REWARDS["digit_match"](images, prompts))
     with pytest.raises(ConfigError, match="reward_timeout_s"):
         load_config(None, ["reward_timeout_s=0"])
 

@@ -38,11 +38,12 @@ def test_a_wider_tail_engine_is_not_free():
     assert cost.decode(QWEN8B, [1024], [4096], devices=32) > cost.decode(QWEN8B, [1024], [4096], devices=8)
 
 
-def test_one_response_decodes_no_faster_on_more_devices():
-    """A single ~900-token response at TP 1 takes the same time on 4, 8 and 32 H100s (its engine is one device)."""
+def test_one_group_decodes_no_faster_on_more_devices():
+    """One group of two ~900-token responses at TP 1 takes the same time on 4, 8 and 32 H100s (a group decodes on
+    one engine, and the engine is one device)."""
     scenario = parse_scenario(
         {
-            "name": "one-response",
+            "name": "one-group",
             "cluster": {"device": "H100", "devices": 4},
             "pipelines": [
                 {
@@ -50,7 +51,7 @@ def test_one_response_decodes_no_faster_on_more_devices():
                     "name": "one",
                     "model": "Qwen3-4B",
                     "batch": 1,
-                    "group": 1,
+                    "group": 2,
                     "lengths": {"kind": "empirical", "values": [900]},
                     "max_length": 8192,
                 }
@@ -64,7 +65,7 @@ def test_one_response_decodes_no_faster_on_more_devices():
         prepared, trace = simulate(sized, "verl-sync")
         decode_nodes = {n.id for n in prepared.graph if n.kind == Kind.DECODE}
         decode_s[devices] = sum({s.node: s.end - s.start for s in trace.spans if s.node in decode_nodes}.values())
-    one_engine = CostModel("H100").decode(language_model("Qwen3-4B"), [256], [900])
+    one_engine = CostModel("H100").decode(language_model("Qwen3-4B"), [256, 256], [900, 900])
     assert decode_s[4] == pytest.approx(one_engine, rel=1e-9)
     assert decode_s[8] == pytest.approx(decode_s[4], rel=1e-9)
     assert decode_s[32] == pytest.approx(decode_s[4], rel=1e-9)

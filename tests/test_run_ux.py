@@ -19,7 +19,8 @@ import dovetail
 from dovetail.cli import app
 from dovetail.config.train import ConfigError, check_this_machine, load_config, ray_address
 from dovetail.exec import metrics as metrics_module
-from dovetail.run_dir import RunDir
+from dovetail.run_dir import RunDir, load_checkpoint
+from dovetail.train import FlowLocal
 
 FAST = ["algo.prompts_per_step=4", "algo.group_size=4", "sampling.num_steps=6", "eval.per_digit=2"]
 STEP_LINE = re.compile(
@@ -131,6 +132,41 @@ def test_a_runtime_error_is_one_line_naming_cause_and_fix_with_the_traceback_in_
     )
     log = (out / "error.log").read_text()
     assert log.startswith("Traceback") and "disk_fills_at_step_2" in log and "OSError" in log
+
+
+def disk_usage(directory: Path) -> int:
+    """Bytes `directory`'s files take on a tmpfs (whole pages), its directories' entries included."""
+    page = 4096
+    return sum(-(-p.stat().st_size // page) * page if p.is_file() else page for p in directory.rglob("*"))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_real_full_disk_while_saving_is_one_line_and_keeps_the_previous_checkpoint(tmp_path):
+    """A tmpfs with room for the run after step 1 and half a checkpoint more: step 2's save runs out of space. One
+    line with the disk advice (the traceback too finds room once the partial checkpoint is removed), exit 1, step 1
+    intact and resumable, nothing partial left."""
+    overrides = [*FAST, "checkpoint.every=1", "eval.every=100"]
+    sizing = tmp_path / "sizing"
+    assert CliRunner().invoke(app, ["train", *overrides, "--steps", "1", "--out", str(sizing)]).exit_code == 0
+    checkpoint = disk_usage(sizing / "checkpoints")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    size = disk_usage(sizing) + checkpoint // 2
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)], check=True)
+    try:
+        out = disk / "run"
+        result = CliRunner().invoke(app, ["train", *overrides, "--steps", "3", "--out", str(out)])
+        assert result.exit_code == 1, result.output
+        (line,) = [line for line in result.output.splitlines() if not STEP_LINE.fullmatch(line)]
+        assert (
+            line.startswith("no space left on the device (") and "free space, or give an --out on another disk" in line
+        )
+        assert f"--resume {out}`" in line
+        assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000001"]
+        local = FlowLocal(load_config(None, overrides))
+        assert load_checkpoint(out, local.model, local.optimizer)["step"] == 1  # the manifest and every file check
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)  # lazy: a failed write may hold a file open
 
 
 def documented_names() -> list[re.Pattern]:
@@ -304,3 +340,18 @@ def test_ctrl_c_under_a_ray_policy_saves_the_committed_weights_of_its_last_step(
     ours = load_file(saved / "model.safetensors")
     reference = load_file(tmp_path / "reference" / "checkpoints" / saved.name / "model.safetensors")
     assert max((ours[k] - reference[k]).abs().max().item() for k in reference) <= 1e-5
+
+
+@pytest.mark.parametrize("dataset", ["sort", "digits"])
+def test_pretrain_never_replaces_a_model_without_overwrite(dataset, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text("{}")
+    result = CliRunner().invoke(app, ["pretrain", dataset, "--out", str(mine), "--steps", "1"])
+    assert result.exit_code == 2
+    assert (
+        result.output.strip() == f"--out {mine} already holds a model: give another --out, or --overwrite to replace it"
+    )
+    assert [p.name for p in mine.iterdir()] == ["config.json"] and (mine / "config.json").read_text() == "{}"
+    shipped = CliRunner().invoke(app, ["pretrain", dataset, "--steps", "1"])  # the shipped base model is a model too
+    assert shipped.exit_code == 2 and "--overwrite" in shipped.output

@@ -5,6 +5,7 @@ repeating a sample, stop cleanly on a NaN reward, and be predicted by the simula
 import ipaddress
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,12 +13,14 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from conftest import train_until_the_reward_breaks
 from safetensors.torch import load_file
 
 from dovetail.config.train import DEFAULT_CHECKPOINT, load_config
 from dovetail.exec.messages import FlowTrain
 from dovetail.exec.replay import replay_run
 from dovetail.rewards import RewardError
+from dovetail.sched import policy_class
 from dovetail.train import train
 
 STEPS = 3
@@ -51,7 +54,9 @@ def reference_run(tmp_path_factory) -> Path:
 @pytest.mark.parametrize(
     "policy, overrides",
     [
-        ("digen", ["runtime.fragments=4", "runtime.tsp_chunk=5", "runtime.tag=force"]),
+        pytest.param(
+            "digen", ["runtime.fragments=4", "runtime.tsp_chunk=5", "runtime.tag=force"], marks=pytest.mark.exactness
+        ),
         ("colocated", []),
         ("disaggregated", []),
     ],
@@ -223,6 +228,27 @@ def test_nan_reward_stops_with_a_checkpoint_and_the_run_resumes(local_ray, tmp_p
     summary = train(config, tmp_path / "run", steps=STEPS, resume=tmp_path / "run")
     assert summary["steps"] == STEPS
     assert (tmp_path / "run/checkpoints/step_000003/model.safetensors").exists()
+
+
+@pytest.mark.parametrize("policy", ["colocated", "disaggregated", "digen"])
+def test_a_reward_failing_mid_run_stops_every_policy_saved_at_its_last_commit_in_one_line(local_ray, policy, tmp_path):
+    """The reward turns NaN once step 0 is committed. The run is long enough that a step which cannot open before
+    that commit (its staleness bound + 1) scores after it, and that the policy has steps left to open once the
+    pipeline stopped, which it must not. Whichever step fails, the run stops at the last committed one, saved, and
+    says so in one line."""
+    flag = local_ray
+    steps = policy_class(policy).max_staleness + 3
+    small = ["algo.prompts_per_step=4", "algo.group_size=4", "eval.per_digit=1", "runtime.profile_samples=8"]
+    config = load_config(None, COMMON + small + [f"policy={policy}", "reward={faulty_reward:nan_when_flagged: 1.0}"])
+    saved, committed, message = train_until_the_reward_breaks(flag, config, "digits", steps, tmp_path)
+    assert saved == f"step_{committed:06d}" and 1 <= committed < steps
+    run = re.escape(str(tmp_path))
+    assert re.fullmatch(
+        r"reward 'faulty_reward:nan_when_flagged' returned nan for sample 1 \(prompt 'digit \d'\); pipeline digits "
+        rf"stopped, its last committed step is saved in {run}/checkpoints/{saved}: fix the reward and resume "
+        rf"with `dovetail train {run}/config.yaml --resume {run}`",
+        message,
+    )
 
 
 def test_tcss_trains_stale_samples_with_the_decoupled_correction_and_the_reward_rises(tmp_path):

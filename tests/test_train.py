@@ -21,15 +21,6 @@ def test_flow_grpo_raises_the_eval_reward(tmp_path):
     assert summary["final_eval_reward"] >= summary["base_eval_reward"] + 0.1, summary
 
 
-def test_dance_grpo_raises_the_eval_reward(tmp_path):
-    config = load_config(
-        None, ["algorithm=dance_grpo", "algo.timestep_fraction=0.6", "eval.every=100", "checkpoint.every=100"]
-    )
-    assert config.sde_kind == "dance_grpo" and config.timestep_mode == "random" and config.shared_group_noise
-    summary = train(config, tmp_path, steps=30)
-    assert summary["final_eval_reward"] >= summary["base_eval_reward"] + 0.1, summary
-
-
 def test_run_directory_holds_what_the_user_needs(tmp_path):
     config = load_config(None, FAST + ["eval.every=2", "checkpoint.every=2"])
     summary = train(config, tmp_path, steps=3)

@@ -4,6 +4,7 @@ Ray policy to the same parameters, with and without LoRA; prompts come from file
 diffusers' and peft's `from_pretrained` load back."""
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -119,13 +120,16 @@ def tiny_sd3_pipeline(directory: Path) -> Path:
     return directory / "pipeline"
 
 
-SCORED: list[list[str]] = []
-"""The prompts of each call of `colour_match` in this process (the reference loop's)."""
+SCORED = "DOVETAIL_TEST_SCORED"
+"""The file where `colour_match` appends the prompts of each call, one JSON line each, when this is set: a user's
+reward runs in a process of its own."""
 
 
 def colour_match(images: np.ndarray, prompts) -> np.ndarray:
     """A user's reward of images and prompts: the mean of the colour channel the prompt names, less the others'."""
-    SCORED.append(list(prompts))
+    if SCORED in os.environ:
+        with open(os.environ[SCORED], "a") as calls:
+            calls.write(json.dumps(list(prompts)) + "\n")
     channel = [0 if "red" in p else 2 if "blue" in p else 1 for p in prompts]
     means = images.reshape(len(images), -1, 3).mean(axis=1)
     return np.array([2 * m[c] - m.sum() + m[c] for m, c in zip(means, channel)])
@@ -356,13 +360,14 @@ def test_a_prompts_file_that_cannot_give_prompts_is_one_line_naming_it(overrides
 
 
 def test_the_reward_scores_the_steps_prompts_from_the_train_split_and_evaluates_the_eval_split(
-    pipeline_dir, prompts_file, tmp_path
+    pipeline_dir, prompts_file, tmp_path, monkeypatch
 ):
     config = load_config(None, small(pipeline_dir, prompts_file, "policy=reference"))
     split = prompt_split(config)
-    SCORED.clear()
-    train(config, tmp_path, steps=STEPS)
-    base_eval, *steps, final_eval = SCORED
+    calls = tmp_path / "scored.jsonl"
+    monkeypatch.setenv(SCORED, str(calls))
+    train(config, tmp_path / "run", steps=STEPS)
+    base_eval, *steps, final_eval = [json.loads(line) for line in calls.read_text().splitlines()]
     assert base_eval == final_eval == list(split.eval[:2])  # prompts.eval_prompts=2, eval.per_digit=1
     for step, scored in enumerate(steps):
         drawn = step_prompts(config.seed, step, 2, split.train)

@@ -26,12 +26,14 @@ from pydantic import (
     StringConstraints,
     Tag,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from dovetail.cost.catalog import device, diffusion_model
-from dovetail.graph.spec import MAX_DEVICES, MAX_SAMPLES
+from dovetail.files import read_text
+from dovetail.graph.spec import MAX_DEVICES, MAX_SAMPLES, GroupSize, PipelineName, check_length_bands
 from dovetail.rewards import REWARD_TIMEOUT_S, check_reward_names
 from dovetail.rewards.text import text_reward_fn
 from dovetail.scenario import (
@@ -175,8 +177,8 @@ def _is_dir(path: Path) -> bool:
 
 def _json_or_empty(path: Path) -> dict:
     try:
-        loaded = json.loads(path.read_text())
-    except (OSError, ValueError):
+        loaded = json.loads(read_text(path, "a JSON file"))
+    except ValueError:
         return {}
     return loaded if isinstance(loaded, dict) else {}
 
@@ -204,14 +206,20 @@ def diffusers_layout_problem(path: Path) -> str | None:
     return None
 
 
+MIN_NOISE_LEVEL = 1e-4
+"""The least SDE noise level: a step's noise is the level times a schedule factor down to ~1e-3 (1000 steps, near
+sigma 0), and below ~1e-7 of a latent it vanishes in fp32 rounding: the SDE then samples the ODE and GRPO trains
+nothing (at 1e-12 on the digits model), and near 1e-30 its variance underflows and the log-probs are NaN."""
+
+
 class SamplingSection(Section):
     num_steps: int = Field(10, ge=2, le=1000, description="denoising steps K")
     noise_level: float | None = Field(
         None,
-        gt=0,
+        ge=MIN_NOISE_LEVEL,
         le=10,
         description="SDE noise: a of Flow-GRPO (default 1.0), constant eta of DanceGRPO (default 0.5); beyond a "
-        "few the samples are noise, and at most 10 the SDE's arithmetic stays finite",
+        f"few the samples are noise, and from {MIN_NOISE_LEVEL:g} to 10 the SDE's arithmetic stays finite",
     )
     sde_kind: Literal["flow_grpo", "cps"] = Field("flow_grpo", description="SDE of algorithm flow_grpo")
     shift: float = Field(
@@ -230,7 +238,7 @@ COMPAT_PRESETS = ("dovetail", "flow_grpo", "flow_grpo_fast", "dance_grpo", "verl
 
 class AlgoSection(Section):
     prompts_per_step: int = Field(8, ge=1, le=MAX_PER_STEP, description="B: prompts per step")
-    group_size: int = Field(8, ge=2, le=MAX_PER_STEP, description="G: samples per prompt")
+    group_size: GroupSize = Field(8, le=MAX_PER_STEP, description="G: samples per prompt")
     timestep_fraction: float = Field(0.5, gt=0, le=1, description="share of the K-1 trainable steps trained")
     clip_range: float = Field(1e-4, gt=0, le=1, description="PPO clip of the ratio: 1 +- clip_range")
     beta: float = Field(0.0, ge=0, le=100, description="weight of the KL to the base model")
@@ -458,15 +466,17 @@ TRACKERS = ("console", "tensorboard", "wandb", "mlflow")
 MULTIPLEXING_POLICIES = ("jigsaw", "jigsaw-greedy")
 """Policies that fit several pipelines' sub-stages together on one pool; either runs a pipeline alone too."""
 
+MAX_PIPELINES = 4
+"""Pipelines one run may multiplex. Each has a worker process of its own on every device, so pipelines share a
+device the way JigsawRL's share a GPU (on a CPU core, the processes split its time; on a GPU, MPS shares), and
+each such worker takes this fraction of the device's Ray resource (`exec.launch`)."""
+
 
 class RunSection(Section):
     """What every pipeline's run config has: a name, a seed, the optimizer loop, checkpoints, the cluster."""
 
-    name: str | None = Field(
-        None,
-        pattern=r"^[A-Za-z0-9_-]+$",
-        max_length=64,
-        description="the pipeline's name (node ids, run sub-directory, trace colour); None: the task, or 'digits'",
+    name: PipelineName | None = Field(
+        None, description="the pipeline's name (node ids, run sub-directory, trace colour); None: the task, or 'digits'"
     )
     priority: float = Field(1.0, gt=0, le=1000, description="weight of this pipeline's step latency when multiplexed")
     reward_timeout_s: float = Field(
@@ -518,8 +528,9 @@ class FlowTrainConfig(RunSection):
 
     @field_validator("reward")
     @classmethod
-    def _known_rewards(cls, weights: dict[str, float]) -> dict[str, float]:
-        check_reward_names(weights)
+    def _known_rewards(cls, weights: dict[str, float], info: ValidationInfo) -> dict[str, float]:
+        if _imports_rewards(info):
+            check_reward_names(weights)
         if not weights:
             raise ValueError("name at least one reward, e.g. reward.digit_match=1.0")
         return weights
@@ -729,6 +740,12 @@ class LMModelSection(Section):
     )
 
 
+MIN_TEMPERATURE = 1e-30
+"""The least sampling temperature: the trainer divides its fp32 logits by it, and below fp32's smallest normal number
+(1.2e-38) every quotient is infinite and the log-probs NaN (the next step then samples from NaN weights); 1e-30
+keeps logits up to 3e8 finite. So small a temperature samples greedily, as a tiny top_p does."""
+
+
 class LMSamplingSection(Section):
     temperature: float = Field(1.0, gt=0, le=100, description="beyond 100 every token is as likely")
     top_p: float = Field(1.0, gt=0, le=1)
@@ -736,10 +753,20 @@ class LMSamplingSection(Section):
         None, ge=1, le=4096, description="None: the task's longest ideal completion + a margin"
     )
 
+    @field_validator("temperature")
+    @classmethod
+    def _fp32_safe(cls, temperature: float) -> float:
+        if temperature < MIN_TEMPERATURE:
+            raise ValueError(
+                f"{temperature:g} is below {MIN_TEMPERATURE:g}, where the trainer's fp32 logits / temperature "
+                "overflow; for greedy decoding set sampling.top_p=1e-6"
+            )
+        return temperature
+
 
 class LMAlgoSection(Section):
     prompts_per_step: int = Field(16, ge=1, le=MAX_PER_STEP, description="B: prompts per step")
-    group_size: int = Field(8, ge=2, le=MAX_PER_STEP, description="G: responses per prompt")
+    group_size: GroupSize = Field(8, le=MAX_PER_STEP, description="G: responses per prompt")
     micro_batches: int = Field(
         2, ge=1, le=MAX_PER_STEP, description="train micro-batches per step (whole prompt groups each)"
     )
@@ -801,12 +828,13 @@ class LMTrainConfig(RunSection):
 
     @field_validator("reward")
     @classmethod
-    def _known_text_rewards(cls, weights: dict[str, float] | None) -> dict[str, float] | None:
+    def _known_text_rewards(cls, weights: dict[str, float] | None, info: ValidationInfo) -> dict[str, float] | None:
         if weights is not None:
             if not weights:
                 raise ValueError("name at least one reward, e.g. reward.exact_answer=1.0, or leave it unset")
-            for name in weights:
-                text_reward_fn(name)
+            if _imports_rewards(info):
+                for name in weights:
+                    text_reward_fn(name)
         return weights
 
     @model_validator(mode="after")
@@ -817,19 +845,22 @@ class LMTrainConfig(RunSection):
                 f"algo.micro_batches={algo.micro_batches} must divide algo.prompts_per_step={algo.prompts_per_step}"
             )
         check_pools(self.cluster.devices, runtime.trainer_devices, 0, "runtime")
-        bands = runtime.length_bands
-        if bands != sorted(set(bands)) or (bands and not 0 < bands[0] <= bands[-1] < self.max_new_tokens):
-            raise ValueError(
-                f"runtime.length_bands={bands} must be strictly ascending token counts between 1 and "
-                f"max_new_tokens - 1 = {self.max_new_tokens - 1}"
-            )
+        check_length_bands(runtime.length_bands, self.max_new_tokens, "runtime.length_bands", "max_new_tokens")
         return self
 
     @model_validator(mode="after")
     def _task_base_model(self) -> "LMTrainConfig":
-        """No checkpoint given: the task's shipped base model."""
+        """No checkpoint given: the task's shipped base model. A checkpoint whose config.json names another task is
+        refused: a model reads only the prompts of the task it learned (`models.lm.LMConfig.task`)."""
         if self.model.checkpoint is None:
             self.model.checkpoint = PACKAGE_ROOT / "assets" / f"{self.task}-lm"
+        learned = _json_or_empty(self.model.checkpoint / "config.json").get("task")
+        if isinstance(learned, str) and learned != self.task:
+            raise ValueError(
+                f"model.checkpoint={clip(str(self.model.checkpoint))} is a model of task {clip(repr(learned))}, not "
+                f"task={self.task}: set task={clip(learned)}, or give a {self.task} model (`dovetail pretrain "
+                f"{self.task} --out NEW_DIR` makes one)"
+            )
         return self
 
     @property
@@ -903,7 +934,9 @@ class MultiplexConfig(Section):
     policy: Literal[MULTIPLEXING_POLICIES] = "jigsaw"
     train: MultiplexTrainSection = MultiplexTrainSection()
     cluster: ClusterSection = ClusterSection()
-    pipelines: list[PipelineConfig] = Field(min_length=1, max_length=16)
+    pipelines: list[PipelineConfig] = Field(
+        min_length=1, max_length=MAX_PIPELINES, description="the pipelines; split more over several runs"
+    )
 
     @model_validator(mode="after")
     def _names_unique(self) -> "MultiplexConfig":
@@ -994,8 +1027,9 @@ def apply_override(tree: dict[str, Any], override: str) -> None:
         raise ConfigError(str(error)) from None
 
 
-def load_config(path: Path | str | None = None, overrides: list[str] = ()) -> TrainConfig:
-    """The run config of a YAML file (None, or an empty file: the defaults) with dotted overrides applied."""
+def load_config(path: Path | str | None = None, overrides: list[str] = (), *, rewards: bool = True) -> TrainConfig:
+    """The run config of a YAML file (None, or an empty file: the defaults) with dotted overrides applied; `rewards`
+    as `parse_config`'s."""
     tree: Any = {}
     if path is not None:
         try:
@@ -1010,11 +1044,13 @@ def load_config(path: Path | str | None = None, overrides: list[str] = ()) -> Tr
             )
     for override in overrides:
         apply_override(tree, override)
-    return parse_config(tree)
+    return parse_config(tree, rewards=rewards)
 
 
-def parse_config(tree: Any) -> TrainConfig:
-    """A config tree (YAML's, or `model_dump(mode="json")`'s) as the run config of its `kind`."""
+def parse_config(tree: Any, *, rewards: bool = True) -> TrainConfig:
+    """A config tree (YAML's, or `model_dump(mode="json")`'s) as the run config of its `kind`. `rewards=False`: its
+    rewards are not looked up, so a custom one's module is not imported; for a run directory's config read to replay
+    or export what it trained (neither scores anything), which thereby runs none of its writer's code."""
     if not isinstance(tree, dict):
         raise _invalid(f"a config is a mapping of sections, got {type(tree).__name__}")
     kinds = {"flow": FlowTrainConfig, "lm": LMTrainConfig, "multiplex": MultiplexConfig}
@@ -1024,9 +1060,15 @@ def parse_config(tree: Any) -> TrainConfig:
     if kind == "multiplex":
         tree = _multiplexed(tree)
     try:
-        return kinds[kind].model_validate(tree)
+        return kinds[kind].model_validate(tree, context={"rewards": rewards})
     except ValidationError as error:
         raise _invalid(*problem_lines(error, hidden=("flow", "lm"))) from None
+
+
+def _imports_rewards(info: ValidationInfo) -> bool:
+    """Whether a config's rewards are looked up (and a custom one's module imported) as it is read: `parse_config`'s
+    `rewards`."""
+    return (info.context or {}).get("rewards", True)
 
 
 RUN_WIDE = {"policy": "policy", "cluster": "cluster", "train.steps": "train.steps"}
@@ -1043,6 +1085,7 @@ def _multiplexed(tree: dict) -> dict:
         "cluster": tree.get("cluster", {}),
         "train.steps": train.get("steps", MultiplexTrainSection().steps),
     }
+    cluster = _cluster(run["cluster"], "cluster")
     entries = tree.get("pipelines")
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         raise _invalid("pipelines: a list of pipeline configs (mappings, each kind flow or lm)")
@@ -1053,7 +1096,12 @@ def _multiplexed(tree: dict) -> dict:
             section, _, leaf = field.partition(".")
             holder = entry["train"] if leaf else entry
             key = leaf or section
-            if key in holder and holder[key] != value and not (key == "cluster" and _same_cluster(holder[key], value)):
+            differs = key in holder and (
+                _cluster(holder[key], f"pipelines.{index}.cluster") != cluster
+                if key == "cluster"
+                else holder[key] != value
+            )
+            if differs:
                 raise _invalid(
                     f"pipelines.{index}.{field}: a multiplexed pipeline takes the run's {field} "
                     f"({clip(repr(value))}); set it at the top of the config"
@@ -1071,11 +1119,13 @@ def _section(tree: dict, key: str, field: str) -> dict:
     return section
 
 
-def _same_cluster(a, b) -> bool:
+def _cluster(section: Any, field: str) -> ClusterSection:
+    """A cluster section validated alone (an entry's may only repeat the run's, defaults filled in): what is wrong in
+    it is named under `field`, not reported as a mismatch."""
     try:
-        return ClusterSection.model_validate(a) == ClusterSection.model_validate(b)
-    except ValidationError:
-        return False
+        return ClusterSection.model_validate(section)
+    except ValidationError as error:
+        raise _invalid(*problem_lines(error, within=(field,))) from None
 
 
 def ray_address(cluster: ClusterSection) -> str | None:

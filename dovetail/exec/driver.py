@@ -143,16 +143,15 @@ def train_on_ray(
 
 def save_stopped(executor: RayExecutor, name: str, logs: dict, first_step: int) -> str:
     """Save a pipeline whose reward failed at its last committed step, where its run ends; returns what to tell the
-    user (a multiplexed pipeline resumes alone, from the config in its sub-directory)."""
+    user, in one line (a multiplexed pipeline resumes alone, from the config in its sub-directory)."""
     log = logs[name]
     done = first_step + executor.committed_steps(name)
     load_trainer_state(log.model, log.optimizer, executor.committed_state(name))
     checkpoint = log.checkpoint(done, {"policy": log.config.policy, "version": done})
     log.last_step = done
-    alone = f"{log.run.path / 'config.yaml'} " if len(logs) > 1 else ""
     return (
         f"{executor.stopped[name]}; pipeline {name} stopped, its last committed step is saved in {checkpoint}: "
-        f"fix the reward and resume with `dovetail train {alone}--resume {log.run.path}`"
+        f"fix the reward and resume with `dovetail train {log.run.path / 'config.yaml'} --resume {log.run.path}`"
     )
 
 

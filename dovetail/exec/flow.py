@@ -46,7 +46,6 @@ from dovetail.graph.node import Kind, Node, Role, SampleId
 from dovetail.models import sampling
 from dovetail.models.diffusers_flow import check_prompt_table, load_decoder, load_flow_model
 from dovetail.models.flow_rl import accumulate_policy_gradient, commit, generate, recompute_log_probs, step_prompts
-from dovetail.models.t2i import checkpoint_weights
 from dovetail.prompts import prompt_split, train_prompts
 from dovetail.recipe import advantages_of, make_optimizer, policy_gradient, sample_timesteps, sde_settings, sde_steps
 from dovetail.rewards import load_rewards, score
@@ -346,9 +345,12 @@ def fitted_cost(config: FlowTrainConfig, scenario: Scenario, measured: dict[str,
 
 
 def check_checkpoint(config: FlowTrainConfig) -> None:
-    """The model and prompts a run would load (a diffusers directory's layout the config has checked)."""
+    """What every run meets as it starts, whatever its policy (the dry run's check): the built-in model loads, as
+    the run loads it (a truncated or foreign file fails here), and the prompts split. A diffusers directory's layout
+    the config has checked, and its prompt table is checked here; its model is not loaded (a dry run plans a GPU
+    cluster from a laptop)."""
     if config.model.path is None:
-        checkpoint_weights(config.model.checkpoint)
+        load_flow_model(config)
     prompt_split(config)
     if config.model.path is not None:
         check_prompt_table(config)

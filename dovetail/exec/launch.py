@@ -4,8 +4,12 @@ corrected by a profile of those devices, the policy's graph, and the RayExecutor
 from __future__ import annotations
 
 import pickle
+import signal
 import statistics
+import subprocess
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import ray
@@ -15,7 +19,7 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from dovetail.config.train import TrainConfig, pipeline_configs, ray_address
+from dovetail.config.train import MAX_PIPELINES, TrainConfig, pipeline_configs, ray_address
 from dovetail.cost.catalog import DEVICES, device
 from dovetail.cost.model import CostModel
 from dovetail.exec.interference import measure_interference
@@ -23,6 +27,7 @@ from dovetail.exec.metrics import summarize
 from dovetail.exec.pipeline import Ledger, pipeline_module
 from dovetail.exec.ray_executor import PipelineRun, RayExecutor
 from dovetail.exec.recovery import RECOVERY_DEADLINE_S, revive
+from dovetail.exec.watchdog import remove_stale_group_files, start_watchdog
 from dovetail.exec.worker import DEVICE_RESOURCE, LOOPBACK, DeviceWorker, WorkerRestarted
 from dovetail.scenario import Prepared, Scenario, prepare, simulate
 
@@ -47,10 +52,11 @@ def start_ray(config: TrainConfig) -> None:
     (resource,) = device_bundle(config)
     if not ray.is_initialized():
         address = ray_address(config.cluster)
-        if address:
-            ray.init(address=address)
-        else:
-            start_local_ray(config.cluster.devices if resource == DEVICE_RESOURCE else None)
+        with signal_handler_kept(signal.SIGTERM):
+            if address:
+                ray.init(address=address)
+            else:
+                start_local_ray(config.cluster.devices if resource == DEVICE_RESOURCE else None)
     available = ray.cluster_resources().get(resource, 0)
     if available < config.cluster.devices:
         fix = (
@@ -64,16 +70,36 @@ def start_ray(config: TrainConfig) -> None:
         )
 
 
+@contextmanager
+def signal_handler_kept(signum: int):
+    """`ray.init` makes a driver's `signum` handler exit at once: the run's own (`train.Interrupt`: save the step in
+    flight, then stop) stays in place."""
+    previous = signal.getsignal(signum)
+    try:
+        yield
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signum, previous)
+
+
+_WATCHDOG: list[subprocess.Popen] = []
+"""This process's watchdog (`exec.watchdog`), started with its first local Ray instance; held for the life of the
+process, whose end it watches."""
+
+
 def start_local_ray(cpu_devices: int | None) -> None:
     """Our own Ray instance, never one already running on this machine (Ray's current-cluster file would join it),
     with every server on loopback: nothing of a local run is reachable from the network. Ray takes a loopback node
     address for the machine's own (so that other nodes could reach it) unless it runs as a single-machine instance,
     which is what its `ENABLE_RAY_CLUSTER` switch says while the node starts. `cpu_devices`: the CPU cores offered as
-    devices (None on GPUs, which Ray finds itself)."""
+    devices (None on GPUs, which Ray finds itself). Its processes die with this one (`exec.watchdog`)."""
     options = {"address": "local", "_node_ip_address": LOOPBACK, "num_cpus": 1}
     options |= {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
     if cpu_devices is not None:
         options["resources"] = {DEVICE_RESOURCE: cpu_devices}
+    remove_stale_group_files()
+    if not _WATCHDOG:
+        _WATCHDOG.append(start_watchdog())
     cluster_mode = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False
     try:
@@ -84,10 +110,6 @@ def start_local_ray(cpu_devices: int | None) -> None:
 
 STARTUP_ATTEMPTS = 3
 """Start-up profiles tried before a run gives up on workers that keep dying."""
-MAX_PIPELINES = 4
-"""Pipelines one run may multiplex. Each has a worker process of its own on every device, so pipelines share a
-device the way JigsawRL's share a GPU (on a CPU core, the processes split its time; on a GPU, MPS shares), and
-each such worker takes this fraction of the device's Ray resource."""
 
 
 @dataclass
@@ -142,9 +164,8 @@ class Started:
 
 def start_workers(config: TrainConfig, trainer_states: dict[str, dict]) -> dict[str, Started]:
     """Each pipeline's DeviceWorkers (one per device, in its own process), configured for this run and holding the
-    pipeline's `trainer_states[name]` (weights + optimizer), each pipeline's workers one torch.distributed group."""
-    if len(trainer_states) > MAX_PIPELINES:
-        raise ValueError(f"pipelines: at most {MAX_PIPELINES} pipelines share a pool, got {len(trainer_states)}")
+    pipeline's `trainer_states[name]` (weights + optimizer), each pipeline's workers one torch.distributed group
+    (at most config.MAX_PIPELINES of them: the config holds the limit)."""
     started = {}
     for slot, (name, pipeline) in enumerate(pipeline_configs(config).items()):
         workers = _workers(config, slot)

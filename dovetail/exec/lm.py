@@ -45,6 +45,7 @@ from dovetail.exec.pipeline import (
     Part,
     PipelineAdapter,
     PipelineEngines,
+    set_summed_gradient,
     synchronize,
     tensors_of,
     trainer_state_of,
@@ -55,7 +56,7 @@ from dovetail.graph.node import Kind, Node, Role, SampleId
 from dovetail.models.engine import Request, SamplingParams, TorchEngine
 from dovetail.models.flow_rl import commit
 from dovetail.models.lm import load_lm, load_tokenizer, read_lm_config
-from dovetail.models.lm_rl import response_log_probs
+from dovetail.models.lm_rl import accumulate_group_gradients, by_group, group_log_probs, response_log_probs
 from dovetail.recipe import make_optimizer
 from dovetail.rewards.text import score_text
 from dovetail.scenario import Scenario, prepare
@@ -164,9 +165,14 @@ class LMEngines(PipelineEngines):
         if isinstance(work, LMLogProbs):
             chosen = self._select(work.rollouts, work.samples)
             model = self.reference if work.reference else self.trainer
-            with torch.no_grad():
-                log_probs, mask = self._log_probs(model, list(chosen.values()))
-            return LogProbs(list(chosen), [row[m].cpu().numpy() for row, m in zip(log_probs, mask)])
+            rows = group_log_probs(
+                model,
+                list(chosen),
+                lambda s: chosen[s].prompt,
+                lambda s: chosen[s].tokens,
+                self.config.sampling.temperature,
+            )
+            return LogProbs(list(chosen), [rows[s].cpu().numpy() for s in chosen])
         if isinstance(work, LMTrain):
             return self._train(work)
         raise TypeError(f"language-model engines cannot do {type(work).__name__}")
@@ -177,67 +183,79 @@ class LMEngines(PipelineEngines):
             return Scores([], {name: np.zeros(0) for name in [*self.config.rewards, "total"]})
         if isinstance(work, LMLogProbs):
             return LogProbs([], [])
-        stats = dict.fromkeys([*STAT_MEANS, "tokens", "loss"], 0.0) | {"ratio_min": np.inf, "ratio_max": -np.inf}
-        return Trained([], [0], stats, 0.0)
+        self._gradient, _ = accumulate_group_gradients(self.trainer, [], lambda group: None)
+        return Trained([], [0], merged_stats([]), 0.0)
 
     def _select(self, rollouts: list, samples: list | None) -> dict[SampleId, Request]:
         requests = requests_of(self.fetch(rollouts))
         return requests if samples is None else {SampleId(*s): requests[SampleId(*s)] for s in samples}
 
-    def _log_probs(self, model, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
-        prompts = [r.prompt for r in requests]
-        responses = [r.tokens for r in requests]
-        return response_log_probs(model, prompts, responses, self.config.sampling.temperature)
-
     def _train(self, work: LMTrain) -> Trained:
+        """The part's groups trained one at a time (`accumulate_group_gradients`); `part_gradient` hands the fp64
+        sum to the commit."""
         algo = self.config.algo
         scores = self.fetch(work.scores)
         rewards = {SampleId(*s): r for part in scores for s, r in zip(part.samples, part.scores["total"])}
-        group = sorted(rewards)
+        scored = sorted(rewards)
         advantages = group_advantages(
-            torch.tensor([rewards[s] for s in group]),
-            torch.tensor([s.prompt for s in group]),
+            torch.tensor([rewards[s] for s in scored]),
+            torch.tensor([s.prompt for s in scored]),
             std_scope=algo.std_scope,
             clip=algo.adv_clip,
         )
-        advantage_of = dict(zip(group, advantages.tolist()))
+        advantage_of = dict(zip(scored, advantages.tolist()))
         samples = [SampleId(*s) for s in work.samples]
         selected = self._select(work.rollouts, samples)
-        requests = [selected[s] for s in samples]
-        log_probs, mask = self._log_probs(self.trainer, requests)
-
-        def padded(per_sample: dict) -> torch.Tensor:
-            out = torch.zeros_like(log_probs)
-            for row, sample in enumerate(samples):
-                values = torch.as_tensor(np.asarray(per_sample[sample]), dtype=log_probs.dtype)
-                out[row, : len(values)] = values.to(out.device)
-            return out
 
         def given(parts: list) -> dict:
             return {SampleId(*s): v for part in self.fetch(parts) for s, v in zip(part.samples, part.log_probs)}
 
-        old = padded(given(work.old_log_probs)) if work.old_log_probs else log_probs.detach()
-        weight = None
-        if work.stale:
-            behaviour = padded({s: r.log_probs for s, r in zip(samples, requests)})
-            old, weight = decoupled_old_log_prob(log_probs, behaviour, max_weight=algo.stale_max_weight)
-        loss, stats = lm_grpo_loss(
-            log_probs,
-            old,
-            torch.tensor([advantage_of[s] for s in samples], device=log_probs.device),
-            mask,
-            clip_low=algo.clip_low,
-            clip_high=algo.clip_high,
-            aggregation=algo.aggregation,
-            max_tokens=self.config.max_new_tokens,
-            ref_log_probs=padded(given(work.ref_log_probs)) if work.ref_log_probs else None,
-            beta=algo.beta,
-            kl_estimator=algo.kl_estimator,
-            importance_weight=weight,
-            loss_scale=1.0,
-        )
-        loss.backward()
-        return Trained(samples, [0], stats | {"loss": loss.item()}, normaliser_of(self.config, mask))
+        old_given, ref_given = given(work.old_log_probs), given(work.ref_log_probs)
+        normaliser = 0.0
+
+        def group_loss(group: list[SampleId]):
+            nonlocal normaliser
+            requests = [selected[s] for s in group]
+            prompts, responses = [r.prompt for r in requests], [r.tokens for r in requests]
+            log_probs, mask = response_log_probs(self.trainer, prompts, responses, self.config.sampling.temperature)
+            normaliser += normaliser_of(self.config, mask)
+            if not mask.any():
+                return None
+
+            def padded(per_sample: dict) -> torch.Tensor:
+                out = torch.zeros_like(log_probs)
+                for row, sample in enumerate(group):
+                    values = torch.as_tensor(np.asarray(per_sample[sample]), dtype=log_probs.dtype)
+                    out[row, : len(values)] = values.to(out.device)
+                return out
+
+            old = padded(old_given) if old_given else log_probs.detach()
+            weight = None
+            if work.stale:
+                behaviour = padded({s: r.log_probs for s, r in zip(group, requests)})
+                old, weight = decoupled_old_log_prob(log_probs, behaviour, max_weight=algo.stale_max_weight)
+            return lm_grpo_loss(
+                log_probs,
+                old,
+                torch.tensor([advantage_of[s] for s in group], device=log_probs.device),
+                mask,
+                clip_low=algo.clip_low,
+                clip_high=algo.clip_high,
+                aggregation=algo.aggregation,
+                max_tokens=self.config.max_new_tokens,
+                ref_log_probs=padded(ref_given) if ref_given else None,
+                beta=algo.beta,
+                kl_estimator=algo.kl_estimator,
+                importance_weight=weight,
+                loss_scale=1.0,
+            )
+
+        self._gradient, group_stats = accumulate_group_gradients(self.trainer, samples, group_loss)
+        return Trained(samples, [0], merged_stats(group_stats), normaliser)
+
+    def part_gradient(self) -> torch.Tensor:
+        gradient, self._gradient = self._gradient, None
+        return gradient
 
     def profile(self, samples: int, carry: Callable[[dict], dict]) -> dict[str, float]:
         return profile_work(self, samples, carry)
@@ -282,8 +300,9 @@ def profile_works(
     weights = carry(weights_of(engines.trainer))
 
     def train(done: dict) -> Trained:
-        engines.trainer.zero_grad(set_to_none=True)
-        return engines.run(LMTrain(config.task, ids, False, [done["decode"]], [done["score"]]))
+        trained = engines.run(LMTrain(config.task, ids, False, [done["decode"]], [done["score"]]))
+        set_summed_gradient(engines.trainer, [engines.part_gradient()], 1.0)
+        return trained
 
     return {
         "prefill": lambda done: engines.run(Prefill(config.task, ids, encoded, -1, weights)),
@@ -345,7 +364,11 @@ def fitted_cost(config: LMTrainConfig, scenario: Scenario, measured: dict) -> Co
 
 
 def check_checkpoint(config: LMTrainConfig) -> None:
-    load_lm(config.model.checkpoint)
+    """What every run meets as it starts, whatever its policy (the dry run's check): the checkpoint loads, and the
+    prompts it encodes first (the base evaluation's, the first step's) leave max_new_tokens in the model's context."""
+    tokenizer = load_lm(config.model.checkpoint)[1]
+    prompts = task(config.task).prompts("eval", config.eval.seed, 0, config.eval.prompts)
+    encode_prompts(config, tokenizer, prompts + task_prompts(config, 0))
 
 
 def profile_here(config: LMTrainConfig, carry: Callable[[dict], dict]) -> dict:
@@ -395,7 +418,7 @@ class LMAdapter(PipelineAdapter):
         if node.kind == Kind.LOGPROB:
             return [
                 Part(node.id, d, LMLogProbs(pipeline, ids, rollouts, node.reference))
-                for d, ids in self.spread(samples, devices, keep_empty=True)
+                for d, ids in self.spread_groups(samples, devices)
             ]
         if node.kind == Kind.TRAIN:
             logprobs = [graph[d] for d in node.deps if graph[d].kind == Kind.LOGPROB]
@@ -405,9 +428,14 @@ class LMAdapter(PipelineAdapter):
             scores = executor.outputs_of([score.id])
             return [
                 Part(node.id, d, LMTrain(pipeline, ids, stale, rollouts, scores, old, ref))
-                for d, ids in self.spread(samples, devices, keep_empty=True)
+                for d, ids in self.spread_groups(samples, devices)
             ]
         raise ValueError(f"node {node.id}: the language-model runtime does not run {node.kind} nodes yet")
+
+    def spread_groups(self, samples: list[SampleId], devices: tuple[int, ...]) -> list[tuple[int, list[SampleId]]]:
+        """Whole groups dealt to `devices` (`spread`): a group is the trainer's unit of work (`models.lm_rl`)."""
+        spread = self.spread(by_group(samples), devices, keep_empty=True)
+        return [(device, [sample for group in groups for sample in group]) for device, groups in spread]
 
     def _rollouts(self, score: Node, executor) -> list:
         """The responses a micro-batch reads: the home engines' outputs at its level, and the migrated tail's after
@@ -483,10 +511,16 @@ class LMAdapter(PipelineAdapter):
         return node.shard is None or node.chunk[1] == (self._shape.migrate_at or self.config.max_new_tokens)
 
     def commit_scale(self, trained: list[Trained]) -> float:
-        return 1.0 / sum(t.normaliser for t in trained)
+        return commit_scale(trained)
 
     def step_metrics(self, scores: list[Scores], trained: list[Trained], executor, graph_step: int) -> dict:
         return lm_step_metrics(self.config, scores, trained)
+
+
+def commit_scale(trained: list[Trained]) -> float:
+    """What a step's summed gradient is multiplied by: 1 / the step's loss normaliser (its parts' contributions
+    are whole numbers, so their sum is exact in any order)."""
+    return 1.0 / sum(t.normaliser for t in trained)
 
 
 def lm_step_metrics(config: LMTrainConfig, scores: list[Scores], trained: list[Trained]) -> dict:
@@ -494,13 +528,26 @@ def lm_step_metrics(config: LMTrainConfig, scores: list[Scores], trained: list[T
     metrics = {
         f"reward/{name}": float(np.concatenate([s.scores[name] for s in scores]).mean()) for name in scores[0].scores
     }
-    trained = [t for t in trained if t.samples]  # a streamed micro-batch may be empty
-    tokens = sum(t.stats["tokens"] for t in trained)
-    means = [name for name in STAT_MEANS if name in trained[0].stats]
-    metrics |= {name: sum(t.stats[name] * t.stats["tokens"] for t in trained) / tokens for name in means}
-    metrics |= {"response_tokens": tokens, "ratio_min": min(t.stats["ratio_min"] for t in trained)}
-    metrics["ratio_max"] = max(t.stats["ratio_max"] for t in trained)
-    return metrics
+    merged = merged_stats([t.stats for t in trained if t.samples])  # a streamed micro-batch may be empty
+    tokens = merged.pop("tokens")
+    merged.pop("loss")
+    return metrics | merged | {"response_tokens": tokens}
+
+
+def merged_stats(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Loss statistics of several groups or parts as one: per-token means weighted by tokens, the ratio's extremes,
+    token and loss sums."""
+    parts = [p for p in parts if p["tokens"] > 0]
+    if not parts:
+        return dict.fromkeys([*STAT_MEANS, "tokens", "loss"], 0.0) | {"ratio_min": np.inf, "ratio_max": -np.inf}
+    tokens = sum(p["tokens"] for p in parts)
+    means = {name: sum(p[name] * p["tokens"] for p in parts) / tokens for name in STAT_MEANS if name in parts[0]}
+    return means | {
+        "tokens": tokens,
+        "loss": sum(p["loss"] for p in parts),
+        "ratio_min": min(p["ratio_min"] for p in parts),
+        "ratio_max": max(p["ratio_max"] for p in parts),
+    }
 
 
 def success_rate(config: LMTrainConfig, completions: list[str], prompts: list[str]) -> float:

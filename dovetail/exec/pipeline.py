@@ -133,7 +133,14 @@ class PipelineEngines(ABC):
 
     @abstractmethod
     def run(self, work: Work):
-        """Do one piece of work and return its result message (a train leaves its gradient in `trainer`)."""
+        """Do one piece of work and return its result message (a train's gradient is then `part_gradient()`)."""
+
+    def part_gradient(self) -> torch.Tensor:
+        """The flat gradient of the train work just run, in the precision the commit sums parts in; the trainer's
+        own gradients are cleared. By default what backpropagation accumulated in the trainer (fp32)."""
+        gradient = flat_gradient(self.trainer)
+        self.trainer.zero_grad(set_to_none=True)
+        return gradient
 
     @abstractmethod
     def load_rollout(self, weights: dict[str, np.ndarray]) -> None:
@@ -230,6 +237,24 @@ def flat_gradient(model) -> torch.Tensor:
             for p in trainable_parameters(model)
         ]
     )
+
+
+def set_summed_gradient(model, parts: list[torch.Tensor], scale: float) -> None:
+    """Give `model`'s trainable parameters the sum of the flat gradients `parts`, added in the order given and in
+    their precision, times `scale`, then rounded once to each parameter's dtype. The commit of every runtime
+    replica and the language-model reference loop both go through here, so the same parts give the same bits."""
+    trained = trainable_parameters(model)
+    device = trained[0].device
+    dtype = parts[0].dtype if parts else torch.float32
+    total = torch.zeros(sum(p.numel() for p in trained), dtype=dtype, device=device)
+    for gradient in parts:
+        total += gradient.to(device)
+    if scale != 1.0:
+        total *= scale
+    offset = 0
+    for p in trained:
+        p.grad = total[offset : offset + p.numel()].view_as(p).to(p.dtype, copy=True)
+        offset += p.numel()
 
 
 def synchronize(device: torch.device) -> None:

@@ -146,8 +146,8 @@ class RayExecutor:
                 self._recover(part, time.perf_counter() - start)
                 continue
             except RayTaskError as error:
-                if isinstance(error, RewardError):
-                    self._stop(part, error)
+                if isinstance(error, RewardError):  # the worker's own error: one line, without Ray's traceback
+                    self._stop(part, error.cause)
                     continue
                 if isinstance(error, WorkerRestarted):  # sent before the executor saw the death
                     self._recover(part, time.perf_counter() - start)

@@ -6,20 +6,21 @@ measured per-kind costs; only the executor differs."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dovetail.config.train import ConfigError, parse_config
+from dovetail.config.train import MAX_STEPS, ConfigError, TrainConfig, parse_config
 from dovetail.cost.calibration import DEFAULT, Calibration
 from dovetail.cost.model import CostModel
 from dovetail.exec.metrics import time_per_step
 from dovetail.exec.sim import SimExecutor
+from dovetail.files import read_text
 from dovetail.graph.node import Kind
-from dovetail.scenario import prepare
-from dovetail.sched import shape_from_fields
+from dovetail.scenario import prepare, problem_lines, problem_report
+from dovetail.sched import from_fields, shape_from_fields
 
 COST_KIND = {
     Kind.GENERATE: "generate",
@@ -35,6 +36,75 @@ COST_KIND = {
 """The cost model's op kind of each node kind: what a measured node corrects."""
 
 
+class RunProfile(BaseModel):
+    """run_profile.json as `driver.write_run_outputs` writes it."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+    config: dict
+    steps: int = Field(ge=1, le=MAX_STEPS)
+    shapes: dict[str, dict]
+    node_seconds: dict[str, tuple[Annotated[float, Field(ge=0)], list[Annotated[int, Field(ge=0)]]]]
+    switch_seconds: list[Annotated[float, Field(ge=0)]]
+    calibration: dict[str, dict]
+    measured_step_time_s: float = Field(gt=0)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A run profile read whole, before the replay uses any of it."""
+
+    config: TrainConfig
+    shapes: dict
+    calibrations: dict[str, Calibration]
+    measured: RunProfile
+
+
+def read_profile(path: Path) -> Profile:
+    """The run profile at `path`, its config, shapes and calibrations built; a damaged one (cut short, edited, its
+    pipelines or devices not its config's) is one ValueError naming the field, never a KeyError deep in the replay."""
+    try:
+        measured = RunProfile.model_validate_json(read_text(path, "the run_profile.json a run writes"))
+    except ValidationError as error:
+        raise _damaged(path, problem_lines(error)) from None
+    try:
+        config = parse_config(measured.config, rewards=False)  # a replay scores nothing: import none
+    except ConfigError as error:
+        raise ValueError(
+            f"{path} was written by an older dovetail whose config this one cannot read: {error}"
+        ) from None
+    kinds = {spec.name: spec.kind for spec in config.scenario(1).pipelines}
+    for field in ("shapes", "calibration"):
+        names = sorted(getattr(measured, field))
+        if names != sorted(kinds):
+            raise _damaged(path, [f"{field}: pipelines {names}, its config's {sorted(kinds)}"])
+    for node, (_, devices) in measured.node_seconds.items():
+        if any(device >= config.cluster.devices for device in devices):
+            raise _damaged(path, [f"node_seconds.{node}: devices {devices} in a {config.cluster.devices}-device run"])
+    shapes, calibrations = {}, {}
+    for name in kinds:
+        try:
+            shapes[name] = _built(("shapes", name), shape_from_fields, kinds[name], measured.shapes[name])
+            calibrations[name] = _built(("calibration", name), fitted_calibration, measured.calibration[name])
+        except ValueError as error:
+            raise _damaged(path, str(error).splitlines()) from None
+    return Profile(config, shapes, calibrations, measured)
+
+
+def _built(where: tuple[str, str], build, *arguments):
+    """build(*arguments), what is wrong with its fields (a ValueError) named under `where`."""
+    try:
+        return build(*arguments)
+    except ValidationError as error:
+        raise ValueError("\n".join(problem_lines(error, within=where))) from None
+    except ValueError as error:
+        raise ValueError(f"{'.'.join(where)}.{error}") from None
+
+
+def _damaged(path: Path, problems: list[str]) -> ValueError:
+    return ValueError(problem_report(f"{path} is damaged (rerun `dovetail train` to write a new one)", problems))
+
+
 def replay_run(run_dir: Path | str) -> dict:
     path = Path(run_dir) / "run_profile.json"
     if not path.exists():
@@ -42,27 +112,19 @@ def replay_run(run_dir: Path | str) -> dict:
             f"{path} not found: --from-run needs a run directory written by `dovetail train --policy "
             "colocated|disaggregated|digen`"
         )
-    profile = json.loads(path.read_text())
-    try:
-        config = parse_config(profile["config"])
-    except (ConfigError, ValidationError) as error:
-        raise ValueError(
-            f"{path} was written by an older dovetail whose config this one cannot read: {error}"
-        ) from None
-    scenario = config.scenario(profile["steps"])
-    kinds = {spec.name: spec.kind for spec in scenario.pipelines}
-    shapes = {name: shape_from_fields(kinds[name], shape) for name, shape in profile["shapes"].items()}
+    profile = read_profile(path)
+    config, shapes, calibrations, run = profile.config, profile.shapes, profile.calibrations, profile.measured
+    scenario = config.scenario(run.steps)
     options = config.policy_options()
-    calibrations = {name: fitted_calibration(fitted) for name, fitted in profile["calibration"].items()}
     analytic = prepare(
         scenario,
         config.policy,
-        steps=profile["steps"],
+        steps=run.steps,
         options=options,
         cost={name: CostModel(config.cluster.device, c) for name, c in calibrations.items()},
         shapes=shapes,
     )
-    measured = profile["node_seconds"]
+    measured = run.node_seconds
     records: dict[str, list] = {name: [] for name in shapes}
     for node in analytic.graph:
         if node.id not in measured or node.cost_s <= 0:
@@ -72,11 +134,11 @@ def replay_run(run_dir: Path | str) -> dict:
             records[node.pipeline].append((COST_KIND[node.kind], predicted_seconds(node, len(devices)), seconds))
     for name, engines in analytic.setup.engines.items():
         wake = max(engines.wake_s.values())
-        records[name] += [("switch", wake, max(s, 1e-6)) for s in profile["switch_seconds"]]
+        records[name] += [("switch", wake, max(s, 1e-6)) for s in run.switch_seconds]
     costs = {
         name: CostModel.from_measurements(config.cluster.device, records[name], calibrations[name]) for name in shapes
     }
-    replayed = prepare(scenario, config.policy, steps=profile["steps"], options=options, cost=costs, shapes=shapes)
+    replayed = prepare(scenario, config.policy, steps=run.steps, options=options, cost=costs, shapes=shapes)
     missing = set(measured) - set(replayed.graph.nodes)
     if missing:
         raise ValueError(
@@ -89,11 +151,11 @@ def replay_run(run_dir: Path | str) -> dict:
         replayed.policy
     )
     predicted = time_per_step(trace)
-    measured_step = profile["measured_step_time_s"]
+    measured_step = run.measured_step_time_s
     return {
         "run": str(run_dir),
         "policy": config.policy,
-        "steps": profile["steps"],
+        "steps": run.steps,
         "measured_step_time_s": measured_step,
         "predicted_step_time_s": predicted,
         "relative_error": (predicted - measured_step) / measured_step,
@@ -104,10 +166,11 @@ def replay_run(run_dir: Path | str) -> dict:
 
 def fitted_calibration(fitted: dict) -> Calibration:
     """A pipeline's calibration as the run wrote it (`driver._fitted`): its fields over DEFAULT, an interference
-    table's "kind|alongside" keys back to (kind, alongside)."""
-    if "interference" in fitted:
-        fitted = fitted | {"interference": {tuple(key.split("|")): s for key, s in fitted["interference"].items()}}
-    return replace(DEFAULT, **fitted)
+    table's "kind|alongside" keys back to (kind, alongside); a field of another name or type is a ValueError."""
+    table = fitted.get("interference")
+    if isinstance(table, dict):
+        fitted = fitted | {"interference": {tuple(key.split("|")): s for key, s in table.items()}}
+    return from_fields(Calibration, asdict(DEFAULT) | fitted)
 
 
 def predicted_seconds(node, width: int) -> float:

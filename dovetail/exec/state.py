@@ -199,6 +199,9 @@ class ClusterState:
             raise DecisionError(f"{d}: step already started")
         if d.pipeline not in self.published:
             raise DecisionError(f"{d}: unknown pipeline {d.pipeline!r}")
+        if d.pipeline in self.stopped:  # its steps all count as done, so a policy may open the next: nothing runs
+            self.started[key] = d.version
+            return
         if d.version > self.published[d.pipeline]:
             raise DecisionError(f"{d}: version {d.version} not published yet (latest {self.published[d.pipeline]})")
         if not 0 <= d.step - d.version <= self.setup.max_staleness:
@@ -210,7 +213,9 @@ class ClusterState:
 
     def stop(self, pipeline: str) -> None:
         """Withdraw a pipeline (its reward failed): its ready and running nodes leave their devices, and every node
-        of it not finished counts as done without running, so the other pipelines go on and the run can end."""
+        of it not finished counts as done without running, so the other pipelines go on and the run can end. A
+        policy that opens one of its steps after this (they look done) opens nothing: no staleness bound applies to
+        steps that never run, and its last committed step stays the last."""
         self.stopped.add(pipeline)
         for node_id in [n for n in self.ready if self.graph[n].pipeline == pipeline]:
             del self.ready[node_id]

@@ -15,7 +15,6 @@ same optimizer step. A worker that dies loses its parts' gradients: the executor
 
 import os
 import socket
-import tempfile
 import time
 import uuid
 from datetime import timedelta
@@ -27,7 +26,8 @@ import torch.distributed as dist
 
 from dovetail.config.train import parse_config
 from dovetail.exec.messages import Commit, LoadWeights, Trained, Work
-from dovetail.exec.pipeline import flat_gradient, pipeline_module, trainable_parameters, trainer_state_of, weights_of
+from dovetail.exec.pipeline import pipeline_module, set_summed_gradient, trainer_state_of, weights_of
+from dovetail.exec.watchdog import group_file
 from dovetail.models.flow_rl import commit
 from dovetail.models.t2i import strict_fp32
 
@@ -44,7 +44,7 @@ class WorkerRestarted(RuntimeError):
 
 def form_group(workers: list) -> None:
     """Every device joins one torch.distributed group, rendezvous on the first device's node."""
-    init_method = ray.get(workers[0].rendezvous.remote())
+    init_method = ray.get(workers[0].rendezvous.remote(os.getpid()))
     ray.get([w.join_group.remote(init_method, len(workers)) for w in workers])
 
 
@@ -146,13 +146,14 @@ class DeviceWorker:
         if previous is not None and previous != init_method and previous.startswith("file://"):
             Path(previous.removeprefix("file://")).unlink(missing_ok=True)
 
-    def rendezvous(self) -> str:
+    def rendezvous(self, driver_pid: int) -> str:
         """Where the group meets, new at each forming. On a local run's node (loopback) every peer is on this
-        machine: a file, so that nothing listens on the network (torch's TCP store listens on every interface).
-        Otherwise a free TCP port on this device's node."""
+        machine: a file, so that nothing listens on the network (torch's TCP store listens on every interface),
+        named by the driver's process so that the driver's watchdog, or the next run, removes it once the driver is
+        gone (`exec.watchdog`). Otherwise a free TCP port on this device's node."""
         node = ray.util.get_node_ip_address()
         if node == LOOPBACK:
-            return f"file://{Path(tempfile.gettempdir()) / f'dovetail-group-{uuid.uuid4().hex}'}"
+            return f"file://{group_file(driver_pid, uuid.uuid4().hex)}"
         with socket.socket() as probe:
             probe.bind((node, 0))
             return f"tcp://{node}:{probe.getsockname()[1]}"
@@ -191,29 +192,17 @@ class DeviceWorker:
             start = time.perf_counter()
             self.engines.load_rollout_weights(work.version, work.weights)
             return time.perf_counter() - start
-        trainer = self.engines.trainer
-        if trainer is not None:
-            trainer.zero_grad(set_to_none=True)
+        if self.engines.trainer is not None:
+            self.engines.trainer.zero_grad(set_to_none=True)
         result = self.engines.run(work)
         if isinstance(result, Trained):
-            self.gradients[part] = flat_gradient(trainer)
-            trainer.zero_grad(set_to_none=True)
+            self.gradients[part] = self.engines.part_gradient()
         return result
 
     def _commit(self, work: Commit) -> float:
         """Sum the step's train parts' gradients of every trainer device, in the order of their keys, and take one
         optimizer step; returns the pre-clip gradient norm (the same on every replica)."""
-        trainer = self.engines.trainer
-        trained = trainable_parameters(trainer)
-        total = torch.zeros(sum(p.numel() for p in trained), device=self.device)
         parts = gather_parts(self.gradients, work.ranks, self.groups)
-        for key in sorted(parts):
-            total += parts[key].to(self.device)
-        if work.scale != 1.0:
-            total *= work.scale
-        offset = 0
-        for p in trained:
-            p.grad = total[offset : offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
+        set_summed_gradient(self.engines.trainer, [parts[key] for key in sorted(parts)], work.scale)
         self.gradients = {}
-        return commit(trainer, self.engines.optimizer, self.config.train.max_grad_norm)
+        return commit(self.engines.trainer, self.engines.optimizer, self.config.train.max_grad_norm)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 MAX_DEVICES = 4096
 """Devices of one pool: more than any run here needs, few enough that the planner's search over pool splits ends."""
@@ -14,6 +14,14 @@ MAX_SAMPLES = 65_536
 
 MAX_TOKENS = 131_072
 """Tokens of a prompt or a response."""
+
+PipelineName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*$", max_length=64)]
+"""A pipeline's name, in a scenario and in a run config: node ids, trace lanes and a multiplexed run's
+sub-directories carry it, so letters, digits, `_`, `-` and `.` (not first: no hidden or parent directory)."""
+
+GroupSize = Annotated[int, Field(ge=2)]
+"""Samples per prompt, in a scenario and in a run config: GRPO's advantages compare the samples of one prompt, so a
+group of one has nothing to compare and trains nothing."""
 
 
 class _Spec(BaseModel):
@@ -57,11 +65,11 @@ class FlowSpec(_PipelineSpec):
     """A FlowGRPO / DanceGRPO step of a diffusion or flow-matching model."""
 
     kind: Literal["flow"] = "flow"
-    name: str = Field(max_length=100, description="Pipeline name, unique in a scenario.")
+    name: PipelineName = Field(description="Pipeline name, unique in a scenario.")
     model: str = Field(max_length=100, description="Diffusion model from the catalogue, e.g. FLUX.1-12B.")
     algorithm: Literal["flow_grpo", "dance_grpo"] = "flow_grpo"
     prompts: int = Field(gt=0, le=MAX_SAMPLES, description="Prompts per step (B).")
-    group: int = Field(gt=0, le=1024, description="Samples per prompt (G); a group is never split across fragments.")
+    group: GroupSize = Field(le=1024, description="Samples per prompt (G); a group is never split across fragments.")
     denoising_steps: int = Field(gt=1, le=1000, description="Sampler steps per sample (K).")
     trained_timesteps: int = Field(gt=0, description="Timesteps trained per sample (never the last one).")
     cfg: bool = Field(False, description="Classifier-free guidance in rollout: two DiT passes per denoising step.")
@@ -136,15 +144,17 @@ class LLMSpec(_PipelineSpec):
     """A GRPO step of a causal language model."""
 
     kind: Literal["llm"] = "llm"
-    name: str = Field(max_length=100, description="Pipeline name, unique in a scenario.")
+    name: PipelineName = Field(description="Pipeline name, unique in a scenario.")
     model: str = Field(max_length=100, description="Language model from the catalogue, e.g. Qwen3-4B.")
     batch: int = Field(gt=0, le=MAX_SAMPLES, description="Prompts per step.")
-    group: int = Field(gt=0, le=1024, description="Responses per prompt (n).")
+    group: GroupSize = Field(le=1024, description="Responses per prompt (n).")
     prompt_length: int = Field(256, gt=0, le=MAX_TOKENS)
     lengths: LengthDistribution
     max_length: int = Field(gt=0, le=MAX_TOKENS, description="Responses are cut at this many tokens.")
     length_bands: list[int] = Field(
-        default_factory=list, max_length=64, description="Upper bounds of decode length bands, ascending."
+        default_factory=list,
+        max_length=64,
+        description="Upper bounds of decode length bands: ascending token counts below max_length.",
     )
     lengths_known: bool = Field(
         True,
@@ -159,12 +169,19 @@ class LLMSpec(_PipelineSpec):
 
     @model_validator(mode="after")
     def _check(self) -> LLMSpec:
-        if self.length_bands != sorted(set(self.length_bands)):
-            raise ValueError(f"length_bands must be strictly ascending, got {self.length_bands}")
-        if self.length_bands and self.length_bands[-1] > self.max_length:
-            raise ValueError(f"the last length band {self.length_bands[-1]} exceeds max_length={self.max_length}")
+        check_length_bands(self.length_bands, self.max_length, "length_bands", "max_length")
         _check_samples(self.batch, self.group, "batch")
         return self
+
+
+def check_length_bands(bands: list[int], max_length: int, field: str, budget: str) -> None:
+    """Decode length bands are the edges where a response may pause: strictly ascending token counts from 1 to the
+    response budget less one (an edge at 0 or at the budget pauses nothing). One check for scenarios and run configs;
+    `field` and `budget` name the two fields as the file calls them."""
+    if bands != sorted(set(bands)) or (bands and not 0 < bands[0] <= bands[-1] < max_length):
+        raise ValueError(
+            f"{field}={bands} must be strictly ascending token counts between 1 and {budget} - 1 = {max_length - 1}"
+        )
 
 
 def _check_samples(prompts: int, group: int, field: str) -> None:

@@ -482,7 +482,7 @@ def export_run(run: Path, step: int | None, out: Path) -> Path:
     if not (run / "config.yaml").is_file():
         raise ValueError(f"{run}: no config.yaml; give the run directory of a `dovetail train` run")
     try:
-        config = load_config(run / "config.yaml")
+        config = load_config(run / "config.yaml", rewards=False)  # an export scores nothing: import none
     except ConfigError as error:
         raise ValueError(f"{run / 'config.yaml'}: {error}") from None
     if config.kind != "flow" or config.model.path is None:

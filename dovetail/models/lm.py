@@ -13,6 +13,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from dovetail.files import read_text
 from dovetail.models.tokenizer import CharTokenizer
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
@@ -71,13 +72,24 @@ def save_lm(model: LlamaForCausalLM, tokenizer: CharTokenizer, config: LMConfig,
     (directory / "config.json").write_text(config.model_dump_json(indent=2) + "\n")
 
 
+CHECKPOINT_FILES = ("model.safetensors", "config.json", "tokenizer.json")
+"""What `save_lm` writes, and a checkpoint directory holds."""
+
+
 def require_checkpoint(directory: Path | str) -> Path:
-    """The checkpoint directory, or one line saying how to make one."""
+    """The checkpoint directory, or one line saying what is missing: where there is no model at all, how to make
+    one; where only some files are, which (pretraining there would overwrite the model that is)."""
     directory = Path(directory)
-    if not all((directory / name).exists() for name in ("model.safetensors", "config.json", "tokenizer.json")):
+    missing = [name for name in CHECKPOINT_FILES if not (directory / name).exists()]
+    if "model.safetensors" in missing:
         task = directory.name.removesuffix("-lm") if directory.name.endswith("-lm") else "<task>"
         raise FileNotFoundError(
             f"no language-model checkpoint in {directory}; run `dovetail pretrain {task} --out {directory}` to make one"
+        )
+    if missing:
+        raise FileNotFoundError(
+            f"{directory} holds a model but no {' or '.join(missing)}: copy in what was saved with that model (a "
+            f"checkpoint holds {', '.join(CHECKPOINT_FILES)})"
         )
     return directory
 
@@ -94,17 +106,27 @@ def one_line(error: BaseException, limit: int = 300) -> str:
 
 
 def read_lm_config(directory: Path) -> LMConfig:
+    path = directory / "config.json"
+    text = read_text(path, "the config.json `dovetail pretrain` writes")
     try:
-        return LMConfig(**json.loads((directory / "config.json").read_text()))
-    except (OSError, ValueError, TypeError) as error:  # pydantic's ValidationError is a ValueError
-        raise ValueError(f"unreadable {directory / 'config.json'}: {one_line(error)}") from None
+        return LMConfig(**json.loads(text))
+    except (ValueError, TypeError) as error:  # pydantic's ValidationError is a ValueError
+        raise ValueError(f"unreadable {path}: {one_line(error)}") from None
 
 
 def load_lm(directory: Path | str) -> tuple[LlamaForCausalLM, CharTokenizer, LMConfig]:
     """The model (in eval mode), its tokenizer and its config; a missing checkpoint says how to make one, weights
-    that do not load (a damaged file, another model's) are one line naming the file."""
+    that do not load (a damaged file, another model's) and a tokenizer of another vocabulary (whose ids the embedding
+    lacks, or that cannot decode what the model samples) are one line naming the file."""
     directory = require_checkpoint(directory)
     config = read_lm_config(directory)
+    tokenizer = CharTokenizer.load(directory)
+    if tokenizer.vocab_size != config.vocab_size:
+        raise ValueError(
+            f"{directory / 'tokenizer.json'} has {tokenizer.vocab_size} tokens and the model "
+            f"({directory / 'config.json'}) {config.vocab_size}: give the checkpoint the tokenizer.json saved with "
+            "its model"
+        )
     model = build_lm(config)
     weights = directory / "model.safetensors"
     try:
@@ -113,7 +135,7 @@ def load_lm(directory: Path | str) -> tuple[LlamaForCausalLM, CharTokenizer, LMC
         raise ValueError(
             f"cannot load {weights} into the model {directory / 'config.json'} describes: {one_line(error)}"
         ) from None
-    return model.eval(), CharTokenizer.load(directory), config
+    return model.eval(), tokenizer, config
 
 
 @torch.no_grad()

@@ -1,11 +1,25 @@
-"""Trainer-side pieces of GRPO for language models: the log-probs of sampled responses under the policy.
+"""Trainer-side pieces of GRPO for language models: the log-probs of sampled responses under the policy, and
+the gradient of a set of groups.
 
 The rollout engine records log softmax(logits / temperature)[token] for every token it samples; the
 trainer recomputes the same quantity here with the Hugging Face model, under grad, so that on-policy
 the GRPO ratio is exactly 1 (up to fp32 rounding; tested against `TorchEngine`).
+
+The unit of trainer work is a group (the responses to one prompt): log-probs and gradients are computed one
+group at a time, each group padded to its own longest response, and the groups' gradients are added in fp64.
+A group's fp32 gradient is then the same bits whichever device, part or batch it is computed in, and adding
+fp32 terms in fp64 is exact unless their magnitudes span more than 2^29, so the sum rounded once to fp32 does
+not depend on how the runtime split the batch into parts and devices: the reference loop and every synchronous
+policy end at the same bits on any CPU, whatever kernels it picks (a whole-batch backward would sum the rows in
+an order its kernel chooses by shape). Groups of one prompt are also faster here than one padded batch.
 """
 
+from collections.abc import Callable, Sequence
+from itertools import groupby
+
 import torch
+
+from dovetail.graph.node import SampleId
 
 
 def pad_batch(sequences: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,3 +56,48 @@ def response_log_probs(
     picked = logits.gather(1, predicting[..., None].expand(-1, -1, logits.shape[-1]))
     log_probs = (picked / temperature).log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
     return log_probs.masked_fill(~mask, 0.0), mask
+
+
+def by_group(samples: Sequence[SampleId]) -> list[list[SampleId]]:
+    """`samples` cut into their groups (same step and prompt), in key order."""
+    return [list(members) for _, members in groupby(sorted(samples), key=lambda s: (s.step, s.prompt))]
+
+
+def group_log_probs(
+    model, samples: Sequence[SampleId], prompt: Callable, response: Callable, temperature: float
+) -> dict[SampleId, torch.Tensor]:
+    """Each sample's response log-probs (`response_log_probs`, computed a group at a time), without grad."""
+    out = {}
+    with torch.no_grad():
+        for group in by_group(samples):
+            log_probs, mask = response_log_probs(
+                model, [prompt(s) for s in group], [response(s) for s in group], temperature
+            )
+            out |= {s: row[m] for s, row, m in zip(group, log_probs, mask)}
+    return out
+
+
+def accumulate_group_gradients(
+    model, samples: Sequence[SampleId], group_loss: Callable[[list[SampleId]], tuple[torch.Tensor, dict] | None]
+) -> tuple[torch.Tensor, list[dict]]:
+    """Backpropagate `group_loss(group)` for every group of `samples`, one group at a time, and return the flat
+    sum of their gradients over the trainable parameters in fp64 (the model's own gradients are left cleared) and
+    each group's statistics. `group_loss` returns (loss, stats), or None for a group with nothing to train."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    total = torch.zeros(sum(p.numel() for p in trained), dtype=torch.float64, device=trained[0].device)
+    stats = []
+    for group in by_group(samples):
+        model.zero_grad(set_to_none=True)
+        result = group_loss(group)
+        if result is None:
+            continue
+        loss, group_stats = result
+        loss.backward()
+        offset = 0
+        for p in trained:
+            if p.grad is not None:
+                total[offset : offset + p.numel()] += p.grad.flatten()
+            offset += p.numel()
+        stats.append(group_stats | {"loss": loss.item()})
+    model.zero_grad(set_to_none=True)
+    return total, stats

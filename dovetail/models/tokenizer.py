@@ -8,6 +8,8 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+from dovetail.files import read_text
+
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
 DEFAULT_ALPHABET = "0123456789+-*/=()<>,.:; abcdefghijklmnopqrstuvwxyz"
 
@@ -44,4 +46,15 @@ class CharTokenizer:
 
     @classmethod
     def load(cls, directory: Path | str) -> "CharTokenizer":
-        return cls(json.loads((Path(directory) / "tokenizer.json").read_text())["alphabet"])
+        """The tokenizer `save` wrote into `directory`; any other tokenizer.json is a ValueError naming it."""
+        path = Path(directory) / "tokenizer.json"
+        expected = '{"alphabet": "<characters, each once>"}, as `dovetail pretrain` writes it'
+        text = read_text(path, f"a file holding {expected}")
+        try:
+            loaded = json.loads(text)
+        except ValueError:
+            loaded = None
+        alphabet = loaded.get("alphabet") if isinstance(loaded, dict) else None
+        if not isinstance(alphabet, str) or not alphabet or len(set(alphabet)) != len(alphabet):
+            raise ValueError(f"{path} is not a tokenizer: give the one saved with the model, holding {expected}")
+        return cls(alphabet)

@@ -5,20 +5,25 @@ Rewards combine with weights: ``{"digit_match": 1.0, "jpeg_compressibility": 0.1
 "package.module:function" and imported, when the config is read, even for a dry run: a config is code. Set
 DOVETAIL_REWARD_MODULES to the comma-separated module prefixes that may be imported so (e.g. "myrewards,lab.rl";
 "" allows none) to run configs you did not write.
-"""
+
+What holds, and where. Your own reward runs in a reward process (`dovetail.rewards.process`, one per process that
+calls rewards), so `reward_timeout_s` stops a call whatever it does: waits on a server, holds the GIL, loops in C.
+Whatever it raises, SystemExit and KeyboardInterrupt included, and a process it ends are a RewardError naming it,
+never the run's own exit or Ctrl-C. Ours (here and in `dovetail.rewards.text`) are fast, bounded and trusted: they
+run in the calling process, directly, with no time limit. Every output is then checked: one finite number per
+sample, else a RewardError naming the reward and the sample."""
 
 import importlib
 import inspect
 import io
 import os
 import re
-import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
 from PIL import Image
 
-from dovetail.rewards.judge import digit_judge, digit_probabilities
+from dovetail.rewards import process
 
 RewardFn = Callable[[np.ndarray, Sequence[str]], np.ndarray]
 
@@ -32,6 +37,8 @@ def prompted_digit(prompt: str) -> int:
 
 def digit_match(images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
     """Judge probability that the image shows the prompted digit."""
+    from dovetail.rewards.judge import digit_probabilities  # scikit-learn: seconds to import, only for the judge
+
     probs = digit_probabilities(images)
     return probs[np.arange(len(images)), [prompted_digit(p) for p in prompts]]
 
@@ -71,33 +78,29 @@ class RewardError(RuntimeError):
     """A reward failed or returned a non-finite value; names the reward and the sample."""
 
 
+class RewardRaised(RewardError):
+    """The reward raised (the other failures: it overran its time, ended its process, returned no scores)."""
+
+
 REWARD_TIMEOUT_S = 600.0
 """Default of a run's `reward_timeout_s`: a reward call (one batch) that takes longer is a failure, not a hang."""
 
 
 def call_reward(name: str, fn: Callable, args: tuple, timeout_s: float):
-    """`fn(*args)`, in a thread so that a reward that hangs (a stuck request to a reward server, a sleep) stops the
-    run after `timeout_s` with a RewardError instead of holding up the step for ever; what the call raises is
-    raised here. The stuck thread is left behind (Python cannot stop one); the run stops anyway."""
-    outcome: dict = {}
-
-    def call() -> None:
+    """`fn(*args)`: a user's reward ("package.module:function") in the reward process, stopped after `timeout_s`
+    whatever it does (`dovetail.rewards.process`); one of ours here, directly. What the reward raises, SystemExit
+    and KeyboardInterrupt included, is a RewardRaised naming it, in one line."""
+    if ":" not in name:
         try:
-            outcome["output"] = fn(*args)
-        except BaseException as error:  # re-raised in the caller's thread, which decides what it means
-            outcome["error"] = error
-
-    thread = threading.Thread(target=call, name=f"reward {name}", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise RewardError(
-            f"reward {name!r} took longer than reward_timeout_s={timeout_s:g} s on {len(args[0])} samples; make it "
-            "faster, or raise reward_timeout_s in the config"
-        )
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["output"]
+            return fn(*args)
+        except Exception as error:
+            raise RewardRaised(f"reward {name!r} raised {process.describe(error)}") from error
+    try:
+        return process.call(name, args, timeout_s)
+    except process.Raised as error:
+        raise RewardRaised(f"reward {name!r} raised {error}") from None
+    except process.Failed as error:
+        raise RewardError(f"reward {name!r} {error}") from None
 
 
 ALLOWED_MODULES = "DOVETAIL_REWARD_MODULES"
@@ -129,8 +132,7 @@ def custom_reward(name: str, arguments: str) -> Callable:
     try:
         fn = getattr(importlib.import_module(module), attribute)
     except Exception as error:  # importing runs the module: it may raise anything
-        message = " ".join(str(error).split())
-        raise ValueError(f"reward {name!r} cannot be imported: {type(error).__name__}: {message}") from None
+        raise ValueError(f"reward {name!r} cannot be imported: {process.describe(error)}") from None
     if not callable(fn):
         raise ValueError(f"reward {name!r} must be a function of {arguments}, not a {type(fn).__name__}")
     try:
@@ -153,6 +155,8 @@ def load_rewards(weights: dict[str, float]) -> None:
     """Build now what the rewards would build on first use (the judge is fitted in about a second), so that the
     first step of a run does not pay for it."""
     if "digit_match" in weights:
+        from dovetail.rewards.judge import digit_judge
+
         digit_judge()
 
 
@@ -175,12 +179,7 @@ def score(
     """Each named reward and their weighted sum under "total"."""
     scores = {}
     for name in weights:
-        try:
-            output = call_reward(name, reward_fn(name), (images, prompts), timeout_s)
-        except RewardError:
-            raise
-        except Exception as error:
-            raise RewardError(f"reward {name!r} raised {type(error).__name__}: {error}") from error
+        output = call_reward(name, reward_fn(name), (images, prompts), timeout_s)
         values = reward_values(name, output, len(prompts))
         bad = np.flatnonzero(~np.isfinite(values))
         if bad.size:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from dovetail.rewards import REWARD_TIMEOUT_S, RewardError, call_reward, custom_reward, reward_values
+from dovetail.rewards import REWARD_TIMEOUT_S, RewardError, RewardRaised, call_reward, custom_reward, reward_values
 from dovetail.tasks import Countdown, ExpressionError, evaluate_expression, final_answer, task_of_prompt
 
 TextRewardFn = Callable[[Sequence[str], Sequence[str]], np.ndarray]
@@ -84,11 +84,9 @@ def score_text(
         fn = text_reward_fn(name)
         try:
             output = call_reward(name, fn, (completions, prompts), timeout_s)
-        except RewardError:
-            raise
-        except Exception as error:
-            culprit = _first_raising_sample(fn, completions, prompts)
-            raise RewardError(f"reward {name!r} raised {type(error).__name__}: {error}{culprit}") from error
+        except RewardRaised as error:
+            culprit = _first_raising_sample(name, fn, completions, prompts, timeout_s)
+            raise RewardError(f"{error}{culprit}") from error
         values = reward_values(name, output, len(completions))
         bad = np.flatnonzero(~np.isfinite(values))
         if bad.size:
@@ -102,11 +100,15 @@ def score_text(
     return scores
 
 
-def _first_raising_sample(fn: TextRewardFn, completions: Sequence[str], prompts: Sequence[str]) -> str:
-    """ " on sample i (...)" for the first sample that makes fn raise on its own; "" if none does alone."""
+def _first_raising_sample(
+    name: str, fn: TextRewardFn, completions: Sequence[str], prompts: Sequence[str], timeout_s: float
+) -> str:
+    """ " on sample i (...)" for the first sample that makes the reward raise on its own; "" if none does alone."""
     for i, (completion, prompt) in enumerate(zip(completions, prompts)):
         try:
-            fn([completion], [prompt])
-        except Exception:
+            call_reward(name, fn, ([completion], [prompt]), timeout_s)
+        except RewardRaised:
             return f" on sample {i} (prompt {prompt!r}, completion {completion!r})"
+        except RewardError:  # it overran or ended its process: searching on could take reward_timeout_s each
+            return ""
     return ""

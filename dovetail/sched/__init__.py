@@ -3,7 +3,10 @@
 The registry is lazy: a name maps to where its class lives, imported on first use, so importing one policy (or
 the package) never imports all of them."""
 
+import dataclasses
 from importlib import import_module
+
+from pydantic import TypeAdapter
 
 from dovetail.sched.policy import Policy
 
@@ -31,12 +34,19 @@ def policy_class(name: str) -> type[Policy]:
 
 def shape_from_fields(kind: str, fields: dict):
     """A pipeline's shape from its fields (`dataclasses.asdict`, as a run profile stores it): an LLM or flow shape,
-    or digen's, which carries its search's TAG and TCSS choices."""
-    if kind == "llm":
-        from dovetail.graph.llm import LLMShape
-
-        return LLMShape(**fields)
+    or digen's, which carries its search's TAG and TCSS choices. Fields the shape lacks, or of the wrong type (a
+    damaged profile), are a ValueError naming them (pydantic's ValidationError for a value)."""
     from dovetail.graph.flow import FlowShape
+    from dovetail.graph.llm import LLMShape
     from dovetail.sched.digen import DigenShape
 
-    return (DigenShape if "tcss" in fields else FlowShape)(**fields)
+    shape = LLMShape if kind == "llm" else DigenShape if "tcss" in fields else FlowShape
+    return from_fields(shape, fields)
+
+
+def from_fields(cls: type, fields: dict):
+    """The dataclass `cls` of `fields`, each checked against its annotation."""
+    unknown = sorted(set(fields) - {field.name for field in dataclasses.fields(cls)})
+    if unknown:
+        raise ValueError(f"{unknown[0]}: not a field of {cls.__name__}")
+    return TypeAdapter(cls).validate_python(fields)
