@@ -42,6 +42,9 @@ def train(
         "--overwrite",
         help="train afresh into an --out holding another run (its checkpoints move to superseded/)",
     ),
+    reprofile: bool = typer.Option(
+        False, "--reprofile", help="measure the devices again, not what a run of this config measured here before"
+    ),
 ):
     """Post-train the model with RL and write a run directory.
 
@@ -80,7 +83,7 @@ def train(
     from dovetail.train import train as run_training
 
     try:
-        summary = run_training(run_config, out, steps=steps, resume=resume, overwrite=overwrite)
+        summary = run_training(run_config, out, steps=steps, resume=resume, overwrite=overwrite, reprofile=reprofile)
     except (RewardError, RunInterrupted) as error:  # the message says what was saved and how to go on
         typer.echo(str(error), err=True)
         raise typer.Exit(error.exit_code if isinstance(error, RunInterrupted) else 1) from None

@@ -331,6 +331,7 @@ def train(
     callbacks: list = (),
     after_start=None,
     after_part=None,
+    reprofile: bool = False,
 ) -> dict:
     """Train every pipeline of the run to `steps` (default config.train.steps) under config.policy; returns the
     summary. A multiplexed run keeps each pipeline in its own sub-directory of `out` (and resumes each from there).
@@ -339,9 +340,10 @@ def train(
     its first prompts fit its context (`check_checkpoint`, what the dry run checks), and `out` holds no other run's
     checkpoints unless `overwrite` (`RunDirInUse`; overwritten checkpoints move to out/superseded/). config.yaml
     records the config as run, `steps` included. Ctrl-C stops after the step in flight, saves it and raises
-    `RunInterrupted` saying how to resume. `callbacks`: objects with `on_step(metrics, pipeline)` and / or
-    `on_eval(evaluation, pipeline)` (`dovetail.trackers.Evaluation`). `after_start` / `after_part` are the Ray
-    runtime's fault-injection hooks, for tests."""
+    `RunInterrupted` saying how to resume (SIGTERM and SIGHUP too, `STOP_SIGNALS`). `callbacks`: objects with
+    `on_step(metrics, pipeline)` and / or `on_eval(evaluation, pipeline)` (`dovetail.trackers.Evaluation`).
+    `reprofile`: measure the devices again instead of reading what a run of the same config measured on this machine
+    (`exec.startup_cache`). `after_start` / `after_part` are the Ray runtime's fault-injection hooks, for tests."""
     torch.set_num_threads(1)
     config = with_steps(config, steps if steps is not None else config.train.steps)
     last_step = config.train.steps
@@ -405,6 +407,7 @@ def train(
                     after_record=after_record,
                     after_start=after_start,
                     after_part=after_part,
+                    reprofile=reprofile,
                 )
     except BaseException as error:
         for log in logs.values():

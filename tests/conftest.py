@@ -1,11 +1,15 @@
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("DOVETAIL_CACHE", tempfile.mkdtemp(prefix="dovetail-test-cache-"))
+"""Start-up profiles and interference tables measured once per test session (`exec.startup_cache`), not per run,
+and never read from a user's cache."""
 
 
 @pytest.fixture(scope="session")

@@ -46,17 +46,28 @@ def test_sigterm_under_a_ray_policy_saves_the_step_in_flight_and_exits_143(tmp_p
     assert "SIGTERM: stopping after the step in flight" in stderr and "Traceback" not in stderr
 
 
-def test_a_killed_driver_takes_its_local_ray_processes_and_group_files_with_it(tmp_path):
-    process = dovetail_train(tmp_path / "run", *SORT, "policy=verl-sync")
-    for line in process.stdout:
-        if "step 1/40" in line:
-            break
+DRIVER = """
+from dovetail.exec.launch import start_local_ray
+from dovetail.exec.worker import DeviceWorker, form_group
+start_local_ray(cpu_devices=2)
+workers = [DeviceWorker.options(resources={"dovetail_device": 1}).remote(i) for i in range(2)]
+form_group(workers)
+print("ready", flush=True)
+input()
+"""
+"""A local run's driver as far as the start of its first step: its own Ray instance, two device workers, their
+group (met through a file named by the driver)."""
+
+
+def test_a_killed_driver_takes_its_local_ray_processes_and_group_files_with_it():
+    process = subprocess.Popen([sys.executable, "-c", DRIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline() == "ready\n"
     driver = psutil.Process(process.pid)
-    below = [p for p in driver.children(recursive=True)]
+    below = driver.children(recursive=True)
     names = {p.name() for p in below}
     assert {"raylet", "gcs_server"} <= names and any("DeviceWorker" in " ".join(p.cmdline()) for p in below), names
     group_files = sorted(Path(tempfile.gettempdir()).glob(f"dovetail-group-{process.pid}-*"))
-    assert group_files, "the run's device group meets through a file named by its driver"
+    assert group_files, "the device group meets through a file named by its driver"
     process.kill()
     process.wait(timeout=30)
     deadline = time.monotonic() + 30

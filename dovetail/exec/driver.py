@@ -99,6 +99,7 @@ def train_on_ray(
     after_record=None,
     after_start=None,
     after_part=None,
+    reprofile: bool = False,
 ) -> dict:
     """Train every pipeline of the run from its first step up to `last_step` under config.policy; `logs` are the
     pipelines' `StepLog`s (metrics, eval, checkpoints, progress). Returns run-level figures for the summary.
@@ -119,7 +120,7 @@ def train_on_ray(
     if len(steps) != 1:
         raise ValueError(f"every pipeline of a run resumes from the same step; got {first_steps}")
     phase("profiling the devices and planning the step")
-    costs, prepared = prepare_run(config, steps.pop(), started)
+    costs, prepared = prepare_run(config, steps.pop(), started, reprofile)
     phase("first step")
     step_metrics = {name: StepMetrics(prepared.policy, name) for name in logs}
 

@@ -27,6 +27,7 @@ from dovetail.exec.metrics import summarize
 from dovetail.exec.pipeline import Ledger, pipeline_module
 from dovetail.exec.ray_executor import PipelineRun, RayExecutor
 from dovetail.exec.recovery import RECOVERY_DEADLINE_S, revive
+from dovetail.exec.startup_cache import cached
 from dovetail.exec.watchdog import remove_stale_group_files, start_watchdog
 from dovetail.exec.worker import DEVICE_RESOURCE, LOOPBACK, DeviceWorker, WorkerRestarted
 from dovetail.scenario import Prepared, Scenario, prepare, simulate
@@ -177,39 +178,57 @@ def start_workers(config: TrainConfig, trainer_states: dict[str, dict]) -> dict[
     return started
 
 
-def profiled_cost(config: TrainConfig, scenario: Scenario, workers: list) -> CostModel:
+def profiled_cost(config: TrainConfig, scenario: Scenario, workers: list, reprofile: bool = False) -> CostModel:
     """The cost model fitted to what the devices that hold the policy's engines measure (`profile_work`), all at
     once as they will run, the median over them; and to a role switch's round trip. Profiling also warms every
-    device's engines up, so the run's first step is like the others."""
-    compute = workers[: config.compute_devices]
-    profiles = ray.get([worker.profile.remote(config.runtime.profile_samples) for worker in compute])
-    # seconds are the median over devices; what describes the profiled work (e.g. response lengths) is the first's
-    measured = {
-        kind: statistics.median(p[kind] for p in profiles) if isinstance(value, float) else value
-        for kind, value in profiles[0].items()
-    }
-    # interference only adds time: a "fastest" figure is the best any device saw
-    measured |= {kind: min(profile[kind] for profile in profiles) for kind in profiles[0] if kind.endswith("_fastest")}
-    start = time.perf_counter()
-    ray.get(workers[0].switch_role.remote("rollout"))
-    measured["switch"] = time.perf_counter() - start
+    device's engines up, so the run's first step is like the others. Kept per machine and config
+    (`exec.startup_cache`): a run of a config profiled here before reads the figures unless `reprofile`."""
+
+    def measure() -> dict:
+        compute = workers[: config.compute_devices]
+        profiles = ray.get([worker.profile.remote(config.runtime.profile_samples) for worker in compute])
+        # seconds are the median over devices; what describes the profiled work (e.g. response lengths) is the first's
+        measured = {
+            kind: statistics.median(p[kind] for p in profiles) if isinstance(value, float) else value
+            for kind, value in profiles[0].items()
+        }
+        # interference only adds time: a "fastest" figure is the best any device saw
+        measured |= {kind: min(p[kind] for p in profiles) for kind in profiles[0] if kind.endswith("_fastest")}
+        start = time.perf_counter()
+        ray.get(workers[0].switch_role.remote("rollout"))
+        return measured | {"switch": time.perf_counter() - start}
+
+    measured = cached("profile", [config.model_dump(mode="json")], measure, reprofile)
     return pipeline_module(config.kind).fitted_cost(config, scenario, measured)
 
 
-def prepare_run(config: TrainConfig, steps: int, started: dict[str, Started]) -> tuple[dict[str, CostModel], Prepared]:
+def cached_interference(started: dict[str, Started], configs: dict, reprofile: bool) -> dict[tuple[str, str], float]:
+    """`measure_interference`, kept per machine and the run's pipeline configs (`exec.startup_cache`)."""
+
+    def measure() -> dict:
+        return {f"{kind}|{alongside}": s for (kind, alongside), s in measure_interference(started, configs).items()}
+
+    trees = [pipeline.model_dump(mode="json") for pipeline in configs.values()]
+    table = cached("interference", trees, measure, reprofile)
+    return {tuple(pair.split("|")): slowdown for pair, slowdown in table.items()}
+
+
+def prepare_run(
+    config: TrainConfig, steps: int, started: dict[str, Started], reprofile: bool = False
+) -> tuple[dict[str, CostModel], Prepared]:
     """Each pipeline's costs profiled on its own workers (one pipeline at a time, so the profiles do not slow each
     other); with several pipelines (a multiplexing policy: jigsaw, jigsaw-greedy), how much their work slows each
     other down on one device, measured there and put in every pipeline's cost model; then the policy's graph of every
-    pipeline."""
+    pipeline. Both measurements are kept per machine and config (`exec.startup_cache`) unless `reprofile`."""
     configs = pipeline_configs(config)
     for attempt in range(STARTUP_ATTEMPTS):
         try:
             costs = {
-                name: profiled_cost(pipeline, pipeline.scenario(steps), started[name].workers)
+                name: profiled_cost(pipeline, pipeline.scenario(steps), started[name].workers, reprofile)
                 for name, pipeline in configs.items()
             }
             if len(configs) > 1:
-                table = measure_interference(started, configs)
+                table = cached_interference(started, configs, reprofile)
                 costs = {name: cost.with_interference(table) for name, cost in costs.items()}
             break
         except (RayActorError, WorkerRestarted):  # a worker died while profiling: bring it back, profile again
