@@ -2,15 +2,20 @@
 
     .venv/bin/python benchmarks/learning_curves.py [dance_grpo] [--out DIR]
 
+* flow_grpo: FlowGRPO on the built-in digits model, 30 steps of the reference loop on digit_match: the held-out
+  eval reward must rise by 0.1.
 * dance_grpo: DanceGRPO (random 60 % of the timesteps per sample, shared group noise) on the built-in digits
   model, 30 steps of the reference loop: the held-out eval reward must rise by 0.1.
+* sort: configs/sort.yaml (verl-sync on 2 CPU devices, B=32 x G=8) for 30 steps: the held-out success rate must
+  rise by 0.05 (and the train reward of the last 5 steps beat the first 5's by 0.05).
 
-`make test` keeps one fast "it learns" test per kind (tests/test_train.py: FlowGRPO; tests/test_runtime_lm.py: LM
-GRPO under verl-sync); DanceGRPO's math is tested against the reference there too (tests/test_compat.py). Exits 1
-if a curve does not rise as it should.
+`make test` keeps one fast "it learns" test per kind (tests/test_train.py: FlowGRPO on brightness;
+tests/test_runtime_lm.py: LM GRPO under verl-sync on short completions); DanceGRPO's math is tested against the reference there too
+(tests/test_compat.py). Exits 1 if a curve does not rise as it should.
 """
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -18,6 +23,11 @@ from pathlib import Path
 
 from dovetail.config.train import load_config
 from dovetail.train import train
+
+
+def flow_grpo(out: Path) -> tuple[float, float, float]:
+    summary = train(load_config(None, ["eval.every=100", "checkpoint.every=100"]), out, steps=30)
+    return summary["base_eval_reward"], summary["final_eval_reward"], 0.1
 
 
 def dance_grpo(out: Path) -> tuple[float, float, float]:
@@ -28,7 +38,18 @@ def dance_grpo(out: Path) -> tuple[float, float, float]:
     return summary["base_eval_reward"], summary["final_eval_reward"], 0.1
 
 
-CURVES = {"dance_grpo": dance_grpo}
+def sort(out: Path) -> tuple[float, float, float]:
+    config = load_config("configs/sort.yaml", ["train.steps=30", "eval.every=30", "checkpoint.every=100"])
+    summary = train(config, out, steps=30)
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    first, last = (sum(m["reward/total"] for m in part) / 5 for part in (lines[:5], lines[-5:]))
+    if last < first + 0.05:
+        print(f"sort: train reward {first:.3f} -> {last:.3f} over the first and last 5 steps (needs +0.05)")
+        return summary["base_eval_reward"], -1.0, 0.05
+    return summary["base_eval_reward"], summary["final_eval_reward"], 0.05
+
+
+CURVES = {"flow_grpo": flow_grpo, "dance_grpo": dance_grpo, "sort": sort}
 
 
 def main() -> int:

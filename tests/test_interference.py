@@ -41,6 +41,7 @@ def uniform(slowdown: float) -> CostModel:
     return CostModel("H100").with_interference({(kind, alongside): slowdown for kind in Kind for alongside in Kind})
 
 
+@pytest.mark.serial
 @pytest.mark.usefixtures("local_ray")
 def test_two_pipelines_on_one_core_slow_each_other_down_as_time_slicing_does():
     """Two processes on one pinned core take turns: each is well over 1.3x slower beside the other, and together

@@ -253,10 +253,14 @@ def test_a_reward_failing_mid_run_stops_every_policy_saved_at_its_last_commit_in
 
 def test_tcss_trains_stale_samples_with_the_decoupled_correction_and_the_reward_rises(tmp_path):
     """One-step bounded asynchrony: the rollout device starts the next batch on the previous weights;
-    staleness never exceeds one version and training still improves the model."""
+    staleness never exceeds one version and training still improves the model (on a reward it learns in 10 steps;
+    the reference loop goes 0.33 -> 0.9 on it)."""
+    learnable = ["reward={brightness: 1.0}", "train.lr=3e-4", "algo.prompts_per_step=4", "algo.group_size=8"]
     config = load_config(
         None,
         [
+            *learnable,
+            "eval.per_digit=2",
             "policy=digen+tcss",
             "cluster.devices=2",
             "runtime.trainer_devices=1",
@@ -264,14 +268,14 @@ def test_tcss_trains_stale_samples_with_the_decoupled_correction_and_the_reward_
             "checkpoint.every=100",
         ],
     )
-    summary = train(config, tmp_path / "tcss", steps=30)
+    summary = train(config, tmp_path / "tcss", steps=10)
     lines = [json.loads(line) for line in (tmp_path / "tcss/metrics.jsonl").read_text().splitlines()]
     assert {m["staleness"] for m in lines} == {0, 1} and summary["max_staleness"] == 1
     ledger = json.loads((tmp_path / "tcss/ledger.json").read_text())
     assert ledger["problems"] == []
     versions = {(step, version) for step, _, _, _, version in ledger["generated"]}
     assert all(step - version in (0, 1) for step, version in versions)
-    assert summary["final_eval_reward"] >= summary["base_eval_reward"] + 0.1, summary
+    assert summary["final_eval_reward"] >= summary["base_eval_reward"] + 0.3, summary
 
 
 def test_devices_the_ray_instance_lacks_are_refused_with_the_fix(tmp_path):

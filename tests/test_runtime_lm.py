@@ -177,11 +177,12 @@ def test_bad_lm_input_is_one_line_with_the_fix_and_exit_code_2(override, message
     assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
 
 
-def test_lm_grpo_on_ray_raises_held_out_success(tmp_path):
-    """A short version of configs/sort.yaml: 30 steps of verl-sync on 2 devices (bitwise reproducible on CPU)."""
-    config = load_config("configs/sort.yaml", ["train.steps=30", "eval.every=30", "checkpoint.every=100"])
-    summary = train(config, tmp_path, steps=30)
-    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    first, last = (sum(m["reward/total"] for m in part) / 5 for part in (lines[:5], lines[-5:]))
-    assert last >= first + 0.05, (first, last)
-    assert summary["final_eval_reward"] >= summary["base_eval_reward"] + 0.05, summary
+def test_lm_grpo_on_ray_raises_a_learnable_reward(tmp_path):
+    """GRPO under verl-sync on 2 devices learns a toy reward (short completions) within 10 steps: the mean reward
+    of the last 3 steps beats the first 3's by 0.15 (the 30-step held-out curve of configs/sort.yaml is in
+    benchmarks/learning_curves.py)."""
+    overrides = ["kind=lm", "task=sort", "policy=verl-sync", "algo.prompts_per_step=8", "algo.group_size=8"]
+    overrides += ["train.lr=1e-3", "eval.every=100", "eval.prompts=8", "checkpoint.every=100"]
+    train(load_config(None, [*overrides, "reward={toy_rewards:short_completions: 1.0}"]), tmp_path, steps=10)
+    rewards = [json.loads(line)["reward/total"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sum(rewards[-3:]) / 3 >= sum(rewards[:3]) / 3 + 0.15, rewards
