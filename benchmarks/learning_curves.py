@@ -10,8 +10,8 @@
   rise by 0.05 (and the train reward of the last 5 steps beat the first 5's by 0.05).
 
 `make test` keeps one fast "it learns" test per kind (tests/test_train.py: FlowGRPO on brightness;
-tests/test_runtime_lm.py: LM GRPO under verl-sync on short completions); DanceGRPO's math is tested against the reference there too
-(tests/test_compat.py). Exits 1 if a curve does not rise as it should.
+tests/test_runtime_lm.py: LM GRPO under verl-sync on short completions); DanceGRPO's math is tested against the
+reference there too (tests/test_compat.py). Exits 1 if a curve does not rise as it should.
 """
 
 import argparse
