@@ -32,8 +32,10 @@ pytestmark = pytest.mark.usefixtures("local_ray")
 
 
 def run(name: str, tmp_root: Path, overrides: list[str], **kwargs) -> Path:
+    """A run of the module, which `test_simulator_replays_the_run_within_15_percent` replays: profiled afresh, so
+    that its profile and its steps see the machine under the same load (another test process shares the cores)."""
     out = tmp_root / name
-    train(load_config(None, COMMON + overrides), out, steps=STEPS, **kwargs)
+    train(load_config(None, COMMON + overrides), out, steps=STEPS, reprofile=True, **kwargs)
     RUNS[name] = out
     return out
 
