@@ -19,14 +19,13 @@ demo: $(STAMP)
 # path, oneDNN's SSE4.1): a comparison that held only for the kernels one machine picks would fail there.
 OTHER_KERNELS := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDNN_MAX_CPU_ISA=SSE41
 
-# Two test processes share the two cores (much of a test is one process's single-threaded work: a reference loop,
-# Ray starting); a test file stays in one process, so its fixtures are made once. Tests that time the cores run
-# alone afterwards.
+# Two test processes share the two cores (much of a test is one process's single-threaded work or waiting: a
+# reference loop, Ray starting, a worker restarting); a test file stays in one process, so its fixtures are made
+# once. Then, alone: the tests that time the cores, and the exactness tests on the other kernels.
 test: $(STAMP)
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 	HF_HUB_OFFLINE=1 $(PY) -m pytest tests -n 2 --dist loadfile -m "not serial"
-	HF_HUB_OFFLINE=1 $(PY) -m pytest tests -m serial
-	HF_HUB_OFFLINE=1 $(OTHER_KERNELS) $(PY) -m pytest tests -m exactness
+	HF_HUB_OFFLINE=1 $(OTHER_KERNELS) $(PY) -m pytest tests -m "serial or exactness"
 
 .PHONY: install demo test
