@@ -4,6 +4,7 @@ and what to change; never a traceback. `dovetail plan` stays fast on the 64-GPU 
 import json
 import time
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -160,6 +161,7 @@ def test_an_unknown_policy_in_a_scenario_is_named_when_it_is_read(tmp_path):
     assert result.exit_code == 2 and "schedule.policies: unknown policies ['fastest']" in result.output
 
 
+@pytest.mark.serial
 def test_plan_of_the_64_gpu_two_pipeline_scenario_takes_under_two_cpu_seconds():
     """CPU time of the process, not wall time: the machine is shared, its wall clock is not this code's."""
     scenario = load_scenario("jigsaw-64xa100")

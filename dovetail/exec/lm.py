@@ -165,13 +165,7 @@ class LMEngines(PipelineEngines):
         if isinstance(work, LMLogProbs):
             chosen = self._select(work.rollouts, work.samples)
             model = self.reference if work.reference else self.trainer
-            rows = group_log_probs(
-                model,
-                list(chosen),
-                lambda s: chosen[s].prompt,
-                lambda s: chosen[s].tokens,
-                self.config.sampling.temperature,
-            )
+            rows = group_log_probs(model, chosen, self.config.sampling.temperature)
             return LogProbs(list(chosen), [rows[s].cpu().numpy() for s in chosen])
         if isinstance(work, LMTrain):
             return self._train(work)

@@ -20,6 +20,7 @@ from itertools import groupby
 import torch
 
 from dovetail.graph.node import SampleId
+from dovetail.models.engine import Request
 
 
 def pad_batch(sequences: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,15 +64,14 @@ def by_group(samples: Sequence[SampleId]) -> list[list[SampleId]]:
     return [list(members) for _, members in groupby(sorted(samples), key=lambda s: (s.step, s.prompt))]
 
 
-def group_log_probs(
-    model, samples: Sequence[SampleId], prompt: Callable, response: Callable, temperature: float
-) -> dict[SampleId, torch.Tensor]:
-    """Each sample's response log-probs (`response_log_probs`, computed a group at a time), without grad."""
+def group_log_probs(model, requests: dict[SampleId, Request], temperature: float) -> dict[SampleId, torch.Tensor]:
+    """Each sampled response's log-probs (`response_log_probs`, computed a group at a time), without grad."""
     out = {}
     with torch.no_grad():
-        for group in by_group(samples):
+        for group in by_group(requests):
+            chosen = [requests[s] for s in group]
             log_probs, mask = response_log_probs(
-                model, [prompt(s) for s in group], [response(s) for s in group], temperature
+                model, [r.prompt for r in chosen], [r.tokens for r in chosen], temperature
             )
             out |= {s: row[m] for s, row, m in zip(group, log_probs, mask)}
     return out
