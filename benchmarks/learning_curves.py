@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dovetail.config.train import load_config
+from dovetail.config.load import load_config
 from dovetail.train import train
 
 

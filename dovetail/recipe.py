@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from dovetail.algo import group_advantages, select_train_timesteps
-from dovetail.config.train import FlowTrainConfig
+from dovetail.config.flow import FlowTrainConfig
 from dovetail.exec.pipeline import trainable_parameters
 from dovetail.graph.node import SampleId
 from dovetail.models.flow_rl import SDESettings, accumulate_policy_gradient

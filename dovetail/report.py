@@ -113,9 +113,10 @@ def plan(scenario: Scenario, devices: int, policies: list[str] | None = None) ->
     for name in names:
         policy_class(name)
     reward = scenario.schedule.reward_devices
-    if scenario.pipelines[0].kind == "flow" and devices - reward < 2:
+    needed = scenario.pipelines[0].min_plan_devices
+    if devices - reward < needed:
         raise ValueError(
-            f"--devices must be at least 2 (a rollout and a trainer pool) besides {reward} reward devices, "
+            f"--devices must be at least {needed} (a rollout and a trainer pool) besides {reward} reward devices, "
             f"got {devices}"
         )
     steps = search_horizon(scenario.schedule.steps)

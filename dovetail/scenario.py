@@ -16,7 +16,6 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dovetail.cost.catalog import device as lookup_device
-from dovetail.cost.catalog import diffusion_model, language_model
 from dovetail.cost.model import CostModel
 from dovetail.exec.sim import SimExecutor
 from dovetail.files import read_text
@@ -130,7 +129,7 @@ class Scenario(_Model):
             raise ValueError(f"pipelines: names must be unique, got {names}")
         for index, spec in enumerate(self.pipelines):
             try:
-                (diffusion_model if spec.kind == "flow" else language_model)(spec.model)
+                spec.catalogue_model()
             except ValueError as error:
                 raise ValueError(f"pipelines.{index}.model: {error}") from None
         check_pools(self.cluster.devices, self.schedule.trainer_devices, self.schedule.reward_devices, "schedule")

@@ -14,17 +14,11 @@ from pathlib import Path
 
 import torch
 
-from dovetail.config.train import (
-    ConfigError,
-    FlowTrainConfig,
-    LMTrainConfig,
-    MultiplexConfig,
-    PipelineConfig,
-    TrainConfig,
-    dump_config,
-    parse_config,
-    pipeline_configs,
-)
+from dovetail.config.common import ConfigError
+from dovetail.config.flow import FlowTrainConfig
+from dovetail.config.lm import LMTrainConfig
+from dovetail.config.load import dump_config, parse_config
+from dovetail.config.multiplex import MultiplexConfig, PipelineConfig, TrainConfig, pipeline_configs
 from dovetail.exec.driver import train_on_ray
 from dovetail.exec.lm import (
     LMEngines,
@@ -36,8 +30,9 @@ from dovetail.exec.lm import (
     task_prompts,
 )
 from dovetail.exec.messages import Decode, LMLogProbs, LMTrain, Prefill, Score
-from dovetail.exec.pipeline import pipeline_module, set_summed_gradient, weights_of
+from dovetail.exec.pipeline import set_summed_gradient, weights_of
 from dovetail.graph.node import SampleId
+from dovetail.kinds import kind
 from dovetail.models.diffusers_flow import checkpoint_io, load_decoder, load_flow_model
 from dovetail.models.engine import Request, TorchEngine
 from dovetail.models.flow_rl import commit, generate, group_sample_ids, step_prompts
@@ -172,7 +167,7 @@ class StepLog:
         config (which must allow this run's, `check_resumable`). Returns the log and the number of steps done."""
         name = config.pipeline_name
         progress.phase(name, "loading the model")
-        local = FlowLocal(config) if config.kind == "flow" else LMLocal(config)
+        local = kind(config.kind).load("local")(config)
         state = None if resume is None else load_checkpoint(resume, local.model, local.optimizer, local.load_weights)
         if state is not None and state["step"] >= last_step:
             raise NothingToTrain(
@@ -351,7 +346,7 @@ def train(
     pipelines = pipeline_configs(config)
     check_installed(sorted({logger for pipeline in pipelines.values() for logger in pipeline.logger}))
     for pipeline in pipelines.values():
-        pipeline_module(pipeline.kind).check_checkpoint(pipeline)
+        kind(pipeline.kind).load("check_checkpoint")(pipeline)
     out = Path(out)
     paths = {name: out / name if multiplexed else out for name in pipelines}
     resumes = {

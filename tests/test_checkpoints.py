@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from dovetail.cli import app
-from dovetail.config.train import load_config
+from dovetail.config.load import load_config
 from dovetail.rewards import RewardError
 from dovetail.run_dir import BrokenCheckpoint, NothingToTrain, RunDir, RunDirInUse, load_checkpoint, seal
 from dovetail.train import train

@@ -17,7 +17,8 @@ import yaml
 from safetensors.torch import load_file
 
 from dovetail.algo import sde_step
-from dovetail.config.train import DEFAULT_CHECKPOINT, ConfigError, dump_config, load_config, parse_config
+from dovetail.config.common import DEFAULT_CHECKPOINT, ConfigError
+from dovetail.config.load import dump_config, load_config, parse_config
 from dovetail.graph.node import SampleId
 from dovetail.models.flow_rl import SDESettings, generate, recompute_log_probs
 from dovetail.models.sampling import Trajectories, keyed_normal, sample_key

@@ -47,7 +47,7 @@ def test_one_group_decodes_no_faster_on_more_devices():
             "cluster": {"device": "H100", "devices": 4},
             "pipelines": [
                 {
-                    "kind": "llm",
+                    "kind": "lm",
                     "name": "one",
                     "model": "Qwen3-4B",
                     "batch": 1,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from dovetail.config.train import load_config
+from dovetail.config.load import load_config
 from dovetail.models.flow_rl import generate, group_sample_ids, step_prompts
 from dovetail.models.t2i import load_model, strict_fp32
 from dovetail.recipe import advantages_of, policy_gradient, sde_settings, step_timesteps

@@ -11,7 +11,8 @@ import ray
 from test_jigsaw_mixed import flow, llm, scenario
 from test_multiplex import FLOW, LM
 
-from dovetail.config.train import parse_config, pipeline_configs
+from dovetail.config.load import parse_config
+from dovetail.config.multiplex import pipeline_configs
 from dovetail.cost.calibration import DEFAULT
 from dovetail.cost.model import CostModel
 from dovetail.exec.driver import _fitted

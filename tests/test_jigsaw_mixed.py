@@ -24,7 +24,7 @@ def scenario(*pipelines: dict, devices: int = 4):
 
 def llm(name: str = "qwen", **changes) -> dict:
     return {
-        "kind": "llm",
+        "kind": "lm",
         "name": name,
         "model": "Qwen3-0.6B",
         "batch": 32,

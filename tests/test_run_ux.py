@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 
 import dovetail
 from dovetail.cli import app
-from dovetail.config.train import ConfigError, check_this_machine, load_config, ray_address
+from dovetail.config.common import ConfigError, ray_address
+from dovetail.config.load import check_this_machine, load_config
 from dovetail.exec import metrics as metrics_module
 from dovetail.run_dir import RunDir, load_checkpoint
 from dovetail.train import FlowLocal

@@ -16,7 +16,8 @@ import torch
 from conftest import train_until_the_reward_breaks
 from safetensors.torch import load_file
 
-from dovetail.config.train import DEFAULT_CHECKPOINT, load_config
+from dovetail.config.common import DEFAULT_CHECKPOINT
+from dovetail.config.load import load_config
 from dovetail.exec.messages import FlowTrain
 from dovetail.exec.replay import replay_run
 from dovetail.rewards import RewardError

@@ -83,7 +83,7 @@ llm_cases = st.fixed_dictionaries(
 def llm_scenario(case) -> Scenario:
     pipelines = [
         {
-            "kind": "llm",
+            "kind": "lm",
             "name": f"lm{i}",
             "model": case["model"],
             "batch": case["batch"],
@@ -272,4 +272,4 @@ def test_every_policy_s_chosen_shape_survives_a_run_profile_round_trip():
             rebuilt = shape_from_fields("flow", json.loads(json.dumps(asdict(shape))))
             assert rebuilt == shape and type(rebuilt) is type(shape)
     shapes = prepare(load_scenario("jigsaw-qwen3-4b-8xh100"), "jigsaw-greedy", steps=1).setup.shapes
-    assert all(shape_from_fields("llm", asdict(shape)) == shape for shape in shapes.values())
+    assert all(shape_from_fields("lm", asdict(shape)) == shape for shape in shapes.values())

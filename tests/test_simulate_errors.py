@@ -26,7 +26,7 @@ def llm(devices: int, model: str = "Qwen3-0.6B", tensor_parallel: int = 1, polic
             "cluster": {"device": "H100", "devices": devices},
             "pipelines": [
                 {
-                    "kind": "llm",
+                    "kind": "lm",
                     "name": "lm",
                     "model": model,
                     "batch": 32,
@@ -177,7 +177,7 @@ ROWS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthChe
 
 small = st.fixed_dictionaries(
     {
-        "kind": st.sampled_from(["flow", "llm"]),
+        "kind": st.sampled_from(["flow", "lm"]),
         "devices": st.integers(1, 4),
         "flow_model": st.sampled_from(["SD3.5-M", "FLUX.1-12B"]),
         "lm_model": st.sampled_from(["Qwen3-0.6B", "Qwen3-4B", "Qwen3-8B"]),

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dovetail.cli import app
-from dovetail.config.train import load_config
+from dovetail.config.load import load_config
 from dovetail.trackers import scalars
 from dovetail.train import train
 

@@ -35,7 +35,8 @@ from transformers import (
 from typer.testing import CliRunner
 
 from dovetail.cli import app
-from dovetail.config.train import ConfigError, load_config
+from dovetail.config.common import ConfigError
+from dovetail.config.load import load_config
 from dovetail.exec.pipeline import weights_of
 from dovetail.models.diffusers_flow import load_diffusers_checkpoint, load_flow_model, save_prompt_embeddings
 from dovetail.models.flow_rl import generate, group_sample_ids, step_prompts

@@ -52,8 +52,6 @@ class StepMetrics:
             f"reward/{name}": float(np.concatenate([s.scores[name] for s in scores]).mean())
             for name in scores[0].scores
         }
-        if run.config.kind == "flow":
-            metrics["timesteps"] = sorted({unit for t in trained for unit in t.units})
         metrics |= phase_seconds(executor, self.pipeline, graph_step) | {
             "grad_norm": grad_norm_of(commits),
             "samples_per_s": sum(len(s.samples) for s in scores) / window,

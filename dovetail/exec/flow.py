@@ -17,7 +17,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from dovetail.config.train import FlowTrainConfig
+from dovetail.config.flow import FlowTrainConfig
 from dovetail.cost.calibration import DEFAULT
 from dovetail.cost.catalog import diffusion_model
 from dovetail.cost.model import CostModel
@@ -304,6 +304,7 @@ class FlowAdapter(PipelineAdapter):
         }
         metrics["ratio_min"] = min(t.stats["ratio_min"] for t in trained)
         metrics["ratio_max"] = max(t.stats["ratio_max"] for t in trained)
+        metrics["timesteps"] = sorted({unit for t in trained for unit in t.units})
         return metrics
 
     def book(self, node: Node, part: Part, result, ledger) -> None:

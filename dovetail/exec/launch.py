@@ -19,17 +19,19 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from dovetail.config.train import MAX_PIPELINES, TrainConfig, pipeline_configs, ray_address
+from dovetail.config.common import MAX_PIPELINES, ray_address
+from dovetail.config.multiplex import TrainConfig, pipeline_configs
 from dovetail.cost.catalog import DEVICES, device
 from dovetail.cost.model import CostModel
 from dovetail.exec.interference import measure_interference
 from dovetail.exec.metrics import summarize
-from dovetail.exec.pipeline import Ledger, pipeline_module
+from dovetail.exec.pipeline import Ledger
 from dovetail.exec.ray_executor import PipelineRun, RayExecutor
 from dovetail.exec.recovery import RECOVERY_DEADLINE_S, revive
 from dovetail.exec.startup_cache import cached
 from dovetail.exec.watchdog import remove_stale_group_files, start_watchdog
 from dovetail.exec.worker import DEVICE_RESOURCE, LOOPBACK, DeviceWorker, WorkerRestarted
+from dovetail.kinds import kind
 from dovetail.scenario import Prepared, Scenario, prepare, simulate
 
 
@@ -199,7 +201,7 @@ def profiled_cost(config: TrainConfig, scenario: Scenario, workers: list, reprof
         return measured | {"switch": time.perf_counter() - start}
 
     measured = cached("profile", [config.model_dump(mode="json")], measure, reprofile)
-    return pipeline_module(config.kind).fitted_cost(config, scenario, measured)
+    return kind(config.kind).load("fit")(config, scenario, measured)
 
 
 def cached_interference(started: dict[str, Started], configs: dict, reprofile: bool) -> dict[tuple[str, str], float]:
@@ -257,7 +259,7 @@ def dry_run(config: TrainConfig, steps: int) -> dict:
     (the run, profiling its GPUs, may then choose another shape)."""
     configs = pipeline_configs(config)
     for pipeline in configs.values():
-        pipeline_module(pipeline.kind).check_checkpoint(pipeline)
+        kind(pipeline.kind).load("check_checkpoint")(pipeline)
     if config.policy == "reference":
         return {"policy": "reference"}
     device_bundle(config)
@@ -267,10 +269,12 @@ def dry_run(config: TrainConfig, steps: int) -> dict:
         torch.set_num_threads(1)
         costs = {}
         for name, pipeline in configs.items():
-            kind = pipeline_module(pipeline.kind)
-            measured = kind.profile_here(pipeline, carry=lambda weights: pickle.loads(pickle.dumps(weights)))
+            pipeline_kind = kind(pipeline.kind)
+            measured = pipeline_kind.load("profile")(
+                pipeline, carry=lambda weights: pickle.loads(pickle.dumps(weights))
+            )
             # no Ray round trip to time here
-            costs[name] = kind.fitted_cost(pipeline, pipeline.scenario(simulated), measured | {"switch": 0.0})
+            costs[name] = pipeline_kind.load("fit")(pipeline, pipeline.scenario(simulated), measured | {"switch": 0.0})
     prepared, trace = simulate(
         config.scenario(simulated),
         config.policy,

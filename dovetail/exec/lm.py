@@ -24,7 +24,7 @@ import ray
 import torch
 
 from dovetail.algo import decoupled_old_log_prob, group_advantages, lm_grpo_loss
-from dovetail.config.train import LMTrainConfig
+from dovetail.config.lm import LMTrainConfig
 from dovetail.cost.catalog import language_model
 from dovetail.cost.model import CostModel
 from dovetail.exec.interference import Span, time_work

@@ -11,7 +11,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib import import_module
 
 import numpy as np
 import ray
@@ -24,9 +23,6 @@ from dovetail.graph.node import Node, SampleId
 PROFILE_ROUNDS = 3
 """Rounds of the start-up profile. One round's small-pass fit swung with this machine's noise (a fitted half point
 of 0 made digen cut 8 fragments where 4 ran 1.4x faster)."""
-
-KINDS = {"flow": "dovetail.exec.flow", "lm": "dovetail.exec.lm"}
-"""Pipeline kind -> the module with its `Adapter` and `Engines` (imported on first use)."""
 
 
 @dataclass
@@ -177,10 +173,6 @@ class PipelineEngines(ABC):
         """Results of earlier nodes: a message's refs are not resolved by Ray, the worker gets them; a result
         that is no ref is itself (the LM reference loop runs the workers' work in-process)."""
         return [ray.get(r) if isinstance(r, ray.ObjectRef) else r for r in refs]
-
-
-def pipeline_module(kind: str):
-    return import_module(KINDS[kind])
 
 
 # ---------------------------------------------------------------- torch <-> what crosses Ray

@@ -12,7 +12,9 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dovetail.config.train import MAX_STEPS, ConfigError, TrainConfig, parse_config
+from dovetail.config.common import MAX_STEPS, ConfigError
+from dovetail.config.load import parse_config
+from dovetail.config.multiplex import TrainConfig
 from dovetail.cost.calibration import DEFAULT, Calibration
 from dovetail.cost.model import CostModel
 from dovetail.exec.metrics import time_per_step

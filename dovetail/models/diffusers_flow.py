@@ -283,7 +283,7 @@ def load_diffusers_flow(
     sample_size: int | None = None,
     guidance: float = 3.5,
 ) -> DiffusersFlow:
-    """The flow model of a diffusers directory (`config.train.ModelSection` has checked its layout), in eval mode.
+    """The flow model of a diffusers directory (`config.flow.ModelSection` has checked its layout), in eval mode.
     `sample_size`: latent pixels a side (None: the transformer's own, or FluxPipeline's default); `guidance`: a
     guidance-distilled FLUX's guidance."""
     path = Path(path).resolve()
@@ -475,7 +475,8 @@ def export_run(run: Path, step: int | None, out: Path) -> Path:
     """Export checkpoint `step` (None: the newest) of the run directory `run` into `out` (`export`), after checking
     it as a resume would (manifest, checksums, the weights fit the run's model). Returns the checkpoint exported.
     A run directory, step or output that will not do is a ValueError, one line naming it and the fix."""
-    from dovetail.config.train import ConfigError, load_config
+    from dovetail.config.common import ConfigError
+    from dovetail.config.load import load_config
     from dovetail.recipe import make_optimizer
     from dovetail.run_dir import BrokenCheckpoint, checkpoint_dirs, load_checkpoint
 

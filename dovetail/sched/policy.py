@@ -287,7 +287,10 @@ class Policy(ABC):
 
     name: ClassVar[str]
     pipeline_kinds: ClassVar[frozenset[str]]
-    """Kinds of pipeline (`flow`, `llm`) the policy can schedule."""
+    """Kinds of pipeline (`dovetail.kinds`: `flow`, `lm`) the policy can schedule."""
+    multiplexes: ClassVar[bool] = False
+    """Fits several pipelines' sub-stages together on one pool: a `kind: multiplex` run takes it (it runs one
+    pipeline alone too)."""
     supports_reward_pool: ClassVar[bool] = False
     """Whether it can give the reward engines their own devices (`Setup.reward_devices`)."""
     splits_pool: ClassVar[bool] = False
