@@ -6,9 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from dovetail.exec.metrics import summarize
+from dovetail.exec.plan import Searched, prepare, run_prepared, simulate
 from dovetail.graph.flow import FlowShape
 from dovetail.graph.llm import LLMShape
-from dovetail.scenario import Scenario, Searched, _run, prepare, simulate
+from dovetail.scenario import Scenario
 from dovetail.sched import policy_class
 from dovetail.sched.policy import search_horizon
 
@@ -133,7 +134,7 @@ def plan(scenario: Scenario, devices: int, policies: list[str] | None = None) ->
         rows = [(s.samples_per_s, s.step_time_s, s.shapes) for s in searched if s.horizon == steps]
         chosen = prepared.setup.shapes
         if not any(shapes == chosen for _, _, shapes in rows):  # no search, or the search ran nothing this long
-            trace = _run(scenario, prepared)
+            trace = run_prepared(scenario, prepared)
             rows.append((sum(r.samples for r in trace.steps) / trace.makespan, trace.makespan / steps, chosen))
         rows.sort(key=lambda row: -row[0])
         rate, step_s = next((r, s) for r, s, shapes in rows if shapes == chosen)

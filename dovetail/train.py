@@ -30,14 +30,14 @@ from dovetail.exec.lm import (
     task_prompts,
 )
 from dovetail.exec.messages import Decode, LMLogProbs, LMTrain, Prefill, Score
-from dovetail.exec.pipeline import set_summed_gradient, weights_of
 from dovetail.graph.node import SampleId
 from dovetail.kinds import kind
 from dovetail.models.diffusers_flow import checkpoint_io, load_decoder, load_flow_model
 from dovetail.models.engine import Request, TorchEngine
-from dovetail.models.flow_rl import commit, generate, group_sample_ids, step_prompts
+from dovetail.models.flow_rl import generate, group_sample_ids, step_prompts
 from dovetail.models.lm import load_lm, save_lm
 from dovetail.models.pretrain import latents_to_images
+from dovetail.models.training import commit, set_summed_gradient, weights_of
 from dovetail.prompts import train_prompts
 from dovetail.recipe import (
     advantages_of,

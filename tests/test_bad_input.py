@@ -25,12 +25,13 @@ from dovetail.config.flow import FlowTrainConfig
 from dovetail.config.lm import LMTrainConfig
 from dovetail.config.load import load_config, parse_config
 from dovetail.config.multiplex import MultiplexConfig
+from dovetail.exec.plan import prepare
 from dovetail.models.lm import ASSETS_DIR as ASSETS
 from dovetail.models.tokenizer import DEFAULT_ALPHABET
 from dovetail.report import compare
 from dovetail.rewards import REWARDS, RewardError, score
 from dovetail.rewards.text import TEXT_REWARDS, score_text
-from dovetail.scenario import Scenario, list_scenarios, load_scenario, parse_scenario, prepare
+from dovetail.scenario import Scenario, list_scenarios, load_scenario, parse_scenario
 
 runner = CliRunner()
 

@@ -9,8 +9,9 @@ import pytest
 from dovetail.cost.calibration import DEFAULT
 from dovetail.cost.catalog import device, diffusion_model, language_model
 from dovetail.cost.model import CostModel, lora_params
+from dovetail.exec.plan import simulate
 from dovetail.graph.node import Kind
-from dovetail.scenario import load_scenario, parse_scenario, simulate
+from dovetail.scenario import load_scenario, parse_scenario
 
 QWEN8B = language_model("Qwen3-8B")
 LLAMA8B = language_model("Llama-3.1-8B")

@@ -18,10 +18,10 @@ from dovetail.cost.model import CostModel
 from dovetail.exec.driver import _fitted
 from dovetail.exec.interference import SAME_PIPELINE, measure_interference
 from dovetail.exec.launch import start_workers
-from dovetail.exec.pipeline import trainer_state_of
+from dovetail.exec.plan import prepare, simulate
 from dovetail.exec.replay import fitted_calibration
 from dovetail.graph.node import Kind
-from dovetail.scenario import prepare, simulate
+from dovetail.models.training import trainer_state_of
 from dovetail.sched.jigsaw import phase_slowdowns, predict_completion
 from dovetail.train import FlowLocal, LMLocal
 

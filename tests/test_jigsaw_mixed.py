@@ -4,9 +4,10 @@ flow pipeline alone, and weigh pipelines by `priority` when their trainer work c
 import pytest
 from test_sim_properties import check_trace
 
+from dovetail.exec.plan import simulate
 from dovetail.graph.flow import FlowShape
 from dovetail.graph.node import Kind
-from dovetail.scenario import parse_scenario, simulate
+from dovetail.scenario import parse_scenario
 
 STEPS = 3
 

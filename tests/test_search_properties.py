@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 from dovetail.cost.catalog import device as lookup_device
 from dovetail.cost.model import CostModel
+from dovetail.exec.plan import Searched, prepare, run_prepared, simulate
 from dovetail.report import plan
-from dovetail.scenario import Scenario, Searched, _run, load_scenario, prepare, simulate
+from dovetail.scenario import Scenario, load_scenario
 from dovetail.sched import shape_from_fields
 from dovetail.sched.digen import Digen, trainer_layout
 from dovetail.sched.policy import search_horizon
@@ -109,7 +110,7 @@ def llm_scenario(case) -> Scenario:
 def check_never_loses_to_a_candidate(scenario: Scenario, policy: str) -> None:
     searched: list[Searched] = []
     prepared = prepare(scenario, policy, searched=searched)
-    chosen = rate(_run(scenario, prepared))
+    chosen = rate(run_prepared(scenario, prepared))
     final = [s for s in searched if s.horizon == search_horizon(scenario.schedule.steps)]
     assert final, "the search simulated its candidates over the run's steps"
     assert any(s.shapes == prepared.setup.shapes for s in final)

@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from dovetail.cli import app
+from dovetail.exec.plan import simulate
 from dovetail.report import compare, plan
-from dovetail.scenario import Scenario, load_scenario, simulate
+from dovetail.scenario import Scenario, load_scenario
 from dovetail.sched import POLICIES
 
 runner = CliRunner()

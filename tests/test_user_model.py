@@ -37,9 +37,9 @@ from typer.testing import CliRunner
 from dovetail.cli import app
 from dovetail.config.common import ConfigError
 from dovetail.config.load import load_config
-from dovetail.exec.pipeline import weights_of
 from dovetail.models.diffusers_flow import load_diffusers_checkpoint, load_flow_model, save_prompt_embeddings
 from dovetail.models.flow_rl import generate, group_sample_ids, step_prompts
+from dovetail.models.training import weights_of
 from dovetail.prompts import prompt_split, read_prompts
 from dovetail.recipe import sde_settings
 from dovetail.train import train

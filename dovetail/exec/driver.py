@@ -13,9 +13,9 @@ from ray.exceptions import RayError
 from dovetail.cost.calibration import DEFAULT
 from dovetail.exec.launch import make_executor, prepare_run, start_ray, start_workers
 from dovetail.exec.metrics import summarize, time_per_step
-from dovetail.exec.pipeline import load_trainer_state, trainer_state_of
 from dovetail.exec.ray_executor import RayExecutor
 from dovetail.graph.node import Kind
+from dovetail.models.training import load_trainer_state, trainer_state_of
 from dovetail.rewards import RewardError
 
 

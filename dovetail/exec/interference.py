@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING
 import ray
 import torch
 
-from dovetail.exec.pipeline import synchronize
 from dovetail.graph.flow import split
 from dovetail.kinds import kind
+from dovetail.models.training import synchronize
 
 if TYPE_CHECKING:
     from dovetail.config.multiplex import PipelineConfig

@@ -26,13 +26,14 @@ from dovetail.cost.model import CostModel
 from dovetail.exec.interference import measure_interference
 from dovetail.exec.metrics import summarize
 from dovetail.exec.pipeline import Ledger
+from dovetail.exec.plan import Prepared, prepare, simulate
 from dovetail.exec.ray_executor import PipelineRun, RayExecutor
 from dovetail.exec.recovery import RECOVERY_DEADLINE_S, revive
 from dovetail.exec.startup_cache import cached
 from dovetail.exec.watchdog import remove_stale_group_files, start_watchdog
 from dovetail.exec.worker import DEVICE_RESOURCE, LOOPBACK, DeviceWorker, WorkerRestarted
 from dovetail.kinds import kind
-from dovetail.scenario import Prepared, Scenario, prepare, simulate
+from dovetail.scenario import Scenario
 
 
 def device_bundle(config: TrainConfig) -> dict[str, float]:

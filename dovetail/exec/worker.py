@@ -26,11 +26,9 @@ import torch.distributed as dist
 
 from dovetail.config.load import parse_config
 from dovetail.exec.messages import Commit, LoadWeights, Trained, Work
-from dovetail.exec.pipeline import set_summed_gradient, trainer_state_of, weights_of
 from dovetail.exec.watchdog import group_file
 from dovetail.kinds import kind
-from dovetail.models.flow_rl import commit
-from dovetail.models.t2i import strict_fp32
+from dovetail.models.training import commit, set_summed_gradient, strict_fp32, trainer_state_of, weights_of
 
 DEVICE_RESOURCE = "dovetail_device"
 GROUP_TIMEOUT_S = 120

@@ -90,12 +90,6 @@ class TinyT2I(torch.nn.Module):
         self.load_state_dict(state)
 
 
-def strict_fp32() -> None:
-    """No TF32 in CUDA matmuls or convolutions: the fp32 engines then compute on a GPU what the CPU reference does."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-
-
 SIGMA_SCHEDULES = ("diffusers", "dance_grpo")
 
 
