@@ -26,7 +26,7 @@ from fault_injection import CONFIG, MOMENTS, SPREADS, Fault  # noqa: E402
 
 from dovetail.config.load import load_config  # noqa: E402
 from dovetail.exec.launch import start_local_ray  # noqa: E402
-from dovetail.train import train  # noqa: E402
+from dovetail.runner import train  # noqa: E402
 
 STEPS = 3
 

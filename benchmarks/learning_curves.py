@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from dovetail.config.load import load_config
-from dovetail.train import train
+from dovetail.runner import train
 
 
 def flow_grpo(out: Path) -> tuple[float, float, float]:

@@ -23,7 +23,7 @@ from pathlib import Path
 from dovetail.config.load import load_config
 from dovetail.exec.launch import dry_run
 from dovetail.exec.replay import replay_run
-from dovetail.train import train
+from dovetail.runner import train
 
 POLICIES = {
     "flow": ("reference", "colocated", "disaggregated", "digen", "digen+tcss"),

@@ -21,11 +21,11 @@ def train(
     `callbacks`: objects with `on_step(metrics, pipeline)` (each metrics.jsonl line) and / or
     `on_eval(evaluation, pipeline)` (`dovetail.trackers.Evaluation`, the base evaluation at step 0 included).
     A bad config raises `dovetail.config.common.ConfigError`; a directory holding another run `RunDirInUse` (unless
-    `overwrite`); Ctrl-C stops after the step in flight, saved, raising `dovetail.train.RunInterrupted`."""
+    `overwrite`); Ctrl-C stops after the step in flight, saved, raising `dovetail.runner.RunInterrupted`."""
     import copy
 
     from dovetail.config.load import apply_override, load_config, parse_config
-    from dovetail.train import train as run_training
+    from dovetail.runner import train as run_training
 
     if isinstance(config, str | Path):
         config = load_config(config, list(overrides))

@@ -83,8 +83,8 @@ def train(
     if dry_run:
         _print_dry_run(run_config, steps)
         return
-    from dovetail.train import RunInterrupted
-    from dovetail.train import train as run_training
+    from dovetail.runner import RunInterrupted
+    from dovetail.runner import train as run_training
 
     try:
         summary = run_training(run_config, out, steps=steps, resume=resume, overwrite=overwrite, reprofile=reprofile)
@@ -114,7 +114,7 @@ def _failure(error: BaseException, out: Path) -> str:
     import traceback
 
     from dovetail.exec.recovery import RecoveryTimeout
-    from dovetail.models.lm import one_line
+    from dovetail.files import one_line
     from dovetail.run_dir import checkpoint_dirs, disk_full
 
     log: Path | None = out / "error.log"
@@ -315,7 +315,7 @@ def export(
 ):
     """Write a run's checkpoint as a diffusers directory (save_pretrained layout, the trained transformer in
     transformer/) that from_pretrained loads; a LoRA run's adapter also in peft's layout in OUT/lora."""
-    from dovetail.models.diffusers_flow import export_run
+    from dovetail.export import export_run
 
     try:
         checkpoint = export_run(run, step, out)

@@ -33,7 +33,7 @@ class PipelineKind:
     check_checkpoint: str
     """`check_checkpoint(config)`: the run's checkpoint and model loadable, or one line saying what is wrong."""
     local: str
-    """The reference loop's model, engines and step in one process (`train.StepLog` drives it)."""
+    """The reference loop's model, engines and step in one process (`runner.StepLog` drives it)."""
     interference: tuple[str, ...]
     """Node kinds (`graph.node.Kind` values) of this pipeline whose slowdown beside other pipelines' work a
     multiplexed run measures (`exec.interference`)."""
@@ -61,7 +61,7 @@ KINDS: dict[str, PipelineKind] = {
             profile="dovetail.exec.flow:profile_here",
             fit="dovetail.exec.flow:fitted_cost",
             check_checkpoint="dovetail.exec.flow:check_checkpoint",
-            local="dovetail.train:FlowLocal",
+            local="dovetail.runner:FlowLocal",
             interference=("generate", "train"),
             creates_samples=("generate",),
             staged_baseline="colocated",
@@ -75,7 +75,7 @@ KINDS: dict[str, PipelineKind] = {
             profile="dovetail.exec.lm:profile_here",
             fit="dovetail.exec.lm:fitted_cost",
             check_checkpoint="dovetail.exec.lm:check_checkpoint",
-            local="dovetail.train:LMLocal",
+            local="dovetail.runner:LMLocal",
             interference=("decode", "logprob", "train"),
             creates_samples=("prefill",),
             staged_baseline="verl-sync",

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from dovetail.config.load import load_config
 from dovetail.rewards import RewardError
-from dovetail.train import train
+from dovetail.runner import train
 
 STEPS = 3
 pytestmark = pytest.mark.usefixtures("local_ray")

@@ -22,8 +22,8 @@ from dovetail.exec.plan import prepare, simulate
 from dovetail.exec.replay import fitted_calibration
 from dovetail.graph.node import Kind
 from dovetail.models.training import trainer_state_of
+from dovetail.runner import FlowLocal, LMLocal
 from dovetail.sched.jigsaw import phase_slowdowns, predict_completion
-from dovetail.train import FlowLocal, LMLocal
 
 ACROSS = {
     (kind, alongside)

@@ -21,8 +21,8 @@ from dovetail.config.load import load_config
 from dovetail.exec.messages import FlowTrain
 from dovetail.exec.replay import replay_run
 from dovetail.rewards import RewardError
+from dovetail.runner import train
 from dovetail.sched import policy_class
-from dovetail.train import train
 
 STEPS = 3
 COMMON = ["eval.every=100", "checkpoint.every=100", "cluster.devices=2"]

@@ -19,8 +19,8 @@ from dovetail.exec.launch import dry_run
 from dovetail.exec.messages import LMTrain, Prefill
 from dovetail.exec.replay import replay_run
 from dovetail.rewards import RewardError
+from dovetail.runner import train
 from dovetail.sched import policy_class
-from dovetail.train import train
 
 SMALL = [
     "kind=lm",

@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 from dovetail.cli import app
 from dovetail.config.load import load_config
+from dovetail.runner import train
 from dovetail.trackers import scalars
-from dovetail.train import train
 
 FAST = ["algo.prompts_per_step=4", "algo.group_size=4", "sampling.num_steps=6", "eval.per_digit=2"]
 STEPS = 3

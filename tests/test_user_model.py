@@ -42,7 +42,7 @@ from dovetail.models.flow_rl import generate, group_sample_ids, step_prompts
 from dovetail.models.training import weights_of
 from dovetail.prompts import prompt_split, read_prompts
 from dovetail.recipe import sde_settings
-from dovetail.train import train
+from dovetail.runner import train
 
 PROMPTS = ["a red cat", "a blue dog", "red house", "blue mat", "a green cat", "the red dog", "blue cat", "green mat"]
 LETTERS = sorted(set("".join(PROMPTS)))

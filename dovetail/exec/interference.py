@@ -21,20 +21,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import combinations
-from typing import TYPE_CHECKING
 
 import ray
 import torch
 
+from dovetail.config.multiplex import PipelineConfig
+from dovetail.exec.recovery import Started
 from dovetail.graph.flow import split
 from dovetail.kinds import kind
 from dovetail.models.training import synchronize
 
-if TYPE_CHECKING:
-    from dovetail.config.multiplex import PipelineConfig
-    from dovetail.exec.launch import Started
-
-"""The work of each kind of pipeline that jigsaw puts beside another pipeline's: its rollout and its trainer's."""
 UNIT_S = 0.2
 """Seconds of work (alone) in one timed repeat: many scheduler time slices, so that two processes taking turns on
 one core average out."""

@@ -28,7 +28,7 @@ from dovetail.exec.metrics import summarize
 from dovetail.exec.pipeline import Ledger
 from dovetail.exec.plan import Prepared, prepare, simulate
 from dovetail.exec.ray_executor import PipelineRun, RayExecutor
-from dovetail.exec.recovery import RECOVERY_DEADLINE_S, revive
+from dovetail.exec.recovery import Started
 from dovetail.exec.startup_cache import cached
 from dovetail.exec.watchdog import remove_stale_group_files, start_watchdog
 from dovetail.exec.worker import DEVICE_RESOURCE, LOOPBACK, DeviceWorker, WorkerRestarted
@@ -76,7 +76,7 @@ def start_ray(config: TrainConfig) -> None:
 
 @contextmanager
 def signal_handler_kept(signum: int):
-    """`ray.init` makes a driver's `signum` handler exit at once: the run's own (`train.Interrupt`: save the step in
+    """`ray.init` makes a driver's `signum` handler exit at once: the run's own (`runner.Interrupt`: save the step in
     flight, then stop) stays in place."""
     previous = signal.getsignal(signum)
     try:
@@ -145,25 +145,6 @@ def _workers(config: TrainConfig, slot: int) -> list:
         options |= {"num_gpus": share, "resources": {}} if "GPU" in bundle else {"resources": {DEVICE_RESOURCE: share}}
         workers.append(DeviceWorker.options(**options).remote(device_index))
     return workers[: config.cluster.devices]
-
-
-@dataclass
-class Started:
-    """A pipeline's workers, configured for the run, and its initial weights and trainer state in the object store."""
-
-    config: dict
-    """The pipeline's config dump, as its workers were configured (and a restarted one is again)."""
-    workers: list
-    pids: list[int]
-    """The process of each worker now: a new one is a restart (`recovery.revive`)."""
-    weights: ray.ObjectRef
-    trainer_state: ray.ObjectRef
-    restarts: list[tuple[float, int, str]] = field(default_factory=list)
-    """Devices that restarted before the run's first step (during the start-up profile), as the ledger keeps them."""
-
-    def revive(self, during: str) -> None:
-        for index in revive(self.workers, self.pids, self.config, self.trainer_state, RECOVERY_DEADLINE_S):
-            self.restarts.append((0.0, index, during))
 
 
 def start_workers(config: TrainConfig, trainer_states: dict[str, dict]) -> dict[str, Started]:

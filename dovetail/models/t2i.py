@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from dovetail.models.lm import one_line
+from dovetail.files import one_line
 
 VOCAB = ("<pad>", "digit", *[str(d) for d in range(10)])
 CHECKPOINT_DIR = Path(__file__).resolve().parent.parent / "assets"

@@ -9,7 +9,6 @@ import signal
 import sys
 import threading
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -561,16 +560,3 @@ def lm_evaluate(engines, config: LMTrainConfig) -> tuple[dict[str, float], list[
     return success | {f"reward/{name}": float(values.mean()) for name, values in scores.items()}, list(
         zip(prompts, completions)
     )
-
-
-class _CallableModule(types.ModuleType):
-    """Importing this module makes it the package's attribute `train`, where the Python API's function was
-    (`dovetail.train(config, ...)`, `dovetail.api.train`): so the module answers that call too."""
-
-    def __call__(self, *args, **kwargs) -> dict:
-        from dovetail import api
-
-        return api.train(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
