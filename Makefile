@@ -25,6 +25,7 @@ OTHER_KERNELS := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONED
 test: $(STAMP)
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
+	.venv/bin/mypy
 	HF_HUB_OFFLINE=1 $(PY) -m pytest tests -n 2 --dist loadfile -m "not serial"
 	HF_HUB_OFFLINE=1 $(OTHER_KERNELS) $(PY) -m pytest tests -m "serial or exactness"
 

@@ -357,7 +357,10 @@ def _restore(directory: Path, model, optimizer: torch.optim.Optimizer, load_weig
 
 def _verify(directory: Path) -> dict:
     """state.json of a checkpoint whose files are the ones its manifest lists and whose steps agree."""
-    step = int(STEP_DIR.fullmatch(directory.name)[1])
+    named = STEP_DIR.fullmatch(directory.name)
+    if named is None:
+        raise BrokenCheckpoint(f"{directory.name} is not a checkpoint's name (step_NNNNNN)")
+    step = int(named[1])
     manifest = _read_json(directory / MANIFEST)
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or manifest.get("step") != step:

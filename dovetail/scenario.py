@@ -225,7 +225,7 @@ class _Loader(yaml.SafeLoader):
         return super().compose_node(parent, index)
 
     def construct_mapping(self, node, deep=False):
-        first = {}
+        first: dict[object, yaml.Mark] = {}
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` overrides by design
                 continue

@@ -47,7 +47,7 @@ def group_advantages(
         elif std_scope == "global":
             scale = global_std + eps
         else:
-            scale = 1.0
+            scale = r.new_tensor(1.0)
         advantages[members] = (r - (r.mean() if baseline == "group" else rewards.mean())) / scale
     return advantages.clamp(-clip, clip).float()
 

@@ -109,6 +109,7 @@ def lm_grpo_loss(
         elif aggregation == "token":
             total, default_scale = masked.sum(), tokens
         else:
+            assert max_tokens is not None  # _check_settings refused drgrpo without it
             total, default_scale = masked.sum(), response.shape[0] * max_tokens
         return total / (loss_scale if loss_scale is not None else default_scale)
 

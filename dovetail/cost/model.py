@@ -532,7 +532,7 @@ def lora_params(model: LanguageModel | DiffusionModel, rank: int, targets: str) 
     if targets not in LORA_TARGETS:
         raise ValueError(f"LoRA targets {targets!r}: choose one of {', '.join(LORA_TARGETS)}")
     hidden, layers = model.hidden, model.layers
-    per_layer = 8 * hidden * rank
+    per_layer = 8.0 * hidden * rank
     if targets == "all-linear":
         matrices = 3 if isinstance(model, LanguageModel) else 2
         mlp_params = max(0.0, model.params / layers - 4 * hidden * hidden)

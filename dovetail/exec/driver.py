@@ -47,7 +47,7 @@ class StepMetrics:
         window = now - self.last_commit_time
         occupancy = window_occupancy(executor, self.last_commit_time, now)
         tag = self.policy.tag_decisions
-        metrics = run.adapter.step_metrics(scores, trained, executor, graph_step)
+        metrics = run.adapter.step_metrics(scores, trained)
         metrics |= {  # every reward, as the reference path logs them
             f"reward/{name}": float(np.concatenate([s.scores[name] for s in scores]).mean())
             for name in scores[0].scores

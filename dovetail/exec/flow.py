@@ -33,9 +33,9 @@ from dovetail.exec.messages import (
     Trajectories,
     Work,
 )
-from dovetail.exec.pipeline import PROFILE_ROUNDS, Part, PipelineAdapter, PipelineEngines
-from dovetail.exec.plan import prepare
-from dovetail.graph.node import Kind, Node, Role, SampleId
+from dovetail.exec.pipeline import PROFILE_ROUNDS, Part, PipelineAdapter, PipelineEngines, RunContext
+from dovetail.exec.plan import rollout_wake_s
+from dovetail.graph.node import Kind, Node, SampleId
 from dovetail.models import sampling
 from dovetail.models.diffusers_flow import check_prompt_table, load_decoder, load_flow_model
 from dovetail.models.flow_rl import accumulate_policy_gradient, generate, recompute_log_probs, step_prompts
@@ -239,7 +239,7 @@ class FlowAdapter(PipelineAdapter):
         from the sample's identity, so samples that train different timesteps share one train node's chunk."""
         return list(range(self.config.trained_timesteps))
 
-    def parts(self, node: Node, devices: tuple[int, ...], executor) -> list[Part]:
+    def parts(self, node: Node, devices: tuple[int, ...], run: RunContext) -> list[Part]:
         step = self.rl_step(node)
         pipeline = node.pipeline
         if node.kind == Kind.GENERATE:
@@ -248,8 +248,8 @@ class FlowAdapter(PipelineAdapter):
                 step_prompts(self.config.seed, step, self.config.algo.prompts_per_step, train_prompts(self.config)),
             )
             samples = [SampleId(step, p, i) for (_, p, i) in node.samples]
-            version = executor.state.started[(pipeline, node.step)]
-            weights = executor.weights(pipeline, version)
+            version = run.rollout_version(pipeline, node.step)
+            weights = run.weights(pipeline, version)
             return [
                 Part(
                     node.id,
@@ -258,7 +258,7 @@ class FlowAdapter(PipelineAdapter):
                 )
                 for device, ids in self.spread(samples, devices)
             ]
-        sources = executor.sources(node, (Kind.GENERATE, Kind.SCORE, Kind.LOGPROB))
+        sources = run.sources(node, (Kind.GENERATE, Kind.SCORE, Kind.LOGPROB))
         trajectories = sources[Kind.GENERATE]
         if node.kind == Kind.SCORE:
             return [Part(node.id, d, Score(pipeline, refs)) for d, refs in self.spread(trajectories, devices)]
@@ -270,7 +270,7 @@ class FlowAdapter(PipelineAdapter):
         if node.kind == Kind.TRAIN:
             chunk = units[node.chunk[0] : node.chunk[1]]
             samples = [SampleId(step, p, i) for (_, p, i) in node.samples]
-            stale = executor.state.started[(pipeline, node.step)] < node.version
+            stale = run.rollout_version(pipeline, node.step) < node.version
             return [
                 Part(
                     node.id,
@@ -290,7 +290,7 @@ class FlowAdapter(PipelineAdapter):
             ]
         raise ValueError(f"node {node.id}: a flow pipeline does not run {node.kind} nodes")
 
-    def step_metrics(self, scores: list[Scores], trained: list[Trained], executor, graph_step: int) -> dict:
+    def step_metrics(self, scores: list[Scores], trained: list[Trained]) -> dict:
         pairs = sum(len(t.samples) * len(t.units) for t in trained)
         metrics = {"reward/total": float(np.concatenate([s.scores["total"] for s in scores]).mean())}
         metrics |= {
@@ -323,9 +323,6 @@ def fitted_cost(config: FlowTrainConfig, scenario: Scenario, measured: dict[str,
     calibration = replace(DEFAULT, dit_half_mfu_tokens=max(half, 0.0))
 
     analytic = CostModel(config.cluster.device, calibration)
-    engines = prepare(scenario, config.policy, steps=1, cost=analytic, **config.shape_overrides()).setup.engines[
-        config.pipeline_name
-    ]
     predicted = {
         "generate": analytic.generate(model, samples, spec.height, spec.width, spec.denoising_steps),
         "score": analytic.rule_score(samples),
@@ -333,7 +330,7 @@ def fitted_cost(config: FlowTrainConfig, scenario: Scenario, measured: dict[str,
         "train": analytic.dit_train(model, samples, 1, tokens),
         "optimizer": analytic.optimizer_step(model.params),
         "publish": analytic.publish(model.params),
-        "switch": engines.wake_s[Role.ROLLOUT],
+        "switch": rollout_wake_s(scenario, analytic),
     }
     records = [(kind, predicted[kind], max(measured[kind], 1e-9)) for kind in predicted]
     return CostModel.from_measurements(config.cluster.device, records, calibration)

@@ -39,10 +39,10 @@ from dovetail.exec.messages import (
     Trained,
     Work,
 )
-from dovetail.exec.pipeline import PROFILE_ROUNDS, Part, PipelineAdapter, PipelineEngines
-from dovetail.exec.plan import prepare
+from dovetail.exec.pipeline import PROFILE_ROUNDS, Part, PipelineAdapter, PipelineEngines, RunContext
+from dovetail.exec.plan import rollout_wake_s
 from dovetail.graph.flow import split
-from dovetail.graph.node import Kind, Node, Role, SampleId
+from dovetail.graph.node import Kind, Node, SampleId
 from dovetail.models.engine import Request, SamplingParams, TorchEngine
 from dovetail.models.lm import load_lm, load_tokenizer, read_lm_config
 from dovetail.models.lm_rl import accumulate_group_gradients, by_group, group_log_probs, policy_gradient
@@ -281,7 +281,6 @@ def fitted_cost(config: LMTrainConfig, scenario: Scenario, measured: dict) -> Co
     cache), where a CPU core's engines stay resident and a switch is a round trip."""
     spec = scenario.pipelines[0]
     analytic = CostModel(config.cluster.device)
-    engines = prepare(scenario, config.policy, steps=1, cost=analytic, **config.shape_overrides()).setup.engines
     model = language_model(spec.model)
     prompts, lengths = measured["prompt_tokens"], measured["lengths"]
     full = [p + n for p, n in zip(prompts, lengths)]
@@ -293,7 +292,7 @@ def fitted_cost(config: LMTrainConfig, scenario: Scenario, measured: dict) -> Co
         "train": analytic.train(model, full),
         "optimizer": analytic.optimizer_step(model.params),
         "publish": analytic.publish(model.params),
-        "switch": engines[config.pipeline_name].wake_s[Role.ROLLOUT],
+        "switch": rollout_wake_s(scenario, analytic),
     }
     records = [(kind, predicted[kind], max(measured[kind], 1e-9)) for kind in predicted if predicted[kind] > 0]
     return CostModel.from_measurements(config.cluster.device, records)
@@ -326,29 +325,29 @@ class LMAdapter(PipelineAdapter):
     def units_of(self, sample: SampleId) -> list[int]:
         return [0]
 
-    def parts(self, node: Node, devices: tuple[int, ...], executor) -> list[Part]:
-        pipeline, graph = node.pipeline, executor.graph
-        version = executor.state.started[(pipeline, node.step)]
-        self._shape = executor.setup.shapes[pipeline]
+    def parts(self, node: Node, devices: tuple[int, ...], run: RunContext) -> list[Part]:
+        pipeline, graph = node.pipeline, run.graph
+        version = run.rollout_version(pipeline, node.step)
+        self._shape = run.shape_of(pipeline)
         if node.kind == Kind.PREFILL:
             step = self.rl_step(node)
             if step not in self._prompts:
                 self._prompts[step] = encode_prompts(self.config, self.tokenizer, task_prompts(self.config, step))
             samples = [SampleId(step, p, i) for (_, p, i) in node.samples]
             prompts = [self._prompts[step][s.prompt] for s in samples]
-            weights = executor.weights(pipeline, version)
+            weights = run.weights(pipeline, version)
             return [Part(node.id, devices[0], Prefill(pipeline, samples, prompts, self.first_step + version, weights))]
         if node.kind in (Kind.DECODE, Kind.MIGRATE):
-            weights = executor.weights(pipeline, version)
-            rollouts = executor.outputs_of(node.deps)
+            weights = run.weights(pipeline, version)
+            rollouts = run.outputs_of(node.deps)
             if node.kind == Kind.MIGRATE:  # the tail leaves its engines: re-prefilled here, one token decoded
                 return [
                     Part(node.id, devices[0], Decode(pipeline, rollouts, self._shape.migrate_at + 1, weights, True))
                 ]
             return [Part(node.id, devices[0], Decode(pipeline, rollouts, node.chunk[1], weights))]
         score = node if node.kind == Kind.SCORE else next(graph[d] for d in node.deps if graph[d].kind == Kind.SCORE)
-        rollouts = self._rollouts(score, executor)
-        samples = self._members(score, executor)
+        rollouts = self._rollouts(score, run)
+        samples = self._members(score, run)
         if node.kind == Kind.SCORE:
             return [Part(node.id, devices[0], Score(pipeline, rollouts, samples))]
         if node.kind == Kind.LOGPROB:
@@ -358,10 +357,10 @@ class LMAdapter(PipelineAdapter):
             ]
         if node.kind == Kind.TRAIN:
             logprobs = [graph[d] for d in node.deps if graph[d].kind == Kind.LOGPROB]
-            old = executor.outputs_of([n.id for n in logprobs if not n.reference])
-            ref = executor.outputs_of([n.id for n in logprobs if n.reference])
+            old = run.outputs_of([n.id for n in logprobs if not n.reference])
+            ref = run.outputs_of([n.id for n in logprobs if n.reference])
             stale = version < node.version
-            scores = executor.outputs_of([score.id])
+            scores = run.outputs_of([score.id])
             return [
                 Part(node.id, d, LMTrain(pipeline, ids, stale, rollouts, scores, old, ref))
                 for d, ids in self.spread_groups(samples, devices)
@@ -373,31 +372,31 @@ class LMAdapter(PipelineAdapter):
         spread = self.spread(by_group(samples), devices, keep_empty=True)
         return [(device, [sample for group in groups for sample in group]) for device, groups in spread]
 
-    def _rollouts(self, score: Node, executor) -> list:
+    def _rollouts(self, score: Node, run: RunContext) -> list:
         """The responses a micro-batch reads: the home engines' outputs at its level, and the migrated tail's after
         them (a response the tail finished replaces its paused copy)."""
-        graph = executor.graph
+        graph = run.graph
         ends = list(score.deps)
         if len(ends) == 1 and graph[ends[0]].shard is None:  # the migrated tail: its migrate node reads the homes
             migrate = graph[graph[ends[0]].deps[0]]
             ends = [*migrate.deps, *ends]
-        return executor.outputs_of(ends)
+        return run.outputs_of(ends)
 
-    def _members(self, score: Node, executor) -> list[SampleId]:
+    def _members(self, score: Node, run: RunContext) -> list[SampleId]:
         """A micro-batch's samples. Fixed micro-batches hold the graph's; streamed ones, with lengths learnt by
         decoding, hold the whole groups that finished by their level, in finishing order (`_assign`)."""
-        if not executor.setup.shapes[score.pipeline].stream:
+        if not run.shape_of(score.pipeline).stream:
             return [SampleId(self.rl_step(score), p, i) for (_, p, i) in score.samples]
-        return self._assign(score, executor)[score.id]
+        return self._assign(score, run)[score.id]
 
-    def _assign(self, score: Node, executor) -> dict[str, list[SampleId]]:
+    def _assign(self, score: Node, run: RunContext) -> dict[str, list[SampleId]]:
         """Whole groups to the step's streamed micro-batches, level by level up to the score's (a level: the decode
         nodes after which a micro-batch may start, ordered by their band's upper edge, the migrated tail last). A
         level's micro-batches take the groups finished by then and not taken before, shortest longest-response
         first, `B / micro_batches` each; the last level takes every group left. Sizes may differ from the planned
         ones (even be empty): the commit divides by the step's normaliser, so the gradient is the batch's whatever
         the split. Deterministic: a level reads only its own nodes' outputs and what the levels below took."""
-        graph, algo = executor.graph, self.config.algo
+        graph, algo = run.graph, self.config.algo
         per_micro = algo.prompts_per_step // algo.micro_batches
         levels: dict[tuple[str, ...], list[Node]] = {}
         for micro in graph.of(score.pipeline, score.step, Kind.SCORE):
@@ -409,7 +408,7 @@ class LMAdapter(PipelineAdapter):
             if micros[0].id in assignment:
                 continue
             groups: dict[int, list[Request]] = {}
-            for sample, request in requests_of(ray.get(self._rollouts(micros[0], executor))).items():
+            for sample, request in requests_of(ray.get(self._rollouts(micros[0], run))).items():
                 groups.setdefault(sample.prompt, []).append(request)
             finished = [
                 prompt
@@ -449,7 +448,7 @@ class LMAdapter(PipelineAdapter):
     def commit_scale(self, trained: list[Trained]) -> float:
         return commit_scale(trained)
 
-    def step_metrics(self, scores: list[Scores], trained: list[Trained], executor, graph_step: int) -> dict:
+    def step_metrics(self, scores: list[Scores], trained: list[Trained]) -> dict:
         return lm_step_metrics(self.config, scores, trained)
 
 

@@ -9,8 +9,9 @@ worker; `exec.flow` and `exec.lm` implement the rest.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import ray
@@ -18,8 +19,9 @@ import torch
 
 from dovetail.exec.messages import Work
 from dovetail.graph.flow import split
-from dovetail.graph.node import Node, SampleId
+from dovetail.graph.node import Graph, Kind, Node, SampleId
 from dovetail.models.training import flat_gradient, load_trainer_state
+from dovetail.sched.policy import Shape
 
 PROFILE_ROUNDS = 3
 """Rounds of the start-up profile. One round's small-pass fit swung with this machine's noise (a fitted half point
@@ -76,6 +78,28 @@ class Ledger:
         }
 
 
+class RunContext(Protocol):
+    """What an adapter may ask of the executor running its pipeline, and nothing more (the `RayExecutor` answers):
+    the graph, which weights a step's rollouts use, the results of finished nodes, and the step's shape."""
+
+    graph: Graph
+
+    def rollout_version(self, pipeline: str, step: int) -> int:
+        """The weights version the pipeline's graph step `step` opened on (its rollouts' version)."""
+
+    def weights(self, pipeline: str, version: int) -> ray.ObjectRef:
+        """The published weights of a version."""
+
+    def outputs_of(self, node_ids: Sequence[str]) -> list:
+        """The result refs of finished nodes, in the given order."""
+
+    def sources(self, node: Node, kinds: Sequence[Kind]) -> dict[Kind, list]:
+        """Result refs of the nodes of `kinds` of the node's step that it (transitively) reads."""
+
+    def shape_of(self, pipeline: str) -> Shape:
+        """The shape the pipeline's steps were cut with (`graph.llm.LLMShape`, `graph.flow.FlowShape`)."""
+
+
 class PipelineAdapter(ABC):
     """The driver side of one pipeline kind."""
 
@@ -88,7 +112,7 @@ class PipelineAdapter(ABC):
         return self.first_step + node.step
 
     @abstractmethod
-    def parts(self, node: Node, devices: tuple[int, ...], executor) -> list[Part]:
+    def parts(self, node: Node, devices: tuple[int, ...], run: RunContext) -> list[Part]:
         """The actor calls that carry out `node` on `devices` (not commit / publish, which the executor does)."""
 
     @abstractmethod
@@ -100,7 +124,7 @@ class PipelineAdapter(ABC):
         """What training a sample consists of (the ledger's units): its trained timesteps, or [0]."""
 
     @abstractmethod
-    def step_metrics(self, scores: list, trained: list, executor, graph_step: int) -> dict:
+    def step_metrics(self, scores: list, trained: list) -> dict:
         """The pipeline's own figures of a committed step (rewards, loss statistics) from its score and train
         results; the driver adds throughput, efficiency and staleness."""
 
@@ -125,7 +149,10 @@ class PipelineEngines(ABC):
     def __init__(self, config, device: torch.device) -> None:
         self.config = config
         self.device = device
-        self.trainer = self.optimizer = self.reference = self.rollout = None
+        self.trainer: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.reference: torch.nn.Module | None = None
+        self.rollout = None
         self.rollout_version: int | None = None
 
     @abstractmethod
@@ -135,9 +162,16 @@ class PipelineEngines(ABC):
     def part_gradient(self) -> torch.Tensor:
         """The flat gradient of the train work just run, in the precision the commit sums parts in; the trainer's
         own gradients are cleared. By default what backpropagation accumulated in the trainer (fp32)."""
-        gradient = flat_gradient(self.trainer)
-        self.trainer.zero_grad(set_to_none=True)
+        trainer, _ = self.held_trainer()
+        gradient = flat_gradient(trainer)
+        trainer.zero_grad(set_to_none=True)
         return gradient
+
+    def held_trainer(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """The trainer engine and its optimizer, on a device that holds them (trainer work goes only there)."""
+        if self.trainer is None or self.optimizer is None:
+            raise RuntimeError("this device holds no trainer engine (a reward device)")
+        return self.trainer, self.optimizer
 
     @abstractmethod
     def load_rollout(self, weights: dict[str, np.ndarray]) -> None:
@@ -166,8 +200,9 @@ class PipelineEngines(ABC):
 
     def load_trainer_state(self, state: dict) -> None:
         """Take over another replica's committed state (after a restart, or to join the trainer pool)."""
-        load_trainer_state(self.trainer, self.optimizer, state)
-        self.optimizer.zero_grad(set_to_none=True)
+        trainer, optimizer = self.held_trainer()
+        load_trainer_state(trainer, optimizer, state)
+        optimizer.zero_grad(set_to_none=True)
 
     @staticmethod
     def fetch(refs: list) -> list:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from dovetail.cost.catalog import device as lookup_device
 from dovetail.cost.model import CostModel
 from dovetail.exec.sim import SimExecutor
-from dovetail.graph.node import Graph
+from dovetail.graph.node import Engines, Graph, Node, Role
 from dovetail.scenario import Scenario
 from dovetail.sched import POLICIES, policy_class
 from dovetail.sched.policy import Policy, Setup
@@ -95,7 +95,9 @@ def prepare(
     costs = cost if isinstance(cost, Mapping) else {spec.name: cost for spec in scenario.pipelines}
     trainer_devices = shape_overrides.pop("trainer_devices", None) or scenario.schedule.trainer_devices
     reward_devices = scenario.schedule.reward_devices
-    nodes, engines, trainer_pools = [], {}, {}
+    nodes: list[Node] = []
+    engines: dict[str, Engines] = {}
+    trainer_pools: dict[str, int] = {}
     # Policies that give each pipeline its own slice of the pool (verl-sync, streamrl, areal) cut steps for it.
     pipeline_devices = devices // len(scenario.pipelines) if cls.splits_pool else devices - reward_devices
     if shapes is None:
@@ -190,3 +192,13 @@ def run_prepared(scenario: Scenario, prepared: Prepared):
         slowdown=prepared.setup.slowdown,
     )
     return executor.run(prepared.policy)
+
+
+def rollout_wake_s(scenario: Scenario, cost: CostModel) -> float:
+    """The cost model's wake of the first pipeline's rollout engine, as the scenario's first policy cuts it before
+    any search (what a start-up profile's measured role switch is fitted against; the rollout engine's footprint
+    does not depend on what a search tunes)."""
+    spec, schedule = scenario.pipelines[0], scenario.schedule
+    devices = scenario.cluster.devices - schedule.reward_devices
+    shape = policy_class(schedule.policies[0]).shape(spec, devices, schedule.trainer_devices, cost)
+    return shape.engines(spec, cost).wake_s[Role.ROLLOUT]

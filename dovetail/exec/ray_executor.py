@@ -114,9 +114,16 @@ class RayExecutor:
             return next(iter(self.pipelines.values())).workers[part.device]
         return self.run_of(part.node).workers[part.device]
 
+    # ------------------------------------------------------------ what adapters ask (exec.pipeline.RunContext)
     def weights(self, pipeline: str, version: int) -> ray.ObjectRef:
         """The published weights a pipeline's step opened on."""
         return self.pipelines[pipeline].versions[version]
+
+    def rollout_version(self, pipeline: str, step: int) -> int:
+        return self.state.started[(pipeline, step)]
+
+    def shape_of(self, pipeline: str):
+        return self.setup.shapes[pipeline]
 
     # ------------------------------------------------------------ the loop
     def run(self, policy: Policy) -> Trace:

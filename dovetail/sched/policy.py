@@ -12,7 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 from dovetail.cost.calibration import DEFAULT
 from dovetail.cost.model import CostModel
@@ -246,8 +246,10 @@ class CostTracker:
 
 
 class Shape(Protocol):
-    """How a policy cuts one pipeline's steps into nodes (`graph.flow.FlowShape`, `graph.llm.LLMShape`)."""
+    """How a policy cuts one pipeline's steps into nodes (`graph.flow.FlowShape`, `graph.llm.LLMShape`): a frozen
+    dataclass, so a shape is compared, stored (`dataclasses.asdict`) and varied (`dataclasses.replace`) by fields."""
 
+    __dataclass_fields__: ClassVar[dict[str, Any]]
     trainer_devices: int
 
     def build(self, spec: PipelineSpec, steps: int, cost: CostModel) -> list[Node]: ...
