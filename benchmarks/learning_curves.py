@@ -21,8 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from dovetail.config.train import load_config
-from dovetail.train import train
+from dovetail.config.load import load_config
+from dovetail.runner import train
 
 
 def flow_grpo(out: Path) -> tuple[float, float, float]:

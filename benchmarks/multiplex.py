@@ -139,7 +139,7 @@ def measure(arrangement: str, configs: dict[str, dict], out: Path) -> dict:
 
 def predicted(arrangement: str, configs: dict[str, dict], steps: int) -> float:
     """The simulator's aggregate samples/s for the arrangement (costs profiled in this process)."""
-    from dovetail.config.train import parse_config
+    from dovetail.config.load import parse_config
     from dovetail.exec.launch import dry_run
 
     if arrangement in ("jigsaw", "jigsaw-greedy"):

@@ -15,9 +15,10 @@ from dataclasses import replace
 from dovetail.cost.calibration import DEFAULT
 from dovetail.cost.model import CostModel
 from dovetail.exec.metrics import summarize
+from dovetail.exec.plan import prepare, simulate
 from dovetail.exec.sim import SimExecutor
 from dovetail.graph.node import Kind
-from dovetail.scenario import Scenario, list_scenarios, load_scenario, parse_scenario, prepare, simulate
+from dovetail.scenario import Scenario, list_scenarios, load_scenario, parse_scenario
 
 
 def ablated(scenario: Scenario, policy: str, change: dict, cost: CostModel | None = None, options=None):

@@ -20,10 +20,10 @@ import statistics
 import time
 from pathlib import Path
 
-from dovetail.config.train import load_config
+from dovetail.config.load import load_config
 from dovetail.exec.launch import dry_run
 from dovetail.exec.replay import replay_run
-from dovetail.train import train
+from dovetail.runner import train
 
 POLICIES = {
     "flow": ("reference", "colocated", "disaggregated", "digen", "digen+tcss"),

@@ -17,15 +17,15 @@ def train(
     """Train as `dovetail train` does and return the run's summary (what summary.json holds).
 
     `config`: a YAML path, a dict of config sections (as the YAML would hold them), or a config object
-    (`dovetail.config.train.load_config`); `overrides` dotted like the command line's (`["train.lr=1e-4"]`).
+    (`dovetail.config.load.load_config`); `overrides` dotted like the command line's (`["train.lr=1e-4"]`).
     `callbacks`: objects with `on_step(metrics, pipeline)` (each metrics.jsonl line) and / or
     `on_eval(evaluation, pipeline)` (`dovetail.trackers.Evaluation`, the base evaluation at step 0 included).
-    A bad config raises `dovetail.config.train.ConfigError`; a directory holding another run `RunDirInUse` (unless
-    `overwrite`); Ctrl-C stops after the step in flight, saved, raising `dovetail.train.RunInterrupted`."""
+    A bad config raises `dovetail.config.common.ConfigError`; a directory holding another run `RunDirInUse` (unless
+    `overwrite`); Ctrl-C stops after the step in flight, saved, raising `dovetail.runner.RunInterrupted`."""
     import copy
 
-    from dovetail.config.train import apply_override, load_config, parse_config
-    from dovetail.train import train as run_training
+    from dovetail.config.load import apply_override, load_config, parse_config
+    from dovetail.runner import train as run_training
 
     if isinstance(config, str | Path):
         config = load_config(config, list(overrides))

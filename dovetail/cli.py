@@ -11,6 +11,8 @@ from typing import NoReturn
 import typer
 from typer.exceptions import TyperException
 
+from dovetail.config.common import policies_by_kind
+
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 
 
@@ -32,7 +34,7 @@ def train(
     out: Path = typer.Option(Path("runs/latest"), help="run directory"),
     steps: int = typer.Option(None, help="train up to this many steps (default: train.steps)"),
     resume: Path = typer.Option(None, help="RUN_DIR or RUN_DIR/checkpoints/step_NNNNNN to continue from"),
-    policy: str = typer.Option(None, help="reference | colocated | disaggregated | digen (same as policy=...)"),
+    policy: str = typer.Option(None, help=f"same as policy=...; by the config's kind: {policies_by_kind()}"),
     devices: int = typer.Option(None, help="devices for the Ray runtime (same as cluster.devices=...)"),
     dry_run: bool = typer.Option(
         False, "--dry-run", help="check the config, checkpoint and devices, print the predicted plan; train nothing"
@@ -51,7 +53,9 @@ def train(
     Ctrl-C, SIGTERM (kill, systemd, Kubernetes, SLURM) and SIGHUP stop after the step in flight and save it, exit
     code 130 / 143 / 129 (a second signal stops at once). A run that fails says why in one line; the traceback is in
     RUN_DIR/error.log."""
-    from dovetail.config.train import MAX_STEPS, check_this_machine, load_config, pipeline_configs
+    from dovetail.config.common import MAX_STEPS
+    from dovetail.config.load import check_this_machine, load_config
+    from dovetail.config.multiplex import pipeline_configs
     from dovetail.graph.spec import MAX_DEVICES
     from dovetail.rewards import RewardError
     from dovetail.trackers import check_installed
@@ -79,8 +83,8 @@ def train(
     if dry_run:
         _print_dry_run(run_config, steps)
         return
-    from dovetail.train import RunInterrupted
-    from dovetail.train import train as run_training
+    from dovetail.runner import RunInterrupted
+    from dovetail.runner import train as run_training
 
     try:
         summary = run_training(run_config, out, steps=steps, resume=resume, overwrite=overwrite, reprofile=reprofile)
@@ -110,7 +114,7 @@ def _failure(error: BaseException, out: Path) -> str:
     import traceback
 
     from dovetail.exec.recovery import RecoveryTimeout
-    from dovetail.models.lm import one_line
+    from dovetail.files import one_line
     from dovetail.run_dir import checkpoint_dirs, disk_full
 
     log: Path | None = out / "error.log"
@@ -200,7 +204,7 @@ def pretrain(
     """Pretrain a tiny base model from random init: the text-to-image flow model, or a task's language model."""
     import torch
 
-    from dovetail.config.train import DEFAULT_CHECKPOINT, MAX_STEPS
+    from dovetail.config.common import DEFAULT_CHECKPOINT, MAX_STEPS
     from dovetail.models.lm import checkpoint_dir
     from dovetail.tasks import TASKS
 
@@ -311,7 +315,7 @@ def export(
 ):
     """Write a run's checkpoint as a diffusers directory (save_pretrained layout, the trained transformer in
     transformer/) that from_pretrained loads; a LoRA run's adapter also in peft's layout in OUT/lora."""
-    from dovetail.models.diffusers_flow import export_run
+    from dovetail.export import export_run
 
     try:
         checkpoint = export_run(run, step, out)

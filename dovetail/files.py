@@ -36,3 +36,10 @@ def read_text(path: Path, expected: str) -> str:
         raise ValueError(
             f"{path}: not UTF-8 text (byte {error.start} is {error.object[error.start]:#04x}); save it as UTF-8"
         ) from None
+
+
+def one_line(error: BaseException, limit: int = 300) -> str:
+    """An exception's message on one line, cut at `limit` characters: torch and pydantic write several lines (a
+    state dict that does not fit lists every tensor), an error for the user is one line."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -6,13 +6,13 @@ import numpy as np
 import torch
 
 from dovetail.algo import group_advantages, select_train_timesteps
-from dovetail.config.train import FlowTrainConfig
-from dovetail.exec.pipeline import trainable_parameters
+from dovetail.config.flow import FlowTrainConfig
 from dovetail.graph.node import SampleId
 from dovetail.models.flow_rl import SDESettings, accumulate_policy_gradient
 from dovetail.models.pretrain import latents_to_images
 from dovetail.models.sampling import keyed_normal, sample_key, sample_ode
 from dovetail.models.t2i import flow_sigmas
+from dovetail.models.training import trainable_parameters
 from dovetail.prompts import eval_prompts
 from dovetail.rewards import score
 

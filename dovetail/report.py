@@ -6,9 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from dovetail.exec.metrics import summarize
+from dovetail.exec.plan import Searched, prepare, run_prepared, simulate
 from dovetail.graph.flow import FlowShape
 from dovetail.graph.llm import LLMShape
-from dovetail.scenario import Scenario, Searched, _run, prepare, simulate
+from dovetail.scenario import Scenario
 from dovetail.sched import policy_class
 from dovetail.sched.policy import search_horizon
 
@@ -113,9 +114,10 @@ def plan(scenario: Scenario, devices: int, policies: list[str] | None = None) ->
     for name in names:
         policy_class(name)
     reward = scenario.schedule.reward_devices
-    if scenario.pipelines[0].kind == "flow" and devices - reward < 2:
+    needed = scenario.pipelines[0].min_plan_devices
+    if devices - reward < needed:
         raise ValueError(
-            f"--devices must be at least 2 (a rollout and a trainer pool) besides {reward} reward devices, "
+            f"--devices must be at least {needed} (a rollout and a trainer pool) besides {reward} reward devices, "
             f"got {devices}"
         )
     steps = search_horizon(scenario.schedule.steps)
@@ -132,7 +134,7 @@ def plan(scenario: Scenario, devices: int, policies: list[str] | None = None) ->
         rows = [(s.samples_per_s, s.step_time_s, s.shapes) for s in searched if s.horizon == steps]
         chosen = prepared.setup.shapes
         if not any(shapes == chosen for _, _, shapes in rows):  # no search, or the search ran nothing this long
-            trace = _run(scenario, prepared)
+            trace = run_prepared(scenario, prepared)
             rows.append((sum(r.samples for r in trace.steps) / trace.makespan, trace.makespan / steps, chosen))
         rows.sort(key=lambda row: -row[0])
         rate, step_s = next((r, s) for r, s, shapes in rows if shapes == chosen)

@@ -25,13 +25,13 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from dovetail.models.lm import one_line
-from dovetail.models.t2i import load_model, save_model
+from dovetail.files import one_line
 
 MANIFEST = "manifest.json"
 SEALED = ("model.safetensors", "config.json", "optimizer.pt", "rng.pt", "state.json")  # in every checkpoint
@@ -181,19 +181,16 @@ class RunDir:
         plt.close(fig)
 
     def save_checkpoint(
-        self, step: int, model, optimizer: torch.optim.Optimizer, state: dict, save_weights=None
+        self, step: int, model, optimizer: torch.optim.Optimizer, state: dict, save_weights: Callable[[Path], None]
     ) -> Path:
         """Write checkpoints/step_{step:06d}/ whole or not at all; `state` goes into its state.json beside the step.
-        `save_weights(directory)` writes the model in its own format (default: the flow model's)."""
+        `save_weights(directory)` writes the model in its own format (the pipeline kind's: `models` knows them)."""
         final = self.checkpoints / f"step_{step:06d}"
         partial = self.checkpoints / f".partial-{final.name}"
         shutil.rmtree(partial, ignore_errors=True)  # left by a crash in the middle of saving this step
         try:
             partial.mkdir(parents=True)
-            if save_weights is None:
-                save_model(model, partial)
-            else:
-                save_weights(partial)
+            save_weights(partial)
             torch.save(optimizer.state_dict(), partial / "optimizer.pt")
             torch.save({"torch": torch.get_rng_state()}, partial / "rng.pt")
             (partial / "state.json").write_text(json.dumps({"step": step} | state))
@@ -293,10 +290,10 @@ def seal(directory: Path, step: int) -> None:
     _fsync(directory)
 
 
-def load_checkpoint(path: Path | str, model, optimizer: torch.optim.Optimizer, load_weights=None) -> dict:
+def load_checkpoint(path: Path | str, model, optimizer: torch.optim.Optimizer, load_weights: Callable) -> dict:
     """Restore weights, optimizer and RNG state in place from a checkpoint directory, or from the newest intact
     checkpoint of a run directory (a line on stderr for each newer one skipped); returns its state.json.
-    `load_weights(directory)` reads the model of a checkpoint in its own format (default: the flow model's)."""
+    `load_weights(directory)` reads the model of a checkpoint in its own format (the pipeline kind's)."""
     path = Path(path)
     if STEP_DIR.fullmatch(path.name):
         if not path.is_dir():
@@ -325,12 +322,12 @@ def load_checkpoint(path: Path | str, model, optimizer: torch.optim.Optimizer, l
     raise FileNotFoundError(f"no checkpoint at {path}: {NO_CHECKPOINT}")
 
 
-def _restore(directory: Path, model, optimizer: torch.optim.Optimizer, load_weights) -> dict:
+def _restore(directory: Path, model, optimizer: torch.optim.Optimizer, load_weights: Callable) -> dict:
     """Load one checkpoint into the model, optimizer and RNG; everything is read and checked before any of them
     changes, so a broken checkpoint (BrokenCheckpoint) leaves them as they were."""
     state = _verify(directory)
     try:
-        weights = (load_weights or load_model)(directory).state_dict()
+        weights = load_weights(directory).state_dict()
     except (ValueError, FileNotFoundError) as error:  # the loaders' one-line errors name the file
         raise BrokenCheckpoint(str(error)) from None
     expected = model.state_dict()

@@ -6,8 +6,6 @@ Shipped scenarios live in `dovetail/scenarios/*.yaml`; `load_scenario` takes a s
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any
@@ -16,14 +14,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dovetail.cost.catalog import device as lookup_device
-from dovetail.cost.catalog import diffusion_model, language_model
-from dovetail.cost.model import CostModel
-from dovetail.exec.sim import SimExecutor
 from dovetail.files import read_text
-from dovetail.graph.node import Graph
 from dovetail.graph.spec import MAX_DEVICES, FlowSpec, LLMSpec
-from dovetail.sched import POLICIES, policy_class
-from dovetail.sched.policy import Policy, Setup
+from dovetail.sched import POLICIES
 
 MAX_SIMULATED_STEPS = 1000
 """RL steps one simulation runs: a step of a large scenario takes the simulator up to a second or so."""
@@ -130,7 +123,7 @@ class Scenario(_Model):
             raise ValueError(f"pipelines: names must be unique, got {names}")
         for index, spec in enumerate(self.pipelines):
             try:
-                (diffusion_model if spec.kind == "flow" else language_model)(spec.model)
+                spec.catalogue_model()
             except ValueError as error:
                 raise ValueError(f"pipelines.{index}.model: {error}") from None
         check_pools(self.cluster.devices, self.schedule.trainer_devices, self.schedule.reward_devices, "schedule")
@@ -281,180 +274,3 @@ def read_yaml(path: Path) -> Any:
     """A YAML file's value, or a one-line ValueError naming the file and what to fix: every way a config or
     scenario file can be unreadable ends here, never in a traceback (or a hang: `files.read_text`)."""
     return parse_yaml(read_text(path, "a YAML file"), str(path))
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """Everything an executor needs to run one policy on a scenario."""
-
-    graph: Graph
-    setup: Setup
-    policy: Policy
-
-
-def refuse_fixed_fields(scenario: Scenario, policy: str) -> None:
-    """A field the scenario sets away from its default that the policy decides itself (`Policy.fixes`) is refused by
-    name, with the policies that honour it: a plan must never silently be something else than what the file says."""
-    fixes = policy_class(policy).fixes
-    sections = [(f"pipelines.{i}", spec) for i, spec in enumerate(scenario.pipelines)] + [
-        ("schedule", scenario.schedule)
-    ]
-    for section, values in sections:
-        for field, why in fixes.items():
-            if field not in type(values).model_fields:
-                continue
-            value = getattr(values, field)
-            if value == type(values).model_fields[field].default:
-                continue
-            honour = [
-                name
-                for name in sorted(POLICIES)
-                if field not in policy_class(name).fixes
-                and all(spec.kind in policy_class(name).pipeline_kinds for spec in scenario.pipelines)
-            ]
-            raise ValueError(
-                f"{section}.{field}={value}: policy {policy} {why}, so it cannot honour it; remove the field"
-                + (f" or simulate {', '.join(honour)}" if honour else "")
-            )
-
-
-@dataclass(frozen=True)
-class Searched:
-    """One candidate a policy's search simulated: its shapes, over how many steps, and what it achieved."""
-
-    policy: str
-    shapes: dict
-    horizon: int
-    samples_per_s: float
-    step_time_s: float
-
-
-def prepare(
-    scenario: Scenario,
-    policy: str,
-    *,
-    steps: int | None = None,
-    devices: int | None = None,
-    options: dict | None = None,
-    shapes: dict | None = None,
-    cost: CostModel | Mapping[str, CostModel] | None = None,
-    searched: list | None = None,
-    **shape_overrides,
-) -> Prepared:
-    """Build the sub-stage graph the policy wants for every pipeline, the engines' footprints, and the policy.
-    `options` go to the policy (e.g. {"tag": False});
-    `shapes` (pipeline -> shape) fixes every pipeline's shape; otherwise `shape_overrides` (fragments, tsp_chunk,
-    trainer_devices...) replace what the policy would choose. `cost` replaces the analytic cost model, for every
-    pipeline or per pipeline name (the Ray runtime passes each pipeline's, corrected by costs profiled on its own
-    devices); the pool has one interference table (`Setup.slowdown`), the first pipeline's cost model's. A policy that
-    searches simulates its candidates here; `searched` (a list), when given, receives a `Searched` for each (what
-    `dovetail plan` shows)."""
-    cls = policy_class(policy)
-    for spec in scenario.pipelines:
-        if spec.kind not in cls.pipeline_kinds:
-            raise ValueError(
-                f"policy {policy} schedules {'/'.join(sorted(cls.pipeline_kinds))} pipelines; "
-                f"pipeline {spec.name!r} is a {spec.kind} pipeline"
-            )
-    refuse_fixed_fields(scenario, policy)
-    devices = devices or scenario.cluster.devices
-    steps = steps or scenario.schedule.steps
-    cost = cost or CostModel(scenario.cluster.device)
-    costs = cost if isinstance(cost, Mapping) else {spec.name: cost for spec in scenario.pipelines}
-    trainer_devices = shape_overrides.pop("trainer_devices", None) or scenario.schedule.trainer_devices
-    reward_devices = scenario.schedule.reward_devices
-    nodes, engines, trainer_pools = [], {}, {}
-    # Policies that give each pipeline its own slice of the pool (verl-sync, streamrl, areal) cut steps for it.
-    pipeline_devices = devices // len(scenario.pipelines) if cls.splits_pool else devices - reward_devices
-    if shapes is None:
-        shapes = {
-            spec.name: cls.shape(spec, pipeline_devices, trainer_devices, costs[spec.name])
-            for spec in scenario.pipelines
-        }
-        if reward_devices and cls.supports_reward_pool:
-            shapes = cls.with_reward_pool(scenario.pipelines, shapes)
-        if shape_overrides:
-            shapes = {name: replace(shape, **shape_overrides) for name, shape in shapes.items()}
-        else:
-            # A policy that plans pipelines together rolls the simulator forward a bounded horizon per candidate.
-            def forecast(candidate: dict, horizon: int) -> float:
-                trace = _run(
-                    scenario,
-                    prepare(
-                        scenario, policy, steps=horizon, devices=devices, options=options, shapes=candidate, cost=cost
-                    ),
-                )
-                rate = sum(r.samples for r in trace.steps) / trace.makespan
-                if searched is not None:
-                    searched.append(Searched(policy, candidate, horizon, rate, trace.makespan / horizon))
-                return rate
-
-            shapes = cls.plan_shapes(
-                scenario.pipelines,
-                shapes,
-                costs,
-                forecast,
-                steps=steps,
-                devices=pipeline_devices,
-                trainer_devices=trainer_devices,
-                options=options or {},
-            )
-    for spec in scenario.pipelines:
-        shape = shapes[spec.name]
-        nodes += shape.build(spec, steps, costs[spec.name])
-        engines[spec.name] = shape.engines(spec, costs[spec.name])
-        trainer_pools[spec.name] = shape.trainer_devices
-    capacity = lookup_device(scenario.cluster.device).memory_bytes / 1e9
-    for node in nodes:
-        need = engines[node.pipeline].resident_gb.get(node.role, 0.0) + node.memory_gb
-        if need > capacity:
-            raise ValueError(
-                f"pipeline {node.pipeline}: {node.kind} needs {need:.0f} GB per device under {policy} "
-                "(engine + working "
-                f"memory), more than a {scenario.cluster.device}'s {capacity:.0f} GB; use more "
-                "devices or set offload: true"
-            )
-    setup = Setup(
-        devices=devices,
-        memory_gb=capacity,
-        engines=engines,
-        trainer_devices=next(iter(trainer_pools.values()))
-        if len(set(trainer_pools.values())) == 1
-        else trainer_devices,
-        reward_devices=reward_devices,
-        trainer_groups={name: size for name, size in trainer_pools.items() if size is not None},
-        options=options or {},
-        priorities={spec.name: spec.priority for spec in scenario.pipelines},
-        shapes=shapes,
-        max_staleness=cls.max_staleness,
-        node_size=costs[scenario.pipelines[0].name].device.node_size,
-        slowdown=costs[scenario.pipelines[0].name].calibration.slowdown,
-    )
-    return Prepared(Graph(nodes), setup, cls(setup))
-
-
-def simulate(
-    scenario: Scenario,
-    policy: str,
-    *,
-    steps: int | None = None,
-    devices: int | None = None,
-    options: dict | None = None,
-    cost: CostModel | None = None,
-    **shape_overrides,
-):
-    """Prepare and simulate one policy on a scenario; returns (Prepared, Trace). Shared devices slow each
-    other down by the cost model's interference table (`Setup.slowdown`); `cost` replaces the analytic cost model."""
-    prepared = prepare(scenario, policy, steps=steps, devices=devices, options=options, cost=cost, **shape_overrides)
-    return prepared, _run(scenario, prepared)
-
-
-def _run(scenario: Scenario, prepared: Prepared):
-    executor = SimExecutor(
-        prepared.graph,
-        prepared.setup,
-        seed=scenario.schedule.seed,
-        noise=scenario.schedule.noise,
-        slowdown=prepared.setup.slowdown,
-    )
-    return executor.run(prepared.policy)

@@ -53,7 +53,7 @@ def train_until_the_reward_breaks(flag: Path, config, pipeline: str, steps: int,
     pipeline's first step is committed; the run must stop on a RewardError with exactly one checkpoint. Returns the
     checkpoint's name, the steps committed (metrics lines) and the error's message."""
     from dovetail.rewards import RewardError
-    from dovetail.train import train
+    from dovetail.runner import train
 
     def break_reward_once_a_step_is_committed(executor, part):
         if executor.committed_steps(pipeline):

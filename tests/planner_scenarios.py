@@ -1,5 +1,5 @@
 """Planner scenarios for the simulator tests, built from a few keyword overrides: one flow or language-model
-pipeline's fields (`flow_pipeline`, `llm_pipeline`) and a scenario around them (`scenario`). A test file writes down
+pipeline's fields (`flow_pipeline`, `lm_pipeline`) and a scenario around them (`scenario`). A test file writes down
 only what its tests depend on."""
 
 from dovetail.scenario import Scenario, parse_scenario
@@ -17,8 +17,8 @@ FLOW = {
 }
 """A text-to-image pipeline of SD3.5-M at 512x512: 8 prompts of 4 samples, 3 of 10 denoising steps trained."""
 
-LLM = {
-    "kind": "llm",
+LM = {
+    "kind": "lm",
     "name": "lm",
     "model": "Qwen3-0.6B",
     "batch": 32,
@@ -35,9 +35,9 @@ def flow_pipeline(**changes) -> dict:
     return {**FLOW, **changes}
 
 
-def llm_pipeline(**changes) -> dict:
-    """LLM with `changes` (any language-model pipeline field)."""
-    return {**LLM, **changes}
+def lm_pipeline(**changes) -> dict:
+    """LM with `changes` (any language-model pipeline field)."""
+    return {**LM, **changes}
 
 
 def scenario(

@@ -20,20 +20,18 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from dovetail.cli import app, main
-from dovetail.config.train import (
-    ConfigError,
-    FlowTrainConfig,
-    LMTrainConfig,
-    MultiplexConfig,
-    load_config,
-    parse_config,
-)
+from dovetail.config.common import ConfigError
+from dovetail.config.flow import FlowTrainConfig
+from dovetail.config.lm import LMTrainConfig
+from dovetail.config.load import load_config, parse_config
+from dovetail.config.multiplex import MultiplexConfig
+from dovetail.exec.plan import prepare
 from dovetail.models.lm import ASSETS_DIR as ASSETS
 from dovetail.models.tokenizer import DEFAULT_ALPHABET
 from dovetail.report import compare
 from dovetail.rewards import REWARDS, RewardError, score
 from dovetail.rewards.text import TEXT_REWARDS, score_text
-from dovetail.scenario import Scenario, list_scenarios, load_scenario, parse_scenario, prepare
+from dovetail.scenario import Scenario, list_scenarios, load_scenario, parse_scenario
 
 runner = CliRunner()
 
@@ -255,7 +253,7 @@ def merged(tree, changes):
         # what the run config refuses, a scenario refuses by the same rule
         ("digen-flux-16", {"pipelines": [{"group": 1}]}, "pipelines.0.flow.group"),
         ("digen-flux-16", {"pipelines": [{"name": ""}]}, "pipelines.0.flow.name"),
-        ("jigsaw-qwen3-4b-8xh100", {"pipelines": [{"group": 1}]}, "pipelines.0.llm.group"),
+        ("jigsaw-qwen3-4b-8xh100", {"pipelines": [{"group": 1}]}, "pipelines.0.lm.group"),
         ("jigsaw-qwen3-4b-8xh100", {"pipelines": [{"length_bands": [0]}]}, "length_bands=[0, 2048, 4096] must be"),
         ("jigsaw-qwen3-4b-8xh100", {"pipelines": [{"max_length": 4096}]}, "between 1 and max_length - 1 = 4095"),
     ],

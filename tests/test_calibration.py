@@ -5,9 +5,10 @@ from collections import defaultdict
 
 import pytest
 
+from dovetail.exec.plan import prepare
 from dovetail.exec.sim import SimExecutor
 from dovetail.graph.llm import stage
-from dovetail.scenario import load_scenario, prepare
+from dovetail.scenario import load_scenario
 
 
 def simulate(name: str, policy: str):

@@ -4,7 +4,8 @@ Sources are named in each scenario file."""
 
 import pytest
 
-from dovetail.scenario import list_scenarios, load_scenario, simulate
+from dovetail.exec.plan import simulate
+from dovetail.scenario import list_scenarios, load_scenario
 
 PUBLISHED = [name for name in list_scenarios() if load_scenario(name).published is not None]
 

@@ -17,10 +17,11 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from dovetail.cli import app
-from dovetail.config.train import load_config
+from dovetail.config.load import load_config
+from dovetail.models.t2i import load_model
 from dovetail.rewards import RewardError
 from dovetail.run_dir import BrokenCheckpoint, NothingToTrain, RunDir, RunDirInUse, load_checkpoint, seal
-from dovetail.train import train
+from dovetail.runner import train
 
 FLOW = [
     "policy=reference",
@@ -279,7 +280,7 @@ def test_a_save_that_fails_midway_leaves_no_checkpoint(tmp_path):
         run.save_checkpoint(1, model, optimizer, {}, disk_full)
     assert not step_dir(tmp_path, 1).exists()
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
-        load_checkpoint(tmp_path, model, optimizer)
+        load_checkpoint(tmp_path, model, optimizer, load_model)
 
 
 def test_a_reward_failing_mid_run_under_reference_saves_the_last_step_and_the_run_resumes(

@@ -9,7 +9,8 @@ from sklearn.datasets import load_digits
 from typer.testing import CliRunner
 
 from dovetail.cli import app
-from dovetail.config.train import ConfigError, load_config
+from dovetail.config.common import ConfigError
+from dovetail.config.load import load_config
 from dovetail.recipe import step_timesteps
 from dovetail.rewards import REWARDS, RewardError, score
 from dovetail.rewards.text import score_text

@@ -10,8 +10,9 @@ import pytest
 from dovetail.cost.calibration import DEFAULT
 from dovetail.cost.catalog import device, diffusion_model, language_model
 from dovetail.cost.model import CostModel, lora_params
+from dovetail.exec.plan import simulate
 from dovetail.graph.node import Kind
-from dovetail.scenario import load_scenario, parse_scenario, simulate
+from dovetail.scenario import load_scenario, parse_scenario
 
 QWEN8B = language_model("Qwen3-8B")
 LLAMA8B = language_model("Llama-3.1-8B")
@@ -42,7 +43,7 @@ def test_a_wider_tail_engine_is_not_free():
 def test_one_group_decodes_no_faster_on_more_devices():
     """One group of two ~900-token responses at TP 1 takes the same time on 4, 8 and 32 H100s (a group decodes on
     one engine, and the engine is one device)."""
-    pipeline = planner_scenarios.llm_pipeline(
+    pipeline = planner_scenarios.lm_pipeline(
         name="one",
         model="Qwen3-4B",
         batch=1,

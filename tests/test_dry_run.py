@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from dovetail.config.train import load_config
+from dovetail.config.load import load_config
 from dovetail.exec.launch import dry_run
 
 

@@ -10,9 +10,9 @@ import torch
 from fault_injection import CONFIG, Fault
 from safetensors.torch import load_file
 
-from dovetail.config.train import load_config
+from dovetail.config.load import load_config
 from dovetail.rewards import RewardError
-from dovetail.train import train
+from dovetail.runner import train
 
 STEPS = 3
 pytestmark = pytest.mark.usefixtures("local_ray")

@@ -11,18 +11,19 @@ import ray
 from test_jigsaw_mixed import flow, llm, scenario
 from test_multiplex import FLOW, LM
 
-from dovetail.config.train import parse_config, pipeline_configs
+from dovetail.config.load import parse_config
+from dovetail.config.multiplex import pipeline_configs
 from dovetail.cost.calibration import DEFAULT
 from dovetail.cost.model import CostModel
 from dovetail.exec.driver import _fitted
 from dovetail.exec.interference import SAME_PIPELINE, measure_interference
 from dovetail.exec.launch import start_workers
-from dovetail.exec.pipeline import trainer_state_of
+from dovetail.exec.plan import prepare, simulate
 from dovetail.exec.replay import fitted_calibration
 from dovetail.graph.node import Kind
-from dovetail.scenario import prepare, simulate
+from dovetail.models.training import trainer_state_of
+from dovetail.runner import FlowLocal, LMLocal
 from dovetail.sched.jigsaw import phase_slowdowns, predict_completion
-from dovetail.train import FlowLocal, LMLocal
 
 ACROSS = {
     (kind, alongside)

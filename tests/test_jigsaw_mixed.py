@@ -5,9 +5,9 @@ import planner_scenarios
 import pytest
 from test_sim_properties import check_trace
 
+from dovetail.exec.plan import simulate
 from dovetail.graph.flow import FlowShape
 from dovetail.graph.node import Kind
-from dovetail.scenario import simulate
 
 STEPS = 3
 
@@ -17,7 +17,7 @@ def scenario(*pipelines: dict, devices: int = 4):
 
 
 def llm(name: str = "qwen", **changes) -> dict:
-    return planner_scenarios.llm_pipeline(**{"name": name, "length_bands": [1024, 2048], **changes})
+    return planner_scenarios.lm_pipeline(**{"name": name, "length_bands": [1024, 2048], **changes})
 
 
 def flow(name: str = "sd", **changes) -> dict:

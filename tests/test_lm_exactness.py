@@ -6,12 +6,12 @@ reference loop's one part. `make test` runs this on two kernel settings."""
 import pytest
 import torch
 
-from dovetail.config.train import load_config
+from dovetail.config.load import load_config
 from dovetail.exec.lm import LMEngines, commit_scale, encode_prompts, task_prompts
 from dovetail.exec.messages import Decode, LMLogProbs, LMTrain, Prefill, Score
-from dovetail.exec.pipeline import set_summed_gradient, weights_of
 from dovetail.graph.node import SampleId
 from dovetail.models.lm_rl import by_group
+from dovetail.models.training import set_summed_gradient, weights_of
 
 torch.set_num_threads(1)
 PROMPTS, GROUP = 6, 4

@@ -10,10 +10,11 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from dovetail.config.train import ConfigError, parse_config
+from dovetail.config.common import ConfigError
+from dovetail.config.load import parse_config
 from dovetail.exec.messages import LMTrain
 from dovetail.exec.replay import replay_run
-from dovetail.train import train
+from dovetail.runner import train
 
 STEPS = 3
 LM = {

@@ -10,10 +10,11 @@ from dovetail.cost.calibration import DEFAULT
 from dovetail.cost.catalog import diffusion_model
 from dovetail.cost.model import CostModel
 from dovetail.exec.metrics import summarize
+from dovetail.exec.plan import prepare, run_prepared, simulate
 from dovetail.exec.state import ClusterState, DecisionError
 from dovetail.graph.flow import FlowShape, build_flow
 from dovetail.graph.node import Graph, Kind, Node, Role
-from dovetail.scenario import _run, load_scenario, prepare, simulate
+from dovetail.scenario import load_scenario
 from dovetail.sched.digen import Digen, predict_makespan
 from dovetail.sched.policy import Engines, Run, Setup, StartStep, SwitchRole
 
@@ -245,7 +246,7 @@ def test_trainer_devices_lent_under_tcss_load_the_step_s_older_weights():
     one version behind; it loads that version first (same bytes as a publication) and never mixes them."""
     wan = load_scenario("digen-wan-16")
     prepared = prepare(wan, "digen+tcss", shapes={"wan": FlowShape(64, 12, False, 12)}, cost=FAST_NETWORK)
-    trace = _run(wan, prepared)
+    trace = run_prepared(wan, prepared)
     trainers = set(prepared.policy.trainer_pool)
     lent = [s for s in trace.spans if s.kind == "generate" and s.device in trainers]
     assert prepared.policy.tag_decisions and any(s.step - s.version == 1 for s in lent)

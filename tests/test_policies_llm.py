@@ -8,8 +8,9 @@ from collections import Counter
 import pytest
 
 from dovetail.exec.metrics import summarize
+from dovetail.exec.plan import simulate
 from dovetail.graph.node import Kind, Node, Role
-from dovetail.scenario import load_scenario, simulate
+from dovetail.scenario import load_scenario
 from dovetail.sched.policy import CostTracker
 
 LLM_POLICIES = ["verl-sync", "streamrl", "areal", "jigsaw", "jigsaw-greedy"]

@@ -17,10 +17,11 @@ from typer.testing import CliRunner
 
 import dovetail
 from dovetail.cli import app
-from dovetail.config.train import ConfigError, check_this_machine, load_config, ray_address
+from dovetail.config.common import ConfigError, ray_address
+from dovetail.config.load import check_this_machine, load_config
 from dovetail.exec import metrics as metrics_module
 from dovetail.run_dir import RunDir, load_checkpoint
-from dovetail.train import FlowLocal
+from dovetail.runner import FlowLocal
 
 FAST = ["algo.prompts_per_step=4", "algo.group_size=4", "sampling.num_steps=6", "eval.per_digit=2"]
 STEP_LINE = re.compile(
@@ -164,7 +165,9 @@ def test_a_real_full_disk_while_saving_is_one_line_and_keeps_the_previous_checkp
         assert f"--resume {out}`" in line
         assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000001"]
         local = FlowLocal(load_config(None, overrides))
-        assert load_checkpoint(out, local.model, local.optimizer)["step"] == 1  # the manifest and every file check
+        assert (
+            load_checkpoint(out, local.model, local.optimizer, local.load_weights)["step"] == 1
+        )  # the manifest and every file check
     finally:
         subprocess.run(["umount", "--lazy", str(disk)], check=True)  # lazy: a failed write may hold a file open
 
@@ -185,7 +188,7 @@ def undocumented(keys) -> list[str]:
 
 @pytest.mark.usefixtures("local_ray")
 def test_every_metric_is_documented_and_ray_logs_what_reference_logs(tmp_path):
-    from dovetail.train import train
+    from dovetail.runner import train
 
     runs = {}
     for policy in ("reference", "colocated"):
@@ -261,7 +264,7 @@ class Recorder:
 
 
 def test_the_python_api_trains_a_config_dict_with_callbacks(tmp_path):
-    import dovetail.train  # noqa: F401 - the module takes the package's name `train`, and still trains when called
+    import dovetail.runner  # noqa: F401 - importing every module leaves the package's `train` the API's function
 
     recorder = Recorder()
     tree = {"algo": {"prompts_per_step": 4, "group_size": 4}, "sampling": {"num_steps": 6}, "eval": {"per_digit": 2}}
@@ -296,7 +299,7 @@ def test_resume_reads_an_older_checkpoint_config_with_the_fields_added_since_at_
     """A checkpoint written before `sampling.shift` existed (its state.json's config lacks it, sealed again)
     resumes: a field it never had, at its default now, is not a difference."""
     from dovetail.run_dir import seal
-    from dovetail.train import train
+    from dovetail.runner import train
 
     config = load_config(None, [*FAST, "eval.every=100"])
     train(config, tmp_path, steps=1)
@@ -327,7 +330,7 @@ def test_ctrl_c_under_a_ray_policy_saves_the_committed_weights_of_its_last_step(
     stops at holds the committed weights of that step, equal to the reference path's after as many steps."""
     from safetensors.torch import load_file
 
-    from dovetail.train import RunInterrupted, train
+    from dovetail.runner import RunInterrupted, train
 
     out = tmp_path / "colocated"
     config = load_config(None, [*FAST, "policy=colocated", "eval.every=100", "checkpoint.every=100"])

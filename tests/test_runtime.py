@@ -16,12 +16,13 @@ import torch
 from conftest import train_until_the_reward_breaks
 from safetensors.torch import load_file
 
-from dovetail.config.train import DEFAULT_CHECKPOINT, load_config
+from dovetail.config.common import DEFAULT_CHECKPOINT
+from dovetail.config.load import load_config
 from dovetail.exec.messages import FlowTrain
 from dovetail.exec.replay import replay_run
 from dovetail.rewards import RewardError
+from dovetail.runner import train
 from dovetail.sched import policy_class
-from dovetail.train import train
 
 STEPS = 3
 COMMON = ["eval.every=100", "checkpoint.every=100", "cluster.devices=2"]

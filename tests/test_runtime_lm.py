@@ -13,13 +13,14 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from dovetail.cli import app
-from dovetail.config.train import ConfigError, load_config
+from dovetail.config.common import ConfigError
+from dovetail.config.load import load_config
 from dovetail.exec.launch import dry_run
 from dovetail.exec.messages import LMTrain, Prefill
 from dovetail.exec.replay import replay_run
 from dovetail.rewards import RewardError
+from dovetail.runner import train
 from dovetail.sched import policy_class
-from dovetail.train import train
 
 SMALL = [
     "kind=lm",

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from dovetail.cost.catalog import device as lookup_device
 from dovetail.cost.model import CostModel
+from dovetail.exec.plan import Searched, prepare, run_prepared, simulate
 from dovetail.report import plan
-from dovetail.scenario import Scenario, Searched, _run, load_scenario, prepare, simulate
+from dovetail.scenario import Scenario, load_scenario
 from dovetail.sched import shape_from_fields
 from dovetail.sched.digen import Digen, trainer_layout
 from dovetail.sched.policy import search_horizon
@@ -78,7 +79,7 @@ llm_cases = st.fixed_dictionaries(
 
 def llm_scenario(case) -> Scenario:
     pipelines = [
-        planner_scenarios.llm_pipeline(
+        planner_scenarios.lm_pipeline(
             name=f"lm{i}",
             model=case["model"],
             batch=case["batch"],
@@ -100,7 +101,7 @@ def llm_scenario(case) -> Scenario:
 def check_never_loses_to_a_candidate(scenario: Scenario, policy: str) -> None:
     searched: list[Searched] = []
     prepared = prepare(scenario, policy, searched=searched)
-    chosen = rate(_run(scenario, prepared))
+    chosen = rate(run_prepared(scenario, prepared))
     final = [s for s in searched if s.horizon == search_horizon(scenario.schedule.steps)]
     assert final, "the search simulated its candidates over the run's steps"
     assert any(s.shapes == prepared.setup.shapes for s in final)
@@ -263,4 +264,4 @@ def test_every_policy_s_chosen_shape_survives_a_run_profile_round_trip():
             rebuilt = shape_from_fields("flow", json.loads(json.dumps(asdict(shape))))
             assert rebuilt == shape and type(rebuilt) is type(shape)
     shapes = prepare(load_scenario("jigsaw-qwen3-4b-8xh100"), "jigsaw-greedy", steps=1).setup.shapes
-    assert all(shape_from_fields("llm", asdict(shape)) == shape for shape in shapes.values())
+    assert all(shape_from_fields("lm", asdict(shape)) == shape for shape in shapes.values())

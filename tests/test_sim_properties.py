@@ -7,10 +7,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dovetail.exec.plan import prepare
 from dovetail.exec.sim import SimExecutor
 from dovetail.exec.trace import Trace
 from dovetail.graph.node import Graph, Kind, Node, Role
-from dovetail.scenario import Scenario, prepare
+from dovetail.scenario import Scenario
 from dovetail.sched.policy import Begin, Engines, Migrate, Policy, Run, Setup, StartStep, SwitchRole, VersionPublished
 
 EPS = 1e-6

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from dovetail.cli import app
+from dovetail.exec.plan import simulate
 from dovetail.report import compare, plan
-from dovetail.scenario import Scenario, load_scenario, simulate
+from dovetail.scenario import Scenario, load_scenario
 from dovetail.sched import POLICIES
 
 runner = CliRunner()
@@ -21,7 +22,7 @@ LONGEST_LINE = 500
 
 
 def llm(devices: int, model: str = "Qwen3-0.6B", tensor_parallel: int = 1, policies=("verl-sync",)) -> Scenario:
-    pipeline = planner_scenarios.llm_pipeline(
+    pipeline = planner_scenarios.lm_pipeline(
         model=model,
         prompt_length=150,
         lengths={"kind": "lognormal", "median": 220, "sigma": 1.0},
@@ -146,7 +147,7 @@ ROWS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthChe
 
 small = st.fixed_dictionaries(
     {
-        "kind": st.sampled_from(["flow", "llm"]),
+        "kind": st.sampled_from(["flow", "lm"]),
         "devices": st.integers(1, 4),
         "flow_model": st.sampled_from(["SD3.5-M", "FLUX.1-12B"]),
         "lm_model": st.sampled_from(["Qwen3-0.6B", "Qwen3-4B", "Qwen3-8B"]),

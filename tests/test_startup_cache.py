@@ -2,7 +2,7 @@
 config on the same machine, and measured again when anything that changes a device's seconds changes, or when
 asked to."""
 
-from dovetail.config.train import load_config
+from dovetail.config.load import load_config
 from dovetail.exec.startup_cache import cached, key_of
 
 

@@ -10,9 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from dovetail.cli import app
-from dovetail.config.train import load_config
+from dovetail.config.load import load_config
+from dovetail.runner import train
 from dovetail.trackers import scalars
-from dovetail.train import train
 
 FAST = ["algo.prompts_per_step=4", "algo.group_size=4", "sampling.num_steps=6", "eval.per_digit=2"]
 STEPS = 3

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dovetail.config.train import load_config
-from dovetail.train import train, with_steps
+from dovetail.config.load import load_config
+from dovetail.runner import train, with_steps
 
 FAST = ["algo.prompts_per_step=6", "algo.group_size=6", "sampling.num_steps=8", "eval.per_digit=6"]
 

@@ -19,13 +19,14 @@ from tiny_pipelines import PROMPTS, tiny_flux_pipeline
 from typer.testing import CliRunner
 
 from dovetail.cli import app
-from dovetail.config.train import ConfigError, load_config
-from dovetail.exec.pipeline import weights_of
+from dovetail.config.common import ConfigError
+from dovetail.config.load import load_config
 from dovetail.models.diffusers_flow import load_diffusers_checkpoint, load_flow_model, save_prompt_embeddings
 from dovetail.models.flow_rl import generate, group_sample_ids, step_prompts
+from dovetail.models.training import weights_of
 from dovetail.prompts import prompt_split, read_prompts
 from dovetail.recipe import sde_settings
-from dovetail.train import train
+from dovetail.runner import train
 
 STEPS = 2
 

@@ -13,9 +13,9 @@ from ray.exceptions import RayError
 from dovetail.cost.calibration import DEFAULT
 from dovetail.exec.launch import make_executor, prepare_run, start_ray, start_workers
 from dovetail.exec.metrics import summarize, time_per_step
-from dovetail.exec.pipeline import load_trainer_state, trainer_state_of
 from dovetail.exec.ray_executor import RayExecutor
 from dovetail.graph.node import Kind
+from dovetail.models.training import load_trainer_state, trainer_state_of
 from dovetail.rewards import RewardError
 
 
@@ -52,8 +52,6 @@ class StepMetrics:
             f"reward/{name}": float(np.concatenate([s.scores[name] for s in scores]).mean())
             for name in scores[0].scores
         }
-        if run.config.kind == "flow":
-            metrics["timesteps"] = sorted({unit for t in trained for unit in t.units})
         metrics |= phase_seconds(executor, self.pipeline, graph_step) | {
             "grad_norm": grad_norm_of(commits),
             "samples_per_s": sum(len(s.samples) for s in scores) / window,

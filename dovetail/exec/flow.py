@@ -17,7 +17,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from dovetail.config.train import FlowTrainConfig
+from dovetail.config.flow import FlowTrainConfig
 from dovetail.cost.calibration import DEFAULT
 from dovetail.cost.catalog import diffusion_model
 from dovetail.cost.model import CostModel
@@ -33,23 +33,17 @@ from dovetail.exec.messages import (
     Trajectories,
     Work,
 )
-from dovetail.exec.pipeline import (
-    PROFILE_ROUNDS,
-    Part,
-    PipelineAdapter,
-    PipelineEngines,
-    load_weights,
-    synchronize,
-    weights_of,
-)
+from dovetail.exec.pipeline import PROFILE_ROUNDS, Part, PipelineAdapter, PipelineEngines
+from dovetail.exec.plan import prepare
 from dovetail.graph.node import Kind, Node, Role, SampleId
 from dovetail.models import sampling
 from dovetail.models.diffusers_flow import check_prompt_table, load_decoder, load_flow_model
-from dovetail.models.flow_rl import accumulate_policy_gradient, commit, generate, recompute_log_probs, step_prompts
+from dovetail.models.flow_rl import accumulate_policy_gradient, generate, recompute_log_probs, step_prompts
+from dovetail.models.training import commit, load_weights, synchronize, weights_of
 from dovetail.prompts import prompt_split, train_prompts
 from dovetail.recipe import advantages_of, make_optimizer, policy_gradient, sample_timesteps, sde_settings, sde_steps
 from dovetail.rewards import load_rewards, score
-from dovetail.scenario import Scenario, prepare
+from dovetail.scenario import Scenario
 
 STAT_MEANS = ("clip_frac", "approx_kl", "ratio_mean", "loss", "kl_ref")
 """Loss statistics the train parts sum over their (sample, timestep) pairs, reported as means."""
@@ -304,6 +298,7 @@ class FlowAdapter(PipelineAdapter):
         }
         metrics["ratio_min"] = min(t.stats["ratio_min"] for t in trained)
         metrics["ratio_max"] = max(t.stats["ratio_max"] for t in trained)
+        metrics["timesteps"] = sorted({unit for t in trained for unit in t.units})
         return metrics
 
     def book(self, node: Node, part: Part, result, ledger) -> None:

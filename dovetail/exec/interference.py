@@ -21,21 +21,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import combinations
-from typing import TYPE_CHECKING
 
 import ray
 import torch
 
-from dovetail.exec.pipeline import synchronize
+from dovetail.config.multiplex import PipelineConfig
+from dovetail.exec.recovery import Started
 from dovetail.graph.flow import split
-from dovetail.graph.node import Kind
+from dovetail.kinds import kind
+from dovetail.models.training import synchronize
 
-if TYPE_CHECKING:
-    from dovetail.config.train import PipelineConfig
-    from dovetail.exec.launch import Started
-
-KINDS = {"lm": (Kind.DECODE, Kind.LOGPROB, Kind.TRAIN), "flow": (Kind.GENERATE, Kind.TRAIN)}
-"""The work of each kind of pipeline that jigsaw puts beside another pipeline's: its rollout and its trainer's."""
 UNIT_S = 0.2
 """Seconds of work (alone) in one timed repeat: many scheduler time slices, so that two processes taking turns on
 one core average out."""
@@ -72,15 +67,16 @@ class Side:
 def measure_interference(
     started: dict[str, Started], configs: dict[str, PipelineConfig]
 ) -> dict[tuple[str, str], float]:
-    """(kind, alongside) -> slowdown of `kind` beside `alongside`, for the kinds (`KINDS`) of every pipeline of the
-    run. Two kinds of different pipelines are measured; where pipelines share a kind name (an LM and a flow pipeline
-    both train) the key gets the mean of what was measured for it, and a pair of kinds already measured is not
-    measured again. Two kinds that meet only within one pipeline get SAME_PIPELINE: the table is keyed by kind
-    alone, so a measured pair of different pipelines stands also for the same pair within one."""
+    """(kind, alongside) -> slowdown of `kind` beside `alongside`, for the node kinds each pipeline's kind names
+    (`PipelineKind.interference`) of every pipeline of the run. Two kinds of different pipelines are measured; where
+    pipelines share a kind name (an LM and a flow pipeline both train) the key gets the mean of what was measured for
+    it, and a pair of kinds already measured is not measured again. Two kinds that meet only within one pipeline get
+    SAME_PIPELINE: the table is keyed by kind alone, so a measured pair of different pipelines stands also for the
+    same pair within one."""
     sides = [
-        Side(name, kind.value, started[name].workers[0], config.runtime.profile_samples)
+        Side(name, node_kind, started[name].workers[0], config.runtime.profile_samples)
         for name, config in configs.items()
-        for kind in KINDS[config.kind]
+        for node_kind in kind(config.kind).interference
     ]
     for side in sides:
         side.run_s = time_alone(side)

@@ -19,18 +19,21 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from dovetail.config.train import MAX_PIPELINES, TrainConfig, pipeline_configs, ray_address
+from dovetail.config.common import MAX_PIPELINES, ray_address
+from dovetail.config.multiplex import TrainConfig, pipeline_configs
 from dovetail.cost.catalog import DEVICES, device
 from dovetail.cost.model import CostModel
 from dovetail.exec.interference import measure_interference
 from dovetail.exec.metrics import summarize
-from dovetail.exec.pipeline import Ledger, pipeline_module
+from dovetail.exec.pipeline import Ledger
+from dovetail.exec.plan import Prepared, prepare, simulate
 from dovetail.exec.ray_executor import PipelineRun, RayExecutor
-from dovetail.exec.recovery import RECOVERY_DEADLINE_S, revive
+from dovetail.exec.recovery import Started
 from dovetail.exec.startup_cache import cached
 from dovetail.exec.watchdog import remove_stale_group_files, start_watchdog
 from dovetail.exec.worker import DEVICE_RESOURCE, LOOPBACK, DeviceWorker, WorkerRestarted
-from dovetail.scenario import Prepared, Scenario, prepare, simulate
+from dovetail.kinds import kind
+from dovetail.scenario import Scenario
 
 
 def device_bundle(config: TrainConfig) -> dict[str, float]:
@@ -73,7 +76,7 @@ def start_ray(config: TrainConfig) -> None:
 
 @contextmanager
 def signal_handler_kept(signum: int):
-    """`ray.init` makes a driver's `signum` handler exit at once: the run's own (`train.Interrupt`: save the step in
+    """`ray.init` makes a driver's `signum` handler exit at once: the run's own (`runner.Interrupt`: save the step in
     flight, then stop) stays in place."""
     previous = signal.getsignal(signum)
     try:
@@ -144,25 +147,6 @@ def _workers(config: TrainConfig, slot: int) -> list:
     return workers[: config.cluster.devices]
 
 
-@dataclass
-class Started:
-    """A pipeline's workers, configured for the run, and its initial weights and trainer state in the object store."""
-
-    config: dict
-    """The pipeline's config dump, as its workers were configured (and a restarted one is again)."""
-    workers: list
-    pids: list[int]
-    """The process of each worker now: a new one is a restart (`recovery.revive`)."""
-    weights: ray.ObjectRef
-    trainer_state: ray.ObjectRef
-    restarts: list[tuple[float, int, str]] = field(default_factory=list)
-    """Devices that restarted before the run's first step (during the start-up profile), as the ledger keeps them."""
-
-    def revive(self, during: str) -> None:
-        for index in revive(self.workers, self.pids, self.config, self.trainer_state, RECOVERY_DEADLINE_S):
-            self.restarts.append((0.0, index, during))
-
-
 def start_workers(config: TrainConfig, trainer_states: dict[str, dict]) -> dict[str, Started]:
     """Each pipeline's DeviceWorkers (one per device, in its own process), configured for this run and holding the
     pipeline's `trainer_states[name]` (weights + optimizer), each pipeline's workers one torch.distributed group
@@ -199,7 +183,7 @@ def profiled_cost(config: TrainConfig, scenario: Scenario, workers: list, reprof
         return measured | {"switch": time.perf_counter() - start}
 
     measured = cached("profile", [config.model_dump(mode="json")], measure, reprofile)
-    return pipeline_module(config.kind).fitted_cost(config, scenario, measured)
+    return kind(config.kind).load("fit")(config, scenario, measured)
 
 
 def cached_interference(started: dict[str, Started], configs: dict, reprofile: bool) -> dict[tuple[str, str], float]:
@@ -257,7 +241,7 @@ def dry_run(config: TrainConfig, steps: int) -> dict:
     (the run, profiling its GPUs, may then choose another shape)."""
     configs = pipeline_configs(config)
     for pipeline in configs.values():
-        pipeline_module(pipeline.kind).check_checkpoint(pipeline)
+        kind(pipeline.kind).load("check_checkpoint")(pipeline)
     if config.policy == "reference":
         return {"policy": "reference"}
     device_bundle(config)
@@ -267,10 +251,12 @@ def dry_run(config: TrainConfig, steps: int) -> dict:
         torch.set_num_threads(1)
         costs = {}
         for name, pipeline in configs.items():
-            kind = pipeline_module(pipeline.kind)
-            measured = kind.profile_here(pipeline, carry=lambda weights: pickle.loads(pickle.dumps(weights)))
+            pipeline_kind = kind(pipeline.kind)
+            measured = pipeline_kind.load("profile")(
+                pipeline, carry=lambda weights: pickle.loads(pickle.dumps(weights))
+            )
             # no Ray round trip to time here
-            costs[name] = kind.fitted_cost(pipeline, pipeline.scenario(simulated), measured | {"switch": 0.0})
+            costs[name] = pipeline_kind.load("fit")(pipeline, pipeline.scenario(simulated), measured | {"switch": 0.0})
     prepared, trace = simulate(
         config.scenario(simulated),
         config.policy,

@@ -23,8 +23,7 @@ import numpy as np
 import ray
 import torch
 
-from dovetail.algo import decoupled_old_log_prob, group_advantages, lm_grpo_loss
-from dovetail.config.train import LMTrainConfig
+from dovetail.config.lm import LMTrainConfig
 from dovetail.cost.catalog import language_model
 from dovetail.cost.model import CostModel
 from dovetail.exec.interference import Span, time_work
@@ -40,26 +39,17 @@ from dovetail.exec.messages import (
     Trained,
     Work,
 )
-from dovetail.exec.pipeline import (
-    PROFILE_ROUNDS,
-    Part,
-    PipelineAdapter,
-    PipelineEngines,
-    set_summed_gradient,
-    synchronize,
-    tensors_of,
-    trainer_state_of,
-    weights_of,
-)
+from dovetail.exec.pipeline import PROFILE_ROUNDS, Part, PipelineAdapter, PipelineEngines
+from dovetail.exec.plan import prepare
 from dovetail.graph.flow import split
 from dovetail.graph.node import Kind, Node, Role, SampleId
 from dovetail.models.engine import Request, SamplingParams, TorchEngine
-from dovetail.models.flow_rl import commit
 from dovetail.models.lm import load_lm, load_tokenizer, read_lm_config
-from dovetail.models.lm_rl import accumulate_group_gradients, by_group, group_log_probs, response_log_probs
+from dovetail.models.lm_rl import accumulate_group_gradients, by_group, group_log_probs, policy_gradient
+from dovetail.models.training import commit, set_summed_gradient, synchronize, tensors_of, trainer_state_of, weights_of
 from dovetail.recipe import make_optimizer
 from dovetail.rewards.text import score_text
-from dovetail.scenario import Scenario, prepare
+from dovetail.scenario import Scenario
 from dovetail.tasks import final_answer, task
 
 STAT_MEANS = ("clip_frac", "approx_kl", "ratio_mean", "kl_ref", "entropy")
@@ -185,66 +175,26 @@ class LMEngines(PipelineEngines):
         return requests if samples is None else {SampleId(*s): requests[SampleId(*s)] for s in samples}
 
     def _train(self, work: LMTrain) -> Trained:
-        """The part's groups trained one at a time (`accumulate_group_gradients`); `part_gradient` hands the fp64
+        """The part's groups trained one at a time (`models.lm_rl.policy_gradient`); `part_gradient` hands the fp64
         sum to the commit."""
-        algo = self.config.algo
         scores = self.fetch(work.scores)
         rewards = {SampleId(*s): r for part in scores for s, r in zip(part.samples, part.scores["total"])}
-        scored = sorted(rewards)
-        advantages = group_advantages(
-            torch.tensor([rewards[s] for s in scored]),
-            torch.tensor([s.prompt for s in scored]),
-            std_scope=algo.std_scope,
-            clip=algo.adv_clip,
-        )
-        advantage_of = dict(zip(scored, advantages.tolist()))
         samples = [SampleId(*s) for s in work.samples]
-        selected = self._select(work.rollouts, samples)
 
         def given(parts: list) -> dict:
             return {SampleId(*s): v for part in self.fetch(parts) for s, v in zip(part.samples, part.log_probs)}
 
-        old_given, ref_given = given(work.old_log_probs), given(work.ref_log_probs)
-        normaliser = 0.0
-
-        def group_loss(group: list[SampleId]):
-            nonlocal normaliser
-            requests = [selected[s] for s in group]
-            prompts, responses = [r.prompt for r in requests], [r.tokens for r in requests]
-            log_probs, mask = response_log_probs(self.trainer, prompts, responses, self.config.sampling.temperature)
-            normaliser += normaliser_of(self.config, mask)
-            if not mask.any():
-                return None
-
-            def padded(per_sample: dict) -> torch.Tensor:
-                out = torch.zeros_like(log_probs)
-                for row, sample in enumerate(group):
-                    values = torch.as_tensor(np.asarray(per_sample[sample]), dtype=log_probs.dtype)
-                    out[row, : len(values)] = values.to(out.device)
-                return out
-
-            old = padded(old_given) if old_given else log_probs.detach()
-            weight = None
-            if work.stale:
-                behaviour = padded({s: r.log_probs for s, r in zip(group, requests)})
-                old, weight = decoupled_old_log_prob(log_probs, behaviour, max_weight=algo.stale_max_weight)
-            return lm_grpo_loss(
-                log_probs,
-                old,
-                torch.tensor([advantage_of[s] for s in group], device=log_probs.device),
-                mask,
-                clip_low=algo.clip_low,
-                clip_high=algo.clip_high,
-                aggregation=algo.aggregation,
-                max_tokens=self.config.max_new_tokens,
-                ref_log_probs=padded(ref_given) if ref_given else None,
-                beta=algo.beta,
-                kl_estimator=algo.kl_estimator,
-                importance_weight=weight,
-                loss_scale=1.0,
-            )
-
-        self._gradient, group_stats = accumulate_group_gradients(self.trainer, samples, group_loss)
+        self._gradient, group_stats, normaliser = policy_gradient(
+            self.trainer,
+            self._select(work.rollouts, samples),
+            rewards,
+            given(work.old_log_probs),
+            given(work.ref_log_probs),
+            algo=self.config.algo,
+            temperature=self.config.sampling.temperature,
+            max_new_tokens=self.config.max_new_tokens,
+            stale=work.stale,
+        )
         return Trained(samples, [0], merged_stats(group_stats), normaliser)
 
     def part_gradient(self) -> torch.Tensor:
@@ -257,14 +207,6 @@ class LMEngines(PipelineEngines):
     def time_kind(self, kind: str, samples: int, repeats: int, carry: Callable[[dict], dict]) -> list[Span]:
         with trainer_kept(self):
             return time_work(profile_works(self, samples, carry), kind, repeats, self.device)
-
-
-def normaliser_of(config: LMTrainConfig, mask: torch.Tensor) -> float:
-    """What a train part adds to the step's loss normaliser under the configured aggregation."""
-    if config.algo.aggregation == "token":
-        return float(mask.sum())
-    sequences = float(mask.shape[0])
-    return sequences if config.algo.aggregation == "sequence" else sequences * config.max_new_tokens
 
 
 @contextmanager

@@ -26,12 +26,13 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from dovetail.exec.loop import settle
 from dovetail.exec.messages import Commit, LoadWeights, Trained
-from dovetail.exec.pipeline import Ledger, Part, PipelineAdapter, pipeline_module
+from dovetail.exec.pipeline import Ledger, Part, PipelineAdapter
 from dovetail.exec.recovery import RECOVERY_DEADLINE_S, revive
 from dovetail.exec.state import ClusterState
 from dovetail.exec.trace import Trace
 from dovetail.exec.worker import WorkerRestarted
 from dovetail.graph.node import Graph, Kind, Node, SampleId
+from dovetail.kinds import kind
 from dovetail.rewards import RewardError
 from dovetail.sched.policy import Migrate, Policy, Run, Setup, StepCommitted, SwitchRole
 
@@ -70,7 +71,7 @@ class PipelineRun:
     publish_seconds: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.adapter = pipeline_module(self.config.kind).Adapter(self.config, self.first_step)
+        self.adapter = kind(self.config.kind).load("adapter")(self.config, self.first_step)
         self.publish_bytes = sum(v.nbytes for v in ray.get(self.versions[0]).values())
 
 
@@ -352,10 +353,11 @@ class RayExecutor:
         unless it stopped)."""
         run = self.pipelines[pipeline]
         committed = self.committed_steps(pipeline)
+        creating = kind(run.config.kind).creates_samples
         samples = {
             SampleId(run.first_step + s, p, i)
             for node in self.graph
-            if node.pipeline == pipeline and node.kind in (Kind.GENERATE, Kind.PREFILL) and node.step < committed
+            if node.pipeline == pipeline and node.kind in creating and node.step < committed
             for (s, p, i) in node.samples
         }
         return {sample: run.adapter.units_of(sample) for sample in sorted(samples)}

@@ -10,6 +10,7 @@ worker that does not come back within the deadline is one clear error, never a h
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -62,3 +63,22 @@ def _check(end: float, workers: list) -> None:
             f"a worker of {len(workers)} did not come back within the recovery deadline; check the devices "
             "(`ray status`) and resume with --resume RUN_DIR"
         )
+
+
+@dataclass
+class Started:
+    """A pipeline's workers, configured for the run, and its initial weights and trainer state in the object store."""
+
+    config: dict
+    """The pipeline's config dump, as its workers were configured (and a restarted one is again)."""
+    workers: list
+    pids: list[int]
+    """The process of each worker now: a new one is a restart (`recovery.revive`)."""
+    weights: ray.ObjectRef
+    trainer_state: ray.ObjectRef
+    restarts: list[tuple[float, int, str]] = field(default_factory=list)
+    """Devices that restarted before the run's first step (during the start-up profile), as the ledger keeps them."""
+
+    def revive(self, during: str) -> None:
+        for index in revive(self.workers, self.pids, self.config, self.trainer_state, RECOVERY_DEADLINE_S):
+            self.restarts.append((0.0, index, during))

@@ -12,14 +12,17 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dovetail.config.train import MAX_STEPS, ConfigError, TrainConfig, parse_config
+from dovetail.config.common import MAX_STEPS, ConfigError
+from dovetail.config.load import parse_config
+from dovetail.config.multiplex import TrainConfig
 from dovetail.cost.calibration import DEFAULT, Calibration
 from dovetail.cost.model import CostModel
 from dovetail.exec.metrics import time_per_step
+from dovetail.exec.plan import prepare
 from dovetail.exec.sim import SimExecutor
 from dovetail.files import read_text
 from dovetail.graph.node import Kind
-from dovetail.scenario import prepare, problem_lines, problem_report
+from dovetail.scenario import problem_lines, problem_report
 from dovetail.sched import from_fields, shape_from_fields
 
 COST_KIND = {

@@ -24,12 +24,11 @@ import ray
 import torch
 import torch.distributed as dist
 
-from dovetail.config.train import parse_config
+from dovetail.config.load import parse_config
 from dovetail.exec.messages import Commit, LoadWeights, Trained, Work
-from dovetail.exec.pipeline import pipeline_module, set_summed_gradient, trainer_state_of, weights_of
 from dovetail.exec.watchdog import group_file
-from dovetail.models.flow_rl import commit
-from dovetail.models.t2i import strict_fp32
+from dovetail.kinds import kind
+from dovetail.models.training import commit, set_summed_gradient, strict_fp32, trainer_state_of, weights_of
 
 DEVICE_RESOURCE = "dovetail_device"
 GROUP_TIMEOUT_S = 120
@@ -118,7 +117,7 @@ class DeviceWorker:
         torch."""
         self.config = parse_config(config)
         holds_policy = self.index < self.config.compute_devices
-        engines = pipeline_module(self.config.kind).Engines
+        engines = kind(self.config.kind).load("engines")
         self._engines = engines(self.config, self.device, holds_policy, trainer_state)
         self.gradients: dict[tuple[str, int], torch.Tensor] = {}
         """The open step's train parts' gradients here, by part (node, index)."""

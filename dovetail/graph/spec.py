@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+from dovetail.cost.catalog import DiffusionModel, LanguageModel, diffusion_model, language_model
 
 MAX_DEVICES = 4096
 """Devices of one pool: more than any run here needs, few enough that the planner's search over pool splits ends."""
@@ -65,6 +67,8 @@ class FlowSpec(_PipelineSpec):
     """A FlowGRPO / DanceGRPO step of a diffusion or flow-matching model."""
 
     kind: Literal["flow"] = "flow"
+    min_plan_devices: ClassVar[int] = 2
+    """Devices `dovetail plan` needs besides reward devices: a rollout and a trainer pool to search over."""
     name: PipelineName = Field(description="Pipeline name, unique in a scenario.")
     model: str = Field(max_length=100, description="Diffusion model from the catalogue, e.g. FLUX.1-12B.")
     algorithm: Literal["flow_grpo", "dance_grpo"] = "flow_grpo"
@@ -118,6 +122,10 @@ class FlowSpec(_PipelineSpec):
             )
         return self
 
+    def catalogue_model(self) -> DiffusionModel:
+        """The cost catalogue's entry of `model` (a ValueError naming the known ones if there is none)."""
+        return diffusion_model(self.model)
+
     @property
     def samples(self) -> int:
         return self.prompts * self.group
@@ -143,7 +151,9 @@ class LengthDistribution(_Spec):
 class LLMSpec(_PipelineSpec):
     """A GRPO step of a causal language model."""
 
-    kind: Literal["llm"] = "llm"
+    kind: Literal["lm"] = "lm"
+    min_plan_devices: ClassVar[int] = 1
+    """One device can hold both engines of a language model's plan (verl's hybrid engine)."""
     name: PipelineName = Field(description="Pipeline name, unique in a scenario.")
     model: str = Field(max_length=100, description="Language model from the catalogue, e.g. Qwen3-4B.")
     batch: int = Field(gt=0, le=MAX_SAMPLES, description="Prompts per step.")
@@ -166,6 +176,10 @@ class LLMSpec(_PipelineSpec):
     tensor_parallel: int = Field(1, gt=0, le=64, description="Devices per rollout engine.")
     reference: bool = Field(True, description="Compute reference log-probs for a KL term.")
     recompute_logprob: bool = Field(True, description="Recompute old log-probs in the trainer.")
+
+    def catalogue_model(self) -> LanguageModel:
+        """The cost catalogue's entry of `model` (a ValueError naming the known ones if there is none)."""
+        return language_model(self.model)
 
     @model_validator(mode="after")
     def _check(self) -> LLMSpec:

@@ -26,10 +26,10 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from dovetail.models.lm import one_line
+from dovetail.files import one_line
 from dovetail.models.pretrain import latents_to_images
 from dovetail.models.sampling import sample_key
-from dovetail.models.t2i import load_model
+from dovetail.models.t2i import load_model, save_model
 from dovetail.prompts import prompt_split
 
 PROMPT_EMBEDDINGS = "prompt_embeds.safetensors"
@@ -283,7 +283,7 @@ def load_diffusers_flow(
     sample_size: int | None = None,
     guidance: float = 3.5,
 ) -> DiffusersFlow:
-    """The flow model of a diffusers directory (`config.train.ModelSection` has checked its layout), in eval mode.
+    """The flow model of a diffusers directory (`config.flow.ModelSection` has checked its layout), in eval mode.
     `sample_size`: latent pixels a side (None: the transformer's own, or FluxPipeline's default); `guidance`: a
     guidance-distilled FLUX's guidance."""
     path = Path(path).resolve()
@@ -450,11 +450,11 @@ def load_diffusers_checkpoint(directory: Path | str) -> DiffusersFlow:
     return model
 
 
-def checkpoint_io(config, model) -> tuple[Callable | None, Callable | None]:
-    """(save_weights, load_weights) of a flow run's checkpoints for `RunDir`: None, None (the built-in format) for
-    the built-in model."""
+def checkpoint_io(config, model) -> tuple[Callable, Callable]:
+    """(save_weights, load_weights) of a flow run's checkpoints for `RunDir`: the built-in model's own format, or a
+    diffusers model's."""
     if config.model.path is None:
-        return None, None
+        return (lambda directory: save_model(model, directory)), load_model
     return (lambda directory: save_diffusers_checkpoint(model, directory)), load_diffusers_checkpoint
 
 
@@ -469,39 +469,3 @@ def export(model: DiffusersFlow, out: Path) -> None:
         transformer.save_pretrained(out / ADAPTER_DIR)
         transformer = transformer.merge_and_unload()
     transformer.save_pretrained(out / "transformer")
-
-
-def export_run(run: Path, step: int | None, out: Path) -> Path:
-    """Export checkpoint `step` (None: the newest) of the run directory `run` into `out` (`export`), after checking
-    it as a resume would (manifest, checksums, the weights fit the run's model). Returns the checkpoint exported.
-    A run directory, step or output that will not do is a ValueError, one line naming it and the fix."""
-    from dovetail.config.train import ConfigError, load_config
-    from dovetail.recipe import make_optimizer
-    from dovetail.run_dir import BrokenCheckpoint, checkpoint_dirs, load_checkpoint
-
-    if not (run / "config.yaml").is_file():
-        raise ValueError(f"{run}: no config.yaml; give the run directory of a `dovetail train` run")
-    try:
-        config = load_config(run / "config.yaml", rewards=False)  # an export scores nothing: import none
-    except ConfigError as error:
-        raise ValueError(f"{run / 'config.yaml'}: {error}") from None
-    if config.kind != "flow" or config.model.path is None:
-        raise ValueError(
-            f"{run} trained no model.path: export writes the diffusers directory of a run of a diffusers model "
-            "(a built-in model's checkpoints/step_N is its own format)"
-        )
-    steps = dict(checkpoint_dirs(run / "checkpoints"))
-    if not steps:
-        raise ValueError(f"{run}: no checkpoint in {run / 'checkpoints'}")
-    step = max(steps) if step is None else step
-    if step not in steps:
-        raise ValueError(f"{run}: no checkpoint of step {step}; --step one of {sorted(steps)}")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"{out}: exists and is not an empty directory; give a new directory to export into")
-    model = load_flow_model(config)
-    try:
-        load_checkpoint(steps[step], model, make_optimizer(model, config), load_diffusers_checkpoint)
-    except BrokenCheckpoint as error:
-        raise ValueError(str(error)) from None
-    export(model, out)
-    return steps[step]

@@ -197,11 +197,3 @@ def recompute_log_probs(
             prev_latents=trajectories.latents[rows, k + 1],
         ).log_prob
     return log_probs
-
-
-def commit(model, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> float:
-    """One optimizer step for the whole logical batch; returns the pre-clip gradient norm."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return float(grad_norm)

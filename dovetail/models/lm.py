@@ -13,7 +13,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dovetail.files import read_text
+from dovetail.files import one_line, read_text
 from dovetail.models.tokenizer import CharTokenizer
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
@@ -96,13 +96,6 @@ def require_checkpoint(directory: Path | str) -> Path:
 
 def load_tokenizer(directory: Path | str) -> CharTokenizer:
     return CharTokenizer.load(require_checkpoint(directory))
-
-
-def one_line(error: BaseException, limit: int = 300) -> str:
-    """An exception's message on one line, cut at `limit` characters: torch and pydantic write several lines (a
-    state dict that does not fit lists every tensor), an error for the user is one line."""
-    text = " ".join(str(error).split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def read_lm_config(directory: Path) -> LMConfig:

@@ -17,10 +17,13 @@ an order its kernel chooses by shape). Groups of one prompt are also faster here
 from collections.abc import Callable, Sequence
 from itertools import groupby
 
+import numpy as np
 import torch
 
+from dovetail.algo import decoupled_old_log_prob, group_advantages, lm_grpo_loss
 from dovetail.graph.node import SampleId
 from dovetail.models.engine import Request
+from dovetail.models.training import flat_gradient, trainable_parameters
 
 
 def pad_batch(sequences: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +86,7 @@ def accumulate_group_gradients(
     """Backpropagate `group_loss(group)` for every group of `samples`, one group at a time, and return the flat
     sum of their gradients over the trainable parameters in fp64 (the model's own gradients are left cleared) and
     each group's statistics. `group_loss` returns (loss, stats), or None for a group with nothing to train."""
-    trained = [p for p in model.parameters() if p.requires_grad]
+    trained = trainable_parameters(model)
     total = torch.zeros(sum(p.numel() for p in trained), dtype=torch.float64, device=trained[0].device)
     stats = []
     for group in by_group(samples):
@@ -93,11 +96,88 @@ def accumulate_group_gradients(
             continue
         loss, group_stats = result
         loss.backward()
-        offset = 0
-        for p in trained:
-            if p.grad is not None:
-                total[offset : offset + p.numel()] += p.grad.flatten()
-            offset += p.numel()
+        total += flat_gradient(model)
         stats.append(group_stats | {"loss": loss.item()})
     model.zero_grad(set_to_none=True)
     return total, stats
+
+
+def normaliser_of(aggregation: str, max_new_tokens: int, mask: torch.Tensor) -> float:
+    """What a part of the step adds to the step's loss normaliser: its tokens (token aggregation, DAPO), its
+    sequences (GRPO), or its sequences x max_new_tokens (Dr. GRPO)."""
+    if aggregation == "token":
+        return float(mask.sum())
+    sequences = float(mask.shape[0])
+    return sequences if aggregation == "sequence" else sequences * max_new_tokens
+
+
+def policy_gradient(
+    model,
+    requests: dict[SampleId, Request],
+    rewards: dict[SampleId, float],
+    old_log_probs: dict[SampleId, object],
+    ref_log_probs: dict[SampleId, object],
+    *,
+    algo,
+    temperature: float,
+    max_new_tokens: int,
+    stale: bool,
+) -> tuple[torch.Tensor, list[dict], float]:
+    """The GRPO gradient of the groups of `requests` (a part of the step, whole groups), summed: the flat fp64
+    gradient of the loss summed over the part (`lm_grpo_loss(loss_scale=1)`), each group's statistics, and what
+    the part adds to the step's normaliser (the commit divides the summed parts by the step's).
+
+    Advantages are standardised within each group from `rewards` (every scored sample of the step: a group's
+    statistics need only its own members). Old log-probs are the recomputed ones given in `old_log_probs`, or on
+    policy (none given: one optimizer step per batch) the trainer's own, detached, so the ratio is 1 — as TRL and
+    verl skip that pass. A stale part (rollouts of an older version) is corrected by the decoupled PPO weight of
+    the proximal to the behaviour log-probs. `algo`: the run's `algo` section (clips, aggregation, KL)."""
+    scored = sorted(rewards)
+    advantages = group_advantages(
+        torch.tensor([rewards[s] for s in scored]),
+        torch.tensor([s.prompt for s in scored]),
+        std_scope=algo.std_scope,
+        clip=algo.adv_clip,
+    )
+    advantage_of = dict(zip(scored, advantages.tolist()))
+    normaliser = 0.0
+
+    def group_loss(group: list[SampleId]):
+        nonlocal normaliser
+        group_requests = [requests[s] for s in group]
+        prompts, responses = [r.prompt for r in group_requests], [r.tokens for r in group_requests]
+        log_probs, mask = response_log_probs(model, prompts, responses, temperature)
+        normaliser += normaliser_of(algo.aggregation, max_new_tokens, mask)
+        if not mask.any():
+            return None
+
+        def padded(per_sample: dict) -> torch.Tensor:
+            out = torch.zeros_like(log_probs)
+            for row, sample in enumerate(group):
+                values = torch.as_tensor(np.asarray(per_sample[sample]), dtype=log_probs.dtype)
+                out[row, : len(values)] = values.to(out.device)
+            return out
+
+        old = padded(old_log_probs) if old_log_probs else log_probs.detach()
+        weight = None
+        if stale:
+            behaviour = padded({s: r.log_probs for s, r in zip(group, group_requests)})
+            old, weight = decoupled_old_log_prob(log_probs, behaviour, max_weight=algo.stale_max_weight)
+        return lm_grpo_loss(
+            log_probs,
+            old,
+            torch.tensor([advantage_of[s] for s in group], device=log_probs.device),
+            mask,
+            clip_low=algo.clip_low,
+            clip_high=algo.clip_high,
+            aggregation=algo.aggregation,
+            max_tokens=max_new_tokens,
+            ref_log_probs=padded(ref_log_probs) if ref_log_probs else None,
+            beta=algo.beta,
+            kl_estimator=algo.kl_estimator,
+            importance_weight=weight,
+            loss_scale=1.0,
+        )
+
+    gradient, stats = accumulate_group_gradients(model, list(requests), group_loss)
+    return gradient, stats, normaliser

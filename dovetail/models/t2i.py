@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from dovetail.models.lm import one_line
+from dovetail.files import one_line
 
 VOCAB = ("<pad>", "digit", *[str(d) for d in range(10)])
 CHECKPOINT_DIR = Path(__file__).resolve().parent.parent / "assets"
@@ -88,12 +88,6 @@ class TinyT2I(torch.nn.Module):
 
     def load_trained_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.load_state_dict(state)
-
-
-def strict_fp32() -> None:
-    """No TF32 in CUDA matmuls or convolutions: the fp32 engines then compute on a GPU what the CPU reference does."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
 
 
 SIGMA_SCHEDULES = ("diffusers", "dance_grpo")

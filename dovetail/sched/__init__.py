@@ -40,7 +40,7 @@ def shape_from_fields(kind: str, fields: dict):
     from dovetail.graph.llm import LLMShape
     from dovetail.sched.digen import DigenShape
 
-    shape = LLMShape if kind == "llm" else DigenShape if "tcss" in fields else FlowShape
+    shape = LLMShape if kind == "lm" else DigenShape if "tcss" in fields else FlowShape
     return from_fields(shape, fields)
 
 

@@ -174,7 +174,8 @@ def flow_shape(spec: FlowSpec, devices: int, cost) -> FlowShape:
 
 class Jigsaw(StagedLLMPolicy):
     name = "jigsaw"
-    pipeline_kinds = frozenset({"llm", "flow"})
+    pipeline_kinds = frozenset({"lm", "flow"})
+    multiplexes = True
     look_ahead = True
     searches = True
     fixes = {"trainer_devices": "trains every pipeline on the whole pool"}

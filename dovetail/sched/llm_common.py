@@ -49,7 +49,7 @@ def step_done(view: View, pipeline: str, step: int, stage_name: str) -> bool:
 class StagedLLMPolicy(Policy):
     """Common machinery: role switches for a device group, rollout placement, trainer stages in order."""
 
-    pipeline_kinds = frozenset({"llm"})
+    pipeline_kinds = frozenset({"lm"})
 
     def ready_nodes(self, view: View, pipeline: str) -> list[Node]:
         return [view.graph[n] for n in view.ready if view.graph[n].pipeline == pipeline]

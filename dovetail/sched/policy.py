@@ -166,7 +166,7 @@ class Setup:
     that cuts FSDP groups places each group no larger than a node inside one (digen's `trainer_layout`)."""
     slowdown: Callable[[str, str], float] = DEFAULT.slowdown
     """How much a node of one kind slows down beside another kind on its devices: slowdown(kind, alongside)
-    (`Calibration.slowdown`). One table for the pool: `scenario.prepare` takes the first pipeline's cost model's
+    (`Calibration.slowdown`). One table for the pool: `exec.plan.prepare` takes the first pipeline's cost model's
     (a multiplexed run measures its table once, on its own devices, and gives it to every pipeline)."""
 
     @property
@@ -283,11 +283,14 @@ class Policy(ABC):
     """Base of every policy: the whole contract an executor and the planner rely on.
 
     A subclass sets `name`, says how it cuts a pipeline's step (`shape`) and decides (`decide`). The class
-    attributes below describe it to the planner (`scenario.prepare`), which reads nothing else."""
+    attributes below describe it to the planner (`exec.plan.prepare`), which reads nothing else."""
 
     name: ClassVar[str]
     pipeline_kinds: ClassVar[frozenset[str]]
-    """Kinds of pipeline (`flow`, `llm`) the policy can schedule."""
+    """Kinds of pipeline (`dovetail.kinds`: `flow`, `lm`) the policy can schedule."""
+    multiplexes: ClassVar[bool] = False
+    """Fits several pipelines' sub-stages together on one pool: a `kind: multiplex` run takes it (it runs one
+    pipeline alone too)."""
     supports_reward_pool: ClassVar[bool] = False
     """Whether it can give the reward engines their own devices (`Setup.reward_devices`)."""
     splits_pool: ClassVar[bool] = False
@@ -299,7 +302,7 @@ class Policy(ABC):
     """Chooses its shapes by simulating candidates (`plan_shapes`); `dovetail plan` shows what it considered."""
     fixes: ClassVar[Mapping[str, str]] = {}
     """Scenario fields (of a pipeline or the schedule) this policy's schedule decides itself, with why: a scenario
-    that sets one is refused by name (`scenario.prepare`) instead of planned as something else."""
+    that sets one is refused by name (`exec.plan.prepare`) instead of planned as something else."""
 
     @classmethod
     @abstractmethod

@@ -9,22 +9,15 @@ import signal
 import sys
 import threading
 import time
-import types
 from pathlib import Path
 
 import torch
 
-from dovetail.config.train import (
-    ConfigError,
-    FlowTrainConfig,
-    LMTrainConfig,
-    MultiplexConfig,
-    PipelineConfig,
-    TrainConfig,
-    dump_config,
-    parse_config,
-    pipeline_configs,
-)
+from dovetail.config.common import ConfigError
+from dovetail.config.flow import FlowTrainConfig
+from dovetail.config.lm import LMTrainConfig
+from dovetail.config.load import dump_config, parse_config
+from dovetail.config.multiplex import MultiplexConfig, PipelineConfig, TrainConfig, pipeline_configs
 from dovetail.exec.driver import train_on_ray
 from dovetail.exec.lm import (
     LMEngines,
@@ -36,13 +29,14 @@ from dovetail.exec.lm import (
     task_prompts,
 )
 from dovetail.exec.messages import Decode, LMLogProbs, LMTrain, Prefill, Score
-from dovetail.exec.pipeline import pipeline_module, set_summed_gradient, weights_of
 from dovetail.graph.node import SampleId
+from dovetail.kinds import kind
 from dovetail.models.diffusers_flow import checkpoint_io, load_decoder, load_flow_model
 from dovetail.models.engine import Request, TorchEngine
-from dovetail.models.flow_rl import commit, generate, group_sample_ids, step_prompts
+from dovetail.models.flow_rl import generate, group_sample_ids, step_prompts
 from dovetail.models.lm import load_lm, save_lm
 from dovetail.models.pretrain import latents_to_images
+from dovetail.models.training import commit, set_summed_gradient, weights_of
 from dovetail.prompts import train_prompts
 from dovetail.recipe import (
     advantages_of,
@@ -172,7 +166,7 @@ class StepLog:
         config (which must allow this run's, `check_resumable`). Returns the log and the number of steps done."""
         name = config.pipeline_name
         progress.phase(name, "loading the model")
-        local = FlowLocal(config) if config.kind == "flow" else LMLocal(config)
+        local = kind(config.kind).load("local")(config)
         state = None if resume is None else load_checkpoint(resume, local.model, local.optimizer, local.load_weights)
         if state is not None and state["step"] >= last_step:
             raise NothingToTrain(
@@ -351,7 +345,7 @@ def train(
     pipelines = pipeline_configs(config)
     check_installed(sorted({logger for pipeline in pipelines.values() for logger in pipeline.logger}))
     for pipeline in pipelines.values():
-        pipeline_module(pipeline.kind).check_checkpoint(pipeline)
+        kind(pipeline.kind).load("check_checkpoint")(pipeline)
     out = Path(out)
     paths = {name: out / name if multiplexed else out for name in pipelines}
     resumes = {
@@ -566,16 +560,3 @@ def lm_evaluate(engines, config: LMTrainConfig) -> tuple[dict[str, float], list[
     return success | {f"reward/{name}": float(values.mean()) for name, values in scores.items()}, list(
         zip(prompts, completions)
     )
-
-
-class _CallableModule(types.ModuleType):
-    """Importing this module makes it the package's attribute `train`, where the Python API's function was
-    (`dovetail.train(config, ...)`, `dovetail.api.train`): so the module answers that call too."""
-
-    def __call__(self, *args, **kwargs) -> dict:
-        from dovetail import api
-
-        return api.train(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,255 @@
+"""What every run config shares: the strict section base, the bounds, the optimizer loop, checkpoints, the cluster,
+the run-wide fields of a pipeline (`RunSection`), the policy checked against the registries, and the translation to
+the planner's scenario.
+
+Every number is bounded: floats finite, sizes below maxima that keep a run's allocations (and the planner's
+simulation) sane, each bound's reason in its description. Types are strict: `true` is not the number 1, nor "8"
+the number 8 (an int is a float). Every way a config can be wrong is a ConfigError: one line per problem, naming the
+file or the field and what it allows."""
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator, model_validator
+
+from dovetail.cost.catalog import device
+from dovetail.files import read_text
+from dovetail.graph.spec import MAX_DEVICES, PipelineName
+from dovetail.kinds import KINDS, kind
+from dovetail.rewards import REWARD_TIMEOUT_S
+from dovetail.scenario import MAX_SIMULATED_STEPS, Scenario, clip, parse_scenario, problem_report
+from dovetail.sched import POLICIES, policy_class
+
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CHECKPOINT = PACKAGE_ROOT / "assets" / "digits-t2i"
+
+MAX_STEPS = 10**7
+"""Steps of a run, and of anything counted in steps (eval, checkpoints): far beyond any run, finite."""
+
+MAX_PER_STEP = 256
+"""Prompts per step, and samples per prompt: 256 x 256 is the planner's MAX_SAMPLES."""
+
+Seed = Annotated[int, Field(ge=0, lt=2**63, description="a non-negative 63-bit seed")]
+
+RewardWeights = dict[
+    Annotated[str, StringConstraints(max_length=120)],
+    Annotated[float, Field(ge=-1000, le=1000)],
+]
+"""Reward name (a built-in, or module:function) -> weight: finite, at most 1000 either way (only the weights'
+ratios matter once advantages are standardised)."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def is_file(path: Path) -> bool:
+    """Path.is_file, a path the system cannot look up (one too long) being no file."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
+def is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
+
+
+def json_or_empty(path: Path) -> dict:
+    try:
+        loaded = json.loads(read_text(path, "a JSON file"))
+    except ValueError:
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
+class TrainSection(Section):
+    steps: int = Field(200, ge=1, le=MAX_STEPS)
+    lr: float = Field(1e-4, gt=0, le=1, description="Adam's learning rate: beyond 1 every step diverges")
+    weight_decay: float = Field(
+        0.0, ge=0, le=1, description="AdamW's decoupled decay: at most 1, so lr x weight_decay only shrinks weights"
+    )
+    max_grad_norm: float = Field(1.0, gt=0, le=1e4)
+
+
+class CheckpointSection(Section):
+    every: int = Field(50, ge=1, le=MAX_STEPS, description="save every N steps (and at the end)")
+
+
+RAY_ADDRESS = re.compile(r"(ray://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?):(?P<port>[0-9]{1,5})")
+"""host:port or ray://host:port, the host a name, an IPv4 address or a bracketed IPv6 address."""
+
+
+class ClusterSection(Section):
+    """Where the Ray runtime (every policy but `reference`) runs."""
+
+    devices: int = Field(2, ge=1, le=MAX_DEVICES, description="devices (DeviceWorker actors): GPUs, or CPU cores here")
+    device: str = Field(
+        "cpu-core",
+        max_length=100,
+        description="device type in the cost model's catalogue (H100, H200, cpu-core...)",
+    )
+    address: str | None = Field(
+        None,
+        description="Ray cluster address (host:port, ray://host:port, or auto); None starts a local Ray instance",
+    )
+
+    @field_validator("device")
+    @classmethod
+    def known_device(cls, name: str) -> str:
+        device(name)
+        return name
+
+    @field_validator("address")
+    @classmethod
+    def _ray_address(cls, address: str | None) -> str | None:
+        if address is None or address == "auto":
+            return address
+        match = RAY_ADDRESS.fullmatch(address)
+        if match is None or not 0 < int(match["port"]) < 65536:
+            raise ValueError(
+                f"{clip(repr(address))} is not a Ray address: give host:port (e.g. 10.0.0.1:6379), "
+                "ray://host:port, or auto"
+            )
+        return address
+
+
+TRACKERS = ("console", "tensorboard", "wandb", "mlflow")
+"""Experiment trackers a run can report to: the progress display, and three tracking services' local stores."""
+
+MAX_PIPELINES = 4
+"""Pipelines one run may multiplex. Each has a worker process of its own on every device, so pipelines share a
+device the way JigsawRL's share a GPU (on a CPU core, the processes split its time; on a GPU, MPS shares), and
+each such worker takes this fraction of the device's Ray resource (`exec.launch`)."""
+
+
+class RunSection(Section):
+    """What every pipeline's run config has: a name, a seed, the optimizer loop, checkpoints, the cluster."""
+
+    name: PipelineName | None = Field(
+        None, description="the pipeline's name (node ids, run sub-directory, trace colour); None: the task, or 'digits'"
+    )
+    priority: float = Field(1.0, gt=0, le=1000, description="weight of this pipeline's step latency when multiplexed")
+    reward_timeout_s: float = Field(
+        REWARD_TIMEOUT_S,
+        gt=0,
+        le=86_400,
+        description="seconds one reward may take on one batch before the run stops (saved) instead of hanging",
+    )
+    seed: Seed = 0
+    train: TrainSection = TrainSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    cluster: ClusterSection = ClusterSection()
+    logger: list[Literal[TRACKERS]] = Field(
+        default_factory=lambda: ["console"],
+        max_length=len(TRACKERS),
+        description="where each step's metrics and every evaluation go besides metrics.jsonl (dovetail.trackers)",
+    )
+
+    @classmethod
+    def pipeline_kind(cls) -> str:
+        """The kind this schema is the config of (its `kind` field's one value)."""
+        return get_args(cls.model_fields["kind"].annotation)[0]
+
+    @field_validator("policy", check_fields=False)
+    @classmethod
+    def _policy_of_this_kind(cls, policy: str) -> str:
+        allowed = policies_for(cls.pipeline_kind())
+        if policy not in allowed:
+            raise ValueError(
+                f"{clip(repr(policy))} is not a policy of a {cls.pipeline_kind()} run; use one of {allowed}"
+            )
+        return policy
+
+    @model_validator(mode="after")
+    def _runtime_the_policy_honours(self) -> "RunSection":
+        """A runtime field the policy decides itself (`Policy.fixes`: e.g. colocated's trainer devices) is refused
+        under its own name here, before the planner would refuse it under the scenario's."""
+        policy = getattr(self, "policy", "reference")
+        if policy not in POLICIES:
+            return self
+        for field, why in policy_class(policy).fixes.items():
+            value = getattr(self.runtime, field, None)
+            if value is not None:
+                raise ValueError(f"runtime.{field}={value}: policy {policy} {why}, so it cannot honour it; remove it")
+        return self
+
+
+REFERENCE = "reference"
+"""The policy that schedules nothing: the reference loop, one stage after another in one process."""
+
+
+def policies_for(pipeline_kind: str) -> list[str]:
+    """The policies a run of one pipeline of `pipeline_kind` takes: the reference loop and every registered policy
+    that schedules that kind (`Policy.pipeline_kinds`)."""
+    return [REFERENCE] + [name for name in POLICIES if pipeline_kind in policy_class(name).pipeline_kinds]
+
+
+def multiplexing_policies() -> list[str]:
+    """The policies a `kind: multiplex` run takes: those that fit several pipelines together on one pool."""
+    return [name for name in POLICIES if policy_class(name).multiplexes]
+
+
+def policies_by_kind() -> str:
+    """Every run kind's policies, one clause per kind: what `dovetail train --policy` takes."""
+    kinds = {name: policies_for(name) for name in KINDS} | {"multiplex": multiplexing_policies()}
+    return "; ".join(f"{name}: {', '.join(policies)}" for name, policies in kinds.items())
+
+
+def planner_scenario(
+    config, pipelines: list[dict], steps: int, trainer_devices: int | None, reward_devices: int
+) -> Scenario:
+    """The planner's scenario of a run of `pipelines` (scenario pipeline specs) on the config's cluster. A
+    `reference` run schedules nothing itself: the planner simulates its first pipeline's kind's stage-after-stage
+    policy (`PipelineKind.staged_baseline`)."""
+    policy = config.policy if config.policy != REFERENCE else kind(pipelines[0]["kind"]).staged_baseline
+    return parse_scenario(
+        {
+            "name": f"train-{config.pipeline_name}-{config.policy}",
+            "cluster": {"device": config.cluster.device, "devices": config.cluster.devices},
+            "pipelines": pipelines,
+            "schedule": {
+                # what `dovetail simulate` of this scenario would run; a run passes its own steps to `prepare`
+                "steps": min(steps, MAX_SIMULATED_STEPS),
+                "policies": [policy],
+                "trainer_devices": trainer_devices,
+                "reward_devices": reward_devices,
+            },
+        },
+        "training config",
+    )
+
+
+class ConfigError(ValueError):
+    """An invalid config: the message names each bad field, or the file, and what it allows."""
+
+
+def invalid(*problems: str) -> ConfigError:
+    return ConfigError(problem_report("invalid config", list(problems)))
+
+
+def imports_rewards(info: ValidationInfo) -> bool:
+    """Whether a config's rewards are looked up (and a custom one's module imported) as it is read: `parse_config`'s
+    `rewards`."""
+    return (info.context or {}).get("rewards", True)
+
+
+def ray_address(cluster: ClusterSection) -> str | None:
+    """The Ray cluster a run joins: cluster.address, else $RAY_ADDRESS (as Ray's own tools read it), else None: a
+    local instance of the run's own. Ray's current-cluster file (what `auto` reads) counts only where the config
+    says `auto`, so a plain local run never joins a Ray head that happens to run on the machine."""
+    if cluster.address is not None:
+        return cluster.address
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    if not address:
+        return None
+    try:
+        return ClusterSection._ray_address(address)
+    except ValueError as error:
+        raise ConfigError(f"RAY_ADDRESS: {error}; or unset RAY_ADDRESS for a local run") from None

@@ -1,0 +1,94 @@
+"""Pipeline kinds, registered in one place: what makes a flow pipeline different from a language-model one.
+
+A kind is named once, here, under one spelling (`flow`, `lm`), and everything that differs by kind is found from
+its record: the run config's schema, the planner's pipeline spec, the Ray runtime's adapter and engines, how a
+device is profiled and the cost model fitted to it, which node kinds the interference table measures, the
+reference loop, and which node kinds create samples. Adding a kind means a record here and the modules it names.
+
+The registry is lazy, like `sched.POLICIES`: each part is a "module:attribute" path imported on first use, so
+importing this module imports nothing else, and each layer asks only for the parts at or below it (the planner
+never resolves the runtime's parts, so it never imports torch)."""
+
+from dataclasses import dataclass
+from importlib import import_module
+
+
+@dataclass(frozen=True)
+class PipelineKind:
+    name: str
+    """The kind's one spelling: a config's and a scenario's `kind:`, a policy's `pipeline_kinds`."""
+    config: str
+    """The run config's schema (a `config.common.RunSection`)."""
+    spec: str
+    """The planner's pipeline spec (a `graph.spec.PipelineSpec`)."""
+    adapter: str
+    """The driver side of the runtime (an `exec.pipeline.PipelineAdapter`)."""
+    engines: str
+    """The worker side of the runtime (an `exec.pipeline.PipelineEngines`)."""
+    profile: str
+    """`profile_here(config, carry) -> measured seconds`: the start-up profile's work run in this process (the
+    dry run's; the Ray runtime profiles through the engines' `profile`)."""
+    fit: str
+    """`fitted_cost(config, scenario, measured) -> CostModel`: the cost model corrected by what was measured."""
+    check_checkpoint: str
+    """`check_checkpoint(config)`: the run's checkpoint and model loadable, or one line saying what is wrong."""
+    local: str
+    """The reference loop's model, engines and step in one process (`runner.StepLog` drives it)."""
+    interference: tuple[str, ...]
+    """Node kinds (`graph.node.Kind` values) of this pipeline whose slowdown beside other pipelines' work a
+    multiplexed run measures (`exec.interference`)."""
+    creates_samples: tuple[str, ...]
+    """Node kinds that create the step's samples (the ledger's `generated`)."""
+    staged_baseline: str
+    """The stage-after-stage policy the planner simulates for a `reference` run of this kind, which schedules
+    nothing itself."""
+
+    def load(self, part: str):
+        """The object a part's "module:attribute" path names, imported now."""
+        module, _, attribute = getattr(self, part).partition(":")
+        return getattr(import_module(module), attribute)
+
+
+KINDS: dict[str, PipelineKind] = {
+    kind.name: kind
+    for kind in (
+        PipelineKind(
+            name="flow",
+            config="dovetail.config.flow:FlowTrainConfig",
+            spec="dovetail.graph.spec:FlowSpec",
+            adapter="dovetail.exec.flow:FlowAdapter",
+            engines="dovetail.exec.flow:FlowEngines",
+            profile="dovetail.exec.flow:profile_here",
+            fit="dovetail.exec.flow:fitted_cost",
+            check_checkpoint="dovetail.exec.flow:check_checkpoint",
+            local="dovetail.runner:FlowLocal",
+            interference=("generate", "train"),
+            creates_samples=("generate",),
+            staged_baseline="colocated",
+        ),
+        PipelineKind(
+            name="lm",
+            config="dovetail.config.lm:LMTrainConfig",
+            spec="dovetail.graph.spec:LLMSpec",
+            adapter="dovetail.exec.lm:LMAdapter",
+            engines="dovetail.exec.lm:LMEngines",
+            profile="dovetail.exec.lm:profile_here",
+            fit="dovetail.exec.lm:fitted_cost",
+            check_checkpoint="dovetail.exec.lm:check_checkpoint",
+            local="dovetail.runner:LMLocal",
+            interference=("decode", "logprob", "train"),
+            creates_samples=("prefill",),
+            staged_baseline="verl-sync",
+        ),
+    )
+}
+"""Kind name -> its record."""
+
+DEFAULT_KIND = "flow"
+"""The kind of a config or scenario pipeline that names none."""
+
+
+def kind(name: str) -> PipelineKind:
+    if name not in KINDS:
+        raise ValueError(f"kind: {name!r} is not a pipeline kind; use one of {', '.join(KINDS)}")
+    return KINDS[name]

@@ -1,0 +1,96 @@
+"""What every trainer does, whatever its model: weights in and out of what crosses Ray (numpy), trainer-state
+snapshots, the flat gradient of a part and the sum of parts at a commit, the optimizer step, fp32 kept strict."""
+
+import numpy as np
+import torch
+
+
+def strict_fp32() -> None:
+    """No TF32 in CUDA matmuls or convolutions: the fp32 engines then compute on a GPU what the CPU reference does."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def weights_of(model) -> dict[str, np.ndarray]:
+    """The trained weights as numpy arrays (Ray moves numpy views ~10x faster than pickled tensors): a flow model's
+    `trained_state_dict` (a LoRA run's adapter alone), a language model's whole state."""
+    state = model.trained_state_dict() if hasattr(model, "trained_state_dict") else model.state_dict()
+    return {k: v.detach().cpu().numpy().copy() for k, v in state.items()}
+
+
+def tensors_of(weights: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(np.array(v, copy=True)) if isinstance(v, np.ndarray) else v for k, v in weights.items()}
+
+
+def trainer_state_of(model, optimizer) -> dict:
+    """A snapshot of the weights and optimizer state on the CPU: checkpoints and restarts must not need the GPU they
+    came from, and later optimizer steps must not change it (`.cpu()` of a CPU tensor is the tensor itself)."""
+    optimizer_state = optimizer.state_dict()
+    moments = {
+        index: {
+            name: value.detach().cpu().clone() if torch.is_tensor(value) else value for name, value in per_param.items()
+        }
+        for index, per_param in optimizer_state["state"].items()
+    }
+    return {"weights": weights_of(model), "optimizer": optimizer_state | {"state": moments}}
+
+
+def load_trainer_state(model, optimizer, state: dict) -> None:
+    """Into `model` / `optimizer` wherever they live: both loaders copy to the parameters' device."""
+    load_weights(model, state["weights"])
+    optimizer.load_state_dict(state["optimizer"])
+
+
+def load_weights(model, weights: dict[str, np.ndarray]) -> None:
+    """Weights `weights_of` took into a model of the same kind."""
+    tensors = tensors_of(weights)
+    if hasattr(model, "load_trained_state_dict"):
+        model.load_trained_state_dict(tensors)
+    else:
+        model.load_state_dict(tensors)
+
+
+def trainable_parameters(model) -> list[torch.nn.Parameter]:
+    """The parameters that train (a LoRA run's adapter): gradients, their gather and the optimizer hold these."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def flat_gradient(model) -> torch.Tensor:
+    return torch.cat(
+        [
+            p.grad.flatten() if p.grad is not None else torch.zeros(p.numel(), device=p.device)
+            for p in trainable_parameters(model)
+        ]
+    )
+
+
+def set_summed_gradient(model, parts: list[torch.Tensor], scale: float) -> None:
+    """Give `model`'s trainable parameters the sum of the flat gradients `parts`, added in the order given and in
+    their precision, times `scale`, then rounded once to each parameter's dtype. The commit of every runtime
+    replica and the language-model reference loop both go through here, so the same parts give the same bits."""
+    trained = trainable_parameters(model)
+    device = trained[0].device
+    dtype = parts[0].dtype if parts else torch.float32
+    total = torch.zeros(sum(p.numel() for p in trained), dtype=dtype, device=device)
+    for gradient in parts:
+        total += gradient.to(device)
+    if scale != 1.0:
+        total *= scale
+    offset = 0
+    for p in trained:
+        p.grad = total[offset : offset + p.numel()].view_as(p).to(p.dtype, copy=True)
+        offset += p.numel()
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued kernels, so that a wall-clock time covers the work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def commit(model, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> float:
+    """One optimizer step for the whole logical batch; returns the pre-clip gradient norm."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm)
