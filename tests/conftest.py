@@ -29,6 +29,25 @@ def local_ray(tmp_path_factory):
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def sd3_pipeline_dir(tmp_path_factory) -> Path:
+    """A tiny random-init StableDiffusion3Pipeline saved with save_pretrained (`tiny_pipelines.tiny_sd3_pipeline`),
+    built once per test process: what a user gives as `model.path`."""
+    from tiny_pipelines import tiny_sd3_pipeline
+
+    return tiny_sd3_pipeline(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_prompts_file(tmp_path_factory) -> Path:
+    """A text file of `tiny_pipelines.PROMPTS`, one a line: prompts the tiny pipelines' tokenizers spell."""
+    from tiny_pipelines import PROMPTS
+
+    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    path.write_text("\n".join(PROMPTS) + "\n")
+    return path
+
+
 def train_until_the_reward_breaks(flag: Path, config, pipeline: str, steps: int, out: Path) -> tuple[str, int, str]:
     """Train `config` (its reward `faulty_reward`, NaN while `flag` exists) for `steps`, the flag raised once the
     pipeline's first step is committed; the run must stop on a RewardError with exactly one checkpoint. Returns the

@@ -4,6 +4,7 @@ against a published vLLM sweep."""
 
 from dataclasses import replace
 
+import planner_scenarios
 import pytest
 
 from dovetail.cost.calibration import DEFAULT
@@ -42,24 +43,16 @@ def test_a_wider_tail_engine_is_not_free():
 def test_one_group_decodes_no_faster_on_more_devices():
     """One group of two ~900-token responses at TP 1 takes the same time on 4, 8 and 32 H100s (a group decodes on
     one engine, and the engine is one device)."""
-    scenario = parse_scenario(
-        {
-            "name": "one-group",
-            "cluster": {"device": "H100", "devices": 4},
-            "pipelines": [
-                {
-                    "kind": "lm",
-                    "name": "one",
-                    "model": "Qwen3-4B",
-                    "batch": 1,
-                    "group": 2,
-                    "lengths": {"kind": "empirical", "values": [900]},
-                    "max_length": 8192,
-                }
-            ],
-            "schedule": {"steps": 1, "policies": ["verl-sync"]},
-        }
+    pipeline = planner_scenarios.lm_pipeline(
+        name="one",
+        model="Qwen3-4B",
+        batch=1,
+        group=2,
+        lengths={"kind": "empirical", "values": [900]},
+        max_length=8192,
+        micro_batches=1,
     )
+    scenario = planner_scenarios.scenario(pipeline, name="one-group", policies=("verl-sync",))
     decode_s = {}
     for devices in (4, 8, 32):
         sized = scenario.model_copy(update={"cluster": scenario.cluster.model_copy(update={"devices": devices})})

@@ -1,56 +1,27 @@
 """jigsaw and jigsaw-greedy multiplex a flow (text-to-image) pipeline beside a language-model one on one pool, run a
 flow pipeline alone, and weigh pipelines by `priority` when their trainer work competes."""
 
+import planner_scenarios
 import pytest
 from test_sim_properties import check_trace
 
 from dovetail.exec.plan import simulate
 from dovetail.graph.flow import FlowShape
 from dovetail.graph.node import Kind
-from dovetail.scenario import parse_scenario
 
 STEPS = 3
 
 
 def scenario(*pipelines: dict, devices: int = 4):
-    return parse_scenario(
-        {
-            "name": "mixed",
-            "cluster": {"device": "H100", "devices": devices},
-            "pipelines": list(pipelines),
-            "schedule": {"steps": STEPS, "policies": ["jigsaw"]},
-        }
-    )
+    return planner_scenarios.scenario(*pipelines, name="mixed", devices=devices, steps=STEPS, policies=("jigsaw",))
 
 
 def llm(name: str = "qwen", **changes) -> dict:
-    return {
-        "kind": "lm",
-        "name": name,
-        "model": "Qwen3-0.6B",
-        "batch": 32,
-        "group": 4,
-        "lengths": {"kind": "lognormal", "median": 600, "sigma": 0.8},
-        "max_length": 4096,
-        "length_bands": [1024, 2048],
-        "micro_batches": 4,
-        **changes,
-    }
+    return planner_scenarios.lm_pipeline(**{"name": name, "length_bands": [1024, 2048], **changes})
 
 
 def flow(name: str = "sd", **changes) -> dict:
-    return {
-        "kind": "flow",
-        "name": name,
-        "model": "SD3.5-M",
-        "prompts": 8,
-        "group": 4,
-        "denoising_steps": 10,
-        "trained_timesteps": 4,
-        "height": 512,
-        "width": 512,
-        **changes,
-    }
+    return planner_scenarios.flow_pipeline(**{"name": name, "trained_timesteps": 4, **changes})
 
 
 def check_every_step_committed(prepared, trace) -> None:

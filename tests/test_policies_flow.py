@@ -4,6 +4,7 @@ recompute, TAG only where predicted to help, TCSS staleness)."""
 from dataclasses import replace
 
 import pytest
+from planner_scenarios import scenario
 
 from dovetail.cost.calibration import DEFAULT
 from dovetail.cost.catalog import diffusion_model
@@ -13,32 +14,9 @@ from dovetail.exec.plan import prepare, run_prepared, simulate
 from dovetail.exec.state import ClusterState, DecisionError
 from dovetail.graph.flow import FlowShape, build_flow
 from dovetail.graph.node import Graph, Kind, Node, Role
-from dovetail.scenario import Scenario, load_scenario
+from dovetail.scenario import load_scenario
 from dovetail.sched.digen import Digen, predict_makespan
 from dovetail.sched.policy import Engines, Run, Setup, StartStep, SwitchRole
-
-
-def scenario(devices=4, prompts=8, policies=("colocated",), **schedule) -> Scenario:
-    return Scenario.model_validate(
-        {
-            "name": "small",
-            "cluster": {"device": "H100", "devices": devices},
-            "pipelines": [
-                {
-                    "kind": "flow",
-                    "name": "p",
-                    "model": "SD3.5-M",
-                    "prompts": prompts,
-                    "group": 4,
-                    "denoising_steps": 10,
-                    "trained_timesteps": 3,
-                    "height": 512,
-                    "width": 512,
-                }
-            ],
-            "schedule": {"steps": 1, "policies": list(policies), **schedule},
-        }
-    )
 
 
 def total(graph: Graph, kind: Kind) -> float:

@@ -6,6 +6,7 @@ simulator, against the policy's own run with the shapes its search chose."""
 import json
 from dataclasses import asdict, replace
 
+import planner_scenarios
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -45,27 +46,22 @@ flow_cases = st.fixed_dictionaries(
 
 def flow_scenario(case, devices: int | None = None) -> Scenario:
     video = case["model"] == "Wan2.1-14B"
-    return Scenario.model_validate(
-        {
-            "name": "random-flow",
-            "cluster": {"device": case["device"], "devices": devices or case["devices"]},
-            "pipelines": [
-                {
-                    "kind": "flow",
-                    "name": "p",
-                    "model": case["model"],
-                    "prompts": case["prompts"],
-                    "group": case["group"],
-                    "denoising_steps": 8,
-                    "trained_timesteps": case["trained"],
-                    "height": 512,
-                    "width": 512,
-                    "frames": 17 if video else 1,
-                    "offload": case["model"] != "SD3.5-M",
-                }
-            ],
-            "schedule": {"steps": case["steps"], "policies": ["colocated", "digen", "digen+tcss"]},
-        }
+    pipeline = planner_scenarios.flow_pipeline(
+        model=case["model"],
+        prompts=case["prompts"],
+        group=case["group"],
+        denoising_steps=8,
+        trained_timesteps=case["trained"],
+        frames=17 if video else 1,
+        offload=case["model"] != "SD3.5-M",
+    )
+    return planner_scenarios.scenario(
+        pipeline,
+        name="random-flow",
+        device=case["device"],
+        devices=devices or case["devices"],
+        steps=case["steps"],
+        policies=("colocated", "digen", "digen+tcss"),
     )
 
 
@@ -83,27 +79,22 @@ llm_cases = st.fixed_dictionaries(
 
 def llm_scenario(case) -> Scenario:
     pipelines = [
-        {
-            "kind": "lm",
-            "name": f"lm{i}",
-            "model": case["model"],
-            "batch": case["batch"],
-            "group": 4,
-            "prompt_length": 128,
-            "lengths": {"kind": "lognormal", "median": case["median"], "sigma": 0.9},
-            "max_length": 4096,
-            "length_bands": [512, 1024, 2048],
-            "micro_batches": 4,
-        }
+        planner_scenarios.lm_pipeline(
+            name=f"lm{i}",
+            model=case["model"],
+            batch=case["batch"],
+            prompt_length=128,
+            lengths={"kind": "lognormal", "median": case["median"], "sigma": 0.9},
+            length_bands=[512, 1024, 2048],
+        )
         for i in range(case["pipelines"])
     ]
-    return Scenario.model_validate(
-        {
-            "name": "random-llm",
-            "cluster": {"device": "H100", "devices": max(case["devices"], case["pipelines"])},
-            "pipelines": pipelines,
-            "schedule": {"steps": case["steps"], "policies": ["verl-sync", "jigsaw"]},
-        }
+    return planner_scenarios.scenario(
+        *pipelines,
+        name="random-llm",
+        devices=max(case["devices"], case["pipelines"]),
+        steps=case["steps"],
+        policies=("verl-sync", "jigsaw"),
     )
 
 

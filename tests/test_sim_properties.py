@@ -2,6 +2,7 @@
 
 import random
 
+import planner_scenarios
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -82,28 +83,26 @@ flow_cases = st.fixed_dictionaries(
 def flow_scenario(case) -> Scenario:
     prompts = case["prompts"] - case["prompts"] % case["mini_batches"]
     video = case["model"] == "Wan2.1-14B"
-    return Scenario.model_validate(
-        {
-            "name": "random",
-            "cluster": {"device": "H100", "devices": case["devices"]},
-            "pipelines": [
-                {
-                    "kind": "flow",
-                    "name": "p",
-                    "model": case["model"],
-                    "prompts": prompts,
-                    "group": case["group"],
-                    "denoising_steps": 6,
-                    "trained_timesteps": case["trained"],
-                    "height": 256,
-                    "width": 256,
-                    "frames": 9 if video else 1,
-                    "mini_batches": case["mini_batches"],
-                    "offload": case["model"] != "SD3.5-M",
-                }
-            ],
-            "schedule": {"steps": 3, "policies": [case["policy"]], "seed": case["seed"], "noise": case["noise"]},
-        }
+    pipeline = planner_scenarios.flow_pipeline(
+        model=case["model"],
+        prompts=prompts,
+        group=case["group"],
+        denoising_steps=6,
+        trained_timesteps=case["trained"],
+        height=256,
+        width=256,
+        frames=9 if video else 1,
+        mini_batches=case["mini_batches"],
+        offload=case["model"] != "SD3.5-M",
+    )
+    return planner_scenarios.scenario(
+        pipeline,
+        name="random",
+        devices=case["devices"],
+        steps=3,
+        policies=(case["policy"],),
+        seed=case["seed"],
+        noise=case["noise"],
     )
 
 

@@ -4,6 +4,7 @@ and what to change; never a traceback. `dovetail plan` stays fast on the 64-GPU 
 import json
 import time
 
+import planner_scenarios
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -21,51 +22,19 @@ LONGEST_LINE = 500
 
 
 def llm(devices: int, model: str = "Qwen3-0.6B", tensor_parallel: int = 1, policies=("verl-sync",)) -> Scenario:
-    return Scenario.model_validate(
-        {
-            "name": "one-lm",
-            "cluster": {"device": "H100", "devices": devices},
-            "pipelines": [
-                {
-                    "kind": "lm",
-                    "name": "lm",
-                    "model": model,
-                    "batch": 32,
-                    "group": 4,
-                    "prompt_length": 150,
-                    "lengths": {"kind": "lognormal", "median": 220, "sigma": 1.0},
-                    "max_length": 4096,
-                    "micro_batches": 4,
-                    "tensor_parallel": tensor_parallel,
-                }
-            ],
-            "schedule": {"steps": 2, "policies": list(policies)},
-        }
+    pipeline = planner_scenarios.lm_pipeline(
+        model=model,
+        prompt_length=150,
+        lengths={"kind": "lognormal", "median": 220, "sigma": 1.0},
+        tensor_parallel=tensor_parallel,
     )
+    return planner_scenarios.scenario(pipeline, name="one-lm", devices=devices, steps=2, policies=policies)
 
 
 def flow(devices: int, policies=("colocated",), schedule=None, **pipeline) -> Scenario:
-    return Scenario.model_validate(
-        {
-            "name": "one-flow",
-            "cluster": {"device": "H100", "devices": devices},
-            "pipelines": [
-                {
-                    "kind": "flow",
-                    "name": "p",
-                    "model": "SD3.5-M",
-                    "prompts": 4,
-                    "group": 4,
-                    "denoising_steps": 10,
-                    "trained_timesteps": 3,
-                    "height": 512,
-                    "width": 512,
-                    **pipeline,
-                }
-            ],
-            "schedule": {"steps": 2, "policies": list(policies), **(schedule or {})},
-        }
-    )
+    pipeline = planner_scenarios.flow_pipeline(**{"prompts": 4, **pipeline})
+    schedule = {"steps": 2, "policies": policies, **(schedule or {})}
+    return planner_scenarios.scenario(pipeline, name="one-flow", devices=devices, **schedule)
 
 
 def test_jigsaw_runs_the_calibration_scenario_it_used_to_stall_on():

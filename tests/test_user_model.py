@@ -1,7 +1,7 @@
-"""A user's own model, prompts and export: a tiny random-init SD3 pipeline (two CLIP text encoders with a tokenizer
-made here, an MMDiT, a VAE), saved with save_pretrained, trains through `model.path` under the reference loop and a
-Ray policy to the same parameters, with and without LoRA; prompts come from files; `dovetail export` writes what
-diffusers' and peft's `from_pretrained` load back."""
+"""A user's own model, prompts and export: a tiny random-init SD3 pipeline (tests/tiny_pipelines.py: two CLIP text
+encoders with a tokenizer made there, an MMDiT, a VAE), saved with save_pretrained, trains through `model.path` under
+the reference loop and a Ray policy to the same parameters, with and without LoRA; prompts come from files;
+`dovetail export` writes what diffusers' and peft's `from_pretrained` load back."""
 
 import json
 import os
@@ -12,26 +12,10 @@ import datasets
 import numpy as np
 import pytest
 import torch
-from diffusers import (
-    AutoencoderKL,
-    FlowMatchEulerDiscreteScheduler,
-    FluxPipeline,
-    FluxTransformer2DModel,
-    SD3Transformer2DModel,
-    StableDiffusion3Pipeline,
-)
+from diffusers import FluxPipeline, SD3Transformer2DModel, StableDiffusion3Pipeline
 from peft import PeftModel, get_peft_model_state_dict
 from safetensors.torch import load_file
-from tokenizers import Tokenizer, models
-from transformers import (
-    CLIPTextConfig,
-    CLIPTextModel,
-    CLIPTextModelWithProjection,
-    CLIPTokenizer,
-    T5Config,
-    T5EncoderModel,
-    T5TokenizerFast,
-)
+from tiny_pipelines import PROMPTS, tiny_flux_pipeline
 from typer.testing import CliRunner
 
 from dovetail.cli import app
@@ -44,82 +28,7 @@ from dovetail.prompts import prompt_split, read_prompts
 from dovetail.recipe import sde_settings
 from dovetail.runner import train
 
-PROMPTS = ["a red cat", "a blue dog", "red house", "blue mat", "a green cat", "the red dog", "blue cat", "green mat"]
-LETTERS = sorted(set("".join(PROMPTS)))
 STEPS = 2
-
-
-def clip_tokenizer(directory: Path) -> tuple[CLIPTokenizer, int]:
-    """CLIP's BPE over single letters (a vocabulary written here, no merges) and its vocabulary size."""
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for letter in LETTERS:
-        vocab.setdefault(letter, len(vocab))
-        vocab.setdefault(letter + "</w>", len(vocab))
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "vocab.json").write_text(json.dumps(vocab))
-    (directory / "merges.txt").write_text("#version: 0.2\n")
-    return CLIPTokenizer(str(directory / "vocab.json"), str(directory / "merges.txt"), model_max_length=16), len(vocab)
-
-
-def tiny_vae() -> AutoencoderKL:
-    """Four latent channels, one 2x upsampling: 8x8 latents are 16x16 RGB images."""
-    return AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=["DownEncoderBlock2D"] * 2,
-        up_block_types=["UpDecoderBlock2D"] * 2,
-        block_out_channels=[8, 16],
-        latent_channels=4,
-        norm_num_groups=4,
-        sample_size=16,
-        scaling_factor=1.5,
-        shift_factor=0.1,
-    )
-
-
-def tiny_sd3_pipeline(directory: Path) -> Path:
-    """A random-init StableDiffusion3Pipeline small enough to train in seconds, saved with save_pretrained. SD3's T5
-    is left out, as diffusers allows (its encodings are then zeros)."""
-    torch.manual_seed(0)
-    tokenizer, vocab_size = clip_tokenizer(directory)
-    text = CLIPTextConfig(
-        vocab_size=vocab_size,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        max_position_embeddings=16,
-        projection_dim=16,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=1,
-    )
-    pipeline = StableDiffusion3Pipeline(
-        transformer=SD3Transformer2DModel(
-            sample_size=8,
-            patch_size=2,
-            in_channels=4,
-            out_channels=4,
-            num_layers=2,
-            attention_head_dim=8,
-            num_attention_heads=2,
-            joint_attention_dim=32,  # the two CLIPs' hidden states side by side
-            caption_projection_dim=16,
-            pooled_projection_dim=32,  # their two projections side by side
-            pos_embed_max_size=8,
-        ),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        vae=tiny_vae(),
-        text_encoder=CLIPTextModelWithProjection(text),
-        tokenizer=tokenizer,
-        text_encoder_2=CLIPTextModelWithProjection(text),
-        tokenizer_2=tokenizer,
-        text_encoder_3=None,
-        tokenizer_3=None,
-    )
-    pipeline.save_pretrained(directory / "pipeline")
-    return directory / "pipeline"
-
 
 SCORED = "DOVETAIL_TEST_SCORED"
 """The file where `colour_match` appends the prompts of each call, one JSON line each, when this is set: a user's
@@ -136,23 +45,11 @@ def colour_match(images: np.ndarray, prompts) -> np.ndarray:
     return np.array([2 * m[c] - m.sum() + m[c] for m, c in zip(means, channel)])
 
 
-@pytest.fixture(scope="module")
-def pipeline_dir(tmp_path_factory) -> Path:
-    return tiny_sd3_pipeline(tmp_path_factory.mktemp("model"))
-
-
-@pytest.fixture(scope="module")
-def prompts_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
-    path.write_text("\n".join(PROMPTS) + "\n")
-    return path
-
-
-def small(pipeline_dir: Path, prompts_file: Path, *extra: str) -> list[str]:
+def small(model: Path, prompts: Path, *extra: str) -> list[str]:
     return [
-        f"model.path={pipeline_dir}",
+        f"model.path={model}",
         "model.max_sequence_length=4",
-        f"prompts.path={prompts_file}",
+        f"prompts.path={prompts}",
         "prompts.eval_fraction=0.3",
         "prompts.eval_prompts=2",
         # a random-init model's samples of one prompt differ little (rewards ~1e-4 apart): weighted up, the group std
@@ -181,40 +78,40 @@ def max_difference(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def test_a_diffusers_directory_given_as_the_checkpoint_is_one_line_naming_it(pipeline_dir, tmp_path):
+def test_a_diffusers_directory_given_as_the_checkpoint_is_one_line_naming_it(sd3_pipeline_dir, tmp_path):
     with pytest.raises(ConfigError) as refused:
-        load_config(None, [f"model.checkpoint={pipeline_dir}"])
-    expected = f"invalid config: model.checkpoint: {pipeline_dir} is a diffusers directory: give it as model.path"
+        load_config(None, [f"model.checkpoint={sd3_pipeline_dir}"])
+    expected = f"invalid config: model.checkpoint: {sd3_pipeline_dir} is a diffusers directory: give it as model.path"
     assert str(refused.value) == expected
     (tmp_path / "transformer").mkdir()
     (tmp_path / "transformer" / "config.json").write_text('{"_class_name": "UNet2DConditionModel"}')
     for path, lacks in (
         (tmp_path / "nowhere", "is not a directory"),
-        (pipeline_dir / "vae", "has no transformer/config.json"),
+        (sd3_pipeline_dir / "vae", "has no transformer/config.json"),
         (tmp_path, "holds a 'UNet2DConditionModel'; model.path loads SD3Transformer2DModel"),
     ):
         with pytest.raises(ConfigError) as refused:
             load_config(None, [f"model.path={path}"])
         assert "\n" not in str(refused.value) and str(path) in str(refused.value) and lacks in str(refused.value)
-    result = CliRunner().invoke(app, ["train", f"model.checkpoint={pipeline_dir}", "--dry-run"])
+    result = CliRunner().invoke(app, ["train", f"model.checkpoint={sd3_pipeline_dir}", "--dry-run"])
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
     with pytest.raises(ConfigError, match="reward.digit_match judges the built-in model's 8x8 digits"):
-        load_config(None, [f"model.path={pipeline_dir}"])  # the default reward
+        load_config(None, [f"model.path={sd3_pipeline_dir}"])  # the default reward
 
 
 @pytest.fixture(scope="module")
-def reference_run(pipeline_dir, prompts_file, tmp_path_factory) -> Path:
+def reference_run(sd3_pipeline_dir, tiny_prompts_file, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("runs") / "reference"
-    train(load_config(None, small(pipeline_dir, prompts_file, "policy=reference")), out, steps=STEPS)
+    train(load_config(None, small(sd3_pipeline_dir, tiny_prompts_file, "policy=reference")), out, steps=STEPS)
     return out
 
 
 def test_a_saved_pipeline_trains_through_model_path_and_a_ray_policy_matches_the_reference(
-    reference_run, pipeline_dir, prompts_file, local_ray, tmp_path
+    reference_run, sd3_pipeline_dir, tiny_prompts_file, local_ray, tmp_path
 ):
-    start = load_file(pipeline_dir / "transformer" / "diffusion_pytorch_model.safetensors")
+    start = load_file(sd3_pipeline_dir / "transformer" / "diffusion_pytorch_model.safetensors")
     assert max_difference(trained(reference_run), start) > 1e-4  # it trained the whole transformer
-    train(load_config(None, small(pipeline_dir, prompts_file, "policy=colocated")), tmp_path, steps=STEPS)
+    train(load_config(None, small(sd3_pipeline_dir, tiny_prompts_file, "policy=colocated")), tmp_path, steps=STEPS)
     assert max_difference(trained(tmp_path), trained(reference_run)) <= 1e-5
     assert json.loads((tmp_path / "ledger.json").read_text())["problems"] == []
 
@@ -223,20 +120,20 @@ LORA = ["model.lora.rank=4", "model.lora.alpha=8.0"]
 
 
 @pytest.fixture(scope="module")
-def lora_reference_run(pipeline_dir, prompts_file, tmp_path_factory) -> Path:
+def lora_reference_run(sd3_pipeline_dir, tiny_prompts_file, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("runs") / "lora-reference"
-    train(load_config(None, small(pipeline_dir, prompts_file, "policy=reference", *LORA)), out, steps=STEPS)
+    train(load_config(None, small(sd3_pipeline_dir, tiny_prompts_file, "policy=reference", *LORA)), out, steps=STEPS)
     return out
 
 
 def test_lora_trains_publishes_and_checkpoints_the_adapter_alone_and_a_ray_policy_matches_the_reference(
-    lora_reference_run, pipeline_dir, prompts_file, local_ray, tmp_path
+    lora_reference_run, sd3_pipeline_dir, tiny_prompts_file, local_ray, tmp_path
 ):
     adapter = trained(lora_reference_run)
     assert adapter and all(".lora_A." in k or ".lora_B." in k for k in adapter)
     assert max(v.abs().max().item() for k, v in adapter.items() if ".lora_B." in k) > 1e-4  # B starts at 0: it trained
     model = load_diffusers_checkpoint(lora_reference_run / "checkpoints" / f"step_{STEPS:06d}")
-    base = load_file(pipeline_dir / "transformer" / "diffusion_pytorch_model.safetensors")
+    base = load_file(sd3_pipeline_dir / "transformer" / "diffusion_pytorch_model.safetensors")
     frozen = model.transformer.get_base_model().state_dict()
     for name, weight in base.items():  # the base never moved (an adapted layer's weight is now its base_layer's)
         wrapped = name.replace(".weight", ".base_layer.weight").replace(".bias", ".base_layer.bias")
@@ -246,25 +143,27 @@ def test_lora_trains_publishes_and_checkpoints_the_adapter_alone_and_a_ray_polic
     optimizer = torch.load(lora_reference_run / "checkpoints" / f"step_{STEPS:06d}" / "optimizer.pt")
     assert len(optimizer["state"]) == len(adapter)  # Adam's moments of the adapter alone
 
-    train(load_config(None, small(pipeline_dir, prompts_file, "policy=colocated", *LORA)), tmp_path, steps=STEPS)
+    train(
+        load_config(None, small(sd3_pipeline_dir, tiny_prompts_file, "policy=colocated", *LORA)), tmp_path, steps=STEPS
+    )
     assert max_difference(trained(tmp_path), adapter) <= 1e-5
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert {s["publish_bytes"] for s in steps} == {published}
 
 
 def test_lora_under_digen_with_trainer_assisted_generation_matches_the_reference(
-    lora_reference_run, pipeline_dir, prompts_file, local_ray, tmp_path
+    lora_reference_run, sd3_pipeline_dir, tiny_prompts_file, local_ray, tmp_path
 ):
     """digen publishes the adapter from its trainer device to its rollout device, and TAG lends the trainer's
     rollout copy fragments too: the adapter still ends where the reference's does."""
     digen = ["policy=digen", "runtime.fragments=2", "runtime.tag=force", *LORA]
-    train(load_config(None, small(pipeline_dir, prompts_file, *digen)), tmp_path, steps=STEPS)
+    train(load_config(None, small(sd3_pipeline_dir, tiny_prompts_file, *digen)), tmp_path, steps=STEPS)
     assert max_difference(trained(tmp_path), trained(lora_reference_run)) <= 1e-5
     assert json.loads((tmp_path / "ledger.json").read_text())["problems"] == []
 
 
 def test_export_writes_what_diffusers_and_peft_load_back_with_the_trained_weights(
-    lora_reference_run, reference_run, pipeline_dir, tmp_path
+    lora_reference_run, reference_run, sd3_pipeline_dir, tmp_path
 ):
     runner = CliRunner()
     out = tmp_path / "lora-export"
@@ -272,7 +171,7 @@ def test_export_writes_what_diffusers_and_peft_load_back_with_the_trained_weight
     assert result.exit_code == 0, result.output
     pipeline = StableDiffusion3Pipeline.from_pretrained(out, text_encoder_3=None, tokenizer_3=None)
     adapter = trained(lora_reference_run)
-    base = load_file(pipeline_dir / "transformer" / "diffusion_pytorch_model.safetensors")
+    base = load_file(sd3_pipeline_dir / "transformer" / "diffusion_pytorch_model.safetensors")
     scale = 8.0 / 4  # alpha / rank
     merged = dict(base)
     for name in {k.split(".lora_A.")[0] for k in adapter if ".lora_A." in k}:
@@ -287,7 +186,7 @@ def test_export_writes_what_diffusers_and_peft_load_back_with_the_trained_weight
     assert images.images.shape == (1, 16, 16, 3)
 
     reloaded = PeftModel.from_pretrained(
-        SD3Transformer2DModel.from_pretrained(pipeline_dir / "transformer"), out / "lora"
+        SD3Transformer2DModel.from_pretrained(sd3_pipeline_dir / "transformer"), out / "lora"
     )
     assert max_difference(get_peft_model_state_dict(reloaded), adapter) == 0.0
 
@@ -361,9 +260,9 @@ def test_a_prompts_file_that_cannot_give_prompts_is_one_line_naming_it(overrides
 
 
 def test_the_reward_scores_the_steps_prompts_from_the_train_split_and_evaluates_the_eval_split(
-    pipeline_dir, prompts_file, tmp_path, monkeypatch
+    sd3_pipeline_dir, tiny_prompts_file, tmp_path, monkeypatch
 ):
-    config = load_config(None, small(pipeline_dir, prompts_file, "policy=reference"))
+    config = load_config(None, small(sd3_pipeline_dir, tiny_prompts_file, "policy=reference"))
     split = prompt_split(config)
     calls = tmp_path / "scored.jsonl"
     monkeypatch.setenv(SCORED, str(calls))
@@ -376,20 +275,20 @@ def test_the_reward_scores_the_steps_prompts_from_the_train_split_and_evaluates_
 
 
 def test_a_transformer_with_precomputed_prompt_embeddings_generates_what_its_pipeline_does(
-    pipeline_dir, prompts_file, tmp_path
+    sd3_pipeline_dir, tiny_prompts_file, tmp_path
 ):
     embedded = tmp_path / "embedded"
     for part in ("transformer", "scheduler", "vae"):
-        shutil.copytree(pipeline_dir / part, embedded / part)
-    text = StableDiffusion3Pipeline.from_pretrained(pipeline_dir, text_encoder_3=None, tokenizer_3=None)
+        shutil.copytree(sd3_pipeline_dir / part, embedded / part)
+    text = StableDiffusion3Pipeline.from_pretrained(sd3_pipeline_dir, text_encoder_3=None, tokenizer_3=None)
     embeds, _, pooled, _ = text.encode_prompt(
         PROMPTS, None, None, do_classifier_free_guidance=False, max_sequence_length=4
     )
     save_prompt_embeddings(embedded / "prompt_embeds.safetensors", PROMPTS, embeds, pooled)
 
     models = []
-    for path in (pipeline_dir, embedded):
-        config = load_config(None, small(path, prompts_file))
+    for path in (sd3_pipeline_dir, embedded):
+        config = load_config(None, small(path, tiny_prompts_file))
         models.append(load_flow_model(config))
     ids = group_sample_ids(0, [0, 1, 2], 2)
     prompts = [PROMPTS[s.prompt] for s in ids]
@@ -410,18 +309,20 @@ def test_a_transformer_with_precomputed_prompt_embeddings_generates_what_its_pip
 
 
 def test_a_run_of_a_diffusers_model_resumes_to_the_parameters_of_the_uninterrupted_run(
-    reference_run, pipeline_dir, prompts_file, tmp_path
+    reference_run, sd3_pipeline_dir, tiny_prompts_file, tmp_path
 ):
-    config = load_config(None, small(pipeline_dir, prompts_file, "policy=reference", "checkpoint.every=1"))
+    config = load_config(None, small(sd3_pipeline_dir, tiny_prompts_file, "policy=reference", "checkpoint.every=1"))
     train(config, tmp_path, steps=1)
     train(config, tmp_path, steps=STEPS, resume=tmp_path)
     assert max_difference(trained(tmp_path), trained(reference_run)) == 0.0
 
 
 def test_the_planner_sees_a_model_path_run_as_its_cost_model_at_its_image_size_with_its_adapter(
-    pipeline_dir, prompts_file
+    sd3_pipeline_dir, tiny_prompts_file
 ):
-    lora = load_config(None, small(pipeline_dir, prompts_file, "policy=digen", "model.cost_model=SD3.5-M", *LORA))
+    lora = load_config(
+        None, small(sd3_pipeline_dir, tiny_prompts_file, "policy=digen", "model.cost_model=SD3.5-M", *LORA)
+    )
     spec = lora.scenario(3).pipelines[0]
     # 8 latent pixels a side, a VAE of two blocks (one 2x upsampling): 16-pixel images
     assert (spec.model, spec.height, spec.width, spec.lora.rank, spec.lora.targets) == (
@@ -431,59 +332,13 @@ def test_the_planner_sees_a_model_path_run_as_its_cost_model_at_its_image_size_w
         4,
         "attention",
     )
-    full = load_config(None, small(pipeline_dir, prompts_file, "policy=digen"))
+    full = load_config(None, small(sd3_pipeline_dir, tiny_prompts_file, "policy=digen"))
     assert full.scenario(3).pipelines[0].lora is None and full.scenario(3).pipelines[0].model == "digits-t2i"
 
 
-def tiny_flux_pipeline(directory: Path) -> Path:
-    """A random-init guidance-distilled FluxPipeline (CLIP for the pooled embedding, a T5 encoder with a unigram
-    tokenizer of single letters made here), saved with save_pretrained."""
-    torch.manual_seed(0)
-    tokenizer, vocab_size = clip_tokenizer(directory)
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [(letter, -1.0) for letter in LETTERS]
-    unigram = Tokenizer(models.Unigram(pieces, unk_id=2))
-    clip = CLIPTextConfig(
-        vocab_size=vocab_size,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        max_position_embeddings=16,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=1,
-    )
-    pipeline = FluxPipeline(
-        transformer=FluxTransformer2DModel(
-            patch_size=1,
-            in_channels=16,  # 4 latent channels in 2x2 patches
-            num_layers=1,
-            num_single_layers=1,
-            attention_head_dim=8,
-            num_attention_heads=2,
-            joint_attention_dim=32,
-            pooled_projection_dim=16,
-            guidance_embeds=True,
-            axes_dims_rope=(2, 2, 4),
-        ),
-        scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=tiny_vae(),
-        text_encoder=CLIPTextModel(clip),
-        tokenizer=tokenizer,
-        text_encoder_2=T5EncoderModel(
-            T5Config(vocab_size=len(pieces), d_model=32, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
-        ),
-        tokenizer_2=T5TokenizerFast(
-            tokenizer_object=unigram, eos_token="</s>", pad_token="<pad>", unk_token="<unk>", extra_ids=0
-        ),
-    )
-    pipeline.save_pretrained(directory / "pipeline")
-    return directory / "pipeline"
-
-
-def test_a_flux_pipeline_moves_as_flux_pipeline_drives_it_trains_and_exports(prompts_file, tmp_path):
+def test_a_flux_pipeline_moves_as_flux_pipeline_drives_it_trains_and_exports(tiny_prompts_file, tmp_path):
     flux = tiny_flux_pipeline(tmp_path / "flux")
-    run = small(flux, prompts_file, "policy=reference", "model.sample_size=8", "model.max_sequence_length=8")
+    run = small(flux, tiny_prompts_file, "policy=reference", "model.sample_size=8", "model.max_sequence_length=8")
     config = load_config(None, run)
     model = load_flow_model(config)
     pipeline = FluxPipeline.from_pretrained(flux)
