@@ -23,6 +23,7 @@ from dovetail.cost.catalog import language_model
 from dovetail.graph.spec import MAX_DEVICES, GroupSize, check_length_bands
 from dovetail.rewards.text import text_reward_fn
 from dovetail.scenario import Scenario, check_pools, clip
+from dovetail.sched import POLICIES, policy_class
 from dovetail.tasks import task
 
 
@@ -211,4 +212,9 @@ class LMTrainConfig(RunSection):
             "lengths_known": False,  # a run learns them by decoding
             "priority": self.priority,
         }
+        if self.policy not in POLICIES or "recompute_logprob" not in policy_class(self.policy).fixes:
+            # One optimizer step per batch: the trainer's own log-probs, detached, are the old ones (ratio 1), so
+            # no separate pass recomputes them (TRL skips it; so does verl with one PPO epoch and mini-batch). A
+            # policy whose recipe decides it (areal) keeps its own.
+            pipeline["recompute_logprob"] = False
         return planner_scenario(self, [pipeline], steps, self.runtime.trainer_devices, 0)
