@@ -43,7 +43,8 @@ from dovetail.prompts import prompt_split
 
 PROMPT_EMBEDDINGS = "prompt_embeds.safetensors"
 """Precomputed prompt encodings of a directory without text encoders: tensors prompt_embeds (N, L, D) and
-pooled_prompt_embeds (N, P), and the N prompts (a JSON list) in the file's metadata under "prompts"."""
+pooled_prompt_embeds (N, P) (P = 0 for Wan, which has no pooled embedding), and the N prompts (a JSON list) in the
+file's metadata under "prompts"."""
 
 ADAPTER_DIR = "lora"
 """Where `export` writes a LoRA run's adapter in peft's layout, inside the exported pipeline directory."""
@@ -378,16 +379,16 @@ def load_diffusers_flow(
     return wrapper(transformer, prompts, timesteps, source).eval()
 
 
-def _text_pipeline(path: Path, transformer, name: str):
-    """The directory's pipeline `name` (StableDiffusion3Pipeline, FluxPipeline, WanPipeline) of its text encoders and
-    tokenizers (an absent one, e.g. SD3's T5 left out, None), in float32; the transformer is the model's own (SD3's
-    encode_prompt reads its config), no VAE.
+def _text_pipeline(path: Path, transformer, kind: str):
+    """The directory's pipeline of class `kind` (StableDiffusion3Pipeline, FluxPipeline, WanPipeline) of its text
+    encoders and tokenizers (an absent one, e.g. SD3's T5 left out, None), in float32; the transformer is the model's
+    own (SD3's encode_prompt reads its config), no VAE.
     Looked up here: diffusers' pipelines pull in transformers' image processors, which no other run needs (nor this
     one: their warnings that torchvision is missing are silenced)."""
     verbosity = transformers.utils.logging.get_verbosity()
     transformers.utils.logging.set_verbosity_error()
     try:
-        pipeline = getattr(diffusers, name)
+        pipeline = getattr(diffusers, kind)
     finally:
         transformers.utils.logging.set_verbosity(verbosity)
 
