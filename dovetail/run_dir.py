@@ -37,6 +37,8 @@ MANIFEST = "manifest.json"
 SEALED = ("model.safetensors", "config.json", "optimizer.pt", "rng.pt", "state.json")  # in every checkpoint
 STEP_DIR = re.compile(r"step_(\d+)")
 NO_CHECKPOINT = "expected RUN_DIR or RUN_DIR/checkpoints/step_NNNNNN"
+STRIP_FRAMES = 8
+"""Frames an eval grid draws of a video: an 81-frame Wan video in full would be a strip 81 frames wide."""
 
 
 class BrokenCheckpoint(ValueError):
@@ -154,26 +156,36 @@ class RunDir:
     def save_eval_grid(self, images: np.ndarray, prompts: list[str], name: str) -> None:
         """One column per prompt, its samples down the column: tiled into one image and drawn once, because the
         driver pauses training while it draws (80 subplots took 1.6 s, this takes a tenth of that). Images are
-        (B, H, W) grey, drawn dark on white, or (B, H, W, 3) RGB, drawn as they are."""
+        (B, H, W) grey, drawn dark on white, or (B, H, W, 3) RGB, drawn as they are; videos (B, F, H, W, 3) are drawn
+        as frame strips: each sample's frames left to right a pixel apart, at most STRIP_FRAMES of them evenly spaced
+        from the first to the last, the strips 3 pixels apart."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
+        pad = 1
+        if images.ndim == 5:
+            pad = 3
+            shown = np.linspace(0, images.shape[1] - 1, min(images.shape[1], STRIP_FRAMES)).round().astype(int)
+            images = images[:, shown]
+            samples, frames, height, width, _ = images.shape
+            spaced = np.pad(images, ((0, 0), (0, 0), (0, 0), (0, 1), (0, 0)), constant_values=1.0)
+            images = spaced.transpose(0, 2, 1, 3, 4).reshape(samples, height, frames * (width + 1), 3)[:, :, :-1]
         columns = sorted(set(prompts))
         rgb = images.ndim == 4
-        size, pad = images.shape[1], 1
+        height, width = images.shape[1:3]
         rows = max(prompts.count(p) for p in columns)
-        grid = np.ones((rows * (size + pad) + pad, len(columns) * (size + pad) + pad, *images.shape[3:]))
+        grid = np.ones((rows * (height + pad) + pad, len(columns) * (width + pad) + pad, *images.shape[3:]))
         filled = dict.fromkeys(columns, 0)
         for image, prompt in zip(images, prompts):
             row, column = filled[prompt], columns.index(prompt)
             filled[prompt] += 1
-            top, left = pad + row * (size + pad), pad + column * (size + pad)
-            grid[top : top + size, left : left + size] = image if rgb else 1 - image
-        fig, ax = plt.subplots(figsize=(len(columns) * 0.8, rows * 0.8 + 0.4))
+            top, left = pad + row * (height + pad), pad + column * (width + pad)
+            grid[top : top + height, left : left + width] = image if rgb else 1 - image
+        fig, ax = plt.subplots(figsize=(len(columns) * 0.8 * width / height, rows * 0.8 + 0.4))
         ax.imshow(grid, cmap="gray", vmin=0, vmax=1, interpolation="nearest")
-        ax.set_xticks([pad + c * (size + pad) + size / 2 - 0.5 for c in range(len(columns))], columns, fontsize=7)
+        ax.set_xticks([pad + c * (width + pad) + width / 2 - 0.5 for c in range(len(columns))], columns, fontsize=7)
         ax.set_yticks([])
         ax.xaxis.tick_top()
         fig.tight_layout()

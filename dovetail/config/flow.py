@@ -29,7 +29,7 @@ from dovetail.graph.spec import MAX_DEVICES, MAX_SAMPLES, GroupSize
 from dovetail.rewards import check_reward_names
 from dovetail.scenario import Scenario, check_pools
 
-DIFFUSERS_TRANSFORMERS = ("SD3Transformer2DModel", "FluxTransformer2DModel")
+DIFFUSERS_TRANSFORMERS = ("SD3Transformer2DModel", "FluxTransformer2DModel", "WanTransformer3DModel")
 """Flow transformers `model.path` loads (dovetail.models.diffusers_flow)."""
 
 
@@ -68,6 +68,9 @@ class ModelSection(Section):
         le=1024,
         multiple_of=2,
         description="latent pixels a side; None: the transformer's sample_size (FLUX has none: FluxPipeline's 128)",
+    )
+    frames: int | None = Field(
+        None, ge=1, le=1024, description="a video model's (Wan's) frames a sample; None: WanPipeline's 81 (1: images)"
     )
     guidance: float = Field(3.5, ge=0, le=100, description="a guidance-distilled FLUX's (FLUX.1-dev's) guidance")
     cost_model: str = Field(
@@ -115,6 +118,26 @@ class ModelSection(Section):
             self.checkpoint = DEFAULT_CHECKPOINT
         return self
 
+    @model_validator(mode="after")
+    def _video_frames(self) -> "ModelSection":
+        """A Wan directory's frames (1 + a multiple of its VAE's temporal stride: WanPipeline would round others) and
+        size, WanPipeline's 81 frames and 480 pixels a side unless set; an image model's frames are 1."""
+        vae = json_or_empty(self.path / "vae" / "config.json") if self.path is not None else {}
+        if vae.get("_class_name") != "AutoencoderKLWan":
+            if self.frames not in (None, 1):
+                raise ValueError(f"model.frames={self.frames}: model.frames is a video model's (Wan's); remove it")
+            self.frames = 1
+            return self
+        stride, self.frames = vae.get("scale_factor_temporal") or 4, self.frames or 81
+        if (self.frames - 1) % stride:
+            fit = (self.frames - 1) // stride * stride + 1
+            raise ValueError(
+                f"model.frames={self.frames}: {self.path / 'vae'} makes 1 + a multiple of {stride} frames; set "
+                f"model.frames={fit} or {fit + stride}"
+            )
+        self.sample_size = self.sample_size or 480 // (vae.get("scale_factor_spatial") or 8) // 2 * 2
+        return self
+
 
 def diffusers_layout_problem(path: Path) -> str | None:
     """What a `model.path` directory lacks, in one line naming it; None when the model can load from it."""
@@ -136,6 +159,15 @@ def diffusers_layout_problem(path: Path) -> str | None:
             return f"{path / 'model_index.json'} lists {name}, and {path} has no {name}/"
     if not is_dir(path / "vae") and transformer.get("in_channels") not in (1, 3):
         return f"{path} has no vae/ to decode the transformer's {transformer.get('in_channels')}-channel latents"
+    if transformer["_class_name"] == "WanTransformer3DModel":
+        vae = json_or_empty(path / "vae" / "config.json").get("_class_name")
+        if vae != "AutoencoderKLWan":
+            return f"{path / 'vae' / 'config.json'} holds a {vae!r}; put the Wan pipeline's AutoencoderKLWan there"
+        if isinstance(index.get("transformer_2"), list) and index["transformer_2"][:1] != [None]:
+            return (
+                f"{path / 'model_index.json'} lists transformer_2 (Wan2.2's low-noise expert); dovetail trains one "
+                "transformer: give a one-transformer Wan pipeline (Wan2.1, Wan2.2-TI2V-5B)"
+            )
     return None
 
 
@@ -517,6 +549,7 @@ class FlowTrainConfig(RunSection):
             "trained_timesteps": trained,
             "height": self.image_size,
             "width": self.image_size,
+            "frames": self.model.frames,
             "reward": "rule",
             # train.chunk_size (sample, timestep) pairs share one forward/backward
             "micro_batch": max(1, self.train.chunk_size // trained),
@@ -538,7 +571,7 @@ class FlowTrainConfig(RunSection):
         transformer = json_or_empty(self.model.path / "transformer" / "config.json")
         vae = json_or_empty(self.model.path / "vae" / "config.json")
         latent = self.model.sample_size or transformer.get("sample_size") or 128  # FluxPipeline's default
-        return latent * 2 ** (len(vae.get("block_out_channels", [None])) - 1)
+        return latent * (vae.get("scale_factor_spatial") or 2 ** (len(vae.get("block_out_channels", [None])) - 1))
 
     @property
     def lora_spec(self) -> dict | None:

@@ -316,7 +316,7 @@ def fitted_cost(config: FlowTrainConfig, scenario: Scenario, measured: dict[str,
     samples = config.runtime.profile_samples
     spec = scenario.pipelines[0]
     model = diffusion_model(spec.model)
-    tokens = model.latent_tokens(spec.height, spec.width)
+    tokens = model.latent_tokens(spec.height, spec.width, spec.frames)
     small = max(1, samples // 4)
     ratio = measured["generate_fastest"] / measured["generate_small_fastest"]
     half = tokens * (samples - ratio * small) / (ratio - 1) if ratio > 1 else DEFAULT.dit_half_mfu_tokens
@@ -324,7 +324,7 @@ def fitted_cost(config: FlowTrainConfig, scenario: Scenario, measured: dict[str,
 
     analytic = CostModel(config.cluster.device, calibration)
     predicted = {
-        "generate": analytic.generate(model, samples, spec.height, spec.width, spec.denoising_steps),
+        "generate": analytic.generate(model, samples, spec.height, spec.width, spec.denoising_steps, spec.frames),
         "score": analytic.rule_score(samples),
         "logprob": analytic.dit_logprob(model, samples, 1, tokens),
         "train": analytic.dit_train(model, samples, 1, tokens),

@@ -7,6 +7,9 @@ transformer trains (all of it, or a peft LoRA adapter); the text encoders and th
 trainer, rollout and reference copies of one process, and encode prompts (with the pipeline's own `encode_prompt`,
 as upstream Flow-GRPO does) or decode latents into the images the rewards score.
 
+Images (SD3, FLUX) or videos (Wan: `WanFlow`, latents (B, C, F, H, W), decoded into (B, frames, H, W, 3)): the
+samplers, the SDE's log-probs and the losses reduce over every non-batch dim, so the frames change nothing there.
+
 What the engines see of either model: `latent_shape`, `device`, `encode_prompts(prompts)` (one tensor per prompt),
 `forward(latents, sigma, encoding)` (the velocity), and `trained_state_dict` / `load_trained_state_dict`: what weight
 publication, trainer hand-over and checkpoints carry (a LoRA run's adapter alone).
@@ -21,7 +24,13 @@ import diffusers
 import numpy as np
 import torch
 import transformers
-from diffusers import AutoencoderKL, FluxTransformer2DModel, SD3Transformer2DModel
+from diffusers import (
+    AutoencoderKL,
+    AutoencoderKLWan,
+    FluxTransformer2DModel,
+    SD3Transformer2DModel,
+    WanTransformer3DModel,
+)
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
@@ -34,7 +43,8 @@ from dovetail.prompts import prompt_split
 
 PROMPT_EMBEDDINGS = "prompt_embeds.safetensors"
 """Precomputed prompt encodings of a directory without text encoders: tensors prompt_embeds (N, L, D) and
-pooled_prompt_embeds (N, P), and the N prompts (a JSON list) in the file's metadata under "prompts"."""
+pooled_prompt_embeds (N, P) (P = 0 for Wan, which has no pooled embedding), and the N prompts (a JSON list) in the
+file's metadata under "prompts"."""
 
 ADAPTER_DIR = "lora"
 """Where `export` writes a LoRA run's adapter in peft's layout, inside the exported pipeline directory."""
@@ -50,7 +60,7 @@ class Frozen:
 
 class PipelinePrompts(Frozen):
     """Prompts encoded by the pipeline's own `encode_prompt` (SD3: CLIP-L and CLIP-G, T5 where present; FLUX: CLIP
-    pooled, T5 tokens), no classifier-free guidance."""
+    pooled, T5 tokens; Wan: UMT5 tokens, no pooled embedding: a zero-width one), no classifier-free guidance."""
 
     def __init__(self, pipeline, max_sequence_length: int):
         self.pipeline = pipeline
@@ -66,10 +76,16 @@ class PipelinePrompts(Frozen):
 
     @torch.no_grad()
     def encode(self, prompts: list[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if type(self.pipeline).__name__ == "FluxPipeline":
+        kind = type(self.pipeline).__name__
+        if kind == "FluxPipeline":
             embeds, pooled, _ = self.pipeline.encode_prompt(
                 prompts, None, device=device, max_sequence_length=self.max_sequence_length
             )
+        elif kind == "WanPipeline":
+            embeds, _ = self.pipeline.encode_prompt(
+                prompts, do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length, device=device
+            )
+            pooled = embeds.new_zeros(len(embeds), 0)
         else:
             embeds, _, pooled, _ = self.pipeline.encode_prompt(
                 prompts,
@@ -133,6 +149,9 @@ class DiffusersFlow(torch.nn.Module):
     """Velocity model v(x_sigma, sigma, prompt) of a diffusers SD3-style MMDiT; `transformer` may carry a peft LoRA
     adapter (then only the adapter trains)."""
 
+    PIPELINE = "StableDiffusion3Pipeline"
+    """The diffusers pipeline whose `encode_prompt` encodes this transformer's prompts."""
+
     def __init__(self, transformer: SD3Transformer2DModel, prompts, num_train_timesteps: int, source: dict):
         super().__init__()
         self.transformer = transformer
@@ -140,8 +159,12 @@ class DiffusersFlow(torch.nn.Module):
         self.num_train_timesteps = num_train_timesteps
         self.source = source
         """How to build this model again: the directory, the LoRA settings, the T5 length (a checkpoint's config)."""
-        config = self.transformer_config
-        self._text_dims = (config.joint_attention_dim, config.pooled_projection_dim)
+        self._text_dims = self.text_widths(self.transformer_config)
+
+    @staticmethod
+    def text_widths(config) -> tuple[int, int]:
+        """(token embedding width, pooled embedding width) of the prompt encodings the transformer takes."""
+        return config.joint_attention_dim, config.pooled_projection_dim
 
     @property
     def transformer_config(self):
@@ -214,6 +237,8 @@ class FluxFlow(DiffusersFlow):
     timestep is sigma itself; a guidance-distilled transformer (FLUX.1-dev) gets `guidance` as its embedding's
     input."""
 
+    PIPELINE = "FluxPipeline"
+
     def __init__(self, transformer, prompts, num_train_timesteps: int, source: dict):
         super().__init__(transformer, prompts, num_train_timesteps, source)
         self.sample_size = source["sample_size"]
@@ -247,9 +272,46 @@ class FluxFlow(DiffusersFlow):
         return velocity.reshape(batch, channels, height, breadth)
 
 
+class WanFlow(DiffusersFlow):
+    """A Wan text-to-video transformer behind the same interface: latents (B, C, F, H, W), F the latent frames of
+    `frames` video frames (1 + (frames - 1) / the VAE's temporal stride, as WanPipeline lays them), square
+    `sample_size` latent pixels a side; the prompt is UMT5's token embeddings alone and the timestep sigma x
+    num_train_timesteps, as WanPipeline drives it (without classifier-free guidance, as the image models)."""
+
+    PIPELINE = "WanPipeline"
+
+    def __init__(self, transformer, prompts, num_train_timesteps: int, source: dict):
+        super().__init__(transformer, prompts, num_train_timesteps, source)
+        stride = temporal_stride(Path(source["diffusers_path"]))
+        self.latent_frames = (source["frames"] - 1) // stride + 1
+        self.sample_size = source["sample_size"]
+
+    @staticmethod
+    def text_widths(config) -> tuple[int, int]:
+        return config.text_dim, 0
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int, int]:
+        return (self.transformer_config.in_channels, self.latent_frames, self.sample_size, self.sample_size)
+
+    def forward(self, latents: torch.Tensor, sigma: torch.Tensor, encoding: torch.Tensor) -> torch.Tensor:
+        width, _ = self._text_dims
+        return self.transformer(
+            hidden_states=latents,
+            encoder_hidden_states=encoding.reshape(len(encoding), -1, width),
+            timestep=sigma.expand(latents.shape[0]) * self.num_train_timesteps,
+        ).sample
+
+
+def temporal_stride(path: Path) -> int:
+    """Video frames per latent frame of a Wan directory's VAE (WanPipeline's default where its config has none)."""
+    return json.loads((path / "vae" / "config.json").read_text()).get("scale_factor_temporal") or 4
+
+
 TRANSFORMERS = {
     "SD3Transformer2DModel": (SD3Transformer2DModel, DiffusersFlow),
     "FluxTransformer2DModel": (FluxTransformer2DModel, FluxFlow),
+    "WanTransformer3DModel": (WanTransformer3DModel, WanFlow),
 }
 """A transformer's _class_name -> its diffusers class and the wrapper the engines use."""
 
@@ -282,10 +344,12 @@ def load_diffusers_flow(
     seed: int,
     sample_size: int | None = None,
     guidance: float = 3.5,
+    frames: int = 1,
 ) -> DiffusersFlow:
     """The flow model of a diffusers directory (`config.flow.ModelSection` has checked its layout), in eval mode.
     `sample_size`: latent pixels a side (None: the transformer's own, or FluxPipeline's default); `guidance`: a
-    guidance-distilled FLUX's guidance."""
+    guidance-distilled FLUX's guidance; `frames`: a video model's frames a sample (1 + a multiple of its VAE's
+    temporal stride)."""
     path = Path(path).resolve()
     diffusers.utils.logging.disable_progress_bar()  # the run's own display says what start-up is doing
     transformers.utils.logging.disable_progress_bar()
@@ -294,7 +358,7 @@ def load_diffusers_flow(
     if (path / PROMPT_EMBEDDINGS).is_file():
         prompts = PrecomputedPrompts(path / PROMPT_EMBEDDINGS)
     else:
-        prompts = PipelinePrompts(_text_pipeline(path, transformer), max_sequence_length)
+        prompts = PipelinePrompts(_text_pipeline(path, transformer, wrapper.PIPELINE), max_sequence_length)
     scheduler_config = path / "scheduler" / "scheduler_config.json"
     timesteps = (
         json.loads(scheduler_config.read_text()).get("num_train_timesteps", 1000)
@@ -310,25 +374,25 @@ def load_diffusers_flow(
         "max_sequence_length": max_sequence_length,
         "sample_size": sample_size,
         "guidance": guidance,
+        "frames": frames,
     }
     return wrapper(transformer, prompts, timesteps, source).eval()
 
 
-def _text_pipeline(path: Path, transformer):
-    """The directory's pipeline (StableDiffusion3Pipeline, FluxPipeline) of its text encoders and tokenizers (an
-    absent one, e.g. SD3's T5 left out, None), in float32; the transformer is the model's own (SD3's encode_prompt
-    reads its config), no VAE.
-    Imported here: diffusers' pipelines pull in transformers' image processors, which no other run needs (nor this
+def _text_pipeline(path: Path, transformer, kind: str):
+    """The directory's pipeline of class `kind` (StableDiffusion3Pipeline, FluxPipeline, WanPipeline) of its text
+    encoders and tokenizers (an absent one, e.g. SD3's T5 left out, None), in float32; the transformer is the model's
+    own (SD3's encode_prompt reads its config), no VAE.
+    Looked up here: diffusers' pipelines pull in transformers' image processors, which no other run needs (nor this
     one: their warnings that torchvision is missing are silenced)."""
     verbosity = transformers.utils.logging.get_verbosity()
     transformers.utils.logging.set_verbosity_error()
     try:
-        from diffusers import FluxPipeline, StableDiffusion3Pipeline
+        pipeline = getattr(diffusers, kind)
     finally:
         transformers.utils.logging.set_verbosity(verbosity)
 
     index = json.loads((path / "model_index.json").read_text())
-    pipeline = FluxPipeline if index["_class_name"].startswith("Flux") else StableDiffusion3Pipeline
     optional = ("text_encoder_3", "tokenizer_3", "image_encoder", "feature_extractor")
     absent = {name: None for name in optional if name in index and index[name][0] is None}
     return pipeline.from_pretrained(path, transformer=transformer, vae=None, dtype=torch.float32, **absent)
@@ -346,6 +410,20 @@ class VaeDecoder:
         latents = latents.to(next(self.vae.parameters()).device) / config.scaling_factor + (config.shift_factor or 0.0)
         images = (self.vae.decode(latents).sample / 2 + 0.5).clamp(0, 1).float()
         return _channels_last(images)
+
+
+class WanVaeDecoder(VaeDecoder):
+    """Video latents (B, C, F, H, W) to videos (B, frames, H, W, 3) in [0, 1] through AutoencoderKLWan, its
+    per-channel latents_mean and latents_std undone first, as WanPipeline does."""
+
+    @torch.no_grad()
+    def __call__(self, latents: torch.Tensor) -> np.ndarray:
+        config = self.vae.config
+        device = next(self.vae.parameters()).device
+        mean = torch.tensor(config.latents_mean, device=device).view(1, -1, 1, 1, 1)
+        std = torch.tensor(config.latents_std, device=device).view(1, -1, 1, 1, 1)
+        videos = (self.vae.decode(latents.to(device) * std + mean).sample / 2 + 0.5).clamp(0, 1).float()
+        return videos.permute(0, 2, 3, 4, 1).cpu().numpy()
 
 
 def _channels_last(images: torch.Tensor) -> np.ndarray:
@@ -376,6 +454,7 @@ def load_flow_model(config) -> torch.nn.Module:
         seed=config.seed,
         sample_size=section.sample_size,
         guidance=section.guidance,
+        frames=section.frames,
     )
 
 
@@ -400,11 +479,15 @@ def check_prompt_table(config) -> None:
 
 
 def load_decoder(config, device: torch.device | str = "cpu") -> Callable[[torch.Tensor], np.ndarray]:
-    """Latents to the images the rewards score: the directory's VAE, or the latents themselves where there is none
-    (the built-in model's one channel; a VAE-free directory's one or three)."""
+    """Latents to the images (videos: a Wan directory's AutoencoderKLWan) the rewards score: the directory's VAE, or
+    the latents themselves where there is none (the built-in model's one channel; a VAE-free directory's one or
+    three)."""
     path = config.model.path
     if path is not None and (Path(path) / "vae").is_dir():
-        return VaeDecoder(AutoencoderKL.from_pretrained(Path(path) / "vae", dtype=torch.float32), device)
+        vae = Path(path) / "vae"
+        if json.loads((vae / "config.json").read_text())["_class_name"] == "AutoencoderKLWan":
+            return WanVaeDecoder(AutoencoderKLWan.from_pretrained(vae, dtype=torch.float32), device)
+        return VaeDecoder(AutoencoderKL.from_pretrained(vae, dtype=torch.float32), device)
     if path is not None and _in_channels(Path(path)) == 3:
         return latents_as_rgb
     return latents_to_images
@@ -442,6 +525,7 @@ def load_diffusers_checkpoint(directory: Path | str) -> DiffusersFlow:
         seed=0,
         sample_size=source.get("sample_size"),
         guidance=source.get("guidance", 3.5),
+        frames=source.get("frames", 1),
     )
     try:
         model.load_trained_state_dict(load_file(weights))

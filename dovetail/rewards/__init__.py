@@ -1,6 +1,11 @@
 """Rewards by name. Each takes images in [0, 1] of shape (B, H, W) (one channel: the built-in model's) or
 (B, H, W, 3) (RGB: a diffusers model's VAE) and the prompts, returns (B,).
 
+A video model's samples are videos (B, F, H, W, 3) in [0, 1], one (F, H, W, 3) array of frames per sample. A video
+reward (marked with `video_reward`, as `temporal_smoothness`; a user's own function too) takes them whole, one
+number per video; an image reward scores every frame as an image and a video gets its frames' mean, so any image
+reward serves a video run. A video reward given images sees each as a one-frame video.
+
 Rewards combine with weights: ``{"digit_match": 1.0, "jpeg_compressibility": 0.1}``. Your own reward is named
 "package.module:function" and imported, when the config is read, even for a dry run: a config is code. Set
 DOVETAIL_REWARD_MODULES to the comma-separated module prefixes that may be imported so (e.g. "myrewards,lab.rl";
@@ -66,11 +71,27 @@ def brightness(images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
     return images.reshape(len(images), -1).mean(axis=1)
 
 
+def video_reward(fn: RewardFn) -> RewardFn:
+    """Mark `fn` a video reward: `fn(videos, prompts)` takes videos (B, F, H, W, 3) whole (see the module's
+    docstring). A user's reward module may use it, or set `fn.video = True` itself."""
+    fn.video = True
+    return fn
+
+
+@video_reward
+def temporal_smoothness(videos: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
+    """Minus the mean absolute change of a pixel from one frame to the next: 0 for a still video (or one frame), lower
+    the more it flickers."""
+    changes = np.abs(np.diff(videos, axis=1)).reshape(len(videos), -1)
+    return -changes.sum(axis=1) / max(changes.shape[1], 1)
+
+
 REWARDS: dict[str, RewardFn] = {
     "digit_match": digit_match,
     "jpeg_compressibility": jpeg_compressibility,
     "jpeg_incompressibility": jpeg_incompressibility,
     "brightness": brightness,
+    "temporal_smoothness": temporal_smoothness,
 }
 
 
@@ -176,11 +197,10 @@ def reward_values(name: str, output, samples: int) -> np.ndarray:
 def score(
     images: np.ndarray, prompts: Sequence[str], weights: dict[str, float], timeout_s: float = REWARD_TIMEOUT_S
 ) -> dict[str, np.ndarray]:
-    """Each named reward and their weighted sum under "total"."""
+    """Each named reward and their weighted sum under "total". `images` may be videos (B, F, H, W, 3)."""
     scores = {}
     for name in weights:
-        output = call_reward(name, reward_fn(name), (images, prompts), timeout_s)
-        values = reward_values(name, output, len(prompts))
+        values = _reward_of_samples(name, reward_fn(name), images, prompts, timeout_s)
         bad = np.flatnonzero(~np.isfinite(values))
         if bad.size:
             i = int(bad[0])
@@ -188,3 +208,18 @@ def score(
         scores[name] = values
     scores["total"] = sum(weights[name] * scores[name] for name in weights)
     return scores
+
+
+def _reward_of_samples(name: str, fn: RewardFn, samples: np.ndarray, prompts: Sequence[str], timeout_s: float):
+    """One reward's scores of images or videos: an image reward given videos scores their frames as one batch of
+    images (each with its video's prompt) and averages each video's; a video reward given images scores each as a
+    one-frame video."""
+    video = getattr(fn, "video", False)
+    if samples.ndim == 5 and not video:
+        frames = samples.shape[1]
+        per_frame = [prompt for prompt in prompts for _ in range(frames)]
+        output = call_reward(name, fn, (samples.reshape(-1, *samples.shape[2:]), per_frame), timeout_s)
+        return reward_values(name, output, len(per_frame)).reshape(len(prompts), frames).mean(axis=1)
+    if samples.ndim != 5 and video:
+        samples = samples[:, None]
+    return reward_values(name, call_reward(name, fn, (samples, prompts), timeout_s), len(prompts))
