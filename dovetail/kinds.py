@@ -42,6 +42,9 @@ class PipelineKind:
     staged_baseline: str
     """The stage-after-stage policy the planner simulates for a `reference` run of this kind, which schedules
     nothing itself."""
+    export: str | None = None
+    """`export(run, config, checkpoint, out)`: `dovetail export` of a checkpoint in the format its model's library
+    loads; None: the kind's runs are not exported."""
 
     def load(self, part: str):
         """The object a part's "module:attribute" path names, imported now."""
@@ -65,6 +68,7 @@ KINDS: dict[str, PipelineKind] = {
             interference=("generate", "train"),
             creates_samples=("generate",),
             staged_baseline="colocated",
+            export="dovetail.export:export_flow",
         ),
         PipelineKind(
             name="lm",

@@ -1,8 +1,10 @@
 """Every pipeline kind is whole in its registry record (`dovetail.kinds`), and what differs by kind derives from it:
 the schemas a config is read with, the policies a run may take, the `--policy` help."""
 
+import ast
 import inspect
 import re
+from pathlib import Path
 from typing import get_args
 
 import pytest
@@ -62,3 +64,16 @@ def test_the_policy_help_lists_every_policy_of_every_kind():
     text = " ".join(result.output.replace("│", " ").split())
     for name in KINDS:
         assert f"{name}: {', '.join(policies_for(name))}" in text
+
+
+def test_no_module_outside_the_registry_branches_on_a_pipeline_kind():
+    """A comparison with a kind's name (`config.kind == "flow"`) is a table kept by hand: what differs by kind is a
+    part of its record. The kind's own schema and spec may name it (their `kind` field); nothing may compare it."""
+    package = Path(__file__).resolve().parent.parent / "dovetail"
+    branches = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                named = [c.value for c in ast.walk(node) if isinstance(c, ast.Constant) and c.value in KINDS]
+                branches += [f"{path.relative_to(package)}:{node.lineno} compares with {name!r}" for name in named]
+    assert branches == []
