@@ -337,10 +337,10 @@ class RayExecutor:
         (a replica still committing answers once its commit is done: they reach the same state); a ref that held an
         error would poison every part that reads it."""
         for device in devices:
-            ref = getattr(run.workers[device], method).remote()
+            succeeded, payload = run.workers[device].taken.remote(method)
             try:
-                ray.get(ref)
-                return ref
+                ray.get(succeeded)
+                return payload
             except (RayActorError, RayTaskError):
                 continue
         raise TrainersLost(

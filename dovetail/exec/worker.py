@@ -175,6 +175,13 @@ class DeviceWorker:
         """The trainer's weights as numpy arrays: what a publish node puts in the object store."""
         return weights_of(self.engines.trainer)
 
+    @ray.method(num_returns=2)
+    def taken(self, method: str) -> tuple[bool, object]:
+        """What `method` (`trainer_state`, `export_weights`) returns, as the second of two objects: the driver waits
+        on the first, a flag, to learn that the call succeeded, and hands the second on by reference without
+        fetching it (a trainer state is three times the weights)."""
+        return True, getattr(self, method)()
+
     def switch_role(self, role: str) -> float:
         """Sleep one engine, wake the other. Both stay resident on the device (the models are small); the
         call measures the round trip, which is what a switch costs here."""
