@@ -43,8 +43,8 @@ class PipelineKind:
     """The stage-after-stage policy the planner simulates for a `reference` run of this kind, which schedules
     nothing itself."""
     export: str | None = None
-    """`export(run, config, checkpoint, out)`: `dovetail export` of a checkpoint in the format its model's library
-    loads; None: the kind's runs are not exported."""
+    """`export(run, config, step, out) -> checkpoint`: `dovetail export` of a run's checkpoint in the format its
+    model's library loads; None: the kind's runs are not exported."""
 
     def load(self, part: str):
         """The object a part's "module:attribute" path names, imported now."""
