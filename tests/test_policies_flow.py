@@ -66,7 +66,7 @@ def test_colocated_step_is_the_sum_of_its_stages():
     )
     assert trace.makespan == pytest.approx(expected)
     assert sum(1 for n in graph if n.kind == Kind.TRAIN) == 3, "the per-timestep loop: one train node per timestep"
-    assert all(n.chunk[1] - n.chunk[0] == 1 for n in graph if n.kind == Kind.TRAIN)
+    assert all(n.timesteps[1] - n.timesteps[0] == 1 for n in graph if n.kind == Kind.TRAIN)
 
 
 def test_disaggregated_trainer_waits_for_the_whole_batch():

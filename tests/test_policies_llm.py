@@ -41,7 +41,7 @@ def test_every_sample_is_generated_once_and_trained_once(name, policy):
     for node in graph:
         if node.kind == Kind.DECODE:
             for sample in node.samples:
-                ranges.setdefault((node.pipeline, sample), []).append(node.chunk)
+                ranges.setdefault((node.pipeline, sample), []).append(node.band)
     assert set(ranges) == set(prefilled)
     for chunks in ranges.values():
         chunks.sort()

@@ -189,7 +189,7 @@ class StagedFlow(Policy):
             return commits[0]
         if self._finished(view, step, Kind.LOGPROB):
             trains = ready_of(view, Kind.TRAIN)
-            return min(trains, key=lambda n: n.chunk[0]) if trains else None
+            return min(trains, key=lambda n: n.timesteps[0]) if trains else None
         logprobs = ready_of(view, Kind.LOGPROB)
         return logprobs[0] if logprobs else None
 
