@@ -23,7 +23,7 @@ from dovetail.files import read_text
 from dovetail.graph.node import Graph
 from dovetail.graph.spec import MAX_DEVICES, FlowSpec, LLMSpec
 from dovetail.sched import POLICIES, policy_class
-from dovetail.sched.policy import Policy, Setup
+from dovetail.sched.policy import Policy, PolicyOptions, SearchContext, Setup
 
 MAX_SIMULATED_STEPS = 1000
 """RL steps one simulation runs: a step of a large scenario takes the simulator up to a second or so."""
@@ -335,14 +335,14 @@ def prepare(
     *,
     steps: int | None = None,
     devices: int | None = None,
-    options: dict | None = None,
+    options: PolicyOptions | Mapping[str, object] | None = None,
     shapes: dict | None = None,
     cost: CostModel | Mapping[str, CostModel] | None = None,
     searched: list | None = None,
     **shape_overrides,
 ) -> Prepared:
     """Build the sub-stage graph the policy wants for every pipeline, the engines' footprints, and the policy.
-    `options` go to the policy (e.g. {"tag": False});
+    `options` go to the policy (`PolicyOptions`, or its mapping: e.g. {"tag": False});
     `shapes` (pipeline -> shape) fixes every pipeline's shape; otherwise `shape_overrides` (fragments, tsp_chunk,
     trainer_devices...) replace what the policy would choose. `cost` replaces the analytic cost model, for every
     pipeline or per pipeline name (the Ray runtime passes each pipeline's, corrected by costs profiled on its own
@@ -357,6 +357,7 @@ def prepare(
                 f"pipeline {spec.name!r} is a {spec.kind} pipeline"
             )
     refuse_fixed_fields(scenario, policy)
+    options = PolicyOptions.of(options)
     devices = devices or scenario.cluster.devices
     steps = steps or scenario.schedule.steps
     cost = cost or CostModel(scenario.cluster.device)
@@ -390,14 +391,16 @@ def prepare(
                 return rate
 
             shapes = cls.plan_shapes(
-                scenario.pipelines,
-                shapes,
-                costs,
-                forecast,
-                steps=steps,
-                devices=pipeline_devices,
-                trainer_devices=trainer_devices,
-                options=options or {},
+                SearchContext(
+                    scenario.pipelines,
+                    shapes,
+                    costs,
+                    forecast,
+                    steps=steps,
+                    devices=pipeline_devices,
+                    trainer_devices=trainer_devices,
+                    options=options,
+                )
             )
     for spec in scenario.pipelines:
         shape = shapes[spec.name]
@@ -423,7 +426,7 @@ def prepare(
         else trainer_devices,
         reward_devices=reward_devices,
         trainer_groups={name: size for name, size in trainer_pools.items() if size is not None},
-        options=options or {},
+        options=options,
         priorities={spec.name: spec.priority for spec in scenario.pipelines},
         shapes=shapes,
         max_staleness=cls.max_staleness,
@@ -439,7 +442,7 @@ def simulate(
     *,
     steps: int | None = None,
     devices: int | None = None,
-    options: dict | None = None,
+    options: PolicyOptions | Mapping[str, object] | None = None,
     cost: CostModel | None = None,
     **shape_overrides,
 ):
