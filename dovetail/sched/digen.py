@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from dovetail.cost.model import CostModel
+from dovetail.graph.flow import FlowShape
 from dovetail.graph.node import Kind, Node, Role
 from dovetail.graph.spec import PipelineSpec
 from dovetail.sched import digen_search
@@ -72,7 +73,7 @@ class Digen(Policy):
         return digen_search.candidates(spec, devices, trainer_devices, cost, tcss=cls.tcss)[0][1]
 
     @classmethod
-    def plan_shapes(cls, context: SearchContext) -> dict[str, DigenShape]:
+    def plan_shapes(cls, context: SearchContext) -> dict[str, FlowShape]:
         """The fastest of the search's finalists in the simulator (`digen_search.plan_shapes`)."""
         return digen_search.plan_shapes(context, tcss=cls.tcss)
 
