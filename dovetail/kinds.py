@@ -21,6 +21,8 @@ class PipelineKind:
     """The run config's schema (a `config.common.RunSection`)."""
     spec: str
     """The planner's pipeline spec (a `graph.spec.PipelineSpec`)."""
+    shape: str
+    """How a policy cuts the kind's steps (a `sched.policy.Shape` dataclass: a run profile stores its fields)."""
     adapter: str
     """The driver side of the runtime (an `exec.pipeline.PipelineAdapter`)."""
     engines: str
@@ -59,6 +61,7 @@ KINDS: dict[str, PipelineKind] = {
             name="flow",
             config="dovetail.config.flow:FlowTrainConfig",
             spec="dovetail.graph.spec:FlowSpec",
+            shape="dovetail.graph.flow:FlowShape",
             adapter="dovetail.exec.flow:FlowAdapter",
             engines="dovetail.exec.flow:FlowEngines",
             profile="dovetail.exec.flow:profile_here",
@@ -74,6 +77,7 @@ KINDS: dict[str, PipelineKind] = {
             name="lm",
             config="dovetail.config.lm:LMTrainConfig",
             spec="dovetail.graph.spec:LLMSpec",
+            shape="dovetail.graph.llm:LLMShape",
             adapter="dovetail.exec.lm:LMAdapter",
             engines="dovetail.exec.lm:LMEngines",
             profile="dovetail.exec.lm:profile_here",

@@ -11,6 +11,7 @@ from dovetail.graph.flow import FlowShape
 from dovetail.graph.llm import LLMShape
 from dovetail.scenario import Scenario
 from dovetail.sched import policy_class
+from dovetail.sched.digen_search import DigenShape
 from dovetail.sched.policy import search_horizon
 
 
@@ -88,7 +89,7 @@ def describe(shape) -> str:
             f"trainer_devices={shape.trainer_devices} (FSDP groups of {shape.group}), fragments={shape.fragments}, "
             f"tsp_chunk={shape.tsp_chunk}"
         )
-        if hasattr(shape, "tag"):
+        if isinstance(shape, DigenShape):
             text += f", TAG {'on' if shape.tag else 'off'}, TCSS {'on' if shape.tcss else 'off'}"
         return text
     if isinstance(shape, LLMShape):

@@ -52,7 +52,7 @@ def test_node_rejects_negative_cost_and_empty_chunk():
     with pytest.raises(ValueError, match="cost_s"):
         Node("a", "p", 0, Kind.TRAIN, Role.ANY, cost_s=-1)
     with pytest.raises(ValueError, match="chunk"):
-        Node("a", "p", 0, Kind.TRAIN, Role.ANY, chunk=(3, 3))
+        Node("a", "p", 0, Kind.TRAIN, Role.ANY, timesteps=(3, 3))
 
 
 def test_split_is_contiguous_and_balanced():
@@ -73,7 +73,7 @@ def test_flow_step_covers_every_sample_and_timestep_once(fragments, chunk, recom
         for n in nodes:
             if n.kind == Kind.TRAIN:
                 for sample in n.samples:
-                    trained.setdefault(sample, []).extend(range(*n.chunk))
+                    trained.setdefault(sample, []).extend(range(*n.timesteps))
         assert all(sorted(t) == list(range(SPEC.trained_timesteps)) for t in trained.values())
         assert set(trained) == expected
         counts = {kind: sum(1 for n in nodes if n.kind == kind) for kind in Kind}
@@ -92,7 +92,7 @@ def test_flow_nodes_cost_their_pairs_on_the_trainer_group():
         nodes = build_flow(SPEC, 1, shape, COST)
         for n in nodes:
             if n.kind == Kind.TRAIN:
-                span = n.chunk[1] - n.chunk[0]
+                span = n.timesteps[1] - n.timesteps[0]
                 assert n.cost_s == pytest.approx(
                     COST.dit_train(model, len(n.samples), span, tokens, False, 3, SPEC.micro_batch)
                 )

@@ -40,7 +40,7 @@ LAYERS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
     (("trackers",), ("torch",)),
     (("cost",), ()),
     (("graph",), ("cost",)),
-    (("sched",), ("graph", "cost")),
+    (("sched",), ("graph", "cost", "kinds")),
     (("scenario",), ("files", "cost", "graph", "sched")),
     (("config",), ("files", "kinds", "rewards", "tasks", "cost", "graph", "sched", "scenario", "torch")),
     (("recipe",), ("algo", "models", "prompts", "rewards", "graph", "config", "torch")),

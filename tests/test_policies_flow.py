@@ -15,7 +15,8 @@ from dovetail.exec.state import ClusterState, DecisionError
 from dovetail.graph.flow import FlowShape, build_flow
 from dovetail.graph.node import Graph, Kind, Node, Role
 from dovetail.scenario import load_scenario
-from dovetail.sched.digen import Digen, predict_makespan
+from dovetail.sched import digen_search
+from dovetail.sched.digen_search import predict_makespan
 from dovetail.sched.policy import Engines, Run, Setup, StartStep, SwitchRole
 
 
@@ -45,7 +46,7 @@ def test_colocated_step_is_the_sum_of_its_stages():
     )
     assert trace.makespan == pytest.approx(expected)
     assert sum(1 for n in graph if n.kind == Kind.TRAIN) == 3, "the per-timestep loop: one train node per timestep"
-    assert all(n.chunk[1] - n.chunk[0] == 1 for n in graph if n.kind == Kind.TRAIN)
+    assert all(n.timesteps[1] - n.timesteps[0] == 1 for n in graph if n.kind == Kind.TRAIN)
 
 
 def test_disaggregated_trainer_waits_for_the_whole_batch():
@@ -232,7 +233,7 @@ def test_digen_search_includes_the_colocated_like_shape():
     """Every device generates, then trains (TSP, trainer groups, no recompute): the synchronous search's
     candidate that keeps digen at or above colocated where pipelining cannot pay (HunyuanVideo)."""
     spec, cost = load_scenario("digen-hunyuan-32").pipelines[0], CostModel("H100")
-    shapes = [shape for _, shape in Digen.candidates(spec, 32, None, cost)]
+    shapes = [shape for _, shape in digen_search.candidates(spec, 32, None, cost)]
     assert any(shape.trainer_devices == 32 for shape in shapes)
     prepared, trace = simulate(load_scenario("digen-hunyuan-32"), "digen", steps=1)
     assert prepared.setup.trainer_devices == 32 and prepared.policy.shared
@@ -259,11 +260,12 @@ def test_pool_split_search_is_seeded_by_predicted_device_seconds():
     cost = CostModel("H100")
     light = load_scenario("digen-flux-16").pipelines[0].model_copy(update={"trained_timesteps": 2})
     heavy = light.model_copy(update={"trained_timesteps": 14})
-    windows = [Digen._pool_choices(spec, 16, cost) for spec in (light, heavy)]
+    windows = [digen_search.pool_choices(spec, 16, cost) for spec in (light, heavy)]
     for window in windows:
         assert window == list(range(window[0], window[-1] + 1)) and len(window) <= 16 // 2 + 1
     assert sum(windows[1]) / len(windows[1]) > sum(windows[0]) / len(windows[0])
-    assert {shape.trainer_devices for _, shape in Digen.candidates(heavy, 16, None, cost)} <= set(windows[1]) | {16}
+    pools = {shape.trainer_devices for _, shape in digen_search.candidates(heavy, 16, None, cost)}
+    assert pools <= set(windows[1]) | {16}
 
 
 @pytest.mark.parametrize("policy", ["colocated", "disaggregated", "digen", "digen+tcss"])

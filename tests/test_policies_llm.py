@@ -11,7 +11,7 @@ from dovetail.exec.metrics import summarize
 from dovetail.exec.plan import simulate
 from dovetail.graph.node import Kind, Node, Role
 from dovetail.scenario import load_scenario
-from dovetail.sched.policy import CostTracker
+from dovetail.sched.policy import CostTracker, SearchContext
 
 LLM_POLICIES = ["verl-sync", "streamrl", "areal", "jigsaw", "jigsaw-greedy"]
 
@@ -42,7 +42,7 @@ def test_every_sample_is_generated_once_and_trained_once(name, policy):
     for node in graph:
         if node.kind == Kind.DECODE:
             for sample in node.samples:
-                ranges.setdefault((node.pipeline, sample), []).append(node.chunk)
+                ranges.setdefault((node.pipeline, sample), []).append(node.band)
     assert set(ranges) == set(prefilled)
     for chunks in ranges.values():
         chunks.sort()
@@ -137,7 +137,7 @@ def test_jigsaw_picks_the_shape_its_forecast_ranks_best_and_runs_the_tail_on_tha
         calls.append((shape.migrate_at, shape.tail_parallel))
         return -abs(shape.migrate_at - 2048) - abs(shape.tail_parallel - 2)  # best: edge 2048, width 2
 
-    chosen = Jigsaw.plan_shapes(scenario.pipelines, shapes, dict.fromkeys(shapes, cost), forecast)
+    chosen = Jigsaw.plan_shapes(SearchContext(scenario.pipelines, shapes, dict.fromkeys(shapes, cost), forecast))
     assert {(s.migrate_at, s.tail_parallel) for s in chosen.values()} == {(2048, 2)}
     assert len(calls) == len(set(calls)), "each candidate is simulated once"
     # The memory model: every pipeline's rollout engine and trainer, plus the trainers' working memory, fit.

@@ -15,8 +15,8 @@ from dovetail.cost.model import CostModel
 from dovetail.exec.plan import Searched, prepare, run_prepared, simulate
 from dovetail.report import plan
 from dovetail.scenario import Scenario, load_scenario
-from dovetail.sched import shape_from_fields
-from dovetail.sched.digen import Digen, trainer_layout
+from dovetail.sched import digen_search, shape_from_fields
+from dovetail.sched.digen_search import trainer_layout
 from dovetail.sched.policy import search_horizon
 
 SEARCH = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -133,7 +133,7 @@ def test_digen_never_below_its_colocated_like_shape_nor_the_staged_baselines_and
     scenario = flow_scenario(case)
     spec, devices = scenario.pipelines[0], scenario.cluster.devices
     digen = rate(simulate(scenario, "digen")[1])
-    candidates = Digen.candidates(spec, devices, None, CostModel(case["device"]))
+    candidates = digen_search.candidates(spec, devices, None, CostModel(case["device"]))
     shared = next(shape for _, shape in candidates if shape.trainer_devices == devices)
     assert at_least(digen, rate(simulate(scenario, "digen", shapes={"p": shared})[1]))
     for baseline in ("colocated", "colocated-hsdp", "disaggregated"):

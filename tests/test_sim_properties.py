@@ -58,7 +58,7 @@ def check_samples(graph: Graph, trace: Trace) -> None:
             if node.kind == Kind.GENERATE:
                 generated[sample] = generated.get(sample, 0) + 1
             if node.kind == Kind.TRAIN:
-                trained.setdefault(sample, []).extend(range(*node.chunk))
+                trained.setdefault(sample, []).extend(range(*node.timesteps))
     assert set(generated.values()) == {1}
     assert set(trained) == set(generated)
     timesteps = {tuple(sorted(t)) for t in trained.values()}

@@ -28,6 +28,7 @@ from dovetail.cost.catalog import diffusion_model
 from dovetail.graph.spec import MAX_DEVICES, MAX_SAMPLES, GroupSize
 from dovetail.rewards import check_reward_names
 from dovetail.scenario import Scenario, check_pools
+from dovetail.sched.policy import PolicyOptions, Tag
 
 DIFFUSERS_TRANSFORMERS = ("SD3Transformer2DModel", "FluxTransformer2DModel", "WanTransformer3DModel")
 """Flow transformers `model.path` loads (dovetail.models.diffusers_flow)."""
@@ -592,5 +593,5 @@ class FlowTrainConfig(RunSection):
         )
         return {k: v for k, v in fixed if v is not None}
 
-    def policy_options(self) -> dict:
-        return {"tag": {"auto": True, "off": False, "force": "force"}[self.runtime.tag]}
+    def policy_options(self) -> PolicyOptions:
+        return PolicyOptions(tag=Tag(self.runtime.tag))

@@ -24,6 +24,7 @@ from dovetail.graph.spec import MAX_DEVICES, GroupSize, check_length_bands
 from dovetail.rewards.text import text_reward_fn
 from dovetail.scenario import Scenario, check_pools, clip
 from dovetail.sched import POLICIES, policy_class
+from dovetail.sched.policy import PolicyOptions
 from dovetail.tasks import task
 
 
@@ -189,8 +190,8 @@ class LMTrainConfig(RunSection):
     def shape_overrides(self) -> dict:
         return {}
 
-    def policy_options(self) -> dict:
-        return {}
+    def policy_options(self) -> PolicyOptions:
+        return PolicyOptions()
 
     def scenario(self, steps: int) -> Scenario:
         """This run as the planner's scenario, without torch: response lengths are the task's ideal completions

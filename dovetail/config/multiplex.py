@@ -17,6 +17,7 @@ from dovetail.config.common import (
 )
 from dovetail.kinds import DEFAULT_KIND, KINDS
 from dovetail.scenario import Scenario, clip, problem_lines
+from dovetail.sched.policy import PolicyOptions
 
 
 def _kind_of(entry) -> str | None:
@@ -83,8 +84,8 @@ class MultiplexConfig(Section):
     def shape_overrides(self) -> dict:
         return {}
 
-    def policy_options(self) -> dict:
-        return {}
+    def policy_options(self) -> PolicyOptions:
+        return PolicyOptions()
 
 
 TrainConfig = RunSection | MultiplexConfig

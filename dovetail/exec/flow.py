@@ -268,7 +268,7 @@ class FlowAdapter(PipelineAdapter):
                 Part(node.id, d, FlowLogProbs(pipeline, units, refs)) for d, refs in self.spread(trajectories, devices)
             ]
         if node.kind == Kind.TRAIN:
-            chunk = units[node.chunk[0] : node.chunk[1]]
+            chunk = units[node.timesteps[0] : node.timesteps[1]]
             samples = [SampleId(step, p, i) for (_, p, i) in node.samples]
             stale = run.rollout_version(pipeline, node.step) < node.version
             return [

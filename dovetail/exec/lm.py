@@ -344,7 +344,7 @@ class LMAdapter(PipelineAdapter):
                 return [
                     Part(node.id, devices[0], Decode(pipeline, rollouts, self._shape.migrate_at + 1, weights, True))
                 ]
-            return [Part(node.id, devices[0], Decode(pipeline, rollouts, node.chunk[1], weights))]
+            return [Part(node.id, devices[0], Decode(pipeline, rollouts, node.band[1], weights))]
         score = node if node.kind == Kind.SCORE else next(graph[d] for d in node.deps if graph[d].kind == Kind.SCORE)
         rollouts = self._rollouts(score, run)
         samples = self._members(score, run)
@@ -401,7 +401,7 @@ class LMAdapter(PipelineAdapter):
         levels: dict[tuple[str, ...], list[Node]] = {}
         for micro in graph.of(score.pipeline, score.step, Kind.SCORE):
             levels.setdefault(micro.deps, []).append(micro)
-        ordered = sorted(levels, key=lambda deps: graph[deps[0]].chunk[1])
+        ordered = sorted(levels, key=lambda deps: graph[deps[0]].band[1])
         assignment, taken = self._assigned.setdefault((score.pipeline, score.step), ({}, set()))
         for rank, deps in enumerate(ordered[: ordered.index(score.deps) + 1]):
             micros = levels[deps]
@@ -443,7 +443,7 @@ class LMAdapter(PipelineAdapter):
     def _ends_chain(self, node: Node) -> bool:
         """A response is generated where it finishes: in its shard's last band before the migration edge (or the
         end), or in the migrated tail."""
-        return node.shard is None or node.chunk[1] == (self._shape.migrate_at or self.config.max_new_tokens)
+        return node.shard is None or node.band[1] == (self._shape.migrate_at or self.config.max_new_tokens)
 
     def commit_scale(self, trained: list[Trained]) -> float:
         return commit_scale(trained)

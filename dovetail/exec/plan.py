@@ -12,7 +12,7 @@ from dovetail.exec.sim import SimExecutor
 from dovetail.graph.node import Engines, Graph, Node, Role
 from dovetail.scenario import Scenario
 from dovetail.sched import POLICIES, policy_class
-from dovetail.sched.policy import Policy, Setup
+from dovetail.sched.policy import Policy, PolicyOptions, SearchContext, Setup
 
 
 @dataclass(frozen=True)
@@ -67,14 +67,14 @@ def prepare(
     *,
     steps: int | None = None,
     devices: int | None = None,
-    options: dict | None = None,
+    options: PolicyOptions | Mapping[str, object] | None = None,
     shapes: dict | None = None,
     cost: CostModel | Mapping[str, CostModel] | None = None,
     searched: list | None = None,
     **shape_overrides,
 ) -> Prepared:
     """Build the sub-stage graph the policy wants for every pipeline, the engines' footprints, and the policy.
-    `options` go to the policy (e.g. {"tag": False});
+    `options` go to the policy (`PolicyOptions`, or its mapping: e.g. {"tag": False});
     `shapes` (pipeline -> shape) fixes every pipeline's shape; otherwise `shape_overrides` (fragments, tsp_chunk,
     trainer_devices...) replace what the policy would choose. `cost` replaces the analytic cost model, for every
     pipeline or per pipeline name (the Ray runtime passes each pipeline's, corrected by costs profiled on its own
@@ -89,6 +89,7 @@ def prepare(
                 f"pipeline {spec.name!r} is a {spec.kind} pipeline"
             )
     refuse_fixed_fields(scenario, policy)
+    options = PolicyOptions.of(options)
     devices = devices or scenario.cluster.devices
     steps = steps or scenario.schedule.steps
     cost = cost or CostModel(scenario.cluster.device)
@@ -124,14 +125,16 @@ def prepare(
                 return rate
 
             shapes = cls.plan_shapes(
-                scenario.pipelines,
-                shapes,
-                costs,
-                forecast,
-                steps=steps,
-                devices=pipeline_devices,
-                trainer_devices=trainer_devices,
-                options=options or {},
+                SearchContext(
+                    scenario.pipelines,
+                    shapes,
+                    costs,
+                    forecast,
+                    steps=steps,
+                    devices=pipeline_devices,
+                    trainer_devices=trainer_devices,
+                    options=options,
+                )
             )
     for spec in scenario.pipelines:
         shape = shapes[spec.name]
@@ -157,7 +160,7 @@ def prepare(
         else trainer_devices,
         reward_devices=reward_devices,
         trainer_groups={name: size for name, size in trainer_pools.items() if size is not None},
-        options=options or {},
+        options=options,
         priorities={spec.name: spec.priority for spec in scenario.pipelines},
         shapes=shapes,
         max_staleness=cls.max_staleness,
@@ -173,7 +176,7 @@ def simulate(
     *,
     steps: int | None = None,
     devices: int | None = None,
-    options: dict | None = None,
+    options: PolicyOptions | Mapping[str, object] | None = None,
     cost: CostModel | None = None,
     **shape_overrides,
 ):

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from dovetail.cost.catalog import diffusion_model
+from dovetail.cost.catalog import DiffusionModel, diffusion_model
 from dovetail.cost.model import CostModel, lora_params
-from dovetail.graph.node import Engines, Kind, Node, Role
+from dovetail.graph.node import Engines, Kind, Node, Role, SampleId
 from dovetail.graph.spec import FlowSpec
 
 GB = 1e9
@@ -120,170 +120,223 @@ def engines(spec: FlowSpec, cost: CostModel, trainer_devices: int) -> Engines:
 
 
 def build_flow(spec: FlowSpec, steps: int, shape: FlowShape, cost: CostModel) -> list[Node]:
-    """All nodes of `steps` consecutive steps of one flow pipeline."""
+    """All nodes of `steps` consecutive steps of one flow pipeline: per step, each mini-batch's rollout pieces, their
+    trainer nodes and its optimizer step (`_mini_batch`), then the publication (`_publish`)."""
 
     shape.check(spec)
-    model = diffusion_model(spec.model)
-    tokens = model.latent_tokens(spec.height, spec.width, spec.frames)
-    train_cfg = spec.cfg if spec.train_cfg is None else spec.train_cfg
-    passes = 2 if train_cfg else 1
-    fragments = split(spec.prompts, shape.fragments)
-    per_mini_batch = shape.fragments // spec.mini_batches
-    chunks = [(c.start, c.stop) for c in split(spec.trained_timesteps, -(-spec.trained_timesteps // shape.tsp_chunk))]
-    generate_gb = (
-        cost.training_memory(0, 1, model.hidden, tokens * passes * spec.group, checkpointing=False).activations / GB
-    )
-    trainable = trainable_params(spec)
-    trained = model.params if trainable is None else trainable
-    optimizer_s = cost.optimizer_step(trained, shape.group, offloaded=spec.offload)
-    optimizer_s += cost.replica_allreduce_seconds(trained, shape.group, shape.groups)
-    publish_s = cost.publish(trained)
-    name = spec.name
+    cut = _Cut.of(spec, shape, cost)
     nodes: list[Node] = []
     previous_commit: str | None = None
-    trainer = shape.group
-    micro = spec.micro_batch
+    for step in range(steps):
+        weights = (previous_commit,) if previous_commit else ()
+        for mini_batch in range(spec.mini_batches):
+            made = _mini_batch(cut, step, mini_batch, weights, previous_commit)
+            nodes += made
+            previous_commit = made[-1].id
+        nodes.append(_publish(cut, step, previous_commit))
+    return [replace(node, exclusive=False) for node in nodes] if shape.shared else nodes
 
-    def trainer_nodes(
-        prefix: str, step: int, label: str, samples: tuple, data: list[str], weights: tuple, generated: list[str]
-    ) -> list[Node]:
-        """Old / reference log-prob forward (if any; it needs the `generated` samples and the step's `weights`, not
-        their rewards: verl awaits an async reward only after it) and one train node per timestep chunk for
-        `samples` (it needs the scored `data` and the previous optimizer step)."""
-        n = len(samples)
-        out: list[Node] = []
-        train_deps = data + ([previous_commit] if previous_commit else [])
-        if shape.recompute_logprob or spec.reference:
-            logprob_s = 0.0
-            if shape.recompute_logprob:
-                logprob_s += cost.dit_logprob(model, n, spec.trained_timesteps, tokens, train_cfg, trainer, micro)
-            if spec.reference:  # verl's reference model runs under FSDP CPUOffload: parameters stream in per pass
-                logprob_s += cost.dit_logprob(
-                    model, n, spec.trained_timesteps, tokens, train_cfg, trainer, micro, host_streaming=True
-                )
-            logprob = Node(
-                f"{prefix}/logprob{label}",
-                name,
+
+@dataclass(frozen=True)
+class _Cut:
+    """A flow pipeline cut by a shape, and what every one of its steps shares: the model's latent tokens and DiT
+    passes per trained pair, the TSP chunks of the trained timesteps, the rollout's working memory, and the seconds of
+    the optimizer step (on the shape's trainer groups) and of the publication (of the parameters that train)."""
+
+    spec: FlowSpec
+    shape: FlowShape
+    cost: CostModel
+    model: DiffusionModel
+    tokens: int
+    train_cfg: bool
+    passes: int
+    trainable: float | None
+    timestep_chunks: tuple[tuple[int, int], ...]
+    generate_gb: float
+    optimizer_s: float
+    publish_s: float
+
+    @classmethod
+    def of(cls, spec: FlowSpec, shape: FlowShape, cost: CostModel) -> _Cut:
+        model = diffusion_model(spec.model)
+        tokens = model.latent_tokens(spec.height, spec.width, spec.frames)
+        train_cfg = spec.cfg if spec.train_cfg is None else spec.train_cfg
+        passes = 2 if train_cfg else 1
+        trainable = trainable_params(spec)
+        trained = model.params if trainable is None else trainable
+        chunks = split(spec.trained_timesteps, -(-spec.trained_timesteps // shape.tsp_chunk))
+        generate = cost.training_memory(0, 1, model.hidden, tokens * passes * spec.group, checkpointing=False)
+        optimizer_s = cost.optimizer_step(trained, shape.group, offloaded=spec.offload)
+        optimizer_s += cost.replica_allreduce_seconds(trained, shape.group, shape.groups)
+        return cls(
+            spec,
+            shape,
+            cost,
+            model,
+            tokens,
+            train_cfg,
+            passes,
+            trainable,
+            tuple((c.start, c.stop) for c in chunks),
+            generate.activations / GB,
+            optimizer_s,
+            cost.publish(trained),
+        )
+
+    def node_id(self, step: int, what: str) -> str:
+        return f"{self.spec.name}/s{step}/{what}"
+
+
+def _pieces(cut: _Cut, step: int, mini_batch: int) -> list[tuple[SampleId, ...]]:
+    """The samples of each rollout piece of one mini-batch: GAP fragments of whole groups, or a staged trainer's even
+    split of the mini-batch's samples (verl's data.chunk: a group may straddle two pieces)."""
+    spec, shape = cut.spec, cut.shape
+    per_mini_batch = shape.fragments // spec.mini_batches
+    if shape.staged:
+        prompts = split(spec.prompts, spec.mini_batches)[mini_batch]
+        samples = [(step, p, i) for p in prompts for i in range(spec.group)]
+        return [tuple(samples[r.start : r.stop]) for r in split(len(samples), per_mini_batch)]
+    fragments = split(spec.prompts, shape.fragments)[mini_batch * per_mini_batch : (mini_batch + 1) * per_mini_batch]
+    return [tuple((step, p, i) for p in fragment for i in range(spec.group)) for fragment in fragments]
+
+
+def _mini_batch(
+    cut: _Cut, step: int, mini_batch: int, weights: tuple[str, ...], previous_commit: str | None
+) -> list[Node]:
+    """One mini-batch: generate -> score for each rollout piece; the trainer nodes of each piece once it is scored
+    (GAP) or of the whole mini-batch once every piece is (staged); last, its optimizer step. The log-prob forwards
+    need the step's `weights`, the train nodes the `previous_commit` too (the mini-batch before)."""
+    pieces = _pieces(cut, step, mini_batch)
+    first = mini_batch * len(pieces)
+    nodes: list[Node] = []
+    generated: list[str] = []
+    scored: list[str] = []
+    for fragment, samples in enumerate(pieces, start=first):
+        generate, score = _rollout(cut, step, fragment, samples)
+        nodes += [generate, score]
+        generated.append(generate.id)
+        scored.append(score.id)
+        if not cut.shape.staged:
+            nodes += _trainer(cut, step, str(fragment), samples, [score.id], [score.id], weights, previous_commit)
+    if cut.shape.staged:
+        samples = tuple(sample for piece in pieces for sample in piece)
+        nodes += _trainer(cut, step, f"-mb{mini_batch}", samples, scored, generated, weights, previous_commit)
+    commit = Node(
+        cut.node_id(step, f"commit{mini_batch}"),
+        cut.spec.name,
+        step,
+        Kind.COMMIT,
+        Role.TRAINER,
+        tuple(n.id for n in nodes if n.kind == Kind.TRAIN),
+        step,
+        cost_s=cut.optimizer_s,
+        collective=True,
+    )
+    return nodes + [commit]
+
+
+def _rollout(cut: _Cut, step: int, fragment: int, samples: tuple[SampleId, ...]) -> tuple[Node, Node]:
+    """A rollout piece's generate node and the score node of its samples."""
+    spec, cost, n = cut.spec, cut.cost, len(samples)
+    generate = Node(
+        cut.node_id(step, f"gen{fragment}"),
+        spec.name,
+        step,
+        Kind.GENERATE,
+        Role.ROLLOUT,
+        (),
+        step,
+        samples,
+        cost_s=cost.generate(cut.model, n, spec.height, spec.width, spec.denoising_steps, spec.frames, spec.cfg),
+        memory_gb=cut.generate_gb,
+        tokens=n * cut.tokens,
+    )
+    score = Node(
+        cut.node_id(step, f"score{fragment}"),
+        spec.name,
+        step,
+        Kind.SCORE,
+        Role.REWARD,
+        (generate.id,),
+        step,
+        samples,
+        cost_s=cost.vlm_score(n) if spec.reward == "vlm" else cost.rule_score(n),
+    )
+    return generate, score
+
+
+def _trainer(
+    cut: _Cut,
+    step: int,
+    label: str,
+    samples: tuple[SampleId, ...],
+    data: list[str],
+    generated: list[str],
+    weights: tuple[str, ...],
+    previous_commit: str | None,
+) -> list[Node]:
+    """Old / reference log-prob forward (if any; it needs the `generated` samples and the step's `weights`, not
+    their rewards: verl awaits an async reward only after it) and one train node per timestep chunk for
+    `samples` (it needs the scored `data` and the previous optimizer step)."""
+    spec, shape, cost, model = cut.spec, cut.shape, cut.cost, cut.model
+    n, tokens, micro, group = len(samples), cut.tokens, spec.micro_batch, shape.group
+    out: list[Node] = []
+    train_deps = data + ([previous_commit] if previous_commit else [])
+    if shape.recompute_logprob or spec.reference:
+        logprob_s = 0.0
+        if shape.recompute_logprob:
+            logprob_s += cost.dit_logprob(model, n, spec.trained_timesteps, tokens, cut.train_cfg, group, micro)
+        if spec.reference:  # verl's reference model runs under FSDP CPUOffload: parameters stream in per pass
+            logprob_s += cost.dit_logprob(
+                model, n, spec.trained_timesteps, tokens, cut.train_cfg, group, micro, host_streaming=True
+            )
+        activations = cost.training_memory(0, 1, model.hidden, tokens * cut.passes * micro, checkpointing=False)
+        logprob = Node(
+            cut.node_id(step, f"logprob{label}"),
+            spec.name,
+            step,
+            Kind.LOGPROB,
+            Role.TRAINER,
+            (*generated, *weights),
+            step,
+            samples,
+            cost_s=logprob_s,
+            memory_gb=activations.activations / GB,
+        )
+        out.append(logprob)
+        train_deps.append(logprob.id)
+    for start, stop in cut.timestep_chunks:
+        activations = cost.training_memory(0, model.layers, model.hidden, tokens * cut.passes * micro * (stop - start))
+        out.append(
+            Node(
+                cut.node_id(step, f"train{label}.t{start}-{stop}"),
+                spec.name,
                 step,
-                Kind.LOGPROB,
+                Kind.TRAIN,
                 Role.TRAINER,
-                (*generated, *weights),
+                tuple(train_deps),
                 step,
                 samples,
-                cost_s=logprob_s,
-                memory_gb=cost.training_memory(
-                    0, 1, model.hidden, tokens * passes * micro, checkpointing=False
-                ).activations
-                / GB,
-            )
-            out.append(logprob)
-            train_deps.append(logprob.id)
-        for start, stop in chunks:
-            out.append(
-                Node(
-                    f"{prefix}/train{label}.t{start}-{stop}",
-                    name,
-                    step,
-                    Kind.TRAIN,
-                    Role.TRAINER,
-                    tuple(train_deps),
-                    step,
-                    samples,
-                    chunk=(start, stop),
-                    cost_s=cost.dit_train(
-                        model, n, stop - start, tokens, train_cfg, trainer, micro, trainable=trainable
-                    ),
-                    memory_gb=cost.training_memory(
-                        0, model.layers, model.hidden, tokens * passes * micro * (stop - start)
-                    ).activations
-                    / GB,
-                )
-            )
-        return out
-
-    for step in range(steps):
-        prefix = f"{name}/s{step}"
-        weights_of_step = (previous_commit,) if previous_commit else ()
-        for mini_batch in range(spec.mini_batches):
-            train_ids: list[str] = []
-            if shape.staged:
-                batch_samples = [
-                    (step, p, i) for p in split(spec.prompts, spec.mini_batches)[mini_batch] for i in range(spec.group)
-                ]
-                pieces = [tuple(batch_samples[r.start : r.stop]) for r in split(len(batch_samples), per_mini_batch)]
-            else:
-                pieces = [
-                    tuple((step, p, i) for p in fragments[f] for i in range(spec.group))
-                    for f in range(mini_batch * per_mini_batch, (mini_batch + 1) * per_mini_batch)
-                ]
-            scores: list[str] = []
-            generates: list[str] = []
-            for f, samples in zip(range(mini_batch * per_mini_batch, (mini_batch + 1) * per_mini_batch), pieces):
-                n = len(samples)
-                generate = Node(
-                    f"{prefix}/gen{f}",
-                    name,
-                    step,
-                    Kind.GENERATE,
-                    Role.ROLLOUT,
-                    (),
-                    step,
-                    samples,
-                    cost_s=cost.generate(
-                        model, n, spec.height, spec.width, spec.denoising_steps, spec.frames, spec.cfg
-                    ),
-                    memory_gb=generate_gb,
-                    tokens=n * tokens,
-                )
-                score_s = cost.vlm_score(n) if spec.reward == "vlm" else cost.rule_score(n)
-                score = Node(
-                    f"{prefix}/score{f}",
-                    name,
-                    step,
-                    Kind.SCORE,
-                    Role.REWARD,
-                    (generate.id,),
-                    step,
-                    samples,
-                    cost_s=score_s,
-                )
-                nodes += [generate, score]
-                scores.append(score.id)
-                generates.append(generate.id)
-                if not shape.staged:
-                    made = trainer_nodes(prefix, step, str(f), samples, [score.id], weights_of_step, [score.id])
-                    nodes += made
-                    train_ids += [m.id for m in made if m.kind == Kind.TRAIN]
-            if shape.staged:
-                made = trainer_nodes(
-                    prefix, step, f"-mb{mini_batch}", tuple(batch_samples), scores, weights_of_step, generates
-                )
-                nodes += made
-                train_ids += [m.id for m in made if m.kind == Kind.TRAIN]
-            commit = Node(
-                f"{prefix}/commit{mini_batch}",
-                name,
-                step,
-                Kind.COMMIT,
-                Role.TRAINER,
-                tuple(train_ids),
-                step,
-                cost_s=optimizer_s,
-                collective=True,
-            )
-            nodes.append(commit)
-            previous_commit = commit.id
-        nodes.append(
-            Node(
-                f"{prefix}/publish",
-                name,
-                step,
-                Kind.PUBLISH,
-                Role.ANY,
-                (previous_commit,),
-                step,
-                cost_s=publish_s,
-                collective=True,
+                timesteps=(start, stop),
+                cost_s=cost.dit_train(
+                    model, n, stop - start, tokens, cut.train_cfg, group, micro, trainable=cut.trainable
+                ),
+                memory_gb=activations.activations / GB,
             )
         )
-    return [replace(node, exclusive=False) for node in nodes] if shape.shared else nodes
+    return out
+
+
+def _publish(cut: _Cut, step: int, last_commit: str) -> Node:
+    """The step's weights to the rollout engines, after its last optimizer step."""
+    return Node(
+        cut.node_id(step, "publish"),
+        cut.spec.name,
+        step,
+        Kind.PUBLISH,
+        Role.ANY,
+        (last_commit,),
+        step,
+        cost_s=cut.publish_s,
+        collective=True,
+    )

@@ -180,7 +180,7 @@ def _decode(
         deps,
         version=step,
         samples=tuple(s.id for s in members),
-        chunk=(low, high),
+        band=(low, high),
         cost_s=seconds * tp,
         tokens=sum(new_tokens),
         shard=shard,
@@ -282,7 +282,7 @@ def _finishing_levels(samples: list[Sample], rollout: list[Node], shape: LLMShap
     tail: tuple[str, ...] = ()
     for node in rollout:
         if node.kind == Kind.DECODE and node.shard is not None:
-            bands.setdefault(node.chunk[1], []).append(node.id)
+            bands.setdefault(node.band[1], []).append(node.id)
         elif node.kind == Kind.DECODE:
             tail = (node.id,)
     edges = sorted(bands)
@@ -373,7 +373,7 @@ def _training(
             tuple(before_train),
             version=step,
             samples=ids,
-            chunk=(micro, micro + 1),
+            micro_batch=micro,
             cost_s=cost.train(model, lengths, lora=spec.lora is not None),
             memory_gb=activations / GB,
         )

@@ -71,8 +71,14 @@ class Node:
     deps: tuple[str, ...] = ()
     version: int = 0
     samples: tuple[SampleId, ...] = ()
-    chunk: tuple[int, int] | None = None
-    """Timestep chunk [start, stop) of a train node, length band of a decode node, or micro-batch range."""
+    timesteps: tuple[int, int] | None = None
+    """A flow train node's TSP chunk: positions [start, stop) in each of its samples' lists of trained timesteps
+    (positions, not timesteps: each sample looks its own timesteps up, `recipe.sample_timesteps`)."""
+    band: tuple[int, int] | None = None
+    """An LLM decode node's length band: it generates response tokens [low, high) of its samples still running at
+    `low` (the migrated tail's band starts at the migration edge)."""
+    micro_batch: int | None = None
+    """The micro-batch (whole prompt groups) an LLM train node trains, in the step's micro-batch order."""
     cost_s: float = 0.0
     memory_gb: float = 0.0
     exclusive: bool = True
@@ -101,8 +107,9 @@ class Node:
             raise ValueError(f"node {self.id}: cost_s and memory_gb must be >= 0, got {self.cost_s}, {self.memory_gb}")
         if self.max_width is not None and self.max_width < 1:
             raise ValueError(f"node {self.id}: max_width must be >= 1, got {self.max_width}")
-        if self.chunk is not None and not self.chunk[0] < self.chunk[1]:
-            raise ValueError(f"node {self.id}: chunk must be [start, stop) with start < stop, got {self.chunk}")
+        for name, span in (("timestep chunk", self.timesteps), ("length band", self.band)):
+            if span is not None and not span[0] < span[1]:
+                raise ValueError(f"node {self.id}: {name} must be [start, stop) with start < stop, got {span}")
 
 
 class Graph:

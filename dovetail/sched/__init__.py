@@ -8,6 +8,7 @@ from importlib import import_module
 
 from pydantic import TypeAdapter
 
+from dovetail.kinds import kind as pipeline_kind
 from dovetail.sched.policy import Policy
 
 POLICIES: dict[str, str] = {
@@ -33,20 +34,24 @@ def policy_class(name: str) -> type[Policy]:
 
 
 def shape_from_fields(kind: str, fields: dict):
-    """A pipeline's shape from its fields (`dataclasses.asdict`, as a run profile stores it): an LLM or flow shape,
-    or digen's, which carries its search's TAG and TCSS choices. Fields the shape lacks, or of the wrong type (a
-    damaged profile), are a ValueError naming them (pydantic's ValidationError for a value)."""
-    from dovetail.graph.flow import FlowShape
-    from dovetail.graph.llm import LLMShape
-    from dovetail.sched.digen import DigenShape
+    """A pipeline's shape from its fields (`dataclasses.asdict`, as a run profile stores it): an LLM shape, or a flow
+    shape — digen's `DigenShape` when it stores a field that class adds to `FlowShape` (its search's TAG and TCSS
+    choices), else a plain `FlowShape`. Fields the shape lacks, or of the wrong type (a damaged profile), are a
+    ValueError naming them (pydantic's ValidationError for a value)."""
+    from dovetail.sched.digen_search import DigenShape
 
-    shape = LLMShape if kind == "lm" else DigenShape if "tcss" in fields else FlowShape
-    return from_fields(shape, fields)
+    base = pipeline_kind(kind).load("shape")
+    added = _field_names(DigenShape) - _field_names(base) if issubclass(DigenShape, base) else set()
+    return from_fields(DigenShape if added & set(fields) else base, fields)
+
+
+def _field_names(cls: type) -> set[str]:
+    return {field.name for field in dataclasses.fields(cls)}
 
 
 def from_fields(cls: type, fields: dict):
     """The dataclass `cls` of `fields`, each checked against its annotation."""
-    unknown = sorted(set(fields) - {field.name for field in dataclasses.fields(cls)})
+    unknown = sorted(set(fields) - _field_names(cls))
     if unknown:
         raise ValueError(f"{unknown[0]}: not a field of {cls.__name__}")
     return TypeAdapter(cls).validate_python(fields)

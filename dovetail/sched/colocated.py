@@ -22,6 +22,7 @@ from dovetail.sched.policy import (
     Event,
     Policy,
     Run,
+    SearchContext,
     Setup,
     SwitchRole,
     VersionPublished,
@@ -32,7 +33,6 @@ from dovetail.sched.policy import (
     ready_of,
     reward_roles,
     score_on_reward_pool,
-    search_horizon,
 )
 
 
@@ -81,32 +81,22 @@ class StagedFlow(Policy):
         """Every device that holds the policy's engines (reward devices hold only the reward engine)."""
 
     @classmethod
-    def plan_shapes(
-        cls,
-        specs: Sequence[PipelineSpec],
-        shapes: dict[str, FlowShape],
-        costs,
-        forecast,
-        *,
-        steps: int = 1,
-        devices: int | None = None,
-        trainer_devices: int | None = None,
-        options=None,
-    ) -> dict[str, FlowShape]:
+    def plan_shapes(cls, context: SearchContext) -> dict[str, FlowShape]:
         """verl's `fsdp_size`: the trainer pool as one FSDP group (its default, -1) or, past one node, HSDP groups of
         a node (parameters gathered inside the node, gradients all-reduced across nodes once per optimizer step),
         whichever the simulator finds faster over the run's steps — what a user tuning a multi-node run sets."""
-        if len(specs) != 1 or not cls.hybrid_sharding:
+        shapes = dict(context.shapes)
+        if len(context.specs) != 1 or not cls.hybrid_sharding:
             return shapes  # __init__ refuses several pipelines
-        (spec,) = specs
-        shape, cost = shapes[spec.name], costs[spec.name]
+        (spec,) = context.specs
+        shape, cost = shapes[spec.name], context.costs[spec.name]
         node = cost.device.node_size
         if shape.trainer_devices <= node or shape.trainer_devices % node:
             return shapes
         hybrid = replace(shape, trainer_group=node)
         if not fits(spec, hybrid, cost):
             return shapes
-        return best_by_forecast([shapes, {spec.name: hybrid}], forecast, search_horizon(steps))
+        return best_by_forecast([shapes, {spec.name: hybrid}], context.forecast, context.horizon)
 
     @classmethod
     def with_reward_pool(cls, specs: Sequence[PipelineSpec], shapes: dict[str, FlowShape]) -> dict[str, FlowShape]:
@@ -189,7 +179,7 @@ class StagedFlow(Policy):
             return commits[0]
         if self._finished(view, step, Kind.LOGPROB):
             trains = ready_of(view, Kind.TRAIN)
-            return min(trains, key=lambda n: n.chunk[0]) if trains else None
+            return min(trains, key=lambda n: n.timesteps[0]) if trains else None
         logprobs = ready_of(view, Kind.LOGPROB)
         return logprobs[0] if logprobs else None
 

@@ -51,12 +51,12 @@ from dovetail.sched.policy import (
     Decision,
     Event,
     Run,
+    SearchContext,
     Setup,
     SwitchRole,
     View,
     best_by_forecast,
     open_steps_on_publish,
-    search_horizon,
 )
 
 HORIZON_STEPS = 1
@@ -192,18 +192,7 @@ class Jigsaw(StagedLLMPolicy):
         )
 
     @classmethod
-    def plan_shapes(
-        cls,
-        specs: Sequence[PipelineSpec],
-        shapes: dict[str, LLMShape | FlowShape],
-        costs,
-        forecast,
-        *,
-        steps: int = 1,
-        devices: int | None = None,
-        trainer_devices: int | None = None,
-        options=None,
-    ) -> dict[str, LLMShape | FlowShape]:
+    def plan_shapes(cls, context: SearchContext) -> dict[str, LLMShape | FlowShape]:
         """Rollout memory from the memory model (for every step the run trains); then (`jigsaw`) where each LLM
         pipeline's tail migrates and how wide its engine is, by rolling the simulator forward `HORIZON_STEPS` steps
         per candidate (`forecast(shapes, steps)` -> samples/s; memoized): coordinate descent over the tail engine's
@@ -211,18 +200,19 @@ class Jigsaw(StagedLLMPolicy):
         edge (the length bands). The `FINALISTS` best of that screen are simulated again over the run's steps (at
         most `SEARCH_STEPS`) and the fastest kept, so no candidate the search ranks over the run's steps beats the
         chosen one. Flow shapes pass through."""
-        shapes = rollout_shares(specs, shapes, costs, steps)
+        specs, forecast = context.specs, context.forecast
+        shapes = rollout_shares(specs, dict(context.shapes), context.costs, context.steps)
         llm_specs = [spec for spec in specs if isinstance(spec, LLMSpec)]
         if not cls.searches or not llm_specs:
             return shapes
         devices = next(iter(shapes.values())).trainer_devices
-        options: dict[str, tuple[list[int | None], list[int]]] = {}
+        choices: dict[str, tuple[list[int | None], list[int]]] = {}
         for spec in llm_specs:
             edges = [e for e in spec.length_bands if e < spec.max_length] or [shapes[spec.name].migrate_at]
             widths = [spec.tensor_parallel]
             while widths[-1] * 2 <= devices // len(specs):
                 widths.append(widths[-1] * 2)
-            options[spec.name] = (edges, widths)
+            choices[spec.name] = (edges, widths)
 
         def candidate(point: tuple[int, int]) -> dict[str, LLMShape | FlowShape]:
             return shapes | {
@@ -231,7 +221,7 @@ class Jigsaw(StagedLLMPolicy):
                     migrate_at=edges[min(point[0], len(edges) - 1)],
                     tail_parallel=widths[min(point[1], len(widths) - 1)],
                 )
-                for name, (edges, widths) in options.items()
+                for name, (edges, widths) in choices.items()
             }
 
         memo: dict[tuple[int, int], float] = {}
@@ -244,11 +234,11 @@ class Jigsaw(StagedLLMPolicy):
         start = [
             max(
                 edges.index(shapes[n].migrate_at) if shapes[n].migrate_at in edges else 0
-                for n, (edges, _) in options.items()
+                for n, (edges, _) in choices.items()
             ),
             0,
         ]
-        sizes = [max(len(e) for e, _ in options.values()), max(len(w) for _, w in options.values())]
+        sizes = [max(len(e) for e, _ in choices.values()), max(len(w) for _, w in choices.values())]
         point = tuple(start)
         for _ in range(2):
             before = point
@@ -259,7 +249,7 @@ class Jigsaw(StagedLLMPolicy):
                 )
             if point == before:
                 break
-        horizon = search_horizon(steps)
+        horizon = context.horizon
         if horizon == HORIZON_STEPS:
             return candidate(point)
         screened = sorted(memo, key=lambda p: (-memo[p], p != point, p[1], -p[0]))

@@ -12,6 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, ClassVar, Protocol
 
 from dovetail.cost.calibration import DEFAULT
@@ -140,6 +141,41 @@ Decision = Run | SwitchRole | StartStep | Migrate
 # ---------------------------------------------------------------- what a policy may look at
 
 
+class Tag(StrEnum):
+    """What a run lets TAG (digen's trainer-assisted generation: idle trainer devices generate fragments) do."""
+
+    AUTO = "auto"
+    """Lend trainer devices where the predicted step shortens enough (`sched.digen.TAG_MIN_GAIN`)."""
+    OFF = "off"
+    FORCE = "force"
+    """Lend one whenever a trainer idles while fragments wait, even where it does not pay: for the tests that TAG
+    changes no number, and only under GAP's schedule (digen's search then considers no staged one)."""
+
+
+@dataclass(frozen=True)
+class PolicyOptions:
+    """The run's own choices a policy honours beyond the scenario's fields."""
+
+    tag: Tag | None = None
+    """TAG fixed by the run; None: a searching policy chooses per shape (`DigenShape.tag`)."""
+
+    @classmethod
+    def of(cls, options: PolicyOptions | Mapping[str, object] | None) -> PolicyOptions:
+        """The options of `options`, or of the mapping a run config's `policy_options()` and earlier callers give:
+        {"tag": True (auto) | False (off) | "force"}, each key optional."""
+        if options is None:
+            return cls()
+        if isinstance(options, PolicyOptions):
+            return options
+        unknown = sorted(set(options) - {"tag"})
+        if unknown:
+            raise ValueError(f"policy option {unknown[0]!r}: not an option; known: tag")
+        if "tag" not in options:
+            return cls()
+        tag = options["tag"]
+        return cls(tag=Tag.AUTO if tag is True else Tag.OFF if tag is False else Tag(tag))
+
+
 @dataclass(frozen=True)
 class Setup:
     """What a policy knows before the run: the cluster, each pipeline's engines, and the user's choices."""
@@ -154,7 +190,7 @@ class Setup:
     engines are co-resident on the devices that generate (policies with `supports_reward_pool` take a pool)."""
     trainer_groups: Mapping[str, int] = field(default_factory=dict)
     """Trainer group size each pipeline's step was cut for (pipeline -> devices)."""
-    options: Mapping[str, object] = field(default_factory=dict)
+    options: PolicyOptions = PolicyOptions()
     priorities: Mapping[str, float] = field(default_factory=dict)
     """Weight of each pipeline's step latency when pipelines compete for devices (1 when absent)."""
     shapes: Mapping[str, object] = field(default_factory=dict)
@@ -270,6 +306,29 @@ def search_horizon(steps: int) -> int:
     return min(steps, SEARCH_STEPS)
 
 
+@dataclass(frozen=True)
+class SearchContext:
+    """What a policy's search (`Policy.plan_shapes`) works from: the pipelines, the shape each got from the policy's
+    own `shape` (cut for `devices`, trainer pool `trainer_devices`), their cost models, the simulator's `forecast`, the
+    run's steps and options."""
+
+    specs: Sequence[PipelineSpec]
+    shapes: Mapping[str, Shape]
+    costs: Mapping[str, CostModel]
+    forecast: Forecast
+    steps: int = 1
+    devices: int | None = None
+    """Devices each pipeline's steps are cut for (None: the policy's shapes say)."""
+    trainer_devices: int | None = None
+    """The scenario's trainer pool; None lets the policy choose."""
+    options: PolicyOptions = PolicyOptions()
+
+    @property
+    def horizon(self) -> int:
+        """Steps a candidate is simulated over: the run's, at most `SEARCH_STEPS`."""
+        return search_horizon(self.steps)
+
+
 def best_by_forecast(candidates: Sequence[dict[str, Shape]], forecast: Forecast, horizon: int) -> dict[str, Shape]:
     """The candidate the simulator predicts the most samples/s for over `horizon` steps; ties: the earlier one (a
     search lists its candidates best first by its own cost model). Each candidate is simulated once."""
@@ -312,22 +371,10 @@ class Policy(ABC):
         """How this policy cuts `spec`'s steps on `devices` (trainer pool `trainer_devices`, None: its choice)."""
 
     @classmethod
-    def plan_shapes(
-        cls,
-        specs: Sequence[PipelineSpec],
-        shapes: dict[str, Shape],
-        costs: Mapping[str, CostModel],
-        forecast: Forecast,
-        *,
-        steps: int = 1,
-        devices: int | None = None,
-        trainer_devices: int | None = None,
-        options: Mapping[str, object] | None = None,
-    ) -> dict[str, Shape]:
-        """The shapes to run `steps` steps with, given each pipeline's own `shape` (cut for `devices`, trainer pool
-        `trainer_devices`) and cost model: a policy that searches (digen, jigsaw) ranks its candidates here by
-        rolling the simulator forward with `forecast` (the run's `options` given); the others keep them."""
-        return shapes
+    def plan_shapes(cls, context: SearchContext) -> dict[str, Shape]:
+        """The shapes to run the context's steps with: a policy that searches (digen, jigsaw) ranks its candidates
+        here by rolling the simulator forward with the context's `forecast`; the others keep the shapes given."""
+        return dict(context.shapes)
 
     @classmethod
     def with_reward_pool(cls, specs: Sequence[PipelineSpec], shapes: dict[str, Shape]) -> dict[str, Shape]:
