@@ -1,9 +1,8 @@
-"""Flow pipelines (FlowGRPO / DanceGRPO) on the Ray runtime: the driver's adapter and the worker's engines.
-
-`FlowAdapter` turns a node of `graph.flow` into typed work for the devices the policy chose (generate, score,
-old log-probs, train) and books what comes back; `FlowEngines` does that work on one device with a rollout copy of
-the policy, the trainer (weights + optimizer) and the reward engine. The math is the reference loop's
-(`models.flow_rl`, `recipe`): every random draw is keyed by the sample, so any split gives the same numbers.
+"""A flow pipeline's (FlowGRPO / DanceGRPO) engines on one device of the Ray runtime: a rollout copy of the policy,
+the trainer (weights + optimizer), the reference and the reward engine, doing the typed work the driver sends
+(generate, score, old log-probs, train), and the profile of that work the cost model is fitted to. The math is the
+reference loop's (`models.flow_rl`, `recipe`): every random draw is keyed by the sample, so any split gives the same
+numbers.
 """
 
 from __future__ import annotations
@@ -12,15 +11,11 @@ import copy
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 import numpy as np
 import torch
 
 from dovetail.config.flow import FlowTrainConfig
-from dovetail.cost.calibration import DEFAULT
-from dovetail.cost.catalog import diffusion_model
-from dovetail.cost.model import CostModel
 from dovetail.exec.interference import Span, time_work
 from dovetail.exec.messages import (
     FlowLogProbs,
@@ -33,20 +28,15 @@ from dovetail.exec.messages import (
     Trajectories,
     Work,
 )
-from dovetail.exec.pipeline import PROFILE_ROUNDS, Part, PipelineAdapter, PipelineEngines, RunContext
-from dovetail.exec.plan import rollout_wake_s
-from dovetail.graph.node import Kind, Node, SampleId
+from dovetail.exec.pipeline import PROFILE_ROUNDS, PipelineEngines
+from dovetail.graph.node import SampleId
 from dovetail.models import sampling
-from dovetail.models.diffusers_flow import check_prompt_table, load_decoder, load_flow_model
-from dovetail.models.flow_rl import accumulate_policy_gradient, generate, recompute_log_probs, step_prompts
+from dovetail.models.diffusers_flow import load_decoder, load_flow_model
+from dovetail.models.flow_rl import accumulate_policy_gradient, generate, recompute_log_probs
 from dovetail.models.training import commit, load_weights, synchronize, weights_of
-from dovetail.prompts import prompt_split, train_prompts
+from dovetail.prompts import train_prompts
 from dovetail.recipe import advantages_of, make_optimizer, policy_gradient, sample_timesteps, sde_settings, sde_steps
 from dovetail.rewards import load_rewards, score
-from dovetail.scenario import Scenario
-
-STAT_MEANS = ("clip_frac", "approx_kl", "ratio_mean", "loss", "kl_ref")
-"""Loss statistics the train parts sum over their (sample, timestep) pairs, reported as means."""
 
 
 def pack(trajectories: sampling.Trajectories, ids: list[SampleId], version: int) -> Trajectories:
@@ -225,134 +215,3 @@ def profile_work(
         "generate_fastest": min(full["generate"] for full, _ in rounds),
         "generate_small_fastest": min(part["generate"] for _, part in rounds),
     }
-
-
-class FlowAdapter(PipelineAdapter):
-    """The driver side of a flow pipeline: node -> typed work per device, results -> the sample ledger."""
-
-    def __init__(self, config: FlowTrainConfig, first_step: int) -> None:
-        super().__init__(config, first_step)
-        self._prompts: dict[int, list[str]] = {}
-
-    def units_of(self, sample: SampleId) -> list[int]:
-        """Positions in the sample's trained timesteps (`sample_timesteps`): the engines look the timesteps up
-        from the sample's identity, so samples that train different timesteps share one train node's chunk."""
-        return list(range(self.config.trained_timesteps))
-
-    def parts(self, node: Node, devices: tuple[int, ...], run: RunContext) -> list[Part]:
-        step = self.rl_step(node)
-        pipeline = node.pipeline
-        if node.kind == Kind.GENERATE:
-            prompts = self._prompts.setdefault(
-                step,
-                step_prompts(self.config.seed, step, self.config.algo.prompts_per_step, train_prompts(self.config)),
-            )
-            samples = [SampleId(step, p, i) for (_, p, i) in node.samples]
-            version = run.rollout_version(pipeline, node.step)
-            weights = run.weights(pipeline, version)
-            return [
-                Part(
-                    node.id,
-                    device,
-                    Generate(pipeline, ids, [prompts[s.prompt] for s in ids], self.first_step + version, weights),
-                )
-                for device, ids in self.spread(samples, devices)
-            ]
-        sources = run.sources(node, (Kind.GENERATE, Kind.SCORE, Kind.LOGPROB))
-        trajectories = sources[Kind.GENERATE]
-        if node.kind == Kind.SCORE:
-            return [Part(node.id, d, Score(pipeline, refs)) for d, refs in self.spread(trajectories, devices)]
-        units = list(range(self.config.trained_timesteps))
-        if node.kind == Kind.LOGPROB:
-            return [
-                Part(node.id, d, FlowLogProbs(pipeline, units, refs)) for d, refs in self.spread(trajectories, devices)
-            ]
-        if node.kind == Kind.TRAIN:
-            chunk = units[node.timesteps[0] : node.timesteps[1]]
-            samples = [SampleId(step, p, i) for (_, p, i) in node.samples]
-            stale = run.rollout_version(pipeline, node.step) < node.version
-            return [
-                Part(
-                    node.id,
-                    device,
-                    FlowTrain(
-                        pipeline,
-                        ids,
-                        chunk,
-                        self.config.pairs_per_step,
-                        stale,
-                        trajectories,
-                        sources[Kind.SCORE],
-                        sources[Kind.LOGPROB],
-                    ),
-                )
-                for device, ids in self.spread(samples, devices)
-            ]
-        raise ValueError(f"node {node.id}: a flow pipeline does not run {node.kind} nodes")
-
-    def step_metrics(self, scores: list[Scores], trained: list[Trained]) -> dict:
-        pairs = sum(len(t.samples) * len(t.units) for t in trained)
-        metrics = {"reward/total": float(np.concatenate([s.scores["total"] for s in scores]).mean())}
-        metrics |= {
-            name: sum(t.stats[name] for t in trained) / pairs for name in STAT_MEANS if name in trained[0].stats
-        }
-        metrics["ratio_min"] = min(t.stats["ratio_min"] for t in trained)
-        metrics["ratio_max"] = max(t.stats["ratio_max"] for t in trained)
-        metrics["timesteps"] = sorted({unit for t in trained for unit in t.units})
-        return metrics
-
-    def book(self, node: Node, part: Part, result, ledger) -> None:
-        if isinstance(result, Trajectories):
-            for sample in result.samples:
-                ledger.generated.setdefault(SampleId(*sample), []).append((part.device, result.version))
-        elif isinstance(result, Scores):
-            for sample in result.samples:
-                ledger.scored[SampleId(*sample)] = ledger.scored.get(SampleId(*sample), 0) + 1
-
-
-def fitted_cost(config: FlowTrainConfig, scenario: Scenario, measured: dict[str, float]) -> CostModel:
-    """The analytic cost model fitted to a device's measured seconds: the small-pass half point from the fastest
-    generation at two batch sizes, then one correction per kind of work (`CostModel.from_measurements`)."""
-    samples = config.runtime.profile_samples
-    spec = scenario.pipelines[0]
-    model = diffusion_model(spec.model)
-    tokens = model.latent_tokens(spec.height, spec.width, spec.frames)
-    small = max(1, samples // 4)
-    ratio = measured["generate_fastest"] / measured["generate_small_fastest"]
-    half = tokens * (samples - ratio * small) / (ratio - 1) if ratio > 1 else DEFAULT.dit_half_mfu_tokens
-    calibration = replace(DEFAULT, dit_half_mfu_tokens=max(half, 0.0))
-
-    analytic = CostModel(config.cluster.device, calibration)
-    predicted = {
-        "generate": analytic.generate(model, samples, spec.height, spec.width, spec.denoising_steps, spec.frames),
-        "score": analytic.rule_score(samples),
-        "logprob": analytic.dit_logprob(model, samples, 1, tokens),
-        "train": analytic.dit_train(model, samples, 1, tokens),
-        "optimizer": analytic.optimizer_step(model.params),
-        "publish": analytic.publish(model.params),
-        "switch": rollout_wake_s(scenario, analytic),
-    }
-    records = [(kind, predicted[kind], max(measured[kind], 1e-9)) for kind in predicted]
-    return CostModel.from_measurements(config.cluster.device, records, calibration)
-
-
-def check_checkpoint(config: FlowTrainConfig) -> None:
-    """What every run meets as it starts, whatever its policy (the dry run's check): the built-in model loads, as
-    the run loads it (a truncated or foreign file fails here), and the prompts split. A diffusers directory's layout
-    the config has checked, and its prompt table is checked here; its model is not loaded (a dry run plans a GPU
-    cluster from a laptop)."""
-    if config.model.path is None:
-        load_flow_model(config)
-    prompt_split(config)
-    if config.model.path is not None:
-        check_prompt_table(config)
-
-
-def profile_here(config: FlowTrainConfig, carry: Callable[[dict], dict]) -> dict[str, float]:
-    """The start-up profile in this process (the dry run's), on the checkpoint's model."""
-    model = load_flow_model(config)
-    samples = config.runtime.profile_samples
-    return profile_work(model, load_decoder(config), config, sde_settings(config), samples, carry)
-
-
-Adapter, Engines = FlowAdapter, FlowEngines
