@@ -10,11 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+from diffusers import WanPipeline
 from PIL import Image
 from safetensors.torch import load_file
-from tokenizers import Tokenizer, models
-from transformers import T5TokenizerFast, UMT5Config, UMT5EncoderModel
+from tiny_pipelines import PROMPTS, tiny_wan_pipeline
 from typer.testing import CliRunner
 
 from dovetail.algo import sde_step
@@ -25,59 +24,9 @@ from dovetail.models.diffusers_flow import load_decoder, load_flow_model
 from dovetail.rewards import score, temporal_smoothness
 from dovetail.runner import train
 
-PROMPTS = ["a red cat", "a blue dog", "red house", "blue mat", "a green cat", "the red dog", "blue cat", "green mat"]
-LETTERS = sorted(set("".join(PROMPTS)))
 FRAMES = 5
 """Video frames a sample: 3 latent frames through the VAE's temporal stride of 2."""
 STEPS = 2
-
-
-def tiny_wan_pipeline(directory: Path) -> Path:
-    """A random-init WanPipeline small enough to train in seconds, saved with save_pretrained: UMT5 on a unigram
-    tokenizer of single letters, a one-layer WanTransformer3DModel over 4 latent channels, an AutoencoderKLWan with
-    one 2x down/upsampling in space and in time (latent (4, 3, 8, 8) is a 5-frame 16x16 video), its latents
-    normalised by a per-channel mean and std as Wan's are."""
-    torch.manual_seed(0)
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [(letter, -1.0) for letter in LETTERS]
-    tokenizer = T5TokenizerFast(
-        tokenizer_object=Tokenizer(models.Unigram(pieces, unk_id=2)),
-        eos_token="</s>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-        extra_ids=0,
-    )
-    pipeline = WanPipeline(
-        tokenizer=tokenizer,
-        text_encoder=UMT5EncoderModel(
-            UMT5Config(vocab_size=len(pieces), d_model=16, d_kv=8, d_ff=16, num_layers=1, num_heads=2)
-        ),
-        transformer=WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=2,
-            attention_head_dim=8,
-            in_channels=4,
-            out_channels=4,
-            text_dim=16,
-            freq_dim=16,
-            ffn_dim=16,
-            num_layers=1,
-            rope_max_seq_len=32,
-        ),
-        vae=AutoencoderKLWan(
-            base_dim=4,
-            z_dim=4,
-            dim_mult=[1, 1],
-            num_res_blocks=1,
-            temperal_downsample=[True],
-            latents_mean=[0.1, -0.2, 0.3, 0.0],
-            latents_std=[1.5, 0.5, 1.0, 2.0],
-            scale_factor_temporal=2,
-            scale_factor_spatial=2,
-        ),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-    )
-    pipeline.save_pretrained(directory / "pipeline")
-    return directory / "pipeline"
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +35,8 @@ def wan_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def prompts_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
-    path.write_text("\n".join(PROMPTS) + "\n")
-    return path
+def prompts_file(tiny_prompts_file) -> Path:
+    return tiny_prompts_file
 
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8.0"]

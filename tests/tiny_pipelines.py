@@ -9,11 +9,14 @@ from pathlib import Path
 import torch
 from diffusers import (
     AutoencoderKL,
+    AutoencoderKLWan,
     FlowMatchEulerDiscreteScheduler,
     FluxPipeline,
     FluxTransformer2DModel,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
+    WanPipeline,
+    WanTransformer3DModel,
 )
 from tokenizers import Tokenizer, models
 from transformers import (
@@ -24,6 +27,8 @@ from transformers import (
     T5Config,
     T5EncoderModel,
     T5TokenizerFast,
+    UMT5Config,
+    UMT5EncoderModel,
 )
 
 PROMPTS = ["a red cat", "a blue dog", "red house", "blue mat", "a green cat", "the red dog", "blue cat", "green mat"]
@@ -141,6 +146,54 @@ def tiny_flux_pipeline(directory: Path) -> Path:
         tokenizer_2=T5TokenizerFast(
             tokenizer_object=unigram, eos_token="</s>", pad_token="<pad>", unk_token="<unk>", extra_ids=0
         ),
+    )
+    pipeline.save_pretrained(directory / "pipeline")
+    return directory / "pipeline"
+
+
+def tiny_wan_pipeline(directory: Path) -> Path:
+    """A random-init WanPipeline small enough to train in seconds, saved with save_pretrained: UMT5 on a unigram
+    tokenizer of single letters, a one-layer WanTransformer3DModel over 4 latent channels, an AutoencoderKLWan with
+    one 2x down/upsampling in space and in time (latent (4, 3, 8, 8) is a 5-frame 16x16 video), its latents
+    normalised by a per-channel mean and std as Wan's are."""
+    torch.manual_seed(0)
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [(letter, -1.0) for letter in LETTERS]
+    tokenizer = T5TokenizerFast(
+        tokenizer_object=Tokenizer(models.Unigram(pieces, unk_id=2)),
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        extra_ids=0,
+    )
+    pipeline = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=UMT5EncoderModel(
+            UMT5Config(vocab_size=len(pieces), d_model=16, d_kv=8, d_ff=16, num_layers=1, num_heads=2)
+        ),
+        transformer=WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=8,
+            in_channels=4,
+            out_channels=4,
+            text_dim=16,
+            freq_dim=16,
+            ffn_dim=16,
+            num_layers=1,
+            rope_max_seq_len=32,
+        ),
+        vae=AutoencoderKLWan(
+            base_dim=4,
+            z_dim=4,
+            dim_mult=[1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[True],
+            latents_mean=[0.1, -0.2, 0.3, 0.0],
+            latents_std=[1.5, 0.5, 1.0, 2.0],
+            scale_factor_temporal=2,
+            scale_factor_spatial=2,
+        ),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
     )
     pipeline.save_pretrained(directory / "pipeline")
     return directory / "pipeline"
