@@ -172,6 +172,8 @@ def _print_dry_run(config, steps: int) -> None:
             else f"{plan['trainer_devices']} shared"
         )
         pools += f" + {plan['reward_devices']} reward" if plan["reward_devices"] else ""
+    if plan["auto"] is not None:
+        typer.echo(plan["auto"]["line"])
     typer.echo(
         f"policy {plan['policy']} on {plan['devices']}x {plan['device']} ({pools}): {cut}\n"
         f"predicted {plan['step_time_s']:.3f} s/step, {plan['samples_per_s']:.1f} samples/s, "

@@ -241,6 +241,14 @@ class RunProgress:
         if self.bar is not None:
             self.bar.update(self.tasks[pipeline], status=what)
 
+    def note(self, text: str) -> None:
+        """A line that stays above the bars (or among the step lines): a decision the run made, e.g. the policy
+        `policy=auto` chose."""
+        if self.bar is not None:
+            self.bar.console.print(text)
+        elif self.enabled:
+            self._line(text)
+
     def step(self, pipeline: str, done: int, total: int, metrics: dict, eval_reward: float) -> None:
         now = time.monotonic()
         first_time, first_step = self.clock.setdefault(pipeline, (now - metrics.get("step_s", 0.0), done - 1))

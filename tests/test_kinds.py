@@ -11,8 +11,9 @@ import pytest
 from typer.testing import CliRunner
 
 from dovetail.cli import app
-from dovetail.config.common import ConfigError, RunSection, policies_for
+from dovetail.config.common import ConfigError, RunSection, policies_for, scheduling_policies
 from dovetail.config.load import load_config, parse_config
+from dovetail.exec.launch import AUTO_TIE, chosen_policy
 from dovetail.exec.pipeline import PipelineAdapter, PipelineEngines
 from dovetail.graph.node import Kind
 from dovetail.kinds import DEFAULT_KIND, KINDS
@@ -77,3 +78,25 @@ def test_no_module_outside_the_registry_branches_on_a_pipeline_kind():
                 named = [c.value for c in ast.walk(node) if isinstance(c, ast.Constant) and c.value in KINDS]
                 branches += [f"{path.relative_to(package)}:{node.lineno} compares with {name!r}" for name in named]
     assert branches == []
+
+
+def test_policy_auto_dry_runs_and_names_the_fastest_predicted_policy_of_the_kind():
+    """On GPUs the dry run plans with the catalogue's costs: every flow policy is weighed, the one auto names is the
+    fastest within AUTO_TIE (the first such in the registry's order), and the plan below it is that policy's."""
+    config = load_config("configs/digits.yaml", ["policy=auto", "cluster.device=H100", "cluster.devices=8"])
+    choice = chosen_policy(config, 3, None)
+    assert set(choice.predicted) | set(choice.refused) == set(scheduling_policies("flow"))
+    fastest = max(choice.predicted.values())
+    assert choice.policy == next(p for p, rate in choice.predicted.items() if rate >= (1 - AUTO_TIE) * fastest)
+    result = CliRunner().invoke(app, ["train", "configs/digits.yaml", "policy=auto", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    first, second = result.output.splitlines()[:2]
+    assert first.startswith("policy auto: ") and second.startswith(f"policy {first.split()[2].rstrip(',')} on 2x")
+
+
+def test_policy_auto_skips_a_policy_the_config_rules_out_and_says_why():
+    config = load_config("configs/digits.yaml", ["policy=auto", "runtime.trainer_devices=1"])
+    choice = chosen_policy(config, 3, None)
+    fixing = {name for name in scheduling_policies("flow") if "trainer_devices" in policy_class(name).fixes}
+    assert fixing and set(choice.refused) >= fixing and choice.policy not in fixing
+    assert all("trainer_devices" in choice.refused[name] for name in fixing)

@@ -16,8 +16,9 @@ import torch
 from conftest import train_until_the_reward_breaks
 from safetensors.torch import load_file
 
-from dovetail.config.common import DEFAULT_CHECKPOINT
+from dovetail.config.common import DEFAULT_CHECKPOINT, scheduling_policies
 from dovetail.config.load import load_config
+from dovetail.exec.launch import AUTO_TIE
 from dovetail.exec.messages import FlowTrain
 from dovetail.exec.replay import replay_run
 from dovetail.rewards import RewardError
@@ -72,6 +73,21 @@ def test_policy_reproduces_the_reference_parameters(policy, overrides, reference
     assert ledger["problems"] == [] and len(ledger["generated"]) == STEPS * 64
     if policy == "digen":  # TAG forced: the trainer device generated some fragments too
         assert len({device for *_, device, _ in ledger["generated"]}) == 2
+
+
+def test_policy_auto_runs_the_fastest_predicted_policy_records_why_and_replays(tmp_path):
+    """policy=auto plans every flow policy on the run's profiled costs, runs the fastest predicted (a tie within
+    AUTO_TIE goes to the first in the registry's order), says so in run_profile.json, and the replay plans the
+    chosen policy, not `auto`."""
+    train(load_config(None, [*COMMON, "policy=auto"]), tmp_path, steps=2)
+    profile = json.loads((tmp_path / "run_profile.json").read_text())
+    predicted, chosen = profile["auto"]["predicted"], profile["policy"]
+    assert set(predicted) | set(profile["auto"]["refused"]) == set(scheduling_policies("flow"))
+    assert chosen == next(name for name, rate in predicted.items() if rate >= (1 - AUTO_TIE) * max(predicted.values()))
+    assert (
+        profile["config"]["policy"] == chosen and json.loads((tmp_path / "ledger.json").read_text())["problems"] == []
+    )
+    assert replay_run(tmp_path)["policy"] == chosen
 
 
 def test_a_reward_device_scores_every_sample_and_the_parameters_stay_the_reference(reference_run, tmp_path):

@@ -184,11 +184,20 @@ class RunSection(Section):
 REFERENCE = "reference"
 """The policy that schedules nothing: the reference loop, one stage after another in one process."""
 
+AUTO = "auto"
+"""The run picks its policy: the one of its kind the simulator predicts fastest on the run's profiled devices
+(`exec.launch.chosen_policy`)."""
+
 
 def policies_for(pipeline_kind: str) -> list[str]:
-    """The policies a run of one pipeline of `pipeline_kind` takes: the reference loop and every registered policy
-    that schedules that kind (`Policy.pipeline_kinds`)."""
-    return [REFERENCE] + [name for name in POLICIES if pipeline_kind in policy_class(name).pipeline_kinds]
+    """The policies a run of one pipeline of `pipeline_kind` takes: the reference loop, `auto`, and every registered
+    policy that schedules that kind (`Policy.pipeline_kinds`)."""
+    return [REFERENCE, AUTO, *scheduling_policies(pipeline_kind)]
+
+
+def scheduling_policies(pipeline_kind: str) -> list[str]:
+    """The registered policies that schedule `pipeline_kind` (`Policy.pipeline_kinds`): what `auto` chooses from."""
+    return [name for name in POLICIES if pipeline_kind in policy_class(name).pipeline_kinds]
 
 
 def multiplexing_policies() -> list[str]:
@@ -207,8 +216,8 @@ def planner_scenario(
 ) -> Scenario:
     """The planner's scenario of a run of `pipelines` (scenario pipeline specs) on the config's cluster. A
     `reference` run schedules nothing itself: the planner simulates its first pipeline's kind's stage-after-stage
-    policy (`PipelineKind.staged_baseline`)."""
-    policy = config.policy if config.policy != REFERENCE else kind(pipelines[0]["kind"]).staged_baseline
+    policy (`PipelineKind.staged_baseline`), as it does for an `auto` run until the run has chosen."""
+    policy = config.policy if config.policy in POLICIES else kind(pipelines[0]["kind"]).staged_baseline
     return parse_scenario(
         {
             "name": f"train-{config.pipeline_name}-{config.policy}",

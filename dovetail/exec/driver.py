@@ -11,7 +11,7 @@ import ray
 from ray.exceptions import RayError
 
 from dovetail.cost.calibration import DEFAULT
-from dovetail.exec.launch import make_executor, prepare_run, start_ray, start_workers
+from dovetail.exec.launch import Choice, make_executor, prepare_run, start_ray, start_workers
 from dovetail.exec.metrics import summarize, time_per_step
 from dovetail.exec.ray_executor import RayExecutor
 from dovetail.graph.node import Kind
@@ -118,7 +118,10 @@ def train_on_ray(
     if len(steps) != 1:
         raise ValueError(f"every pipeline of a run resumes from the same step; got {first_steps}")
     phase("profiling the devices and planning the step")
-    costs, prepared = prepare_run(config, steps.pop(), started, reprofile)
+    costs, prepared, choice = prepare_run(config, steps.pop(), started, reprofile)
+    if choice is not None:  # policy=auto: from here on the run is the chosen policy's, and says so once
+        config = config.model_copy(update={"policy": choice.policy})
+        next(iter(logs.values())).progress.note(choice.line())
     phase("first step")
     step_metrics = {name: StepMetrics(prepared.policy, name) for name in logs}
 
@@ -137,7 +140,9 @@ def train_on_ray(
     stopped = {name: save_stopped(executor, name, logs, first_steps[name]) for name in executor.stopped}
     if stopped and len(logs) == 1:
         raise RewardError(next(iter(stopped.values())))
-    return write_run_outputs(logs, config, prepared, executor, trace, costs) | ({"stopped": stopped} if stopped else {})
+    return write_run_outputs(logs, config, prepared, executor, trace, costs, choice) | (
+        {"stopped": stopped} if stopped else {}
+    )
 
 
 def save_stopped(executor: RayExecutor, name: str, logs: dict, first_step: int) -> str:
@@ -165,7 +170,9 @@ def node_seconds(trace) -> dict[str, tuple[float, list[int]]]:
     }
 
 
-def write_run_outputs(logs: dict, config, prepared, executor: RayExecutor, trace, costs: dict) -> dict:
+def write_run_outputs(
+    logs: dict, config, prepared, executor: RayExecutor, trace, costs: dict, choice: Choice | None = None
+) -> dict:
     """In the run directory: trace.json (Perfetto / chrome://tracing), gantt.png and run_profile.json for
     `dovetail simulate --from-run`; in each pipeline's directory (the run's own for a single pipeline) its sample
     ledger.json, and with several pipelines all of them in the run directory's ledger.json."""
@@ -193,6 +200,7 @@ def write_run_outputs(logs: dict, config, prepared, executor: RayExecutor, trace
         "switch_seconds": executor.switch_seconds,
         "calibration": {name: _fitted(cost) for name, cost in costs.items()},
         "measured_step_time_s": time_per_step(trace),
+        "auto": None if choice is None else asdict(choice),  # what policy=auto predicted for each policy it weighed
     }
     (path / "run_profile.json").write_text(json.dumps(profile))
     return {

@@ -9,6 +9,7 @@ import statistics
 import subprocess
 import threading
 import time
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
@@ -19,7 +20,7 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from dovetail.config.common import MAX_PIPELINES, ray_address
+from dovetail.config.common import AUTO, MAX_PIPELINES, ray_address, scheduling_policies
 from dovetail.config.multiplex import TrainConfig, pipeline_configs
 from dovetail.cost.catalog import DEVICES, device
 from dovetail.cost.model import CostModel
@@ -199,11 +200,12 @@ def cached_interference(started: dict[str, Started], configs: dict, reprofile: b
 
 def prepare_run(
     config: TrainConfig, steps: int, started: dict[str, Started], reprofile: bool = False
-) -> tuple[dict[str, CostModel], Prepared]:
+) -> tuple[dict[str, CostModel], Prepared, Choice | None]:
     """Each pipeline's costs profiled on its own workers (one pipeline at a time, so the profiles do not slow each
     other); with several pipelines (a multiplexing policy: jigsaw, jigsaw-greedy), how much their work slows each
     other down on one device, measured there and put in every pipeline's cost model; then the policy's graph of every
-    pipeline. Both measurements are kept per machine and config (`exec.startup_cache`) unless `reprofile`."""
+    pipeline, under the policy `policy=auto` chooses on these costs (`chosen_policy`, returned too; else None).
+    Both measurements are kept per machine and config (`exec.startup_cache`) unless `reprofile`."""
     configs = pipeline_configs(config)
     for attempt in range(STARTUP_ATTEMPTS):
         try:
@@ -220,7 +222,10 @@ def prepare_run(
                 raise
             for pipeline in started.values():
                 pipeline.revive("start-up")
-    return costs, prepare(
+    choice = chosen_policy(config, steps, costs) if config.policy == AUTO else None
+    if choice is not None:
+        config = config.model_copy(update={"policy": choice.policy})
+    prepared = prepare(
         config.scenario(steps),
         config.policy,
         steps=steps,
@@ -228,6 +233,60 @@ def prepare_run(
         options=config.policy_options(),
         **config.shape_overrides(),
     )
+    return costs, prepared, choice
+
+
+AUTO_TIE = 0.01
+"""Predictions within this fraction of the fastest are a tie, below what the cost model can tell apart: the first of
+them in the registry's order wins (`sched.POLICIES`: a kind's own policies before the multiplexing ones)."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What `policy=auto` chose, and the predicted samples/s of every policy it considered."""
+
+    policy: str
+    predicted: dict[str, float]
+    """Policy -> samples/s the simulator predicts on the run's costs; a policy the config rules out is absent."""
+    refused: dict[str, str] = field(default_factory=dict)
+    """Policy -> why the config rules it out (a field it decides itself, a pool it cannot use)."""
+
+    def line(self) -> str:
+        ranked = sorted(self.predicted.items(), key=lambda item: -item[1])
+        others = ", ".join(f"{name} {rate:.3g}" for name, rate in ranked if name != self.policy)
+        return (
+            f"policy auto: {self.policy}, the fastest predicted on these devices "
+            f"({self.predicted[self.policy]:.3g} samples/s" + (f"; {others}" if others else "") + ")"
+        )
+
+
+def chosen_policy(config, steps: int, cost: CostModel | Mapping[str, CostModel] | None) -> Choice:
+    """`policy=auto`: every policy that schedules the run's kind, simulated on its costs (the profiled ones on a
+    run, the catalogue's in a GPU dry run) over `steps` (at most DRY_RUN_STEPS), the fastest kept (`AUTO_TIE`). A
+    policy the config rules out (a field it decides itself, a reward pool it cannot use) is skipped and said why."""
+    simulated = min(steps, DRY_RUN_STEPS)
+    predicted, refused = {}, {}
+    for policy in scheduling_policies(config.kind):
+        candidate = config.model_copy(update={"policy": policy})
+        try:
+            _, trace = simulate(
+                candidate.scenario(simulated),
+                policy,
+                steps=simulated,
+                cost=cost,
+                options=candidate.policy_options(),
+                **candidate.shape_overrides(),
+            )
+        except ValueError as error:
+            refused[policy] = str(error)
+            continue
+        predicted[policy] = summarize(trace).samples_per_s
+    if not predicted:
+        reasons = "; ".join(f"{name}: {why}" for name, why in refused.items())
+        raise ValueError(f"policy=auto: the config rules out every policy of a {config.kind} run ({reasons})")
+    best = max(predicted.values())
+    chosen = next(name for name, rate in predicted.items() if rate >= (1 - AUTO_TIE) * best)
+    return Choice(chosen, predicted, refused)
 
 
 DRY_RUN_STEPS = 3
@@ -257,6 +316,9 @@ def dry_run(config: TrainConfig, steps: int) -> dict:
             )
             # no Ray round trip to time here
             costs[name] = pipeline_kind.load("fit")(pipeline, pipeline.scenario(simulated), measured | {"switch": 0.0})
+    choice = chosen_policy(config, steps, costs) if config.policy == AUTO else None
+    if choice is not None:
+        config = config.model_copy(update={"policy": choice.policy})
     prepared, trace = simulate(
         config.scenario(simulated),
         config.policy,
@@ -268,6 +330,7 @@ def dry_run(config: TrainConfig, steps: int) -> dict:
     metrics = summarize(trace)
     plan = {
         "policy": config.policy,
+        "auto": None if choice is None else asdict(choice) | {"line": choice.line()},
         "devices": config.cluster.devices,
         "device": config.cluster.device,
         "step_time_s": metrics.step_time_s,

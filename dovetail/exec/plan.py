@@ -177,7 +177,7 @@ def simulate(
     steps: int | None = None,
     devices: int | None = None,
     options: PolicyOptions | Mapping[str, object] | None = None,
-    cost: CostModel | None = None,
+    cost: CostModel | Mapping[str, CostModel] | None = None,
     **shape_overrides,
 ):
     """Prepare and simulate one policy on a scenario; returns (Prepared, Trace). Shared devices slow each
