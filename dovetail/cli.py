@@ -176,7 +176,8 @@ def _print_dry_run(config, steps: int) -> None:
         typer.echo(plan["auto"]["line"])
     typer.echo(
         f"policy {plan['policy']} on {plan['devices']}x {plan['device']} ({pools}): {cut}\n"
-        f"predicted {plan['step_time_s']:.3f} s/step, {plan['samples_per_s']:.1f} samples/s, "
+        f"predicted {plan['steady_step_s']:.3f} s/step steady (first step {plan['first_step_s']:.3f} s), "
+        f"{plan['samples_per_s']:.1f} samples/s, "
         f"efficiency {plan['efficiency']:.3f}, "
         f"bubble {100 * plan['bubble_ratio']:.1f}%; {steps} steps in about {plan['run_s'] / 60:.1f} min of training\n"
         + (

@@ -53,6 +53,8 @@ def compare(
             "samples_per_s": metrics.samples_per_s,
             "tokens_per_s": metrics.tokens_per_s,
             "step_time_s": metrics.step_time_s,
+            "steady_step_s": metrics.steady_step_s,
+            "first_step_s": metrics.first_step_s,
             "speedup": metrics.samples_per_s / baseline,
             "efficiency": metrics.efficiency,
             "bubble_ratio": metrics.bubble_ratio,
@@ -66,8 +68,8 @@ def compare(
 
 def render_table(result: dict) -> str:
     header = (
-        f"{'policy':16s} {'samples/s':>10s} {'step s':>9s} {'speedup':>8s} {'effic.':>7s} {'bubble':>7s} "
-        f"{'stale':>6s} {'peak GB':>8s}"
+        f"{'policy':16s} {'samples/s':>10s} {'step s':>9s} {'steady s':>9s} {'speedup':>8s} {'effic.':>7s} "
+        f"{'bubble':>7s} {'stale':>6s} {'peak GB':>8s}"
     )
     lines = [f"{result['scenario']} ({result['devices']} devices)", header, "-" * len(header)]
     for name, m in result["policies"].items():
@@ -75,7 +77,8 @@ def render_table(result: dict) -> str:
             lines.append(f"{name:16s} cannot run: {' '.join(m['error'].split())}")
             continue
         lines.append(
-            f"{name:16s} {m['samples_per_s']:10.3f} {m['step_time_s']:9.1f} {m['speedup']:7.2f}x "
+            f"{name:16s} {m['samples_per_s']:10.3f} {m['step_time_s']:9.1f} {m['steady_step_s']:9.1f} "
+            f"{m['speedup']:7.2f}x "
             f"{m['efficiency']:7.3f} "
             f"{100 * m['bubble_ratio']:6.1f}% {m['max_staleness']:6d} {m['peak_memory_gb']:8.1f}"
         )

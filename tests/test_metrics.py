@@ -5,6 +5,7 @@ import pytest
 
 from dovetail.exec.metrics import summarize
 from dovetail.exec.sim import SimExecutor
+from dovetail.exec.trace import Span, StepRecord, Trace
 from dovetail.graph.node import Graph, Kind, Node, Role
 from dovetail.sched.policy import Begin, Engines, Policy, Run, Setup, StartStep
 
@@ -63,3 +64,16 @@ def test_busy_bubble_and_efficiency_follow_their_closed_forms():
     # Required work: each node's exclusive device-seconds; the collective occupies both devices for d.
     assert metrics.efficiency == pytest.approx((a + b + c + 2 * d) / (2 * makespan))
     assert metrics.phase_seconds == pytest.approx({"decode": (a + b) / 2, "train": c / 2, "publish": d, "commit": 0.0})
+
+
+def test_the_steady_step_is_the_time_between_commits_after_the_first():
+    """Commits at 10 s, 14 s and 18 s (a first step with nothing to overlap, then 4 s a step): the steady step is
+    4 s, the first step 10 s, and makespan / steps (6 s) overstates the step a long run settles to."""
+    trace = Trace(devices=1, spans=[Span("n", "p", 0, "train", 0, 0.0, 18.0, 1.0, 0)], peak_memory_gb=[1.0])
+    trace.steps = [StepRecord("p", step, step, start, end, 8, 0) for step, (start, end) in enumerate(COMMITS)]
+    metrics = summarize(trace)
+    assert (metrics.first_step_s, metrics.steady_step_s, metrics.step_time_s) == (10.0, 4.0, 6.0)
+
+
+COMMITS = [(0.0, 10.0), (6.0, 14.0), (10.0, 18.0)]
+"""(start, end) of three steps: the first alone, then one every 4 s."""

@@ -334,6 +334,8 @@ def dry_run(config: TrainConfig, steps: int) -> dict:
         "devices": config.cluster.devices,
         "device": config.cluster.device,
         "step_time_s": metrics.step_time_s,
+        "steady_step_s": metrics.steady_step_s,
+        "first_step_s": metrics.first_step_s,
         "samples_per_s": metrics.samples_per_s,
         "efficiency": metrics.efficiency,
         "bubble_ratio": metrics.bubble_ratio,

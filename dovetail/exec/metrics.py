@@ -70,6 +70,12 @@ class Metrics:
     makespan_s: float
     steps: int
     step_time_s: float
+    """Makespan / steps: the first step's warm-up (nothing to overlap yet) included."""
+    first_step_s: float
+    """Seconds to the first optimizer step (of the pipeline that commits last)."""
+    steady_step_s: float
+    """Seconds between optimizer steps after the first: the step time a long run settles to (for a one-step trace,
+    the first step's). An asynchronous policy's is below `step_time_s`; compare published runs on this one."""
     samples_per_s: float
     tokens_per_s: float
     efficiency: float
@@ -111,6 +117,11 @@ def summarize(trace: Trace) -> Metrics:
         staleness[record.step - record.rollout_version] += record.samples
         latency.setdefault(record.pipeline, []).append(record.end - record.start)
     steps_per_pipeline = max(len(values) for values in latency.values())
+    commits: dict[str, list[float]] = {}
+    for record in trace.steps:
+        commits.setdefault(record.pipeline, []).append(record.end)
+    first = max(min(ends) for ends in commits.values())
+    steady = max((max(ends) - min(ends)) / (len(ends) - 1) if len(ends) > 1 else min(ends) for ends in commits.values())
     busy = [_covered(spans) for spans in intervals]
     busy_ratio = [b / makespan for b in busy]
     bubble = [max(0.0, 1.0 - (b + s) / makespan) for b, s in zip(busy, switching)]
@@ -118,6 +129,8 @@ def summarize(trace: Trace) -> Metrics:
         makespan_s=makespan,
         steps=len(trace.steps),
         step_time_s=makespan / steps_per_pipeline,
+        first_step_s=first,
+        steady_step_s=steady,
         samples_per_s=sum(r.samples for r in trace.steps) / makespan,
         tokens_per_s=sum(r.tokens for r in trace.steps) / makespan,
         efficiency=sum(span.work for span in trace.spans) / (devices * makespan),
