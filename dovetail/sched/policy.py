@@ -173,7 +173,11 @@ class PolicyOptions:
         if "tag" not in options:
             return cls()
         tag = options["tag"]
-        return cls(tag=Tag.AUTO if tag is True else Tag.OFF if tag is False else Tag(tag))
+        if isinstance(tag, bool):
+            return cls(tag=Tag.AUTO if tag else Tag.OFF)
+        if not isinstance(tag, str):
+            raise ValueError(f"{tag!r} is not a valid Tag")  # the enum's own refusal, for a value of another type
+        return cls(tag=Tag(tag))
 
 
 @dataclass(frozen=True)
@@ -193,7 +197,7 @@ class Setup:
     options: PolicyOptions = PolicyOptions()
     priorities: Mapping[str, float] = field(default_factory=dict)
     """Weight of each pipeline's step latency when pipelines compete for devices (1 when absent)."""
-    shapes: Mapping[str, object] = field(default_factory=dict)
+    shapes: Mapping[str, Shape] = field(default_factory=dict)
     """The shape each pipeline's steps were cut with (pipeline -> e.g. `graph.llm.LLMShape`)."""
     max_staleness: int = 1
     """Versions a step's rollouts may lag its training (the executor refuses more); AReaL's bound eta."""
@@ -286,7 +290,11 @@ class Shape(Protocol):
     dataclass, so a shape is compared, stored (`dataclasses.asdict`) and varied (`dataclasses.replace`) by fields."""
 
     __dataclass_fields__: ClassVar[dict[str, Any]]
-    trainer_devices: int
+
+    @property
+    def trainer_devices(self) -> int:
+        """Read-only: a shape is frozen."""
+        ...
 
     def build(self, spec: PipelineSpec, steps: int, cost: CostModel) -> list[Node]: ...
 
