@@ -10,7 +10,7 @@ simulator in seconds and drives real devices.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar, Protocol
@@ -226,13 +226,27 @@ class Setup:
 
 
 class DeviceView(Protocol):
-    index: int
-    role: Role | None
-    running: Mapping[str, float]
-    """Node id -> share of the device it holds."""
-    memory_gb: float
-    capacity_gb: float
-    switching: bool
+    """One device as a policy sees it (read-only; `exec.state.DeviceState`)."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def role(self) -> Role | None: ...
+
+    @property
+    def running(self) -> Mapping[str, float]:
+        """Node id -> share of the device it holds."""
+        ...
+
+    @property
+    def memory_gb(self) -> float: ...
+
+    @property
+    def capacity_gb(self) -> float: ...
+
+    @property
+    def switching(self) -> bool: ...
 
     @property
     def idle(self) -> bool: ...
@@ -241,20 +255,48 @@ class DeviceView(Protocol):
     def free_share(self) -> float: ...
 
 
-class View(Protocol):
-    """The read-only state a policy decides from. Executors implement it (see `exec.state.ClusterState`)."""
+class RunningView(Protocol):
+    """A running node as a policy sees it (`exec.state.Running`)."""
 
-    now: float
-    graph: Graph
-    devices: Sequence[DeviceView]
-    ready: Mapping[str, None]
-    """Ready, not yet started node ids, in the order they became ready."""
-    running: Mapping[str, tuple[int, ...]]
-    finished: set[str]
-    published: Mapping[str, int]
-    """Latest weights version the rollout engines of each pipeline can use."""
-    started: Mapping[tuple[str, int], int]
-    """(pipeline, step) -> the weights version its rollouts use, for every started step."""
+    @property
+    def devices(self) -> tuple[int, ...]: ...
+
+
+class View(Protocol):
+    """The read-only state a policy decides from. Executors implement it (see `exec.state.ClusterState`); its
+    members are read-only properties here, so an executor's own (mutable, concrete) attributes conform."""
+
+    @property
+    def now(self) -> float: ...
+
+    @property
+    def graph(self) -> Graph: ...
+
+    @property
+    def devices(self) -> Sequence[DeviceView]: ...
+
+    @property
+    def ready(self) -> Mapping[str, None]:
+        """Ready, not yet started node ids, in the order they became ready."""
+        ...
+
+    @property
+    def running(self) -> Mapping[str, RunningView]:
+        """Running node ids, each with where it runs."""
+        ...
+
+    @property
+    def finished(self) -> Set[str]: ...
+
+    @property
+    def published(self) -> Mapping[str, int]:
+        """Latest weights version the rollout engines of each pipeline can use."""
+        ...
+
+    @property
+    def started(self) -> Mapping[tuple[str, int], int]:
+        """(pipeline, step) -> the weights version its rollouts use, for every started step."""
+        ...
 
 
 def can_run(node: Node, role: Role | None) -> bool:
