@@ -60,6 +60,7 @@ def _split(path: Path, field: str, eval_fraction: float | None, eval_path: Path 
     prompts = read_prompts(path, field)
     if eval_path is not None:
         return PromptSplit(tuple(prompts), tuple(read_prompts(eval_path, field)))
+    assert eval_fraction is not None  # PromptsSection sets it (0.1) where eval_path is not given
     held_out = [_hash_share(p) < eval_fraction for p in prompts]
     train = tuple(p for p, held in zip(prompts, held_out) if not held)
     evaluated = tuple(dict.fromkeys(p for p, held in zip(prompts, held_out) if held))

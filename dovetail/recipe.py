@@ -33,7 +33,7 @@ def sample_timesteps(config: FlowTrainConfig, sample: SampleId) -> list[int]:
     (DanceGRPO), keyed by its identity so that every device and the reference loop draw the same."""
     if not config.algo.per_sample_timesteps:
         return step_timesteps(config, sample.step)
-    return _select_timesteps(config, sample_key(config.seed, "timesteps", sample.step, sample.prompt, sample.index))
+    return _select_timesteps(config, sample_key(config.seed, "timesteps", sample.step, sample.prompt, sample.member))
 
 
 def sde_steps(config: FlowTrainConfig, samples: list[SampleId]) -> list[list[int]] | None:

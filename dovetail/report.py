@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 from dovetail.exec.metrics import summarize
@@ -12,7 +13,7 @@ from dovetail.graph.llm import LLMShape
 from dovetail.scenario import Scenario
 from dovetail.sched import policy_class
 from dovetail.sched.digen_search import DigenShape
-from dovetail.sched.policy import search_horizon
+from dovetail.sched.policy import Shape, search_horizon
 
 
 def _per_policy(path: Path | None, policy: str, several: bool) -> Path | None:
@@ -103,7 +104,7 @@ def describe(shape) -> str:
     return repr(shape)
 
 
-def _describe_all(shapes: dict) -> str:
+def _describe_all(shapes: Mapping[str, Shape]) -> str:
     if len(shapes) == 1:
         return describe(next(iter(shapes.values())))
     return "; ".join(f"{name}: {describe(shape)}" for name, shape in shapes.items())
@@ -127,7 +128,7 @@ def plan(scenario: Scenario, devices: int, policies: list[str] | None = None) ->
     steps = search_horizon(scenario.schedule.steps)
     lines = [f"plan for {scenario.name} on {devices}x {scenario.cluster.device}, simulated over {steps} steps"]
     baseline: float | None = None
-    best: tuple[float, float, str, dict] | None = None
+    best: tuple[float, float, str, Mapping[str, Shape]] | None = None
     for name in names:
         searched: list[Searched] = []
         try:
@@ -135,7 +136,9 @@ def plan(scenario: Scenario, devices: int, policies: list[str] | None = None) ->
         except ValueError as error:
             lines.append(f"{name}: cannot run: {' '.join(str(error).split())}")
             continue
-        rows = [(s.samples_per_s, s.step_time_s, s.shapes) for s in searched if s.horizon == steps]
+        rows: list[tuple[float, float, Mapping[str, Shape]]] = [
+            (s.samples_per_s, s.step_time_s, s.shapes) for s in searched if s.horizon == steps
+        ]
         chosen = prepared.setup.shapes
         if not any(shapes == chosen for _, _, shapes in rows):  # no search, or the search ran nothing this long
             trace = run_prepared(scenario, prepared)

@@ -11,7 +11,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Literal, get_args
+from typing import TYPE_CHECKING, Annotated, Literal, Protocol, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator, model_validator
 
@@ -22,6 +22,7 @@ from dovetail.kinds import KINDS, kind
 from dovetail.rewards import REWARD_TIMEOUT_S
 from dovetail.scenario import MAX_SIMULATED_STEPS, Scenario, clip, parse_scenario, problem_report
 from dovetail.sched import POLICIES, policy_class
+from dovetail.sched.policy import PolicyOptions
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CHECKPOINT = PACKAGE_ROOT / "assets" / "digits-t2i"
@@ -120,7 +121,8 @@ class ClusterSection(Section):
         return address
 
 
-TRACKERS = ("console", "tensorboard", "wandb", "mlflow")
+Tracker = Literal["console", "tensorboard", "wandb", "mlflow"]
+TRACKERS: tuple[str, ...] = get_args(Tracker)
 """Experiment trackers a run can report to: the progress display, and three tracking services' local stores."""
 
 MAX_PIPELINES = 4
@@ -129,8 +131,32 @@ device the way JigsawRL's share a GPU (on a CPU core, the processes split its ti
 each such worker takes this fraction of the device's Ray resource (`exec.launch`)."""
 
 
+def _console_only() -> list[Tracker]:
+    return ["console"]
+
+
+class RuntimeFields(Protocol):
+    """What every kind's runtime section (`runtime:`) has."""
+
+    @property
+    def trainer_devices(self) -> int | None: ...
+
+    @property
+    def profile_samples(self) -> int: ...
+
+
 class RunSection(Section):
-    """What every pipeline's run config has: a name, a seed, the optimizer loop, checkpoints, the cluster."""
+    """What every pipeline's run config has: a name, a seed, the optimizer loop, checkpoints, the cluster; and the
+    interface each kind's schema completes (`kind`, `policy`, `runtime`, `pipeline_name`, `compute_devices`,
+    `scenario`, `shape_overrides`, `policy_options`)."""
+
+    if TYPE_CHECKING:
+        # Fields every kind's schema declares itself, with its own type and default. Declared here for the checker
+        # only: a field declared on this base would come first in each schema's field order, which is the order
+        # of a dumped config (`dump_config`) and of the schema's documentation.
+        kind: str
+        policy: str
+        runtime: RuntimeFields
 
     name: PipelineName | None = Field(
         None, description="the pipeline's name (node ids, run sub-directory, trace colour); None: the task, or 'digits'"
@@ -146,11 +172,33 @@ class RunSection(Section):
     train: TrainSection = TrainSection()
     checkpoint: CheckpointSection = CheckpointSection()
     cluster: ClusterSection = ClusterSection()
-    logger: list[Literal[TRACKERS]] = Field(
-        default_factory=lambda: ["console"],
+    logger: list[Tracker] = Field(
+        default_factory=_console_only,
         max_length=len(TRACKERS),
         description="where each step's metrics and every evaluation go besides metrics.jsonl (dovetail.trackers)",
     )
+
+    @property
+    def pipeline_name(self) -> str:
+        """The pipeline's name: node ids, run sub-directory, trace colour."""
+        raise NotImplementedError
+
+    @property
+    def compute_devices(self) -> int:
+        """Devices that hold the policy's engines (the cluster's, less a reward pool)."""
+        raise NotImplementedError
+
+    def scenario(self, steps: int) -> Scenario:
+        """This run as the planner's scenario, built without torch."""
+        raise NotImplementedError
+
+    def shape_overrides(self) -> dict:
+        """The step's cut where the config fixes it instead of the policy (shape field -> value)."""
+        raise NotImplementedError
+
+    def policy_options(self) -> PolicyOptions:
+        """The run's own choices the policy honours (`sched.policy.PolicyOptions`)."""
+        raise NotImplementedError
 
     @classmethod
     def pipeline_kind(cls) -> str:

@@ -4,7 +4,7 @@ presets, prompts, evaluation, and how the Ray runtime cuts a step."""
 
 import math
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import Field, StringConstraints, ValidationInfo, field_validator, model_validator
 
@@ -123,7 +123,8 @@ class ModelSection(Section):
     def _video_frames(self) -> "ModelSection":
         """A Wan directory's frames (1 + a multiple of its VAE's temporal stride: WanPipeline would round others) and
         size, WanPipeline's 81 frames and 480 pixels a side unless set; an image model's frames are 1."""
-        vae = json_or_empty(self.path / "vae" / "config.json") if self.path is not None else {}
+        vae_dir = self.path / "vae" if self.path is not None else None
+        vae = json_or_empty(vae_dir / "config.json") if vae_dir is not None else {}
         if vae.get("_class_name") != "AutoencoderKLWan":
             if self.frames not in (None, 1):
                 raise ValueError(f"model.frames={self.frames}: model.frames is a video model's (Wan's); remove it")
@@ -133,7 +134,7 @@ class ModelSection(Section):
         if (self.frames - 1) % stride:
             fit = (self.frames - 1) // stride * stride + 1
             raise ValueError(
-                f"model.frames={self.frames}: {self.path / 'vae'} makes 1 + a multiple of {stride} frames; set "
+                f"model.frames={self.frames}: {vae_dir} makes 1 + a multiple of {stride} frames; set "
                 f"model.frames={fit} or {fit + stride}"
             )
         self.sample_size = self.sample_size or 480 // (vae.get("scale_factor_spatial") or 8) // 2 * 2
@@ -199,7 +200,8 @@ class SamplingSection(Section):
     )
 
 
-COMPAT_PRESETS = ("dovetail", "flow_grpo", "flow_grpo_fast", "dance_grpo", "verl_omni")
+CompatPreset = Literal["dovetail", "flow_grpo", "flow_grpo_fast", "dance_grpo", "verl_omni"]
+COMPAT_PRESETS: tuple[str, ...] = get_args(CompatPreset)
 
 
 class AlgoSection(Section):
@@ -213,7 +215,7 @@ class AlgoSection(Section):
     stale_max_weight: float = Field(
         2.0, ge=1, le=1000, description="truncation of pi_prox/pi_behaviour for TCSS's stale samples"
     )
-    compat: Literal[COMPAT_PRESETS] = Field(
+    compat: CompatPreset = Field(
         "dovetail", description="whose conventions fill the knobs below left unset (COMPAT: docs/architecture.md)"
     )
     adv_baseline: Literal["group", "batch"] = Field(
@@ -525,6 +527,7 @@ class FlowTrainConfig(RunSection):
         derives its scenario from the config; a test pins the two equal)."""
         algo, trainable = self.algo, self.sampling.num_steps - 1
         if self.timestep_mode == "window":
+            assert algo.window_size is not None  # the window validator requires it under timesteps=window
             return algo.window_size
         size = self.sampling.num_steps if algo.timestep_pool == "all" else trainable
         if algo.timestep_rounding == "floor":

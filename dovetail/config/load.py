@@ -2,6 +2,7 @@
 problem one line naming the field or file; and the checks of the machine a run starts on."""
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ def apply_override(tree: dict[str, Any], override: str) -> None:
         raise ConfigError(str(error)) from None
 
 
-def load_config(path: Path | str | None = None, overrides: list[str] = (), *, rewards: bool = True) -> TrainConfig:
+def load_config(path: Path | str | None = None, overrides: Sequence[str] = (), *, rewards: bool = True) -> TrainConfig:
     """The run config of a YAML file (None, or an empty file: the defaults) with dotted overrides applied; `rewards`
     as `parse_config`'s."""
     tree: Any = {}
@@ -85,7 +86,8 @@ def check_this_machine(config: TrainConfig) -> None:
         return
     platform = device(cluster.device).platform
     if platform == "cpu":
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        # os.cpu_count() is None where the count cannot be told: the process runs on one core at least
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         if cluster.devices > cores:
             raise ConfigError(
                 f"cluster.devices={cluster.devices}: this machine has {cores} CPU cores for a local run; lower "

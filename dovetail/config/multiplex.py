@@ -1,7 +1,7 @@
 """The config of several RL pipelines multiplexed on one pool of devices (`kind: multiplex`): each entry a run config
 of a registered pipeline kind (`dovetail.kinds`), the run's policy, cluster and steps shared by every entry."""
 
-from typing import Annotated, Any, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
@@ -26,10 +26,15 @@ def _kind_of(entry) -> str | None:
     return kind if isinstance(kind, str) else None
 
 
-PipelineConfig = Annotated[
-    Union[tuple(Annotated[kind.load("config"), Tag(name)] for name, kind in KINDS.items())],  # noqa: UP007
-    Discriminator(_kind_of),
-]
+if TYPE_CHECKING:
+    # The union below is built from the kind registry at import time, which the checker cannot evaluate; every
+    # registered kind's config schema is a RunSection (`PipelineKind.config`), which is what callers may rely on.
+    PipelineConfig = RunSection
+else:
+    PipelineConfig = Annotated[
+        Union[tuple(Annotated[kind.load("config"), Tag(name)] for name, kind in KINDS.items())],  # noqa: UP007
+        Discriminator(_kind_of),
+    ]
 """One pipeline's run config: the schema of its `kind` (`flow`, the default, or `lm`)."""
 
 

@@ -50,7 +50,7 @@ class SimExecutor:
     def run(self, policy: Policy) -> Trace:
         state = ClusterState(self.graph, self.setup, self.slowdown)
         rng = random.Random(self.seed)
-        heap: list[tuple[float, int, str, object]] = []
+        heap: list[tuple[float, int, str, SwitchRole | str]] = []  # (time, counter, "switch" | "node", payload)
         segment: dict[str, int] = {}
         counter = 0
         state.begin()
@@ -79,8 +79,8 @@ class SimExecutor:
             time, _, _, _ = heap[0]
             state.now = time
             while heap and heap[0][0] == time:
-                _, number, what, payload = heapq.heappop(heap)
-                if what == "switch":
+                _, number, _, payload = heapq.heappop(heap)
+                if isinstance(payload, SwitchRole):  # a "switch" entry; a "node" entry holds the node id
                     state.finish_switch(payload.device, payload.role, payload.resident_gb)
                 elif segment.get(payload) == number:
                     del segment[payload]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from dovetail.cost.catalog import DiffusionModel, diffusion_model
 from dovetail.cost.model import CostModel, lora_params
 from dovetail.graph.node import Engines, Kind, Node, Role, SampleId
-from dovetail.graph.spec import FlowSpec
+from dovetail.graph.spec import FlowSpec, PipelineSpec
 
 GB = 1e9
 BF16 = 2
@@ -50,11 +50,13 @@ class FlowShape:
     def groups(self) -> int:
         return self.trainer_devices // self.group
 
-    def build(self, spec: FlowSpec, steps: int, cost: CostModel) -> list[Node]:
-        return build_flow(spec, steps, self, cost)
+    # `build` and `engines` take any pipeline's spec, as `sched.policy.Shape` declares (a planner holds a shape and
+    # its spec as a pair the checker cannot see): a flow shape refuses another kind's spec.
+    def build(self, spec: PipelineSpec, steps: int, cost: CostModel) -> list[Node]:
+        return build_flow(_flow_spec(spec), steps, self, cost)
 
-    def engines(self, spec: FlowSpec, cost: CostModel) -> Engines:
-        return engines(spec, cost, self.group)
+    def engines(self, spec: PipelineSpec, cost: CostModel) -> Engines:
+        return engines(_flow_spec(spec), cost, self.group)
 
     def check(self, spec: FlowSpec) -> None:
         if self.staged and not 1 <= self.fragments <= spec.samples:
@@ -95,6 +97,12 @@ def trainable_params(spec: FlowSpec) -> float | None:
     return lora_params(diffusion_model(spec.model), spec.lora.rank, spec.lora.targets) if spec.lora else None
 
 
+def _flow_spec(spec: PipelineSpec) -> FlowSpec:
+    if not isinstance(spec, FlowSpec):
+        raise TypeError(f"{spec.name}: a flow shape cuts a flow pipeline's steps, not a {type(spec).__name__}'s")
+    return spec
+
+
 def engines(spec: FlowSpec, cost: CostModel, trainer_devices: int) -> Engines:
     """Resident memory of the rollout and trainer engines on one device and their sleep / wake costs. A trainer
     whose parameters and optimizer state are offloaded (veRL-Omni's colocated recipes: param_offload and
@@ -129,11 +137,12 @@ def build_flow(spec: FlowSpec, steps: int, shape: FlowShape, cost: CostModel) ->
     previous_commit: str | None = None
     for step in range(steps):
         weights = (previous_commit,) if previous_commit else ()
-        for mini_batch in range(spec.mini_batches):
+        last_commit = ""
+        for mini_batch in range(spec.mini_batches):  # at least one (FlowSpec: mini_batches > 0)
             made = _mini_batch(cut, step, mini_batch, weights, previous_commit)
             nodes += made
-            previous_commit = made[-1].id
-        nodes.append(_publish(cut, step, previous_commit))
+            previous_commit = last_commit = made[-1].id
+        nodes.append(_publish(cut, step, last_commit))
     return [replace(node, exclusive=False) for node in nodes] if shape.shared else nodes
 
 
@@ -194,10 +203,10 @@ def _pieces(cut: _Cut, step: int, mini_batch: int) -> list[tuple[SampleId, ...]]
     per_mini_batch = shape.fragments // spec.mini_batches
     if shape.staged:
         prompts = split(spec.prompts, spec.mini_batches)[mini_batch]
-        samples = [(step, p, i) for p in prompts for i in range(spec.group)]
+        samples = [SampleId(step, p, i) for p in prompts for i in range(spec.group)]
         return [tuple(samples[r.start : r.stop]) for r in split(len(samples), per_mini_batch)]
     fragments = split(spec.prompts, shape.fragments)[mini_batch * per_mini_batch : (mini_batch + 1) * per_mini_batch]
-    return [tuple((step, p, i) for p in fragment for i in range(spec.group)) for fragment in fragments]
+    return [tuple(SampleId(step, p, i) for p in fragment for i in range(spec.group)) for fragment in fragments]
 
 
 def _mini_batch(

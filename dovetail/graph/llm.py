@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from dovetail.cost.catalog import LanguageModel, language_model
 from dovetail.cost.model import CostModel, lora_params
 from dovetail.graph.node import Engines, Kind, Node, Role, SampleId
-from dovetail.graph.spec import LLMSpec
+from dovetail.graph.spec import LLMSpec, PipelineSpec
 
 GB = 1e9
 
@@ -47,9 +47,13 @@ def response_lengths(spec: LLMSpec, step: int, seed: int) -> list[int]:
     count = spec.batch * spec.group
     dist = spec.lengths
     if dist.kind == "lognormal":
-        raw = [rng.lognormvariate(math.log(dist.median), dist.sigma) for _ in range(count)]
+        median, sigma = dist.median, dist.sigma
+        assert median is not None and sigma is not None  # LengthDistribution's validator requires both
+        raw = [rng.lognormvariate(math.log(median), sigma) for _ in range(count)]
     else:
-        raw = [rng.choice(dist.values) for _ in range(count)]
+        values = dist.values
+        assert values  # LengthDistribution's validator requires them
+        raw = [rng.choice(values) for _ in range(count)]
     return [min(spec.max_length, max(1, round(x))) for x in raw]
 
 
@@ -57,7 +61,7 @@ def step_samples(spec: LLMSpec, step: int, shards: int, seed: int) -> list[Sampl
     """Whole prompt groups dealt round-robin to `shards` rollout engines."""
     lengths = iter(response_lengths(spec, step, seed))
     return [
-        Sample((step, prompt, index), prompt % shards, spec.prompt_length, next(lengths))
+        Sample(SampleId(step, prompt, index), prompt % shards, spec.prompt_length, next(lengths))
         for prompt in range(spec.batch)
         for index in range(spec.group)
     ]
@@ -108,11 +112,19 @@ class LLMShape:
     def cost_model(self, cost: CostModel) -> CostModel:
         return cost if self.rollout_memory is None else cost.with_rollout_memory(self.rollout_memory)
 
-    def build(self, spec: LLMSpec, steps: int, cost: CostModel, seed: int = 0) -> list[Node]:
-        return build_llm(spec, steps, self, cost, seed)
+    # `build` and `engines` take any pipeline's spec, as `sched.policy.Shape` declares (a planner holds a shape and
+    # its spec as a pair the checker cannot see): an LLM shape refuses another kind's spec.
+    def build(self, spec: PipelineSpec, steps: int, cost: CostModel, seed: int = 0) -> list[Node]:
+        return build_llm(_llm_spec(spec), steps, self, cost, seed)
 
-    def engines(self, spec: LLMSpec, cost: CostModel) -> Engines:
-        return engines(spec, cost, self)
+    def engines(self, spec: PipelineSpec, cost: CostModel) -> Engines:
+        return engines(_llm_spec(spec), cost, self)
+
+
+def _llm_spec(spec: PipelineSpec) -> LLMSpec:
+    if not isinstance(spec, LLMSpec):
+        raise TypeError(f"{spec.name}: an LLM shape cuts a language model's steps, not a {type(spec).__name__}'s")
+    return spec
 
 
 def stage(node: Node) -> str:
@@ -237,7 +249,7 @@ def _rollout(spec: LLMSpec, model: LanguageModel, cost: CostModel, shape: LLMSha
     tail = [s for s in samples if migrate_at is not None and s.response_tokens > migrate_at]
     # A run learns which responses outlive the migration edge only by decoding: its tail nodes are always there
     # (costed by the drawn lengths), and carry whatever is still running, if anything.
-    if tail or (migrate_at is not None and not spec.lengths_known):
+    if migrate_at is not None and (tail or not spec.lengths_known):  # a tail exists only with migrate_at
         tp = shape.tail_parallel or tp
         migrate = Node(
             _id(spec, step, "migrate"),
@@ -267,7 +279,7 @@ def _rollout(spec: LLMSpec, model: LanguageModel, cost: CostModel, shape: LLMSha
         nodes += [migrate, decode]
         last_of.update((s.id, decode.id) for s in tail)
     if not spec.lengths_known:
-        last_of = _finishing_levels(samples, nodes, shape)
+        return nodes, _finishing_levels(samples, nodes, shape)
     return nodes, last_of
 
 
@@ -282,6 +294,7 @@ def _finishing_levels(samples: list[Sample], rollout: list[Node], shape: LLMShap
     tail: tuple[str, ...] = ()
     for node in rollout:
         if node.kind == Kind.DECODE and node.shard is not None:
+            assert node.band is not None  # _decode gives every decode node its band
             bands.setdefault(node.band[1], []).append(node.id)
         elif node.kind == Kind.DECODE:
             tail = (node.id,)

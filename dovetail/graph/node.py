@@ -6,19 +6,20 @@ each node runs; executors (simulated or real) run them. Nothing here knows about
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import NamedTuple
 
 
 class SampleId(NamedTuple):
-    """The `index`-th sample of the group of prompt `prompt` in RL step `step`: the one key of per-sample
-    randomness and of the sample ledger, for every kind of pipeline. A tuple, so it crosses Ray as one."""
+    """The `member`-th sample of the group of prompt `prompt` in RL step `step`: the one key of per-sample
+    randomness and of the sample ledger, for every kind of pipeline. A tuple, so it crosses Ray as one (its third
+    field is not called `index`, which would shadow `tuple.index`)."""
 
     step: int
     prompt: int
-    index: int
+    member: int
 
 
 class Role(StrEnum):
@@ -156,7 +157,7 @@ class Graph:
     def __iter__(self):
         return iter(self.nodes.values())
 
-    def ready(self, finished: set[str], started: set[str] = frozenset()) -> list[Node]:
+    def ready(self, finished: Set[str], started: Set[str] = frozenset()) -> list[Node]:
         """Nodes whose dependencies are all finished and that have not started, in topological order."""
         return [
             self.nodes[node_id]

@@ -54,10 +54,10 @@ def generate(
     init_keys = [
         sample_key(seed, "init", s.step, s.prompt)
         if shared_group_noise
-        else sample_key(seed, "init", s.step, s.prompt, s.index)
+        else sample_key(seed, "init", s.step, s.prompt, s.member)
         for s in ids
     ]
-    step_keys = [sample_key(seed, "sde", s.step, s.prompt, s.index) for s in ids]
+    step_keys = [sample_key(seed, "sde", s.step, s.prompt, s.member) for s in ids]
     init_noise = keyed_normal(init_keys, shape).to(model.device)
     step_noise = keyed_normal(step_keys, (num_steps, *shape)).to(model.device)
     stochastic = None

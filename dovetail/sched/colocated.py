@@ -24,6 +24,7 @@ from dovetail.sched.policy import (
     Run,
     SearchContext,
     Setup,
+    Shape,
     SwitchRole,
     VersionPublished,
     all_idle,
@@ -40,6 +41,18 @@ def flow_only(policy: str, spec: PipelineSpec) -> FlowSpec:
     if not isinstance(spec, FlowSpec):
         raise ValueError(f"policy {policy} schedules flow pipelines; pipeline {spec.name!r} is {spec.kind}")
     return spec
+
+
+def flow_shape(policy: str, shape: Shape) -> FlowShape:
+    """A shape a flow policy was given back (`SearchContext.shapes`, `Setup.shapes`): its own `shape`'s, a FlowShape."""
+    if not isinstance(shape, FlowShape):
+        raise TypeError(f"policy {policy} cuts flow steps; got a {type(shape).__name__}")
+    return shape
+
+
+def _chunk_start(train: Node) -> int:
+    assert train.timesteps is not None  # graph.flow gives every train node its TSP chunk
+    return train.timesteps[0]
 
 
 def data_parallel_fragments(spec: FlowSpec, devices: int) -> int:
@@ -81,15 +94,15 @@ class StagedFlow(Policy):
         """Every device that holds the policy's engines (reward devices hold only the reward engine)."""
 
     @classmethod
-    def plan_shapes(cls, context: SearchContext) -> dict[str, FlowShape]:
+    def plan_shapes(cls, context: SearchContext) -> dict[str, Shape]:
         """verl's `fsdp_size`: the trainer pool as one FSDP group (its default, -1) or, past one node, HSDP groups of
         a node (parameters gathered inside the node, gradients all-reduced across nodes once per optimizer step),
         whichever the simulator finds faster over the run's steps — what a user tuning a multi-node run sets."""
         shapes = dict(context.shapes)
         if len(context.specs) != 1 or not cls.hybrid_sharding:
             return shapes  # __init__ refuses several pipelines
-        (spec,) = context.specs
-        shape, cost = shapes[spec.name], context.costs[spec.name]
+        spec = flow_only(cls.name, context.specs[0])
+        shape, cost = flow_shape(cls.name, shapes[spec.name]), context.costs[spec.name]
         node = cost.device.node_size
         if shape.trainer_devices <= node or shape.trainer_devices % node:
             return shapes
@@ -99,15 +112,16 @@ class StagedFlow(Policy):
         return best_by_forecast([shapes, {spec.name: hybrid}], context.forecast, context.horizon)
 
     @classmethod
-    def with_reward_pool(cls, specs: Sequence[PipelineSpec], shapes: dict[str, FlowShape]) -> dict[str, FlowShape]:
+    def with_reward_pool(cls, specs: Sequence[PipelineSpec], shapes: dict[str, Shape]) -> dict[str, Shape]:
         """veRL-Omni's async reward: the judge on its own devices scores each prompt's group as the rollout returns
         it, overlapped with the rest of the generation. Each rollout device then generates its share one group after
         another (a fragment per prompt), and the reward pool scores each fragment as it finishes; without this the
         fragments would all end together and the whole batch would be judged after generation."""
-        return {
-            spec.name: replace(shapes[spec.name], fragments=max(shapes[spec.name].fragments, spec.prompts))
-            for spec in specs
-        }
+        cut: dict[str, Shape] = {}
+        for spec in specs:
+            flow, shape = flow_only(cls.name, spec), flow_shape(cls.name, shapes[spec.name])
+            cut[spec.name] = replace(shape, fragments=max(shape.fragments, flow.prompts))
+        return cut
 
     def pools(self, setup: Setup) -> tuple[tuple[int, ...], tuple[int, ...]]:
         raise NotImplementedError
@@ -179,7 +193,7 @@ class StagedFlow(Policy):
             return commits[0]
         if self._finished(view, step, Kind.LOGPROB):
             trains = ready_of(view, Kind.TRAIN)
-            return min(trains, key=lambda n: n.timesteps[0]) if trains else None
+            return min(trains, key=_chunk_start) if trains else None
         logprobs = ready_of(view, Kind.LOGPROB)
         return logprobs[0] if logprobs else None
 

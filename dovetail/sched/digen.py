@@ -26,11 +26,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from dovetail.cost.model import CostModel
-from dovetail.graph.flow import FlowShape
 from dovetail.graph.node import Kind, Node, Role
 from dovetail.graph.spec import PipelineSpec
 from dovetail.sched import digen_search
-from dovetail.sched.colocated import Colocated, flow_only
+from dovetail.sched.colocated import Colocated, flow_only, flow_shape
 from dovetail.sched.digen_search import DigenShape, predict_makespan, trainer_layout
 from dovetail.sched.disaggregated import Disaggregated, split_pools
 from dovetail.sched.policy import (
@@ -42,6 +41,7 @@ from dovetail.sched.policy import (
     Run,
     SearchContext,
     Setup,
+    Shape,
     StartStep,
     SwitchRole,
     Tag,
@@ -73,7 +73,7 @@ class Digen(Policy):
         return digen_search.candidates(spec, devices, trainer_devices, cost, tcss=cls.tcss)[0][1]
 
     @classmethod
-    def plan_shapes(cls, context: SearchContext) -> dict[str, FlowShape]:
+    def plan_shapes(cls, context: SearchContext) -> dict[str, Shape]:
         """The fastest of the search's finalists in the simulator (`digen_search.plan_shapes`)."""
         return digen_search.plan_shapes(context, tcss=cls.tcss)
 
@@ -82,7 +82,7 @@ class Digen(Policy):
         if len(setup.engines) != 1:
             raise ValueError(f"policy digen runs one pipeline, got {sorted(setup.engines)}")
         (self.pipeline,) = setup.engines
-        shape = DigenShape.of(setup.shapes[self.pipeline])
+        shape = DigenShape.of(flow_shape(self.name, setup.shapes[self.pipeline]))
         staged = Colocated if setup.trainer_devices == setup.compute_devices else Disaggregated
         self.staged = staged(setup) if shape.staged else None
         """The stage-synchronous schedule digen runs when its search chose a staged shape (`digen_search._staged`)."""
@@ -94,6 +94,8 @@ class Digen(Policy):
         """Colocated-like shape: every device generates, then trains (one engine resident at a time, switch costs
         paid), with GAP, TSP, trainer groups and no recompute."""
         devices = setup.compute_devices
+        self.rollout_pool: tuple[int, ...]
+        self.trainer_pool: tuple[int, ...]
         if self.shared:
             self.rollout_pool, self.trainer_pool = (), tuple(range(devices))
         else:
@@ -278,7 +280,7 @@ class Digen(Policy):
 
     def _typical(self, nodes: Sequence[Node]) -> tuple[Node, Node, Node, Node]:
         """One generate, score and train node of a step (the cost of one fragment) and its commit."""
-        first = {}
+        first: dict[Kind, Node] = {}
         for node in nodes:
             first.setdefault(node.kind, node)
         train_per_fragment = sum(

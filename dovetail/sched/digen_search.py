@@ -20,9 +20,9 @@ from dovetail.cost.model import CostModel
 from dovetail.graph.flow import FlowShape, build_flow, engines
 from dovetail.graph.node import Engines, Kind, Node, Role
 from dovetail.graph.spec import FlowSpec
-from dovetail.sched.colocated import Colocated, fits
+from dovetail.sched.colocated import Colocated, fits, flow_only
 from dovetail.sched.disaggregated import Disaggregated
-from dovetail.sched.policy import SearchContext, Tag, best_by_forecast
+from dovetail.sched.policy import SearchContext, Shape, Tag, best_by_forecast
 
 SIMULATED = 4
 """Shapes of each kind (synchronous, TCSS) the search simulates: the cost model's best few, and the best shared one
@@ -118,12 +118,12 @@ def trainer_layout(devices: int, trainers: int, group: int, node_size: int) -> t
     return tuple(layout) if remaining == 0 else None
 
 
-def plan_shapes(context: SearchContext, tcss: bool) -> dict[str, FlowShape]:
+def plan_shapes(context: SearchContext, tcss: bool) -> dict[str, Shape]:
     """The fastest in the simulator of `finalists`, over the run's steps (at most `SEARCH_STEPS`); `tcss`: the
     policy overlaps steps (digen+tcss)."""
     if len(context.specs) != 1 or context.devices is None:
         return dict(context.shapes)  # the policy refuses several pipelines
-    (spec,) = context.specs
+    spec = flow_only("digen", context.specs[0])
     tag = context.options.tag
     shapes = finalists(
         spec,
@@ -162,7 +162,7 @@ def finalists(
         shapes = overlapped[:1] + shapes + [replace(s, tcss=True) for s in synchronous] + overlapped[1:]
     shapes = [replace(s, tcss=False) if s.trainer_devices == devices else s for s in shapes]  # nothing to overlap
     capacity = cost.device.memory_bytes / 1e9
-    with_tag_off = []
+    with_tag_off: list[FlowShape] = []
     for shape in dict.fromkeys(shapes):
         with_tag_off.append(shape)
         held = shape.engines(spec, cost).resident_gb

@@ -54,11 +54,9 @@ class StagedLLMPolicy(Policy):
     def ready_nodes(self, view: View, pipeline: str) -> list[Node]:
         return [view.graph[n] for n in view.ready if view.graph[n].pipeline == pipeline]
 
-    def place_rollout(
-        self, view: View, group: Sequence[int], tensor_parallel: int, nodes: Sequence[Node]
-    ) -> list[Decision]:
+    def place_rollout(self, view: View, group: Sequence[int], tensor_parallel: int, nodes: Sequence[Node]) -> list[Run]:
         """Each shard's chain on its engine; the migrated tail on the group's first engine."""
-        decisions: list[Decision] = []
+        decisions: list[Run] = []
         busy: set[int] = set()
         for node in nodes:
             if stage(node) != "rollout":
@@ -223,7 +221,7 @@ class SplitLLMPolicy(StagedLLMPolicy):
         version = self.opens(view, pipeline, following)
         return [] if version is None else [StartStep(pipeline, following, version)]
 
-    def _train(self, view: View, trainer: tuple[int, ...], ready: Sequence[Node]) -> list[Decision]:
+    def _train(self, view: View, trainer: tuple[int, ...], ready: Sequence[Node]) -> list[Run]:
         if not self.free(view, trainer, Role.TRAINER):
             return []
         for node in ready:

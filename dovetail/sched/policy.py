@@ -10,7 +10,7 @@ simulator in seconds and drives real devices.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar, Protocol
@@ -173,7 +173,11 @@ class PolicyOptions:
         if "tag" not in options:
             return cls()
         tag = options["tag"]
-        return cls(tag=Tag.AUTO if tag is True else Tag.OFF if tag is False else Tag(tag))
+        if isinstance(tag, bool):
+            return cls(tag=Tag.AUTO if tag else Tag.OFF)
+        if not isinstance(tag, str):
+            raise ValueError(f"{tag!r} is not a valid Tag")  # the enum's own refusal, for a value of another type
+        return cls(tag=Tag(tag))
 
 
 @dataclass(frozen=True)
@@ -193,7 +197,7 @@ class Setup:
     options: PolicyOptions = PolicyOptions()
     priorities: Mapping[str, float] = field(default_factory=dict)
     """Weight of each pipeline's step latency when pipelines compete for devices (1 when absent)."""
-    shapes: Mapping[str, object] = field(default_factory=dict)
+    shapes: Mapping[str, Shape] = field(default_factory=dict)
     """The shape each pipeline's steps were cut with (pipeline -> e.g. `graph.llm.LLMShape`)."""
     max_staleness: int = 1
     """Versions a step's rollouts may lag its training (the executor refuses more); AReaL's bound eta."""
@@ -222,13 +226,27 @@ class Setup:
 
 
 class DeviceView(Protocol):
-    index: int
-    role: Role | None
-    running: Mapping[str, float]
-    """Node id -> share of the device it holds."""
-    memory_gb: float
-    capacity_gb: float
-    switching: bool
+    """One device as a policy sees it (read-only; `exec.state.DeviceState`)."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def role(self) -> Role | None: ...
+
+    @property
+    def running(self) -> Mapping[str, float]:
+        """Node id -> share of the device it holds."""
+        ...
+
+    @property
+    def memory_gb(self) -> float: ...
+
+    @property
+    def capacity_gb(self) -> float: ...
+
+    @property
+    def switching(self) -> bool: ...
 
     @property
     def idle(self) -> bool: ...
@@ -237,20 +255,48 @@ class DeviceView(Protocol):
     def free_share(self) -> float: ...
 
 
-class View(Protocol):
-    """The read-only state a policy decides from. Executors implement it (see `exec.state.ClusterState`)."""
+class RunningView(Protocol):
+    """A running node as a policy sees it (`exec.state.Running`)."""
 
-    now: float
-    graph: Graph
-    devices: Sequence[DeviceView]
-    ready: Mapping[str, None]
-    """Ready, not yet started node ids, in the order they became ready."""
-    running: Mapping[str, tuple[int, ...]]
-    finished: set[str]
-    published: Mapping[str, int]
-    """Latest weights version the rollout engines of each pipeline can use."""
-    started: Mapping[tuple[str, int], int]
-    """(pipeline, step) -> the weights version its rollouts use, for every started step."""
+    @property
+    def devices(self) -> tuple[int, ...]: ...
+
+
+class View(Protocol):
+    """The read-only state a policy decides from. Executors implement it (see `exec.state.ClusterState`); its
+    members are read-only properties here, so an executor's own (mutable, concrete) attributes conform."""
+
+    @property
+    def now(self) -> float: ...
+
+    @property
+    def graph(self) -> Graph: ...
+
+    @property
+    def devices(self) -> Sequence[DeviceView]: ...
+
+    @property
+    def ready(self) -> Mapping[str, None]:
+        """Ready, not yet started node ids, in the order they became ready."""
+        ...
+
+    @property
+    def running(self) -> Mapping[str, RunningView]:
+        """Running node ids, each with where it runs."""
+        ...
+
+    @property
+    def finished(self) -> Set[str]: ...
+
+    @property
+    def published(self) -> Mapping[str, int]:
+        """Latest weights version the rollout engines of each pipeline can use."""
+        ...
+
+    @property
+    def started(self) -> Mapping[tuple[str, int], int]:
+        """(pipeline, step) -> the weights version its rollouts use, for every started step."""
+        ...
 
 
 def can_run(node: Node, role: Role | None) -> bool:
@@ -286,7 +332,11 @@ class Shape(Protocol):
     dataclass, so a shape is compared, stored (`dataclasses.asdict`) and varied (`dataclasses.replace`) by fields."""
 
     __dataclass_fields__: ClassVar[dict[str, Any]]
-    trainer_devices: int
+
+    @property
+    def trainer_devices(self) -> int:
+        """Read-only: a shape is frozen."""
+        ...
 
     def build(self, spec: PipelineSpec, steps: int, cost: CostModel) -> list[Node]: ...
 

@@ -37,7 +37,7 @@ class VerlSync(StagedLLMPolicy):
             decisions += self._pipeline(view, pipeline, group, any(isinstance(e, Begin) for e in events))
         return decisions
 
-    def _pipeline(self, view: View, pipeline: str, group: tuple[int, ...], begin: bool) -> list[Decision]:
+    def _pipeline(self, view: View, pipeline: str, group: tuple[int, ...], begin: bool) -> Sequence[Decision]:
         steps = view.graph.steps(pipeline)
         open_steps = [s for s in steps if (pipeline, s) in view.started]
         step = max(open_steps, default=None)
