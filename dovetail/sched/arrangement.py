@@ -14,6 +14,7 @@ devices (`PipelineView`: its nodes only, its devices numbered from 0), its decis
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from functools import cached_property
 from typing import Any
 
 from dovetail.graph.node import Graph
@@ -81,18 +82,38 @@ class _Device:
 
 
 class PipelineView:
-    """The pool's view restricted to one pipeline's nodes and its group of devices (numbered from 0)."""
+    """The pool's view restricted to one pipeline's nodes and its group of devices (numbered from 0); each part is
+    read from the pool's view when first asked for."""
 
     def __init__(self, view: View, pipeline: str, graph: Graph, ids: frozenset[str], group: tuple[int, ...]) -> None:
+        self._view, self._pipeline, self._ids, self._group = view, pipeline, ids, group
         self.now = view.now
         self.graph = graph
-        self.devices = [_Device(view.devices[d], i) for i, d in enumerate(group)]
-        self.ready = {n: None for n in view.ready if n in ids}
-        self.running = {n: running for n, running in view.running.items() if n in ids}
+
+    @cached_property
+    def devices(self) -> list[_Device]:
+        return [_Device(self._view.devices[d], i) for i, d in enumerate(self._group)]
+
+    @cached_property
+    def ready(self) -> dict[str, None]:
+        return {n: None for n in self._view.ready if n in self._ids}
+
+    @cached_property
+    def running(self) -> dict[str, object]:
         """The pipeline's running nodes (what the executor keeps of each, as it gives it: the policies read the ids)."""
-        self.finished = view.finished & ids
-        self.published = {pipeline: view.published[pipeline]}
-        self.started = {key: version for key, version in view.started.items() if key[0] == pipeline}
+        return {n: running for n, running in self._view.running.items() if n in self._ids}
+
+    @cached_property
+    def finished(self) -> set[str]:
+        return self._view.finished & self._ids
+
+    @cached_property
+    def published(self) -> dict[str, int]:
+        return {self._pipeline: self._view.published[self._pipeline]}
+
+    @cached_property
+    def started(self) -> dict[tuple[str, int], int]:
+        return {key: version for key, version in self._view.started.items() if key[0] == self._pipeline}
 
 
 def _local_event(event: Event, ids: frozenset[str], pipeline: str, local: Mapping[int, int]) -> Event | None:
@@ -137,6 +158,8 @@ class Delegates:
         self.mode = mode
         self.pipelines = list(setup.engines)
         self.groups = groups_of(mode, self.pipelines, setup.compute_devices)
+        self.local = {p: {d: i for i, d in enumerate(group)} for p, group in self.groups.items()}
+        """Each pipeline's devices: pool index -> its own."""
         self.policies: dict[str, Policy] = {}
         for pipeline in self.pipelines:
             shape = setup.shapes[pipeline]
@@ -193,9 +216,12 @@ class Delegates:
         return decisions
 
     def _react(self, view: View, pipeline: str, events: Sequence[Event]) -> list[Decision]:
-        group = self.groups[pipeline]
-        local = {d: i for i, d in enumerate(group)}
-        ids = self.ids[pipeline]
+        group, local, ids = self.groups[pipeline], self.local[pipeline], self.ids[pipeline]
         seen = [e for e in (_local_event(event, ids, pipeline, local) for event in events) if e is not None]
+        if not seen:  # nothing of its own happened: its view is as it last decided on (its devices are its own)
+            return []
         sub = PipelineView(view, pipeline, self.graphs[pipeline], ids, group)
-        return [_pool_decision(d, group) for d in self.policies[pipeline].react(sub, seen)]
+        decisions = self.policies[pipeline].react(sub, seen)
+        if self.mode == TURNS:  # its group is the whole pool, numbered as the pool is
+            return decisions
+        return [_pool_decision(d, group) for d in decisions]
