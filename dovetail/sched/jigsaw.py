@@ -16,7 +16,10 @@ log-prob, train, commit and publish nodes trainer work on the whole pool.
 
 `jigsaw` chooses where the tail migrates and how wide its engine is by rolling the simulator forward one
 step per candidate (`plan_shapes`, memoized coordinate descent); each rollout engine's memory is what the
-trainers leave, split evenly (`rollout_shares`). At run time, when several pipelines' trainer work wants
+trainers leave, split evenly (`rollout_shares`). It also simulates the split pool and back to back
+(`sched.arrangement`: each pipeline under its kind's best single-pipeline policy, on its slice or on the whole pool
+in turns) and runs one of those instead where the simulator predicts it faster: it is never predicted slower than
+either. At run time, when several pipelines' trainer work wants
 the (compute-bound) pool, it rolls a memoized stage-level model of the pool forward over each pipeline's
 current and next step for every candidate set and takes the earliest mean completion, weighted by each
 pipeline's `priority`. `jigsaw-greedy`, the ablation, keeps the cost-model default shape (tail at `tail_edge`,
@@ -370,6 +373,8 @@ class Jigsaw(StagedLLMPolicy):
         self.delegates = None if mode is None else Delegates(setup, mode, lambda p: alone_policy(setup.shapes[p]))
         """The split pool or back to back, when the search chose one: each pipeline under its own best policy."""
         if self.delegates is not None:
+            for policy in self.delegates.policies.values():
+                policy.tag_decisions = self.tag_decisions  # digen's TAG choices, in the run's log as its own
             return
         held = [
             gb
