@@ -183,8 +183,8 @@ class Delegates:
             )
         self.graphs: dict[str, Graph] = {}
         self.ids: dict[str, frozenset[str]] = {}
-        self.left: dict[str, int] = {}
-        """Nodes of each pipeline not finished yet."""
+        self.last: dict[str, tuple[str, ...]] = {}
+        """The nodes of each pipeline's last step."""
         self.active = 0
         """TURNS: index of the pipeline whose turn it is (every pipeline's from the start under SPLIT)."""
 
@@ -192,21 +192,24 @@ class Delegates:
         if self.graphs:
             return
         for pipeline in self.pipelines:
-            nodes = [n for step in view.graph.steps(pipeline) for n in view.graph.of(pipeline, step)]
+            steps = view.graph.steps(pipeline)
+            nodes = [n for step in steps for n in view.graph.of(pipeline, step)]
             self.graphs[pipeline] = Graph(nodes)
             self.ids[pipeline] = frozenset(n.id for n in nodes)
-            self.left[pipeline] = len(nodes) - len(view.finished & self.ids[pipeline])
+            self.last[pipeline] = tuple(n.id for n in view.graph.of(pipeline, steps[-1])) if steps else ()
+
+    def _done(self, view: View, pipeline: str) -> bool:
+        """Every node of the pipeline finished (or counts as done: a pipeline withdrawn after its reward failed): its
+        last step's nodes are, and no node of a step finishes before the step's predecessors' do."""
+        return all(n in view.finished for n in self.last[pipeline])
 
     def decide(self, view: View, events: Sequence[Event]) -> list[Decision]:
         self._graph(view)
-        for event in events:
-            if isinstance(event, NodeFinished):
-                self.left[view.graph[event.node].pipeline] -= 1
         if self.mode == SPLIT:
             return [d for pipeline in self.pipelines for d in self._react(view, pipeline, events)]
         current = self.pipelines[self.active]
         decisions = self._react(view, current, events)
-        while self.left[current] == 0 and self.active < len(self.pipelines) - 1:
+        while self._done(view, current) and self.active < len(self.pipelines) - 1:
             # This turn's pipeline is done: the next one begins now on the whole pool (its weights version 0 was
             # published at the run's start, which its policy did not see).
             self.active += 1
