@@ -161,9 +161,13 @@ def _print_dry_run(config, steps: int) -> None:
             "another (nothing to schedule)"
         )
         return
-    if "shapes" in plan:  # several pipelines share every device
+    if "shapes" in plan:  # several pipelines on one pool
         cut = "; ".join(f"{name}: {_shape_line(shape)}" for name, shape in plan["shapes"].items())
-        pools = "shared by every pipeline"
+        pools = {
+            None: "shared by every pipeline",
+            "split": "split: each pipeline its own slice",
+            "turns": "the whole pool to each pipeline in turns (back to back)",
+        }[plan.get("arrangement")]
     else:
         cut = _shape_line(plan["shape"])
         pools = (
