@@ -1,13 +1,13 @@
-"""`dovetail export`: a checkpoint of a run of a user's diffusers model written back as a diffusers directory that
-`from_pretrained` loads (`models.diffusers_flow.export`), after the checks a resume makes."""
+"""`dovetail export`: a run's checkpoint written back as its model library's own directory that `from_pretrained`
+loads (a user's diffusers model: a diffusers directory; a language model: a transformers one), after the checks a
+resume makes; each pipeline kind exports its own (`PipelineKind.export`)."""
 
 from pathlib import Path
 
 from dovetail.config.common import ConfigError
 from dovetail.config.load import load_config
-from dovetail.models.diffusers_flow import export, load_diffusers_checkpoint, load_flow_model
-from dovetail.recipe import make_optimizer
-from dovetail.run_dir import BrokenCheckpoint, checkpoint_dirs, load_checkpoint
+from dovetail.kinds import KINDS
+from dovetail.run_dir import BrokenCheckpoint, checkpoint_dirs
 
 
 def export_run(run: Path, step: int | None, out: Path) -> Path:
@@ -20,11 +20,8 @@ def export_run(run: Path, step: int | None, out: Path) -> Path:
         config = load_config(run / "config.yaml", rewards=False)  # an export scores nothing: import none
     except ConfigError as error:
         raise ValueError(f"{run / 'config.yaml'}: {error}") from None
-    if config.kind != "flow" or config.model.path is None:
-        raise ValueError(
-            f"{run} trained no model.path: export writes the diffusers directory of a run of a diffusers model "
-            "(a built-in model's checkpoints/step_N is its own format)"
-        )
+    if config.kind not in KINDS:
+        raise ValueError(f"{run} is a {config.kind} run: export one of its pipelines' directories, {run}/<pipeline>")
     steps = dict(checkpoint_dirs(run / "checkpoints"))
     if not steps:
         raise ValueError(f"{run}: no checkpoint in {run / 'checkpoints'}")
@@ -33,10 +30,8 @@ def export_run(run: Path, step: int | None, out: Path) -> Path:
         raise ValueError(f"{run}: no checkpoint of step {step}; --step one of {sorted(steps)}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out}: exists and is not an empty directory; give a new directory to export into")
-    model = load_flow_model(config)
     try:
-        load_checkpoint(steps[step], model, make_optimizer(model, config), load_diffusers_checkpoint)
+        KINDS[config.kind].load("export")(config, steps[step], out)
     except BrokenCheckpoint as error:
         raise ValueError(str(error)) from None
-    export(model, out)
     return steps[step]

@@ -13,6 +13,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -37,12 +38,19 @@ from dovetail.exec.pipeline import PROFILE_ROUNDS, Part, PipelineAdapter, Pipeli
 from dovetail.exec.plan import rollout_wake_s
 from dovetail.graph.node import Kind, Node, SampleId
 from dovetail.models import sampling
-from dovetail.models.diffusers_flow import check_prompt_table, load_decoder, load_flow_model
+from dovetail.models.diffusers_flow import (
+    check_prompt_table,
+    export,
+    load_decoder,
+    load_diffusers_checkpoint,
+    load_flow_model,
+)
 from dovetail.models.flow_rl import accumulate_policy_gradient, generate, recompute_log_probs, step_prompts
 from dovetail.models.training import commit, load_weights, synchronize, weights_of
 from dovetail.prompts import prompt_split, train_prompts
 from dovetail.recipe import advantages_of, make_optimizer, policy_gradient, sample_timesteps, sde_settings, sde_steps
 from dovetail.rewards import load_rewards, score
+from dovetail.run_dir import load_checkpoint
 from dovetail.scenario import Scenario
 
 STAT_MEANS = ("clip_frac", "approx_kl", "ratio_mean", "loss", "kl_ref")
@@ -353,6 +361,19 @@ def profile_here(config: FlowTrainConfig, carry: Callable[[dict], dict]) -> dict
     model = load_flow_model(config)
     samples = config.runtime.profile_samples
     return profile_work(model, load_decoder(config), config, sde_settings(config), samples, carry)
+
+
+def export_checkpoint(config: FlowTrainConfig, checkpoint: Path, out: Path) -> None:
+    """`dovetail export` of a flow run: a user's diffusers model (`models.diffusers_flow.export`) with the
+    checkpoint's weights; the built-in model's checkpoints are its own format already."""
+    if config.model.path is None:
+        raise ValueError(
+            f"{checkpoint} trained no model.path: export writes the diffusers directory of a run of a diffusers model "
+            "(a built-in model's checkpoints/step_N is its own format)"
+        )
+    model = load_flow_model(config)
+    load_checkpoint(checkpoint, model, make_optimizer(model, config), load_diffusers_checkpoint)
+    export(model, out)
 
 
 Adapter, Engines = FlowAdapter, FlowEngines
