@@ -296,6 +296,24 @@ class LMTrainConfig(RunSection):
         return pattern
 
     @model_validator(mode="after")
+    def _user_model_and_dataset(self) -> "LMTrainConfig":
+        """model.path and prompts.path go together: a built-in task's model reads only its task's prompts, and a
+        user's model trains on the user's dataset, not on a task."""
+        if self.model.path is not None and self.prompts is None:
+            raise ValueError(
+                "prompts: a model.path run trains on your dataset; give it as prompts.path (a .jsonl / .json / "
+                ".parquet / .csv with a prompt column)"
+            )
+        if self.prompts is not None and self.model.path is None:
+            raise ValueError(
+                "prompts.path: the built-in task models read only their task's prompts; give your own model as "
+                "model.path"
+            )
+        if self.sampling.stop and self.model.path is None:
+            raise ValueError("sampling.stop: a built-in task's responses end at its model's end of sequence")
+        return self
+
+    @model_validator(mode="after")
     def _known_text_rewards(self, info: ValidationInfo) -> "LMTrainConfig":
         """Each reward exists (a task's, or with prompts.path a dataset run's: `rewards.text`); a custom one's module
         is imported (unless `imports_rewards` says not to) and takes completions and prompts."""
@@ -314,24 +332,6 @@ class LMTrainConfig(RunSection):
                     text_reward_fn(name, dataset=self.prompts is not None)
                 except ValueError as error:
                     raise ValueError(f"reward: {error}") from None
-        return self
-
-    @model_validator(mode="after")
-    def _user_model_and_dataset(self) -> "LMTrainConfig":
-        """model.path and prompts.path go together: a built-in task's model reads only its task's prompts, and a
-        user's model trains on the user's dataset, not on a task."""
-        if self.model.path is not None and self.prompts is None:
-            raise ValueError(
-                "prompts: a model.path run trains on your dataset; give it as prompts.path (a .jsonl / .json / "
-                ".parquet / .csv with a prompt column)"
-            )
-        if self.prompts is not None and self.model.path is None:
-            raise ValueError(
-                "prompts.path: the built-in task models read only their task's prompts; give your own model as "
-                "model.path"
-            )
-        if self.sampling.stop and self.model.path is None:
-            raise ValueError("sampling.stop: a built-in task's responses end at its model's end of sequence")
         return self
 
     @model_validator(mode="after")
