@@ -282,6 +282,20 @@ def test_the_entropy_bonus_trains_and_the_entropy_is_measured(runs, workspace, t
     assert not same_bits(trained(tmp_path), trained(runs / "llama"))
 
 
+def test_an_architecture_our_engine_does_not_compute_trains_on_transformers_forward_with_a_note(
+    workspace, tmp_path, capsys
+):
+    model = save_tiny_model(tmp_path / "my-gpt2", "gpt2")
+    config = user_config(workspace, f"model.path={model}", "policy=reference")
+    train(config, tmp_path / "run", steps=1)
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert notes == [
+        f"note: {model}: our rollout engine does not compute architecture 'gpt2' (the engine computes llama, mistral, "
+        "qwen2, qwen3); rollouts run on transformers' own forward (slower)"
+    ]
+    assert metrics(tmp_path / "run")[0]["response_tokens"] > 0
+
+
 # ---------------------------------------------------------------- export
 
 
@@ -411,6 +425,7 @@ def test_the_planner_prices_a_user_model_from_its_config(workspace):
         (["reward={exact_answer: 1.0}"], "unknown text reward 'exact_answer'"),
         (["reward={myrewards:nothing: 1.0}"], "reward 'myrewards:nothing' cannot be imported"),
         (["sampling.max_new_tokens=95"], "do not fit the model's context of 96 tokens"),
+        (["prompts.prompt_field=answer"], "reward 'answer_match' reads the column answer, which"),
         (["prompts.eval_path=null", "prompts.eval_fraction=0.001"], "leave no eval row"),
     ],
 )

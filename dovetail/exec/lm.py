@@ -62,7 +62,7 @@ from dovetail.models.lm import load_lm, load_tokenizer, read_lm_config, save_lm
 from dovetail.models.lm_rl import accumulate_group_gradients, by_group, group_log_probs, policy_gradient
 from dovetail.models.training import commit, set_summed_gradient, synchronize, tensors_of, trainer_state_of, weights_of
 from dovetail.recipe import make_optimizer
-from dovetail.rewards.text import score_text
+from dovetail.rewards.text import columns_read, score_text, text_reward_fn
 from dovetail.run_dir import load_checkpoint
 from dovetail.scenario import Scenario
 from dovetail.tasks import final_answer, task
@@ -377,6 +377,7 @@ def check_checkpoint(config: LMTrainConfig) -> None:
     model, tokenizer = load_policy(config)
     prompts = RunPrompts(config)
     encode_prompts(config, tokenizer, prompts.all() or [*prompts.eval(), *prompts.step(0)], model_context(config))
+    check_columns(config, prompts)
     problem = engine_problem(model.config, model_context(config))
     if config.user_model and problem is not None:
         print(
@@ -384,6 +385,21 @@ def check_checkpoint(config: LMTrainConfig) -> None:
             "transformers' own forward (slower)",
             file=sys.stderr,
         )
+
+
+def check_columns(config: LMTrainConfig, prompts: RunPrompts) -> None:
+    """Every column a dataset run's reward reads (`columns_read`) is one of the dataset's: else one line naming the
+    reward, the columns and the file, before any work."""
+    if config.prompts is None:
+        return
+    columns = {name for row in prompts.all() for name in row.columns}
+    for name in config.rewards:
+        missing = columns_read(name, text_reward_fn(name, dataset=True)) - columns
+        if missing:
+            raise ValueError(
+                f"reward {name!r} reads the column {', '.join(sorted(missing))}, which {config.prompts.path} has not "
+                f"(its columns: {sorted(columns)}): add it, or set prompts.prompt_field to the prompt's column"
+            )
 
 
 def profile_here(config: LMTrainConfig, carry: Callable[[dict], dict]) -> dict:

@@ -205,6 +205,21 @@ def text_reward_fn(name: str, dataset: bool = False) -> Callable:
     raise ValueError(f"unknown text reward {name!r}; known text rewards: {sorted(known)}, or give module:function")
 
 
+def columns_read(name: str, fn: Callable) -> set[str]:
+    """The dataset columns a dataset run's reward cannot do without: answer_match's `answer`, a user's function's
+    parameters after (completions, prompts) that have no default."""
+    if name == "answer_match":
+        return {"answer"}
+    if ":" not in name:
+        return set()
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())[2:]
+    except ValueError:  # no signature to read
+        return set()
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name for p in parameters if p.kind in named and p.default is inspect.Parameter.empty}
+
+
 def reward_arguments(name: str, fn: Callable, completions: Sequence[str], prompts: Sequence, context: TextContext):
     """(args, kwargs) of one reward call: a task reward's (completions, prompts); a built-in dataset reward's and
     its context; a user's, with the columns its signature takes (every one where it takes **kwargs)."""
