@@ -137,9 +137,10 @@ class CausalLM(torch.nn.Module):
             if not name.endswith(".lora_A.weight"):
                 continue
             module = name.removesuffix(".lora_A.weight")
-            delta = trained[f"{module}.lora_B.weight"] @ lora_a
             weight = f"{module.removeprefix('base_model.model.')}.weight"
-            merged[weight] = merged[weight] + self._scaling * (delta.T if self._fan_in_fan_out else delta)
+            base = merged[weight]  # on the host: the base as loaded, kept when the model moves to a GPU
+            delta = trained[f"{module}.lora_B.weight"].to(base.device) @ lora_a.to(base.device)
+            merged[weight] = base + self._scaling * (delta.T if self._fan_in_fan_out else delta)
         return merged
 
 
