@@ -424,7 +424,7 @@ def test_the_planner_prices_a_user_model_from_its_config(workspace):
         (["reward=null"], "a prompts.path run names its rewards"),
         (["reward={exact_answer: 1.0}"], "unknown text reward 'exact_answer'"),
         (["reward={myrewards:nothing: 1.0}"], "reward 'myrewards:nothing' cannot be imported"),
-        (["sampling.max_new_tokens=95"], "do not fit the model's context of 96 tokens"),
+        (["sampling.max_new_tokens=95"], "exceed the model's context of 96 tokens"),
         (["prompts.prompt_field=answer"], "reward 'answer_match' reads the column answer, which"),
         (["prompts.eval_path=null", "prompts.eval_fraction=0.001"], "leave no eval row"),
     ],

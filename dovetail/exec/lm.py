@@ -113,7 +113,7 @@ def encode_prompts(config: LMTrainConfig, tokenizer, rows: list[Row], context: i
             fix = "set prompts.max_tokens (keeps a prompt's last tokens) or " if config.user_model else ""
             raise ValueError(
                 f"prompt {str(row.prompt)[:200]!r} ({len(ids)} tokens) and sampling.max_new_tokens="
-                f"{config.max_new_tokens} do not fit the model's context of {context} tokens ({where}): "
+                f"{config.max_new_tokens} exceed the model's context of {context} tokens ({where}): "
                 f"{fix}lower sampling.max_new_tokens"
             )
     return encoded
