@@ -22,6 +22,10 @@ def export_run(run: Path, step: int | None, out: Path) -> Path:
         raise ValueError(f"{run / 'config.yaml'}: {error}") from None
     if config.kind not in KINDS:
         raise ValueError(f"{run} is a {config.kind} run: export one of its pipelines' directories, {run}/<pipeline>")
+    try:
+        write = KINDS[config.kind].load("export")(config)
+    except ValueError as error:  # the run trained nothing that exports
+        raise ValueError(f"{run}: {error}") from None
     steps = dict(checkpoint_dirs(run / "checkpoints"))
     if not steps:
         raise ValueError(f"{run}: no checkpoint in {run / 'checkpoints'}")
@@ -31,7 +35,7 @@ def export_run(run: Path, step: int | None, out: Path) -> Path:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out}: exists and is not an empty directory; give a new directory to export into")
     try:
-        KINDS[config.kind].load("export")(config, steps[step], out)
+        write(steps[step], out)
     except BrokenCheckpoint as error:
         raise ValueError(str(error)) from None
     return steps[step]

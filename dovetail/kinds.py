@@ -35,8 +35,9 @@ class PipelineKind:
     local: str
     """The reference loop's model, engines and step in one process (`runner.StepLog` drives it)."""
     export: str
-    """`export_checkpoint(config, checkpoint, out)`: a run's checkpoint written as its model library's own directory
-    (`dovetail export`), after the checks a resume makes; what will not do is a ValueError, one line."""
+    """`exporter(config) -> write(checkpoint, out)`: how a run's checkpoint is written as its model library's own
+    directory (`dovetail export`), after the checks a resume makes; a run that cannot export, and what will not do,
+    is a ValueError, one line."""
     interference: tuple[str, ...]
     """Node kinds (`graph.node.Kind` values) of this pipeline whose slowdown beside other pipelines' work a
     multiplexed run measures (`exec.interference`)."""
@@ -65,7 +66,7 @@ KINDS: dict[str, PipelineKind] = {
             fit="dovetail.exec.flow:fitted_cost",
             check_checkpoint="dovetail.exec.flow:check_checkpoint",
             local="dovetail.runner:FlowLocal",
-            export="dovetail.exec.flow:export_checkpoint",
+            export="dovetail.exec.flow:exporter",
             interference=("generate", "train"),
             creates_samples=("generate",),
             staged_baseline="colocated",
@@ -80,7 +81,7 @@ KINDS: dict[str, PipelineKind] = {
             fit="dovetail.exec.lm:fitted_cost",
             check_checkpoint="dovetail.exec.lm:check_checkpoint",
             local="dovetail.runner:LMLocal",
-            export="dovetail.exec.lm:export_checkpoint",
+            export="dovetail.exec.lm:exporter",
             interference=("decode", "logprob", "train"),
             creates_samples=("prefill",),
             staged_baseline="verl-sync",

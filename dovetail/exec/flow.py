@@ -363,17 +363,21 @@ def profile_here(config: FlowTrainConfig, carry: Callable[[dict], dict]) -> dict
     return profile_work(model, load_decoder(config), config, sde_settings(config), samples, carry)
 
 
-def export_checkpoint(config: FlowTrainConfig, checkpoint: Path, out: Path) -> None:
-    """`dovetail export` of a flow run: a user's diffusers model (`models.diffusers_flow.export`) with the
+def exporter(config: FlowTrainConfig) -> Callable[[Path, Path], None]:
+    """`dovetail export` of a flow run: a user's diffusers model (`models.diffusers_flow.export`) with a
     checkpoint's weights; the built-in model's checkpoints are its own format already."""
     if config.model.path is None:
         raise ValueError(
-            f"{checkpoint} trained no model.path: export writes the diffusers directory of a run of a diffusers model "
+            "it trained no model.path: export writes the diffusers directory of a run of a diffusers model "
             "(a built-in model's checkpoints/step_N is its own format)"
         )
-    model = load_flow_model(config)
-    load_checkpoint(checkpoint, model, make_optimizer(model, config), load_diffusers_checkpoint)
-    export(model, out)
+
+    def write(checkpoint: Path, out: Path) -> None:
+        model = load_flow_model(config)
+        load_checkpoint(checkpoint, model, make_optimizer(model, config), load_diffusers_checkpoint)
+        export(model, out)
+
+    return write
 
 
 Adapter, Engines = FlowAdapter, FlowEngines

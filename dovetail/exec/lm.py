@@ -594,17 +594,21 @@ def success_rate(config: LMTrainConfig, completions: list[str], prompts: list[st
     )
 
 
-def export_checkpoint(config: LMTrainConfig, checkpoint: Path, out: Path) -> None:
-    """`dovetail export` of an LM run: a transformers directory of the checkpoint's model (`models.causal_lm`): a
+def exporter(config: LMTrainConfig) -> Callable[[Path, Path], None]:
+    """`dovetail export` of an LM run: a transformers directory of a checkpoint's model (`models.causal_lm`): a
     user's model with its tokenizer (a LoRA adapter merged in, and in peft's layout in lora/), or a built-in task's
     model with its character tokenizer as a transformers tokenizer."""
-    model, tokenizer = load_policy(config)
-    _, load_weights = lm_checkpoint_io(config, model, tokenizer)
-    load_checkpoint(checkpoint, model, make_optimizer(model, config), load_weights)
-    if config.user_model:
-        export_causal_lm(model, out)
-    else:
-        export_builtin_lm(model, tokenizer, out)
+
+    def write(checkpoint: Path, out: Path) -> None:
+        model, tokenizer = load_policy(config)
+        _, load_weights = lm_checkpoint_io(config, model, tokenizer)
+        load_checkpoint(checkpoint, model, make_optimizer(model, config), load_weights)
+        if config.user_model:
+            export_causal_lm(model, out)
+        else:
+            export_builtin_lm(model, tokenizer, out)
+
+    return write
 
 
 Adapter, Engines = LMAdapter, LMEngines
