@@ -28,6 +28,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    T5Config,
+    T5EncoderModel,
 )
 from typer.testing import CliRunner
 
@@ -128,8 +130,8 @@ def sums(first: int, count: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
-    """What a user has: two model directories, a dataset (text prompts; the same as chat messages), a held-out
-    file, a reward module and a config beside it."""
+    """What a user has: two model directories (and an encoder, no causal LM), a dataset (text prompts; the same as
+    chat messages), a held-out file, a reward module and a config beside it."""
     root = tmp_path_factory.mktemp("workspace")
     save_tiny_model(root / "my-llama", "llama")
     save_tiny_model(root / "my-qwen2", "qwen2")
@@ -138,6 +140,10 @@ def workspace(tmp_path_factory) -> Path:
     chat = [{"messages": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in sums(0, 8)]
     (root / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat))
     (root / "myrewards.py").write_text(REWARDS)
+    T5EncoderModel(T5Config(vocab_size=64, d_model=16, d_ff=32, num_layers=1, num_heads=2)).save_pretrained(
+        root / "encoder"
+    )
+    char_tokenizer().save_pretrained(root / "encoder")
     config = {
         "kind": "lm",
         "model": {"path": str(root / "my-llama")},
@@ -273,6 +279,15 @@ def test_lora_trains_publishes_and_checkpoints_the_adapter_alone_under_both_poli
     assert same_bits(trained(tmp_path), adapter)
     published = {m["publish_bytes"] for m in metrics(tmp_path)}
     assert published == {sum(v.nbytes for v in adapter.values())}
+
+
+def test_an_asynchronous_policy_trains_a_user_lora_adapter_with_bounded_staleness(workspace, local_ray, tmp_path):
+    """streamrl decodes the next batch on the previous adapter: the rollout engines merge the published adapter into
+    the base, stale samples get the decoupled correction from the engine's log-probs."""
+    summary = train(user_config(workspace, "policy=streamrl", *lora_qwen(workspace)), tmp_path, steps=3)
+    lines = metrics(tmp_path)
+    assert summary["max_staleness"] <= 1 and max(m["staleness"] for m in lines) == 1
+    assert json.loads((tmp_path / "ledger.json").read_text())["problems"] == []
 
 
 def test_the_entropy_bonus_trains_and_the_entropy_is_measured(runs, workspace, tmp_path):
@@ -413,6 +428,7 @@ def test_the_planner_prices_a_user_model_from_its_config(workspace):
     [
         (["model.path=nowhere"], "nowhere is not a directory; give a transformers model directory"),
         (["model.path=."], "has no config.json with a model_type: not a transformers model directory"),
+        (["model.path=encoder"], "a 't5' model is no causal language model transformers knows"),
         (
             ["model.checkpoint=my-llama", "model.path=null", "prompts=null", "reward=null", "sampling.stop=[]"],
             "my-llama is a transformers model directory: give it as model.path",

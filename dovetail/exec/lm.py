@@ -48,6 +48,7 @@ from dovetail.graph.node import Kind, Node, SampleId
 from dovetail.models.causal_lm import (
     HFTokenizer,
     StopStrings,
+    causal_lm_config,
     context_of,
     export_builtin_lm,
     export_causal_lm,
@@ -370,15 +371,20 @@ def fitted_cost(config: LMTrainConfig, scenario: Scenario, measured: dict) -> Co
 
 
 def check_checkpoint(config: LMTrainConfig) -> None:
-    """What every run meets as it starts, whatever its policy (the dry run's check): the model and its tokenizer
-    load, the dataset reads, and the prompts it encodes (a dataset's every one; a task's first: the base
-    evaluation's, the first step's) leave max_new_tokens in the model's context. A model our engine does not compute
-    is said in one line on stderr: its rollouts run on transformers' own forward."""
-    model, tokenizer = load_policy(config)
+    """What every run meets as it starts, whatever its policy (the dry run's check): the model loads (a user's: its
+    config is a causal LM's, its weights are not read), its tokenizer loads, the dataset reads, the prompts it encodes
+    (a dataset's every one; a task's first: the base evaluation's, the first step's) leave max_new_tokens in the
+    model's context, and the rewards' columns are the dataset's. A model our engine does not compute is said in one
+    line on stderr: its rollouts run on transformers' own forward."""
+    if config.user_model:  # its config and tokenizer: a large model's weights are the run's to load
+        model_config, tokenizer = causal_lm_config(config.model.path), HFTokenizer.load(config.model.path)
+    else:
+        model, tokenizer = load_policy(config)
+        model_config = model.config
     prompts = RunPrompts(config)
     encode_prompts(config, tokenizer, prompts.all() or [*prompts.eval(), *prompts.step(0)], model_context(config))
     check_columns(config, prompts)
-    problem = engine_problem(model.config, model_context(config))
+    problem = engine_problem(model_config, model_context(config))
     if config.user_model and problem is not None:
         print(
             f"note: {config.model.path}: our rollout engine does not compute {problem}; rollouts run on "

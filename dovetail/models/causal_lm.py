@@ -22,6 +22,7 @@ from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from dovetail.files import one_line
 from dovetail.models.engine import Engine, SamplingParams, TorchEngine, TransformersEngine, engine_problem
@@ -163,9 +164,24 @@ def load_causal_lm(path: Path | str, *, lora: dict | None, seed: int) -> CausalL
     return CausalLM(model, {"transformers_path": str(path), "lora": lora}).eval()
 
 
+def causal_lm_config(path: Path | str):
+    """The transformers config of a directory's model, read without its weights (a dry run plans a GPU cluster from
+    a laptop); one that is no causal LM transformers knows is one line naming it."""
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as error:  # an unknown model_type, a damaged file: whatever the loader raises
+        raise ValueError(f"model.path {path}: its config.json does not load ({one_line(error)[:300]})") from None
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(
+            f"model.path {path}: a {config.model_type!r} model is no causal language model transformers knows "
+            "(AutoModelForCausalLM loads none)"
+        )
+    return config
+
+
 def context_of(path: Path | str) -> int:
     """The positions a model of this directory reads (its config's max_position_embeddings), without its weights."""
-    return AutoConfig.from_pretrained(path).max_position_embeddings
+    return causal_lm_config(path).max_position_embeddings
 
 
 def rollout_engine(
