@@ -1,11 +1,14 @@
-"""`dovetail export`: a checkpoint of a run of a user's diffusers model written back as a diffusers directory that
-`from_pretrained` loads (`models.diffusers_flow.export`), after the checks a resume makes."""
+"""`dovetail export`: a run's checkpoint written back as its model library's own directory that `from_pretrained`
+loads (a user's diffusers model: a diffusers directory; a language model: a transformers one), after the checks a
+resume makes; each pipeline kind exports its own (`PipelineKind.export`)."""
 
+from collections.abc import Callable
 from pathlib import Path
 
 from dovetail.config.common import ConfigError
+from dovetail.config.flow import FlowTrainConfig
 from dovetail.config.load import load_config
-from dovetail.kinds import KINDS, kind
+from dovetail.kinds import KINDS
 from dovetail.models.diffusers_flow import export, load_diffusers_checkpoint, load_flow_model
 from dovetail.recipe import make_optimizer
 from dovetail.run_dir import BrokenCheckpoint, checkpoint_dirs, load_checkpoint
@@ -21,13 +24,12 @@ def export_run(run: Path, step: int | None, out: Path) -> Path:
         config = load_config(run / "config.yaml", rewards=False)  # an export scores nothing: import none
     except ConfigError as error:
         raise ValueError(f"{run / 'config.yaml'}: {error}") from None
-    if kind(config.kind).export is None:
-        raise ValueError(f"{run} is a {config.kind} run: export writes runs of a kind with an exporter ({EXPORTED})")
-    return kind(config.kind).load("export")(run, config, step, out)
-
-
-def chosen_checkpoint(run: Path, step: int | None, out: Path) -> Path:
-    """Checkpoint `step` of the run (None: the newest), checked to exist, with `out` new or empty."""
+    if config.kind not in KINDS:
+        raise ValueError(f"{run} is a {config.kind} run: export one of its pipelines' directories, {run}/<pipeline>")
+    try:
+        write = KINDS[config.kind].load("export")(config)
+    except ValueError as error:  # the run trained nothing that exports
+        raise ValueError(f"{run}: {error}") from None
     steps = dict(checkpoint_dirs(run / "checkpoints"))
     if not steps:
         raise ValueError(f"{run}: no checkpoint in {run / 'checkpoints'}")
@@ -36,24 +38,25 @@ def chosen_checkpoint(run: Path, step: int | None, out: Path) -> Path:
         raise ValueError(f"{run}: no checkpoint of step {step}; --step one of {sorted(steps)}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out}: exists and is not an empty directory; give a new directory to export into")
+    try:
+        write(steps[step], out)
+    except BrokenCheckpoint as error:
+        raise ValueError(str(error)) from None
     return steps[step]
 
 
-def export_flow(run: Path, config, step: int | None, out: Path) -> Path:
-    """A flow run's checkpoint as the diffusers directory of its model.path (`models.diffusers_flow.export`)."""
+def flow_exporter(config: FlowTrainConfig) -> Callable[[Path, Path], None]:
+    """`dovetail export` of a flow run: a user's diffusers model (`models.diffusers_flow.export`) with a
+    checkpoint's weights; the built-in model's checkpoints are its own format already."""
     if config.model.path is None:
         raise ValueError(
-            f"{run} trained no model.path: export writes the diffusers directory of a run of a diffusers model "
+            "it trained no model.path: export writes the diffusers directory of a run of a diffusers model "
             "(a built-in model's checkpoints/step_N is its own format)"
         )
-    checkpoint = chosen_checkpoint(run, step, out)
-    model = load_flow_model(config)
-    try:
+
+    def write(checkpoint: Path, out: Path) -> None:
+        model = load_flow_model(config)
         load_checkpoint(checkpoint, model, make_optimizer(model, config), load_diffusers_checkpoint)
-    except BrokenCheckpoint as error:
-        raise ValueError(str(error)) from None
-    export(model, out)
-    return checkpoint
+        export(model, out)
 
-
-EXPORTED = ", ".join(name for name, registered in KINDS.items() if registered.export is not None)
+    return write

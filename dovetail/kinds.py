@@ -36,6 +36,10 @@ class PipelineKind:
     """`check_checkpoint(config)`: the run's checkpoint and model loadable, or one line saying what is wrong."""
     local: str
     """The reference loop's model, engines and step in one process (`runner.StepLog` drives it)."""
+    export: str
+    """`exporter(config) -> write(checkpoint, out)`: how a run's checkpoint is written as its model library's own
+    directory (`dovetail export`), after the checks a resume makes; a run that cannot export, and what will not do,
+    is a ValueError, one line."""
     interference: tuple[str, ...]
     """Node kinds (`graph.node.Kind` values) of this pipeline whose slowdown beside other pipelines' work a
     multiplexed run measures (`exec.interference`)."""
@@ -44,9 +48,6 @@ class PipelineKind:
     staged_baseline: str
     """The stage-after-stage policy the planner simulates for a `reference` run of this kind, which schedules
     nothing itself."""
-    export: str | None = None
-    """`export(run, config, step, out) -> checkpoint`: `dovetail export` of a run's checkpoint in the format its
-    model's library loads; None: the kind's runs are not exported."""
 
     def load(self, part: str):
         """The object a part's "module:attribute" path names, imported now."""
@@ -68,10 +69,10 @@ KINDS: dict[str, PipelineKind] = {
             fit="dovetail.exec.flow_startup:fitted_cost",
             check_checkpoint="dovetail.exec.flow_startup:check_checkpoint",
             local="dovetail.runner:FlowLocal",
+            export="dovetail.export:flow_exporter",
             interference=("generate", "train"),
             creates_samples=("generate",),
             staged_baseline="colocated",
-            export="dovetail.export:export_flow",
         ),
         PipelineKind(
             name="lm",
@@ -84,6 +85,7 @@ KINDS: dict[str, PipelineKind] = {
             fit="dovetail.exec.lm:fitted_cost",
             check_checkpoint="dovetail.exec.lm:check_checkpoint",
             local="dovetail.runner:LMLocal",
+            export="dovetail.exec.lm:exporter",
             interference=("decode", "logprob", "train"),
             creates_samples=("prefill",),
             staged_baseline="verl-sync",

@@ -1,4 +1,5 @@
-"""A flow run's prompts: the built-in "digit N" ones, or the user's from a file or dataset, split train / eval.
+"""A run's prompts: a flow run's built-in "digit N" ones, or the user's from a file or dataset, split train / eval;
+and the records of such a file with all their fields (a language-model run's dataset: `exec.lm_prompts`).
 
 A step's prompts are drawn from the train split by (seed, step) alone (`models.flow_rl.step_prompts`), so a resumed
 run draws what the uninterrupted one would have, given the same file. The split is by a hash of each prompt's text,
@@ -61,7 +62,7 @@ def _split(path: Path, field: str, eval_fraction: float | None, eval_path: Path 
     if eval_path is not None:
         return PromptSplit(tuple(prompts), tuple(read_prompts(eval_path, field)))
     assert eval_fraction is not None  # PromptsSection sets it (0.1) where eval_path is not given
-    held_out = [_hash_share(p) < eval_fraction for p in prompts]
+    held_out = [hash_share(p) < eval_fraction for p in prompts]
     train = tuple(p for p, held in zip(prompts, held_out) if not held)
     evaluated = tuple(dict.fromkeys(p for p, held in zip(prompts, held_out) if held))
     if not train or not evaluated:
@@ -73,7 +74,7 @@ def _split(path: Path, field: str, eval_fraction: float | None, eval_path: Path 
     return PromptSplit(train, evaluated)
 
 
-def _hash_share(prompt: str) -> float:
+def hash_share(prompt: str) -> float:
     """A prompt's place in [0, 1), from a hash of its text (stable across processes, unlike hash())."""
     return int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "big") / 2**64
 
@@ -82,30 +83,39 @@ def read_prompts(path: Path, field: str) -> list[str]:
     """The non-empty prompts of a file, in its order: a line each (.txt), `field` of each JSON line (.jsonl), of
     each element of a JSON list (.json; or the list's strings), or of each row of a table (.parquet, .csv, .arrow,
     read by `datasets`)."""
-    suffix = path.suffix.lower()
-    try:
-        if suffix == ".txt":
-            records = path.read_text().splitlines()
-        elif suffix == ".jsonl":
-            records = [_json(line, path, n) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
-        elif suffix == ".json":
-            records = _json(path.read_text(), path, None)
-            if not isinstance(records, list):
-                raise ValueError(f"{path}: a JSON prompts file is a list (of strings, or of records with {field!r})")
-        elif suffix in TABLE_FORMATS:
-            records = _table(path, field)
-        else:
-            raise ValueError(
-                f"prompts file {path}: unknown format {suffix or '(no suffix)'}; use .txt, .jsonl, .json, "
-                f"{', '.join(TABLE_FORMATS)}"
-            )
-    except (OSError, UnicodeDecodeError) as error:
-        raise ValueError(f"unreadable prompts file {path}: {' '.join(str(error).split())}") from None
-    prompts = [_prompt(record, field, path, n) for n, record in enumerate(records, 1)]
+    prompts = [_prompt(record, field, path, n) for n, record in enumerate(read_records(path, field), 1)]
     prompts = [p.strip() for p in prompts if p.strip()]
     if not prompts:
         raise ValueError(f"prompts file {path} holds no prompt")
     return prompts
+
+
+def read_records(path: Path, field: str, setting: str = "prompts.field") -> list:
+    """The records of a prompts file, in its order, every field kept: strings (a .txt's lines, a JSON list's
+    strings) or mappings (JSON lines, a JSON list's objects, a table's rows: .parquet, .csv, .arrow, or a directory
+    `datasets.Dataset.save_to_disk` wrote). `field` is the prompt's, which a table must have as a column (else
+    one line naming the config's `setting`)."""
+    suffix = path.suffix.lower()
+    try:
+        if path.is_dir():
+            return _table(path, field, setting)
+        if suffix == ".txt":
+            return path.read_text().splitlines()
+        if suffix == ".jsonl":
+            return [_json(line, path, n) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+        if suffix == ".json":
+            records = _json(path.read_text(), path, None)
+            if not isinstance(records, list):
+                raise ValueError(f"{path}: a JSON prompts file is a list (of strings, or of records with {field!r})")
+            return records
+        if suffix in TABLE_FORMATS:
+            return _table(path, field, setting)
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"unreadable prompts file {path}: {' '.join(str(error).split())}") from None
+    raise ValueError(
+        f"prompts file {path}: unknown format {suffix or '(no suffix)'}; use .txt, .jsonl, .json, "
+        f"{', '.join(TABLE_FORMATS)}"
+    )
 
 
 def _json(text: str, path: Path, line: int | None):
@@ -125,14 +135,20 @@ def _prompt(record, field: str, path: Path, n: int) -> str:
     return value
 
 
-def _table(path: Path, field: str) -> list:
+def _table(path: Path, field: str, setting: str) -> list:
+    """The rows of a table file, or of a dataset directory `save_to_disk` wrote, as mappings of every column."""
     import datasets
 
     datasets.disable_progress_bars()
     try:
-        table = datasets.load_dataset(TABLE_FORMATS[path.suffix.lower()], data_files=str(path), split="train")
+        if path.is_dir():
+            table = datasets.load_from_disk(str(path))
+        else:
+            table = datasets.load_dataset(TABLE_FORMATS[path.suffix.lower()], data_files=str(path), split="train")
     except Exception as error:  # a damaged file raises whatever its reader does
         raise ValueError(f"unreadable prompts file {path}: {' '.join(str(error).split())[:300]}") from None
+    if isinstance(table, datasets.DatasetDict):
+        raise ValueError(f"{path} holds the splits {list(table)}: give the directory of one split")
     if field not in table.column_names:
-        raise ValueError(f"{path} has no column {field!r} (columns: {table.column_names}); set prompts.field")
-    return [{field: value} for value in table[field]]
+        raise ValueError(f"{path} has no column {field!r} (columns: {table.column_names}); set {setting}")
+    return table.to_list()

@@ -62,9 +62,11 @@ RESUMABLE_FIELDS = (
     "cluster",
     "runtime",
     "logger",
+    "import_dirs",
 )
 """Config fields (and sections) a resumed run may change: how long it runs, how often it evaluates and saves, where
-and how the work is scheduled (every policy computes the reference's parameters), what it reports to. Any other
+and how the work is scheduled (every policy computes the reference's parameters), what it reports to, where its
+reward modules are found. Any other
 field changes what a step computes, and the resumed run would not be the run its checkpoint belongs to."""
 
 

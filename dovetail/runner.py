@@ -23,18 +23,20 @@ from dovetail.exec.lm import (
     LMEngines,
     commit_scale,
     encode_prompts,
+    lm_checkpoint_io,
     lm_step_metrics,
+    model_context,
     sampling_params,
+    stop_strings,
     success_rate,
-    task_prompts,
 )
 from dovetail.exec.messages import Decode, LMLogProbs, LMTrain, Prefill, Score
 from dovetail.graph.node import SampleId
 from dovetail.kinds import kind
+from dovetail.models.causal_lm import rollout_engine
 from dovetail.models.diffusers_flow import checkpoint_io, load_decoder, load_flow_model
-from dovetail.models.engine import Request, TorchEngine
+from dovetail.models.engine import Request
 from dovetail.models.flow_rl import generate, group_sample_ids, step_prompts
-from dovetail.models.lm import load_lm, save_lm
 from dovetail.models.pretrain import latents_to_images
 from dovetail.models.training import commit, set_summed_gradient, weights_of
 from dovetail.prompts import train_prompts
@@ -57,7 +59,6 @@ from dovetail.run_dir import (
     load_checkpoint,
     resume_points,
 )
-from dovetail.tasks import task
 from dovetail.trackers import Evaluation, RunProgress, Tracker, check_installed, open_trackers, scalars
 
 
@@ -299,6 +300,7 @@ class LMLocal:
         self.config = config
         self.engines = LMEngines(config, torch.device("cpu"), True, None)
         self.model, self.optimizer = self.engines.trainer, self.engines.optimizer
+        self.save_weights, self.load_weights = lm_checkpoint_io(config, self.model, self.engines.tokenizer)
 
     def evaluate(self, run: RunDir, grid: str, step: int) -> Evaluation:
         scores, samples = lm_evaluate(self.engines, self.config)
@@ -306,13 +308,6 @@ class LMLocal:
 
     def rl_step(self, step: int) -> dict:
         return lm_rl_step(self.engines, self.config, step)
-
-    def save_weights(self, directory: Path) -> None:
-        save_lm(self.engines.trainer, self.engines.tokenizer, self.engines.lm_config, directory)
-
-    @staticmethod
-    def load_weights(directory: Path):
-        return load_lm(directory)[0]
 
 
 def train(
@@ -510,7 +505,7 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
     """One on-policy GRPO step of the reference path, in this process, through the very work the Ray workers do:
     every response to the end, scores, one train pass over the whole batch, one optimizer step."""
 
-    pipeline, algo = config.task, config.algo
+    pipeline, algo = config.pipeline_name, config.algo
     timings: dict[str, float] = {}
 
     def timed(phase: str, work):
@@ -520,7 +515,7 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
         return result
 
     ids = [SampleId(step, p, i) for p in range(algo.prompts_per_step) for i in range(algo.group_size)]
-    prompts = encode_prompts(config, engines.tokenizer, task_prompts(config, step))
+    prompts = encode_prompts(config, engines.tokenizer, engines.prompts.step(step), model_context(config))
     weights = weights_of(engines.trainer)
     started = timed("prefill", Prefill(pipeline, ids, [prompts[s.prompt] for s in ids], step, weights))
     responses = timed("decode", Decode(pipeline, [started], config.max_new_tokens, weights))
@@ -544,19 +539,28 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
 
 
 def lm_evaluate(engines, config: LMTrainConfig) -> tuple[dict[str, float], list[tuple[str, str]]]:
-    """Held-out success: one response per eval-split prompt, sampled as in training from the eval seed; and the
-    (prompt, completion) pairs."""
-
-    the_task = task(config.task)
-    prompts = the_task.prompts("eval", config.eval.seed, 0, config.eval.prompts)
-    engine = TorchEngine.from_model(
-        engines.trainer, sampling_params(config, engines.tokenizer.eos_id, seed=config.eval.seed), max_batch=64
+    """One response per held-out prompt, sampled as in training from the eval seed; their scores (the total: a
+    task's success rate, a dataset's mean reward) and the (prompt, completion) pairs."""
+    rows = engines.prompts.eval()
+    context = model_context(config)
+    encoded = encode_prompts(config, engines.tokenizer, rows, context)
+    engine = rollout_engine(
+        engines.trainer,
+        sampling_params(config, engines.tokenizer.stop_ids, seed=config.eval.seed),
+        max_len=min(context, max(map(len, encoded)) + config.max_new_tokens),
+        device=torch.device("cpu"),
+        stop=stop_strings(config, engines.tokenizer),
     )
-    encoded = encode_prompts(config, engines.tokenizer, prompts)
-    requests = [Request((0, i, 0), ids) for i, ids in enumerate(encoded)]
-    completions = [engines.tokenizer.decode(r.tokens) for r in engine.generate(requests)]
-    scores = score_text(completions, prompts, config.rewards, config.reward_timeout_s)
-    success = {"total": success_rate(config, completions, prompts)}
-    return success | {f"reward/{name}": float(values.mean()) for name, values in scores.items()}, list(
-        zip(prompts, completions)
+    responses = engine.generate([Request((0, i, 0), ids) for i, ids in enumerate(encoded)])
+    completions = [engines.tokenizer.decode(r.tokens) for r in responses]
+    prompts = [row.prompt for row in rows]
+    reward_context = engines.prompts.context(rows, [len(r.tokens) for r in responses])
+    scores = score_text(completions, prompts, config.rewards, config.reward_timeout_s, reward_context)
+    if config.user_model:
+        total = {"total": float(scores["total"].mean())}
+    else:
+        total = {"total": success_rate(config, completions, prompts)}
+    shown = [p if isinstance(p, str) else engines.tokenizer.decode(ids) for p, ids in zip(prompts, encoded)]
+    return total | {f"reward/{name}": float(values.mean()) for name, values in scores.items()}, list(
+        zip(shown, completions)
     )

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dovetail.config.load import load_config
-from dovetail.exec.lm import LMEngines, commit_scale, encode_prompts, task_prompts
+from dovetail.exec.lm import LMEngines, commit_scale, encode_prompts, model_context
 from dovetail.exec.messages import Decode, LMLogProbs, LMTrain, Prefill, Score
 from dovetail.graph.node import SampleId
 from dovetail.models.lm_rl import by_group
@@ -26,7 +26,7 @@ def step():
     )
     engines = LMEngines(config, torch.device("cpu"), True, None)
     ids = [SampleId(0, p, i) for p in range(PROMPTS) for i in range(GROUP)]
-    prompts = encode_prompts(config, engines.tokenizer, task_prompts(config, 0))
+    prompts = encode_prompts(config, engines.tokenizer, engines.prompts.step(0), model_context(config))
     weights = weights_of(engines.trainer)
     started = engines.run(Prefill("sort", ids, [prompts[s.prompt] for s in ids], 0, weights))
     responses = engines.run(Decode("sort", [started], config.max_new_tokens, weights))

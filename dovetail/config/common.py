@@ -10,6 +10,7 @@ file or the field and what it allows."""
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal, Protocol, get_args
 
@@ -177,6 +178,22 @@ class RunSection(Section):
         max_length=len(TRACKERS),
         description="where each step's metrics and every evaluation go besides metrics.jsonl (dovetail.trackers)",
     )
+    import_dirs: list[Annotated[Path, Field(strict=False)]] = Field(
+        default_factory=list,
+        max_length=16,
+        description="where a custom reward's module is found besides sys.path; a config read from a file adds its "
+        "own directory and the working directory",
+    )
+
+    @field_validator("import_dirs")
+    @classmethod
+    def _importable(cls, directories: list[Path]) -> list[Path]:
+        """Every process that reads the config (the driver, each Ray worker, and through them the reward process)
+        imports reward modules from these directories too, after everything installed (they shadow nothing)."""
+        for directory in directories:
+            if str(directory) not in sys.path:
+                sys.path.append(str(directory))
+        return directories
 
     @property
     def pipeline_name(self) -> str:

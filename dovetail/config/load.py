@@ -36,7 +36,7 @@ def apply_override(tree: dict[str, Any], override: str) -> None:
 
 def load_config(path: Path | str | None = None, overrides: Sequence[str] = (), *, rewards: bool = True) -> TrainConfig:
     """The run config of a YAML file (None, or an empty file: the defaults) with dotted overrides applied; `rewards`
-    as `parse_config`'s."""
+    as `parse_config`'s. A reward module beside the file or in the working directory imports (`import_dirs_of`)."""
     tree: Any = {}
     if path is not None:
         try:
@@ -51,7 +51,20 @@ def load_config(path: Path | str | None = None, overrides: Sequence[str] = (), *
             )
     for override in overrides:
         apply_override(tree, override)
+    if path is not None:
+        import_dirs_of(tree, Path(path))
     return parse_config(tree, rewards=rewards)
+
+
+def import_dirs_of(tree: dict, config: Path) -> None:
+    """A reward module beside the config file, or in the working directory, imports with no PYTHONPATH set, as
+    `python train.py` finds a module beside train.py: each pipeline's `import_dirs`, where the file sets none, are
+    those two directories (the config records them, so that every Ray worker and a resumed run look there too)."""
+    directories = list(dict.fromkeys([str(config.resolve().parent), str(Path.cwd())]))
+    entries = tree.get("pipelines") if tree.get("kind") == "multiplex" else [tree]
+    for entry in entries if isinstance(entries, list) else []:
+        if isinstance(entry, dict):
+            entry.setdefault("import_dirs", directories)
 
 
 def parse_config(tree: Any, *, rewards: bool = True) -> TrainConfig:

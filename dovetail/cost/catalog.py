@@ -111,6 +111,46 @@ class LanguageModel:
     def attention_width(self) -> int:
         return self.heads * self.head_dim
 
+    def shape(self) -> dict:
+        """Everything but the name: what a scenario's `architecture` carries of a model outside the catalogue."""
+        return {
+            "params": self.params,
+            "layers": self.layers,
+            "hidden": self.hidden,
+            "heads": self.heads,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "vocab": self.vocab,
+        }
+
+
+def language_model_of_config(name: str, config: dict) -> LanguageModel:
+    """A decoder-only model's shape from its transformers config.json (Llama, Qwen, Mistral and the like name their
+    fields alike; GPT-2's n_layer / n_embd / n_head too): parameters counted from the matrices, embeddings (and an
+    untied output head), q / k / v / o projections, a gated MLP where `intermediate_size` is given (else GPT-2's
+    4 x hidden two-matrix MLP), and the norms. A field it lacks is a ValueError naming it."""
+    aliases = {
+        "layers": ("num_hidden_layers", "n_layer"),
+        "hidden": ("hidden_size", "n_embd"),
+        "heads": ("num_attention_heads", "n_head"),
+        "vocab": ("vocab_size",),
+    }
+    values = {}
+    for field, names in aliases.items():
+        found = next((config[n] for n in names if isinstance(config.get(n), int) and config[n] > 0), None)
+        if found is None:
+            raise ValueError(f"config.json of {name} gives no {' or '.join(names)}: the planner cannot price it")
+        values[field] = found
+    layers, hidden, heads, vocab = values["layers"], values["hidden"], values["heads"], values["vocab"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    intermediate = config.get("intermediate_size")
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
+    mlp = 3 * hidden * intermediate if intermediate else 8 * hidden * hidden
+    embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings", True) else 2)
+    params = embeddings + layers * (attention + mlp + 2 * hidden) + hidden
+    return LanguageModel(name, float(params), layers, hidden, heads, kv_heads, head_dim, vocab)
+
 
 @dataclass(frozen=True)
 class DiffusionModel:

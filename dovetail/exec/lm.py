@@ -3,8 +3,9 @@
 `LMAdapter` turns the nodes of `graph.llm` into typed work: a shard's prefill and decode bands on its rollout
 engine (a decode band continues whatever is still running, up to the band's upper edge: lengths are learnt by
 decoding), scores of a micro-batch of whole groups, old / reference log-probs and the train micro-batches on the
-trainer devices. `LMEngines` holds the tiny Llama as trainer, our `TorchEngine` as rollout engine, the frozen base
-model for a KL term and the task's rule rewards.
+trainer devices. `LMEngines` holds the policy as trainer (a built-in task's tiny Llama, or a user's transformers model,
+`models.causal_lm`), its rollout engine (`TorchEngine`, or transformers' own forward for an architecture it does not
+compute), the frozen base model for a KL term and the rewards (`exec.lm_prompts` finds each sample's prompt row).
 
 Each train part sums its loss (`lm_grpo_loss(loss_scale=1)`) and says how much it adds to the step's normaliser
 (tokens, sequences, or sequences x max_new_tokens); the commit divides the all-reduced sum by the step's total, so
@@ -14,6 +15,7 @@ any split into micro-batches and devices, in any finishing order, trains what on
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -24,9 +26,9 @@ import ray
 import torch
 
 from dovetail.config.lm import LMTrainConfig
-from dovetail.cost.catalog import language_model
 from dovetail.cost.model import CostModel
 from dovetail.exec.interference import Span, time_work
+from dovetail.exec.lm_prompts import Row, RunPrompts
 from dovetail.exec.messages import (
     Decode,
     LMLogProbs,
@@ -43,12 +45,26 @@ from dovetail.exec.pipeline import PROFILE_ROUNDS, Part, PipelineAdapter, Pipeli
 from dovetail.exec.plan import rollout_wake_s
 from dovetail.graph.flow import split
 from dovetail.graph.node import Kind, Node, SampleId
-from dovetail.models.engine import Request, SamplingParams, TorchEngine
-from dovetail.models.lm import load_lm, load_tokenizer, read_lm_config
+from dovetail.models.causal_lm import (
+    HFTokenizer,
+    StopStrings,
+    causal_lm_config,
+    context_of,
+    export_builtin_lm,
+    export_causal_lm,
+    load_causal_lm,
+    load_causal_lm_checkpoint,
+    rollout_engine,
+    rollout_state,
+    save_causal_lm_checkpoint,
+)
+from dovetail.models.engine import Request, SamplingParams, engine_problem
+from dovetail.models.lm import load_lm, load_tokenizer, read_lm_config, save_lm
 from dovetail.models.lm_rl import accumulate_group_gradients, by_group, group_log_probs, policy_gradient
 from dovetail.models.training import commit, set_summed_gradient, synchronize, tensors_of, trainer_state_of, weights_of
 from dovetail.recipe import make_optimizer
-from dovetail.rewards.text import score_text
+from dovetail.rewards.text import columns_read, score_text, text_reward_fn
+from dovetail.run_dir import load_checkpoint
 from dovetail.scenario import Scenario
 from dovetail.tasks import final_answer, task
 
@@ -56,38 +72,86 @@ STAT_MEANS = ("clip_frac", "approx_kl", "ratio_mean", "kl_ref", "entropy")
 """Per-token means each train part reports; the step's are weighted by the parts' tokens."""
 
 
-def prompt_ids(tokenizer, prompt: str) -> list[int]:
-    """A prompt as the model reads it: beginning of sequence, then its characters."""
-    return [tokenizer.bos_id, *tokenizer.encode(prompt)]
+def load_policy(config: LMTrainConfig):
+    """The run's base policy and its tokenizer: a user's transformers model (`model.path`, with its LoRA adapter),
+    or a built-in task's model."""
+    if config.user_model:
+        lora = None if config.model.lora is None else config.model.lora.model_dump()
+        return load_causal_lm(config.model.path, lora=lora, seed=config.seed), HFTokenizer.load(config.model.path)
+    model, tokenizer, _ = load_lm(config.model.checkpoint)
+    return model, tokenizer
 
 
-def encode_prompts(config: LMTrainConfig, tokenizer, prompts: list[str]) -> list[list[int]]:
-    """The prompts' token ids, each checked to leave room in the model's context for max_new_tokens: a prompt too
-    long is the config's error, named before any work is sent."""
-    context = read_lm_config(Path(config.model.checkpoint)).max_positions
-    encoded = [prompt_ids(tokenizer, p) for p in prompts]
-    for prompt, ids in zip(prompts, encoded):
-        if len(ids) + config.max_new_tokens > context:
+def load_reference(config: LMTrainConfig):
+    """The frozen base model a KL term compares with: the policy's start, a user's model without its adapter."""
+    if config.user_model:
+        return load_causal_lm(config.model.path, lora=None, seed=config.seed)
+    return load_policy(config)[0]
+
+
+def load_run_tokenizer(config: LMTrainConfig):
+    return HFTokenizer.load(config.model.path) if config.user_model else load_tokenizer(config.model.checkpoint)
+
+
+def model_context(config: LMTrainConfig) -> int:
+    """The positions the run's model reads: prompt and response together fit in them."""
+    if config.user_model:
+        return context_of(config.model.path)
+    return read_lm_config(Path(config.model.checkpoint)).max_positions
+
+
+def encode_prompts(config: LMTrainConfig, tokenizer, rows: list[Row], context: int) -> list[list[int]]:
+    """The prompts' token ids (a longer one than prompts.max_tokens keeps its last tokens), each checked to leave
+    room in the model's `context` for max_new_tokens: a prompt too long is the config's error, named before any work
+    is sent."""
+    limit = config.prompts.max_tokens if config.prompts is not None else None
+    encoded = [tokenizer.prompt_ids(row.prompt) for row in rows]
+    if limit is not None:
+        encoded = [ids[-limit:] for ids in encoded]
+    for row, ids in zip(rows, encoded):
+        if not ids or len(ids) + config.max_new_tokens > context:
+            where = config.model.path or config.model.checkpoint
+            fix = "set prompts.max_tokens (keeps a prompt's last tokens) or " if config.user_model else ""
             raise ValueError(
-                f"prompt {prompt!r} ({len(ids)} tokens) and sampling.max_new_tokens={config.max_new_tokens} exceed "
-                f"the model's context of {context} tokens ({config.model.checkpoint}): lower sampling.max_new_tokens"
+                f"prompt {str(row.prompt)[:200]!r} ({len(ids)} tokens) and sampling.max_new_tokens="
+                f"{config.max_new_tokens} exceed the model's context of {context} tokens ({where}): "
+                f"{fix}lower sampling.max_new_tokens"
             )
     return encoded
 
 
-def task_prompts(config: LMTrainConfig, rl_step: int) -> list[str]:
-    """The B prompts of an RL step: a pure function of (seed, step), from the task's train split."""
-    return task(config.task).prompts("train", config.seed, rl_step, config.algo.prompts_per_step)
+def engine_length(config: LMTrainConfig, tokenizer, prompts: RunPrompts, context: int) -> int:
+    """The positions a rollout engine's cache holds: the model's context, or for a dataset the longest prompt (at
+    most prompts.max_tokens) and max_new_tokens, where that is less (a large model's context would be a cache of
+    gigabytes)."""
+    rows = prompts.all()
+    if not rows:
+        return context
+    encoded = encode_prompts(config, tokenizer, rows, context)
+    return min(context, max(map(len, encoded)) + config.max_new_tokens)
 
 
-def sampling_params(config: LMTrainConfig, eos_id: int, seed: int | None = None) -> SamplingParams:
+def sampling_params(config: LMTrainConfig, stop_ids: tuple[int, ...], seed: int | None = None) -> SamplingParams:
     return SamplingParams(
         temperature=config.sampling.temperature,
         top_p=config.sampling.top_p,
         max_new_tokens=config.max_new_tokens,
-        stop_ids=(eos_id,),
+        stop_ids=stop_ids,
         seed=config.seed if seed is None else seed,
     )
+
+
+def stop_strings(config: LMTrainConfig, tokenizer) -> StopStrings | None:
+    return StopStrings(tokenizer, config.sampling.stop) if config.sampling.stop else None
+
+
+def lm_checkpoint_io(config: LMTrainConfig, model, tokenizer) -> tuple[Callable, Callable]:
+    """(save_weights, load_weights) of an LM run's checkpoints for `RunDir`: the built-in model's own format, or a
+    transformers model's trained tensors and where it came from."""
+    if config.user_model:
+        return (lambda directory: save_causal_lm_checkpoint(model, directory)), load_causal_lm_checkpoint
+    lm_config = read_lm_config(Path(config.model.checkpoint))
+    return (lambda directory: save_lm(model, tokenizer, lm_config, directory)), (lambda d: load_lm(d)[0])
 
 
 def responses_of(requests: list[Request], version: int) -> Responses:
@@ -116,22 +180,28 @@ class LMEngines(PipelineEngines):
 
     def __init__(self, config: LMTrainConfig, device: torch.device, holds_policy: bool, trainer_state: dict | None):
         super().__init__(config, device)
-        self.tokenizer = load_tokenizer(config.model.checkpoint)
+        self.tokenizer = load_run_tokenizer(config)
+        self.prompts = RunPrompts(config)
         if not holds_policy:
             return
-        model, _, self.lm_config = load_lm(config.model.checkpoint)
+        model, _ = load_policy(config)
         self.trainer = model.to(device)
         self.optimizer = make_optimizer(self.trainer, config)
         if trainer_state is not None:
             self.load_trainer_state(trainer_state)
         if config.algo.beta > 0:
-            self.reference = load_lm(config.model.checkpoint)[0].to(device).requires_grad_(False)
-        self.rollout = TorchEngine.from_model(
-            self.trainer, sampling_params(config, self.tokenizer.eos_id), max_batch=64, device=device
+            self.reference = load_reference(config).to(device).requires_grad_(False)
+        context = model_context(config)
+        self.rollout = rollout_engine(
+            self.trainer,
+            sampling_params(config, self.tokenizer.stop_ids),
+            max_len=engine_length(config, self.tokenizer, self.prompts, context),
+            device=device,
+            stop=stop_strings(config, self.tokenizer),
         )
 
     def load_rollout(self, weights: dict) -> None:
-        self.rollout.load_weights(tensors_of(weights))
+        self.rollout.load_weights(rollout_state(self.trainer, tensors_of(weights)))
 
     def run(self, work: Work):
         if isinstance(work, Prefill):
@@ -147,11 +217,13 @@ class LMEngines(PipelineEngines):
             return self._nothing(work)
         if isinstance(work, Score):
             chosen = self._select(work.rollouts, work.samples)
+            rows = [self.prompts.train(sample.step, sample.prompt) for sample in chosen]
             completions = [self.tokenizer.decode(r.tokens) for r in chosen.values()]
-            prompts = [self.tokenizer.decode(r.prompt) for r in chosen.values()]
-            return Scores(
-                list(chosen), score_text(completions, prompts, self.config.rewards, self.config.reward_timeout_s)
+            context = self.prompts.context(rows, [len(r.tokens) for r in chosen.values()])
+            scores = score_text(
+                completions, [row.prompt for row in rows], self.config.rewards, self.config.reward_timeout_s, context
             )
+            return Scores(list(chosen), scores)
         if isinstance(work, LMLogProbs):
             chosen = self._select(work.rollouts, work.samples)
             model = self.reference if work.reference else self.trainer
@@ -228,23 +300,23 @@ def profile_works(
     kind: `samples` responses of RL step -1 (never trained) prefilled (the trainer's weights loaded into the rollout
     engine first), decoded, scored, their log-probs, a train and an optimizer step of the engines' own trainer (run
     them `trainer_kept`), a publication to the rollout engine."""
-    config = engines.config
-    prompts = task(config.task).prompts("train", config.seed, -1, samples)
+    config, name = engines.config, engines.config.pipeline_name
     ids = [SampleId(-1, p, 0) for p in range(samples)]
-    encoded = [prompt_ids(engines.tokenizer, p) for p in prompts]
+    rows = [engines.prompts.train(-1, p) for p in range(samples)]
+    encoded = encode_prompts(config, engines.tokenizer, rows, model_context(config))
     engines.rollout_version = None
     weights = carry(weights_of(engines.trainer))
 
     def train(done: dict) -> Trained:
-        trained = engines.run(LMTrain(config.task, ids, False, [done["decode"]], [done["score"]]))
+        trained = engines.run(LMTrain(name, ids, False, [done["decode"]], [done["score"]]))
         set_summed_gradient(engines.trainer, [engines.part_gradient()], 1.0)
         return trained
 
     return {
-        "prefill": lambda done: engines.run(Prefill(config.task, ids, encoded, -1, weights)),
-        "decode": lambda done: engines.run(Decode(config.task, [done["prefill"]], config.max_new_tokens, weights)),
-        "score": lambda done: engines.run(Score(config.task, [done["decode"]], None)),
-        "logprob": lambda done: engines.run(LMLogProbs(config.task, ids, [done["decode"]], False)),
+        "prefill": lambda done: engines.run(Prefill(name, ids, encoded, -1, weights)),
+        "decode": lambda done: engines.run(Decode(name, [done["prefill"]], config.max_new_tokens, weights)),
+        "score": lambda done: engines.run(Score(name, [done["decode"]], None)),
+        "logprob": lambda done: engines.run(LMLogProbs(name, ids, [done["decode"]], False)),
         "train": train,
         "optimizer": lambda done: commit(engines.trainer, engines.optimizer, config.train.max_grad_norm),
         "publish": lambda done: engines.load_rollout(carry(weights_of(engines.trainer))),
@@ -281,7 +353,7 @@ def fitted_cost(config: LMTrainConfig, scenario: Scenario, measured: dict) -> Co
     cache), where a CPU core's engines stay resident and a switch is a round trip."""
     spec = scenario.pipelines[0]
     analytic = CostModel(config.cluster.device)
-    model = language_model(spec.model)
+    model = spec.catalogue_model()
     prompts, lengths = measured["prompt_tokens"], measured["lengths"]
     full = [p + n for p, n in zip(prompts, lengths)]
     predicted = {
@@ -299,11 +371,41 @@ def fitted_cost(config: LMTrainConfig, scenario: Scenario, measured: dict) -> Co
 
 
 def check_checkpoint(config: LMTrainConfig) -> None:
-    """What every run meets as it starts, whatever its policy (the dry run's check): the checkpoint loads, and the
-    prompts it encodes first (the base evaluation's, the first step's) leave max_new_tokens in the model's context."""
-    tokenizer = load_lm(config.model.checkpoint)[1]
-    prompts = task(config.task).prompts("eval", config.eval.seed, 0, config.eval.prompts)
-    encode_prompts(config, tokenizer, prompts + task_prompts(config, 0))
+    """What every run meets as it starts, whatever its policy (the dry run's check): the model loads (a user's: its
+    config is a causal LM's, its weights are not read), its tokenizer loads, the dataset reads, the prompts it encodes
+    (a dataset's every one; a task's first: the base evaluation's, the first step's) leave max_new_tokens in the
+    model's context, and the rewards' columns are the dataset's. A model our engine does not compute is said in one
+    line on stderr: its rollouts run on transformers' own forward."""
+    if config.user_model:  # its config and tokenizer: a large model's weights are the run's to load
+        model_config, tokenizer = causal_lm_config(config.model.path), HFTokenizer.load(config.model.path)
+    else:
+        model, tokenizer = load_policy(config)
+        model_config = model.config
+    prompts = RunPrompts(config)
+    encode_prompts(config, tokenizer, prompts.all() or [*prompts.eval(), *prompts.step(0)], model_context(config))
+    check_columns(config, prompts)
+    problem = engine_problem(model_config, model_context(config))
+    if config.user_model and problem is not None:
+        print(
+            f"note: {config.model.path}: our rollout engine does not compute {problem}; rollouts run on "
+            "transformers' own forward (slower)",
+            file=sys.stderr,
+        )
+
+
+def check_columns(config: LMTrainConfig, prompts: RunPrompts) -> None:
+    """Every column a dataset run's reward reads (`columns_read`) is one of the dataset's: else one line naming the
+    reward, the columns and the file, before any work."""
+    if config.prompts is None:
+        return
+    columns = {name for row in prompts.all() for name in row.columns}
+    for name in config.rewards:
+        missing = columns_read(name, text_reward_fn(name, dataset=True)) - columns
+        if missing:
+            raise ValueError(
+                f"reward {name!r} reads the column {', '.join(sorted(missing))}, which {config.prompts.path} has not "
+                f"(its columns: {sorted(columns)}): add it, or set prompts.prompt_field to the prompt's column"
+            )
 
 
 def profile_here(config: LMTrainConfig, carry: Callable[[dict], dict]) -> dict:
@@ -316,7 +418,9 @@ class LMAdapter(PipelineAdapter):
 
     def __init__(self, config: LMTrainConfig, first_step: int) -> None:
         super().__init__(config, first_step)
-        self.tokenizer = load_tokenizer(config.model.checkpoint)
+        self.tokenizer = load_run_tokenizer(config)
+        self.run_prompts = RunPrompts(config)
+        self.context = model_context(config)
         self._prompts: dict[int, list[list[int]]] = {}
         self._assigned: dict[tuple[str, int], tuple[dict[str, list[SampleId]], set[int]]] = {}
         """(pipeline, graph step) -> streamed micro-batches' samples by score node, and the groups they took."""
@@ -332,7 +436,8 @@ class LMAdapter(PipelineAdapter):
         if node.kind == Kind.PREFILL:
             step = self.rl_step(node)
             if step not in self._prompts:
-                self._prompts[step] = encode_prompts(self.config, self.tokenizer, task_prompts(self.config, step))
+                rows = self.run_prompts.step(step)
+                self._prompts[step] = encode_prompts(self.config, self.tokenizer, rows, self.context)
             samples = [SampleId(step, p, i) for (_, p, i) in node.samples]
             prompts = [self._prompts[step][s.prompt] for s in samples]
             weights = run.weights(pipeline, version)
@@ -486,13 +591,30 @@ def merged_stats(parts: list[dict[str, float]]) -> dict[str, float]:
 
 
 def success_rate(config: LMTrainConfig, completions: list[str], prompts: list[str]) -> float:
-    """Share of completions whose final answer solves its prompt."""
+    """Share of completions whose final answer solves its (task) prompt."""
     the_task = task(config.task)
     return float(
         np.mean(
             [(a := final_answer(c)) is not None and the_task.is_correct(p, a) for c, p in zip(completions, prompts)]
         )
     )
+
+
+def exporter(config: LMTrainConfig) -> Callable[[Path, Path], None]:
+    """`dovetail export` of an LM run: a transformers directory of a checkpoint's model (`models.causal_lm`): a
+    user's model with its tokenizer (a LoRA adapter merged in, and in peft's layout in lora/), or a built-in task's
+    model with its character tokenizer as a transformers tokenizer."""
+
+    def write(checkpoint: Path, out: Path) -> None:
+        model, tokenizer = load_policy(config)
+        _, load_weights = lm_checkpoint_io(config, model, tokenizer)
+        load_checkpoint(checkpoint, model, make_optimizer(model, config), load_weights)
+        if config.user_model:
+            export_causal_lm(model, out)
+        else:
+            export_builtin_lm(model, tokenizer, out)
+
+    return write
 
 
 Adapter, Engines = LMAdapter, LMEngines

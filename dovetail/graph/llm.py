@@ -25,7 +25,7 @@ import math
 import random
 from dataclasses import dataclass, replace
 
-from dovetail.cost.catalog import LanguageModel, language_model
+from dovetail.cost.catalog import LanguageModel
 from dovetail.cost.model import CostModel, lora_params
 from dovetail.graph.node import Engines, Kind, Node, Role, SampleId
 from dovetail.graph.spec import LLMSpec, PipelineSpec
@@ -140,7 +140,7 @@ def engines(spec: LLMSpec, cost: CostModel, shape: LLMShape) -> Engines:
     """Per-device resident memory of the rollout engine (weights / TP + its KV-cache share) and the
     FSDP trainer (weights, grads, optimizer / trainer group), and their sleep / wake costs."""
 
-    model = language_model(spec.model)
+    model = spec.catalogue_model()
     tp = spec.tensor_parallel
     cost = shape.cost_model(cost)
     rollout = cost.rollout_memory(model, 0, tp).weights + cost.kv_cache_bytes(model, tp) / tp
@@ -154,14 +154,14 @@ def engines(spec: LLMSpec, cost: CostModel, shape: LLMShape) -> Engines:
 
 def trainable_params(spec: LLMSpec) -> float | None:
     """Parameters the trainer trains: None for the whole model, the adapter's count under LoRA."""
-    return lora_params(language_model(spec.model), spec.lora.rank, spec.lora.targets) if spec.lora else None
+    return lora_params(spec.catalogue_model(), spec.lora.rank, spec.lora.targets) if spec.lora else None
 
 
 def build_llm(spec: LLMSpec, steps: int, shape: LLMShape, cost: CostModel, seed: int = 0) -> list[Node]:
     """All nodes of `steps` consecutive GRPO steps of one language-model pipeline."""
 
     shape.check(spec)
-    model = language_model(spec.model)
+    model = spec.catalogue_model()
     cost = shape.cost_model(cost)
     nodes: list[Node] = []
     previous_commit: str | None = None

@@ -148,6 +148,19 @@ class LengthDistribution(_Spec):
         return self
 
 
+class ModelShape(_Spec):
+    """A language model outside the catalogue (a user's `model.path`), as its config.json gives it
+    (`cost.catalog.language_model_of_config`)."""
+
+    params: float = Field(gt=0, le=1e13)
+    layers: int = Field(gt=0, le=10_000)
+    hidden: int = Field(gt=0, le=1_000_000)
+    heads: int = Field(gt=0, le=10_000)
+    kv_heads: int = Field(gt=0, le=10_000)
+    head_dim: int = Field(gt=0, le=100_000)
+    vocab: int = Field(gt=0, le=10_000_000)
+
+
 class LLMSpec(_PipelineSpec):
     """A GRPO step of a causal language model."""
 
@@ -155,7 +168,12 @@ class LLMSpec(_PipelineSpec):
     min_plan_devices: ClassVar[int] = 1
     """One device can hold both engines of a language model's plan (verl's hybrid engine)."""
     name: PipelineName = Field(description="Pipeline name, unique in a scenario.")
-    model: str = Field(max_length=100, description="Language model from the catalogue, e.g. Qwen3-4B.")
+    model: str = Field(
+        max_length=100, description="Language model from the catalogue, e.g. Qwen3-4B; or the name of `architecture`."
+    )
+    architecture: ModelShape | None = Field(
+        None, description="The model's shape where it is not in the catalogue (a user's model, from its config.json)."
+    )
     batch: int = Field(gt=0, le=MAX_SAMPLES, description="Prompts per step.")
     group: GroupSize = Field(le=1024, description="Responses per prompt (n).")
     prompt_length: int = Field(256, gt=0, le=MAX_TOKENS)
@@ -178,7 +196,10 @@ class LLMSpec(_PipelineSpec):
     recompute_logprob: bool = Field(True, description="Recompute old log-probs in the trainer.")
 
     def catalogue_model(self) -> LanguageModel:
-        """The cost catalogue's entry of `model` (a ValueError naming the known ones if there is none)."""
+        """The model the cost model prices: `architecture` under the name `model`, else the cost catalogue's entry of
+        `model` (a ValueError naming the known ones if there is none)."""
+        if self.architecture is not None:
+            return LanguageModel(self.model, **self.architecture.model_dump())
         return language_model(self.model)
 
     @model_validator(mode="after")

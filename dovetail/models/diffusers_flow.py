@@ -31,14 +31,14 @@ from diffusers import (
     SD3Transformer2DModel,
     WanTransformer3DModel,
 )
-from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from dovetail.files import one_line
 from dovetail.models.pretrain import latents_to_images
-from dovetail.models.sampling import sample_key
 from dovetail.models.t2i import load_model, save_model
+from dovetail.models.training import with_lora
 from dovetail.prompts import prompt_split
 
 PROMPT_EMBEDDINGS = "prompt_embeds.safetensors"
@@ -317,23 +317,6 @@ TRANSFORMERS = {
 
 FLUX_SAMPLE_SIZE = 128
 """FluxPipeline's default latent size (1024-pixel images): FLUX's transformer config has none of its own."""
-
-
-def with_lora(transformer: SD3Transformer2DModel, lora: dict, seed: int) -> PeftModel:
-    """The transformer with a peft LoRA adapter (rank, alpha, target modules), the only part that trains. Its
-    random initial A matrices are drawn from `seed`, so every process of a run starts from the same adapter."""
-    config = LoraConfig(
-        r=lora["rank"],
-        lora_alpha=lora["alpha"] if lora["alpha"] is not None else lora["rank"],
-        target_modules=lora["target_modules"],
-        lora_dropout=0.0,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(sample_key(seed, "lora"))
-        try:
-            return get_peft_model(transformer, config)
-        except ValueError as error:  # no module matches the targets
-            raise ValueError(f"model.lora.target_modules={lora['target_modules']}: {one_line(error)}") from None
 
 
 def load_diffusers_flow(

@@ -24,10 +24,12 @@ How a GPU serving engine maps onto `Engine`:
 
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 Key = tuple[int, int, int]
 
@@ -161,19 +163,55 @@ def sample_tokens(
     return tokens, log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 
+ENGINE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+"""The transformers `model_type`s `LlamaWeights` computes: Llama and Mistral (optional attention and MLP biases),
+Qwen2 (q / k / v biases), Qwen3 (RMSNorm of each query and key head before RoPE)."""
+
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+"""RoPE types whose frequencies do not depend on the sequence's length: transformers' own functions compute them."""
+
+
+def engine_problem(config, max_len: int) -> str | None:
+    """Why `LlamaWeights` cannot compute a model of this transformers config over `max_len` positions (its
+    architecture, activation, RoPE or sliding window), or None where it can."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ENGINE_MODEL_TYPES:
+        return f"architecture {model_type!r} (the engine computes {', '.join(ENGINE_MODEL_TYPES)})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} (the engine's MLP is SwiGLU)"
+    rope = _rope_parameters(config)
+    if rope.get("rope_type", "default") not in STATIC_ROPE:
+        return f"RoPE {rope.get('rope_type')!r} (the engine computes {', '.join(STATIC_ROPE)})"
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    windowed = model_type == "mistral" or "sliding_attention" in layer_types
+    if windowed and window is not None and window < max_len:
+        return f"a sliding window of {window} positions, below the {max_len} a sequence takes"
+    return None
+
+
+def _rope_parameters(config) -> dict:
+    return getattr(config, "rope_parameters", None) or {
+        "rope_type": "default",
+        "rope_theta": getattr(config, "rope_theta", 10_000.0),
+    }
+
+
 class LlamaWeights:
     """The Llama architecture (RMSNorm, RoPE, GQA, SwiGLU) in fp32 from a `LlamaForCausalLM` state dict, with
     its attention reading and writing a caller-given KV cache; equal to Hugging Face's logits up to fp32
-    rounding (tested at 1e-5).
+    rounding (tested at 1e-5). Its relatives too (`ENGINE_MODEL_TYPES`): any bias a q / k / v / o, gate / up / down
+    projection has, and Qwen3's per-head query and key norms.
 
     Fewer, larger kernels per layer than HF's modules: q/k/v and gate/up are fused into one matrix each,
     the RMSNorm weights are folded into the matrices they feed, and queries of a GQA group share one
     batched product with their kv head's cache."""
 
     def __init__(self, config, state_dict: dict, *, max_len: int, device: str | torch.device = "cpu"):
-        rope = getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": config.rope_theta}
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"only default RoPE is implemented, got {rope}")
+        problem = engine_problem(config, max_len)
+        if problem is not None:
+            raise ValueError(f"the engine cannot compute {problem}")
+        rope = _rope_parameters(config)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -182,6 +220,14 @@ class LlamaWeights:
 
         def weight(name: str) -> torch.Tensor:
             return torch.as_tensor(state_dict[name]).detach().to(device, torch.float32).clone()
+
+        def biases(names: list[str], sizes: list[int]) -> torch.Tensor | None:
+            """The projections' biases end to end (zeros for one without), or None where none has one."""
+            if not any(name in state_dict for name in names):
+                return None
+            return torch.cat(
+                [weight(n) if n in state_dict else torch.zeros(size, device=device) for n, size in zip(names, sizes)]
+            )
 
         self.embed = weight("model.embed_tokens.weight")
         lm_head = weight("lm_head.weight") if "lm_head.weight" in state_dict else self.embed
@@ -192,21 +238,32 @@ class LlamaWeights:
             prefix = f"model.layers.{i}."
             attn = [weight(prefix + f"self_attn.{p}_proj.weight") for p in "qkvo"]
             mlp = [weight(prefix + f"mlp.{p}_proj.weight") for p in ("gate", "up", "down")]
-            self.layers.append(
-                {
-                    "qkv": torch.cat(attn[:3]) * weight(prefix + "input_layernorm.weight"),
-                    "o": attn[3],
-                    "gate_up": torch.cat(mlp[:2]) * weight(prefix + "post_attention_layernorm.weight"),
-                    "down": mlp[2],
-                }
-            )
-        half = torch.arange(0, self.head_dim, 2, dtype=torch.int64).to(device, torch.float32)
-        inv_freq = 1.0 / (rope["rope_theta"] ** (half / self.head_dim))
+            layer = {
+                "qkv": torch.cat(attn[:3]) * weight(prefix + "input_layernorm.weight"),
+                "qkv_bias": biases([prefix + f"self_attn.{p}_proj.bias" for p in "qkv"], [len(w) for w in attn[:3]]),
+                "o": attn[3],
+                "o_bias": biases([prefix + "self_attn.o_proj.bias"], [len(attn[3])]),
+                "gate_up": torch.cat(mlp[:2]) * weight(prefix + "post_attention_layernorm.weight"),
+                "gate_up_bias": biases([prefix + f"mlp.{p}_proj.bias" for p in ("gate", "up")], [len(mlp[0])] * 2),
+                "down": mlp[2],
+                "down_bias": biases([prefix + "mlp.down_proj.bias"], [len(mlp[2])]),
+                "qk_norm": None,
+            }
+            if prefix + "self_attn.q_norm.weight" in state_dict:  # Qwen3: one norm of each head's queries, keys
+                q_norm, k_norm = weight(prefix + "self_attn.q_norm.weight"), weight(prefix + "self_attn.k_norm.weight")
+                layer["qk_norm"] = torch.cat([q_norm.expand(self.num_heads, -1), k_norm.expand(self.num_kv_heads, -1)])
+            self.layers.append(layer)
+        if rope.get("rope_type", "default") == "default":
+            half = torch.arange(0, self.head_dim, 2, dtype=torch.int64).to(device, torch.float32)
+            inv_freq, scaling = 1.0 / (rope["rope_theta"] ** (half / self.head_dim)), 1.0
+        else:  # transformers' own frequencies (and attention scaling: YaRN's) of the scaled RoPE types
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, device)
+            inv_freq = inv_freq.to(device, torch.float32)
         angles = torch.arange(max_len, device=device, dtype=torch.float32)[:, None] * inv_freq[None]
         angles = torch.cat([angles, angles], dim=-1)
         # HF's rotate_half(x) * sin == roll(x, half) * sin with the first half's sign flipped (negation is
         # exact): one roll instead of two slices, a negation and a concatenation per rotation.
-        self.cos, self.signed_sin = angles.cos(), angles.sin()
+        self.cos, self.signed_sin = angles.cos() * scaling, angles.sin() * scaling
         self.signed_sin[:, : self.head_dim // 2] *= -1
 
     def forward(
@@ -281,8 +338,11 @@ class LlamaWeights:
         qk_heads, q_size = self.num_heads + kv_heads, self.num_heads * head_dim
         x = self.embed[tokens]
         for index, (layer, layer_k, layer_v) in enumerate(zip(self.layers, k_cache, v_cache)):
-            qkv = F.linear(self._normalize(x), layer["qkv"]).view(len(tokens), qk_heads + kv_heads, head_dim)
+            qkv = F.linear(self._normalize(x), layer["qkv"], layer["qkv_bias"])
+            qkv = qkv.view(len(tokens), qk_heads + kv_heads, head_dim)
             qk = qkv[:, :qk_heads]
+            if layer["qk_norm"] is not None:
+                qk = self._normalize(qk) * layer["qk_norm"]
             qk = qk * cos + qk.roll(head_dim // 2, dims=-1) * sin
             layer_k.view(-1).index_copy_(0, k_index, qk[:, self.num_heads :].reshape(-1))
             layer_v.view(-1, head_dim).index_copy_(0, v_index, qkv[:, qk_heads:].reshape(-1, head_dim))
@@ -300,9 +360,9 @@ class LlamaWeights:
             attended = attended.view(batch, kv_heads, groups, steps, head_dim).permute(0, 3, 1, 2, 4)
             attended = attended.reshape(batch, steps, q_size)
             attended = attended.reshape(-1, q_size) if real is None else attended[real]
-            x = x + F.linear(attended, layer["o"])
-            gate, up = F.linear(self._normalize(x), layer["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer["down"])
+            x = x + F.linear(attended, layer["o"], layer["o_bias"])
+            gate, up = F.linear(self._normalize(x), layer["gate_up"], layer["gate_up_bias"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer["down"], layer["down_bias"])
         return self._normalize(x)
 
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
@@ -311,6 +371,24 @@ class LlamaWeights:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head)
+
+
+def is_finished(request: Request, params: SamplingParams, stop: Callable[[list[int]], bool] | None) -> bool:
+    """Whether a request just given its latest token is done: a stop id, the token budget, or `stop`."""
+    return (
+        request.tokens[-1] in params.stop_ids
+        or len(request.tokens) >= params.max_new_tokens
+        or (stop is not None and stop(request.tokens))
+    )
+
+
+def check_fits(requests: list[Request], params: SamplingParams, max_len: int) -> None:
+    for request in requests:
+        if not request.prompt or len(request.prompt) + params.max_new_tokens > max_len:
+            raise ValueError(
+                f"request {request.key}: prompt of {len(request.prompt)} tokens + "
+                f"{params.max_new_tokens} new ones must fit in 1..{max_len}"
+            )
 
 
 class TorchEngine(Engine):
@@ -330,7 +408,10 @@ class TorchEngine(Engine):
 
     Paused requests keep their slot (beyond the running ones), so the next `generate` on this engine
     resumes them without a prefill. When a joining request needs a slot and none is free, the paused
-    occupant is evicted and re-prefilled if it comes back: slower, the same tokens."""
+    occupant is evicted and re-prefilled if it comes back: slower, the same tokens.
+
+    `stop(tokens)`, where given, ends a request whose tokens it says are done (stop strings: it reads only the
+    request's own tokens, so a request stops where it would in any batch, on any engine)."""
 
     def __init__(
         self,
@@ -341,9 +422,11 @@ class TorchEngine(Engine):
         num_slots: int | None = None,
         max_len: int | None = None,
         device: str | torch.device = "cpu",
+        stop: Callable[[list[int]], bool] | None = None,
     ):
         self.config = config
         self.params = params
+        self.stop = stop
         self.max_batch = max_batch
         self.num_slots = num_slots or 2 * max_batch
         if self.num_slots < max_batch:
@@ -384,12 +467,7 @@ class TorchEngine(Engine):
             raise RuntimeError("load_weights first")
         limit = self.params.max_new_tokens if until is None else min(until, self.params.max_new_tokens)
         results = [request.copy() for request in requests]
-        for request in results:
-            if not request.prompt or len(request.prompt) + self.params.max_new_tokens > self.max_len:
-                raise ValueError(
-                    f"request {request.key}: prompt of {len(request.prompt)} tokens + "
-                    f"{self.params.max_new_tokens} new ones must fit in 1..{self.max_len}"
-                )
+        check_fits(results, self.params, self.max_len)
         waiting = deque(r for r in results if not r.finished and len(r.tokens) < limit)
         keys = [r.key for r in waiting]
         self._key_states = dict(zip(keys, key_states(self.params.seed, keys, self.device).tolist()))
@@ -495,11 +573,10 @@ class TorchEngine(Engine):
         sampled, log_probs = sample_tokens(
             logits, uniforms_of(states, indices), self.params.temperature, self.params.top_p
         )
-        stop_ids, max_new_tokens = self.params.stop_ids, self.params.max_new_tokens
         for request, token, log_prob in zip(self.running, sampled.tolist(), log_probs.tolist()):
             request.tokens.append(token)
             request.log_probs.append(log_prob)
-            request.finished = token in stop_ids or len(request.tokens) >= max_new_tokens
+            request.finished = is_finished(request, self.params, self.stop)
         for slot in range(batch):
             self.cached_len[slot] += 1
 
@@ -514,3 +591,77 @@ class TorchEngine(Engine):
                 self._swap(slot, len(self.running) - 1)
                 self.running[slot] = self.running[-1]
                 self.running.pop()
+
+
+class TransformersEngine(Engine):
+    """Any transformers causal LM through its own forward and KV cache (what its `generate` runs), for the
+    architectures `LlamaWeights` does not compute: slower than `TorchEngine` (no continuous batching, no cache kept
+    for paused requests: a continuation re-prefills), the same contract: tokens drawn with the keyed uniforms, so a
+    request's tokens are its own whatever its batch, and log-probs as `sample_tokens` takes them.
+
+    Requests of one length (a GRPO group's) decode together, so no padding enters the model; a row that finishes
+    early keeps being fed until its batch is done, its further tokens dropped."""
+
+    def __init__(
+        self,
+        model,
+        params: SamplingParams,
+        *,
+        max_len: int,
+        max_batch: int = 32,
+        stop: Callable[[list[int]], bool] | None = None,
+    ):
+        self.model = model.eval().requires_grad_(False)  # its own copy: `load_weights` writes into it
+        self.params = params
+        self.max_len = max_len
+        self.max_batch = max_batch
+        self.stop = stop
+        self.paused: dict[Key, Request] = {}
+        self.prefill_tokens = 0
+
+    def load_weights(self, state_dict: dict) -> None:
+        self.model.load_state_dict(state_dict)
+
+    def export(self, key: Key) -> Request:
+        return self.paused.pop(key)
+
+    def generate(self, requests: list[Request], until: int | None = None) -> list[Request]:
+        limit = self.params.max_new_tokens if until is None else min(until, self.params.max_new_tokens)
+        results = [request.copy() for request in requests]
+        check_fits(results, self.params, self.max_len)
+        by_length: dict[int, list[Request]] = {}
+        for request in results:
+            if not request.finished and len(request.tokens) < limit:
+                by_length.setdefault(len(request.prompt) + len(request.tokens), []).append(request)
+        device = next(self.model.parameters()).device
+        with torch.inference_mode():
+            for same_length in by_length.values():
+                for first in range(0, len(same_length), self.max_batch):
+                    self._decode(same_length[first : first + self.max_batch], limit, device)
+        for request in results:
+            if request.finished:
+                self.paused.pop(request.key, None)
+            else:
+                self.paused[request.key] = request.copy()
+        return results
+
+    def _decode(self, batch: list[Request], limit: int, device: torch.device) -> None:
+        inputs = torch.tensor([r.prompt + r.tokens for r in batch], device=device)
+        self.prefill_tokens += inputs.numel()
+        states = key_states(self.params.seed, [r.key for r in batch], device)
+        cache = None
+        while True:
+            output = self.model(input_ids=inputs, cache=cache, use_cache=True)
+            cache = output.cache
+            indices = torch.tensor([len(r.tokens) for r in batch], device=device)
+            sampled, log_probs = sample_tokens(
+                output.logits[:, -1], uniforms_of(states, indices), self.params.temperature, self.params.top_p
+            )
+            for request, token, log_prob in zip(batch, sampled.tolist(), log_probs.tolist()):
+                if not request.finished and len(request.tokens) < limit:
+                    request.tokens.append(token)
+                    request.log_probs.append(log_prob)
+                    request.finished = is_finished(request, self.params, self.stop)
+            if all(r.finished or len(r.tokens) >= limit for r in batch):
+                return
+            inputs = sampled[:, None]

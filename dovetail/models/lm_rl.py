@@ -41,13 +41,15 @@ def pad_batch(sequences: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor
 
 
 def response_log_probs(
-    model, prompts: list[list[int]], responses: list[list[int]], temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+    model, prompts: list[list[int]], responses: list[list[int]], temperature: float, entropy: bool = False
+):
     """log softmax(logits / temperature)[token] of every response token given its prompt, in one batched
     forward of `model` (a causal LM returning `.logits`); gradients flow when called under grad.
 
     Returns (log_probs, mask), both (B, R) with R the longest response: log_probs[b, i] belongs to
-    responses[b][i] where mask[b, i], and is 0 elsewhere."""
+    responses[b][i] where mask[b, i], and is 0 elsewhere. With `entropy`, also the entropy (B, R) of each response
+    position's distribution, softmax(logits / temperature), the one its token was sampled from (0 on padding; under
+    grad where the log-probs are)."""
     device = next(model.parameters()).device
     ids, attention_mask = pad_batch([p + r for p, r in zip(prompts, responses)])
     logits = model(input_ids=ids.to(device), attention_mask=attention_mask.long().to(device)).logits
@@ -58,8 +60,12 @@ def response_log_probs(
     predicting = prompt_lengths[:, None] - 1 + torch.arange(targets.shape[1], device=device)
     predicting = predicting.clamp(max=logits.shape[1] - 1)  # padding columns: any valid row, masked below
     picked = logits.gather(1, predicting[..., None].expand(-1, -1, logits.shape[-1]))
-    log_probs = (picked / temperature).log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
-    return log_probs.masked_fill(~mask, 0.0), mask
+    distributions = (picked / temperature).log_softmax(-1)
+    log_probs = distributions.gather(-1, targets[..., None]).squeeze(-1).masked_fill(~mask, 0.0)
+    if not entropy:
+        return log_probs, mask
+    entropies = -(distributions.exp() * distributions).sum(-1)
+    return log_probs, mask, entropies.masked_fill(~mask, 0.0)
 
 
 def by_group(samples: Sequence[SampleId]) -> list[list[SampleId]]:
@@ -131,7 +137,9 @@ def policy_gradient(
     statistics need only its own members). Old log-probs are the recomputed ones given in `old_log_probs`, or on
     policy (none given: one optimizer step per batch) the trainer's own, detached, so the ratio is 1 — as TRL and
     verl skip that pass. A stale part (rollouts of an older version) is corrected by the decoupled PPO weight of
-    the proximal to the behaviour log-probs. `algo`: the run's `algo` section (clips, aggregation, KL)."""
+    the proximal to the behaviour log-probs. The mean token entropy of the sampling distributions is reported, and
+    with `algo.entropy_coef` its bonus trains (the loss less entropy_coef x the entropy, aggregated as the
+    surrogate). `algo`: the run's `algo` section (clips, aggregation, KL, entropy bonus)."""
     scored = sorted(rewards)
     advantages = group_advantages(
         torch.tensor([rewards[s] for s in scored]),
@@ -146,7 +154,9 @@ def policy_gradient(
         nonlocal normaliser
         group_requests = [requests[s] for s in group]
         prompts, responses = [r.prompt for r in group_requests], [r.tokens for r in group_requests]
-        log_probs, mask = response_log_probs(model, prompts, responses, temperature)
+        log_probs, mask, entropy = response_log_probs(model, prompts, responses, temperature, entropy=True)
+        if algo.entropy_coef == 0:
+            entropy = entropy.detach()  # the metric alone: no backward through it
         normaliser += normaliser_of(algo.aggregation, max_new_tokens, mask)
         if not mask.any():
             return None
@@ -175,6 +185,8 @@ def policy_gradient(
             ref_log_probs=padded(ref_log_probs) if ref_log_probs else None,
             beta=algo.beta,
             kl_estimator=algo.kl_estimator,
+            entropy=entropy,
+            entropy_coef=algo.entropy_coef,
             importance_weight=weight,
             loss_scale=1.0,
         )

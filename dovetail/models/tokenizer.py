@@ -34,6 +34,14 @@ class CharTokenizer:
             raise ValueError(f"text {text!r} has characters {unknown} outside the alphabet {self.alphabet!r}")
         return [self._ids[char] for char in text]
 
+    def prompt_ids(self, prompt: str) -> list[int]:
+        """A prompt as the model reads it: beginning of sequence, then its characters."""
+        return [self.bos_id, *self.encode(prompt)]
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return (self.eos_id,)
+
     def decode(self, ids: Iterable[int]) -> str:
         """The characters of ids, skipping pad, bos and eos wherever they are (the caller decides where to stop)."""
         first = len(SPECIAL_TOKENS)
@@ -43,6 +51,23 @@ class CharTokenizer:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "tokenizer.json").write_text(json.dumps({"alphabet": self.alphabet}, indent=2))
+
+    def to_transformers(self):
+        """The same tokenizer as a transformers `PreTrainedTokenizerFast` (one token per character, bos first, the
+        special tokens skipped when decoding): what `dovetail export` writes beside a built-in model, so that
+        `AutoTokenizer.from_pretrained` reads what the model learned."""
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)} | {char: i for char, i in self._ids.items()}
+        pad, bos, eos = SPECIAL_TOKENS
+        tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=None))
+        tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+        tokenizer.decoder = decoders.Fuse()
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", special_tokens=[(bos, self.bos_id)]
+        )
+        return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=bos, eos_token=eos, pad_token=pad)
 
     @classmethod
     def load(cls, directory: Path | str) -> "CharTokenizer":

@@ -1,8 +1,13 @@
 """What every trainer does, whatever its model: weights in and out of what crosses Ray (numpy), trainer-state
-snapshots, the flat gradient of a part and the sum of parts at a commit, the optimizer step, fp32 kept strict."""
+snapshots, the flat gradient of a part and the sum of parts at a commit, the optimizer step, fp32 kept strict, a
+LoRA adapter seeded by the run."""
 
 import numpy as np
 import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+
+from dovetail.files import one_line
+from dovetail.models.sampling import sample_key
 
 
 def strict_fp32() -> None:
@@ -94,3 +99,21 @@ def commit(model, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> flo
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return float(grad_norm)
+
+
+def with_lora(model, lora: dict, seed: int, task_type: str | None = None) -> PeftModel:
+    """The model with a peft LoRA adapter (rank, alpha, target modules), the only part that trains. Its random
+    initial A matrices are drawn from `seed`, so every process of a run starts from the same adapter."""
+    config = LoraConfig(
+        r=lora["rank"],
+        lora_alpha=lora["alpha"] if lora["alpha"] is not None else lora["rank"],
+        target_modules=lora["target_modules"],
+        lora_dropout=0.0,
+        task_type=task_type,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(sample_key(seed, "lora"))
+        try:
+            return get_peft_model(model, config)
+        except ValueError as error:  # no module matches the targets
+            raise ValueError(f"model.lora.target_modules={lora['target_modules']}: {one_line(error)}") from None

@@ -107,17 +107,17 @@ REWARD_TIMEOUT_S = 600.0
 """Default of a run's `reward_timeout_s`: a reward call (one batch) that takes longer is a failure, not a hang."""
 
 
-def call_reward(name: str, fn: Callable, args: tuple, timeout_s: float):
-    """`fn(*args)`: a user's reward ("package.module:function") in the reward process, stopped after `timeout_s`
-    whatever it does (`dovetail.rewards.process`); one of ours here, directly. What the reward raises, SystemExit
-    and KeyboardInterrupt included, is a RewardRaised naming it, in one line."""
+def call_reward(name: str, fn: Callable, args: tuple, timeout_s: float, kwargs: dict | None = None):
+    """`fn(*args, **kwargs)`: a user's reward ("package.module:function") in the reward process, stopped after
+    `timeout_s` whatever it does (`dovetail.rewards.process`); one of ours here, directly. What the reward raises,
+    SystemExit and KeyboardInterrupt included, is a RewardRaised naming it, in one line."""
     if ":" not in name:
         try:
-            return fn(*args)
+            return fn(*args, **(kwargs or {}))
         except Exception as error:
             raise RewardRaised(f"reward {name!r} raised {process.describe(error)}") from error
     try:
-        return process.call(name, args, timeout_s)
+        return process.call(name, args, timeout_s, kwargs)
     except process.Raised as error:
         raise RewardRaised(f"reward {name!r} raised {error}") from None
     except process.Failed as error:
@@ -137,10 +137,10 @@ def reward_fn(name: str) -> RewardFn:
     raise ValueError(f"unknown reward {name!r}; known rewards: {sorted(REWARDS)}, or give module:function")
 
 
-def custom_reward(name: str, arguments: str) -> Callable:
+def custom_reward(name: str, arguments: str, columns: bool = False) -> Callable:
     """Your own reward "package.module:function": its module imported (which runs the module's code, so only
     from a module DOVETAIL_REWARD_MODULES allows, where it is set), and the function checked to take `arguments`
-    (two: the samples and their prompts)."""
+    (two: the samples and their prompts; with `columns`, further parameters too: a dataset's columns by name)."""
     module, _, attribute = name.partition(":")
     allowed = os.environ.get(ALLOWED_MODULES)
     if allowed is not None:
@@ -161,7 +161,7 @@ def custom_reward(name: str, arguments: str) -> Callable:
     except ValueError:  # no signature to read (some built-ins): its first call tells
         return fn
     try:
-        signature.bind(None, None)
+        signature.bind_partial(None, None) if columns else signature.bind(None, None)
     except TypeError:
         raise ValueError(f"reward {name!r} must be a function of {arguments}, not {attribute}{signature}") from None
     return fn

@@ -42,11 +42,12 @@ SERVE = "import sys; from dovetail.rewards.process import serve; serve(int(sys.a
 """The reward process's program; its argument is the descriptor of its end of the pipe."""
 
 
-def call(name: str, args: tuple, timeout_s: float):
-    """The reward `name` ("package.module:function") called on `args` in the reward process: its output, or Raised
-    / Failed. One call at a time: a second caller waits for the first."""
+def call(name: str, args: tuple, timeout_s: float, kwargs: dict | None = None):
+    """The reward `name` ("package.module:function") called on `args` (and keyword arguments `kwargs`: a dataset's
+    columns) in the reward process: its output, or Raised / Failed. One call at a time: a second caller waits for
+    the first."""
     with _lock:
-        outcome, detail = _ask((name, args, (os.getcwd(), sys.path, dict(os.environ))), timeout_s)
+        outcome, detail = _ask((name, args, kwargs or {}, (os.getcwd(), sys.path, dict(os.environ))), timeout_s)
     if outcome == "returned":
         return detail
     if outcome == "raised":
@@ -108,7 +109,7 @@ def _stop() -> None:
 
 
 def serve(descriptor: int) -> None:
-    """The reward process: answer each (name, args, the caller's surroundings) on the pipe with ("returned",
+    """The reward process: answer each (name, args, kwargs, the caller's surroundings) on the pipe with ("returned",
     output), ("raised", "Type: message") or ("failed", how), until the caller's end closes (the caller ended, or
     let it go)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -117,7 +118,7 @@ def serve(descriptor: int) -> None:
     connection.send(("ready", None))
     while True:
         try:
-            name, args, (directory, path, environment) = connection.recv()
+            name, args, kwargs, (directory, path, environment) = connection.recv()
         except EOFError:
             return
         try:
@@ -128,7 +129,7 @@ def serve(descriptor: int) -> None:
             if name not in rewards:
                 module, _, attribute = name.partition(":")
                 rewards[name] = getattr(importlib.import_module(module), attribute)
-            output = rewards[name](*args)
+            output = rewards[name](*args, **kwargs)
         except BaseException as error:  # SystemExit and KeyboardInterrupt too: they are the reward's failure
             connection.send(("raised", describe(error)))
             continue

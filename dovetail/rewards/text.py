@@ -1,11 +1,20 @@
-"""Rule rewards on the text completions of the synthetic tasks (dovetail.tasks).
+"""Rule rewards on text completions: those of the synthetic tasks (dovetail.tasks), those of a user's dataset, and
+the call of a user's own.
 
-Each takes the completions and their prompts and returns one float per sample. The task and its answer are read
-from the prompt, never stored, so a reward needs nothing but the two lists. They combine with weights as the
-image rewards do: ``{"exact_answer": 1.0, "format": 0.1}``.
+A task's reward takes the completions and their prompts and returns one float per sample; the task and its answer
+are read from the prompt, never stored, so it needs nothing but the two lists. A dataset run's (`prompts.path`)
+rewards see the dataset's other columns too: the built-in ones (`DATASET_REWARDS`: answer match against the
+`answer` column, a format regex, a length penalty) through a `TextContext`, a user's own ("package.module:function")
+as TRL passes them, `f(completions, prompts, **columns)`: every other column of the sample's row as a keyword list
+(only those its signature names, unless it takes **kwargs). They combine with weights as the image rewards do:
+``{"exact_answer": 1.0, "format": 0.1}``.
 """
 
+import inspect
+import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
 
 import numpy as np
 
@@ -61,31 +70,192 @@ def format_(completions: Sequence[str], prompts: Sequence[str]) -> np.ndarray:
 
 
 TEXT_REWARDS: dict[str, TextRewardFn] = {"exact_answer": exact_answer, "countdown": countdown, "format": format_}
+"""The synthetic tasks' rewards: functions of (completions, prompts)."""
 
 
-def text_reward_fn(name: str) -> TextRewardFn:
-    """A text reward by name, or your own as "package.module:function" (same signature)."""
-    if name in TEXT_REWARDS:
-        return TEXT_REWARDS[name]
+DEFAULT_FORMAT = r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*"
+"""The dataset `format` reward's default: DeepSeek-R1's (and TRL's example's) <think>...</think><answer>...</answer>."""
+
+
+@dataclass(frozen=True)
+class TextContext:
+    """What a batch's rewards may read besides the completions and their prompts. `dataset`: a `prompts.path` run,
+    whose rewards are `DATASET_REWARDS`' and the user's; `columns`: the dataset's other columns, one value per
+    sample; `tokens`: each response's length in tokens, of `max_new_tokens`; `format_pattern`: the regular
+    expression the dataset `format` reward full-matches."""
+
+    dataset: bool = False
+    columns: dict[str, list] = field(default_factory=dict)
+    tokens: list[int] | None = None
+    max_new_tokens: int | None = None
+    format_pattern: str = DEFAULT_FORMAT
+
+    def sample(self, i: int) -> "TextContext":
+        """The context of sample i alone."""
+        return TextContext(
+            self.dataset,
+            {name: values[i : i + 1] for name, values in self.columns.items()},
+            None if self.tokens is None else self.tokens[i : i + 1],
+            self.max_new_tokens,
+            self.format_pattern,
+        )
+
+
+BOXED = re.compile(r"\\boxed\s*\{")
+NUMBER = re.compile(r"[-+]?(?:\d[\d,]*)?\.?\d+(?:/\d+)?")
+ANSWER_TAGS = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def extract_answer(text: str, numeric: bool = False) -> str:
+    """The answer a text states, as the usual math graders find it: the last \\boxed{...} (nested braces kept),
+    else what follows the last "####" (GSM8K's marker), else the last <answer>...</answer>, else (`numeric`: the
+    answer sought is a number) the text's last number, else the whole text."""
+    boxed = list(BOXED.finditer(text))
+    if boxed:
+        start, depth = boxed[-1].end(), 1
+        for end in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[end], 0)
+            if depth == 0:
+                return text[start:end].strip()
+        return text[start:].strip()
+    if "####" in text:
+        return text.rpartition("####")[2].strip()
+    tagged = ANSWER_TAGS.findall(text)
+    if tagged:
+        return tagged[-1].strip()
+    if numeric:
+        numbers = NUMBER.findall(text)
+        if numbers:
+            return numbers[-1]
+    return text.strip()
+
+
+def as_number(text: str) -> Fraction | None:
+    """The number a short answer writes ("1,234", "-0.50", "3/4", "$12", "7."), exactly; None if it is no number."""
+    cleaned = text.strip().strip("$").replace(",", "").replace(" ", "").rstrip(".")
+    cleaned = re.sub(r"^\\frac\{(-?\d+)\}\{(\d+)\}$", r"\1/\2", cleaned)
+    if not re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)(/\d+)?", cleaned):
+        return None
+    try:
+        return Fraction(cleaned)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def answers_match(completion: str, answer) -> bool:
+    """Whether the completion's answer is the reference `answer` (a dataset cell: its own "####" or \\boxed{} is
+    read too): as numbers where both are (1,000 = 1000.0; 0.5 = 1/2), else as text up to case, spacing, surrounding
+    $ and a final period."""
+    gold = extract_answer(str(answer))
+    gold_number = as_number(gold)
+    given = extract_answer(completion, numeric=gold_number is not None)
+    if gold_number is not None:
+        return as_number(given) == gold_number
+    return _normalised(given) == _normalised(gold)
+
+
+def _normalised(text: str) -> str:
+    return " ".join(text.strip().strip("$").rstrip(".").casefold().split())
+
+
+def answer_match(completions: Sequence[str], prompts: Sequence, context: TextContext) -> np.ndarray:
+    """1 where the completion's answer (`extract_answer`) is the sample's `answer` column (`answers_match`), else
+    0."""
+    if "answer" not in context.columns:
+        raise ValueError(
+            f"answer_match compares with the dataset's `answer` column; its columns are {sorted(context.columns)}"
+        )
+    answers = context.columns["answer"]
+    return np.array([float(answers_match(c, a)) for c, a in zip(completions, answers, strict=True)])
+
+
+def format_pattern(completions: Sequence[str], prompts: Sequence, context: TextContext) -> np.ndarray:
+    """1 where the whole completion matches the run's `format_pattern` (. matching newlines too), else 0."""
+    pattern = re.compile(context.format_pattern, re.DOTALL)
+    return np.array([float(pattern.fullmatch(c) is not None) for c in completions])
+
+
+def length_penalty(completions: Sequence[str], prompts: Sequence, context: TextContext) -> np.ndarray:
+    """-(response tokens / sampling.max_new_tokens), in [-1, 0]: its weight is what a response of the whole budget
+    costs."""
+    if context.tokens is None or context.max_new_tokens is None:
+        raise ValueError("length_penalty needs the responses' token counts")
+    return -np.asarray(context.tokens, dtype=np.float64) / context.max_new_tokens
+
+
+DATASET_REWARDS: dict[str, Callable[[Sequence[str], Sequence, TextContext], np.ndarray]] = {
+    "answer_match": answer_match,
+    "format": format_pattern,
+    "length_penalty": length_penalty,
+}
+"""The built-in rewards of a dataset run (`prompts.path`): functions of (completions, prompts, `TextContext`)."""
+
+
+def text_reward_fn(name: str, dataset: bool = False) -> Callable:
+    """A text reward by name: a task's (`TEXT_REWARDS`), or with `dataset` a dataset run's (`DATASET_REWARDS`), or
+    your own as "package.module:function" (taking completions and prompts, and a dataset run's columns by
+    keyword)."""
+    known = DATASET_REWARDS if dataset else TEXT_REWARDS
+    if name in known:
+        return known[name]
     if ":" in name:
+        if dataset:
+            return custom_reward(name, "(completions, prompts, **columns)", columns=True)
         return custom_reward(name, "(completions, prompts)")
-    raise ValueError(
-        f"unknown text reward {name!r}; known text rewards: {sorted(TEXT_REWARDS)}, or give module:function"
-    )
+    raise ValueError(f"unknown text reward {name!r}; known text rewards: {sorted(known)}, or give module:function")
+
+
+def columns_read(name: str, fn: Callable) -> set[str]:
+    """The dataset columns a dataset run's reward cannot do without: answer_match's `answer`, a user's function's
+    parameters after (completions, prompts) that have no default."""
+    if name == "answer_match":
+        return {"answer"}
+    if ":" not in name:
+        return set()
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())[2:]
+    except ValueError:  # no signature to read
+        return set()
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name for p in parameters if p.kind in named and p.default is inspect.Parameter.empty}
+
+
+def reward_arguments(name: str, fn: Callable, completions: Sequence[str], prompts: Sequence, context: TextContext):
+    """(args, kwargs) of one reward call: a task reward's (completions, prompts); a built-in dataset reward's and
+    its context; a user's, with the columns its signature takes (every one where it takes **kwargs)."""
+    if name in DATASET_REWARDS and context.dataset:
+        return (completions, prompts, context), {}
+    if ":" not in name or not context.columns:
+        return (completions, prompts), {}
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except ValueError:  # no signature to read: pass every column, as TRL does
+        return (completions, prompts), dict(context.columns)
+    if any(p.kind == p.VAR_KEYWORD for p in parameters):
+        return (completions, prompts), dict(context.columns)
+    named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return (completions, prompts), {k: v for k, v in context.columns.items() if k in named}
 
 
 def score_text(
-    completions: Sequence[str], prompts: Sequence[str], weights: dict[str, float], timeout_s: float = REWARD_TIMEOUT_S
+    completions: Sequence[str],
+    prompts: Sequence,
+    weights: dict[str, float],
+    timeout_s: float = REWARD_TIMEOUT_S,
+    context: TextContext | None = None,
 ) -> dict[str, np.ndarray]:
     """Each named reward and their weighted sum under "total"; a reward that raises, returns a non-finite value or
-    the wrong number of values is a RewardError naming the reward and, where one can be found, the sample."""
+    the wrong number of values is a RewardError naming the reward and, where one can be found, the sample.
+    `context`: what a dataset run's rewards see besides (`TextContext`); none for a task run."""
+    context = context or TextContext()
     scores = {}
     for name in weights:
-        fn = text_reward_fn(name)
+        fn = text_reward_fn(name, context.dataset)
+        args, kwargs = reward_arguments(name, fn, completions, prompts, context)
         try:
-            output = call_reward(name, fn, (completions, prompts), timeout_s)
+            output = call_reward(name, fn, args, timeout_s, kwargs)
         except RewardRaised as error:
-            culprit = _first_raising_sample(name, fn, completions, prompts, timeout_s)
+            culprit = _first_raising_sample(name, fn, completions, prompts, timeout_s, context)
             raise RewardError(f"{error}{culprit}") from error
         values = reward_values(name, output, len(completions))
         bad = np.flatnonzero(~np.isfinite(values))
@@ -101,12 +271,13 @@ def score_text(
 
 
 def _first_raising_sample(
-    name: str, fn: TextRewardFn, completions: Sequence[str], prompts: Sequence[str], timeout_s: float
+    name: str, fn: Callable, completions: Sequence[str], prompts: Sequence, timeout_s: float, context: TextContext
 ) -> str:
     """ " on sample i (...)" for the first sample that makes the reward raise on its own; "" if none does alone."""
     for i, (completion, prompt) in enumerate(zip(completions, prompts)):
         try:
-            call_reward(name, fn, ([completion], [prompt]), timeout_s)
+            args, kwargs = reward_arguments(name, fn, [completion], [prompt], context.sample(i))
+            call_reward(name, fn, args, timeout_s, kwargs)
         except RewardRaised:
             return f" on sample {i} (prompt {prompt!r}, completion {completion!r})"
         except RewardError:  # it overran or ended its process: searching on could take reward_timeout_s each

@@ -35,7 +35,6 @@ from functools import lru_cache
 from itertools import combinations
 
 from dovetail.cost.calibration import DEFAULT
-from dovetail.cost.catalog import language_model
 from dovetail.graph.flow import BF16, FlowShape
 from dovetail.graph.llm import GB, LLMShape, response_lengths
 from dovetail.graph.node import Kind, Node, Role
@@ -562,7 +561,7 @@ def rollout_shares(
         return shapes
     share = min(DEFAULT.rollout_memory_fraction, (capacity - held) / capacity / len(llm))
     for spec in llm:
-        weights_gb = language_model(spec.model).params * BF16 / GB / spec.tensor_parallel
+        weights_gb = spec.catalogue_model().params * BF16 / GB / spec.tensor_parallel
         if weights_gb >= share * capacity:
             raise ValueError(
                 f"{spec.name}: jigsaw keeps every pipeline's trainer resident, which leaves {share * capacity:.0f} GB "
