@@ -346,6 +346,14 @@ def test_the_python_api_trains_a_config_dict_with_callbacks(tmp_path):
     }
 
 
+def test_the_python_api_resumes_in_place(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    tree = {"algo": {"prompts_per_step": 2, "group_size": 2}, "sampling": {"num_steps": 4}, "eval": {"per_digit": 1}}
+    dovetail.train(tree, out=tmp_path / "run", steps=1, overrides=["logger=[]"])
+    dovetail.train(tree, resume=tmp_path / "run", steps=2, overrides=["logger=[]"])
+    assert [m["step"] for m in metric_lines(tmp_path / "run")] == [1, 2] and not (tmp_path / "runs").exists()
+
+
 def test_the_python_api_simulates_a_shipped_scenario():
     result = dovetail.simulate("jigsaw-qwen3-4b-8xh100", ["verl-sync", "jigsaw"], steps=2)
     assert list(result["policies"]) == ["verl-sync", "jigsaw"]
