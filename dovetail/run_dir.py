@@ -172,7 +172,10 @@ class RunDir:
                 os.replace(directory, aside / "checkpoints" / directory.name)
             names = ", ".join(sorted(d.name for d in later) or records)
             start = "a fresh run" if resumed_step is None else f"a run resumed at step {resumed_step}"
-            print(f"{self.checkpoints}: moved {names} to {aside} to make way for {start}", file=sys.stderr)
+            print(
+                f"{self.checkpoints if later else self.path}: moved {names} to {aside} to make way for {start}",
+                file=sys.stderr,
+            )
         metrics = self.path / "metrics.jsonl"
         lines = metrics.read_text().splitlines(keepends=True) if metrics.exists() else []
         kept = [line for line in lines if resumed_step is not None and _step_of(line) <= resumed_step]
