@@ -7,7 +7,7 @@ from pathlib import Path
 def train(
     config,
     *,
-    out: Path | str = "runs/latest",
+    out: Path | str | None = None,
     overrides: list[str] = (),
     steps: int | None = None,
     resume: Path | str | None = None,
@@ -20,8 +20,10 @@ def train(
     (`dovetail.config.load.load_config`); `overrides` dotted like the command line's (`["train.lr=1e-4"]`).
     `callbacks`: objects with `on_step(metrics, pipeline)` (each metrics.jsonl line) and / or
     `on_eval(evaluation, pipeline)` (`dovetail.trackers.Evaluation`, the base evaluation at step 0 included).
-    A bad config raises `dovetail.config.common.ConfigError`; a directory holding another run `RunDirInUse` (unless
-    `overwrite`); Ctrl-C stops after the step in flight, saved, raising `dovetail.runner.RunInterrupted`."""
+    `out`: the run directory; default runs/latest, or with `resume` the resumed run's own (another `out` continues a
+    copy there, as the command line's `--resume` does). A bad config raises `dovetail.config.common.ConfigError`; a
+    directory holding another run `RunDirInUse` (unless `overwrite`); Ctrl-C stops after the step in flight, saved,
+    raising `dovetail.runner.RunInterrupted`."""
     import copy
 
     from dovetail.config.load import apply_override, load_config, parse_config
@@ -34,6 +36,10 @@ def train(
         for override in overrides:
             apply_override(tree, override)
         config = parse_config(tree)
+    if out is None:
+        from dovetail.run_dir import run_of
+
+        out = run_of(Path(resume)) if resume is not None else Path("runs/latest")
     return run_training(config, Path(out), steps=steps, resume=resume, overwrite=overwrite, callbacks=list(callbacks))
 
 

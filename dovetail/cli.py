@@ -31,9 +31,15 @@ def _check_count(flag: str, value: int | None, most: int) -> None:
 def train(
     config: Path = typer.Argument(None, help="YAML config; omit for the defaults"),
     overrides: list[str] = typer.Argument(None, help="dotted overrides, e.g. train.lr=1e-4"),
-    out: Path = typer.Option(Path("runs/latest"), help="run directory"),
+    out: Path = typer.Option(
+        None, help="run directory (default: runs/latest; with --resume, the resumed run's own directory)"
+    ),
     steps: int = typer.Option(None, help="train up to this many steps (default: train.steps)"),
-    resume: Path = typer.Option(None, help="RUN_DIR or RUN_DIR/checkpoints/step_NNNNNN to continue from"),
+    resume: Path = typer.Option(
+        None,
+        help="RUN_DIR or RUN_DIR/checkpoints/step_NNNNNN to continue, in place (a different --out continues a copy "
+        "there); without a CONFIG, RUN_DIR/config.yaml",
+    ),
     policy: str = typer.Option(None, help=f"same as policy=...; by the config's kind: {policies_by_kind()}"),
     devices: int = typer.Option(None, help="devices for the Ray runtime (same as cluster.devices=...)"),
     dry_run: bool = typer.Option(
@@ -66,10 +72,20 @@ def train(
     _check_count("--devices", devices, MAX_DEVICES)
     if policy is not None and not policy.strip():
         _refuse("--policy '': name a policy, e.g. --policy digen")
-    if out.exists() and not out.is_dir():
-        _refuse(f"--out {out}: is a file; give a directory for the run")
     if resume is not None and not resume.exists():
         _refuse(f"--resume {resume}: no such run directory or checkpoint")
+    if resume is not None:
+        from dovetail.run_dir import run_of
+
+        if out is None:  # a resumed run continues where it was
+            out = run_of(resume)
+        if config is None:
+            config = run_of(resume) / "config.yaml"
+            if not config.is_file():
+                _refuse(f"--resume {resume}: the run has no {config}; give the config it was trained with")
+    out = out if out is not None else Path("runs/latest")
+    if out.exists() and not out.is_dir():
+        _refuse(f"--out {out}: is a file; give a directory for the run")
     flags = [f"policy={json.dumps(policy)}"] if policy is not None else []
     flags += [f"cluster.devices={devices}"] if devices is not None else []
     try:
@@ -144,7 +160,7 @@ def _failure(error: BaseException, out: Path) -> str:
         or [found for sub in out.iterdir() if sub.is_dir() for found in checkpoint_dirs(sub / "checkpoints")]
     )
     if saved:
-        line += f"; resume from the last saved step with `dovetail train {out / 'config.yaml'} --resume {out}`"
+        line += f"; resume from the last saved step with `dovetail train --resume {out}`"
     return f"{line} (traceback in {log})" if log is not None else f"{line} (no room for the traceback)"
 
 

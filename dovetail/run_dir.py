@@ -30,12 +30,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 
 from dovetail.files import one_line
+from dovetail.kinds import DEFAULT_KIND
 
 MANIFEST = "manifest.json"
 SEALED = ("model.safetensors", "config.json", "optimizer.pt", "rng.pt", "state.json")  # in every checkpoint
 STEP_DIR = re.compile(r"step_(\d+)")
+RUN_RECORDS = ("config.yaml", "metrics.jsonl")
+"""What a run writes before its first checkpoint: a directory holding one is another run's."""
 NO_CHECKPOINT = "expected RUN_DIR or RUN_DIR/checkpoints/step_NNNNNN"
 STRIP_FRAMES = 8
 """Frames an eval grid draws of a video: an 81-frame Wan video in full would be a strip 81 frames wide."""
@@ -75,16 +79,47 @@ def check_run_directory(path: Path, resume: Path | None, overwrite: bool) -> Non
     directory), or `overwrite` (the old checkpoints then move to superseded/, `RunDir.begin`). Checked before
     anything is written."""
     found = checkpoint_dirs(Path(path) / "checkpoints")
-    if overwrite or not found:
+    records = [name for name in RUN_RECORDS if (Path(path) / name).is_file()]
+    if overwrite or not (found or records):
         return
-    if resume is not None:
-        resumed_run = Path(resume).parent.parent if STEP_DIR.fullmatch(Path(resume).name) else Path(resume)
-        if resumed_run.resolve() == Path(path).resolve():
-            return
+    if resume is not None and run_of(resume).resolve() == Path(path).resolve():
+        return
+    if not found:  # a run that stopped before its first save: nothing to resume, but its records are its own
+        raise RunDirInUse(
+            f"--out {path} holds another run's {' and '.join(records)} but no checkpoint (it stopped before its "
+            f"first save): give another --out, or pass --overwrite (they move to {Path(path) / 'superseded'})"
+        )
     raise RunDirInUse(
         f"--out {path} holds another run's checkpoints (newest {found[0][1].name}): continue it with --resume {path}, "
         f"give another --out, or pass --overwrite (its checkpoints move to {Path(path) / 'superseded'})"
     )
+
+
+IDENTITY_FIELDS = ("kind", "task", "model.checkpoint", "model.path")
+"""Config fields that name what a run trains: a config differing in one of them is another run's, whatever its
+checkpoints hold (their weights would not even fit its model)."""
+
+
+def check_same_model(run: Path, current: dict) -> None:
+    """`--resume` of `run` with a config (`current`, as `model_dump(mode="json")` writes it) that trains what the run
+    trained: its kind, task and model are the run's config.yaml's, or a ConfigMismatch naming the first that differs
+    and the config the run used. Checked before the checkpoint is read, which would otherwise fail as if broken. A
+    run without a readable config.yaml is left to the checkpoint's own checks."""
+    recorded = Path(run) / "config.yaml"
+    try:
+        saved = yaml.safe_load(recorded.read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return
+    if not isinstance(saved, dict):
+        return
+    saved = {"kind": DEFAULT_KIND} | saved
+    for field in IDENTITY_FIELDS:
+        if _at(saved, field) != _at(current, field):
+            raise ConfigMismatch(
+                f"--resume {run}: the config's {field} ({_at(current, field)!r}) differs from the run's "
+                f"({_at(saved, field)!r}); the run used {recorded}: resume with `dovetail train --resume {run}`, "
+                "or train afresh into another --out"
+            )
 
 
 def check_resumable(saved: dict, current: dict, checkpoint: Path) -> None:
@@ -127,7 +162,8 @@ class RunDir:
         move to superseded/<time>/, metrics.jsonl keeps the lines of the steps up to it, summary.json goes (the run
         writes its own when it ends)."""
         later = [d for step, d in checkpoint_dirs(self.checkpoints) if resumed_step is None or step > resumed_step]
-        if later:
+        records = [name for name in RUN_RECORDS if resumed_step is None and (self.path / name).is_file()]
+        if later or records:  # records alone: a run that stopped before its first save, overwritten
             (self.path / "superseded").mkdir(exist_ok=True)
             aside = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=self.path / "superseded"))
             for name in ("config.yaml", "metrics.jsonl", "summary.json"):
@@ -136,9 +172,12 @@ class RunDir:
             (aside / "checkpoints").mkdir()
             for directory in later:
                 os.replace(directory, aside / "checkpoints" / directory.name)
-            names = ", ".join(sorted(d.name for d in later))
+            names = ", ".join(sorted(d.name for d in later) or records)
             start = "a fresh run" if resumed_step is None else f"a run resumed at step {resumed_step}"
-            print(f"{self.checkpoints}: moved {names} to {aside} to make way for {start}", file=sys.stderr)
+            print(
+                f"{self.checkpoints if later else self.path}: moved {names} to {aside} to make way for {start}",
+                file=sys.stderr,
+            )
         metrics = self.path / "metrics.jsonl"
         lines = metrics.read_text().splitlines(keepends=True) if metrics.exists() else []
         kept = [line for line in lines if resumed_step is not None and _step_of(line) <= resumed_step]
@@ -256,7 +295,7 @@ def resume_points(resumes: dict[str, Path]) -> dict[str, Path | None]:
         points: dict[str, Path | None] = dict(resumes)
     else:
         saved = {
-            name: {step: d for step, d in checkpoint_dirs(_run_of(path) / "checkpoints") if _intact(d)}
+            name: {step: d for step, d in checkpoint_dirs(run_of(path) / "checkpoints") if _intact(d)}
             for name, path in resumes.items()
         }
         shared = set.intersection(*(set(steps) for steps in saved.values()))
@@ -272,7 +311,7 @@ def resume_points(resumes: dict[str, Path]) -> dict[str, Path | None]:
     return points
 
 
-def _run_of(path: Path) -> Path:
+def run_of(path: Path) -> Path:
     """The run directory of `--resume` given a run or one of its checkpoints."""
     path = Path(path)
     return path.parent.parent if STEP_DIR.fullmatch(path.name) else path

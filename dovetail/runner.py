@@ -5,6 +5,7 @@ prompts -> G samples per prompt (SDE) -> rewards -> advantages -> train the sele
 """
 
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -56,8 +57,10 @@ from dovetail.run_dir import (
     RunDir,
     check_resumable,
     check_run_directory,
+    check_same_model,
     load_checkpoint,
     resume_points,
+    run_of,
 )
 from dovetail.trackers import Evaluation, RunProgress, Tracker, check_installed, open_trackers, scalars
 
@@ -176,6 +179,8 @@ class StepLog:
             )
         if state is not None and "config" in state:
             check_resumable(_in_current_schema(state["config"]), config.model_dump(mode="json"), resume)
+        if state is not None:
+            _branch_history(run_of(resume), run)
         run.begin(None if state is None else state["step"])
         run.write_config(dump_config(config))
         trackers = open_trackers(config.logger, run.path, name, config.model_dump(mode="json"))
@@ -203,7 +208,7 @@ class StepLog:
         checkpoint = self.checkpoint(done)
         return (
             f"{error}; pipeline {self.config.pipeline_name} stopped, its last completed step is saved in {checkpoint}: "
-            f"fix the reward and resume with `dovetail train {self.run.path / 'config.yaml'} --resume {self.run.path}`"
+            f"fix the reward and resume with `dovetail train --resume {self.run.path}`"
         )
 
     def needs_weights(self, done: int) -> bool:
@@ -268,6 +273,17 @@ class StepLog:
         for tracker in self.trackers:
             tracker.close(failed)
         self.trackers = []
+
+
+def _branch_history(source: Path, run: RunDir) -> None:
+    """A run resumed into another --out than its own continues as a copy: the new directory starts with the source
+    run's metrics.jsonl (cut back to the resumed step by `RunDir.begin`) and base evaluation grid; the source run is
+    left as it was."""
+    if source.resolve() == run.path.resolve() or (run.path / "metrics.jsonl").exists():
+        return
+    for name in ("metrics.jsonl", "eval_base.png"):
+        if (source / name).is_file():
+            shutil.copy2(source / name, run.path / name)
 
 
 class FlowLocal:
@@ -349,7 +365,12 @@ def train(
     for name, path in paths.items():
         check_run_directory(path, resumes[name], overwrite)
     if resume is not None:
+        check_same_model(run_of(resume), config.model_dump(mode="json"))
+        for name, pipeline in pipelines.items():
+            if multiplexed:
+                check_same_model(run_of(resumes[name]), pipeline.model_dump(mode="json"))
         resumes = resume_points(resumes)
+    created = not out.exists()
     root = RunDir(out)
     console = any("console" in pipeline.logger for pipeline in pipelines.values())
     logs = {}
@@ -401,6 +422,8 @@ def train(
     except BaseException as error:
         for log in logs.values():
             log.close(failed=not isinstance(error, RunInterrupted))
+        if created:  # a run that failed before writing anything (a checkpoint that would not load) leaves no trace
+            _remove_if_empty(out)
         raise
     if not multiplexed:
         return next(iter(logs.values())).finish(run_figures)
@@ -413,6 +436,12 @@ def train(
     summary |= run_figures
     root.write_summary(summary)
     return summary
+
+
+def _remove_if_empty(directory: Path) -> None:
+    """Remove `directory` and its sub-directories if none of them holds a file."""
+    if directory.is_dir() and not any(p.is_file() or p.is_symlink() for p in directory.rglob("*")):
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _in_current_schema(tree: dict) -> dict:
@@ -495,10 +524,7 @@ def _interrupted(logs: dict, root: RunDir, multiplexed: bool) -> str:
             log.checkpoint(log.recorded, {"policy": log.config.policy, "version": log.recorded})
     log = next(iter(logs.values()))
     where = root.path if multiplexed else log.run.checkpoints / f"step_{log.recorded:06d}"
-    return (
-        f"interrupted: step {log.recorded} is saved in {where}; continue with "
-        f"`dovetail train {root.path / 'config.yaml'} --resume {root.path}`"
-    )
+    return f"interrupted: step {log.recorded} is saved in {where}; continue with `dovetail train --resume {root.path}`"
 
 
 def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:

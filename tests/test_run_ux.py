@@ -23,6 +23,7 @@ from dovetail.exec import metrics as metrics_module
 from dovetail.run_dir import RunDir, load_checkpoint
 from dovetail.runner import FlowLocal
 
+CONFIGS = Path(__file__).parents[1] / "configs"
 FAST = ["algo.prompts_per_step=4", "algo.group_size=4", "sampling.num_steps=6", "eval.per_digit=2"]
 STEP_LINE = re.compile(
     r"^\[\d\d:\d\d:\d\d\] digits step (\d+)/(\d+) reward \d\.\d{3} eval \d\.\d{3} [\d.]+ samples/s ETA \d+:\d\d:\d\d$"
@@ -66,7 +67,7 @@ def test_ctrl_c_saves_the_step_in_flight_and_says_how_to_resume(interrupted):
     assert [p.name for p in (out / "checkpoints").iterdir()] == [f"step_{done:06d}"]  # checkpoint.every=100
     assert stderr.splitlines()[-1] == (
         f"interrupted: step {done} is saved in {out / 'checkpoints' / f'step_{done:06d}'}; continue with "
-        f"`dovetail train {out / 'config.yaml'} --resume {out}`"
+        f"`dovetail train --resume {out}`"
     )
     assert "Traceback" not in stderr
     assert load_config(out / "config.yaml").train.steps == 40  # the config as run: --steps 40, not the default 200
@@ -100,8 +101,25 @@ def test_a_new_run_refuses_a_directory_holding_another_run(interrupted):
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
+def test_resume_with_another_kind_of_config_names_the_run_config_and_creates_nothing(interrupted, tmp_path):
+    """The checkpoint is good: the config is not the run's. Said before the checkpoint is read (its weights would not
+    fit, and it would be blamed), and nothing is written, not even an empty --out."""
+    out, *_ = interrupted
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    elsewhere = tmp_path / "elsewhere"
+    for where in ([], ["--out", str(elsewhere)]):
+        result = CliRunner().invoke(app, ["train", str(CONFIGS / "sort.yaml"), "--resume", str(out), *where])
+        assert result.exit_code == 2, result.output
+        assert result.output.strip() == (
+            f"--resume {out}: the config's kind ('lm') differs from the run's ('flow'); the run used "
+            f"{out / 'config.yaml'}: resume with `dovetail train --resume {out}`, or train afresh into another --out"
+        )
+    assert not elsewhere.exists()
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
 def test_the_run_resumes_as_the_interrupt_said_with_more_steps(interrupted):
-    """Last of the module's tests on the interrupted run: it changes it."""
+    """The first of the module's tests on the interrupted run that change it."""
     out, _, lines, _ = interrupted
     done = len(lines)
     result = CliRunner().invoke(
@@ -110,6 +128,52 @@ def test_the_run_resumes_as_the_interrupt_said_with_more_steps(interrupted):
     assert result.exit_code == 0, result.output
     assert [m["step"] for m in metric_lines(out)] == list(range(1, done + 2))
     assert load_config(out / "config.yaml").train.steps == done + 1
+
+
+def test_resume_continues_in_place_with_the_run_config_or_a_copy_elsewhere(interrupted, tmp_path, monkeypatch):
+    """`--resume RUN` alone, as the interrupt message says: RUN/config.yaml, into RUN (never runs/latest). With
+    another --out the continuation is a copy there, its history up to the resumed step included; RUN stays as it
+    was."""
+    out, _, lines, _ = interrupted
+    done = len(lines) + 1  # the previous test went one step further
+    monkeypatch.chdir(tmp_path)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    copy = tmp_path / "copy"
+    result = CliRunner().invoke(app, ["train", "--resume", str(out), "--steps", str(done + 1), "--out", str(copy)])
+    assert result.exit_code == 0, result.output
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert [m["step"] for m in metric_lines(copy)] == list(range(1, done + 2))
+    assert [p.name for p in (copy / "checkpoints").iterdir()] == [f"step_{done + 1:06d}"]
+    result = CliRunner().invoke(
+        app, ["train", "--resume", str(out / "checkpoints" / f"step_{done:06d}"), "--steps", str(done + 1)]
+    )
+    assert result.exit_code == 0, result.output
+    assert f"after {done + 1} steps" in result.output and result.output.strip().endswith(f"run in {out}")
+    assert [m["step"] for m in metric_lines(out)] == list(range(1, done + 2))
+    assert load_config(out / "config.yaml").train.steps == done + 1
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_new_run_refuses_a_directory_holding_a_run_that_saved_no_checkpoint(tmp_path):
+    """A run that stopped before its first save left config.yaml and metrics.jsonl: they are its own, not to be
+    written over without --overwrite (which moves them to superseded/)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.yaml").write_text("seed: 7\n")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    result = CliRunner().invoke(app, ["train", *FAST, "--steps", "1", "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        f"--out {out} holds another run's config.yaml and metrics.jsonl but no checkpoint (it stopped before its "
+        f"first save): give another --out, or pass --overwrite (they move to {out / 'superseded'})"
+    ]
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    result = CliRunner().invoke(app, ["train", *FAST, "--steps", "1", "--out", str(out), "--overwrite"])
+    assert result.exit_code == 0, result.output
+    (aside,) = (out / "superseded").iterdir()
+    assert {p.name: p.read_bytes() for p in aside.iterdir() if p.is_file()} == {p.name: b for p, b in before.items()}
+    assert [m["step"] for m in metric_lines(out)] == [1]
 
 
 def test_a_runtime_error_is_one_line_naming_cause_and_fix_with_the_traceback_in_the_run(tmp_path, monkeypatch):
@@ -128,8 +192,8 @@ def test_a_runtime_error_is_one_line_naming_cause_and_fix_with_the_traceback_in_
     (line,) = [line for line in result.output.splitlines() if not STEP_LINE.fullmatch(line)]
     assert line == (
         f"no space left on the device ([Errno 28] No space left on device: '{out / 'checkpoints'}'): free space, or "
-        f"give an --out on another disk; resume from the last saved step with `dovetail train {out / 'config.yaml'} "
-        f"--resume {out}` (traceback in {out / 'error.log'})"
+        f"give an --out on another disk; resume from the last saved step with `dovetail train --resume {out}` "
+        f"(traceback in {out / 'error.log'})"
     )
     log = (out / "error.log").read_text()
     assert log.startswith("Traceback") and "disk_fills_at_step_2" in log and "OSError" in log
@@ -280,6 +344,14 @@ def test_the_python_api_trains_a_config_dict_with_callbacks(tmp_path):
         "sampling": {"num_steps": 6},
         "eval": {"per_digit": 2},
     }
+
+
+def test_the_python_api_resumes_in_place(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    tree = {"algo": {"prompts_per_step": 2, "group_size": 2}, "sampling": {"num_steps": 4}, "eval": {"per_digit": 1}}
+    dovetail.train(tree, out=tmp_path / "run", steps=1, overrides=["logger=[]"])
+    dovetail.train(tree, resume=tmp_path / "run", steps=2, overrides=["logger=[]"])
+    assert [m["step"] for m in metric_lines(tmp_path / "run")] == [1, 2] and not (tmp_path / "runs").exists()
 
 
 def test_the_python_api_simulates_a_shipped_scenario():

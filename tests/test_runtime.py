@@ -265,7 +265,7 @@ def test_a_reward_failing_mid_run_stops_every_policy_saved_at_its_last_commit_in
     assert re.fullmatch(
         r"reward 'faulty_reward:nan_when_flagged' returned nan for sample 1 \(prompt 'digit \d'\); pipeline digits "
         rf"stopped, its last committed step is saved in {run}/checkpoints/{saved}: fix the reward and resume "
-        rf"with `dovetail train {run}/config.yaml --resume {run}`",
+        rf"with `dovetail train --resume {run}`",
         message,
     )
 

@@ -160,7 +160,7 @@ def test_a_reward_failing_mid_run_stops_every_policy_saved_at_its_last_commit_in
     assert re.fullmatch(
         r"reward 'faulty_reward:nan_text_when_flagged' returned nan for sample 1 \(prompt [^\n]*, completion "
         rf"[^\n]*\); pipeline sort stopped, its last committed step is saved in {run}/checkpoints/{saved}: "
-        rf"fix the reward and resume with `dovetail train {run}/config.yaml --resume {run}`",
+        rf"fix the reward and resume with `dovetail train --resume {run}`",
         message,
     )
 

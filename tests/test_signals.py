@@ -40,8 +40,7 @@ def test_sigterm_under_a_ray_policy_saves_the_step_in_flight_and_exits_143(tmp_p
     saved = out / "checkpoints" / f"step_{done:06d}"
     assert [p.name for p in (out / "checkpoints").iterdir()] == [saved.name]  # checkpoint.every=100: the stop saved
     assert stderr.splitlines()[-1] == (
-        f"interrupted: step {done} is saved in {saved}; continue with "
-        f"`dovetail train {out / 'config.yaml'} --resume {out}`"
+        f"interrupted: step {done} is saved in {saved}; continue with `dovetail train --resume {out}`"
     )
     assert "SIGTERM: stopping after the step in flight" in stderr and "Traceback" not in stderr
 

@@ -156,7 +156,7 @@ def save_stopped(executor: RayExecutor, name: str, logs: dict, first_step: int) 
     log.last_step = done
     return (
         f"{executor.stopped[name]}; pipeline {name} stopped, its last committed step is saved in {checkpoint}: "
-        f"fix the reward and resume with `dovetail train {log.run.path / 'config.yaml'} --resume {log.run.path}`"
+        f"fix the reward and resume with `dovetail train --resume {log.run.path}`"
     )
 
 
