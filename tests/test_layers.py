@@ -36,7 +36,7 @@ LAYERS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
     (("rewards", "tasks"), ()),
     (("files",), ()),
     (("kinds",), ()),
-    (("run_dir",), ("files", "torch")),
+    (("run_dir",), ("files", "kinds", "torch")),
     (("trackers",), ("torch",)),
     (("cost",), ()),
     (("graph",), ("cost",)),
