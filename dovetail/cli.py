@@ -177,13 +177,9 @@ def _print_dry_run(config, steps: int) -> None:
             "another (nothing to schedule)"
         )
         return
-    if "shapes" in plan:  # several pipelines on one pool
+    if "shapes" in plan:  # several pipelines share every device
         cut = "; ".join(f"{name}: {_shape_line(shape)}" for name, shape in plan["shapes"].items())
-        pools = {
-            None: "shared by every pipeline",
-            "split": "split: each pipeline its own slice",
-            "turns": "the whole pool to each pipeline in turns (back to back)",
-        }[plan.get("arrangement")]
+        pools = "shared by every pipeline"
     else:
         cut = _shape_line(plan["shape"])
         pools = (

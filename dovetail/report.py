@@ -12,7 +12,6 @@ from dovetail.graph.flow import FlowShape
 from dovetail.graph.llm import LLMShape
 from dovetail.scenario import Scenario
 from dovetail.sched import policy_class
-from dovetail.sched.arrangement import SPLIT, TURNS, mode_of
 from dovetail.sched.digen_search import DigenShape
 from dovetail.sched.policy import Shape, search_horizon
 
@@ -105,16 +104,10 @@ def describe(shape) -> str:
     return repr(shape)
 
 
-ARRANGEMENTS = {SPLIT: "split pool", TURNS: "back to back"}
-"""How `plan` names a multiplexing policy's arrangements other than sharing every device (`sched.arrangement`)."""
-
-
 def _describe_all(shapes: Mapping[str, Shape]) -> str:
-    mode = mode_of(shapes)
-    prefix = f"{ARRANGEMENTS[mode]}: " if mode is not None else ""
     if len(shapes) == 1:
-        return prefix + describe(next(iter(shapes.values())))
-    return prefix + "; ".join(f"{name}: {describe(shape)}" for name, shape in shapes.items())
+        return describe(next(iter(shapes.values())))
+    return "; ".join(f"{name}: {describe(shape)}" for name, shape in shapes.items())
 
 
 def plan(scenario: Scenario, devices: int, policies: list[str] | None = None) -> str:

@@ -148,15 +148,7 @@ class StopWhenUneven:
 
 
 @pytest.mark.usefixtures("local_ray")
-def test_a_run_stopped_at_uneven_steps_resumes_every_pipeline_to_the_undisturbed_parameters(
-    alone, tmp_path, capsys, monkeypatch
-):
-    from dovetail.sched import jigsaw
-
-    # Pipelines multiplexed, both under way when the run stops: not the arrangements jigsaw may choose instead (back
-    # to back, which the costs measured on these two cores may favour, would stop before the second one starts).
-    monkeypatch.setattr(jigsaw, "back_to_back", lambda *args: None)
-    monkeypatch.setattr(jigsaw, "split_pool_shapes", lambda *args: None)
+def test_a_run_stopped_at_uneven_steps_resumes_every_pipeline_to_the_undisturbed_parameters(alone, tmp_path, capsys):
     every_step = {"checkpoint": {"every": 1}}
     config = parse_config(multiplexed("jigsaw", LM | every_step, FLOW | every_step))
     with pytest.raises(DriverDies) as died:
@@ -213,29 +205,3 @@ def test_a_pipeline_whose_reward_fails_stops_alone_and_the_other_goes_on(local_r
 def test_bad_multiplex_configs_name_the_field(tree, message):
     with pytest.raises(ConfigError, match=message):
         parse_config(tree)
-
-
-@pytest.mark.usefixtures("local_ray")
-@pytest.mark.parametrize("mode", ["split", "turns"])
-def test_the_split_pool_and_back_to_back_jigsaw_may_choose_end_where_each_ends_alone(
-    mode, alone, tmp_path, monkeypatch
-):
-    """The arrangements jigsaw's search may choose instead of multiplexing run on the runtime as in the simulator:
-    each pipeline under its own best single-pipeline policy (verl-sync, digen), on its slice of the pool or on the
-    whole pool in turns, ends where it ends alone."""
-    from dovetail.sched import jigsaw
-
-    def forced(cls, context):
-        if mode == "split":
-            return jigsaw.split_pool_shapes(context, context.devices)
-        return jigsaw.back_to_back(context, context.devices, context.forecast)
-
-    monkeypatch.setattr(jigsaw.Jigsaw, "plan_shapes", classmethod(forced))
-    train(parse_config(multiplexed("jigsaw", LM, FLOW)), tmp_path, steps=STEPS)
-    spans = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
-    devices_of = {name: {e["tid"] for e in spans if e["name"].startswith(f"{name}:")} for name in ("sort", "digits")}
-    assert bool(devices_of["sort"] & devices_of["digits"]) == (mode == "turns")
-    for name in ("sort", "digits"):
-        own = tmp_path / name
-        assert json.loads((own / "ledger.json").read_text())["problems"] == []
-        assert same_parameters(name, final_weights(alone[name]), final_weights(own))

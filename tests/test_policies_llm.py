@@ -125,7 +125,6 @@ def test_one_step_of_the_64_gpu_scenario_simulates_in_under_two_seconds(policy):
 
 def test_jigsaw_picks_the_shape_its_forecast_ranks_best_and_runs_the_tail_on_that_engine():
     from dovetail.cost.model import CostModel
-    from dovetail.sched.arrangement import mode_of
     from dovetail.sched.jigsaw import Jigsaw
 
     scenario = load_scenario("jigsaw-qwen3-4b-8xh100")
@@ -134,8 +133,6 @@ def test_jigsaw_picks_the_shape_its_forecast_ranks_best_and_runs_the_tail_on_tha
     calls = []
 
     def forecast(candidate, horizon):
-        if mode_of(candidate) is not None:  # the split pool, back to back: ranked last by this forecast
-            return float("-inf")
         shape = next(iter(candidate.values()))
         calls.append((shape.migrate_at, shape.tail_parallel))
         return -abs(shape.migrate_at - 2048) - abs(shape.tail_parallel - 2)  # best: edge 2048, width 2

@@ -193,15 +193,12 @@ def test_a_strictly_faster_device_is_never_slower_for_llm_policies(case, policy,
 def test_jigsaw_keeps_the_tail_engine_inside_a_node_on_the_64_gpu_scenario():
     """A tail engine wider than a node pays its tensor-parallel all-reduces over the network every token: the search
     simulates the wide engines and lets them lose (it once picked 32 wide, costed as if free)."""
-    from dovetail.sched.arrangement import mode_of
-
     scenario = load_scenario("jigsaw-64xa100")
     searched: list[Searched] = []
     prepared = prepare(scenario, "jigsaw", searched=searched)
     node = lookup_device(scenario.cluster.device).node_size
     assert all(shape.tail_parallel <= node for shape in prepared.setup.shapes.values())
-    multiplexed = [s for s in searched if mode_of(s.shapes) is None]  # not the split pool, not back to back
-    wide = [s for s in multiplexed if all(shape.tail_parallel > node for shape in s.shapes.values())]
+    wide = [s for s in searched if all(shape.tail_parallel > node for shape in s.shapes.values())]
     assert wide, "the search considered engines wider than a node"
 
 

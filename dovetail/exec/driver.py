@@ -17,7 +17,6 @@ from dovetail.exec.ray_executor import RayExecutor
 from dovetail.graph.node import Kind
 from dovetail.models.training import load_trainer_state, trainer_state_of
 from dovetail.rewards import RewardError
-from dovetail.sched.arrangement import mode_of
 
 
 def window_occupancy(executor: RayExecutor, start: float, end: float) -> list[float]:
@@ -197,7 +196,6 @@ def write_run_outputs(
         "config": config.model_dump(mode="json"),
         "steps": len(trace.steps) // len(logs),
         "shapes": {name: asdict(prepared.setup.shapes[name]) for name in logs},
-        "arrangement": mode_of(prepared.setup.shapes),
         "node_seconds": node_seconds(trace),
         "switch_seconds": executor.switch_seconds,
         "calibration": {name: _fitted(cost) for name, cost in costs.items()},

@@ -35,7 +35,6 @@ from dovetail.exec.watchdog import remove_stale_group_files, start_watchdog
 from dovetail.exec.worker import DEVICE_RESOURCE, LOOPBACK, DeviceWorker, WorkerRestarted
 from dovetail.kinds import kind
 from dovetail.scenario import Scenario
-from dovetail.sched.arrangement import mode_of
 
 
 def device_bundle(config: TrainConfig) -> dict[str, float]:
@@ -344,10 +343,7 @@ def dry_run(config: TrainConfig, steps: int) -> dict:
         "costs": "profiled" if costs else "analytic",
     }
     if len(configs) > 1:
-        return plan | {
-            "shapes": {name: asdict(prepared.setup.shapes[name]) for name in configs},
-            "arrangement": mode_of(prepared.setup.shapes),
-        }
+        return plan | {"shapes": {name: asdict(prepared.setup.shapes[name]) for name in configs}}
     shape = prepared.setup.shapes[config.pipeline_name]
     return plan | {
         "shape": asdict(shape),

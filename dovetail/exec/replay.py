@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -24,7 +24,6 @@ from dovetail.files import read_text
 from dovetail.graph.node import Kind
 from dovetail.scenario import problem_lines, problem_report
 from dovetail.sched import from_fields, shape_from_fields
-from dovetail.sched.arrangement import Arrangement
 
 COST_KIND = {
     Kind.GENERATE: "generate",
@@ -48,8 +47,6 @@ class RunProfile(BaseModel):
     config: dict
     steps: int = Field(ge=1, le=MAX_STEPS)
     shapes: dict[str, dict]
-    arrangement: Literal["split", "turns"] | None = None
-    """The arrangement a multiplexing policy's search chose instead of sharing every device (`sched.arrangement`)."""
     node_seconds: dict[str, tuple[Annotated[float, Field(ge=0)], list[Annotated[int, Field(ge=0)]]]]
     switch_seconds: list[Annotated[float, Field(ge=0)]]
     calibration: dict[str, dict]
@@ -94,8 +91,6 @@ def read_profile(path: Path) -> Profile:
             calibrations[name] = _built(("calibration", name), fitted_calibration, measured.calibration[name])
         except ValueError as error:
             raise _damaged(path, str(error).splitlines()) from None
-    if measured.arrangement is not None:
-        shapes = Arrangement(measured.arrangement, shapes)
     return Profile(config, shapes, calibrations, measured)
 
 

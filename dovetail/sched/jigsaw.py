@@ -16,10 +16,7 @@ log-prob, train, commit and publish nodes trainer work on the whole pool.
 
 `jigsaw` chooses where the tail migrates and how wide its engine is by rolling the simulator forward one
 step per candidate (`plan_shapes`, memoized coordinate descent); each rollout engine's memory is what the
-trainers leave, split evenly (`rollout_shares`). It also simulates the split pool and back to back
-(`sched.arrangement`: each pipeline under its kind's best single-pipeline policy, on its slice or on the whole pool
-in turns) and runs one of those instead where the simulator predicts it faster: it is never predicted slower than
-either. At run time, when several pipelines' trainer work wants
+trainers leave, split evenly (`rollout_shares`). At run time, when several pipelines' trainer work wants
 the (compute-bound) pool, it rolls a memoized stage-level model of the pool forward over each pipeline's
 current and next step for every candidate set and takes the earliest mean completion, weighted by each
 pipeline's `priority`. `jigsaw-greedy`, the ablation, keeps the cost-model default shape (tail at `tail_edge`,
@@ -39,16 +36,12 @@ from dovetail.graph.flow import BF16, FlowShape
 from dovetail.graph.llm import GB, LLMShape, response_lengths
 from dovetail.graph.node import Kind, Node, Role
 from dovetail.graph.spec import FlowSpec, LLMSpec, PipelineSpec
-from dovetail.sched import digen_search
-from dovetail.sched.arrangement import SPLIT, TURNS, Arrangement, Delegates, mode_of
-from dovetail.sched.digen import Digen
 from dovetail.sched.llm_common import (
     TRAINER_KINDS,
     StagedLLMPolicy,
     engine_devices,
     rollout_engines,
     rollout_seconds,
-    split_pool,
     tensor_parallel,
     trainer_seconds,
 )
@@ -56,18 +49,14 @@ from dovetail.sched.policy import (
     Begin,
     Decision,
     Event,
-    Forecast,
-    Policy,
     Run,
     SearchContext,
     Setup,
-    Shape,
     SwitchRole,
     View,
     best_by_forecast,
     open_steps_on_publish,
 )
-from dovetail.sched.verl_sync import VerlSync
 
 HORIZON_STEPS = 1
 """Look-ahead horizon of the shape search: one step of every pipeline, the pipelines sharing the pool (the
@@ -182,86 +171,6 @@ def flow_shape(spec: FlowSpec, devices: int, cost) -> FlowShape:
     return replace(shape, tsp_chunk=-min(timed)[1])
 
 
-def cached(forecast: Forecast) -> Forecast:
-    """`forecast`, simulating each candidate (shapes and arrangement) once per horizon: the multiplexed search, the
-    arrangements and the final choice rank the same candidates without simulating (or listing) them twice."""
-    memo: dict[tuple, float] = {}
-
-    def rate(shapes: dict[str, Shape], horizon: int) -> float:
-        key = (mode_of(shapes), tuple(sorted(shapes.items(), key=lambda item: item[0])), horizon)
-        if key not in memo:
-            memo[key] = forecast(shapes, horizon)
-        return memo[key]
-
-    return rate
-
-
-def alone_policy(shape: object) -> type[Policy]:
-    """A pipeline's best single-pipeline policy, by the shape it was cut with: verl-sync for an LM pipeline, digen
-    for a flow one."""
-    return VerlSync if isinstance(shape, LLMShape) else Digen
-
-
-def alone_shape(spec: PipelineSpec, devices: int, cost) -> Shape:
-    """How the pipeline's kind's best single-pipeline policy cuts its steps on `devices` alone: verl-sync's shape for
-    an LM pipeline, digen's cost-model best cut for a flow one (`back_to_back` then lets digen's search choose)."""
-    if isinstance(spec, FlowSpec):
-        return Digen.shape(spec, devices, None, cost)
-    return VerlSync.shape(spec, devices, None, cost)
-
-
-def split_pool_shapes(context: SearchContext, devices: int) -> Arrangement | None:
-    """The split pool: each pipeline its own even slice of the `devices` (`split_pool`, as verl-sync's `splits_pool`),
-    its steps cut for the slice by `alone_shape`. None where a pipeline's slice cannot hold it."""
-    try:
-        groups = split_pool(devices, len(context.specs))
-        return Arrangement(
-            SPLIT,
-            {
-                spec.name: alone_shape(spec, len(group), context.costs[spec.name])
-                for spec, group in zip(context.specs, groups)
-            },
-        )
-    except ValueError:
-        return None
-
-
-def back_to_back(context: SearchContext, devices: int, forecast: Forecast) -> Arrangement | None:
-    """Back to back: the pipelines take the whole pool in turns, each cut by its kind's best single-pipeline policy:
-    verl-sync's shape for an LM pipeline; for a flow one, digen's search (`digen_search.plan_shapes`), whose
-    candidates are ranked by the whole arrangement's forecast with the other pipelines' shapes fixed (the turns' times
-    add up, so that ranks them as digen's own forecast of the pipeline alone does). None where a pipeline cannot run
-    alone on the pool."""
-    try:
-        turns = Arrangement(
-            TURNS, {spec.name: alone_shape(spec, devices, context.costs[spec.name]) for spec in context.specs}
-        )
-    except ValueError:
-        return None
-    for spec in context.specs:
-        if not isinstance(spec, FlowSpec):
-            continue
-        fixed = dict(turns)
-
-        def alone(candidate: dict[str, Shape], horizon: int, fixed: dict[str, Shape] = fixed) -> float:
-            return forecast(Arrangement(TURNS, fixed | candidate), horizon)
-
-        chosen = digen_search.plan_shapes(
-            SearchContext(
-                [spec],
-                {spec.name: turns[spec.name]},
-                {spec.name: context.costs[spec.name]},
-                alone,
-                steps=context.steps,
-                devices=devices,
-                options=context.options,
-            ),
-            tcss=False,
-        )
-        turns = Arrangement(TURNS, turns | chosen)
-    return turns
-
-
 class Jigsaw(StagedLLMPolicy):
     name = "jigsaw"
     pipeline_kinds = frozenset({"lm", "flow"})
@@ -282,52 +191,32 @@ class Jigsaw(StagedLLMPolicy):
         )
 
     @classmethod
-    def plan_shapes(cls, context: SearchContext) -> dict[str, Shape]:
-        """Rollout memory from the memory model (for every step the run trains); then (`jigsaw`) the fastest in the
-        simulator of three arrangements. Multiplexed (every device shared): where each LLM pipeline's tail migrates
-        and how wide its engine is, by rolling the simulator forward `HORIZON_STEPS` steps per candidate
-        (`forecast(shapes, steps)` -> samples/s; memoized): coordinate descent over the tail engine's width (the home
-        width doubled while it stays within one pipeline's fair share of the pool) and the migration edge (the length
-        bands); the `FINALISTS` best of that screen are simulated again over the run's steps (at most `SEARCH_STEPS`).
-        The split pool (`split_pool_shapes`) and back to back (`back_to_back`): what the run could do without
-        multiplexing. The fastest of all over the run's steps is kept, so jigsaw is never predicted slower than a
-        candidate it considered, these two among them. `jigsaw-greedy` keeps the multiplexed default."""
-        specs = context.specs
+    def plan_shapes(cls, context: SearchContext) -> dict[str, LLMShape | FlowShape]:
+        """Rollout memory from the memory model (for every step the run trains); then (`jigsaw`) where each LLM
+        pipeline's tail migrates and how wide its engine is, by rolling the simulator forward `HORIZON_STEPS` steps
+        per candidate (`forecast(shapes, steps)` -> samples/s; memoized): coordinate descent over the tail engine's
+        width (the home width doubled while it stays within one pipeline's fair share of the pool) and the migration
+        edge (the length bands). The `FINALISTS` best of that screen are simulated again over the run's steps (at
+        most `SEARCH_STEPS`) and the fastest kept, so no candidate the search ranks over the run's steps beats the
+        chosen one. Flow shapes pass through."""
+        specs, forecast = context.specs, context.forecast
         shapes = rollout_shares(specs, dict(context.shapes), context.costs, context.steps)
-        if not cls.searches:
-            return shapes
-        forecast = cached(context.forecast)
-        horizon = context.horizon
-        shared = cls._multiplexed(context, shapes, forecast)
-        devices = context.devices or next(iter(shapes.values())).trainer_devices
-        candidates: list[dict[str, Shape]] = [shared]
-        if len(specs) > 1 and (split := split_pool_shapes(context, devices)) is not None:
-            candidates.append(split)
-        if (turns := back_to_back(context, devices, forecast)) is not None:
-            candidates.append(turns)
-        return best_by_forecast(candidates, forecast, horizon)
-
-    @classmethod
-    def _multiplexed(cls, context: SearchContext, shapes: dict[str, Shape], forecast: Forecast) -> dict[str, Shape]:
-        """The best multiplexed shapes: the LLM pipelines' tail edge and engine width (see `plan_shapes`)."""
-        specs = context.specs
         llm_specs = [spec for spec in specs if isinstance(spec, LLMSpec)]
-        if not llm_specs:
+        if not cls.searches or not llm_specs:
             return shapes
-        llm: dict[str, LLMShape] = {s.name: shape for s in llm_specs if isinstance(shape := shapes[s.name], LLMShape)}
         devices = next(iter(shapes.values())).trainer_devices
         choices: dict[str, tuple[list[int | None], list[int]]] = {}
         for spec in llm_specs:
-            edges = [e for e in spec.length_bands if e < spec.max_length] or [llm[spec.name].migrate_at]
+            edges = [e for e in spec.length_bands if e < spec.max_length] or [shapes[spec.name].migrate_at]
             widths = [spec.tensor_parallel]
             while widths[-1] * 2 <= devices // len(specs):
                 widths.append(widths[-1] * 2)
             choices[spec.name] = (edges, widths)
 
-        def candidate(point: tuple[int, int]) -> dict[str, Shape]:
+        def candidate(point: tuple[int, int]) -> dict[str, LLMShape | FlowShape]:
             return shapes | {
                 name: replace(
-                    llm[name],
+                    shapes[name],
                     migrate_at=edges[min(point[0], len(edges) - 1)],
                     tail_parallel=widths[min(point[1], len(widths) - 1)],
                 )
@@ -343,7 +232,8 @@ class Jigsaw(StagedLLMPolicy):
 
         start = [
             max(
-                edges.index(llm[n].migrate_at) if llm[n].migrate_at in edges else 0 for n, (edges, _) in choices.items()
+                edges.index(shapes[n].migrate_at) if shapes[n].migrate_at in edges else 0
+                for n, (edges, _) in choices.items()
             ),
             0,
         ]
@@ -366,15 +256,6 @@ class Jigsaw(StagedLLMPolicy):
 
     def __init__(self, setup: Setup) -> None:
         super().__init__(setup)
-        self.choices: list[tuple[float, tuple[str, ...]]] = []
-        """(time, pipelines started) of every look-ahead choice among several, for the run's log."""
-        mode = mode_of(setup.shapes)
-        self.delegates = None if mode is None else Delegates(setup, mode, lambda p: alone_policy(setup.shapes[p]))
-        """The split pool or back to back, when the search chose one: each pipeline under its own best policy."""
-        if self.delegates is not None:
-            for policy in self.delegates.policies.values():
-                policy.tag_decisions = self.tag_decisions  # digen's TAG choices, in the run's log as its own
-            return
         held = [
             gb
             for engines in setup.engines.values()
@@ -399,10 +280,10 @@ class Jigsaw(StagedLLMPolicy):
         self.priority = {name: setup.priorities.get(name, 1.0) for name in setup.engines}
         self.slowdowns = phase_slowdowns(setup.slowdown)
         self.tail_on: dict[tuple[str, int], tuple[int, ...]] = {}
+        self.choices: list[tuple[float, tuple[str, ...]]] = []
+        """(time, pipelines started) of every look-ahead choice among several, for the run's log."""
 
     def decide(self, view: View, events: Sequence[Event]) -> list[Decision]:
-        if self.delegates is not None:
-            return self.delegates.decide(view, events)
         decisions: list[Decision] = open_steps_on_publish(view, events)
         if any(isinstance(e, Begin) for e in events):
             return decisions + [SwitchRole(d, Role.ANY, self.wake_s, self.resident_gb) for d in self.everyone]
