@@ -29,7 +29,7 @@ test: $(STAMP)
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 	.venv/bin/mypy
-	HF_HUB_OFFLINE=1 $(PY) -m pytest tests -n 2 --dist loadfile -m "not serial"
+	HF_HUB_OFFLINE=1 $(PY) -m pytest tests -n 2 --dist loadfile -m "not serial" --durations=25
 	HF_HUB_OFFLINE=1 $(OTHER_KERNELS) $(PY) -m pytest $(MARKED) -m "serial or exactness"
 
 .PHONY: install demo test
