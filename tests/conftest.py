@@ -12,6 +12,17 @@ os.environ.setdefault("DOVETAIL_CACHE", tempfile.mkdtemp(prefix="dovetail-test-c
 and never read from a user's cache."""
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests that time the cores (`serial`) run first, those without a Ray instance before those with one:
+    nothing else of the session (a Ray instance kept for later tests, its idle processes) shares the cores yet."""
+
+    def order(item: pytest.Item) -> tuple[bool, bool]:
+        serial = item.get_closest_marker("serial") is not None
+        return not serial, serial and "local_ray" in item.fixturenames
+
+    items.sort(key=order)  # stable: every other test keeps its place
+
+
 @pytest.fixture(scope="session")
 def local_ray(tmp_path_factory):
     """One local Ray instance for every runtime test, started where its workers can import the tests' own

@@ -127,13 +127,16 @@ def _llm_spec(spec: PipelineSpec) -> LLMSpec:
     return spec
 
 
+STAGE_OF_KIND = {kind: "rollout" if kind in (Kind.PREFILL, Kind.DECODE, Kind.MIGRATE) else kind.value for kind in Kind}
+"""Node kind -> verl stage (a log-prob node's is `ref` or `old`, by the node): looked up, as the staged policies ask
+it of every node of a step at every decision."""
+
+
 def stage(node: Node) -> str:
     """The verl stage a node belongs to: rollout, score, old, ref, train, commit or publish."""
-    if node.kind in (Kind.PREFILL, Kind.DECODE, Kind.MIGRATE):
-        return "rollout"
-    if node.kind == Kind.LOGPROB:
+    if node.kind is Kind.LOGPROB:
         return "ref" if node.reference else "old"
-    return node.kind.value
+    return STAGE_OF_KIND[node.kind]
 
 
 def engines(spec: LLMSpec, cost: CostModel, shape: LLMShape) -> Engines:
