@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from dovetail.config.common import ConfigError
-from dovetail.config.flow import FlowTrainConfig
+from dovetail.config.flow import FlowTrainConfig, flow_rules
 from dovetail.config.lm import LMTrainConfig
 from dovetail.config.load import dump_config, parse_config
 from dovetail.config.multiplex import MultiplexConfig, PipelineConfig, TrainConfig, pipeline_configs
@@ -70,7 +70,7 @@ def rl_step(
 ) -> dict:
     """One on-policy step of the reference path; returns its metrics. `decode` turns latents into the images the
     rewards score."""
-    sde = sde_settings(config)
+    sde, rules = sde_settings(config), flow_rules(config)
     algo = config.algo
     timings = {}
 
@@ -84,7 +84,7 @@ def rl_step(
         ids,
         sde,
         seed=config.seed,
-        shared_group_noise=config.shared_group_noise,
+        shared_group_noise=rules.shared_group_noise,
         sde_steps=sde_steps(config, ids),
     )
     timings["generate_s"] = time.perf_counter() - start
@@ -96,7 +96,7 @@ def rl_step(
 
     start = time.perf_counter()
     timesteps = [sample_timesteps(config, s) for s in ids]
-    total_pairs = config.pairs_per_step
+    total_pairs = rules.pairs_per_step
     sums = policy_gradient(
         model,
         trajectories,
