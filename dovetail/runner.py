@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from dovetail.config.common import ConfigError
@@ -20,17 +21,9 @@ from dovetail.config.lm import LMTrainConfig
 from dovetail.config.load import dump_config, parse_config
 from dovetail.config.multiplex import MultiplexConfig, PipelineConfig, TrainConfig, pipeline_configs
 from dovetail.exec.driver import train_on_ray
-from dovetail.exec.lm import (
-    LMEngines,
-    commit_scale,
-    encode_prompts,
-    lm_checkpoint_io,
-    lm_step_metrics,
-    model_context,
-    sampling_params,
-    stop_strings,
-    success_rate,
-)
+from dovetail.exec.lm_adapter import commit_scale, lm_step_metrics
+from dovetail.exec.lm_engines import LMEngines
+from dovetail.exec.lm_model import encode_prompts, lm_checkpoint_io, model_context, sampling_params, stop_strings
 from dovetail.exec.messages import Decode, LMLogProbs, LMTrain, Prefill, Score
 from dovetail.graph.node import SampleId
 from dovetail.kinds import kind
@@ -62,6 +55,7 @@ from dovetail.run_dir import (
     resume_points,
     run_of,
 )
+from dovetail.tasks import final_answer, task
 from dovetail.trackers import Evaluation, RunProgress, Tracker, check_installed, open_trackers, scalars
 
 
@@ -561,6 +555,16 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
             "samples_per_s": len(ids) / seconds,
             "step_s": seconds,
         }
+    )
+
+
+def success_rate(config: LMTrainConfig, completions: list[str], prompts: list[str]) -> float:
+    """Share of completions whose final answer solves its (task) prompt."""
+    the_task = task(config.task)
+    return float(
+        np.mean(
+            [(a := final_answer(c)) is not None and the_task.is_correct(p, a) for c, p in zip(completions, prompts)]
+        )
     )
 
 
