@@ -7,8 +7,11 @@ from pathlib import Path
 
 from dovetail.config.common import ConfigError
 from dovetail.config.flow import FlowTrainConfig
+from dovetail.config.lm import LMTrainConfig
 from dovetail.config.load import load_config
+from dovetail.exec.lm_model import lm_checkpoint_io, load_policy
 from dovetail.kinds import KINDS
+from dovetail.models.causal_lm import export_builtin_lm, export_causal_lm
 from dovetail.models.diffusers_flow import export, load_diffusers_checkpoint, load_flow_model
 from dovetail.recipe import make_optimizer
 from dovetail.run_dir import BrokenCheckpoint, checkpoint_dirs, load_checkpoint
@@ -58,5 +61,22 @@ def flow_exporter(config: FlowTrainConfig) -> Callable[[Path, Path], None]:
         model = load_flow_model(config)
         load_checkpoint(checkpoint, model, make_optimizer(model, config), load_diffusers_checkpoint)
         export(model, out)
+
+    return write
+
+
+def lm_exporter(config: LMTrainConfig) -> Callable[[Path, Path], None]:
+    """`dovetail export` of an LM run: a transformers directory of a checkpoint's model (`models.causal_lm`): a
+    user's model with its tokenizer (a LoRA adapter merged in, and in peft's layout in lora/), or a built-in task's
+    model with its character tokenizer as a transformers tokenizer."""
+
+    def write(checkpoint: Path, out: Path) -> None:
+        model, tokenizer = load_policy(config)
+        _, load_weights = lm_checkpoint_io(config, model, tokenizer)
+        load_checkpoint(checkpoint, model, make_optimizer(model, config), load_weights)
+        if config.user_model:
+            export_causal_lm(model, out)
+        else:
+            export_builtin_lm(model, tokenizer, out)
 
     return write

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from dovetail.algo import group_advantages, select_train_timesteps
-from dovetail.config.flow import FlowTrainConfig
+from dovetail.config.flow import FlowTrainConfig, flow_rules
 from dovetail.graph.node import SampleId
 from dovetail.models.flow_rl import SDESettings, accumulate_policy_gradient
 from dovetail.models.pretrain import latents_to_images
@@ -18,9 +18,9 @@ from dovetail.rewards import score
 
 
 def sde_settings(config: FlowTrainConfig, device: torch.device | str = "cpu") -> SDESettings:
-    sampling = config.sampling
+    sampling, rules = config.sampling, flow_rules(config)
     sigmas = flow_sigmas(sampling.num_steps, sampling.shift, sampling.schedule).to(device)
-    return SDESettings(sigmas, config.noise_level, config.sde_kind, sampling.cps_log_prob)
+    return SDESettings(sigmas, rules.noise_level, rules.sde_kind, sampling.cps_log_prob)
 
 
 def step_timesteps(config: FlowTrainConfig, step: int) -> list[int]:
@@ -39,7 +39,7 @@ def sample_timesteps(config: FlowTrainConfig, sample: SampleId) -> list[int]:
 def sde_steps(config: FlowTrainConfig, samples: list[SampleId]) -> list[list[int]] | None:
     """Each sample's stochastic steps where only its SDE window is (algo.timesteps=window, as Flow-GRPO-Fast
     samples: the other steps are deterministic); None where every step is."""
-    if config.timestep_mode != "window":
+    if flow_rules(config).timestep_mode != "window":
         return None
     return [sample_timesteps(config, s) for s in samples]
 
@@ -49,7 +49,7 @@ def _select_timesteps(config: FlowTrainConfig, key: int) -> list[int]:
     return select_train_timesteps(
         config.sampling.num_steps,
         fraction=algo.timestep_fraction,
-        mode=config.timestep_mode,
+        mode=flow_rules(config).timestep_mode,
         window=algo.window_size,
         window_range=None if algo.window_range is None else tuple(algo.window_range),
         rounding=algo.timestep_rounding,

@@ -12,25 +12,18 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from dovetail.config.common import ConfigError
-from dovetail.config.flow import FlowTrainConfig
+from dovetail.config.flow import FlowTrainConfig, flow_rules
 from dovetail.config.lm import LMTrainConfig
 from dovetail.config.load import dump_config, parse_config
 from dovetail.config.multiplex import MultiplexConfig, PipelineConfig, TrainConfig, pipeline_configs
 from dovetail.exec.driver import train_on_ray
-from dovetail.exec.lm import (
-    LMEngines,
-    commit_scale,
-    encode_prompts,
-    lm_checkpoint_io,
-    lm_step_metrics,
-    model_context,
-    sampling_params,
-    stop_strings,
-    success_rate,
-)
+from dovetail.exec.lm_adapter import commit_scale, lm_step_metrics
+from dovetail.exec.lm_engines import LMEngines
+from dovetail.exec.lm_model import encode_prompts, lm_checkpoint_io, model_context, sampling_params, stop_strings
 from dovetail.exec.messages import Decode, LMLogProbs, LMTrain, Prefill, Score
 from dovetail.graph.node import SampleId
 from dovetail.kinds import kind
@@ -62,6 +55,7 @@ from dovetail.run_dir import (
     resume_points,
     run_of,
 )
+from dovetail.tasks import final_answer, task
 from dovetail.trackers import Evaluation, RunProgress, Tracker, check_installed, open_trackers, scalars
 
 
@@ -70,7 +64,7 @@ def rl_step(
 ) -> dict:
     """One on-policy step of the reference path; returns its metrics. `decode` turns latents into the images the
     rewards score."""
-    sde = sde_settings(config)
+    sde, rules = sde_settings(config), flow_rules(config)
     algo = config.algo
     timings = {}
 
@@ -84,7 +78,7 @@ def rl_step(
         ids,
         sde,
         seed=config.seed,
-        shared_group_noise=config.shared_group_noise,
+        shared_group_noise=rules.shared_group_noise,
         sde_steps=sde_steps(config, ids),
     )
     timings["generate_s"] = time.perf_counter() - start
@@ -96,7 +90,7 @@ def rl_step(
 
     start = time.perf_counter()
     timesteps = [sample_timesteps(config, s) for s in ids]
-    total_pairs = config.pairs_per_step
+    total_pairs = rules.pairs_per_step
     sums = policy_gradient(
         model,
         trajectories,
@@ -561,6 +555,16 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
             "samples_per_s": len(ids) / seconds,
             "step_s": seconds,
         }
+    )
+
+
+def success_rate(config: LMTrainConfig, completions: list[str], prompts: list[str]) -> float:
+    """Share of completions whose final answer solves its (task) prompt."""
+    the_task = task(config.task)
+    return float(
+        np.mean(
+            [(a := final_answer(c)) is not None and the_task.is_correct(p, a) for c, p in zip(completions, prompts)]
+        )
     )
 
 

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from dovetail.algo import sde_step
 from dovetail.config.common import DEFAULT_CHECKPOINT, ConfigError
+from dovetail.config.flow import flow_rules
 from dovetail.config.load import dump_config, load_config, parse_config
 from dovetail.graph.node import SampleId
 from dovetail.models.flow_rl import SDESettings, generate, recompute_log_probs
@@ -348,7 +349,7 @@ def test_trained_timesteps_are_upstreams(num_steps, fraction):
             continue
         config = load_config(None, overrides)
         drawn = [sample_timesteps(config, s) for step in range(3) for s in step_samples(step)]
-        assert config.trained_timesteps == count and {len(t) for t in drawn} == {count}
+        assert flow_rules(config).trained_timesteps == count and {len(t) for t in drawn} == {count}
         if preset != "dance_grpo":
             assert all(t == list(range(count)) for t in drawn)
         else:
@@ -374,7 +375,7 @@ def test_flow_grpo_fast_trains_a_window_of_consecutive_steps():
     config/base.py L60. dovetail draws one window per RL step, keyed by (seed, step)."""
     config = load_config(None, ["algo.compat=flow_grpo_fast", "algo.window_range=[1, 7]"])
     windows = [sample_timesteps(config, SampleId(step, 0, 0)) for step in range(300)]
-    assert config.trained_timesteps == 2 and all(w == [w[0], w[0] + 1] for w in windows)
+    assert flow_rules(config).trained_timesteps == 2 and all(w == [w[0], w[0] + 1] for w in windows)
     assert {w[0] for w in windows} == set(range(1, 7 - 2 + 1))
     assert all(sample_timesteps(config, s) == windows[3] for s in step_samples(3))
 
@@ -394,10 +395,11 @@ def test_sigma_schedules_are_upstreams(num_steps, shift):
 
 def test_default_noise_levels_are_upstreams():
     for preset, noise_level in UPSTREAM_NOISE.items():
-        assert load_config(None, [f"algo.compat={preset}"]).noise_level == noise_level
-    assert load_config(None, ["algo.compat=flow_grpo", "sampling.noise_level=0.9"]).noise_level == 0.9
+        assert flow_rules(load_config(None, [f"algo.compat={preset}"])).noise_level == noise_level
+    assert flow_rules(load_config(None, ["algo.compat=flow_grpo", "sampling.noise_level=0.9"])).noise_level == 0.9
     own = load_config(None, [])
-    assert (own.noise_level, load_config(None, ["algorithm=dance_grpo"]).noise_level) == (1.0, 0.5)
+    dance = load_config(None, ["algorithm=dance_grpo"])
+    assert (flow_rules(own).noise_level, flow_rules(dance).noise_level) == (1.0, 0.5)
     assert own.algo.kl_std == "total" and own.algo.adv_unbiased is False and own.sampling.schedule == "diffusers"
 
 
@@ -458,7 +460,7 @@ def test_loss_and_gradient_of_a_step_equal_upstream(name):
     prompts = [f"digit {(3 * s.prompt) % 8}" for s in ids]
     with torch.no_grad():
         rollout = generate(
-            behaviour, prompts, ids, sde, seed=0, shared_group_noise=config.shared_group_noise,
+            behaviour, prompts, ids, sde, seed=0, shared_group_noise=flow_rules(config).shared_group_noise,
             sde_steps=sde_steps(config, ids),
         )  # fmt: skip
     trajectories = Trajectories(
@@ -481,7 +483,7 @@ def test_loss_and_gradient_of_a_step_equal_upstream(name):
     sums = policy_gradient(
         ours, trajectories, advantages_of(config, rewards, [s.prompt for s in ids], prompts), timesteps,
         SDESettings(trajectories.sigmas, sde.noise_level, sde.kind, sde.cps_log_prob), config,
-        total_pairs=config.pairs_per_step, reference_model=reference,
+        total_pairs=flow_rules(config).pairs_per_step, reference_model=reference,
     )  # fmt: skip
     group_size = config.algo.group_size
     upstream_advantages = {
@@ -495,9 +497,10 @@ def test_loss_and_gradient_of_a_step_equal_upstream(name):
         config, theirs, reference, trajectories, torch.as_tensor(upstream_advantages, dtype=DTYPE), timesteps,
         upstream_step,
     )  # fmt: skip
-    assert config.pairs_per_step == len(ids) * len(timesteps[0])
-    assert sums["loss"] / config.pairs_per_step == pytest.approx(loss, rel=1e-6, abs=1e-6)
-    assert 0 < sums["clip_frac"] < config.pairs_per_step  # both branches of the clip are exercised
+    pairs = flow_rules(config).pairs_per_step
+    assert pairs == len(ids) * len(timesteps[0])
+    assert sums["loss"] / pairs == pytest.approx(loss, rel=1e-6, abs=1e-6)
+    assert 0 < sums["clip_frac"] < pairs  # both branches of the clip are exercised
     ours_gradient = torch.cat([p.grad.flatten() for p in ours.parameters()])
     assert gradient.abs().max() > 1e-3
     torch.testing.assert_close(ours_gradient, gradient, rtol=1e-6, atol=1e-6)

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from dovetail.cli import app
 from dovetail.config.common import ConfigError
+from dovetail.config.flow import flow_rules
 from dovetail.config.load import load_config
 from dovetail.recipe import step_timesteps
 from dovetail.rewards import REWARDS, RewardError, score
@@ -20,7 +21,7 @@ def test_yaml_plus_dotted_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("algorithm: dance_grpo\ntrain:\n  lr: 0.001\n")
     config = load_config(path, ["train.lr=1e-4", "algo.group_size=4", "reward.brightness=0.5"])
-    assert config.algorithm == "dance_grpo" and config.sde_kind == "dance_grpo"
+    assert config.algorithm == "dance_grpo" and flow_rules(config).sde_kind == "dance_grpo"
     assert config.train.lr == 1e-4 and config.algo.group_size == 4
     assert config.reward == {"brightness": 0.5}  # a reward override replaces the default weights
 
@@ -201,7 +202,7 @@ def test_the_planner_counts_the_timesteps_that_training_selects(algorithm, num_s
     config = load_config(
         None, [f"algorithm={algorithm}", f"sampling.num_steps={num_steps}", f"algo.timestep_fraction={fraction}"]
     )
-    assert config.trained_timesteps == len(step_timesteps(config, 0)) == len(step_timesteps(config, 7))
+    assert flow_rules(config).trained_timesteps == len(step_timesteps(config, 0)) == len(step_timesteps(config, 7))
 
 
 @pytest.mark.parametrize("bands", ["[0]", "[8, 4]", "[4, 4]", "[31]", "[5, 100]"])

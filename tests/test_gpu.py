@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from dovetail.config.flow import flow_rules
 from dovetail.config.load import load_config
 from dovetail.models.flow_rl import generate, group_sample_ids, step_prompts
 from dovetail.models.t2i import load_model
@@ -34,7 +35,7 @@ def test_generation_and_policy_gradient_on_cuda_match_the_cpu():
         model = load_model(config.model.checkpoint).to(device)
         sde = sde_settings(config, device)
         trajectories = generate(
-            model, sample_prompts, ids, sde, seed=config.seed, shared_group_noise=config.shared_group_noise
+            model, sample_prompts, ids, sde, seed=config.seed, shared_group_noise=flow_rules(config).shared_group_noise
         )
         policy_gradient(model, trajectories, advantages, timesteps, sde, config, total_pairs=len(ids) * len(timesteps))
         gradient = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from dovetail.config.load import load_config
-from dovetail.exec.lm import LMEngines, commit_scale, encode_prompts, model_context
+from dovetail.exec.lm_adapter import commit_scale
+from dovetail.exec.lm_engines import LMEngines
+from dovetail.exec.lm_model import encode_prompts, model_context
 from dovetail.exec.messages import Decode, LMLogProbs, LMTrain, Prefill, Score
 from dovetail.graph.node import SampleId
 from dovetail.models.lm_rl import by_group

@@ -35,7 +35,7 @@ from typer.testing import CliRunner
 
 from dovetail.cli import app
 from dovetail.config.load import load_config
-from dovetail.exec.lm import encode_prompts
+from dovetail.exec.lm_model import encode_prompts
 from dovetail.exec.lm_prompts import RunPrompts
 from dovetail.models.causal_lm import HFTokenizer, StopStrings, load_causal_lm, rollout_engine
 from dovetail.models.engine import Request, SamplingParams, TorchEngine, TransformersEngine

@@ -3,6 +3,7 @@ digits model or a user's diffusers directory (`model.path`), its sampler, the al
 presets, prompts, evaluation, and how the Ray runtime cuts a step."""
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal, get_args
 
@@ -409,7 +410,7 @@ class FlowTrainConfig(RunSection):
         for dotted, value in COMPAT[preset].items():
             section, _, field = dotted.rpartition(".")
             holder = getattr(self, section) if section else self
-            if field == "cps_log_prob" and self.sde_kind != "cps":
+            if field == "cps_log_prob" and flow_rules(self).sde_kind != "cps":
                 continue
             if field not in holder.model_fields_set:
                 setattr(holder, field, value)
@@ -437,7 +438,7 @@ class FlowTrainConfig(RunSection):
                 f"sampling.sde_kind={self.sampling.sde_kind}: algorithm dance_grpo uses its own constant-eta SDE; "
                 "leave sampling.sde_kind unset"
             )
-        if self.sampling.cps_log_prob != "gaussian" and self.sde_kind != "cps":
+        if self.sampling.cps_log_prob != "gaussian" and flow_rules(self).sde_kind != "cps":
             raise ValueError(
                 f"sampling.cps_log_prob={self.sampling.cps_log_prob} applies to the cps SDE only; set "
                 "sampling.sde_kind=cps or leave sampling.cps_log_prob unset"
@@ -466,7 +467,7 @@ class FlowTrainConfig(RunSection):
     def _timesteps_fit(self) -> "FlowTrainConfig":
         """The trained steps exist: a count between 1 and K - 1, a window inside the trainable steps."""
         algo, trainable = self.algo, self.sampling.num_steps - 1
-        if self.timestep_mode == "window":
+        if _timestep_mode(self) == "window":
             low, high = algo.window_range if algo.window_range is not None else (0, trainable)
             if not 0 <= low < high <= trainable:
                 raise ValueError(
@@ -478,10 +479,10 @@ class FlowTrainConfig(RunSection):
                     f"algo.window_size={algo.window_size}: algo.timesteps=window needs a window of 1 to {high - low} "
                     "steps (inside algo.window_range)"
                 )
-        elif not 1 <= self.trained_timesteps <= trainable:
+        elif not 1 <= (trained := flow_rules(self).trained_timesteps) <= trainable:
             hint = " (Flow-GRPO's own configs use 0.99)" if algo.timestep_pool == "all" else ""
             raise ValueError(
-                f"algo.timestep_fraction={algo.timestep_fraction} trains {self.trained_timesteps} of "
+                f"algo.timestep_fraction={algo.timestep_fraction} trains {trained} of "
                 f"{self.sampling.num_steps} steps with algo.timestep_rounding={algo.timestep_rounding}, "
                 f"algo.timestep_pool={algo.timestep_pool}; dovetail trains 1 to num_steps - 1 = {trainable} "
                 f"(never the last): change algo.timestep_fraction{hint}"
@@ -498,50 +499,9 @@ class FlowTrainConfig(RunSection):
         """Devices that hold the policy's engines: all but the reward pool (the last runtime.reward_devices)."""
         return self.cluster.devices - self.runtime.reward_devices
 
-    @property
-    def noise_level(self) -> float:
-        if self.sampling.noise_level is not None:
-            return self.sampling.noise_level
-        return 0.5 if self.algorithm == "dance_grpo" else 1.0
-
-    @property
-    def sde_kind(self) -> str:
-        return "dance_grpo" if self.algorithm == "dance_grpo" else self.sampling.sde_kind
-
-    @property
-    def timestep_mode(self) -> str:
-        """algo.timesteps, else the algorithm's: Flow-GRPO trains the first (noisiest) steps, DanceGRPO a random
-        subset."""
-        if self.algo.timesteps is not None:
-            return self.algo.timesteps
-        return "random" if self.algorithm == "dance_grpo" else "prefix"
-
-    @property
-    def shared_group_noise(self) -> bool:
-        """DanceGRPO starts every sample of a group from the same initial noise."""
-        return self.algorithm == "dance_grpo"
-
-    @property
-    def trained_timesteps(self) -> int:
-        """Timesteps a step trains per sample: `algo.select_train_timesteps`'s count, without torch (the planner
-        derives its scenario from the config; a test pins the two equal)."""
-        algo, trainable = self.algo, self.sampling.num_steps - 1
-        if self.timestep_mode == "window":
-            assert algo.window_size is not None  # the window validator requires it under timesteps=window
-            return algo.window_size
-        size = self.sampling.num_steps if algo.timestep_pool == "all" else trainable
-        if algo.timestep_rounding == "floor":
-            return int(size * algo.timestep_fraction)
-        return max(1, min(trainable, math.ceil(algo.timestep_fraction * size - 1e-9)))
-
-    @property
-    def pairs_per_step(self) -> int:
-        """(sample, timestep) pairs a step trains: the loss normaliser, whoever splits the step."""
-        return self.algo.prompts_per_step * self.algo.group_size * self.trained_timesteps
-
     def scenario(self, steps: int) -> Scenario:
         """This run as the planner's scenario: the graph the simulator would schedule, built without torch."""
-        trained = self.trained_timesteps
+        trained = flow_rules(self).trained_timesteps
         pipeline = {
             "kind": "flow",
             "name": self.pipeline_name,
@@ -598,3 +558,59 @@ class FlowTrainConfig(RunSection):
 
     def policy_options(self) -> PolicyOptions:
         return PolicyOptions(tag=Tag(self.runtime.tag))
+
+
+@dataclass(frozen=True)
+class FlowRules:
+    """What the algorithm makes of a flow run's sampling and algo sections: the SDE, which timesteps train, how
+    groups start, the loss normaliser. One place derives them, torch-free (the planner's scenario needs
+    `trained_timesteps`); the schema keeps only the fields a user sets, and each user builds the rules once."""
+
+    noise_level: float
+    """sampling.noise_level, else the algorithm's: DanceGRPO's eta 0.5, Flow-GRPO's a = 1.0."""
+    sde_kind: str
+    """DanceGRPO's own constant-eta SDE, else sampling.sde_kind."""
+    timestep_mode: str
+    """algo.timesteps, else the algorithm's: Flow-GRPO trains the first (noisiest) steps, DanceGRPO a random
+    subset."""
+    shared_group_noise: bool
+    """DanceGRPO starts every sample of a group from the same initial noise."""
+    trained_timesteps: int
+    """Timesteps a step trains per sample: `algo.select_train_timesteps`'s count, without torch (a test pins the two
+    equal)."""
+    pairs_per_step: int
+    """(sample, timestep) pairs a step trains: the loss normaliser, whoever splits the step."""
+
+
+def flow_rules(config: FlowTrainConfig) -> FlowRules:
+    """The config's rules, computed afresh (a few comparisons: the validators ask while a preset is still being
+    applied, so nothing is cached on the mutable config); a long-lived user keeps the result."""
+    algorithm, sampling, algo = config.algorithm, config.sampling, config.algo
+    dance = algorithm == "dance_grpo"
+    noise_level = sampling.noise_level if sampling.noise_level is not None else 0.5 if dance else 1.0
+    timestep_mode = _timestep_mode(config)
+    trainable = sampling.num_steps - 1
+    if timestep_mode == "window":
+        assert algo.window_size is not None  # the window validator requires it under timesteps=window
+        trained = algo.window_size
+    else:
+        size = sampling.num_steps if algo.timestep_pool == "all" else trainable
+        if algo.timestep_rounding == "floor":
+            trained = int(size * algo.timestep_fraction)
+        else:
+            trained = max(1, min(trainable, math.ceil(algo.timestep_fraction * size - 1e-9)))
+    return FlowRules(
+        noise_level=noise_level,
+        sde_kind="dance_grpo" if dance else sampling.sde_kind,
+        timestep_mode=timestep_mode,
+        shared_group_noise=dance,
+        trained_timesteps=trained,
+        pairs_per_step=algo.prompts_per_step * algo.group_size * trained,
+    )
+
+
+def _timestep_mode(config: FlowTrainConfig) -> str:
+    """`FlowRules.timestep_mode`, alone: the window validator asks it before the window's size is known good."""
+    if config.algo.timesteps is not None:
+        return config.algo.timesteps
+    return "random" if config.algorithm == "dance_grpo" else "prefix"

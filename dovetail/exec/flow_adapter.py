@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dovetail.config.flow import FlowTrainConfig
+from dovetail.config.flow import FlowTrainConfig, flow_rules
 from dovetail.exec.messages import (
     FlowLogProbs,
     FlowTrain,
@@ -31,12 +31,13 @@ class FlowAdapter(PipelineAdapter):
 
     def __init__(self, config: FlowTrainConfig, first_step: int) -> None:
         super().__init__(config, first_step)
+        self.rules = flow_rules(config)
         self._prompts: dict[int, list[str]] = {}
 
     def units_of(self, sample: SampleId) -> list[int]:
         """Positions in the sample's trained timesteps (`sample_timesteps`): the engines look the timesteps up
         from the sample's identity, so samples that train different timesteps share one train node's chunk."""
-        return list(range(self.config.trained_timesteps))
+        return list(range(self.rules.trained_timesteps))
 
     def parts(self, node: Node, devices: tuple[int, ...], run: RunContext) -> list[Part]:
         step = self.rl_step(node)
@@ -61,7 +62,7 @@ class FlowAdapter(PipelineAdapter):
         trajectories = sources[Kind.GENERATE]
         if node.kind == Kind.SCORE:
             return [Part(node.id, d, Score(pipeline, refs)) for d, refs in self.spread(trajectories, devices)]
-        units = list(range(self.config.trained_timesteps))
+        units = list(range(self.rules.trained_timesteps))
         if node.kind == Kind.LOGPROB:
             return [
                 Part(node.id, d, FlowLogProbs(pipeline, units, refs)) for d, refs in self.spread(trajectories, devices)
@@ -78,7 +79,7 @@ class FlowAdapter(PipelineAdapter):
                         pipeline,
                         ids,
                         chunk,
-                        self.config.pairs_per_step,
+                        self.rules.pairs_per_step,
                         stale,
                         trajectories,
                         sources[Kind.SCORE],

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from dovetail.config.flow import FlowTrainConfig
+from dovetail.config.flow import FlowTrainConfig, flow_rules
 from dovetail.exec.interference import Span, time_work
 from dovetail.exec.messages import (
     FlowLogProbs,
@@ -71,7 +71,7 @@ class FlowEngines(PipelineEngines):
 
     def __init__(self, config: FlowTrainConfig, device: torch.device, holds_policy: bool, trainer_state: dict):
         super().__init__(config, device)
-        self.sde = sde_settings(config, device)
+        self.sde, self.rules = sde_settings(config, device), flow_rules(config)
         self.decode = load_decoder(config, device)
         load_rewards(config.reward)
         if not holds_policy:
@@ -96,7 +96,7 @@ class FlowEngines(PipelineEngines):
                 work.samples,
                 self.sde,
                 seed=config.seed,
-                shared_group_noise=config.shared_group_noise,
+                shared_group_noise=self.rules.shared_group_noise,
                 sde_steps=sde_steps(config, work.samples),
             )
             return pack(trajectories, work.samples, work.version)

@@ -9,8 +9,8 @@ its time alone. The table's keys are node kinds (`graph.node.Kind`),
 as in `Calibration.interference`: `launch.prepare_run` puts it in every pipeline's cost model, from which the
 policy's look-ahead and the simulator take it (`Setup.slowdown`).
 
-The work timed is the start-up profile's (`profile_works` of `exec.lm` / `exec.flow`), run by `time_work` on the
-workers (`DeviceWorker.time_kind`).
+The work timed is the start-up profile's (`profile_works` of `exec.lm_engines` / `exec.flow_engines`), run by
+`time_work` on the workers (`DeviceWorker.time_kind`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import ray
 import torch
 from ray._private import ray_constants
 from ray.exceptions import RayActorError
-from ray.util.placement_group import placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dovetail.config.common import AUTO, MAX_PIPELINES, ray_address, scheduling_policies
@@ -119,42 +119,56 @@ STARTUP_ATTEMPTS = 3
 
 @dataclass
 class DevicePool:
-    """The DeviceWorkers of one Ray job on one type of device: a placement group bundle per device, and per slot
-    (a pipeline's place in a run) a worker on each device. A pool outlives a run, never the Ray instance."""
+    """A run's DeviceWorkers: its devices held as one placement group (a bundle per device), and per slot (a
+    pipeline's place in the run) a worker on each of them, so the pipelines of a multiplexed run share the devices.
+    The run that places the pool owns it and releases it as it ends (`device_pool`), so that the next run on the
+    same Ray instance finds the devices free."""
 
-    bundles: list[tuple[object, int]] = field(default_factory=list)
+    group: PlacementGroup
+    devices: int
+    bundle: dict[str, float]
+    """What one device is to Ray (`device_bundle`)."""
     slots: dict[int, list] = field(default_factory=dict)
 
+    def workers(self, slot: int) -> list:
+        """Slot `slot`'s DeviceWorkers, one on each device, started as the slot is first asked for."""
+        if slot not in self.slots:
+            share = 1 / MAX_PIPELINES
+            self.slots[slot] = []
+            for index in range(self.devices):
+                strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index)
+                options: dict = {"scheduling_strategy": strategy}
+                if "GPU" in self.bundle:
+                    options |= {"num_gpus": share, "resources": {}}
+                else:
+                    options |= {"resources": {DEVICE_RESOURCE: share}}
+                self.slots[slot].append(DeviceWorker.options(**options).remote(index))
+        return self.slots[slot]
 
-_POOLS: dict[tuple[str, str], DevicePool] = {}
 
-
-def _workers(config: TrainConfig, slot: int) -> list:
-    """Slot `slot`'s DeviceWorkers on the run's devices, placed (and kept for later runs) as they are first needed."""
-    pool = _POOLS.setdefault((ray.get_runtime_context().get_job_id(), config.cluster.device), DevicePool())
+@contextmanager
+def device_pool(config: TrainConfig):
+    """The run's `DevicePool` on its cluster.devices devices, for as long as the run lasts: afterwards its workers
+    are ended and its devices given back to Ray."""
     bundle = device_bundle(config)
-    missing = config.cluster.devices - len(pool.bundles)
-    if missing > 0:
-        group = placement_group([bundle] * missing, strategy="PACK")
-        ray.get(group.ready(), timeout=120)
-        pool.bundles += [(group, index) for index in range(missing)]
-    workers = pool.slots.setdefault(slot, [])
-    share = 1 / MAX_PIPELINES
-    for device_index in range(len(workers), config.cluster.devices):
-        group, index = pool.bundles[device_index]
-        options = {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)}
-        options |= {"num_gpus": share, "resources": {}} if "GPU" in bundle else {"resources": {DEVICE_RESOURCE: share}}
-        workers.append(DeviceWorker.options(**options).remote(device_index))
-    return workers[: config.cluster.devices]
+    group = placement_group([bundle] * config.cluster.devices, strategy="PACK")
+    ray.get(group.ready(), timeout=120)
+    pool = DevicePool(group, config.cluster.devices, bundle)
+    try:
+        yield pool
+    finally:
+        for worker in (worker for workers in pool.slots.values() for worker in workers):
+            ray.kill(worker)
+        remove_placement_group(group)
 
 
-def start_workers(config: TrainConfig, trainer_states: dict[str, dict]) -> dict[str, Started]:
-    """Each pipeline's DeviceWorkers (one per device, in its own process), configured for this run and holding the
-    pipeline's `trainer_states[name]` (weights + optimizer), each pipeline's workers one torch.distributed group
-    (at most config.MAX_PIPELINES of them: the config holds the limit)."""
+def start_workers(config: TrainConfig, pool: DevicePool, trainer_states: dict[str, dict]) -> dict[str, Started]:
+    """Each pipeline's DeviceWorkers in the run's `pool` (one per device, in its own process), configured for this
+    run and holding the pipeline's `trainer_states[name]` (weights + optimizer), each pipeline's workers one
+    torch.distributed group (at most config.MAX_PIPELINES of them: the config holds the limit)."""
     started = {}
     for slot, (name, pipeline) in enumerate(pipeline_configs(config).items()):
-        workers = _workers(config, slot)
+        workers = pool.workers(slot)
         state_ref = ray.put(trainer_states[name])
         weights_ref = ray.put(trainer_states[name]["weights"])
         started[name] = Started(pipeline.model_dump(mode="json"), workers, [0] * len(workers), weights_ref, state_ref)

@@ -3,7 +3,8 @@
 `PipelineAdapter` (driver) maps a node of the sub-stage graph to typed work on the devices the policy chose and
 books the results in the sample ledger; `PipelineEngines` (one per DeviceWorker) holds that pipeline's engines on
 the device and does the work. Commit and publish are the same for every kind and live in the executor and the
-worker; `exec.flow` and `exec.lm` implement the rest.
+worker; each kind's adapter and engines (`exec.flow_adapter`, `exec.flow_engines`; `exec.lm_adapter`,
+`exec.lm_engines`) implement the rest.
 """
 
 from __future__ import annotations

@@ -291,7 +291,7 @@ def _finishing_levels(samples: list[Sample], rollout: list[Node], shape: LLMShap
     every shard (the engine that holds it is known only at run time), or of the migrated tail. Per sample, the
     level (band edge, or past every edge for the tail) and the nodes after which its drawn length says it is done.
     Only streamed micro-batches wait for the predicted level: the runtime fills them with whichever whole groups
-    have finished by then (`exec.lm`), the last level taking the rest; fixed micro-batches wait for the end."""
+    have finished by then (`exec.lm_adapter`), the last level taking the rest; fixed micro-batches wait for the end."""
     migrate_at = shape.migrate_at
     bands: dict[int, list[str]] = {}
     tail: tuple[str, ...] = ()
