@@ -9,9 +9,8 @@ from dovetail.algo import group_advantages, select_train_timesteps
 from dovetail.config.flow import FlowTrainConfig, flow_rules
 from dovetail.graph.node import SampleId
 from dovetail.models.flow_rl import SDESettings, accumulate_policy_gradient
-from dovetail.models.pretrain import latents_to_images
 from dovetail.models.sampling import keyed_normal, sample_key, sample_ode
-from dovetail.models.t2i import flow_sigmas
+from dovetail.models.t2i import flow_sigmas, latents_to_images
 from dovetail.models.training import trainable_parameters
 from dovetail.prompts import eval_prompts
 from dovetail.rewards import score

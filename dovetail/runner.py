@@ -31,7 +31,7 @@ from dovetail.models.causal_lm import rollout_engine
 from dovetail.models.diffusers_flow import checkpoint_io, load_decoder, load_flow_model
 from dovetail.models.engine import Request
 from dovetail.models.flow_rl import generate, group_sample_ids, step_prompts
-from dovetail.models.pretrain import latents_to_images
+from dovetail.models.t2i import latents_to_images
 from dovetail.models.training import commit, set_summed_gradient, weights_of
 from dovetail.prompts import train_prompts
 from dovetail.recipe import (

@@ -14,6 +14,7 @@ from dovetail.config.flow import flow_rules
 from dovetail.config.load import load_config
 from dovetail.recipe import step_timesteps
 from dovetail.rewards import REWARDS, RewardError, score
+from dovetail.rewards.judge import digit_probabilities, fit_digit_judge
 from dovetail.rewards.text import score_text
 
 
@@ -83,6 +84,16 @@ def test_digit_match_prefers_the_prompted_digit():
     right = score(images, [f"digit {t}" for t in digits.target[:50]], {"digit_match": 1.0})["digit_match"]
     wrong = score(images, [f"digit {(t + 1) % 10}" for t in digits.target[:50]], {"digit_match": 1.0})["digit_match"]
     assert right.mean() > 0.8 and wrong.mean() < 0.1
+
+
+def test_shipped_judge_is_the_fit_and_reads_digits(tmp_path):
+    """The shipped weights score as `fit_digit_judge`'s regression does, refit here on this machine's BLAS (lbfgs
+    stops within its tolerance, so a refit elsewhere may differ in far digits, never in what it reads)."""
+    refit = fit_digit_judge(tmp_path / "judge.safetensors")
+    digits = load_digits()
+    probabilities = digit_probabilities(digits.images / 16.0)
+    np.testing.assert_allclose(probabilities, refit.predict_proba(digits.data / 16.0), atol=1e-4)
+    assert (probabilities.argmax(axis=1) == digits.target).mean() > 0.99
 
 
 def test_jpeg_rewards_rank_flat_images_as_compressible():

@@ -53,16 +53,14 @@ def test_two_pipelines_on_one_core_slow_each_other_down_as_time_slicing_does():
     config = parse_config({"kind": "multiplex", "policy": "jigsaw", "cluster": {"devices": 2}, "pipelines": [LM, FLOW]})
     configs = pipeline_configs(config)
     local = {"sort": LMLocal(configs["sort"]), "digits": FlowLocal(configs["digits"])}
-    with device_pool(config) as pool:
-        started = start_workers(
-            config, pool, {name: trainer_state_of(m.model, m.optimizer) for name, m in local.items()}
-        )
-        before = {name: ray.get(s.workers[0].trainer_state.remote()) for name, s in started.items()}
+    states = {name: trainer_state_of(m.model, m.optimizer) for name, m in local.items()}
+    started = start_workers(config, device_pool(config), states)
+    before = {name: ray.get(s.workers[0].trainer_state.remote()) for name, s in started.items()}
 
-        start = time.perf_counter()
-        table = measure_interference(started, configs)
-        took = time.perf_counter() - start
-        after = {name: ray.get(s.workers[0].trainer_state.remote()) for name, s in started.items()}
+    start = time.perf_counter()
+    table = measure_interference(started, configs)
+    took = time.perf_counter() - start
+    after = {name: ray.get(s.workers[0].trainer_state.remote()) for name, s in started.items()}
 
     print(f"measured in {took:.1f} s:", {f"{k}|{a}": round(s, 2) for (k, a), s in sorted(table.items())})
     assert table.keys() == ACROSS | WITHIN_ONLY

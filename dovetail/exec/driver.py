@@ -111,40 +111,40 @@ def train_on_ray(
     phase("starting Ray")
     start_ray(config)
     phase(f"starting {config.cluster.devices} device workers")
-    with device_pool(config) as pool:  # the run's workers, ended with it
-        states = {name: trainer_state_of(log.model, log.optimizer) for name, log in logs.items()}
-        started = start_workers(config, pool, states)
-        if after_start is not None:
-            after_start(started)
-        steps = {last_step - first for first in first_steps.values()}
-        if len(steps) != 1:
-            raise ValueError(f"every pipeline of a run resumes from the same step; got {first_steps}")
-        phase("profiling the devices and planning the step")
-        costs, prepared, choice = prepare_run(config, steps.pop(), started, reprofile)
-        if choice is not None:  # policy=auto: from here on the run is the chosen policy's, and says so once
-            config = config.model_copy(update={"policy": choice.policy})
-            next(iter(logs.values())).progress.note(choice.line())
-        phase("first step")
-        step_metrics = {name: StepMetrics(prepared.policy, name) for name in logs}
+    pool = device_pool(config)
+    states = {name: trainer_state_of(log.model, log.optimizer) for name, log in logs.items()}
+    started = start_workers(config, pool, states)
+    if after_start is not None:
+        after_start(started)
+    steps = {last_step - first for first in first_steps.values()}
+    if len(steps) != 1:
+        raise ValueError(f"every pipeline of a run resumes from the same step; got {first_steps}")
+    phase("profiling the devices and planning the step")
+    costs, prepared, choice = prepare_run(config, steps.pop(), started, reprofile)
+    if choice is not None:  # policy=auto: from here on the run is the chosen policy's, and says so once
+        config = config.model_copy(update={"policy": choice.policy})
+        next(iter(logs.values())).progress.note(choice.line())
+    phase("first step")
+    step_metrics = {name: StepMetrics(prepared.policy, name) for name in logs}
 
-        def on_commit(pipeline: str, rl_step: int, executor: RayExecutor) -> None:
-            done, log = rl_step + 1, logs[pipeline]
-            metrics = step_metrics[pipeline](executor, rl_step - first_steps[pipeline])
-            if log.needs_weights(done):
-                load_trainer_state(log.model, log.optimizer, executor.committed_state(pipeline))
-                log.holds = done
-            log.record(done, metrics, {"policy": config.policy, "version": done})
-            if after_record is not None:
-                after_record()
+    def on_commit(pipeline: str, rl_step: int, executor: RayExecutor) -> None:
+        done, log = rl_step + 1, logs[pipeline]
+        metrics = step_metrics[pipeline](executor, rl_step - first_steps[pipeline])
+        if log.needs_weights(done):
+            load_trainer_state(log.model, log.optimizer, executor.committed_state(pipeline))
+            log.holds = done
+        log.record(done, metrics, {"policy": config.policy, "version": done})
+        if after_record is not None:
+            after_record()
 
-        executor = make_executor(config, prepared, started, first_steps, on_commit=on_commit, after_part=after_part)
-        trace = executor.run(prepared.policy)
-        stopped = {name: save_stopped(executor, name, logs, first_steps[name]) for name in executor.stopped}
-        if stopped and len(logs) == 1:
-            raise RewardError(next(iter(stopped.values())))
-        return write_run_outputs(logs, config, prepared, executor, trace, costs, choice) | (
-            {"stopped": stopped} if stopped else {}
-        )
+    executor = make_executor(config, prepared, started, first_steps, on_commit=on_commit, after_part=after_part)
+    trace = executor.run(prepared.policy)
+    stopped = {name: save_stopped(executor, name, logs, first_steps[name]) for name in executor.stopped}
+    if stopped and len(logs) == 1:
+        raise RewardError(next(iter(stopped.values())))
+    return write_run_outputs(logs, config, prepared, executor, trace, costs, choice) | (
+        {"stopped": stopped} if stopped else {}
+    )
 
 
 def save_stopped(executor: RayExecutor, name: str, logs: dict, first_step: int) -> str:

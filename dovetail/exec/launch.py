@@ -3,6 +3,7 @@ corrected by a profile of those devices, the policy's graph, and the RayExecutor
 
 from __future__ import annotations
 
+import logging
 import pickle
 import signal
 import statistics
@@ -17,7 +18,7 @@ import ray
 import torch
 from ray._private import ray_constants
 from ray.exceptions import RayActorError
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, get_placement_group, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dovetail.config.common import AUTO, MAX_PIPELINES, ray_address, scheduling_policies
@@ -51,6 +52,10 @@ def device_bundle(config: TrainConfig) -> dict[str, float]:
     )
 
 
+RAY_NAMESPACE = "dovetail"
+"""The Ray namespace a run's driver joins: `DevicePool`'s named workers are found in it."""
+
+
 def start_ray(config: TrainConfig) -> None:
     """A local Ray instance (one `dovetail_device` per core, or the GPUs Ray finds), or the cluster at
     cluster.address or $RAY_ADDRESS (`ray_address`); either way it must hold cluster.devices devices."""
@@ -59,7 +64,7 @@ def start_ray(config: TrainConfig) -> None:
         address = ray_address(config.cluster)
         with signal_handler_kept(signal.SIGTERM):
             if address:
-                ray.init(address=address)
+                ray.init(address=address, namespace=RAY_NAMESPACE)
             else:
                 start_local_ray(config.cluster.devices if resource == DEVICE_RESOURCE else None)
     available = ray.cluster_resources().get(resource, 0)
@@ -98,7 +103,7 @@ def start_local_ray(cpu_devices: int | None) -> None:
     address for the machine's own (so that other nodes could reach it) unless it runs as a single-machine instance,
     which is what its `ENABLE_RAY_CLUSTER` switch says while the node starts. `cpu_devices`: the CPU cores offered as
     devices (None on GPUs, which Ray finds itself). Its processes die with this one (`exec.watchdog`)."""
-    options = {"address": "local", "_node_ip_address": LOOPBACK, "num_cpus": 1}
+    options = {"address": "local", "_node_ip_address": LOOPBACK, "num_cpus": 1, "namespace": RAY_NAMESPACE}
     options |= {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
     if cpu_devices is not None:
         options["resources"] = {DEVICE_RESOURCE: cpu_devices}
@@ -117,49 +122,71 @@ STARTUP_ATTEMPTS = 3
 """Start-up profiles tried before a run gives up on workers that keep dying."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class DevicePool:
-    """A run's DeviceWorkers: its devices held as one placement group (a bundle per device), and per slot (a
-    pipeline's place in the run) a worker on each of them, so the pipelines of a multiplexed run share the devices.
-    The run that places the pool owns it and releases it as it ends (`device_pool`), so that the next run on the
-    same Ray instance finds the devices free."""
+    """The Ray job's DeviceWorkers on one type of device: a placement group bundle per device, and per slot (a
+    pipeline's place in a run) a worker on each device, so the pipelines of a multiplexed run share the devices.
 
-    group: PlacementGroup
-    devices: int
-    bundle: dict[str, float]
-    """What one device is to Ray (`device_bundle`)."""
-    slots: dict[int, list] = field(default_factory=dict)
+    Ray holds both, named by job and device type (`device_pool` finds them by name), rather than this process, so
+    a later run of the job (a sweep, a test session) takes up warm workers instead of starting processes that
+    import torch and the engines again, seconds each. A worker is a detached actor (no handle keeps it alive
+    between runs) in a placement group of the job, which Ray removes as the job ends, ending its workers with it;
+    a worker Ray has given up restarting is replaced by a fresh one under its name."""
+
+    prefix: str
+    """`dovetail-<job>-<device>`: what the job's workers and bundles of this device type are named after."""
+    bundles: tuple[tuple[PlacementGroup, int], ...]
+    """Per device, its placement group and bundle index."""
+    gpu: bool
 
     def workers(self, slot: int) -> list:
-        """Slot `slot`'s DeviceWorkers, one on each device, started as the slot is first asked for."""
-        if slot not in self.slots:
-            share = 1 / MAX_PIPELINES
-            self.slots[slot] = []
-            for index in range(self.devices):
-                strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index)
-                options: dict = {"scheduling_strategy": strategy}
-                if "GPU" in self.bundle:
-                    options |= {"num_gpus": share, "resources": {}}
-                else:
-                    options |= {"resources": {DEVICE_RESOURCE: share}}
-                self.slots[slot].append(DeviceWorker.options(**options).remote(index))
-        return self.slots[slot]
+        """Slot `slot`'s DeviceWorker on each device: the job's, or started now under its name."""
+        share = 1 / MAX_PIPELINES
+        options: dict = {"num_gpus": share, "resources": {}} if self.gpu else {"resources": {DEVICE_RESOURCE: share}}
+        with warning_muted("ray.actor", "detached actor with a placement group"):  # its point here: see above
+            return [
+                DeviceWorker.options(
+                    name=f"{self.prefix}-slot{slot}-device{index}",
+                    get_if_exists=True,
+                    lifetime="detached",
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
+                    **options,
+                ).remote(index)
+                for index, (group, bundle) in enumerate(self.bundles)
+            ]
 
 
 @contextmanager
-def device_pool(config: TrainConfig):
-    """The run's `DevicePool` on its cluster.devices devices, for as long as the run lasts: afterwards its workers
-    are ended and its devices given back to Ray."""
-    bundle = device_bundle(config)
-    group = placement_group([bundle] * config.cluster.devices, strategy="PACK")
-    ray.get(group.ready(), timeout=120)
-    pool = DevicePool(group, config.cluster.devices, bundle)
+def warning_muted(logger: str, text: str):
+    """While inside, `logger`'s records that contain `text` are dropped (a warning about what is meant)."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return text not in record.getMessage()
+
+    log = logging.getLogger(logger)
+    log.addFilter(keep)
     try:
-        yield pool
+        yield
     finally:
-        for worker in (worker for workers in pool.slots.values() for worker in workers):
-            ray.kill(worker)
-        remove_placement_group(group)
+        log.removeFilter(keep)
+
+
+def device_pool(config: TrainConfig) -> DevicePool:
+    """The job's `DevicePool` on the run's cluster.devices devices. Its bundles are placement groups named
+    `<prefix>-from<first device>`: the job's earlier runs placed some, and the devices this run needs beyond them
+    are placed now as one more group (PACK: on as few nodes as Ray can)."""
+    bundle = device_bundle(config)
+    prefix = f"dovetail-{ray.get_runtime_context().get_job_id()}-{config.cluster.device}"
+    bundles: list[tuple[PlacementGroup, int]] = []
+    while len(bundles) < config.cluster.devices:
+        name = f"{prefix}-from{len(bundles)}"
+        try:
+            group = get_placement_group(name)
+        except ValueError:  # no such group yet
+            group = placement_group([bundle] * (config.cluster.devices - len(bundles)), strategy="PACK", name=name)
+        ray.get(group.ready(), timeout=120)
+        bundles += [(group, index) for index in range(group.bundle_count)]
+    return DevicePool(prefix, tuple(bundles[: config.cluster.devices]), "GPU" in bundle)
 
 
 def start_workers(config: TrainConfig, pool: DevicePool, trainer_states: dict[str, dict]) -> dict[str, Started]:

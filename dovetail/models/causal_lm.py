@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 import transformers
-from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -26,7 +25,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from dovetail.files import one_line
 from dovetail.models.engine import Engine, SamplingParams, TorchEngine, TransformersEngine, engine_problem
-from dovetail.models.training import with_lora
+from dovetail.models.training import has_lora, load_lora_state_dict, lora_state_dict, with_lora
 
 ADAPTER_DIR = "lora"
 """Where `export` writes a LoRA run's adapter in peft's layout, inside the exported model directory."""
@@ -103,7 +102,7 @@ class CausalLM(torch.nn.Module):
 
     @property
     def lora(self) -> bool:
-        return isinstance(self.model, PeftModel)
+        return has_lora(self.model)
 
     @property
     def config(self):
@@ -114,19 +113,13 @@ class CausalLM(torch.nn.Module):
 
     def trained_state_dict(self) -> dict[str, torch.Tensor]:
         """What trains: the LoRA adapter's tensors, or the whole model's (under transformers' names)."""
-        return get_peft_model_state_dict(self.model) if self.lora else self.model.state_dict()
+        return lora_state_dict(self.model) if self.lora else self.model.state_dict()
 
     def load_trained_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if not self.lora:
             self.model.load_state_dict(state)
             return
-        expected = get_peft_model_state_dict(self.model)
-        misfit = sorted(expected.keys() ^ state.keys()) or sorted(
-            k for k in expected if state[k].shape != expected[k].shape
-        )
-        if misfit:
-            raise ValueError(f"the LoRA adapter's tensors do not fit the model's adapter (tensor {misfit[0]})")
-        set_peft_model_state_dict(self.model, state)
+        load_lora_state_dict(self.model, state)
 
     def rollout_state_dict(self, trained: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The full weights under transformers' names of trained tensors `trained_state_dict` gave (another
@@ -156,7 +149,7 @@ def load_causal_lm(path: Path | str, *, lora: dict | None, seed: int) -> CausalL
         raise ValueError(f"model.path {path}: no causal LM loads from it ({one_line(error)[:300]})") from None
     if lora is not None:
         model = with_lora(model, lora, seed, task_type="CAUSAL_LM")
-        if any(".lora_embedding_" in name for name in get_peft_model_state_dict(model)):
+        if any(".lora_embedding_" in name for name in lora_state_dict(model)):
             raise ValueError(
                 f"model.lora.target_modules={lora['target_modules']} adapts an embedding: LoRA trains linear layers "
                 "here (all-linear, or their names)"

@@ -31,14 +31,12 @@ from diffusers import (
     SD3Transformer2DModel,
     WanTransformer3DModel,
 )
-from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from dovetail.files import one_line
-from dovetail.models.pretrain import latents_to_images
-from dovetail.models.t2i import load_model, save_model
-from dovetail.models.training import with_lora
+from dovetail.models.t2i import latents_to_images, load_model, save_model
+from dovetail.models.training import has_lora, load_lora_state_dict, lora_state_dict, with_lora
 from dovetail.prompts import prompt_split
 
 PROMPT_EMBEDDINGS = "prompt_embeds.safetensors"
@@ -168,12 +166,12 @@ class DiffusersFlow(torch.nn.Module):
 
     @property
     def transformer_config(self):
-        base = self.transformer.get_base_model() if isinstance(self.transformer, PeftModel) else self.transformer
+        base = self.transformer.get_base_model() if self.lora else self.transformer
         return base.config
 
     @property
     def lora(self) -> bool:
-        return isinstance(self.transformer, PeftModel)
+        return has_lora(self.transformer)
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:
@@ -214,21 +212,13 @@ class DiffusersFlow(torch.nn.Module):
 
     def trained_state_dict(self) -> dict[str, torch.Tensor]:
         """What trains: the LoRA adapter's tensors, or the whole transformer's."""
-        if self.lora:
-            return get_peft_model_state_dict(self.transformer)
-        return self.transformer.state_dict()
+        return lora_state_dict(self.transformer) if self.lora else self.transformer.state_dict()
 
     def load_trained_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if not self.lora:
             self.transformer.load_state_dict(state)
             return
-        expected = get_peft_model_state_dict(self.transformer)
-        misfit = sorted(expected.keys() ^ state.keys()) or sorted(
-            k for k in expected if state[k].shape != expected[k].shape
-        )
-        if misfit:
-            raise ValueError(f"the LoRA adapter's tensors do not fit the model's adapter (tensor {misfit[0]})")
-        set_peft_model_state_dict(self.transformer, state)
+        load_lora_state_dict(self.transformer, state)
 
 
 class FluxFlow(DiffusersFlow):

@@ -7,7 +7,6 @@ read, so that RL has room to improve it.
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from sklearn.datasets import load_digits
 
@@ -19,11 +18,6 @@ def digits_dataset() -> tuple[torch.Tensor, list[str]]:
     digits = load_digits()
     images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 8.0 - 1.0
     return images, [f"digit {t}" for t in digits.target]
-
-
-def latents_to_images(latents: torch.Tensor) -> np.ndarray:
-    """Model space [-1, 1] (B, 1, H, W) to reward space [0, 1] (B, H, W)."""
-    return ((latents[:, 0].detach().float().clamp(-1, 1) + 1) / 2).cpu().numpy()
 
 
 def pretrain_digits(

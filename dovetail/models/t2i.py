@@ -7,6 +7,7 @@ nothing is downloaded. The image is its own latent (one channel, no VAE).
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 from pydantic import BaseModel, ConfigDict
@@ -91,6 +92,11 @@ class TinyT2I(torch.nn.Module):
 
 
 SIGMA_SCHEDULES = ("diffusers", "dance_grpo")
+
+
+def latents_to_images(latents: torch.Tensor) -> np.ndarray:
+    """Model space [-1, 1] (B, 1, H, W) to reward space [0, 1] (B, H, W)."""
+    return ((latents[:, 0].detach().float().clamp(-1, 1) + 1) / 2).cpu().numpy()
 
 
 def flow_sigmas(num_steps: int, shift: float = 1.0, schedule: str = "diffusers") -> torch.Tensor:

@@ -2,9 +2,10 @@
 snapshots, the flat gradient of a part and the sum of parts at a commit, the optimizer step, fp32 kept strict, a
 LoRA adapter seeded by the run."""
 
+import sys
+
 import numpy as np
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
 
 from dovetail.files import one_line
 from dovetail.models.sampling import sample_key
@@ -101,9 +102,12 @@ def commit(model, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> flo
     return float(grad_norm)
 
 
-def with_lora(model, lora: dict, seed: int, task_type: str | None = None) -> PeftModel:
-    """The model with a peft LoRA adapter (rank, alpha, target modules), the only part that trains. Its random
-    initial A matrices are drawn from `seed`, so every process of a run starts from the same adapter."""
+def with_lora(model, lora: dict, seed: int, task_type: str | None = None):
+    """The model with a peft LoRA adapter (rank, alpha, target modules), the only part that trains: a
+    `peft.PeftModel`. Its random initial A matrices are drawn from `seed`, so every process of a run starts from
+    the same adapter. peft is imported here, by the first LoRA run of a process: it takes seconds to import."""
+    from peft import LoraConfig, get_peft_model
+
     config = LoraConfig(
         r=lora["rank"],
         lora_alpha=lora["alpha"] if lora["alpha"] is not None else lora["rank"],
@@ -117,3 +121,30 @@ def with_lora(model, lora: dict, seed: int, task_type: str | None = None) -> Pef
             return get_peft_model(model, config)
         except ValueError as error:  # no module matches the targets
             raise ValueError(f"model.lora.target_modules={lora['target_modules']}: {one_line(error)}") from None
+
+
+def has_lora(model) -> bool:
+    """Whether `model` is a peft model `with_lora` made. Until peft is imported no model can be one, and a run
+    without LoRA never imports it."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def lora_state_dict(model) -> dict[str, torch.Tensor]:
+    """The LoRA adapter's tensors of a `with_lora` model, under peft's names."""
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(model)
+
+
+def load_lora_state_dict(model, state: dict[str, torch.Tensor]) -> None:
+    """Load adapter tensors `lora_state_dict` gave into a `with_lora` model, refusing tensors that do not fit."""
+    from peft import set_peft_model_state_dict
+
+    expected = lora_state_dict(model)
+    misfit = sorted(expected.keys() ^ state.keys()) or sorted(
+        k for k in expected if state[k].shape != expected[k].shape
+    )
+    if misfit:
+        raise ValueError(f"the LoRA adapter's tensors do not fit the model's adapter (tensor {misfit[0]})")
+    set_peft_model_state_dict(model, state)

@@ -29,6 +29,7 @@ import numpy as np
 from PIL import Image
 
 from dovetail.rewards import process
+from dovetail.rewards.judge import digit_judge, digit_probabilities
 
 RewardFn = Callable[[np.ndarray, Sequence[str]], np.ndarray]
 
@@ -42,8 +43,6 @@ def prompted_digit(prompt: str) -> int:
 
 def digit_match(images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
     """Judge probability that the image shows the prompted digit."""
-    from dovetail.rewards.judge import digit_probabilities  # scikit-learn: seconds to import, only for the judge
-
     probs = digit_probabilities(images)
     return probs[np.arange(len(images)), [prompted_digit(p) for p in prompts]]
 
@@ -173,11 +172,9 @@ def check_reward_names(weights: dict[str, float]) -> None:
 
 
 def load_rewards(weights: dict[str, float]) -> None:
-    """Build now what the rewards would build on first use (the judge is fitted in about a second), so that the
-    first step of a run does not pay for it."""
+    """Build now what the rewards would build on first use (the judge loads its weights), so that the first step
+    of a run does not pay for it."""
     if "digit_match" in weights:
-        from dovetail.rewards.judge import digit_judge
-
         digit_judge()
 
 
