@@ -81,7 +81,7 @@ def pipeline_figures(run_dir: Path) -> dict:
         "step_s": statistics.mean(m["step_s"] for m in metrics),
         "samples": sum(m["samples_per_s"] * m["step_s"] for m in metrics),
         "tokens": sum(m.get("response_tokens", 0) for m in metrics),
-        "migrated": sum(count for _, count, _ in ledger.get("migrated", [])),
+        "migrated": sum(row["responses"] for row in ledger.get("migrated", [])),
     }
 
 

@@ -430,3 +430,26 @@ def test_pretrain_never_replaces_a_model_without_overwrite(dataset, tmp_path):
     assert [p.name for p in mine.iterdir()] == ["config.json"] and (mine / "config.json").read_text() == "{}"
     shipped = CliRunner().invoke(app, ["pretrain", dataset, "--steps", "1"])  # the shipped base model is a model too
     assert shipped.exit_code == 2 and "--overwrite" in shipped.output
+
+
+def test_ledger_json_names_every_field_of_its_rows():
+    """A ledger.json row reads without the code that wrote it: each is a record keyed by field name."""
+    from dovetail.exec.pipeline import Ledger
+    from dovetail.graph.node import SampleId
+
+    sample = SampleId(3, 1, 2)
+    ledger = Ledger(
+        generated={sample: [(0, 3)]},
+        scored={sample: 1},
+        trained={(sample, 4): 1},
+        migrated=[(3, 5, 1)],
+        restarts=[(1.5, 1, "train")],
+        reruns=[(1, "p/s3/train0")],
+    )
+    assert json.loads(json.dumps(ledger.to_json())) == {
+        "generated": [{"step": 3, "prompt": 1, "member": 2, "device": 0, "version": 3}],
+        "trained": [{"step": 3, "prompt": 1, "member": 2, "unit": 4, "times": 1}],
+        "migrated": [{"step": 3, "responses": 5, "device": 1}],
+        "restarts": [{"time": 1.5, "device": 1, "during": "train"}],
+        "reruns": [{"device": 1, "node": "p/s3/train0"}],
+    }

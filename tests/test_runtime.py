@@ -72,7 +72,7 @@ def test_policy_reproduces_the_reference_parameters(policy, overrides, reference
     ledger = json.loads((out / "ledger.json").read_text())
     assert ledger["problems"] == [] and len(ledger["generated"]) == STEPS * 64
     if policy == "digen":  # TAG forced: the trainer device generated some fragments too
-        assert len({device for *_, device, _ in ledger["generated"]}) == 2
+        assert len({row["device"] for row in ledger["generated"]}) == 2
 
 
 def test_policy_auto_runs_the_fastest_predicted_policy_records_why_and_replays(tmp_path):
@@ -222,7 +222,7 @@ def test_killed_worker_is_restarted_and_no_sample_is_lost_or_trained_twice(refer
     assert killed and summary["restarts"] >= 1
     ledger = json.loads((out / "ledger.json").read_text())
     assert ledger["problems"] == [] and ledger["restarts"]
-    assert list(killed[0]) in ledger["reruns"]  # its gradients were rebuilt
+    assert dict(zip(("device", "node"), killed[0])) in ledger["reruns"]  # its gradients were rebuilt
     assert max_difference(weights(out), weights(reference_run)) <= 1e-5
     # digen places work by measured time, so two runs split the work differently; the commit sums every part's
     # gradient in the order of its key: an undisturbed run and the one that lost a worker agree to the last bit
@@ -292,7 +292,7 @@ def test_tcss_trains_stale_samples_with_the_decoupled_correction_and_the_reward_
     assert {m["staleness"] for m in lines} == {0, 1} and summary["max_staleness"] == 1
     ledger = json.loads((tmp_path / "tcss/ledger.json").read_text())
     assert ledger["problems"] == []
-    versions = {(step, version) for step, _, _, _, version in ledger["generated"]}
+    versions = {(row["step"], row["version"]) for row in ledger["generated"]}
     assert all(step - version in (0, 1) for step, version in versions)
     assert summary["final_eval_reward"] >= summary["base_eval_reward"] + 0.3, summary
 

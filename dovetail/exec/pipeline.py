@@ -70,12 +70,20 @@ class Ledger:
         return found
 
     def to_json(self) -> dict:
+        """ledger.json: each row a record whose keys name its fields, so the file reads without this class."""
         return {
-            "generated": [[*s, d, v] for s, uses in sorted(self.generated.items()) for d, v in uses],
-            "trained": [[*s, k, n] for (s, k), n in sorted(self.trained.items())],
-            "migrated": self.migrated,
-            "restarts": self.restarts,
-            "reruns": self.reruns,
+            "generated": [
+                {"step": s.step, "prompt": s.prompt, "member": s.member, "device": d, "version": v}
+                for s, uses in sorted(self.generated.items())
+                for d, v in uses
+            ],
+            "trained": [
+                {"step": s.step, "prompt": s.prompt, "member": s.member, "unit": k, "times": n}
+                for (s, k), n in sorted(self.trained.items())
+            ],
+            "migrated": [{"step": s, "responses": n, "device": d} for s, n, d in self.migrated],
+            "restarts": [{"time": t, "device": d, "during": what} for t, d, what in self.restarts],
+            "reruns": [{"device": d, "node": node} for d, node in self.reruns],
         }
 
 
