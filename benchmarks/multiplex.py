@@ -44,7 +44,7 @@ def pipelines(steps: int) -> dict[str, dict]:
     for entry in multiplex["pipelines"]:
         entry = copy.deepcopy(entry)
         entry.setdefault("train", {})["steps"] = steps
-        entry["eval"] = {"every": 10_000} | ({"prompts": 8} if entry["kind"] == "lm" else {"per_digit": 1})
+        entry["eval"] = {"every": 10_000} | ({"prompts": 8} if entry["kind"] == "lm" else {"per_prompt": 1})
         entry["checkpoint"] = {"every": 10_000}
         found["sort" if entry["kind"] == "lm" else "digits"] = entry
     return found

@@ -14,7 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 
 DIGIT_PROMPTS = tuple(f"digit {d}" for d in range(10))
-"""The built-in model's prompts: they train, and each is evaluated `eval.per_digit` times."""
+"""The built-in model's prompts: they train, and each is evaluated `eval.per_prompt` times."""
 
 TABLE_FORMATS = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 """File suffix -> the `datasets` builder that reads it."""
@@ -40,11 +40,11 @@ def train_prompts(config) -> tuple[str, ...]:
 
 
 def eval_prompts(config) -> list[str]:
-    """The prompts of an evaluation, each `eval.per_digit` times: every digit, or the first prompts.eval_prompts of
+    """The prompts of an evaluation, each `eval.per_prompt` times: every digit, or the first prompts.eval_prompts of
     the eval split."""
     split = prompt_split(config)
     chosen = split.eval if config.prompts is None else split.eval[: config.prompts.eval_prompts]
-    return [p for p in chosen for _ in range(config.eval.per_digit)]
+    return [p for p in chosen for _ in range(config.eval.per_prompt)]
 
 
 def _stamp(path: Path | None) -> tuple[int, int] | None:

@@ -28,7 +28,7 @@ FLOW = [
     "algo.prompts_per_step=2",
     "algo.group_size=2",
     "sampling.num_steps=4",
-    "eval.per_digit=1",
+    "eval.per_prompt=1",
     "eval.every=100",
     "checkpoint.every=1",
 ]

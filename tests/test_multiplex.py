@@ -29,7 +29,7 @@ LM = {
 FLOW = {
     "kind": "flow",
     "algo": {"prompts_per_step": 4, "group_size": 4},
-    "eval": {"per_digit": 2, "every": 100},
+    "eval": {"per_prompt": 2, "every": 100},
     "checkpoint": {"every": 100},
     "runtime": {"profile_samples": 8},
 }

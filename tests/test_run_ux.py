@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 import dovetail
@@ -24,7 +25,7 @@ from dovetail.run_dir import RunDir, load_checkpoint
 from dovetail.runner import FlowLocal
 
 CONFIGS = Path(__file__).parents[1] / "configs"
-FAST = ["algo.prompts_per_step=4", "algo.group_size=4", "sampling.num_steps=6", "eval.per_digit=2"]
+FAST = ["algo.prompts_per_step=4", "algo.group_size=4", "sampling.num_steps=6", "eval.per_prompt=2"]
 STEP_LINE = re.compile(
     r"^\[\d\d:\d\d:\d\d\] digits step (\d+)/(\d+) reward \d\.\d{3} eval \d\.\d{3} [\d.]+ samples/s ETA \d+:\d\d:\d\d$"
 )
@@ -331,7 +332,7 @@ def test_the_python_api_trains_a_config_dict_with_callbacks(tmp_path):
     import dovetail.runner  # noqa: F401 - importing every module leaves the package's `train` the API's function
 
     recorder = Recorder()
-    tree = {"algo": {"prompts_per_step": 4, "group_size": 4}, "sampling": {"num_steps": 6}, "eval": {"per_digit": 2}}
+    tree = {"algo": {"prompts_per_step": 4, "group_size": 4}, "sampling": {"num_steps": 6}, "eval": {"per_prompt": 2}}
     summary = dovetail.train(tree, out=tmp_path / "api", steps=2, callbacks=[recorder], overrides=["logger=[]"])
     assert summary == json.loads((tmp_path / "api" / "summary.json").read_text())
     assert [metrics for _, metrics in recorder.steps] == metric_lines(tmp_path / "api")
@@ -342,13 +343,13 @@ def test_the_python_api_trains_a_config_dict_with_callbacks(tmp_path):
     assert tree == {
         "algo": {"prompts_per_step": 4, "group_size": 4},
         "sampling": {"num_steps": 6},
-        "eval": {"per_digit": 2},
+        "eval": {"per_prompt": 2},
     }
 
 
 def test_the_python_api_resumes_in_place(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    tree = {"algo": {"prompts_per_step": 2, "group_size": 2}, "sampling": {"num_steps": 4}, "eval": {"per_digit": 1}}
+    tree = {"algo": {"prompts_per_step": 2, "group_size": 2}, "sampling": {"num_steps": 4}, "eval": {"per_prompt": 1}}
     dovetail.train(tree, out=tmp_path / "run", steps=1, overrides=["logger=[]"])
     dovetail.train(tree, resume=tmp_path / "run", steps=2, overrides=["logger=[]"])
     assert [m["step"] for m in metric_lines(tmp_path / "run")] == [1, 2] and not (tmp_path / "runs").exists()
@@ -453,3 +454,32 @@ def test_ledger_json_names_every_field_of_its_rows():
         "restarts": [{"time": 1.5, "device": 1, "during": "train"}],
         "reruns": [{"device": 1, "node": "p/s3/train0"}],
     }
+
+
+def test_eval_per_digit_reads_as_eval_per_prompt_in_configs_and_checkpoints(tmp_path):
+    """`eval.per_digit` was the field's name before prompts files: a config or a checkpoint's config.yaml that
+    says so loads, and the config is written back under the name it has now."""
+    from dovetail.config.load import dump_config
+
+    old = tmp_path / "old.yaml"
+    old.write_text("eval:\n  per_digit: 3\n")
+    config = load_config(old)
+    assert config.eval.per_prompt == 3 == load_config(None, ["eval.per_digit=3"]).eval.per_prompt
+    assert yaml.safe_load(dump_config(config))["eval"] == {"every": 25, "per_prompt": 3, "seed": 10_000}
+
+
+def test_a_local_ray_instance_keeps_token_authentication_without_printing_ray_s_notice():
+    """Ray announces on every new local instance that it turned token authentication on; a dovetail run keeps it on
+    (Ray records the mode in RAY_AUTH_MODE) and leaves the run's output to the run."""
+    script = (
+        "import os, ray\n"
+        "from dovetail.exec.launch import start_local_ray\n"
+        "start_local_ray(cpu_devices=1)\n"
+        "print('auth mode', os.environ['RAY_AUTH_MODE'])\n"
+        "ray.shutdown()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "auth mode token" in result.stdout
+    assert "Token authentication" not in result.stdout + result.stderr, result.stderr

@@ -257,7 +257,7 @@ def test_a_reward_failing_mid_run_stops_every_policy_saved_at_its_last_commit_in
     says so in one line."""
     flag = local_ray
     steps = policy_class(policy).max_staleness + 3
-    small = ["algo.prompts_per_step=4", "algo.group_size=4", "eval.per_digit=1", "runtime.profile_samples=8"]
+    small = ["algo.prompts_per_step=4", "algo.group_size=4", "eval.per_prompt=1", "runtime.profile_samples=8"]
     config = load_config(None, COMMON + small + [f"policy={policy}", "reward={faulty_reward:nan_when_flagged: 1.0}"])
     saved, committed, message = train_until_the_reward_breaks(flag, config, "digits", steps, tmp_path)
     assert saved == f"step_{committed:06d}" and 1 <= committed < steps
@@ -279,7 +279,7 @@ def test_tcss_trains_stale_samples_with_the_decoupled_correction_and_the_reward_
         None,
         [
             *learnable,
-            "eval.per_digit=2",
+            "eval.per_prompt=2",
             "policy=digen+tcss",
             "cluster.devices=2",
             "runtime.trainer_devices=1",

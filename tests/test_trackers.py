@@ -14,7 +14,7 @@ from dovetail.config.load import load_config
 from dovetail.runner import train
 from dovetail.trackers import scalars
 
-FAST = ["algo.prompts_per_step=4", "algo.group_size=4", "sampling.num_steps=6", "eval.per_digit=2"]
+FAST = ["algo.prompts_per_step=4", "algo.group_size=4", "sampling.num_steps=6", "eval.per_prompt=2"]
 STEPS = 3
 
 

@@ -12,11 +12,11 @@ from safetensors.torch import load_file
 from dovetail.config.load import load_config
 from dovetail.runner import train, with_steps
 
-FAST = ["algo.prompts_per_step=6", "algo.group_size=6", "sampling.num_steps=8", "eval.per_digit=6"]
+FAST = ["algo.prompts_per_step=6", "algo.group_size=6", "sampling.num_steps=8", "eval.per_prompt=6"]
 
 
 LEARNABLE = ["reward={brightness: 1.0}", "train.lr=3e-4", "algo.prompts_per_step=4", "algo.group_size=8"]
-LEARNABLE += ["eval.per_digit=2", "eval.every=100", "checkpoint.every=100"]
+LEARNABLE += ["eval.per_prompt=2", "eval.every=100", "checkpoint.every=100"]
 """A reward the built-in model learns within 10 steps (0.33 -> 0.9 here): the fast "it learns" runs. The 30-step
 curves on digit_match are in benchmarks/learning_curves.py."""
 

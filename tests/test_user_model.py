@@ -59,7 +59,7 @@ def small(model: Path, prompts: Path, *extra: str) -> list[str]:
         "algo.group_size=2",
         "sampling.num_steps=4",
         "sampling.shift=3.0",
-        "eval.per_digit=1",
+        "eval.per_prompt=1",
         "eval.every=100",
         "checkpoint.every=100",
         "train.lr=3e-3",
@@ -268,7 +268,7 @@ def test_the_reward_scores_the_steps_prompts_from_the_train_split_and_evaluates_
     monkeypatch.setenv(SCORED, str(calls))
     train(config, tmp_path / "run", steps=STEPS)
     base_eval, *steps, final_eval = [json.loads(line) for line in calls.read_text().splitlines()]
-    assert base_eval == final_eval == list(split.eval[:2])  # prompts.eval_prompts=2, eval.per_digit=1
+    assert base_eval == final_eval == list(split.eval[:2])  # prompts.eval_prompts=2, eval.per_prompt=1
     for step, scored in enumerate(steps):
         drawn = step_prompts(config.seed, step, 2, split.train)
         assert scored == [p for p in drawn for _ in range(2)]  # each prompt's group of 2
@@ -334,6 +334,14 @@ def test_the_planner_sees_a_model_path_run_as_its_cost_model_at_its_image_size_w
     )
     full = load_config(None, small(sd3_pipeline_dir, tiny_prompts_file, "policy=digen"))
     assert full.scenario(3).pipelines[0].lora is None and full.scenario(3).pipelines[0].model == "digits-t2i"
+
+
+def test_an_unnamed_pipeline_of_a_model_path_is_named_after_the_model_directory(sd3_pipeline_dir, tiny_prompts_file):
+    """Its run sub-directory, node ids and trace lanes say which model it is, not the built-in `digits`."""
+    unnamed = load_config(None, small(sd3_pipeline_dir, tiny_prompts_file))
+    assert unnamed.pipeline_name == sd3_pipeline_dir.name != "digits"
+    assert load_config(None, small(sd3_pipeline_dir, tiny_prompts_file, "name=mine")).pipeline_name == "mine"
+    assert load_config(None, []).pipeline_name == "digits"
 
 
 def test_a_flux_pipeline_moves_as_flux_pipeline_drives_it_trains_and_exports(tiny_prompts_file, tmp_path):

@@ -58,7 +58,7 @@ def small(wan_dir: Path, prompts_file: Path, *extra: str) -> list[str]:
         "algo.group_size=2",
         "sampling.num_steps=4",
         "sampling.shift=3.0",
-        "eval.per_digit=1",
+        "eval.per_prompt=1",
         "eval.every=100",
         "checkpoint.every=100",
         "train.lr=3e-3",

@@ -48,6 +48,11 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
+def model_dir_name(path: Path) -> str:
+    """A pipeline named after its model directory (`model.path`), cut to what a pipeline name may hold."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", path.name).lstrip(".")[:64] or "model"
+
+
 def is_file(path: Path) -> bool:
     """Path.is_file, a path the system cannot look up (one too long) being no file."""
     try:
@@ -160,7 +165,9 @@ class RunSection(Section):
         runtime: RuntimeFields
 
     name: PipelineName | None = Field(
-        None, description="the pipeline's name (node ids, run sub-directory, trace colour); None: the task, or 'digits'"
+        None,
+        description="the pipeline's name (node ids, run sub-directory, trace colour); None: the task, or the model "
+        "directory's (model.path), or 'digits'",
     )
     priority: float = Field(1.0, gt=0, le=1000, description="weight of this pipeline's step latency when multiplexed")
     reward_timeout_s: float = Field(

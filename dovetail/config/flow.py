@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal, get_args
 
-from pydantic import Field, StringConstraints, ValidationInfo, field_validator, model_validator
+from pydantic import AliasChoices, Field, StringConstraints, ValidationInfo, field_validator, model_validator
 
 from dovetail.config.common import (
     DEFAULT_CHECKPOINT,
@@ -23,6 +23,7 @@ from dovetail.config.common import (
     is_dir,
     is_file,
     json_or_empty,
+    model_dir_name,
     planner_scenario,
 )
 from dovetail.cost.catalog import diffusion_model
@@ -308,14 +309,23 @@ class FlowTrainSection(TrainSection):
 
 class EvalSection(Section):
     every: int = Field(25, ge=1, le=MAX_STEPS, description="evaluate every N steps (and at the start and end)")
-    per_digit: int = Field(
+    per_prompt: int = Field(
         8,
         ge=1,
         le=1000,
+        validation_alias=AliasChoices("per_prompt", "per_digit"),
         description="held-out ODE samples per eval prompt: each digit's, or each of prompts.eval_prompts (at most "
-        "1000: every eval generates them all)",
+        "1000: every eval generates them all); `per_digit`, its name before prompts files, still reads",
     )
     seed: Seed = 10_000
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_name(cls, data):
+        """`per_digit` is per_prompt's former name (kept so older configs and checkpoints load): not both at once."""
+        if isinstance(data, dict) and {"per_prompt", "per_digit"} <= data.keys():
+            raise ValueError("per_digit is per_prompt's former name: give per_prompt alone")
+        return data
 
 
 class PromptsSection(Section):
@@ -524,7 +534,10 @@ class FlowTrainConfig(RunSection):
 
     @property
     def pipeline_name(self) -> str:
-        return self.name or "digits"
+        """The name, else the model directory's, else the built-in model's `digits`."""
+        if self.name is not None:
+            return self.name
+        return "digits" if self.model.path is None else model_dir_name(self.model.path)
 
     @property
     def image_size(self) -> int:

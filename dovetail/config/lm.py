@@ -21,6 +21,7 @@ from dovetail.config.common import (
     is_dir,
     is_file,
     json_or_empty,
+    model_dir_name,
     planner_scenario,
 )
 from dovetail.cost.catalog import language_model, language_model_of_config
@@ -390,7 +391,7 @@ class LMTrainConfig(RunSection):
             return self.name
         if self.model.path is None:
             return self.task
-        return re.sub(r"[^A-Za-z0-9_.-]", "-", self.model.path.name).lstrip(".")[:64] or "model"
+        return model_dir_name(self.model.path)
 
     def shape_overrides(self) -> dict:
         return {}

@@ -112,8 +112,10 @@ def start_local_ray(cpu_devices: int | None) -> None:
         _WATCHDOG.append(start_watchdog())
     cluster_mode = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        ray.init(**options)
+    notice = ("ray._private.authentication.authentication_token_setup", "Token authentication is enabled for this")
+    try:  # token authentication stays on; Ray's notice that it turned it on would open every run's output
+        with warning_muted(*notice):
+            ray.init(**options)
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
 
