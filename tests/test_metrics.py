@@ -77,3 +77,28 @@ def test_the_steady_step_is_the_time_between_commits_after_the_first():
 
 COMMITS = [(0.0, 10.0), (6.0, 14.0), (10.0, 18.0)]
 """(start, end) of three steps: the first alone, then one every 4 s."""
+
+
+def test_the_gantt_chart_tells_pipelines_apart_marks_steps_and_keeps_its_legend_off_the_bars():
+    """Two pipelines on two devices, busy to the end of the chart: each kind one colour in both pipelines, each
+    pipeline a hatching of its own, a line at every commit, and the legend below the axes, where no bar is."""
+    from matplotlib.colors import to_rgba
+    from matplotlib.lines import Line2D
+
+    spans = [
+        Span(f"{p}/{kind}{d}", p, 0, kind, d, start, start + 1.0, 0.5, 0)
+        for p in ("sort", "digits")
+        for d in (0, 1)
+        for kind, start in (("generate", 0.0), ("train", 1.0), ("generate", 2.0))
+    ]
+    steps = [StepRecord(p, 0, 0, 0.0, end, 4, 0) for p, end in (("sort", 2.0), ("digits", 2.5))]
+    figure = Trace(devices=2, spans=spans, steps=steps, peak_memory_gb=[1.0, 1.0]).gantt_figure("two pipelines")
+    (ax,) = figure.axes
+    bars = {(to_rgba(c.get_facecolor()[0]), c.get_hatch()) for c in ax.collections}
+    colours = {colour for colour, _ in bars}
+    assert len(colours) == 2 and len({hatch for _, hatch in bars}) == 2 and len(bars) == 4
+    commits = sorted(line.get_xdata()[0] for line in ax.lines if isinstance(line, Line2D))
+    assert commits == [2.0, 2.5]
+    figure.canvas.draw()
+    (legend,) = (legend.get_window_extent() for legend in figure.legends)
+    assert legend.y1 <= ax.get_window_extent().y0  # wholly below the axes

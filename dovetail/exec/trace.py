@@ -115,45 +115,59 @@ class Trace:
         Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
     def write_gantt(self, path: str | Path, title: str = "") -> None:
-        """A PNG with one row per device, coloured by node kind (hatched: role switches). With several pipelines,
-        each has a lane of every device's row and a colour family of its own (a shade per kind)."""
+        """A PNG of `gantt_figure`."""
+        import matplotlib.pyplot as plt
+
+        fig = self.gantt_figure(title)
+        fig.savefig(path, dpi=100, bbox_inches="tight")
+        plt.close(fig)
+
+    def gantt_figure(self, title: str = ""):
+        """One row per device, a colour per node kind (hatched white: role switches), a dotted line at every
+        optimizer step (commit). With several pipelines each has a lane of every device's row and a hatching of its
+        own, so a kind keeps its colour whichever pipeline ran it. The legend sits below the axes, off the bars."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.lines import Line2D
+        from matplotlib.patches import Patch
 
         kinds = sorted({s.kind for s in self.spans})
         pipelines = sorted({s.pipeline for s in self.spans})
-        families = ["Blues", "Oranges", "Greens", "Purples", "Reds", "Greys"]
-        if len(pipelines) == 1:
-            colours = {(pipelines[0], k): plt.get_cmap("tab10")(i % 10) for i, k in enumerate(kinds)}
-        else:
-            colours = {
-                (p, k): plt.get_cmap(families[j % len(families)])(0.35 + 0.6 * i / max(1, len(kinds) - 1))
-                for j, p in enumerate(pipelines)
-                for i, k in enumerate(kinds)
-            }
-        lane = 0.8 / len(pipelines)
-        fig, ax = plt.subplots(figsize=(12, 0.35 * self.devices * len(pipelines) + 1.5))
-        for (pipeline, kind), colour in colours.items():
-            rows: dict[int, list[tuple[float, float]]] = {}
-            for s in self.spans:
-                if s.kind == kind and s.pipeline == pipeline:
-                    rows.setdefault(s.device, []).append((s.start, s.end - s.start))
-            top = pipelines.index(pipeline) * lane - 0.4
-            label = kind if len(pipelines) == 1 else f"{pipeline}: {kind}"
-            for device, bars in rows.items():
-                ax.broken_barh(bars, (device + top, lane), color=colour, label=label if device == min(rows) else None)
+        colours = {k: plt.get_cmap("tab10")(i % 10) for i, k in enumerate(kinds)}
+        hatches = {p: PIPELINE_HATCHES[j % len(PIPELINE_HATCHES)] for j, p in enumerate(pipelines)}
+        lane = 0.8 / max(1, len(pipelines))
+        fig, ax = plt.subplots(figsize=(12, 0.35 * self.devices * max(1, len(pipelines)) + 1.8), layout="constrained")
+        rows: dict[tuple[str, str, int], list[tuple[float, float]]] = {}
+        for s in self.spans:
+            rows.setdefault((s.pipeline, s.kind, s.device), []).append((s.start, s.end - s.start))
+        for (pipeline, kind, device), bars in rows.items():
+            top = device + pipelines.index(pipeline) * lane - 0.4
+            ax.broken_barh(
+                bars, (top, lane), facecolor=colours[kind], edgecolor="black", linewidth=0.2, hatch=hatches[pipeline]
+            )
         for s in self.switches:
             ax.broken_barh(
                 [(s.start, s.end - s.start)], (s.device - 0.4, 0.8), facecolor="white", edgecolor="grey", hatch="//"
             )
+        for commit in sorted({record.end for record in self.steps}):
+            ax.axvline(commit, color="black", linestyle=":", linewidth=0.8)
+        handles = [Patch(facecolor=colours[k], label=k) for k in kinds]
+        if len(pipelines) > 1:
+            handles += [Patch(facecolor="white", edgecolor="black", hatch=hatches[p], label=p) for p in pipelines]
+        if self.switches:
+            handles.append(Patch(facecolor="white", edgecolor="grey", hatch="//", label="role switch"))
+        if self.steps:
+            handles.append(Line2D([], [], color="black", linestyle=":", label="optimizer step"))
         ax.set_xlabel("seconds")
         ax.set_ylabel("device")
         ax.set_yticks(range(self.devices))
         ax.invert_yaxis()
         ax.set_title(title)
-        ax.legend(loc="upper right", fontsize="small", ncols=max(1, len(pipelines)))
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        fig.legend(handles=handles, loc="outside lower center", fontsize="small", ncols=min(len(handles), 8))
+        return fig
+
+
+PIPELINE_HATCHES = ["", "..", "xx", "\\\\", "--", "oo"]
+"""Each pipeline's hatching in a Gantt chart ("//" is a role switch's)."""
