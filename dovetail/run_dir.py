@@ -194,8 +194,14 @@ class RunDir:
     def write_summary(self, summary: dict) -> None:
         (self.path / "summary.json").write_text(json.dumps(summary, indent=2))
 
-    def save_eval_grid(self, images: np.ndarray, prompts: list[str], name: str) -> None:
-        """One column per prompt, its samples down the column: tiled into one image and drawn once, because the
+    def metrics(self) -> list[dict]:
+        """Every line of metrics.jsonl so far."""
+        path = self.path / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+    def save_eval_grid(self, images: np.ndarray, prompts: list[str], name: str, title: str) -> None:
+        """`title` (the evaluation's step and reward) above, and in the PNG's Title field. One column per prompt,
+        its samples down the column: tiled into one image and drawn once, because the
         driver pauses training while it draws (80 subplots took 1.6 s, this takes a tenth of that). Images are
         (B, H, W) grey, drawn dark on white, or (B, H, W, 3) RGB, drawn as they are; videos (B, F, H, W, 3) are drawn
         as frame strips: each sample's frames left to right a pixel apart, at most STRIP_FRAMES of them evenly spaced
@@ -229,8 +235,9 @@ class RunDir:
         ax.set_xticks([pad + c * (width + pad) + width / 2 - 0.5 for c in range(len(columns))], columns, fontsize=7)
         ax.set_yticks([])
         ax.xaxis.tick_top()
+        ax.set_title(title, fontsize=8)
         fig.tight_layout()
-        fig.savefig(self.path / name, dpi=110)
+        fig.savefig(self.path / name, dpi=110, metadata={"Title": title})
         plt.close(fig)
 
     def save_checkpoint(
@@ -490,3 +497,29 @@ def _write_atomically(path: Path, text: str) -> None:
     partial.write_text(text)
     _fsync(partial)
     os.replace(partial, path)
+
+
+def plot_curves(path: Path, pipelines: dict[str, tuple[float, list[dict]]]) -> None:
+    """curves.png: per step, the train reward, the eval reward (at the steps that evaluated, step 0 the base
+    evaluation) and samples/s, a line per pipeline. `pipelines`: name -> (base eval reward, its metrics lines).
+    Redrawn whole from metrics.jsonl (a resumed run's earlier steps included) at every evaluation and at the end,
+    a fraction of a second each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 1, sharex=True, figsize=(8, 7), layout="constrained")
+    for name, (base, lines) in pipelines.items():
+        evaluated = [(0, base)] + [(m["step"], m["eval_reward"]) for m in lines if "eval_reward" in m]
+        axes[0].plot([m["step"] for m in lines], [m["reward/total"] for m in lines], label=name)
+        axes[1].plot(*zip(*evaluated), marker="o", label=name)
+        axes[2].plot([m["step"] for m in lines], [m["samples_per_s"] for m in lines], label=name)
+    for ax, what in zip(axes, ("train reward", "eval reward", "the step's samples/s")):
+        ax.set_ylabel(what)
+        ax.grid(alpha=0.3)
+    axes[2].set_xlabel("step")
+    if len(pipelines) > 1:
+        axes[0].legend(fontsize="small")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -25,6 +25,7 @@ from dovetail.exec.lm_adapter import commit_scale, lm_step_metrics
 from dovetail.exec.lm_engines import LMEngines
 from dovetail.exec.lm_model import encode_prompts, lm_checkpoint_io, model_context, sampling_params, stop_strings
 from dovetail.exec.messages import Decode, LMLogProbs, LMTrain, Prefill, Score
+from dovetail.exec.metrics import SUMMARY_NOTES
 from dovetail.graph.node import SampleId
 from dovetail.kinds import kind
 from dovetail.models.causal_lm import rollout_engine
@@ -52,6 +53,7 @@ from dovetail.run_dir import (
     check_run_directory,
     check_same_model,
     load_checkpoint,
+    plot_curves,
     resume_points,
     run_of,
 )
@@ -133,20 +135,25 @@ class StepLog:
         trackers: list[Tracker],
         callbacks: list,
         interrupt: "Interrupt",
+        draw_curves,
     ):
         """`local` is the pipeline's model in this process (`FlowLocal`, `LMLocal`): what is evaluated and saved;
-        `state` the run's evaluations so far (a checkpoint's state.json, or the base evaluation of a fresh run)."""
+        `state` the run's evaluations so far (a checkpoint's state.json, or the base evaluation of a fresh run);
+        `draw_curves()` redraws the run's curves.png after an evaluation or a checkpoint."""
         self.run, self.config, self.local = run, config, local
         self.model, self.optimizer = local.model, local.optimizer
         self.last_step = last_step
         self.summary = {"base_eval_reward": state["base_eval"]["total"], "base_eval": state["base_eval"]}
         self.eval_reward = state["eval_reward"]
+        self.eval_step = max((m["step"] for m in run.metrics() if "eval_reward" in m), default=0)
+        """The step of the evaluation `eval_reward` is from (0: the base one)."""
         self.recorded = self.saved = self.holds = state["step"]
         """The last step recorded, the last one saved, and the one whose weights `model` holds (the Ray driver
         fetches them only when a step needs them): Ctrl-C stops at a recorded step the model holds, saved."""
         self.samples = self.seconds = 0.0
         self.progress, self.trackers, self.callbacks = progress, trackers, callbacks
         self.interrupt = interrupt
+        self.draw_curves = draw_curves
 
     @classmethod
     def open(
@@ -158,6 +165,7 @@ class StepLog:
         progress: RunProgress,
         callbacks: list,
         interrupt: "Interrupt",
+        draw_curves,
     ):
         """The pipeline's model: fresh, evaluated once before its first step, or from a checkpoint, whose state.json
         holds the run's base and latest evaluations (a resumed run reports the base its run started from) and its
@@ -183,7 +191,7 @@ class StepLog:
             progress.phase(name, "evaluating the base model")
             base = local.evaluate(run, "eval_base.png", 0)
             state = {"step": 0, "base_eval": base.scores, "eval_reward": base.scores["total"]}
-        log = cls(run, config, local, last_step, state, progress, trackers, callbacks, interrupt)
+        log = cls(run, config, local, last_step, state, progress, trackers, callbacks, interrupt, draw_curves)
         if base is not None:
             log._report_evaluation(base, {})
         progress.start_at(name, state["step"])
@@ -224,13 +232,15 @@ class StepLog:
         if self._eval_due(done):
             start = time.perf_counter()
             evaluation = self.local.evaluate(self.run, "eval_latest.png", done)
-            self.eval_reward = evaluation.scores["total"]
+            self.eval_reward, self.eval_step = evaluation.scores["total"], done
             metrics |= {"eval_reward": self.eval_reward, "eval_s": time.perf_counter() - start}
             metrics |= {f"eval/{name}": value for name, value in evaluation.scores.items()}
         self.run.append_metrics(metrics)
         self.recorded = done
         if self._save_due(done):
             self.checkpoint(done, checkpoint_extra)
+        if evaluation is not None or self._save_due(done):
+            self.draw_curves()
         for tracker in self.trackers:
             tracker.log(done, scalars(metrics))
         for callback in self.callbacks:
@@ -238,7 +248,15 @@ class StepLog:
                 callback.on_step(metrics, self.config.pipeline_name)
         if evaluation is not None:
             self._report_evaluation(evaluation, metrics)
-        self.progress.step(self.config.pipeline_name, done, self.last_step, metrics, self.eval_reward)
+        self.progress.step(
+            self.config.pipeline_name, done, self.last_step, metrics, (self.eval_step, self.eval_reward), self.pace
+        )
+
+    @property
+    def pace(self) -> float:
+        """Samples trained per wall second of the steps so far: summary.json's `samples_per_s`, and the progress
+        display's."""
+        return self.samples / self.seconds if self.seconds else 0.0
 
     def _report_evaluation(self, evaluation: Evaluation, metrics: dict) -> None:
         """An evaluation to the trackers (the base one, at step 0, with its scores as a step's would be) and the
@@ -256,8 +274,8 @@ class StepLog:
 
     def finish(self, extra: dict | None = None) -> dict:
         """The pipeline's summary.json: its evaluations before and after, and its throughput over its steps."""
-        samples_per_s = self.samples / self.seconds if self.seconds else 0.0
-        self.summary |= {"final_eval_reward": self.eval_reward, "steps": self.last_step, "samples_per_s": samples_per_s}
+        self.summary |= {"final_eval_reward": self.eval_reward, "steps": self.last_step, "samples_per_s": self.pace}
+        self.summary |= {"notes": SUMMARY_NOTES}
         self.summary |= extra or {}
         self.run.write_summary(self.summary)
         self.close()
@@ -294,8 +312,9 @@ class FlowLocal:
     def evaluate(self, run: RunDir, grid: str, step: int) -> Evaluation:
         """ODE samples on the held-out seeds, drawn as one grid image."""
         scores, images, prompts = evaluate(self.model, self.config, self.decode)
-        run.save_eval_grid(images, prompts, grid)
-        return Evaluation(step, scores, image=run.path / grid)
+        evaluation = Evaluation(step, scores, image=run.path / grid)
+        run.save_eval_grid(images, prompts, grid, evaluation.caption)
+        return evaluation
 
     def rl_step(self, step: int) -> dict:
         if self.config.algo.beta > 0 and self._reference_model is None:
@@ -367,7 +386,14 @@ def train(
     created = not out.exists()
     root = RunDir(out)
     console = any("console" in pipeline.logger for pipeline in pipelines.values())
-    logs = {}
+    logs: dict[str, StepLog] = {}
+
+    def draw_curves() -> None:
+        plot_curves(
+            root.path / "curves.png",
+            {name: (log.summary["base_eval_reward"], log.run.metrics()) for name, log in logs.items()},
+        )
+
     try:
         with RunProgress(console) as progress, Interrupt() as interrupt:
             for name in pipelines:
@@ -376,7 +402,7 @@ def train(
             for name, pipeline in pipelines.items():
                 run = RunDir(paths[name]) if multiplexed else root
                 logs[name], first_steps[name] = StepLog.open(
-                    pipeline, run, resumes[name], last_step, progress, list(callbacks), interrupt
+                    pipeline, run, resumes[name], last_step, progress, list(callbacks), interrupt, draw_curves
                 )
             if multiplexed:
                 root.write_config(dump_config(config))
@@ -419,6 +445,7 @@ def train(
         if created:  # a run that failed before writing anything (a checkpoint that would not load) leaves no trace
             _remove_if_empty(out)
         raise
+    draw_curves()
     if not multiplexed:
         return next(iter(logs.values())).finish(run_figures)
     stopped = run_figures.get("stopped", {})

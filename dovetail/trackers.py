@@ -199,7 +199,8 @@ def open_trackers(loggers: list[str], directory: Path, name: str, config: dict) 
 
 
 class RunProgress:
-    """The console tracker: what start-up is doing, then each step's reward, eval reward, samples/s and ETA.
+    """The console tracker: what start-up is doing, then each step's reward, the latest eval reward and its step,
+    the run's samples/s so far and the ETA.
 
     On a terminal, a bar per pipeline (rich) that also says what start-up is doing; otherwise (nohup, SLURM, a pipe)
     one plain line per step, flushed, so a log file shows where a run is. Disabled (logger without console):
@@ -249,14 +250,18 @@ class RunProgress:
         elif self.enabled:
             self._line(text)
 
-    def step(self, pipeline: str, done: int, total: int, metrics: dict, eval_reward: float) -> None:
+    def step(
+        self, pipeline: str, done: int, total: int, metrics: dict, last_eval: tuple[int, float], pace: float
+    ) -> None:
+        """Step `done`'s train reward, the latest evaluation (`last_eval`: its step and reward) and the samples per
+        wall second of the run's steps so far (`pace`, summary.json's samples_per_s)."""
         now = time.monotonic()
         first_time, first_step = self.clock.setdefault(pipeline, (now - metrics.get("step_s", 0.0), done - 1))
         eta = (total - done) * (now - first_time) / max(1, done - first_step)
         if self.bar is not None:
-            self.bar.update(self.tasks[pipeline], completed=done, status=_figures(metrics, eval_reward))
+            self.bar.update(self.tasks[pipeline], completed=done, status=_figures(metrics, last_eval, pace))
         elif self.enabled:
-            self._line(f"{pipeline} step {done}/{total} {_figures(metrics, eval_reward)} ETA {_clock(eta)}")
+            self._line(f"{pipeline} step {done}/{total} {_figures(metrics, last_eval, pace)} ETA {_clock(eta)}")
 
     def start_at(self, pipeline: str, done: int) -> None:
         """A pipeline whose run starts (or resumes) after step `done`."""
@@ -267,8 +272,10 @@ class RunProgress:
         print(f"[{time.strftime('%H:%M:%S')}] {text}", file=self.stream, flush=True)
 
 
-def _figures(metrics: dict, eval_reward: float) -> str:
-    return f"reward {metrics['reward/total']:.3f} eval {eval_reward:.3f} {metrics['samples_per_s']:.1f} samples/s"
+def _figures(metrics: dict, last_eval: tuple[int, float], pace: float) -> str:
+    """`eval@N`: the evaluation of step N, the latest (0: the base model's), however many steps ago it ran."""
+    step, reward = last_eval
+    return f"reward {metrics['reward/total']:.3f} eval@{step} {reward:.3f} {pace:.1f} samples/s"
 
 
 def _clock(seconds: float) -> str:

@@ -61,9 +61,24 @@ def test_busy_bubble_and_efficiency_follow_their_closed_forms():
     assert metrics.busy_ratio_per_device == pytest.approx([1.0, (c + d) / makespan])
     assert metrics.bubble_ratio_per_device == pytest.approx([0.0, 1 - (c + d) / makespan])
     assert metrics.bubble_ratio == pytest.approx((1 - (c + d) / makespan) / 2)
-    # Required work: each node's exclusive device-seconds; the collective occupies both devices for d.
-    assert metrics.efficiency == pytest.approx((a + b + c + 2 * d) / (2 * makespan))
+    # Required work: each node's exclusive device-seconds, on each device at most its busy time: device 0 did
+    # a + b + d > makespan (a and b slow each other by less than 2x) and counts its whole makespan once.
+    assert a + b + d > makespan
+    assert metrics.efficiency == pytest.approx((makespan + c + d) / (2 * makespan))
     assert metrics.phase_seconds == pytest.approx({"decode": (a + b) / 2, "train": c / 2, "publish": d, "commit": 0.0})
+
+
+def test_efficiency_is_at_most_one_when_co_located_work_does_not_slow_down():
+    """Two nodes sharing one device without interference do two device-seconds of exclusive work a second: the
+    device was never idle, and efficiency is 1, not 2."""
+    graph = Graph(
+        [node("a", 3.0), node("b", 3.0), Node("commit", "p", 0, Kind.COMMIT, Role.ANY, ("a", "b"), cost_s=0.0)]
+    )
+    setup = Setup(1, 80.0, {"p": Engines({}, {}, {})})
+    placement = {"a": ((0,), 0.5), "b": ((0,), 0.5), "commit": ((0,), 1.0)}
+    trace = SimExecutor(graph, setup, slowdown=lambda kind, other: 1.0).run(Scripted(setup, placement))
+    assert trace.makespan == pytest.approx(3.0) and sum(s.work for s in trace.spans) == pytest.approx(6.0)
+    assert summarize(trace).efficiency == pytest.approx(1.0)
 
 
 def test_the_steady_step_is_the_time_between_commits_after_the_first():

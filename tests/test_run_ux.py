@@ -27,7 +27,8 @@ from dovetail.runner import FlowLocal
 CONFIGS = Path(__file__).parents[1] / "configs"
 FAST = ["algo.prompts_per_step=4", "algo.group_size=4", "sampling.num_steps=6", "eval.per_prompt=2"]
 STEP_LINE = re.compile(
-    r"^\[\d\d:\d\d:\d\d\] digits step (\d+)/(\d+) reward \d\.\d{3} eval \d\.\d{3} [\d.]+ samples/s ETA \d+:\d\d:\d\d$"
+    r"^\[\d\d:\d\d:\d\d\] digits step (\d+)/(\d+) reward \d\.\d{3} eval@(\d+) \d\.\d{3} ([\d.]+) samples/s "
+    r"ETA \d+:\d\d:\d\d$"
 )
 
 
@@ -58,6 +59,8 @@ def test_off_a_terminal_each_step_is_one_line_with_reward_eval_throughput_and_et
     steps = [STEP_LINE.fullmatch(line) for line in lines]
     assert all(steps), lines  # nothing but step lines on stdout
     assert [int(m[1]) for m in steps] == list(range(1, len(steps) + 1)) and {m[2] for m in steps} == {"40"}
+    # the eval reward shown is the latest evaluation's, with its step (eval.every=3; 0: the base model's)
+    assert [int(m[3]) for m in steps] == [int(m[1]) - int(m[1]) % 3 for m in steps]
 
 
 def test_ctrl_c_saves_the_step_in_flight_and_says_how_to_resume(interrupted):
@@ -483,3 +486,34 @@ def test_a_local_ray_instance_keeps_token_authentication_without_printing_ray_s_
     assert result.returncode == 0, result.stderr
     assert "auth mode token" in result.stdout
     assert "Token authentication" not in result.stdout + result.stderr, result.stderr
+
+
+class CurvesWatch:
+    """Whether the run directory's curves.png exists as each step is recorded."""
+
+    def __init__(self, run: Path):
+        self.run, self.seen = run, []
+
+    def on_step(self, metrics, pipeline):
+        self.seen.append(
+            (run_curves := self.run / "curves.png").is_file() and run_curves.read_bytes()[:4] == b"\x89PNG"
+        )
+
+
+def test_a_run_draws_its_curves_as_it_evaluates_titles_its_eval_grids_and_shows_one_samples_per_s(tmp_path, capsys):
+    """curves.png is drawn at the first evaluation (step 2) and kept; each eval grid's title says its step and
+    reward; the progress line's samples/s is the run's so far, so the last one is summary.json's."""
+    from PIL import Image
+
+    out = tmp_path / "run"
+    watch = CurvesWatch(out)
+    tree = {"algo": {"prompts_per_step": 4, "group_size": 4}, "sampling": {"num_steps": 6}, "eval": {"per_prompt": 2}}
+    overrides = ["eval.every=2", "checkpoint.every=100"]
+    summary = dovetail.train(tree, out=out, steps=3, callbacks=[watch], overrides=overrides)
+    assert watch.seen == [False, True, True] and (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    with Image.open(out / "eval_base.png") as base, Image.open(out / "eval_latest.png") as latest:
+        assert base.text["Title"] == f"step 0: eval reward {summary['base_eval_reward']:.4f}"
+        assert latest.text["Title"] == f"step 3: eval reward {summary['final_eval_reward']:.4f}"
+    steps = [STEP_LINE.fullmatch(line) for line in capsys.readouterr().out.splitlines()]
+    assert all(steps) and [int(m[3]) for m in steps] == [0, 2, 3]
+    assert float(steps[-1][4]) == pytest.approx(summary["samples_per_s"], abs=0.05)

@@ -1,12 +1,13 @@
 """Metrics read from a Trace: throughput, efficiency, bubbles, staleness, latency, memory, phases.
 
-Efficiency = ideal step time / actual, where ideal = the exclusive device-seconds of the required work (each
-node's work as the device would do it alone at full speed: `Span.work`; interference slowdowns, role
-switches, a migration's re-prefill delay and idle time excluded) divided by the number of devices. 1.0 means
-no device ever waited or switched; co-located nodes that slow each other down by less than their number
-(complementary sub-stages under the interference table) do more than one device-second of exclusive work
-per device-second, and efficiency then exceeds 1 by what multiplexing gains. A device is busy while anything runs on it,
-whatever share that node reserved; bubble = neither busy nor switching.
+Efficiency = the share of the devices' time spent on required work at full speed: per device, the exclusive
+device-seconds of the work it did (each node's work as the device would do it alone at full speed: `Span.work`;
+interference slowdowns, role switches, a migration's re-prefill delay and idle time excluded), at most the time
+something ran on it, summed over devices and divided by devices x makespan. So it is at most 1, and 1.0 means no
+device ever waited, switched or was slowed. Co-located nodes that slow each other down by less than their number
+(complementary sub-stages under the interference table) do more than one device-second of exclusive work per busy
+second: that gain shows in throughput, while efficiency counts such a second once. A device is busy while
+anything runs on it, whatever share that node reserved; bubble = neither busy nor switching.
 
 Every figure a training run reports has one name and one meaning; a test holds every key of a run's
 metrics.jsonl and summary.json to this table (`<...>` stands for any name).
@@ -25,9 +26,9 @@ metrics.jsonl, one line per step (Ray: only under a Ray policy; flow / LM: of th
   response_tokens       LM: tokens of the step's responses
   timesteps             flow: the denoising steps the step trained
   grad_norm             the step's gradient norm before clipping
-  <kind>_s              seconds devices spent on the step's work of that kind (generate, prefill, decode, migrate,
-                        score, logprob, train, commit), summed over devices; policy reference: its one device's wall
-                        time
+  <kind>_s              device-seconds of the step's work of that kind (generate, prefill, decode, migrate, score,
+                        logprob, train, commit): summed over the devices that did it, so under a Ray policy the kinds
+                        together can exceed step_s; policy reference: its one device's wall time
   step_s                wall seconds of the step: since the previous step's commit (reference: its phases end to end)
   samples_per_s         samples the step trained per wall second: its samples over step_s
   eval_reward           on evaluation steps, the held-out total (flow: mean reward of ODE samples; LM: success rate)
@@ -46,10 +47,13 @@ summary.json, once per pipeline (a multiplexed run: under pipelines, and the Ray
   base_eval             every score of that evaluation
   final_eval_reward     the last evaluation's total
   steps                 the step the run ended at
-  samples_per_s         samples the run trained per wall second of its steps: all over the sum of step_s
+  samples_per_s         samples the run trained per wall second of its steps: all over the sum of step_s (what the
+                        progress display shows after each step, for the steps so far)
+  notes                 what summary.json's and metrics.jsonl's less obvious figures count, in words
   efficiency            Ray: the trace's efficiency over the run, as defined above (Metrics.efficiency)
   bubble_ratio          Ray: mean over devices of the share of the run neither busy nor switching
-  step_time_s           Ray: the trace's makespan over the steps (start-up excluded, the last publish included)
+  step_time_s           Ray: the trace's makespan over the steps (start-up excluded, the last publish included):
+                        what `dovetail simulate --from-run` prints as measured s/step
   max_staleness         Ray: the largest staleness of any trained sample
   restarts              Ray: workers that restarted during the run
   device_engines        Ray: the engines each device held at the end, per pipeline
@@ -63,6 +67,14 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 
 from dovetail.exec.trace import Trace
+
+SUMMARY_NOTES = {
+    "<kind>_s": "metrics.jsonl's generate_s, train_s...: device-seconds, summed over the devices that did the work, so "
+    "under a Ray policy they can add up to more than step_s",
+    "samples_per_s": "samples trained per wall second of the steps (all samples over the sum of step_s), as the "
+    "progress display shows it for the steps so far; a step's own is in metrics.jsonl",
+}
+"""summary.json's `notes`: what its figures and metrics.jsonl's count, where a reader meets them."""
 
 
 @dataclass(frozen=True)
@@ -103,10 +115,12 @@ def summarize(trace: Trace) -> Metrics:
     devices = trace.devices
     makespan = trace.makespan
     intervals: list[list[tuple[float, float]]] = [[] for _ in range(devices)]
+    work = [0.0] * devices
     switching = [0.0] * devices
     phases: Counter[str] = Counter()
     for span in trace.spans:
         intervals[span.device].append((span.start, span.end))
+        work[span.device] += span.work
         phases[span.kind] += span.work / devices
     for switch in trace.switches:
         switching[switch.device] += switch.end - switch.start
@@ -133,7 +147,7 @@ def summarize(trace: Trace) -> Metrics:
         steady_step_s=steady,
         samples_per_s=sum(r.samples for r in trace.steps) / makespan,
         tokens_per_s=sum(r.tokens for r in trace.steps) / makespan,
-        efficiency=sum(span.work for span in trace.spans) / (devices * makespan),
+        efficiency=sum(min(w, b) for w, b in zip(work, busy)) / (devices * makespan),
         bubble_ratio=sum(bubble) / devices,
         switch_ratio=sum(switching) / (devices * makespan),
         busy_ratio_per_device=busy_ratio,
@@ -155,9 +169,3 @@ def _covered(intervals: list[tuple[float, float]]) -> float:
             total += end - max(start, reach)
             reach = end
     return total
-
-
-def time_per_step(trace) -> float:
-    """Seconds from the start to the last optimizer step, per step: what the simulator must predict
-    (the run's final publish and evaluation come after it)."""
-    return max(record.end for record in trace.steps) / len(trace.steps)
