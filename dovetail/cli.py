@@ -273,7 +273,8 @@ def simulate(
         else:
             typer.echo(
                 f"{result['policy']} over {result['steps']} steps: measured "
-                f"{result['measured_step_time_s']:.3f} s/step (summary.json's step_time_s), "
+                f"{result['measured_step_time_s']:.3f} s/step to the last optimizer step (summary.json's "
+                "step_time_s also counts the final weight publish), "
                 f"simulated {result['predicted_step_time_s']:.3f} s/step ({result['relative_error']:+.1%}); "
                 f"device pace {', '.join(f'{p:.2f}' for p in result['device_pace'])}"
             )

@@ -500,10 +500,18 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 def plot_curves(path: Path, pipelines: dict[str, tuple[float, list[dict]]]) -> None:
-    """curves.png: per step, the train reward, the eval reward (at the steps that evaluated, step 0 the base
-    evaluation) and samples/s, a line per pipeline. `pipelines`: name -> (base eval reward, its metrics lines).
-    Redrawn whole from metrics.jsonl (a resumed run's earlier steps included) at every evaluation and at the end,
-    a fraction of a second each."""
+    """curves.png (`curves_figure`). Redrawn whole from metrics.jsonl (a resumed run's earlier steps included) at
+    every evaluation, checkpoint and at the end of a run, a fraction of a second each."""
+    import matplotlib.pyplot as plt
+
+    fig = curves_figure(pipelines)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def curves_figure(pipelines: dict[str, tuple[float, list[dict]]]):
+    """Per step, the train reward, the eval reward (at the steps that evaluated, step 0 the base evaluation) and
+    the step's samples/s, a line per pipeline. `pipelines`: name -> (base eval reward, its metrics lines)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -521,5 +529,4 @@ def plot_curves(path: Path, pipelines: dict[str, tuple[float, list[dict]]]) -> N
     axes[2].set_xlabel("step")
     if len(pipelines) > 1:
         axes[0].legend(fontsize="small")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig

@@ -117,3 +117,17 @@ def test_the_gantt_chart_tells_pipelines_apart_marks_steps_and_keeps_its_legend_
     figure.canvas.draw()
     (legend,) = (legend.get_window_extent() for legend in figure.legends)
     assert legend.y1 <= ax.get_window_extent().y0  # wholly below the axes
+
+
+def test_the_replayed_step_time_of_a_multiplexed_run_is_per_step_of_a_pipeline():
+    """Two pipelines of two steps each, the last commit at 5 s: 2.5 s a step, not 5 s over all four commits."""
+    from dovetail.exec.metrics import time_per_step
+
+    spans = [Span("n", "p", 0, "train", 0, 0.0, 6.0, 1.0, 0)]  # the final publish ends after the last commit
+    steps = [
+        StepRecord(p, i, i, 0.0, end, 4, 0)
+        for p, ends in (("p", (2.0, 4.0)), ("q", (3.0, 5.0)))
+        for i, end in enumerate(ends)
+    ]
+    trace = Trace(devices=1, spans=spans, steps=steps, peak_memory_gb=[1.0])
+    assert time_per_step(trace) == 2.5 and summarize(trace).step_time_s == 3.0

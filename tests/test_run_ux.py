@@ -517,3 +517,20 @@ def test_a_run_draws_its_curves_as_it_evaluates_titles_its_eval_grids_and_shows_
     steps = [STEP_LINE.fullmatch(line) for line in capsys.readouterr().out.splitlines()]
     assert all(steps) and [int(m[3]) for m in steps] == [0, 2, 3]
     assert float(steps[-1][4]) == pytest.approx(summary["samples_per_s"], abs=0.05)
+
+
+def test_the_curves_of_a_multiplexed_run_have_a_line_per_pipeline_and_evals_only_where_they_ran():
+    from dovetail.run_dir import curves_figure
+
+    sort = [{"step": s, "reward/total": 0.1 * s, "samples_per_s": 50.0} for s in (1, 2, 3)]
+    sort[1] |= {"eval_reward": 0.4}
+    digits = [{"step": s, "reward/total": 0.2, "samples_per_s": 20.0 + s} for s in (1, 2, 3)]
+    digits[2] |= {"eval_reward": 0.6}
+    train, evaluated, pace = curves_figure({"sort": (0.3, sort), "digits": (0.5, digits)}).axes
+    for ax in (train, evaluated, pace):
+        assert [line.get_label() for line in ax.lines] == ["sort", "digits"]
+    assert [list(line.get_xydata().tolist()) for line in evaluated.lines] == [
+        [[0, 0.3], [2, 0.4]],
+        [[0, 0.5], [3, 0.6]],
+    ]
+    assert list(pace.lines[1].get_ydata()) == [21.0, 22.0, 23.0]

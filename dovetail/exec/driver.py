@@ -12,7 +12,7 @@ from ray.exceptions import RayError
 
 from dovetail.cost.calibration import DEFAULT
 from dovetail.exec.launch import Choice, device_pool, make_executor, prepare_run, start_ray, start_workers
-from dovetail.exec.metrics import summarize
+from dovetail.exec.metrics import summarize, time_per_step
 from dovetail.exec.ray_executor import RayExecutor
 from dovetail.graph.node import Kind
 from dovetail.models.training import load_trainer_state, trainer_state_of
@@ -201,7 +201,7 @@ def write_run_outputs(
         "node_seconds": node_seconds(trace),
         "switch_seconds": executor.switch_seconds,
         "calibration": {name: _fitted(cost) for name, cost in costs.items()},
-        "measured_step_time_s": metrics.step_time_s,  # summary.json's step_time_s
+        "measured_step_time_s": time_per_step(trace),
         "auto": None if choice is None else asdict(choice),  # what policy=auto predicted for each policy it weighed
     }
     (path / "run_profile.json").write_text(json.dumps(profile))

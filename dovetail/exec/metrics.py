@@ -52,8 +52,8 @@ summary.json, once per pipeline (a multiplexed run: under pipelines, and the Ray
   notes                 what summary.json's and metrics.jsonl's less obvious figures count, in words
   efficiency            Ray: the trace's efficiency over the run, as defined above (Metrics.efficiency)
   bubble_ratio          Ray: mean over devices of the share of the run neither busy nor switching
-  step_time_s           Ray: the trace's makespan over the steps (start-up excluded, the last publish included):
-                        what `dovetail simulate --from-run` prints as measured s/step
+  step_time_s           Ray: the trace's makespan over the steps (start-up excluded, the last publish included;
+                        `dovetail simulate --from-run` compares the time to the last optimizer step instead)
   max_staleness         Ray: the largest staleness of any trained sample
   restarts              Ray: workers that restarted during the run
   device_engines        Ray: the engines each device held at the end, per pipeline
@@ -169,3 +169,11 @@ def _covered(intervals: list[tuple[float, float]]) -> float:
             total += end - max(start, reach)
             reach = end
     return total
+
+
+def time_per_step(trace: Trace) -> float:
+    """Seconds from the start to the last optimizer step, per step of a pipeline: what `dovetail simulate --from-run`
+    measures and predicts. summary.json's `step_time_s` (the makespan per step) also counts the run's final weight
+    publish, after that optimizer step."""
+    steps = max(Counter(record.pipeline for record in trace.steps).values())
+    return max(record.end for record in trace.steps) / steps

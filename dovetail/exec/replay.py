@@ -17,7 +17,7 @@ from dovetail.config.load import parse_config
 from dovetail.config.multiplex import TrainConfig
 from dovetail.cost.calibration import DEFAULT, Calibration
 from dovetail.cost.model import CostModel
-from dovetail.exec.metrics import summarize
+from dovetail.exec.metrics import time_per_step
 from dovetail.exec.plan import prepare
 from dovetail.exec.sim import SimExecutor
 from dovetail.files import read_text
@@ -153,7 +153,7 @@ def replay_run(run_dir: Path | str) -> dict:
     trace = SimExecutor(replayed.graph, replayed.setup, device_pace=pace, slowdown=lambda kind, alongside: 1.0).run(
         replayed.policy
     )
-    predicted = summarize(trace).step_time_s  # as the run measured its own (summary.json's step_time_s)
+    predicted = time_per_step(trace)
     measured_step = run.measured_step_time_s
     return {
         "run": str(run_dir),
