@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from dovetail.config.common import DEFAULT_CHECKPOINT, scheduling_policies
 from dovetail.config.load import load_config
-from dovetail.exec.launch import AUTO_TIE
+from dovetail.exec.launch import AUTO_TIE, device_pool
 from dovetail.exec.messages import FlowTrain
 from dovetail.exec.replay import replay_run
 from dovetail.rewards import RewardError
@@ -162,6 +162,21 @@ def test_a_local_run_listens_on_loopback_only(tmp_path):
     )
     assert len(seen) >= 4, seen  # Ray's GCS and raylet, the driver's and the workers' own servers
     assert [s for s in seen if not is_loopback(s)] == []
+
+
+def test_a_later_run_takes_up_the_jobs_warm_workers_and_they_run_at_the_drivers_priority(tmp_path):
+    """The job's DeviceWorkers outlive a run (`launch.DevicePool`: named in Ray, not held by the run), so the next
+    run starts no process; and a local instance runs them at the driver's priority, not Ray's default nice 15."""
+    config = load_config(None, COMMON + ["policy=colocated", "algo.prompts_per_step=2", "algo.group_size=2"])
+
+    def worker_pids() -> list[int]:
+        return ray.get([worker.ping.remote() for worker in device_pool(config).workers(0)])
+
+    train(config, tmp_path / "first", steps=1)
+    before = worker_pids()
+    train(config, tmp_path / "second", steps=1)
+    assert worker_pids() == before
+    assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in before] == [os.getpriority(os.PRIO_PROCESS, 0)] * 2
 
 
 def test_run_directory_has_trace_gantt_and_runtime_metrics():
