@@ -476,3 +476,14 @@ def test_a_guided_start_up_profile_is_fitted_against_guided_passes(sd3_pipeline_
     }
     corrections = fitted_cost(config, scenario, measured).corrections()
     assert all(abs(scale - 1) <= 1e-9 for scale in corrections.values()), corrections
+
+
+def test_a_guided_run_under_a_ray_policy_ends_at_the_reference_parameters(
+    reference_run, sd3_pipeline_dir, tiny_prompts_file, local_ray, tmp_path
+):
+    for policy in ("reference", "colocated"):
+        config = load_config(None, small(sd3_pipeline_dir, tiny_prompts_file, f"policy={policy}", *GUIDED))
+        train(config, tmp_path / policy, steps=STEPS)
+    guided = trained(tmp_path / "reference")
+    assert max_difference(guided, trained(reference_run)) > 1e-4  # guidance changed what trained
+    assert max_difference(trained(tmp_path / "colocated"), guided) <= 1e-5
