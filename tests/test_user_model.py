@@ -310,6 +310,10 @@ def test_a_transformer_with_precomputed_prompt_embeddings_generates_what_its_pip
     result = CliRunner().invoke(app, ["train", *small(embedded, unencoded), "--dry-run"])
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
     assert "prompt 'green dog' (1 of the run's prompts in all) has no precomputed encoding in" in result.output
+    guided = ["sampling.guidance_scale=4.5", "sampling.negative_prompt=blurry"]  # guidance's prompt needs one too
+    result = CliRunner().invoke(app, ["train", *small(embedded, tiny_prompts_file, *guided), "--dry-run"])
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert "prompt 'blurry' (1 of the run's prompts in all) has no precomputed encoding in" in result.output
 
 
 def test_a_run_of_a_diffusers_model_resumes_to_the_parameters_of_the_uninterrupted_run(

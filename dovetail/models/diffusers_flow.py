@@ -59,8 +59,8 @@ class Frozen:
 
 class PipelinePrompts(Frozen):
     """Prompts encoded by the pipeline's own `encode_prompt` (SD3: CLIP-L and CLIP-G, T5 where present; FLUX: CLIP
-    pooled, T5 tokens; Wan: UMT5 tokens, no pooled embedding: a zero-width one), one prompt at a time (the negative
-    prompt of classifier-free guidance is encoded as a prompt of its own: `DiffusersFlow.forward`)."""
+    pooled, T5 tokens; Wan: UMT5 tokens, no pooled embedding: a zero-width one), without encode_prompt's negative
+    branch: classifier-free guidance's negative prompt is encoded once as a prompt of its own (`DiffusersFlow`)."""
 
     def __init__(self, pipeline, max_sequence_length: int):
         self.pipeline = pipeline
