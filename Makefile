@@ -21,15 +21,17 @@ OTHER_KERNELS := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONED
 
 # Two test processes share the two cores (much of a test is one process's single-threaded work or waiting: a
 # reference loop, Ray starting, a worker restarting); a test file stays in one process, so its fixtures are made
-# once. Then, alone: the tests that time the cores, and the exactness tests on the other kernels.
-# The files that hold such tests: the final pass collects only these.
-MARKED = $(shell grep -l 'mark\.\(serial\|exactness\)' tests/*.py)
+# once. Then the tests that time the cores, alone; then the exactness tests again on the other kernels, two
+# processes again. Each later pass collects only the files that hold its tests.
+SERIAL = $(shell grep -l 'mark\.serial' tests/*.py)
+EXACTNESS = $(shell grep -l 'mark\.exactness' tests/*.py)
 
 test: $(STAMP)
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 	.venv/bin/mypy
 	HF_HUB_OFFLINE=1 $(PY) -m pytest tests -n 2 --dist loadfile -m "not serial" --durations=25
-	HF_HUB_OFFLINE=1 $(OTHER_KERNELS) $(PY) -m pytest $(MARKED) -m "serial or exactness"
+	HF_HUB_OFFLINE=1 $(OTHER_KERNELS) $(PY) -m pytest $(SERIAL) -m serial
+	HF_HUB_OFFLINE=1 $(OTHER_KERNELS) $(PY) -m pytest $(EXACTNESS) -m exactness -n 2 --dist loadfile
 
 .PHONY: install demo test

@@ -13,7 +13,7 @@ from dovetail.exec.lm_model import lm_checkpoint_io, load_policy
 from dovetail.kinds import KINDS
 from dovetail.models.causal_lm import export_builtin_lm, export_causal_lm
 from dovetail.models.diffusers_flow import export, load_diffusers_checkpoint, load_flow_model
-from dovetail.recipe import make_optimizer
+from dovetail.models.training import make_optimizer
 from dovetail.run_dir import BrokenCheckpoint, checkpoint_dirs, load_checkpoint
 
 
@@ -59,7 +59,7 @@ def flow_exporter(config: FlowTrainConfig) -> Callable[[Path, Path], None]:
 
     def write(checkpoint: Path, out: Path) -> None:
         model = load_flow_model(config)
-        load_checkpoint(checkpoint, model, make_optimizer(model, config), load_diffusers_checkpoint)
+        load_checkpoint(checkpoint, model, make_optimizer(model, config.train), load_diffusers_checkpoint)
         export(model, out)
 
     return write
@@ -73,7 +73,7 @@ def lm_exporter(config: LMTrainConfig) -> Callable[[Path, Path], None]:
     def write(checkpoint: Path, out: Path) -> None:
         model, tokenizer = load_policy(config)
         _, load_weights = lm_checkpoint_io(config, model, tokenizer)
-        load_checkpoint(checkpoint, model, make_optimizer(model, config), load_weights)
+        load_checkpoint(checkpoint, model, make_optimizer(model, config.train), load_weights)
         if config.user_model:
             export_causal_lm(model, out)
         else:

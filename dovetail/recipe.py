@@ -11,7 +11,6 @@ from dovetail.graph.node import SampleId
 from dovetail.models.flow_rl import SDESettings, accumulate_policy_gradient
 from dovetail.models.sampling import keyed_normal, sample_key, sample_ode
 from dovetail.models.t2i import flow_sigmas, latents_to_images
-from dovetail.models.training import trainable_parameters
 from dovetail.prompts import eval_prompts
 from dovetail.rewards import score
 
@@ -69,11 +68,6 @@ def evaluate(
     images = decode(sample_ode(model, prompts, sde_settings(config, model.device).sigmas, noise))
     scores = score(images, prompts, config.reward, config.reward_timeout_s)
     return {name: float(values.mean()) for name, values in scores.items()}, images, prompts
-
-
-def make_optimizer(model, config: FlowTrainConfig) -> torch.optim.Optimizer:
-    """AdamW over the parameters that train (a LoRA run's adapter alone)."""
-    return torch.optim.AdamW(trainable_parameters(model), lr=config.train.lr, weight_decay=config.train.weight_decay)
 
 
 def advantages_of(

@@ -162,5 +162,18 @@ def plan(scenario: Scenario, devices: int, policies: list[str] | None = None) ->
     if best is None:
         raise ValueError(f"{scenario.name}: no policy can run it on {devices} devices:\n" + "\n".join(lines[1:]))
     rate, step_s, name, chosen = best
-    lines.append(f"best: {_describe_all(chosen)} under {name} -> {rate:.3f} samples/s, {step_s:.1f} s/step")
+    lines.append(
+        f"best: {_describe_all(chosen)} under {name} -> {rate:.3f} samples/s, {step_s:.1f} s/step; "
+        f"{how_to_run(scenario, name, devices)}"
+    )
     return "\n".join(lines)
+
+
+def how_to_run(scenario: Scenario, policy: str, devices: int) -> str:
+    """The run config's keys that run `policy` as planned. The shape is not among them: the policy cuts it itself
+    when the run starts, a searching one by the same search on the costs the run profiles on its own devices."""
+    keys = f"policy={policy} cluster.device={scenario.cluster.device} cluster.devices={devices}"
+    if scenario.schedule.reward_devices:
+        keys += f" runtime.reward_devices={scenario.schedule.reward_devices}"
+    how = "searches its shape itself as the run starts" if policy_class(policy).searches else "cuts this shape itself"
+    return f"to run it, set {keys} in the run config ({policy} {how})"

@@ -33,12 +33,11 @@ from dovetail.models.diffusers_flow import checkpoint_io, load_decoder, load_flo
 from dovetail.models.engine import Request
 from dovetail.models.flow_rl import generate, group_sample_ids, step_prompts
 from dovetail.models.t2i import latents_to_images
-from dovetail.models.training import commit, set_summed_gradient, weights_of
+from dovetail.models.training import commit, make_optimizer, set_summed_gradient, weights_of
 from dovetail.prompts import train_prompts
 from dovetail.recipe import (
     advantages_of,
     evaluate,
-    make_optimizer,
     policy_gradient,
     sample_timesteps,
     sde_settings,
@@ -305,7 +304,7 @@ class FlowLocal:
         self.config = config
         self.model = load_flow_model(config)
         self.decode = load_decoder(config)
-        self.optimizer = make_optimizer(self.model, config)
+        self.optimizer = make_optimizer(self.model, config.train)
         self.save_weights, self.load_weights = checkpoint_io(config, self.model)
         self._reference_model = None
 

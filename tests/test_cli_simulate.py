@@ -5,6 +5,7 @@ import json
 from typer.testing import CliRunner
 
 from dovetail.cli import app
+from dovetail.config.load import load_config
 
 runner = CliRunner()
 
@@ -99,5 +100,16 @@ def test_plan_prints_a_best_configuration_that_fits():
     assert result.exit_code == 0, result.output
     best = result.output.splitlines()[-1]
     assert best.startswith("best: trainer_devices=") and "samples/s" in best
+    assert best.endswith("(colocated cuts this shape itself)")
     result = runner.invoke(app, ["plan", "calib-qwenimage-4xh200", "--devices", "1"])
     assert result.exit_code == 2 and "--devices must be at least 2" in result.output
+
+
+def test_plans_best_line_names_the_run_config_keys_that_run_it():
+    result = runner.invoke(app, ["plan", "calib-qwenimage-4xh200", "--devices", "4", "--policies", "digen"])
+    assert result.exit_code == 0, result.output
+    best = result.output.splitlines()[-1]
+    assert best.endswith(" in the run config (digen searches its shape itself as the run starts)"), best
+    keys = best.split("to run it, set ")[1].split(" in the run config")[0].split()
+    config = load_config(None, keys)  # the shipped digits config takes them as overrides
+    assert (config.policy, config.cluster.device, config.cluster.devices) == ("digen", "H200", 4)

@@ -3,9 +3,9 @@ during the start-up profile, every trainer replica between a commit and its publ
 recovers within the deadline, loses no sample, trains none twice, and ends bitwise equal to an undisturbed run
 (the commit sums the train parts' gradients in the order of their keys, wherever they ran).
 
-Three cells of the 18-cell kill matrix run here, the three that exercise distinct recovery paths (a profile
-re-measured, a committed state brought back from the object store, a whole group re-formed); one device killed after
-it trained is tests/test_runtime.py's; the whole matrix is benchmarks/kill_matrix.py (about 20 minutes)."""
+Four cells of the 18-cell kill matrix run here, the four that exercise distinct recovery paths (a profile
+re-measured, an open step's gradients rebuilt, a committed state brought back from the object store, a whole group
+re-formed); the whole matrix is benchmarks/kill_matrix.py (about 20 minutes)."""
 
 import json
 
@@ -37,6 +37,7 @@ def undisturbed(tmp_path_factory):
     ("moment", "spread"),
     [
         ("start-up", "one"),
+        ("train", "one"),  # the device held gradients of the open step: they are rebuilt, not lost
         ("commit", "two close"),  # every trainer replica dead by the publish: one is brought back to publish from
         ("generate", "all"),
     ],
@@ -51,6 +52,8 @@ def test_killed_workers_recover_and_the_run_is_bitwise_the_undisturbed_one(
     assert fault.killed and summary["restarts"] >= 1, (fault.killed, summary["restarts"])
     ledger = json.loads((tmp_path / "ledger.json").read_text())
     assert ledger["problems"] == []
+    if moment == "train":
+        assert ledger["restarts"] and ledger["reruns"], "the killed device's train parts ran again"
     got = weights(tmp_path)
     assert all(torch.equal(got[k], undisturbed[k]) for k in undisturbed)
 

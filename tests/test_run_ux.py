@@ -313,7 +313,7 @@ def test_start_ray_joins_the_cluster_of_ray_address(monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     with pytest.raises(Joined) as joined:
         launch.start_ray(config)
-    assert joined.value.args[0] == {"address": "10.0.0.1:6379"}
+    assert joined.value.args[0] == {"address": "10.0.0.1:6379", "namespace": launch.RAY_NAMESPACE}
     monkeypatch.delenv("RAY_ADDRESS")
     with pytest.raises(Joined) as local:
         launch.start_ray(config)

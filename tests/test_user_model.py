@@ -21,11 +21,15 @@ from typer.testing import CliRunner
 from dovetail.cli import app
 from dovetail.config.common import ConfigError
 from dovetail.config.load import load_config
+from dovetail.cost.catalog import diffusion_model
+from dovetail.cost.model import CostModel
+from dovetail.exec.flow_startup import fitted_cost
+from dovetail.exec.plan import rollout_wake_s, simulate
 from dovetail.models.diffusers_flow import load_diffusers_checkpoint, load_flow_model, save_prompt_embeddings
-from dovetail.models.flow_rl import generate, group_sample_ids, step_prompts
+from dovetail.models.flow_rl import generate, group_sample_ids, recompute_log_probs, step_prompts
 from dovetail.models.training import weights_of
 from dovetail.prompts import prompt_split, read_prompts
-from dovetail.recipe import sde_settings
+from dovetail.recipe import policy_gradient, sde_settings
 from dovetail.runner import train
 
 STEPS = 2
@@ -306,6 +310,10 @@ def test_a_transformer_with_precomputed_prompt_embeddings_generates_what_its_pip
     result = CliRunner().invoke(app, ["train", *small(embedded, unencoded), "--dry-run"])
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
     assert "prompt 'green dog' (1 of the run's prompts in all) has no precomputed encoding in" in result.output
+    guided = ["sampling.guidance_scale=4.5", "sampling.negative_prompt=blurry"]  # guidance's prompt needs one too
+    result = CliRunner().invoke(app, ["train", *small(embedded, tiny_prompts_file, *guided), "--dry-run"])
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert "prompt 'blurry' (1 of the run's prompts in all) has no precomputed encoding in" in result.output
 
 
 def test_a_run_of_a_diffusers_model_resumes_to_the_parameters_of_the_uninterrupted_run(
@@ -371,3 +379,123 @@ def test_a_flux_pipeline_moves_as_flux_pipeline_drives_it_trains_and_exports(tin
     assert CliRunner().invoke(app, ["export", str(out), str(tmp_path / "export")]).exit_code == 0
     reloaded = FluxPipeline.from_pretrained(tmp_path / "export")
     assert max_difference(reloaded.transformer.state_dict(), trained(out)) == 0.0
+
+
+GUIDED = ["sampling.guidance_scale=4.5", "sampling.negative_prompt=green mat"]
+
+
+def test_a_guided_velocity_is_the_negative_plus_scale_times_the_difference_of_two_unguided_transformer_passes(
+    sd3_pipeline_dir, tiny_prompts_file
+):
+    pipeline = StableDiffusion3Pipeline.from_pretrained(sd3_pipeline_dir, text_encoder_3=None, tokenizer_3=None)
+    embeds, negative_embeds, pooled, negative_pooled = pipeline.encode_prompt(
+        PROMPTS[:2], None, None, negative_prompt="green mat", do_classifier_free_guidance=True, max_sequence_length=4
+    )
+    latents = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.9, 0.4])  # a training chunk's pairs sit at different timesteps
+
+    def transformer(embeds, pooled):
+        return pipeline.transformer(
+            hidden_states=latents, encoder_hidden_states=embeds, pooled_projections=pooled, timestep=sigma * 1000
+        ).sample
+
+    conditional, unconditional = transformer(embeds, pooled), transformer(negative_embeds, negative_pooled)
+    guided = load_flow_model(load_config(None, small(sd3_pipeline_dir, tiny_prompts_file, *GUIDED)))
+    velocity = guided(latents, sigma, guided.encode_prompts(PROMPTS[:2]))
+    assert (velocity - (unconditional + 4.5 * (conditional - unconditional))).abs().max() <= 1e-5
+    assert (velocity - conditional).abs().max() > 1e-3  # the guidance moved it
+
+    unguided = load_flow_model(load_config(None, small(sd3_pipeline_dir, tiny_prompts_file)))
+    assert torch.equal(
+        unguided(latents, sigma, unguided.encode_prompts(PROMPTS[:2])), conditional
+    )  # one pass, as before
+
+
+def test_a_guided_rollout_is_on_policy_in_training_ratio_one_and_the_planner_prices_the_second_pass(
+    sd3_pipeline_dir, tiny_prompts_file
+):
+    config = load_config(None, small(sd3_pipeline_dir, tiny_prompts_file, *GUIDED))
+    model, sde = load_flow_model(config), sde_settings(config)
+    ids = group_sample_ids(0, [0, 1], 2)
+    rollout = generate(model, [PROMPTS[s.prompt] for s in ids], ids, sde, seed=0, shared_group_noise=False)
+    timesteps = [0, 1, 2]
+    recomputed = recompute_log_probs(model, rollout, timesteps, sde)
+    assert (recomputed - rollout.log_probs)[:, timesteps].abs().max() <= 1e-4
+    stats = policy_gradient(model, rollout, torch.ones(4), timesteps, sde, config, total_pairs=12)
+    assert abs(stats["ratio_min"] - 1) <= 1e-4 and abs(stats["ratio_max"] - 1) <= 1e-4
+    # the same trajectories scored without guidance are off-policy: the check above can fail
+    unguided = load_flow_model(load_config(None, small(sd3_pipeline_dir, tiny_prompts_file)))
+    assert (recompute_log_probs(unguided, rollout, timesteps, sde) - rollout.log_probs).abs().max() > 1e-2
+
+    def planned(*guidance: str) -> tuple[float, dict[str, float]]:
+        """The predicted step time and each kind of work's device-seconds of an SD3.5-M run of 512-pixel images."""
+        shape = ["model.cost_model=SD3.5-M", "cluster.device=H100", "model.sample_size=64", "algo.group_size=8"]
+        config = load_config(None, small(sd3_pipeline_dir, tiny_prompts_file, *shape, *guidance))
+        prepared, trace = simulate(config.scenario(2), "colocated")
+        seconds: dict[str, float] = {}
+        for node in prepared.graph.nodes.values():
+            seconds[node.kind.value] = seconds.get(node.kind.value, 0.0) + node.cost_s
+        return trace.makespan / 2, seconds
+
+    (plain_s, plain), (guided_s, guided) = planned(), planned(*GUIDED)
+    assert guided_s > plain_s
+    for kind in ("generate", "logprob", "train"):  # twice the passes, each at least as efficient (larger)
+        assert 1.3 * plain[kind] < guided[kind] <= 2 * plain[kind], kind
+    assert guided["publish"] == plain["publish"]
+
+
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        ("sampling.guidance_scale=-1", "sampling.guidance_scale"),
+        ("sampling.guidance_scale=strong", "sampling.guidance_scale"),
+        ("sampling.negative_prompt=blue", "sampling.negative_prompt applies to classifier-free guidance only"),
+    ],
+)
+def test_a_bad_guidance_is_one_line_naming_the_field(sd3_pipeline_dir, tiny_prompts_file, override, says):
+    result = CliRunner().invoke(app, ["train", *small(sd3_pipeline_dir, tiny_prompts_file), override, "--dry-run"])
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert says in result.output
+
+
+def test_guidance_of_the_built_in_digits_model_is_one_line():
+    result = CliRunner().invoke(app, ["train", "sampling.guidance_scale=4.5", "--dry-run"])
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert "sampling.guidance_scale=4.5: the built-in digits model has no unconditional prompt" in result.output
+
+
+def test_a_guided_start_up_profile_is_fitted_against_guided_passes(sd3_pipeline_dir, tiny_prompts_file):
+    """A profile measures the guided forward; priced against unguided passes, its doubling would land in the
+    corrections, and the graph, which prices guidance itself, would count it twice."""
+    config = load_config(
+        None, small(sd3_pipeline_dir, tiny_prompts_file, "model.cost_model=SD3.5-M", "cluster.device=H100", *GUIDED)
+    )
+    scenario, samples = config.scenario(2), config.runtime.profile_samples
+    spec, analytic = scenario.pipelines[0], CostModel("H100")
+    model = diffusion_model("SD3.5-M")
+    tokens = model.latent_tokens(spec.height, spec.width)
+    generate_s = analytic.generate(model, samples, spec.height, spec.width, spec.denoising_steps, cfg=True)
+    measured = {  # what a device that runs exactly as the cost model says would measure
+        "generate": generate_s,
+        "generate_fastest": generate_s,
+        "generate_small_fastest": generate_s,  # no small-pass information: the default half point
+        "score": analytic.rule_score(samples),
+        "logprob": analytic.dit_logprob(model, samples, 1, tokens, cfg=True),
+        "train": analytic.dit_train(model, samples, 1, tokens, cfg=True),
+        "optimizer": analytic.optimizer_step(model.params),
+        "publish": analytic.publish(model.params),
+        "switch": rollout_wake_s(scenario, analytic),
+    }
+    corrections = fitted_cost(config, scenario, measured).corrections()
+    assert all(abs(scale - 1) <= 1e-9 for scale in corrections.values()), corrections
+
+
+def test_a_guided_run_under_a_ray_policy_ends_at_the_reference_parameters(
+    reference_run, sd3_pipeline_dir, tiny_prompts_file, local_ray, tmp_path
+):
+    for policy in ("reference", "colocated"):
+        config = load_config(None, small(sd3_pipeline_dir, tiny_prompts_file, f"policy={policy}", *GUIDED))
+        train(config, tmp_path / policy, steps=STEPS)
+    guided = trained(tmp_path / "reference")
+    assert max_difference(guided, trained(reference_run)) > 1e-4  # guidance changed what trained
+    assert max_difference(trained(tmp_path / "colocated"), guided) <= 1e-5

@@ -108,6 +108,26 @@ def test_the_model_moves_and_decodes_as_wan_pipeline_does(wan_dir, prompts_file)
     assert videos.shape == (1, FRAMES, 16, 16, 3) and np.abs(videos - generated[1]).max() <= 1e-5
 
 
+def test_a_guided_velocity_is_wan_pipelines_two_passes_combined(wan_dir, prompts_file):
+    guidance = ["sampling.guidance_scale=5.0", "sampling.negative_prompt=green mat"]
+    model = load_flow_model(load_config(None, small(wan_dir, prompts_file, *guidance)))
+    pipeline = WanPipeline.from_pretrained(wan_dir)
+    embeds, negative = pipeline.encode_prompt(
+        PROMPTS[:2], negative_prompt="green mat", do_classifier_free_guidance=True, max_sequence_length=8
+    )
+    latents = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(0))
+
+    def transformer(embeds):
+        return pipeline.transformer(
+            hidden_states=latents, timestep=torch.full((2,), 700.0), encoder_hidden_states=embeds
+        ).sample
+
+    conditional, unconditional = transformer(embeds), transformer(negative)
+    velocity = model(latents, torch.tensor(0.7), model.encode_prompts(PROMPTS[:2]))
+    assert (velocity - (unconditional + 5.0 * (conditional - unconditional))).abs().max() <= 1e-5
+    assert (velocity - conditional).abs().max() > 1e-3
+
+
 def test_the_sde_and_its_log_probs_see_a_video_latent_as_one_sample():
     """The SDE step reduces over every non-batch dim: a (B, C, F, H, W) latent scores what its frames folded into
     the channels score."""

@@ -200,6 +200,17 @@ class SamplingSection(Section):
     cps_log_prob: Literal["gaussian", "squared_error"] = Field(
         "gaussian", description="log-prob of the cps SDE: the Gaussian's, or -(x - mean)^2 as Flow-GRPO and verl-omni"
     )
+    guidance_scale: float = Field(
+        1.0,
+        ge=0,
+        le=100,
+        description="classifier-free guidance s of a model.path run: the velocity v_neg + s (v - v_neg), v_neg on "
+        "negative_prompt, in rollouts, training and evaluation alike (Flow-GRPO samples SD3.5 at 4.5); 1.0: none. "
+        "Not model.guidance, a guidance-distilled FLUX's embedded guidance",
+    )
+    negative_prompt: str = Field(
+        "", max_length=10_000, description="the unconditional branch's prompt of classifier-free guidance"
+    )
 
 
 CompatPreset = Literal["dovetail", "flow_grpo", "flow_grpo_fast", "dance_grpo", "verl_omni"]
@@ -456,6 +467,23 @@ class FlowTrainConfig(RunSection):
         return self
 
     @model_validator(mode="after")
+    def _guidance_needs_a_model_path(self) -> "FlowTrainConfig":
+        """The built-in digits model learned no unconditional prompt (no prompt dropout): guidance would extrapolate
+        from an encoding it never saw."""
+        sampling = self.sampling
+        if sampling.guidance_scale != 1.0 and self.model.path is None:
+            raise ValueError(
+                f"sampling.guidance_scale={sampling.guidance_scale}: the built-in digits model has no unconditional "
+                "prompt to guide with; leave it 1.0, or give a diffusers pipeline as model.path"
+            )
+        if sampling.negative_prompt and sampling.guidance_scale == 1.0:
+            raise ValueError(
+                "sampling.negative_prompt applies to classifier-free guidance only; set sampling.guidance_scale "
+                "(e.g. 4.5) or leave sampling.negative_prompt unset"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _streaming_needs_group_statistics(self) -> "FlowTrainConfig":
         algo = self.algo
         whole_batch = {
@@ -524,6 +552,7 @@ class FlowTrainConfig(RunSection):
             "height": self.image_size,
             "width": self.image_size,
             "frames": self.model.frames,
+            "cfg": self.sampling.guidance_scale != 1.0,  # two transformer passes a step, rollout and training alike
             "reward": "rule",
             # train.chunk_size (sample, timestep) pairs share one forward/backward
             "micro_batch": max(1, self.train.chunk_size // trained),

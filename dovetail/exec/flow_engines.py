@@ -33,9 +33,9 @@ from dovetail.graph.node import SampleId
 from dovetail.models import sampling
 from dovetail.models.diffusers_flow import load_decoder, load_flow_model
 from dovetail.models.flow_rl import accumulate_policy_gradient, generate, recompute_log_probs
-from dovetail.models.training import commit, load_weights, synchronize, weights_of
+from dovetail.models.training import commit, load_weights, make_optimizer, synchronize, weights_of
 from dovetail.prompts import train_prompts
-from dovetail.recipe import advantages_of, make_optimizer, policy_gradient, sample_timesteps, sde_settings, sde_steps
+from dovetail.recipe import advantages_of, policy_gradient, sample_timesteps, sde_settings, sde_steps
 from dovetail.rewards import load_rewards, score
 
 
@@ -77,7 +77,7 @@ class FlowEngines(PipelineEngines):
         if not holds_policy:
             return
         self.trainer = load_flow_model(config).to(device)
-        self.optimizer = make_optimizer(self.trainer, config)
+        self.optimizer = make_optimizer(self.trainer, config.train)
         self.load_trainer_state(trainer_state)
         if config.algo.beta > 0:
             self.reference = load_flow_model(config).to(device).requires_grad_(False)
@@ -158,7 +158,7 @@ def profile_works(
     (`carry` moves the weights between them: the object store, or pickle in a dry run)."""
     trainer = copy.deepcopy(model)
     rollout = copy.deepcopy(model).requires_grad_(False)
-    optimizer = make_optimizer(trainer, config)
+    optimizer = make_optimizer(trainer, config.train)
     train = train_prompts(config)
     prompts = [train[p % len(train)] for p in range(n)]
     ids = [SampleId(-1, p, 0) for p in range(n)]

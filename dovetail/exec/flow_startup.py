@@ -21,22 +21,27 @@ from dovetail.scenario import Scenario
 
 def fitted_cost(config: FlowTrainConfig, scenario: Scenario, measured: dict[str, float]) -> CostModel:
     """The analytic cost model fitted to a device's measured seconds: the small-pass half point from the fastest
-    generation at two batch sizes, then one correction per kind of work (`CostModel.from_measurements`)."""
+    generation at two batch sizes, then one correction per kind of work (`CostModel.from_measurements`). A guided
+    run's profile measured guided passes, so the analytic side prices them guided too (else the correction would
+    carry the doubling and the graph would double it again)."""
     samples = config.runtime.profile_samples
     spec = scenario.pipelines[0]
     model = diffusion_model(spec.model)
     tokens = model.latent_tokens(spec.height, spec.width, spec.frames)
     small = max(1, samples // 4)
+    held = tokens * (2 if spec.cfg else 1)  # a sample's tokens in one pass: a guided pass holds both branches
     ratio = measured["generate_fastest"] / measured["generate_small_fastest"]
-    half = tokens * (samples - ratio * small) / (ratio - 1) if ratio > 1 else DEFAULT.dit_half_mfu_tokens
+    half = held * (samples - ratio * small) / (ratio - 1) if ratio > 1 else DEFAULT.dit_half_mfu_tokens
     calibration = replace(DEFAULT, dit_half_mfu_tokens=max(half, 0.0))
 
     analytic = CostModel(config.cluster.device, calibration)
     predicted = {
-        "generate": analytic.generate(model, samples, spec.height, spec.width, spec.denoising_steps, spec.frames),
+        "generate": analytic.generate(
+            model, samples, spec.height, spec.width, spec.denoising_steps, spec.frames, spec.cfg
+        ),
         "score": analytic.rule_score(samples),
-        "logprob": analytic.dit_logprob(model, samples, 1, tokens),
-        "train": analytic.dit_train(model, samples, 1, tokens),
+        "logprob": analytic.dit_logprob(model, samples, 1, tokens, spec.cfg),
+        "train": analytic.dit_train(model, samples, 1, tokens, spec.cfg),
         "optimizer": analytic.optimizer_step(model.params),
         "publish": analytic.publish(model.params),
         "switch": rollout_wake_s(scenario, analytic),

@@ -102,9 +102,14 @@ def start_local_ray(cpu_devices: int | None) -> None:
     with every server on loopback: nothing of a local run is reachable from the network. Ray takes a loopback node
     address for the machine's own (so that other nodes could reach it) unless it runs as a single-machine instance,
     which is what its `ENABLE_RAY_CLUSTER` switch says while the node starts. `cpu_devices`: the CPU cores offered as
-    devices (None on GPUs, which Ray finds itself). Its processes die with this one (`exec.watchdog`)."""
+    devices (None on GPUs, which Ray finds itself). Its processes die with this one (`exec.watchdog`).
+
+    Its workers run at the driver's priority: Ray's default puts them at nice 15, below every other process of the
+    machine, so that a run's devices lost their cores to anything else running beside it (a one-process run, the
+    test suite's other process), whatever its share should have been."""
     options = {"address": "local", "_node_ip_address": LOOPBACK, "num_cpus": 1, "namespace": RAY_NAMESPACE}
     options |= {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
+    options["_system_config"] = {"worker_niceness": 0}
     if cpu_devices is not None:
         options["resources"] = {DEVICE_RESOURCE: cpu_devices}
     remove_stale_group_files()

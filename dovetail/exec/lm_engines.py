@@ -49,8 +49,15 @@ from dovetail.graph.node import SampleId
 from dovetail.models.causal_lm import rollout_engine, rollout_state
 from dovetail.models.engine import Request
 from dovetail.models.lm_rl import accumulate_group_gradients, group_log_probs, policy_gradient
-from dovetail.models.training import commit, set_summed_gradient, synchronize, tensors_of, trainer_state_of, weights_of
-from dovetail.recipe import make_optimizer
+from dovetail.models.training import (
+    commit,
+    make_optimizer,
+    set_summed_gradient,
+    synchronize,
+    tensors_of,
+    trainer_state_of,
+    weights_of,
+)
 from dovetail.rewards.text import score_text
 
 STAT_MEANS = ("clip_frac", "approx_kl", "ratio_mean", "kl_ref", "entropy")
@@ -105,7 +112,7 @@ class LMEngines(PipelineEngines):
             return
         model, _ = load_policy(config)
         self.trainer = model.to(device)
-        self.optimizer = make_optimizer(self.trainer, config)
+        self.optimizer = make_optimizer(self.trainer, config.train)
         if trainer_state is not None:
             self.load_trainer_state(trainer_state)
         if config.algo.beta > 0:

@@ -11,7 +11,8 @@ Images (SD3, FLUX) or videos (Wan: `WanFlow`, latents (B, C, F, H, W), decoded i
 samplers, the SDE's log-probs and the losses reduce over every non-batch dim, so the frames change nothing there.
 
 What the engines see of either model: `latent_shape`, `device`, `encode_prompts(prompts)` (one tensor per prompt),
-`forward(latents, sigma, encoding)` (the velocity), and `trained_state_dict` / `load_trained_state_dict`: what weight
+`forward(latents, sigma, encoding)` (the velocity, classifier-free guided with sampling.guidance_scale: so rollouts,
+training and evaluation step with one velocity), and `trained_state_dict` / `load_trained_state_dict`: what weight
 publication, trainer hand-over and checkpoints carry (a LoRA run's adapter alone).
 """
 
@@ -58,7 +59,8 @@ class Frozen:
 
 class PipelinePrompts(Frozen):
     """Prompts encoded by the pipeline's own `encode_prompt` (SD3: CLIP-L and CLIP-G, T5 where present; FLUX: CLIP
-    pooled, T5 tokens; Wan: UMT5 tokens, no pooled embedding: a zero-width one), no classifier-free guidance."""
+    pooled, T5 tokens; Wan: UMT5 tokens, no pooled embedding: a zero-width one), without encode_prompt's negative
+    branch: classifier-free guidance's negative prompt is encoded once as a prompt of its own (`DiffusersFlow`)."""
 
     def __init__(self, pipeline, max_sequence_length: int):
         self.pipeline = pipeline
@@ -150,14 +152,25 @@ class DiffusersFlow(torch.nn.Module):
     PIPELINE = "StableDiffusion3Pipeline"
     """The diffusers pipeline whose `encode_prompt` encodes this transformer's prompts."""
 
+    BATCHED_GUIDANCE = True
+    """Whether classifier-free guidance runs the unconditional and conditional branches as one forward of 2B, as
+    StableDiffusion3Pipeline does (FluxPipeline's true CFG and WanPipeline run two forwards of B)."""
+
     def __init__(self, transformer: SD3Transformer2DModel, prompts, num_train_timesteps: int, source: dict):
         super().__init__()
         self.transformer = transformer
         self.prompts = prompts
         self.num_train_timesteps = num_train_timesteps
         self.source = source
-        """How to build this model again: the directory, the LoRA settings, the T5 length (a checkpoint's config)."""
+        """How to build this model again: the directory, the LoRA settings, the T5 length, the guidance (a
+        checkpoint's config)."""
         self._text_dims = self.text_widths(self.transformer_config)
+        self.guidance_scale = source["guidance_scale"]
+        if self.guidance_scale != 1.0:
+            # encoded once, as Flow-GRPO encodes its negative prompt once; a buffer, so it moves with the model and
+            # stays out of every state dict
+            negative = self.encode_prompts([source["negative_prompt"]])
+            self.register_buffer("negative_encoding", negative, persistent=False)
 
     @staticmethod
     def text_widths(config) -> tuple[int, int]:
@@ -200,6 +213,25 @@ class DiffusersFlow(torch.nn.Module):
         return torch.cat([embeds.flatten(1), pooled], dim=1)
 
     def forward(self, latents: torch.Tensor, sigma: torch.Tensor, encoding: torch.Tensor) -> torch.Tensor:
+        """The velocity the sampler steps with and training scores: with sampling.guidance_scale s != 1 the
+        classifier-free guided v_neg + s (v - v_neg), v_neg the velocity on the negative prompt's encoding, as
+        diffusers' pipelines and Flow-GRPO (in rollouts and in training alike) compute it; else the transformer's."""
+        if self.guidance_scale == 1.0:
+            return self.velocity(latents, sigma, encoding)
+        sigma = sigma.expand(len(latents))
+        negative = self.negative_encoding.expand(len(encoding), -1)
+        if self.BATCHED_GUIDANCE:
+            both = self.velocity(
+                torch.cat([latents, latents]), torch.cat([sigma, sigma]), torch.cat([negative, encoding])
+            )
+            unconditional, conditional = both.chunk(2)
+        else:
+            conditional = self.velocity(latents, sigma, encoding)
+            unconditional = self.velocity(latents, sigma, negative)
+        return unconditional + self.guidance_scale * (conditional - unconditional)
+
+    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, encoding: torch.Tensor) -> torch.Tensor:
+        """The transformer's velocity on the prompts' encodings, unguided."""
         width, pooled_width = self._text_dims
         embeds = encoding[:, :-pooled_width].reshape(len(encoding), -1, width)
         timestep = sigma.expand(latents.shape[0]) * self.num_train_timesteps
@@ -228,6 +260,7 @@ class FluxFlow(DiffusersFlow):
     input."""
 
     PIPELINE = "FluxPipeline"
+    BATCHED_GUIDANCE = False
 
     def __init__(self, transformer, prompts, num_train_timesteps: int, source: dict):
         super().__init__(transformer, prompts, num_train_timesteps, source)
@@ -238,7 +271,7 @@ class FluxFlow(DiffusersFlow):
     def latent_shape(self) -> tuple[int, int, int]:
         return (self.transformer_config.in_channels // 4, self.sample_size, self.sample_size)
 
-    def forward(self, latents: torch.Tensor, sigma: torch.Tensor, encoding: torch.Tensor) -> torch.Tensor:
+    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, encoding: torch.Tensor) -> torch.Tensor:
         width, pooled_width = self._text_dims
         embeds = encoding[:, :-pooled_width].reshape(len(encoding), -1, width)
         batch, channels, height, breadth = latents.shape
@@ -266,9 +299,10 @@ class WanFlow(DiffusersFlow):
     """A Wan text-to-video transformer behind the same interface: latents (B, C, F, H, W), F the latent frames of
     `frames` video frames (1 + (frames - 1) / the VAE's temporal stride, as WanPipeline lays them), square
     `sample_size` latent pixels a side; the prompt is UMT5's token embeddings alone and the timestep sigma x
-    num_train_timesteps, as WanPipeline drives it (without classifier-free guidance, as the image models)."""
+    num_train_timesteps, as WanPipeline drives it (classifier-free guidance, where set, as its two forwards)."""
 
     PIPELINE = "WanPipeline"
+    BATCHED_GUIDANCE = False
 
     def __init__(self, transformer, prompts, num_train_timesteps: int, source: dict):
         super().__init__(transformer, prompts, num_train_timesteps, source)
@@ -284,7 +318,7 @@ class WanFlow(DiffusersFlow):
     def latent_shape(self) -> tuple[int, int, int, int]:
         return (self.transformer_config.in_channels, self.latent_frames, self.sample_size, self.sample_size)
 
-    def forward(self, latents: torch.Tensor, sigma: torch.Tensor, encoding: torch.Tensor) -> torch.Tensor:
+    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, encoding: torch.Tensor) -> torch.Tensor:
         width, _ = self._text_dims
         return self.transformer(
             hidden_states=latents,
@@ -318,11 +352,13 @@ def load_diffusers_flow(
     sample_size: int | None = None,
     guidance: float = 3.5,
     frames: int = 1,
+    guidance_scale: float = 1.0,
+    negative_prompt: str = "",
 ) -> DiffusersFlow:
     """The flow model of a diffusers directory (`config.flow.ModelSection` has checked its layout), in eval mode.
     `sample_size`: latent pixels a side (None: the transformer's own, or FluxPipeline's default); `guidance`: a
     guidance-distilled FLUX's guidance; `frames`: a video model's frames a sample (1 + a multiple of its VAE's
-    temporal stride)."""
+    temporal stride); `guidance_scale`, `negative_prompt`: classifier-free guidance (1.0: none)."""
     path = Path(path).resolve()
     diffusers.utils.logging.disable_progress_bar()  # the run's own display says what start-up is doing
     transformers.utils.logging.disable_progress_bar()
@@ -348,6 +384,8 @@ def load_diffusers_flow(
         "sample_size": sample_size,
         "guidance": guidance,
         "frames": frames,
+        "guidance_scale": guidance_scale,
+        "negative_prompt": negative_prompt,
     }
     return wrapper(transformer, prompts, timesteps, source).eval()
 
@@ -428,12 +466,15 @@ def load_flow_model(config) -> torch.nn.Module:
         sample_size=section.sample_size,
         guidance=section.guidance,
         frames=section.frames,
+        guidance_scale=config.sampling.guidance_scale,
+        negative_prompt=config.sampling.negative_prompt,
     )
 
 
 def check_prompt_table(config) -> None:
-    """A model.path of precomputed prompt encodings holds one for every prompt of the run (train and eval): else
-    one line naming the first that lacks one, before any work (reads the table's metadata alone)."""
+    """A model.path of precomputed prompt encodings holds one for every prompt of the run (train and eval, and the
+    negative prompt of a guided run): else one line naming the first that lacks one, before any work (reads the
+    table's metadata alone)."""
     table = Path(config.model.path) / PROMPT_EMBEDDINGS
     if not table.is_file():
         return
@@ -443,7 +484,9 @@ def check_prompt_table(config) -> None:
     except (OSError, SafetensorError, ValueError) as error:
         raise ValueError(f"unreadable {table}: {one_line(error)}") from None
     split = prompt_split(config)
-    missing = [p for p in dict.fromkeys((*split.train, *split.eval)) if p not in known]
+    sampling = config.sampling
+    negative = [sampling.negative_prompt] if sampling.guidance_scale != 1.0 else []
+    missing = [p for p in dict.fromkeys((*split.train, *split.eval, *negative)) if p not in known]
     if missing:
         raise ValueError(
             f"prompt {missing[0]!r} ({len(missing)} of the run's prompts in all) has no precomputed encoding in "
@@ -499,6 +542,8 @@ def load_diffusers_checkpoint(directory: Path | str) -> DiffusersFlow:
         sample_size=source.get("sample_size"),
         guidance=source.get("guidance", 3.5),
         frames=source.get("frames", 1),
+        guidance_scale=source.get("guidance_scale", 1.0),
+        negative_prompt=source.get("negative_prompt", ""),
     )
     try:
         model.load_trained_state_dict(load_file(weights))

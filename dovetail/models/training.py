@@ -94,6 +94,12 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def make_optimizer(model, train) -> torch.optim.Optimizer:
+    """AdamW over the parameters that train (a LoRA run's adapter alone), at the config's `train` section's lr and
+    weight_decay: every kind's trainer and the reference loop build theirs here."""
+    return torch.optim.AdamW(trainable_parameters(model), lr=train.lr, weight_decay=train.weight_decay)
+
+
 def commit(model, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> float:
     """One optimizer step for the whole logical batch; returns the pre-clip gradient norm."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
