@@ -79,7 +79,8 @@ def test_an_lm_and_a_flow_pipeline_multiplexed_end_where_each_ends_alone(policy,
     spans = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     devices_of = {name: {e["tid"] for e in spans if e["name"].startswith(f"{name}:")} for name in ("sort", "digits")}
     assert devices_of["sort"] & devices_of["digits"], "the pipelines share the pool's devices"
-    assert (tmp_path / "gantt.png").exists()
+    assert (tmp_path / "gantt.png").exists() and (tmp_path / "curves.png").exists()  # each with every pipeline
+    assert not any((tmp_path / name / "curves.png").exists() for name in ("sort", "digits"))
     assert json.loads((tmp_path / "ledger.json").read_text()).keys() == {"sort", "digits"}
     if policy == "jigsaw-greedy":  # the simulator, given the costs this run measured, predicts it (see BENCHMARKS.md
         # for jigsaw's replay: its look-ahead re-decides on durations that already hold the interference)
@@ -127,7 +128,8 @@ def test_a_killed_worker_in_a_multiplexed_run_loses_no_sample_of_any_pipeline(al
     for name in ("sort", "digits"):
         assert json.loads((tmp_path / name / "ledger.json").read_text())["problems"] == []
         assert same_parameters(name, final_weights(alone[name]), final_weights(tmp_path / name))
-    assert list(killed[0]) in json.loads((tmp_path / "sort" / "ledger.json").read_text())["reruns"]
+    reruns = json.loads((tmp_path / "sort" / "ledger.json").read_text())["reruns"]
+    assert dict(zip(("device", "node"), killed[0])) in reruns
 
 
 class DriverDies(Exception):
