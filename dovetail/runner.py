@@ -360,7 +360,9 @@ def train(
     `RunInterrupted` saying how to resume (SIGTERM and SIGHUP too, `STOP_SIGNALS`). `callbacks`: objects with
     `on_step(metrics, pipeline)` and / or `on_eval(evaluation, pipeline)` (`dovetail.trackers.Evaluation`).
     `reprofile`: measure the devices again instead of reading what a run of the same config measured on this machine
-    (`exec.startup_cache`). `after_start` / `after_part` are the Ray runtime's fault-injection hooks, for tests."""
+    (`exec.startup_cache`). `after_start` / `after_part` are the Ray runtime's fault-injection hooks, for tests.
+    The summary's `startup_s` is the seconds from this call to the first step's start, apart from the steps' own."""
+    called = time.perf_counter()
     torch.set_num_threads(1)
     config = with_steps(config, steps if steps is not None else config.train.steps)
     last_step = config.train.steps
@@ -418,6 +420,7 @@ def train(
 
             if config.policy == "reference":
                 (log,) = logs.values()
+                run_figures = {"startup_s": time.perf_counter() - called}
                 for step in range(first_steps[log.config.pipeline_name], last_step):
                     try:
                         metrics = log.local.rl_step(step)
@@ -426,7 +429,6 @@ def train(
                     log.holds = step + 1
                     log.record(step + 1, metrics)
                     after_record()
-                run_figures = {}
             else:
                 run_figures = train_on_ray(
                     config,
@@ -437,6 +439,7 @@ def train(
                     after_start=after_start,
                     after_part=after_part,
                     reprofile=reprofile,
+                    called=called,
                 )
     except BaseException as error:
         for log in logs.values():

@@ -277,6 +277,8 @@ def test_every_metric_is_documented_and_ray_logs_what_reference_logs(tmp_path):
     samples = sum(m["samples_per_s"] * m["step_s"] for m in ray_lines)
     assert ray_summary["samples_per_s"] == pytest.approx(samples / sum(m["step_s"] for m in ray_lines))
     assert "run_samples_per_s" not in ray_summary and "efficiency" not in ray_lines[0]
+    # start-up is apart from the steps: the Ray run's holds its workers' start, the reference's only its own set-up
+    assert 0 < reference_summary["startup_s"] < ray_summary["startup_s"]
 
 
 def test_ray_address_is_read_from_the_environment_unless_the_config_names_one(monkeypatch):

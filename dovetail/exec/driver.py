@@ -4,6 +4,7 @@ leave the run's trace, Gantt chart, sample ledger and profiled costs in the run 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict
 
 import numpy as np
@@ -98,11 +99,14 @@ def train_on_ray(
     after_start=None,
     after_part=None,
     reprofile: bool = False,
+    called: float,
 ) -> dict:
     """Train every pipeline of the run from its first step up to `last_step` under config.policy; `logs` are the
     pipelines' `StepLog`s (metrics, eval, checkpoints, progress). Returns run-level figures for the summary.
     `after_record()` runs after each step is recorded (an exception it raises ends the run there). Fault-injection
-    hooks: `after_start(started)` once the workers are configured, before the start-up profile; `after_part`."""
+    hooks: `after_start(started)` once the workers are configured, before the start-up profile; `after_part`.
+    `called`: when the run was called (`time.perf_counter()`), for the figures' `startup_s`, the seconds until the
+    first step starts (Ray, the device workers, the start-up profile and the plan included)."""
 
     def phase(what: str) -> None:
         for name, log in logs.items():
@@ -138,12 +142,15 @@ def train_on_ray(
             after_record()
 
     executor = make_executor(config, prepared, started, first_steps, on_commit=on_commit, after_part=after_part)
+    startup_s = time.perf_counter() - called
     trace = executor.run(prepared.policy)
     stopped = {name: save_stopped(executor, name, logs, first_steps[name]) for name in executor.stopped}
     if stopped and len(logs) == 1:
         raise RewardError(next(iter(stopped.values())))
-    return write_run_outputs(logs, config, prepared, executor, trace, costs, choice) | (
-        {"stopped": stopped} if stopped else {}
+    return (
+        write_run_outputs(logs, config, prepared, executor, trace, costs, choice)
+        | ({"stopped": stopped} if stopped else {})
+        | {"startup_s": startup_s}
     )
 
 

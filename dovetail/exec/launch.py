@@ -199,13 +199,17 @@ def device_pool(config: TrainConfig) -> DevicePool:
 def start_workers(config: TrainConfig, pool: DevicePool, trainer_states: dict[str, dict]) -> dict[str, Started]:
     """Each pipeline's DeviceWorkers in the run's `pool` (one per device, in its own process), configured for this
     run and holding the pipeline's `trainer_states[name]` (weights + optimizer), each pipeline's workers one
-    torch.distributed group (at most config.MAX_PIPELINES of them: the config holds the limit)."""
+    torch.distributed group (at most config.MAX_PIPELINES of them: the config holds the limit). Every pipeline's
+    processes start at once (a new one spends seconds importing torch and its engines); then each pipeline's are
+    configured in turn."""
+    pipelines = pipeline_configs(config)
+    workers = {name: pool.workers(slot) for slot, name in enumerate(pipelines)}
     started = {}
-    for slot, (name, pipeline) in enumerate(pipeline_configs(config).items()):
-        workers = pool.workers(slot)
+    for name, pipeline in pipelines.items():
         state_ref = ray.put(trainer_states[name])
         weights_ref = ray.put(trainer_states[name]["weights"])
-        started[name] = Started(pipeline.model_dump(mode="json"), workers, [0] * len(workers), weights_ref, state_ref)
+        pids = [0] * len(workers[name])
+        started[name] = Started(pipeline.model_dump(mode="json"), workers[name], pids, weights_ref, state_ref)
         started[name].revive("configure")  # every worker is new to this run: configured and grouped, even if one
         started[name].restarts.clear()  # dies meanwhile; not a restart of the run's
     return started

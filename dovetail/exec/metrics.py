@@ -50,6 +50,9 @@ summary.json, once per pipeline (a multiplexed run: under pipelines, and the Ray
   samples_per_s         samples the run trained per wall second of its steps: all over the sum of step_s (what the
                         progress display shows after each step, for the steps so far)
   notes                 what summary.json's and metrics.jsonl's less obvious figures count, in words
+  startup_s             wall seconds from the call to the first step's start, apart from every step: checks, model
+                        load, the base evaluation; Ray: also the instance, the device workers, their start-up profile
+                        (read from the cache when this machine ran the config before) and the plan
   efficiency            Ray: the trace's efficiency over the run, as defined above (Metrics.efficiency)
   bubble_ratio          Ray: mean over devices of the share of the run neither busy nor switching
   step_time_s           Ray: the trace's makespan over the steps (start-up excluded, the last publish included;
