@@ -116,9 +116,9 @@ def train(
         typer.echo(
             f"{name + ': ' if name else ''}eval reward {pipeline['base_eval_reward']:.3f} -> "
             f"{pipeline['final_eval_reward']:.3f} after {pipeline['steps']} steps, "
-            f"{pipeline['samples_per_s']:.1f} samples/s; run in {out / name}"
+            f"{pipeline['samples_per_s']:.1f} samples/s after {summary['startup_s']:.1f} s of start-up; "
+            f"run in {out / name}"
         )
-    typer.echo(f"start-up {summary['startup_s']:.1f} s before the first step (not in samples/s)")
     for message in summary.get("stopped", {}).values():  # the other pipelines went on
         typer.echo(message, err=True)
     if summary.get("stopped"):
