@@ -14,11 +14,14 @@ and never read from a user's cache."""
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests that time the cores (`serial`) run first, those without a Ray instance before those with one:
-    nothing else of the session (a Ray instance kept for later tests, its idle processes) shares the cores yet."""
+    nothing else of the session (a Ray instance kept for later tests, its idle processes) shares the cores yet.
+    Then the files that run on Ray (a test of theirs uses `local_ray`), the long ones, before the rest: a test file
+    stays in one process (`--dist loadfile`), so the short files left at the end even out the two processes."""
+    on_ray = {item.path for item in items if "local_ray" in item.fixturenames}
 
-    def order(item: pytest.Item) -> tuple[bool, bool]:
+    def order(item: pytest.Item) -> tuple[bool, bool, bool]:
         serial = item.get_closest_marker("serial") is not None
-        return not serial, serial and "local_ray" in item.fixturenames
+        return not serial, serial and "local_ray" in item.fixturenames, item.path not in on_ray
 
     items.sort(key=order)  # stable: every other test keeps its place
 
