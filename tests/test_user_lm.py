@@ -296,6 +296,24 @@ def test_an_asynchronous_policy_trains_a_user_lora_adapter_with_bounded_stalenes
     assert {m["publish_bytes"] for m in lines} == {sum(v.nbytes for v in trained(tmp_path, step=3).values())}
 
 
+def test_a_users_two_models_multiplexed_end_where_each_ends_alone(runs, workspace, local_ray, tmp_path):
+    """A multiplexed run of a user's models (the Llama whole, the Qwen2's LoRA adapter on chat prompts, each entry a
+    whole run config as run.yaml reads) shares the devices, and each pipeline ends at its reference loop's bits."""
+    llama = yaml.safe_load((workspace / "run.yaml").read_text())
+    qwen = json.loads(json.dumps(llama))  # its own copy: YAML would write the shared sections as aliases
+    qwen |= {"model": {"path": str(workspace / "my-qwen2"), "lora": {"rank": 4, "alpha": 8.0}}}
+    qwen |= {"prompts": {"path": str(workspace / "chat.jsonl"), "prompt_field": "messages", "eval_fraction": 0.2}}
+    both = {"kind": "multiplex", "policy": "jigsaw", "cluster": {"devices": 2}, "pipelines": [llama, qwen]}
+    (workspace / "both.yaml").write_text(yaml.safe_dump(both))
+    summary = train(load_config(workspace / "both.yaml"), tmp_path, steps=STEPS)
+    assert set(summary["pipelines"]) == {"my-llama", "my-qwen2"}
+    assert same_bits(trained(tmp_path / "my-llama"), trained(runs / "llama"))
+    assert same_bits(trained(tmp_path / "my-qwen2"), trained(runs / "qwen2-lora"))
+    spans = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    devices = [{e["tid"] for e in spans if e["name"].startswith(f"{name}:")} for name in ("my-llama", "my-qwen2")]
+    assert devices[0] & devices[1], "the pipelines share the pool's devices"
+
+
 def test_the_entropy_bonus_trains_and_the_entropy_is_measured(runs, workspace, tmp_path):
     train(user_config(workspace, "policy=reference", "algo.entropy_coef=1.0"), tmp_path, steps=STEPS)
     first, plain = metrics(tmp_path)[0], metrics(runs / "llama")[0]
