@@ -144,7 +144,9 @@ class StepLog:
         self.last_step = last_step
         self.summary = {"base_eval_reward": state["base_eval"]["total"], "base_eval": state["base_eval"]}
         self.eval_reward = state["eval_reward"]
-        self.eval_step = max((m["step"] for m in run.metrics() if "eval_reward" in m), default=0)
+        self.lines = run.metrics()
+        """metrics.jsonl's lines so far (a resumed run's earlier steps included), read once: curves.png draws them."""
+        self.eval_step = max((m["step"] for m in self.lines if "eval_reward" in m), default=0)
         """The step of the evaluation `eval_reward` is from (0: the base one)."""
         self.recorded = self.saved = self.holds = state["step"]
         """The last step recorded, the last one saved, and the one whose weights `model` holds (the Ray driver
@@ -235,6 +237,7 @@ class StepLog:
             metrics |= {"eval_reward": self.eval_reward, "eval_s": time.perf_counter() - start}
             metrics |= {f"eval/{name}": value for name, value in evaluation.scores.items()}
         self.run.append_metrics(metrics)
+        self.lines.append(dict(metrics))
         self.recorded = done
         if self._save_due(done):
             self.checkpoint(done, checkpoint_extra)
@@ -392,7 +395,7 @@ def train(
     def draw_curves() -> None:
         plot_curves(
             root.path / "curves.png",
-            {name: (log.summary["base_eval_reward"], log.run.metrics()) for name, log in logs.items()},
+            {name: (log.summary["base_eval_reward"], log.lines) for name, log in logs.items()},
         )
 
     try:
