@@ -290,6 +290,11 @@ def planner_scenario(
     `reference` run schedules nothing itself: the planner simulates its first pipeline's kind's stage-after-stage
     policy (`PipelineKind.staged_baseline`), as it does for an `auto` run until the run has chosen."""
     policy = config.policy if config.policy in POLICIES else kind(pipelines[0]["kind"]).staged_baseline
+    if "recompute_logprob" not in policy_class(policy).fixes:
+        # One optimizer step per batch on the weights that sampled: the trainer's own log-probs, detached, are the
+        # old ones (ratio 1), so no separate pass recomputes them (TRL and flow_grpo skip it; so does verl with one
+        # PPO epoch and mini-batch). A policy whose recipe decides it (areal) keeps its own.
+        pipelines = [pipeline | {"recompute_logprob": False} for pipeline in pipelines]
     return parse_scenario(
         {
             "name": f"train-{config.pipeline_name}-{config.policy}",
