@@ -106,6 +106,13 @@ class ClusterSection(Section):
         None,
         description="Ray cluster address (host:port, ray://host:port, or auto); None starts a local Ray instance",
     )
+    lost_after_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="seconds a device may have no node (its node gone, no spare node to restart its worker on) "
+        "before the run goes on from its last committed step on the devices that remain",
+    )
 
     @field_validator("device")
     @classmethod

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -68,6 +68,19 @@ class Ledger:
                 if self.trained.get((sample, unit), 0) != 1:
                     found.append(f"sample {sample} unit {unit} trained {self.trained.get((sample, unit), 0)} times")
         return found
+
+    def before(self, step: int) -> Ledger:
+        """What was booked of the RL steps before `step` (a run that goes on from `step` without a lost device does
+        that step again), and every restart and migration."""
+        return replace(
+            self,
+            generated={sample: uses for sample, uses in self.generated.items() if sample.step < step},
+            scored={sample: times for sample, times in self.scored.items() if sample.step < step},
+            trained={key: times for key, times in self.trained.items() if key[0].step < step},
+        )
+
+    def with_restarts(self, restarts: list[tuple[float, int, str]]) -> Ledger:
+        return replace(self, restarts=self.restarts + list(restarts))
 
     def to_json(self) -> dict:
         """ledger.json: each row a record whose keys name its fields, so the file reads without this class."""
