@@ -37,6 +37,9 @@ FLOW = {
     "runtime": {"profile_samples": 8},
 }
 LOST_AFTER_S = 3.0
+NODE_DEATH_DETECTION = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
+"""Ray declares a node dead after this many failed health checks (by default 5 at 3 s: 15 s and more)."""
+DETECTION_S = 0.5 * 3
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +49,8 @@ def cluster():
     ray.shutdown()
     cluster_mode, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False  # loopback nodes
     try:
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": LOOPBACK})
+        head = {"num_cpus": 1, "node_ip_address": LOOPBACK, "_system_config": NODE_DEATH_DETECTION}
+        cluster = Cluster(initialize_head=True, head_node_args=head)
         for _ in range(3):
             cluster.add_node(num_cpus=0, resources={DEVICE_RESOURCE: 1}, node_ip_address=LOOPBACK)
         ray.init(address=cluster.address, namespace=RAY_NAMESPACE, log_to_driver=False)
@@ -95,8 +99,8 @@ def worker_nodes() -> list[str]:
 
 @pytest.mark.parametrize(
     ("trees", "policy"),
-    [((FLOW,), "digen"), ((LM,), "verl-sync"), ((LM, FLOW), "jigsaw")],
-    ids=["flow-digen", "lm-verl-sync", "multiplexed-jigsaw"],
+    [((LM,), "verl-sync"), ((LM, FLOW), "jigsaw")],  # a flow run under digen: the next test, before its node goes
+    ids=["lm-verl-sync", "multiplexed-jigsaw"],
 )
 def test_a_run_spread_over_two_nodes_ends_at_the_reference_parameters(cluster, alone, trees, policy, tmp_path):
     if len(trees) == 1:
@@ -105,10 +109,15 @@ def test_a_run_spread_over_two_nodes_ends_at_the_reference_parameters(cluster, a
         tree = on_cluster(cluster, {"kind": "multiplex", "pipelines": list(trees)}, policy)
     train(parse_config(tree), tmp_path, steps=STEPS)
     assert len(set(worker_nodes()[:2])) == 2, "the run's two devices are on two nodes"
-    for name in ["sort", "digits"] if len(trees) == 2 else ["sort" if trees[0] is LM else "digits"]:
+    names = ["sort", "digits"] if len(trees) == 2 else ["sort"]
+    for name in names:
         run_dir = tmp_path / name if len(trees) == 2 else tmp_path
         assert same_parameters(name, alone[name], final_weights(run_dir)), name
         assert json.loads((run_dir / "ledger.json").read_text())["problems"] == []
+        assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == STEPS
+    spans = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    devices_of = [{e["tid"] for e in spans if e["name"].startswith(f"{name}:")} for name in names]
+    assert set.intersection(*devices_of) == {0, 1}, "every pipeline runs on both nodes' devices"
 
 
 def remove_node_of_device(cluster, device: int) -> str:
@@ -120,12 +129,14 @@ def remove_node_of_device(cluster, device: int) -> str:
 
 
 def test_a_lost_node_comes_back_on_a_spare_node_and_the_run_ends_at_the_reference(cluster, alone, tmp_path):
-    """Device 0's node goes after step 1's commit: its worker restarts on the spare node and the group forms again
-    without it (the rendezvous is in Ray's key-value store, not on any device)."""
+    """A flow run under digen spread over two nodes; device 0's node goes after step 1's commit: its worker restarts
+    on the spare node and the group forms again without it (the rendezvous is in Ray's key-value store, not on any
+    device)."""
     removed = []
 
     def lose_device_zero(executor, part):
         if not removed and executor.committed_steps("digits") == 1:
+            assert len(set(worker_nodes()[:2])) == 2, "the run's two devices are on two nodes"
             removed.append(remove_node_of_device(cluster, 0))
 
     summary = train(
@@ -153,7 +164,8 @@ def test_without_a_spare_node_the_run_goes_on_on_the_devices_left(cluster, alone
     config = parse_config(on_cluster(cluster, FLOW, "digen", lost_after_s=LOST_AFTER_S))
     summary = train(config, tmp_path, steps=STEPS, after_part=lose_device_one)
     assert summary["devices_lost"] == 1
-    assert LOST_AFTER_S <= resumed[0] - removed[0] <= LOST_AFTER_S + 20, "going on took more than the grace period"
+    # Ray's detection of the node's death, the grace period, then the step again from its last commit (seconds)
+    assert LOST_AFTER_S <= resumed[0] - removed[0] <= DETECTION_S + LOST_AFTER_S + 10, resumed[0] - removed[0]
     said = [line.split("] ", 1)[1] for line in capsys.readouterr().out.splitlines() if "lost device" in line]
     assert said == [
         f"lost device 1 (no node for {LOST_AFTER_S:g} s): going on from step 1 on the 1 device left under digen"

@@ -67,7 +67,7 @@ def alone(tmp_path_factory) -> dict:
 
 
 @pytest.mark.usefixtures("local_ray")
-@pytest.mark.parametrize("policy", ["jigsaw", "jigsaw-greedy"])
+@pytest.mark.parametrize("policy", ["jigsaw-greedy"])  # jigsaw: the same run over two nodes, tests/test_cluster.py
 def test_an_lm_and_a_flow_pipeline_multiplexed_end_where_each_ends_alone(policy, alone, tmp_path):
     summary = train(parse_config(multiplexed(policy, LM, FLOW)), tmp_path, steps=STEPS)
     assert set(summary["pipelines"]) == {"sort", "digits"}

@@ -26,7 +26,7 @@ import torch
 FORMAT = 1
 """Bumped when what an entry holds, or how it is measured, changes."""
 
-UNTIMED_FIELDS = ("train.steps", "eval", "checkpoint", "logger", "policy", "priority", "name")
+UNTIMED_FIELDS = ("train.steps", "eval", "checkpoint", "logger", "policy", "priority", "name", "cluster.lost_after_s")
 """Config fields that do not change how long a device takes for the profile's work."""
 
 
