@@ -279,6 +279,18 @@ def simulate(
                 f"simulated {result['predicted_step_time_s']:.3f} s/step ({result['relative_error']:+.1%}); "
                 f"device pace {', '.join(f'{p:.2f}' for p in result['device_pace'])}"
             )
+            if auto := result.get("auto"):
+                chosen, runner_up = auto["chosen"], auto["runner_up"]
+                typer.echo(
+                    f"policy auto chose {chosen['policy']}: predicted {chosen['predicted_samples_per_s']:.3g} "
+                    f"samples/s, measured {chosen['measured']:.3g}"
+                    + (
+                        f"; runner-up {runner_up['policy']}: predicted {runner_up['predicted_samples_per_s']:.3g}, "
+                        f"{runner_up['on_measured_costs']:.3g} on the costs this run measured"
+                        if runner_up
+                        else ""
+                    )
+                )
         return
     if list_:
         for name, description in list_scenarios().items():
