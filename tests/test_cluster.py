@@ -15,7 +15,7 @@ from ray.cluster_utils import Cluster
 from safetensors.torch import load_file
 
 from dovetail.config.load import parse_config
-from dovetail.exec.launch import RAY_NAMESPACE
+from dovetail.exec.launch import RAY_NAMESPACE, by_node
 from dovetail.exec.worker import DEVICE_RESOURCE, LOOPBACK
 from dovetail.runner import train
 
@@ -118,6 +118,13 @@ def test_a_run_spread_over_two_nodes_ends_at_the_reference_parameters(cluster, a
     spans = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     devices_of = [{e["tid"] for e in spans if e["name"].startswith(f"{name}:")} for name in names]
     assert set.intersection(*devices_of) == {0, 1}, "every pipeline runs on both nodes' devices"
+
+
+def test_the_pool_keeps_each_nodes_devices_together():
+    """PACK may interleave a group's bundles over nodes; the run's device indices keep each node's together, so that
+    a policy's ranges of devices (a trainer group, a rollout pool) are node-local where they fit."""
+    bundles = [("a", 0), ("b", 1), ("a", 2), ("c", 3), ("b", 4)]
+    assert by_node(bundles, lambda b: b[0]) == [("a", 0), ("a", 2), ("b", 1), ("b", 4), ("c", 3)]
 
 
 def remove_node_of_device(cluster, device: int) -> str:

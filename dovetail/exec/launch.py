@@ -204,7 +204,17 @@ def device_pool(config: TrainConfig) -> DevicePool:
             group = placement_group([bundle] * (config.cluster.devices - len(bundles)), strategy="PACK", name=name)
         ray.get(group.ready(), timeout=120)
         bundles += [(group, name, index) for index in range(group.bundle_count)]
-    return DevicePool(tuple(bundles[: config.cluster.devices]), "GPU" in bundle)
+    nodes = {name: placement_group_table(group)["bundles_to_node_id"] for group, name, _ in bundles}
+    ordered = by_node(bundles[: config.cluster.devices], lambda b: nodes[b[1]][b[2]])
+    return DevicePool(tuple(ordered), "GPU" in bundle)
+
+
+def by_node(bundles: list, node_of: Callable[[object], str]) -> list:
+    """The bundles with each node's together, nodes in the order they first come: a policy's pools and groups are
+    ranges of device indices, which the planner takes to be a node's devices where they fit in one (a trainer group
+    inside a node all-reduces over its interconnect, not the network)."""
+    rank = {node: i for i, node in enumerate(dict.fromkeys(node_of(b) for b in bundles))}
+    return sorted(bundles, key=lambda b: rank[node_of(b)])
 
 
 def start_workers(config: TrainConfig, pool: DevicePool, trainer_states: dict[str, dict]) -> dict[str, Started]:
