@@ -215,7 +215,9 @@ def _shape_line(shape: dict) -> str:
 
 @app.command()
 def pretrain(
-    dataset: str = typer.Argument("digits", help="digits (the flow model) or a text task: sort, arithmetic, countdown"),
+    dataset: str = typer.Argument(
+        "digits", help="digits (the flow model) or a text task: sort, arithmetic, countdown, copy"
+    ),
     out: Path = typer.Option(None, help="checkpoint directory (default: the shipped base model)"),
     steps: int = typer.Option(None, help="optimizer steps (default: the shipped model's; short so RL has room)"),
     seed: int = typer.Option(0),
@@ -238,9 +240,9 @@ def pretrain(
         _refuse(f"--out {out} already holds a model: give another --out, or --overwrite to replace it")
     torch.set_num_threads(1)
     if dataset in TASKS:
-        from dovetail.models.lm_pretrain import DEFAULT_STEPS, pretrain_lm
+        from dovetail.models.lm_pretrain import pretrain_lm
 
-        pretrain_lm(dataset, out, steps=DEFAULT_STEPS if steps is None else steps, seed=seed)
+        pretrain_lm(dataset, out, steps=steps, seed=seed)
         return
     from dovetail.models.pretrain import pretrain_digits
 
