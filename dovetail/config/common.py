@@ -284,9 +284,15 @@ def multiplexing_policies() -> list[str]:
     return [name for name in POLICIES if policy_class(name).multiplexes]
 
 
+def auto_candidates(run_kind: str) -> list[str]:
+    """What `policy=auto` chooses from for a run of `run_kind`: a pipeline kind's scheduling policies, or for a
+    multiplexed run the multiplexing ones."""
+    return multiplexing_policies() if run_kind == "multiplex" else scheduling_policies(run_kind)
+
+
 def policies_by_kind() -> str:
     """Every run kind's policies, one clause per kind: what `dovetail train --policy` takes."""
-    kinds = {name: policies_for(name) for name in KINDS} | {"multiplex": multiplexing_policies()}
+    kinds = {name: policies_for(name) for name in KINDS} | {"multiplex": [AUTO, *multiplexing_policies()]}
     return "; ".join(f"{name}: {', '.join(policies)}" for name, policies in kinds.items())
 
 

@@ -21,7 +21,7 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup, get_placement_group, placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from dovetail.config.common import AUTO, MAX_PIPELINES, ray_address, scheduling_policies
+from dovetail.config.common import AUTO, MAX_PIPELINES, auto_candidates, ray_address
 from dovetail.config.multiplex import TrainConfig, pipeline_configs
 from dovetail.cost.catalog import DEVICES, device
 from dovetail.cost.model import CostModel
@@ -340,7 +340,7 @@ def chosen_policy(config, steps: int, cost: CostModel | Mapping[str, CostModel] 
     policy the config rules out (a field it decides itself, a reward pool it cannot use) is skipped and said why."""
     simulated = min(steps, DRY_RUN_STEPS)
     predicted, refused = {}, {}
-    for policy in scheduling_policies(config.kind):
+    for policy in auto_candidates(config.kind):
         candidate = config.model_copy(update={"policy": policy})
         try:
             _, trace = simulate(
