@@ -171,8 +171,9 @@ def test_without_a_spare_node_the_run_goes_on_on_the_devices_left(cluster, alone
     config = parse_config(on_cluster(cluster, FLOW, "digen", lost_after_s=LOST_AFTER_S))
     summary = train(config, tmp_path, steps=STEPS, after_part=lose_device_one)
     assert summary["devices_lost"] == 1
-    # Ray's detection of the node's death, the grace period, then the step again from its last commit (seconds)
-    assert LOST_AFTER_S <= resumed[0] - removed[0] <= DETECTION_S + LOST_AFTER_S + 10, resumed[0] - removed[0]
+    # Ray's detection of the node's death, the grace period, then the survivor configured for the step again from its
+    # last commit: seconds (about 14 here), where a device waited for would have taken the recovery deadline
+    assert LOST_AFTER_S <= resumed[0] - removed[0] <= DETECTION_S + LOST_AFTER_S + 20, resumed[0] - removed[0]
     said = [line.split("] ", 1)[1] for line in capsys.readouterr().out.splitlines() if "lost device" in line]
     assert said == [
         f"lost device 1 (no node for {LOST_AFTER_S:g} s): going on from step 1 on the 1 device left under digen"
