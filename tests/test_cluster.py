@@ -181,4 +181,5 @@ def test_without_a_spare_node_the_run_goes_on_on_the_devices_left(cluster, alone
     ledger = json.loads((tmp_path / "ledger.json").read_text())
     assert ledger["problems"] == []
     assert {row["step"] for row in ledger["trained"]} == set(range(STEPS))
+    assert ledger["went_on"] == [{"step": 1, "devices": 1, "why": f"lost device 1 (no node for {LOST_AFTER_S:g} s)"}]
     assert same_parameters("digits", alone["digits"], final_weights(tmp_path))

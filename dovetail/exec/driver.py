@@ -167,6 +167,8 @@ def train_on_ray(
                 config = on_fewer_devices(config, len(pool.bundles))
             step = next(iter(first_steps.values()))
             devices = len(pool.bundles)
+            for name in logs:
+                earlier.ledgers.setdefault(name, Ledger()).went_on.append((step, devices, lost.why))
             next(iter(logs.values())).progress.note(
                 f"{lost.why}: going on from step {step} on the {devices} device{'s' if devices > 1 else ''} left "
                 f"under {config.policy}"

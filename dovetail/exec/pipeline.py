@@ -55,6 +55,8 @@ class Ledger:
     restarts: list[tuple[float, int, str]] = field(default_factory=list)
     reruns: list[tuple[int, str]] = field(default_factory=list)
     """(device, train node) re-run on a restarted device to rebuild the gradients it held."""
+    went_on: list[tuple[int, int, str]] = field(default_factory=list)
+    """(RL step, devices, why) each time the run went on from its last committed step without a lost node's work."""
 
     def problems(self, expected: dict[SampleId, list[int]]) -> list[str]:
         """Every sample generated once and scored once, every (sample, unit) trained once."""
@@ -97,6 +99,7 @@ class Ledger:
             "migrated": [{"step": s, "responses": n, "device": d} for s, n, d in self.migrated],
             "restarts": [{"time": t, "device": d, "during": what} for t, d, what in self.restarts],
             "reruns": [{"device": d, "node": node} for d, node in self.reruns],
+            "went_on": [{"step": s, "devices": d, "why": why} for s, d, why in self.went_on],
         }
 
 
