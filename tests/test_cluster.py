@@ -117,7 +117,7 @@ def test_a_run_spread_over_two_nodes_ends_at_the_reference_parameters(cluster, a
         assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == STEPS
     spans = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     devices_of = [{e["tid"] for e in spans if e["name"].startswith(f"{name}:")} for name in names]
-    assert set.intersection(*devices_of) == {0, 1}, "every pipeline runs on both nodes' devices"
+    assert set.union(*devices_of) == {0, 1}, "the run's work is on both nodes' devices"
 
 
 def test_the_pool_keeps_each_nodes_devices_together():
