@@ -111,7 +111,7 @@ def pretrain_lm(
         optimizer, lambda s: min((s + 1) / warmup, 0.5 * (1 + np.cos(np.pi * s / steps)))
     )
     start = time.time()
-    for step, prompts in enumerate(length_bucketed_prompts(task_, seed, steps, batch_size)):
+    for step, prompts in enumerate(length_bucketed_prompts(task_.for_pretraining(), seed, steps, batch_size)):
         input_ids, labels = training_batch(tokenizer, task_, prompts)
         loss = model(input_ids=input_ids, labels=labels).loss
         optimizer.zero_grad()
