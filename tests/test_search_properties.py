@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict, replace
 
 import planner_scenarios
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -17,6 +18,7 @@ from dovetail.report import plan
 from dovetail.scenario import Scenario, load_scenario
 from dovetail.sched import digen_search, shape_from_fields
 from dovetail.sched.digen_search import trainer_layout
+from dovetail.sched.jigsaw import on_slice, sub_pool
 from dovetail.sched.policy import search_horizon
 
 SEARCH = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -257,7 +259,7 @@ def shown_rate(line: str) -> float:
 
 def test_every_policy_s_chosen_shape_survives_a_run_profile_round_trip():
     """A run profile stores `asdict` of each pipeline's shape; `simulate --from-run` rebuilds it with the search's
-    choices (digen's TAG and TCSS) intact."""
+    choices (digen's TAG and TCSS, jigsaw's sub-pools) intact."""
     for name, policy in (("calib-qwenimage-4xh200", "digen+tcss"), ("calib-qwenimage-4xh200", "colocated")):
         scenario = load_scenario(name)
         for shape in prepare(scenario, policy, steps=1).setup.shapes.values():
@@ -265,3 +267,26 @@ def test_every_policy_s_chosen_shape_survives_a_run_profile_round_trip():
             assert rebuilt == shape and type(rebuilt) is type(shape)
     shapes = prepare(load_scenario("jigsaw-qwen3-4b-8xh100"), "jigsaw-greedy", steps=1).setup.shapes
     assert all(shape_from_fields("lm", asdict(shape)) == shape for shape in shapes.values())
+    sliced = on_slice(next(iter(shapes.values())), 4)
+    rebuilt = shape_from_fields("lm", json.loads(json.dumps(asdict(sliced))))
+    assert rebuilt == sliced and type(rebuilt) is type(sliced) and sub_pool(rebuilt) == tuple(range(4, 12))
+
+
+@pytest.mark.parametrize("pipelines", [1, 2, 3, 4, 8])
+def test_jigsaw_is_never_below_verl_sync_whatever_the_number_of_pipelines(pipelines):
+    """JigsawRL's point is many pipelines on one pool. jigsaw's search considers every pipeline on its own sub-pool
+    sized by its work (the arrangement verl-sync gives, with verl-sync's even slices too) beside the whole pool shared,
+    so it is never predicted below verl-sync: pipelines of different work (batch, response lengths) on 8 H100s."""
+    specs = [
+        planner_scenarios.lm_pipeline(
+            name=f"lm{i}",
+            batch=(16, 32)[i % 2],
+            prompt_length=128,
+            lengths={"kind": "lognormal", "median": (150, 500)[i // 2 % 2], "sigma": 0.9},
+            length_bands=[512, 1024],
+        )
+        for i in range(pipelines)
+    ]
+    scenario = planner_scenarios.scenario(*specs, devices=8, steps=2, policies=("verl-sync", "jigsaw"))
+    jigsaw, verl = (rate(simulate(scenario, policy)[1]) for policy in ("jigsaw", "verl-sync"))
+    assert at_least(jigsaw, verl), (jigsaw, verl)
