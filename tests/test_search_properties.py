@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dovetail.cost.catalog import DEVICES, dominates
 from dovetail.cost.catalog import device as lookup_device
 from dovetail.cost.model import CostModel
 from dovetail.exec.plan import Searched, prepare, run_prepared, simulate
@@ -290,3 +291,58 @@ def test_jigsaw_is_never_below_verl_sync_whatever_the_number_of_pipelines(pipeli
     scenario = planner_scenarios.scenario(*specs, devices=8, steps=2, policies=("verl-sync", "jigsaw"))
     jigsaw, verl = (rate(simulate(scenario, policy)[1]) for policy in ("jigsaw", "verl-sync"))
     assert at_least(jigsaw, verl), (jigsaw, verl)
+
+
+def dominating_pairs(devices) -> list[tuple[str, str]]:
+    """(faster, slower) of every pair of `devices` where the first dominates (`catalog.dominates`)."""
+    return [(a, b) for a in devices for b in devices if a != b and dominates(lookup_device(a), lookup_device(b))]
+
+
+def on_device(scenario: Scenario, device: str) -> Scenario:
+    return scenario.model_copy(update={"cluster": scenario.cluster.model_copy(update={"device": device})})
+
+
+def test_a_faster_device_makes_digen_consider_every_shape_a_slower_one_does():
+    """Which cuts digen's search simulates does not depend on the device's speed (ranked at one device's speeds), and
+    a device with more memory also simulates the best cuts that fit the smaller one: on H200, digen+tcss on
+    digen-qwenimage-32 considered no shape of H100's and was predicted slower (12.57 vs 13.08 samples/s)."""
+    scenario = load_scenario("digen-qwenimage-32")
+    spec, devices = scenario.pipelines[0], scenario.cluster.devices
+    cuda = [name for name, device in DEVICES.items() if device.platform == "cuda"]
+    considered = {}
+    for name in cuda:
+        try:
+            considered[name] = set(digen_search.finalists(spec, devices, None, CostModel(name), tcss=True))
+        except ValueError:  # the model fits no cut on this device
+            considered[name] = None
+    for faster, slower in dominating_pairs(cuda):
+        if considered[slower] is not None:
+            assert considered[faster] is not None and considered[faster] >= considered[slower], (faster, slower)
+
+
+@pytest.mark.parametrize(
+    "name, policy",
+    [
+        ("calib-qwenimage-4xh200", "digen"),
+        ("calib-qwenimage-4xh200", "digen+tcss"),
+        ("calib-qwenimage-4xh200", "colocated-hsdp"),
+        ("calib-qwenimage-lora-4xh800", "digen+tcss"),
+        ("jigsaw-mixed-0.6b-8b", "jigsaw"),
+    ],
+)
+def test_a_faster_device_is_never_predicted_slower(name, policy):
+    """Every searching policy on shipped scenarios, on every catalogue device where the run fits: for every pair
+    where one device dominates the other (faster at everything, as much memory or more), the faster one's samples/s
+    is at least the slower one's."""
+    scenario = load_scenario(name)
+    cuda = [name for name, device in DEVICES.items() if device.platform == "cuda"]
+    rates = {}
+    for device in cuda:
+        try:
+            rates[device] = rate(simulate(on_device(scenario, device), policy)[1])
+        except ValueError:  # does not fit this device's memory
+            rates[device] = None
+    assert sum(r is not None for r in rates.values()) >= 3
+    for faster, slower in dominating_pairs(cuda):
+        if rates[slower] is not None:
+            assert rates[faster] is not None and at_least(rates[faster], rates[slower]), (faster, slower, rates)

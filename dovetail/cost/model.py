@@ -113,6 +113,17 @@ class CostModel:
         """The same model with `table`'s slowdowns (measured on the run's devices) over its interference table."""
         return self._recalibrated(interference=self.calibration.interference | table)
 
+    def with_speeds_of(self, other: Device) -> "CostModel":
+        """The same model (calibration, corrections) on a device with `other`'s compute, bandwidths, links and
+        latencies and this device's memory and node size: a search ranks its cuts on it, so that which it considers
+        does not depend on the device's speed (`sched.digen_search.ranking_model`)."""
+        model = CostModel(
+            replace(other, memory_bytes=self.device.memory_bytes, node_size=self.device.node_size),
+            self.calibration,
+        )
+        model._scale = dict(self._scale)
+        return model
+
     def _recalibrated(self, **changes) -> "CostModel":
         """The same model, corrections included, with `changes` to its calibration."""
         model = CostModel(self.device, replace(self.calibration, **changes))

@@ -14,16 +14,16 @@ step per batch: steps stay on-policy, staleness 0). A flow (text-to-image) pipel
 its generate fragments (whole prompt groups, one per device) are rollout work on the roomiest devices, its
 log-prob, train, commit and publish nodes trainer work on the whole pool.
 
-`jigsaw` chooses where the tail migrates and how wide its engine is by rolling the simulator forward one
-step per candidate (`plan_shapes`, memoized coordinate descent); each rollout engine's memory is what the
-trainers leave, split evenly (`rollout_shares`). It also considers the pipelines on disjoint sub-pools sized by
-their work (`arrangements`: each pipeline alone, the arrangement verl-sync gives, and a few pipelines per
-sub-pool), each sub-pool multiplexed as above, and keeps whichever the simulator finds fastest: past two or three
-pipelines the whole pool's trainer work queues behind itself, and a sub-pool per pipeline or pair wins. At run time, when several pipelines' trainer work wants
-the (compute-bound) pool, it rolls a memoized stage-level model of the pool forward over each pipeline's
-current and next step for every candidate set and takes the earliest mean completion, weighted by each
-pipeline's `priority`. `jigsaw-greedy`, the ablation, keeps the cost-model default shape (tail at `tail_edge`,
-engine as wide as the home ones) and starts everything that fits now, higher priorities first when not
+`jigsaw` chooses where the tail migrates and how wide its engine is by rolling the simulator forward one step per
+candidate (`plan_shapes`, memoized coordinate descent); each rollout engine's memory is what the trainers leave,
+split evenly (`rollout_shares`). It also considers the pipelines on disjoint sub-pools sized by their work
+(`arrangements`: each pipeline alone, the arrangement verl-sync gives, and a few pipelines per sub-pool), each
+sub-pool multiplexed as above, and keeps whichever the simulator finds fastest: past two or three pipelines the
+whole pool's trainer work queues behind itself, and a sub-pool per pipeline or pair wins. At run time, when several
+pipelines' trainer work wants the (compute-bound) pool, it rolls a memoized stage-level model of the pool forward
+over each pipeline's current and next step for every candidate set and takes the earliest mean completion, weighted
+by each pipeline's `priority`. `jigsaw-greedy`, the ablation, keeps the cost-model default shape (tail at
+`tail_edge`, engine as wide as the home ones) and starts everything that fits now, higher priorities first when not
 everything fits.
 """
 
