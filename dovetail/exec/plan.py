@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 from dovetail.cost.catalog import device as lookup_device
 from dovetail.cost.model import CostModel
+from dovetail.exec.metrics import summarize
 from dovetail.exec.sim import SimExecutor
 from dovetail.graph.node import Engines, Graph, Node, Role
 from dovetail.scenario import Scenario
@@ -59,6 +60,10 @@ class Searched:
     horizon: int
     samples_per_s: float
     step_time_s: float
+    """The simulated makespan over `horizon` (the first step's warm-up included)."""
+    steady_step_s: float
+    """Commit to commit after the first step (`exec.metrics.Metrics.steady_step_s`)."""
+    first_step_s: float
 
 
 def prepare(
@@ -119,10 +124,20 @@ def prepare(
                         scenario, policy, steps=horizon, devices=devices, options=options, shapes=candidate, cost=cost
                     ),
                 )
-                rate = sum(r.samples for r in trace.steps) / trace.makespan
+                metrics = summarize(trace)
                 if searched is not None:
-                    searched.append(Searched(policy, candidate, horizon, rate, trace.makespan / horizon))
-                return rate
+                    searched.append(
+                        Searched(
+                            policy,
+                            candidate,
+                            horizon,
+                            metrics.samples_per_s,
+                            trace.makespan / horizon,
+                            metrics.steady_step_s,
+                            metrics.first_step_s,
+                        )
+                    )
+                return metrics.samples_per_s
 
             shapes = cls.plan_shapes(
                 SearchContext(

@@ -96,6 +96,12 @@ def on_slice(shape: LLMShape | FlowShape, first_device: int) -> SlicedLLMShape |
     return SlicedLLMShape(**fields, first_device=first_device)
 
 
+def base_shape(shape: SlicedLLMShape | SlicedFlowShape) -> LLMShape | FlowShape:
+    """The shape without its sub-pool's place (what `Jigsaw.shape` cuts for the sub-pool's size)."""
+    fields = {key: value for key, value in asdict(shape).items() if key != "first_device"}
+    return FlowShape(**fields) if isinstance(shape, FlowShape) else LLMShape(**fields)
+
+
 def sub_pool(shape: LLMShape | FlowShape) -> tuple[int, ...]:
     """The devices a jigsaw shape's pipeline runs on (a shape cut without a slice: its whole trainer pool)."""
     first = shape.first_device if isinstance(shape, (SlicedLLMShape, SlicedFlowShape)) else 0
