@@ -346,3 +346,17 @@ def test_a_faster_device_is_never_predicted_slower(name, policy):
     for faster, slower in dominating_pairs(cuda):
         if rates[slower] is not None:
             assert rates[faster] is not None and at_least(rates[faster], rates[slower]), (faster, slower, rates)
+
+
+def test_a_field_a_run_fixes_leaves_the_rest_of_the_search_to_the_policy():
+    """colocated-hsdp with old log-probs not recomputed still chooses between one FSDP group and HSDP groups of a
+    node (it once built the one-group shape and searched nothing), and every candidate it simulated keeps the field."""
+    spec = planner_scenarios.flow_pipeline(prompts=16, group=2)
+    scenario = planner_scenarios.scenario(spec, devices=16, steps=2, policies=("colocated-hsdp",))
+    searched: list[Searched] = []
+    prepared = prepare(scenario, "colocated-hsdp", searched=searched, recompute_logprob=False)
+    groups = {shape.group for s in searched for shape in s.shapes.values()}
+    assert groups == {16, 8}
+    assert all(not shape.recompute_logprob for s in searched for shape in s.shapes.values())
+    assert not prepared.setup.shapes["p"].recompute_logprob
+    assert any(s.shapes == prepared.setup.shapes for s in searched)

@@ -81,7 +81,8 @@ def prepare(
     """Build the sub-stage graph the policy wants for every pipeline, the engines' footprints, and the policy.
     `options` go to the policy (`PolicyOptions`, or its mapping: e.g. {"tag": False});
     `shapes` (pipeline -> shape) fixes every pipeline's shape; otherwise `shape_overrides` (fragments, tsp_chunk,
-    trainer_devices...) replace what the policy would choose. `cost` replaces the analytic cost model, for every
+    trainer_devices...) replace those fields of what the policy would choose, every candidate of its search too (the
+    search still chooses the rest). `cost` replaces the analytic cost model, for every
     pipeline or per pipeline name (the Ray runtime passes each pipeline's, corrected by costs profiled on its own
     devices); the pool has one interference table (`Setup.slowdown`), the first pipeline's cost model's. A policy that
     searches simulates its candidates here; `searched` (a list), when given, receives a `Searched` for each (what
@@ -113,36 +114,38 @@ def prepare(
         }
         if reward_devices and cls.supports_reward_pool:
             shapes = cls.with_reward_pool(scenario.pipelines, shapes)
-        if shape_overrides:
-            shapes = {name: replace(shape, **shape_overrides) for name, shape in shapes.items()}
-        else:
-            # A policy that plans pipelines together rolls the simulator forward a bounded horizon per candidate.
-            def forecast(candidate: dict, horizon: int) -> float:
-                trace = run_prepared(
-                    scenario,
-                    prepare(
-                        scenario, policy, steps=horizon, devices=devices, options=options, shapes=candidate, cost=cost
-                    ),
-                )
-                metrics = summarize(trace)
-                if searched is not None:
-                    searched.append(
-                        Searched(
-                            policy,
-                            candidate,
-                            horizon,
-                            metrics.samples_per_s,
-                            trace.makespan / horizon,
-                            metrics.steady_step_s,
-                            metrics.first_step_s,
-                        )
-                    )
-                return metrics.samples_per_s
 
-            shapes = cls.plan_shapes(
+        def fixed(candidate: dict) -> dict:
+            """`candidate` with the fields `shape_overrides` fix: a searching policy still searches what they leave."""
+            return {name: replace(shape, **shape_overrides) for name, shape in candidate.items()}
+
+        # A policy that plans pipelines together rolls the simulator forward a bounded horizon per candidate.
+        def forecast(candidate: dict, horizon: int) -> float:
+            candidate = fixed(candidate)
+            trace = run_prepared(
+                scenario,
+                prepare(scenario, policy, steps=horizon, devices=devices, options=options, shapes=candidate, cost=cost),
+            )
+            metrics = summarize(trace)
+            if searched is not None:
+                searched.append(
+                    Searched(
+                        policy,
+                        candidate,
+                        horizon,
+                        metrics.samples_per_s,
+                        trace.makespan / horizon,
+                        metrics.steady_step_s,
+                        metrics.first_step_s,
+                    )
+                )
+            return metrics.samples_per_s
+
+        shapes = fixed(
+            cls.plan_shapes(
                 SearchContext(
                     scenario.pipelines,
-                    shapes,
+                    fixed(shapes),
                     costs,
                     forecast,
                     steps=steps,
@@ -151,6 +154,7 @@ def prepare(
                     options=options,
                 )
             )
+        )
     for spec in scenario.pipelines:
         shape = shapes[spec.name]
         nodes += shape.build(spec, steps, costs[spec.name])
