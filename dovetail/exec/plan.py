@@ -10,7 +10,8 @@ from dovetail.cost.catalog import device as lookup_device
 from dovetail.cost.model import CostModel
 from dovetail.exec.metrics import summarize
 from dovetail.exec.sim import SimExecutor
-from dovetail.graph.node import Engines, Graph, Node, Role
+from dovetail.graph.node import Engines, Graph, Kind, Node, Role
+from dovetail.graph.spec import LLMSpec, PipelineSpec
 from dovetail.scenario import Scenario
 from dovetail.sched import POLICIES, policy_class
 from dovetail.sched.policy import Policy, PolicyOptions, SearchContext, Setup
@@ -164,11 +165,11 @@ def prepare(
     for node in nodes:
         need = engines[node.pipeline].resident_gb.get(node.role, 0.0) + node.memory_gb
         if need > capacity:
+            spec = next(spec for spec in scenario.pipelines if spec.name == node.pipeline)
             raise ValueError(
                 f"pipeline {node.pipeline}: {node.kind} needs {need:.0f} GB per device under {policy} "
-                "(engine + working "
-                f"memory), more than a {scenario.cluster.device}'s {capacity:.0f} GB; use more "
-                "devices or set offload: true"
+                f"(engine + working memory), more than a {scenario.cluster.device}'s {capacity:.0f} GB; "
+                + memory_fix(spec, node, engines[node.pipeline].resident_gb.get(node.role, 0.0) > capacity)
             )
     setup = Setup(
         devices=devices,
@@ -187,6 +188,26 @@ def prepare(
         slowdown=costs[scenario.pipelines[0].name].calibration.slowdown,
     )
     return Prepared(Graph(nodes), setup, cls(setup))
+
+
+def memory_fix(spec: PipelineSpec, node: Node, engine_too_large: bool) -> str:
+    """The scenario fields that lower what `node` needs per device: an LLM's trainer passes hold `batch /
+    micro_batches` sequences' activations beside a shard of the trainer state, its rollout engine the weights and
+    KV cache over `tensor_parallel` devices; a flow trainer's state shrinks with more devices and offload; a flow
+    rollout generates in chunks that fit beside its engine (`graph.flow.generation_batch`), so only the engine itself
+    (the whole model on every device: `engine_too_large`) or one sample's activations can be too large."""
+    if isinstance(spec, LLMSpec):
+        if node.role == Role.ROLLOUT:
+            return f"raise tensor_parallel (now {spec.tensor_parallel}) or use a device with more memory"
+        return (
+            f"raise micro_batches (now {spec.micro_batches}; fewer tokens per trainer pass) or use more devices "
+            "(a smaller shard of the trainer state)"
+        )
+    if node.kind == Kind.GENERATE and engine_too_large:
+        return "use a device with more memory (every rollout device holds the whole model, whatever the device count)"
+    if node.kind == Kind.GENERATE:
+        return "lower height / width / frames (one sample's activations do not fit beside the rollout engine)"
+    return "use more devices (a smaller shard of the trainer state)" + ("" if spec.offload else " or set offload: true")
 
 
 def simulate(

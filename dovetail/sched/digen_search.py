@@ -32,7 +32,7 @@ SIMULATED = 4
 
 
 RANKING_DEVICE = "H100"
-"""Whose speeds the cost model ranks digen's cuts by, whatever the run's device (`ranking_model`): which cuts the
+"""The device the cost model ranks digen's cuts on, whatever the run's device (`ranking_model`): which cuts the
 search simulates must not depend on how fast the device is, or a faster device could miss the cut a slower one
 wins with (digen+tcss on digen-qwenimage-32 was slower on H200 than on H100). The simulator, on the run's device,
 then chooses among them."""
@@ -40,8 +40,8 @@ then chooses among them."""
 
 @lru_cache(maxsize=8)
 def ranking_model(cost: CostModel) -> CostModel:
-    """`cost` with `RANKING_DEVICE`'s speeds and its own device's memory and node size (corrections kept)."""
-    return cost.with_speeds_of(lookup_device(RANKING_DEVICE))
+    """`cost` on `RANKING_DEVICE` with its own device's node size (corrections kept)."""
+    return cost.ranked_on(lookup_device(RANKING_DEVICE))
 
 
 def memory_tiers(cost: CostModel) -> list[float]:
@@ -243,7 +243,7 @@ def candidates(
     device's), best first (ties: the larger chunk), predicted at `RANKING_DEVICE`'s speeds (`ranking_model`) with
     TCSS on (digen+tcss) or off (digen). The scenario's own choices are kept when given."""
     memory_gb = cost.device.memory_bytes / 1e9 if memory_gb is None else memory_gb
-    predicted = _predicted_shapes(spec, devices, trainer_devices, ranking_model(cost))
+    predicted = _predicted_shapes(spec, devices, trainer_devices, ranking_model(cost), cost.device.memory_bytes / 1e9)
     fitting = [p for p in predicted if p.need_gb <= memory_gb]
     ranked = sorted(fitting, key=lambda p: (p.seconds(tcss, memory_gb), p.chunk_order))
     return [(p.seconds(tcss, memory_gb), replace(p.shape, tcss=tcss)) for p in ranked]
@@ -272,12 +272,12 @@ class Predicted:
 
 @lru_cache(maxsize=8)
 def _predicted_shapes(
-    spec: FlowSpec, devices: int, trainer_devices: int | None, cost: CostModel
+    spec: FlowSpec, devices: int, trainer_devices: int | None, cost: CostModel, capacity: float
 ) -> tuple[Predicted, ...]:
     """The `Predicted` of every shape `candidates` ranks that fits the device: one graph per shape for every
     prediction, memoized (`prepare` asks for the policy's shape, then its search for the best few; on 64 devices this
-    enumeration, not the simulation, is most of a search's time)."""
-    capacity = cost.device.memory_bytes / 1e9
+    enumeration, not the simulation, is most of a search's time). `cost` is the ranking model (`ranking_model`),
+    `capacity` the GB of the run's device."""
     pools = [trainer_devices] if trainer_devices else pool_choices(spec, devices, cost) + [devices]
     ranked = []
     for trainers in pools:
@@ -295,9 +295,7 @@ def _predicted_shapes(
                         continue
                     alone = _predict(nodes, shape, rollout, held, lend=False, tcss=False)
                     lend_gb = held.resident_gb[Role.TRAINER] + held.resident_gb[Role.ROLLOUT]
-                    lending = (
-                        _predict(nodes, shape, rollout, held, lend=True, tcss=False) if lend_gb <= capacity else alone
-                    )
+                    lending = _predict(nodes, shape, rollout, held, lend=True, tcss=False)
                     overlapped = _predict(nodes, shape, rollout, held, lend=False, tcss=True)
                     ranked.append(Predicted(alone, lending, lend_gb, overlapped, -chunk, shape, need))
     if not ranked:

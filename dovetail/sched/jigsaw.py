@@ -204,7 +204,8 @@ def flow_shape(spec: FlowSpec, devices: int, cost) -> FlowShape:
             timed.append((trainer_seconds(nodes, devices), -chunk))
     if not timed:
         raise ValueError(
-            f"{spec.name}: no train node fits beside the engines in {capacity:.0f} GB per device; set offload: true"
+            f"{spec.name}: no train node fits beside the engines in {capacity:.0f} GB per device; "
+            + ("use more devices (a smaller shard of the trainer state)" if spec.offload else "set offload: true")
         )
     return replace(shape, tsp_chunk=-min(timed)[1])
 
