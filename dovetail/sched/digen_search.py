@@ -295,7 +295,9 @@ def _predicted_shapes(
                         continue
                     alone = _predict(nodes, shape, rollout, held, lend=False, tcss=False)
                     lend_gb = held.resident_gb[Role.TRAINER] + held.resident_gb[Role.ROLLOUT]
-                    lending = _predict(nodes, shape, rollout, held, lend=True, tcss=False)
+                    lending = (  # TAG's search is most of the enumeration: only where a tier may lend
+                        _predict(nodes, shape, rollout, held, lend=True, tcss=False) if lend_gb <= capacity else alone
+                    )
                     overlapped = _predict(nodes, shape, rollout, held, lend=False, tcss=True)
                     ranked.append(Predicted(alone, lending, lend_gb, overlapped, -chunk, shape, need))
     if not ranked:
