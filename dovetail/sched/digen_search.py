@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
-from dovetail.cost.catalog import DEVICES, dominates
 from dovetail.cost.catalog import device as lookup_device
 from dovetail.cost.model import CostModel
 from dovetail.graph.flow import FlowShape, build_flow, engines
@@ -42,16 +41,6 @@ then chooses among them."""
 def ranking_model(cost: CostModel) -> CostModel:
     """`cost` on `RANKING_DEVICE` with its own device's node size (corrections kept)."""
     return cost.ranked_on(lookup_device(RANKING_DEVICE))
-
-
-def memory_tiers(cost: CostModel) -> list[float]:
-    """Device memories (GB) the search picks its best cuts within: the device's own, then that of every catalogue
-    device it dominates (`catalog.dominates`) with less, largest first. A device with more memory fits more cuts;
-    it still simulates the best ones that fit a smaller device it beats, so it never considers less than that
-    device does."""
-    own = cost.device.memory_bytes
-    smaller = {d.memory_bytes for d in DEVICES.values() if d.memory_bytes < own and dominates(cost.device, d)}
-    return [b / 1e9 for b in sorted({own} | smaller, reverse=True)]
 
 
 @dataclass(frozen=True)
@@ -172,15 +161,15 @@ def finalists(
     tag_fixed: bool = False,
     staged: bool = True,
 ) -> list[FlowShape]:
-    """The shapes the search simulates, the cost model's best first: the `SIMULATED` best synchronous shapes and the
-    best shared (colocated-like) one within each memory tier (`_best`: so a device that dominates another simulates
-    every shape the other does); for digen+tcss (`tcss`) those again with TCSS on (the synchronous ones also with it
-    off, so it never loses to digen) and the `SIMULATED` best TCSS shapes. Each with TAG allowed and, where a
-    trainer device can hold both engines and the run's options do not fix TAG, not allowed. Last, the best shared
-    shapes (of each memory tier, `_best`) run stage-synchronously (its trainer takes the mini-batch once all of it
-    is generated: fewer, larger train nodes, which the simulator finds as fast or slightly faster than GAP on
-    DigenRL's scenarios) and the staged baselines' own shapes (`_staged`), so digen never loses to colocated or
-    disaggregated; none of these when the run forces TAG (`staged` False), which only GAP's schedule has."""
+    """The shapes the search simulates, the cost model's best first: the `SIMULATED` best synchronous shapes and
+    the best shared (colocated-like) one; for digen+tcss (`tcss`) those again with TCSS on (the synchronous ones also
+    with it off, so it never loses to digen) and the `SIMULATED` best TCSS shapes. Each with TAG allowed and,
+    where a trainer device can hold both engines and the run's options do not fix TAG, not allowed. Last, the
+    best shared shape run stage-synchronously (its trainer takes the mini-batch once all of it is generated: fewer,
+    larger train nodes, which the simulator finds as fast or slightly faster than GAP on DigenRL's scenarios) and
+    the staged baselines' own shapes (`_staged`), so digen never loses to colocated or disaggregated; none of these
+    when the run forces TAG (`staged` False), which only GAP's schedule has. Ranked on one device
+    (`RANKING_DEVICE`), so devices that differ only in speed simulate the same shapes."""
     synchronous = _best(spec, devices, trainer_devices, cost, tcss=False)
     shapes = list(synchronous)
     if tcss:
@@ -197,7 +186,7 @@ def finalists(
             with_tag_off.append(replace(shape, tag=False))
     if not staged:
         return with_tag_off
-    shared = [replace(s, staged=True, tag=False) for s in synchronous if s.trainer_devices == devices]
+    shared = [replace(s, staged=True, tag=False) for s in synchronous if s.trainer_devices == devices][:1]
     return with_tag_off + shared + _staged(spec, devices, trainer_devices, cost)
 
 
@@ -221,63 +210,34 @@ def _staged(spec: FlowSpec, devices: int, trainer_devices: int | None, cost: Cos
 
 
 def _best(spec: FlowSpec, devices: int, trainer_devices: int | None, cost: CostModel, tcss: bool) -> list[DigenShape]:
-    """The `SIMULATED` best cuts and the best shared one within each of `memory_tiers`, the device's own first."""
-    best: list[DigenShape] = []
-    for memory_gb in memory_tiers(cost):
-        ranked = [s for _, s in candidates(spec, devices, trainer_devices, cost, tcss=tcss, memory_gb=memory_gb)]
-        shared = [shape for shape in ranked if shape.trainer_devices == devices][:1]
-        best += ranked[:SIMULATED] + shared
-    return list(dict.fromkeys(best))
+    ranked = [shape for _, shape in candidates(spec, devices, trainer_devices, cost, tcss=tcss)]
+    shared = [shape for shape in ranked if shape.trainer_devices == devices][:1]
+    return list(dict.fromkeys(ranked[:SIMULATED] + shared))
 
 
 def candidates(
-    spec: FlowSpec,
-    devices: int,
-    trainer_devices: int | None,
-    cost: CostModel,
-    tcss: bool = False,
-    memory_gb: float | None = None,
+    spec: FlowSpec, devices: int, trainer_devices: int | None, cost: CostModel, tcss: bool = False
 ) -> list[tuple[float, DigenShape]]:
     """(predicted step seconds, shape) for every trainer pool (around the balanced split, `pool_choices`),
-    trainer group size, fragment count and TSP chunk whose trainer fits in `memory_gb` per device (None: the
-    device's), best first (ties: the larger chunk), predicted at `RANKING_DEVICE`'s speeds (`ranking_model`) with
-    TCSS on (digen+tcss) or off (digen). The scenario's own choices are kept when given."""
-    memory_gb = cost.device.memory_bytes / 1e9 if memory_gb is None else memory_gb
-    predicted = _predicted_shapes(spec, devices, trainer_devices, ranking_model(cost), cost.device.memory_bytes / 1e9)
-    fitting = [p for p in predicted if p.need_gb <= memory_gb]
-    ranked = sorted(fitting, key=lambda p: (p.seconds(tcss, memory_gb), p.chunk_order))
-    return [(p.seconds(tcss, memory_gb), replace(p.shape, tcss=tcss)) for p in ranked]
-
-
-@dataclass(frozen=True)
-class Predicted:
-    """One cut as the cost model ranks it: predicted seconds per step synchronous without TAG (`alone`) and with TAG
-    where a trainer device holds both engines (`lending`, needing `lend_gb` per device), with TCSS (`overlapped`);
-    -chunk (ties: the larger chunk), the cut, and its trainer's GB per device. Every figure but which TAG may lend is
-    the same whatever the device's memory, so the ranking within a memory tier (`candidates`) is the tier's own."""
-
-    alone: float
-    lending: float
-    lend_gb: float
-    overlapped: float
-    chunk_order: int
-    shape: DigenShape
-    need_gb: float
-
-    def seconds(self, tcss: bool, memory_gb: float) -> float:
-        if tcss:
-            return self.overlapped
-        return self.lending if self.lend_gb <= memory_gb else self.alone
+    trainer group size, fragment count and TSP chunk that fits in the device's memory, best first (ties: the larger
+    chunk), predicted on `RANKING_DEVICE` (`ranking_model`) with TCSS on (digen+tcss) or off (digen). The scenario's
+    own choices are kept when given."""
+    capacity = cost.device.memory_bytes / 1e9
+    ranked = sorted(
+        _predicted_shapes(spec, devices, trainer_devices, ranking_model(cost), capacity),
+        key=lambda r: (r[1] if tcss else r[0], r[2]),
+    )
+    return [(r[1] if tcss else r[0], replace(r[3], tcss=tcss)) for r in ranked]
 
 
 @lru_cache(maxsize=8)
 def _predicted_shapes(
     spec: FlowSpec, devices: int, trainer_devices: int | None, cost: CostModel, capacity: float
-) -> tuple[Predicted, ...]:
-    """The `Predicted` of every shape `candidates` ranks that fits the device: one graph per shape for every
-    prediction, memoized (`prepare` asks for the policy's shape, then its search for the best few; on 64 devices this
-    enumeration, not the simulation, is most of a search's time). `cost` is the ranking model (`ranking_model`),
-    `capacity` the GB of the run's device."""
+) -> tuple[tuple[float, float, int, DigenShape], ...]:
+    """(synchronous seconds, TCSS seconds, -chunk, shape) of every shape `candidates` ranks that fits in `capacity`
+    GB per device: one graph per shape for both predictions, memoized (`prepare` asks for the policy's shape, then its
+    search for the best few; on 64 devices this enumeration, not the simulation, is most of a search's time). `cost`
+    is the ranking model (`ranking_model`), `capacity` the run's device's memory."""
     pools = [trainer_devices] if trainer_devices else pool_choices(spec, devices, cost) + [devices]
     ranked = []
     for trainers in pools:
@@ -293,13 +253,11 @@ def _predicted_shapes(
                     need = max(n.memory_gb for n in nodes if n.kind == Kind.TRAIN) + held.resident_gb[Role.TRAINER]
                     if need > capacity:
                         continue
-                    alone = _predict(nodes, shape, rollout, held, lend=False, tcss=False)
-                    lend_gb = held.resident_gb[Role.TRAINER] + held.resident_gb[Role.ROLLOUT]
-                    lending = (  # TAG's search is most of the enumeration: only where a tier may lend
-                        _predict(nodes, shape, rollout, held, lend=True, tcss=False) if lend_gb <= capacity else alone
+                    lendable = held.resident_gb[Role.TRAINER] + held.resident_gb[Role.ROLLOUT] <= capacity
+                    synchronous, overlapped = (
+                        _predict(nodes, shape, rollout, held, lend=lendable, tcss=tcss) for tcss in (False, True)
                     )
-                    overlapped = _predict(nodes, shape, rollout, held, lend=False, tcss=True)
-                    ranked.append(Predicted(alone, lending, lend_gb, overlapped, -chunk, shape, need))
+                    ranked.append((synchronous, overlapped, -chunk, shape))
     if not ranked:
         raise ValueError(
             f"{spec.name}: no digen shape fits in {capacity:.0f} GB per device: add devices (cluster.devices)"
