@@ -133,6 +133,7 @@ def test_an_unknown_policy_in_a_scenario_is_named_when_it_is_read(tmp_path):
 
 
 @pytest.mark.serial
+@pytest.mark.serial  # CPU seconds still grow when another process shares the core (caches, steal): timed alone
 def test_plan_of_the_64_gpu_two_pipeline_scenario_takes_under_two_cpu_seconds():
     """CPU time of the process, not wall time: the machine is shared, its wall clock is not this code's."""
     scenario = load_scenario("jigsaw-64xa100")
