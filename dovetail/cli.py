@@ -281,6 +281,11 @@ def simulate(
                 f"simulated {result['predicted_step_time_s']:.3f} s/step ({result['relative_error']:+.1%}); "
                 f"device pace {', '.join(f'{p:.2f}' for p in result['device_pace'])}"
             )
+            if result["measured_steady_step_s"] is not None:
+                typer.echo(
+                    f"steady (commit to commit after the first step): measured {result['measured_steady_step_s']:.3f}"
+                    f" s/step, simulated {result['predicted_steady_step_s']:.3f} s/step"
+                )
             if auto := result.get("auto"):
                 chosen, runner_up = auto["chosen"], auto["runner_up"]
                 typer.echo(

@@ -88,6 +88,7 @@ def test_policy_auto_runs_the_fastest_predicted_policy_records_why_and_replays(t
         profile["config"]["policy"] == chosen and json.loads((tmp_path / "ledger.json").read_text())["problems"] == []
     )
     replay = replay_run(tmp_path)
+    assert replay["measured_steady_step_s"] > 0 and replay["predicted_steady_step_s"] > 0
     assert replay["policy"] == chosen and replay["auto"]["chosen"]["predicted_samples_per_s"] == predicted[chosen]
     runner_up = replay["auto"]["runner_up"]
     assert runner_up["policy"] == max((p for p in predicted if p != chosen), key=predicted.get)

@@ -300,6 +300,7 @@ def write_run_outputs(
         "switch_seconds": executor.switch_seconds,
         "calibration": {name: _fitted(cost) for name, cost in costs.items()},
         "measured_step_time_s": time_per_step(trace),
+        "measured_steady_step_s": metrics.steady_step_s,
         "auto": None if choice is None else asdict(choice),  # what policy=auto predicted for each policy it weighed
     }
     (path / "run_profile.json").write_text(json.dumps(profile))

@@ -17,7 +17,7 @@ from dovetail.config.load import parse_config
 from dovetail.config.multiplex import TrainConfig
 from dovetail.cost.calibration import DEFAULT, Calibration
 from dovetail.cost.model import CostModel
-from dovetail.exec.metrics import time_per_step
+from dovetail.exec.metrics import summarize, time_per_step
 from dovetail.exec.plan import prepare
 from dovetail.exec.sim import SimExecutor
 from dovetail.files import read_text
@@ -51,6 +51,8 @@ class RunProfile(BaseModel):
     switch_seconds: list[Annotated[float, Field(ge=0)]]
     calibration: dict[str, dict]
     measured_step_time_s: float = Field(gt=0)
+    measured_steady_step_s: float | None = Field(None, gt=0)
+    """Seconds between optimizer steps after the first (a profile written before it was recorded has none)."""
     auto: dict | None = None
     """What `policy=auto` predicted for each policy it weighed (`launch.Choice`), if the run chose so."""
 
@@ -164,6 +166,8 @@ def replay_run(run_dir: Path | str) -> dict:
         "measured_step_time_s": measured_step,
         "predicted_step_time_s": predicted,
         "relative_error": (predicted - measured_step) / measured_step,
+        "measured_steady_step_s": run.measured_steady_step_s,
+        "predicted_steady_step_s": summarize(trace).steady_step_s,
         "corrections": {name: cost.corrections() for name, cost in costs.items()},
         "device_pace": pace,
     }
