@@ -187,7 +187,20 @@ USER_MAX_NEW_TOKENS = 256
 """A `model.path` run's default response budget (TRL's max_completion_length)."""
 
 
+def engine_matches_trainer(engine: str) -> bool:
+    """Whether a rollout engine (`sampling.engine`; `models.causal_lm.ROLLOUT_ENGINES` builds each) records the
+    trainer's log-probs (up to fp32 rounding, tested): ours and transformers' forward compute what the trainer
+    computes; vLLM's kernels do not, so its pipelines recompute the old log-probs in the trainer (verl's
+    recompute_logprob) and report the engine / trainer gap (`logprob_gap`)."""
+    return engine != "vllm"
+
+
 class LMSamplingSection(Section):
+    engine: Literal["dovetail", "vllm", "hf"] = Field(
+        "dovetail",
+        description="who generates rollouts: dovetail (our engine; CPU or GPU), vllm (vLLM's engine, where vLLM is "
+        "installed: a GPU, or its CPU build via make test-vllm), hf (transformers' forward)",
+    )
     temperature: float = Field(1.0, gt=0, le=100, description="beyond 100 every token is as likely")
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int | None = Field(
@@ -438,6 +451,7 @@ class LMTrainConfig(RunSection):
         if self.policy not in POLICIES or "recompute_logprob" not in policy_class(self.policy).fixes:
             # One optimizer step per batch: the trainer's own log-probs, detached, are the old ones (ratio 1), so
             # no separate pass recomputes them (TRL skips it; so does verl with one PPO epoch and mini-batch). A
-            # policy whose recipe decides it (areal) keeps its own.
-            pipeline["recompute_logprob"] = False
+            # policy whose recipe decides it (areal) keeps its own. An engine that is not the trainer's (vLLM) gets
+            # the recompute pass: its log-probs are never the old ones, and the pass measures how far they are.
+            pipeline["recompute_logprob"] = not engine_matches_trainer(self.sampling.engine)
         return planner_scenario(self, [pipeline], steps, self.runtime.trainer_devices, 0)
