@@ -185,4 +185,5 @@ def test_a_user_model_trains_two_grpo_steps_on_vllm_rollouts(policy, workspace, 
     start = load_file(workspace / "my-llama" / "model.safetensors")
     trained = load_file(tmp_path / "checkpoints" / "step_000002" / "model.safetensors")
     assert min((trained[k] - start[k]).abs().max().item() for k in start) > 0  # every tensor moved
-    assert json.loads((tmp_path / "ledger.json").read_text())["problems"] == []
+    if policy != "reference":  # the Ray runtime's sample ledger: every sample generated, scored, trained once
+        assert json.loads((tmp_path / "ledger.json").read_text())["problems"] == []
