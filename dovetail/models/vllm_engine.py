@@ -172,10 +172,3 @@ class VllmEngine(Engine):
 
     def close(self) -> None:
         self._directory.cleanup()
-
-
-def vllm_installed() -> bool:
-    """Whether this environment has vLLM (the project's own does not: `make test-vllm` builds one that does)."""
-    from importlib.util import find_spec
-
-    return find_spec("vllm") is not None
