@@ -3,9 +3,10 @@
 `model.path` names a directory in `save_pretrained` layout: config.json, the weights, and the tokenizer's files. The
 model trains in fp32 with eager attention (plain matmuls and softmax: the same arithmetic on every backend, so the
 reference loop and every policy compute the same bits), whole or as a peft LoRA adapter whose initial A matrices
-come from the run's seed. Rollouts run on our `TorchEngine` where `LlamaWeights` computes the architecture (Llama,
-Mistral, Qwen2, Qwen3), else on transformers' own forward (`TransformersEngine`); either way the engine is given full
-weights under transformers' names, a LoRA adapter merged in (`CausalLM.rollout_state_dict`).
+come from the run's seed. Rollouts run on the engine `sampling.engine` names (`ROLLOUT_ENGINES`): by default our
+`TorchEngine` where `LlamaWeights` computes the architecture (Llama, Mistral, Qwen2, Qwen3), else transformers' own
+forward (`TransformersEngine`, also `hf`), or vLLM (`vllm`); any of them is given full weights under transformers'
+names, a LoRA adapter merged in (`CausalLM.rollout_state_dict`).
 
 What the engines see of the model, as of the built-in `LlamaForCausalLM`: `config`, `forward(input_ids,
 attention_mask).logits`, and `trained_state_dict` / `load_trained_state_dict`: what weight publication, trainer
