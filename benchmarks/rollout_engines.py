@@ -1,5 +1,6 @@
 """Start-up, peak memory and tokens/s of the three LM rollout engines (`sampling.engine`: dovetail, hf, vllm) on one
-model and one set of prompts, each through the `Engine` contract as a GRPO rollout device calls it.
+model and one set of prompts, each through the `Engine` contract as a GRPO rollout device calls it, and of
+transformers' `generate` beside them.
 
     .venv-vllm/bin/python benchmarks/rollout_engines.py --repeats 5     # the environment with vLLM (make test-vllm)
 
@@ -21,7 +22,9 @@ import subprocess
 import sys
 import time
 
-ENGINES = ("dovetail", "hf", "vllm")
+ENGINES = ("dovetail", "hf", "vllm", "generate")
+"""The three `sampling.engine`s, and transformers' `model.generate(do_sample=True)` itself (no `Engine` contract: no
+keyed draws, no pause) for scale."""
 
 
 def peak_rss_mb() -> float:
@@ -46,18 +49,31 @@ def measure(engine_name: str, batch: int, new_tokens: int, repeats: int) -> dict
     params = SamplingParams(max_new_tokens=new_tokens, seed=0)
     after_imports = peak_rss_mb()
     start = time.perf_counter()
-    engine = rollout_engine(
-        model, params, max_len=16 + new_tokens, device=torch.device("cpu"), max_batch=batch, engine=engine_name
-    )
+    if engine_name == "generate":
+        ids = torch.tensor(prompts)
+
+        def decode(round_: int) -> int:
+            with torch.no_grad():
+                out = model.generate(ids, do_sample=True, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+            return out[:, ids.shape[1] :].numel()
+
+    else:
+        engine = rollout_engine(
+            model, params, max_len=16 + new_tokens, device=torch.device("cpu"), max_batch=batch, engine=engine_name
+        )
+
+        def decode(round_: int) -> int:
+            results = engine.generate([Request((round_, i, 0), p) for i, p in enumerate(prompts)])
+            return sum(len(r.tokens) for r in results)
+
     startup = time.perf_counter() - start
     rates = []
     for round_ in range(repeats + 1):
-        requests = [Request((round_, i, 0), p) for i, p in enumerate(prompts)]
         start = time.perf_counter()
-        results = engine.generate(requests)
+        tokens = decode(round_)
         seconds = time.perf_counter() - start
         if round_ > 0:  # the first is the warm-up
-            rates.append(sum(len(r.tokens) for r in results) / seconds)
+            rates.append(tokens / seconds)
     peak = peak_rss_mb()
     return {
         "engine": engine_name,
