@@ -99,8 +99,8 @@ def main() -> None:
         return
     print("command:", shlex.join([sys.executable, *sys.argv]), flush=True)
     print(f"batch {args.batch} prompts x 16 tokens, {args.new_tokens} new tokens each, {args.repeats} repeats")
-    print("| engine | start-up (s) | tokens/s (median, range) | peak RSS (MB) | above imports (MB) |")
-    print("|---|---|---|---|---|")
+    print("| engine | start-up (s) | tokens/s (median, range) | peak RSS (MB) | above imports (MB) | torch threads |")
+    print("|---|---|---|---|---|---|")
     for name in args.engines:
         child = [sys.executable, __file__, "--one", name, "--batch", str(args.batch)]
         child += ["--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
@@ -109,7 +109,7 @@ def main() -> None:
         low, high = row["tokens_per_s_range"]
         print(
             f"| {name} | {row['startup_s']} | {row['tokens_per_s']} ({low}-{high}) | {row['peak_rss_mb']} "
-            f"| {row['peak_above_imports_mb']} |",
+            f"| {row['peak_above_imports_mb']} | {row['torch_threads']} |",
             flush=True,
         )
 
