@@ -3,9 +3,10 @@ in the environment that has it (`.venv-vllm`); the project's own environment ski
 
 A tiny random-init Llama (head_dim 32: vLLM's CPU attention refuses 16) is checked against the trainer's own
 computation: a publication reaches vLLM's running model (greedy decoding after it is transformers' greedy decode of
-the new weights), the engine's log-probs are the trainer's up to the kernels' rounding, a request exported from one
-vLLM engine continues token for token on another, sleep / wake keep it working, and the model trains 2 GRPO steps
-under `reference` and `verl-sync` with the trainer's recomputed old log-probs and the gap reported."""
+the new weights), the engine's log-probs are the trainer's up to the kernels' rounding, its tokens are our engine's
+(the same keyed draws), a request exported from one vLLM engine continues token for token on another, sleep / wake
+keep it working, and the model trains 2 GRPO steps under `reference` and `verl-sync` with the trainer's recomputed
+old log-probs and the gap reported."""
 
 import json
 from pathlib import Path
@@ -21,7 +22,7 @@ from test_user_lm import REWARDS, char_tokenizer, sums  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from dovetail.config.load import load_config  # noqa: E402
-from dovetail.models.engine import Request, SamplingParams  # noqa: E402
+from dovetail.models.engine import Request, SamplingParams, TorchEngine  # noqa: E402
 from dovetail.models.lm_rl import response_log_probs  # noqa: E402
 from dovetail.models.vllm_engine import VllmEngine  # noqa: E402
 from dovetail.runner import train  # noqa: E402
@@ -94,7 +95,7 @@ def test_a_publication_reaches_vllm_in_place_and_greedy_decoding_is_the_trainers
     assert ours != before  # the second publication changed what vLLM computes
 
 
-def test_vllm_samples_with_the_trainer_s_log_probs_and_per_request_seeds(engines):
+def test_vllm_samples_with_the_trainer_s_log_probs_whatever_the_batch(engines):
     engine, _ = engines
     trainer = tiny_llama(1)
     engine.load_weights(trainer.state_dict())
@@ -112,23 +113,26 @@ def test_vllm_samples_with_the_trainer_s_log_probs_and_per_request_seeds(engines
 
 
 def test_a_request_exported_from_one_vllm_engine_continues_token_for_token_on_another(engines):
-    """Paused at 3 tokens, exported, re-prefilled on the other engine: the same continuation as resuming it where it
-    paused (vLLM's sampler is seeded per request and segment, not per token: see models.vllm_engine)."""
+    """Paused at 3 tokens, exported, re-prefilled on the other engine: the tokens it gets unpaused, which are our
+    engine's (every token drawn with our keyed uniform from vLLM's logits)."""
     first, second = engines
     trainer = tiny_llama(1)
     for engine in engines:
         engine.load_weights(trainer.state_dict())
+    unpaused = first.generate(requests())
+    ours = TorchEngine.from_model(trainer, SAMPLED, max_len=MAX_LEN).generate(requests())
+    assert [r.tokens for r in unpaused] == [r.tokens for r in ours]
     paused = first.generate(requests(), until=3)
     assert all(len(r.tokens) == 3 for r in paused if not r.finished) and not all(r.finished for r in paused)
     exported = [first.export(r.key) for r in paused if not r.finished]
-    migrated = second.generate(exported)
-    resumed = first.generate(exported)  # continued where it paused instead
-    assert [r.tokens for r in migrated] == [r.tokens for r in resumed]
-    assert all(len(r.tokens) > 3 for r in migrated)
-    assert [r.log_probs[:3] for r in migrated] == [r.log_probs for r in exported]  # the ledger's tokens kept
+    migrated = {r.key: r for r in second.generate(exported)}
+    for whole in unpaused:
+        if whole.key in migrated:
+            assert migrated[whole.key].tokens == whole.tokens
+            assert migrated[whole.key].log_probs[:3] == whole.log_probs[:3]  # the ledger's first tokens kept
     with torch.no_grad():
-        log_probs, mask = response_log_probs(trainer, [r.prompt for r in migrated], [r.tokens for r in migrated], 1.0)
-    for row, result in enumerate(migrated):
+        log_probs, mask = response_log_probs(trainer, PROMPTS, [r.tokens for r in unpaused], 1.0)
+    for row, result in enumerate(unpaused):
         torch.testing.assert_close(
             torch.tensor(result.log_probs, dtype=torch.float64), log_probs[row][mask[row]].double(), atol=1e-4, rtol=0
         )

@@ -9,8 +9,8 @@ generator that lives in the engine: a sequence's tokens do not depend on its bat
 neighbours, the device, or where it was migrated.
 
 How a GPU serving engine maps onto `Engine` (vLLM's is `models.vllm_engine.VllmEngine`, `sampling.engine: vllm`; its
-docstring says where vLLM 0.32 had to differ from this plan: no abort is needed, and its sampler is seeded per request
-and segment, not keyed per token):
+docstring says where vLLM 0.32 differs from this plan: no abort is needed, and the keyed sampler records the
+log-probs itself):
 
 * vLLM / SGLang `generate(requests, until)`: submit each request with `max_tokens = min(until,
   max_new_tokens) - len(tokens)` and the stop ids; the engines batch continuously themselves.

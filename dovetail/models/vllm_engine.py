@@ -11,33 +11,41 @@ How the contract maps onto vLLM 0.32 (the `models.engine` docstring's plan, and 
   colocate mode and verl do; it runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so it works inside a Ray
   actor or pytest and the weights cross no process boundary.
 * generate(requests, until): one vLLM request per `Request` with `max_tokens = min(until, max_new_tokens) -
-  len(tokens)`, `logprobs=0` (the sampled token's log-prob): vLLM's raw log-probs at temperature 1, what the trainer
-  computes; at another temperature vLLM's processed ones, after the temperature and top-p (with top_p < 1
-  renormalised over the kept tokens, where ours are not).
+  len(tokens)` and the run's stop ids.
+* keyed sampling, per token as ours: `KeyedSampler`, a vLLM logits processor, draws each request's next token from
+  vLLM's logits with our uniform keyed by (seed, step, prompt, sample, token index) and `sample_tokens` (temperature,
+  top-p), records the token and its log-prob (under the temperature, before top-p: what the trainer recomputes), and
+  leaves vLLM only that token to sample. vLLM's own sampler and per-request seeds then decide nothing, so a request's
+  tokens do not depend on its batch, on the engine, or on a pause / migration, and are our engine's wherever vLLM's
+  logits round as ours do (tested on a tiny model; a uniform within fp32 rounding of a CDF boundary could flip one).
+  The processor hands its draws to `generate` through this module (`_DRAWS`): the engine core runs in this process.
+  Its cost: one Python call per request and token (on a GPU a host sync each); a batched processor is the next step.
 * pause / export: a request stops at `until` by its max_tokens, so nothing runs in vLLM between calls and there is
   nothing to abort; its tokens and log-probs so far are kept here, `export` hands them over.
 * continue (import, or resume on this engine): prompt + tokens re-prefilled as a new prompt (vLLM's prefix cache makes
-  it cheap on the engine that paused it). Resume and migration are the same operation, so a request continues with
-  the same tokens whichever engine continues it.
-* keyed sampling: NOT per token. vLLM 0.32's sampler draws from one `torch.Generator` per request, seeded by
-  `SamplingParams.seed` and advanced by each token; a v1 logits processor sees the batch's logits but cannot set which
-  uniform the sampler draws. So each continuation is seeded by a hash of (seed, step, prompt, sample, tokens so far):
-  a request's tokens do not depend on its batch or the engine that continues it (tested), but a request paused at k
-  tokens continues with other draws than one never paused (ours: the same). The ledger stays exact either way: the
-  tokens and log-probs recorded are the ones vLLM sampled, and the trainer recomputes the old log-probs
-  (`config.lm.engine_matches_trainer`).
+  it cheap on the engine that paused it); the keyed draws continue at the request's token index.
 * sleep / wake (colocated policies hand the trainer the memory): `sleep` / `wake` call vLLM's sleep mode where the
   engine was built with it (a GPU); vLLM's CPU worker ignores sleep mode, so on CPU both are no-ops (tested: the
   engine keeps generating).
 """
 
+import itertools
 import os
 import tempfile
 from collections.abc import Callable
 
 import torch
 
-from dovetail.models.engine import Engine, Key, Request, SamplingParams, check_fits, key_states
+from dovetail.models.engine import (
+    Engine,
+    Key,
+    Request,
+    SamplingParams,
+    check_fits,
+    key_states,
+    sample_tokens,
+    uniforms_of,
+)
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 """The KV cache vLLM reserves on CPU (its `gpu_memory_utilization` would reserve a fraction of the host's memory)."""
@@ -57,7 +65,8 @@ class VllmEngine(Engine):
         stop: Callable[[list[int]], bool] | None = None,
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
     ):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vLLM reads it: the engine in-process
+        # Before vLLM reads it: the engine core in this process, where `KeyedSampler` hands its draws to `generate`.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -81,9 +90,7 @@ class VllmEngine(Engine):
             max_model_len=max_len,
             max_num_seqs=max_batch,
             seed=params.seed,
-            # The sampled token's log-prob under the temperature, before top-p (what the trainer recomputes): vLLM's
-            # raw log-probs at temperature 1; at another temperature only its processed ones (renormalised after top-p).
-            logprobs_mode="raw_logprobs" if params.temperature == 1.0 else "processed_logprobs",
+            logits_processors=[keyed_sampler_class()],
             enable_prefix_caching=True,
             enable_sleep_mode=on_gpu,
             **({"gpu_memory_utilization": 0.5} if on_gpu else {"kv_cache_memory_bytes": kv_cache_bytes}),
@@ -110,26 +117,31 @@ class VllmEngine(Engine):
         check_fits(results, self.params, self.max_len)
         active = [r for r in results if not r.finished and len(r.tokens) < limit]
         if active:
-            seeds = self.segment_seeds(active)
+            states = key_states(self.params.seed, [r.key for r in active]).tolist()
             prompts = [TokensPrompt(prompt_token_ids=r.prompt + r.tokens) for r in active]
+            draws = [_DRAWS.setdefault(next(_REQUEST_IDS), {}) for _ in active]
+            ids = list(_DRAWS)[-len(active) :]
             sampling = [
                 VllmSampling(
                     n=1,
-                    temperature=self.params.temperature,
-                    top_p=self.params.top_p,
+                    temperature=1.0,  # the keyed sampler has chosen the token: every other logit is -inf
                     max_tokens=limit - len(r.tokens),
                     stop_token_ids=list(self.params.stop_ids),
                     ignore_eos=True,  # the stop ids are the run's, given above
-                    logprobs=0,
-                    seed=seed,
+                    seed=self.params.seed,
                     detokenize=False,
+                    extra_args={KEYED: [state, len(r.tokens), self.params.temperature, self.params.top_p, draw_id]},
                 )
-                for r, seed in zip(active, seeds)
+                for r, state, draw_id in zip(active, states, ids)
             ]
             self.prefill_tokens += sum(len(p["prompt_token_ids"]) for p in prompts)
-            outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
-            for request, output in zip(active, outputs):
-                self._record(request, output.outputs[0], limit)
+            try:
+                outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+            finally:
+                for draw_id in ids:
+                    _DRAWS.pop(draw_id)
+            for request, output, drawn in zip(active, outputs, draws):
+                self._record(request, output.outputs[0].token_ids, drawn, limit)
         for request in results:
             if request.finished:
                 self.paused.pop(request.key, None)
@@ -137,17 +149,14 @@ class VllmEngine(Engine):
                 self.paused[request.key] = request.copy()
         return results
 
-    def segment_seeds(self, requests: list[Request]) -> list[int]:
-        """vLLM's per-request seed of each request's next segment: a hash of (seed, *key) and the tokens it has, so the
-        continuation is the same on any engine (vLLM takes a seed below 2^63)."""
-        states = key_states(self.params.seed, [r.key for r in requests]).tolist()
-        return [(state ^ (len(r.tokens) * 0x9E3779B97F4A7C15)) % (1 << 63) for state, r in zip(states, requests)]
-
-    def _record(self, request: Request, completion, limit: int) -> None:
-        """Append vLLM's tokens and their log-probs; the request ends at a stop id, the budget, or `stop`."""
-        for token, entry in zip(completion.token_ids, completion.logprobs):
+    def _record(self, request: Request, token_ids, drawn: dict[int, tuple[int, float]], limit: int) -> None:
+        """Append vLLM's tokens and the keyed sampler's log-probs of them; the request ends at a stop id, the budget,
+        or `stop`."""
+        for token in token_ids:
+            chosen, log_prob = drawn[len(request.tokens)]
+            assert chosen == token, f"vLLM returned {token} where the keyed sampler chose {chosen}"
             request.tokens.append(int(token))
-            request.log_probs.append(float(entry[token].logprob))
+            request.log_probs.append(log_prob)
             if (
                 token in self.params.stop_ids
                 or len(request.tokens) >= self.params.max_new_tokens
@@ -172,3 +181,46 @@ class VllmEngine(Engine):
 
     def close(self) -> None:
         self._directory.cleanup()
+
+
+KEYED = "dovetail_keyed"
+"""`SamplingParams.extra_args` key of a request's keyed draws: [key state, tokens it already has, temperature, top_p,
+its id in `_DRAWS`] (plain values: vLLM copies the sampling parameters on their way to the engine core)."""
+
+_DRAWS: dict[int, dict[int, tuple[int, float]]] = {}
+"""The keyed sampler's (token, log-prob) by token index, of each request `generate` has in flight: the engine core
+runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so its logits processor writes here and `generate` reads."""
+_REQUEST_IDS = itertools.count()
+
+
+def keyed_sampler_class():
+    """vLLM's logits processor that draws each request's token as our engine does (`sample_tokens` with the uniform
+    `uniforms_of(key state, token index)`) from vLLM's logits, records (token, log-prob) by token index in the
+    request's dict, and leaves vLLM only that token (every other logit -inf), so vLLM's sampler, whatever its seed,
+    returns it. Built on first use: the class derives from vLLM's, which the project's environment lacks."""
+    from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
+
+    class KeyedSampler(AdapterLogitsProcessor):
+        def is_argmax_invariant(self) -> bool:
+            return False  # it replaces the distribution (greedy requests too)
+
+        def new_req_logits_processor(self, params):
+            keyed = (params.extra_args or {}).get(KEYED)
+            if keyed is None:
+                return None
+            state, offset, temperature, top_p, draw_id = keyed
+            drawn = _DRAWS[draw_id]
+            state = torch.tensor([state], dtype=torch.int64)
+
+            def draw(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+                index = offset + len(output_ids)
+                u = uniforms_of(state, torch.tensor([index]))
+                token, log_prob = sample_tokens(logits[None].float().cpu(), u, temperature, top_p)
+                drawn[index] = (int(token), float(log_prob))  # by index: a preempted request redraws the same
+                only = torch.full_like(logits, -float("inf"))
+                only[int(token)] = 0.0
+                return only
+
+            return draw
+
+    return KeyedSampler
