@@ -19,7 +19,8 @@ How the contract maps onto vLLM 0.32 (the `models.engine` docstring's plan, and 
   tokens do not depend on its batch, on the engine, or on a pause / migration, and are our engine's wherever vLLM's
   logits round as ours do (tested on a tiny model; a uniform within fp32 rounding of a CDF boundary could flip one).
   The processor hands its draws to `generate` through this module (`_DRAWS`): the engine core runs in this process.
-  Its cost: one Python call per request and token (on a GPU a host sync each); a batched processor is the next step.
+  The batch's rows are drawn together, in float64 on the CPU (on a GPU: one copy of the batch's logits to the host per
+  step, not measured yet); on this machine that costs vLLM nothing measurable (BENCHMARKS.md).
 * pause / export: a request stops at `until` by its max_tokens, so nothing runs in vLLM between calls and there is
   nothing to abort; its tokens and log-probs so far are kept here, `export` hands them over.
 * continue (import, or resume on this engine): prompt + tokens re-prefilled as a new prompt (vLLM's prefix cache makes
@@ -33,6 +34,7 @@ import itertools
 import os
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -193,34 +195,59 @@ runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so its logits process
 _REQUEST_IDS = itertools.count()
 
 
+@dataclass(frozen=True)
+class _Keyed:
+    """One request's keyed draws: its key state, the tokens it had when submitted, and its id in `_DRAWS`."""
+
+    state: int
+    offset: int
+    temperature: float
+    top_p: float
+    draw_id: int
+
+    def __call__(self, output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """vLLM's adapter wants a per-request callable (its signature says what to bind); `KeyedSampler.apply` draws
+        the batch's rows together instead of calling this."""
+        raise NotImplementedError("KeyedSampler.apply draws every row")
+
+
 def keyed_sampler_class():
     """vLLM's logits processor that draws each request's token as our engine does (`sample_tokens` with the uniform
     `uniforms_of(key state, token index)`) from vLLM's logits, records (token, log-prob) by token index in the
-    request's dict, and leaves vLLM only that token (every other logit -inf), so vLLM's sampler, whatever its seed,
-    returns it. Built on first use: the class derives from vLLM's, which the project's environment lacks."""
+    request's `_DRAWS` entry, and leaves vLLM only that token (every other logit -inf), so vLLM's sampler, whatever its
+    seed, returns it. The batch's rows of one temperature and top-p are drawn in one `sample_tokens` call. Built on
+    first use: the class derives from vLLM's, which the project's environment lacks."""
     from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 
     class KeyedSampler(AdapterLogitsProcessor):
+        """vLLM's adapter keeps, per batch row, `partial(keyed, output_ids)` (its `_new_state`), the output list
+        by reference; `apply` reads them all and draws the rows together."""
+
         def is_argmax_invariant(self) -> bool:
             return False  # it replaces the distribution (greedy requests too)
 
         def new_req_logits_processor(self, params):
             keyed = (params.extra_args or {}).get(KEYED)
-            if keyed is None:
-                return None
-            state, offset, temperature, top_p, draw_id = keyed
-            drawn = _DRAWS[draw_id]
-            state = torch.tensor([state], dtype=torch.int64)
+            return None if keyed is None else _Keyed(*keyed)
 
-            def draw(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
-                index = offset + len(output_ids)
-                u = uniforms_of(state, torch.tensor([index]))
-                token, log_prob = sample_tokens(logits[None].float().cpu(), u, temperature, top_p)
-                drawn[index] = (int(token), float(log_prob))  # by index: a preempted request redraws the same
-                only = torch.full_like(logits, -float("inf"))
-                only[int(token)] = 0.0
-                return only
-
-            return draw
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            groups: dict[tuple[float, float], list[tuple[int, _Keyed, int]]] = {}
+            for row, state in self.req_info.items():
+                keyed, output_ids = state.func, state.args[0]
+                groups.setdefault((keyed.temperature, keyed.top_p), []).append(
+                    (row, keyed, keyed.offset + len(output_ids))
+                )
+            for (temperature, top_p), members in groups.items():
+                rows = torch.tensor([row for row, _, _ in members], device=logits.device)
+                states = torch.tensor([keyed.state for _, keyed, _ in members], dtype=torch.int64)
+                indices = torch.tensor([index for _, _, index in members], dtype=torch.int64)
+                tokens, log_probs = sample_tokens(
+                    logits[rows].float().cpu(), uniforms_of(states, indices), temperature, top_p
+                )
+                for (_, keyed, index), token, log_prob in zip(members, tokens.tolist(), log_probs.tolist()):
+                    _DRAWS[keyed.draw_id][index] = (token, log_prob)  # by index: a preempted request redraws it
+                logits[rows] = -float("inf")
+                logits[rows, tokens.to(logits.device)] = 0.0
+            return logits
 
     return KeyedSampler
