@@ -215,7 +215,9 @@ def _shape_line(shape: dict) -> str:
 
 @app.command()
 def pretrain(
-    dataset: str = typer.Argument("digits", help="digits (the flow model) or a text task: sort, arithmetic, countdown"),
+    dataset: str = typer.Argument(
+        "digits", help="digits (the flow model) or a text task: sort, arithmetic, countdown, copy"
+    ),
     out: Path = typer.Option(None, help="checkpoint directory (default: the shipped base model)"),
     steps: int = typer.Option(None, help="optimizer steps (default: the shipped model's; short so RL has room)"),
     seed: int = typer.Option(0),
@@ -238,9 +240,9 @@ def pretrain(
         _refuse(f"--out {out} already holds a model: give another --out, or --overwrite to replace it")
     torch.set_num_threads(1)
     if dataset in TASKS:
-        from dovetail.models.lm_pretrain import DEFAULT_STEPS, pretrain_lm
+        from dovetail.models.lm_pretrain import pretrain_lm
 
-        pretrain_lm(dataset, out, steps=DEFAULT_STEPS if steps is None else steps, seed=seed)
+        pretrain_lm(dataset, out, steps=steps, seed=seed)
         return
     from dovetail.models.pretrain import pretrain_digits
 
@@ -279,6 +281,18 @@ def simulate(
                 f"simulated {result['predicted_step_time_s']:.3f} s/step ({result['relative_error']:+.1%}); "
                 f"device pace {', '.join(f'{p:.2f}' for p in result['device_pace'])}"
             )
+            if auto := result.get("auto"):
+                chosen, runner_up = auto["chosen"], auto["runner_up"]
+                typer.echo(
+                    f"policy auto chose {chosen['policy']}: predicted {chosen['predicted_samples_per_s']:.3g} "
+                    f"samples/s, measured {chosen['measured']:.3g}"
+                    + (
+                        f"; runner-up {runner_up['policy']}: predicted {runner_up['predicted_samples_per_s']:.3g}, "
+                        f"{runner_up['on_measured_costs']:.3g} on the costs this run measured"
+                        if runner_up
+                        else ""
+                    )
+                )
         return
     if list_:
         for name, description in list_scenarios().items():
@@ -309,7 +323,9 @@ def plan(
     scenario: str = typer.Argument(..., help="shipped scenario name or YAML path"),
     devices: int = typer.Option(..., help="devices to plan for"),
     policies: str = typer.Option(
-        None, help="comma-separated policies; default: the scenario's first and every one that searches"
+        None,
+        help="comma-separated policies; default: the scenario's first (schedule.policies) and every other of its "
+        "schedule.policies that searches",
     ),
 ):
     """Show every shape the policies' searches simulated (digen: pool split, FSDP groups, GAP fragments, TSP chunk,

@@ -11,11 +11,12 @@ text, so the two splits never share a problem whichever seed or index drew it.
 
 import ast
 import hashlib
+import math
 import random
 import re
 import string
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from functools import lru_cache
 from typing import ClassVar, NamedTuple
@@ -46,6 +47,7 @@ class Task(ABC):
 
     name: str
     prefix: ClassVar[str]  # every prompt starts with it
+    pretrain_steps: ClassVar[int] = 200  # `dovetail pretrain TASK`'s default: the shipped base model's steps
     completion_pattern: ClassVar[re.Pattern]  # what a well-formed completion looks like, scratchpad included
 
     @property
@@ -69,6 +71,11 @@ class Task(ABC):
     @abstractmethod
     def is_correct(self, prompt: str, answer: str) -> bool:
         """Whether answer (the text after the answer marker) solves the prompt's problem."""
+
+    def for_pretraining(self) -> "Task":
+        """The task whose problems pretraining draws: this one, unless RL's problem mix would leave the base model
+        unable to reach part of it (`Copy`)."""
+        return self
 
     def prompt(self, split: str, seed: int, index: int) -> str:
         """The index-th prompt of split under seed: the same arguments give the same prompt in any process."""
@@ -167,6 +174,57 @@ class Sort(Task):
 
     def is_correct(self, prompt: str, answer: str) -> bool:
         return answer == self._sorted(prompt)
+
+
+@dataclass(frozen=True)
+class Copy(Task):
+    """Copy a string of letters: ``copy qdqax:`` -> ``>qdqax.``, its length drawn from a lognormal (median
+    `median_letters`, log-spread `sigma`), so that most responses are a few tokens and a few are ten times longer:
+    the heavy tail of published RL response lengths (p99 / p50 of about 10 here, tests/test_lm_tasks.py), which keeps
+    a synchronous step waiting on its longest responses and leaves a multiplexing policy time to fill. Copying is an
+    induction head's job: a tiny model learns it within minutes, and slips on the long ones at temperature 1."""
+
+    name: str = "copy"
+    median_letters: float = 2.0
+    sigma: float = 1.35
+    max_letters: int = 52
+    uniform: bool = False
+    """Lengths uniform in 1..max_letters instead: what pretraining draws, so that the base model can copy a string of
+    any length (rarely right whole at temperature 1), and RL's tail is reachable."""
+    prefix: ClassVar[str] = "copy "
+    pretrain_steps: ClassVar[int] = 300  # held-out success ~0.2 sampled at temperature 1, ~0.65 greedy
+
+    @property
+    def reward_names(self) -> dict[str, float]:
+        return {"copied": 1.0}
+
+    prompt_pattern: ClassVar[re.Pattern] = re.compile(r"copy ([a-z]+):")
+    completion_pattern: ClassVar[re.Pattern] = re.compile(r">[a-z]+\.")
+
+    @property
+    def max_new_tokens(self) -> int:
+        return len(self.solution(f"copy {'a' * self.max_letters}:")) + 1 + LENGTH_MARGIN
+
+    def for_pretraining(self) -> "Task":
+        return replace(self, uniform=True)
+
+    def draw(self, rng: random.Random) -> str:
+        if self.uniform:
+            letters = rng.randint(1, self.max_letters)
+        else:
+            letters = min(
+                self.max_letters, max(1, round(rng.lognormvariate(math.log(self.median_letters), self.sigma)))
+            )
+        return f"copy {''.join(rng.choices(string.ascii_lowercase, k=letters))}:"
+
+    def _text(self, prompt: str) -> str:
+        return self._match(self.prompt_pattern, prompt).group(1)
+
+    def solution(self, prompt: str) -> str:
+        return f"{ANSWER_MARKER}{self._text(prompt)}{END_MARKER}"
+
+    def is_correct(self, prompt: str, answer: str) -> bool:
+        return answer == self._text(prompt)
 
 
 class ExpressionError(ValueError):
@@ -318,7 +376,7 @@ def _operand(expression: str) -> str:
     return expression if expression.isdigit() else f"({expression})"
 
 
-TASKS: dict[str, Task] = {task.name: task for task in (Addition(), Sort(), Countdown())}
+TASKS: dict[str, Task] = {task.name: task for task in (Addition(), Sort(), Countdown(), Copy())}
 
 
 def task(name: str) -> Task:

@@ -31,7 +31,10 @@ def test_dry_run_on_gpus_uses_the_catalogue_and_splits_the_pools():
         ),
         10,
     )
-    assert plan["costs"] == "analytic" and plan["trainer_devices"] == 2 and plan["shape"]["recompute_logprob"]
+    assert plan["costs"] == "analytic" and plan["trainer_devices"] == 2
+    # one optimizer step per batch on the weights that sampled: the run trains on the rollout's log-probs, with no
+    # recompute pass (verl's default, which the catalogue's disaggregated scenarios keep)
+    assert not plan["shape"]["recompute_logprob"]
 
 
 def test_dry_run_refuses_what_the_run_would_refuse():

@@ -16,7 +16,7 @@ from dovetail.models.lm import LMConfig, checkpoint_dir, load_lm
 from dovetail.models.lm_pretrain import evaluate, pretrain_lm
 from dovetail.models.tokenizer import CharTokenizer
 from dovetail.rewards import RewardError
-from dovetail.rewards.text import COUNTDOWN_FORMAT_CREDIT, countdown, exact_answer, score_text, text_reward_fn
+from dovetail.rewards.text import COUNTDOWN_FORMAT_CREDIT, copied, countdown, exact_answer, score_text, text_reward_fn
 from dovetail.tasks import TASKS, ExpressionError, evaluate_expression, final_answer, split_of, task
 
 SHIPPED_TASK = "sort"
@@ -62,11 +62,13 @@ def independent_answer(prompt: str) -> str:
     if prompt.startswith("add "):
         a, b = re.fullmatch(r"add (\d+)\+(\d+):", prompt).groups()
         return str(int(a) + int(b))
+    if prompt.startswith("copy "):
+        return prompt.removeprefix("copy ").removesuffix(":")
     letters = re.fullmatch(r"sort ([a-z]+):", prompt).group(1)
     return "".join(sorted(letters))
 
 
-@pytest.mark.parametrize("name", ["arithmetic", "sort"])
+@pytest.mark.parametrize("name", ["arithmetic", "sort", "copy"])
 def test_solutions_end_in_the_independently_computed_answer_and_wrong_answers_score_zero(name):
     prompts = many_prompts(name)
     assert [final_answer(task(name).solution(p)) for p in prompts] == [independent_answer(p) for p in prompts]
@@ -189,7 +191,9 @@ def test_prompts_are_a_pure_function_of_their_arguments():
 
 
 def test_unknown_task_and_reward_are_named():
-    with pytest.raises(ValueError, match=r"unknown task 'chess'; known tasks: \['arithmetic', 'countdown', 'sort'\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown task 'chess'; known tasks: \['arithmetic', 'copy', 'countdown', 'sort'\]"
+    ):
         task("chess")
     with pytest.raises(ValueError, match=r"unknown text reward 'length'.*'exact_answer'"):
         text_reward_fn("length")
@@ -232,6 +236,22 @@ def test_unreadable_config_is_one_line(tmp_path):
         with pytest.raises(ValueError, match="unreadable") as error:
             load_lm(tmp_path)
         assert "\n" not in str(error.value)
+
+
+def test_copied_credits_the_letters_written_before_the_first_slip():
+    completions = [">abcd.", ">abxd.", ">ab.", ">abcde.", ">xbcd.", "abcd", ">abcd"]
+    assert copied(completions, ["copy abcd:"] * 7).tolist() == [1.0, 0.5, 0.5, 0.8, 0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="copy prompts only"):
+        copied([">ab."], ["sort ba:"])
+
+
+def test_copy_responses_have_a_heavy_tail():
+    """The copy task's ideal responses (eos included) are lognormal-like: p99 / p50 >= 8, as in published RL traces
+    of reasoning models, where sort's 3-31 tokens are near-uniform."""
+    tokenizer, copy = CharTokenizer(), task("copy")
+    lengths = np.array([len(tokenizer.encode(copy.solution(p))) + 1 for p in copy.prompts("train", 0, 0, 4000)])
+    p50, p99 = np.percentile(lengths, [50, 99])
+    assert p99 / p50 >= 8, (p50, p99)
 
 
 def test_pretraining_is_deterministic_given_the_seed(tmp_path, capsys):

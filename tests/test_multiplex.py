@@ -10,8 +10,9 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from dovetail.config.common import ConfigError
+from dovetail.config.common import ConfigError, multiplexing_policies
 from dovetail.config.load import parse_config
+from dovetail.exec.launch import AUTO_TIE, dry_run
 from dovetail.exec.messages import LMTrain
 from dovetail.exec.replay import replay_run
 from dovetail.runner import train
@@ -67,7 +68,7 @@ def alone(tmp_path_factory) -> dict:
 
 
 @pytest.mark.usefixtures("local_ray")
-@pytest.mark.parametrize("policy", ["jigsaw", "jigsaw-greedy"])
+@pytest.mark.parametrize("policy", ["jigsaw-greedy"])  # jigsaw: the same run over two nodes, tests/test_cluster.py
 def test_an_lm_and_a_flow_pipeline_multiplexed_end_where_each_ends_alone(policy, alone, tmp_path):
     summary = train(parse_config(multiplexed(policy, LM, FLOW)), tmp_path, steps=STEPS)
     assert set(summary["pipelines"]) == {"sort", "digits"}
@@ -78,7 +79,9 @@ def test_an_lm_and_a_flow_pipeline_multiplexed_end_where_each_ends_alone(policy,
         assert same_parameters(name, final_weights(alone[name]), final_weights(own))
     spans = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     devices_of = {name: {e["tid"] for e in spans if e["name"].startswith(f"{name}:")} for name in ("sort", "digits")}
-    assert devices_of["sort"] & devices_of["digits"], "the pipelines share the pool's devices"
+    assert devices_of["sort"] and devices_of["digits"]
+    if policy == "jigsaw-greedy":  # jigsaw's search may give each pipeline a sub-pool of its own, where faster
+        assert devices_of["sort"] & devices_of["digits"], "the pipelines share the pool's devices"
     assert (tmp_path / "gantt.png").exists() and (tmp_path / "curves.png").exists()  # each with every pipeline
     assert not any((tmp_path / name / "curves.png").exists() for name in ("sort", "digits"))
     assert json.loads((tmp_path / "ledger.json").read_text()).keys() == {"sort", "digits"}
@@ -190,6 +193,17 @@ def test_a_pipeline_whose_reward_fails_stops_alone_and_the_other_goes_on(local_r
     assert summary["pipelines"]["sort"]["steps"] == 1 and summary["pipelines"]["digits"]["steps"] == STEPS
     assert json.loads((tmp_path / "digits" / "ledger.json").read_text())["problems"] == []
     assert max_difference(final_weights(alone["digits"]), final_weights(tmp_path / "digits")) <= 1e-5
+
+
+def test_policy_auto_plans_every_multiplexing_policy_and_runs_the_fastest_predicted():
+    """`policy=auto` on a multiplexed run weighs the policies that multiplex (not one pipeline kind's), on the
+    catalogue's costs in a GPU dry run (analytic: no profile), and says which it takes and why."""
+    tree = multiplexed("auto", LM, FLOW) | {"cluster": {"device": "H100", "devices": 8}}
+    plan = dry_run(parse_config(tree), STEPS)
+    predicted = plan["auto"]["predicted"]
+    assert set(predicted) == set(multiplexing_policies()) and plan["policy"] in predicted
+    assert predicted[plan["policy"]] >= (1 - AUTO_TIE) * max(predicted.values())
+    assert plan["auto"]["line"].startswith(f"policy auto: {plan['policy']}, the fastest predicted")
 
 
 @pytest.mark.parametrize(

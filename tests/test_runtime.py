@@ -78,7 +78,8 @@ def test_policy_auto_runs_the_fastest_predicted_policy_records_why_and_replays(t
     """policy=auto plans every flow policy on the run's profiled costs, runs the fastest predicted (a tie within
     AUTO_TIE goes to the first in the registry's order), says so in run_profile.json, and the replay plans the
     chosen policy, not `auto`."""
-    train(load_config(None, [*COMMON, "policy=auto"]), tmp_path, steps=2)
+    config = load_config(None, [*COMMON, "policy=auto"])
+    train(config, tmp_path, steps=2)
     profile = json.loads((tmp_path / "run_profile.json").read_text())
     predicted, chosen = profile["auto"]["predicted"], profile["policy"]
     assert set(predicted) | set(profile["auto"]["refused"]) == set(scheduling_policies("flow"))
@@ -86,7 +87,15 @@ def test_policy_auto_runs_the_fastest_predicted_policy_records_why_and_replays(t
     assert (
         profile["config"]["policy"] == chosen and json.loads((tmp_path / "ledger.json").read_text())["problems"] == []
     )
-    assert replay_run(tmp_path)["policy"] == chosen
+    replay = replay_run(tmp_path)
+    assert replay["policy"] == chosen and replay["auto"]["chosen"]["predicted_samples_per_s"] == predicted[chosen]
+    runner_up = replay["auto"]["runner_up"]
+    assert runner_up["policy"] == max((p for p in predicted if p != chosen), key=predicted.get)
+    assert runner_up["on_measured_costs"] > 0 and replay["auto"]["chosen"]["measured"] > 0
+    # the replay of the run that ran, on its own measured costs, says the rate it measured
+    measured_rate = replay["auto"]["chosen"]["measured"]
+    samples_per_step = config.algo.prompts_per_step * config.algo.group_size
+    assert measured_rate == pytest.approx(samples_per_step / replay["measured_step_time_s"], rel=1e-6)
 
 
 def test_a_reward_device_scores_every_sample_and_the_parameters_stay_the_reference(reference_run, tmp_path):

@@ -6,7 +6,6 @@ there is nothing left to train, before anything starts."""
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -55,18 +54,16 @@ print("ready", flush=True)
 input()
 """
 """A local run's driver as far as the start of its first step: its own Ray instance, two device workers, their
-group (met through a file named by the driver)."""
+group (met in Ray's key-value store: nothing of it on disk or on a port)."""
 
 
-def test_a_killed_driver_takes_its_local_ray_processes_and_group_files_with_it():
+def test_a_killed_driver_takes_its_local_ray_processes_with_it():
     process = subprocess.Popen([sys.executable, "-c", DRIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert process.stdout.readline() == "ready\n"
     driver = psutil.Process(process.pid)
     below = driver.children(recursive=True)
     names = {p.name() for p in below}
     assert {"raylet", "gcs_server"} <= names and any("DeviceWorker" in " ".join(p.cmdline()) for p in below), names
-    group_files = sorted(Path(tempfile.gettempdir()).glob(f"dovetail-group-{process.pid}-*"))
-    assert group_files, "the device group meets through a file named by its driver"
     process.kill()
     process.wait(timeout=30)
     deadline = time.monotonic() + 30
@@ -74,7 +71,6 @@ def test_a_killed_driver_takes_its_local_ray_processes_and_group_files_with_it()
         time.sleep(0.5)
     left = [f"{p.pid} {p.name()}" for p in below if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert left == [], "the driver's Ray processes outlived it"
-    assert not any(path.exists() for path in group_files)
 
 
 @pytest.mark.parametrize("policy", ["reference", "verl-sync"])

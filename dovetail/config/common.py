@@ -106,6 +106,13 @@ class ClusterSection(Section):
         None,
         description="Ray cluster address (host:port, ray://host:port, or auto); None starts a local Ray instance",
     )
+    lost_after_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="seconds a device may have no node (its node gone, no spare node to restart its worker on) "
+        "before the run goes on from its last committed step on the devices that remain",
+    )
 
     @field_validator("device")
     @classmethod
@@ -277,9 +284,15 @@ def multiplexing_policies() -> list[str]:
     return [name for name in POLICIES if policy_class(name).multiplexes]
 
 
+def auto_candidates(run_kind: str) -> list[str]:
+    """What `policy=auto` chooses from for a run of `run_kind`: a pipeline kind's scheduling policies, or for a
+    multiplexed run the multiplexing ones."""
+    return multiplexing_policies() if run_kind == "multiplex" else scheduling_policies(run_kind)
+
+
 def policies_by_kind() -> str:
     """Every run kind's policies, one clause per kind: what `dovetail train --policy` takes."""
-    kinds = {name: policies_for(name) for name in KINDS} | {"multiplex": multiplexing_policies()}
+    kinds = {name: policies_for(name) for name in KINDS} | {"multiplex": [AUTO, *multiplexing_policies()]}
     return "; ".join(f"{name}: {', '.join(policies)}" for name, policies in kinds.items())
 
 
@@ -290,6 +303,14 @@ def planner_scenario(
     `reference` run schedules nothing itself: the planner simulates its first pipeline's kind's stage-after-stage
     policy (`PipelineKind.staged_baseline`), as it does for an `auto` run until the run has chosen."""
     policy = config.policy if config.policy in POLICIES else kind(pipelines[0]["kind"]).staged_baseline
+    if "recompute_logprob" not in policy_class(policy).fixes:
+        # One optimizer step per batch on the weights that sampled: the trainer's own log-probs, detached, are the
+        # old ones (ratio 1), so no separate pass recomputes them (TRL and flow_grpo skip it; so does verl with one
+        # PPO epoch and mini-batch). A policy whose recipe decides it (areal) keeps its own, and so does a pipeline
+        # that asks for it (an LM one whose rollout engine is not the trainer's: sampling.engine=vllm).
+        pipelines = [
+            pipeline | {"recompute_logprob": pipeline.get("recompute_logprob", False)} for pipeline in pipelines
+        ]
     return parse_scenario(
         {
             "name": f"train-{config.pipeline_name}-{config.policy}",

@@ -28,7 +28,6 @@ from dovetail.cost.catalog import language_model, language_model_of_config
 from dovetail.graph.spec import MAX_DEVICES, GroupSize, check_length_bands
 from dovetail.rewards.text import DEFAULT_FORMAT, text_reward_fn
 from dovetail.scenario import Scenario, check_pools, clip
-from dovetail.sched import POLICIES, policy_class
 from dovetail.sched.policy import PolicyOptions
 from dovetail.tasks import task
 
@@ -448,10 +447,8 @@ class LMTrainConfig(RunSection):
             config = json_or_empty(self.model.path / "config.json")
             pipeline["model"] = self.pipeline_name
             pipeline["architecture"] = language_model_of_config(self.pipeline_name, config).shape()
-        if self.policy not in POLICIES or "recompute_logprob" not in policy_class(self.policy).fixes:
-            # One optimizer step per batch: the trainer's own log-probs, detached, are the old ones (ratio 1), so
-            # no separate pass recomputes them (TRL skips it; so does verl with one PPO epoch and mini-batch). A
-            # policy whose recipe decides it (areal) keeps its own. An engine that is not the trainer's (vLLM) gets
-            # the recompute pass: its log-probs are never the old ones, and the pass measures how far they are.
-            pipeline["recompute_logprob"] = not engine_matches_trainer(self.sampling.engine)
+        if not engine_matches_trainer(self.sampling.engine):
+            # An engine that is not the trainer's (vLLM) gets the recompute pass whatever the policy: its log-probs
+            # are never the old ones, and the pass measures how far they are (`planner_scenario` keeps it).
+            pipeline["recompute_logprob"] = True
         return planner_scenario(self, [pipeline], steps, self.runtime.trainer_devices, 0)

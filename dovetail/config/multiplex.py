@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 from pydantic import Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
 from dovetail.config.common import (
+    AUTO,
     MAX_PIPELINES,
     MAX_STEPS,
     ClusterSection,
@@ -49,7 +50,9 @@ class MultiplexConfig(Section):
     of steps are the run's (an entry may repeat them, not change them)."""
 
     kind: Literal["multiplex"]
-    policy: str = Field("jigsaw", description="a policy that multiplexes pipelines: `dovetail train --help` lists them")
+    policy: str = Field(
+        "jigsaw", description="a policy that multiplexes pipelines, or auto: `dovetail train --help` lists them"
+    )
     train: MultiplexTrainSection = MultiplexTrainSection()
     cluster: ClusterSection = ClusterSection()
     pipelines: list[PipelineConfig] = Field(
@@ -59,8 +62,9 @@ class MultiplexConfig(Section):
     @field_validator("policy")
     @classmethod
     def _multiplexes(cls, policy: str) -> str:
-        if policy not in multiplexing_policies():
-            raise ValueError(f"{clip(repr(policy))} does not multiplex pipelines; use one of {multiplexing_policies()}")
+        if policy != AUTO and policy not in multiplexing_policies():
+            choices = [AUTO, *multiplexing_policies()]
+            raise ValueError(f"{clip(repr(policy))} does not multiplex pipelines; use one of {choices}")
         return policy
 
     @model_validator(mode="after")

@@ -3,19 +3,25 @@ leave the run's trace, Gantt chart, sample ledger and profiled costs in the run 
 
 from __future__ import annotations
 
+import copy
 import json
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import ray
 from ray.exceptions import RayError
 
+from dovetail.config.common import AUTO, ConfigError
+from dovetail.config.load import parse_config
+from dovetail.config.multiplex import TrainConfig
 from dovetail.cost.calibration import DEFAULT
 from dovetail.exec.launch import Choice, device_pool, make_executor, prepare_run, start_ray, start_workers
 from dovetail.exec.metrics import summarize, time_per_step
+from dovetail.exec.pipeline import Ledger
 from dovetail.exec.ray_executor import RayExecutor
-from dovetail.graph.node import Kind
+from dovetail.exec.recovery import StepLost
+from dovetail.graph.node import Kind, SampleId
 from dovetail.models.training import load_trainer_state, trainer_state_of
 from dovetail.rewards import RewardError
 
@@ -114,44 +120,120 @@ def train_on_ray(
 
     phase("starting Ray")
     start_ray(config)
-    phase(f"starting {config.cluster.devices} device workers")
     pool = device_pool(config)
     states = {name: trainer_state_of(log.model, log.optimizer) for name, log in logs.items()}
-    started = start_workers(config, pool, states)
-    if after_start is not None:
-        after_start(started)
     steps = {last_step - first for first in first_steps.values()}
     if len(steps) != 1:
         raise ValueError(f"every pipeline of a run resumes from the same step; got {first_steps}")
-    phase("profiling the devices and planning the step")
-    costs, prepared, choice = prepare_run(config, steps.pop(), started, reprofile)
-    if choice is not None:  # policy=auto: from here on the run is the chosen policy's, and says so once
-        config = config.model_copy(update={"policy": choice.policy})
-        next(iter(logs.values())).progress.note(choice.line())
-    phase("first step")
-    step_metrics = {name: StepMetrics(prepared.policy, name) for name in logs}
-
-    def on_commit(pipeline: str, rl_step: int, executor: RayExecutor) -> None:
-        done, log = rl_step + 1, logs[pipeline]
-        metrics = step_metrics[pipeline](executor, rl_step - first_steps[pipeline])
-        if log.needs_weights(done):
-            load_trainer_state(log.model, log.optimizer, executor.committed_state(pipeline))
-            log.holds = done
-        log.record(done, metrics, {"policy": config.policy, "version": done})
-        if after_record is not None:
-            after_record()
-
-    executor = make_executor(config, prepared, started, first_steps, on_commit=on_commit, after_part=after_part)
-    startup_s = time.perf_counter() - called
-    trace = executor.run(prepared.policy)
+    first_steps = dict(first_steps)  # moves on when the run goes on without a lost device
+    earlier = Earlier()
+    startup_s: float | None = None
+    while True:
+        phase(f"starting {len(pool.bundles)} device workers")
+        executor: RayExecutor | None = None
+        try:
+            started = start_workers(config, pool, states)
+            if after_start is not None:
+                after_start(started)
+            phase("profiling the devices and planning the step")
+            costs, prepared, choice = prepare_run(config, last_step - min(first_steps.values()), started, reprofile)
+            if choice is not None:  # policy=auto: from here on the run is the chosen policy's, and says so once
+                config = config.model_copy(update={"policy": choice.policy})
+                next(iter(logs.values())).progress.note(choice.line())
+            phase("first step")
+            on_commit = Recorder(logs, first_steps, prepared.policy, config.policy, after_record)
+            hooks = {"on_commit": on_commit, "after_part": after_part}
+            executor = make_executor(config, prepared, started, first_steps, pool, earlier.ledgers, **hooks)
+            if startup_s is None:
+                startup_s = time.perf_counter() - called
+            trace = executor.run(prepared.policy)
+            break
+        except StepLost as lost:
+            if executor is not None:
+                states = {name: executor.committed_state(name) for name in logs}
+                earlier.book(executor, first_steps)
+            pool = pool.without(lost.devices)
+            earlier.lost += len(lost.devices)
+            if not pool.bundles:
+                raise RuntimeError(
+                    f"{lost.why}: no device left; check the cluster (`ray status`) and resume with --resume RUN_DIR"
+                ) from None
+            if len(set(first_steps.values())) != 1:
+                raise RuntimeError(
+                    f"{lost.why} while the pipelines stood at different steps {first_steps}: a multiplexed run goes "
+                    "on only from a step every pipeline committed; resume with --resume RUN_DIR"
+                ) from None
+            if lost.devices:
+                config = on_fewer_devices(config, len(pool.bundles))
+            step = next(iter(first_steps.values()))
+            devices = len(pool.bundles)
+            for name in logs:
+                earlier.ledgers.setdefault(name, Ledger()).went_on.append((step, devices, lost.why))
+            next(iter(logs.values())).progress.note(
+                f"{lost.why}: going on from step {step} on the {devices} device{'s' if devices > 1 else ''} left "
+                f"under {config.policy}"
+            )
     stopped = {name: save_stopped(executor, name, logs, first_steps[name]) for name in executor.stopped}
     if stopped and len(logs) == 1:
         raise RewardError(next(iter(stopped.values())))
     return (
-        write_run_outputs(logs, config, prepared, executor, trace, costs, choice)
+        write_run_outputs(logs, config, prepared, executor, trace, costs, choice, earlier)
         | ({"stopped": stopped} if stopped else {})
-        | {"startup_s": startup_s}
+        | {"startup_s": startup_s, "devices_lost": earlier.lost}
     )
+
+
+class Recorder:
+    """Records each optimizer step of a run's pipeline in its log (`StepLog`), with the trainer state where the log
+    needs it (a checkpoint, an evaluation); `after_record()` runs next."""
+
+    def __init__(self, logs: dict, first_steps: dict[str, int], policy, policy_name: str, after_record) -> None:
+        self.logs, self.first_steps, self.policy_name, self.after_record = logs, first_steps, policy_name, after_record
+        self.step_metrics = {name: StepMetrics(policy, name) for name in logs}
+
+    def __call__(self, pipeline: str, rl_step: int, executor: RayExecutor) -> None:
+        done, log = rl_step + 1, self.logs[pipeline]
+        metrics = self.step_metrics[pipeline](executor, rl_step - self.first_steps[pipeline])
+        if log.needs_weights(done):
+            load_trainer_state(log.model, log.optimizer, executor.committed_state(pipeline))
+            log.holds = done
+        log.record(done, metrics, {"policy": self.policy_name, "version": done})
+        if self.after_record is not None:
+            self.after_record()
+
+
+@dataclass
+class Earlier:
+    """What the run did on the devices it had before it went on without lost ones: each pipeline's ledger of its
+    committed steps, the samples those steps had to cover, and the devices lost."""
+
+    ledgers: dict[str, Ledger] = field(default_factory=dict)
+    expected: dict[str, dict[SampleId, list[int]]] = field(default_factory=dict)
+    lost: int = 0
+
+    def book(self, executor: RayExecutor, first_steps: dict[str, int]) -> None:
+        """Keep what `executor` committed and move each pipeline's first step past it."""
+        for name, run in executor.pipelines.items():
+            first_steps[name] += executor.committed_steps(name)
+            self.ledgers[name] = run.ledger.before(first_steps[name])
+            self.expected.setdefault(name, {}).update(executor.expected_samples(name))
+
+
+def on_fewer_devices(config, devices: int) -> TrainConfig:
+    """The run's config on the `devices` that remain: the same policy and pools where they fit, else the policy's own
+    pools, else the policy `policy=auto` picks there."""
+    same = config.model_dump(mode="json")
+    same["cluster"]["devices"] = devices
+    own_pools = copy.deepcopy(same)
+    for runtime in [own_pools.get("runtime", {}), *(p.get("runtime", {}) for p in own_pools.get("pipelines", []))]:
+        runtime.pop("trainer_devices", None)
+        runtime.pop("reward_devices", None)
+    for tree in (same, own_pools, own_pools | {"policy": AUTO}):
+        try:
+            return parse_config(tree)
+        except ConfigError:
+            continue
+    raise RuntimeError(f"no policy runs this config on the {devices} devices left; resume with --resume RUN_DIR")
 
 
 def save_stopped(executor: RayExecutor, name: str, logs: dict, first_step: int) -> str:
@@ -180,11 +262,19 @@ def node_seconds(trace) -> dict[str, tuple[float, list[int]]]:
 
 
 def write_run_outputs(
-    logs: dict, config, prepared, executor: RayExecutor, trace, costs: dict, choice: Choice | None = None
+    logs: dict,
+    config,
+    prepared,
+    executor: RayExecutor,
+    trace,
+    costs: dict,
+    choice: Choice | None = None,
+    earlier: Earlier | None = None,
 ) -> dict:
     """In the run directory: trace.json (Perfetto / chrome://tracing), gantt.png and run_profile.json for
     `dovetail simulate --from-run`; in each pipeline's directory (the run's own for a single pipeline) its sample
-    ledger.json, and with several pipelines all of them in the run directory's ledger.json."""
+    ledger.json, and with several pipelines all of them in the run directory's ledger.json. After the run went on
+    without a lost device, the trace, chart and profile are of the devices it ended on; the ledger is of the run."""
     path = next(iter(logs.values())).run.path if len(logs) == 1 else next(iter(logs.values())).run.path.parent
     device_engines = executor.held_engines()  # first: a worker that died after the last step is brought back
     trace.write_chrome(path / "trace.json")
@@ -192,7 +282,8 @@ def write_run_outputs(
     ledgers = {}
     for name, log in logs.items():
         ledger = executor.pipelines[name].ledger
-        problems = ledger.problems(executor.expected_samples(name))
+        expected = (earlier.expected.get(name, {}) if earlier else {}) | executor.expected_samples(name)
+        problems = ledger.problems(expected)
         ledgers[name] = ledger.to_json() | {"problems": problems}
         (log.run.path / "ledger.json").write_text(json.dumps(ledgers[name]))
         if problems:

@@ -10,18 +10,18 @@ import statistics
 import subprocess
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import ray
 import torch
 from ray._private import ray_constants
 from ray.exceptions import RayActorError
-from ray.util.placement_group import PlacementGroup, get_placement_group, placement_group
+from ray.util.placement_group import PlacementGroup, get_placement_group, placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from dovetail.config.common import AUTO, MAX_PIPELINES, ray_address, scheduling_policies
+from dovetail.config.common import AUTO, MAX_PIPELINES, auto_candidates, ray_address
 from dovetail.config.multiplex import TrainConfig, pipeline_configs
 from dovetail.cost.catalog import DEVICES, device
 from dovetail.cost.model import CostModel
@@ -30,9 +30,9 @@ from dovetail.exec.metrics import summarize
 from dovetail.exec.pipeline import Ledger
 from dovetail.exec.plan import Prepared, prepare, simulate
 from dovetail.exec.ray_executor import PipelineRun, RayExecutor
-from dovetail.exec.recovery import Started
+from dovetail.exec.recovery import LostWatch, Started
 from dovetail.exec.startup_cache import cached
-from dovetail.exec.watchdog import remove_stale_group_files, start_watchdog
+from dovetail.exec.watchdog import start_watchdog
 from dovetail.exec.worker import DEVICE_RESOURCE, LOOPBACK, DeviceWorker, WorkerRestarted
 from dovetail.kinds import kind
 from dovetail.scenario import Scenario
@@ -112,7 +112,6 @@ def start_local_ray(cpu_devices: int | None) -> None:
     options["_system_config"] = {"worker_niceness": 0}
     if cpu_devices is not None:
         options["resources"] = {DEVICE_RESOURCE: cpu_devices}
-    remove_stale_group_files()
     if not _WATCHDOG:
         _WATCHDOG.append(start_watchdog())
     cluster_mode = ray_constants.ENABLE_RAY_CLUSTER
@@ -138,12 +137,11 @@ class DevicePool:
     a later run of the job (a sweep, a test session) takes up warm workers instead of starting processes that
     import torch and the engines again, seconds each. A worker is a detached actor (no handle keeps it alive
     between runs) in a placement group of the job, which Ray removes as the job ends, ending its workers with it;
-    a worker Ray has given up restarting is replaced by a fresh one under its name."""
+    a worker Ray has given up restarting is replaced by a fresh one under its name. A worker is named after its
+    bundle, not its place in the pool: a run that goes on without a lost device keeps the others' workers."""
 
-    prefix: str
-    """`dovetail-<job>-<device>`: what the job's workers and bundles of this device type are named after."""
-    bundles: tuple[tuple[PlacementGroup, int], ...]
-    """Per device, its placement group and bundle index."""
+    bundles: tuple[tuple[PlacementGroup, str, int], ...]
+    """Per device, its placement group, the group's name and the bundle's index in it."""
     gpu: bool
 
     def workers(self, slot: int) -> list:
@@ -153,14 +151,27 @@ class DevicePool:
         with warning_muted("ray.actor", "detached actor with a placement group"):  # its point here: see above
             return [
                 DeviceWorker.options(
-                    name=f"{self.prefix}-slot{slot}-device{index}",
+                    name=f"{name}-bundle{bundle}-slot{slot}",
                     get_if_exists=True,
                     lifetime="detached",
                     scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
                     **options,
                 ).remote(index)
-                for index, (group, bundle) in enumerate(self.bundles)
+                for index, (group, name, bundle) in enumerate(self.bundles)
             ]
+
+    def unplaced(self) -> list[int]:
+        """The devices whose bundle has no node now: its node is gone and no other had room for it (yet)."""
+        tables = {name: placement_group_table(group) for group, name, _ in self.bundles}
+        return [
+            device
+            for device, (_, name, bundle) in enumerate(self.bundles)
+            if not tables[name]["bundles_to_node_id"].get(bundle)
+        ]
+
+    def without(self, devices: list[int]) -> DevicePool:
+        """The pool of the devices that remain after `devices` are lost."""
+        return replace(self, bundles=tuple(b for device, b in enumerate(self.bundles) if device not in devices))
 
 
 @contextmanager
@@ -184,7 +195,7 @@ def device_pool(config: TrainConfig) -> DevicePool:
     are placed now as one more group (PACK: on as few nodes as Ray can)."""
     bundle = device_bundle(config)
     prefix = f"dovetail-{ray.get_runtime_context().get_job_id()}-{config.cluster.device}"
-    bundles: list[tuple[PlacementGroup, int]] = []
+    bundles: list[tuple[PlacementGroup, str, int]] = []
     while len(bundles) < config.cluster.devices:
         name = f"{prefix}-from{len(bundles)}"
         try:
@@ -192,8 +203,18 @@ def device_pool(config: TrainConfig) -> DevicePool:
         except ValueError:  # no such group yet
             group = placement_group([bundle] * (config.cluster.devices - len(bundles)), strategy="PACK", name=name)
         ray.get(group.ready(), timeout=120)
-        bundles += [(group, index) for index in range(group.bundle_count)]
-    return DevicePool(prefix, tuple(bundles[: config.cluster.devices]), "GPU" in bundle)
+        bundles += [(group, name, index) for index in range(group.bundle_count)]
+    nodes = {name: placement_group_table(group)["bundles_to_node_id"] for group, name, _ in bundles}
+    ordered = by_node(bundles[: config.cluster.devices], lambda b: nodes[b[1]][b[2]])
+    return DevicePool(tuple(ordered), "GPU" in bundle)
+
+
+def by_node(bundles: list, node_of: Callable[[object], str]) -> list:
+    """The bundles with each node's together, nodes in the order they first come: a policy's pools and groups are
+    ranges of device indices, which the planner takes to be a node's devices where they fit in one (a trainer group
+    inside a node all-reduces over its interconnect, not the network)."""
+    rank = {node: i for i, node in enumerate(dict.fromkeys(node_of(b) for b in bundles))}
+    return sorted(bundles, key=lambda b: rank[node_of(b)])
 
 
 def start_workers(config: TrainConfig, pool: DevicePool, trainer_states: dict[str, dict]) -> dict[str, Started]:
@@ -209,7 +230,8 @@ def start_workers(config: TrainConfig, pool: DevicePool, trainer_states: dict[st
         state_ref = ray.put(trainer_states[name])
         weights_ref = ray.put(trainer_states[name]["weights"])
         pids = [0] * len(workers[name])
-        started[name] = Started(pipeline.model_dump(mode="json"), workers[name], pids, weights_ref, state_ref)
+        config_dump = pipeline.model_dump(mode="json")
+        started[name] = Started(config_dump, workers[name], pids, weights_ref, state_ref, lost_watch(config, pool))
         started[name].revive("configure")  # every worker is new to this run: configured and grouped, even if one
         started[name].restarts.clear()  # dies meanwhile; not a restart of the run's
     return started
@@ -318,7 +340,7 @@ def chosen_policy(config, steps: int, cost: CostModel | Mapping[str, CostModel] 
     policy the config rules out (a field it decides itself, a reward pool it cannot use) is skipped and said why."""
     simulated = min(steps, DRY_RUN_STEPS)
     predicted, refused = {}, {}
-    for policy in scheduling_policies(config.kind):
+    for policy in auto_candidates(config.kind):
         candidate = config.model_copy(update={"policy": policy})
         try:
             _, trace = simulate(
@@ -405,9 +427,22 @@ def dry_run(config: TrainConfig, steps: int) -> dict:
     }
 
 
+def lost_watch(config: TrainConfig, pool: DevicePool) -> Callable[[], LostWatch]:
+    """New watches of the pool's devices, each lost once it has had no node for cluster.lost_after_s."""
+    return lambda: LostWatch(pool.unplaced, config.cluster.lost_after_s)
+
+
 def make_executor(
-    config: TrainConfig, prepared: Prepared, started: dict[str, Started], first_steps: dict[str, int], **hooks
+    config: TrainConfig,
+    prepared: Prepared,
+    started: dict[str, Started],
+    first_steps: dict[str, int],
+    pool: DevicePool,
+    ledgers: Mapping[str, Ledger],
+    **hooks,
 ) -> RayExecutor:
+    """The executor of the run's pipelines from `first_steps`; a pipeline's ledger takes up from its entry in
+    `ledgers` (what the run booked before it went on without a lost device), if any."""
     pipelines = {
         name: PipelineRun(
             name,
@@ -417,8 +452,8 @@ def make_executor(
             first_steps[name],
             {0: started[name].weights},
             started[name].trainer_state,
-            ledger=Ledger(restarts=list(started[name].restarts)),
+            ledger=ledgers.get(name, Ledger()).with_restarts(started[name].restarts),
         )
         for name, pipeline in pipeline_configs(config).items()
     }
-    return RayExecutor(prepared.graph, prepared.setup, pipelines, **hooks)
+    return RayExecutor(prepared.graph, prepared.setup, pipelines, lost=lost_watch(config, pool), **hooks)

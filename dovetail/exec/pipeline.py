@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -55,6 +55,8 @@ class Ledger:
     restarts: list[tuple[float, int, str]] = field(default_factory=list)
     reruns: list[tuple[int, str]] = field(default_factory=list)
     """(device, train node) re-run on a restarted device to rebuild the gradients it held."""
+    went_on: list[tuple[int, int, str]] = field(default_factory=list)
+    """(RL step, devices, why) each time the run went on from its last committed step without a lost node's work."""
 
     def problems(self, expected: dict[SampleId, list[int]]) -> list[str]:
         """Every sample generated once and scored once, every (sample, unit) trained once."""
@@ -68,6 +70,19 @@ class Ledger:
                 if self.trained.get((sample, unit), 0) != 1:
                     found.append(f"sample {sample} unit {unit} trained {self.trained.get((sample, unit), 0)} times")
         return found
+
+    def before(self, step: int) -> Ledger:
+        """What was booked of the RL steps before `step` (a run that goes on from `step` without a lost device does
+        that step again), and every restart and migration."""
+        return replace(
+            self,
+            generated={sample: uses for sample, uses in self.generated.items() if sample.step < step},
+            scored={sample: times for sample, times in self.scored.items() if sample.step < step},
+            trained={key: times for key, times in self.trained.items() if key[0].step < step},
+        )
+
+    def with_restarts(self, restarts: list[tuple[float, int, str]]) -> Ledger:
+        return replace(self, restarts=self.restarts + list(restarts))
 
     def to_json(self) -> dict:
         """ledger.json: each row a record whose keys name its fields, so the file reads without this class."""
@@ -84,6 +99,7 @@ class Ledger:
             "migrated": [{"step": s, "responses": n, "device": d} for s, n, d in self.migrated],
             "restarts": [{"time": t, "device": d, "during": what} for t, d, what in self.restarts],
             "reruns": [{"device": d, "node": node} for d, node in self.reruns],
+            "went_on": [{"step": s, "devices": d, "why": why} for s, d, why in self.went_on],
         }
 
 

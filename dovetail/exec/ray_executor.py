@@ -22,12 +22,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
 
 from dovetail.exec.loop import settle
 from dovetail.exec.messages import Commit, LoadWeights, Trained
 from dovetail.exec.pipeline import Ledger, Part, PipelineAdapter
-from dovetail.exec.recovery import RECOVERY_DEADLINE_S, revive
+from dovetail.exec.recovery import RECOVERY_DEADLINE_S, LostWatch, StepLost, revive
 from dovetail.exec.state import ClusterState
 from dovetail.exec.trace import Trace
 from dovetail.exec.worker import WorkerRestarted
@@ -82,13 +82,15 @@ class RayExecutor:
         setup: Setup,
         pipelines: dict[str, PipelineRun],
         *,
+        lost: Callable[[], LostWatch],
         on_commit: Callable[[str, int, RayExecutor], None] | None = None,
         after_part: Callable[[RayExecutor, Part], None] | None = None,
-        recovery_deadline_s: float = RECOVERY_DEADLINE_S,
     ) -> None:
         """`on_commit(pipeline, rl_step, self)` runs after each optimizer step; `after_part` is a hook for
-        fault-injection tests; a worker that dies must be back within `recovery_deadline_s`."""
-        self.recovery_deadline_s = recovery_deadline_s
+        fault-injection tests; a worker that dies must be back within `RECOVERY_DEADLINE_S`, unless `lost()` (a new
+        watch of the pool's devices) finds its device lost: then `run` raises `StepLost`, as it does when a node took
+        what the open step needs with it."""
+        self.lost = lost
         self.graph = graph
         self.setup = setup
         self.pipelines = pipelines
@@ -150,6 +152,12 @@ class RayExecutor:
                 continue  # the answer of a pipeline that stopped: nothing waits for it
             try:
                 result = ray.get(ref)
+            except ObjectLostError:  # what it read was on a node that is gone: the step is done again
+                raise StepLost(
+                    f"a node of the run was lost with step {self.graph[part.node].step} in flight"
+                    if isinstance(part, Part)
+                    else "a node of the run was lost"
+                ) from None
             except RayActorError:
                 self._recover(part, time.perf_counter() - start)
                 continue
@@ -228,15 +236,27 @@ class RayExecutor:
 
     def committed_state(self, pipeline: str) -> dict:
         """The pipeline's last committed trainer state (weights + optimizer): in the object store since the commit
-        (`_keep_committed_state`), which outlives the workers."""
-        return ray.get(self.pipelines[pipeline].trainer_state)
+        (`_keep_committed_state`), which outlives the workers; if it was on a node that is gone, from a trainer
+        replica that holds it still (each holds the committed state; a restarted one is passed over)."""
+        run = self.pipelines[pipeline]
+        try:
+            return ray.get(run.trainer_state)
+        except ObjectLostError:
+            try:
+                run.trainer_state = self._from_a_trainer(run, "trainer_state", run.trainer_devices)
+            except TrainersLost:
+                raise TrainersLost(
+                    f"pipeline {pipeline}: its committed state was on a node that is gone, with every trainer "
+                    "replica; resume from the last checkpoint with --resume RUN_DIR"
+                ) from None
+            return ray.get(run.trainer_state)
 
     def _revive(self, run: PipelineRun, now: float, during: str) -> None:
         """Bring the pipeline's workers back with its committed trainer state and group (`recovery.revive`) and
         rebuild the gradients of the restarted devices' train parts of the open step (sent before anything else)."""
         config = run.config.model_dump(mode="json")
         state = ray.put(self.committed_state(run.name))
-        for device in revive(run.workers, run.pids, config, state, self.recovery_deadline_s):
+        for device in revive(run.workers, run.pids, config, state, RECOVERY_DEADLINE_S, self.lost()):
             run.ledger.restarts.append((round(now, 3), device, during))
             for lost in run.uncommitted[device]:
                 run.ledger.reruns.append((device, lost.node))

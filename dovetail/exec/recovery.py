@@ -1,43 +1,89 @@
-"""Bringing a pipeline's DeviceWorkers back after some of them died, within a deadline.
+"""Bringing a pipeline's DeviceWorkers back after some of them died, within a deadline — or telling the run which
+devices are lost.
 
 Ray restarts a dead actor (`max_restarts=-1`), but the new process is bare: it holds no engines and is in no
 torch.distributed group. `revive` waits until every worker of the pipeline answers, gives each new incarnation the
 pipeline's config and last committed trainer state, and forms the pipeline's group again — whenever a worker died:
 during the start-up profile, in the middle of a step, two close together, all at once, after the last step. A
-worker that does not come back within the deadline is one clear error, never a hang.
+worker whose device is still there (its process died; or its node did and a spare node took its place) may take
+`RECOVERY_DEADLINE_S` to come back, then it is one clear error, never a hang. A device whose node is gone with no
+node to take its place (its placement group bundle unplaced) for `lost_after_s` is lost: `StepLost` lets the run
+go on without it (`exec.driver`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import RayActorError
 
 from dovetail.exec.worker import form_group
 
 RECOVERY_DEADLINE_S = 180.0
-"""Seconds a pipeline's workers may take to come back (a restart loads torch and the engines again)."""
+"""Seconds a pipeline's workers may take to come back on their devices (a restart loads torch and the engines)."""
 POLL_S = 0.2
+ANSWER_POLL_S = 1.0
+"""How often a wait for workers' answers looks for lost devices."""
+
+
+class StepLost(RuntimeError):
+    """The open step cannot finish: a node went and took with it what the step had made there (rollouts, scores,
+    published weights in its object store), or devices that had no node for the grace period (`devices`). The run
+    goes on from its last committed step, on the devices that remain (`exec.driver`)."""
+
+    def __init__(self, why: str, devices: list[int] | None = None) -> None:
+        super().__init__(why)
+        self.why = why
+        self.devices = devices or []
+
+
+def devices_lost(devices: list[int], lost_after_s: float) -> StepLost:
+    plural = "s" if len(devices) > 1 else ""
+    return StepLost(f"lost device{plural} {', '.join(map(str, devices))} (no node for {lost_after_s:g} s)", devices)
+
+
+@dataclass
+class LostWatch:
+    """Which devices have had no node (`unplaced()`) for `lost_after_s`, looked at by a wait for answers."""
+
+    unplaced: Callable[[], list[int]]
+    lost_after_s: float
+    since: dict[int, float] = field(default_factory=dict)
+
+    def check(self) -> None:
+        now = time.monotonic()
+        self.since = {device: self.since.get(device, now) for device in self.unplaced()}
+        lost = sorted(device for device, since in self.since.items() if now - since >= self.lost_after_s)
+        if lost:
+            raise devices_lost(lost, self.lost_after_s)
+
+
+def never_unplaced() -> list[int]:
+    """A pool whose devices cannot lose their node (a test's workers outside placement groups)."""
+    return []
 
 
 class RecoveryTimeout(RuntimeError):
     """A worker did not come back within the recovery deadline."""
 
 
-def revive(workers: list, pids: list[int], config: dict, trainer_state, deadline_s: float) -> list[int]:
+def revive(
+    workers: list, pids: list[int], config: dict, trainer_state, deadline_s: float, lost: LostWatch
+) -> list[int]:
     """Wait for every worker to answer; configure the ones that are new incarnations (their pid changed, `pids` is
     updated) with `config` (a config dump) and `trainer_state` (a ref), and form the group again if any was.
-    Returns the devices that restarted."""
+    Returns the devices that restarted; raises `StepLost` for devices `lost` finds gone."""
     end = time.monotonic() + deadline_s
     while True:
-        current = _answers(workers, end)
+        current = _answers(workers, end, lost)
         restarted = [device for device, (old, new) in enumerate(zip(pids, current)) if old != new]
         if not restarted:
             return []
         try:
-            ray.get([workers[device].configure.remote(config, trainer_state) for device in restarted])
+            ray.get([workers[device].configure.remote(config, trainer_state, device) for device in restarted])
             form_group(workers)
         except RayActorError:  # another worker died meanwhile: start over, it is a new incarnation too
             _check(end, workers)
@@ -47,14 +93,19 @@ def revive(workers: list, pids: list[int], config: dict, trainer_state, deadline
         return restarted
 
 
-def _answers(workers: list, end: float) -> list[int]:
-    """Every worker's pid, once all of them answer."""
+def _answers(workers: list, end: float, lost: LostWatch) -> list[int]:
+    """Every worker's pid, once all of them answer (a worker still busy with a part answers after it)."""
+    pings = [worker.ping.remote() for worker in workers]
     while True:
-        try:
-            return ray.get([worker.ping.remote() for worker in workers], timeout=max(POLL_S, end - time.monotonic()))
-        except (RayActorError, GetTimeoutError):
-            _check(end, workers)
-            time.sleep(POLL_S)
+        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=ANSWER_POLL_S)
+        if len(ready) == len(pings):
+            try:
+                return ray.get(pings)
+            except RayActorError:  # one died: ask again, its next incarnation answers
+                time.sleep(POLL_S)
+                pings = [worker.ping.remote() for worker in workers]
+        lost.check()
+        _check(end, workers)
 
 
 def _check(end: float, workers: list) -> None:
@@ -76,9 +127,12 @@ class Started:
     """The process of each worker now: a new one is a restart (`recovery.revive`)."""
     weights: ray.ObjectRef
     trainer_state: ray.ObjectRef
+    lost: Callable[[], LostWatch]
+    """A new watch for lost devices of the pool the workers are in."""
     restarts: list[tuple[float, int, str]] = field(default_factory=list)
     """Devices that restarted before the run's first step (during the start-up profile), as the ledger keeps them."""
 
     def revive(self, during: str) -> None:
-        for index in revive(self.workers, self.pids, self.config, self.trainer_state, RECOVERY_DEADLINE_S):
+        watch = self.lost()
+        for index in revive(self.workers, self.pids, self.config, self.trainer_state, RECOVERY_DEADLINE_S, watch):
             self.restarts.append((0.0, index, during))

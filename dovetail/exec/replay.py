@@ -51,6 +51,8 @@ class RunProfile(BaseModel):
     switch_seconds: list[Annotated[float, Field(ge=0)]]
     calibration: dict[str, dict]
     measured_step_time_s: float = Field(gt=0)
+    auto: dict | None = None
+    """What `policy=auto` predicted for each policy it weighed (`launch.Choice`), if the run chose so."""
 
 
 @dataclass(frozen=True)
@@ -155,7 +157,7 @@ def replay_run(run_dir: Path | str) -> dict:
     )
     predicted = time_per_step(trace)
     measured_step = run.measured_step_time_s
-    return {
+    result = {
         "run": str(run_dir),
         "policy": config.policy,
         "steps": run.steps,
@@ -165,6 +167,35 @@ def replay_run(run_dir: Path | str) -> dict:
         "corrections": {name: cost.corrections() for name, cost in costs.items()},
         "device_pace": pace,
     }
+    if run.auto is not None:
+        samples_per_step = sum(record.samples for record in trace.steps) / len(trace.steps)
+        result["auto"] = auto_replayed(config, run, costs, samples_per_step / measured_step)
+    return result
+
+
+def auto_replayed(config: TrainConfig, run: RunProfile, costs: dict[str, CostModel], measured: float) -> dict:
+    """`policy=auto`'s choice after the fact: the chosen policy's predicted samples/s before the run beside what it
+    measured, and the runner-up's prediction before the run beside its prediction on the costs the run measured (it
+    did not run: that is the closest figure to a measurement of it)."""
+    predicted = run.auto["predicted"]
+    chosen = {"policy": config.policy, "predicted_samples_per_s": predicted[config.policy], "measured": measured}
+    others = sorted((rate, name) for name, rate in predicted.items() if name != config.policy)
+    if not others:
+        return {"chosen": chosen, "runner_up": None}
+    rate, name = others[-1]
+    candidate = config.model_copy(update={"policy": name})
+    prepared = prepare(
+        candidate.scenario(run.steps),
+        name,
+        steps=run.steps,
+        options=candidate.policy_options(),
+        cost=costs,
+        **candidate.shape_overrides(),
+    )
+    trace = SimExecutor(prepared.graph, prepared.setup).run(prepared.policy)
+    on_measured = sum(record.samples for record in trace.steps) / trace.makespan
+    runner_up = {"policy": name, "predicted_samples_per_s": rate, "on_measured_costs": on_measured}
+    return {"chosen": chosen, "runner_up": runner_up}
 
 
 def fitted_calibration(fitted: dict) -> Calibration:

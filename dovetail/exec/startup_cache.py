@@ -5,7 +5,8 @@ same config starts on the same machine.
 
 An entry's key hashes what the figures depend on: the machine (processor, cores this process may use, torch and
 dovetail versions, the kernel setting), the pipeline config less what cannot change a device's seconds (steps,
-evaluation, checkpoints, trackers, the policy, which schedules the work but does not change it) and, for the
+evaluation, checkpoints, trackers, the policy, which schedules the work but does not change it, how many devices)
+and, for the
 interference table, every pipeline of the run. Anything else that changes is a new key, so a stale entry is never
 read. `dovetail train --reprofile` (or DOVETAIL_CACHE=off) measures afresh; entries live in $DOVETAIL_CACHE
 (default ~/.cache/dovetail/startup).
@@ -26,8 +27,19 @@ import torch
 FORMAT = 1
 """Bumped when what an entry holds, or how it is measured, changes."""
 
-UNTIMED_FIELDS = ("train.steps", "eval", "checkpoint", "logger", "policy", "priority", "name")
-"""Config fields that do not change how long a device takes for the profile's work."""
+UNTIMED_FIELDS = (
+    "train.steps",
+    "eval",
+    "checkpoint",
+    "logger",
+    "policy",
+    "priority",
+    "name",
+    "cluster.devices",
+    "cluster.lost_after_s",
+)
+"""Config fields that do not change how long a device takes for the profile's work (`cluster.devices`: how many,
+each profiled alike; a run that goes on without a lost device plans with the figures it measured)."""
 
 
 def cache_dir() -> Path | None:

@@ -5,25 +5,19 @@ not the agents the raylet starts (dashboard and runtime-env agents): a driver ki
 killer, `kill -9`, a scheduler past its grace period) leaves them running, and every leftover of a dead run slows
 the next one on a machine of two cores. So `start_watchdog` starts this module as a process of its own session (no
 terminal signal reaches it) reading a pipe only the driver holds: the pipe ends when the driver does, however it
-ends, and the watchdog then kills every process it has seen below the driver, and removes the driver's group
-rendezvous files (`worker.rendezvous`).
+ends, and the watchdog then kills every process it has seen below the driver.
 """
 
 import os
 import select
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import psutil
 
 POLL_S = 1.0
 """How often the watchdog looks at the driver's descendants: a worker started and killed within one poll is not
 seen, but Ray's own processes live as long as the instance."""
-
-GROUP_FILE_PREFIX = "dovetail-group-"
-"""A local group's rendezvous file is `<temp>/dovetail-group-<driver pid>-<uuid>`."""
 
 
 def start_watchdog() -> subprocess.Popen:
@@ -34,18 +28,6 @@ def start_watchdog() -> subprocess.Popen:
         stdin=subprocess.PIPE,
         start_new_session=True,
     )
-
-
-def group_file(driver_pid: int, unique: str) -> Path:
-    return Path(tempfile.gettempdir()) / f"{GROUP_FILE_PREFIX}{driver_pid}-{unique}"
-
-
-def remove_stale_group_files() -> None:
-    """Remove the rendezvous files of drivers that no longer run (a run killed before it could remove its own)."""
-    for path in Path(tempfile.gettempdir()).glob(f"{GROUP_FILE_PREFIX}*"):
-        driver = path.name.removeprefix(GROUP_FILE_PREFIX).split("-", 1)[0]
-        if driver.isdigit() and not psutil.pid_exists(int(driver)):
-            path.unlink(missing_ok=True)
 
 
 def watch(driver_pid: int, heartbeat) -> None:
@@ -63,8 +45,6 @@ def watch(driver_pid: int, heartbeat) -> None:
             process.kill()  # psutil checks the process is still the one seen (pid and start time)
         except psutil.NoSuchProcess:
             pass
-    for path in Path(tempfile.gettempdir()).glob(f"{GROUP_FILE_PREFIX}{driver_pid}-*"):
-        path.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ import socket
 import time
 import uuid
 from datetime import timedelta
-from pathlib import Path
 
 import ray
 import torch
@@ -26,7 +25,7 @@ import torch.distributed as dist
 
 from dovetail.config.load import parse_config
 from dovetail.exec.messages import Commit, LoadWeights, Trained, Work
-from dovetail.exec.watchdog import group_file
+from dovetail.exec.rendezvous import RayStore, forget
 from dovetail.kinds import kind
 from dovetail.models.training import commit, set_summed_gradient, strict_fp32, trainer_state_of, weights_of
 
@@ -42,9 +41,10 @@ class WorkerRestarted(RuntimeError):
 
 
 def form_group(workers: list) -> None:
-    """Every device joins one torch.distributed group, rendezvous on the first device's node."""
-    init_method = ray.get(workers[0].rendezvous.remote(os.getpid()))
-    ray.get([w.join_group.remote(init_method, len(workers)) for w in workers])
+    """Every device joins one new torch.distributed group, its rank its place in `workers`; it meets in Ray's
+    key-value store (`exec.rendezvous`), which outlives any device."""
+    prefix = f"group-{uuid.uuid4().hex}"
+    ray.get([w.join_group.remote(prefix, rank, len(workers)) for rank, w in enumerate(workers)])
 
 
 def through_object_store(weights: dict) -> dict:
@@ -62,16 +62,18 @@ def group_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def join_process_group(init_method: str, rank: int, world: int, backend: str) -> None:
-    """Module-level: Ray cannot pickle actor methods that use torch.distributed. A group of one machine's
-    processes (a `file://` rendezvous) keeps gloo's own connections on loopback too."""
+def join_process_group(prefix: str, rank: int, world: int, backend: str) -> RayStore:
+    """Module-level: Ray cannot pickle actor methods that use torch.distributed. On a local run's node (loopback)
+    every member is on this machine, and gloo's own connections stay on loopback too. Returns the group's store,
+    which the caller keeps for the group's life: torch holds it from C++ only, and sub-groups cut later read it."""
     if dist.is_initialized():
         dist.destroy_process_group()
-    if init_method.startswith("file://"):
+    if ray.util.get_node_ip_address() == LOOPBACK:
         os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
-    dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=world, timeout=timedelta(seconds=GROUP_TIMEOUT_S)
-    )
+    timeout = timedelta(seconds=GROUP_TIMEOUT_S)
+    store = RayStore(prefix, timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    return store
 
 
 def loopback_interface() -> str:
@@ -96,6 +98,8 @@ def gather_parts(parts: dict, ranks: tuple[int, ...], groups: dict) -> dict:
 @ray.remote(num_cpus=0, resources={DEVICE_RESOURCE: 1}, max_restarts=-1, max_task_retries=0)
 class DeviceWorker:
     def __init__(self, index: int, pin_core: bool = True):
+        """`index`: the device's place in the pool that started it, which picks its core; a run gives the worker
+        its place in that run's pool at `configure` (the same, unless the run goes on without a lost device)."""
         torch.set_num_threads(1)
         self.device = worker_device()
         if self.device.type == "cuda":
@@ -108,13 +112,14 @@ class DeviceWorker:
             os.sched_setaffinity(0, {cores[index % len(cores)]})
         self.index = index
         self._engines = None
-        self.init_method: str | None = None
-        """Where this device's current group met (`rendezvous`)."""
+        self.group: str | None = None
+        """The rendezvous prefix of this device's current group (`form_group`)."""
 
-    def configure(self, config: dict, trainer_state: dict) -> None:
-        """Build the pipeline's engines for a run; a device past `compute_devices` (the reward pool) holds the
-        reward engine alone. Workers outlive a run, so one pool serves many runs (and tests) without restarting
-        torch."""
+    def configure(self, config: dict, trainer_state: dict, index: int) -> None:
+        """Build the pipeline's engines for a run in which this is device `index`; a device past `compute_devices`
+        (the reward pool) holds the reward engine alone. Workers outlive a run, so one pool serves many runs (and
+        tests) without restarting torch."""
+        self.index = index
         self.config = parse_config(config)
         holds_policy = self.index < self.config.compute_devices
         engines = kind(self.config.kind).load("engines")
@@ -134,28 +139,16 @@ class DeviceWorker:
         """The engines this device holds (every device holds the reward engine, built at configure)."""
         return self.engines.held()
 
-    def join_group(self, init_method: str, world: int) -> None:
-        """(Re)join the torch.distributed group of all devices; trainer groups are cut from it at commits.
+    def join_group(self, prefix: str, rank: int, world: int) -> None:
+        """(Re)join the torch.distributed group of all devices as `rank`; trainer groups are cut from it at commits.
         Accumulated gradients survive (a re-join follows another device's restart)."""
-        join_process_group(init_method, self.index, world, group_backend(self.device))
+        self.store = join_process_group(prefix, rank, world, group_backend(self.device))
         self.groups: dict[tuple[int, ...], object] = {}
         # every member has left the group this one replaces (each leaves before it joins, and joining waits for all):
-        # its rendezvous file is nobody's any more
-        previous, self.init_method = self.init_method, init_method
-        if previous is not None and previous != init_method and previous.startswith("file://"):
-            Path(previous.removeprefix("file://")).unlink(missing_ok=True)
-
-    def rendezvous(self, driver_pid: int) -> str:
-        """Where the group meets, new at each forming. On a local run's node (loopback) every peer is on this
-        machine: a file, so that nothing listens on the network (torch's TCP store listens on every interface),
-        named by the driver's process so that the driver's watchdog, or the next run, removes it once the driver is
-        gone (`exec.watchdog`). Otherwise a free TCP port on this device's node."""
-        node = ray.util.get_node_ip_address()
-        if node == LOOPBACK:
-            return f"file://{group_file(driver_pid, uuid.uuid4().hex)}"
-        with socket.socket() as probe:
-            probe.bind((node, 0))
-            return f"tcp://{node}:{probe.getsockname()[1]}"
+        # its rendezvous keys are nobody's any more
+        previous, self.group = self.group, prefix
+        if previous is not None and previous != prefix:
+            forget(previous)
 
     def ping(self) -> int:
         return os.getpid()

@@ -61,6 +61,11 @@ class _PipelineSpec(_Spec):
         description="Weight of this pipeline's step completion times where a policy that multiplexes pipelines "
         "(jigsaw) chooses whose trainer work goes first: the higher, the sooner.",
     )
+    recompute_logprob: bool = Field(
+        True,
+        description="Recompute old log-probs in the trainer before training, as verl and veRL-Omni do (their rollout "
+        "engines' kernels differ from the trainer's); a policy whose shape has no such pass ignores it.",
+    )
 
 
 class FlowSpec(_PipelineSpec):
@@ -193,7 +198,6 @@ class LLMSpec(_PipelineSpec):
     micro_batches: int = Field(1, gt=0, le=MAX_SAMPLES, description="Train micro-steps per step.")
     tensor_parallel: int = Field(1, gt=0, le=64, description="Devices per rollout engine.")
     reference: bool = Field(True, description="Compute reference log-probs for a KL term.")
-    recompute_logprob: bool = Field(True, description="Recompute old log-probs in the trainer.")
 
     def catalogue_model(self) -> LanguageModel:
         """The model the cost model prices: `architecture` under the name `model`, else the cost catalogue's entry of

@@ -2,7 +2,7 @@
 
 Deliberately short: the base model should know the format and mostly the algorithm, yet slip when it samples at
 temperature 1, so that GRPO, which trains on those samples, has room to sharpen it. The default step count is
-chosen for that (see DEFAULT_STEPS).
+chosen for that (each task's `pretrain_steps`).
 """
 
 import random
@@ -20,7 +20,6 @@ from dovetail.models.tokenizer import CharTokenizer
 from dovetail.rewards.text import exact_answer
 from dovetail.tasks import Task, task
 
-DEFAULT_STEPS = 200  # sort, about a minute on one core: held-out success ~0.4 sampled at temperature 1, ~1 greedy
 EVAL_SEED = 0  # the held-out prompts every evaluation uses, whatever seed trained the model
 IGNORE = -100  # label of a token the loss skips (the prompt and the padding)
 BUCKET_STEPS = 8  # batches drawn together and cut by length, so a batch pads little
@@ -87,7 +86,7 @@ def pretrain_lm(
     task_name: str,
     out_dir: Path | str,
     *,
-    steps: int = DEFAULT_STEPS,
+    steps: int | None = None,
     seed: int = 0,
     batch_size: int = 32,
     lr: float = 1e-3,
@@ -96,12 +95,14 @@ def pretrain_lm(
     eval_count: int = 200,
     config: LMConfig | None = None,
 ) -> tuple[LlamaForCausalLM, CharTokenizer, LMConfig]:
-    """Train, write the checkpoint to out_dir, print the held-out success; the same seed gives the same bits.
+    """Train for `steps` (None: the task's `pretrain_steps`, what made its shipped model), write the checkpoint to
+    out_dir, print the held-out success; the same seed gives the same bits.
 
     The learning rate warms up linearly, then decays on a cosine to zero at the last step.
     """
     torch.manual_seed(seed)
     task_ = task(task_name)
+    steps = task_.pretrain_steps if steps is None else steps
     tokenizer = CharTokenizer()
     config = config or LMConfig(task=task_name, vocab_size=tokenizer.vocab_size)
     model = build_lm(config).train()
@@ -110,7 +111,7 @@ def pretrain_lm(
         optimizer, lambda s: min((s + 1) / warmup, 0.5 * (1 + np.cos(np.pi * s / steps)))
     )
     start = time.time()
-    for step, prompts in enumerate(length_bucketed_prompts(task_, seed, steps, batch_size)):
+    for step, prompts in enumerate(length_bucketed_prompts(task_.for_pretraining(), seed, steps, batch_size)):
         input_ids, labels = training_batch(tokenizer, task_, prompts)
         loss = model(input_ids=input_ids, labels=labels).loss
         optimizer.zero_grad()

@@ -19,7 +19,7 @@ from fractions import Fraction
 import numpy as np
 
 from dovetail.rewards import REWARD_TIMEOUT_S, RewardError, RewardRaised, call_reward, custom_reward, reward_values
-from dovetail.tasks import Countdown, ExpressionError, evaluate_expression, final_answer, task_of_prompt
+from dovetail.tasks import Copy, Countdown, ExpressionError, evaluate_expression, final_answer, task_of_prompt
 
 TextRewardFn = Callable[[Sequence[str], Sequence[str]], np.ndarray]
 
@@ -53,6 +53,23 @@ def countdown(completions: Sequence[str], prompts: Sequence[str]) -> np.ndarray:
     return np.array(scores)
 
 
+def copied(completions: Sequence[str], prompts: Sequence[str]) -> np.ndarray:
+    """The share of the copy prompt's letters written in place before the first slip: |common prefix| / the longer of
+    the answer and the text (1 exactly for a correct copy; 0 without an answer). Partial credit, as countdown's: a
+    long copy is rarely right whole at first, and a group whose members all score 0 gives GRPO no gradient."""
+    scores = []
+    for completion, prompt in zip(completions, prompts, strict=True):
+        if not isinstance(task_of_prompt(prompt), Copy):
+            raise ValueError(f"the copied reward scores copy prompts only, got {prompt!r}")
+        answer, text = final_answer(completion), prompt.removeprefix(Copy.prefix).removesuffix(":")
+        if answer is None:
+            scores.append(0.0)
+            continue
+        common = next((i for i, (a, b) in enumerate(zip(answer, text)) if a != b), min(len(answer), len(text)))
+        scores.append(common / max(len(answer), len(text)))
+    return np.array(scores)
+
+
 def _is_expression(text: str) -> bool:
     """Whether text is + - * / on small integer literals; a division by zero is well formed, merely not correct."""
     try:
@@ -69,7 +86,12 @@ def format_(completions: Sequence[str], prompts: Sequence[str]) -> np.ndarray:
     return np.array([float(task_of_prompt(p).is_well_formed(c)) for c, p in zip(completions, prompts, strict=True)])
 
 
-TEXT_REWARDS: dict[str, TextRewardFn] = {"exact_answer": exact_answer, "countdown": countdown, "format": format_}
+TEXT_REWARDS: dict[str, TextRewardFn] = {
+    "exact_answer": exact_answer,
+    "countdown": countdown,
+    "copied": copied,
+    "format": format_,
+}
 """The synthetic tasks' rewards: functions of (completions, prompts)."""
 
 

@@ -206,7 +206,7 @@ class Colocated(StagedFlow):
     @classmethod
     def shape(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost) -> FlowShape:
         spec = flow_only(cls.name, spec)
-        return FlowShape(data_parallel_fragments(spec, devices), 1, True, devices, staged=True)
+        return FlowShape(data_parallel_fragments(spec, devices), 1, spec.recompute_logprob, devices, staged=True)
 
     def pools(self, setup: Setup) -> tuple[tuple[int, ...], tuple[int, ...]]:
         everyone = tuple(range(setup.compute_devices))

@@ -35,7 +35,9 @@ class Disaggregated(StagedFlow):
     def shape(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost) -> FlowShape:
         spec = flow_only(cls.name, spec)
         rollout, trainer = split_pools(devices, trainer_devices)
-        return FlowShape(data_parallel_fragments(spec, len(rollout)), 1, True, len(trainer), staged=True)
+        return FlowShape(
+            data_parallel_fragments(spec, len(rollout)), 1, spec.recompute_logprob, len(trainer), staged=True
+        )
 
     def pools(self, setup: Setup) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return split_pools(setup.compute_devices, setup.trainer_devices)

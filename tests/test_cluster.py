@@ -1,0 +1,185 @@
+"""The Ray runtime on a cluster of several nodes (`ray.cluster_utils.Cluster` on this machine: a head without devices
+and three nodes of one `dovetail_device` each, every server on loopback). A run given `cluster.address` puts its
+device workers on two nodes and ends at the reference's parameters, for a flow pipeline, a language model and both
+multiplexed; a node that holds a worker is removed mid-run: with a spare node the worker comes back there, without
+one the run goes on on the devices that remain, after `cluster.lost_after_s`, and says so in one line."""
+
+import json
+import time
+
+import pytest
+import ray
+import torch
+from ray._private import ray_constants
+from ray.cluster_utils import Cluster
+from safetensors.torch import load_file
+
+from dovetail.config.load import parse_config
+from dovetail.exec.launch import RAY_NAMESPACE, by_node
+from dovetail.exec.worker import DEVICE_RESOURCE, LOOPBACK
+from dovetail.runner import train
+
+STEPS = 3
+LM = {
+    "kind": "lm",
+    "task": "sort",
+    "algo": {"prompts_per_step": 4, "group_size": 4},
+    "eval": {"prompts": 8, "every": 100},
+    "checkpoint": {"every": 100},
+    "runtime": {"profile_samples": 4},
+    "train": {"lr": 1e-3},
+}
+FLOW = {
+    "kind": "flow",
+    "algo": {"prompts_per_step": 4, "group_size": 4},
+    "eval": {"per_prompt": 2, "every": 100},
+    "checkpoint": {"every": 100},
+    "runtime": {"profile_samples": 8},
+}
+LOST_AFTER_S = 3.0
+NODE_DEATH_DETECTION = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
+"""Ray declares a node dead after this many failed health checks (by default 5 at 3 s: 15 s and more)."""
+DETECTION_S = 0.5 * 3
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head without devices and three one-device nodes, on loopback; this process is the runs' driver. A Ray
+    instance of an earlier test in this process is left first (a process drives one Ray instance at a time)."""
+    ray.shutdown()
+    cluster_mode, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False  # loopback nodes
+    try:
+        head = {"num_cpus": 1, "node_ip_address": LOOPBACK, "_system_config": NODE_DEATH_DETECTION}
+        cluster = Cluster(initialize_head=True, head_node_args=head)
+        for _ in range(3):
+            cluster.add_node(num_cpus=0, resources={DEVICE_RESOURCE: 1}, node_ip_address=LOOPBACK)
+        ray.init(address=cluster.address, namespace=RAY_NAMESPACE, log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory) -> dict:
+    """Each pipeline's final parameters trained alone by the reference loop (one process, no Ray)."""
+    weights = {}
+    for name, tree in (("sort", LM), ("digits", FLOW)):
+        out = tmp_path_factory.mktemp(f"alone-{name}")
+        train(parse_config(tree | {"policy": "reference"}), out, steps=STEPS)
+        weights[name] = final_weights(out)
+    return weights
+
+
+def on_cluster(cluster, tree: dict, policy: str, **settings) -> dict:
+    return tree | {"policy": policy, "cluster": {"devices": 2, "address": cluster.address, **settings}}
+
+
+def final_weights(run_dir) -> dict:
+    return load_file(str(run_dir / "checkpoints" / f"step_{STEPS:06d}" / "model.safetensors"))
+
+
+def same_parameters(name: str, expected: dict, got: dict) -> bool:
+    """The language model to the bit (tests/test_lm_exactness.py); the flow model within 1e-5 of its reference
+    (as tests/test_multiplex.py: 3 steps of AdamW at lr 1e-4 move a weight by up to 3e-4)."""
+    if name == "sort":
+        return all(torch.equal(expected[k], got[k]) for k in expected)
+    return max((expected[k] - got[k]).abs().max().item() for k in expected) <= 1e-5
+
+
+def worker_nodes() -> list[str]:
+    """The node of each device of the job's pool, by device (its placement groups' bundles, in order)."""
+    groups = sorted(
+        (table for table in ray.util.placement_group_table().values() if table["state"] != "REMOVED"),
+        key=lambda table: int(table["name"].rsplit("from", 1)[1]),
+    )
+    return [node for table in groups for _, node in sorted(table["bundles_to_node_id"].items())]
+
+
+@pytest.mark.parametrize(
+    ("trees", "policy"),
+    [((LM,), "verl-sync"), ((LM, FLOW), "jigsaw")],  # a flow run under digen: the next test, before its node goes
+    ids=["lm-verl-sync", "multiplexed-jigsaw"],
+)
+def test_a_run_spread_over_two_nodes_ends_at_the_reference_parameters(cluster, alone, trees, policy, tmp_path):
+    if len(trees) == 1:
+        tree = on_cluster(cluster, trees[0], policy)
+    else:
+        tree = on_cluster(cluster, {"kind": "multiplex", "pipelines": list(trees)}, policy)
+    train(parse_config(tree), tmp_path, steps=STEPS)
+    assert len(set(worker_nodes()[:2])) == 2, "the run's two devices are on two nodes"
+    names = ["sort", "digits"] if len(trees) == 2 else ["sort"]
+    for name in names:
+        run_dir = tmp_path / name if len(trees) == 2 else tmp_path
+        assert same_parameters(name, alone[name], final_weights(run_dir)), name
+        assert json.loads((run_dir / "ledger.json").read_text())["problems"] == []
+        assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == STEPS
+    spans = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    devices_of = [{e["tid"] for e in spans if e["name"].startswith(f"{name}:")} for name in names]
+    assert set.union(*devices_of) == {0, 1}, "the run's work is on both nodes' devices"
+
+
+def test_the_pool_keeps_each_nodes_devices_together():
+    """PACK may interleave a group's bundles over nodes; the run's device indices keep each node's together, so that
+    a policy's ranges of devices (a trainer group, a rollout pool) are node-local where they fit."""
+    bundles = [("a", 0), ("b", 1), ("a", 2), ("c", 3), ("b", 4)]
+    assert by_node(bundles, lambda b: b[0]) == [("a", 0), ("a", 2), ("b", 1), ("b", 4), ("c", 3)]
+
+
+def remove_node_of_device(cluster, device: int) -> str:
+    """Remove the node that holds `device` of the job's pool, at once (raylet and workers), as a lost machine."""
+    node_id = worker_nodes()[device]
+    (node,) = [node for node in cluster.worker_nodes if node.node_id == node_id]
+    cluster.remove_node(node, allow_graceful=False)
+    return node_id
+
+
+def test_a_lost_node_comes_back_on_a_spare_node_and_the_run_ends_at_the_reference(cluster, alone, tmp_path):
+    """A flow run under digen spread over two nodes; device 0's node goes after step 1's commit: its worker restarts
+    on the spare node and the group forms again without it (the rendezvous is in Ray's key-value store, not on any
+    device)."""
+    removed = []
+
+    def lose_device_zero(executor, part):
+        if not removed and executor.committed_steps("digits") == 1:
+            assert len(set(worker_nodes()[:2])) == 2, "the run's two devices are on two nodes"
+            removed.append(remove_node_of_device(cluster, 0))
+
+    summary = train(
+        parse_config(on_cluster(cluster, FLOW, "digen")), tmp_path, steps=STEPS, after_part=lose_device_zero
+    )
+    assert removed and removed[0] not in worker_nodes()[:2] and summary["restarts"] >= 1
+    assert json.loads((tmp_path / "ledger.json").read_text())["problems"] == []
+    assert same_parameters("digits", alone["digits"], final_weights(tmp_path))
+
+
+def test_without_a_spare_node_the_run_goes_on_on_the_devices_left(cluster, alone, tmp_path, capsys):
+    """No spare node is left (the test above took it): a lost node's device has no node to come back on, and after
+    cluster.lost_after_s the run goes on from its last committed step on the one device left, says so in one line,
+    and ends at the reference's parameters with a clean ledger."""
+    removed: list[float] = []
+    resumed: list[float] = []
+
+    def lose_device_one(executor, part):
+        if not removed and executor.committed_steps("digits") == 1:
+            remove_node_of_device(cluster, 1)
+            removed.append(time.monotonic())
+        elif removed and not resumed and executor.setup.devices == 1:
+            resumed.append(time.monotonic())
+
+    config = parse_config(on_cluster(cluster, FLOW, "digen", lost_after_s=LOST_AFTER_S))
+    summary = train(config, tmp_path, steps=STEPS, after_part=lose_device_one)
+    assert summary["devices_lost"] == 1
+    # Ray's detection of the node's death, the grace period, then the survivor configured for the step again from its
+    # last commit: seconds (about 14 here), where a device waited for would have taken the recovery deadline
+    assert LOST_AFTER_S <= resumed[0] - removed[0] <= DETECTION_S + LOST_AFTER_S + 20, resumed[0] - removed[0]
+    said = [line.split("] ", 1)[1] for line in capsys.readouterr().out.splitlines() if "lost device" in line]
+    assert said == [
+        f"lost device 1 (no node for {LOST_AFTER_S:g} s): going on from step 1 on the 1 device left under digen"
+    ]
+    ledger = json.loads((tmp_path / "ledger.json").read_text())
+    assert ledger["problems"] == []
+    assert {row["step"] for row in ledger["trained"]} == set(range(STEPS))
+    assert ledger["went_on"] == [{"step": 1, "devices": 1, "why": f"lost device 1 (no node for {LOST_AFTER_S:g} s)"}]
+    assert same_parameters("digits", alone["digits"], final_weights(tmp_path))
