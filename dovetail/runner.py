@@ -17,7 +17,7 @@ import torch
 
 from dovetail.config.common import ConfigError
 from dovetail.config.flow import FlowTrainConfig, flow_rules
-from dovetail.config.lm import LMTrainConfig
+from dovetail.config.lm import LMTrainConfig, engine_matches_trainer
 from dovetail.config.load import dump_config, parse_config
 from dovetail.config.multiplex import MultiplexConfig, PipelineConfig, TrainConfig, pipeline_configs
 from dovetail.exec.driver import train_on_ray
@@ -572,8 +572,11 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
     started = timed("prefill", Prefill(pipeline, ids, [prompts[s.prompt] for s in ids], step, weights))
     responses = timed("decode", Decode(pipeline, [started], config.max_new_tokens, weights))
     scores = timed("score", Score(pipeline, [responses], None))
+    # An engine whose log-probs are not the trainer's (vLLM): the old ones recomputed, as the graph's LOGPROB node.
+    recompute = not engine_matches_trainer(config.sampling.engine)
+    old = [timed("logprob", LMLogProbs(pipeline, ids, [responses], False))] if recompute else []
     ref = [timed("logprob", LMLogProbs(pipeline, ids, [responses], True))] if algo.beta > 0 else []
-    trained = timed("train", LMTrain(pipeline, ids, False, [responses], [scores], ref_log_probs=ref))
+    trained = timed("train", LMTrain(pipeline, ids, False, [responses], [scores], old_log_probs=old, ref_log_probs=ref))
     start = time.perf_counter()
     set_summed_gradient(engines.trainer, [engines.part_gradient()], commit_scale([trained]))
     grad_norm = commit(engines.trainer, engines.optimizer, config.train.max_grad_norm)

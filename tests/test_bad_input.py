@@ -9,6 +9,7 @@ import shutil
 import signal
 import sys
 from dataclasses import asdict
+from importlib.util import find_spec
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +106,7 @@ CASES = [
         "sampling.temperature: 1e-300 is below 1e-30",
     ),
     ("noise-level-underflow", None, ["sampling.noise_level=1e-300"], "sampling.noise_level"),
+    ("lm-engine-unknown", None, ["kind=lm", "sampling.engine=sglang"], "sampling.engine"),
     ("devices-flag-zero", None, ["--devices", "0"], "--devices"),
     ("steps-flag-zero", None, ["--steps", "0"], "--steps"),
     ("policy-flag-empty", None, ["--policy", ""], "--policy"),
@@ -364,8 +366,13 @@ def test_a_fifo_as_the_config_is_refused(tmp_path, fails_rather_than_hangs):
     [
         (["kind=lm", "sampling.max_new_tokens=120"], "exceed the model's context of 128 tokens"),
         (["model.checkpoint={truncated}"], "cannot load {truncated}/model.safetensors"),
+        pytest.param(
+            ["kind=lm", "sampling.engine=vllm"],
+            "sampling.engine=vllm: this environment has no vLLM",
+            marks=pytest.mark.skipif(find_spec("vllm") is not None, reason="this environment has vLLM"),
+        ),
     ],
-    ids=["lm-context", "flow-truncated"],
+    ids=["lm-context", "flow-truncated", "lm-no-vllm"],
 )
 def test_the_reference_dry_run_checks_what_the_run_meets_as_it_starts(tmp_path, arguments, names):
     truncated = copied_checkpoint(tmp_path, "digits-t2i")

@@ -229,6 +229,26 @@ def test_the_rollout_engine_samples_what_the_trainer_computes_for_each_architect
     assert [r.tokens for r in second.generate(paused)] == [r.tokens for r in results]
 
 
+def test_sampling_engine_hf_runs_transformers_forward_for_an_architecture_ours_computes(workspace):
+    """`sampling.engine: hf` (`ROLLOUT_ENGINES`) takes transformers' forward even for a Llama, with the trainer's
+    log-probs and our engine's keyed tokens."""
+    model = load_causal_lm(workspace / "my-llama", lora=None, seed=0)
+    params = SamplingParams(max_new_tokens=12, stop_ids=(2,), seed=5)
+    prompts = [HFTokenizer.load(workspace / "my-llama").prompt_ids(p) for p in ("1+2=", "33+4=")]
+    requests = [Request((0, i, 0), p) for i, p in enumerate(prompts)]
+    engines = {
+        name: rollout_engine(model, params, max_len=96, device=torch.device("cpu"), engine=name)
+        for name in ("hf", "dovetail")
+    }
+    assert isinstance(engines["hf"], TransformersEngine) and isinstance(engines["dovetail"], TorchEngine)
+    hf, ours = (engines[name].generate(requests) for name in ("hf", "dovetail"))
+    assert [r.tokens for r in hf] == [r.tokens for r in ours]
+    with torch.no_grad():
+        log_probs, mask = response_log_probs(model, prompts, [r.tokens for r in hf], 1.0)
+    for row, result in enumerate(hf):
+        torch.testing.assert_close(log_probs[row][mask[row]], torch.tensor(result.log_probs), atol=1e-5, rtol=0)
+
+
 def test_stop_strings_end_a_response_at_the_token_that_completes_one(workspace):
     tokenizer = HFTokenizer.load(workspace / "my-llama")
     model = load_causal_lm(workspace / "my-llama", lora=None, seed=0)

@@ -306,8 +306,11 @@ def planner_scenario(
     if "recompute_logprob" not in policy_class(policy).fixes:
         # One optimizer step per batch on the weights that sampled: the trainer's own log-probs, detached, are the
         # old ones (ratio 1), so no separate pass recomputes them (TRL and flow_grpo skip it; so does verl with one
-        # PPO epoch and mini-batch). A policy whose recipe decides it (areal) keeps its own.
-        pipelines = [pipeline | {"recompute_logprob": False} for pipeline in pipelines]
+        # PPO epoch and mini-batch). A policy whose recipe decides it (areal) keeps its own, and so does a pipeline
+        # that asks for it (an LM one whose rollout engine is not the trainer's: sampling.engine=vllm).
+        pipelines = [
+            pipeline | {"recompute_logprob": pipeline.get("recompute_logprob", False)} for pipeline in pipelines
+        ]
     return parse_scenario(
         {
             "name": f"train-{config.pipeline_name}-{config.policy}",

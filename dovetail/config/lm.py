@@ -186,7 +186,20 @@ USER_MAX_NEW_TOKENS = 256
 """A `model.path` run's default response budget (TRL's max_completion_length)."""
 
 
+def engine_matches_trainer(engine: str) -> bool:
+    """Whether a rollout engine (`sampling.engine`; `models.causal_lm.ROLLOUT_ENGINES` builds each) records the
+    trainer's log-probs (up to fp32 rounding, tested): ours and transformers' forward compute what the trainer
+    computes; vLLM's kernels do not, so its pipelines recompute the old log-probs in the trainer (verl's
+    recompute_logprob) and report the engine / trainer gap (`logprob_gap`)."""
+    return engine != "vllm"
+
+
 class LMSamplingSection(Section):
+    engine: Literal["dovetail", "vllm", "hf"] = Field(
+        "dovetail",
+        description="who generates rollouts: dovetail (our engine; CPU or GPU), vllm (vLLM's engine, where vLLM is "
+        "installed: a GPU, or its CPU build via make test-vllm), hf (transformers' forward)",
+    )
     temperature: float = Field(1.0, gt=0, le=100, description="beyond 100 every token is as likely")
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int | None = Field(
@@ -434,4 +447,8 @@ class LMTrainConfig(RunSection):
             config = json_or_empty(self.model.path / "config.json")
             pipeline["model"] = self.pipeline_name
             pipeline["architecture"] = language_model_of_config(self.pipeline_name, config).shape()
+        if not engine_matches_trainer(self.sampling.engine):
+            # An engine that is not the trainer's (vLLM) gets the recompute pass whatever the policy: its log-probs
+            # are never the old ones, and the pass measures how far they are (`planner_scenario` keeps it).
+            pipeline["recompute_logprob"] = True
         return planner_scenario(self, [pipeline], steps, self.runtime.trainer_devices, 0)

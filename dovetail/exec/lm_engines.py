@@ -1,5 +1,5 @@
 """A language-model pipeline's (GRPO) engines on one device of the Ray runtime: the policy as trainer, its rollout
-engine (`TorchEngine`, or transformers' own forward for an architecture it does not compute), the frozen base model
+engine (`sampling.engine`: our `TorchEngine`, transformers' own forward, or vLLM), the frozen base model
 for a KL term and the rewards (`exec.lm_prompts` finds each sample's prompt row), doing the typed work the driver
 sends (prefill, decode, score, log-probs, train), and the profile of that work the cost model is fitted to.
 
@@ -60,8 +60,9 @@ from dovetail.models.training import (
 )
 from dovetail.rewards.text import score_text
 
-STAT_MEANS = ("clip_frac", "approx_kl", "ratio_mean", "kl_ref", "entropy")
-"""Per-token means each train part reports; the step's are weighted by the parts' tokens."""
+STAT_MEANS = ("clip_frac", "approx_kl", "ratio_mean", "kl_ref", "entropy", "logprob_gap")
+"""Per-token means each train part reports (`logprob_gap` where the old log-probs were recomputed); the step's are
+weighted by the parts' tokens."""
 
 
 def responses_of(requests: list[Request], version: int) -> Responses:
@@ -124,6 +125,7 @@ class LMEngines(PipelineEngines):
             max_len=engine_length(config, self.tokenizer, self.prompts, context),
             device=device,
             stop=stop_strings(config, self.tokenizer),
+            engine=config.sampling.engine,
         )
 
     def load_rollout(self, weights: dict) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from importlib.util import find_spec
 
 import torch
 
@@ -49,8 +50,8 @@ def check_checkpoint(config: LMTrainConfig) -> None:
     """What every run meets as it starts, whatever its policy (the dry run's check): the model loads (a user's: its
     config is a causal LM's, its weights are not read), its tokenizer loads, the dataset reads, the prompts it encodes
     (a dataset's every one; a task's first: the base evaluation's, the first step's) leave max_new_tokens in the
-    model's context, and the rewards' columns are the dataset's. A model our engine does not compute is said in one
-    line on stderr: its rollouts run on transformers' own forward."""
+    model's context, the rewards' columns are the dataset's, and `sampling.engine=vllm` finds vLLM installed. A model
+    our engine does not compute is said in one line on stderr: its rollouts run on transformers' own forward."""
     if config.user_model:  # its config and tokenizer: a large model's weights are the run's to load
         model_config, tokenizer = causal_lm_config(config.model.path), HFTokenizer.load(config.model.path)
     else:
@@ -59,8 +60,13 @@ def check_checkpoint(config: LMTrainConfig) -> None:
     prompts = RunPrompts(config)
     encode_prompts(config, tokenizer, prompts.all() or [*prompts.eval(), *prompts.step(0)], model_context(config))
     check_columns(config, prompts)
+    if config.sampling.engine == "vllm" and find_spec("vllm") is None:
+        raise ValueError(
+            "sampling.engine=vllm: this environment has no vLLM (install it where the GPUs are; on CPU `make "
+            "test-vllm` builds .venv-vllm with its CPU build), or set sampling.engine=dovetail"
+        )
     problem = engine_problem(model_config, model_context(config))
-    if config.user_model and problem is not None:
+    if config.user_model and config.sampling.engine == "dovetail" and problem is not None:
         print(
             f"note: {config.model.path}: our rollout engine does not compute {problem}; rollouts run on "
             "transformers' own forward (slower)",

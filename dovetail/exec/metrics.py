@@ -23,6 +23,8 @@ metrics.jsonl, one line per step (Ray: only under a Ray policy; flow / LM: of th
   ratio_max             largest importance ratio of the step
   kl_ref                mean KL to the reference (base) model, when algo.beta > 0
   entropy               LM: mean token entropy of the responses
+  logprob_gap           LM, where old log-probs are recomputed (sampling.engine=vllm; policy areal): mean |engine's
+                        log-prob - the trainer's recomputed one| per response token (areal's stale samples: with drift)
   response_tokens       LM: tokens of the step's responses
   timesteps             flow: the denoising steps the step trained
   grad_norm             the step's gradient norm before clipping

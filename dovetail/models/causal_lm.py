@@ -3,9 +3,10 @@
 `model.path` names a directory in `save_pretrained` layout: config.json, the weights, and the tokenizer's files. The
 model trains in fp32 with eager attention (plain matmuls and softmax: the same arithmetic on every backend, so the
 reference loop and every policy compute the same bits), whole or as a peft LoRA adapter whose initial A matrices
-come from the run's seed. Rollouts run on our `TorchEngine` where `LlamaWeights` computes the architecture (Llama,
-Mistral, Qwen2, Qwen3), else on transformers' own forward (`TransformersEngine`); either way the engine is given full
-weights under transformers' names, a LoRA adapter merged in (`CausalLM.rollout_state_dict`).
+come from the run's seed. Rollouts run on the engine `sampling.engine` names (`ROLLOUT_ENGINES`): by default our
+`TorchEngine` where `LlamaWeights` computes the architecture (Llama, Mistral, Qwen2, Qwen3), else transformers' own
+forward (`TransformersEngine`, also `hf`), or vLLM (`vllm`); any of them is given full weights under transformers'
+names, a LoRA adapter merged in (`CausalLM.rollout_state_dict`).
 
 What the engines see of the model, as of the built-in `LlamaForCausalLM`: `config`, `forward(input_ids,
 attention_mask).logits`, and `trained_state_dict` / `load_trained_state_dict`: what weight publication, trainer
@@ -177,19 +178,46 @@ def context_of(path: Path | str) -> int:
     return causal_lm_config(path).max_position_embeddings
 
 
-def rollout_engine(
-    model, params: SamplingParams, *, max_len: int, device: torch.device, stop=None, max_batch: int = 64
-) -> Engine:
-    """The rollout engine of a transformers model (the built-in `LlamaForCausalLM` or a `CausalLM`), its weights
-    loaded: our `TorchEngine` where it computes the architecture, else `TransformersEngine` on a fresh copy."""
+def _ours(model, params: SamplingParams, *, max_len: int, device: torch.device, stop, max_batch: int) -> Engine:
+    """`sampling.engine: dovetail`: our `TorchEngine` where it computes the architecture, else transformers' forward."""
+    if engine_problem(model.config, max_len) is None:
+        return TorchEngine(model.config, params, max_batch=max_batch, max_len=max_len, device=device, stop=stop)
+    return _transformers(model, params, max_len=max_len, device=device, stop=stop, max_batch=max_batch)
+
+
+def _transformers(model, params: SamplingParams, *, max_len: int, device: torch.device, stop, max_batch: int) -> Engine:
+    """`sampling.engine: hf`: transformers' own forward and KV cache (what its `generate` runs) on a fresh copy."""
     config = model.config
-    if engine_problem(config, max_len) is None:
-        engine: Engine = TorchEngine(config, params, max_batch=max_batch, max_len=max_len, device=device, stop=stop)
-    else:
-        copy = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").to(device)
-        engine = TransformersEngine(copy, params, max_len=max_len, max_batch=max_batch, stop=stop)
-    engine.load_weights(rollout_state(model, model.trained_state_dict() if isinstance(model, CausalLM) else None))
-    return engine
+    copy = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").to(device)
+    return TransformersEngine(copy, params, max_len=max_len, max_batch=max_batch, stop=stop)
+
+
+def _vllm(model, params: SamplingParams, *, max_len: int, device: torch.device, stop, max_batch: int) -> Engine:
+    """`sampling.engine: vllm`: vLLM's offline engine, imported here only (the project's environment has no vLLM)."""
+    from dovetail.models.vllm_engine import VllmEngine
+
+    return VllmEngine(model.config, params, max_len=max_len, max_batch=max_batch, device=device, stop=stop)
+
+
+ROLLOUT_ENGINES = {"dovetail": _ours, "hf": _transformers, "vllm": _vllm}
+"""Each `sampling.engine`'s builder: the one place that decides which `Engine` generates an LM pipeline's rollouts."""
+
+
+def rollout_engine(
+    model,
+    params: SamplingParams,
+    *,
+    max_len: int,
+    device: torch.device,
+    stop=None,
+    max_batch: int = 64,
+    engine: str = "dovetail",
+) -> Engine:
+    """The rollout engine (`ROLLOUT_ENGINES[engine]`) of a transformers model (the built-in `LlamaForCausalLM` or a
+    `CausalLM`), its weights loaded."""
+    built = ROLLOUT_ENGINES[engine](model, params, max_len=max_len, device=device, stop=stop, max_batch=max_batch)
+    built.load_weights(rollout_state(model, model.trained_state_dict() if isinstance(model, CausalLM) else None))
+    return built
 
 
 def rollout_state(model, trained: dict | None) -> dict:

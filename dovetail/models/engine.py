@@ -8,7 +8,9 @@ every token is drawn from a uniform keyed by (seed, step, prompt, sample, token 
 generator that lives in the engine: a sequence's tokens do not depend on its batch position, its
 neighbours, the device, or where it was migrated.
 
-How a GPU serving engine maps onto `Engine`:
+How a GPU serving engine maps onto `Engine` (vLLM's is `models.vllm_engine.VllmEngine`, `sampling.engine: vllm`; its
+docstring says where vLLM 0.32 differs from this plan: no abort is needed, and the keyed sampler records the
+log-probs itself):
 
 * vLLM / SGLang `generate(requests, until)`: submit each request with `max_tokens = min(until,
   max_new_tokens) - len(tokens)` and the stop ids; the engines batch continuously themselves.

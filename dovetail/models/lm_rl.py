@@ -136,8 +136,10 @@ def policy_gradient(
     Advantages are standardised within each group from `rewards` (every scored sample of the step: a group's
     statistics need only its own members). Old log-probs are the recomputed ones given in `old_log_probs`, or on
     policy (none given: one optimizer step per batch) the trainer's own, detached, so the ratio is 1 — as TRL and
-    verl skip that pass. A stale part (rollouts of an older version) is corrected by the decoupled PPO weight of
-    the proximal to the behaviour log-probs. The mean token entropy of the sampling distributions is reported, and
+    verl skip that pass. Where they are given (an engine whose log-probs are not the trainer's: vLLM) the mean
+    absolute gap between them and the engine's is reported as `logprob_gap`. A stale part (rollouts of an older
+    version) is corrected by the decoupled PPO weight of the proximal to the behaviour log-probs. The mean token
+    entropy of the sampling distributions is reported, and
     with `algo.entropy_coef` its bonus trains (the loss less entropy_coef x the entropy, aggregated as the
     surrogate). `algo`: the run's `algo` section (clips, aggregation, KL, entropy bonus)."""
     scored = sorted(rewards)
@@ -173,7 +175,7 @@ def policy_gradient(
         if stale:
             behaviour = padded({s: r.log_probs for s, r in zip(group, group_requests)})
             old, weight = decoupled_old_log_prob(log_probs, behaviour, max_weight=algo.stale_max_weight)
-        return lm_grpo_loss(
+        loss, stats = lm_grpo_loss(
             log_probs,
             old,
             torch.tensor([advantage_of[s] for s in group], device=log_probs.device),
@@ -190,6 +192,10 @@ def policy_gradient(
             importance_weight=weight,
             loss_scale=1.0,
         )
+        if old_log_probs:  # recomputed by the trainer: how far the engine's own log-probs were from them
+            engine = padded({s: r.log_probs for s, r in zip(group, group_requests)})
+            stats["logprob_gap"] = (padded(old_log_probs) - engine)[mask].abs().mean().item()
+        return loss, stats
 
     gradient, stats = accumulate_group_gradients(model, list(requests), group_loss)
     return gradient, stats, normaliser
