@@ -94,16 +94,19 @@ def revive(
 
 
 def _answers(workers: list, end: float, lost: LostWatch) -> list[int]:
-    """Every worker's pid, once all of them answer (a worker still busy with a part answers after it)."""
+    """Every worker's pid, once all of them answer. A worker that has not answered within ANSWER_POLL_S is asked
+    again: a ping sent as its process died may never be answered (a busy worker answers the pings in turn)."""
     pings = [worker.ping.remote() for worker in workers]
     while True:
         ready, _ = ray.wait(pings, num_returns=len(pings), timeout=ANSWER_POLL_S)
         if len(ready) == len(pings):
             try:
                 return ray.get(pings)
-            except RayActorError:  # one died: ask again, its next incarnation answers
+            except RayActorError:  # one died: ask everyone again, its next incarnation answers
                 time.sleep(POLL_S)
                 pings = [worker.ping.remote() for worker in workers]
+        else:
+            pings = [ping if ping in ready else worker.ping.remote() for ping, worker in zip(pings, workers)]
         lost.check()
         _check(end, workers)
 
