@@ -461,6 +461,7 @@ def test_ledger_json_names_every_field_of_its_rows():
         migrated=[(3, 5, 1)],
         restarts=[(1.5, 1, "train")],
         reruns=[(1, "p/s3/train0")],
+        went_on=[(3, 1, "lost device 1 (no node for 30 s)")],
     )
     assert json.loads(json.dumps(ledger.to_json())) == {
         "generated": [{"step": 3, "prompt": 1, "member": 2, "device": 0, "version": 3}],
@@ -468,6 +469,7 @@ def test_ledger_json_names_every_field_of_its_rows():
         "migrated": [{"step": 3, "responses": 5, "device": 1}],
         "restarts": [{"time": 1.5, "device": 1, "during": "train"}],
         "reruns": [{"device": 1, "node": "p/s3/train0"}],
+        "went_on": [{"step": 3, "devices": 1, "why": "lost device 1 (no node for 30 s)"}],
     }
 
 
