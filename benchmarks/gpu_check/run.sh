@@ -12,6 +12,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 python3 -c "import torch, ray, diffusers; print('torch', torch.__version__, 'ray', ray.__version__, 'diffusers', diffusers.__version__)" | tee -a "$out/gpu_check.log"
 python3 -m pytest -q -rs tests/test_gpu.py "tests/test_runtime.py::test_gpu_devices_train_where_the_cpu_reference_goes" 2>&1 | tee -a "$out/gpu_check.log"
 status=${PIPESTATUS[0]}
+# The user's command end to end on one GPU, each kind of pipeline: the CLI, the Ray runtime, CUDA engines, the summary.
+for config in sort digits; do
+  timeout 240 python3 -c "from dovetail.cli import main; main()" train "configs/$config.yaml" --out "/tmp/gpu-$config" \
+    --steps 4 --devices 1 cluster.device=H200 2>&1 | tee -a "$out/gpu_check.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+done
 # vLLM (`sampling.engine: vllm`): its CUDA wheel is far over the carry limit, so this step runs only where the image
 # has vLLM: the engine tests on the GPU (publication, log-probs, migration, 2 GRPO steps), then the engines' figures.
 if python3 -c "import vllm" 2>/dev/null; then
