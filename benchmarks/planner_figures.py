@@ -1,7 +1,7 @@
 """The planner's figures in BENCHMARKS.md (issue 10): published runs against the simulator, per-GPU throughput
 scaling curves beside published points, and the DigenRL / JigsawRL tables with one ablation per mechanism.
 
-    python benchmarks/planner_figures.py [calibration] [scaling] [digen] [jigsaw]
+    python benchmarks/planner_figures.py [calibration] [scaling] [digen] [jigsaw] [pipelines]
 
 Every figure is the simulator's (`dovetail.scenario.simulate`, noise 0) on the shipped scenarios; nothing runs on a
 device. Sections print Markdown tables."""
@@ -185,12 +185,55 @@ def jigsaw() -> None:
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
+PIPELINE = {
+    "kind": "lm",
+    "model": "Qwen3-0.6B",
+    "batch": 32,
+    "group": 4,
+    "lengths": {"kind": "lognormal", "median": 600, "sigma": 0.8},
+    "max_length": 4096,
+    "micro_batches": 4,
+}
+"""One of N identical Qwen3-0.6B GRPO pipelines sharing 16 H100s (issue 21's probe)."""
+
+
+def pipelines() -> None:
+    """jigsaw against verl-sync with N = 1..16 pipelines on 16 H100s (3 steps), and how long jigsaw takes to plan and
+    simulate them (its search included) on this machine."""
+    print(
+        "| pipelines | verl-sync samples/s | jigsaw samples/s | jigsaw / verl-sync | jigsaw's arrangement | jigsaw s |"
+    )
+    print("|---|---|---|---|---|---|")
+    for n in range(1, 17):
+        scenario = parse_scenario(
+            {
+                "name": f"qwen3-0.6b-x{n}-16xh100",
+                "cluster": {"device": "H100", "devices": 16},
+                "pipelines": [PIPELINE | {"name": f"p{i}"} for i in range(n)],
+                "schedule": {"steps": 3, "policies": ["verl-sync", "jigsaw"]},
+            }
+        )
+        verl = summarize(simulate(scenario, "verl-sync")[1]).samples_per_s
+        start = time.perf_counter()
+        prepared, trace = simulate(scenario, "jigsaw")
+        seconds = time.perf_counter() - start
+        jigsaw = summarize(trace).samples_per_s
+        pools = sorted({pool for pool in prepared.policy.pool.values()})
+        arrangement = (
+            "whole pool"
+            if len(pools) == 1
+            else f"{len(pools)} sub-pools of {'/'.join(sorted({str(len(p)) for p in pools}))} devices"
+        )
+        print(f"| {n} | {verl:.2f} | {jigsaw:.2f} | {jigsaw / verl:.2f}x | {arrangement} | {seconds:.1f} |")
+
+
 SECTIONS = {
     "calibration": calibration,
     "scaling": scaling,
     "digen": digen,
     "digen-nccl": lambda: digen(cross_node_efficiency=DEFAULT.collective_bandwidth_efficiency),
     "jigsaw": jigsaw,
+    "pipelines": pipelines,
 }
 
 if __name__ == "__main__":

@@ -328,7 +328,9 @@ def plan(
     scenario: str = typer.Argument(..., help="shipped scenario name or YAML path"),
     devices: int = typer.Option(..., help="devices to plan for"),
     policies: str = typer.Option(
-        None, help="comma-separated policies; default: the scenario's first and every one that searches"
+        None,
+        help="comma-separated policies; default: the scenario's first (schedule.policies) and every other of its "
+        "schedule.policies that searches",
     ),
 ):
     """Show every shape the policies' searches simulated (digen: pool split, FSDP groups, GAP fragments, TSP chunk,

@@ -13,6 +13,7 @@ from dovetail.graph.llm import LLMShape
 from dovetail.scenario import Scenario
 from dovetail.sched import policy_class
 from dovetail.sched.digen_search import DigenShape
+from dovetail.sched.jigsaw import SlicedFlowShape, SlicedLLMShape, base_shape, sub_pool
 from dovetail.sched.policy import Shape, search_horizon
 
 
@@ -87,7 +88,10 @@ def render_table(result: dict) -> str:
 
 
 def describe(shape) -> str:
-    """A shape in the scenario's own words (the fields a user would set to run it)."""
+    """A shape in the scenario's own words (the fields a user would set to run it); a jigsaw sub-pool first."""
+    if isinstance(shape, (SlicedLLMShape, SlicedFlowShape)):
+        devices = sub_pool(shape)
+        return f"devices {devices[0]}-{devices[-1]}: " + describe(base_shape(shape))
     if isinstance(shape, FlowShape):
         text = (
             f"trainer_devices={shape.trainer_devices} (FSDP groups of {shape.group}), fragments={shape.fragments}, "
@@ -113,7 +117,8 @@ def _describe_all(shapes: Mapping[str, Shape]) -> str:
 def plan(scenario: Scenario, devices: int, policies: list[str] | None = None) -> str:
     """What each searching policy of the scenario (or `policies`) considered on `devices` and what it chose: every
     candidate its search simulated over the run's steps (at most `SEARCH_STEPS`), fastest first, the chosen one
-    marked `*` — it is never slower than another row of its policy —, beside the first policy's throughput."""
+    marked `*` — it is never slower than another row of its policy —, with its steady step (commit to commit after
+    the first) and first step (warm-up included), beside the first policy's throughput; last, how to run the best."""
     schedule = scenario.schedule.policies
     names = list(dict.fromkeys(policies or [schedule[0], *(p for p in schedule if policy_class(p).searches)]))
     for name in names:
@@ -128,7 +133,7 @@ def plan(scenario: Scenario, devices: int, policies: list[str] | None = None) ->
     steps = search_horizon(scenario.schedule.steps)
     lines = [f"plan for {scenario.name} on {devices}x {scenario.cluster.device}, simulated over {steps} steps"]
     baseline: float | None = None
-    best: tuple[float, float, str, Mapping[str, Shape]] | None = None
+    best: tuple[float, float, float, str, Mapping[str, Shape]] | None = None
     for name in names:
         searched: list[Searched] = []
         try:
@@ -136,35 +141,35 @@ def plan(scenario: Scenario, devices: int, policies: list[str] | None = None) ->
         except ValueError as error:
             lines.append(f"{name}: cannot run: {' '.join(str(error).split())}")
             continue
-        rows: list[tuple[float, float, Mapping[str, Shape]]] = [
-            (s.samples_per_s, s.step_time_s, s.shapes) for s in searched if s.horizon == steps
+        rows: list[tuple[float, float, float, Mapping[str, Shape]]] = [
+            (s.samples_per_s, s.steady_step_s, s.first_step_s, s.shapes) for s in searched if s.horizon == steps
         ]
         chosen = prepared.setup.shapes
-        if not any(shapes == chosen for _, _, shapes in rows):  # no search, or the search ran nothing this long
-            trace = run_prepared(scenario, prepared)
-            rows.append((sum(r.samples for r in trace.steps) / trace.makespan, trace.makespan / steps, chosen))
+        if not any(shapes == chosen for *_, shapes in rows):  # no search, or the search ran nothing this long
+            metrics = summarize(run_prepared(scenario, prepared))
+            rows.append((metrics.samples_per_s, metrics.steady_step_s, metrics.first_step_s, chosen))
         rows.sort(key=lambda row: -row[0])
-        rate, step_s = next((r, s) for r, s, shapes in rows if shapes == chosen)
+        rate, step_s, first_s = next((r, s, f) for r, s, f, shapes in rows if shapes == chosen)
         baseline = baseline or rate
         screened = len(searched) - sum(1 for s in searched if s.horizon == steps)
         lines.append(
             f"{name}: {len(rows)} candidate{'s' if len(rows) > 1 else ''} simulated"
             + (f" (after a one-step screen of {screened})" if screened else "")
         )
-        for candidate_rate, candidate_step_s, shapes in rows:
+        for candidate_rate, candidate_step_s, candidate_first_s, shapes in rows:
             mark = "*" if shapes == chosen else " "
             lines.append(
-                f"  {mark} {candidate_rate:10.3f} samples/s {candidate_step_s:9.1f} s/step "
-                f"{candidate_rate / baseline:6.2f}x  {_describe_all(shapes)}"
+                f"  {mark} {candidate_rate:10.3f} samples/s {candidate_step_s:9.1f} s/step steady "
+                f"(first {candidate_first_s:.1f} s) {candidate_rate / baseline:6.2f}x  {_describe_all(shapes)}"
             )
         if best is None or rate > best[0]:
-            best = (rate, step_s, name, chosen)
+            best = (rate, step_s, first_s, name, chosen)
     if best is None:
         raise ValueError(f"{scenario.name}: no policy can run it on {devices} devices:\n" + "\n".join(lines[1:]))
-    rate, step_s, name, chosen = best
+    rate, step_s, first_s, name, chosen = best
     lines.append(
-        f"best: {_describe_all(chosen)} under {name} -> {rate:.3f} samples/s, {step_s:.1f} s/step; "
-        f"{how_to_run(scenario, name, devices)}"
+        f"best: {_describe_all(chosen)} under {name} -> {rate:.3f} samples/s, {step_s:.1f} s/step steady (first "
+        f"step {first_s:.1f} s); {how_to_run(scenario, name, devices)}"
     )
     return "\n".join(lines)
 

@@ -5,9 +5,11 @@ import planner_scenarios
 import pytest
 from test_sim_properties import check_trace
 
-from dovetail.exec.plan import simulate
+from dovetail.cost.model import CostModel
+from dovetail.exec.plan import prepare, run_prepared, simulate
 from dovetail.graph.flow import FlowShape
 from dovetail.graph.node import Kind
+from dovetail.sched.jigsaw import Jigsaw, rollout_shares
 
 STEPS = 3
 
@@ -24,6 +26,18 @@ def flow(name: str = "sd", **changes) -> dict:
     return planner_scenarios.flow_pipeline(**{"name": name, "trained_timesteps": 4, **changes})
 
 
+def on_the_whole_pool(scenario, policy: str):
+    """`policy` run with every pipeline on the whole pool, the multiplexing these tests are about (jigsaw's search
+    gives the pipelines disjoint sub-pools where the simulator finds that faster): its cost-model shapes, the
+    rollout memory from its memory model. (Prepared, Trace)."""
+    cost = CostModel(scenario.cluster.device)
+    devices = scenario.cluster.devices
+    shapes = {spec.name: Jigsaw.shape(spec, devices, None, cost) for spec in scenario.pipelines}
+    shapes = rollout_shares(scenario.pipelines, shapes, dict.fromkeys(shapes, cost), STEPS)
+    prepared = prepare(scenario, policy, shapes=shapes)
+    return prepared, run_prepared(scenario, prepared)
+
+
 def check_every_step_committed(prepared, trace) -> None:
     """Every node ran within the executor's invariants and every pipeline committed every step, on-policy."""
     check_trace(prepared.graph, prepared.setup, trace)
@@ -34,7 +48,7 @@ def check_every_step_committed(prepared, trace) -> None:
 
 @pytest.mark.parametrize("policy", ["jigsaw", "jigsaw-greedy"])
 def test_a_flow_pipeline_shares_the_pool_with_a_language_model_pipeline(policy):
-    prepared, trace = simulate(scenario(llm(), flow()), policy)
+    prepared, trace = on_the_whole_pool(scenario(llm(), flow()), policy)
     check_every_step_committed(prepared, trace)
     shape = prepared.setup.shapes["sd"]
     assert isinstance(shape, FlowShape) and shape.shared and not shape.recompute_logprob
@@ -69,7 +83,7 @@ def step_latency(trace, pipeline: str) -> float:
 
 
 def test_a_higher_priority_pipeline_trains_first_under_jigsaw():
-    """Two pipelines whose rollouts end together, so their trainer work competes for the pool: with equal
+    """Two pipelines on the whole pool whose rollouts end together, so their trainer work competes for it: with equal
     priorities the look-ahead trains the shorter one ("b-quick": no log-prob passes) first, though the names
     would put the other first; weighting the longer one twice as much sends it first and lowers its mean step
     latency (4.00 s -> 3.73 s)."""
@@ -77,7 +91,7 @@ def test_a_higher_priority_pipeline_trains_first_under_jigsaw():
     quick = llm("b-quick", reference=False, recompute_logprob=False, **uniform)
 
     def latencies(priority: float) -> tuple[float, float]:
-        _, trace = simulate(scenario(llm("a-long", priority=priority, **uniform), quick), "jigsaw")
+        _, trace = on_the_whole_pool(scenario(llm("a-long", priority=priority, **uniform), quick), "jigsaw")
         return step_latency(trace, "b-quick"), step_latency(trace, "a-long")
 
     (quick_equal, long_equal), (quick_after, long_first) = latencies(1.0), latencies(2.0)

@@ -7,9 +7,11 @@ import json
 from dataclasses import asdict, replace
 
 import planner_scenarios
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dovetail.cost.catalog import DEVICES, dominates
 from dovetail.cost.catalog import device as lookup_device
 from dovetail.cost.model import CostModel
 from dovetail.exec.plan import Searched, prepare, run_prepared, simulate
@@ -17,6 +19,7 @@ from dovetail.report import plan
 from dovetail.scenario import Scenario, load_scenario
 from dovetail.sched import digen_search, shape_from_fields
 from dovetail.sched.digen_search import trainer_layout
+from dovetail.sched.jigsaw import on_slice, sub_pool
 from dovetail.sched.policy import search_horizon
 
 SEARCH = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -257,7 +260,7 @@ def shown_rate(line: str) -> float:
 
 def test_every_policy_s_chosen_shape_survives_a_run_profile_round_trip():
     """A run profile stores `asdict` of each pipeline's shape; `simulate --from-run` rebuilds it with the search's
-    choices (digen's TAG and TCSS) intact."""
+    choices (digen's TAG and TCSS, jigsaw's sub-pools) intact."""
     for name, policy in (("calib-qwenimage-4xh200", "digen+tcss"), ("calib-qwenimage-4xh200", "colocated")):
         scenario = load_scenario(name)
         for shape in prepare(scenario, policy, steps=1).setup.shapes.values():
@@ -265,3 +268,93 @@ def test_every_policy_s_chosen_shape_survives_a_run_profile_round_trip():
             assert rebuilt == shape and type(rebuilt) is type(shape)
     shapes = prepare(load_scenario("jigsaw-qwen3-4b-8xh100"), "jigsaw-greedy", steps=1).setup.shapes
     assert all(shape_from_fields("lm", asdict(shape)) == shape for shape in shapes.values())
+    sliced = on_slice(next(iter(shapes.values())), 4)
+    rebuilt = shape_from_fields("lm", json.loads(json.dumps(asdict(sliced))))
+    assert rebuilt == sliced and type(rebuilt) is type(sliced) and sub_pool(rebuilt) == tuple(range(4, 12))
+
+
+@pytest.mark.parametrize("pipelines", [1, 2, 3, 4, 8])
+def test_jigsaw_is_never_below_verl_sync_whatever_the_number_of_pipelines(pipelines):
+    """JigsawRL's point is many pipelines on one pool. jigsaw's search considers every pipeline on its own sub-pool
+    sized by its work (the arrangement verl-sync gives, with verl-sync's even slices too) beside the whole pool shared,
+    so it is never predicted below verl-sync: pipelines of different work (batch, response lengths) on 8 H100s."""
+    specs = [
+        planner_scenarios.lm_pipeline(
+            name=f"lm{i}",
+            batch=(16, 32)[i % 2],
+            prompt_length=128,
+            lengths={"kind": "lognormal", "median": (150, 500)[i // 2 % 2], "sigma": 0.9},
+            length_bands=[512, 1024],
+        )
+        for i in range(pipelines)
+    ]
+    scenario = planner_scenarios.scenario(*specs, devices=8, steps=2, policies=("verl-sync", "jigsaw"))
+    jigsaw, verl = (rate(simulate(scenario, policy)[1]) for policy in ("jigsaw", "verl-sync"))
+    assert at_least(jigsaw, verl), (jigsaw, verl)
+
+
+def dominating_pairs(devices) -> list[tuple[str, str]]:
+    """(faster, slower) of every pair of `devices` where the first dominates (`catalog.dominates`)."""
+    return [(a, b) for a in devices for b in devices if a != b and dominates(lookup_device(a), lookup_device(b))]
+
+
+def on_device(scenario: Scenario, device: str) -> Scenario:
+    return scenario.model_copy(update={"cluster": scenario.cluster.model_copy(update={"device": device})})
+
+
+def test_digen_considers_the_same_cuts_on_devices_that_differ_only_in_speed():
+    """Which cuts digen's search simulates does not depend on the device's speed (it ranks them on one device): on
+    H200 (H100's compute, more bandwidth and memory), digen+tcss on digen-qwenimage-32 once never considered the shape
+    it wins with on H100 and was predicted slower (12.57 vs 13.08 samples/s)."""
+    scenario = load_scenario("digen-qwenimage-32")
+    spec, devices = scenario.pipelines[0], scenario.cluster.devices
+
+    def considered(device: str) -> list:
+        return digen_search.finalists(spec, devices, None, CostModel(device), tcss=True)
+
+    assert {lookup_device(name).memory_bytes for name in ("H100", "H800", "A100-80G")} == {80e9}
+    assert considered("H800") == considered("H100") == considered("A100-80G")
+    wins_on_h100 = digen_search.DigenShape(32, 2, False, 16, trainer_group=8, tag=True, tcss=True)
+    assert wins_on_h100 in considered("H100") and wins_on_h100 in considered("H200")
+
+
+@pytest.mark.parametrize(
+    "name, policy",
+    [
+        ("calib-qwenimage-4xh200", "digen"),
+        ("calib-qwenimage-4xh200", "digen+tcss"),
+        ("calib-qwenimage-4xh200", "colocated-hsdp"),
+        ("calib-qwenimage-lora-4xh800", "digen+tcss"),
+        ("jigsaw-mixed-0.6b-8b", "jigsaw"),
+    ],
+)
+def test_a_faster_device_is_never_predicted_slower(name, policy):
+    """Every searching policy on shipped scenarios, on every catalogue device where the run fits: for every pair
+    where one device dominates the other (faster at everything, as much memory or more), the faster one's samples/s
+    is at least the slower one's."""
+    scenario = load_scenario(name)
+    cuda = [name for name, device in DEVICES.items() if device.platform == "cuda"]
+    rates = {}
+    for device in cuda:
+        try:
+            rates[device] = rate(simulate(on_device(scenario, device), policy)[1])
+        except ValueError:  # does not fit this device's memory
+            rates[device] = None
+    assert sum(r is not None for r in rates.values()) >= 3
+    for faster, slower in dominating_pairs(cuda):
+        if rates[slower] is not None:
+            assert rates[faster] is not None and at_least(rates[faster], rates[slower]), (faster, slower, rates)
+
+
+def test_a_field_a_run_fixes_leaves_the_rest_of_the_search_to_the_policy():
+    """colocated-hsdp with old log-probs not recomputed still chooses between one FSDP group and HSDP groups of a
+    node (it once built the one-group shape and searched nothing), and every candidate it simulated keeps the field."""
+    spec = planner_scenarios.flow_pipeline(prompts=16, group=2)
+    scenario = planner_scenarios.scenario(spec, devices=16, steps=2, policies=("colocated-hsdp",))
+    searched: list[Searched] = []
+    prepared = prepare(scenario, "colocated-hsdp", searched=searched, recompute_logprob=False)
+    groups = {shape.group for s in searched for shape in s.shapes.values()}
+    assert groups == {16, 8}
+    assert all(not shape.recompute_logprob for s in searched for shape in s.shapes.values())
+    assert not prepared.setup.shapes["p"].recompute_logprob
+    assert any(s.shapes == prepared.setup.shapes for s in searched)

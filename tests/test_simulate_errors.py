@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from dovetail.cli import app
 from dovetail.exec.plan import simulate
+from dovetail.graph.node import Kind, Role
 from dovetail.report import compare, plan
 from dovetail.scenario import Scenario, load_scenario
 from dovetail.sched import POLICIES
@@ -186,3 +187,57 @@ def test_every_small_scenario_gets_numbers_or_a_one_line_reason_per_policy(case)
             assert "\n" not in row["error"] and len(row["error"]) <= LONGEST_LINE, (name, row["error"])
         else:
             assert row["samples_per_s"] > 0, name
+
+
+def refusal_gb(scenario: Scenario, policy: str) -> float:
+    """The GB per device a memory refusal names (the simulation refused with one line)."""
+    with pytest.raises(ValueError) as error:
+        simulate(scenario, policy, steps=1)
+    message = str(error.value)
+    assert "\n" not in message and " GB per device under " in message
+    return float(message.split(" needs ")[1].split(" GB")[0])
+
+
+def test_a_language_model_memory_refusal_names_micro_batches_and_raising_them_lowers_the_figure():
+    """An LLM pipeline has no offload; its trainer pass holds batch / micro_batches sequences' activations."""
+    long = {"kind": "lognormal", "median": 8000, "sigma": 0.5}
+
+    def scenario(micro_batches: int) -> Scenario:
+        spec = planner_scenarios.lm_pipeline(
+            model="Qwen3-8B", batch=64, group=8, max_length=16384, lengths=long, micro_batches=micro_batches
+        )
+        return planner_scenarios.scenario(spec, devices=2, policies=("verl-sync",))
+
+    with pytest.raises(ValueError) as error:
+        simulate(scenario(1), "verl-sync", steps=1)
+    assert "raise micro_batches (now 1" in str(error.value) and "offload" not in str(error.value)
+    assert refusal_gb(scenario(4), "verl-sync") < refusal_gb(scenario(1), "verl-sync") / 3
+
+
+def test_a_1024_image_group_generates_in_chunks_that_fit():
+    """One prompt x 1024 images of Qwen-Image at 1024x1024: one pass of the whole group would need ~500 GB of
+    activations per device at any device count; engines batch it in chunks, and so does the planner: every generate
+    node fits beside the rollout engine, and a chunk of the group needs no more than the whole device."""
+    spec = planner_scenarios.flow_pipeline(model="QwenImage-20B", prompts=1, group=1024, mini_batches=1)
+    spec |= {"height": 1024, "width": 1024, "offload": True}
+    scenario = planner_scenarios.scenario(spec, devices=8, policies=("colocated",))
+    prepared, trace = simulate(scenario, "colocated", steps=1)
+    capacity = prepared.setup.memory_gb
+    rollout = prepared.setup.engines["p"].resident_gb[Role.ROLLOUT]
+    generates = [node for node in prepared.graph if node.kind == Kind.GENERATE]
+    assert generates and all(rollout + node.memory_gb <= capacity for node in generates)
+    assert trace.steps
+
+
+def test_a_generation_refusal_names_a_fix_that_lowers_the_figure():
+    """Where the rollout engine alone does not fit (Qwen-Image's 20B and its text encoder on a 40 GB A100), the refusal
+    names a larger device (or a smaller image), not offload (the rollout engine is not sharded)."""
+    spec = planner_scenarios.flow_pipeline(model="QwenImage-20B", offload=True)
+    scenario = planner_scenarios.scenario(spec, device="A100-40G", devices=4, policies=("colocated",))
+    with pytest.raises(ValueError) as error:
+        simulate(scenario, "colocated", steps=1)
+    message = str(error.value)
+    assert "generate needs" in message and "use a device with more memory" in message and "offload" not in message
+    rollout_gb = float(message.split(" needs ")[1].split(" GB")[0])
+    larger = planner_scenarios.scenario(spec, device="A100-80G", devices=4, policies=("colocated",))
+    assert simulate(larger, "colocated", steps=1)[1].steps, f"fits the larger device ({rollout_gb:.0f} GB needed)"

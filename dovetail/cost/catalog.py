@@ -263,6 +263,23 @@ def _lookup(table: dict, name: str, what: str):
         raise ValueError(f"unknown {what} {name!r}; choose one of {', '.join(sorted(table))}") from None
 
 
+def dominates(faster: Device, slower: Device) -> bool:
+    """`faster` is at least as good as `slower` in every figure (compute, bandwidths, memory, node size, latencies) on
+    the same platform: it must never be predicted slower (`tests/test_search_properties.py`)."""
+    return (
+        faster.platform == slower.platform
+        and faster.peak_flops >= slower.peak_flops
+        and faster.memory_bandwidth >= slower.memory_bandwidth
+        and faster.memory_bytes >= slower.memory_bytes
+        and faster.interconnect_bandwidth >= slower.interconnect_bandwidth
+        and faster.network_bandwidth >= slower.network_bandwidth
+        and faster.host_bandwidth >= slower.host_bandwidth
+        and faster.node_size >= slower.node_size
+        and faster.interconnect_latency_s <= slower.interconnect_latency_s
+        and faster.network_latency_s <= slower.network_latency_s
+    )
+
+
 def device(name: str) -> Device:
     return _lookup(DEVICES, name, "device")
 

@@ -113,6 +113,14 @@ class CostModel:
         """The same model with `table`'s slowdowns (measured on the run's devices) over its interference table."""
         return self._recalibrated(interference=self.calibration.interference | table)
 
+    def ranked_on(self, other: Device) -> "CostModel":
+        """The same model (calibration, corrections) on `other` with this device's node size: a search ranks its cuts
+        on it, so that which it considers does not depend on the device's speed or memory (the search filters by the
+        device's memory itself: `sched.digen_search.candidates`)."""
+        model = CostModel(replace(other, node_size=self.device.node_size), self.calibration)
+        model._scale = dict(self._scale)
+        return model
+
     def _recalibrated(self, **changes) -> "CostModel":
         """The same model, corrections included, with `changes` to its calibration."""
         model = CostModel(self.device, replace(self.calibration, **changes))
@@ -298,12 +306,13 @@ class CostModel:
         frames: int = 1,
         cfg: bool = False,
         devices: int = 1,
+        batch: int | None = None,
     ) -> float:
         """Text encoding (once per sample), `steps` DiT forwards (two with CFG) at the efficiency of a pass
-        holding all `samples`, VAE decode."""
+        holding `batch` samples (None: all `samples`, one batched forward per denoising step), VAE decode."""
         tokens = model.latent_tokens(height, width, frames)
         passes = samples * steps * (2 if cfg else 1)
-        held = samples * (2 if cfg else 1) * tokens  # each denoising step is one batched forward of the samples
+        held = (batch or samples) * (2 if cfg else 1) * tokens
         mfu = self.pass_mfu(self.calibration.dit_inference_mfu, held)
         dit = self.compute_seconds(passes * self.dit_forward_flops(model, tokens), mfu, devices)
         seconds = (

@@ -8,8 +8,10 @@ from dataclasses import dataclass, replace
 
 from dovetail.cost.catalog import device as lookup_device
 from dovetail.cost.model import CostModel
+from dovetail.exec.metrics import summarize
 from dovetail.exec.sim import SimExecutor
-from dovetail.graph.node import Engines, Graph, Node, Role
+from dovetail.graph.node import Engines, Graph, Kind, Node, Role
+from dovetail.graph.spec import LLMSpec, PipelineSpec
 from dovetail.scenario import Scenario
 from dovetail.sched import POLICIES, policy_class
 from dovetail.sched.policy import Policy, PolicyOptions, SearchContext, Setup
@@ -59,6 +61,10 @@ class Searched:
     horizon: int
     samples_per_s: float
     step_time_s: float
+    """The simulated makespan over `horizon` (the first step's warm-up included)."""
+    steady_step_s: float
+    """Commit to commit after the first step (`exec.metrics.Metrics.steady_step_s`)."""
+    first_step_s: float
 
 
 def prepare(
@@ -76,7 +82,8 @@ def prepare(
     """Build the sub-stage graph the policy wants for every pipeline, the engines' footprints, and the policy.
     `options` go to the policy (`PolicyOptions`, or its mapping: e.g. {"tag": False});
     `shapes` (pipeline -> shape) fixes every pipeline's shape; otherwise `shape_overrides` (fragments, tsp_chunk,
-    trainer_devices...) replace what the policy would choose. `cost` replaces the analytic cost model, for every
+    trainer_devices...) replace those fields of what the policy would choose, every candidate of its search too (the
+    search still chooses the rest). `cost` replaces the analytic cost model, for every
     pipeline or per pipeline name (the Ray runtime passes each pipeline's, corrected by costs profiled on its own
     devices); the pool has one interference table (`Setup.slowdown`), the first pipeline's cost model's. A policy that
     searches simulates its candidates here; `searched` (a list), when given, receives a `Searched` for each (what
@@ -108,26 +115,38 @@ def prepare(
         }
         if reward_devices and cls.supports_reward_pool:
             shapes = cls.with_reward_pool(scenario.pipelines, shapes)
-        if shape_overrides:
-            shapes = {name: replace(shape, **shape_overrides) for name, shape in shapes.items()}
-        else:
-            # A policy that plans pipelines together rolls the simulator forward a bounded horizon per candidate.
-            def forecast(candidate: dict, horizon: int) -> float:
-                trace = run_prepared(
-                    scenario,
-                    prepare(
-                        scenario, policy, steps=horizon, devices=devices, options=options, shapes=candidate, cost=cost
-                    ),
-                )
-                rate = sum(r.samples for r in trace.steps) / trace.makespan
-                if searched is not None:
-                    searched.append(Searched(policy, candidate, horizon, rate, trace.makespan / horizon))
-                return rate
 
-            shapes = cls.plan_shapes(
+        def fixed(candidate: dict) -> dict:
+            """`candidate` with the fields `shape_overrides` fix: a searching policy still searches what they leave."""
+            return {name: replace(shape, **shape_overrides) for name, shape in candidate.items()}
+
+        # A policy that plans pipelines together rolls the simulator forward a bounded horizon per candidate.
+        def forecast(candidate: dict, horizon: int) -> float:
+            candidate = fixed(candidate)
+            trace = run_prepared(
+                scenario,
+                prepare(scenario, policy, steps=horizon, devices=devices, options=options, shapes=candidate, cost=cost),
+            )
+            metrics = summarize(trace)
+            if searched is not None:
+                searched.append(
+                    Searched(
+                        policy,
+                        candidate,
+                        horizon,
+                        metrics.samples_per_s,
+                        trace.makespan / horizon,
+                        metrics.steady_step_s,
+                        metrics.first_step_s,
+                    )
+                )
+            return metrics.samples_per_s
+
+        shapes = fixed(
+            cls.plan_shapes(
                 SearchContext(
                     scenario.pipelines,
-                    shapes,
+                    fixed(shapes),
                     costs,
                     forecast,
                     steps=steps,
@@ -136,6 +155,7 @@ def prepare(
                     options=options,
                 )
             )
+        )
     for spec in scenario.pipelines:
         shape = shapes[spec.name]
         nodes += shape.build(spec, steps, costs[spec.name])
@@ -145,11 +165,11 @@ def prepare(
     for node in nodes:
         need = engines[node.pipeline].resident_gb.get(node.role, 0.0) + node.memory_gb
         if need > capacity:
+            spec = next(spec for spec in scenario.pipelines if spec.name == node.pipeline)
             raise ValueError(
                 f"pipeline {node.pipeline}: {node.kind} needs {need:.0f} GB per device under {policy} "
-                "(engine + working "
-                f"memory), more than a {scenario.cluster.device}'s {capacity:.0f} GB; use more "
-                "devices or set offload: true"
+                f"(engine + working memory), more than a {scenario.cluster.device}'s {capacity:.0f} GB; "
+                + memory_fix(spec, node, engines[node.pipeline].resident_gb.get(node.role, 0.0) > capacity)
             )
     setup = Setup(
         devices=devices,
@@ -168,6 +188,26 @@ def prepare(
         slowdown=costs[scenario.pipelines[0].name].calibration.slowdown,
     )
     return Prepared(Graph(nodes), setup, cls(setup))
+
+
+def memory_fix(spec: PipelineSpec, node: Node, engine_too_large: bool) -> str:
+    """The scenario fields that lower what `node` needs per device: an LLM's trainer passes hold `batch /
+    micro_batches` sequences' activations beside a shard of the trainer state, its rollout engine the weights and
+    KV cache over `tensor_parallel` devices; a flow trainer's state shrinks with more devices and offload; a flow
+    rollout generates in chunks that fit beside its engine (`graph.flow.generation_batch`), so only the engine itself
+    (the whole model on every device: `engine_too_large`) or one sample's activations can be too large."""
+    if isinstance(spec, LLMSpec):
+        if node.role == Role.ROLLOUT:
+            return f"raise tensor_parallel (now {spec.tensor_parallel}) or use a device with more memory"
+        return (
+            f"raise micro_batches (now {spec.micro_batches}; fewer tokens per trainer pass) or use more devices "
+            "(a smaller shard of the trainer state)"
+        )
+    if node.kind == Kind.GENERATE and engine_too_large:
+        return "use a device with more memory (every rollout device holds the whole model, whatever the device count)"
+    if node.kind == Kind.GENERATE:
+        return "lower height / width / frames (one sample's activations do not fit beside the rollout engine)"
+    return "use more devices (a smaller shard of the trainer state)" + ("" if spec.offload else " or set offload: true")
 
 
 def simulate(

@@ -127,6 +127,15 @@ def engines(spec: FlowSpec, cost: CostModel, trainer_devices: int) -> Engines:
     return Engines(resident_gb=resident, wake_s=switch, sleep_s=switch)
 
 
+def generation_batch(spec: FlowSpec, cost: CostModel, per_sample_gb: float) -> int:
+    """Samples one batched denoising pass holds: a prompt's group (flow_grpo and veRL-Omni generate a group per
+    request) where its activations (`per_sample_gb` each) fit beside the rollout engine, else the largest chunk of it
+    that does, at least one — as engines take a large group in batches (diffusers' `num_images_per_prompt`), so a
+    1024-image group generates in chunks where one pass of all of it would not fit."""
+    free = cost.device.memory_bytes / GB - engines(spec, cost, 1).resident_gb[Role.ROLLOUT]
+    return max(1, min(spec.group, int(free // per_sample_gb)))
+
+
 def build_flow(spec: FlowSpec, steps: int, shape: FlowShape, cost: CostModel) -> list[Node]:
     """All nodes of `steps` consecutive steps of one flow pipeline: per step, each mini-batch's rollout pieces, their
     trainer nodes and its optimizer step (`_mini_batch`), then the publication (`_publish`)."""
@@ -162,6 +171,8 @@ class _Cut:
     trainable: float | None
     timestep_chunks: tuple[tuple[int, int], ...]
     generate_gb: float
+    """Working memory of one sample in a denoising pass (its activations, with CFG's second pass)."""
+    generation_batch: int
     optimizer_s: float
     publish_s: float
 
@@ -174,7 +185,7 @@ class _Cut:
         trainable = trainable_params(spec)
         trained = model.params if trainable is None else trainable
         chunks = split(spec.trained_timesteps, -(-spec.trained_timesteps // shape.tsp_chunk))
-        generate = cost.training_memory(0, 1, model.hidden, tokens * passes * spec.group, checkpointing=False)
+        per_sample = cost.training_memory(0, 1, model.hidden, tokens * passes, checkpointing=False).activations / GB
         optimizer_s = cost.optimizer_step(trained, shape.group, offloaded=spec.offload)
         optimizer_s += cost.replica_allreduce_seconds(trained, shape.group, shape.groups)
         return cls(
@@ -187,7 +198,8 @@ class _Cut:
             passes,
             trainable,
             tuple((c.start, c.stop) for c in chunks),
-            generate.activations / GB,
+            per_sample,
+            generation_batch(spec, cost, per_sample),
             optimizer_s,
             cost.publish(trained),
         )
@@ -247,6 +259,7 @@ def _mini_batch(
 def _rollout(cut: _Cut, step: int, fragment: int, samples: tuple[SampleId, ...]) -> tuple[Node, Node]:
     """A rollout piece's generate node and the score node of its samples."""
     spec, cost, n = cut.spec, cut.cost, len(samples)
+    batch = min(n, cut.generation_batch)
     generate = Node(
         cut.node_id(step, f"gen{fragment}"),
         spec.name,
@@ -256,8 +269,10 @@ def _rollout(cut: _Cut, step: int, fragment: int, samples: tuple[SampleId, ...])
         (),
         step,
         samples,
-        cost_s=cost.generate(cut.model, n, spec.height, spec.width, spec.denoising_steps, spec.frames, spec.cfg),
-        memory_gb=cut.generate_gb,
+        cost_s=cost.generate(
+            cut.model, n, spec.height, spec.width, spec.denoising_steps, spec.frames, spec.cfg, batch=batch
+        ),
+        memory_gb=cut.generate_gb * batch,
         tokens=n * cut.tokens,
     )
     score = Node(

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
+from dovetail.cost.catalog import device as lookup_device
 from dovetail.cost.model import CostModel
 from dovetail.graph.flow import FlowShape, build_flow, engines
 from dovetail.graph.node import Engines, Kind, Node, Role
@@ -27,6 +28,19 @@ from dovetail.sched.policy import SearchContext, Shape, Tag, best_by_forecast
 SIMULATED = 4
 """Shapes of each kind (synchronous, TCSS) the search simulates: the cost model's best few, and the best shared one
 (the cost model ranks within a few percent of the simulator; the simulator settles the order)."""
+
+
+RANKING_DEVICE = "H100"
+"""The device the cost model ranks digen's cuts on, whatever the run's device (`ranking_model`): which cuts the
+search simulates must not depend on how fast the device is, or a faster device could miss the cut a slower one
+wins with (digen+tcss on digen-qwenimage-32 was slower on H200 than on H100). The simulator, on the run's device,
+then chooses among them."""
+
+
+@lru_cache(maxsize=8)
+def ranking_model(cost: CostModel) -> CostModel:
+    """`cost` on `RANKING_DEVICE` with its own device's node size (corrections kept)."""
+    return cost.ranked_on(lookup_device(RANKING_DEVICE))
 
 
 @dataclass(frozen=True)
@@ -154,7 +168,8 @@ def finalists(
     best shared shape run stage-synchronously (its trainer takes the mini-batch once all of it is generated: fewer,
     larger train nodes, which the simulator finds as fast or slightly faster than GAP on DigenRL's scenarios) and
     the staged baselines' own shapes (`_staged`), so digen never loses to colocated or disaggregated; none of these
-    when the run forces TAG (`staged` False), which only GAP's schedule has."""
+    when the run forces TAG (`staged` False), which only GAP's schedule has. Ranked on one device
+    (`RANKING_DEVICE`), so devices that differ only in speed simulate the same shapes."""
     synchronous = _best(spec, devices, trainer_devices, cost, tcss=False)
     shapes = list(synchronous)
     if tcss:
@@ -204,22 +219,25 @@ def candidates(
     spec: FlowSpec, devices: int, trainer_devices: int | None, cost: CostModel, tcss: bool = False
 ) -> list[tuple[float, DigenShape]]:
     """(predicted step seconds, shape) for every trainer pool (around the balanced split, `pool_choices`),
-    trainer group size, fragment count and TSP chunk that fits in memory, best first (ties: the larger
-    chunk), predicted with TCSS on (digen+tcss) or off (digen). The scenario's own choices are kept when given."""
+    trainer group size, fragment count and TSP chunk that fits in the device's memory, best first (ties: the larger
+    chunk), predicted on `RANKING_DEVICE` (`ranking_model`) with TCSS on (digen+tcss) or off (digen). The scenario's
+    own choices are kept when given."""
+    capacity = cost.device.memory_bytes / 1e9
     ranked = sorted(
-        _predicted_shapes(spec, devices, trainer_devices, cost), key=lambda r: (r[1] if tcss else r[0], r[2])
+        _predicted_shapes(spec, devices, trainer_devices, ranking_model(cost), capacity),
+        key=lambda r: (r[1] if tcss else r[0], r[2]),
     )
     return [(r[1] if tcss else r[0], replace(r[3], tcss=tcss)) for r in ranked]
 
 
 @lru_cache(maxsize=8)
 def _predicted_shapes(
-    spec: FlowSpec, devices: int, trainer_devices: int | None, cost: CostModel
+    spec: FlowSpec, devices: int, trainer_devices: int | None, cost: CostModel, capacity: float
 ) -> tuple[tuple[float, float, int, DigenShape], ...]:
-    """(synchronous seconds, TCSS seconds, -chunk, shape) of every shape `candidates` ranks: one graph per shape
-    for both predictions, memoized (`prepare` asks for the policy's shape, then its search for the best few; on 64
-    devices this enumeration, not the simulation, is most of a search's time)."""
-    capacity = cost.device.memory_bytes / 1e9
+    """(synchronous seconds, TCSS seconds, -chunk, shape) of every shape `candidates` ranks that fits in `capacity`
+    GB per device: one graph per shape for both predictions, memoized (`prepare` asks for the policy's shape, then its
+    search for the best few; on 64 devices this enumeration, not the simulation, is most of a search's time). `cost`
+    is the ranking model (`ranking_model`), `capacity` the run's device's memory."""
     pools = [trainer_devices] if trainer_devices else pool_choices(spec, devices, cost) + [devices]
     ranked = []
     for trainers in pools:
@@ -232,13 +250,12 @@ def _predicted_shapes(
                         fragments, chunk, False, trainers, trainer_group=None if group == trainers else group
                     )
                     nodes = build_flow(spec, 1, shape, cost)
-                    if (
-                        max(n.memory_gb for n in nodes if n.kind == Kind.TRAIN) + held.resident_gb[Role.TRAINER]
-                        > capacity
-                    ):
+                    need = max(n.memory_gb for n in nodes if n.kind == Kind.TRAIN) + held.resident_gb[Role.TRAINER]
+                    if need > capacity:
                         continue
+                    lendable = held.resident_gb[Role.TRAINER] + held.resident_gb[Role.ROLLOUT] <= capacity
                     synchronous, overlapped = (
-                        _predict(nodes, shape, rollout, held, capacity, tcss) for tcss in (False, True)
+                        _predict(nodes, shape, rollout, held, lend=lendable, tcss=tcss) for tcss in (False, True)
                     )
                     ranked.append((synchronous, overlapped, -chunk, shape))
     if not ranked:
@@ -250,12 +267,10 @@ def _predicted_shapes(
     return tuple(ranked)
 
 
-def _predict(
-    nodes: Sequence[Node], shape: FlowShape, rollout: int, held: Engines, capacity: float, tcss: bool
-) -> float:
+def _predict(nodes: Sequence[Node], shape: FlowShape, rollout: int, held: Engines, lend: bool, tcss: bool) -> float:
     """Predicted seconds per step of `shape`: with TCSS the slower pool sets the pace (a rollout device loads
     the new weights once per step); synchronous, one step from the weight load to the publication, with
-    the best number of TAG fragments (none when both engines do not fit on a trainer device). No rollout pool:
+    the best number of TAG fragments where trainer devices may lend (`lend`: both engines fit on one). No rollout pool:
     every device switches to generate, then to train (colocated-like)."""
     generate_s, score_s, train_s, tail_s, load_s = _step_costs(nodes, shape.fragments, shape.group)
     fragments, groups = shape.fragments, shape.groups
@@ -278,9 +293,7 @@ def _predict(
         # pool trains a step's fragments between two optimizer steps; the slower of the two sets the pace.
         rollout_s = max(fragments / rollout, 1.0) * (generate_s + score_s) + load_s
         return max(rollout_s, -(-fragments // groups) * train_s + tail_s)
-    lendable = (
-        shape.trainer_devices if held.resident_gb[Role.TRAINER] + held.resident_gb[Role.ROLLOUT] <= capacity else 0
-    )
+    lendable = shape.trainer_devices if lend else 0
     return min(
         predict_makespan(
             (load_s,) * rollout,

@@ -14,20 +14,23 @@ step per batch: steps stay on-policy, staleness 0). A flow (text-to-image) pipel
 its generate fragments (whole prompt groups, one per device) are rollout work on the roomiest devices, its
 log-prob, train, commit and publish nodes trainer work on the whole pool.
 
-`jigsaw` chooses where the tail migrates and how wide its engine is by rolling the simulator forward one
-step per candidate (`plan_shapes`, memoized coordinate descent); each rollout engine's memory is what the
-trainers leave, split evenly (`rollout_shares`). At run time, when several pipelines' trainer work wants
-the (compute-bound) pool, it rolls a memoized stage-level model of the pool forward over each pipeline's
-current and next step for every candidate set and takes the earliest mean completion, weighted by each
-pipeline's `priority`. `jigsaw-greedy`, the ablation, keeps the cost-model default shape (tail at `tail_edge`,
-engine as wide as the home ones) and starts everything that fits now, higher priorities first when not
+`jigsaw` chooses where the tail migrates and how wide its engine is by rolling the simulator forward one step per
+candidate (`plan_shapes`, memoized coordinate descent); each rollout engine's memory is what the trainers leave,
+split evenly (`rollout_shares`). It also considers the pipelines on disjoint sub-pools sized by their work
+(`arrangements`: each pipeline alone, the arrangement verl-sync gives, and a few pipelines per sub-pool), each
+sub-pool multiplexed as above, and keeps whichever the simulator finds fastest: past two or three pipelines the
+whole pool's trainer work queues behind itself, and a sub-pool per pipeline or pair wins. At run time, when several
+pipelines' trainer work wants the (compute-bound) pool, it rolls a memoized stage-level model of the pool forward
+over each pipeline's current and next step for every candidate set and takes the earliest mean completion, weighted
+by each pipeline's `priority`. `jigsaw-greedy`, the ablation, keeps the cost-model default shape (tail at
+`tail_edge`, engine as wide as the home ones) and starts everything that fits now, higher priorities first when not
 everything fits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from itertools import combinations
 
@@ -42,7 +45,7 @@ from dovetail.sched.llm_common import (
     engine_devices,
     rollout_engines,
     rollout_seconds,
-    tensor_parallel,
+    split_pool,
     trainer_seconds,
 )
 from dovetail.sched.policy import (
@@ -68,6 +71,41 @@ SHARE = 0.475
 SCORE_SHARE = 0.05
 """... with room left for a rule reward."""
 EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class SlicedLLMShape(LLMShape):
+    """An LLM pipeline's jigsaw cut on its sub-pool: devices `first_device` .. `first_device + trainer_devices - 1`
+    (the whole pool: 0 and every device). Pipelines of the same sub-pool multiplex on it; sub-pools are disjoint."""
+
+    first_device: int = 0
+
+
+@dataclass(frozen=True)
+class SlicedFlowShape(FlowShape):
+    """A flow pipeline's jigsaw cut on its sub-pool (as `SlicedLLMShape`)."""
+
+    first_device: int = 0
+
+
+def on_slice(shape: LLMShape | FlowShape, first_device: int) -> SlicedLLMShape | SlicedFlowShape:
+    """`shape` (cut for its sub-pool's `trainer_devices`) placed on the sub-pool starting at `first_device`."""
+    fields = {key: value for key, value in asdict(shape).items() if key != "first_device"}
+    if isinstance(shape, FlowShape):
+        return SlicedFlowShape(**fields, first_device=first_device)
+    return SlicedLLMShape(**fields, first_device=first_device)
+
+
+def base_shape(shape: SlicedLLMShape | SlicedFlowShape) -> LLMShape | FlowShape:
+    """The shape without its sub-pool's place (what `Jigsaw.shape` cuts for the sub-pool's size)."""
+    fields = {key: value for key, value in asdict(shape).items() if key != "first_device"}
+    return FlowShape(**fields) if isinstance(shape, FlowShape) else LLMShape(**fields)
+
+
+def sub_pool(shape: LLMShape | FlowShape) -> tuple[int, ...]:
+    """The devices a jigsaw shape's pipeline runs on (a shape cut without a slice: its whole trainer pool)."""
+    first = shape.first_device if isinstance(shape, (SlicedLLMShape, SlicedFlowShape)) else 0
+    return tuple(range(first, first + shape.trainer_devices))
 
 
 def tail_edge(spec, shards: int) -> int | None:
@@ -166,7 +204,8 @@ def flow_shape(spec: FlowSpec, devices: int, cost) -> FlowShape:
             timed.append((trainer_seconds(nodes, devices), -chunk))
     if not timed:
         raise ValueError(
-            f"{spec.name}: no train node fits beside the engines in {capacity:.0f} GB per device; set offload: true"
+            f"{spec.name}: no train node fits beside the engines in {capacity:.0f} GB per device; "
+            + ("use more devices (a smaller shard of the trainer state)" if spec.offload else "set offload: true")
         )
     return replace(shape, tsp_chunk=-min(timed)[1])
 
@@ -192,91 +231,65 @@ class Jigsaw(StagedLLMPolicy):
 
     @classmethod
     def plan_shapes(cls, context: SearchContext) -> dict[str, LLMShape | FlowShape]:
-        """Rollout memory from the memory model (for every step the run trains); then (`jigsaw`) where each LLM
-        pipeline's tail migrates and how wide its engine is, by rolling the simulator forward `HORIZON_STEPS` steps
-        per candidate (`forecast(shapes, steps)` -> samples/s; memoized): coordinate descent over the tail engine's
-        width (the home width doubled while it stays within one pipeline's fair share of the pool) and the migration
-        edge (the length bands). The `FINALISTS` best of that screen are simulated again over the run's steps (at
-        most `SEARCH_STEPS`) and the fastest kept, so no candidate the search ranks over the run's steps beats the
-        chosen one. Flow shapes pass through."""
-        specs, forecast = context.specs, context.forecast
-        shapes = rollout_shares(specs, dict(context.shapes), context.costs, context.steps)
-        llm_specs = [spec for spec in specs if isinstance(spec, LLMSpec)]
-        if not cls.searches or not llm_specs:
-            return shapes
-        devices = next(iter(shapes.values())).trainer_devices
-        choices: dict[str, tuple[list[int | None], list[int]]] = {}
-        for spec in llm_specs:
-            edges = [e for e in spec.length_bands if e < spec.max_length] or [shapes[spec.name].migrate_at]
-            widths = [spec.tensor_parallel]
-            while widths[-1] * 2 <= devices // len(specs):
-                widths.append(widths[-1] * 2)
-            choices[spec.name] = (edges, widths)
+        """Rollout memory from the memory model (for every step the run trains); then (`jigsaw`) the fastest in the
+        simulator over the run's steps (at most `SEARCH_STEPS`) of: every pipeline on the whole pool, where each LLM
+        pipeline's tail migrates and how wide its engine is chosen by `_tail_search`; and the pipelines on disjoint
+        sub-pools (`arrangements`: each pipeline its own, as verl-sync gives them, and mixtures of a few pipelines
+        per sub-pool), each sub-pool sized by its pipelines' work. So jigsaw is never predicted below the split
+        arrangement it considered, and no candidate it ranks over the run's steps beats the chosen one. The whole
+        pool's tails and the mixtures are screened over `HORIZON_STEPS` steps first and only their `FINALISTS` best
+        simulated over the run's (every pipeline alone always is): the whole pool shared by many pipelines is the
+        slowest candidate to simulate and, past a few pipelines, the slowest to run."""
+        specs = context.specs
+        shared = rollout_shares(specs, dict(context.shapes), context.costs, context.steps)
+        if not cls.searches:
+            return shared
+        memo: dict[tuple, float] = {}
 
-        def candidate(point: tuple[int, int]) -> dict[str, LLMShape | FlowShape]:
-            return shapes | {
-                name: replace(
-                    shapes[name],
-                    migrate_at=edges[min(point[0], len(edges) - 1)],
-                    tail_parallel=widths[min(point[1], len(widths) - 1)],
-                )
-                for name, (edges, widths) in choices.items()
-            }
+        def forecast(candidate: dict[str, LLMShape | FlowShape], horizon: int) -> float:
+            key = (tuple(sorted(candidate.items())), horizon)
+            if key not in memo:
+                memo[key] = context.forecast(dict(candidate), horizon)
+            return memo[key]
 
-        memo: dict[tuple[int, int], float] = {}
-
-        def score(point: tuple[int, int]) -> float:
-            if point not in memo:
-                memo[point] = forecast(candidate(point), HORIZON_STEPS)
-            return memo[point]
-
-        start = [
-            max(
-                edges.index(shapes[n].migrate_at) if shapes[n].migrate_at in edges else 0
-                for n, (edges, _) in choices.items()
-            ),
-            0,
-        ]
-        sizes = [max(len(e) for e, _ in choices.values()), max(len(w) for _, w in choices.values())]
-        point = tuple(start)
-        for _ in range(2):
-            before = point
-            for axis in (0, 1):
-                point = max(
-                    (tuple(value if a == axis else point[a] for a in range(2)) for value in range(sizes[axis])),
-                    key=lambda p: (score(p), -p[1], p[0]),
-                )
-            if point == before:
-                break
-        horizon = context.horizon
-        if horizon == HORIZON_STEPS:
-            return candidate(point)
-        screened = sorted(memo, key=lambda p: (-memo[p], p != point, p[1], -p[0]))
-        return best_by_forecast([candidate(p) for p in screened[:FINALISTS]], forecast, horizon)
+        whole = _tail_search(specs, shared, forecast)
+        split = arrangements(cls, context)
+        alone = [c for c in split if len({sub_pool(shape) for shape in c.values()}) == len(c)]
+        mixtures = [c for c in split if c not in alone]
+        screened = sorted(whole + mixtures, key=lambda candidate: -forecast(candidate, HORIZON_STEPS))
+        return best_by_forecast(screened[:FINALISTS] + alone, forecast, context.horizon)
 
     def __init__(self, setup: Setup) -> None:
         super().__init__(setup)
-        held = [
-            gb
-            for engines in setup.engines.values()
-            for role, gb in engines.resident_gb.items()
-            if role in (Role.ROLLOUT, Role.TRAINER)
-        ]
-        self.resident_gb = sum(held)
-        if self.resident_gb > setup.memory_gb:
+        everyone = tuple(range(setup.devices))
+        self.pool = {name: sub_pool(setup.shapes[name]) if name in setup.shapes else everyone for name in setup.engines}
+        """Each pipeline's devices: the whole pool, or the disjoint sub-pool its search gave it (`plan_shapes`)."""
+        self.members = {
+            pool: [name for name in setup.engines if self.pool[name] == pool] for pool in self.pool.values()
+        }
+        """The pipelines of each (sub-)pool, in the scenario's order."""
+        self.resident_gb = dict.fromkeys(everyone, 0.0)
+        """Per device, the engines of every pipeline whose sub-pool holds it."""
+        self.wake_s = dict.fromkeys(everyone, 0.0)
+        for name, engines in setup.engines.items():
+            for d in self.pool[name]:
+                for role in (Role.ROLLOUT, Role.TRAINER):
+                    self.resident_gb[d] += engines.resident_gb.get(role, 0.0)
+                    self.wake_s[d] += engines.wake_s.get(role, 0.0)
+        if max(self.resident_gb.values()) > setup.memory_gb:
             raise ValueError(
-                f"{self.name}: every pipeline's engines together need {self.resident_gb:.0f} GB per device, more than "
-                f"{setup.memory_gb:.0f} GB; multiplex fewer or smaller pipelines, or raise tensor_parallel"
+                f"{self.name}: every pipeline's engines together need {max(self.resident_gb.values()):.0f} GB per "
+                f"device, more than {setup.memory_gb:.0f} GB; multiplex fewer or smaller pipelines, or raise "
+                "tensor_parallel"
             )
-        self.wake_s = sum(
-            s
-            for engines in setup.engines.values()
-            for role, s in engines.wake_s.items()
-            if role in (Role.ROLLOUT, Role.TRAINER)
-        )
-        self.everyone = tuple(range(setup.devices))
         self.flow = {name for name, shape in setup.shapes.items() if isinstance(shape, FlowShape)}
         """Flow pipelines: their rollout is generate fragments, not LLM engines."""
+        self.tensor_parallel = {
+            name: len(self.pool[name]) // shape.shards
+            for name, shape in setup.shapes.items()
+            if isinstance(shape, LLMShape)
+        }
+        """Devices per rollout engine of each LLM pipeline: its pool over its shards (`llm_common.tensor_parallel`)."""
         self.priority = {name: setup.priorities.get(name, 1.0) for name in setup.engines}
         self.slowdowns = phase_slowdowns(setup.slowdown)
         self.tail_on: dict[tuple[str, int], tuple[int, ...]] = {}
@@ -286,16 +299,26 @@ class Jigsaw(StagedLLMPolicy):
     def decide(self, view: View, events: Sequence[Event]) -> list[Decision]:
         decisions: list[Decision] = open_steps_on_publish(view, events)
         if any(isinstance(e, Begin) for e in events):
-            return decisions + [SwitchRole(d, Role.ANY, self.wake_s, self.resident_gb) for d in self.everyone]
+            held = sorted({d for pool in self.pool.values() for d in pool})
+            return decisions + [SwitchRole(d, Role.ANY, self.wake_s[d], self.resident_gb[d]) for d in held]
         if not view.ready:
             return decisions
-        self.free = {d: view.devices[d].free_share for d in self.everyone}
-        self.memory = {d: view.devices[d].memory_gb for d in self.everyone}
+        self.free = {d: view.devices[d].free_share for d in self.resident_gb}
+        self.memory = {d: view.devices[d].memory_gb for d in self.resident_gb}
+        ready: dict[str, list[Node]] = {}
+        scores: list[Node] = []
+        for node_id in view.ready:
+            node = view.graph[node_id]
+            ready.setdefault(node.pipeline, []).append(node)
+            if node.kind == Kind.SCORE:
+                scores.append(node)
         for pipeline in view.graph.pipelines():
-            decisions += self._rollout(view, pipeline)
-        decisions += self._trainer(view)
-        for node in (view.graph[n] for n in view.ready):
-            if node.kind == Kind.SCORE and (device := self._roomiest(node, SCORE_SHARE)) is not None:
+            decisions += self._rollout(pipeline, [n for n in ready.get(pipeline, ()) if n.role == Role.ROLLOUT])
+        training = {view.graph[n].pipeline for n in view.running if view.graph[n].kind in TRAINER_KINDS}
+        for pool in dict.fromkeys(self.pool.values()):
+            decisions += self._trainer(view, pool, ready, training)
+        for node in scores:
+            if (device := self._roomiest(node, SCORE_SHARE)) is not None:
                 decisions.append(self._take(node, (device,), SCORE_SHARE))
         return decisions
 
@@ -313,27 +336,27 @@ class Jigsaw(StagedLLMPolicy):
         return Run(node.id, devices, share)
 
     def _roomiest(self, node: Node, share: float) -> int | None:
-        fitting = [d for d in self.everyone if self._fits(node, (d,), share)]
+        fitting = [d for d in self.pool[node.pipeline] if self._fits(node, (d,), share)]
         return max(fitting, key=lambda d: (self.free[d], -d), default=None)
 
-    def _rollout(self, view: View, pipeline: str) -> list[Decision]:
-        """LLM: home shards on their engines; the migrated tail on the least-loaded engine, then decoded there.
-        Flow: each generate fragment on the device with the most free share, as the migrated tail."""
+    def _rollout(self, pipeline: str, ready: list[Node]) -> list[Decision]:
+        """The pipeline's `ready` rollout nodes. LLM: home shards on their engines; the migrated tail on the
+        least-loaded engine, then decoded there. Flow: each generate fragment on the device with the most free share,
+        as the migrated tail."""
         decisions: list[Decision] = []
-        ready = [node for node in self.ready_nodes(view, pipeline) if node.role == Role.ROLLOUT]
         if pipeline in self.flow:
             for node in ready:
                 if (device := self._roomiest(node, SHARE)) is not None:
                     decisions.append(self._take(node, (device,), SHARE))
             return decisions
-        tp = tensor_parallel(view, pipeline, self.everyone)
+        pool, tp = self.pool[pipeline], self.tensor_parallel[pipeline]
         for node in ready:
             shard = node.shard
             if shard is not None:
-                devices = engine_devices(self.everyone, shard, tp)
+                devices = engine_devices(pool, shard, tp)
             elif node.kind == Kind.MIGRATE:
                 width = self.setup.shapes[pipeline].tail_parallel or tp
-                engines = [engine_devices(self.everyone, k, width) for k in range(len(self.everyone) // width)]
+                engines = [engine_devices(pool, k, width) for k in range(len(pool) // width)]
                 devices = max(engines, key=lambda e: (min(self.free[d] for d in e), -e[0]))
             else:
                 devices = self.tail_on[(pipeline, node.step)]
@@ -342,42 +365,55 @@ class Jigsaw(StagedLLMPolicy):
                 decisions.append(self._take(node, devices, SHARE))
         return decisions
 
-    def _trainer(self, view: View) -> list[Decision]:
-        """Each pipeline's next trainer node on the whole pool, one at a time per pipeline; which of the
-        waiting pipelines start now is the look-ahead's (or the greedy) choice. Candidates come largest first,
-        higher priorities first among equal sizes: the greedy starts the first."""
-        busy = {view.graph[n].pipeline for n in view.running if view.graph[n].kind in TRAINER_KINDS}
+    def _trainer(
+        self, view: View, pool: tuple[int, ...], ready: dict[str, list[Node]], training: set[str]
+    ) -> list[Decision]:
+        """Each pipeline's next trainer node on its whole (sub-)pool, one at a time per pipeline; which of the
+        pool's waiting pipelines start now is the look-ahead's (or the greedy) choice. Candidates come largest first,
+        higher priorities first among equal sizes: the greedy starts the first. Only as many as fit side by side
+        (`SHARE` each) are combined, so the choice stays cheap with many pipelines. `ready`: every pipeline's ready
+        nodes; `training`: the pipelines with trainer work running."""
+        mine = self.members[pool]
+        busy = training.intersection(mine)
         waiting: dict[str, Node] = {}
-        for node_id in view.ready:
-            node = view.graph[node_id]
-            if node.kind in TRAINER_KINDS and node.pipeline not in busy and node.pipeline not in waiting:
-                waiting[node.pipeline] = node
+        for pipeline in mine:
+            if pipeline not in busy:
+                first = next((n for n in ready.get(pipeline, ()) if n.kind in TRAINER_KINDS), None)
+                if first is not None:
+                    waiting[pipeline] = first
+        if not waiting:
+            return []
         by_priority = sorted(waiting, key=lambda p: (-self.priority[p], p))
+        side_by_side = int((min(self.free[d] for d in pool) + EPS) // SHARE)
         candidates = [
             group
-            for size in range(len(waiting), -1, -1)
+            for size in range(min(len(waiting), side_by_side), -1, -1)
             for group in combinations(by_priority, size)
-            if self._fits_all([waiting[p] for p in group]) and (group or busy)
+            if self._fits_all([waiting[p] for p in group], pool) and (group or busy)
         ]
         if not candidates:
             return []
         chosen = (
-            candidates[0] if not self.look_ahead or len(candidates) == 1 else self._look_ahead(view, candidates, busy)
+            candidates[0]
+            if not self.look_ahead or len(candidates) == 1
+            else self._look_ahead(view, mine, candidates, busy)
         )
         if len(candidates) > 1:
             self.choices.append((view.now, chosen))
-        return [self._take(waiting[p], self.everyone, SHARE) for p in chosen]
+        return [self._take(waiting[p], pool, SHARE) for p in chosen]
 
-    def _fits_all(self, nodes: list[Node]) -> bool:
-        """Whether `nodes` fit side by side on every device (share and memory)."""
+    def _fits_all(self, nodes: list[Node], pool: tuple[int, ...]) -> bool:
+        """Whether `nodes` fit side by side on every device of `pool` (share and memory)."""
         return (
-            min(self.free.values()) >= SHARE * len(nodes) - EPS
-            and max(self.memory.values()) + sum(n.memory_gb for n in nodes) <= self.setup.memory_gb + EPS
+            min(self.free[d] for d in pool) >= SHARE * len(nodes) - EPS
+            and max(self.memory[d] for d in pool) + sum(n.memory_gb for n in nodes) <= self.setup.memory_gb + EPS
         )
 
     # ------------------------------------------------------------ look-ahead
-    def _look_ahead(self, view: View, candidates: list[tuple[str, ...]], busy: set[str]) -> tuple[str, ...]:
-        pipelines = view.graph.pipelines()
+    def _look_ahead(
+        self, view: View, pipelines: list[str], candidates: list[tuple[str, ...]], busy: set[str]
+    ) -> tuple[str, ...]:
+        """The candidate with the earliest weighted mean completion of the pool's `pipelines`."""
         phases = tuple(self._phases(view, p) for p in pipelines)
         weights = tuple(self.priority[p] for p in pipelines)
         index = {p: i for i, p in enumerate(pipelines)}
@@ -388,22 +424,22 @@ class Jigsaw(StagedLLMPolicy):
         return min(candidates, key=predicted)  # ties: the first candidate (largest, then highest priorities)
 
     def _phases(self, view: View, pipeline: str) -> tuple[tuple[str, float], ...]:
-        """What is left of the pipeline's open step and its next one, as (class, seconds on the pool): an LLM's
+        """What is left of the pipeline's open step and its next one, as (class, seconds on its pool): an LLM's
         rollout decodes on its engines, a flow pipeline's generate fragments spread one per device."""
         opened = [s for (p, s) in view.started if p == pipeline]
         if not opened:
             return ()
         step = max(opened)
-        devices = len(self.everyone)
+        pool = self.pool[pipeline]
         flow = pipeline in self.flow
-        tp = None if flow else tensor_parallel(view, pipeline, self.everyone)
+        tp = self.tensor_parallel.get(pipeline, 1)
         phases: list[tuple[str, float]] = []
         for s in (step, step + 1):
             nodes = [n for n in view.graph.of(pipeline, s) if n.id not in view.finished]
-            rollout = generate_seconds(nodes, devices) if flow else rollout_seconds(nodes, tp)
+            rollout = generate_seconds(nodes, len(pool)) if flow else rollout_seconds(nodes, tp)
             if rollout > 0:
                 phases.append(("generate" if flow else "decode", round(rollout, 1)))
-            train = trainer_seconds(nodes, devices)
+            train = trainer_seconds(nodes, len(pool))
             if train > 0:
                 phases.append(("train", round(train, 1)))
         return tuple(phases)
@@ -450,3 +486,125 @@ def rollout_shares(
                 f"{spec.tensor_parallel}): add devices (the trainer's shard shrinks) or raise tensor_parallel"
             )
     return shapes | {spec.name: replace(shapes[spec.name], rollout_memory=share) for spec in llm}
+
+
+def _tail_search(
+    specs: Sequence[PipelineSpec],
+    shapes: dict[str, LLMShape | FlowShape],
+    forecast: Callable[[dict[str, LLMShape | FlowShape], int], float],
+) -> list[dict[str, LLMShape | FlowShape]]:
+    """Where each LLM pipeline of the whole pool migrates its tail and how wide the tail's engine is, by rolling the
+    simulator forward `HORIZON_STEPS` steps per candidate: coordinate descent over the tail engine's width (the home
+    width doubled while it stays within one pipeline's fair share of the pool) and the migration edge (the length
+    bands). Every candidate it scored, the best first; `shapes` alone without an LLM pipeline."""
+    llm_specs = [spec for spec in specs if isinstance(spec, LLMSpec)]
+    if not llm_specs:
+        return [shapes]
+    devices = next(iter(shapes.values())).trainer_devices
+    choices: dict[str, tuple[list[int | None], list[int]]] = {}
+    for spec in llm_specs:
+        edges = [e for e in spec.length_bands if e < spec.max_length] or [shapes[spec.name].migrate_at]
+        widths = [spec.tensor_parallel]
+        while widths[-1] * 2 <= devices // len(specs):
+            widths.append(widths[-1] * 2)
+        choices[spec.name] = (edges, widths)
+
+    def candidate(point: tuple[int, ...]) -> dict[str, LLMShape | FlowShape]:
+        return shapes | {
+            name: replace(
+                shapes[name],
+                migrate_at=edges[min(point[0], len(edges) - 1)],
+                tail_parallel=widths[min(point[1], len(widths) - 1)],
+            )
+            for name, (edges, widths) in choices.items()
+        }
+
+    scores: dict[tuple[int, ...], float] = {}
+
+    def score(point: tuple[int, ...]) -> float:
+        if point not in scores:
+            scores[point] = forecast(candidate(point), HORIZON_STEPS)
+        return scores[point]
+
+    start = max(
+        edges.index(shapes[n].migrate_at) if shapes[n].migrate_at in edges else 0 for n, (edges, _) in choices.items()
+    )
+    sizes = [max(len(e) for e, _ in choices.values()), max(len(w) for _, w in choices.values())]
+    point: tuple[int, ...] = (start, 0)
+    for _ in range(2):
+        before = point
+        for axis in (0, 1):
+            point = max(
+                (tuple(value if a == axis else point[a] for a in range(2)) for value in range(sizes[axis])),
+                key=lambda p: (score(p), -p[1], p[0]),
+            )
+        if point == before:
+            break
+    return [candidate(p) for p in sorted(scores, key=lambda p: (-scores[p], p != point, p[1], -p[0]))]
+
+
+def arrangements(cls: type[Jigsaw], context: SearchContext) -> list[dict[str, LLMShape | FlowShape]]:
+    """The pipelines on disjoint sub-pools: cut, in order, into k groups of consecutive pipelines (sizes differing by
+    at most one) for k = 2, 4, 8, ... and every pipeline alone (k = N, the arrangement verl-sync gives, also with its
+    even slices); each group multiplexes on a sub-pool sized by its pipelines' work (`slice_sizes`: device-seconds of
+    a step, at least the widest rollout engine of the group). An arrangement whose sub-pools do not fit is left out."""
+    specs = list(context.specs)
+    devices = context.devices or next(iter(context.shapes.values())).trainer_devices
+    work = {spec.name: step_work(spec, context.shapes[spec.name], context.costs[spec.name]) for spec in specs}
+    least = {spec.name: spec.tensor_parallel if isinstance(spec, LLMSpec) else 1 for spec in specs}
+    counts = sorted({k for k in (2**i for i in range(1, len(specs).bit_length())) if k < len(specs)} | {len(specs)})
+    layouts: list[tuple[list[list[PipelineSpec]], list[int]]] = []
+    for k in counts if len(specs) > 1 else []:
+        groups = [specs[i : i + size] for i, size in _runs(len(specs), k)]
+        minimums = [max(least[spec.name] for spec in group) for group in groups]
+        sizes = slice_sizes([sum(work[spec.name] for spec in group) for group in groups], minimums, devices)
+        if sizes is not None:
+            layouts.append((groups, sizes))
+        even = [len(part) for part in split_pool(devices, k)] if k <= devices else None
+        if k == len(specs) and even is not None and even != sizes and all(map(int.__ge__, even, minimums)):
+            layouts.append((groups, even))
+    candidates = []
+    for groups, sizes in layouts:
+        candidate: dict[str, LLMShape | FlowShape] = {}
+        first = 0
+        try:
+            for group, size in zip(groups, sizes):
+                cut = {
+                    spec.name: on_slice(cls.shape(spec, size, None, context.costs[spec.name]), first) for spec in group
+                }
+                candidate |= rollout_shares(group, cut, context.costs, context.steps)
+                first += size
+        except ValueError:  # a sub-pool too small for its pipelines' engines
+            continue
+        candidates.append(candidate)
+    return candidates
+
+
+def _runs(items: int, parts: int) -> list[tuple[int, int]]:
+    """(start, length) of `parts` consecutive runs covering `items`, lengths differing by at most one."""
+    base, extra = divmod(items, parts)
+    runs, start = [], 0
+    for i in range(parts):
+        length = base + (1 if i < extra else 0)
+        runs.append((start, length))
+        start += length
+    return runs
+
+
+def step_work(spec: PipelineSpec, shape: LLMShape | FlowShape, cost) -> float:
+    """Device-seconds of one step of `spec` as `shape` cuts it (collectives: their wall time): what a sub-pool is
+    sized by."""
+    return sum(n.cost_s for n in shape.build(spec, 1, cost))
+
+
+def slice_sizes(works: Sequence[float], minimums: Sequence[int], devices: int) -> list[int] | None:
+    """`devices` dealt to groups of `works` device-seconds, each at least its minimum: every further device to the
+    group with the most work per device so far (largest averages), so sizes follow the work. None when the
+    minimums alone exceed the pool."""
+    sizes = list(minimums)
+    if sum(sizes) > devices:
+        return None
+    for _ in range(devices - sum(sizes)):
+        i = max(range(len(sizes)), key=lambda i: (works[i] / sizes[i], -i))
+        sizes[i] += 1
+    return sizes
