@@ -29,7 +29,7 @@ CONFIG = [
     "policy=digen",
     "runtime.fragments=4",
     "runtime.tsp_chunk=5",
-    "runtime.trainer_group=1",  # the whole cut fixed, not chosen from profiled costs: runs repeat bitwise
+    "runtime.trainer_group=1",  # each device trains whole train nodes: bitwise repeatable whatever else is searched
 ]
 """The run the faults are injected into (tests and benchmarks/kill_matrix.py): digen on 2 devices."""
 MOMENTS = ("start-up", "generate", "train", "commit", "publish", "last step")

@@ -8,13 +8,18 @@ re-measured, an open step's gradients rebuilt, a committed state brought back fr
 re-formed); the whole matrix is benchmarks/kill_matrix.py (about 20 minutes)."""
 
 import json
+import time
+import uuid
 
 import pytest
+import ray
 import torch
 from fault_injection import CONFIG, Fault
 from safetensors.torch import load_file
 
 from dovetail.config.load import load_config
+from dovetail.exec.launch import device_pool
+from dovetail.exec.rendezvous import abandon
 from dovetail.rewards import RewardError
 from dovetail.runner import train
 
@@ -76,3 +81,19 @@ def test_a_run_stopped_after_its_first_step_resumes_bitwise_to_the_undisturbed_o
     train(config, tmp_path, steps=STEPS, resume=tmp_path)
     got = weights(tmp_path)
     assert all(torch.equal(got[k], undisturbed[k]) for k in undisturbed)
+
+
+def test_a_worker_waiting_for_a_dead_peer_answers_pings_and_stops_waiting_once_its_group_is_abandoned():
+    """What lets a revive go on while a survivor's commit waits at a rendezvous for a member that died: the
+    survivor's ping answers on a thread of its own, and once the driver marks the group abandoned the wait ends in
+    an error (its part is sent again into the next group), not after the store's 120 s timeout."""
+    worker = device_pool(load_config(None, CONFIG)).workers(0)[0]
+    prefix = f"test-{uuid.uuid4().hex}"
+    waiting = worker.join_group.remote(prefix, 0, 2)  # rank 1 never comes
+    assert ray.wait([waiting], timeout=1.0)[0] == []
+    assert ray.get(worker.ping.remote(), timeout=5) > 0
+    abandoned_at = time.monotonic()
+    abandon(prefix)
+    with pytest.raises(ray.exceptions.RayTaskError, match="a member died"):
+        ray.get(waiting, timeout=30)
+    assert time.monotonic() - abandoned_at < 5

@@ -30,7 +30,7 @@ from dovetail.exec.metrics import summarize
 from dovetail.exec.pipeline import Ledger
 from dovetail.exec.plan import Prepared, prepare, simulate
 from dovetail.exec.ray_executor import PipelineRun, RayExecutor
-from dovetail.exec.recovery import LostWatch, Started
+from dovetail.exec.recovery import Incarnations, LostWatch, Started
 from dovetail.exec.startup_cache import cached
 from dovetail.exec.watchdog import start_watchdog
 from dovetail.exec.worker import DEVICE_RESOURCE, LOOPBACK, DeviceWorker, WorkerRestarted
@@ -229,9 +229,11 @@ def start_workers(config: TrainConfig, pool: DevicePool, trainer_states: dict[st
     for name, pipeline in pipelines.items():
         state_ref = ray.put(trainer_states[name])
         weights_ref = ray.put(trainer_states[name]["weights"])
-        pids = [0] * len(workers[name])
+        incarnations = Incarnations([0] * len(workers[name]))
         config_dump = pipeline.model_dump(mode="json")
-        started[name] = Started(config_dump, workers[name], pids, weights_ref, state_ref, lost_watch(config, pool))
+        started[name] = Started(
+            config_dump, workers[name], incarnations, weights_ref, state_ref, lost_watch(config, pool)
+        )
         started[name].revive("configure")  # every worker is new to this run: configured and grouped, even if one
         started[name].restarts.clear()  # dies meanwhile; not a restart of the run's
     return started
@@ -448,7 +450,7 @@ def make_executor(
             name,
             pipeline,
             started[name].workers,
-            started[name].pids,
+            started[name].incarnations,
             first_steps[name],
             {0: started[name].weights},
             started[name].trainer_state,

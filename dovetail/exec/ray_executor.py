@@ -27,7 +27,7 @@ from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
 from dovetail.exec.loop import settle
 from dovetail.exec.messages import Commit, LoadWeights, Trained
 from dovetail.exec.pipeline import Ledger, Part, PipelineAdapter
-from dovetail.exec.recovery import RECOVERY_DEADLINE_S, LostWatch, StepLost, revive
+from dovetail.exec.recovery import RECOVERY_DEADLINE_S, Incarnations, LostWatch, StepLost, revive
 from dovetail.exec.state import ClusterState
 from dovetail.exec.trace import Trace
 from dovetail.exec.worker import WorkerRestarted
@@ -53,8 +53,8 @@ class PipelineRun:
     name: str
     config: object
     workers: list
-    pids: list[int]
-    """The process of each worker now: a new one is a restart (`recovery.revive`)."""
+    incarnations: Incarnations
+    """The process of each worker now (a new one is a restart: `recovery.revive`) and their group."""
     first_step: int
     versions: dict[int, ray.ObjectRef]
     """Published weights by graph version (0: the run's initial weights)."""
@@ -256,7 +256,7 @@ class RayExecutor:
         rebuild the gradients of the restarted devices' train parts of the open step (sent before anything else)."""
         config = run.config.model_dump(mode="json")
         state = ray.put(self.committed_state(run.name))
-        for device in revive(run.workers, run.pids, config, state, RECOVERY_DEADLINE_S, self.lost()):
+        for device in revive(run.workers, run.incarnations, config, state, RECOVERY_DEADLINE_S, self.lost()):
             run.ledger.restarts.append((round(now, 3), device, during))
             for lost in run.uncommitted[device]:
                 run.ledger.reruns.append((device, lost.node))

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import ray
 from ray.exceptions import RayActorError
 
+from dovetail.exec.rendezvous import abandon
 from dovetail.exec.worker import form_group
 
 RECOVERY_DEADLINE_S = 180.0
@@ -70,45 +71,75 @@ class RecoveryTimeout(RuntimeError):
     """A worker did not come back within the recovery deadline."""
 
 
+@dataclass
+class Incarnations:
+    """What the driver knows of a pipeline's worker processes: the process each runs in now (a new one is a restart)
+    and the rendezvous prefix of the group they formed last. The start-up and each executor share one."""
+
+    pids: list[int]
+    group: str | None = None
+
+    def seen(self, device: int, pid: int | None) -> None:
+        """A ping of `device` answered `pid` (None: its process had died). A death abandons the group, so that its
+        survivors stop waiting for the dead member at a rendezvous and answer too (`rendezvous.abandon`)."""
+        if pid != self.pids[device] and self.group is not None:
+            abandon(self.group)
+            self.group = None
+
+
 def revive(
-    workers: list, pids: list[int], config: dict, trainer_state, deadline_s: float, lost: LostWatch
+    workers: list, incarnations: Incarnations, config: dict, trainer_state, deadline_s: float, lost: LostWatch
 ) -> list[int]:
-    """Wait for every worker to answer; configure the ones that are new incarnations (their pid changed, `pids` is
-    updated) with `config` (a config dump) and `trainer_state` (a ref), and form the group again if any was.
+    """Wait for every worker to answer; configure the ones that are new incarnations (their pid changed) with `config`
+    (a config dump) and `trainer_state` (a ref), and form the group again if any was (`incarnations` is updated).
     Returns the devices that restarted; raises `StepLost` for devices `lost` finds gone."""
     end = time.monotonic() + deadline_s
     while True:
-        current = _answers(workers, end, lost)
-        restarted = [device for device, (old, new) in enumerate(zip(pids, current)) if old != new]
+        current = _answers(workers, incarnations, end, lost)
+        restarted = [device for device, (old, new) in enumerate(zip(incarnations.pids, current)) if old != new]
         if not restarted:
             return []
         try:
             ray.get([workers[device].configure.remote(config, trainer_state, device) for device in restarted])
-            form_group(workers)
+            incarnations.group = form_group(workers)
         except RayActorError:  # another worker died meanwhile: start over, it is a new incarnation too
             _check(end, workers)
             time.sleep(POLL_S)
             continue
-        pids[:] = current
+        incarnations.pids[:] = current
         return restarted
 
 
-def _answers(workers: list, end: float, lost: LostWatch) -> list[int]:
+def _answers(workers: list, incarnations: Incarnations, end: float, lost: LostWatch) -> list[int]:
     """Every worker's pid, once all of them answer. A worker that has not answered within ANSWER_POLL_S is asked
-    again: a ping sent as its process died may never be answered (a busy worker answers the pings in turn)."""
+    again: a ping sent as its process died may never be answered (a busy worker answers at once: `ping`). Each
+    answer is shown to `incarnations`, which abandons the group at the first sign of a death."""
     pings = [worker.ping.remote() for worker in workers]
     while True:
         ready, _ = ray.wait(pings, num_returns=len(pings), timeout=ANSWER_POLL_S)
-        if len(ready) == len(pings):
-            try:
-                return ray.get(pings)
-            except RayActorError:  # one died: ask everyone again, its next incarnation answers
-                time.sleep(POLL_S)
-                pings = [worker.ping.remote() for worker in workers]
-        else:
-            pings = [ping if ping in ready else worker.ping.remote() for ping, worker in zip(pings, workers)]
+        answers = [_answer(ping) if ping in ready else None for ping in pings]
+        for device, ping in enumerate(pings):
+            if ping in ready:
+                incarnations.seen(device, answers[device])
+        if all(answer is not None for answer in answers):
+            return [answer for answer in answers if answer is not None]
+        # asked again: who had not answered, and who had died (its next incarnation answers)
+        pings = [
+            ping if answer is not None else worker.ping.remote()
+            for ping, answer, worker in zip(pings, answers, workers)
+        ]
         lost.check()
         _check(end, workers)
+        if len(ready) == len(pings):
+            time.sleep(POLL_S)
+
+
+def _answer(ping) -> int | None:
+    """The pid a ready ping answered; None if the worker died before it answered."""
+    try:
+        return ray.get(ping)
+    except RayActorError:
+        return None
 
 
 def _check(end: float, workers: list) -> None:
@@ -126,8 +157,8 @@ class Started:
     config: dict
     """The pipeline's config dump, as its workers were configured (and a restarted one is again)."""
     workers: list
-    pids: list[int]
-    """The process of each worker now: a new one is a restart (`recovery.revive`)."""
+    incarnations: Incarnations
+    """The process of each worker now (a new one is a restart: `recovery.revive`) and their group."""
     weights: ray.ObjectRef
     trainer_state: ray.ObjectRef
     lost: Callable[[], LostWatch]
@@ -137,5 +168,7 @@ class Started:
 
     def revive(self, during: str) -> None:
         watch = self.lost()
-        for index in revive(self.workers, self.pids, self.config, self.trainer_state, RECOVERY_DEADLINE_S, watch):
+        for index in revive(
+            self.workers, self.incarnations, self.config, self.trainer_state, RECOVERY_DEADLINE_S, watch
+        ):
             self.restarts.append((0.0, index, during))

@@ -40,11 +40,12 @@ class WorkerRestarted(RuntimeError):
     again (`exec.recovery`)."""
 
 
-def form_group(workers: list) -> None:
+def form_group(workers: list) -> str:
     """Every device joins one new torch.distributed group, its rank its place in `workers`; it meets in Ray's
-    key-value store (`exec.rendezvous`), which outlives any device."""
+    key-value store (`exec.rendezvous`), which outlives any device. Returns the group's rendezvous prefix."""
     prefix = f"group-{uuid.uuid4().hex}"
     ray.get([w.join_group.remote(prefix, rank, len(workers)) for rank, w in enumerate(workers)])
+    return prefix
 
 
 def through_object_store(weights: dict) -> dict:
@@ -95,7 +96,13 @@ def gather_parts(parts: dict, ranks: tuple[int, ...], groups: dict) -> dict:
     return {key: gradient for device_parts in gathered for key, gradient in device_parts.items()}
 
 
-@ray.remote(num_cpus=0, resources={DEVICE_RESOURCE: 1}, max_restarts=-1, max_task_retries=0)
+@ray.remote(
+    num_cpus=0,
+    resources={DEVICE_RESOURCE: 1},
+    max_restarts=-1,
+    max_task_retries=0,
+    concurrency_groups={"liveness": 1},
+)
 class DeviceWorker:
     def __init__(self, index: int, pin_core: bool = True):
         """`index`: the device's place in the pool that started it, which picks its core; a run gives the worker
@@ -150,7 +157,10 @@ class DeviceWorker:
         if previous is not None and previous != prefix:
             forget(previous)
 
+    @ray.method(concurrency_group="liveness")
     def ping(self) -> int:
+        """This process's pid, answered on a thread of its own: a worker whose work waits for a peer (a commit's
+        gather) still tells a revive that it is alive, so the revive can send that peer its work."""
         return os.getpid()
 
     def profile(self, samples: int) -> dict[str, float]:
