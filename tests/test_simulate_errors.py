@@ -132,14 +132,18 @@ def test_an_unknown_policy_in_a_scenario_is_named_when_it_is_read(tmp_path):
     assert result.exit_code == 2 and "schedule.policies: unknown policies ['fastest']" in result.output
 
 
-@pytest.mark.serial
 @pytest.mark.serial  # CPU seconds still grow when another process shares the core (caches, steal): timed alone
 def test_plan_of_the_64_gpu_two_pipeline_scenario_takes_under_two_cpu_seconds():
-    """CPU time of the process, not wall time: the machine is shared, its wall clock is not this code's."""
+    """CPU time of this thread, not wall time (the machine is shared, its wall clock is not this code's) nor the
+    process's (a Ray instance an earlier test left charges its threads' work to the process). A virtual machine's
+    stolen time still inflates a single reading by up to half here: the fastest of three is the plan's own cost."""
     scenario = load_scenario("jigsaw-64xa100")
-    start = time.process_time()
-    text = plan(scenario, 64)
-    assert time.process_time() - start < 2.0
+    seconds = []
+    for _ in range(3):
+        start = time.thread_time()
+        text = plan(scenario, 64)
+        seconds.append(time.thread_time() - start)
+    assert min(seconds) < 2.0, seconds
     assert text.splitlines()[-1].startswith("best: ") and " under jigsaw -> " in text
 
 

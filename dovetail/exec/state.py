@@ -43,8 +43,10 @@ class DeviceState:
     role: Role | None = None
     resident_gb: float = 0.0
     running: dict[str, float] = field(default_factory=dict)
+    """Node -> the share of the device it takes (`take` / `release` keep `taken_share` their sum)."""
     working_gb: float = 0.0
     switching: bool = False
+    taken_share: float = 0.0
 
     @property
     def memory_gb(self) -> float:
@@ -56,7 +58,18 @@ class DeviceState:
 
     @property
     def free_share(self) -> float:
-        return 0.0 if self.switching else 1.0 - sum(self.running.values())
+        """What a decision may still place here: read at every decision for every device, so kept, not summed."""
+        return 0.0 if self.switching else 1.0 - self.taken_share
+
+    def take(self, node_id: str, share: float, memory_gb: float) -> None:
+        self.running[node_id] = share
+        self.taken_share = sum(self.running.values())
+        self.working_gb += memory_gb
+
+    def release(self, node_id: str, memory_gb: float) -> None:
+        del self.running[node_id]
+        self.taken_share = sum(self.running.values())
+        self.working_gb -= memory_gb
 
 
 @dataclass
@@ -260,16 +273,14 @@ class ClusterState:
         node = self.graph[node_id]
         for index in devices:
             device = self.devices[index]
-            device.running[node_id] = share
-            device.working_gb += node.memory_gb
+            device.take(node_id, share, node.memory_gb)
             self.trace.peak_memory_gb[index] = max(self.trace.peak_memory_gb[index], device.memory_gb)
 
     def _release(self, node_id: str, devices: Sequence[int]) -> None:
         node = self.graph[node_id]
         for index in devices:
             device = self.devices[index]
-            del device.running[node_id]
-            device.working_gb -= node.memory_gb
+            device.release(node_id, node.memory_gb)
             if device.idle:
                 self._events.append(DeviceIdle(self.now, index))
 

@@ -303,8 +303,8 @@ class Jigsaw(StagedLLMPolicy):
             return decisions + [SwitchRole(d, Role.ANY, self.wake_s[d], self.resident_gb[d]) for d in held]
         if not view.ready:
             return decisions
-        self.free = {d: view.devices[d].free_share for d in self.resident_gb}
-        self.memory = {d: view.devices[d].memory_gb for d in self.resident_gb}
+        self.free = ReadOnFirstUse(lambda d: view.devices[d].free_share)
+        self.memory = ReadOnFirstUse(lambda d: view.devices[d].memory_gb)
         ready: dict[str, list[Node]] = {}
         scores: list[Node] = []
         for node_id in view.ready:
@@ -384,12 +384,13 @@ class Jigsaw(StagedLLMPolicy):
         if not waiting:
             return []
         by_priority = sorted(waiting, key=lambda p: (-self.priority[p], p))
-        side_by_side = int((min(self.free[d] for d in pool) + EPS) // SHARE)
+        least_free, most_memory = min(self.free[d] for d in pool), max(self.memory[d] for d in pool)
+        side_by_side = int((least_free + EPS) // SHARE)
         candidates = [
             group
             for size in range(min(len(waiting), side_by_side), -1, -1)
             for group in combinations(by_priority, size)
-            if self._fits_all([waiting[p] for p in group], pool) and (group or busy)
+            if self._fits_all([waiting[p] for p in group], least_free, most_memory) and (group or busy)
         ]
         if not candidates:
             return []
@@ -402,11 +403,12 @@ class Jigsaw(StagedLLMPolicy):
             self.choices.append((view.now, chosen))
         return [self._take(waiting[p], pool, SHARE) for p in chosen]
 
-    def _fits_all(self, nodes: list[Node], pool: tuple[int, ...]) -> bool:
-        """Whether `nodes` fit side by side on every device of `pool` (share and memory)."""
+    def _fits_all(self, nodes: list[Node], least_free: float, most_memory: float) -> bool:
+        """Whether `nodes` fit side by side on every device of a pool whose freest-taken device has `least_free` of
+        its share and the fullest `most_memory` GB."""
         return (
-            min(self.free[d] for d in pool) >= SHARE * len(nodes) - EPS
-            and max(self.memory[d] for d in pool) + sum(n.memory_gb for n in nodes) <= self.setup.memory_gb + EPS
+            least_free >= SHARE * len(nodes) - EPS
+            and most_memory + sum(n.memory_gb for n in nodes) <= self.setup.memory_gb + EPS
         )
 
     # ------------------------------------------------------------ look-ahead
@@ -541,6 +543,19 @@ def _tail_search(
         if point == before:
             break
     return [candidate(p) for p in sorted(scores, key=lambda p: (-scores[p], p != point, p[1], -p[0]))]
+
+
+class ReadOnFirstUse(dict):
+    """Device -> a figure of the view, read when a decision first looks at that device and kept (and updated by the
+    decision's own placements) from then on: a decision looks at few of a large pool's devices."""
+
+    def __init__(self, read: Callable[[int], float]) -> None:
+        super().__init__()
+        self.read = read
+
+    def __missing__(self, device: int) -> float:
+        value = self[device] = self.read(device)
+        return value
 
 
 def arrangements(cls: type[Jigsaw], context: SearchContext) -> list[dict[str, LLMShape | FlowShape]]:
