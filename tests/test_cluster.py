@@ -9,33 +9,15 @@ import time
 
 import pytest
 import ray
-import torch
 from ray._private import ray_constants
 from ray.cluster_utils import Cluster
-from safetensors.torch import load_file
+from two_pipelines import FLOW, LM, STEPS, final_weights, same_parameters
 
 from dovetail.config.load import parse_config
 from dovetail.exec.launch import RAY_NAMESPACE, by_node
 from dovetail.exec.worker import DEVICE_RESOURCE, LOOPBACK
 from dovetail.runner import train
 
-STEPS = 3
-LM = {
-    "kind": "lm",
-    "task": "sort",
-    "algo": {"prompts_per_step": 4, "group_size": 4},
-    "eval": {"prompts": 8, "every": 100},
-    "checkpoint": {"every": 100},
-    "runtime": {"profile_samples": 4},
-    "train": {"lr": 1e-3},
-}
-FLOW = {
-    "kind": "flow",
-    "algo": {"prompts_per_step": 4, "group_size": 4},
-    "eval": {"per_prompt": 2, "every": 100},
-    "checkpoint": {"every": 100},
-    "runtime": {"profile_samples": 8},
-}
 LOST_AFTER_S = 3.0
 NODE_DEATH_DETECTION = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
 """Ray declares a node dead after this many failed health checks (by default 5 at 3 s: 15 s and more)."""
@@ -74,18 +56,6 @@ def alone(tmp_path_factory) -> dict:
 
 def on_cluster(cluster, tree: dict, policy: str, **settings) -> dict:
     return tree | {"policy": policy, "cluster": {"devices": 2, "address": cluster.address, **settings}}
-
-
-def final_weights(run_dir) -> dict:
-    return load_file(str(run_dir / "checkpoints" / f"step_{STEPS:06d}" / "model.safetensors"))
-
-
-def same_parameters(name: str, expected: dict, got: dict) -> bool:
-    """The language model to the bit (tests/test_lm_exactness.py); the flow model within 1e-5 of its reference
-    (as tests/test_multiplex.py: 3 steps of AdamW at lr 1e-4 move a weight by up to 3e-4)."""
-    if name == "sort":
-        return all(torch.equal(expected[k], got[k]) for k in expected)
-    return max((expected[k] - got[k]).abs().max().item() for k in expected) <= 1e-5
 
 
 def worker_nodes() -> list[str]:

@@ -7,8 +7,7 @@ import re
 
 import pytest
 import ray
-import torch
-from safetensors.torch import load_file
+from two_pipelines import FLOW, LM, STEPS, final_weights, max_difference, same_parameters
 
 from dovetail.config.common import ConfigError, multiplexing_policies
 from dovetail.config.load import parse_config
@@ -17,44 +16,9 @@ from dovetail.exec.messages import LMTrain
 from dovetail.exec.replay import replay_run
 from dovetail.runner import train
 
-STEPS = 3
-LM = {
-    "kind": "lm",
-    "task": "sort",
-    "algo": {"prompts_per_step": 4, "group_size": 4},
-    "eval": {"prompts": 8, "every": 100},
-    "checkpoint": {"every": 100},
-    "runtime": {"profile_samples": 4},
-    "train": {"lr": 1e-3},
-}
-FLOW = {
-    "kind": "flow",
-    "algo": {"prompts_per_step": 4, "group_size": 4},
-    "eval": {"per_prompt": 2, "every": 100},
-    "checkpoint": {"every": 100},
-    "runtime": {"profile_samples": 8},
-}
-
 
 def multiplexed(policy: str, *pipelines: dict) -> dict:
     return {"kind": "multiplex", "policy": policy, "cluster": {"devices": 2}, "pipelines": list(pipelines)}
-
-
-def final_weights(run_dir) -> dict:
-    return load_file(str(run_dir / "checkpoints" / f"step_{STEPS:06d}" / "model.safetensors"))
-
-
-def max_difference(a: dict, b: dict) -> float:
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
-def same_parameters(name: str, a: dict, b: dict) -> bool:
-    """The language-model pipeline to the bit (its trainer's unit is a group whose gradients add up in fp64: no
-    split changes them, tests/test_lm_exactness.py); the flow pipeline within 1e-5 of its reference, 3 steps of
-    AdamW at lr 1e-4 moving each weight by up to 3e-4."""
-    if name == "sort":
-        return all(torch.equal(a[k], b[k]) for k in a)
-    return max_difference(a, b) <= 1e-5
 
 
 @pytest.fixture(scope="module")

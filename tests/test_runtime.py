@@ -88,7 +88,10 @@ def test_policy_auto_runs_the_fastest_predicted_policy_records_why_and_replays(t
         profile["config"]["policy"] == chosen and json.loads((tmp_path / "ledger.json").read_text())["problems"] == []
     )
     replay = replay_run(tmp_path)
-    assert replay["measured_steady_step_s"] > 0 and replay["predicted_steady_step_s"] > 0
+    # the steady step is the second commit's distance from the first, which the run logged as step 2's step_s
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert replay["measured_steady_step_s"] == pytest.approx(logged[1]["step_s"], rel=0.15)
+    assert replay["predicted_steady_step_s"] > 0
     assert replay["policy"] == chosen and replay["auto"]["chosen"]["predicted_samples_per_s"] == predicted[chosen]
     runner_up = replay["auto"]["runner_up"]
     assert runner_up["policy"] == max((p for p in predicted if p != chosen), key=predicted.get)

@@ -84,19 +84,22 @@ ARCHITECTURES = {
 }
 
 
-def tiny_model(architecture: str):
-    """A random-init model of 2 layers, 32 wide, GQA (4 query heads, 2 kv heads), every weight drawn at random (norms
-    around 1, biases too), so that a bias or norm the engine missed shows."""
+def tiny_model(architecture: str, seed: int = 0, head_dim: int = 8):
+    """A random-init model of 2 layers, GQA (4 query heads of `head_dim`, 2 kv heads), every weight drawn from `seed`
+    (norms around 1, biases too), so that a bias or norm the engine missed shows."""
     tokenizer = char_tokenizer()
     ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    width = 4 * head_dim
     if architecture == "gpt2":
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=96))
+        model = GPT2LMHeadModel(
+            GPT2Config(vocab_size=len(tokenizer), n_embd=width, n_layer=2, n_head=4, n_positions=96)
+        )
     else:
         config_class, model_class, changes = ARCHITECTURES[architecture]
         config = config_class(
             vocab_size=len(tokenizer),
-            hidden_size=32,
-            intermediate_size=64,
+            hidden_size=width,
+            intermediate_size=2 * width,
             num_hidden_layers=2,
             num_attention_heads=4,
             num_key_value_heads=2,
@@ -106,7 +109,7 @@ def tiny_model(architecture: str):
             **changes,
         )
         model = model_class(config)
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             noise = torch.randn(parameter.shape, generator=generator) * 0.2

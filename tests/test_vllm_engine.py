@@ -18,8 +18,8 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 import yaml  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
-from test_user_lm import REWARDS, char_tokenizer, sums  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from test_user_lm import REWARDS, char_tokenizer, sums, tiny_model  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
 
 from dovetail.config.load import load_config  # noqa: E402
 from dovetail.models.engine import Request, SamplingParams, TorchEngine  # noqa: E402
@@ -32,27 +32,9 @@ PROMPTS = [[1, 9, 10, 19, 11], [1, 12, 13], [1, 9, 10, 19, 11], [1, 30, 31, 32, 
 
 
 def tiny_llama(seed: int) -> LlamaForCausalLM:
-    """2 layers, 64 wide, 2 query heads of 32 sharing one kv head; every weight drawn from `seed` (norms around 1)."""
-    config = LlamaConfig(
-        vocab_size=len(char_tokenizer()),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=MAX_LEN,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    model = LlamaForCausalLM(config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            noise = torch.randn(parameter.shape, generator=generator) * 0.3
-            parameter.copy_(1 + noise if "norm" in name else noise)
-    return model.float().eval()
+    """`test_user_lm`'s tiny Llama with heads of 32 (vLLM's CPU attention refuses 16), its weights drawn from `seed`."""
+    model, _ = tiny_model("llama", seed=seed, head_dim=32)
+    return model
 
 
 SAMPLED = SamplingParams(max_new_tokens=10, stop_ids=(2,), seed=3)

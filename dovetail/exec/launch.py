@@ -162,12 +162,8 @@ class DevicePool:
 
     def unplaced(self) -> list[int]:
         """The devices whose bundle has no node now: its node is gone and no other had room for it (yet)."""
-        tables = {name: placement_group_table(group) for group, name, _ in self.bundles}
-        return [
-            device
-            for device, (_, name, bundle) in enumerate(self.bundles)
-            if not tables[name]["bundles_to_node_id"].get(bundle)
-        ]
+        nodes = bundle_nodes(self.bundles)
+        return [device for device, (_, name, bundle) in enumerate(self.bundles) if not nodes[name].get(bundle)]
 
     def without(self, devices: list[int]) -> DevicePool:
         """The pool of the devices that remain after `devices` are lost."""
@@ -204,9 +200,16 @@ def device_pool(config: TrainConfig) -> DevicePool:
             group = placement_group([bundle] * (config.cluster.devices - len(bundles)), strategy="PACK", name=name)
         ray.get(group.ready(), timeout=120)
         bundles += [(group, name, index) for index in range(group.bundle_count)]
-    nodes = {name: placement_group_table(group)["bundles_to_node_id"] for group, name, _ in bundles}
+    nodes = bundle_nodes(bundles)
     ordered = by_node(bundles[: config.cluster.devices], lambda b: nodes[b[1]][b[2]])
     return DevicePool(tuple(ordered), "GPU" in bundle)
+
+
+def bundle_nodes(bundles) -> dict[str, dict[int, str]]:
+    """Each placement group's bundles' nodes (bundle index -> node id; a bundle without a node has none), by group
+    name, from one read of each group's table."""
+    groups = {name: group for group, name, _ in bundles}
+    return {name: placement_group_table(group)["bundles_to_node_id"] for name, group in groups.items()}
 
 
 def by_node(bundles: list, node_of: Callable[[object], str]) -> list:

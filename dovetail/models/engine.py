@@ -384,6 +384,11 @@ def is_finished(request: Request, params: SamplingParams, stop: Callable[[list[i
     )
 
 
+def token_limit(params: SamplingParams, until: int | None) -> int:
+    """The tokens a request may have when `generate(..., until)` returns it."""
+    return params.max_new_tokens if until is None else min(until, params.max_new_tokens)
+
+
 def check_fits(requests: list[Request], params: SamplingParams, max_len: int) -> None:
     for request in requests:
         if not request.prompt or len(request.prompt) + params.max_new_tokens > max_len:
@@ -467,7 +472,7 @@ class TorchEngine(Engine):
     def generate(self, requests: list[Request], until: int | None = None) -> list[Request]:
         if self.weights is None:
             raise RuntimeError("load_weights first")
-        limit = self.params.max_new_tokens if until is None else min(until, self.params.max_new_tokens)
+        limit = token_limit(self.params, until)
         results = [request.copy() for request in requests]
         check_fits(results, self.params, self.max_len)
         waiting = deque(r for r in results if not r.finished and len(r.tokens) < limit)
@@ -595,7 +600,37 @@ class TorchEngine(Engine):
                 self.running.pop()
 
 
-class TransformersEngine(Engine):
+class RePrefillingEngine(Engine):
+    """An engine that keeps nothing of a paused request but its tokens, so that its continuation re-prefills:
+    `TransformersEngine`, and vLLM's (`models.vllm_engine`). The contract's bookkeeping is here — copies, the
+    length check, the paused requests and their export — and a subclass only decodes."""
+
+    max_len: int
+    paused: dict[Key, Request]
+
+    def export(self, key: Key) -> Request:
+        return self.paused.pop(key)
+
+    def generate(self, requests: list[Request], until: int | None = None) -> list[Request]:
+        limit = token_limit(self.params, until)
+        results = [request.copy() for request in requests]
+        check_fits(results, self.params, self.max_len)
+        active = [r for r in results if not r.finished and len(r.tokens) < limit]
+        if active:
+            self._decode_until(active, limit)
+        for request in results:
+            if request.finished:
+                self.paused.pop(request.key, None)
+            else:
+                self.paused[request.key] = request.copy()
+        return results
+
+    @abstractmethod
+    def _decode_until(self, requests: list[Request], limit: int) -> None:
+        """Draw tokens for `requests` (unfinished, under `limit`), in place, until each finishes or has `limit`."""
+
+
+class TransformersEngine(RePrefillingEngine):
     """Any transformers causal LM through its own forward and KV cache (what its `generate` runs), for the
     architectures `LlamaWeights` does not compute: slower than `TorchEngine` (no continuous batching, no cache kept
     for paused requests: a continuation re-prefills), the same contract: tokens drawn with the keyed uniforms, so a
@@ -624,28 +659,15 @@ class TransformersEngine(Engine):
     def load_weights(self, state_dict: dict) -> None:
         self.model.load_state_dict(state_dict)
 
-    def export(self, key: Key) -> Request:
-        return self.paused.pop(key)
-
-    def generate(self, requests: list[Request], until: int | None = None) -> list[Request]:
-        limit = self.params.max_new_tokens if until is None else min(until, self.params.max_new_tokens)
-        results = [request.copy() for request in requests]
-        check_fits(results, self.params, self.max_len)
+    def _decode_until(self, requests: list[Request], limit: int) -> None:
         by_length: dict[int, list[Request]] = {}
-        for request in results:
-            if not request.finished and len(request.tokens) < limit:
-                by_length.setdefault(len(request.prompt) + len(request.tokens), []).append(request)
+        for request in requests:
+            by_length.setdefault(len(request.prompt) + len(request.tokens), []).append(request)
         device = next(self.model.parameters()).device
         with torch.inference_mode():
             for same_length in by_length.values():
                 for first in range(0, len(same_length), self.max_batch):
                     self._decode(same_length[first : first + self.max_batch], limit, device)
-        for request in results:
-            if request.finished:
-                self.paused.pop(request.key, None)
-            else:
-                self.paused[request.key] = request.copy()
-        return results
 
     def _decode(self, batch: list[Request], limit: int, device: torch.device) -> None:
         inputs = torch.tensor([r.prompt + r.tokens for r in batch], device=device)

@@ -39,11 +39,11 @@ from dataclasses import dataclass
 import torch
 
 from dovetail.models.engine import (
-    Engine,
     Key,
+    RePrefillingEngine,
     Request,
     SamplingParams,
-    check_fits,
+    is_finished,
     key_states,
     sample_tokens,
     uniforms_of,
@@ -53,7 +53,7 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 """The KV cache vLLM reserves on CPU (its `gpu_memory_utilization` would reserve a fraction of the host's memory)."""
 
 
-class VllmEngine(Engine):
+class VllmEngine(RePrefillingEngine):
     """Rollouts on vLLM's offline `LLM`, built once for a transformers config (see the module docstring)."""
 
     def __init__(
@@ -107,49 +107,35 @@ class VllmEngine(Engine):
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.reset_prefix_cache()  # cached blocks hold the old weights' keys and values
 
-    def export(self, key: Key) -> Request:
-        return self.paused.pop(key)
-
-    def generate(self, requests: list[Request], until: int | None = None) -> list[Request]:
+    def _decode_until(self, requests: list[Request], limit: int) -> None:
         from vllm import SamplingParams as VllmSampling
         from vllm.inputs import TokensPrompt
 
-        limit = self.params.max_new_tokens if until is None else min(until, self.params.max_new_tokens)
-        results = [request.copy() for request in requests]
-        check_fits(results, self.params, self.max_len)
-        active = [r for r in results if not r.finished and len(r.tokens) < limit]
-        if active:
-            states = key_states(self.params.seed, [r.key for r in active]).tolist()
-            prompts = [TokensPrompt(prompt_token_ids=r.prompt + r.tokens) for r in active]
-            draws = [_DRAWS.setdefault(next(_REQUEST_IDS), {}) for _ in active]
-            ids = list(_DRAWS)[-len(active) :]
-            sampling = [
-                VllmSampling(
-                    n=1,
-                    temperature=1.0,  # the keyed sampler has chosen the token: every other logit is -inf
-                    max_tokens=limit - len(r.tokens),
-                    stop_token_ids=list(self.params.stop_ids),
-                    ignore_eos=True,  # the stop ids are the run's, given above
-                    seed=self.params.seed,
-                    detokenize=False,
-                    extra_args={KEYED: [state, len(r.tokens), self.params.temperature, self.params.top_p, draw_id]},
-                )
-                for r, state, draw_id in zip(active, states, ids)
-            ]
-            self.prefill_tokens += sum(len(p["prompt_token_ids"]) for p in prompts)
-            try:
-                outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
-            finally:
-                for draw_id in ids:
-                    _DRAWS.pop(draw_id)
-            for request, output, drawn in zip(active, outputs, draws):
-                self._record(request, output.outputs[0].token_ids, drawn, limit)
-        for request in results:
-            if request.finished:
-                self.paused.pop(request.key, None)
-            else:
-                self.paused[request.key] = request.copy()
-        return results
+        states = key_states(self.params.seed, [r.key for r in requests]).tolist()
+        prompts = [TokensPrompt(prompt_token_ids=r.prompt + r.tokens) for r in requests]
+        draws = [_DRAWS.setdefault(next(_REQUEST_IDS), {}) for _ in requests]
+        ids = list(_DRAWS)[-len(requests) :]
+        sampling = [
+            VllmSampling(
+                n=1,
+                temperature=1.0,  # the keyed sampler has chosen the token: every other logit is -inf
+                max_tokens=limit - len(r.tokens),
+                stop_token_ids=list(self.params.stop_ids),
+                ignore_eos=True,  # the stop ids are the run's, given above
+                seed=self.params.seed,
+                detokenize=False,
+                extra_args={KEYED: [state, len(r.tokens), self.params.temperature, self.params.top_p, draw_id]},
+            )
+            for r, state, draw_id in zip(requests, states, ids)
+        ]
+        self.prefill_tokens += sum(len(p["prompt_token_ids"]) for p in prompts)
+        try:
+            outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        finally:
+            for draw_id in ids:
+                _DRAWS.pop(draw_id)
+        for request, output, drawn in zip(requests, outputs, draws):
+            self._record(request, output.outputs[0].token_ids, drawn, limit)
 
     def _record(self, request: Request, token_ids, drawn: dict[int, tuple[int, float]], limit: int) -> None:
         """Append vLLM's tokens and the keyed sampler's log-probs of them; the request ends at a stop id, the budget,
@@ -159,11 +145,7 @@ class VllmEngine(Engine):
             assert chosen == token, f"vLLM returned {token} where the keyed sampler chose {chosen}"
             request.tokens.append(int(token))
             request.log_probs.append(log_prob)
-            if (
-                token in self.params.stop_ids
-                or len(request.tokens) >= self.params.max_new_tokens
-                or (self.stop is not None and self.stop(request.tokens))
-            ):
+            if is_finished(request, self.params, self.stop):
                 request.finished = True  # vLLM decoded past a stop string: those tokens are dropped
                 return
             if len(request.tokens) >= limit:
