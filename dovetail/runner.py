@@ -573,7 +573,7 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
     responses = timed("decode", Decode(pipeline, [started], config.max_new_tokens, weights))
     scores = timed("score", Score(pipeline, [responses], None))
     # An engine whose log-probs are not the trainer's (vLLM): the old ones recomputed, as the graph's LOGPROB node.
-    recompute = not engine_matches_trainer(config.sampling.engine)
+    recompute = not engine_matches_trainer(config.rollout_engine)
     old = [timed("logprob", LMLogProbs(pipeline, ids, [responses], False))] if recompute else []
     ref = [timed("logprob", LMLogProbs(pipeline, ids, [responses], True))] if algo.beta > 0 else []
     trained = timed("train", LMTrain(pipeline, ids, False, [responses], [scores], old_log_probs=old, ref_log_probs=ref))

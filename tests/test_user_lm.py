@@ -232,6 +232,25 @@ def test_the_rollout_engine_samples_what_the_trainer_computes_for_each_architect
     assert [r.tokens for r in second.generate(paused)] == [r.tokens for r in results]
 
 
+def test_sampling_engine_auto_is_vllm_on_gpus_where_vllm_is_installed_and_ours_elsewhere(monkeypatch):
+    """The default engine is what a user of verl or TRL generates with on GPUs (vLLM), where it can run, and ours on
+    CPU cores (bitwise the trainer's); a chosen engine is kept; vLLM brings the old log-prob pass into the plan."""
+    import dovetail.config.lm as lm_config
+
+    def config(*overrides: str):
+        return load_config(Path(__file__).parents[1] / "configs/sort.yaml", list(overrides))
+
+    assert config().sampling.engine == "auto"
+    monkeypatch.setattr(lm_config, "find_spec", lambda name: None)
+    assert config("cluster.device=H100").rollout_engine == "dovetail"  # a GPU without vLLM
+    monkeypatch.setattr(lm_config, "find_spec", lambda name: object() if name == "vllm" else None)
+    assert config("cluster.device=H100").rollout_engine == "vllm"
+    assert config().rollout_engine == "dovetail"  # CPU cores, vLLM or not
+    assert config("cluster.device=H100", "sampling.engine=dovetail").rollout_engine == "dovetail"
+    assert config("cluster.device=H100").scenario(2).pipelines[0].recompute_logprob
+    assert not config("cluster.device=H100", "sampling.engine=dovetail").scenario(2).pipelines[0].recompute_logprob
+
+
 def test_sampling_engine_hf_runs_transformers_forward_for_an_architecture_ours_computes(workspace):
     """`sampling.engine: hf` (`ROLLOUT_ENGINES`) takes transformers' forward even for a Llama, with the trainer's
     log-probs and our engine's keyed tokens."""

@@ -3,6 +3,7 @@ user's transformers model (`model.path`) on their dataset (`prompts.path`) with 
 algorithm's knobs, evaluation, and how the Ray runtime cuts a step."""
 
 import re
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -24,7 +25,7 @@ from dovetail.config.common import (
     model_dir_name,
     planner_scenario,
 )
-from dovetail.cost.catalog import language_model, language_model_of_config
+from dovetail.cost.catalog import device, language_model, language_model_of_config
 from dovetail.graph.spec import MAX_DEVICES, GroupSize, check_length_bands
 from dovetail.rewards.text import DEFAULT_FORMAT, text_reward_fn
 from dovetail.scenario import Scenario, check_pools, clip
@@ -195,10 +196,11 @@ def engine_matches_trainer(engine: str) -> bool:
 
 
 class LMSamplingSection(Section):
-    engine: Literal["dovetail", "vllm", "hf"] = Field(
-        "dovetail",
-        description="who generates rollouts: dovetail (our engine; CPU or GPU), vllm (vLLM's engine, where vLLM is "
-        "installed: a GPU, or its CPU build via make test-vllm), hf (transformers' forward)",
+    engine: Literal["auto", "dovetail", "vllm", "hf"] = Field(
+        "auto",
+        description="who generates rollouts: auto (vllm on GPUs where vLLM is installed, else dovetail), dovetail "
+        "(our engine; CPU or GPU), vllm (vLLM's engine: a GPU, or its CPU build via make test-vllm), hf (transformers' "
+        "forward)",
     )
     temperature: float = Field(1.0, gt=0, le=100, description="beyond 100 every token is as likely")
     top_p: float = Field(1.0, gt=0, le=1)
@@ -382,6 +384,16 @@ class LMTrainConfig(RunSection):
         return self.reward if self.reward is not None else task(self.task).reward_names
 
     @property
+    def rollout_engine(self) -> str:
+        """`sampling.engine` with `auto` resolved: vLLM where the run's devices are GPUs and vLLM is installed (what
+        verl, TRL and the other LM RL frameworks generate with there), else our engine (as fast or faster on CPU,
+        and bitwise the trainer's)."""
+        if self.sampling.engine != "auto":
+            return self.sampling.engine
+        on_gpus = device(self.cluster.device).platform == "cuda"
+        return "vllm" if on_gpus and find_spec("vllm") is not None else "dovetail"
+
+    @property
     def user_model(self) -> bool:
         """A `model.path` run: a user's transformers model on their dataset (`prompts.path`)."""
         return self.model.path is not None
@@ -447,7 +459,7 @@ class LMTrainConfig(RunSection):
             config = json_or_empty(self.model.path / "config.json")
             pipeline["model"] = self.pipeline_name
             pipeline["architecture"] = language_model_of_config(self.pipeline_name, config).shape()
-        if not engine_matches_trainer(self.sampling.engine):
+        if not engine_matches_trainer(self.rollout_engine):
             # An engine that is not the trainer's (vLLM) gets the recompute pass whatever the policy: its log-probs
             # are never the old ones, and the pass measures how far they are (`planner_scenario` keeps it).
             pipeline["recompute_logprob"] = True

@@ -125,7 +125,7 @@ class LMEngines(PipelineEngines):
             max_len=engine_length(config, self.tokenizer, self.prompts, context),
             device=device,
             stop=stop_strings(config, self.tokenizer),
-            engine=config.sampling.engine,
+            engine=config.rollout_engine,
         )
 
     def load_rollout(self, weights: dict) -> None:

@@ -60,13 +60,13 @@ def check_checkpoint(config: LMTrainConfig) -> None:
     prompts = RunPrompts(config)
     encode_prompts(config, tokenizer, prompts.all() or [*prompts.eval(), *prompts.step(0)], model_context(config))
     check_columns(config, prompts)
-    if config.sampling.engine == "vllm" and find_spec("vllm") is None:
+    if config.rollout_engine == "vllm" and find_spec("vllm") is None:
         raise ValueError(
             "sampling.engine=vllm: this environment has no vLLM (install it where the GPUs are; on CPU `make "
             "test-vllm` builds .venv-vllm with its CPU build), or set sampling.engine=dovetail"
         )
     problem = engine_problem(model_config, model_context(config))
-    if config.user_model and config.sampling.engine == "dovetail" and problem is not None:
+    if config.user_model and config.rollout_engine == "dovetail" and problem is not None:
         print(
             f"note: {config.model.path}: our rollout engine does not compute {problem}; rollouts run on "
             "transformers' own forward (slower)",
