@@ -285,3 +285,20 @@ def test_keyed_uniforms_are_in_the_open_interval_and_depend_on_every_part():
     assert len(set(u.tolist())) == len(keys)
     assert keyed_uniforms(1, keys[:1], [0]) != u[0]
     assert torch.equal(keyed_uniforms(0, keys[::-1], [0, 0, 0, 1, 0]), u.flip(0))
+
+
+def test_a_device_switched_to_training_puts_its_rollout_engine_to_sleep_and_any_other_role_wakes_it(monkeypatch):
+    """A colocated policy's role switch reaches the rollout engine (`LMEngines.hold`): vLLM's sleep mode then hands
+    its memory to the trainer (`VllmEngine.sleep`, tested on vLLM in test_vllm_engine.py)."""
+    from dovetail.config.load import load_config
+    from dovetail.exec.lm_engines import LMEngines
+
+    engines = LMEngines(
+        load_config(Path(__file__).parents[1] / "configs/sort.yaml", []), torch.device("cpu"), True, None
+    )
+    calls: list[str] = []
+    monkeypatch.setattr(engines.rollout, "sleep", lambda: calls.append("sleep"))
+    monkeypatch.setattr(engines.rollout, "wake", lambda: calls.append("wake"))
+    for role in ("trainer", "rollout", "trainer", "any"):
+        engines.hold(role)
+    assert calls == ["sleep", "wake", "sleep", "wake"]

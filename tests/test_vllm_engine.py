@@ -120,13 +120,19 @@ def test_a_request_exported_from_one_vllm_engine_continues_token_for_token_on_an
         )
 
 
-def test_sleep_and_wake_are_no_ops_on_cpu_that_keep_the_engine_working(engines):
+def test_sleep_and_wake_keep_the_engine_working_and_generating_wakes_a_sleeping_engine(engines):
+    """On CPU vLLM has no sleep mode (both are no-ops there); on a GPU (benchmarks/gpu_check) they free and restore
+    its memory. Either way the tokens stay the same, and a sleeping engine asked to generate wakes first."""
     engine, _ = engines
     engine.load_weights(tiny_llama(1).state_dict())
     before = engine.generate(requests())
     engine.sleep()
     engine.wake()
     assert [r.tokens for r in engine.generate(requests())] == [r.tokens for r in before]
+    engine.sleep()
+    assert engine.sleeping
+    assert [r.tokens for r in engine.generate(requests())] == [r.tokens for r in before]
+    assert not engine.sleeping
 
 
 # ---------------------------------------------------------------- training

@@ -45,7 +45,7 @@ from dovetail.exec.messages import (
     Work,
 )
 from dovetail.exec.pipeline import PROFILE_ROUNDS, PipelineEngines
-from dovetail.graph.node import SampleId
+from dovetail.graph.node import Role, SampleId
 from dovetail.models.causal_lm import rollout_engine, rollout_state
 from dovetail.models.engine import Request
 from dovetail.models.lm_rl import accumulate_group_gradients, group_log_probs, policy_gradient
@@ -127,6 +127,16 @@ class LMEngines(PipelineEngines):
             stop=stop_strings(config, self.tokenizer),
             engine=config.rollout_engine,
         )
+
+    def hold(self, role: str) -> None:
+        """While the device trains, the rollout engine sleeps (vLLM's sleep mode hands its weights and KV cache's
+        memory to the trainer); it wakes for any other role."""
+        if self.rollout is None:
+            return
+        if role == Role.TRAINER:
+            self.rollout.sleep()
+        else:
+            self.rollout.wake()
 
     def load_rollout(self, weights: dict) -> None:
         self.rollout.load_weights(rollout_state(self.trainer, tensors_of(weights)))

@@ -198,6 +198,11 @@ class PipelineEngines(ABC):
             raise RuntimeError("this device holds no trainer engine (a reward device)")
         return self.trainer, self.optimizer
 
+    def hold(self, role: str) -> None:
+        """The device switched to `role` (a policy's `SwitchRole`: `rollout`, `trainer` or `any`); by default every
+        engine stays resident and awake (the models are small here)."""
+        return None
+
     @abstractmethod
     def load_rollout(self, weights: dict[str, np.ndarray]) -> None:
         """Put published weights into the rollout engine."""

@@ -186,9 +186,10 @@ class DeviceWorker:
         return True, getattr(self, method)()
 
     def switch_role(self, role: str) -> float:
-        """Sleep one engine, wake the other. Both stay resident on the device (the models are small); the
-        call measures the round trip, which is what a switch costs here."""
+        """Sleep one engine, wake the other (`PipelineEngines.hold`: vLLM's rollout engine sleeps while the device
+        trains; the others stay resident, the models being small); returns the round trip, what a switch costs here."""
         start = time.perf_counter()
+        self.engines.hold(role)
         self.role = role
         return time.perf_counter() - start
 

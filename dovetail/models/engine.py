@@ -93,6 +93,15 @@ class Engine(ABC):
     def export(self, key: Key) -> Request:
         """Hand over a paused request and free what the engine holds for it."""
 
+    def sleep(self) -> None:
+        """Give the device's memory to the trainer while the device trains (a colocated policy's switch); by default
+        nothing is freed: our engine's cache is preallocated and small beside the trainer's state here."""
+        return None
+
+    def wake(self) -> None:
+        """Take the memory back before generating again (`sleep`)."""
+        return None
+
 
 def _signed(value: int) -> int:
     """A uint64 constant as the int64 with the same bits: the hash runs on int64 tensors, whose + and * wrap."""

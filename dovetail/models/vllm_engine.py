@@ -100,7 +100,10 @@ class VllmEngine(RePrefillingEngine):
         self.sleeping = False
 
     def load_weights(self, state_dict: dict) -> None:
-        """Write the trainer's tensors (Hugging Face names) into vLLM's running model, in place."""
+        """Write the trainer's tensors (Hugging Face names) into vLLM's running model, in place (awake: a sleeping
+        engine's weights are offloaded)."""
+        if self.sleeping:
+            self.wake()
         weights = [(name, torch.as_tensor(t).detach().to(torch.float32)) for name, t in state_dict.items()]
         # The worker's `reload_weights`: the model's layers were repacked for the device after the first load, so
         # their own `load_weights` no longer applies; this restores the checkpoint layout, loads, and repacks.
@@ -110,6 +113,9 @@ class VllmEngine(RePrefillingEngine):
     def _decode_until(self, requests: list[Request], limit: int) -> None:
         from vllm import SamplingParams as VllmSampling
         from vllm.inputs import TokensPrompt
+
+        if self.sleeping:  # a policy that generates without switching the device back first
+            self.wake()
 
         states = key_states(self.params.seed, [r.key for r in requests]).tolist()
         prompts = [TokensPrompt(prompt_token_ids=r.prompt + r.tokens) for r in requests]
