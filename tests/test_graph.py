@@ -7,6 +7,7 @@ from dovetail.cost.model import CostModel
 from dovetail.graph.flow import FlowShape, build_flow, split
 from dovetail.graph.node import Graph, Kind, Node, Role
 from dovetail.graph.spec import FlowSpec
+from dovetail.sched.digen_search import ranking_model
 
 SPEC = FlowSpec(
     name="flux",
@@ -137,3 +138,24 @@ def test_planning_never_imports_torch():
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_fragment_batched_engine_prices_a_piece_of_several_groups_as_one_pass():
+    """flow_grpo generates a group per pass; dovetail's engine a whole rollout piece: with three groups in a piece
+    (and memory for them), one pass of 9 samples costs less than three of 3 — and a piece of one group the same."""
+
+    def generate_seconds(batching: str, fragments: int) -> float:
+        spec = SPEC.model_copy(update={"generation_batch": batching})
+        nodes = build_flow(spec, 1, FlowShape(fragments, 1, False, trainer_devices=3), COST)
+        return sum(n.cost_s for n in nodes if n.kind == Kind.GENERATE)
+
+    assert generate_seconds("fragment", 2) < generate_seconds("group", 2)
+    assert generate_seconds("fragment", 6) == pytest.approx(generate_seconds("group", 6))
+
+
+def test_digen_ranks_its_cuts_on_an_h100_for_a_gpu_and_on_the_device_itself_for_a_cpu_core():
+    """A faster GPU must search every cut a slower one does (so both rank on one GPU); a CPU core has no faster
+    device of its platform, and an H100's proportions would pick its cuts for another machine."""
+    assert ranking_model(CostModel("H200")).device.name == "H100"
+    cpu = CostModel("cpu-core")
+    assert ranking_model(cpu) is cpu

@@ -554,6 +554,7 @@ class FlowTrainConfig(RunSection):
             "frames": self.model.frames,
             "cfg": self.sampling.guidance_scale != 1.0,  # two transformer passes a step, rollout and training alike
             "reward": "rule",
+            "generation_batch": "fragment",  # the engine denoises a whole rollout piece in one batch
             # train.chunk_size (sample, timestep) pairs share one forward/backward
             "micro_batch": max(1, self.train.chunk_size // trained),
             "priority": self.priority,

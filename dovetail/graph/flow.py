@@ -128,12 +128,14 @@ def engines(spec: FlowSpec, cost: CostModel, trainer_devices: int) -> Engines:
 
 
 def generation_batch(spec: FlowSpec, cost: CostModel, per_sample_gb: float) -> int:
-    """Samples one batched denoising pass holds: a prompt's group (flow_grpo and veRL-Omni generate a group per
-    request) where its activations (`per_sample_gb` each) fit beside the rollout engine, else the largest chunk of it
-    that does, at least one — as engines take a large group in batches (diffusers' `num_images_per_prompt`), so a
-    1024-image group generates in chunks where one pass of all of it would not fit."""
+    """Samples one batched denoising pass holds at most: a prompt's group (flow_grpo and veRL-Omni generate a group
+    per request) or, with `generation_batch: fragment`, every sample of the piece (dovetail's engine) — where their
+    activations (`per_sample_gb` each) fit beside the rollout engine, else the largest chunk that does, at least one:
+    engines take a large group in batches (diffusers' `num_images_per_prompt`), so a 1024-image group generates in
+    chunks where one pass of all of it would not fit."""
     free = cost.device.memory_bytes / GB - engines(spec, cost, 1).resident_gb[Role.ROLLOUT]
-    return max(1, min(spec.group, int(free // per_sample_gb)))
+    fitting = max(1, int(free // per_sample_gb))
+    return fitting if spec.generation_batch == "fragment" else min(spec.group, fitting)
 
 
 def build_flow(spec: FlowSpec, steps: int, shape: FlowShape, cost: CostModel) -> list[Node]:

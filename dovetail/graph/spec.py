@@ -96,6 +96,12 @@ class FlowSpec(_PipelineSpec):
     offload: bool = Field(
         False, description="Trainer parameters and optimizer state live in host memory (FSDP offload)."
     )
+    generation_batch: Literal["group", "fragment"] = Field(
+        "group",
+        description="What one denoising pass holds at most: a prompt's group, as flow_grpo and veRL-Omni generate; "
+        "or a whole fragment, as dovetail's engine does. Either way only as many samples as fit beside the "
+        "rollout engine.",
+    )
     micro_batch: int = Field(
         1,
         gt=0,

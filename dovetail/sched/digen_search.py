@@ -39,8 +39,13 @@ then chooses among them."""
 
 @lru_cache(maxsize=8)
 def ranking_model(cost: CostModel) -> CostModel:
-    """`cost` on `RANKING_DEVICE` with its own device's node size (corrections kept)."""
-    return cost.ranked_on(lookup_device(RANKING_DEVICE))
+    """`cost` on `RANKING_DEVICE` with its own device's node size (corrections kept), for a device of its platform;
+    a device of another platform (a CPU core) ranks on itself: no catalogue device of its platform dominates it, and
+    an H100's proportions of compute, memory and links are not a CPU core's."""
+    ranking = lookup_device(RANKING_DEVICE)
+    if cost.device.platform != ranking.platform:
+        return cost
+    return cost.ranked_on(ranking)
 
 
 @dataclass(frozen=True)
