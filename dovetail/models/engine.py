@@ -77,6 +77,8 @@ class Engine(ABC):
     others (see the module docstring)."""
 
     params: SamplingParams
+    paused: dict[Key, Request]
+    """Requests `generate` stopped at `until`, by key, until continued or exported."""
 
     @abstractmethod
     def load_weights(self, state_dict: dict) -> None:
@@ -92,6 +94,15 @@ class Engine(ABC):
     @abstractmethod
     def export(self, key: Key) -> Request:
         """Hand over a paused request and free what the engine holds for it."""
+
+    def _keep_paused(self, results: list[Request]) -> list[Request]:
+        """`generate`'s end: the unfinished of `results` stay paused (exportable), the finished are forgotten."""
+        for request in results:
+            if request.finished:
+                self.paused.pop(request.key, None)
+            else:
+                self.paused[request.key] = request.copy()
+        return results
 
     def sleep(self) -> None:
         """Give the device's memory to the trainer while the device trains (a colocated policy's switch); by default
@@ -493,12 +504,7 @@ class TorchEngine(Engine):
                 self._decode_step()
                 self._retire(limit)
             self._move_rows()
-        for request in results:
-            if request.finished:
-                self.paused.pop(request.key, None)
-            else:
-                self.paused[request.key] = request.copy()
-        return results
+        return self._keep_paused(results)
 
     def _admit(self, waiting: deque) -> None:
         """Move waiting requests into the running slots; resumes first, then the new ones, prefilled as
@@ -615,7 +621,6 @@ class RePrefillingEngine(Engine):
     length check, the paused requests and their export — and a subclass only decodes."""
 
     max_len: int
-    paused: dict[Key, Request]
 
     def export(self, key: Key) -> Request:
         return self.paused.pop(key)
@@ -627,12 +632,7 @@ class RePrefillingEngine(Engine):
         active = [r for r in results if not r.finished and len(r.tokens) < limit]
         if active:
             self._decode_until(active, limit)
-        for request in results:
-            if request.finished:
-                self.paused.pop(request.key, None)
-            else:
-                self.paused[request.key] = request.copy()
-        return results
+        return self._keep_paused(results)
 
     @abstractmethod
     def _decode_until(self, requests: list[Request], limit: int) -> None:
