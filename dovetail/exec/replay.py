@@ -183,10 +183,11 @@ def auto_replayed(config: TrainConfig, run: RunProfile, costs: dict[str, CostMod
     did not run: that is the closest figure to a measurement of it)."""
     predicted = run.auto["predicted"]
     chosen = {"policy": config.policy, "predicted_samples_per_s": predicted[config.policy], "measured": measured}
-    others = sorted((rate, name) for name, rate in predicted.items() if name != config.policy)
+    others = [name for name in predicted if name != config.policy]
     if not others:
         return {"chosen": chosen, "runner_up": None}
-    rate, name = others[-1]
+    name = max(others, key=predicted.get)  # a tie goes to the first in the registry's order, as auto's choice does
+    rate = predicted[name]
     candidate = config.model_copy(update={"policy": name})
     prepared = prepare(
         candidate.scenario(run.steps),
