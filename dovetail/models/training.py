@@ -29,12 +29,14 @@ def tensors_of(weights: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
 
 
 def trainer_state_of(model, optimizer) -> dict:
-    """A snapshot of the weights and optimizer state on the CPU: checkpoints and restarts must not need the GPU they
-    came from, and later optimizer steps must not change it (`.cpu()` of a CPU tensor is the tensor itself)."""
+    """A snapshot of the weights and optimizer state on the CPU, as numpy arrays: checkpoints and restarts must not
+    need the GPU they came from, later optimizer steps must not change it, and a runtime trainer hands one to the
+    object store at every commit (pickled tensors took 3x as long as numpy views there)."""
     optimizer_state = optimizer.state_dict()
     moments = {
         index: {
-            name: value.detach().cpu().clone() if torch.is_tensor(value) else value for name, value in per_param.items()
+            name: value.detach().cpu().numpy().copy() if torch.is_tensor(value) else value
+            for name, value in per_param.items()
         }
         for index, per_param in optimizer_state["state"].items()
     }
@@ -44,7 +46,8 @@ def trainer_state_of(model, optimizer) -> dict:
 def load_trainer_state(model, optimizer, state: dict) -> None:
     """Into `model` / `optimizer` wherever they live: both loaders copy to the parameters' device."""
     load_weights(model, state["weights"])
-    optimizer.load_state_dict(state["optimizer"])
+    moments = {index: tensors_of(per_param) for index, per_param in state["optimizer"]["state"].items()}
+    optimizer.load_state_dict(state["optimizer"] | {"state": moments})
 
 
 def load_weights(model, weights: dict[str, np.ndarray]) -> None:
