@@ -32,6 +32,23 @@ POLICIES = {
 WORKLOADS = {"flow": [], "lm": ["kind=lm", "task=sort", "algo.prompts_per_step=32", "train.lr=2e-4"]}
 
 
+def read_steps(out: Path) -> list[dict]:
+    """A run's metrics.jsonl, one dict per step."""
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def steady_figures(lines: list[dict], samples_per_step: int) -> dict:
+    """Median samples/s, step time and (LM) response tokens/s over `lines`: pass the steps after the first, which
+    pays for warming up (the engines' first passes, Ray's first tasks)."""
+    return {
+        "samples_per_s": statistics.median(m["samples_per_s"] for m in lines),
+        "step_s": statistics.median(samples_per_step / m["samples_per_s"] for m in lines),
+        "tokens_per_s": statistics.median(m["response_tokens"] * m["samples_per_s"] / samples_per_step for m in lines)
+        if "response_tokens" in lines[0]
+        else None,
+    }
+
+
 def measure(policy: str, steps: int, out: Path, overrides: list[str]) -> dict:
     config = load_config(None, [f"policy={policy}", "eval.every=1000", "checkpoint.every=1000", *overrides])
     samples_per_step = config.algo.prompts_per_step * config.algo.group_size
@@ -39,14 +56,10 @@ def measure(policy: str, steps: int, out: Path, overrides: list[str]) -> dict:
     start = time.perf_counter()
     summary = train(config, out, steps=steps, overwrite=True)  # a re-run replaces its own earlier round
     wall = time.perf_counter() - start
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    lines = read_steps(out)[1:]
     row = {
         "policy": policy,
-        "samples_per_s": statistics.median(m["samples_per_s"] for m in lines),
-        "step_s": statistics.median(samples_per_step / m["samples_per_s"] for m in lines),
-        "tokens_per_s": statistics.median(m["response_tokens"] * m["samples_per_s"] / samples_per_step for m in lines)
-        if "response_tokens" in lines[0]
-        else None,
+        **steady_figures(lines, samples_per_step),
         "max_staleness": max(m.get("staleness", 0) for m in lines),
         "wall_s": wall,
         "final_eval_reward": summary["final_eval_reward"],
