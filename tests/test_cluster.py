@@ -153,3 +153,13 @@ def test_without_a_spare_node_the_run_goes_on_on_the_devices_left(cluster, alone
     assert {row["step"] for row in ledger["trained"]} == set(range(STEPS))
     assert ledger["went_on"] == [{"step": 1, "devices": 1, "why": f"lost device 1 (no node for {LOST_AFTER_S:g} s)"}]
     assert same_parameters("digits", alone["digits"], final_weights(tmp_path))
+    # the trace is of the whole run: step 0 on both devices, the steps after the loss on device 0 alone (step 1 ran
+    # in part on both before it), a mark where the run went on; the profile replays the last stretch and names the first
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X" and "step" in e["args"]]  # role switches belong to no step
+    devices_of = {step: {e["tid"] for e in spans if e["args"]["step"] == step} for step in range(STEPS)}
+    assert devices_of[0] == {0, 1} and all(devices_of[step] == {0} for step in range(2, STEPS))
+    assert [e["name"] for e in events if e["ph"] == "i"] == said
+    profile = json.loads((tmp_path / "run_profile.json").read_text())
+    assert profile["segments_before"] == [{"first_step": 0, "steps": 1, "devices": [0, 1], "why": "began on 2 devices"}]
+    assert profile["config"]["cluster"]["devices"] == 1

@@ -1,11 +1,13 @@
 """Metrics pinned to their closed forms on a hand-made schedule: a device is busy while anything runs on
 it (whatever share the node reserved), and efficiency counts exclusive device-seconds of required work."""
 
+import json
+
 import pytest
 
 from dovetail.exec.metrics import summarize
 from dovetail.exec.sim import SimExecutor
-from dovetail.exec.trace import Span, StepRecord, Trace
+from dovetail.exec.trace import Segment, Span, StepRecord, Switch, Trace
 from dovetail.graph.node import Graph, Kind, Node, Role
 from dovetail.sched.policy import Begin, Engines, Policy, Run, Setup, StartStep
 
@@ -117,6 +119,42 @@ def test_the_gantt_chart_tells_pipelines_apart_marks_steps_and_keeps_its_legend_
     figure.canvas.draw()
     (legend,) = (legend.get_window_extent() for legend in figure.legends)
     assert legend.y1 <= ax.get_window_extent().y0  # wholly below the axes
+
+
+def test_a_run_that_went_on_without_a_device_is_one_trace_on_the_run_s_clock_steps_and_devices(tmp_path):
+    """Two stretches of a run: steps 0-1 on devices 0-2, then (device 1 lost) steps from 2 on the two left, whose
+    indices in the second pool are 0 and 1. The whole trace puts every span on the first stretch's clock, the run's
+    step and the run's device, keeps each device's peak memory, and marks where the second stretch began."""
+    first = Trace(
+        devices=3,
+        spans=[Span(f"g{d}", "p", s, "generate", d, s, s + 0.5, 1.0, s) for s in (0, 1) for d in range(3)],
+        steps=[StepRecord("p", s, s, s, s + 1.0, 8, 0) for s in (0, 1)],
+        peak_memory_gb=[1.0, 2.0, 3.0],
+    )
+    second = Trace(
+        devices=2,
+        spans=[Span(f"t{d}", "p", 0, "train", d, 0.25, 0.75, 1.0, 2) for d in range(2)],
+        switches=[Switch(1, 0.0, 0.25, "trainer")],
+        steps=[StepRecord("p", 0, 2, 0.0, 1.0, 8, 0)],
+        peak_memory_gb=[4.0, 0.5],
+    )
+    why = "lost device 1: going on from step 2 on the 2 devices left under digen"
+    whole = Trace.of_segments(
+        [Segment(first, 100.0, 0, (0, 1, 2), "began on 3 devices"), Segment(second, 110.0, 2, (0, 2), why)], 3
+    )
+    later = [s for s in whole.spans if s.kind == "train"]
+    assert [(s.device, s.step, s.start, s.end) for s in later] == [(0, 2, 10.25, 10.75), (2, 2, 10.25, 10.75)]
+    assert whole.spans[: len(first.spans)] == first.spans
+    assert [(s.device, s.start) for s in whole.switches] == [(2, 10.0)]
+    assert [(r.step, r.end) for r in whole.steps] == [(0, 1.0), (1, 2.0), (2, 11.0)]
+    assert whole.peak_memory_gb == [4.0, 2.0, 3.0]
+    assert [(m.time, m.label) for m in whole.marks] == [(10.0, why)]
+    whole.write_chrome(tmp_path / "trace.json")
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert [(e["name"], e["ts"]) for e in events if e["ph"] == "i"] == [(why, 10.0e6)]
+    assert Trace.from_json(whole.to_json()) == whole
+    (ax,) = whole.gantt_figure().axes
+    assert 10.0 in [line.get_xdata()[0] for line in ax.lines]
 
 
 def test_the_replayed_step_time_of_a_multiplexed_run_is_per_step_of_a_pipeline():

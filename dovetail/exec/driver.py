@@ -21,6 +21,7 @@ from dovetail.exec.metrics import summarize, time_per_step
 from dovetail.exec.pipeline import Ledger
 from dovetail.exec.ray_executor import RayExecutor
 from dovetail.exec.recovery import StepLost
+from dovetail.exec.trace import Segment, Trace
 from dovetail.graph.node import Kind, SampleId
 from dovetail.models.training import load_trainer_state, trainer_state_of
 from dovetail.rewards import RewardError
@@ -126,8 +127,9 @@ def train_on_ray(
     if len(steps) != 1:
         raise ValueError(f"every pipeline of a run resumes from the same step; got {first_steps}")
     first_steps = dict(first_steps)  # moves on when the run goes on without a lost device
-    earlier = Earlier()
+    earlier = Earlier(run_devices=pool.bundles, run_first_step=next(iter(first_steps.values())))
     startup_s: float | None = None
+    label = f"began on {len(pool.bundles)} devices"
     while True:
         phase(f"starting {len(pool.bundles)} device workers")
         executor: RayExecutor | None = None
@@ -146,11 +148,13 @@ def train_on_ray(
             executor = make_executor(config, prepared, started, first_steps, pool, earlier.ledgers, **hooks)
             if startup_s is None:
                 startup_s = time.perf_counter() - called
+            began = time.perf_counter()
             trace = executor.run(prepared.policy)
             break
         except StepLost as lost:
             if executor is not None:
                 states = {name: executor.committed_state(name) for name in logs}
+                earlier.segment(executor, began, pool, first_steps, label)
                 earlier.book(executor, first_steps)
             pool = pool.without(lost.devices)
             earlier.lost += len(lost.devices)
@@ -169,13 +173,13 @@ def train_on_ray(
             devices = len(pool.bundles)
             for name in logs:
                 earlier.ledgers.setdefault(name, Ledger()).went_on.append((step, devices, lost.why))
-            next(iter(logs.values())).progress.note(
-                f"{lost.why}: going on from step {step} on the {devices} device{'s' if devices > 1 else ''} left "
-                f"under {config.policy}"
-            )
+            label = f"{lost.why}: going on from step {step} on the {devices} device{'s' if devices > 1 else ''} left"
+            label += f" under {config.policy}"
+            next(iter(logs.values())).progress.note(label)
     stopped = {name: save_stopped(executor, name, logs, first_steps[name]) for name in executor.stopped}
     if stopped and len(logs) == 1:
         raise RewardError(next(iter(stopped.values())))
+    earlier.segment(executor, began, pool, first_steps, label)
     return (
         write_run_outputs(logs, config, prepared, executor, trace, costs, choice, earlier)
         | ({"stopped": stopped} if stopped else {})
@@ -205,11 +209,16 @@ class Recorder:
 @dataclass
 class Earlier:
     """What the run did on the devices it had before it went on without lost ones: each pipeline's ledger of its
-    committed steps, the samples those steps had to cover, and the devices lost."""
+    committed steps, the samples those steps had to cover, the devices lost, and each stretch of the run on one set
+    of devices (`segments`, the last one's added as the run ends), for the run's whole trace."""
 
+    run_devices: tuple
+    """The pool's devices (placement group bundles) when the run began: a later pool's device is known by its bundle."""
+    run_first_step: int
     ledgers: dict[str, Ledger] = field(default_factory=dict)
     expected: dict[str, dict[SampleId, list[int]]] = field(default_factory=dict)
     lost: int = 0
+    segments: list[Segment] = field(default_factory=list)
 
     def book(self, executor: RayExecutor, first_steps: dict[str, int]) -> None:
         """Keep what `executor` committed and move each pipeline's first step past it."""
@@ -217,6 +226,13 @@ class Earlier:
             first_steps[name] += executor.committed_steps(name)
             self.ledgers[name] = run.ledger.before(first_steps[name])
             self.expected.setdefault(name, {}).update(executor.expected_samples(name))
+
+    def segment(self, executor: RayExecutor, began: float, pool, first_steps: dict[str, int], label: str) -> None:
+        """Keep the trace `executor` ran from `began` (`time.perf_counter()`) on `pool`, from the run's step
+        `first_steps`, and what began it (`label`)."""
+        devices = tuple(self.run_devices.index(bundle) for bundle in pool.bundles)
+        first_step = next(iter(first_steps.values())) - self.run_first_step
+        self.segments.append(Segment(executor.state.trace, began, first_step, devices, label))
 
 
 def on_fewer_devices(config, devices: int) -> TrainConfig:
@@ -268,21 +284,24 @@ def write_run_outputs(
     executor: RayExecutor,
     trace,
     costs: dict,
-    choice: Choice | None = None,
-    earlier: Earlier | None = None,
+    choice: Choice | None,
+    earlier: Earlier,
 ) -> dict:
     """In the run directory: trace.json (Perfetto / chrome://tracing), gantt.png and run_profile.json for
     `dovetail simulate --from-run`; in each pipeline's directory (the run's own for a single pipeline) its sample
     ledger.json, and with several pipelines all of them in the run directory's ledger.json. After the run went on
-    without a lost device, the trace, chart and profile are of the devices it ended on; the ledger is of the run."""
+    without a lost device, the trace and chart are of the whole run (a mark where it went on), the ledger too, and the
+    profile, which `simulate --from-run` replays, of the devices it ended on, naming the segments before them."""
     path = next(iter(logs.values())).run.path if len(logs) == 1 else next(iter(logs.values())).run.path.parent
     device_engines = executor.held_engines()  # first: a worker that died after the last step is brought back
-    trace.write_chrome(path / "trace.json")
-    trace.write_gantt(path / "gantt.png", f"dovetail train, policy {config.policy}, {config.cluster.devices} devices")
+    segments = earlier.segments
+    whole = Trace.of_segments(segments, len(earlier.run_devices)) if len(segments) > 1 else trace
+    whole.write_chrome(path / "trace.json")
+    whole.write_gantt(path / "gantt.png", f"dovetail train, policy {config.policy}, {whole.devices} devices")
     ledgers = {}
     for name, log in logs.items():
         ledger = executor.pipelines[name].ledger
-        expected = (earlier.expected.get(name, {}) if earlier else {}) | executor.expected_samples(name)
+        expected = earlier.expected.get(name, {}) | executor.expected_samples(name)
         problems = ledger.problems(expected)
         ledgers[name] = ledger.to_json() | {"problems": problems}
         (log.run.path / "ledger.json").write_text(json.dumps(ledgers[name]))
@@ -302,6 +321,10 @@ def write_run_outputs(
         "measured_step_time_s": time_per_step(trace),
         "measured_steady_step_s": metrics.steady_step_s,
         "auto": None if choice is None else asdict(choice),  # what policy=auto predicted for each policy it weighed
+        "segments_before": [
+            {"first_step": s.first_step, "steps": len(s.trace.steps) // len(logs), "devices": s.devices, "why": s.label}
+            for s in segments[:-1]
+        ],
     }
     (path / "run_profile.json").write_text(json.dumps(profile))
     return {

@@ -55,6 +55,9 @@ class RunProfile(BaseModel):
     """Seconds between optimizer steps after the first (a profile written before it was recorded has none)."""
     auto: dict | None = None
     """What `policy=auto` predicted for each policy it weighed (`launch.Choice`), if the run chose so."""
+    segments_before: list[dict] = []
+    """Where the run went on without lost devices: each earlier stretch's first step, committed steps, devices (the
+    run's first pool's indices) and what began it; the profile's other fields are the last stretch's."""
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ are read from it."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 
@@ -48,6 +50,14 @@ class StepRecord:
     tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class Mark:
+    """A moment of the run worth a line in the charts: where it went on without a lost device, and why."""
+
+    time: float
+    label: str
+
+
 @dataclass
 class Trace:
     devices: int
@@ -55,6 +65,25 @@ class Trace:
     switches: list[Switch] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
     peak_memory_gb: list[float] = field(default_factory=list)
+    marks: list[Mark] = field(default_factory=list)
+
+    @classmethod
+    def of_segments(cls, segments: Sequence[Segment], devices: int) -> Trace:
+        """One trace of a run that went on without lost devices: each segment's spans, switches and steps moved to
+        the run's clock, steps and devices (the `devices` of the pool it began with), and a mark where each later
+        segment began."""
+        whole = cls(devices=devices, peak_memory_gb=[0.0] * devices)
+        for segment in segments:
+            trace, at, device_of = segment.trace, segment.start - segments[0].start, segment.devices
+            moved = partial(_later, by=at)
+            whole.spans += [moved(s, device=device_of[s.device], step=s.step + segment.first_step) for s in trace.spans]
+            whole.switches += [moved(s, device=device_of[s.device]) for s in trace.switches]
+            whole.steps += [moved(s, step=s.step + segment.first_step) for s in trace.steps]
+            for device, peak in enumerate(trace.peak_memory_gb):
+                whole.peak_memory_gb[device_of[device]] = max(whole.peak_memory_gb[device_of[device]], peak)
+            if segment is not segments[0]:
+                whole.marks.append(Mark(at, segment.label))
+        return whole
 
     @property
     def makespan(self) -> float:
@@ -68,6 +97,7 @@ class Trace:
             "switches": [asdict(s) for s in self.switches],
             "steps": [asdict(s) for s in self.steps],
             "peak_memory_gb": self.peak_memory_gb,
+            "marks": [asdict(m) for m in self.marks],
         }
 
     @classmethod
@@ -78,6 +108,7 @@ class Trace:
             switches=[Switch(**s) for s in data["switches"]],
             steps=[StepRecord(**s) for s in data["steps"]],
             peak_memory_gb=list(data["peak_memory_gb"]),
+            marks=[Mark(**m) for m in data.get("marks", [])],  # traces written before marks existed have none
         )
 
     def write_chrome(self, path: str | Path) -> None:
@@ -112,6 +143,7 @@ class Trace:
                     "args": {},
                 }
             )
+        events += [{"ph": "i", "s": "g", "pid": 0, "name": m.label, "ts": m.time * 1e6} for m in self.marks]
         Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
     def write_gantt(self, path: str | Path, title: str = "") -> None:
@@ -124,8 +156,9 @@ class Trace:
 
     def gantt_figure(self, title: str = ""):
         """One row per device, a colour per node kind (hatched white: role switches), a dotted line at every
-        optimizer step (commit). With several pipelines each has a lane of every device's row and a hatching of its
-        own, so a kind keeps its colour whichever pipeline ran it. The legend sits below the axes, off the bars."""
+        optimizer step (commit), a red dashed one at every mark. With several pipelines each has a lane of every
+        device's row and a hatching of its own, so a kind keeps its colour whichever pipeline ran it. The legend sits
+        below the axes, off the bars."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -153,6 +186,8 @@ class Trace:
             )
         for commit in sorted({record.end for record in self.steps}):
             ax.axvline(commit, color="black", linestyle=":", linewidth=0.8)
+        for mark in self.marks:
+            ax.axvline(mark.time, color="red", linestyle="--", linewidth=1.2)
         handles = [Patch(facecolor=colours[k], label=k) for k in kinds]
         if len(pipelines) > 1:
             handles += [Patch(facecolor="white", edgecolor="black", hatch=hatches[p], label=p) for p in pipelines]
@@ -160,6 +195,7 @@ class Trace:
             handles.append(Patch(facecolor="white", edgecolor="grey", hatch="//", label="role switch"))
         if self.steps:
             handles.append(Line2D([], [], color="black", linestyle=":", label="optimizer step"))
+        handles += [Line2D([], [], color="red", linestyle="--", label=mark.label) for mark in self.marks]
         ax.set_xlabel("seconds")
         ax.set_ylabel("device")
         ax.set_yticks(range(self.devices))
@@ -167,6 +203,23 @@ class Trace:
         ax.set_title(title)
         fig.legend(handles=handles, loc="outside lower center", fontsize="small", ncols=min(len(handles), 8))
         return fig
+
+
+def _later(record, by: float, **fields):
+    """A span, switch or step record `by` seconds later, with `fields` changed."""
+    return replace(record, start=record.start + by, end=record.end + by, **fields)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A stretch of a run on one set of devices: its executor's trace, when it began (on a clock all the run's
+    segments share), the run's step its step 0 is, the run's device index of each of its devices, and what began it."""
+
+    trace: Trace
+    start: float
+    first_step: int
+    devices: tuple[int, ...]
+    label: str
 
 
 PIPELINE_HATCHES = ["", "..", "xx", "\\\\", "--", "oo"]
