@@ -22,10 +22,10 @@ WAN = diffusion_model("Wan2.1-14B")
 
 def test_an_all_reduce_crossing_nodes_pays_the_network_hops():
     """TP 32 on 8-GPU nodes: each of the two per-layer all-reduces is 2 x 31 ring steps of the NIC's hop latency
-    plus a 1/32 share of the bytes over the NIC at the cross-node efficiency."""
+    plus a 1/32 share of the bytes over a node's eight NICs side by side at the cross-node efficiency."""
     cost, h100 = CostModel("H100"), device("H100")
     nbytes = 64 * QWEN8B.hidden * 2
-    step = h100.network_latency_s + nbytes / 32 / (h100.network_bandwidth * DEFAULT.network_collective_efficiency)
+    step = h100.network_latency_s + nbytes / 32 / (8 * h100.network_bandwidth * DEFAULT.network_collective_efficiency)
     assert cost.allreduce_seconds(nbytes, 32) == pytest.approx(2 * 31 * step)
     inside = cost.allreduce_seconds(nbytes, 8)
     assert inside == pytest.approx(
