@@ -178,7 +178,12 @@ def test_digen_beats_colocated_on_the_digenrl_scenarios(name, policy, margin, ef
 
 
 def test_trainer_groups_train_fragments_side_by_side_and_commit_together():
-    prepared, trace = simulate(load_scenario("digen-qwenimage-32"), "digen+tcss", steps=2)
+    """digen+tcss on digen-qwenimage-32 with a 16-device trainer pool of two HSDP groups of a node (once the search's
+    own choice; at the catalogue's NICs it now prefers one FSDP group over the pool)."""
+    grouped = digen_search.DigenShape(32, 2, False, 16, trainer_group=8, tag=True, tcss=True)
+    prepared, trace = simulate(
+        load_scenario("digen-qwenimage-32"), "digen+tcss", steps=2, shapes={"qwenimage": grouped}
+    )
     shape, policy = prepared.setup.shapes["qwenimage"], prepared.policy
     assert shape.groups > 1 and len(policy.groups) == shape.groups
     groups = {tuple(group) for group in policy.groups}
