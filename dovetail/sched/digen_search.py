@@ -302,7 +302,10 @@ def _predicted_shapes(
                         continue
                     both = held.resident_gb[Role.TRAINER] + held.resident_gb[Role.ROLLOUT]
                     lending, not_lending = (
-                        tuple(_predict(nodes, shape, rollout, held, lend=lend, tcss=tcss) for tcss in (False, True))
+                        (
+                            _predict(nodes, shape, rollout, held, lend=lend, tcss=False),
+                            _predict(nodes, shape, rollout, held, lend=lend, tcss=True),
+                        )
                         for lend in (True, False)
                     )
                     ranked.append(_Predicted(shape, chunk, need, both, lending, not_lending))
