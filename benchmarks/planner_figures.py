@@ -209,16 +209,8 @@ def jigsaw(network_gbps: float | None = None) -> None:
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
-PIPELINE = {
-    "kind": "lm",
-    "model": "Qwen3-0.6B",
-    "batch": 32,
-    "group": 4,
-    "lengths": {"kind": "lognormal", "median": 600, "sigma": 0.8},
-    "max_length": 4096,
-    "micro_batches": 4,
-}
-"""One of N identical Qwen3-0.6B GRPO pipelines sharing 16 H100s (issue 21's probe)."""
+PIPELINES_BASE = "jigsaw-qwen3-0.6b-16xh100"
+"""The scenario whose pipeline `pipelines` copies N times on its pool (issue 21's probe)."""
 
 
 def pipelines() -> None:
@@ -228,14 +220,12 @@ def pipelines() -> None:
         "| pipelines | verl-sync samples/s | jigsaw samples/s | jigsaw / verl-sync | jigsaw's arrangement | jigsaw s |"
     )
     print("|---|---|---|---|---|---|")
+    base = load_scenario(PIPELINES_BASE).model_dump(mode="python", exclude_none=True)
+    (pipeline,) = base["pipelines"]
     for n in range(1, 17):
         scenario = parse_scenario(
-            {
-                "name": f"qwen3-0.6b-x{n}-16xh100",
-                "cluster": {"device": "H100", "devices": 16},
-                "pipelines": [PIPELINE | {"name": f"p{i}"} for i in range(n)],
-                "schedule": {"steps": 3, "policies": ["verl-sync", "jigsaw"]},
-            }
+            base | {"name": f"qwen3-0.6b-x{n}-16xh100", "pipelines": [pipeline | {"name": f"p{i}"} for i in range(n)]},
+            f"{PIPELINES_BASE} x{n}",
         )
         verl = summarize(simulate(scenario, "verl-sync")[1]).samples_per_s
         start = time.perf_counter()
