@@ -1,7 +1,7 @@
 """The planner's figures in BENCHMARKS.md (issue 10): published runs against the simulator, per-GPU throughput
 scaling curves beside published points, and the DigenRL / JigsawRL tables with one ablation per mechanism.
 
-    python benchmarks/planner_figures.py [calibration] [scaling] [digen] [jigsaw] [pipelines]
+    python benchmarks/planner_figures.py [calibration] [scaling] [digen] [digen-thin] [jigsaw] [jigsaw-thin] [pipelines]
 
 Every figure is the simulator's (`dovetail.scenario.simulate`, noise 0) on the shipped scenarios; nothing runs on a
 device. Sections print Markdown tables."""
@@ -12,8 +12,6 @@ import sys
 import time
 from dataclasses import replace
 
-from dovetail.cost.calibration import DEFAULT
-from dovetail.cost.model import CostModel
 from dovetail.exec.metrics import summarize
 from dovetail.exec.plan import prepare, simulate
 from dovetail.exec.sim import SimExecutor
@@ -21,11 +19,11 @@ from dovetail.graph.node import Kind
 from dovetail.scenario import Scenario, list_scenarios, load_scenario, parse_scenario
 
 
-def ablated(scenario: Scenario, policy: str, change: dict, cost: CostModel | None = None, options=None):
+def ablated(scenario: Scenario, policy: str, change: dict, options=None):
     """The policy's searched shapes with `change` applied to every pipeline's (one mechanism taken away), simulated."""
-    searched = prepare(scenario, policy, cost=cost, options=options).setup.shapes
+    searched = prepare(scenario, policy, options=options).setup.shapes
     shapes = {name: replace(shape, **change) for name, shape in searched.items()}
-    prepared = prepare(scenario, policy, shapes=shapes, cost=cost, options=options)
+    prepared = prepare(scenario, policy, shapes=shapes, options=options)
     return SimExecutor(prepared.graph, prepared.setup, slowdown=prepared.setup.slowdown).run(prepared.policy)
 
 
@@ -39,81 +37,100 @@ def steady_step_s(scenario: Scenario, policy: str) -> float:
 
 
 def calibration() -> None:
-    print("| scenario | role | devices | published step | simulated step | error | source |")
-    print("|---|---|---|---|---|---|---|")
-    for name in list_scenarios():
-        scenario = load_scenario(name)
-        published = scenario.published
-        if published is None:
-            continue
-        simulated = steady_step_s(scenario, scenario.schedule.policies[0])
-        role = "held out" if published.held_out else "fitted"
-        print(
-            f"| {name} | {role} | {scenario.cluster.devices}x {scenario.cluster.device} | {published.step_time_s:g} s "
-            f"| {simulated:.1f} s | {simulated / published.step_time_s - 1:+.1%} | {published.source} |"
-        )
+    """Two tables: the published runs a factor (or the scenario's cluster network) was fitted to, then the held-out
+    ones, each with the simulated steady step and its error."""
+    runs = [(name, load_scenario(name)) for name in list_scenarios()]
+    runs = [(name, scenario) for name, scenario in runs if scenario.published is not None]
+    for held_out in (False, True):
+        print(f"\n{'Held out' if held_out else 'Fitted'}:\n")
+        print("| scenario | devices | network | published step | simulated step | error | source |")
+        print("|---|---|---|---|---|---|---|")
+        for name, scenario in runs:
+            published = scenario.published
+            if published.held_out != held_out:
+                continue
+            simulated = steady_step_s(scenario, scenario.schedule.policies[0])
+            network = scenario.cluster.network_gbps
+            print(
+                f"| {name} | {scenario.cluster.devices}x {scenario.cluster.device} "
+                f"| {'catalogue' if network is None else f'{network:g} Gb/s per GPU'} | {published.step_time_s:g} s "
+                f"| {simulated:.1f} s | {simulated / published.step_time_s - 1:+.1%} | {published.source} |"
+            )
 
 
-def resized(name: str, devices: int, device: str | None = None) -> Scenario:
+def resized(name: str, devices: int, device: str | None = None, network_gbps: float | None = None) -> Scenario:
+    """A shipped scenario on `devices` (of `device`), on the catalogue's network or `network_gbps` per device."""
     data = load_scenario(name).model_dump(mode="python", exclude_none=True)
     data["cluster"] = {"device": device or data["cluster"]["device"], "devices": devices}
+    if network_gbps is not None:
+        data["cluster"]["network_gbps"] = network_gbps
     data.pop("published", None)
     return parse_scenario(data, f"{name}@{devices}")
 
 
+THIN_NETWORK_GBPS = 12.5
+"""The network fitted to veRL-Omni's 64-GPU run (calib-qwenimage-64xh100: one 100 Gb/s NIC per 8-GPU node): the
+cross-node sensitivity of the tables, against the catalogue's one 400 Gb/s NIC per GPU."""
+
+SCALING = (
+    ("calib-qwenimage-64xh100", "colocated", None, "Qwen-Image colocated (FULL_SHARD)"),
+    ("calib-qwenimage-64xh100", "colocated", THIN_NETWORK_GBPS, "same, thin network"),
+    ("calib-qwenimage-64xh100", "colocated-hsdp", None, "colocated-hsdp"),
+    ("calib-qwenimage-64xh100", "disaggregated", None, "disaggregated"),
+    ("calib-qwenimage-64xh100", "digen", None, "digen"),
+    ("calib-nemorl-llama8b-16xh100", "verl-sync", None, "Llama-3.1-8B verl-sync"),
+    ("calib-nemorl-llama8b-16xh100", "streamrl", None, "streamrl"),
+    ("calib-nemorl-llama8b-16xh100", "areal", None, "areal"),
+    ("calib-nemorl-llama8b-16xh100", "jigsaw", None, "jigsaw"),
+)
+
+
 def scaling() -> None:
-    """Per-GPU throughput of one diffusion job (veRL-Omni's Qwen-Image FlowGRPO recipe, colocated, on H100, FSDP over
-    the whole pool as the recipe sets it) and one LLM job (NeMo RL's Llama-3.1-8B GRPO, verl-sync, on H100) from 1 to
-    128 GPUs; the batch stays the recipe's."""
-    print("| GPUs | Qwen-Image FlowGRPO: images/GPU/s | step s | Llama-3.1-8B GRPO: tokens/GPU/s | step s |")
-    print("|---|---|---|---|---|")
-    for devices in (1, 2, 4, 8, 16, 32, 64, 128):
+    """Per-GPU throughput of one diffusion job (veRL-Omni's Qwen-Image FlowGRPO recipe: images/GPU/s) and one LLM job
+    (NeMo RL's Llama-3.1-8B GRPO: tokens/GPU/s, prompt and response tokens) from 1 to 256 H100s, the recipe's batch
+    kept, under every policy of its kind (the colocated FULL_SHARD one also on the thin network fitted to veRL-Omni's
+    64-GPU cluster); the steady step (commit to commit of the second step) beside each."""
+    print("| GPUs | " + " | ".join(label for *_, label in SCALING) + " |")
+    print("|---|" + "---|" * len(SCALING))
+    for devices in (1, 2, 4, 8, 16, 32, 64, 128, 256):
         row = [str(devices)]
-        for name, policy, per_sample, recipe in (
-            ("calib-qwenimage-64xh100", "colocated", None, {"trainer_group": devices}),
-            ("calib-nemorl-llama8b-16xh100", "verl-sync", "tokens", {}),
-        ):
+        for name, policy, network, _ in SCALING:
             try:
-                prepared, trace = simulate(resized(name, devices, "H100"), policy, steps=2, **recipe)
+                prepared, trace = simulate(resized(name, devices, "H100", network), policy, steps=2)
             except ValueError as error:
-                row += [f"does not run ({str(error).split(';')[0][:60]})", ""]
+                row.append(f"n/a: {str(error).split(';')[0][:40]}")
                 continue
-            first, second = sorted(record.end for record in trace.steps)
-            step = second - first
+            ends = sorted({record.end for record in trace.steps})
+            step = ends[1] - ends[0]
             record = sorted(trace.steps, key=lambda r: r.end)[1]
-            if per_sample == "tokens":  # NeMo RL's tokens/s/GPU counts every prompt and response token trained
-                spec = prepared.graph.of(record.pipeline, record.step, Kind.DECODE)
-                tokens = sum(n.tokens for n in spec) + record.samples * load_scenario(name).pipelines[0].prompt_length
-                row += [f"{tokens / step / devices:.0f}", f"{step:.1f}"]
+            if name.startswith("calib-nemorl"):  # NeMo RL's tokens/s/GPU counts every prompt and response token
+                decoded = prepared.graph.of(record.pipeline, record.step, Kind.DECODE)
+                prompts = record.samples * load_scenario(name).pipelines[0].prompt_length
+                tokens = sum(n.tokens for n in decoded) + prompts
+                row.append(f"{tokens / step / devices:.0f} ({step:.0f} s)")
             else:
-                row += [f"{record.samples / step / devices:.3f}", f"{step:.1f}"]
+                row.append(f"{record.samples / step / devices:.3f} ({step:.0f} s)")
         print("| " + " | ".join(row) + " |")
 
 
 DIGEN = ("digen-flux-16", "digen-wan-16", "digen-hunyuan-32", "digen-qwenimage-32")
 
 
-def digen(cross_node_efficiency: float | None = None) -> None:
+def digen(network_gbps: float | None = None) -> None:
     """Each policy (colocated: veRL-Omni's default, one FSDP group over the pool; colocated-hsdp: its fsdp_size set
     to a node where that is faster), then the digen search's own shape with one mechanism taken away: TAG (no lending
     of idle trainer devices), TSP (one train node per timestep), GAP against a stage-synchronous trainer (the trainer
     takes the whole mini-batch once it is generated; the search picks the faster, so one of the two is digen's own
     figure), and TCSS (digen+tcss against digen); last, digen over colocated-hsdp, the hybrid-sharded
-    baseline. `cross_node_efficiency` replaces the calibrated share of the NIC that collectives spanning nodes reach
-    (the sensitivity of these tables to the one factor fitted on 64 GPUs)."""
-    cost = None
-    if cross_node_efficiency is not None:
-        cost_of = {name: load_scenario(name).cluster.device for name in DIGEN}
-        calibration = replace(DEFAULT, network_collective_efficiency=cross_node_efficiency)
+    baseline. `network_gbps` puts the clusters on that network per device (the cross-node sensitivity: the thin
+    network fitted to veRL-Omni's 64-GPU run) instead of the catalogue's."""
     print(
         "| scenario | colocated | colocated-hsdp | disaggregated | digen | digen+tcss | digen, no TAG | digen, no TSP "
         "| digen's shape, GAP | digen's shape, stage-synchronous | digen / colocated-hsdp |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in DIGEN:
-        scenario = load_scenario(name)
-        if cross_node_efficiency is not None:
-            cost = CostModel(cost_of[name], calibration)
+        scenario = on_network(load_scenario(name), network_gbps)
         rate = {}
         for label, policy, options, overrides in (
             ("colocated", "colocated", None, {}),
@@ -128,9 +145,9 @@ def digen(cross_node_efficiency: float | None = None) -> None:
         ):
             try:
                 trace = (
-                    ablated(scenario, policy, overrides, cost, options)
+                    ablated(scenario, policy, overrides, options=options)
                     if overrides
-                    else simulate(scenario, policy, options=options, cost=cost)[1]
+                    else simulate(scenario, policy, options=options)[1]
                 )
                 rate[label] = summarize(trace).samples_per_s
             except ValueError as error:
@@ -150,18 +167,25 @@ def digen(cross_node_efficiency: float | None = None) -> None:
 JIGSAW = ("jigsaw-qwen3-4b-8xh100", "jigsaw-mixed-0.6b-8b", "jigsaw-64xa100")
 
 
-def jigsaw() -> None:
+def on_network(scenario: Scenario, network_gbps: float | None) -> Scenario:
+    """`scenario` with its cluster on `network_gbps` per device (None: as it is)."""
+    if network_gbps is None:
+        return scenario
+    return scenario.model_copy(update={"cluster": scenario.cluster.model_copy(update={"network_gbps": network_gbps})})
+
+
+def jigsaw(network_gbps: float | None = None) -> None:
     """Each LLM policy, then jigsaw's searched shapes with one mechanism taken away: migration of the long tail,
     streamed micro-batches; jigsaw-greedy is the ablation of the search and the look-ahead. Sharing devices between
     pipelines cannot be taken away alone (jigsaw places shareable nodes only); verl-sync is jigsaw's pool without
-    it."""
+    it. `network_gbps` as in `digen`."""
     print(
         "| scenario | verl-sync | streamrl | areal | jigsaw-greedy | jigsaw | jigsaw, no migration "
         "| jigsaw, no streaming |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for name in JIGSAW:
-        scenario = load_scenario(name)
+        scenario = on_network(load_scenario(name), network_gbps)
         rate = {}
         for label, policy, overrides in (
             ("verl-sync", "verl-sync", {}),
@@ -185,16 +209,8 @@ def jigsaw() -> None:
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
-PIPELINE = {
-    "kind": "lm",
-    "model": "Qwen3-0.6B",
-    "batch": 32,
-    "group": 4,
-    "lengths": {"kind": "lognormal", "median": 600, "sigma": 0.8},
-    "max_length": 4096,
-    "micro_batches": 4,
-}
-"""One of N identical Qwen3-0.6B GRPO pipelines sharing 16 H100s (issue 21's probe)."""
+PIPELINES_BASE = "jigsaw-qwen3-0.6b-16xh100"
+"""The scenario whose pipeline `pipelines` copies N times on its pool (issue 21's probe)."""
 
 
 def pipelines() -> None:
@@ -204,14 +220,12 @@ def pipelines() -> None:
         "| pipelines | verl-sync samples/s | jigsaw samples/s | jigsaw / verl-sync | jigsaw's arrangement | jigsaw s |"
     )
     print("|---|---|---|---|---|---|")
+    base = load_scenario(PIPELINES_BASE).model_dump(mode="python", exclude_none=True)
+    (pipeline,) = base["pipelines"]
     for n in range(1, 17):
         scenario = parse_scenario(
-            {
-                "name": f"qwen3-0.6b-x{n}-16xh100",
-                "cluster": {"device": "H100", "devices": 16},
-                "pipelines": [PIPELINE | {"name": f"p{i}"} for i in range(n)],
-                "schedule": {"steps": 3, "policies": ["verl-sync", "jigsaw"]},
-            }
+            base | {"name": f"qwen3-0.6b-x{n}-16xh100", "pipelines": [pipeline | {"name": f"p{i}"} for i in range(n)]},
+            f"{PIPELINES_BASE} x{n}",
         )
         verl = summarize(simulate(scenario, "verl-sync")[1]).samples_per_s
         start = time.perf_counter()
@@ -231,8 +245,9 @@ SECTIONS = {
     "calibration": calibration,
     "scaling": scaling,
     "digen": digen,
-    "digen-nccl": lambda: digen(cross_node_efficiency=DEFAULT.collective_bandwidth_efficiency),
+    "digen-thin": lambda: digen(network_gbps=THIN_NETWORK_GBPS),
     "jigsaw": jigsaw,
+    "jigsaw-thin": lambda: jigsaw(network_gbps=THIN_NETWORK_GBPS),
     "pipelines": pipelines,
 }
 

@@ -6,6 +6,7 @@ Shipped scenarios live in `dovetail/scenarios/*.yaml`; `load_scenario` takes a s
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any
@@ -13,6 +14,7 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from dovetail.cost.catalog import Device
 from dovetail.cost.catalog import device as lookup_device
 from dovetail.files import read_text
 from dovetail.graph.spec import MAX_DEVICES, FlowSpec, LLMSpec
@@ -34,12 +36,24 @@ class ClusterSpec(_Model):
         description="Device from the catalogue: H100, H800, H200, A100-80G, A100-40G, L40S, Ascend-910B, cpu-core.",
     )
     devices: int = Field(gt=0, le=MAX_DEVICES, description="Number of devices in the pool.")
+    network_gbps: float | None = Field(
+        None,
+        gt=0,
+        le=100_000,
+        description="Network bandwidth per device in Gb/s (its share of its node's NICs) where the cluster's differs "
+        "from the catalogue device's reference node; None: the catalogue's.",
+    )
 
     @field_validator("device")
     @classmethod
     def _known_device(cls, name: str) -> str:
         lookup_device(name)
         return name
+
+    def catalogue_device(self) -> Device:
+        """The catalogue's device, with this cluster's network where it names one."""
+        found = lookup_device(self.device)
+        return found if self.network_gbps is None else replace(found, network_bandwidth=self.network_gbps * 1e9 / 8)
 
 
 class ScheduleSpec(_Model):

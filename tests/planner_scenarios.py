@@ -2,7 +2,7 @@
 pipeline's fields (`flow_pipeline`, `lm_pipeline`) and a scenario around them (`scenario`). A test file writes down
 only what its tests depend on."""
 
-from dovetail.scenario import Scenario, parse_scenario
+from dovetail.scenario import Scenario, load_scenario, parse_scenario
 
 FLOW = {
     "kind": "flow",
@@ -17,17 +17,9 @@ FLOW = {
 }
 """A text-to-image pipeline of SD3.5-M at 512x512: 8 prompts of 4 samples, 3 of 10 denoising steps trained."""
 
-LM = {
-    "kind": "lm",
-    "name": "lm",
-    "model": "Qwen3-0.6B",
-    "batch": 32,
-    "group": 4,
-    "lengths": {"kind": "lognormal", "median": 600, "sigma": 0.8},
-    "max_length": 4096,
-    "micro_batches": 4,
-}
-"""A language-model pipeline of Qwen3-0.6B: 32 prompts of 4 responses, lognormal lengths up to 4096 tokens."""
+LM = load_scenario("jigsaw-qwen3-0.6b-16xh100").pipelines[0].model_dump(mode="python", exclude_none=True)
+"""A language-model pipeline of Qwen3-0.6B: 32 prompts of 4 responses, lognormal lengths up to 4096 tokens (the shipped
+jigsaw-qwen3-0.6b-16xh100's, which benchmarks/planner_figures.py's many-pipelines table copies too)."""
 
 
 def flow_pipeline(**changes) -> dict:

@@ -128,9 +128,12 @@ def test_unknown_catalogue_names_list_the_choices():
 FLUX = diffusion_model("FLUX.1-12B")
 
 
-def test_ring_collectives_use_nvlink_inside_a_node_and_the_nic_across_nodes():
-    """A ring over n devices: n - 1 steps, each a hop latency per message plus nbytes / n over the slowest link,
-    NVLink at its efficiency inside a node, the NIC at the cross-node efficiency once the ring spans nodes."""
+def test_ring_collectives_use_nvlink_inside_a_node_and_the_nics_across_nodes():
+    """A ring over n devices: n - 1 steps, each a hop latency per message plus nbytes / n at the ring's bus
+    bandwidth: NVLink at its efficiency inside a node; across nodes one ring per NIC rail, so the NICs of the
+    group's devices on a node carry its traffic side by side (8 per 8-GPU node: 320 GB/s under NVLink's 360; a group
+    of 12 has 4 on one node: 160 GB/s), each at the cross-node efficiency; a hybrid-sharded replica ring has one
+    device per node (one NIC)."""
     cal = Calibration()
     cost, h100 = CostModel("H100", cal), device("H100")
     nbytes = FLUX.params * 2
@@ -138,34 +141,82 @@ def test_ring_collectives_use_nvlink_inside_a_node_and_the_nic_across_nodes():
     assert cost.collective_seconds(nbytes, 8, messages=57) == pytest.approx(
         7 * (57 * h100.interconnect_latency_s + nbytes / 8 / (h100.interconnect_bandwidth * 0.8))
     )
-    assert cost.collective_seconds(nbytes, 16) == pytest.approx(
-        15 * (h100.network_latency_s + nbytes / 16 / (h100.network_bandwidth * cal.network_collective_efficiency))
+    nic = h100.network_bandwidth * cal.network_collective_efficiency
+    nvlink = h100.interconnect_bandwidth * cal.collective_bandwidth_efficiency
+    assert 8 * nic < nvlink
+    assert cost.collective_seconds(nbytes, 16) == pytest.approx(15 * (h100.network_latency_s + nbytes / 16 / (8 * nic)))
+    assert cost.collective_seconds(nbytes, 12) == pytest.approx(11 * (h100.network_latency_s + nbytes / 12 / (4 * nic)))
+    assert cost.collective_seconds(nbytes, 16, per_node=1) == pytest.approx(
+        15 * (h100.network_latency_s + nbytes / 16 / nic)
     )
     assert cost.allreduce_seconds(nbytes, 16) == pytest.approx(2 * cost.collective_seconds(nbytes, 16))
+    # A device whose node's NICs together outrun its intra-node link: the ring is NVLink-bound across nodes too.
+    fast = CostModel(dataclasses.replace(h100, network_bandwidth=100e9), cal)
+    assert fast.collective_seconds(nbytes, 16) == pytest.approx(15 * (h100.network_latency_s + nbytes / 16 / nvlink))
 
 
-def fsdp_gather(devices: int, nbytes: float) -> float:
-    """One FSDP all-gather (or reduce-scatter) of `nbytes`, one collective per FLUX layer, recomputed by hand."""
+def test_a_replica_all_reduce_crosses_one_nic_per_ring():
+    """HSDP: groups of 8 replicated over 4 nodes all-reduce each device's 1/8 shard of the fp32 gradients in a ring
+    of 4 (one device per node, through its own NIC): 2 x 3 ring steps of a quarter of the shard each."""
+    cal = Calibration()
+    cost, h100 = CostModel("H100", cal), device("H100")
+    shard = FLUX.params * cal.grad_reduce_bytes / 8
+    nic = h100.network_bandwidth * cal.network_collective_efficiency
+    assert cost.replica_allreduce_seconds(FLUX.params, 8, 4) == pytest.approx(
+        2 * 3 * (h100.network_latency_s + shard / 4 / nic)
+    )
+    assert cost.replica_allreduce_seconds(FLUX.params, 8, 1) == 0.0
+
+
+def fsdp_gather(devices: int, nbytes: float, layers: int = FLUX.layers) -> float:
+    """One FSDP all-gather (or reduce-scatter) of `nbytes`, one collective per layer (FLUX's 57), recomputed by
+    hand."""
     cal, h100 = Calibration(), device("H100")
     if devices <= 8:
         bandwidth, latency = h100.interconnect_bandwidth * cal.collective_bandwidth_efficiency, 0.7e-6
-    else:
-        bandwidth, latency = h100.network_bandwidth * cal.network_collective_efficiency, 8e-6
-    return (devices - 1) * (FLUX.layers * latency + nbytes / devices / bandwidth)
+    else:  # whole 8-GPU nodes: their eight NICs side by side
+        bandwidth, latency = 8 * h100.network_bandwidth * cal.network_collective_efficiency, 8e-6
+    return (devices - 1) * (layers * latency + nbytes / devices / bandwidth)
 
 
-def test_a_communication_bound_pass_costs_its_fsdp_traffic():
-    """FLUX, one 720x720 sample at one timestep per pass on 16 H100s (two nodes): the bf16 all-gathers of
-    forward and backward plus the fp32 gradient reduce-scatter outlast the compute, every pass."""
+def test_a_pass_takes_the_longer_of_its_compute_and_its_fsdp_traffic():
+    """SD3.5-M, one 256x256 sample at one timestep per pass on 16 H100s (two nodes): a training pass pays the bf16
+    all-gathers of forward and backward plus the fp32 gradient reduce-scatter (they outlast its compute), with fp32
+    parameters (fastvideo's FSDP) twice the all-gather bytes; a forward-only pass the longer of its compute and one
+    all-gather."""
+    cal = Calibration()
+    cost, h100 = CostModel("H100", cal), device("H100")
+    sd3 = diffusion_model("SD3.5-M")
+    tokens = sd3.latent_tokens(256, 256)
+    traffic = 2 * fsdp_gather(16, sd3.params * 2, sd3.layers) + fsdp_gather(
+        16, sd3.params * cal.grad_reduce_bytes, sd3.layers
+    )
+    samples = 32  # two per device: two passes
+    assert cost.dit_train(sd3, samples, 1, tokens, devices=16, micro_batch=1) == pytest.approx(16 * 2 * traffic)
+    fp32 = 3 * fsdp_gather(16, sd3.params * 4, sd3.layers)
+    assert cost.dit_train(sd3, samples, 1, tokens, devices=16, micro_batch=1, param_bytes=4) == pytest.approx(
+        16 * 2 * fp32
+    )
+    gather = fsdp_gather(16, sd3.params * 2, sd3.layers)
+    forward = CostModel.dit_forward_flops(sd3, tokens) / (
+        h100.peak_flops * cal.dit_logprob_mfu * tokens / (tokens + cal.dit_half_mfu_tokens)
+    )
+    assert cost.dit_logprob(sd3, samples, 3, tokens, devices=16, micro_batch=1) == pytest.approx(
+        3 * 16 * 2 * max(forward, gather)
+    )
+
+
+def test_a_sharded_trainer_that_samples_gathers_the_weights_every_denoising_forward():
+    """DanceGRPO samples with its FSDP trainer: one SD3.5-M image per pass over 16 H100s, each of the 10 denoising
+    forwards all-gathering the fp32 weights (traffic-bound at 256x256), against a replicated engine's compute alone."""
     cal = Calibration()
     cost = CostModel("H100", cal)
-    tokens = FLUX.latent_tokens(720, 720)
-    traffic = 2 * fsdp_gather(16, FLUX.params * 2) + fsdp_gather(16, FLUX.params * cal.grad_reduce_bytes)
-    samples = 32  # two per device: two passes
-    assert cost.dit_train(FLUX, samples, 1, tokens, devices=16, micro_batch=1) == pytest.approx(16 * 2 * traffic)
-    # The forward-only loop pays one all-gather per pass.
-    gather = fsdp_gather(16, FLUX.params * 2)
-    assert cost.dit_logprob(FLUX, samples, 3, tokens, devices=16, micro_batch=1) == pytest.approx(3 * 16 * 2 * gather)
+    sd3 = diffusion_model("SD3.5-M")
+    replicated = cost.generate(sd3, 4, 256, 256, 10, batch=1)
+    sharded = cost.generate(sd3, 4, 256, 256, 10, batch=1, sharded_over=16, param_bytes=4)
+    encode_decode = cost.text_encode_seconds(sd3, 4) + cost.vae_decode_seconds(sd3, 4, 256, 256)
+    assert sharded == pytest.approx(encode_decode + 4 * 10 * fsdp_gather(16, sd3.params * 4, sd3.layers))
+    assert sharded > replicated
 
 
 def test_tsp_amortises_per_pass_traffic_and_small_pass_underutilisation():
@@ -182,9 +233,11 @@ def test_tsp_amortises_per_pass_traffic_and_small_pass_underutilisation():
         16 * 4 * pairs * CostModel.dit_forward_flops(FLUX, tokens) / (device("H100").peak_flops * mfu)
     )
     assert looped > batched
-    # Across nodes every pass is traffic-bound: ten passes of it against one.
-    assert 10 * cost.dit_train(FLUX, 16, 1, tokens, devices=16, micro_batch=1) > 3 * cost.dit_train(
-        FLUX, 16, 10, tokens, devices=16, micro_batch=1
+    # Where every pass is traffic-bound (small SD3.5-M images across nodes), ten passes of it against one.
+    sd3 = diffusion_model("SD3.5-M")
+    small = sd3.latent_tokens(256, 256)
+    assert 10 * cost.dit_train(sd3, 16, 1, small, devices=16, micro_batch=1) > 2 * cost.dit_train(
+        sd3, 16, 10, small, devices=16, micro_batch=1
     )
     assert cost.pass_mfu(0.6, cal.dit_half_mfu_tokens) == pytest.approx(0.3)
 

@@ -10,6 +10,7 @@ import pytest
 from dovetail.cost.calibration import DEFAULT
 from dovetail.cost.catalog import device, diffusion_model, language_model
 from dovetail.cost.model import CostModel, lora_params
+from dovetail.exec.metrics import summarize
 from dovetail.exec.plan import simulate
 from dovetail.graph.node import Kind
 from dovetail.scenario import load_scenario, parse_scenario
@@ -22,10 +23,10 @@ WAN = diffusion_model("Wan2.1-14B")
 
 def test_an_all_reduce_crossing_nodes_pays_the_network_hops():
     """TP 32 on 8-GPU nodes: each of the two per-layer all-reduces is 2 x 31 ring steps of the NIC's hop latency
-    plus a 1/32 share of the bytes over the NIC at the cross-node efficiency."""
+    plus a 1/32 share of the bytes over a node's eight NICs side by side at the cross-node efficiency."""
     cost, h100 = CostModel("H100"), device("H100")
     nbytes = 64 * QWEN8B.hidden * 2
-    step = h100.network_latency_s + nbytes / 32 / (h100.network_bandwidth * DEFAULT.network_collective_efficiency)
+    step = h100.network_latency_s + nbytes / 32 / (8 * h100.network_bandwidth * DEFAULT.network_collective_efficiency)
     assert cost.allreduce_seconds(nbytes, 32) == pytest.approx(2 * 31 * step)
     inside = cost.allreduce_seconds(nbytes, 8)
     assert inside == pytest.approx(
@@ -179,3 +180,42 @@ def test_published_decode_sweep_held_out():
     eight = 8 * 128 / cost.decode(LLAMA8B, [1024] * 8, [128] * 8)
     assert alone == pytest.approx(75, rel=0.20)
     assert eight / alone == pytest.approx(6.6, rel=0.20)
+
+
+def test_a_cluster_s_own_network_reaches_the_cost_model():
+    """`cluster.network_gbps` replaces the catalogue device's NIC share: veRL-Omni's 64-GPU run on its fitted thin
+    network (12.5 Gb/s per GPU) against the same run on the catalogue's HGX node (400 Gb/s per GPU), one FSDP group
+    over every GPU as the recipe sets it. Only collectives that cross nodes move: on one node the two agree."""
+    fitted = load_scenario("calib-qwenimage-64xh100")
+    assert fitted.cluster.catalogue_device().network_bandwidth == pytest.approx(12.5e9 / 8)
+    reference = fitted.model_copy(update={"cluster": fitted.cluster.model_copy(update={"network_gbps": None})})
+
+    def step(scenario, devices):
+        sized = scenario.model_copy(update={"cluster": scenario.cluster.model_copy(update={"devices": devices})})
+        _, trace = simulate(sized, "colocated", steps=2, trainer_group=devices)
+        first, second = sorted(r.end for r in trace.steps)
+        return second - first
+
+    assert step(fitted, 64) > 2 * step(reference, 64)
+    assert step(fitted, 8) == pytest.approx(step(reference, 8))
+
+
+def test_a_trainer_that_samples_neither_switches_nor_publishes_and_gathers_its_weights_to_generate():
+    """DanceGRPO's recipe (calib-dancegrpo-flux-32xh800): the FSDP trainer generates, so a step has no engine switch
+    and no publication, every generate node pays the fp32 all-gathers of its denoising forwards, and the same recipe
+    on replicated bf16 engines generates faster but switches and publishes."""
+    scenario = load_scenario("calib-dancegrpo-flux-32xh800")
+    prepared, trace = simulate(scenario, "colocated", steps=2, trainer_group=32)
+    summary = summarize(trace)
+    assert summary.phase_seconds.get("switch", 0.0) == 0.0 and summary.phase_seconds.get("publish", 0.0) == 0.0
+    spec = scenario.pipelines[0]
+    engine = spec.model_copy(update={"sampler": "engine", "fsdp_precision": "bf16"})
+    on_engines = scenario.model_copy(update={"pipelines": [engine]})
+    engines_prepared, engines_trace = simulate(on_engines, "colocated", steps=2, trainer_group=32)
+    generate = [n.cost_s for n in prepared.graph if n.kind == Kind.GENERATE]
+    engines_generate = [n.cost_s for n in engines_prepared.graph if n.kind == Kind.GENERATE]
+    cost, flux = CostModel("H800"), diffusion_model(spec.model)
+    gathers = spec.group * spec.denoising_steps * cost.collective_seconds(flux.params * 4, 32, flux.layers)
+    assert min(generate) >= gathers > 0 and min(generate) > max(engines_generate)
+    engines_summary = summarize(engines_trace)
+    assert engines_summary.phase_seconds["switch"] > 0 and engines_summary.phase_seconds["publish"] > 0

@@ -6,7 +6,6 @@ from dataclasses import replace
 import pytest
 from planner_scenarios import scenario
 
-from dovetail.cost.calibration import DEFAULT
 from dovetail.cost.catalog import diffusion_model
 from dovetail.cost.model import CostModel
 from dovetail.exec.metrics import summarize
@@ -96,17 +95,10 @@ def test_digen_beats_disaggregated_on_the_same_pools():
     assert digen.step_time_s < base.step_time_s - base.phase_seconds["logprob"] / 2
 
 
-FAST_NETWORK = CostModel(
-    "H100", replace(DEFAULT, network_collective_efficiency=DEFAULT.collective_bandwidth_efficiency)
-)
-"""H100s whose cross-node collectives run at nccl-tests' bus bandwidth (the calibrated 0.2 of the NIC makes a
-16-GPU trainer the bottleneck of every digen scenario, so it never waits and TAG has nothing to lend)."""
-
-
 def test_tag_runs_generation_on_trainer_devices_only_when_allowed():
     flux = load_scenario("digen-flux-16")
-    on = simulate(flux, "digen", steps=1, trainer_devices=12, cost=FAST_NETWORK)
-    off = simulate(flux, "digen", steps=1, trainer_devices=12, options={"tag": False}, cost=FAST_NETWORK)
+    on = simulate(flux, "digen", steps=1, trainer_devices=12)
+    off = simulate(flux, "digen", steps=1, trainer_devices=12, options={"tag": False})
     trainers = set(on[0].policy.trainer_pool)
     assert on[0].policy.tag_decisions, "the search lends trainer devices while they would wait"
     assert any(s.kind == "generate" and s.device in trainers for s in on[1].spans)
@@ -166,17 +158,18 @@ def test_executor_refuses_impossible_decisions(decisions, message):
 @pytest.mark.parametrize(
     ("name", "policy", "margin", "efficiency"),
     [
-        ("digen-flux-16", "digen", 4.4, 0.94),
-        ("digen-wan-16", "digen", 1.8, 0.97),
+        ("digen-flux-16", "digen", 1.35, 0.94),
+        ("digen-wan-16", "digen", 1.25, 0.97),
         ("digen-hunyuan-32", "digen", 1.2, 0.97),
-        ("digen-qwenimage-32", "digen", 1.05, 0.75),
-        ("digen-qwenimage-32", "digen+tcss", 1.2, 0.74),
+        ("digen-qwenimage-32", "digen", 1.0, 0.74),
+        ("digen-qwenimage-32", "digen+tcss", 1.15, 0.74),
     ],
 )
 def test_digen_beats_colocated_on_the_digenrl_scenarios(name, policy, margin, efficiency):
-    """The per-timestep loop pays FSDP traffic per pass across two nodes; digen's TSP passes hide it, and
-    GAP drops the recompute. Margins and efficiencies are what the simulator reaches (BENCHMARKS.md); the
-    2.1x / 0.93 targets are not met on Wan, HunyuanVideo and Qwen-Image."""
+    """digen skips the old-log-prob recompute and its TSP passes pay FSDP traffic once per chunk. Margins and
+    efficiencies are what the simulator reaches (BENCHMARKS.md); the paper's 1.56-2.10x is not met. (They were
+    4.4x / 1.8x on FLUX / Wan while cross-node collectives ran at a fitted 0.2 of one NIC per ring; at the NICs'
+    bus bandwidth (issue 21) FULL_SHARD over two nodes costs the baseline little.)"""
     scenario = load_scenario(name)
     colocated = summarize(simulate(scenario, "colocated")[1])
     digen = summarize(simulate(scenario, policy)[1])
@@ -185,7 +178,12 @@ def test_digen_beats_colocated_on_the_digenrl_scenarios(name, policy, margin, ef
 
 
 def test_trainer_groups_train_fragments_side_by_side_and_commit_together():
-    prepared, trace = simulate(load_scenario("digen-qwenimage-32"), "digen+tcss", steps=2)
+    """digen+tcss on digen-qwenimage-32 with a 16-device trainer pool of two HSDP groups of a node (once the search's
+    own choice; at the catalogue's NICs it now prefers one FSDP group over the pool)."""
+    grouped = digen_search.DigenShape(32, 2, False, 16, trainer_group=8, tag=True, tcss=True)
+    prepared, trace = simulate(
+        load_scenario("digen-qwenimage-32"), "digen+tcss", steps=2, shapes={"qwenimage": grouped}
+    )
     shape, policy = prepared.setup.shapes["qwenimage"], prepared.policy
     assert shape.groups > 1 and len(policy.groups) == shape.groups
     groups = {tuple(group) for group in policy.groups}
@@ -246,7 +244,7 @@ def test_trainer_devices_lent_under_tcss_load_the_step_s_older_weights():
     """TAG under TCSS: a trainer device holds the newest weights but generates a fragment of a step that runs
     one version behind; it loads that version first (same bytes as a publication) and never mixes them."""
     wan = load_scenario("digen-wan-16")
-    prepared = prepare(wan, "digen+tcss", shapes={"wan": FlowShape(64, 12, False, 12)}, cost=FAST_NETWORK)
+    prepared = prepare(wan, "digen+tcss", shapes={"wan": FlowShape(64, 12, False, 12)})
     trace = run_prepared(wan, prepared)
     trainers = set(prepared.policy.trainer_pool)
     lent = [s for s in trace.spans if s.kind == "generate" and s.device in trainers]

@@ -22,12 +22,15 @@ step times and phase shares (tests/test_calibration.py recomputes them through t
         Hardware not stated with the figure: we assume 4x H100 SXM (verl's reference machine).
 
   [QI64] veRL-Omni docs, same page, "FlowGRPO non-CFG Full Model: VeOmni vs FSDP1 Backend": the [QI] recipe
-        on 64x H100 (8 nodes), FSDP1: 105 s/step, 0.077 images/GPU/s. Fits the cross-node collective
-        efficiency (the only run here whose FSDP group spans nodes).
+        on 64x H100 (8 nodes), FSDP1: 105 s/step, 0.077 images/GPU/s. The page does not name the cluster's NICs:
+        its scenario's `cluster.network_gbps` is fitted to the step (calib-qwenimage-64xh100.yaml); no factor of
+        this file is.
 
 Held out (no factor fitted to them; tests/test_calibration_published.py checks them within 20 %): veRL-Omni's
-Qwen-Image LoRA runs on 4 and 5 H800 (420 s, 360 s), NeMo RL v0.4's GRPO of Llama-3.1-8B on 16 H100 (97.7 s) and
-Qwen3-32B on 32 H100 (393 s), and a vLLM decode sweep of Llama-3.1-8B on one A100 40GB (tests/test_cost_structure.py).
+Qwen-Image LoRA runs on 4 and 5 H800 (420 s, 360 s) and its full-model VeOmni-backend run on 64 H100 (100 s, the
+cluster of [QI64]), NeMo RL v0.4's GRPO of Llama-3.1-8B on 16 H100 (97.7 s) and Qwen3-32B on 32 H100 (393 s),
+DanceGRPO and MixGRPO on FLUX over four 8-GPU nodes (291 s, 151 s; MixGRPO's paper), and a vLLM decode sweep of
+Llama-3.1-8B on one A100 40GB (tests/test_cost_structure.py).
 Where the public record is silent the assumption is written next to the factor it affects; the
 scenario YAMLs (dovetail/scenarios/calib-*.yaml) hold the workload assumptions and each run's source.
 """
@@ -108,13 +111,15 @@ class Calibration:
     # share of the nominal per-direction bandwidth: nccl-tests all_gather / reduce_scatter bus bandwidth
     # on HGX H100 is ~360 GB/s over NVLink (450 nominal).
     collective_bandwidth_efficiency: float = 0.8
-    # The same share for collectives whose ring crosses nodes (FSDP groups wider than a node, tensor-parallel
-    # engines wider than a node). FITTED to [QI64] (see calib-qwenimage-64xh100.yaml): the 64-GPU run's step is
-    # 105 s where per-layer FSDP traffic at nccl-tests' ~0.8 x NIC bus bandwidth predicts ~42 s; its
-    # all-gathers and fp32 reduce-scatters (4 passes x 3 per step, plus the old log-prob's) account for the gap
-    # only at ~0.2 of the 50 GB/s NIC per GPU. Either the cluster had less than one NDR400 NIC per GPU or
-    # FSDP1's per-layer collectives over 8 nodes run that far below nccl-tests' peak; the page does not say.
-    network_collective_efficiency: float = 0.2
+    # The same share for the NICs a ring's cross-node hops go through (`CostModel.link`: one ring per rail, each
+    # node's share of the traffic on the NICs of the group's devices there). Not fitted: nccl-tests' large-message
+    # all_reduce bus bandwidth on H100 nodes with NDR InfiniBand, 400-450 GB/s across nodes (saturncloud.io,
+    # "Validating Multi-Node GPU Clusters with NCCL Tests", expected-performance table), is at least 0.8 of the
+    # 8 x 50 GB/s NICs of an 8-GPU node. It once was a fitted 0.2 of one NIC per ring (from [QI64] alone): a
+    # DanceGRPO FSDP trainer over four nodes (calib-dancegrpo-flux-32xh800) all-gathers ~37 TB per device per
+    # 291 s step, at least 127 GB/s, twelve times what that factor allowed; what [QI64] needs is its cluster's own
+    # network (its scenario's network_gbps), not a property of every cross-node collective.
+    network_collective_efficiency: float = 0.8
     # Bytes per parameter of the gradient reduce-scatter: verl's FSDP workers use
     # MixedPrecision(param_dtype=bf16, reduce_dtype=float32). fastvideo (DanceGRPO) defaults to fp32 for
     # both (master_weight_type="fp32"), i.e. heavier all-gathers; we charge every trainer verl's lighter figures.

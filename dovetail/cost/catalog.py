@@ -70,7 +70,7 @@ DEVICES: dict[str, Device] = {
         # One x86 core with AVX-512 (2 FMA units x 16 fp32 lanes x ~3 GHz), a DRAM-bandwidth share and
         # the memory one core is given when a machine's cores serve as devices. Cores of one machine exchange
         # tensors through its memory (gloo on loopback, Ray's object store) whatever "node" they count as: the
-        # network figure is set so that at the cross-node collective efficiency a ring between cores moves
+        # network figure is set so that at the cross-node collective efficiency (0.8) a ring between cores moves
         # ~1 GB/s, what the catalogue assumed for them before links had their own efficiencies.
         Device(
             "cpu-core",
@@ -78,7 +78,7 @@ DEVICES: dict[str, Device] = {
             10 * GB,
             8 * GB,
             5 * GB,
-            5 * GB,
+            1.25 * GB,
             node_size=1,
             platform="cpu",
             interconnect_latency_s=1 * US,

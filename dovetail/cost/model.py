@@ -139,22 +139,32 @@ class CostModel:
         """Copying `nbytes` between one device and host memory (offload, sleep / wake, publication)."""
         return nbytes / (self.device.host_bandwidth * self.calibration.host_link_efficiency)
 
-    def link(self, devices: int) -> tuple[float, float]:
-        """(effective bytes/s per direction, seconds per ring step) of the slowest link a group of `devices`
-        contiguous devices crosses: the intra-node interconnect while it fits in one node, the NIC once it spans
-        nodes."""
-        d, cal = self.device, self.calibration
-        if devices <= d.node_size:
-            return d.interconnect_bandwidth * cal.collective_bandwidth_efficiency, d.interconnect_latency_s
-        return d.network_bandwidth * cal.network_collective_efficiency, d.network_latency_s
+    def link(self, devices: int, per_node: int | None = None) -> tuple[float, float]:
+        """(bus bandwidth in bytes/s, seconds per ring step) of a ring collective over `devices` contiguous devices.
 
-    def collective_seconds(self, nbytes: float, devices: int, messages: int = 1) -> float:
+        Inside a node: the intra-node link. Across nodes NCCL runs one ring per NIC rail, each entering and leaving a
+        node through the NIC of one of the group's devices there, so the node's share of the ring's traffic crosses
+        the network on `per_node` NICs side by side (the fewest devices the group has on any node: for a contiguous
+        group, devices % node_size or a whole node): the ring moves at the smaller of the intra-node link and those
+        NICs together, each at the efficiency nccl-tests reaches on it, and every ring step pays the network's hop
+        latency. FULL_SHARD over whole nodes is thus nearly as fast as inside one (8 x 400 Gb/s NICs per 8 H100s:
+        320 GB/s against NVLink's 360); a hybrid-sharded replica all-reduce has one device per node in each ring
+        (`per_node=1`: one NIC)."""
+        d, cal = self.device, self.calibration
+        intra = d.interconnect_bandwidth * cal.collective_bandwidth_efficiency
+        if devices <= d.node_size:
+            return intra, d.interconnect_latency_s
+        if per_node is None:
+            per_node = devices % d.node_size or d.node_size
+        return min(intra, per_node * d.network_bandwidth * cal.network_collective_efficiency), d.network_latency_s
+
+    def collective_seconds(self, nbytes: float, devices: int, messages: int = 1, per_node: int | None = None) -> float:
         """A ring all-gather or reduce-scatter of an (unsharded) tensor of `nbytes` over `devices`, issued as
         `messages` separate collectives (FSDP: one per wrapped layer): devices - 1 ring steps each, every step
-        paying the link's hop latency and moving nbytes / devices through the ring's slowest link."""
+        paying the link's hop latency and moving nbytes / devices at the ring's bus bandwidth (`link`)."""
         if devices <= 1:
             return 0.0
-        bandwidth, latency = self.link(devices)
+        bandwidth, latency = self.link(devices, per_node)
         return (devices - 1) * (messages * latency + nbytes / devices / bandwidth)
 
     def allreduce_seconds(self, nbytes: float, devices: int) -> float:
@@ -307,14 +317,25 @@ class CostModel:
         cfg: bool = False,
         devices: int = 1,
         batch: int | None = None,
+        sharded_over: int = 1,
+        param_bytes: int = BF16,
     ) -> float:
         """Text encoding (once per sample), `steps` DiT forwards (two with CFG) at the efficiency of a pass
-        holding `batch` samples (None: all `samples`, one batched forward per denoising step), VAE decode."""
+        holding `batch` samples (None: all `samples`, one batched forward per denoising step), VAE decode.
+
+        A replicated rollout engine holds the whole model (`sharded_over` 1). Where the FSDP-sharded trainer samples
+        (DanceGRPO: the training module generates, its shard on each of `sharded_over` devices), every denoising
+        forward all-gathers the `param_bytes`-per-parameter weights, one collective per layer, prefetched under the
+        layer before: a forward takes the longer of its compute and its all-gather."""
         tokens = model.latent_tokens(height, width, frames)
         passes = samples * steps * (2 if cfg else 1)
         held = (batch or samples) * (2 if cfg else 1) * tokens
         mfu = self.pass_mfu(self.calibration.dit_inference_mfu, held)
         dit = self.compute_seconds(passes * self.dit_forward_flops(model, tokens), mfu, devices)
+        if sharded_over > 1:
+            forwards = math.ceil(samples / (batch or samples)) * steps
+            gather = self.collective_seconds(model.params * param_bytes, sharded_over, model.layers)
+            dit = max(dit, forwards * gather)
         seconds = (
             dit
             + self.text_encode_seconds(model, samples, devices)
@@ -326,11 +347,12 @@ class CostModel:
         """Hybrid sharding (HSDP): `replicas` FSDP groups of `group` devices each hold a full copy of the model;
         at the optimizer step every device all-reduces its 1/group shard of the accumulated gradients (of the
         `params` trained) with the same shard of the other replicas — a ring over the replicas, on the intra-node
-        interconnect while all of them fit in one node and over the network otherwise."""
+        interconnect while all of them fit in one node and otherwise across the network, each ring through its
+        devices' own NICs (one per node: the only traffic of HSDP that crosses nodes)."""
         if replicas <= 1:
             return 0.0
         nbytes = params * self.calibration.grad_reduce_bytes / group
-        bandwidth, latency = self.link(group * replicas)
+        bandwidth, latency = self.link(group * replicas, per_node=1)
         return 2 * (replicas - 1) * (latency + nbytes / replicas / bandwidth)
 
     def pass_mfu(self, mfu: float, tokens: float) -> float:
@@ -345,12 +367,14 @@ class CostModel:
         backward: bool,
         host_streaming: bool = False,
         trainable: float | None = None,
+        param_bytes: int = BF16,
     ) -> float:
-        """Per-pass traffic of an FSDP (ZeRO-3) group, one collective per layer: the bf16 parameters
-        all-gathered for the forward and, with a backward, all-gathered again and the gradients of the
-        `trainable` parameters (None: all; LoRA: the adapter) reduce-scattered; with parameter CPU offload
-        (verl's reference model) each forward also copies the device's shard in from host."""
-        weights = model.params * BF16
+        """Per-pass traffic of an FSDP (ZeRO-3) group, one collective per layer: the parameters all-gathered for
+        the forward in the group's parameter dtype (`param_bytes`: verl's bf16, fastvideo's fp32) and, with a
+        backward, all-gathered again and the gradients of the `trainable` parameters (None: all; LoRA: the adapter)
+        reduce-scattered; with parameter CPU offload (verl's reference model) each forward also copies the
+        device's shard in from host."""
+        weights = model.params * param_bytes
         seconds = self.collective_seconds(weights, devices, model.layers)
         if backward:
             grads = (model.params if trainable is None else trainable) * self.calibration.grad_reduce_bytes
@@ -374,6 +398,7 @@ class CostModel:
         pairs_per_pass: int | None = None,
         host_streaming: bool = False,
         trainable: float | None = None,
+        param_bytes: int = BF16,
     ) -> float:
         """Device-seconds (`devices` x wall) of an FSDP group of `devices` running `pairs` (sample, timestep)
         transitions, spread evenly over the devices, each device its share in passes of at most
@@ -386,7 +411,7 @@ class CostModel:
         compute = self.compute_seconds(
             forwards * held * self.dit_forward_flops(model, latent_tokens), self.pass_mfu(mfu, held * latent_tokens)
         )
-        transfer = self.fsdp_pass_transfer_seconds(model, devices, backward, host_streaming, trainable)
+        transfer = self.fsdp_pass_transfer_seconds(model, devices, backward, host_streaming, trainable, param_bytes)
         return devices * passes * max(compute, transfer)
 
     def dit_logprob(
@@ -399,6 +424,7 @@ class CostModel:
         devices: int = 1,
         micro_batch: int | None = None,
         host_streaming: bool = False,
+        param_bytes: int = BF16,
     ) -> float:
         """Forward-only log-probs of `samples` samples at `timesteps` timesteps each in the trainers' loop: one
         forward pass per micro-batch of samples per timestep. Device-seconds over the group."""
@@ -413,6 +439,7 @@ class CostModel:
             devices=devices,
             pairs_per_pass=micro_batch,
             host_streaming=host_streaming,
+            param_bytes=param_bytes,
         )
         return self._corrected("logprob", seconds)
 
@@ -427,6 +454,7 @@ class CostModel:
         micro_batch: int | None = None,
         checkpointing: bool = True,
         trainable: float | None = None,
+        param_bytes: int = BF16,
     ) -> float:
         """Forward + backward of `samples` samples at `timesteps` timesteps each. The samples x timesteps pairs
         spread over the group (TSP: devices may hold different timesteps of one sample) in passes of up to
@@ -445,6 +473,7 @@ class CostModel:
             devices=devices,
             pairs_per_pass=micro_batch and micro_batch * timesteps,
             trainable=trainable,
+            param_bytes=param_bytes,
         )
         return self._corrected("train", seconds)
 

@@ -99,7 +99,7 @@ def prepare(
     options = PolicyOptions.of(options)
     devices = devices or scenario.cluster.devices
     steps = steps or scenario.schedule.steps
-    cost = cost or CostModel(scenario.cluster.device)
+    cost = cost or CostModel(scenario.cluster.catalogue_device())
     costs = cost if isinstance(cost, Mapping) else {spec.name: cost for spec in scenario.pipelines}
     trainer_devices = shape_overrides.pop("trainer_devices", None) or scenario.schedule.trainer_devices
     reward_devices = scenario.schedule.reward_devices

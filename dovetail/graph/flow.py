@@ -20,6 +20,8 @@ from dovetail.graph.spec import FlowSpec, PipelineSpec
 
 GB = 1e9
 BF16 = 2
+FSDP_PARAM_BYTES = {"bf16": 2, "fp32": 4}
+"""Bytes per parameter an FSDP trainer all-gathers, by `FlowSpec.fsdp_precision`."""
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,9 @@ def engines(spec: FlowSpec, cost: CostModel, trainer_devices: int) -> Engines:
     """Resident memory of the rollout and trainer engines on one device and their sleep / wake costs. A trainer
     whose parameters and optimizer state are offloaded (veRL-Omni's colocated recipes: param_offload and
     optimizer_offload) holds less while it is up, but its wake brings that state in from host memory and its sleep
-    takes it back: a switch moves the whole sharded state either way."""
+    takes it back: a switch moves the whole sharded state either way. Where the trainer samples (`sampler: trainer`)
+    there is one engine: the sharded trainer generates as it is, holding what it holds to train, and nothing
+    switches."""
     model = diffusion_model(spec.model)
     rollout = (model.params + model.text_encoder_params) * BF16
 
@@ -122,18 +126,25 @@ def engines(spec: FlowSpec, cost: CostModel, trainer_devices: int) -> Engines:
             trainable=trainable_params(spec),
         ).total
 
-    resident = {Role.ROLLOUT: rollout / GB, Role.TRAINER: state(spec.offload) / GB}
+    trainer = state(spec.offload) / GB
+    if spec.sampler == "trainer":
+        still = {Role.ROLLOUT: 0.0, Role.TRAINER: 0.0}
+        return Engines(resident_gb={Role.ROLLOUT: trainer, Role.TRAINER: trainer}, wake_s=still, sleep_s=still)
+    resident = {Role.ROLLOUT: rollout / GB, Role.TRAINER: trainer}
     switch = {Role.ROLLOUT: cost.switch(rollout), Role.TRAINER: cost.switch(state(False))}
     return Engines(resident_gb=resident, wake_s=switch, sleep_s=switch)
 
 
-def generation_batch(spec: FlowSpec, cost: CostModel, per_sample_gb: float) -> int:
+def generation_batch(spec: FlowSpec, cost: CostModel, per_sample_gb: float, trainer_group: int = 1) -> int:
     """Samples one batched denoising pass holds at most: a prompt's group (flow_grpo and veRL-Omni generate a group
-    per request) or, with `generation_batch: fragment`, every sample of the piece (dovetail's engine) — where their
-    activations (`per_sample_gb` each) fit beside the rollout engine, else the largest chunk that does, at least one:
-    engines take a large group in batches (diffusers' `num_images_per_prompt`), so a 1024-image group generates in
-    chunks where one pass of all of it would not fit."""
-    free = cost.device.memory_bytes / GB - engines(spec, cost, 1).resident_gb[Role.ROLLOUT]
+    per request), with `generation_batch: fragment` every sample of the piece (dovetail's engine), with `sample` one
+    (DanceGRPO's sampling loop) — where their activations (`per_sample_gb` each) fit beside the rollout engine (the
+    trainer's shard over its `trainer_group` where the trainer samples), else the largest chunk that does, at least
+    one: engines take a large group in batches (diffusers' `num_images_per_prompt`), so a 1024-image group generates
+    in chunks where one pass of all of it would not fit."""
+    if spec.generation_batch == "sample":
+        return 1
+    free = cost.device.memory_bytes / GB - engines(spec, cost, trainer_group).resident_gb[Role.ROLLOUT]
     fitting = max(1, int(free // per_sample_gb))
     return fitting if spec.generation_batch == "fragment" else min(spec.group, fitting)
 
@@ -161,7 +172,8 @@ def build_flow(spec: FlowSpec, steps: int, shape: FlowShape, cost: CostModel) ->
 class _Cut:
     """A flow pipeline cut by a shape, and what every one of its steps shares: the model's latent tokens and DiT
     passes per trained pair, the TSP chunks of the trained timesteps, the rollout's working memory, and the seconds of
-    the optimizer step (on the shape's trainer groups) and of the publication (of the parameters that train)."""
+    the optimizer step (on the shape's trainer groups) and of the publication (of the parameters that train), and the
+    bytes per parameter the FSDP trainer all-gathers."""
 
     spec: FlowSpec
     shape: FlowShape
@@ -177,6 +189,7 @@ class _Cut:
     generation_batch: int
     optimizer_s: float
     publish_s: float
+    param_bytes: int
 
     @classmethod
     def of(cls, spec: FlowSpec, shape: FlowShape, cost: CostModel) -> _Cut:
@@ -201,9 +214,10 @@ class _Cut:
             trainable,
             tuple((c.start, c.stop) for c in chunks),
             per_sample,
-            generation_batch(spec, cost, per_sample),
+            generation_batch(spec, cost, per_sample, shape.group),
             optimizer_s,
-            cost.publish(trained),
+            0.0 if spec.sampler == "trainer" else cost.publish(trained),  # the trainer that samples holds its weights
+            FSDP_PARAM_BYTES[spec.fsdp_precision],
         )
 
     def node_id(self, step: int, what: str) -> str:
@@ -262,6 +276,7 @@ def _rollout(cut: _Cut, step: int, fragment: int, samples: tuple[SampleId, ...])
     """A rollout piece's generate node and the score node of its samples."""
     spec, cost, n = cut.spec, cut.cost, len(samples)
     batch = min(n, cut.generation_batch)
+    sharded_over = cut.shape.group if spec.sampler == "trainer" else 1
     generate = Node(
         cut.node_id(step, f"gen{fragment}"),
         spec.name,
@@ -272,7 +287,16 @@ def _rollout(cut: _Cut, step: int, fragment: int, samples: tuple[SampleId, ...])
         step,
         samples,
         cost_s=cost.generate(
-            cut.model, n, spec.height, spec.width, spec.denoising_steps, spec.frames, spec.cfg, batch=batch
+            cut.model,
+            n,
+            spec.height,
+            spec.width,
+            spec.denoising_steps,
+            spec.frames,
+            spec.cfg,
+            batch=batch,
+            sharded_over=sharded_over,
+            param_bytes=cut.param_bytes,
         ),
         memory_gb=cut.generate_gb * batch,
         tokens=n * cut.tokens,
@@ -311,7 +335,9 @@ def _trainer(
     if shape.recompute_logprob or spec.reference:
         logprob_s = 0.0
         if shape.recompute_logprob:
-            logprob_s += cost.dit_logprob(model, n, spec.trained_timesteps, tokens, cut.train_cfg, group, micro)
+            logprob_s += cost.dit_logprob(
+                model, n, spec.trained_timesteps, tokens, cut.train_cfg, group, micro, param_bytes=cut.param_bytes
+            )
         if spec.reference:  # verl's reference model runs under FSDP CPUOffload: parameters stream in per pass
             logprob_s += cost.dit_logprob(
                 model, n, spec.trained_timesteps, tokens, cut.train_cfg, group, micro, host_streaming=True
@@ -345,7 +371,15 @@ def _trainer(
                 samples,
                 timesteps=(start, stop),
                 cost_s=cost.dit_train(
-                    model, n, stop - start, tokens, cut.train_cfg, group, micro, trainable=cut.trainable
+                    model,
+                    n,
+                    stop - start,
+                    tokens,
+                    cut.train_cfg,
+                    group,
+                    micro,
+                    trainable=cut.trainable,
+                    param_bytes=cut.param_bytes,
                 ),
                 memory_gb=activations.activations / GB,
             )

@@ -96,11 +96,22 @@ class FlowSpec(_PipelineSpec):
     offload: bool = Field(
         False, description="Trainer parameters and optimizer state live in host memory (FSDP offload)."
     )
-    generation_batch: Literal["group", "fragment"] = Field(
+    generation_batch: Literal["group", "fragment", "sample"] = Field(
         "group",
         description="What one denoising pass holds at most: a prompt's group, as flow_grpo and veRL-Omni generate; "
-        "or a whole fragment, as dovetail's engine does. Either way only as many samples as fit beside the "
-        "rollout engine.",
+        "a whole fragment, as dovetail's engine does; or one sample, as DanceGRPO's sampling loop does. Either way "
+        "only as many samples as fit beside the rollout engine.",
+    )
+    sampler: Literal["engine", "trainer"] = Field(
+        "engine",
+        description="What generates: replicated rollout engines, each holding the whole model (verl / veRL-Omni, "
+        "dovetail); or the FSDP-sharded trainer itself (DanceGRPO, MixGRPO), whose every denoising forward "
+        "all-gathers the weights over its FSDP group and which never switches engines.",
+    )
+    fsdp_precision: Literal["bf16", "fp32"] = Field(
+        "bf16",
+        description="The FSDP trainer's parameter dtype, what every pass all-gathers: bf16 (verl's mixed precision) "
+        "or fp32 (fastvideo's, which DanceGRPO and MixGRPO train with); gradients are reduced in fp32 either way.",
     )
     micro_batch: int = Field(
         1,

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
+from dovetail.cost.catalog import DEVICES
 from dovetail.cost.catalog import device as lookup_device
 from dovetail.cost.model import CostModel
 from dovetail.graph.flow import FlowShape, build_flow, engines
@@ -215,34 +216,75 @@ def _staged(spec: FlowSpec, devices: int, trainer_devices: int | None, cost: Cos
 
 
 def _best(spec: FlowSpec, devices: int, trainer_devices: int | None, cost: CostModel, tcss: bool) -> list[DigenShape]:
-    ranked = [shape for _, shape in candidates(spec, devices, trainer_devices, cost, tcss=tcss)]
-    shared = [shape for shape in ranked if shape.trainer_devices == devices][:1]
-    return list(dict.fromkeys(ranked[:SIMULATED] + shared))
+    """The `SIMULATED` best shapes and the best shared one within the device's memory and within each smaller memory
+    of a catalogue device of its platform (`memory_tiers`): a device with more memory than another (every device
+    that dominates it) considers every shape that one considers, so the shapes that only its memory admits can add to
+    the set but never push the other's winner out of it."""
+    best: list[DigenShape] = []
+    for capacity in memory_tiers(cost):
+        ranked = [shape for _, shape in candidates(spec, devices, trainer_devices, cost, tcss=tcss, capacity=capacity)]
+        best += ranked[:SIMULATED] + [shape for shape in ranked if shape.trainer_devices == devices][:1]
+    return list(dict.fromkeys(best))
+
+
+def memory_tiers(cost: CostModel) -> list[float]:
+    """GB per device of the catalogue devices of `cost`'s platform with no more memory than its device, and its
+    device's own: the memories whose best shapes its search considers, smallest first."""
+    own = cost.device.memory_bytes / 1e9
+    tiers = {d.memory_bytes / 1e9 for d in DEVICES.values() if d.platform == cost.device.platform}
+    return sorted({tier for tier in tiers if tier <= own} | {own})
 
 
 def candidates(
-    spec: FlowSpec, devices: int, trainer_devices: int | None, cost: CostModel, tcss: bool = False
+    spec: FlowSpec,
+    devices: int,
+    trainer_devices: int | None,
+    cost: CostModel,
+    tcss: bool = False,
+    capacity: float | None = None,
 ) -> list[tuple[float, DigenShape]]:
     """(predicted step seconds, shape) for every trainer pool (around the balanced split, `pool_choices`),
-    trainer group size, fragment count and TSP chunk that fits in the device's memory, best first (ties: the larger
-    chunk), predicted on `RANKING_DEVICE` (`ranking_model`) with TCSS on (digen+tcss) or off (digen). The scenario's
-    own choices are kept when given."""
-    capacity = cost.device.memory_bytes / 1e9
+    trainer group size, fragment count and TSP chunk that fits in `capacity` GB per device (None: the device's
+    memory), best first (ties: the larger chunk), predicted on `RANKING_DEVICE` (`ranking_model`) with TCSS on
+    (digen+tcss) or off (digen). The scenario's own choices are kept when given."""
+    own = cost.device.memory_bytes / 1e9
+    capacity = own if capacity is None else capacity
+    rows = _predicted_shapes(spec, devices, trainer_devices, ranking_model(cost), own)
     ranked = sorted(
-        _predicted_shapes(spec, devices, trainer_devices, ranking_model(cost), capacity),
-        key=lambda r: (r[1] if tcss else r[0], r[2]),
+        (
+            (row.seconds(tcss, lend=row.both_gb <= capacity), -row.chunk, row.shape)
+            for row in rows
+            if row.need_gb <= capacity
+        ),
+        key=lambda r: (r[0], r[1]),
     )
-    return [(r[1] if tcss else r[0], replace(r[3], tcss=tcss)) for r in ranked]
+    return [(seconds, replace(shape, tcss=tcss)) for seconds, _, shape in ranked]
+
+
+@dataclass(frozen=True)
+class _Predicted:
+    """One shape's predictions: synchronous and TCSS seconds with TAG lending and without, the memory a trainer
+    device needs, and what both engines hold on one device (lending needs both to fit)."""
+
+    shape: DigenShape
+    chunk: int
+    need_gb: float
+    both_gb: float
+    lending: tuple[float, float]
+    not_lending: tuple[float, float]
+
+    def seconds(self, tcss: bool, lend: bool) -> float:
+        return (self.lending if lend else self.not_lending)[tcss]
 
 
 @lru_cache(maxsize=8)
 def _predicted_shapes(
     spec: FlowSpec, devices: int, trainer_devices: int | None, cost: CostModel, capacity: float
-) -> tuple[tuple[float, float, int, DigenShape], ...]:
-    """(synchronous seconds, TCSS seconds, -chunk, shape) of every shape `candidates` ranks that fits in `capacity`
-    GB per device: one graph per shape for both predictions, memoized (`prepare` asks for the policy's shape, then its
-    search for the best few; on 64 devices this enumeration, not the simulation, is most of a search's time). `cost`
-    is the ranking model (`ranking_model`), `capacity` the run's device's memory."""
+) -> tuple[_Predicted, ...]:
+    """The predictions of every shape `candidates` ranks that fits in `capacity` GB per device: one graph per shape
+    for all of them, memoized (`prepare` asks for the policy's shape, then its search for the best few; on 64 devices
+    this enumeration, not the simulation, is most of a search's time). `cost` is the ranking model
+    (`ranking_model`), `capacity` the run's device's memory."""
     pools = [trainer_devices] if trainer_devices else pool_choices(spec, devices, cost) + [devices]
     ranked = []
     for trainers in pools:
@@ -258,11 +300,15 @@ def _predicted_shapes(
                     need = max(n.memory_gb for n in nodes if n.kind == Kind.TRAIN) + held.resident_gb[Role.TRAINER]
                     if need > capacity:
                         continue
-                    lendable = held.resident_gb[Role.TRAINER] + held.resident_gb[Role.ROLLOUT] <= capacity
-                    synchronous, overlapped = (
-                        _predict(nodes, shape, rollout, held, lend=lendable, tcss=tcss) for tcss in (False, True)
+                    both = held.resident_gb[Role.TRAINER] + held.resident_gb[Role.ROLLOUT]
+                    lending, not_lending = (
+                        (
+                            _predict(nodes, shape, rollout, held, lend=lend, tcss=False),
+                            _predict(nodes, shape, rollout, held, lend=lend, tcss=True),
+                        )
+                        for lend in (True, False)
                     )
-                    ranked.append((synchronous, overlapped, -chunk, shape))
+                    ranked.append(_Predicted(shape, chunk, need, both, lending, not_lending))
     if not ranked:
         raise ValueError(
             f"{spec.name}: no digen shape fits in {capacity:.0f} GB per device: add devices (cluster.devices)"
