@@ -91,7 +91,8 @@ def describe(shape) -> str:
     """A shape in the scenario's own words (the fields a user would set to run it); a jigsaw sub-pool first."""
     if isinstance(shape, (SlicedLLMShape, SlicedFlowShape)):
         devices = sub_pool(shape)
-        return f"devices {devices[0]}-{devices[-1]}: " + describe(base_shape(shape))
+        when = f"turn {shape.turn}, " if shape.turn else ""
+        return f"{when}devices {devices[0]}-{devices[-1]}: " + describe(base_shape(shape))
     if isinstance(shape, FlowShape):
         text = (
             f"trainer_devices={shape.trainer_devices} (FSDP groups of {shape.group}), fragments={shape.fragments}, "

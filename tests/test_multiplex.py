@@ -15,6 +15,7 @@ from dovetail.exec.launch import AUTO_TIE, dry_run
 from dovetail.exec.messages import LMTrain
 from dovetail.exec.replay import replay_run
 from dovetail.runner import train
+from dovetail.sched.jigsaw import Jigsaw, back_to_back
 
 
 def multiplexed(policy: str, *pipelines: dict) -> dict:
@@ -53,6 +54,31 @@ def test_an_lm_and_a_flow_pipeline_multiplexed_end_where_each_ends_alone(policy,
         # for jigsaw's replay: its look-ahead re-decides on durations that already hold the interference)
         replay = replay_run(tmp_path)
         assert abs(replay["relative_error"]) < 0.3, replay
+
+
+@pytest.mark.usefixtures("local_ray")
+def test_back_to_back_under_jigsaw_runs_one_pipeline_after_the_other_each_ending_where_it_ends_alone(
+    alone, tmp_path, monkeypatch
+):
+    """The arrangement jigsaw weighs against multiplexing, run on the Ray runtime (the search made to choose it):
+    sort runs every step on both devices, then digits does; each ends at the reference's parameters, and digits'
+    first step is timed from its own start, not from the run's."""
+    monkeypatch.setattr(Jigsaw, "plan_shapes", classmethod(back_to_back))
+    summary = train(parse_config(multiplexed("jigsaw", LM, FLOW)), tmp_path, steps=STEPS)
+    events = [
+        e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if "step" in e.get("args", {})
+    ]
+    spans = {name: [e for e in events if e["name"].startswith(f"{name}:")] for name in ("sort", "digits")}
+    # microseconds: sort's last node may end at the instant digits' first starts
+    assert max(e["ts"] + e["dur"] for e in spans["sort"]) <= min(e["ts"] for e in spans["digits"]) + 1e-3
+    assert all({e["tid"] for e in spans[name]} == {0, 1} for name in spans)
+    for name in ("sort", "digits"):
+        assert json.loads((tmp_path / name / "ledger.json").read_text())["problems"] == []
+        assert same_parameters(name, final_weights(alone[name]), final_weights(tmp_path / name))
+    sort_s = sum(e["dur"] for e in spans["sort"] if e["tid"] == 0) / 1e6
+    first_digits_step = json.loads((tmp_path / "digits" / "metrics.jsonl").read_text().splitlines()[0])["step_s"]
+    assert first_digits_step < sort_s, (first_digits_step, sort_s)
+    assert summary["pipelines"]["digits"]["steps"] == STEPS
 
 
 @pytest.mark.usefixtures("local_ray")
@@ -123,7 +149,7 @@ def test_a_run_stopped_at_uneven_steps_resumes_every_pipeline_to_the_undisturbed
     with pytest.raises(DriverDies) as died:
         train(config, tmp_path, steps=STEPS, callbacks=[StopWhenUneven()])
     (ahead,) = [name for name, step in died.value.args[0].items() if step == 2]
-    saved = {name: sorted(p.name for p in (tmp_path / name / "checkpoints").iterdir()) for name in ("sort", "digits")}
+    saved = {name: sorted(p.name for p in (tmp_path / name).glob("checkpoints/step_*")) for name in ("sort", "digits")}
     assert saved[ahead] == ["step_000001", "step_000002"] and len({tuple(v) for v in saved.values()}) == 2
     capsys.readouterr()
     train(config, tmp_path, steps=STEPS, resume=tmp_path)

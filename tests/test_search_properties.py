@@ -19,7 +19,7 @@ from dovetail.report import plan
 from dovetail.scenario import Scenario, load_scenario
 from dovetail.sched import digen_search, shape_from_fields
 from dovetail.sched.digen_search import trainer_layout
-from dovetail.sched.jigsaw import on_slice, sub_pool
+from dovetail.sched.jigsaw import base_shape, on_slice, sub_pool, turn_of
 from dovetail.sched.policy import search_horizon
 
 SEARCH = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -268,9 +268,40 @@ def test_every_policy_s_chosen_shape_survives_a_run_profile_round_trip():
             assert rebuilt == shape and type(rebuilt) is type(shape)
     shapes = prepare(load_scenario("jigsaw-qwen3-4b-8xh100"), "jigsaw-greedy", steps=1).setup.shapes
     assert all(shape_from_fields("lm", asdict(shape)) == shape for shape in shapes.values())
-    sliced = on_slice(next(iter(shapes.values())), 4)
+    sliced = on_slice(next(iter(shapes.values())), 4, turn=1)
     rebuilt = shape_from_fields("lm", json.loads(json.dumps(asdict(sliced))))
     assert rebuilt == sliced and type(rebuilt) is type(sliced) and sub_pool(rebuilt) == tuple(range(4, 12))
+    assert turn_of(rebuilt) == 1
+
+
+def test_back_to_back_runs_each_pipeline_alone_on_the_whole_pool_after_the_one_before():
+    """The arrangement jigsaw weighs against multiplexing (`sched.jigsaw.back_to_back`, one pipeline per turn): the
+    second pipeline's first node starts once the first's last node ended, each uses the whole pool, and the run
+    takes what the two take alone on the pool, one after the other."""
+    specs = [
+        planner_scenarios.lm_pipeline(
+            name=name, batch=16, prompt_length=128, lengths={"kind": "lognormal", "median": median, "sigma": 0.9}
+        )
+        for name, median in (("short", 150), ("long", 500))
+    ]
+    both = planner_scenarios.scenario(*specs, devices=8, steps=2, policies=("jigsaw",))
+    searched: list[Searched] = []
+    prepare(both, "jigsaw", searched=searched)
+    (turns,) = {
+        tuple(sorted(s.shapes.items())): s.shapes
+        for s in searched
+        if sorted(turn_of(shape) for shape in s.shapes.values()) == [0, 1]
+    }.values()
+    trace = simulate(both, "jigsaw", shapes=turns)[1]
+    spans = {name: [span for span in trace.spans if span.pipeline == name] for name in ("short", "long")}
+    assert max(span.end for span in spans["short"]) <= min(span.start for span in spans["long"])
+    assert all({span.device for span in spans[name]} == set(range(8)) for name in spans)
+    alone = 0.0
+    for spec in specs:
+        one = planner_scenarios.scenario(spec, devices=8, steps=2, policies=("jigsaw",))
+        shape = on_slice(base_shape(turns[spec["name"]]), 0)
+        alone += simulate(one, "jigsaw", shapes={spec["name"]: shape})[1].makespan
+    assert trace.makespan == pytest.approx(alone, rel=1e-6)
 
 
 @pytest.mark.parametrize("pipelines", [1, 2, 3, 4, 8])

@@ -44,7 +44,9 @@ class StepMetrics:
     def __init__(self, policy, pipeline: str):
         self.policy = policy
         self.pipeline = pipeline
-        self.last_commit_time = 0.0
+        self.last_commit_time: float | None = None
+        """The pipeline's previous commit; before its first, the step's window opens as its first node starts (a
+        pipeline may start after others: jigsaw's turns)."""
         self.tag_seen = 0
 
     def __call__(self, executor: RayExecutor, graph_step: int) -> dict:
@@ -52,8 +54,11 @@ class StepMetrics:
         scores = ray.get(executor.outputs_of([n.id for n in graph.of(self.pipeline, graph_step, Kind.SCORE)]))
         trained = ray.get(executor.outputs_of([n.id for n in graph.of(self.pipeline, graph_step, Kind.TRAIN)]))
         commits = executor.outputs_of([n.id for n in graph.of(self.pipeline, graph_step, Kind.COMMIT)])
-        window = now - self.last_commit_time
-        occupancy = window_occupancy(executor, self.last_commit_time, now)
+        opened = self.last_commit_time
+        if opened is None:
+            opened = min(span.start for span in executor.state.trace.spans if span.pipeline == self.pipeline)
+        window = now - opened
+        occupancy = window_occupancy(executor, opened, now)
         tag = self.policy.tag_decisions
         metrics = run.adapter.step_metrics(scores, trained)
         metrics |= {  # every reward, as the reference path logs them

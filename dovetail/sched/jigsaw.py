@@ -18,8 +18,10 @@ log-prob, train, commit and publish nodes trainer work on the whole pool.
 candidate (`plan_shapes`, memoized coordinate descent); each rollout engine's memory is what the trainers leave,
 split evenly (`rollout_shares`). It also considers the pipelines on disjoint sub-pools sized by their work
 (`arrangements`: each pipeline alone, the arrangement verl-sync gives, and a few pipelines per sub-pool), each
-sub-pool multiplexed as above, and keeps whichever the simulator finds fastest: past two or three pipelines the
-whole pool's trainer work queues behind itself, and a sub-pool per pipeline or pair wins. At run time, when several
+sub-pool multiplexed as above, and the pipelines back to back on the whole pool (`back_to_back`: one pipeline per
+turn, each turn starting once the one before has run all its steps), and keeps whichever the simulator finds
+fastest: past two or three pipelines the whole pool's trainer work queues behind itself, and a sub-pool per pipeline
+or pair wins; where the pipelines leave each other little to fill, back to back does. At run time, when several
 pipelines' trainer work wants the (compute-bound) pool, it rolls a memoized stage-level model of the pool forward
 over each pipeline's current and next step for every candidate set and takes the earliest mean completion, weighted
 by each pipeline's `priority`. `jigsaw-greedy`, the ablation, keeps the cost-model default shape (tail at
@@ -55,6 +57,7 @@ from dovetail.sched.policy import (
     Run,
     SearchContext,
     Setup,
+    StartStep,
     SwitchRole,
     View,
     best_by_forecast,
@@ -76,30 +79,44 @@ EPS = 1e-9
 @dataclass(frozen=True)
 class SlicedLLMShape(LLMShape):
     """An LLM pipeline's jigsaw cut on its sub-pool: devices `first_device` .. `first_device + trainer_devices - 1`
-    (the whole pool: 0 and every device). Pipelines of the same sub-pool multiplex on it; sub-pools are disjoint."""
+    (the whole pool: 0 and every device). Pipelines of the same sub-pool multiplex on it; sub-pools are disjoint.
+    `turn`: pipelines take turns, a pipeline of turn k starting once every pipeline of the turns before it has
+    run all its steps (every pipeline turn 0: all at once; one pipeline per turn on the whole pool: back to back)."""
 
     first_device: int = 0
+    turn: int = 0
 
 
 @dataclass(frozen=True)
 class SlicedFlowShape(FlowShape):
-    """A flow pipeline's jigsaw cut on its sub-pool (as `SlicedLLMShape`)."""
+    """A flow pipeline's jigsaw cut on its sub-pool and turn (as `SlicedLLMShape`)."""
 
     first_device: int = 0
+    turn: int = 0
 
 
-def on_slice(shape: LLMShape | FlowShape, first_device: int) -> SlicedLLMShape | SlicedFlowShape:
-    """`shape` (cut for its sub-pool's `trainer_devices`) placed on the sub-pool starting at `first_device`."""
-    fields = {key: value for key, value in asdict(shape).items() if key != "first_device"}
+PLACE = ("first_device", "turn")
+"""The fields a sliced shape adds to the kind's: where and when its pipeline runs."""
+
+
+def on_slice(shape: LLMShape | FlowShape, first_device: int, turn: int = 0) -> SlicedLLMShape | SlicedFlowShape:
+    """`shape` (cut for its sub-pool's `trainer_devices`) placed on the sub-pool starting at `first_device`, in
+    `turn`."""
+    fields = {key: value for key, value in asdict(shape).items() if key not in PLACE}
     if isinstance(shape, FlowShape):
-        return SlicedFlowShape(**fields, first_device=first_device)
-    return SlicedLLMShape(**fields, first_device=first_device)
+        return SlicedFlowShape(**fields, first_device=first_device, turn=turn)
+    return SlicedLLMShape(**fields, first_device=first_device, turn=turn)
 
 
 def base_shape(shape: SlicedLLMShape | SlicedFlowShape) -> LLMShape | FlowShape:
-    """The shape without its sub-pool's place (what `Jigsaw.shape` cuts for the sub-pool's size)."""
-    fields = {key: value for key, value in asdict(shape).items() if key != "first_device"}
+    """The shape without its sub-pool's place and turn (what `Jigsaw.shape` cuts for the sub-pool's size)."""
+    fields = {key: value for key, value in asdict(shape).items() if key not in PLACE}
     return FlowShape(**fields) if isinstance(shape, FlowShape) else LLMShape(**fields)
+
+
+def turn_of(shape: LLMShape | FlowShape) -> int:
+    """A jigsaw shape's turn (a shape cut without a slice: 0, with every pipeline)."""
+    return shape.turn if isinstance(shape, (SlicedLLMShape, SlicedFlowShape)) else 0
 
 
 def sub_pool(shape: LLMShape | FlowShape) -> tuple[int, ...]:
@@ -255,6 +272,7 @@ class Jigsaw(StagedLLMPolicy):
         whole = _tail_search(specs, shared, forecast)
         split = arrangements(cls, context)
         alone = [c for c in split if len({sub_pool(shape) for shape in c.values()}) == len(c)]
+        alone += [back_to_back(cls, context)] if len(specs) > 1 else []
         mixtures = [c for c in split if c not in alone]
         screened = sorted(whole + mixtures, key=lambda candidate: -forecast(candidate, HORIZON_STEPS))
         return best_by_forecast(screened[:FINALISTS] + alone, forecast, context.horizon)
@@ -295,9 +313,42 @@ class Jigsaw(StagedLLMPolicy):
         self.tail_on: dict[tuple[str, int], tuple[int, ...]] = {}
         self.choices: list[tuple[float, tuple[str, ...]]] = []
         """(time, pipelines started) of every look-ahead choice among several, for the run's log."""
+        self.turn = {name: turn_of(setup.shapes[name]) if name in setup.shapes else 0 for name in setup.engines}
+        """Each pipeline's turn (`SlicedLLMShape.turn`): the pipelines of a turn start once the earlier turns end."""
+        self.turn_now = 0
+        self._nodes: dict[str, list[str]] = {}
+
+    def _turn(self, view: View) -> int:
+        """The turn under way: the first with a pipeline not done (every node of it finished)."""
+        last = max(self.turn.values())
+        while self.turn_now < last and all(
+            self._done(view, name) for name, turn in self.turn.items() if turn == self.turn_now
+        ):
+            self.turn_now += 1
+        return self.turn_now
+
+    def _done(self, view: View, pipeline: str) -> bool:
+        if pipeline not in self._nodes:  # last nodes first: an unfinished pipeline is told at its first look
+            self._nodes[pipeline] = [node.id for node in reversed(list(view.graph)) if node.pipeline == pipeline]
+        return all(node in view.finished for node in self._nodes[pipeline])
+
+    def _open_turn(self, view: View, turn: int) -> list[Decision]:
+        """The first step of each pipeline of `turn` that has not started, on its published weights: a later turn's
+        steps open when it comes, not at the run's start, so their step times are their own."""
+        return [
+            StartStep(name, step, view.published[name])
+            for name in self.turn
+            if self.turn[name] == turn and turn > 0 and name in view.published
+            for step in [min(view.graph.steps(name))]
+            if (name, step) not in view.started
+        ]
 
     def decide(self, view: View, events: Sequence[Event]) -> list[Decision]:
-        decisions: list[Decision] = open_steps_on_publish(view, events)
+        turn = self._turn(view)
+        decisions: list[Decision] = [
+            step for step in open_steps_on_publish(view, events) if self.turn[step.pipeline] == turn
+        ]
+        decisions += self._open_turn(view, turn)
         if any(isinstance(e, Begin) for e in events):
             held = sorted({d for pool in self.pool.values() for d in pool})
             return decisions + [SwitchRole(d, Role.ANY, self.wake_s[d], self.resident_gb[d]) for d in held]
@@ -309,6 +360,8 @@ class Jigsaw(StagedLLMPolicy):
         scores: list[Node] = []
         for node_id in view.ready:
             node = view.graph[node_id]
+            if self.turn[node.pipeline] != turn:
+                continue
             ready.setdefault(node.pipeline, []).append(node)
             if node.kind == Kind.SCORE:
                 scores.append(node)
@@ -593,6 +646,18 @@ def arrangements(cls: type[Jigsaw], context: SearchContext) -> list[dict[str, LL
             continue
         candidates.append(candidate)
     return candidates
+
+
+def back_to_back(cls: type[Jigsaw], context: SearchContext) -> dict[str, LLMShape | FlowShape]:
+    """Every pipeline alone on the whole pool, one after another in the scenario's order (turn k: the k-th): running
+    them back to back, which multiplexing must beat to be worth it. Every pipeline's engines stay resident, as
+    in any jigsaw arrangement, so rollout memory is shared as on the whole pool (`rollout_shares`)."""
+    devices = context.devices or next(iter(context.shapes.values())).trainer_devices
+    cut = {
+        spec.name: on_slice(cls.shape(spec, devices, None, context.costs[spec.name]), 0, turn)
+        for turn, spec in enumerate(context.specs)
+    }
+    return rollout_shares(context.specs, cut, context.costs, context.steps)
 
 
 def _runs(items: int, parts: int) -> list[tuple[int, int]]:
