@@ -280,28 +280,34 @@ def test_back_to_back_runs_each_pipeline_alone_on_the_whole_pool_after_the_one_b
     takes what the two take alone on the pool, one after the other."""
     specs = [
         planner_scenarios.lm_pipeline(
-            name=name, batch=16, prompt_length=128, lengths={"kind": "lognormal", "median": median, "sigma": 0.9}
+            name=name,
+            batch=16,
+            prompt_length=128,
+            lengths={"kind": "lognormal", "median": median, "sigma": 0.9},
+            length_bands=[512, 1024],
         )
         for name, median in (("short", 150), ("long", 500))
     ]
     both = planner_scenarios.scenario(*specs, devices=8, steps=2, policies=("jigsaw",))
     searched: list[Searched] = []
     prepare(both, "jigsaw", searched=searched)
-    (turns,) = {
+    in_turn = {
         tuple(sorted(s.shapes.items())): s.shapes
         for s in searched
         if sorted(turn_of(shape) for shape in s.shapes.values()) == [0, 1]
-    }.values()
-    trace = simulate(both, "jigsaw", shapes=turns)[1]
-    spans = {name: [span for span in trace.spans if span.pipeline == name] for name in ("short", "long")}
-    assert max(span.end for span in spans["short"]) <= min(span.start for span in spans["long"])
-    assert all({span.device for span in spans[name]} == set(range(8)) for name in spans)
-    alone = 0.0
-    for spec in specs:
-        one = planner_scenarios.scenario(spec, devices=8, steps=2, policies=("jigsaw",))
-        shape = on_slice(base_shape(turns[spec["name"]]), 0)
-        alone += simulate(one, "jigsaw", shapes={spec["name"]: shape})[1].makespan
-    assert trace.makespan == pytest.approx(alone, rel=1e-6)
+    }
+    assert {turns["short"].migrate_at is None for turns in in_turn.values()} == {True, False}  # tails home or not
+    for turns in in_turn.values():
+        trace = simulate(both, "jigsaw", shapes=turns)[1]
+        spans = {name: [span for span in trace.spans if span.pipeline == name] for name in ("short", "long")}
+        assert max(span.end for span in spans["short"]) <= min(span.start for span in spans["long"])
+        assert all({span.device for span in spans[name]} == set(range(8)) for name in spans)
+        alone = 0.0
+        for spec in specs:
+            one = planner_scenarios.scenario(spec, devices=8, steps=2, policies=("jigsaw",))
+            shape = on_slice(base_shape(turns[spec["name"]]), 0)
+            alone += simulate(one, "jigsaw", shapes={spec["name"]: shape})[1].makespan
+        assert trace.makespan == pytest.approx(alone, rel=1e-6)
 
 
 @pytest.mark.parametrize("pipelines", [1, 2, 3, 4, 8])

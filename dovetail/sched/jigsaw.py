@@ -272,7 +272,8 @@ class Jigsaw(StagedLLMPolicy):
         whole = _tail_search(specs, shared, forecast)
         split = arrangements(cls, context)
         alone = [c for c in split if len({sub_pool(shape) for shape in c.values()}) == len(c)]
-        alone += [back_to_back(cls, context)] if len(specs) > 1 else []
+        in_turn = [back_to_back(cls, context, tails_home) for tails_home in (False, True)] if len(specs) > 1 else []
+        alone += [candidate for i, candidate in enumerate(in_turn) if candidate not in in_turn[:i]]
         mixtures = [c for c in split if c not in alone]
         screened = sorted(whole + mixtures, key=lambda candidate: -forecast(candidate, HORIZON_STEPS))
         return best_by_forecast(screened[:FINALISTS] + alone, forecast, context.horizon)
@@ -648,15 +649,21 @@ def arrangements(cls: type[Jigsaw], context: SearchContext) -> list[dict[str, LL
     return candidates
 
 
-def back_to_back(cls: type[Jigsaw], context: SearchContext) -> dict[str, LLMShape | FlowShape]:
+def back_to_back(
+    cls: type[Jigsaw], context: SearchContext, tails_home: bool = False
+) -> dict[str, LLMShape | FlowShape]:
     """Every pipeline alone on the whole pool, one after another in the scenario's order (turn k: the k-th): running
-    them back to back, which multiplexing must beat to be worth it. Every pipeline's engines stay resident, as
-    in any jigsaw arrangement, so rollout memory is shared as on the whole pool (`rollout_shares`)."""
+    them back to back, which multiplexing must beat to be worth it. With `tails_home`, an LLM pipeline's long tail
+    stays on its engines (no migration: alone in its turn there is no other pipeline to give the freed devices to,
+    only its own trainer work). Every pipeline's engines stay resident, as in any jigsaw arrangement, so rollout
+    memory is shared as on the whole pool (`rollout_shares`)."""
     devices = context.devices or next(iter(context.shapes.values())).trainer_devices
-    cut = {
-        spec.name: on_slice(cls.shape(spec, devices, None, context.costs[spec.name]), 0, turn)
-        for turn, spec in enumerate(context.specs)
-    }
+    cut = {}
+    for turn, spec in enumerate(context.specs):
+        shape = cls.shape(spec, devices, None, context.costs[spec.name])
+        if tails_home and isinstance(shape, LLMShape):
+            shape = replace(shape, migrate_at=None)
+        cut[spec.name] = on_slice(shape, 0, turn)
     return rollout_shares(context.specs, cut, context.costs, context.steps)
 
 
