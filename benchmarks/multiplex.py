@@ -1,10 +1,11 @@
 """An LM pipeline and a flow pipeline on one pool of 2 local devices: multiplexed (jigsaw, jigsaw-greedy) against
 the ways to run them without multiplexing, measured side by side in one invocation, interleaved and repeated.
 
-    .venv/bin/python benchmarks/multiplex.py [--steps 10] [--repeats 3] [--out runs/bench-multiplex]
+    .venv/bin/python benchmarks/multiplex.py [--config configs/multiplex.yaml] [--steps 10] [--repeats 3] [--out ...]
 
-The pipelines are the two of configs/multiplex.yaml (sort GRPO, digits FlowGRPO), with the same batches and steps in
-every arrangement:
+The pipelines are the two of the multiplex config (configs/multiplex.yaml: sort GRPO and digits FlowGRPO;
+configs/multiplex-tail.yaml: the heavy-tailed copy task instead of sort), with the same batches and steps in every
+arrangement:
   back-to-back   each alone on both devices under its fastest policy there (LM verl-sync, flow digen: BENCHMARKS'
                  runtime tables), in turn
   split-pool     each on one device (its own core, `taskset`) under its synchronous baseline (LM verl-sync, flow
@@ -41,16 +42,17 @@ ASYNC = {"lm": "streamrl", "flow": "digen+tcss"}
 ARRANGEMENTS = ("back-to-back", "split-pool", "async", "jigsaw-greedy", "jigsaw")
 
 
-def pipelines(steps: int) -> dict[str, dict]:
-    """configs/multiplex.yaml's pipelines with the benchmark's steps; evaluation only at the end, and small."""
-    multiplex = yaml.safe_load((ROOT / "configs" / "multiplex.yaml").read_text())
+def pipelines(steps: int, config: Path) -> dict[str, dict]:
+    """The multiplex config's pipelines with the benchmark's steps, by the names a multiplexed run gives them (the LM
+    pipeline's task, the flow pipeline `digits`); evaluation only at the end, and small."""
+    multiplex = yaml.safe_load(config.read_text())
     found = {}
     for entry in multiplex["pipelines"]:
         entry = copy.deepcopy(entry)
         entry.setdefault("train", {})["steps"] = steps
         entry["eval"] = {"every": 10_000} | ({"prompts": 8} if entry["kind"] == "lm" else {"per_prompt": 1})
         entry["checkpoint"] = {"every": 10_000}
-        found["sort" if entry["kind"] == "lm" else "digits"] = entry
+        found[entry.get("task", "sort") if entry["kind"] == "lm" else "digits"] = entry
     return found
 
 
@@ -173,12 +175,13 @@ def predicted(arrangement: str, configs: dict[str, dict], steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "multiplex.yaml", help="a multiplex config")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-multiplex")
     parser.add_argument("--arrangements", nargs="*", default=list(ARRANGEMENTS))
     args = parser.parse_args()
-    configs = pipelines(args.steps)
+    configs = pipelines(args.steps, args.config)
     results: dict[str, list[dict]] = {a: [] for a in args.arrangements}
     started = time.time()
     for repeat in range(args.repeats):
@@ -210,7 +213,7 @@ def report(results: dict[str, list[dict]], predictions: dict[str, float], config
     print("|---" * (7 + len(configs)) + "|")
     for arrangement, runs in results.items():
         samples = [sum(p["samples"] for p in r["pipelines"].values()) / r["makespan"] for r in runs]
-        tokens = [r["pipelines"]["sort"]["tokens"] / r["makespan"] for r in runs]
+        tokens = [sum(r["pipelines"][n]["tokens"] for n in configs) / r["makespan"] for r in runs]
         relative = [
             spread([r["pipelines"][n]["step_s"] / alone[n] for r in runs], 2) if alone else "—" for n in configs
         ]
