@@ -135,6 +135,8 @@ def test_jigsaw_picks_the_shape_its_forecast_ranks_best_and_runs_the_tail_on_tha
     def forecast(candidate, horizon):
         calls.append((tuple(sorted(candidate.items())), horizon))
         shape = next(iter(candidate.values()))
+        if shape.migrate_at is None:  # back to back with the tail kept home: ranked last here
+            return -float("inf")
         return -abs(shape.migrate_at - 2048) - abs(shape.tail_parallel - 2)  # best: edge 2048, width 2
 
     chosen = Jigsaw.plan_shapes(SearchContext(scenario.pipelines, shapes, dict.fromkeys(shapes, cost), forecast))
