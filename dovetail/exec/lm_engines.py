@@ -237,10 +237,13 @@ def profile_works(
     """The start-up profile's work of each kind, in the order it runs, each taking the earlier ones' results by
     kind: `samples` responses of RL step -1 (never trained) prefilled (the trainer's weights loaded into the rollout
     engine first), decoded, scored, their log-probs, a train and an optimizer step of the engines' own trainer (run
-    them `trainer_kept`), a publication to the rollout engine."""
+    them `trainer_kept`), a publication to the rollout engine. The responses come in groups of the run's group size,
+    as the run's do: the trainer passes over one group at a time, so a profile of lone responses would time a pass
+    per response (three times the per-response cost of the run's groups of 8 on the copy task here)."""
     config, name = engines.config, engines.config.pipeline_name
-    ids = [SampleId(-1, p, 0) for p in range(samples)]
-    rows = [engines.prompts.train(-1, p) for p in range(samples)]
+    group = min(config.algo.group_size, samples)
+    ids = [SampleId(-1, p // group, p % group) for p in range(samples)]
+    rows = [engines.prompts.train(-1, p // group) for p in range(samples)]
     encoded = encode_prompts(config, engines.tokenizer, rows, model_context(config))
     engines.rollout_version = None
     weights = carry(weights_of(engines.trainer))
