@@ -178,8 +178,8 @@ def train_on_ray(
             devices = len(pool.bundles)
             for name in logs:
                 earlier.ledgers.setdefault(name, Ledger()).went_on.append((step, devices, lost.why))
-            label = f"{lost.why}: going on from step {step} on the {devices} device{'s' if devices > 1 else ''} left"
-            label += f" under {config.policy}"
+            left = f"{devices} device{'s' if devices > 1 else ''} left"
+            label = f"{lost.why}: going on from step {step} on the {left} under {config.policy}"
             next(iter(logs.values())).progress.note(label)
     stopped = {name: save_stopped(executor, name, logs, first_steps[name]) for name in executor.stopped}
     if stopped and len(logs) == 1:

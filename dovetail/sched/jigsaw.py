@@ -612,13 +612,18 @@ class ReadOnFirstUse(dict):
         return value
 
 
+def pool_size(context: SearchContext) -> int:
+    """The devices the search arranges: the run's, else the whole pool the pipelines' default shapes train on."""
+    return context.devices or next(iter(context.shapes.values())).trainer_devices
+
+
 def arrangements(cls: type[Jigsaw], context: SearchContext) -> list[dict[str, LLMShape | FlowShape]]:
     """The pipelines on disjoint sub-pools: cut, in order, into k groups of consecutive pipelines (sizes differing by
     at most one) for k = 2, 4, 8, ... and every pipeline alone (k = N, the arrangement verl-sync gives, also with its
     even slices); each group multiplexes on a sub-pool sized by its pipelines' work (`slice_sizes`: device-seconds of
     a step, at least the widest rollout engine of the group). An arrangement whose sub-pools do not fit is left out."""
     specs = list(context.specs)
-    devices = context.devices or next(iter(context.shapes.values())).trainer_devices
+    devices = pool_size(context)
     work = {spec.name: step_work(spec, context.shapes[spec.name], context.costs[spec.name]) for spec in specs}
     least = {spec.name: spec.tensor_parallel if isinstance(spec, LLMSpec) else 1 for spec in specs}
     counts = sorted({k for k in (2**i for i in range(1, len(specs).bit_length())) if k < len(specs)} | {len(specs)})
@@ -657,7 +662,7 @@ def back_to_back(
     stays on its engines (no migration: alone in its turn there is no other pipeline to give the freed devices to,
     only its own trainer work). Every pipeline's engines stay resident, as in any jigsaw arrangement, so rollout
     memory is shared as on the whole pool (`rollout_shares`)."""
-    devices = context.devices or next(iter(context.shapes.values())).trainer_devices
+    devices = pool_size(context)
     cut = {}
     for turn, spec in enumerate(context.specs):
         shape = cls.shape(spec, devices, None, context.costs[spec.name])
