@@ -4,6 +4,7 @@ own run sub-directory, with its own ledger; the migrated tail and streamed micro
 
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 import ray
@@ -13,9 +14,12 @@ from dovetail.config.common import ConfigError, multiplexing_policies
 from dovetail.config.load import parse_config
 from dovetail.exec.launch import AUTO_TIE, dry_run
 from dovetail.exec.messages import LMTrain
+from dovetail.exec.ray_executor import RayExecutor
 from dovetail.exec.replay import replay_run
+from dovetail.graph.node import Role
 from dovetail.runner import train
 from dovetail.sched.jigsaw import Jigsaw, back_to_back, rollout_shares
+from dovetail.sched.policy import SwitchRole
 
 
 def multiplexed(policy: str, *pipelines: dict) -> dict:
@@ -217,3 +221,41 @@ def test_policy_auto_plans_every_multiplexing_policy_and_runs_the_fastest_predic
 def test_bad_multiplex_configs_name_the_field(tree, message):
     with pytest.raises(ConfigError, match=message):
         parse_config(tree)
+
+
+@ray.remote(num_cpus=0)
+class SwitchingWorker:
+    """A device worker's role switch, recorded; it takes the round trip it is given."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.roles: list[str] = []
+
+    def switch_role(self, role: str) -> float:
+        self.roles.append(role)
+        return self.seconds
+
+    def switched(self) -> list[str]:
+        return self.roles
+
+
+@pytest.mark.usefixtures("local_ray")
+def test_a_role_switch_reaches_the_device_worker_of_every_pipeline_and_lasts_the_longest():
+    """A device holds a rollout engine per pipeline, each of which must sleep while the device trains: the switch
+    is done when every pipeline's worker on the device has switched, the slowest one's round trip."""
+    workers = {
+        "sort": [SwitchingWorker.remote(0.02), SwitchingWorker.remote(0.0)],
+        "digits": [SwitchingWorker.remote(0.05), SwitchingWorker.remote(0.0)],
+    }
+    pipelines = {name: SimpleNamespace(workers=ws) for name, ws in workers.items()}
+    executor = RayExecutor(None, None, pipelines, lost=lambda: None)  # type: ignore[arg-type]
+    finished = []
+    executor.state = SimpleNamespace(finish_switch=lambda *switch: finished.append(switch))
+    executor._switch(SwitchRole(0, Role.TRAINER, 0.0, 1.5), list(pipelines))
+    for ref, switch in list(executor._pending.items()):
+        assert not finished, "the device switched before every pipeline's worker did"
+        executor._switched(switch, ray.get(ref))
+    assert finished == [(0, Role.TRAINER, 1.5)]
+    assert executor.switch_seconds == [0.05]
+    assert [ray.get(ws[0].switched.remote()) for ws in workers.values()] == [["trainer"], ["trainer"]]
+    assert [ray.get(ws[1].switched.remote()) for ws in workers.values()] == [[], []]

@@ -103,18 +103,15 @@ class RayExecutor:
         self.stopped: dict[str, RewardError] = {}
         """Pipelines whose reward failed, with the error; they stopped after their last committed step."""
         self._pending: dict[ray.ObjectRef, Part | SwitchRole] = {}
+        self._switching: dict[ray.ObjectRef, str] = {}
+        """A role switch's pending refs -> the pipeline whose worker switches: every pipeline on the device does."""
+        self._switch_left: dict[int, list[float]] = {}
+        """Device -> [workers still switching, longest round trip so far]."""
         self._resent: dict[tuple[str, int, int], int] = {}
         self._left: dict[str, int] = {}
 
     def run_of(self, node_id: str) -> PipelineRun:
         return self.pipelines[self.graph[node_id].pipeline]
-
-    def worker_of(self, part: Part | SwitchRole):
-        """The DeviceWorker that carries out a part (a role switch goes to the first pipeline's worker: the
-        device's engines all stay resident here, so a switch is a round trip)."""
-        if isinstance(part, SwitchRole):
-            return next(iter(self.pipelines.values())).workers[part.device]
-        return self.run_of(part.node).workers[part.device]
 
     # ------------------------------------------------------------ what adapters ask (exec.pipeline.RunContext)
     def weights(self, pipeline: str, version: int) -> ray.ObjectRef:
@@ -148,6 +145,7 @@ class RayExecutor:
                 raise RuntimeError(f"policy {policy.name} stalled: {state.stuck_message()}")
             (ref,), _ = ray.wait(list(self._pending), num_returns=1)
             part = self._pending.pop(ref)
+            switching = self._switching.pop(ref, None)
             if isinstance(part, Part) and self.graph[part.node].pipeline in self.stopped:
                 continue  # the answer of a pipeline that stopped: nothing waits for it
             try:
@@ -159,23 +157,22 @@ class RayExecutor:
                     else "a node of the run was lost"
                 ) from None
             except RayActorError:
-                self._recover(part, time.perf_counter() - start)
+                self._recover(part, time.perf_counter() - start, switching)
                 continue
             except RayTaskError as error:
                 if isinstance(error, RewardError):  # the worker's own error: one line, without Ray's traceback
                     self._stop(part, error.cause)
                     continue
                 if isinstance(error, WorkerRestarted):  # sent before the executor saw the death
-                    self._recover(part, time.perf_counter() - start)
+                    self._recover(part, time.perf_counter() - start, switching)
                     continue
-                if not self._lost_a_peer(part, time.perf_counter() - start):
+                if not (isinstance(part, Part) and self._lost_a_peer(part, time.perf_counter() - start)):
                     raise
                 self._submit(part)  # its gather lost a peer that died; the group is formed again
                 continue
             state.now = time.perf_counter() - start
             if isinstance(part, SwitchRole):
-                self.switch_seconds.append(result)
-                state.finish_switch(part.device, part.role, part.resident_gb)
+                self._switched(part, result)
                 continue
             self._complete(part, ref, result)
             if self.after_part is not None:
@@ -197,31 +194,59 @@ class RayExecutor:
     def committed_steps(self, pipeline: str) -> int:
         return sum(1 for record in self.state.trace.steps if record.pipeline == pipeline)
 
-    def _lost_a_peer(self, part: Part | SwitchRole, now: float) -> bool:
+    def _lost_a_peer(self, part: Part, now: float) -> bool:
         """Whether a failed part is a commit whose gather lost a peer that died: then the pipeline's workers are
         brought back (the dead one's parts rebuilt before its commit is sent again) and the commit may be re-sent."""
-        if not (isinstance(part, Part) and isinstance(part.work, Commit)):
+        if not isinstance(part.work, Commit):
             return False
         run = self.run_of(part.node)
         self._revive(run, now, part.node)
         self._count_resend(part)
         return bool(run.ledger.restarts)
 
-    def _submit(self, part: Part | SwitchRole) -> None:
-        worker = self.worker_of(part)
-        if isinstance(part, SwitchRole):
-            ref = worker.switch_role.remote(part.role.value)
-        else:
-            ref = worker.run.remote(part.work, (part.node, part.index))
+    def worker_of(self, part: Part):
+        """The DeviceWorker that carries out a part."""
+        return self.run_of(part.node).workers[part.device]
+
+    def _submit(self, part: Part) -> None:
+        ref = self.worker_of(part).run.remote(part.work, (part.node, part.index))
         self._pending[ref] = part
 
-    def _recover(self, part: Part | SwitchRole, now: float) -> None:
+    def _switch(self, switch: SwitchRole, pipelines: Sequence[str]) -> None:
+        """Switch the device's workers of `pipelines` (all of them, for a decision: a device holds an engine per
+        pipeline, and each rollout engine must sleep while the device trains, whichever pipeline trains)."""
+        left = self._switch_left.setdefault(switch.device, [0, 0.0])
+        for name in pipelines:
+            ref = self.pipelines[name].workers[switch.device].switch_role.remote(switch.role.value)
+            self._pending[ref] = switch
+            self._switching[ref] = name
+            left[0] += 1
+
+    def _switched(self, switch: SwitchRole, seconds: float) -> None:
+        """One worker of the device switched; once all have, the device has (they switched side by side: the
+        switch took the longest round trip)."""
+        left = self._switch_left[switch.device]
+        left[0] -= 1
+        left[1] = max(left[1], seconds)
+        if not left[0]:
+            del self._switch_left[switch.device]
+            self.switch_seconds.append(left[1])
+            self.state.finish_switch(switch.device, switch.role, switch.resident_gb)
+
+    def _recover(self, part: Part | SwitchRole, now: float, switching: str | None) -> None:
         """A worker died (or answered from a new, bare incarnation): bring its pipeline back, send the part again
-        (at most MAX_RESENDS times: a part that fails again and again is a bug, not a fault, and must not spin)."""
+        (at most MAX_RESENDS times: a part that fails again and again is a bug, not a fault, and must not spin).
+        `switching`: the pipeline whose worker a failed role switch was sent to."""
         self._count_resend(part)
-        run = next(iter(self.pipelines.values())) if isinstance(part, SwitchRole) else self.run_of(part.node)
-        self._revive(run, now, getattr(part, "node", "switch"))
-        if isinstance(part, Part) and part.node == run.state_of_commit:
+        if isinstance(part, SwitchRole):
+            assert switching is not None
+            self._switch_left[part.device][0] -= 1
+            self._revive(self.pipelines[switching], now, "switch")
+            self._switch(part, [switching])
+            return
+        run = self.run_of(part.node)
+        self._revive(run, now, part.node)
+        if part.node == run.state_of_commit:
             # another replica finished this commit and its state is the one just restored here: nothing to redo
             done = next(ref for ref in self.outputs[part.node] if ref is not None)
             self._complete(part, done, None)
@@ -265,7 +290,7 @@ class RayExecutor:
     # ------------------------------------------------------------ decisions -> actor calls
     def _launch(self, decision) -> None:
         if isinstance(decision, SwitchRole):
-            self._submit(decision)
+            self._switch(decision, list(self.pipelines))
         elif isinstance(decision, Run):
             self._run(self.graph[decision.node], decision.devices)
         elif isinstance(decision, Migrate):
