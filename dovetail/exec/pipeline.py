@@ -12,7 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 import ray
@@ -170,6 +170,12 @@ class PipelineAdapter(ABC):
 class PipelineEngines(ABC):
     """The worker side of one pipeline kind: its engines on one device. `trainer` / `optimizer` are None on a
     device that holds no policy engine (a reward device)."""
+
+    parts_add_in_any_order: ClassVar[bool] = False
+    """Whether train parts' gradients add up to the same bits in any order: fp64 sums of fp32 terms, exact within
+    2^29 of each other (`models.lm_rl`). Then a commit adds each device's parts where they are and all-reduces one
+    fp64 sum per device (`worker.reduce_parts`), instead of moving every part to every trainer device and adding
+    them in key order (`worker.gather_parts`, what fp32 parts need for the same bits on every arrangement)."""
 
     def __init__(self, config, device: torch.device) -> None:
         self.config = config
