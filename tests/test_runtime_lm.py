@@ -16,8 +16,11 @@ from dovetail.cli import app
 from dovetail.config.common import ConfigError
 from dovetail.config.load import load_config
 from dovetail.exec.launch import dry_run
+from dovetail.exec.lm_startup import fitted_cost, profile_here
 from dovetail.exec.messages import LMTrain, Prefill
 from dovetail.exec.replay import replay_run
+from dovetail.graph.llm import LLMShape, build_llm
+from dovetail.graph.node import Kind
 from dovetail.rewards import RewardError
 from dovetail.runner import train
 from dovetail.sched import policy_class
@@ -187,3 +190,27 @@ def test_lm_grpo_on_ray_raises_a_learnable_reward(tmp_path):
     train(load_config(None, [*overrides, "reward={toy_rewards:short_completions: 1.0}"]), tmp_path, steps=10)
     rewards = [json.loads(line)["reward/total"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert sum(rewards[-3:]) / 3 >= sum(rewards[:3]) / 3 + 0.15, rewards
+
+
+def test_a_run_s_commit_across_trainer_replicas_is_priced_at_the_sync_its_devices_measured(tmp_path, monkeypatch):
+    """The runtime replicates the trainer on every trainer device, so its commit is a whole optimizer step plus the
+    gradients added across the replicas: the start-up profile times that adding (`DeviceWorker.time_sync`) and the
+    planner charges the commit on two devices exactly the optimizer step plus what was measured; on one device the
+    optimizer step alone."""
+    config = load_config(None, [*SMALL, "policy=verl-sync", "cluster.devices=2"])
+    scenario = config.scenario(1)
+    spec = scenario.pipelines[0]
+    assert spec.replicated_trainer
+    measured = profile_here(config, carry=lambda weights: weights) | {"switch": 0.0, "sync": 0.05, "sync_devices": 2}
+    cost = fitted_cost(config, scenario, measured)
+    for devices, sync in ((2, 0.05), (1, 0.0)):
+        shape = LLMShape(1, devices, stream=False, shared=False)
+        (commit,) = [node for node in build_llm(spec, 1, shape, cost) if node.kind == Kind.COMMIT]
+        optimizer = cost.optimizer_step(spec.catalogue_model().params)
+        assert commit.cost_s == pytest.approx(optimizer + sync, rel=1e-9)
+    assert cost.optimizer_step(spec.catalogue_model().params) == pytest.approx(measured["optimizer"], rel=1e-9)
+    monkeypatch.setenv("DOVETAIL_CACHE", str(tmp_path / "cache"))
+    train(config, tmp_path / "run", steps=1)
+    (entry,) = (tmp_path / "cache").glob("sync-*.json")
+    timed = json.loads(entry.read_text())
+    assert timed["sync_devices"] == 2 and 0 < timed["sync"] < 5

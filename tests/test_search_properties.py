@@ -395,3 +395,25 @@ def test_a_field_a_run_fixes_leaves_the_rest_of_the_search_to_the_policy():
     assert all(not shape.recompute_logprob for s in searched for shape in s.shapes.values())
     assert not prepared.setup.shapes["p"].recompute_logprob
     assert any(s.shapes == prepared.setup.shapes for s in searched)
+
+
+def test_jigsaw_weighs_the_split_pool_with_each_language_model_s_tail_migrating_home_and_in_stages():
+    """On sub-pools of their own nothing of another pipeline fills a pipeline's idle devices, so jigsaw simulates
+    each split also with the LLM tails kept home and with the LLM steps in stages (verl-sync's cut): on a CPU core,
+    work streamed beside the decode runs slower than after it."""
+    specs = [
+        planner_scenarios.lm_pipeline(
+            name=name,
+            batch=16,
+            prompt_length=128,
+            lengths={"kind": "lognormal", "median": median, "sigma": 0.9},
+            length_bands=[512, 1024],
+        )
+        for name, median in (("short", 150), ("long", 500))
+    ]
+    both = planner_scenarios.scenario(*specs, devices=8, steps=2, policies=("jigsaw",))
+    searched: list[Searched] = []
+    prepare(both, "jigsaw", searched=searched)
+    split = [s.shapes for s in searched if len({sub_pool(shape) for shape in s.shapes.values()}) == 2]
+    cuts = {(shape.migrate_at is None, shape.stream) for shapes in split for shape in shapes.values()}
+    assert cuts == {(False, True), (True, True), (True, False)}

@@ -440,6 +440,7 @@ class LMTrainConfig(RunSection):
             "micro_batches": self.algo.micro_batches,
             "reference": self.algo.beta > 0,
             "lengths_known": False,  # a run learns them by decoding
+            "replicated_trainer": True,
             "priority": self.priority,
         }
         if self.model.path is None:

@@ -29,6 +29,7 @@ OP_KINDS = (
     "logprob",  # old / reference log-probabilities (forward only)
     "train",  # forward + backward
     "optimizer",  # optimizer step (commit)
+    "sync",  # gradients added across trainer replicas at the commit
     "publish",  # weight publication trainer -> rollout
     "switch",  # sleep / wake / offload of an engine
 )
@@ -353,7 +354,7 @@ class CostModel:
             return 0.0
         nbytes = params * self.calibration.grad_reduce_bytes / group
         bandwidth, latency = self.link(group * replicas, per_node=1)
-        return 2 * (replicas - 1) * (latency + nbytes / replicas / bandwidth)
+        return self._corrected("sync", 2 * (replicas - 1) * (latency + nbytes / replicas / bandwidth))
 
     def pass_mfu(self, mfu: float, tokens: float) -> float:
         """Efficiency of one forward/backward holding `tokens` tokens: the large-pass `mfu` scaled down by

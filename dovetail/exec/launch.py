@@ -263,7 +263,26 @@ def profiled_cost(config: TrainConfig, scenario: Scenario, workers: list, reprof
         return measured | {"switch": time.perf_counter() - start}
 
     measured = cached("profile", [config.model_dump(mode="json")], measure, reprofile)
-    return kind(config.kind).load("fit")(config, scenario, measured)
+    return kind(config.kind).load("fit")(config, scenario, measured | measured_sync(config, workers, reprofile))
+
+
+SYNC_REPEATS = 5
+
+
+def measured_sync(config: TrainConfig, workers: list, reprofile: bool = False) -> dict:
+    """How long a commit takes to add a gradient across the devices that may train (`DeviceWorker.time_sync`:
+    `sync` seconds over `sync_devices`), which a trainer pool of several replicas pays at every step and a device
+    alone does not; nothing on one device. Kept per machine, config and device count (`exec.startup_cache`)."""
+    trainers = workers[: config.compute_devices]
+    if len(trainers) < 2:
+        return {}
+    ranks = tuple(range(len(trainers)))
+
+    def measure() -> dict:
+        seconds = ray.get([worker.time_sync.remote(ranks, SYNC_REPEATS) for worker in trainers])
+        return {"sync": statistics.median(seconds), "sync_devices": len(trainers)}
+
+    return cached("sync", [config.model_dump(mode="json"), {"sync_devices": len(trainers)}], measure, reprofile)
 
 
 def cached_interference(started: dict[str, Started], configs: dict, reprofile: bool) -> dict[tuple[str, str], float]:

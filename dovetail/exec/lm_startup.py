@@ -17,6 +17,7 @@ from dovetail.exec.lm_engines import LMEngines
 from dovetail.exec.lm_model import encode_prompts, load_policy, model_context
 from dovetail.exec.lm_prompts import RunPrompts
 from dovetail.exec.plan import rollout_wake_s
+from dovetail.graph.llm import trainable_params
 from dovetail.models.causal_lm import HFTokenizer, causal_lm_config
 from dovetail.models.engine import engine_problem
 from dovetail.rewards.text import columns_read, text_reward_fn
@@ -42,6 +43,9 @@ def fitted_cost(config: LMTrainConfig, scenario: Scenario, measured: dict) -> Co
         "publish": analytic.publish(model.params),
         "switch": rollout_wake_s(scenario, analytic),
     }
+    if "sync" in measured:
+        trained = trainable_params(spec) or model.params
+        predicted["sync"] = analytic.replica_allreduce_seconds(trained, 1, measured["sync_devices"])
     records = [(kind, predicted[kind], max(measured[kind], 1e-9)) for kind in predicted if predicted[kind] > 0]
     return CostModel.from_measurements(config.cluster.device, records)
 

@@ -17,6 +17,7 @@ A worker that dies loses its parts' gradients: the executor re-runs them (same k
 
 import os
 import socket
+import statistics
 import time
 import uuid
 from datetime import timedelta
@@ -259,14 +260,30 @@ class DeviceWorker:
         """Sum the step's train parts' gradients of every trainer device (in the order of their keys, or reduced
         where the order does not matter) and take one optimizer step; returns the pre-clip gradient norm (the same
         on every replica)."""
-        trainer = self.engines.trainer
-        if self.engines.parts_add_in_any_order:
-            size = sum(p.numel() for p in trainable_parameters(trainer))
-            zeros = torch.zeros(size, dtype=torch.float64, device=self.device)
-            summed = [reduce_parts(self.gradients, work.ranks, self.groups, zeros)]
-        else:
-            parts = gather_parts(self.gradients, work.ranks, self.groups, self.device)
-            summed = [parts[key] for key in sorted(parts)]
-        set_summed_gradient(trainer, summed, work.scale)
+        set_summed_gradient(self.engines.trainer, self._across(self.gradients, work.ranks), work.scale)
         self.gradients = {}
         return commit(self.engines.trainer, self.engines.optimizer, self.config.train.max_grad_norm)
+
+    def _across(self, parts: dict, ranks: tuple[int, ...]) -> list[torch.Tensor]:
+        """What `set_summed_gradient` adds, in order, for every trainer device's `parts`: the parts in key order
+        (`gather_parts`), or one sum where the order does not matter (`reduce_parts`)."""
+        if not self.engines.parts_add_in_any_order:
+            gathered = gather_parts(parts, ranks, self.groups, self.device)
+            return [gathered[key] for key in sorted(gathered)]
+        trainer, _ = self.engines.held_trainer()
+        size = sum(p.numel() for p in trainable_parameters(trainer))
+        return [reduce_parts(parts, ranks, self.groups, torch.zeros(size, dtype=torch.float64, device=self.device))]
+
+    def time_sync(self, ranks: tuple[int, ...], repeats: int) -> float:
+        """Median seconds of a commit's adding across the devices `ranks` (each calls this at once), one part of the
+        trainer's gradient size per device: what the planner's commit across trainer replicas is fitted to
+        (`cost.model.CostModel.replica_allreduce_seconds`). The first round, which cuts the group, is not timed."""
+        trained = trainable_parameters(self.engines.held_trainer()[0])
+        dtype = torch.float64 if self.engines.parts_add_in_any_order else trained[0].dtype
+        part = {("sync", self.index): torch.zeros(sum(p.numel() for p in trained), dtype=dtype, device=self.device)}
+        seconds = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            self._across(part, ranks)
+            seconds.append(time.perf_counter() - start)
+        return statistics.median(seconds[1:])

@@ -215,6 +215,12 @@ class LLMSpec(_PipelineSpec):
     micro_batches: int = Field(1, gt=0, le=MAX_SAMPLES, description="Train micro-steps per step.")
     tensor_parallel: int = Field(1, gt=0, le=64, description="Devices per rollout engine.")
     reference: bool = Field(True, description="Compute reference log-probs for a KL term.")
+    replicated_trainer: bool = Field(
+        False,
+        description="Every trainer device holds a whole replica of the trainer, as dovetail's runtime does: a commit "
+        "all-reduces the gradients across them and each takes the whole optimizer step. False: one FSDP group over "
+        "the trainer devices shards the optimizer step (verl).",
+    )
 
     def catalogue_model(self) -> LanguageModel:
         """The model the cost model prices: `architecture` under the name `model`, else the cost catalogue's entry of

@@ -272,7 +272,7 @@ class Jigsaw(StagedLLMPolicy):
         whole = _tail_search(specs, shared, forecast)
         split = arrangements(cls, context)
         alone = [c for c in split if len({sub_pool(shape) for shape in c.values()}) == len(c)]
-        in_turn = [back_to_back(cls, context, tails_home) for tails_home in (False, True)] if len(specs) > 1 else []
+        in_turn = [back_to_back(cls, context, home) for home in (False, True)] if len(specs) > 1 else []
         alone += [candidate for i, candidate in enumerate(in_turn) if candidate not in in_turn[:i]]
         mixtures = [c for c in split if c not in alone]
         screened = sorted(whole + mixtures, key=lambda candidate: -forecast(candidate, HORIZON_STEPS))
@@ -650,26 +650,42 @@ def arrangements(cls: type[Jigsaw], context: SearchContext) -> list[dict[str, LL
                 first += size
         except ValueError:  # a sub-pool too small for its pipelines' engines
             continue
-        candidates.append(candidate)
+        candidates += [c for c in (candidate, tails_home(candidate), in_stages(candidate)) if c not in candidates]
     return candidates
 
 
-def back_to_back(
-    cls: type[Jigsaw], context: SearchContext, tails_home: bool = False
-) -> dict[str, LLMShape | FlowShape]:
+def tails_home(candidate: dict[str, LLMShape | FlowShape]) -> dict[str, LLMShape | FlowShape]:
+    """`candidate` with every LLM pipeline's long tail kept on its own engines (no migration): what a pipeline alone
+    on its (sub-)pool may prefer, the tail's engine being on the devices its own trainer work needs."""
+    return {
+        name: replace(shape, migrate_at=None) if isinstance(shape, LLMShape) else shape
+        for name, shape in candidate.items()
+    }
+
+
+def in_stages(candidate: dict[str, LLMShape | FlowShape]) -> dict[str, LLMShape | FlowShape]:
+    """`candidate` with every LLM pipeline's step in stages, as verl-sync runs it: its tail home, and its micro-batches
+    trained once every response is done, not streamed beside the decoding. On a sub-pool of its own, where nothing of
+    another pipeline fills the decode's idle devices, that can be the faster cut: on a CPU core, work beside work runs
+    slower than one after the other (the interference table's slowdowns above 2)."""
+    return {
+        name: replace(shape, migrate_at=None, stream=False) if isinstance(shape, LLMShape) else shape
+        for name, shape in candidate.items()
+    }
+
+
+def back_to_back(cls: type[Jigsaw], context: SearchContext, home: bool = False) -> dict[str, LLMShape | FlowShape]:
     """Every pipeline alone on the whole pool, one after another in the scenario's order (turn k: the k-th): running
-    them back to back, which multiplexing must beat to be worth it. With `tails_home`, an LLM pipeline's long tail
+    them back to back, which multiplexing must beat to be worth it. With `home`, an LLM pipeline's long tail
     stays on its engines (no migration: alone in its turn there is no other pipeline to give the freed devices to,
     only its own trainer work). Every pipeline's engines stay resident, as in any jigsaw arrangement, so rollout
     memory is shared as on the whole pool (`rollout_shares`)."""
     devices = pool_size(context)
-    cut = {}
-    for turn, spec in enumerate(context.specs):
-        shape = cls.shape(spec, devices, None, context.costs[spec.name])
-        if tails_home and isinstance(shape, LLMShape):
-            shape = replace(shape, migrate_at=None)
-        cut[spec.name] = on_slice(shape, 0, turn)
-    return rollout_shares(context.specs, cut, context.costs, context.steps)
+    cut = {
+        spec.name: on_slice(cls.shape(spec, devices, None, context.costs[spec.name]), 0, turn)
+        for turn, spec in enumerate(context.specs)
+    }
+    return rollout_shares(context.specs, tails_home(cut) if home else cut, context.costs, context.steps)
 
 
 def _runs(items: int, parts: int) -> list[tuple[int, int]]:
