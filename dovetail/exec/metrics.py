@@ -63,6 +63,10 @@ summary.json, once per pipeline (a multiplexed run: under pipelines, and the Ray
   max_staleness         Ray: the largest staleness of any trained sample
   restarts              Ray: workers that restarted during the run
   device_engines        Ray: the engines each device held at the end, per pipeline
+  publication           Ray, per pipeline: how published weights reached the rollout devices (cluster.publication):
+                        the setting, the path it resolved to, under auto both paths' start-up timings (object_store_s,
+                        collective_s: one publication from device 0 to the other nodes' devices; null on one node),
+                        and the rollout devices' loads by the path their weights came (loads)
   stopped               a pipeline whose reward failed: what it said
   pipelines             a multiplexed run: each pipeline's summary
 """
