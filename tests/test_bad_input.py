@@ -76,6 +76,7 @@ CASES = [
     ("string-as-int", None, ["eval.every='5'"], "eval.every"),
     ("malformed-address", None, ["cluster.address=not an address"], "cluster.address"),
     ("address-port-out-of-range", None, ["cluster.address=10.0.0.1:99999"], "cluster.address"),
+    ("publication-unknown", None, ["cluster.publication=nccl"], "cluster.publication"),
     ("huge-name", None, ["name=" + "x" * 100_000], "name"),
     ("unknown-kind", None, ["kind=[flow]"], "kind"),
     ("unknown-field", None, ["train.learning_rate=1e-4"], "train.learning_rate"),

@@ -90,6 +90,33 @@ def test_a_run_spread_over_two_nodes_ends_at_the_reference_parameters(cluster, a
     assert set.union(*devices_of) == {0, 1}, "the run's work is on both nodes' devices"
 
 
+def test_a_run_publishing_by_broadcast_across_nodes_ends_at_the_reference_parameters(cluster, alone, tmp_path):
+    """cluster.publication=collective: every publication reaches the rollout device on the other node by a broadcast
+    from the trainer replica (fp32 over gloo: bitwise), staged and loaded from there; the run ends at the reference's
+    parameters."""
+    summary = train(parse_config(on_cluster(cluster, FLOW, "digen", publication="collective")), tmp_path, steps=STEPS)
+    assert len(set(worker_nodes()[:2])) == 2, "the run's two devices are on two nodes"
+    (publication,) = summary["publication"].values()
+    assert publication["setting"] == publication["path"] == "collective"
+    # each step's publication reached the other node's device by broadcast; the sender's own rollout engine loads
+    # from its node's object store (shared memory)
+    assert publication["loads"] == {"collective": STEPS, "object_store": STEPS}
+    assert same_parameters("digits", alone["digits"], final_weights(tmp_path))
+    assert json.loads((tmp_path / "ledger.json").read_text())["problems"] == []
+
+
+def test_auto_times_both_publication_paths_across_nodes_and_keeps_the_faster(cluster, alone, tmp_path, capsys):
+    summary = train(parse_config(on_cluster(cluster, FLOW, "digen")), tmp_path, steps=STEPS)
+    (publication,) = summary["publication"].values()
+    seconds = {"object_store": publication["object_store_s"], "collective": publication["collective_s"]}
+    assert publication["setting"] == "auto" and 0 < min(seconds.values())
+    assert publication["path"] == min(seconds, key=seconds.__getitem__)
+    assert publication == json.loads((tmp_path / "run_profile.json").read_text())["publication"]["digits"]
+    said = [line.split("] ", 1)[1] for line in capsys.readouterr().out.splitlines() if "publication auto" in line]
+    assert len(said) == 1 and said[0].startswith(f"publication auto: {publication['path'].replace('_', ' ')}")
+    assert same_parameters("digits", alone["digits"], final_weights(tmp_path))
+
+
 def test_the_pool_keeps_each_nodes_devices_together():
     """PACK may interleave a group's bundles over nodes; the run's device indices keep each node's together, so that
     a policy's ranges of devices (a trainer group, a rollout pool) are node-local where they fit."""

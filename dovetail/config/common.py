@@ -113,6 +113,12 @@ class ClusterSection(Section):
         description="seconds a device may have no node (its node gone, no spare node to restart its worker on) "
         "before the run goes on from its last committed step on the devices that remain",
     )
+    publication: Literal["auto", "object_store", "collective"] = Field(
+        "auto",
+        description="how published weights reach the rollout devices: object_store (Ray's object store), collective "
+        "(a broadcast from the trainer), or auto (both timed at start-up where devices are on several nodes, the "
+        "faster kept for publications across nodes; docs/cluster.md)",
+    )
 
     @field_validator("device")
     @classmethod

@@ -143,14 +143,21 @@ def train_on_ray(
             if after_start is not None:
                 after_start(started)
             phase("profiling the devices and planning the step")
-            costs, prepared, choice = prepare_run(config, last_step - min(first_steps.values()), started, reprofile)
+            costs, prepared, choice, publications = prepare_run(
+                config, last_step - min(first_steps.values()), started, pool.nodes(), reprofile
+            )
             if choice is not None:  # policy=auto: from here on the run is the chosen policy's, and says so once
                 config = config.model_copy(update={"policy": choice.policy})
                 next(iter(logs.values())).progress.note(choice.line())
+            for name, publication in publications.items():  # `auto` measured both paths: it says which it keeps
+                if publication.collective_s is not None:
+                    next(iter(logs.values())).progress.note(publication.line(name if len(logs) > 1 else None))
             phase("first step")
             on_commit = Recorder(logs, first_steps, prepared.policy, config.policy, after_record)
             hooks = {"on_commit": on_commit, "after_part": after_part}
-            executor = make_executor(config, prepared, started, first_steps, pool, earlier.ledgers, **hooks)
+            executor = make_executor(
+                config, prepared, started, first_steps, pool, earlier.ledgers, publications, **hooks
+            )
             if startup_s is None:
                 startup_s = time.perf_counter() - called
             began = time.perf_counter()
@@ -315,6 +322,10 @@ def write_run_outputs(
     if len(logs) > 1:  # every pipeline's ledger in one file too
         (path / "ledger.json").write_text(json.dumps(ledgers))
     metrics = summarize(trace)
+    publication = {
+        name: asdict(run.publication) | {"loads": dict(sorted(run.loads.items()))}
+        for name, run in executor.pipelines.items()
+    }
     profile = {
         "policy": config.policy,
         "config": config.model_dump(mode="json"),
@@ -326,6 +337,7 @@ def write_run_outputs(
         "measured_step_time_s": time_per_step(trace),
         "measured_steady_step_s": metrics.steady_step_s,
         "auto": None if choice is None else asdict(choice),  # what policy=auto predicted for each policy it weighed
+        "publication": publication,
         "segments_before": [
             {"first_step": s.first_step, "steps": len(s.trace.steps) // len(logs), "devices": s.devices, "why": s.label}
             for s in segments[:-1]
@@ -339,6 +351,7 @@ def write_run_outputs(
         "max_staleness": metrics.max_staleness,
         "restarts": sum(len(run.ledger.restarts) for run in executor.pipelines.values()),
         "device_engines": device_engines,
+        "publication": publication,
     }
 
 

@@ -29,6 +29,7 @@ from dovetail.exec.interference import measure_interference
 from dovetail.exec.metrics import summarize
 from dovetail.exec.pipeline import Ledger
 from dovetail.exec.plan import Prepared, prepare, simulate
+from dovetail.exec.publication import Publication, measured
 from dovetail.exec.ray_executor import PipelineRun, RayExecutor
 from dovetail.exec.recovery import Incarnations, LostWatch, Started
 from dovetail.exec.startup_cache import cached
@@ -159,6 +160,11 @@ class DevicePool:
                 ).remote(index)
                 for index, (group, name, bundle) in enumerate(self.bundles)
             ]
+
+    def nodes(self) -> list[str | None]:
+        """The node each device's bundle is on now (None: it has none)."""
+        placed = bundle_nodes(self.bundles)
+        return [placed[name].get(bundle) for _, name, bundle in self.bundles]
 
     def unplaced(self) -> list[int]:
         """The devices whose bundle has no node now: its node is gone and no other had room for it (yet)."""
@@ -297,13 +303,18 @@ def cached_interference(started: dict[str, Started], configs: dict, reprofile: b
 
 
 def prepare_run(
-    config: TrainConfig, steps: int, started: dict[str, Started], reprofile: bool = False
-) -> tuple[dict[str, CostModel], Prepared, Choice | None]:
+    config: TrainConfig,
+    steps: int,
+    started: dict[str, Started],
+    nodes: list[str | None],
+    reprofile: bool = False,
+) -> tuple[dict[str, CostModel], Prepared, Choice | None, dict[str, Publication]]:
     """Each pipeline's costs profiled on its own workers (one pipeline at a time, so the profiles do not slow each
     other); with several pipelines (a multiplexing policy: jigsaw, jigsaw-greedy), how much their work slows each
-    other down on one device, measured there and put in every pipeline's cost model; then the policy's graph of every
-    pipeline, under the policy `policy=auto` chooses on these costs (`chosen_policy`, returned too; else None).
-    Both measurements are kept per machine and config (`exec.startup_cache`) unless `reprofile`."""
+    other down on one device, measured there and put in every pipeline's cost model; how each publishes
+    (`publication.measured`, on the devices' `nodes`); then the policy's graph of every pipeline, under the policy
+    `policy=auto` chooses on these costs (`chosen_policy`, returned too; else None). The first two measurements are
+    kept per machine and config (`exec.startup_cache`) unless `reprofile`."""
     configs = pipeline_configs(config)
     for attempt in range(STARTUP_ATTEMPTS):
         try:
@@ -314,6 +325,17 @@ def prepare_run(
             if len(configs) > 1:
                 table = cached_interference(started, configs, reprofile)
                 costs = {name: cost.with_interference(table) for name, cost in costs.items()}
+            publications = {
+                name: measured(
+                    config.cluster.publication,
+                    name,
+                    started[name].workers,
+                    started[name].incarnations.publishing,
+                    nodes,
+                    pipeline.compute_devices,
+                )
+                for name, pipeline in configs.items()
+            }
             break
         except (RayActorError, WorkerRestarted):  # a worker died while profiling: bring it back, profile again
             if attempt == STARTUP_ATTEMPTS - 1:
@@ -331,7 +353,7 @@ def prepare_run(
         options=config.policy_options(),
         **config.shape_overrides(),
     )
-    return costs, prepared, choice
+    return costs, prepared, choice, publications
 
 
 AUTO_TIE = 0.01
@@ -463,10 +485,12 @@ def make_executor(
     first_steps: dict[str, int],
     pool: DevicePool,
     ledgers: Mapping[str, Ledger],
+    publications: Mapping[str, Publication],
     **hooks,
 ) -> RayExecutor:
-    """The executor of the run's pipelines from `first_steps`; a pipeline's ledger takes up from its entry in
-    `ledgers` (what the run booked before it went on without a lost device), if any."""
+    """The executor of the run's pipelines from `first_steps`, each publishing as `publications` says; a pipeline's
+    ledger takes up from its entry in `ledgers` (what the run booked before it went on without a lost device), if
+    any."""
     pipelines = {
         name: PipelineRun(
             name,
@@ -477,7 +501,10 @@ def make_executor(
             {0: started[name].weights},
             started[name].trainer_state,
             ledger=ledgers.get(name, Ledger()).with_restarts(started[name].restarts),
+            publication=publications[name],
         )
         for name, pipeline in pipeline_configs(config).items()
     }
-    return RayExecutor(prepared.graph, prepared.setup, pipelines, lost=lost_watch(config, pool), **hooks)
+    return RayExecutor(
+        prepared.graph, prepared.setup, pipelines, lost=lost_watch(config, pool), nodes=pool.nodes, **hooks
+    )

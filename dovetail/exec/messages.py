@@ -30,6 +30,17 @@ class LoadWeights(Work):
     version: int
     weights: Any
     """A ref of the exported weights (name -> numpy array)."""
+    staged: bool = False
+    """The weights come by broadcast (`exec.publication`): take them from the staging, else from `weights`."""
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A `LoadWeights`' answer: its seconds, and the path its weights came by (`object_store`, or `collective` when
+    a broadcast staged them)."""
+
+    seconds: float
+    path: str
 
 
 @dataclass(frozen=True)

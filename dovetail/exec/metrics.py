@@ -54,7 +54,8 @@ summary.json, once per pipeline (a multiplexed run: under pipelines, and the Ray
   notes                 what summary.json's and metrics.jsonl's less obvious figures count, in words
   startup_s             wall seconds from the call to the first step's start, apart from every step: checks, model
                         load, the base evaluation; Ray: also the instance, the device workers, their start-up profile
-                        (read from the cache when this machine ran the config before) and the plan
+                        (read from the cache when this machine ran the config before), the plan and, under
+                        cluster.publication=auto with devices on several nodes, both publication paths timed
   devices_lost          Ray: devices the run went on without (no node for cluster.lost_after_s; docs/cluster.md)
   efficiency            Ray: the trace's efficiency over the run, as defined above (Metrics.efficiency)
   bubble_ratio          Ray: mean over devices of the share of the run neither busy nor switching
@@ -63,6 +64,10 @@ summary.json, once per pipeline (a multiplexed run: under pipelines, and the Ray
   max_staleness         Ray: the largest staleness of any trained sample
   restarts              Ray: workers that restarted during the run
   device_engines        Ray: the engines each device held at the end, per pipeline
+  publication           Ray, per pipeline: how published weights reached the rollout devices (cluster.publication):
+                        the setting, the path it resolved to, under auto both paths' start-up timings (object_store_s,
+                        collective_s: one publication from device 0 to the other nodes' devices; null on one node),
+                        and the rollout devices' loads by the path their weights came (loads)
   stopped               a pipeline whose reward failed: what it said
   pipelines             a multiplexed run: each pipeline's summary
 """

@@ -4,7 +4,8 @@ The loop is the simulator's (`exec.loop.settle`) with the wall clock for time: e
 decisions, each checked and booked by `ClusterState` and launched as actor calls; whenever a call returns, the
 finished node's event goes back to the policy. What a node asks of a worker is its pipeline kind's business
 (`exec.pipeline.PipelineAdapter`); commits and publications are the same for every kind and live here. Data moves
-as Ray object refs; weights are published as versioned refs that rollout engines load between trajectories.
+as Ray object refs; weights are published as versioned refs that rollout engines load between trajectories, and
+where the run's measured setting says so also broadcast to the targets (`exec.publication`).
 
 Several pipelines may share the devices (a multiplexed run): each has its own workers, weights versions and
 trainer state (`PipelineRun`), and a pipeline whose reward fails stops alone after its last committed step.
@@ -17,7 +18,7 @@ counts twice) and sends its unfinished parts again. Rollouts and scores live in 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -25,8 +26,9 @@ import ray
 from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
 
 from dovetail.exec.loop import settle
-from dovetail.exec.messages import Commit, LoadWeights, Trained
+from dovetail.exec.messages import Commit, Loaded, LoadWeights, Trained
 from dovetail.exec.pipeline import Ledger, Part, PipelineAdapter
+from dovetail.exec.publication import Layout, Publication, layout_of, new_prefix, send
 from dovetail.exec.recovery import RECOVERY_DEADLINE_S, Incarnations, LostWatch, StepLost, revive
 from dovetail.exec.state import ClusterState
 from dovetail.exec.trace import Trace
@@ -67,12 +69,19 @@ class PipelineRun:
     trainer_devices: tuple[int, ...] = ()
     uncommitted: dict[int, list[Part]] = field(default_factory=lambda: defaultdict(list))
     """Device -> train parts whose gradients its worker holds, not yet consumed by a commit."""
+    publication: Publication = Publication("object_store", "object_store")
+    """How publications reach the rollout devices (`cluster.publication`, measured at start-up under `auto`)."""
     publish_bytes: int = 0
     publish_seconds: list[float] = field(default_factory=list)
+    loads: Counter = field(default_factory=Counter)
+    """Rollout devices' weight loads by the path their weights came (`object_store`, `collective`)."""
+    layout: Layout = ()
 
     def __post_init__(self) -> None:
         self.adapter = kind(self.config.kind).load("adapter")(self.config, self.first_step)
-        self.publish_bytes = sum(v.nbytes for v in ray.get(self.versions[0]).values())
+        initial = ray.get(self.versions[0])
+        self.publish_bytes = sum(v.nbytes for v in initial.values())
+        self.layout = layout_of(initial)
 
 
 class RayExecutor:
@@ -83,14 +92,17 @@ class RayExecutor:
         pipelines: dict[str, PipelineRun],
         *,
         lost: Callable[[], LostWatch],
+        nodes: Callable[[], list[str | None]],
         on_commit: Callable[[str, int, RayExecutor], None] | None = None,
         after_part: Callable[[RayExecutor, Part], None] | None = None,
     ) -> None:
         """`on_commit(pipeline, rl_step, self)` runs after each optimizer step; `after_part` is a hook for
         fault-injection tests; a worker that dies must be back within `RECOVERY_DEADLINE_S`, unless `lost()` (a new
         watch of the pool's devices) finds its device lost: then `run` raises `StepLost`, as it does when a node took
-        what the open step needs with it."""
+        what the open step needs with it. `nodes()`: the node each device is on now (where a publication crosses
+        nodes)."""
         self.lost = lost
+        self.nodes = nodes
         self.graph = graph
         self.setup = setup
         self.pipelines = pipelines
@@ -251,6 +263,8 @@ class RayExecutor:
             done = next(ref for ref in self.outputs[part.node] if ref is not None)
             self._complete(part, done, None)
             return
+        if isinstance(part, Part) and isinstance(part.work, LoadWeights):  # a new incarnation has nothing staged
+            part = replace(part, work=replace(part.work, staged=False))
         self._submit(part)
 
     def _count_resend(self, part: Part | SwitchRole) -> None:
@@ -268,7 +282,7 @@ class RayExecutor:
             return ray.get(run.trainer_state)
         except ObjectLostError:
             try:
-                run.trainer_state = self._from_a_trainer(run, "trainer_state", run.trainer_devices)
+                _, run.trainer_state = self._from_a_trainer(run, "trainer_state", run.trainer_devices)
             except TrainersLost:
                 raise TrainersLost(
                     f"pipeline {pipeline}: its committed state was on a node that is gone, with every trainer "
@@ -304,10 +318,14 @@ class RayExecutor:
             parts = [Part(node.id, d, Commit(node.pipeline, tuple(devices), scale)) for d in devices]
             run.trainer_devices = tuple(devices)
         elif node.kind == Kind.PUBLISH:
-            weights = self._published_weights(run)
+            sender, weights = self._published_weights(run)
             run.versions[node.version + 1] = weights
             version = run.first_step + node.version + 1
-            parts = [Part(node.id, d, LoadWeights(node.pipeline, version, weights)) for d in devices]
+            group = run.publication.receivers(sender, tuple(devices), self.nodes)
+            if group:
+                prefix = run.incarnations.publishing.setdefault(group, new_prefix())
+                send(run.workers, group, prefix, version, run.layout, weights)
+            parts = [Part(node.id, d, LoadWeights(node.pipeline, version, weights, d in group[1:])) for d in devices]
         else:
             parts = run.adapter.parts(node, devices, self)
         self._left[node.id] = len(parts)
@@ -351,7 +369,13 @@ class RayExecutor:
             if part.device == run.trainer_devices[0]:
                 self._book_training(run, node)
         elif node.kind == Kind.PUBLISH:
-            run.publish_seconds.append(result)
+            loaded: Loaded = result
+            run.publish_seconds.append(loaded.seconds)
+            run.loads[loaded.path] += 1
+            if (
+                isinstance(part.work, LoadWeights) and part.work.staged and loaded.path != "collective"
+            ):  # its broadcast failed: the next forms a new group
+                run.incarnations.drop_publishing()
         else:
             run.adapter.book(node, part, result, run.ledger)
         self._left[part.node] -= 1
@@ -363,21 +387,22 @@ class RayExecutor:
         (`device`): the object store outlives the workers, so a replica that dies from now on, still committing or
         not, comes back with this step's state, and the step's gradients are spent."""
         others = [d for d in run.trainer_devices if d != device]
-        run.trainer_state = self._from_a_trainer(run, "trainer_state", [device, *others])
+        _, run.trainer_state = self._from_a_trainer(run, "trainer_state", [device, *others])
         run.state_of_commit = commit
         run.uncommitted.clear()
 
-    def _published_weights(self, run: PipelineRun) -> ray.ObjectRef:
-        """The committed weights, for a publish: from a trainer replica, or, if every one died since the commit (its
-        state already in the object store), from one brought back with that state."""
+    def _published_weights(self, run: PipelineRun) -> tuple[int, ray.ObjectRef]:
+        """The committed weights, for a publish, and the trainer replica that exported them: the first that answers,
+        or, if every one died since the commit (its state already in the object store), one brought back with that
+        state."""
         try:
             return self._from_a_trainer(run, "export_weights", run.trainer_devices)
         except TrainersLost:
             self._revive(run, self.state.now, "publish")
             return self._from_a_trainer(run, "export_weights", run.trainer_devices)
 
-    def _from_a_trainer(self, run: PipelineRun, method: str, devices: Sequence[int]) -> ray.ObjectRef:
-        """A ref of what the first of `devices` (trainer replicas) that answers gives (`trainer_state`,
+    def _from_a_trainer(self, run: PipelineRun, method: str, devices: Sequence[int]) -> tuple[int, ray.ObjectRef]:
+        """The first of `devices` (trainer replicas) that answers, and a ref of what it gives (`trainer_state`,
         `export_weights`), known to hold the answer: a replica that died since the commit is passed over for the next
         (a replica still committing answers once its commit is done: they reach the same state); a ref that held an
         error would poison every part that reads it."""
@@ -385,7 +410,7 @@ class RayExecutor:
             succeeded, payload = run.workers[device].taken.remote(method)
             try:
                 ray.get(succeeded)
-                return payload
+                return device, payload
             except (RayActorError, RayTaskError):
                 continue
         raise TrainersLost(

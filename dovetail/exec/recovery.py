@@ -78,13 +78,24 @@ class Incarnations:
 
     pids: list[int]
     group: str | None = None
+    publishing: dict[tuple[int, ...], str] = field(default_factory=dict)
+    """The rendezvous prefix of each publication group (`exec.publication`: sender first, then receivers) formed."""
 
     def seen(self, device: int, pid: int | None) -> None:
-        """A ping of `device` answered `pid` (None: its process had died). A death abandons the group, so that its
-        survivors stop waiting for the dead member at a rendezvous and answer too (`rendezvous.abandon`)."""
-        if pid != self.pids[device] and self.group is not None:
-            abandon(self.group)
-            self.group = None
+        """A ping of `device` answered `pid` (None: its process had died). A death abandons the group and the
+        publication groups, so that their survivors stop waiting for the dead member at a rendezvous and answer too
+        (`rendezvous.abandon`)."""
+        if pid != self.pids[device]:
+            if self.group is not None:
+                abandon(self.group)
+                self.group = None
+            self.drop_publishing()
+
+    def drop_publishing(self) -> None:
+        """Abandon every publication group: the next publication forms its group anew."""
+        for prefix in self.publishing.values():
+            abandon(prefix)
+        self.publishing.clear()
 
 
 def revive(

@@ -13,6 +13,10 @@ is bitwise reproducible under a scheduler that places work by measured time — 
 same optimizer step. Parts whose sum does not depend on the order (a language model's: fp64 sums of fp32 group
 gradients) are added where they are and the devices' sums all-reduced instead, which moves one gradient per device.
 A worker that dies loses its parts' gradients: the executor re-runs them (same keys, same bits).
+
+A publication's weights come through the object store, or by a broadcast that runs on a thread of its own
+(`broadcast_weights`) and stages them for the `LoadWeights` in the main queue: `exec.publication` says why that
+cannot deadlock.
 """
 
 import os
@@ -27,7 +31,16 @@ import torch
 import torch.distributed as dist
 
 from dovetail.config.load import parse_config
-from dovetail.exec.messages import Commit, LoadWeights, Trained, Work
+from dovetail.exec.messages import Commit, Loaded, LoadWeights, Trained, Work
+from dovetail.exec.publication import (
+    Layout,
+    Staging,
+    broadcast,
+    empty_buffers,
+    flatten,
+    publication_group,
+    unflatten,
+)
 from dovetail.exec.rendezvous import RayStore, forget
 from dovetail.kinds import kind
 from dovetail.models.training import (
@@ -148,7 +161,7 @@ def reduce_parts(parts: dict, ranks: tuple[int, ...], groups: dict, total: torch
     resources={DEVICE_RESOURCE: 1},
     max_restarts=-1,
     max_task_retries=0,
-    concurrency_groups={"liveness": 1},
+    concurrency_groups={"liveness": 1, "publication": 1},
 )
 class DeviceWorker:
     def __init__(self, index: int, pin_core: bool = True):
@@ -168,6 +181,9 @@ class DeviceWorker:
         self._engines = None
         self.group: str | None = None
         """The rendezvous prefix of this device's current group (`form_group`)."""
+        self.publication_groups: dict[str, tuple[object, RayStore]] = {}
+        """This device's publication groups and their stores, by rendezvous prefix (the publication thread's alone)."""
+        self.staging = Staging()
 
     def configure(self, config: dict, trainer_state: dict, index: int) -> None:
         """Build the pipeline's engines for a run in which this is device `index`; a device past `compute_devices`
@@ -210,6 +226,24 @@ class DeviceWorker:
         gather) still tells a revive that it is alive, so the revive can send that peer its work."""
         return os.getpid()
 
+    @ray.method(concurrency_group="publication")
+    def broadcast_weights(self, prefix: str, rank: int, world: int, version: int, layout: Layout, weights) -> None:
+        """One publication by broadcast, on the publication thread: rank 0 sends `weights` (the exported snapshot),
+        the others receive weights of `layout` into their staging under `version`. A failure (a member died, the
+        group broke) is staged instead: that version loads from the object store, and this group is left."""
+        try:
+            if prefix not in self.publication_groups:
+                self.publication_groups[prefix] = publication_group(prefix, rank, world, self.device)
+            buffers = flatten(weights, self.device) if rank == 0 else empty_buffers(layout, self.device)
+            group, _ = self.publication_groups[prefix]
+            broadcast(group, buffers)
+            if rank > 0:
+                self.staging.put(version, unflatten(buffers, layout))
+        except Exception as error:  # any failure is the publication's: it has a fallback
+            self.publication_groups.pop(prefix, None)
+            if rank > 0:
+                self.staging.put(version, error)
+
     def profile(self, samples: int) -> dict[str, float]:
         return self.engines.profile(samples, carry=through_object_store)
 
@@ -246,15 +280,26 @@ class DeviceWorker:
         if isinstance(work, Commit):
             return self._commit(work)
         if isinstance(work, LoadWeights):
-            start = time.perf_counter()
-            self.engines.load_rollout_weights(work.version, work.weights)
-            return time.perf_counter() - start
+            return self._load(work)
         if self.engines.trainer is not None:
             self.engines.trainer.zero_grad(set_to_none=True)
         result = self.engines.run(work)
         if isinstance(result, Trained):
             self.gradients[part] = self.engines.part_gradient()
         return result
+
+    def _load(self, work: LoadWeights) -> Loaded:
+        """Switch the rollout engine to the published version: the broadcast's staged weights where it was sent
+        one, else (or if it failed) the object store's."""
+        engines, start = self.engines, time.perf_counter()  # a bare incarnation raises at once, before any wait
+        weights, path = work.weights, "object_store"
+        if work.staged:
+            try:
+                weights, path = self.staging.take(work.version), "collective"
+            except Exception:  # the broadcast failed or never came: the object store has it
+                pass
+        engines.load_rollout_weights(work.version, weights)
+        return Loaded(time.perf_counter() - start, path)
 
     def _commit(self, work: Commit) -> float:
         """Sum the step's train parts' gradients of every trainer device (in the order of their keys, or reduced
