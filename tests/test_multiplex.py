@@ -248,7 +248,7 @@ def test_a_role_switch_reaches_the_device_worker_of_every_pipeline_and_lasts_the
         "digits": [SwitchingWorker.remote(0.05), SwitchingWorker.remote(0.0)],
     }
     pipelines = {name: SimpleNamespace(workers=ws) for name, ws in workers.items()}
-    executor = RayExecutor(None, None, pipelines, lost=lambda: None)  # type: ignore[arg-type]
+    executor = RayExecutor(None, None, pipelines, lost=lambda: None, nodes=list)  # type: ignore[arg-type]
     finished = []
     executor.state = SimpleNamespace(finish_switch=lambda *switch: finished.append(switch))
     executor._switch(SwitchRole(0, Role.TRAINER, 0.0, 1.5), list(pipelines))
