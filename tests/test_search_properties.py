@@ -274,10 +274,9 @@ def test_every_policy_s_chosen_shape_survives_a_run_profile_round_trip():
     assert turn_of(rebuilt) == 1
 
 
-def test_back_to_back_runs_each_pipeline_alone_on_the_whole_pool_after_the_one_before():
-    """The arrangement jigsaw weighs against multiplexing (`sched.jigsaw.back_to_back`, one pipeline per turn): the
-    second pipeline's first node starts once the first's last node ended, each uses the whole pool, and the run
-    takes what the two take alone on the pool, one after the other."""
+def short_and_long_searched() -> tuple[list[dict], Scenario, list[Searched]]:
+    """Two LLM pipelines on 8 devices, one with short responses and one with long ones, and every candidate jigsaw
+    simulated for them."""
     specs = [
         planner_scenarios.lm_pipeline(
             name=name,
@@ -291,6 +290,14 @@ def test_back_to_back_runs_each_pipeline_alone_on_the_whole_pool_after_the_one_b
     both = planner_scenarios.scenario(*specs, devices=8, steps=2, policies=("jigsaw",))
     searched: list[Searched] = []
     prepare(both, "jigsaw", searched=searched)
+    return specs, both, searched
+
+
+def test_back_to_back_runs_each_pipeline_alone_on_the_whole_pool_after_the_one_before():
+    """The arrangement jigsaw weighs against multiplexing (`sched.jigsaw.back_to_back`, one pipeline per turn): the
+    second pipeline's first node starts once the first's last node ended, each uses the whole pool, and the run
+    takes what the two take alone on the pool, one after the other."""
+    specs, both, searched = short_and_long_searched()
     in_turn = {
         tuple(sorted(s.shapes.items())): s.shapes
         for s in searched
@@ -401,19 +408,7 @@ def test_jigsaw_weighs_the_split_pool_with_each_language_model_s_tail_migrating_
     """On sub-pools of their own nothing of another pipeline fills a pipeline's idle devices, so jigsaw simulates
     each split also with the LLM tails kept home and with the LLM steps in stages (verl-sync's cut): on a CPU core,
     work streamed beside the decode runs slower than after it."""
-    specs = [
-        planner_scenarios.lm_pipeline(
-            name=name,
-            batch=16,
-            prompt_length=128,
-            lengths={"kind": "lognormal", "median": median, "sigma": 0.9},
-            length_bands=[512, 1024],
-        )
-        for name, median in (("short", 150), ("long", 500))
-    ]
-    both = planner_scenarios.scenario(*specs, devices=8, steps=2, policies=("jigsaw",))
-    searched: list[Searched] = []
-    prepare(both, "jigsaw", searched=searched)
+    _, _, searched = short_and_long_searched()
     split = [s.shapes for s in searched if len({sub_pool(shape) for shape in s.shapes.values()}) == 2]
     cuts = {(shape.migrate_at is None, shape.stream) for shapes in split for shape in shapes.values()}
     assert cuts == {(False, True), (True, True), (True, False)}
