@@ -18,7 +18,7 @@ from dovetail.exec.ray_executor import RayExecutor
 from dovetail.exec.replay import replay_run
 from dovetail.graph.node import Role
 from dovetail.runner import train
-from dovetail.sched.jigsaw import Jigsaw, back_to_back, rollout_shares
+from dovetail.sched.jigsaw import Jigsaw, rollout_shares
 from dovetail.sched.policy import SwitchRole
 
 
@@ -67,14 +67,12 @@ def test_an_lm_and_a_flow_pipeline_multiplexed_end_where_each_ends_alone(policy,
 
 
 @pytest.mark.usefixtures("local_ray")
-def test_back_to_back_under_jigsaw_runs_one_pipeline_after_the_other_each_ending_where_it_ends_alone(
-    alone, tmp_path, monkeypatch
-):
-    """The arrangement jigsaw weighs against multiplexing, run on the Ray runtime (the search made to choose it):
-    sort runs every step on both devices, then digits does; each ends at the reference's parameters, and digits'
+def test_back_to_back_under_jigsaw_runs_one_pipeline_after_the_other_each_ending_where_it_ends_alone(alone, tmp_path):
+    """The arrangement jigsaw weighs against multiplexing, run on the Ray runtime (the run's `arrangement` asks for
+    it): sort runs every step on both devices, then digits does; each ends at the reference's parameters, and digits'
     first step is timed from its own start, not from the run's."""
-    monkeypatch.setattr(Jigsaw, "plan_shapes", classmethod(back_to_back))
-    summary = train(parse_config(multiplexed("jigsaw", LM, FLOW)), tmp_path, steps=STEPS)
+    tree = multiplexed("jigsaw", LM, FLOW) | {"arrangement": "back_to_back"}
+    summary = train(parse_config(tree), tmp_path, steps=STEPS)
     events = [
         e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if "step" in e.get("args", {})
     ]
@@ -206,6 +204,27 @@ def test_policy_auto_plans_every_multiplexing_policy_and_runs_the_fastest_predic
     assert plan["auto"]["line"].startswith(f"policy auto: {plan['policy']}, the fastest predicted")
 
 
+def test_a_run_s_arrangement_keeps_jigsaw_to_it():
+    """`arrangement` (a user who measured the split pool faster than jigsaw predicts it, say) keeps jigsaw's search to
+    one arrangement: every pipeline on the whole pool at once, each on a sub-pool of its own, or one after the other on
+    the whole pool. Planned on the catalogue's costs (a GPU dry run: nothing profiled)."""
+    cluster = {"cluster": {"device": "H100", "devices": 8}}
+    layouts = {}
+    for arrangement in ("shared", "split", "back_to_back"):
+        tree = multiplexed("jigsaw", LM, FLOW) | cluster | {"arrangement": arrangement}
+        shapes = dry_run(parse_config(tree), STEPS)["shapes"]
+        layouts[arrangement] = {  # a shape on the whole pool at once has no first device or turn: 0 and 0
+            name: (set(range(first, first + shape["trainer_devices"])), shape.get("turn", 0))
+            for name, shape in shapes.items()
+            for first in [shape.get("first_device", 0)]
+        }
+    whole = set(range(8))
+    assert layouts["shared"] == {"sort": (whole, 0), "digits": (whole, 0)}
+    assert layouts["back_to_back"] == {"sort": (whole, 0), "digits": (whole, 1)}
+    (sort, sort_turn), (digits, digits_turn) = layouts["split"]["sort"], layouts["split"]["digits"]
+    assert sort and digits and not sort & digits and sort | digits == whole and sort_turn == digits_turn == 0
+
+
 @pytest.mark.parametrize(
     ("tree", "message"),
     [
@@ -216,6 +235,9 @@ def test_policy_auto_plans_every_multiplexing_policy_and_runs_the_fastest_predic
         (multiplexed("jigsaw", LM | {"cluster": {"devices": 3}}), "pipelines.0.cluster"),
         (multiplexed("jigsaw", LM | {"priority": 0}), "pipelines.0.priority"),
         ({"kind": "multiplex", "pipelines": "sort"}, "pipelines: a list of pipeline configs"),
+        (multiplexed("jigsaw", LM, FLOW) | {"arrangement": "diagonal"}, "arrangement"),
+        (multiplexed("jigsaw-greedy", LM, FLOW) | {"arrangement": "split"}, "only policy jigsaw arranges"),
+        (multiplexed("jigsaw", LM) | {"arrangement": "split"}, "one pipeline has no pool to split"),
     ],
 )
 def test_bad_multiplex_configs_name_the_field(tree, message):

@@ -18,7 +18,7 @@ from dovetail.config.common import (
 )
 from dovetail.kinds import DEFAULT_KIND, KINDS
 from dovetail.scenario import Scenario, clip, problem_lines
-from dovetail.sched.policy import PolicyOptions
+from dovetail.sched.policy import Arrangement, PolicyOptions
 
 
 def _kind_of(entry) -> str | None:
@@ -53,6 +53,12 @@ class MultiplexConfig(Section):
     policy: str = Field(
         "jigsaw", description="a policy that multiplexes pipelines, or auto: `dovetail train --help` lists them"
     )
+    arrangement: Arrangement = Field(
+        "auto",
+        description="how jigsaw arranges the pipelines on the pool: shared (every pipeline on the whole pool at once), "
+        "split (each on a sub-pool of its own), back_to_back (one after another on the whole pool), or auto (the "
+        "fastest its simulator predicts on the costs the run profiles)",
+    )
     train: MultiplexTrainSection = MultiplexTrainSection()
     cluster: ClusterSection = ClusterSection()
     pipelines: list[PipelineConfig] = Field(
@@ -66,6 +72,17 @@ class MultiplexConfig(Section):
             choices = [AUTO, *multiplexing_policies()]
             raise ValueError(f"{clip(repr(policy))} does not multiplex pipelines; use one of {choices}")
         return policy
+
+    @model_validator(mode="after")
+    def _arranged_by_jigsaw(self) -> "MultiplexConfig":
+        if self.arrangement != "auto" and self.policy != "jigsaw":
+            raise ValueError(
+                f"arrangement={self.arrangement}: only policy jigsaw arranges the pipelines (policy is {self.policy}); "
+                "set policy: jigsaw, or arrangement: auto"
+            )
+        if self.arrangement == "split" and len(self.pipelines) < 2:
+            raise ValueError("arrangement=split: one pipeline has no pool to split; add a pipeline or use auto")
+        return self
 
     @model_validator(mode="after")
     def _names_unique(self) -> "MultiplexConfig":
@@ -94,7 +111,7 @@ class MultiplexConfig(Section):
         return {}
 
     def policy_options(self) -> PolicyOptions:
-        return PolicyOptions()
+        return PolicyOptions(arrangement=self.arrangement)
 
 
 TrainConfig = RunSection | MultiplexConfig

@@ -256,7 +256,9 @@ class Jigsaw(StagedLLMPolicy):
         arrangement it considered, and no candidate it ranks over the run's steps beats the chosen one. The whole
         pool's tails and the mixtures are screened over `HORIZON_STEPS` steps first and only their `FINALISTS` best
         simulated over the run's (every pipeline alone always is): the whole pool shared by many pipelines is the
-        slowest candidate to simulate and, past a few pipelines, the slowest to run."""
+        slowest candidate to simulate and, past a few pipelines, the slowest to run. A run's `arrangement`
+        (`PolicyOptions.arrangement`) keeps the search to the candidates of one arrangement: the whole pool shared,
+        the sub-pools, or back to back."""
         specs = context.specs
         shared = rollout_shares(specs, dict(context.shapes), context.costs, context.steps)
         if not cls.searches:
@@ -269,11 +271,13 @@ class Jigsaw(StagedLLMPolicy):
                 memo[key] = context.forecast(dict(candidate), horizon)
             return memo[key]
 
-        whole = _tail_search(specs, shared, forecast)
-        split = arrangements(cls, context)
+        arrangement = context.options.arrangement
+        whole = _tail_search(specs, shared, forecast) if arrangement in ("auto", "shared") else []
+        split = arrangements(cls, context) if arrangement in ("auto", "split") else []
         alone = [c for c in split if len({sub_pool(shape) for shape in c.values()}) == len(c)]
-        in_turn = [back_to_back(cls, context, home) for home in (False, True)] if len(specs) > 1 else []
-        alone += [candidate for i, candidate in enumerate(in_turn) if candidate not in in_turn[:i]]
+        if arrangement == "back_to_back" or (arrangement == "auto" and len(specs) > 1):
+            in_turn = [back_to_back(cls, context, home) for home in (False, True)]
+            alone += [candidate for i, candidate in enumerate(in_turn) if candidate not in in_turn[:i]]
         mixtures = [c for c in split if c not in alone]
         screened = sorted(whole + mixtures, key=lambda candidate: -forecast(candidate, HORIZON_STEPS))
         return best_by_forecast(screened[:FINALISTS] + alone, forecast, context.horizon)

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Literal, Protocol, get_args
 
 from dovetail.cost.calibration import DEFAULT
 from dovetail.cost.model import CostModel
@@ -152,12 +152,21 @@ class Tag(StrEnum):
     changes no number, and only under GAP's schedule (digen's search then considers no staged one)."""
 
 
+Arrangement = Literal["auto", "shared", "split", "back_to_back"]
+ARRANGEMENTS: tuple[str, ...] = get_args(Arrangement)
+"""How jigsaw may arrange several pipelines on one pool: every pipeline on the whole pool at once (`shared`), each
+on a sub-pool of its own (`split`), one after another on the whole pool (`back_to_back`), or whichever of them its
+search predicts fastest (`auto`)."""
+
+
 @dataclass(frozen=True)
 class PolicyOptions:
     """The run's own choices a policy honours beyond the scenario's fields."""
 
     tag: Tag | None = None
     """TAG fixed by the run; None: a searching policy chooses per shape (`DigenShape.tag`)."""
+    arrangement: Arrangement = "auto"
+    """How jigsaw arranges several pipelines on the pool (`ARRANGEMENTS`); auto: the fastest its search predicts."""
 
     @classmethod
     def of(cls, options: PolicyOptions | Mapping[str, object] | None) -> PolicyOptions:
@@ -167,17 +176,20 @@ class PolicyOptions:
             return cls()
         if isinstance(options, PolicyOptions):
             return options
-        unknown = sorted(set(options) - {"tag"})
+        unknown = sorted(set(options) - {"tag", "arrangement"})
         if unknown:
-            raise ValueError(f"policy option {unknown[0]!r}: not an option; known: tag")
+            raise ValueError(f"policy option {unknown[0]!r}: not an option; known: tag, arrangement")
+        arrangement = options.get("arrangement", "auto")
+        if arrangement not in ARRANGEMENTS:
+            raise ValueError(f"arrangement {arrangement!r}: use one of {', '.join(ARRANGEMENTS)}")
         if "tag" not in options:
-            return cls()
+            return cls(arrangement=arrangement)  # type: ignore[arg-type]
         tag = options["tag"]
         if isinstance(tag, bool):
-            return cls(tag=Tag.AUTO if tag else Tag.OFF)
+            return cls(tag=Tag.AUTO if tag else Tag.OFF, arrangement=arrangement)  # type: ignore[arg-type]
         if not isinstance(tag, str):
             raise ValueError(f"{tag!r} is not a valid Tag")  # the enum's own refusal, for a value of another type
-        return cls(tag=Tag(tag))
+        return cls(tag=Tag(tag), arrangement=arrangement)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
