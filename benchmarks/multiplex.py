@@ -13,6 +13,7 @@ arrangement:
   async          each alone on both devices under its asynchronous baseline (LM streamrl, flow digen+tcss), in turn
   jigsaw-greedy  one multiplexed run, no look-ahead, the cost model's default shapes
   jigsaw         one multiplexed run, the look-ahead scheduler and its shape search
+  jigsaw-split   jigsaw kept to the split pool (`arrangement: split`): each pipeline on a sub-pool of its own
 
 Every arrangement is a fresh `dovetail train` process (its own local Ray instance). Time is the training itself:
 a pipeline's time is the sum of its steps' `step_s` (commit to commit, start-up profile and base eval excluded);
@@ -39,7 +40,13 @@ ROOT = Path(__file__).resolve().parent.parent
 SYNC = {"lm": "verl-sync", "flow": "colocated"}
 BEST = {"lm": "verl-sync", "flow": "digen"}
 ASYNC = {"lm": "streamrl", "flow": "digen+tcss"}
-ARRANGEMENTS = ("back-to-back", "split-pool", "async", "jigsaw-greedy", "jigsaw")
+MULTIPLEXED = {
+    "jigsaw-greedy": ("jigsaw-greedy", "auto"),
+    "jigsaw": ("jigsaw", "auto"),
+    "jigsaw-split": ("jigsaw", "split"),
+}
+"""The arrangements run as one multiplexed run: (policy, the run's `arrangement`)."""
+ARRANGEMENTS = ("back-to-back", "split-pool", "async", *MULTIPLEXED)
 
 
 def pipelines(steps: int, config: Path) -> dict[str, dict]:
@@ -120,10 +127,12 @@ def busy_seconds(run_dir: Path) -> float:
 
 def measure(arrangement: str, configs: dict[str, dict], out: Path) -> dict:
     """Run one arrangement; returns per-pipeline figures and the makespan."""
-    if arrangement in ("jigsaw", "jigsaw-greedy"):
+    if arrangement in MULTIPLEXED:
+        policy, arranged = MULTIPLEXED[arrangement]
         tree = {
             "kind": "multiplex",
-            "policy": arrangement,
+            "policy": policy,
+            "arrangement": arranged,
             "train": {"steps": next(iter(configs.values()))["train"]["steps"]},
             "cluster": {"devices": 2, "device": "cpu-core"},
             "pipelines": [
@@ -158,8 +167,10 @@ def predicted(arrangement: str, configs: dict[str, dict], steps: int) -> float:
     from dovetail.config.load import parse_config
     from dovetail.exec.launch import dry_run
 
-    if arrangement in ("jigsaw", "jigsaw-greedy"):
-        tree = {"kind": "multiplex", "policy": arrangement, "cluster": {"devices": 2}, "train": {"steps": steps}}
+    if arrangement in MULTIPLEXED:
+        policy, arranged = MULTIPLEXED[arrangement]
+        tree = {"kind": "multiplex", "policy": policy, "arrangement": arranged, "cluster": {"devices": 2}}
+        tree["train"] = {"steps": steps}
         tree["pipelines"] = [{k: v for k, v in c.items() if k != "train"} for c in configs.values()]
         return dry_run(parse_config(tree), steps)["samples_per_s"]
     policies = {"async": ASYNC, "back-to-back": BEST}.get(arrangement, SYNC)

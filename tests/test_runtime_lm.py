@@ -71,6 +71,9 @@ def test_verl_sync_on_ray_ends_at_the_reference_parameters(reference, tmp_path):
     reference_lines = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
     assert [m["reward/total"] for m in lines] == [m["reward/total"] for m in reference_lines]
     assert all(m["staleness"] == 0 and abs(m["ratio_mean"] - 1) < 1e-5 for m in lines)
+    # the commit's own split: inside the commit node's time on its devices
+    assert all(0 < m["commit_sync_s"] and 0 < m["commit_optimizer_s"] for m in lines)
+    assert all(m["commit_sync_s"] + m["commit_optimizer_s"] <= m["commit_s"] for m in lines)
 
 
 def test_decode_by_length_band_pauses_and_continues_responses_exactly(reference, tmp_path):

@@ -66,7 +66,7 @@ class StepMetrics:
             for name in scores[0].scores
         }
         metrics |= phase_seconds(executor, self.pipeline, graph_step) | {
-            "grad_norm": grad_norm_of(commits),
+            **commit_figures(commits),
             "samples_per_s": sum(len(s.samples) for s in scores) / window,
             "step_s": window,
             "occupancy": float(np.mean(occupancy)),
@@ -80,15 +80,21 @@ class StepMetrics:
         return metrics
 
 
-def grad_norm_of(commit_refs: list) -> float:
-    """The pre-clip gradient norm of a step's commit: every trainer replica returns the same one, and a replica that
-    died after committing holds an error instead (NaN if none answers)."""
+def commit_figures(commit_refs: list) -> dict[str, float]:
+    """The step's commit as its first trainer replica that answers tells it (`Committed`): the pre-clip gradient norm
+    (every replica's is the same) and the seconds it spent adding the devices' gradients and stepping the optimizer;
+    a replica that died after committing holds an error instead (NaN if none answers)."""
     for ref in commit_refs:
         try:
-            return float(ray.get(ref))
+            committed = ray.get(ref)
         except RayError:
             continue
-    return float("nan")
+        return {
+            "grad_norm": float(committed.grad_norm),
+            "commit_sync_s": committed.sync_s,
+            "commit_optimizer_s": committed.optimizer_s,
+        }
+    return {"grad_norm": float("nan"), "commit_sync_s": float("nan"), "commit_optimizer_s": float("nan")}
 
 
 def phase_seconds(executor: RayExecutor, pipeline: str, graph_step: int) -> dict[str, float]:

@@ -45,12 +45,23 @@ class Loaded:
 
 @dataclass(frozen=True)
 class Commit(Work):
-    """Sum the step's train parts' gradients over the trainer devices `ranks` (in the order of the parts' keys: the
-    same bits wherever each part ran), scale the sum by `scale` (1 / the loss normaliser when the train parts summed
-    their losses) and take one optimizer step."""
+    """Sum the step's train parts' gradients over the trainer devices `ranks` (the same bits wherever each part ran:
+    in the order of the parts' keys, or in any order where that gives the same bits), scale the sum by `scale`
+    (1 / the loss normaliser when the train parts summed their losses) and take one optimizer step."""
 
     ranks: tuple[int, ...]
     scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A `Commit`'s answer: the pre-clip gradient norm (the same on every replica) and where the replica's commit
+    went: adding the trainer devices' gradients together (the gather or all-reduce, with the wait for the slowest),
+    then the clip and the optimizer step."""
+
+    grad_norm: float
+    sync_s: float
+    optimizer_s: float
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from dovetail.config.load import parse_config
-from dovetail.exec.messages import Commit, Loaded, LoadWeights, Trained, Work
+from dovetail.exec.messages import Commit, Committed, Loaded, LoadWeights, Trained, Work
 from dovetail.exec.publication import (
     Layout,
     Staging,
@@ -301,13 +301,16 @@ class DeviceWorker:
         engines.load_rollout_weights(work.version, weights)
         return Loaded(time.perf_counter() - start, path)
 
-    def _commit(self, work: Commit) -> float:
+    def _commit(self, work: Commit) -> Committed:
         """Sum the step's train parts' gradients of every trainer device (in the order of their keys, or reduced
-        where the order does not matter) and take one optimizer step; returns the pre-clip gradient norm (the same
-        on every replica)."""
-        set_summed_gradient(self.engines.trainer, self._across(self.gradients, work.ranks), work.scale)
+        where the order does not matter) and take one optimizer step."""
+        start = time.perf_counter()
+        summed = self._across(self.gradients, work.ranks)
+        synced = time.perf_counter()
+        set_summed_gradient(self.engines.trainer, summed, work.scale)
         self.gradients = {}
-        return commit(self.engines.trainer, self.engines.optimizer, self.config.train.max_grad_norm)
+        grad_norm = commit(self.engines.trainer, self.engines.optimizer, self.config.train.max_grad_norm)
+        return Committed(grad_norm, synced - start, time.perf_counter() - synced)
 
     def _across(self, parts: dict, ranks: tuple[int, ...]) -> list[torch.Tensor]:
         """What `set_summed_gradient` adds, in order, for every trainer device's `parts`: the parts in key order
