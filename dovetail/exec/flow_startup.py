@@ -13,7 +13,6 @@ from dovetail.cost.catalog import diffusion_model
 from dovetail.cost.model import CostModel
 from dovetail.exec.flow_engines import profile_work
 from dovetail.exec.plan import rollout_wake_s
-from dovetail.graph.flow import trainable_params
 from dovetail.models.diffusers_flow import check_prompt_table, load_decoder, load_flow_model
 from dovetail.prompts import prompt_split
 from dovetail.recipe import sde_settings
@@ -47,9 +46,6 @@ def fitted_cost(config: FlowTrainConfig, scenario: Scenario, measured: dict[str,
         "publish": analytic.publish(model.params),
         "switch": rollout_wake_s(scenario, analytic),
     }
-    if "sync" in measured:
-        trained = trainable_params(spec) or model.params
-        predicted["sync"] = analytic.replica_allreduce_seconds(trained, 1, measured["sync_devices"])
     records = [(kind, predicted[kind], max(measured[kind], 1e-9)) for kind in predicted]
     return CostModel.from_measurements(config.cluster.device, records, calibration)
 

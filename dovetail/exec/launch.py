@@ -269,7 +269,9 @@ def profiled_cost(config: TrainConfig, scenario: Scenario, workers: list, reprof
         return measured | {"switch": time.perf_counter() - start}
 
     measured = cached("profile", [config.model_dump(mode="json")], measure, reprofile)
-    return kind(config.kind).load("fit")(config, scenario, measured | measured_sync(config, workers, reprofile))
+    if getattr(scenario.pipelines[0], "replicated_trainer", False):
+        measured |= measured_sync(config, workers, reprofile)
+    return kind(config.kind).load("fit")(config, scenario, measured)
 
 
 SYNC_REPEATS = 5
@@ -278,7 +280,10 @@ SYNC_REPEATS = 5
 def measured_sync(config: TrainConfig, workers: list, reprofile: bool = False) -> dict:
     """How long a commit takes to add a gradient across the devices that may train (`DeviceWorker.time_sync`:
     `sync` seconds over `sync_devices`), which a trainer pool of several replicas pays at every step and a device
-    alone does not; nothing on one device. Kept per machine, config and device count (`exec.startup_cache`)."""
+    alone does not; nothing on one device. Kept per machine, config and device count (`exec.startup_cache`).
+    Measured for a pipeline whose scenario prices its trainer as the runtime's replicas (`replicated_trainer`: a
+    language model's); a flow scenario still prices a trainer pool as FSDP groups, where the measured sync would
+    weigh against the replicas alone and tip digen's search to a split the runtime does not run."""
     trainers = workers[: config.compute_devices]
     if len(trainers) < 2:
         return {}
