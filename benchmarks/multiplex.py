@@ -50,8 +50,10 @@ ARRANGEMENTS = ("back-to-back", "split-pool", "async", *MULTIPLEXED)
 
 
 def pipelines(steps: int, config: Path) -> dict[str, dict]:
-    """The multiplex config's pipelines with the benchmark's steps, by the names a multiplexed run gives them (the LM
-    pipeline's task, the flow pipeline `digits`); evaluation only at the end, and small."""
+    """The multiplex config's pipelines with the benchmark's steps, by the names a multiplexed run gives them;
+    evaluation only at the end, and small."""
+    from dovetail.config.load import parse_config
+
     multiplex = yaml.safe_load(config.read_text())
     found = {}
     for entry in multiplex["pipelines"]:
@@ -59,8 +61,24 @@ def pipelines(steps: int, config: Path) -> dict[str, dict]:
         entry.setdefault("train", {})["steps"] = steps
         entry["eval"] = {"every": 10_000} | ({"prompts": 8} if entry["kind"] == "lm" else {"per_prompt": 1})
         entry["checkpoint"] = {"every": 10_000}
-        found[entry.get("task", "sort") if entry["kind"] == "lm" else "digits"] = entry
+        found[parse_config(entry).pipeline_name] = entry
     return found
+
+
+def multiplexed_tree(arrangement: str, configs: dict[str, dict]) -> dict:
+    """The arrangement's one multiplexed run of the pipelines (`MULTIPLEXED`: its policy and `arrangement`) on the 2
+    local devices, every pipeline keeping its learning rate, the run taking their steps."""
+    policy, arranged = MULTIPLEXED[arrangement]
+    return {
+        "kind": "multiplex",
+        "policy": policy,
+        "arrangement": arranged,
+        "train": {"steps": next(iter(configs.values()))["train"]["steps"]},
+        "cluster": {"devices": 2, "device": "cpu-core"},
+        "pipelines": [
+            {k: v for k, v in c.items() if k != "train"} | {"train": {"lr": c["train"]["lr"]}} for c in configs.values()
+        ],
+    }
 
 
 def run(config: dict, out: Path, overrides: list[str] = (), cores: str | None = None) -> subprocess.Popen:
@@ -128,19 +146,7 @@ def busy_seconds(run_dir: Path) -> float:
 def measure(arrangement: str, configs: dict[str, dict], out: Path) -> dict:
     """Run one arrangement; returns per-pipeline figures and the makespan."""
     if arrangement in MULTIPLEXED:
-        policy, arranged = MULTIPLEXED[arrangement]
-        tree = {
-            "kind": "multiplex",
-            "policy": policy,
-            "arrangement": arranged,
-            "train": {"steps": next(iter(configs.values()))["train"]["steps"]},
-            "cluster": {"devices": 2, "device": "cpu-core"},
-            "pipelines": [
-                {k: v for k, v in c.items() if k != "train"} | {"train": {"lr": c["train"]["lr"]}}
-                for c in configs.values()
-            ],
-        }
-        finish([run(tree, out)])
+        finish([run(multiplexed_tree(arrangement, configs), out)])
         figures = {name: pipeline_figures(out / name) for name in configs}
         makespan = training_seconds(out)
         return {"pipelines": figures, "makespan": makespan, "efficiency": busy_seconds(out) / (2 * makespan)}
@@ -168,11 +174,7 @@ def predicted(arrangement: str, configs: dict[str, dict], steps: int) -> float:
     from dovetail.exec.launch import dry_run
 
     if arrangement in MULTIPLEXED:
-        policy, arranged = MULTIPLEXED[arrangement]
-        tree = {"kind": "multiplex", "policy": policy, "arrangement": arranged, "cluster": {"devices": 2}}
-        tree["train"] = {"steps": steps}
-        tree["pipelines"] = [{k: v for k, v in c.items() if k != "train"} for c in configs.values()]
-        return dry_run(parse_config(tree), steps)["samples_per_s"]
+        return dry_run(parse_config(multiplexed_tree(arrangement, configs)), steps)["samples_per_s"]
     policies = {"async": ASYNC, "back-to-back": BEST}.get(arrangement, SYNC)
     devices = 1 if arrangement == "split-pool" else 2
     plans = [

@@ -11,8 +11,9 @@ import torch.multiprocessing as mp
 from dovetail.exec.worker import gather_parts, reduce_parts
 
 NUMEL = 1000
-HELD = {0: [("train-b", 1), ("train-a", 0)], 1: [("train-c", 0)], 2: []}
-"""Which parts each of three devices trained: uneven, one device none (a device that only generated)."""
+HELD = {0: [("train-c", 0), ("train-a", 0)], 1: [("train-b", 1)], 2: []}
+"""Which parts each of three devices trained: uneven, one device none (a device that only generated), and not in key
+order (device 0 holds the first and the last key): a reduction adds (a + c) + b where the key order adds (a + b) + c."""
 
 
 def part(key: tuple[str, int]) -> torch.Tensor:
@@ -21,12 +22,16 @@ def part(key: tuple[str, int]) -> torch.Tensor:
     return torch.randn(NUMEL, generator=generator, dtype=torch.float64)
 
 
-def language_model_part(key: tuple[str, int]) -> torch.Tensor:
-    """A language-model part as `models.lm_rl` makes one: fp32 group gradients, of magnitudes 2^-20 to 2^4 (a span
-    within 2^29), added in fp64."""
+def language_model_part(key: tuple[str, int], lowest: int = -20) -> torch.Tensor:
+    """A language-model part as `models.lm_rl` makes one: three fp32 group gradients added in fp64, each term of
+    magnitude 2^lowest to 2^5. From the default lowest, 2^-20, the terms span 25 bits, and nine of them add exactly
+    in fp64's 53 (24 bits of fp32 mantissa, 4 of carries): the argument the reduction rests on."""
     generator = torch.Generator().manual_seed(zlib.crc32(key[0].encode()) + key[1])
-    groups = torch.randn(3, NUMEL, generator=generator) * 2.0 ** torch.randint(-20, 5, (3, NUMEL), generator=generator)
-    return groups.to(torch.float64).sum(0)
+    magnitude = (1 + torch.rand(3, NUMEL, generator=generator)) * 2.0 ** torch.randint(
+        lowest, 5, (3, NUMEL), generator=generator
+    )
+    sign = torch.randint(0, 2, (3, NUMEL), generator=generator) * 2 - 1
+    return (magnitude * sign).to(torch.float64).sum(0)
 
 
 def gather_on(rank: int, store: str) -> None:
@@ -38,12 +43,13 @@ def gather_on(rank: int, store: str) -> None:
         assert sorted(gathered) == sorted(expected)
         for key in expected:
             assert gathered[key].dtype == torch.float64 and torch.equal(gathered[key], part(key))
-        in_key_order = torch.zeros(NUMEL, dtype=torch.float64)
-        for key in sorted(expected):
-            in_key_order += language_model_part(key)
-        held = {key: language_model_part(key) for key in HELD[rank]}
-        reduced = reduce_parts(held, (0, 1, 2), {}, torch.zeros(NUMEL, dtype=torch.float64))
-        assert torch.equal(reduced, in_key_order)
+        for lowest, same_bits in ((-20, True), (-120, False)):  # beyond the argument's span, the order shows
+            in_key_order = torch.zeros(NUMEL, dtype=torch.float64)
+            for key in sorted(expected):
+                in_key_order += language_model_part(key, lowest)
+            held = {key: language_model_part(key, lowest) for key in HELD[rank]}
+            reduced = reduce_parts(held, (0, 1, 2), {}, torch.zeros(NUMEL, dtype=torch.float64))
+            assert torch.equal(reduced, in_key_order) == same_bits, lowest
     finally:
         dist.destroy_process_group()
 

@@ -35,6 +35,7 @@ from dovetail.exec.recovery import Incarnations, LostWatch, Started
 from dovetail.exec.startup_cache import cached
 from dovetail.exec.watchdog import start_watchdog
 from dovetail.exec.worker import DEVICE_RESOURCE, LOOPBACK, DeviceWorker, WorkerRestarted
+from dovetail.graph.spec import LLMSpec
 from dovetail.kinds import kind
 from dovetail.scenario import Scenario
 
@@ -269,7 +270,8 @@ def profiled_cost(config: TrainConfig, scenario: Scenario, workers: list, reprof
         return measured | {"switch": time.perf_counter() - start}
 
     measured = cached("profile", [config.model_dump(mode="json")], measure, reprofile)
-    if getattr(scenario.pipelines[0], "replicated_trainer", False):
+    spec = scenario.pipelines[0]
+    if isinstance(spec, LLMSpec) and spec.replicated_trainer:
         measured |= measured_sync(config, workers, reprofile)
     return kind(config.kind).load("fit")(config, scenario, measured)
 

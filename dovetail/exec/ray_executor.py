@@ -84,6 +84,15 @@ class PipelineRun:
         self.layout = layout_of(initial)
 
 
+@dataclass
+class Switching:
+    """A device's role switch under way: its workers (one per pipeline) still switching, and the longest round trip
+    of those done (they switch side by side: the device's switch takes the longest)."""
+
+    workers: int = 0
+    longest_s: float = 0.0
+
+
 class RayExecutor:
     def __init__(
         self,
@@ -117,8 +126,8 @@ class RayExecutor:
         self._pending: dict[ray.ObjectRef, Part | SwitchRole] = {}
         self._switching: dict[ray.ObjectRef, str] = {}
         """A role switch's pending refs -> the pipeline whose worker switches: every pipeline on the device does."""
-        self._switch_left: dict[int, list[float]] = {}
-        """Device -> [workers still switching, longest round trip so far]."""
+        self._switches: dict[int, Switching] = {}
+        """Device -> its role switch under way."""
         self._resent: dict[tuple[str, int, int], int] = {}
         self._left: dict[str, int] = {}
 
@@ -227,22 +236,22 @@ class RayExecutor:
     def _switch(self, switch: SwitchRole, pipelines: Sequence[str]) -> None:
         """Switch the device's workers of `pipelines` (all of them, for a decision: a device holds an engine per
         pipeline, and each rollout engine must sleep while the device trains, whichever pipeline trains)."""
-        left = self._switch_left.setdefault(switch.device, [0, 0.0])
+        under_way = self._switches.setdefault(switch.device, Switching())
         for name in pipelines:
             ref = self.pipelines[name].workers[switch.device].switch_role.remote(switch.role.value)
             self._pending[ref] = switch
             self._switching[ref] = name
-            left[0] += 1
+            under_way.workers += 1
 
     def _switched(self, switch: SwitchRole, seconds: float) -> None:
         """One worker of the device switched; once all have, the device has (they switched side by side: the
         switch took the longest round trip)."""
-        left = self._switch_left[switch.device]
-        left[0] -= 1
-        left[1] = max(left[1], seconds)
-        if not left[0]:
-            del self._switch_left[switch.device]
-            self.switch_seconds.append(left[1])
+        under_way = self._switches[switch.device]
+        under_way.workers -= 1
+        under_way.longest_s = max(under_way.longest_s, seconds)
+        if not under_way.workers:
+            del self._switches[switch.device]
+            self.switch_seconds.append(under_way.longest_s)
             self.state.finish_switch(switch.device, switch.role, switch.resident_gb)
 
     def _recover(self, part: Part | SwitchRole, now: float, switching: str | None) -> None:
@@ -252,7 +261,7 @@ class RayExecutor:
         self._count_resend(part)
         if isinstance(part, SwitchRole):
             assert switching is not None
-            self._switch_left[part.device][0] -= 1
+            self._switches[part.device].workers -= 1
             self._revive(self.pipelines[switching], now, "switch")
             self._switch(part, [switching])
             return
@@ -263,7 +272,7 @@ class RayExecutor:
             done = next(ref for ref in self.outputs[part.node] if ref is not None)
             self._complete(part, done, None)
             return
-        if isinstance(part, Part) and isinstance(part.work, LoadWeights):  # a new incarnation has nothing staged
+        if isinstance(part.work, LoadWeights):  # a new incarnation has nothing staged
             part = replace(part, work=replace(part.work, staged=False))
         self._submit(part)
 

@@ -318,17 +318,20 @@ class DeviceWorker:
         if not self.engines.parts_add_in_any_order:
             gathered = gather_parts(parts, ranks, self.groups, self.device)
             return [gathered[key] for key in sorted(gathered)]
-        trainer, _ = self.engines.held_trainer()
-        size = sum(p.numel() for p in trainable_parameters(trainer))
-        return [reduce_parts(parts, ranks, self.groups, torch.zeros(size, dtype=torch.float64, device=self.device))]
+        return [reduce_parts(parts, ranks, self.groups, self._zero_gradient(torch.float64))]
+
+    def _zero_gradient(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A flat gradient of zeros over the trainer's trainable parameters, in `dtype` (None: theirs)."""
+        trained = trainable_parameters(self.engines.held_trainer()[0])
+        size = sum(p.numel() for p in trained)
+        return torch.zeros(size, dtype=dtype or trained[0].dtype, device=self.device)
 
     def time_sync(self, ranks: tuple[int, ...], repeats: int) -> float:
         """Median seconds of a commit's adding across the devices `ranks` (each calls this at once), one part of the
         trainer's gradient size per device: what the planner's commit across trainer replicas is fitted to
         (`cost.model.CostModel.replica_allreduce_seconds`). The first round, which cuts the group, is not timed."""
-        trained = trainable_parameters(self.engines.held_trainer()[0])
-        dtype = torch.float64 if self.engines.parts_add_in_any_order else trained[0].dtype
-        part = {("sync", self.index): torch.zeros(sum(p.numel() for p in trained), dtype=dtype, device=self.device)}
+        dtype = torch.float64 if self.engines.parts_add_in_any_order else None  # what a part is: `part_gradient`
+        part = {("sync", self.index): self._zero_gradient(dtype)}
         seconds = []
         for _ in range(repeats + 1):
             start = time.perf_counter()

@@ -21,12 +21,12 @@ split evenly (`rollout_shares`). It also considers the pipelines on disjoint sub
 sub-pool multiplexed as above, and the pipelines back to back on the whole pool (`back_to_back`: one pipeline per
 turn, each turn starting once the one before has run all its steps), and keeps whichever the simulator finds
 fastest: past two or three pipelines the whole pool's trainer work queues behind itself, and a sub-pool per pipeline
-or pair wins; where the pipelines leave each other little to fill, back to back does. At run time, when several
-pipelines' trainer work wants the (compute-bound) pool, it rolls a memoized stage-level model of the pool forward
-over each pipeline's current and next step for every candidate set and takes the earliest mean completion, weighted
-by each pipeline's `priority`. `jigsaw-greedy`, the ablation, keeps the cost-model default shape (tail at
-`tail_edge`, engine as wide as the home ones) and starts everything that fits now, higher priorities first when not
-everything fits.
+or pair wins; where the pipelines leave each other little to fill, back to back does (a run's `arrangement` may keep
+it to one of the three). At run time, when several pipelines' trainer work wants the (compute-bound) pool, it rolls a
+memoized stage-level model of the pool forward over each pipeline's current and next step for every candidate set and
+takes the earliest mean completion, weighted by each pipeline's `priority`. `jigsaw-greedy`, the ablation, keeps the
+cost-model default shape (tail at `tail_edge`, engine as wide as the home ones) and starts everything that fits now,
+higher priorities first when not everything fits.
 """
 
 from __future__ import annotations
@@ -625,7 +625,8 @@ def arrangements(cls: type[Jigsaw], context: SearchContext) -> list[dict[str, LL
     """The pipelines on disjoint sub-pools: cut, in order, into k groups of consecutive pipelines (sizes differing by
     at most one) for k = 2, 4, 8, ... and every pipeline alone (k = N, the arrangement verl-sync gives, also with its
     even slices); each group multiplexes on a sub-pool sized by its pipelines' work (`slice_sizes`: device-seconds of
-    a step, at least the widest rollout engine of the group). An arrangement whose sub-pools do not fit is left out."""
+    a step, at least the widest rollout engine of the group), each also with its LLM tails home and in stages
+    (`tails_home`, `in_stages`). An arrangement whose sub-pools do not fit is left out."""
     specs = list(context.specs)
     devices = pool_size(context)
     work = {spec.name: step_work(spec, context.shapes[spec.name], context.costs[spec.name]) for spec in specs}
@@ -658,13 +659,17 @@ def arrangements(cls: type[Jigsaw], context: SearchContext) -> list[dict[str, LL
     return candidates
 
 
+def with_llm_cut(candidate: dict[str, LLMShape | FlowShape], **fields) -> dict[str, LLMShape | FlowShape]:
+    """`candidate` with `fields` changed in every LLM pipeline's shape."""
+    return {
+        name: replace(shape, **fields) if isinstance(shape, LLMShape) else shape for name, shape in candidate.items()
+    }
+
+
 def tails_home(candidate: dict[str, LLMShape | FlowShape]) -> dict[str, LLMShape | FlowShape]:
     """`candidate` with every LLM pipeline's long tail kept on its own engines (no migration): what a pipeline alone
     on its (sub-)pool may prefer, the tail's engine being on the devices its own trainer work needs."""
-    return {
-        name: replace(shape, migrate_at=None) if isinstance(shape, LLMShape) else shape
-        for name, shape in candidate.items()
-    }
+    return with_llm_cut(candidate, migrate_at=None)
 
 
 def in_stages(candidate: dict[str, LLMShape | FlowShape]) -> dict[str, LLMShape | FlowShape]:
@@ -672,10 +677,7 @@ def in_stages(candidate: dict[str, LLMShape | FlowShape]) -> dict[str, LLMShape 
     trained once every response is done, not streamed beside the decoding. On a sub-pool of its own, where nothing of
     another pipeline fills the decode's idle devices, that can be the faster cut: on a CPU core, work beside work runs
     slower than one after the other (the interference table's slowdowns above 2)."""
-    return {
-        name: replace(shape, migrate_at=None, stream=False) if isinstance(shape, LLMShape) else shape
-        for name, shape in candidate.items()
-    }
+    return with_llm_cut(candidate, migrate_at=None, stream=False)
 
 
 def back_to_back(cls: type[Jigsaw], context: SearchContext, home: bool = False) -> dict[str, LLMShape | FlowShape]:

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, ClassVar, Literal, Protocol, get_args
+from typing import Any, ClassVar, Literal, Protocol, cast, get_args
 
 from dovetail.cost.calibration import DEFAULT
 from dovetail.cost.model import CostModel
@@ -171,7 +171,7 @@ class PolicyOptions:
     @classmethod
     def of(cls, options: PolicyOptions | Mapping[str, object] | None) -> PolicyOptions:
         """The options of `options`, or of the mapping a run config's `policy_options()` and earlier callers give:
-        {"tag": True (auto) | False (off) | "force"}, each key optional."""
+        {"tag": True (auto) | False (off) | "force", "arrangement": one of `ARRANGEMENTS`}, each key optional."""
         if options is None:
             return cls()
         if isinstance(options, PolicyOptions):
@@ -182,14 +182,14 @@ class PolicyOptions:
         arrangement = options.get("arrangement", "auto")
         if arrangement not in ARRANGEMENTS:
             raise ValueError(f"arrangement {arrangement!r}: use one of {', '.join(ARRANGEMENTS)}")
-        if "tag" not in options:
-            return cls(arrangement=arrangement)  # type: ignore[arg-type]
-        tag = options["tag"]
-        if isinstance(tag, bool):
-            return cls(tag=Tag.AUTO if tag else Tag.OFF, arrangement=arrangement)  # type: ignore[arg-type]
-        if not isinstance(tag, str):
-            raise ValueError(f"{tag!r} is not a valid Tag")  # the enum's own refusal, for a value of another type
-        return cls(tag=Tag(tag), arrangement=arrangement)  # type: ignore[arg-type]
+        given, tag = options.get("tag"), None
+        if isinstance(given, bool):
+            tag = Tag.AUTO if given else Tag.OFF
+        elif isinstance(given, str):
+            tag = Tag(given)
+        elif "tag" in options:
+            raise ValueError(f"{given!r} is not a valid Tag")  # the enum's own refusal, for a value of another type
+        return cls(tag=tag, arrangement=cast(Arrangement, arrangement))
 
 
 @dataclass(frozen=True)
