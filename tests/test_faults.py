@@ -11,6 +11,7 @@ import json
 import time
 import uuid
 
+import numpy as np
 import pytest
 import ray
 import torch
@@ -20,6 +21,7 @@ from safetensors.torch import load_file
 from dovetail.config.load import load_config
 from dovetail.exec.launch import device_pool
 from dovetail.exec.rendezvous import abandon
+from dovetail.graph.node import Kind
 from dovetail.rewards import RewardError
 from dovetail.runner import train
 
@@ -81,6 +83,24 @@ def test_a_run_stopped_after_its_first_step_resumes_bitwise_to_the_undisturbed_o
     train(config, tmp_path, steps=STEPS, resume=tmp_path)
     got = weights(tmp_path)
     assert all(torch.equal(got[k], undisturbed[k]) for k in undisturbed)
+
+
+def test_the_committed_state_is_the_recorded_steps_while_a_commit_is_half_done(tmp_path):
+    """Between the first and the last trainer replica finishing a commit, the newest state runs a step ahead of the
+    recorded ones; what the driver reads as committed (a run that goes on without a lost device starts from it)
+    stays the recorded steps' state: the checkpoint written when the last step was recorded."""
+    half_done: dict[int, dict[str, np.ndarray]] = {}
+
+    def read_mid_commit(executor, part):
+        node = executor.graph[part.node]
+        if node.kind == Kind.COMMIT and part.node not in executor.state.finished:
+            half_done[executor.committed_steps("digits")] = executor.committed_state("digits")["weights"]
+
+    train(load_config(None, [*CONFIG, "checkpoint.every=1"]), tmp_path, steps=STEPS, after_part=read_mid_commit)
+    assert sorted(half_done) == list(range(STEPS))
+    for step in range(1, STEPS):
+        recorded = load_file(tmp_path / "checkpoints" / f"step_{step:06d}" / "model.safetensors")
+        assert all(np.array_equal(half_done[step][k], recorded[k].numpy()) for k in recorded), step
 
 
 def test_a_worker_waiting_for_a_dead_peer_answers_pings_and_stops_waiting_once_its_group_is_abandoned():

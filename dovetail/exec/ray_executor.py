@@ -64,6 +64,10 @@ class PipelineRun:
     state_of_commit: str | None = None
     """The commit node whose new state `trainer_state` already holds: once one trainer replica finished a commit,
     its state is the step's, for every replica (a restarted one takes it and has nothing left to commit)."""
+    recorded_state: ray.ObjectRef = field(init=False)
+    """The trainer state after the pipeline's recorded steps (`committed_steps`): `trainer_state` runs ahead of it
+    from the moment one replica finished a commit until the commit's last replica has, and a run that goes on
+    without a lost device in between goes on from the recorded step, so from this state."""
     adapter: PipelineAdapter = field(init=False)
     ledger: Ledger = field(default_factory=Ledger)
     trainer_devices: tuple[int, ...] = ()
@@ -79,6 +83,7 @@ class PipelineRun:
 
     def __post_init__(self) -> None:
         self.adapter = kind(self.config.kind).load("adapter")(self.config, self.first_step)
+        self.recorded_state = self.trainer_state
         initial = ray.get(self.versions[0])
         self.publish_bytes = sum(v.nbytes for v in initial.values())
         self.layout = layout_of(initial)
@@ -283,27 +288,43 @@ class RayExecutor:
             raise RuntimeError(f"{key[0]} on device {part.device} failed {MAX_RESENDS} times after restarts; giving up")
 
     def committed_state(self, pipeline: str) -> dict:
-        """The pipeline's last committed trainer state (weights + optimizer): in the object store since the commit
-        (`_keep_committed_state`), which outlives the workers; if it was on a node that is gone, from a trainer
-        replica that holds it still (each holds the committed state; a restarted one is passed over)."""
+        """The pipeline's trainer state (weights + optimizer) after its recorded steps, `committed_steps`: what its
+        log records, checkpoints and a run that goes on without a lost device starts from."""
         run = self.pipelines[pipeline]
+        if run.recorded_state is run.trainer_state:
+            return self._newest_state(run)
+        try:
+            return ray.get(run.recorded_state)
+        except ObjectLostError:
+            raise TrainersLost(
+                f"pipeline {pipeline}: its last recorded state was on a node that is gone, and every trainer replica "
+                "has gone on to the next commit; resume from the last checkpoint with --resume RUN_DIR"
+            ) from None
+
+    def _newest_state(self, run: PipelineRun) -> dict:
+        """The pipeline's newest trainer state, its step committed or still committing on some replica: in the object
+        store since the commit (`_keep_committed_state`), which outlives the workers; if it was on a node that is
+        gone, from a trainer replica that holds it still (each holds it; a restarted one is passed over)."""
         try:
             return ray.get(run.trainer_state)
         except ObjectLostError:
+            recorded = run.recorded_state is run.trainer_state
             try:
                 _, run.trainer_state = self._from_a_trainer(run, "trainer_state", run.trainer_devices)
             except TrainersLost:
                 raise TrainersLost(
-                    f"pipeline {pipeline}: its committed state was on a node that is gone, with every trainer "
+                    f"pipeline {run.name}: its committed state was on a node that is gone, with every trainer "
                     "replica; resume from the last checkpoint with --resume RUN_DIR"
                 ) from None
+            if recorded:
+                run.recorded_state = run.trainer_state
             return ray.get(run.trainer_state)
 
     def _revive(self, run: PipelineRun, now: float, during: str) -> None:
         """Bring the pipeline's workers back with its committed trainer state and group (`recovery.revive`) and
         rebuild the gradients of the restarted devices' train parts of the open step (sent before anything else)."""
         config = run.config.model_dump(mode="json")
-        state = ray.put(self.committed_state(run.name))
+        state = ray.put(self._newest_state(run))
         for device in revive(run.workers, run.incarnations, config, state, RECOVERY_DEADLINE_S, self.lost()):
             run.ledger.restarts.append((round(now, 3), device, during))
             for lost in run.uncommitted[device]:
@@ -389,7 +410,10 @@ class RayExecutor:
             run.adapter.book(node, part, result, run.ledger)
         self._left[part.node] -= 1
         if self._left[part.node] == 0:
+            recorded = len(self.state.trace.steps)
             self.state.finish_node(part.node)
+            if len(self.state.trace.steps) > recorded:  # the pipeline's step is recorded, its state with it
+                run.recorded_state = run.trainer_state
 
     def _keep_committed_state(self, run: PipelineRun, commit: str, device: int) -> None:
         """The new trainer state, taken into the object store from the first replica that finished the commit
