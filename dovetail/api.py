@@ -23,7 +23,7 @@ def train(
     `out`: the run directory; default runs/latest, or with `resume` the resumed run's own (another `out` continues a
     copy there, as the command line's `--resume` does). A bad config raises `dovetail.config.common.ConfigError`; a
     directory holding another run `RunDirInUse` (unless `overwrite`); Ctrl-C stops after the step in flight, saved,
-    raising `dovetail.runner.RunInterrupted`."""
+    raising `dovetail.run_dir.RunInterrupted`."""
     import copy
 
     from dovetail.config.load import apply_override, load_config, parse_config

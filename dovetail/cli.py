@@ -5,6 +5,7 @@ code 2, and nothing written."""
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import NoReturn
 
@@ -59,6 +60,7 @@ def train(
     Ctrl-C, SIGTERM (kill, systemd, Kubernetes, SLURM) and SIGHUP stop after the step in flight and save it, exit
     code 130 / 143 / 129 (a second signal stops at once). A run that fails says why in one line; the traceback is in
     RUN_DIR/error.log."""
+    began = time.perf_counter()
     from dovetail.config.common import MAX_STEPS
     from dovetail.config.load import check_this_machine, load_config
     from dovetail.config.multiplex import pipeline_configs
@@ -99,11 +101,17 @@ def train(
     if dry_run:
         _print_dry_run(run_config, steps)
         return
-    from dovetail.runner import RunInterrupted
-    from dovetail.runner import train as run_training
+    from dovetail.exec.launch import start_devices_early
+    from dovetail.run_dir import RunInterrupted, checked_run_paths
 
     try:
-        summary = run_training(run_config, out, steps=steps, resume=resume, overwrite=overwrite, reprofile=reprofile)
+        checked_run_paths(run_config, out, resume, overwrite)  # refused at once, not after Ray has started
+        start_devices_early(run_config)  # its processes import their engines while this one imports the runner
+        from dovetail.runner import train as run_training
+
+        summary = run_training(
+            run_config, out, steps=steps, resume=resume, overwrite=overwrite, reprofile=reprofile, began=began
+        )
     except (RewardError, RunInterrupted) as error:  # the message says what was saved and how to go on
         typer.echo(str(error), err=True)
         raise typer.Exit(error.exit_code if isinstance(error, RunInterrupted) else 1) from None

@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 import yaml
 
+from dovetail.config.multiplex import MultiplexConfig, TrainConfig, pipeline_configs
 from dovetail.files import one_line
 from dovetail.kinds import DEFAULT_KIND
 
@@ -51,6 +53,15 @@ class BrokenCheckpoint(ValueError):
 
 class RunDirInUse(ValueError):
     """A new run asked to write where another run's checkpoints are; the message says how to go on."""
+
+
+class RunInterrupted(Exception):
+    """A signal stopped the run after a step that is saved; the message says how to resume, `exit_code` is what a
+    process killed by that signal would have returned (128 + its number: 130 for Ctrl-C, 143 for SIGTERM)."""
+
+    def __init__(self, message: str, signum: int = signal.SIGINT) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum
 
 
 class ConfigMismatch(ValueError):
@@ -93,6 +104,28 @@ def check_run_directory(path: Path, resume: Path | None, overwrite: bool) -> Non
         f"--out {path} holds another run's checkpoints (newest {found[0][1].name}): continue it with --resume {path}, "
         f"give another --out, or pass --overwrite (its checkpoints move to {Path(path) / 'superseded'})"
     )
+
+
+def checked_run_paths(
+    config: TrainConfig, out: Path, resume: Path | None, overwrite: bool
+) -> tuple[dict[str, Path], dict[str, Path | None]]:
+    """Each pipeline's run directory under `out` (a multiplexed run's: a sub-directory each) and what it resumes
+    from, checked before anything starts: no directory holds another run's checkpoints unless `overwrite`
+    (`check_run_directory`), and a resumed run trains the model its run trained (`check_same_model`)."""
+    pipelines = pipeline_configs(config)
+    multiplexed = isinstance(config, MultiplexConfig)
+    paths = {name: out / name if multiplexed else out for name in pipelines}
+    resumes = {
+        name: None if resume is None else (Path(resume) / name if multiplexed else Path(resume)) for name in paths
+    }
+    for name, path in paths.items():
+        check_run_directory(path, resumes[name], overwrite)
+    if resume is not None:
+        check_same_model(run_of(resume), config.model_dump(mode="json"))
+        for name, pipeline in pipelines.items():
+            if multiplexed:
+                check_same_model(run_of(Path(resume) / name), pipeline.model_dump(mode="json"))
+    return paths, resumes
 
 
 IDENTITY_FIELDS = ("kind", "task", "model.checkpoint", "model.path")

@@ -48,9 +48,9 @@ from dovetail.rewards.text import score_text
 from dovetail.run_dir import (
     NothingToTrain,
     RunDir,
+    RunInterrupted,
     check_resumable,
-    check_run_directory,
-    check_same_model,
+    checked_run_paths,
     load_checkpoint,
     plot_curves,
     resume_points,
@@ -352,6 +352,7 @@ def train(
     after_start=None,
     after_part=None,
     reprofile: bool = False,
+    began: float | None = None,
 ) -> dict:
     """Train every pipeline of the run to `steps` (default config.train.steps) under config.policy; returns the
     summary. A multiplexed run keeps each pipeline in its own sub-directory of `out` (and resumes each from there).
@@ -364,8 +365,9 @@ def train(
     `on_step(metrics, pipeline)` and / or `on_eval(evaluation, pipeline)` (`dovetail.trackers.Evaluation`).
     `reprofile`: measure the devices again instead of reading what a run of the same config measured on this machine
     (`exec.startup_cache`). `after_start` / `after_part` are the Ray runtime's fault-injection hooks, for tests.
-    The summary's `startup_s` is the seconds from this call to the first step's start, apart from the steps' own."""
-    called = time.perf_counter()
+    The summary's `startup_s` is the seconds from `began` (`time.perf_counter()` when the command began; default
+    this call) to the first step's start."""
+    called = time.perf_counter() if began is None else began
     torch.set_num_threads(1)
     config = with_steps(config, steps if steps is not None else config.train.steps)
     last_step = config.train.steps
@@ -375,17 +377,8 @@ def train(
     for pipeline in pipelines.values():
         kind(pipeline.kind).load("check_checkpoint")(pipeline)
     out = Path(out)
-    paths = {name: out / name if multiplexed else out for name in pipelines}
-    resumes = {
-        name: None if resume is None else (Path(resume) / name if multiplexed else Path(resume)) for name in paths
-    }
-    for name, path in paths.items():
-        check_run_directory(path, resumes[name], overwrite)
+    paths, resumes = checked_run_paths(config, out, resume, overwrite)
     if resume is not None:
-        check_same_model(run_of(resume), config.model_dump(mode="json"))
-        for name, pipeline in pipelines.items():
-            if multiplexed:
-                check_same_model(run_of(resumes[name]), pipeline.model_dump(mode="json"))
         resumes = resume_points(resumes)
     created = not out.exists()
     root = RunDir(out)
@@ -486,15 +479,6 @@ def with_steps(config: TrainConfig, steps: int) -> TrainConfig:
     for pipeline in tree.get("pipelines", []):
         pipeline["train"]["steps"] = steps
     return parse_config(tree)
-
-
-class RunInterrupted(Exception):
-    """A signal stopped the run after a step that is saved; the message says how to resume, `exit_code` is what a
-    process killed by that signal would have returned (128 + its number: 130 for Ctrl-C, 143 for SIGTERM)."""
-
-    def __init__(self, message: str, signum: int = signal.SIGINT) -> None:
-        super().__init__(message)
-        self.exit_code = 128 + signum
 
 
 STOP_SIGNALS = {

@@ -12,7 +12,7 @@ from two_pipelines import FLOW, LM, STEPS, final_weights, max_difference, same_p
 
 from dovetail.config.common import ConfigError, multiplexing_policies
 from dovetail.config.load import parse_config
-from dovetail.exec.launch import AUTO_TIE, dry_run
+from dovetail.exec.launch import AUTO_TIE, device_pool, dry_run, start_devices_early
 from dovetail.exec.messages import LMTrain
 from dovetail.exec.ray_executor import RayExecutor
 from dovetail.exec.replay import replay_run
@@ -87,6 +87,29 @@ def test_back_to_back_under_jigsaw_runs_one_pipeline_after_the_other_each_ending
     first_digits_step = json.loads((tmp_path / "digits" / "metrics.jsonl").read_text().splitlines()[0])["step_s"]
     assert first_digits_step < sort_s, (first_digits_step, sort_s)
     assert summary["pipelines"]["digits"]["steps"] == STEPS
+
+
+@pytest.mark.usefixtures("local_ray")
+def test_devices_started_before_the_run_are_the_ones_each_pipeline_takes_up(tmp_path):
+    """The command line starts Ray and every pipeline's device workers first, each importing its pipeline's engines
+    while the command imports its own (`launch.start_devices_early`); the run then takes up those very workers, each
+    pipeline its own (the slots of `start_workers`), and starts none."""
+    config = parse_config(multiplexed("jigsaw", LM, FLOW) | {"arrangement": "back_to_back"})
+
+    def pids(workers) -> list[int]:
+        return ray.get([worker.ping.remote() for worker in workers])
+
+    start_devices_early(config)
+    pool = device_pool(config)
+    early = {name: pids(pool.workers(slot)) for slot, name in enumerate(("sort", "digits"))}
+    taken: dict[str, list[int]] = {}
+    train(
+        config,
+        tmp_path,
+        steps=1,
+        after_start=lambda started: taken.update({name: pids(s.workers) for name, s in started.items()}),
+    )
+    assert taken == early and len({pid for p in early.values() for pid in p}) == 4
 
 
 @pytest.mark.usefixtures("local_ray")

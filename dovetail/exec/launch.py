@@ -212,6 +212,21 @@ def device_pool(config: TrainConfig) -> DevicePool:
     return DevicePool(tuple(ordered), "GPU" in bundle)
 
 
+def start_devices_early(config: TrainConfig) -> None:
+    """A local run's Ray instance and device workers started now, each worker importing its pipeline's engines
+    (`DeviceWorker.preload`), for a caller that has yet to import its own (the command line, before the runner):
+    the imports, seconds each on every process, overlap instead of following each other, and the run takes up both
+    as it starts (`start_ray` finds Ray started; `device_pool` and `DevicePool.workers` find their names). A run on
+    a cluster (cluster.address, $RAY_ADDRESS) and the one-process reference start nothing here."""
+    if config.policy == "reference" or ray_address(config.cluster):
+        return
+    start_ray(config)
+    pool = device_pool(config)
+    for slot, pipeline in enumerate(pipeline_configs(config).values()):  # `start_workers`' slots
+        for worker in pool.workers(slot):
+            worker.preload.remote(pipeline.kind)
+
+
 def bundle_nodes(bundles) -> dict[str, dict[int, str]]:
     """Each placement group's bundles' nodes (bundle index -> node id; a bundle without a node has none), by group
     name, from one read of each group's table."""

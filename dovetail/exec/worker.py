@@ -205,6 +205,12 @@ class DeviceWorker:
             raise WorkerRestarted(f"device {self.index} restarted and is not configured yet")
         return self._engines
 
+    def preload(self, kind_name: str) -> None:
+        """Import a pipeline kind's engines (torch's model stack: seconds) before `configure` needs them. A run
+        started from the command line sends this as its workers start, before its own process imports the same
+        stack, so that the two imports overlap instead of following each other (`launch.start_devices_early`)."""
+        kind(kind_name).load("engines")
+
     def held_engines(self) -> list[str]:
         """The engines this device holds (every device holds the reward engine, built at configure)."""
         return self.engines.held()
