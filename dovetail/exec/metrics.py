@@ -55,8 +55,9 @@ summary.json, once per pipeline (a multiplexed run: under pipelines, and the Ray
   samples_per_s         samples the run trained per wall second of its steps: all over the sum of step_s (what the
                         progress display shows after each step, for the steps so far)
   notes                 what summary.json's and metrics.jsonl's less obvious figures count, in words
-  startup_s             wall seconds from the call to the first step's start, apart from every step: checks, model
-                        load, the base evaluation; Ray: also the instance, the device workers, their start-up profile
+  startup_s             wall seconds from the command's start (`dovetail train`; from the call, through the API) to
+                        the first step's start, apart from every step: imports, checks, model load, the base
+                        evaluation; Ray: also the instance, the device workers, their start-up profile
                         (read from the cache when this machine ran the config before), the plan and, under
                         cluster.publication=auto with devices on several nodes, both publication paths timed
   devices_lost          Ray: devices the run went on without (no node for cluster.lost_after_s; docs/cluster.md)
