@@ -21,7 +21,7 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup, get_placement_group, placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from dovetail.config.common import AUTO, MAX_PIPELINES, auto_candidates, ray_address
+from dovetail.config.common import AUTO, MAX_PIPELINES, REFERENCE, auto_candidates, ray_address
 from dovetail.config.multiplex import TrainConfig, pipeline_configs
 from dovetail.cost.catalog import DEVICES, device
 from dovetail.cost.model import CostModel
@@ -218,7 +218,7 @@ def start_devices_early(config: TrainConfig) -> None:
     the imports, seconds each on every process, overlap instead of following each other, and the run takes up both
     as it starts (`start_ray` finds Ray started; `device_pool` and `DevicePool.workers` find their names). A run on
     a cluster (cluster.address, $RAY_ADDRESS) and the one-process reference start nothing here."""
-    if config.policy == "reference" or ray_address(config.cluster):
+    if config.policy == REFERENCE or ray_address(config.cluster):
         return
     start_ray(config)
     pool = device_pool(config)
