@@ -1,7 +1,9 @@
 """The planner's figures in BENCHMARKS.md (issue 10): published runs against the simulator, per-GPU throughput
-scaling curves beside published points, and the DigenRL / JigsawRL tables with one ablation per mechanism.
+scaling curves beside published points, the DigenRL / JigsawRL tables with one ablation per mechanism, and issue 19's
+two-device targets on GPUs.
 
-    python benchmarks/planner_figures.py [calibration] [scaling] [digen] [digen-thin] [jigsaw] [jigsaw-thin] [pipelines]
+    python benchmarks/planner_figures.py [calibration] [scaling] [digen] [digen-thin] [jigsaw] [jigsaw-thin] \
+        [pipelines] [two-devices]
 
 Every figure is the simulator's (`dovetail.scenario.simulate`, noise 0) on the shipped scenarios; nothing runs on a
 device. Sections print Markdown tables."""
@@ -241,6 +243,36 @@ def pipelines() -> None:
         print(f"| {n} | {verl:.2f} | {jigsaw:.2f} | {jigsaw / verl:.2f}x | {arrangement} | {seconds:.1f} |")
 
 
+def short_lm(devices: int, sigma: float) -> Scenario:
+    """sort's shape at a GPU model's scale: Qwen3-0.6B, 32 prompts x 8, lognormal lengths around 300 tokens (sigma
+    0.3: no tail to speak of; 0.8: the published traces' tail) up to 1024, 4 micro-batches, on `devices` H100s."""
+    data = load_scenario("jigsaw-qwen3-0.6b-16xh100").model_dump(mode="python", exclude_none=True)
+    data["cluster"] = {"device": "H100", "devices": devices}
+    lengths = {"kind": "lognormal", "median": 300, "sigma": sigma}
+    data["pipelines"] = [data["pipelines"][0] | {"group": 8, "lengths": lengths, "max_length": 1024}]
+    return parse_scenario(data, f"qwen3-0.6b-short@{devices}")
+
+
+def two_devices() -> None:
+    """Issue 19's two-device targets as the simulator sees them on H100s: each policy's steady step on 2 GPUs against
+    the one-GPU run its target compares with: the reference's work, every stage on one device and no old-log-prob
+    recompute (`digen`'s shape on one GPU for a flow model, `verl-sync` on one for a language model), for Qwen-Image
+    (veRL-Omni's FlowGRPO recipe) and a Qwen3-0.6B GRPO job of sort's shape."""
+    rows = [
+        ("Qwen-Image FlowGRPO", lambda n: resized("calib-qwenimage-64xh100", n, "H100"), "digen", "digen"),
+        ("Qwen-Image FlowGRPO", lambda n: resized("calib-qwenimage-64xh100", n, "H100"), "digen", "colocated"),
+        ("Qwen-Image FlowGRPO", lambda n: resized("calib-qwenimage-64xh100", n, "H100"), "digen", "disaggregated"),
+        ("Qwen3-0.6B GRPO, sigma 0.3", lambda n: short_lm(n, 0.3), "verl-sync", "verl-sync"),
+        ("Qwen3-0.6B GRPO, sigma 0.8", lambda n: short_lm(n, 0.8), "verl-sync", "verl-sync"),
+    ]
+    print("| job | policy on 2 GPUs | step (s) | one GPU (its policy) | step (s) | speedup |")
+    print("|---|---|---|---|---|---|")
+    for job, scenario, alone, policy in rows:
+        one = summarize(simulate(scenario(1), alone, steps=3)[1]).steady_step_s
+        two = summarize(simulate(scenario(2), policy, steps=3)[1]).steady_step_s
+        print(f"| {job} | {policy} | {two:.1f} | {alone} | {one:.1f} | {one / two:.2f}x |")
+
+
 SECTIONS = {
     "calibration": calibration,
     "scaling": scaling,
@@ -249,6 +281,7 @@ SECTIONS = {
     "jigsaw": jigsaw,
     "jigsaw-thin": lambda: jigsaw(network_gbps=THIN_NETWORK_GBPS),
     "pipelines": pipelines,
+    "two-devices": two_devices,
 }
 
 if __name__ == "__main__":
