@@ -1,8 +1,7 @@
-"""The reference RL loop (`policy: reference`): one process, no Ray, every step in order.
-
-prompts -> G samples per prompt (SDE) -> rewards -> advantages -> train the selected timesteps
-(batched) -> one optimizer step. Every other policy must reproduce these parameters.
-"""
+"""Training a run: its pipelines' run directories, logs and checkpoints (`StepLog`), and the steps, by the reference
+loop in this process (`policy: reference`: one process, no Ray, every step in order; each kind's step is its
+`local` part, `local_flow` / `local_lm`) or by the Ray runtime (`exec.driver.train_on_ray`). Every other policy must
+reproduce the reference loop's parameters."""
 
 import os
 import shutil
@@ -12,39 +11,15 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from dovetail.config.common import ConfigError
-from dovetail.config.flow import FlowTrainConfig, flow_rules
-from dovetail.config.lm import LMTrainConfig, engine_matches_trainer
 from dovetail.config.load import dump_config, parse_config
 from dovetail.config.multiplex import MultiplexConfig, PipelineConfig, TrainConfig, pipeline_configs
 from dovetail.exec.driver import train_on_ray
-from dovetail.exec.lm_adapter import commit_scale, lm_step_metrics
-from dovetail.exec.lm_engines import LMEngines
-from dovetail.exec.lm_model import encode_prompts, lm_checkpoint_io, model_context, sampling_params, stop_strings
-from dovetail.exec.messages import Decode, LMLogProbs, LMTrain, Prefill, Score
 from dovetail.exec.metrics import SUMMARY_NOTES
-from dovetail.graph.node import SampleId
 from dovetail.kinds import kind
-from dovetail.models.causal_lm import rollout_engine
-from dovetail.models.diffusers_flow import checkpoint_io, load_decoder, load_flow_model
-from dovetail.models.engine import Request
-from dovetail.models.flow_rl import generate, group_sample_ids, step_prompts
-from dovetail.models.t2i import latents_to_images
-from dovetail.models.training import commit, make_optimizer, set_summed_gradient, weights_of
-from dovetail.prompts import train_prompts
-from dovetail.recipe import (
-    advantages_of,
-    evaluate,
-    policy_gradient,
-    sample_timesteps,
-    sde_settings,
-    sde_steps,
-)
-from dovetail.rewards import RewardError, score
-from dovetail.rewards.text import score_text
+from dovetail.rewards import RewardError
 from dovetail.run_dir import (
     NothingToTrain,
     RunDir,
@@ -56,67 +31,7 @@ from dovetail.run_dir import (
     resume_points,
     run_of,
 )
-from dovetail.tasks import final_answer, task
 from dovetail.trackers import Evaluation, RunProgress, Tracker, check_installed, open_trackers, scalars
-
-
-def rl_step(
-    model, optimizer, config: FlowTrainConfig, step: int, reference_model=None, decode=latents_to_images
-) -> dict:
-    """One on-policy step of the reference path; returns its metrics. `decode` turns latents into the images the
-    rewards score."""
-    sde, rules = sde_settings(config), flow_rules(config)
-    algo = config.algo
-    timings = {}
-
-    start = time.perf_counter()
-    prompts = step_prompts(config.seed, step, algo.prompts_per_step, train_prompts(config))
-    ids = group_sample_ids(step, list(range(algo.prompts_per_step)), algo.group_size)
-    sample_prompts = [prompts[s.prompt] for s in ids]
-    trajectories = generate(
-        model,
-        sample_prompts,
-        ids,
-        sde,
-        seed=config.seed,
-        shared_group_noise=rules.shared_group_noise,
-        sde_steps=sde_steps(config, ids),
-    )
-    timings["generate_s"] = time.perf_counter() - start
-
-    start = time.perf_counter()
-    rewards = score(decode(trajectories.images), sample_prompts, config.reward, config.reward_timeout_s)
-    advantages = advantages_of(config, rewards["total"], [s.prompt for s in ids], sample_prompts)
-    timings["score_s"] = time.perf_counter() - start
-
-    start = time.perf_counter()
-    timesteps = [sample_timesteps(config, s) for s in ids]
-    total_pairs = rules.pairs_per_step
-    sums = policy_gradient(
-        model,
-        trajectories,
-        advantages,
-        timesteps,
-        sde,
-        config,
-        total_pairs=total_pairs,
-        reference_model=reference_model,
-    )
-    timings["train_s"] = time.perf_counter() - start
-
-    start = time.perf_counter()
-    grad_norm = commit(model, optimizer, config.train.max_grad_norm)
-    timings["commit_s"] = time.perf_counter() - start
-
-    step_seconds = sum(timings.values())
-    metrics = {f"reward/{name}": float(values.mean()) for name, values in rewards.items()}
-    metrics |= {
-        name: value if name in ("ratio_min", "ratio_max") else value / total_pairs for name, value in sums.items()
-    }
-    metrics |= timings | {"grad_norm": grad_norm}
-    if not algo.per_sample_timesteps:
-        metrics["timesteps"] = timesteps[0]
-    return metrics | {"samples_per_s": len(ids) / step_seconds, "step_s": step_seconds}
 
 
 class StepLog:
@@ -298,47 +213,6 @@ def _branch_history(source: Path, run: RunDir) -> None:
     for name in ("metrics.jsonl", "eval_base.png"):
         if (source / name).is_file():
             shutil.copy2(source / name, run.path / name)
-
-
-class FlowLocal:
-    """A flow run's model in this process: the reference loop trains it; evaluations and checkpoints read it."""
-
-    def __init__(self, config: FlowTrainConfig) -> None:
-        self.config = config
-        self.model = load_flow_model(config)
-        self.decode = load_decoder(config)
-        self.optimizer = make_optimizer(self.model, config.train)
-        self.save_weights, self.load_weights = checkpoint_io(config, self.model)
-        self._reference_model = None
-
-    def evaluate(self, run: RunDir, grid: str, step: int) -> Evaluation:
-        """ODE samples on the held-out seeds, drawn as one grid image."""
-        scores, images, prompts = evaluate(self.model, self.config, self.decode)
-        evaluation = Evaluation(step, scores, image=run.path / grid)
-        run.save_eval_grid(images, prompts, grid, evaluation.caption)
-        return evaluation
-
-    def rl_step(self, step: int) -> dict:
-        if self.config.algo.beta > 0 and self._reference_model is None:
-            self._reference_model = load_flow_model(self.config).requires_grad_(False)
-        return rl_step(self.model, self.optimizer, self.config, step, self._reference_model, self.decode)
-
-
-class LMLocal:
-    """A language-model run's engines in this process (trainer, rollout engine, rewards)."""
-
-    def __init__(self, config: LMTrainConfig) -> None:
-        self.config = config
-        self.engines = LMEngines(config, torch.device("cpu"), True, None)
-        self.model, self.optimizer = self.engines.trainer, self.engines.optimizer
-        self.save_weights, self.load_weights = lm_checkpoint_io(config, self.model, self.engines.tokenizer)
-
-    def evaluate(self, run: RunDir, grid: str, step: int) -> Evaluation:
-        scores, samples = lm_evaluate(self.engines, self.config)
-        return Evaluation(step, scores, samples=samples)
-
-    def rl_step(self, step: int) -> dict:
-        return lm_rl_step(self.engines, self.config, step)
 
 
 def train(
@@ -535,81 +409,3 @@ def _interrupted(logs: dict, root: RunDir, multiplexed: bool) -> str:
     log = next(iter(logs.values()))
     where = root.path if multiplexed else log.run.checkpoints / f"step_{log.recorded:06d}"
     return f"interrupted: step {log.recorded} is saved in {where}; continue with `dovetail train --resume {root.path}`"
-
-
-def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
-    """One on-policy GRPO step of the reference path, in this process, through the very work the Ray workers do:
-    every response to the end, scores, one train pass over the whole batch, one optimizer step."""
-
-    pipeline, algo = config.pipeline_name, config.algo
-    timings: dict[str, float] = {}
-
-    def timed(phase: str, work):
-        start = time.perf_counter()
-        result = engines.run(work)
-        timings[f"{phase}_s"] = timings.get(f"{phase}_s", 0.0) + time.perf_counter() - start
-        return result
-
-    ids = [SampleId(step, p, i) for p in range(algo.prompts_per_step) for i in range(algo.group_size)]
-    prompts = encode_prompts(config, engines.tokenizer, engines.prompts.step(step), model_context(config))
-    weights = weights_of(engines.trainer)
-    started = timed("prefill", Prefill(pipeline, ids, [prompts[s.prompt] for s in ids], step, weights))
-    responses = timed("decode", Decode(pipeline, [started], config.max_new_tokens, weights))
-    scores = timed("score", Score(pipeline, [responses], None))
-    # An engine whose log-probs are not the trainer's (vLLM): the old ones recomputed, as the graph's LOGPROB node.
-    recompute = not engine_matches_trainer(config.rollout_engine)
-    old = [timed("logprob", LMLogProbs(pipeline, ids, [responses], False))] if recompute else []
-    ref = [timed("logprob", LMLogProbs(pipeline, ids, [responses], True))] if algo.beta > 0 else []
-    trained = timed("train", LMTrain(pipeline, ids, False, [responses], [scores], old_log_probs=old, ref_log_probs=ref))
-    start = time.perf_counter()
-    set_summed_gradient(engines.trainer, [engines.part_gradient()], commit_scale([trained]))
-    grad_norm = commit(engines.trainer, engines.optimizer, config.train.max_grad_norm)
-    timings["commit_s"] = time.perf_counter() - start
-    seconds = sum(timings.values())
-    return (
-        lm_step_metrics(config, [scores], [trained])
-        | timings
-        | {
-            "grad_norm": grad_norm,
-            "samples_per_s": len(ids) / seconds,
-            "step_s": seconds,
-        }
-    )
-
-
-def success_rate(config: LMTrainConfig, completions: list[str], prompts: list[str]) -> float:
-    """Share of completions whose final answer solves its (task) prompt."""
-    the_task = task(config.task)
-    return float(
-        np.mean(
-            [(a := final_answer(c)) is not None and the_task.is_correct(p, a) for c, p in zip(completions, prompts)]
-        )
-    )
-
-
-def lm_evaluate(engines, config: LMTrainConfig) -> tuple[dict[str, float], list[tuple[str, str]]]:
-    """One response per held-out prompt, sampled as in training from the eval seed; their scores (the total: a
-    task's success rate, a dataset's mean reward) and the (prompt, completion) pairs."""
-    rows = engines.prompts.eval()
-    context = model_context(config)
-    encoded = encode_prompts(config, engines.tokenizer, rows, context)
-    engine = rollout_engine(
-        engines.trainer,
-        sampling_params(config, engines.tokenizer.stop_ids, seed=config.eval.seed),
-        max_len=min(context, max(map(len, encoded)) + config.max_new_tokens),
-        device=torch.device("cpu"),
-        stop=stop_strings(config, engines.tokenizer),
-    )
-    responses = engine.generate([Request((0, i, 0), ids) for i, ids in enumerate(encoded)])
-    completions = [engines.tokenizer.decode(r.tokens) for r in responses]
-    prompts = [row.prompt for row in rows]
-    reward_context = engines.prompts.context(rows, [len(r.tokens) for r in responses])
-    scores = score_text(completions, prompts, config.rewards, config.reward_timeout_s, reward_context)
-    if config.user_model:
-        total = {"total": float(scores["total"].mean())}
-    else:
-        total = {"total": success_rate(config, completions, prompts)}
-    shown = [p if isinstance(p, str) else engines.tokenizer.decode(ids) for p, ids in zip(prompts, encoded)]
-    return total | {f"reward/{name}": float(values.mean()) for name, values in scores.items()}, list(
-        zip(shown, completions)
-    )

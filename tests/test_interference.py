@@ -21,8 +21,9 @@ from dovetail.exec.launch import device_pool, start_workers
 from dovetail.exec.plan import prepare, simulate
 from dovetail.exec.replay import fitted_calibration
 from dovetail.graph.node import Kind
+from dovetail.local_flow import FlowLocal
+from dovetail.local_lm import LMLocal
 from dovetail.models.training import trainer_state_of
-from dovetail.runner import FlowLocal, LMLocal
 from dovetail.sched.jigsaw import phase_slowdowns, predict_completion
 
 ACROSS = {

@@ -45,7 +45,7 @@ LAYERS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
     (("run_dir",), ("files", "kinds", "config", "torch")),
     (("recipe",), ("algo", "models", "prompts", "rewards", "graph", "config", "torch")),
     (("exec",), (ABOVE, "ray")),
-    (("cli", "runner", "api", "report", "export", INIT), (EVERYTHING,)),
+    (("cli", "runner", "local_flow", "local_lm", "api", "report", "export", INIT), (EVERYTHING,)),
 )
 
 KNOWN_VIOLATIONS: set[tuple[str, str]] = set()

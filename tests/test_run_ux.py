@@ -21,8 +21,8 @@ from dovetail.cli import app
 from dovetail.config.common import ConfigError, ray_address
 from dovetail.config.load import check_this_machine, load_config
 from dovetail.exec import metrics as metrics_module
+from dovetail.local_flow import FlowLocal
 from dovetail.run_dir import RunDir, load_checkpoint
-from dovetail.runner import FlowLocal
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 FAST = ["algo.prompts_per_step=4", "algo.group_size=4", "sampling.num_steps=6", "eval.per_prompt=2"]
