@@ -4,17 +4,21 @@ device workers on two nodes and ends at the reference's parameters, for a flow p
 multiplexed; a node that holds a worker is removed mid-run: with a spare node the worker comes back there, without
 one the run goes on on the devices that remain, after `cluster.lost_after_s`, and says so in one line."""
 
+import contextlib
 import json
 import time
 
+import psutil
 import pytest
 import ray
 from ray._private import ray_constants
 from ray.cluster_utils import Cluster
+from ray.experimental import internal_kv
 from two_pipelines import FLOW, LM, STEPS, final_weights, same_parameters
 
 from dovetail.config.load import parse_config
 from dovetail.exec.launch import RAY_NAMESPACE, by_node
+from dovetail.exec.rendezvous import NAMESPACE
 from dovetail.exec.worker import DEVICE_RESOURCE, LOOPBACK
 from dovetail.runner import train
 
@@ -103,6 +107,9 @@ def test_a_run_publishing_by_broadcast_across_nodes_ends_at_the_reference_parame
     assert publication["loads"] == {"collective": STEPS, "object_store": STEPS}
     assert same_parameters("digits", alone["digits"], final_weights(tmp_path))
     assert json.loads((tmp_path / "ledger.json").read_text())["problems"] == []
+    # the run over, its publication groups' rendezvous keys are gone from Ray's store (this run's and the earlier
+    # runs' of the module, whose `auto` formed groups across the nodes too)
+    assert internal_kv._internal_kv_list(b"publication-", namespace=NAMESPACE) == []
 
 
 def test_auto_times_both_publication_paths_across_nodes_and_keeps_the_faster(cluster, alone, tmp_path, capsys):
@@ -125,10 +132,16 @@ def test_the_pool_keeps_each_nodes_devices_together():
 
 
 def remove_node_of_device(cluster, device: int) -> str:
-    """Remove the node that holds `device` of the job's pool, at once (raylet and workers), as a lost machine."""
+    """Remove the node that holds `device` of the job's pool, at once, as a lost machine: its raylet and the worker
+    processes it started (which would otherwise go on for a moment, long enough to finish a step by broadcast)."""
     node_id = worker_nodes()[device]
     (node,) = [node for node in cluster.worker_nodes if node.node_id == node_id]
+    (raylet,) = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET]
+    workers = psutil.Process(raylet.process.pid).children(recursive=True)
     cluster.remove_node(node, allow_graceful=False)
+    for worker in workers:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            worker.kill()
     return node_id
 
 
@@ -190,3 +203,27 @@ def test_without_a_spare_node_the_run_goes_on_on_the_devices_left(cluster, alone
     profile = json.loads((tmp_path / "run_profile.json").read_text())
     assert profile["segments_before"] == [{"first_step": 0, "steps": 1, "devices": [0, 1], "why": "began on 2 devices"}]
     assert profile["config"]["cluster"]["devices"] == 1
+
+
+def test_a_node_lost_after_the_last_step_leaves_the_run_complete(cluster, alone, tmp_path, capsys):
+    """Device 1's node goes once the last step is committed (its publication still to come): every step is saved, so
+    the run ends there, says so in one line and writes its trace, ledger and summary, without waiting for a device
+    it no longer needs. The tests above left one device node: a node joins first."""
+
+    def lose_device_one_at_the_end(executor, part):
+        if executor.committed_steps("digits") == STEPS and not lost:
+            lost.append(remove_node_of_device(cluster, 1))
+
+    cluster.add_node(num_cpus=0, resources={DEVICE_RESOURCE: 1}, node_ip_address=LOOPBACK)  # two devices again
+    lost: list[str] = []
+    summary = train(
+        parse_config(on_cluster(cluster, FLOW, "digen", lost_after_s=LOST_AFTER_S)),
+        tmp_path,
+        steps=STEPS,
+        after_part=lose_device_one_at_the_end,
+    )
+    assert lost and summary["devices_lost"] == 1 and summary["device_engines"] is None
+    said = [line.split("] ", 1)[1] for line in capsys.readouterr().out.splitlines() if "lost device" in line]
+    assert said == [f"lost device 1 (no node for {LOST_AFTER_S:g} s) after the last step; the run is complete"]
+    assert json.loads((tmp_path / "ledger.json").read_text())["problems"] == []
+    assert same_parameters("digits", alone["digits"], final_weights(tmp_path))

@@ -141,6 +141,7 @@ def train_on_ray(
     earlier = Earlier(run_devices=pool.bundles, run_first_step=next(iter(first_steps.values())))
     startup_s: float | None = None
     label = f"began on {len(pool.bundles)} devices"
+    lost_at_end = False
     while True:
         phase(f"starting {len(pool.bundles)} device workers")
         executor: RayExecutor | None = None
@@ -170,6 +171,13 @@ def train_on_ray(
             trace = executor.run(prepared.policy)
             break
         except StepLost as lost:
+            if executor is not None and all(
+                first_steps[name] + executor.committed_steps(name) >= last_step for name in logs
+            ):  # every step was committed (and saved) before the loss: nothing is left to go on with
+                next(iter(logs.values())).progress.note(f"{lost.why} after the last step; the run is complete")
+                earlier.lost += len(lost.devices)
+                trace, lost_at_end = executor.state.trace, True
+                break
             if executor is not None:
                 states = {name: executor.committed_state(name) for name in logs}
                 earlier.segment(executor, began, pool, first_steps, label)
@@ -194,12 +202,14 @@ def train_on_ray(
             left = f"{devices} device{'s' if devices > 1 else ''} left"
             label = f"{lost.why}: going on from step {step} on the {left} under {config.policy}"
             next(iter(logs.values())).progress.note(label)
+    for pipeline in started.values():  # every publication is loaded: no member waits at their rendezvous any more
+        pipeline.incarnations.forget_publications()
     stopped = {name: save_stopped(executor, name, logs, first_steps[name]) for name in executor.stopped}
     if stopped and len(logs) == 1:
         raise RewardError(next(iter(stopped.values())))
     earlier.segment(executor, began, pool, first_steps, label)
     return (
-        write_run_outputs(logs, config, prepared, executor, trace, costs, choice, earlier)
+        write_run_outputs(logs, config, prepared, executor, trace, costs, choice, earlier, lost_at_end)
         | ({"stopped": stopped} if stopped else {})
         | {"startup_s": startup_s, "devices_lost": earlier.lost}
     )
@@ -304,14 +314,17 @@ def write_run_outputs(
     costs: dict,
     choice: Choice | None,
     earlier: Earlier,
+    lost_at_end: bool = False,
 ) -> dict:
     """In the run directory: trace.json (Perfetto / chrome://tracing), gantt.png and run_profile.json for
     `dovetail simulate --from-run`; in each pipeline's directory (the run's own for a single pipeline) its sample
     ledger.json, and with several pipelines all of them in the run directory's ledger.json. After the run went on
     without a lost device, the trace and chart are of the whole run (a mark where it went on), the ledger too, and the
-    profile, which `simulate --from-run` replays, of the devices it ended on, naming the segments before them."""
+    profile, which `simulate --from-run` replays, of the devices it ended on, naming the segments before them.
+    `lost_at_end`: a device was lost after the last step's commit (the summary's device_engines is then None)."""
     path = next(iter(logs.values())).run.path if len(logs) == 1 else next(iter(logs.values())).run.path.parent
-    device_engines = executor.held_engines()  # first: a worker that died after the last step is brought back
+    # first: a worker that died after the last step is brought back, unless its device was lost (none is asked)
+    device_engines = None if lost_at_end else executor.held_engines()
     segments = earlier.segments
     whole = Trace.of_segments(segments, len(earlier.run_devices)) if len(segments) > 1 else trace
     whole.write_chrome(path / "trace.json")

@@ -353,6 +353,7 @@ def prepare_run(
                     name,
                     started[name].workers,
                     started[name].incarnations.publishing,
+                    started[name].incarnations.new_publication,
                     nodes,
                     pipeline.compute_devices,
                 )

@@ -67,7 +67,8 @@ summary.json, once per pipeline (a multiplexed run: under pipelines, and the Ray
                         `dovetail simulate --from-run` compares the time to the last optimizer step instead)
   max_staleness         Ray: the largest staleness of any trained sample
   restarts              Ray: workers that restarted during the run
-  device_engines        Ray: the engines each device held at the end, per pipeline
+  device_engines        Ray: the engines each device held at the end, per pipeline (null: a device was lost after the
+                        last step)
   publication           Ray, per pipeline: how published weights reached the rollout devices (cluster.publication):
                         the setting, the path it resolved to, under auto both paths' start-up timings (object_store_s,
                         collective_s: one publication from device 0 to the other nodes' devices; null on one node),

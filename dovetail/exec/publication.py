@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -168,10 +167,6 @@ class Publication:
         )
 
 
-def new_prefix() -> str:
-    return f"publication-{uuid.uuid4().hex}"
-
-
 def send(workers: list, group: tuple[int, ...], prefix: str, version: int, layout: Layout, weights) -> None:
     """Every member of `group` broadcasts on its publication thread: the sender (rank 0) the exported weights
     `weights` (a ref, which Ray hands it resolved), the others into their staging."""
@@ -185,6 +180,7 @@ def measured(
     pipeline: str,
     workers: list,
     groups: dict[tuple[int, ...], str],
+    new_group: Callable[[], str],
     nodes: list[str | None],
     compute_devices: int,
 ) -> Publication:
@@ -192,12 +188,13 @@ def measured(
     weights from device 0 to every compute device on another node, through the object store and by broadcast, each
     once after a round that warms it (the broadcast's forms its group), into the rollout engines as `LoadWeights` of
     versions below 0 (they hold the same weights as version 0, which their first rollout loads again). The group it
-    formed is kept in `groups` (the workers' `Incarnations.publishing`) for the run's publications along it. Not kept
-    with the start-up profile (`exec.startup_cache`): it depends on which nodes the devices landed on."""
+    formed (its rendezvous prefix from `new_group`) is kept in `groups` (the workers' `Incarnations.publishing`) for
+    the run's publications along it. Not kept with the start-up profile (`exec.startup_cache`): it depends on which
+    nodes the devices landed on."""
     targets = tuple(device for device in range(compute_devices) if nodes[device] != nodes[0])
     if setting != "auto" or not targets:
         return Publication(setting, "object_store" if setting == "auto" else setting)
-    prefix = groups.setdefault((0, *targets), new_prefix())
+    prefix = groups.setdefault((0, *targets), new_group())
     layout: Layout = ()
     seconds: dict[str, float] = {}
     for version, path in enumerate(["object_store", "collective"] * 2, start=1):

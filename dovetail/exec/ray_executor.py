@@ -28,7 +28,7 @@ from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
 from dovetail.exec.loop import settle
 from dovetail.exec.messages import Commit, Loaded, LoadWeights, Trained
 from dovetail.exec.pipeline import Ledger, Part, PipelineAdapter
-from dovetail.exec.publication import Layout, Publication, layout_of, new_prefix, send
+from dovetail.exec.publication import Layout, Publication, layout_of, send
 from dovetail.exec.recovery import RECOVERY_DEADLINE_S, Incarnations, LostWatch, StepLost, revive
 from dovetail.exec.state import ClusterState
 from dovetail.exec.trace import Trace
@@ -353,7 +353,7 @@ class RayExecutor:
             version = run.first_step + node.version + 1
             group = run.publication.receivers(sender, tuple(devices), self.nodes)
             if group:
-                prefix = run.incarnations.publishing.setdefault(group, new_prefix())
+                prefix = run.incarnations.publishing.setdefault(group, run.incarnations.new_publication())
                 send(run.workers, group, prefix, version, run.layout, weights)
             parts = [Part(node.id, d, LoadWeights(node.pipeline, version, weights, d in group[1:])) for d in devices]
         else:

@@ -14,13 +14,14 @@ go on without it (`exec.driver`).
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ray
 from ray.exceptions import RayActorError
 
-from dovetail.exec.rendezvous import abandon
+from dovetail.exec.rendezvous import abandon, forget
 from dovetail.exec.worker import form_group
 
 RECOVERY_DEADLINE_S = 180.0
@@ -80,6 +81,9 @@ class Incarnations:
     group: str | None = None
     publishing: dict[tuple[int, ...], str] = field(default_factory=dict)
     """The rendezvous prefix of each publication group (`exec.publication`: sender first, then receivers) formed."""
+    publications: str = field(default_factory=lambda: f"publication-{uuid.uuid4().hex}")
+    """What every publication group of the run meets under (`new_publication`), so that all of them, abandoned or
+    not, are forgotten at once when the run is over (`forget_publications`)."""
 
     def seen(self, device: int, pid: int | None) -> None:
         """A ping of `device` answered `pid` (None: its process had died). A death abandons the group and the
@@ -90,6 +94,17 @@ class Incarnations:
                 abandon(self.group)
                 self.group = None
             self.drop_publishing()
+
+    def new_publication(self) -> str:
+        """The rendezvous prefix of a new publication group."""
+        return f"{self.publications}/{uuid.uuid4().hex}"
+
+    def forget_publications(self) -> None:
+        """Delete the rendezvous keys of every publication group the run formed, once the run is over and its last
+        publication loaded (each worker drops its groups at its next `configure`). Not where the run goes on without
+        a lost device: a survivor may still wait at an abandoned group's rendezvous for its abandoned mark."""
+        forget(self.publications)
+        self.publishing.clear()
 
     def drop_publishing(self) -> None:
         """Abandon every publication group: the next publication forms its group anew."""

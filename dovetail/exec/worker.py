@@ -191,6 +191,7 @@ class DeviceWorker:
         tests) without restarting torch."""
         self.index = index
         self.config = parse_config(config)
+        self.publication_groups.clear()  # an earlier run's: it is over, and its driver forgot their rendezvous
         holds_policy = self.index < self.config.compute_devices
         engines = kind(self.config.kind).load("engines")
         self._engines = engines(self.config, self.device, holds_policy, trainer_state)
