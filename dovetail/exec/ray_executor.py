@@ -67,7 +67,8 @@ class PipelineRun:
     recorded_state: ray.ObjectRef = field(init=False)
     """The trainer state after the pipeline's recorded steps (`committed_steps`): `trainer_state` runs ahead of it
     from the moment one replica finished a commit until the commit's last replica has, and a run that goes on
-    without a lost device in between goes on from the recorded step, so from this state."""
+    without a lost device in between goes on from the recorded step, so from this state. The object store holds
+    both states in that window (a commit's length), one otherwise."""
     adapter: PipelineAdapter = field(init=False)
     ledger: Ledger = field(default_factory=Ledger)
     trainer_devices: tuple[int, ...] = ()
