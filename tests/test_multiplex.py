@@ -12,7 +12,7 @@ from two_pipelines import FLOW, LM, STEPS, final_weights, max_difference, same_p
 
 from dovetail.config.common import ConfigError, multiplexing_policies
 from dovetail.config.load import parse_config
-from dovetail.exec.launch import AUTO_TIE, device_pool, dry_run, start_devices_early
+from dovetail.exec.launch import AUTO_TIE, dry_run, start_devices_early
 from dovetail.exec.messages import LMTrain
 from dovetail.exec.ray_executor import RayExecutor
 from dovetail.exec.replay import replay_run
@@ -99,9 +99,7 @@ def test_devices_started_before_the_run_are_the_ones_each_pipeline_takes_up(tmp_
     def pids(workers) -> list[int]:
         return ray.get([worker.ping.remote() for worker in workers])
 
-    start_devices_early(config)
-    pool = device_pool(config)
-    early = {name: pids(pool.workers(slot)) for slot, name in enumerate(("sort", "digits"))}
+    early = {name: pids(workers) for name, workers in start_devices_early(config).items()}
     taken: dict[str, list[int]] = {}
     train(
         config,

@@ -171,11 +171,11 @@ def train_on_ray(
             trace = executor.run(prepared.policy)
             break
         except StepLost as lost:
+            earlier.lost += len(lost.devices)
             if executor is not None and all(
                 first_steps[name] + executor.committed_steps(name) >= last_step for name in logs
             ):  # every step was committed (and saved) before the loss: nothing is left to go on with
                 next(iter(logs.values())).progress.note(f"{lost.why} after the last step; the run is complete")
-                earlier.lost += len(lost.devices)
                 trace, lost_at_end = executor.state.trace, True
                 break
             if executor is not None:
@@ -183,7 +183,6 @@ def train_on_ray(
                 earlier.segment(executor, began, pool, first_steps, label)
                 earlier.book(executor, first_steps)
             pool = pool.without(lost.devices)
-            earlier.lost += len(lost.devices)
             if not pool.bundles:
                 raise RuntimeError(
                     f"{lost.why}: no device left; check the cluster (`ray status`) and resume with --resume RUN_DIR"

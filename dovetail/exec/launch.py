@@ -212,19 +212,29 @@ def device_pool(config: TrainConfig) -> DevicePool:
     return DevicePool(tuple(ordered), "GPU" in bundle)
 
 
-def start_devices_early(config: TrainConfig) -> None:
+def start_devices_early(config: TrainConfig) -> dict[str, list]:
     """A local run's Ray instance and device workers started now, each worker importing its pipeline's engines
     (`DeviceWorker.preload`), for a caller that has yet to import its own (the command line, before the runner):
     the imports, seconds each on every process, overlap instead of following each other, and the run takes up both
-    as it starts (`start_ray` finds Ray started; `device_pool` and `DevicePool.workers` find their names). A run on
-    a cluster (cluster.address, $RAY_ADDRESS) and the one-process reference start nothing here."""
+    as it starts (`start_ray` finds Ray started; `device_pool` and `DevicePool.workers` find their names). Returns
+    each pipeline's workers; a run on a cluster (cluster.address, $RAY_ADDRESS) and the one-process reference start
+    nothing here (none)."""
     if config.policy == REFERENCE or ray_address(config.cluster):
-        return
+        return {}
     start_ray(config)
     pool = device_pool(config)
-    for slot, pipeline in enumerate(pipeline_configs(config).values()):  # `start_workers`' slots
-        for worker in pool.workers(slot):
+    pipelines = pipeline_configs(config)
+    workers = pipeline_workers(pool, pipelines)
+    for name, pipeline in pipelines.items():
+        for worker in workers[name]:
             worker.preload.remote(pipeline.kind)
+    return workers
+
+
+def pipeline_workers(pool: DevicePool, pipelines: Mapping[str, object]) -> dict[str, list]:
+    """Each of the run's pipelines' DeviceWorkers in `pool` (one per device): a pipeline's slot is its place in the
+    run."""
+    return {name: pool.workers(slot) for slot, name in enumerate(pipelines)}
 
 
 def bundle_nodes(bundles) -> dict[str, dict[int, str]]:
@@ -249,7 +259,7 @@ def start_workers(config: TrainConfig, pool: DevicePool, trainer_states: dict[st
     processes start at once (a new one spends seconds importing torch and its engines); then each pipeline's are
     configured in turn."""
     pipelines = pipeline_configs(config)
-    workers = {name: pool.workers(slot) for slot, name in enumerate(pipelines)}
+    workers = pipeline_workers(pool, pipelines)
     started = {}
     for name, pipeline in pipelines.items():
         state_ref = ray.put(trainer_states[name])
@@ -352,8 +362,7 @@ def prepare_run(
                     config.cluster.publication,
                     name,
                     started[name].workers,
-                    started[name].incarnations.publishing,
-                    started[name].incarnations.new_publication,
+                    started[name].incarnations.publication_prefix,
                     nodes,
                     pipeline.compute_devices,
                 )

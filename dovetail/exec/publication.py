@@ -179,8 +179,7 @@ def measured(
     setting: Literal["auto", "object_store", "collective"],
     pipeline: str,
     workers: list,
-    groups: dict[tuple[int, ...], str],
-    new_group: Callable[[], str],
+    prefix_of: Callable[[tuple[int, ...]], str],
     nodes: list[str | None],
     compute_devices: int,
 ) -> Publication:
@@ -188,13 +187,13 @@ def measured(
     weights from device 0 to every compute device on another node, through the object store and by broadcast, each
     once after a round that warms it (the broadcast's forms its group), into the rollout engines as `LoadWeights` of
     versions below 0 (they hold the same weights as version 0, which their first rollout loads again). The group it
-    formed (its rendezvous prefix from `new_group`) is kept in `groups` (the workers' `Incarnations.publishing`) for
-    the run's publications along it. Not kept with the start-up profile (`exec.startup_cache`): it depends on which
+    forms meets under `prefix_of(group)` (`Incarnations.publication_prefix`), which the run's publications along it
+    take up. Not kept with the start-up profile (`exec.startup_cache`): it depends on which
     nodes the devices landed on."""
     targets = tuple(device for device in range(compute_devices) if nodes[device] != nodes[0])
     if setting != "auto" or not targets:
         return Publication(setting, "object_store" if setting == "auto" else setting)
-    prefix = groups.setdefault((0, *targets), new_group())
+    prefix = prefix_of((0, *targets))
     layout: Layout = ()
     seconds: dict[str, float] = {}
     for version, path in enumerate(["object_store", "collective"] * 2, start=1):

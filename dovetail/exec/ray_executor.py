@@ -354,8 +354,7 @@ class RayExecutor:
             version = run.first_step + node.version + 1
             group = run.publication.receivers(sender, tuple(devices), self.nodes)
             if group:
-                prefix = run.incarnations.publishing.setdefault(group, run.incarnations.new_publication())
-                send(run.workers, group, prefix, version, run.layout, weights)
+                send(run.workers, group, run.incarnations.publication_prefix(group), version, run.layout, weights)
             parts = [Part(node.id, d, LoadWeights(node.pipeline, version, weights, d in group[1:])) for d in devices]
         else:
             parts = run.adapter.parts(node, devices, self)

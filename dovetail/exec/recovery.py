@@ -82,8 +82,8 @@ class Incarnations:
     publishing: dict[tuple[int, ...], str] = field(default_factory=dict)
     """The rendezvous prefix of each publication group (`exec.publication`: sender first, then receivers) formed."""
     publications: str = field(default_factory=lambda: f"publication-{uuid.uuid4().hex}")
-    """What every publication group of the run meets under (`new_publication`), so that all of them, abandoned or
-    not, are forgotten at once when the run is over (`forget_publications`)."""
+    """What every publication group of the run meets under (`publication_prefix`), so that all of them, abandoned
+    or not, are forgotten at once when the run is over (`forget_publications`)."""
 
     def seen(self, device: int, pid: int | None) -> None:
         """A ping of `device` answered `pid` (None: its process had died). A death abandons the group and the
@@ -95,9 +95,12 @@ class Incarnations:
                 self.group = None
             self.drop_publishing()
 
-    def new_publication(self) -> str:
-        """The rendezvous prefix of a new publication group."""
-        return f"{self.publications}/{uuid.uuid4().hex}"
+    def publication_prefix(self, group: tuple[int, ...]) -> str:
+        """The rendezvous prefix of the publication group `group` (sender first): a new one the first time, until the
+        groups are dropped."""
+        if group not in self.publishing:
+            self.publishing[group] = f"{self.publications}/{uuid.uuid4().hex}"
+        return self.publishing[group]
 
     def forget_publications(self) -> None:
         """Delete the rendezvous keys of every publication group the run formed, once the run is over and its last

@@ -403,9 +403,9 @@ def _training(
         Role.TRAINER,
         tuple(trains),
         version=step,
-        cost_s=cost.optimizer_step(trained, devices=shape.trainer_devices)
-        if not spec.replicated_trainer
-        else cost.optimizer_step(trained) + cost.replica_allreduce_seconds(trained, 1, shape.trainer_devices),
+        cost_s=cost.optimizer_step(trained) + cost.replica_allreduce_seconds(trained, 1, shape.trainer_devices)
+        if spec.replicated_trainer
+        else cost.optimizer_step(trained, devices=shape.trainer_devices),
         collective=True,
     )
     publish = Node(
