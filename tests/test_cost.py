@@ -112,6 +112,24 @@ def test_from_measurements_reproduces_a_profiled_run():
     assert math.isclose(cost.train(QWEN4B, [512]), 0.5 * analytic.train(QWEN4B, [512]))
 
 
+def test_passes_profiled_at_two_sizes_fit_a_fixed_cost_per_pass():
+    """A device that pays 0.2 s a pass plus 1.5x the analytic seconds: two sizes of a kind give both back; a kind at
+    one size, a line through the origin's far side (negative intercept) or records that are not one pass each keep
+    the ratio."""
+    records = [("train", 1.0, 0.2 + 1.5), ("train", 3.0, 0.2 + 4.5), ("train", 2.0, 0.2 + 3.0), ("decode", 2.0, 3.0)]
+    cost = CostModel.from_measurements("H100", records, per_pass=True)
+    assert cost.fixed("train") == pytest.approx(0.2) and cost.corrections()["train"] == pytest.approx(1.5)
+    assert cost.fixed("decode") == 0.0 and cost.corrections()["decode"] == pytest.approx(1.5)
+    assert cost.train(QWEN4B, [512]) == pytest.approx(1.5 * CostModel("H100").train(QWEN4B, [512]))
+    faster_than_linear = CostModel.from_measurements("H100", [("train", 1.0, 0.5), ("train", 3.0, 3.0)], per_pass=True)
+    assert faster_than_linear.fixed_costs() == {} and faster_than_linear.corrections()["train"] == pytest.approx(
+        3.5 / 4
+    )
+    replayed = CostModel.from_measurements("H100", records)
+    assert replayed.fixed_costs() == {} and replayed.corrections()["train"] == pytest.approx(9.6 / 6)
+    assert cost.ranked_on(device("L40S")).fixed("train") == pytest.approx(0.2)
+
+
 @pytest.mark.parametrize("bad", [("dance", 1.0, 1.0), ("train", 0.0, 1.0), ("train", 1.0, -1.0)])
 def test_from_measurements_rejects_bad_input(bad):
     with pytest.raises(ValueError, match="op kind|must both be > 0"):

@@ -52,8 +52,17 @@ def test_graph_rejects_bad_structure(nodes, message):
 def test_node_rejects_negative_cost_and_empty_chunk():
     with pytest.raises(ValueError, match="cost_s"):
         Node("a", "p", 0, Kind.TRAIN, Role.ANY, cost_s=-1)
+    with pytest.raises(ValueError, match="fixed_s"):
+        Node("a", "p", 0, Kind.TRAIN, Role.ANY, fixed_s=-1)
     with pytest.raises(ValueError, match="chunk"):
         Node("a", "p", 0, Kind.TRAIN, Role.ANY, timesteps=(3, 3))
+
+
+def test_a_node_spread_over_devices_pays_its_fixed_cost_on_each():
+    spread = Node("a", "p", 0, Kind.TRAIN, Role.TRAINER, cost_s=2.0, fixed_s=0.25)
+    assert [spread.seconds_on(d) for d in (1, 2, 4)] == [2.25, 1.25, 0.75]
+    assert Node("c", "p", 0, Kind.COMMIT, Role.TRAINER, cost_s=0.5, fixed_s=0.25, collective=True).seconds_on(4) == 0.75
+    assert Node("d", "p", 0, Kind.DECODE, Role.ROLLOUT, cost_s=2.0, fixed_s=0.25, max_width=1).seconds_on(4) == 2.25
 
 
 def test_split_is_contiguous_and_balanced():

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from dovetail.cli import app
 from dovetail.config.common import ConfigError
 from dovetail.config.load import load_config
+from dovetail.cost.model import CostModel
 from dovetail.exec.launch import dry_run
 from dovetail.exec.lm_startup import fitted_cost, profile_here
 from dovetail.exec.messages import LMTrain, Prefill
@@ -193,6 +194,34 @@ def test_lm_grpo_on_ray_raises_a_learnable_reward(tmp_path):
     train(load_config(None, [*overrides, "reward={toy_rewards:short_completions: 1.0}"]), tmp_path, steps=10)
     rewards = [json.loads(line)["reward/total"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert sum(rewards[-3:]) / 3 >= sum(rewards[:3]) / 3 + 0.15, rewards
+
+
+def test_the_profile_s_two_sizes_give_each_kind_of_pass_its_fixed_cost():
+    """The start-up profile times each kind of LM work at its size and at twice it, from the same weights (the
+    doubled batch's first half is the same responses), and the fit takes a line through the two: a device that pays
+    10 ms a pass plus twice the analytic seconds (the profile's real responses, seconds made so) is fitted exactly
+    that, each graph node carrying the fixed cost beside its work."""
+    config = load_config(None, SMALL)
+    measured = profile_here(config, carry=lambda weights: weights)
+    samples = config.runtime.profile_samples
+    assert len(measured["lengths"]) == samples and len(measured["lengths_double"]) == 2 * samples
+    assert measured["lengths_double"][:samples] == measured["lengths"], "every size decodes from the same weights"
+    scenario = config.scenario(1)
+    spec = scenario.pipelines[0]
+    model, analytic = spec.catalogue_model(), CostModel(config.cluster.device)
+    for suffix in ("", "_double"):
+        prompts, lengths = measured[f"prompt_tokens{suffix}"], measured[f"lengths{suffix}"]
+        full = [p + n for p, n in zip(prompts, lengths)]
+        work = {"prefill": analytic.prefill(model, prompts), "decode": analytic.decode(model, prompts, lengths)}
+        work |= {"logprob": analytic.logprob(model, full), "train": analytic.train(model, full)}
+        measured |= {f"{kind}{suffix}": 0.01 + 2 * seconds for kind, seconds in work.items()}
+    cost = fitted_cost(config, scenario, measured | {"switch": 0.0})
+    for kind in ("prefill", "decode", "logprob", "train"):
+        assert cost.fixed(kind) == pytest.approx(0.01, rel=1e-6) and cost.scale(kind) == pytest.approx(2, rel=1e-6)
+    (train, *_) = [
+        n for n in build_llm(spec, 1, LLMShape(1, 1, stream=False, shared=False), cost) if n.kind == Kind.TRAIN
+    ]
+    assert train.fixed_s == pytest.approx(0.01, rel=1e-6)
 
 
 def test_a_run_s_commit_across_trainer_replicas_is_priced_at_the_sync_its_devices_measured(tmp_path, monkeypatch):

@@ -195,7 +195,13 @@ class RandomGreedy(Policy):
 
 random_graphs = st.integers(1, 20).flatmap(
     lambda n: st.lists(
-        st.tuples(st.floats(0.1, 5.0), st.floats(0.0, 30.0), st.booleans(), st.lists(st.integers(0, n), max_size=3)),
+        st.tuples(
+            st.floats(0.1, 5.0),
+            st.floats(0.0, 30.0),
+            st.booleans(),
+            st.lists(st.integers(0, n), max_size=3),
+            st.sampled_from([0.0, 0.3]),
+        ),
         min_size=n,
         max_size=n,
     )
@@ -216,10 +222,11 @@ def test_random_graphs_with_shares_and_migration(spec, devices, seed, noise):
             0,
             ((0, i, 0),),
             cost_s=cost,
+            fixed_s=fixed,
             memory_gb=memory,
             exclusive=exclusive,
         )
-        for i, (cost, memory, exclusive, deps) in enumerate(spec)
+        for i, (cost, memory, exclusive, deps, fixed) in enumerate(spec)
     ]
     graph = Graph(nodes)
     setup = Setup(devices, 40.0, {"p": Engines({}, {}, {})})
@@ -236,8 +243,9 @@ def test_random_graphs_with_shares_and_migration(spec, devices, seed, noise):
             spans = [s for s in trace.spans if s.node == node.id]
             work = sum((s.end - s.start) * s.share for s in spans)
             reprefill = 0.2 * sum(s.share for s in spans[1:])
-            assert work == pytest.approx(node.cost_s + reprefill, abs=1e-6), (
-                "a migration loses no work and adds its cost"
+            fixed = min(node.fixed_s, spans[0].end - spans[0].start) * spans[0].share  # a migration cuts it short
+            assert work == pytest.approx(node.cost_s + fixed + reprefill, abs=1e-6), (
+                "a migration loses no work and adds its cost; a node starts with its fixed cost"
             )
             assert sum(s.work for s in spans) == pytest.approx(node.cost_s, abs=1e-6), (
                 "Span.work counts the node's work once"

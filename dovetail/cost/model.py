@@ -5,8 +5,9 @@ efficiency) for memory-bound work, collectives on the link their group crosses (
 the NIC once the group spans nodes: bandwidth plus one hop latency per ring step) — with every efficiency taken
 from `calibration.py`. LoRA (`lora_params`): the trainer keeps the frozen base weights, all-gathers them for
 forward and backward as before, but trains, reduces, optimizes and publishes only the adapter.
-`from_measurements` replays a profiled run (a per-op-kind correction); the online correction during a
-run is the policies' `sched.policy.CostTracker`, fed by both executors.
+`from_measurements` replays a profiled run (a per-op-kind correction, and where the profile timed a kind at two
+sizes a fixed cost per pass: `fixed`); the online correction during a run is the policies' `sched.policy.CostTracker`,
+fed by both executors.
 """
 
 import math
@@ -61,6 +62,7 @@ class CostModel:
         self.device = lookup_device(device) if isinstance(device, str) else device
         self.calibration = calibration
         self._scale: dict[str, float] = {}
+        self._fixed: dict[str, float] = {}
         # Device-specific kernel efficiency relative to the Hopper-fitted factors.
         self._vendor = calibration.device_efficiency.get(self.device.name, 1.0)
 
@@ -72,22 +74,37 @@ class CostModel:
         device: Device | str,
         records: Iterable[tuple[str, float, float]],
         calibration: Calibration = DEFAULT,
+        per_pass: bool = False,
     ) -> "CostModel":
         """A cost model whose predictions match a profiled run exactly per op kind.
 
         `records` are (op_kind, predicted_s, measured_s) for each node of the run, `predicted_s` being
         what an uncorrected model of the same device and calibration predicted. Each kind's correction
         becomes sum(measured) / sum(predicted), the ratio that reproduces the run's total time of it.
+
+        `per_pass`: the records are one pass each, and a kind timed at two sizes or more gets the least-squares
+        line measured = fixed + scale x predicted, its intercept the seconds every pass pays whatever its size
+        (`fixed`: a CPU core's launches and hand-offs, which make a pass of 128 responses cost 0.75 of eight
+        passes of 16 here). A line with a negative intercept or slope keeps the ratio.
         """
         model = cls(device, calibration)
-        predicted: dict[str, float] = {}
-        measured: dict[str, float] = {}
+        by_kind: dict[str, list[tuple[float, float]]] = {}
         for kind, predicted_s, measured_s in records:
             model._check(kind, predicted_s, measured_s)
-            predicted[kind] = predicted.get(kind, 0.0) + predicted_s
-            measured[kind] = measured.get(kind, 0.0) + measured_s
-        model._scale = {kind: measured[kind] / predicted[kind] for kind in predicted}
+            by_kind.setdefault(kind, []).append((predicted_s, measured_s))
+        for kind, points in by_kind.items():
+            predicted, measured = sum(p for p, _ in points), sum(m for _, m in points)
+            fixed, scale = pass_line(points) if per_pass else (0.0, 0.0)
+            if fixed > 0 and scale > 0:
+                model._fixed[kind], model._scale[kind] = fixed, scale
+            else:
+                model._scale[kind] = measured / predicted
         return model
+
+    def fixed(self, kind: str) -> float:
+        """Seconds a pass of this kind pays on each device it runs on, whatever its size (0 unless fitted): a graph
+        node carries it beside its spreadable work (`Node.fixed_s`)."""
+        return self._fixed.get(kind, 0.0)
 
     def scale(self, kind: str) -> float:
         """Current measured/analytic correction for an op kind (1.0 until observed)."""
@@ -95,6 +112,9 @@ class CostModel:
 
     def corrections(self) -> dict[str, float]:
         return dict(self._scale)
+
+    def fixed_costs(self) -> dict[str, float]:
+        return dict(self._fixed)
 
     @staticmethod
     def _check(kind: str, predicted_s: float, measured_s: float) -> None:
@@ -119,13 +139,13 @@ class CostModel:
         on it, so that which it considers does not depend on the device's speed or memory (the search filters by the
         device's memory itself: `sched.digen_search.candidates`)."""
         model = CostModel(replace(other, node_size=self.device.node_size), self.calibration)
-        model._scale = dict(self._scale)
+        model._scale, model._fixed = dict(self._scale), dict(self._fixed)
         return model
 
     def _recalibrated(self, **changes) -> "CostModel":
         """The same model, corrections included, with `changes` to its calibration."""
         model = CostModel(self.device, replace(self.calibration, **changes))
-        model._scale = dict(self._scale)
+        model._scale, model._fixed = dict(self._scale), dict(self._fixed)
         return model
 
     # --- primitives -----------------------------------------------------------------------------
@@ -548,6 +568,19 @@ class CostModel:
     def rollout_memory(self, model: LanguageModel, kv_tokens: int, devices: int = 1) -> MemoryUse:
         """An LLM rollout engine: bf16 weights and the KV cache of `kv_tokens` tokens, TP-sharded."""
         return MemoryUse(weights=model.params * BF16 / devices, kv_cache=model.kv_bytes_per_token * kv_tokens / devices)
+
+
+def pass_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through (predicted, measured) points; (0, 0) where the points
+    have a single predicted value (no line)."""
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    spread = sum((x - mean_x) ** 2 for x, _ in points)
+    if spread <= 1e-12 * max(mean_x * mean_x, 1e-300):
+        return 0.0, 0.0
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread
+    return mean_y - slope * mean_x, slope
 
 
 def backward_forwards(lora: bool) -> int:

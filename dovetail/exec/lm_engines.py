@@ -266,25 +266,39 @@ def profile_works(
     }
 
 
-def profile_work(engines: LMEngines, samples: int, carry: Callable[[dict], dict]) -> dict[str, float]:
-    """Measured seconds of each kind of LM work here (`profile_works`): medians of PROFILE_ROUNDS after a warm-up."""
+SIZED_KINDS = ("prefill", "decode", "score", "logprob", "train")
+"""The kinds of LM work whose passes grow with the responses in them: profiled at two sizes."""
+DOUBLE = "_double"
+"""The suffix of a profile figure measured at twice the profile's responses."""
 
-    def one_round() -> tuple[dict[str, float], dict[str, object]]:
+
+def profile_work(engines: LMEngines, samples: int, carry: Callable[[dict], dict]) -> dict[str, float]:
+    """Measured seconds of each kind of LM work here (`profile_works`): medians of PROFILE_ROUNDS after a warm-up,
+    at `samples` responses and again at twice as many (the `_double` figures): a kind's two sizes give its fixed
+    cost per pass (`lm_startup.fitted_cost`), which on a CPU core makes a step's passes of 32 or 128 responses
+    cheaper per response than the profile's 16."""
+
+    def one_round(size: int) -> tuple[dict[str, float], dict[str, object]]:
+        """A round from the engines' own weights: every round and size times the same responses."""
         seconds, done = {}, {}
-        for name, work in profile_works(engines, samples, carry).items():
-            synchronize(engines.device)
-            start = time.perf_counter()
-            done[name] = work(done)
-            synchronize(engines.device)
-            seconds[name] = time.perf_counter() - start
+        with trainer_kept(engines):
+            for name, work in profile_works(engines, size, carry).items():
+                synchronize(engines.device)
+                start = time.perf_counter()
+                done[name] = work(done)
+                synchronize(engines.device)
+                seconds[name] = time.perf_counter() - start
         return seconds, done
 
-    with trainer_kept(engines):
-        one_round()
-        rounds = [one_round() for _ in range(PROFILE_ROUNDS)]
-    measured = {name: statistics.median(seconds[name] for seconds, _ in rounds) for name in rounds[0][0]}
-    _, done = rounds[0]
-    return measured | {
-        "lengths": [len(t) for t in done["decode"].tokens],
-        "prompt_tokens": [len(p) for p in done["prefill"].prompts],
-    }
+    def at(size: int) -> dict:
+        rounds = [one_round(size) for _ in range(PROFILE_ROUNDS)]
+        measured = {name: statistics.median(seconds[name] for seconds, _ in rounds) for name in rounds[0][0]}
+        _, done = rounds[0]
+        return measured | {
+            "lengths": [len(t) for t in done["decode"].tokens],
+            "prompt_tokens": [len(p) for p in done["prefill"].prompts],
+        }
+
+    one_round(samples)
+    single, double = at(samples), at(2 * samples)
+    return single | {f"{name}{DOUBLE}": double[name] for name in (*SIZED_KINDS, "lengths", "prompt_tokens")}

@@ -13,7 +13,7 @@ import torch
 
 from dovetail.config.lm import LMTrainConfig
 from dovetail.cost.model import CostModel
-from dovetail.exec.lm_engines import LMEngines
+from dovetail.exec.lm_engines import DOUBLE, LMEngines
 from dovetail.exec.lm_model import encode_prompts, load_policy, model_context
 from dovetail.exec.lm_prompts import RunPrompts
 from dovetail.exec.plan import rollout_wake_s
@@ -25,20 +25,26 @@ from dovetail.scenario import Scenario
 
 
 def fitted_cost(config: LMTrainConfig, scenario: Scenario, measured: dict) -> CostModel:
-    """The analytic cost model with one correction per kind of work, fitted to a device's measured seconds. A role
-    switch is fitted too: the catalogue's switch moves the engine's whole memory budget (gigabytes for a GPU's KV
-    cache), where a CPU core's engines stay resident and a switch is a round trip."""
+    """The analytic cost model with one correction per kind of work, fitted to a device's measured seconds; a kind
+    profiled at two sizes (`lm_engines.SIZED_KINDS`) gets a fixed cost per pass besides (`CostModel.from_measurements`
+    per pass). A role switch is fitted too: the catalogue's switch moves the engine's whole memory budget (gigabytes
+    for a GPU's KV cache), where a CPU core's engines stay resident and a switch is a round trip."""
     spec = scenario.pipelines[0]
     analytic = CostModel(config.cluster.device)
     model = spec.catalogue_model()
-    prompts, lengths = measured["prompt_tokens"], measured["lengths"]
-    full = [p + n for p, n in zip(prompts, lengths)]
-    predicted = {
-        "prefill": analytic.prefill(model, prompts),
-        "decode": analytic.decode(model, prompts, lengths),
-        "score": analytic.rule_score(len(prompts)),
-        "logprob": analytic.logprob(model, full),
-        "train": analytic.train(model, full),
+
+    def sized(suffix: str) -> dict[str, float]:
+        prompts, lengths = measured[f"prompt_tokens{suffix}"], measured[f"lengths{suffix}"]
+        full = [p + n for p, n in zip(prompts, lengths)]
+        return {
+            "prefill": analytic.prefill(model, prompts),
+            "decode": analytic.decode(model, prompts, lengths),
+            "score": analytic.rule_score(len(prompts)),
+            "logprob": analytic.logprob(model, full),
+            "train": analytic.train(model, full),
+        }
+
+    predicted = sized("") | {
         "optimizer": analytic.optimizer_step(model.params),
         "publish": analytic.publish(model.params),
         "switch": rollout_wake_s(scenario, analytic),
@@ -46,8 +52,10 @@ def fitted_cost(config: LMTrainConfig, scenario: Scenario, measured: dict) -> Co
     if "sync" in measured:
         trained = trainable_params(spec) or model.params
         predicted["sync"] = analytic.replica_allreduce_seconds(trained, 1, measured["sync_devices"])
+    double = sized(DOUBLE)
     records = [(kind, predicted[kind], max(measured[kind], 1e-9)) for kind in predicted if predicted[kind] > 0]
-    return CostModel.from_measurements(config.cluster.device, records)
+    records += [(kind, double[kind], max(measured[f"{kind}{DOUBLE}"], 1e-9)) for kind in double if double[kind] > 0]
+    return CostModel.from_measurements(config.cluster.device, records, per_pass=True)
 
 
 def check_checkpoint(config: LMTrainConfig) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-FORMAT = 1
+FORMAT = 2
 """Bumped when what an entry holds, or how it is measured, changes."""
 
 UNTIMED_FIELDS = (

@@ -82,7 +82,8 @@ class Running:
     """Device-seconds of work not yet done at `start` (the node's cost, less what earlier segments did)."""
     first_start: float
     delay: float = 0.0
-    """Seconds at the start of the segment that do no node work (the re-prefill of a migration)."""
+    """Seconds at the start of the segment that do no node work: the node's fixed cost (`Node.fixed_s`) as it
+    starts, a migration's re-prefill (in place of what is left of the fixed cost) as it moves."""
     speed: float = 1.0
     """Fraction of full speed the node runs at now: its share, or 1 / interference slowdown."""
     pace: float = 1.0
@@ -291,7 +292,9 @@ class ClusterState:
         node = self.graph[d.node]
         del self.ready[d.node]
         self._occupy(d.node, d.devices, d.share)
-        self.running[d.node] = Running(tuple(d.devices), d.share, self.now, node.cost_s, self.now, progress_at=self.now)
+        self.running[d.node] = Running(
+            tuple(d.devices), d.share, self.now, node.cost_s, self.now, node.fixed_s, progress_at=self.now
+        )
         self._started_segment(d.node)
         self._step_start.setdefault((node.pipeline, node.step), self.now)
         self._events.append(NodeStarted(self.now, d.node, tuple(d.devices)))

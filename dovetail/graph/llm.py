@@ -197,6 +197,7 @@ def _decode(
         samples=tuple(s.id for s in members),
         band=(low, high),
         cost_s=seconds * tp,
+        fixed_s=cost.fixed("decode"),
         tokens=sum(new_tokens),
         shard=shard,
         max_width=tp,
@@ -223,6 +224,7 @@ def _rollout(spec: LLMSpec, model: LanguageModel, cost: CostModel, shape: LLMSha
             version=step,
             samples=tuple(s.id for s in mine),
             cost_s=cost.prefill(model, [s.prompt_tokens for s in mine], devices=tp) * tp,
+            fixed_s=cost.fixed("prefill"),
             shard=shard,
             max_width=tp,
         )
@@ -357,6 +359,7 @@ def _training(
             version=step,
             samples=ids,
             cost_s=cost.rule_score(len(members)),
+            fixed_s=cost.fixed("score"),
         )
         nodes.append(score)
         before_train = [score.id, *after_commit]
@@ -372,6 +375,7 @@ def _training(
                     version=step,
                     samples=ids,
                     cost_s=cost.logprob(model, lengths, reference=which == "ref"),
+                    fixed_s=cost.fixed("logprob"),
                     reference=which == "ref",
                 )
                 nodes.append(logprob)
@@ -391,6 +395,7 @@ def _training(
             samples=ids,
             micro_batch=micro,
             cost_s=cost.train(model, lengths, lora=spec.lora is not None),
+            fixed_s=cost.fixed("train"),
             memory_gb=activations / GB,
         )
         nodes.append(train)

@@ -60,9 +60,9 @@ class Engines:
 class Node:
     """One piece of work. `cost_s` is device-seconds on one device of the scenario's type (a node spread
     over k devices takes cost_s / k), except for a `collective` node (optimizer step, weight sync) which
-    occupies all its devices for cost_s. `memory_gb` is working memory on each device it runs on, on top
-    of the engine resident there. `version` is the weights version the node's step is trained from:
-    step s trains version s into s + 1."""
+    occupies all its devices for cost_s; `fixed_s` is paid besides by each device the node runs on.
+    `memory_gb` is working memory on each device it runs on, on top of the engine resident there. `version`
+    is the weights version the node's step is trained from: step s trains version s into s + 1."""
 
     id: str
     pipeline: str
@@ -81,6 +81,9 @@ class Node:
     micro_batch: int | None = None
     """The micro-batch (whole prompt groups) an LLM train node trains, in the step's micro-batch order."""
     cost_s: float = 0.0
+    fixed_s: float = 0.0
+    """Seconds each device the node runs on pays whatever its part of `cost_s` (a pass's fixed cost,
+    `CostModel.fixed`): spreading a node thinner does not shorten it."""
     memory_gb: float = 0.0
     exclusive: bool = True
     """False: may share a device with other shareable nodes (each gets the `share` its Run decision gives)."""
@@ -98,14 +101,17 @@ class Node:
 
     def seconds_on(self, devices: int) -> float:
         """Predicted seconds on `devices` devices: a collective occupies them all for cost_s; other work spreads
-        over at most `max_width` of them."""
+        over at most `max_width` of them; each pays `fixed_s` besides."""
         if self.collective:
-            return self.cost_s
-        return self.cost_s / min(devices, self.max_width or devices)
+            return self.fixed_s + self.cost_s
+        return self.fixed_s + self.cost_s / min(devices, self.max_width or devices)
 
     def __post_init__(self) -> None:
-        if self.cost_s < 0 or self.memory_gb < 0:
-            raise ValueError(f"node {self.id}: cost_s and memory_gb must be >= 0, got {self.cost_s}, {self.memory_gb}")
+        if min(self.cost_s, self.fixed_s, self.memory_gb) < 0:
+            raise ValueError(
+                f"node {self.id}: cost_s, fixed_s and memory_gb must be >= 0, got {self.cost_s}, {self.fixed_s}, "
+                f"{self.memory_gb}"
+            )
         if self.max_width is not None and self.max_width < 1:
             raise ValueError(f"node {self.id}: max_width must be >= 1, got {self.max_width}")
         for name, span in (("timestep chunk", self.timesteps), ("length band", self.band)):

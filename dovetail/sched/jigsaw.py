@@ -708,7 +708,7 @@ def _runs(items: int, parts: int) -> list[tuple[int, int]]:
 def step_work(spec: PipelineSpec, shape: LLMShape | FlowShape, cost) -> float:
     """Device-seconds of one step of `spec` as `shape` cuts it (collectives: their wall time): what a sub-pool is
     sized by."""
-    return sum(n.cost_s for n in shape.build(spec, 1, cost))
+    return sum(n.seconds_on(1) for n in shape.build(spec, 1, cost))
 
 
 def slice_sizes(works: Sequence[float], minimums: Sequence[int], devices: int) -> list[int] | None:

@@ -119,7 +119,7 @@ def rollout_seconds(nodes: Sequence[Node], tensor_parallel: int) -> float:
     for node in nodes:
         if stage(node) == "rollout":
             shard = node.shard
-            chains[shard] = chains.get(shard, 0.0) + node.cost_s / tensor_parallel
+            chains[shard] = chains.get(shard, 0.0) + node.seconds_on(tensor_parallel)
     tail = chains.pop(None, 0.0)
     return max(chains.values(), default=0.0) + tail
 
@@ -130,7 +130,7 @@ TRAINER_KINDS = frozenset({Kind.LOGPROB, Kind.TRAIN, Kind.COMMIT, Kind.PUBLISH})
 
 def trainer_seconds(nodes: Sequence[Node], trainer_devices: int) -> float:
     """Wall time of a step's trainer work on a group of `trainer_devices` (collectives take their cost)."""
-    return sum(n.cost_s if n.collective else n.cost_s / trainer_devices for n in nodes if n.kind in TRAINER_KINDS)
+    return sum(n.seconds_on(trainer_devices) for n in nodes if n.kind in TRAINER_KINDS)
 
 
 class SplitLLMPolicy(StagedLLMPolicy):
