@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -216,6 +217,31 @@ def test_simulator_replays_the_run_within_15_percent():
         result = replay_run(RUNS[name])
         assert abs(result["relative_error"]) <= 0.15, result
         assert len(result["device_pace"]) == 2 and min(result["device_pace"]) > 0
+
+
+def test_the_driver_goes_on_with_the_next_step_while_a_step_is_recorded(tmp_path):
+    """A step's record (its evaluation, checkpoint, curves, the user's callbacks) runs beside the driver's loop, not
+    in it: a callback that holds step 1's record until a node of step 2 has finished returns (were the record in the
+    loop, no node of step 2 could be seen to finish, and it would wait out its minute), and every step is still
+    recorded, in order."""
+    step_two_ran = threading.Event()
+    held: list[bool] = []
+
+    def watch(executor, part):
+        if executor.graph[part.node].step >= 1:
+            step_two_ran.set()
+
+    class HoldStepOne:
+        def on_step(self, metrics, pipeline):
+            if metrics["step"] == 1:
+                held.append(step_two_ran.wait(timeout=60))
+
+    out = tmp_path / "run"
+    train(
+        load_config(None, [*COMMON, "policy=colocated"]), out, steps=STEPS, callbacks=[HoldStepOne()], after_part=watch
+    )
+    assert held == [True]
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
 
 
 def test_simulate_from_run_on_the_command_line(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -168,7 +169,10 @@ def train_on_ray(
             if startup_s is None:
                 startup_s = time.perf_counter() - called
             began = time.perf_counter()
-            trace = executor.run(prepared.policy)
+            try:
+                trace = executor.run(prepared.policy)
+            finally:  # every step the executor committed is in its log before the run ends or goes on
+                on_commit.close()
             break
         except StepLost as lost:
             earlier.lost += len(lost.devices)
@@ -216,21 +220,65 @@ def train_on_ray(
 
 class Recorder:
     """Records each optimizer step of a run's pipeline in its log (`StepLog`), with the trainer state where the log
-    needs it (a checkpoint, an evaluation); `after_record()` runs next."""
+    needs it (a checkpoint, an evaluation); `after_record()` runs next.
+
+    The step's metrics and trainer state are read from the executor at its commit; the record itself (an evaluation,
+    a checkpoint, the curves: seconds of the driver's) runs on a thread of its own, one step after another, so that
+    the driver's loop goes on placing the pipelines' work meanwhile (a multiplexed run's other pipeline, the next
+    step's rollout). What a record raises (a failing reward, a stop the user asked for) is raised in the loop at the
+    next commit or by `drain`; once the user asked to stop, the loop waits for each record, so the run stops at the
+    step it saves."""
 
     def __init__(self, logs: dict, first_steps: dict[str, int], policy, policy_name: str, after_record) -> None:
         self.logs, self.first_steps, self.policy_name, self.after_record = logs, first_steps, policy_name, after_record
         self.step_metrics = {name: StepMetrics(policy, name) for name in logs}
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="record")
+        self.submitted: list[Future] = []
+        self.failed = False
+        """A record raised: the ones after it do nothing (the run ends at the step before it)."""
 
     def __call__(self, pipeline: str, rl_step: int, executor: RayExecutor) -> None:
+        self._raise_failed()
         done, log = rl_step + 1, self.logs[pipeline]
         metrics = self.step_metrics[pipeline](executor, rl_step - self.first_steps[pipeline])
-        if log.needs_weights(done):
-            load_trainer_state(log.model, log.optimizer, executor.committed_state(pipeline))
-            log.holds = done
-        log.record(done, metrics, {"policy": self.policy_name, "version": done})
-        if self.after_record is not None:
-            self.after_record()
+        state = executor.committed_state(pipeline) if log.needs_weights(done) else None
+        self.submitted.append(self.thread.submit(self._record, log, done, metrics, state))
+        if log.interrupt.requested is not None:
+            self.drain()
+
+    def _record(self, log, done: int, metrics: dict, state: dict | None) -> None:
+        if self.failed:
+            return
+        try:
+            if state is not None:
+                load_trainer_state(log.model, log.optimizer, state)
+                log.holds = done
+            log.record(done, metrics, {"policy": self.policy_name, "version": done})
+            if self.after_record is not None:
+                self.after_record()
+        except BaseException:
+            self.failed = True
+            raise
+
+    def _raise_failed(self) -> None:
+        finished = [future for future in self.submitted if future.done()]
+        self.submitted = [future for future in self.submitted if not future.done()]
+        for future in finished:
+            if future.exception() is not None:
+                raise future.exception()
+
+    def drain(self) -> None:
+        """Wait for every record submitted; raise what a failed one raised."""
+        submitted, self.submitted = self.submitted, []
+        for future in submitted:
+            future.result()
+
+    def close(self) -> None:
+        """`drain`, then end the thread: the executor this recorder served is done."""
+        try:
+            self.drain()
+        finally:
+            self.thread.shutdown()
 
 
 @dataclass

@@ -161,7 +161,7 @@ class RayExecutor:
                 if isinstance(event, StepCommitted) and self.on_commit is not None:
                     run = self.pipelines[event.pipeline]
                     self.on_commit(event.pipeline, run.first_step + event.step, self)
-                    state.now = time.perf_counter() - start  # the driver's logging took wall time too
+                    state.now = time.perf_counter() - start  # reading the step's metrics took wall time too
 
         state.begin()
         while True:
