@@ -101,16 +101,25 @@ def train(
     if dry_run:
         _print_dry_run(run_config, steps)
         return
-    from dovetail.exec.launch import start_devices_early
+    from dovetail.exec.launch import start_devices_in_background
     from dovetail.run_dir import RunInterrupted, checked_run_paths
 
     try:
         checked_run_paths(run_config, out, resume, overwrite)  # refused at once, not after Ray has started
-        start_devices_early(run_config)  # its processes import their engines while this one imports the runner
+        # Ray and the device workers (each importing its engines) start while this process imports the runner,
+        # checks the checkpoint and evaluates the base model
+        devices_starting = start_devices_in_background(run_config)
         from dovetail.runner import train as run_training
 
         summary = run_training(
-            run_config, out, steps=steps, resume=resume, overwrite=overwrite, reprofile=reprofile, began=began
+            run_config,
+            out,
+            steps=steps,
+            resume=resume,
+            overwrite=overwrite,
+            reprofile=reprofile,
+            began=began,
+            devices_starting=devices_starting,
         )
     except (RewardError, RunInterrupted) as error:  # the message says what was saved and how to go on
         typer.echo(str(error), err=True)

@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -227,6 +228,7 @@ def train(
     after_part=None,
     reprofile: bool = False,
     began: float | None = None,
+    devices_starting: Future | None = None,
 ) -> dict:
     """Train every pipeline of the run to `steps` (default config.train.steps) under config.policy; returns the
     summary. A multiplexed run keeps each pipeline in its own sub-directory of `out` (and resumes each from there).
@@ -240,7 +242,8 @@ def train(
     `reprofile`: measure the devices again instead of reading what a run of the same config measured on this machine
     (`exec.startup_cache`). `after_start` / `after_part` are the Ray runtime's fault-injection hooks, for tests.
     The summary's `startup_s` is the seconds from `began` (`time.perf_counter()` when the command began; default
-    this call) to the first step's start."""
+    this call) to the first step's start. `devices_starting`: the local Ray instance and device workers the caller is
+    starting meanwhile (`launch.start_devices_early` on a thread), which the run waits for before it uses Ray."""
     called = time.perf_counter() if began is None else began
     torch.set_num_threads(1)
     config = with_steps(config, steps if steps is not None else config.train.steps)
@@ -310,6 +313,7 @@ def train(
                     after_part=after_part,
                     reprofile=reprofile,
                     called=called,
+                    devices_starting=devices_starting,
                 )
     except BaseException as error:
         for log in logs.values():

@@ -119,19 +119,23 @@ def train_on_ray(
     after_part=None,
     reprofile: bool = False,
     called: float,
+    devices_starting: Future | None = None,
 ) -> dict:
     """Train every pipeline of the run from its first step up to `last_step` under config.policy; `logs` are the
     pipelines' `StepLog`s (metrics, eval, checkpoints, progress). Returns run-level figures for the summary.
     `after_record()` runs after each step is recorded (an exception it raises ends the run there). Fault-injection
     hooks: `after_start(started)` once the workers are configured, before the start-up profile; `after_part`.
     `called`: when the run was called (`time.perf_counter()`), for the figures' `startup_s`, the seconds until the
-    first step starts (Ray, the device workers, the start-up profile and the plan included)."""
+    first step starts (Ray, the device workers, the start-up profile and the plan included). `devices_starting`: Ray
+    and the device workers being started on another thread (`launch.start_devices_early`), waited for first."""
 
     def phase(what: str) -> None:
         for name, log in logs.items():
             log.progress.phase(name, what)
 
     phase("starting Ray")
+    if devices_starting is not None:
+        devices_starting.result()
     start_ray(config)
     pool = device_pool(config)
     states = {name: trainer_state_of(log.model, log.optimizer) for name, log in logs.items()}

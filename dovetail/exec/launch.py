@@ -11,6 +11,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 
@@ -214,8 +215,8 @@ def device_pool(config: TrainConfig) -> DevicePool:
 
 def start_devices_early(config: TrainConfig) -> dict[str, list]:
     """A local run's Ray instance and device workers started now, each worker importing its pipeline's engines
-    (`DeviceWorker.preload`), for a caller that has yet to import its own (the command line, before the runner):
-    the imports, seconds each on every process, overlap instead of following each other, and the run takes up both
+    (`DeviceWorker.preload`), for a caller that has yet to import its own (the command line, before the runner, by
+    `start_devices_in_background`): the imports, seconds each on every process, overlap, and the run takes up both
     as it starts (`start_ray` finds Ray started; `device_pool` and `DevicePool.workers` find their names). Returns
     each pipeline's workers; a run on a cluster (cluster.address, $RAY_ADDRESS) and the one-process reference start
     nothing here (none)."""
@@ -229,6 +230,27 @@ def start_devices_early(config: TrainConfig) -> dict[str, list]:
         for worker in workers[name]:
             worker.preload.remote(pipeline.kind)
     return workers
+
+
+def start_devices_in_background(config: TrainConfig) -> Future:
+    """`start_devices_early` on a thread of its own, for a caller with work of its own meanwhile (the command line:
+    importing the runner, checking the checkpoint, the base evaluation), while Ray's start is mostly waiting on its
+    processes. The thread lives as long as this process: Ray's processes get Linux's parent-death signal when the
+    thread that started them ends. Ray's notice that it leaves SIGTERM alone from a thread is muted: the run's own
+    handler (`runner.Interrupt`) is the one meant."""
+    started: Future = Future()
+
+    def start() -> None:
+        try:
+            with warning_muted("ray._private.worker", "SIGTERM handler is not set"):
+                started.set_result(start_devices_early(config))
+        except BaseException as error:  # the run raises it where it waits for the devices
+            started.set_exception(error)
+            return
+        threading.Event().wait()
+
+    threading.Thread(target=start, name="start-devices", daemon=True).start()
+    return started
 
 
 def pipeline_workers(pool: DevicePool, pipelines: Mapping[str, object]) -> dict[str, list]:
