@@ -212,9 +212,19 @@ def test_run_directory_has_trace_gantt_and_runtime_metrics():
     assert 0 < summary["efficiency"] <= 1 and summary["restarts"] == 0
 
 
-def test_simulator_replays_the_run_within_15_percent():
-    for name in ("digen", "colocated", "disaggregated", "reward-pool"):
-        result = replay_run(RUNS[name])
+REPLAYED = {
+    "digen": ["policy=digen", "runtime.fragments=4", "runtime.tsp_chunk=5", "runtime.tag=force"],
+    "colocated": ["policy=colocated"],
+    "disaggregated": ["policy=disaggregated"],
+    "reward-pool": ["policy=digen", "runtime.reward_devices=1"],
+}
+
+
+@pytest.mark.serial  # timed alone: another test process on the two cores stretches the driver's dispatch between
+# nodes, which the replay does not model (17-27 % off in parallel suites here)
+def test_simulator_replays_the_run_within_15_percent(tmp_path):
+    for name, overrides in REPLAYED.items():
+        result = replay_run(run(name, tmp_path, overrides))
         assert abs(result["relative_error"]) <= 0.15, result
         assert len(result["device_pace"]) == 2 and min(result["device_pace"]) > 0
 
