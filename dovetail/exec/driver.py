@@ -265,11 +265,14 @@ class Recorder:
             raise
 
     def _raise_failed(self) -> None:
-        finished = [future for future in self.submitted if future.done()]
-        self.submitted = [future for future in self.submitted if not future.done()]
-        for future in finished:
-            if future.exception() is not None:
+        """Raise what a finished record raised; keep the ones still to finish."""
+        pending = []
+        for future in self.submitted:
+            if not future.done():
+                pending.append(future)
+            elif future.exception() is not None:
                 raise future.exception()
+        self.submitted = pending
 
     def drain(self) -> None:
         """Wait for every record submitted; raise what a failed one raised."""
