@@ -17,6 +17,7 @@ from dovetail.config.common import ConfigError
 from dovetail.config.load import load_config
 from dovetail.cost.model import CostModel
 from dovetail.exec.launch import dry_run
+from dovetail.exec.lm_engines import DOUBLE
 from dovetail.exec.lm_startup import fitted_cost, profile_here
 from dovetail.exec.messages import LMTrain, Prefill
 from dovetail.exec.replay import replay_run
@@ -204,12 +205,12 @@ def test_the_profile_s_two_sizes_give_each_kind_of_pass_its_fixed_cost():
     config = load_config(None, SMALL)
     measured = profile_here(config, carry=lambda weights: weights)
     samples = config.runtime.profile_samples
-    assert len(measured["lengths"]) == samples and len(measured["lengths_double"]) == 2 * samples
-    assert measured["lengths_double"][:samples] == measured["lengths"], "every size decodes from the same weights"
+    assert len(measured["lengths"]) == samples and len(measured[f"lengths{DOUBLE}"]) == 2 * samples
+    assert measured[f"lengths{DOUBLE}"][:samples] == measured["lengths"], "every size decodes from the same weights"
     scenario = config.scenario(1)
     spec = scenario.pipelines[0]
     model, analytic = spec.catalogue_model(), CostModel(config.cluster.device)
-    for suffix in ("", "_double"):
+    for suffix in ("", DOUBLE):
         prompts, lengths = measured[f"prompt_tokens{suffix}"], measured[f"lengths{suffix}"]
         full = [p + n for p, n in zip(prompts, lengths)]
         work = {"prefill": analytic.prefill(model, prompts), "decode": analytic.decode(model, prompts, lengths)}

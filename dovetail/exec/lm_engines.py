@@ -234,21 +234,22 @@ def trainer_kept(engines: LMEngines):
 
 
 def profile_works(
-    engines: LMEngines, samples: int, carry: Callable[[dict], dict]
+    engines: LMEngines, samples: int, carry: Callable[[dict], dict], weights: dict | None = None
 ) -> dict[str, Callable[[dict], object]]:
     """The start-up profile's work of each kind, in the order it runs, each taking the earlier ones' results by
-    kind: `samples` responses of RL step -1 (never trained) prefilled (the trainer's weights loaded into the rollout
-    engine first), decoded, scored, their log-probs, a train and an optimizer step of the engines' own trainer (run
-    them `trainer_kept`), a publication to the rollout engine. The responses come in groups of the run's group size,
-    as the run's do: the trainer passes over one group at a time, so a profile of lone responses would time a pass
-    per response (three times the per-response cost of the run's groups of 8 on the copy task here)."""
+    kind: `samples` responses of RL step -1 (never trained) prefilled (`weights`, default the trainer's now, loaded
+    into the rollout engine first), decoded, scored, their log-probs, a train and an optimizer step of the engines'
+    own trainer (run them `trainer_kept`), a publication to the rollout engine. The responses come in groups of the
+    run's group size, as the run's do: the trainer passes over one group at a time, so a profile of lone responses
+    would time a pass per response (three times the per-response cost of the run's groups of 8 on the copy task
+    here)."""
     config, name = engines.config, engines.config.pipeline_name
     group = min(config.algo.group_size, samples)
     ids = [SampleId(-1, p // group, p % group) for p in range(samples)]
     rows = [engines.prompts.train(-1, p // group) for p in range(samples)]
     encoded = encode_prompts(config, engines.tokenizer, rows, model_context(config))
     engines.rollout_version = None
-    weights = carry(weights_of(engines.trainer))
+    weights = carry(weights_of(engines.trainer)) if weights is None else weights
 
     def train(done: dict) -> Trained:
         trained = engines.run(LMTrain(name, ids, False, [done["decode"]], [done["score"]]))
@@ -279,15 +280,13 @@ def profile_work(engines: LMEngines, samples: int, carry: Callable[[dict], dict]
     cheaper per response than the profile's 16."""
 
     def one_round(size: int) -> tuple[dict[str, float], dict[str, object]]:
-        """A round from the engines' own weights: every round and size times the same responses."""
         seconds, done = {}, {}
-        with trainer_kept(engines):
-            for name, work in profile_works(engines, size, carry).items():
-                synchronize(engines.device)
-                start = time.perf_counter()
-                done[name] = work(done)
-                synchronize(engines.device)
-                seconds[name] = time.perf_counter() - start
+        for name, work in profile_works(engines, size, carry, weights).items():
+            synchronize(engines.device)
+            start = time.perf_counter()
+            done[name] = work(done)
+            synchronize(engines.device)
+            seconds[name] = time.perf_counter() - start
         return seconds, done
 
     def at(size: int) -> dict:
@@ -299,6 +298,8 @@ def profile_work(engines: LMEngines, samples: int, carry: Callable[[dict], dict]
             "prompt_tokens": [len(p) for p in done["prefill"].prompts],
         }
 
-    one_round(samples)
-    single, double = at(samples), at(2 * samples)
+    with trainer_kept(engines):
+        weights = carry(weights_of(engines.trainer))  # every round and size decodes from these: the same responses
+        one_round(samples)
+        single, double = at(samples), at(2 * samples)
     return single | {f"{name}{DOUBLE}": double[name] for name in (*SIZED_KINDS, "lengths", "prompt_tokens")}

@@ -293,7 +293,7 @@ class ClusterState:
         del self.ready[d.node]
         self._occupy(d.node, d.devices, d.share)
         self.running[d.node] = Running(
-            tuple(d.devices), d.share, self.now, node.cost_s, self.now, node.fixed_s, progress_at=self.now
+            tuple(d.devices), d.share, self.now, node.cost_s, self.now, delay=node.fixed_s, progress_at=self.now
         )
         self._started_segment(d.node)
         self._step_start.setdefault((node.pipeline, node.step), self.now)
