@@ -19,7 +19,7 @@ from dovetail.models.engine import (
     sample_tokens,
 )
 from dovetail.models.lm import load_lm
-from dovetail.models.lm_rl import response_log_probs
+from dovetail.models.lm_rl import group_response_log_probs, response_log_probs
 from dovetail.tasks import task
 
 VOCAB = 40
@@ -221,6 +221,32 @@ def test_response_log_probs_carry_gradients(model):
     log_probs[mask].sum().backward()
     assert model.lm_head.weight.grad.abs().sum() > 0
     model.zero_grad()
+
+
+@pytest.mark.parametrize("responses", [[[4, 5, 9], [6], [30, 31, 2, 8, 8], [6]], [[4], [12]]])
+def test_a_group_passes_its_prompt_once_and_gets_the_padded_batch_s_log_probs_and_gradient(model, responses):
+    """The shared-prompt pass (the prompt alone, then the responses on its cache) against the padded batch of prompt +
+    response rows: the same log-probs, entropies and gradient up to fp32 rounding; a group of one-token responses
+    never runs the second pass."""
+    prompt, temperature = PROMPTS[2], 0.7
+    results = {}
+    for name, log_probs_of in {
+        "batch": lambda: response_log_probs(model, [prompt] * len(responses), responses, temperature, entropy=True),
+        "group": lambda: group_response_log_probs(model, prompt, responses, temperature, entropy=True),
+    }.items():
+        model.zero_grad(set_to_none=True)
+        log_probs, mask, entropy = log_probs_of()
+        weights = torch.linspace(-1.0, 1.0, log_probs.numel()).view_as(log_probs)
+        ((log_probs * weights)[mask].sum() + entropy[mask].sum()).backward()
+        gradient = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        results[name] = (log_probs.detach(), mask, entropy.detach(), gradient)
+    model.zero_grad(set_to_none=True)
+    (batch_lp, batch_mask, batch_entropy, batch_grad), (lp, mask, entropy, grad) = results["batch"], results["group"]
+    assert torch.equal(mask, batch_mask)
+    torch.testing.assert_close(lp, batch_lp, atol=2e-5, rtol=0)
+    torch.testing.assert_close(entropy, batch_entropy, atol=2e-5, rtol=0)
+    assert grad.abs().max() > 1e-2
+    torch.testing.assert_close(grad, batch_grad, atol=1e-5 * batch_grad.abs().max().item(), rtol=1e-4)
 
 
 def numpy_keyed_uniforms(seed: int, keys: list, positions: list[int]) -> torch.Tensor:

@@ -11,7 +11,8 @@ A group's fp32 gradient is then the same bits whichever device, part or batch it
 fp32 terms in fp64 is exact unless their magnitudes span more than 2^29, so the sum rounded once to fp32 does
 not depend on how the runtime split the batch into parts and devices: the reference loop and every synchronous
 policy end at the same bits on any CPU, whatever kernels it picks (a whole-batch backward would sum the rows in
-an order its kernel chooses by shape). Groups of one prompt are also faster here than one padded batch.
+an order its kernel chooses by shape). Groups of one prompt are also faster here than one padded batch, and a group
+passes its prompt once (`group_response_log_probs`), not once per response.
 """
 
 from collections.abc import Callable, Sequence
@@ -60,12 +61,47 @@ def response_log_probs(
     predicting = prompt_lengths[:, None] - 1 + torch.arange(targets.shape[1], device=device)
     predicting = predicting.clamp(max=logits.shape[1] - 1)  # padding columns: any valid row, masked below
     picked = logits.gather(1, predicting[..., None].expand(-1, -1, logits.shape[-1]))
-    distributions = (picked / temperature).log_softmax(-1)
+    return _token_log_probs(picked, targets, mask, temperature, entropy)
+
+
+def group_response_log_probs(
+    model, prompt: list[int], responses: list[list[int]], temperature: float, entropy: bool = False
+):
+    """`response_log_probs` of responses to one prompt (a GRPO group), the prompt passed once instead of once per
+    response: a forward of the prompt alone keeps its keys and values, the responses read them from that cache as
+    one right-padded batch, and a backward adds every response's gradient through the one prompt pass. The same
+    log-probs up to fp32 rounding, with G - 1 fewer passes over the prompt forward and back (the shared-prefix
+    forward of "Prefix Grouper", Liu et al. 2025): a group's G copies of a long prompt are most of its tokens.
+    Right padding needs no attention mask: a real token attends to the prompt and the tokens before it only."""
+    device = next(model.parameters()).device
+    targets, mask = pad_batch(responses)
+    targets, mask = targets.to(device), mask.to(device)
+    prompt_pass = model(input_ids=torch.tensor([prompt], device=device), use_cache=True, logits_to_keep=1)
+    logits = prompt_pass.logits.expand(len(responses), 1, -1)  # the last prompt position: each first token
+    if targets.shape[1] > 1:  # response token j > 0 is predicted at the response's position j - 1
+        cache = prompt_pass.cache
+        cache.batch_repeat_interleave(len(responses))
+        logits = torch.cat([logits, model(input_ids=targets[:, :-1], cache=cache, use_cache=True).logits], dim=1)
+    return _token_log_probs(logits[:, : targets.shape[1]], targets, mask, temperature, entropy)
+
+
+def _token_log_probs(logits, targets, mask, temperature: float, entropy: bool):
+    """The log-probs (and with `entropy` the entropies) of `targets` (B, R) under the logits (B, R, V) that predict
+    them, 0 where `mask` is not."""
+    distributions = (logits / temperature).log_softmax(-1)
     log_probs = distributions.gather(-1, targets[..., None]).squeeze(-1).masked_fill(~mask, 0.0)
     if not entropy:
         return log_probs, mask
     entropies = -(distributions.exp() * distributions).sum(-1)
     return log_probs, mask, entropies.masked_fill(~mask, 0.0)
+
+
+def group_prompt(requests: list[Request]) -> list[int]:
+    """The one prompt a group's requests answer."""
+    prompt = requests[0].prompt
+    if any(request.prompt != prompt for request in requests):
+        raise ValueError(f"a group's requests answer different prompts: {[r.key for r in requests]}")
+    return prompt
 
 
 def by_group(samples: Sequence[SampleId]) -> list[list[SampleId]]:
@@ -74,13 +110,13 @@ def by_group(samples: Sequence[SampleId]) -> list[list[SampleId]]:
 
 
 def group_log_probs(model, requests: dict[SampleId, Request], temperature: float) -> dict[SampleId, torch.Tensor]:
-    """Each sampled response's log-probs (`response_log_probs`, computed a group at a time), without grad."""
+    """Each sampled response's log-probs (`group_response_log_probs`, a group at a time), without grad."""
     out = {}
     with torch.no_grad():
         for group in by_group(requests):
             chosen = [requests[s] for s in group]
-            log_probs, mask = response_log_probs(
-                model, [r.prompt for r in chosen], [r.tokens for r in chosen], temperature
+            log_probs, mask = group_response_log_probs(
+                model, group_prompt(chosen), [r.tokens for r in chosen], temperature
             )
             out |= {s: row[m] for s, row, m in zip(group, log_probs, mask)}
     return out
@@ -155,8 +191,10 @@ def policy_gradient(
     def group_loss(group: list[SampleId]):
         nonlocal normaliser
         group_requests = [requests[s] for s in group]
-        prompts, responses = [r.prompt for r in group_requests], [r.tokens for r in group_requests]
-        log_probs, mask, entropy = response_log_probs(model, prompts, responses, temperature, entropy=True)
+        responses = [r.tokens for r in group_requests]
+        log_probs, mask, entropy = group_response_log_probs(
+            model, group_prompt(group_requests), responses, temperature, entropy=True
+        )
         if algo.entropy_coef == 0:
             entropy = entropy.detach()  # the metric alone: no backward through it
         normaliser += normaliser_of(algo.aggregation, max_new_tokens, mask)
