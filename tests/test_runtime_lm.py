@@ -2,7 +2,9 @@
 at the reference loop's parameters, the asynchronous ones bound and record their staleness, and the ledger (checked
 by the run itself) finds every response generated, scored and trained once."""
 
+import itertools
 import json
+import random
 import re
 
 import pytest
@@ -17,6 +19,7 @@ from dovetail.config.common import ConfigError
 from dovetail.config.load import load_config
 from dovetail.cost.model import CostModel
 from dovetail.exec.launch import dry_run
+from dovetail.exec.lm_adapter import balanced
 from dovetail.exec.lm_engines import DOUBLE
 from dovetail.exec.lm_startup import fitted_cost, profile_here
 from dovetail.exec.messages import LMTrain, Prefill
@@ -76,6 +79,24 @@ def test_verl_sync_on_ray_ends_at_the_reference_parameters(reference, tmp_path):
     # the commit's own split: inside the commit node's time on its devices
     assert all(0 < m["commit_sync_s"] and 0 < m["commit_optimizer_s"] for m in lines)
     assert all(m["commit_sync_s"] + m["commit_optimizer_s"] <= m["commit_s"] for m in lines)
+
+
+def test_trainer_devices_get_groups_of_about_equal_tokens_within_the_longest_processing_time_bound():
+    """`balanced` against the best split, found by trying every one: each group once, each share in order, and the
+    largest share within Graham's bound for the rule, (4/3 - 1/(3 m)) of the best on m devices."""
+    assert balanced([10, 9, 8, 1, 1, 1], 2) == [[0, 3, 4, 5], [1, 2]]  # by count: 27 tokens against 3
+    rng = random.Random(0)
+    for _ in range(200):
+        shares, costs = rng.choice([2, 3]), [rng.randint(1, 60) for _ in range(rng.randint(1, 8))]
+        split_up = balanced(costs, shares)
+        assert sorted(i for share in split_up for i in share) == list(range(len(costs)))
+        assert all(share == sorted(share) for share in split_up)
+        best = min(
+            max(sum(c for c, s in zip(costs, owners) if s == share) for share in range(shares))
+            for owners in itertools.product(range(shares), repeat=len(costs))
+        )
+        largest = max(sum(costs[i] for i in share) for share in split_up)
+        assert largest <= (4 / 3 - 1 / (3 * shares)) * best + 1e-9
 
 
 def test_decode_by_length_band_pauses_and_continues_responses_exactly(reference, tmp_path):

@@ -163,7 +163,7 @@ class LMEngines(PipelineEngines):
             scores = score_text(
                 completions, [row.prompt for row in rows], self.config.rewards, self.config.reward_timeout_s, context
             )
-            return Scores(list(chosen), scores)
+            return Scores(list(chosen), scores, np.array([len(r.tokens) for r in chosen.values()]))
         if isinstance(work, LMLogProbs):
             chosen = self._select(work.rollouts, work.samples)
             model = self.reference if work.reference else self.trainer
@@ -176,7 +176,7 @@ class LMEngines(PipelineEngines):
     def _nothing(self, work: Work):
         """The answer of a streamed micro-batch left empty (its groups all finished later): no reward, no gradient."""
         if isinstance(work, Score):
-            return Scores([], {name: np.zeros(0) for name in [*self.config.rewards, "total"]})
+            return Scores([], {name: np.zeros(0) for name in [*self.config.rewards, "total"]}, np.zeros(0, dtype=int))
         if isinstance(work, LMLogProbs):
             return LogProbs([], [])
         self._gradient, _ = accumulate_group_gradients(self.trainer, [], lambda group: None)

@@ -112,6 +112,9 @@ class Scores:
     samples: list[SampleId]
     scores: dict[str, np.ndarray]
     """Each reward's values and their weighted sum under "total"."""
+    response_tokens: np.ndarray | None = None
+    """A language model's: each sample's response length, what its training costs (the driver balances the trainer
+    devices' shares by it, `lm_adapter.balanced`); None for a flow pipeline, whose samples cost alike."""
 
 
 @dataclass(frozen=True)

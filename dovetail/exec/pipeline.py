@@ -159,12 +159,10 @@ class PipelineAdapter(ABC):
         return 1.0
 
     @staticmethod
-    def spread(items: list, devices: tuple[int, ...], keep_empty: bool = False) -> list[tuple[int, list]]:
-        """`items` dealt to `devices` in contiguous runs (sizes differ by at most one); an empty share is dropped,
-        but with `keep_empty` a node of no items still has one (empty) part, so that it finishes."""
+    def spread(items: list, devices: tuple[int, ...]) -> list[tuple[int, list]]:
+        """`items` dealt to `devices` in contiguous runs (sizes differ by at most one); an empty share is dropped."""
         runs = zip(devices, split(len(items), len(devices)))
-        spread = [(device, [items[r] for r in rows]) for device, rows in runs if rows]
-        return spread or ([(devices[0], [])] if keep_empty else [])
+        return [(device, [items[r] for r in rows]) for device, rows in runs if rows]
 
 
 class PipelineEngines(ABC):
