@@ -1,7 +1,10 @@
 """Start-up as a user meets it: `dovetail train` from the shell until its first step starts, the one-process
 reference beside the runtime's policies, the start-up cache warm and cold.
 
-    .venv/bin/python benchmarks/startup.py [--repeats 3] [--out /tmp/bench-startup]
+    .venv/bin/python benchmarks/startup.py [--repeats 3] [--out /tmp/bench-startup] [-- ARGS]
+
+ARGS go to every `dovetail train` (on the GPU check's machine: `-- --devices 1 cluster.device=H200`); each run is
+`dovetail.cli` under this script's own interpreter, so it runs wherever the package imports, with or without a venv.
 
 Each run is a fresh `dovetail train CONFIG --steps 1` process (evaluation and checkpoints only where the run must:
 the base evaluation and the last step's). Per config, the arrangements run in turn, `--repeats` rounds of them, so
@@ -30,6 +33,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+DOVETAIL = [sys.executable, "-c", "from dovetail.cli import main; main()"]
+"""The `dovetail` command, under this interpreter."""
 CONFIGS = {"configs/sort.yaml": ("reference", "verl-sync"), "configs/digits.yaml": ("reference", "digen")}
 
 
@@ -66,11 +71,11 @@ def session_cpu(session: int) -> dict[int, float]:
     return seconds
 
 
-def run_once(config: str, policy: str, cache: Path, out: Path, launch: float) -> dict:
+def run_once(config: str, policy: str, cache: Path, out: Path, launch: float, extra: list[str]) -> dict:
     """One `dovetail train` process in a session of its own (Ray's processes stay in it); its start-up, wall, and
     the CPU seconds of each part of it until the first step starts (`launch`: seconds from launch to the command's
-    start, which the summary's start-up does not count)."""
-    command = [str(ROOT / ".venv/bin/dovetail"), "train", config, "--steps", "1", "--out", str(out), "--overwrite"]
+    start, which the summary's start-up does not count; `extra`: more arguments of the command)."""
+    command = [*DOVETAIL, "train", config, "--steps", "1", "--out", str(out), "--overwrite", *extra]
     command += [f"policy={policy}", "eval.every=1000", "checkpoint.every=1000"]
     env = os.environ | {"DOVETAIL_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
     launched = time.perf_counter()
@@ -105,7 +110,7 @@ def run_once(config: str, policy: str, cache: Path, out: Path, launch: float) ->
 def launch_overhead() -> float:
     """Seconds from launching `dovetail` to its command's start: the interpreter and the CLI module's imports."""
     start = time.perf_counter()
-    subprocess.run([str(ROOT / ".venv/bin/dovetail"), "train", "--help"], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run([*DOVETAIL, "train", "--help"], cwd=ROOT, check=True, capture_output=True)
     return time.perf_counter() - start
 
 
@@ -113,6 +118,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("extra", nargs="*", help="after --: more arguments of every `dovetail train`")
     args = parser.parse_args()
     args.out = args.out or Path(tempfile.mkdtemp(prefix="bench-startup-"))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -126,7 +132,7 @@ def main() -> None:
             for warmth in ("cold", "warm"):  # a cold run fills its empty cache, which the warm one then reads
                 for policy in policies:
                     out = args.out / f"{Path(config).stem}-{policy}-{warmth}"
-                    result = run_once(config, policy, caches[policy], out, launch)
+                    result = run_once(config, policy, caches[policy], out, launch, args.extra)
                     rows.setdefault((config, policy, warmth), []).append(result)
                     print(f"round {round_} {config} {policy} {warmth}: {result}", file=sys.stderr, flush=True)
     launch = statistics.median(overheads)
