@@ -6,12 +6,14 @@
 `--kind flow` runs the digits text-to-image model, `--kind lm` LM GRPO on the sort task's tiny language model
 (`configs/sort.yaml`'s workload; tokens/s counts generated response tokens).
 
-For each policy: samples/s and step time between optimizer steps (median over steps after the first),
+For each policy: samples/s and step time between optimizer steps (median over steps after the first), the same
+step by the wall clock (between the steps' records, as a callback sees them), the physical limit of its devices,
 efficiency and per-device bubble ratio from the real trace, the step time `dovetail train --dry-run` predicted
 before the run, and the simulator's replay of the run (`dovetail simulate --from-run`: the run's graph with its
-measured costs). The policies run in turn, `--repeats` rounds of them, so that the machine's drift falls on all
-alike; the table gives each figure's median over the rounds and the range of samples/s. Prints a Markdown table
-for BENCHMARKS.md.
+measured costs); then each policy's phases: the device-seconds a step spent on each kind of work, summed over
+devices (metrics.jsonl's `{kind}_s`; `publish_s` is the step's publication as its rollout devices timed it). The
+policies run in turn, `--repeats` rounds of them, so that the machine's drift falls on all alike; the tables give
+each figure's median over the rounds and the range of samples/s. Prints Markdown tables for BENCHMARKS.md.
 """
 
 import argparse
@@ -23,6 +25,7 @@ from pathlib import Path
 from dovetail.config.load import load_config
 from dovetail.exec.launch import dry_run
 from dovetail.exec.replay import replay_run
+from dovetail.graph.node import Kind
 from dovetail.runner import train
 
 POLICIES = {
@@ -30,6 +33,22 @@ POLICIES = {
     "lm": ("reference", "verl-sync", "streamrl", "areal"),
 }
 WORKLOADS = {"flow": [], "lm": ["kind=lm", "task=sort", "algo.prompts_per_step=32", "train.lr=2e-4"]}
+PHASES = [f"{kind}_s" for kind in Kind]
+"""metrics.jsonl's per-step device-seconds of each kind of work (`publish_s`: the publication's own timing)."""
+
+
+class StepClock:
+    """A `train` callback: the wall clock at each step's record."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def on_step(self, metrics: dict, pipeline: str) -> None:
+        self.times.append(time.perf_counter())
+
+    def steady_step_s(self) -> float:
+        """The median time between records after the second step's (the first step warms up)."""
+        return statistics.median(b - a for a, b in zip(self.times[1:], self.times[2:]))
 
 
 def read_steps(out: Path) -> list[dict]:
@@ -53,13 +72,17 @@ def measure(policy: str, steps: int, out: Path, overrides: list[str]) -> dict:
     config = load_config(None, [f"policy={policy}", "eval.every=1000", "checkpoint.every=1000", *overrides])
     samples_per_step = config.algo.prompts_per_step * config.algo.group_size
     predicted = dry_run(config, steps).get("step_time_s")
+    clock = StepClock()
     start = time.perf_counter()
-    summary = train(config, out, steps=steps, overwrite=True)  # a re-run replaces its own earlier round
+    summary = train(config, out, steps=steps, overwrite=True, callbacks=[clock])  # a re-run replaces its earlier one
     wall = time.perf_counter() - start
     lines = read_steps(out)[1:]
     row = {
         "policy": policy,
         **steady_figures(lines, samples_per_step),
+        "clock_step_s": clock.steady_step_s(),
+        "devices": 1 if policy == "reference" else config.cluster.devices,
+        "phases": {p: statistics.median(m[p] for m in lines) for p in PHASES if p in lines[0]},
         "max_staleness": max(m.get("staleness", 0) for m in lines),
         "wall_s": wall,
         "final_eval_reward": summary["final_eval_reward"],
@@ -104,10 +127,11 @@ def main() -> None:
 
     base = median(policies[0], "samples_per_s")
     print(
-        "\n| policy | samples/s (median, range) | speedup | tokens/s | step (s) | max staleness | occupancy | "
-        "idle per device | dry-run step (s) | replayed step (s) | measured step (s) | replay error |"
+        "\n| policy | samples/s (median, range) | speedup | limit | tokens/s | step (s) | step by clock (s) | "
+        "max staleness | occupancy | idle per device | dry-run step (s) | replayed step (s) | measured step (s) | "
+        "replay error |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for policy in policies:
         rows = rounds[policy]
         rate = median(policy, "samples_per_s")
@@ -124,9 +148,20 @@ def main() -> None:
         tokens = f"{median(policy, 'tokens_per_s'):.0f}" if rows[0]["tokens_per_s"] is not None else "—"
         stale = max(r["max_staleness"] for r in rows)
         print(
-            f"| {policy} | {spread} | {rate / base:.2f}x | {tokens} | {median(policy, 'step_s'):.3f} | {stale} | "
-            f"{cells} |"
+            f"| {policy} | {spread} | {rate / base:.2f}x | {rows[0]['devices']}x | {tokens} | "
+            f"{median(policy, 'step_s'):.3f} | {median(policy, 'clock_step_s'):.3f} | {stale} | {cells} |"
         )
+    phases = [p for p in PHASES if any(p in rounds[policy][0]["phases"] for policy in policies)]
+    print(f"\n| policy | {' | '.join(p.removesuffix('_s') for p in phases)} | step (s) |")
+    print(f"|---|{'---|' * len(phases)}---|")
+    for policy in policies:
+        cells = [
+            f"{statistics.median(r['phases'][p] for r in rounds[policy]):.3f}"
+            if p in rounds[policy][0]["phases"]
+            else "—"
+            for p in phases
+        ]
+        print(f"| {policy} | {' | '.join(cells)} | {median(policy, 'step_s'):.3f} |")
 
 
 if __name__ == "__main__":
