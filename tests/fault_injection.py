@@ -5,7 +5,7 @@ hooks. Moments:
   start-up   while the workers profile (a timer fires shortly after they are configured)
   generate   right after a rollout part of step 1 returned
   train      right after a train part of step 1 returned (the device holds gradients of the open step)
-  commit     right after the first commit part of step 1 returned (the other device may be mid-gather)
+  commit     right after the first commit part of step 1 returned (the other device may be mid-all-reduce)
   publish    right after a weights load of step 1 returned
   last step  right after the run's last publish returned (before the run directory is written)
 `devices`: one device, two close together (the second at the next part after the first), or every device at once.

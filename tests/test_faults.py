@@ -1,7 +1,7 @@
 """Fault injection (tests/fault_injection.py): DeviceWorker processes SIGKILLed at named moments of a digen run —
 during the start-up profile, every trainer replica between a commit and its publish, every worker at once. Every run
 recovers within the deadline, loses no sample, trains none twice, and ends bitwise equal to an undisturbed run
-(the commit sums the train parts' gradients in the order of their keys, wherever they ran).
+(the commit adds the train parts' gradients in fp64, whose sum is the same bits wherever they ran).
 
 Four cells of the 18-cell kill matrix run here, the four that exercise distinct recovery paths (a profile
 re-measured, an open step's gradients rebuilt, a committed state brought back from the object store, a whole group

@@ -105,8 +105,6 @@ def merged_stats(parts: list[dict[str, float]]) -> dict[str, float]:
 class LMEngines(PipelineEngines):
     """A language-model pipeline's engines on one device."""
 
-    parts_add_in_any_order = True  # a part's gradient: its groups' fp32 gradients added in fp64 (`_train`)
-
     def __init__(self, config: LMTrainConfig, device: torch.device, holds_policy: bool, trainer_state: dict | None):
         super().__init__(config, device)
         self.tokenizer = load_run_tokenizer(config)

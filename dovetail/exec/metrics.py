@@ -28,7 +28,7 @@ metrics.jsonl, one line per step (Ray: only under a Ray policy; flow / LM: of th
   response_tokens       LM: tokens of the step's responses
   timesteps             flow: the denoising steps the step trained
   grad_norm             the step's gradient norm before clipping
-  commit_sync_s         Ray: seconds the step's commit spent adding the trainer devices' gradients together (gather or
+  commit_sync_s         Ray: seconds the step's commit spent adding the trainer devices' gradients together (the
                         all-reduce, the wait for the slowest device included), on the first replica that answered
   commit_optimizer_s    Ray: seconds that commit then spent on the clip and the optimizer step
   <kind>_s              device-seconds of the step's work of that kind (generate, prefill, decode, migrate, score,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import ClassVar, Protocol
+from typing import Protocol
 
 import numpy as np
 import ray
@@ -169,12 +169,6 @@ class PipelineEngines(ABC):
     """The worker side of one pipeline kind: its engines on one device. `trainer` / `optimizer` are None on a
     device that holds no policy engine (a reward device)."""
 
-    parts_add_in_any_order: ClassVar[bool] = False
-    """Whether train parts' gradients add up to the same bits in any order: fp64 sums of fp32 terms, exact within
-    2^29 of each other (`models.lm_rl`). Then a commit adds each device's parts where they are and all-reduces one
-    fp64 sum per device (`worker.reduce_parts`), instead of moving every part to every trainer device and adding
-    them in key order (`worker.gather_parts`, what fp32 parts need for the same bits on every arrangement)."""
-
     def __init__(self, config, device: torch.device) -> None:
         self.config = config
         self.device = device
@@ -189,10 +183,11 @@ class PipelineEngines(ABC):
         """Do one piece of work and return its result message (a train's gradient is then `part_gradient()`)."""
 
     def part_gradient(self) -> torch.Tensor:
-        """The flat gradient of the train work just run, in the precision the commit sums parts in; the trainer's
-        own gradients are cleared. By default what backpropagation accumulated in the trainer (fp32)."""
+        """The flat gradient of the train work just run, in fp64, the precision the commit adds parts in
+        (`worker.reduce_parts`); the trainer's own gradients are cleared. By default what backpropagation accumulated
+        in the trainer."""
         trainer, _ = self.held_trainer()
-        gradient = flat_gradient(trainer)
+        gradient = flat_gradient(trainer).double()
         trainer.zero_grad(set_to_none=True)
         return gradient
 

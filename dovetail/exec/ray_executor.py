@@ -195,7 +195,7 @@ class RayExecutor:
                     continue
                 if not (isinstance(part, Part) and self._lost_a_peer(part, time.perf_counter() - start)):
                     raise
-                self._submit(part)  # its gather lost a peer that died; the group is formed again
+                self._submit(part)  # its all-reduce lost a peer that died; the group is formed again
                 continue
             state.now = time.perf_counter() - start
             if isinstance(part, SwitchRole):
@@ -222,7 +222,7 @@ class RayExecutor:
         return sum(1 for record in self.state.trace.steps if record.pipeline == pipeline)
 
     def _lost_a_peer(self, part: Part, now: float) -> bool:
-        """Whether a failed part is a commit whose gather lost a peer that died: then the pipeline's workers are
+        """Whether a failed part is a commit whose all-reduce lost a peer that died: then the pipeline's workers are
         brought back (the dead one's parts rebuilt before its commit is sent again) and the commit may be re-sent."""
         if not isinstance(part.work, Commit):
             return False

@@ -6,13 +6,12 @@ work and never decides: which node runs where is the policy's, through the execu
 
 The engines live on the worker's device (the GPU Ray assigned it, else the CPU); what crosses Ray (rollouts,
 scores, weights, trainer state) is CPU numpy / tensors, so the driver needs no GPU. Each train part's gradient stays
-on the device, keyed by the part (node, index); at the commit the devices that hold the trainer engine gather every
-part's gradient in a torch.distributed group (NCCL between GPUs, gloo between CPU cores) and each adds them up in
-the order of their keys, so the sum is the same bits whichever device trained which part, in whatever order — a run
-is bitwise reproducible under a scheduler that places work by measured time — and every trainer replica takes the
-same optimizer step. Parts whose sum does not depend on the order (a language model's: fp64 sums of fp32 group
-gradients) are added where they are and the devices' sums all-reduced instead, which moves one gradient per device.
-A worker that dies loses its parts' gradients: the executor re-runs them (same keys, same bits).
+on the device in fp64, keyed by the part (node, index); at the commit each device that holds the trainer engine adds
+its own parts and one all-reduce in a torch.distributed group (NCCL between GPUs, gloo between CPU cores) adds the
+devices' sums (`reduce_parts`): fp32 gradients add up in fp64 to the same bits in any order, so the sum is the same
+whichever device trained which part — a run is bitwise reproducible under a scheduler that places work by measured
+time — and every trainer replica takes the same optimizer step. A worker that dies loses its parts' gradients: the
+executor re-runs them (same keys, same bits).
 
 A publication's weights come through the object store, or by a broadcast that runs on a thread of its own
 (`broadcast_weights`) and stages them for the `LoadWeights` in the main queue: `exec.publication` says why that
@@ -115,40 +114,16 @@ def group_of(ranks: tuple[int, ...], groups: dict):
     return groups[ranks]
 
 
-def gather_parts(parts: dict, ranks: tuple[int, ...], groups: dict, device: torch.device) -> dict:
-    """Every device's `parts` (key -> flat gradient, all of one size and dtype) over the devices `ranks`. The keys
-    cross as a small object; the gradients as one tensor collective on the device, each member's parts stacked and
-    padded to the most any member holds: pickling them (`all_gather_object`) took 7x as long as the collective on a
-    1.7 M-parameter model here."""
-    if len(ranks) < 2:
-        return parts
-    keys = sorted(parts)
-    layout = (parts[keys[0]].numel(), parts[keys[0]].dtype) if keys else None
-    gathered_keys: list = [None] * len(ranks)
-    dist.all_gather_object(gathered_keys, (keys, layout), group=group_of(ranks, groups))
-    members: list[tuple[list, tuple | None]] = gathered_keys
-    layouts = [layout for _, layout in members if layout is not None]
-    if not layouts:
-        return {}
-    numel, dtype = layouts[0]
-    stacked = torch.zeros(max(len(member_keys) for member_keys, _ in members), numel, dtype=dtype, device=device)
-    for row, key in enumerate(keys):
-        stacked[row] = parts[key]
-    gathered = [torch.empty_like(stacked) for _ in ranks]
-    dist.all_gather(gathered, stacked, group=group_of(ranks, groups))
-    return {
-        key: gathered[member][row]
-        for member, (member_keys, _) in enumerate(members)
-        for row, key in enumerate(member_keys)
-    }
-
-
 def reduce_parts(parts: dict, ranks: tuple[int, ...], groups: dict, total: torch.Tensor) -> torch.Tensor:
-    """The sum of every device's `parts` over the devices `ranks`, for parts that add up to the same bits in any
-    order (`PipelineEngines.parts_add_in_any_order`): each device adds its own into `total` (zeros of the parts' size
-    and dtype: a device may hold none), and one all-reduce adds the devices' sums. One gradient per device crosses,
-    where a gather moves every part to every device: 4 fp64 parts on each of 2 devices (a 1.3 M-parameter model) took
-    ~140 ms to gather here, against ~20 ms to all-reduce one fp64 sum."""
+    """The sum of every device's train `parts` (flat fp64 gradients) over the devices `ranks`: each device adds its own
+    into `total` (zeros of the parts' size and dtype: a device may hold none), and one all-reduce adds the devices'
+    sums. fp32 terms add up in fp64 to the same bits in any order unless their magnitudes span more than 2^29 (less a
+    few bits of carries), and
+    the sum is rounded once to fp32 at the commit, so a run is the same bits whichever device trained which part (and
+    after a restart). One gradient per device crosses, where gathering every part to every device and adding in key
+    order moved them all: 4 fp64 parts on each of 2 devices (a 1.3 M-parameter model) took ~140 ms to gather here,
+    ~20 ms to all-reduce as one sum; a flow step of `colocated` (five train nodes, ten fp32 parts) spent 0.32
+    device-s in its commit gathering them."""
     for key in sorted(parts):
         total += parts[key]
     if len(ranks) > 1:
@@ -230,7 +205,7 @@ class DeviceWorker:
     @ray.method(concurrency_group="liveness")
     def ping(self) -> int:
         """This process's pid, answered on a thread of its own: a worker whose work waits for a peer (a commit's
-        gather) still tells a revive that it is alive, so the revive can send that peer its work."""
+        all-reduce) still tells a revive that it is alive, so the revive can send that peer its work."""
         return os.getpid()
 
     @ray.method(concurrency_group="publication")
@@ -309,39 +284,29 @@ class DeviceWorker:
         return Loaded(time.perf_counter() - start, path)
 
     def _commit(self, work: Commit) -> Committed:
-        """Sum the step's train parts' gradients of every trainer device (in the order of their keys, or reduced
-        where the order does not matter) and take one optimizer step."""
+        """Add the step's train parts' gradients of every trainer device (`reduce_parts`) and take one optimizer
+        step."""
         start = time.perf_counter()
-        summed = self._across(self.gradients, work.ranks)
+        summed = reduce_parts(self.gradients, work.ranks, self.groups, self._zero_gradient())
         synced = time.perf_counter()
-        set_summed_gradient(self.engines.trainer, summed, work.scale)
+        set_summed_gradient(self.engines.trainer, [summed], work.scale)
         self.gradients = {}
         grad_norm = commit(self.engines.trainer, self.engines.optimizer, self.config.train.max_grad_norm)
         return Committed(grad_norm, synced - start, time.perf_counter() - synced)
 
-    def _across(self, parts: dict, ranks: tuple[int, ...]) -> list[torch.Tensor]:
-        """What `set_summed_gradient` adds, in order, for every trainer device's `parts`: the parts in key order
-        (`gather_parts`), or one sum where the order does not matter (`reduce_parts`)."""
-        if not self.engines.parts_add_in_any_order:
-            gathered = gather_parts(parts, ranks, self.groups, self.device)
-            return [gathered[key] for key in sorted(gathered)]
-        return [reduce_parts(parts, ranks, self.groups, self._zero_gradient(torch.float64))]
-
-    def _zero_gradient(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A flat gradient of zeros over the trainer's trainable parameters, in `dtype` (None: theirs)."""
+    def _zero_gradient(self) -> torch.Tensor:
+        """A flat fp64 gradient of zeros over the trainer's trainable parameters (what a part is: `part_gradient`)."""
         trained = trainable_parameters(self.engines.held_trainer()[0])
-        size = sum(p.numel() for p in trained)
-        return torch.zeros(size, dtype=dtype or trained[0].dtype, device=self.device)
+        return torch.zeros(sum(p.numel() for p in trained), dtype=torch.float64, device=self.device)
 
     def time_sync(self, ranks: tuple[int, ...], repeats: int) -> float:
         """Median seconds of a commit's adding across the devices `ranks` (each calls this at once), one part of the
         trainer's gradient size per device: what the planner's commit across trainer replicas is fitted to
         (`cost.model.CostModel.replica_allreduce_seconds`). The first round, which cuts the group, is not timed."""
-        dtype = torch.float64 if self.engines.parts_add_in_any_order else None  # what a part is: `part_gradient`
-        part = {("sync", self.index): self._zero_gradient(dtype)}
+        part = {("sync", self.index): self._zero_gradient()}
         seconds = []
         for _ in range(repeats + 1):
             start = time.perf_counter()
-            self._across(part, ranks)
+            reduce_parts(part, ranks, self.groups, self._zero_gradient())
             seconds.append(time.perf_counter() - start)
         return statistics.median(seconds[1:])
