@@ -340,12 +340,15 @@ def test_an_asynchronous_policy_trains_a_user_lora_adapter_with_bounded_stalenes
 
 def test_a_users_two_models_multiplexed_end_where_each_ends_alone(runs, workspace, local_ray, tmp_path):
     """A multiplexed run of a user's models (the Llama whole, the Qwen2's LoRA adapter on chat prompts, each entry a
-    whole run config as run.yaml reads) shares the devices, and each pipeline ends at its reference loop's bits."""
+    whole run config as run.yaml reads) on the shared pool (jigsaw's `arrangement`, which its own choice could make a
+    split or back-to-back run, by costs measured under the suite's load), and each pipeline ends at its reference
+    loop's bits."""
     llama = yaml.safe_load((workspace / "run.yaml").read_text())
     qwen = json.loads(json.dumps(llama))  # its own copy: YAML would write the shared sections as aliases
     qwen |= {"model": {"path": str(workspace / "my-qwen2"), "lora": {"rank": 4, "alpha": 8.0}}}
     qwen |= {"prompts": {"path": str(workspace / "chat.jsonl"), "prompt_field": "messages", "eval_fraction": 0.2}}
-    both = {"kind": "multiplex", "policy": "jigsaw", "cluster": {"devices": 2}, "pipelines": [llama, qwen]}
+    both = {"kind": "multiplex", "policy": "jigsaw", "arrangement": "shared", "cluster": {"devices": 2}}
+    both |= {"pipelines": [llama, qwen]}
     (workspace / "both.yaml").write_text(yaml.safe_dump(both))
     summary = train(load_config(workspace / "both.yaml"), tmp_path, steps=STEPS)
     assert set(summary["pipelines"]) == {"my-llama", "my-qwen2"}
