@@ -15,16 +15,22 @@ an order its kernel chooses by shape). Groups of one prompt are also faster here
 passes its prompt once (`group_response_log_probs`), not once per response.
 """
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from itertools import groupby
 
 import numpy as np
 import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from dovetail.algo import decoupled_old_log_prob, group_advantages, lm_grpo_loss
 from dovetail.graph.node import SampleId
 from dovetail.models.engine import Request
 from dovetail.models.training import flat_gradient, trainable_parameters
+
+CACHE = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
+"""What a causal LM's forward calls its KV cache, in and out: `cache` since transformers 5.24, `past_key_values`
+before (the vLLM environment's transformers is older than the project's)."""
 
 
 def pad_batch(sequences: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,9 +85,10 @@ def group_response_log_probs(
     prompt_pass = model(input_ids=torch.tensor([prompt], device=device), use_cache=True, logits_to_keep=1)
     logits = prompt_pass.logits.expand(len(responses), 1, -1)  # the last prompt position: each first token
     if targets.shape[1] > 1:  # response token j > 0 is predicted at the response's position j - 1
-        cache = prompt_pass.cache
+        cache = getattr(prompt_pass, CACHE)
         cache.batch_repeat_interleave(len(responses))
-        logits = torch.cat([logits, model(input_ids=targets[:, :-1], cache=cache, use_cache=True).logits], dim=1)
+        rest = model(input_ids=targets[:, :-1], use_cache=True, **{CACHE: cache}).logits
+        logits = torch.cat([logits, rest], dim=1)
     return _token_log_probs(logits[:, : targets.shape[1]], targets, mask, temperature, entropy)
 
 
