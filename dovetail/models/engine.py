@@ -24,6 +24,7 @@ log-probs itself):
   taken from the temperature-scaled distribution before top-p, which is what the trainer recomputes).
 """
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
@@ -31,9 +32,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
+from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 Key = tuple[int, int, int]
+
+CACHE = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
+"""What a causal LM's forward calls its KV cache, in and out: `cache` since transformers 5.24, `past_key_values`
+before (the vLLM environment's transformers is older than the project's)."""
 
 
 @dataclass(frozen=True)
@@ -684,8 +690,8 @@ class TransformersEngine(RePrefillingEngine):
         states = key_states(self.params.seed, [r.key for r in batch], device)
         cache = None
         while True:
-            output = self.model(input_ids=inputs, cache=cache, use_cache=True)
-            cache = output.cache
+            output = self.model(input_ids=inputs, use_cache=True, **{CACHE: cache})
+            cache = getattr(output, CACHE)
             indices = torch.tensor([len(r.tokens) for r in batch], device=device)
             sampled, log_probs = sample_tokens(
                 output.logits[:, -1], uniforms_of(states, indices), self.params.temperature, self.params.top_p

@@ -14,6 +14,7 @@ from safetensors.torch import load_model, save_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dovetail.files import one_line, read_text
+from dovetail.models.engine import CACHE
 from dovetail.models.tokenizer import CharTokenizer
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
@@ -157,8 +158,8 @@ def generate(
         finished = torch.zeros(len(rows), dtype=torch.bool)
         cache = None
         for _ in range(max_new_tokens):
-            output = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
-            cache, logits = output.cache, output.logits[:, -1]
+            output = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{CACHE: cache})
+            cache, logits = getattr(output, CACHE), output.logits[:, -1]
             if temperature == 0:
                 tokens = logits.argmax(-1)
             else:

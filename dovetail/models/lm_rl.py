@@ -15,22 +15,16 @@ an order its kernel chooses by shape). Groups of one prompt are also faster here
 passes its prompt once (`group_response_log_probs`), not once per response.
 """
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from itertools import groupby
 
 import numpy as np
 import torch
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from dovetail.algo import decoupled_old_log_prob, group_advantages, lm_grpo_loss
 from dovetail.graph.node import SampleId
-from dovetail.models.engine import Request
+from dovetail.models.engine import CACHE, Request
 from dovetail.models.training import flat_gradient, trainable_parameters
-
-CACHE = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
-"""What a causal LM's forward calls its KV cache, in and out: `cache` since transformers 5.24, `past_key_values`
-before (the vLLM environment's transformers is older than the project's)."""
 
 
 def pad_batch(sequences: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
