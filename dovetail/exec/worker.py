@@ -28,6 +28,7 @@ from datetime import timedelta
 import ray
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from dovetail.config.load import parse_config
 from dovetail.exec.messages import Commit, Committed, Loaded, LoadWeights, Trained, Work
@@ -95,7 +96,15 @@ def join_process_group(prefix: str, rank: int, world: int, backend: str) -> RayS
         os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
     timeout = timedelta(seconds=GROUP_TIMEOUT_S)
     store = RayStore(prefix, timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    named = c10d._world.group_count
+    try:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    except BaseException:
+        # torch names a default group by a count of this process's groups, which it has advanced: a member whose
+        # forming failed (its group abandoned) would name its next group apart from members that never tried, and
+        # the group would never meet
+        c10d._world.group_count = named
+        raise
     return store
 
 
