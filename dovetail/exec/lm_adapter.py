@@ -105,10 +105,8 @@ class LMAdapter(PipelineAdapter):
     def _group_tokens(self, group: list[SampleId], length: dict[SampleId, int]) -> int:
         """The tokens a trainer passes over for a group: its prompt once, each response padded to the group's longest
         (`models.lm_rl.group_response_log_probs`)."""
-        first = group[0]
-        prompt = self._prompts.get(first.step, [])
-        prompt_tokens = len(prompt[first.prompt]) if first.prompt < len(prompt) else 0
-        return prompt_tokens + len(group) * max(length[s] for s in group)
+        first = group[0]  # the step's prompts were encoded at its prefill
+        return len(self._prompts[first.step][first.prompt]) + len(group) * max(length[s] for s in group)
 
     def _rollouts(self, score: Node, run: RunContext) -> list:
         """The responses a micro-batch reads: the home engines' outputs at its level, and the migrated tail's after
@@ -193,8 +191,8 @@ class LMAdapter(PipelineAdapter):
 def balanced(costs: list[float], shares: int) -> list[list[int]]:
     """The indices of `costs` cut into `shares` lists of about equal total cost, each in index order: the longest
     processing time rule (the costliest item first, to the share with the least so far; ties to the lower index),
-    whose largest share exceeds the mean share by at most one item's cost. Every share of fewer items than shares
-    is empty."""
+    whose largest share exceeds the mean share by at most one item's cost. With fewer items than shares, the shares
+    left over are empty."""
     loads, members = [0.0] * shares, [[] for _ in range(shares)]
     for item in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         lightest = min(range(shares), key=lambda s: (loads[s], s))

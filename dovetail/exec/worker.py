@@ -127,12 +127,11 @@ def reduce_parts(parts: dict, ranks: tuple[int, ...], groups: dict, total: torch
     """The sum of every device's train `parts` (flat fp64 gradients) over the devices `ranks`: each device adds its own
     into `total` (zeros of the parts' size and dtype: a device may hold none), and one all-reduce adds the devices'
     sums. fp32 terms add up in fp64 to the same bits in any order unless their magnitudes span more than 2^29 (less a
-    few bits of carries), and
-    the sum is rounded once to fp32 at the commit, so a run is the same bits whichever device trained which part (and
-    after a restart). One gradient per device crosses, where gathering every part to every device and adding in key
-    order moved them all: 4 fp64 parts on each of 2 devices (a 1.3 M-parameter model) took ~140 ms to gather here,
-    ~20 ms to all-reduce as one sum; a flow step of `colocated` (five train nodes, ten fp32 parts) spent 0.32
-    device-s in its commit gathering them."""
+    few bits of carries), and the sum is rounded once to fp32 at the commit, so a run is the same bits whichever
+    device trained which part (and after a restart). One gradient per device crosses, where gathering every part to
+    every device and adding in key order moved them all: 4 fp64 parts on each of 2 devices (a 1.3 M-parameter model)
+    took ~140 ms to gather here, ~20 ms to all-reduce as one sum; a flow step of `colocated` (five train nodes, ten
+    fp32 parts) spent 0.32 device-s in its commit gathering them."""
     for key in sorted(parts):
         total += parts[key]
     if len(ranks) > 1:
