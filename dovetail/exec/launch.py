@@ -70,6 +70,10 @@ def start_ray(config: TrainConfig) -> None:
                 ray.init(address=address, namespace=RAY_NAMESPACE)
             else:
                 start_local_ray(config.cluster.devices if resource == DEVICE_RESOURCE else None)
+    elif threading.current_thread() is threading.main_thread():
+        # started on another thread (`start_devices_in_background`), where Ray's own SIGTERM handler (which prints a
+        # stack, and left a stopped run aborting at exit) replaced this process's in C and nothing could put it back
+        signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGTERM))
     available = ray.cluster_resources().get(resource, 0)
     if available < config.cluster.devices:
         fix = (
