@@ -42,8 +42,8 @@ def run_on_cluster(nodes: list[int], publication: str, steps: int, out: Path) ->
     from ray.cluster_utils import Cluster
 
     from dovetail.config.load import load_config
-    from dovetail.exec.worker import DEVICE_RESOURCE, LOOPBACK
     from dovetail.runner import train
+    from dovetail.runtime.worker import DEVICE_RESOURCE, LOOPBACK
 
     ray_constants.ENABLE_RAY_CLUSTER = False  # every node on loopback, as a local run's
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": LOOPBACK})
@@ -72,7 +72,7 @@ def run_on_cluster(nodes: list[int], publication: str, steps: int, out: Path) ->
 
 def predicted(steps: int) -> float:
     from dovetail.config.load import load_config
-    from dovetail.exec.launch import dry_run
+    from dovetail.runtime.launch import dry_run
 
     return dry_run(load_config(None, CONFIG), steps)["samples_per_s"]
 

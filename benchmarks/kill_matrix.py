@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from fault_injection import CONFIG, MOMENTS, SPREADS, Fault  # noqa: E402
 
 from dovetail.config.load import load_config  # noqa: E402
-from dovetail.exec.launch import start_local_ray  # noqa: E402
 from dovetail.runner import train  # noqa: E402
+from dovetail.runtime.launch import start_local_ray  # noqa: E402
 
 STEPS = 3
 

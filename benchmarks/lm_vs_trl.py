@@ -71,13 +71,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from dovetail.algo import group_advantages
 from dovetail.config.load import load_config
-from dovetail.exec.lm_model import load_policy
-from dovetail.exec.lm_prompts import RunPrompts
 from dovetail.graph.node import SampleId
 from dovetail.models.causal_lm import export_builtin_lm
 from dovetail.models.engine import Request
 from dovetail.models.lm_rl import policy_gradient
 from dovetail.models.training import flat_gradient, make_optimizer
+from dovetail.pipelines.lm.model import load_policy
+from dovetail.pipelines.lm.prompts import RunPrompts
 from dovetail.rewards.text import score_text
 from dovetail.runner import train
 

@@ -171,7 +171,7 @@ def measure(arrangement: str, configs: dict[str, dict], out: Path) -> dict:
 def predicted(arrangement: str, configs: dict[str, dict], steps: int) -> float:
     """The simulator's aggregate samples/s for the arrangement (costs profiled in this process)."""
     from dovetail.config.load import parse_config
-    from dovetail.exec.launch import dry_run
+    from dovetail.runtime.launch import dry_run
 
     if arrangement in MULTIPLEXED:
         return dry_run(parse_config(multiplexed_tree(arrangement, configs)), steps)["samples_per_s"]

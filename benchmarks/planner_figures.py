@@ -5,7 +5,7 @@ two-device targets on GPUs.
     python benchmarks/planner_figures.py [calibration] [scaling] [digen] [digen-thin] [jigsaw] [jigsaw-thin] \
         [pipelines] [two-devices]
 
-Every figure is the simulator's (`dovetail.scenario.simulate`, noise 0) on the shipped scenarios; nothing runs on a
+Every figure is the simulator's (`dovetail.plan.scenario.simulate`, noise 0) on the shipped scenarios; nothing runs on a
 device. Sections print Markdown tables."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import sys
 import time
 from dataclasses import replace
 
-from dovetail.exec.metrics import summarize
-from dovetail.exec.plan import prepare, simulate
-from dovetail.exec.sim import SimExecutor
 from dovetail.graph.node import Kind
-from dovetail.scenario import Scenario, list_scenarios, load_scenario, parse_scenario
+from dovetail.plan.metrics import summarize
+from dovetail.plan.prepare import prepare, simulate
+from dovetail.plan.scenario import Scenario, list_scenarios, load_scenario, parse_scenario
+from dovetail.plan.sim import SimExecutor
 
 
 def ablated(scenario: Scenario, policy: str, change: dict, options=None):

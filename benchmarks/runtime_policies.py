@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 
 from dovetail.config.load import load_config
-from dovetail.exec.launch import dry_run
-from dovetail.exec.replay import replay_run
 from dovetail.graph.node import Kind
 from dovetail.runner import train
+from dovetail.runtime.launch import dry_run
+from dovetail.runtime.replay import replay_run
 
 POLICIES = {
     "flow": ("reference", "colocated", "disaggregated", "digen", "digen+tcss"),

@@ -48,9 +48,9 @@ def simulate(scenario, policies: list[str] | None = None, *, steps: int | None =
     step time, throughput, efficiency, bubbles, staleness, memory, and the speed-up over the first policy.
 
     `scenario`: a shipped scenario's name (`dovetail simulate --list`), a YAML path, or a scenario object
-    (`dovetail.scenario.load_scenario`); `policies`: default the scenario's schedule.policies."""
-    from dovetail.report import compare
-    from dovetail.scenario import Scenario, load_scenario
+    (`dovetail.plan.scenario.load_scenario`); `policies`: default the scenario's schedule.policies."""
+    from dovetail.plan.report import compare
+    from dovetail.plan.scenario import Scenario, load_scenario
 
     if not isinstance(scenario, Scenario):
         scenario = load_scenario(scenario)

@@ -101,8 +101,8 @@ def train(
     if dry_run:
         _print_dry_run(run_config, steps)
         return
-    from dovetail.exec.launch import start_devices_in_background
     from dovetail.run_dir import RunInterrupted, checked_run_paths
+    from dovetail.runtime.launch import start_devices_in_background
 
     try:
         checked_run_paths(run_config, out, resume, overwrite)  # refused at once, not after Ray has started
@@ -147,9 +147,9 @@ def _failure(error: BaseException, out: Path) -> str:
     out/error.log."""
     import traceback
 
-    from dovetail.exec.recovery import RecoveryTimeout
     from dovetail.files import one_line
     from dovetail.run_dir import checkpoint_dirs, disk_full
+    from dovetail.runtime.recovery import RecoveryTimeout
 
     log: Path | None = out / "error.log"
     try:
@@ -183,7 +183,7 @@ def _failure(error: BaseException, out: Path) -> str:
 
 
 def _print_dry_run(config, steps: int) -> None:
-    from dovetail.exec.launch import dry_run
+    from dovetail.runtime.launch import dry_run
 
     try:
         plan = dry_run(config, steps)
@@ -278,11 +278,11 @@ def simulate(
     from_run: Path = typer.Option(None, help="replay a `dovetail train` run with the costs it measured"),
 ):
     """Simulate policies on a scenario and compare throughput, efficiency, bubbles, staleness, memory."""
-    from dovetail.report import compare, render_table
-    from dovetail.scenario import MAX_SIMULATED_STEPS, list_scenarios, load_scenario
+    from dovetail.plan.report import compare, render_table
+    from dovetail.plan.scenario import MAX_SIMULATED_STEPS, list_scenarios, load_scenario
 
     if from_run is not None:
-        from dovetail.exec.replay import replay_run
+        from dovetail.runtime.replay import replay_run
 
         try:
             result = replay_run(from_run)
@@ -353,8 +353,8 @@ def plan(
     """Show every shape the policies' searches simulated (digen: pool split, FSDP groups, GAP fragments, TSP chunk,
     TAG, TCSS; jigsaw: the tail's edge and engine width), the one each chose, and the best."""
     from dovetail.graph.spec import MAX_DEVICES
-    from dovetail.report import plan as plan_policies
-    from dovetail.scenario import load_scenario
+    from dovetail.plan.report import plan as plan_policies
+    from dovetail.plan.scenario import load_scenario
 
     _check_count("--devices", devices, MAX_DEVICES)
     names = None if policies is None else [name.strip() for name in policies.split(",")]

@@ -2,19 +2,12 @@
 loads (a user's diffusers model: a diffusers directory; a language model: a transformers one), after the checks a
 resume makes; each pipeline kind exports its own (`PipelineKind.export`)."""
 
-from collections.abc import Callable
 from pathlib import Path
 
 from dovetail.config.common import ConfigError
-from dovetail.config.flow import FlowTrainConfig
-from dovetail.config.lm import LMTrainConfig
 from dovetail.config.load import load_config
-from dovetail.exec.lm_model import lm_checkpoint_io, load_policy
 from dovetail.kinds import KINDS
-from dovetail.models.causal_lm import export_builtin_lm, export_causal_lm
-from dovetail.models.diffusers_flow import export, load_diffusers_checkpoint, load_flow_model
-from dovetail.models.training import make_optimizer
-from dovetail.run_dir import BrokenCheckpoint, checkpoint_dirs, load_checkpoint
+from dovetail.run_dir import BrokenCheckpoint, checkpoint_dirs
 
 
 def export_run(run: Path, step: int | None, out: Path) -> Path:
@@ -46,37 +39,3 @@ def export_run(run: Path, step: int | None, out: Path) -> Path:
     except BrokenCheckpoint as error:
         raise ValueError(str(error)) from None
     return steps[step]
-
-
-def flow_exporter(config: FlowTrainConfig) -> Callable[[Path, Path], None]:
-    """`dovetail export` of a flow run: a user's diffusers model (`models.diffusers_flow.export`) with a
-    checkpoint's weights; the built-in model's checkpoints are its own format already."""
-    if config.model.path is None:
-        raise ValueError(
-            "it trained no model.path: export writes the diffusers directory of a run of a diffusers model "
-            "(a built-in model's checkpoints/step_N is its own format)"
-        )
-
-    def write(checkpoint: Path, out: Path) -> None:
-        model = load_flow_model(config)
-        load_checkpoint(checkpoint, model, make_optimizer(model, config.train), load_diffusers_checkpoint)
-        export(model, out)
-
-    return write
-
-
-def lm_exporter(config: LMTrainConfig) -> Callable[[Path, Path], None]:
-    """`dovetail export` of an LM run: a transformers directory of a checkpoint's model (`models.causal_lm`): a
-    user's model with its tokenizer (a LoRA adapter merged in, and in peft's layout in lora/), or a built-in task's
-    model with its character tokenizer as a transformers tokenizer."""
-
-    def write(checkpoint: Path, out: Path) -> None:
-        model, tokenizer = load_policy(config)
-        _, load_weights = lm_checkpoint_io(config, model, tokenizer)
-        load_checkpoint(checkpoint, model, make_optimizer(model, config.train), load_weights)
-        if config.user_model:
-            export_causal_lm(model, out)
-        else:
-            export_builtin_lm(model, tokenizer, out)
-
-    return write

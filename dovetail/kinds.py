@@ -24,9 +24,9 @@ class PipelineKind:
     shape: str
     """How a policy cuts the kind's steps (a `sched.policy.Shape` dataclass: a run profile stores its fields)."""
     adapter: str
-    """The driver side of the runtime (an `exec.pipeline.PipelineAdapter`)."""
+    """The driver side of the runtime (an `runtime.pipeline.PipelineAdapter`)."""
     engines: str
-    """The worker side of the runtime (an `exec.pipeline.PipelineEngines`)."""
+    """The worker side of the runtime (an `runtime.pipeline.PipelineEngines`)."""
     profile: str
     """`profile_here(config, carry) -> measured seconds`: the start-up profile's work run in this process (the
     dry run's; the Ray runtime profiles through the engines' `profile`)."""
@@ -42,7 +42,7 @@ class PipelineKind:
     is a ValueError, one line."""
     interference: tuple[str, ...]
     """Node kinds (`graph.node.Kind` values) of this pipeline whose slowdown beside other pipelines' work a
-    multiplexed run measures (`exec.interference`)."""
+    multiplexed run measures (`runtime.interference`)."""
     creates_samples: tuple[str, ...]
     """Node kinds that create the step's samples (the ledger's `generated`)."""
     staged_baseline: str
@@ -60,32 +60,32 @@ KINDS: dict[str, PipelineKind] = {
     for kind in (
         PipelineKind(
             name="flow",
-            config="dovetail.config.flow:FlowTrainConfig",
+            config="dovetail.pipelines.flow.config:FlowTrainConfig",
             spec="dovetail.graph.spec:FlowSpec",
             shape="dovetail.graph.flow:FlowShape",
-            adapter="dovetail.exec.flow_adapter:FlowAdapter",
-            engines="dovetail.exec.flow_engines:FlowEngines",
-            profile="dovetail.exec.flow_startup:profile_here",
-            fit="dovetail.exec.flow_startup:fitted_cost",
-            check_checkpoint="dovetail.exec.flow_startup:check_checkpoint",
-            local="dovetail.local_flow:FlowLocal",
-            export="dovetail.export:flow_exporter",
+            adapter="dovetail.pipelines.flow.adapter:FlowAdapter",
+            engines="dovetail.pipelines.flow.engines:FlowEngines",
+            profile="dovetail.pipelines.flow.startup:profile_here",
+            fit="dovetail.pipelines.flow.startup:fitted_cost",
+            check_checkpoint="dovetail.pipelines.flow.startup:check_checkpoint",
+            local="dovetail.pipelines.flow.local:FlowLocal",
+            export="dovetail.pipelines.flow.export:flow_exporter",
             interference=("generate", "train"),
             creates_samples=("generate",),
             staged_baseline="colocated",
         ),
         PipelineKind(
             name="lm",
-            config="dovetail.config.lm:LMTrainConfig",
-            spec="dovetail.graph.spec:LLMSpec",
-            shape="dovetail.graph.llm:LLMShape",
-            adapter="dovetail.exec.lm_adapter:LMAdapter",
-            engines="dovetail.exec.lm_engines:LMEngines",
-            profile="dovetail.exec.lm_startup:profile_here",
-            fit="dovetail.exec.lm_startup:fitted_cost",
-            check_checkpoint="dovetail.exec.lm_startup:check_checkpoint",
-            local="dovetail.local_lm:LMLocal",
-            export="dovetail.export:lm_exporter",
+            config="dovetail.pipelines.lm.config:LMTrainConfig",
+            spec="dovetail.graph.spec:LMSpec",
+            shape="dovetail.graph.lm:LMShape",
+            adapter="dovetail.pipelines.lm.adapter:LMAdapter",
+            engines="dovetail.pipelines.lm.engines:LMEngines",
+            profile="dovetail.pipelines.lm.startup:profile_here",
+            fit="dovetail.pipelines.lm.startup:fitted_cost",
+            check_checkpoint="dovetail.pipelines.lm.startup:check_checkpoint",
+            local="dovetail.pipelines.lm.local:LMLocal",
+            export="dovetail.pipelines.lm.export:lm_exporter",
             interference=("decode", "logprob", "train"),
             creates_samples=("prefill",),
             staged_baseline="verl-sync",

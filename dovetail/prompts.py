@@ -1,5 +1,5 @@
 """A run's prompts: a flow run's built-in "digit N" ones, or the user's from a file or dataset, split train / eval;
-and the records of such a file with all their fields (a language-model run's dataset: `exec.lm_prompts`).
+and the records of such a file with all their fields (a language-model run's dataset: `pipelines.lm.prompts`).
 
 A step's prompts are drawn from the train split by (seed, step) alone (`models.flow_rl.step_prompts`), so a resumed
 run draws what the uninterrupted one would have, given the same file. The split is by a hash of each prompt's text,

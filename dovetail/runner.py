@@ -1,6 +1,6 @@
 """Training a run: its pipelines' run directories, logs and checkpoints (`StepLog`), and the steps, by the reference
 loop in this process (`policy: reference`: one process, no Ray, every step in order; each kind's step is its
-`local` part, `local_flow` / `local_lm`) or by the Ray runtime (`exec.driver.train_on_ray`). Every other policy must
+`local` part, `local_flow` / `local_lm`) or by the Ray runtime (`runtime.driver.train_on_ray`). Every other policy must
 reproduce the reference loop's parameters."""
 
 import os
@@ -17,9 +17,8 @@ import torch
 from dovetail.config.common import ConfigError
 from dovetail.config.load import dump_config, parse_config
 from dovetail.config.multiplex import MultiplexConfig, PipelineConfig, TrainConfig, pipeline_configs
-from dovetail.exec.driver import train_on_ray
-from dovetail.exec.metrics import SUMMARY_NOTES
 from dovetail.kinds import kind
+from dovetail.plan.metrics import SUMMARY_NOTES
 from dovetail.rewards import RewardError
 from dovetail.run_dir import (
     NothingToTrain,
@@ -32,6 +31,7 @@ from dovetail.run_dir import (
     resume_points,
     run_of,
 )
+from dovetail.runtime.driver import train_on_ray
 from dovetail.trackers import Evaluation, RunProgress, Tracker, check_installed, open_trackers, scalars
 
 
@@ -240,7 +240,7 @@ def train(
     `RunInterrupted` saying how to resume (SIGTERM and SIGHUP too, `STOP_SIGNALS`). `callbacks`: objects with
     `on_step(metrics, pipeline)` and / or `on_eval(evaluation, pipeline)` (`dovetail.trackers.Evaluation`).
     `reprofile`: measure the devices again instead of reading what a run of the same config measured on this machine
-    (`exec.startup_cache`). `after_start` / `after_part` are the Ray runtime's fault-injection hooks, for tests.
+    (`runtime.startup_cache`). `after_start` / `after_part` are the Ray runtime's fault-injection hooks, for tests.
     The summary's `startup_s` is the seconds from `began` (`time.perf_counter()` when the command began; default
     this call) to the first step's start. `devices_starting`: the local Ray instance and device workers the caller is
     starting meanwhile (`launch.start_devices_early` on a thread), which the run waits for before it uses Ray."""

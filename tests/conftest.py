@@ -8,7 +8,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DOVETAIL_CACHE", tempfile.mkdtemp(prefix="dovetail-test-cache-"))
-"""Start-up profiles and interference tables measured once per test session (`exec.startup_cache`), not per run,
+"""Start-up profiles and interference tables measured once per test session (`runtime.startup_cache`), not per run,
 and never read from a user's cache."""
 
 
@@ -48,7 +48,7 @@ def local_ray(tmp_path_factory):
     modules (a custom reward); yields the file whose existence makes `faulty_reward` return NaN."""
     import ray
 
-    from dovetail.exec.launch import start_local_ray
+    from dovetail.runtime.launch import start_local_ray
 
     flag = tmp_path_factory.mktemp("flags") / "nan"
     os.environ["DOVETAIL_TEST_NAN_FLAG"] = str(flag)

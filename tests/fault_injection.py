@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 
 import ray
 
-from dovetail.exec.messages import Commit, FlowTrain, Generate, LMTrain, LoadWeights, Prefill
+from dovetail.pipelines.flow.messages import FlowTrain, Generate
+from dovetail.pipelines.lm.messages import LMTrain, Prefill
+from dovetail.runtime.messages import Commit, LoadWeights
 
 CONFIG = [
     "eval.every=100",

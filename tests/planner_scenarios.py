@@ -2,7 +2,7 @@
 pipeline's fields (`flow_pipeline`, `lm_pipeline`) and a scenario around them (`scenario`). A test file writes down
 only what its tests depend on."""
 
-from dovetail.scenario import Scenario, load_scenario, parse_scenario
+from dovetail.plan.scenario import Scenario, load_scenario, parse_scenario
 
 FLOW = {
     "kind": "flow",

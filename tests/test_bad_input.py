@@ -22,17 +22,17 @@ from typer.testing import CliRunner
 
 from dovetail.cli import app, main
 from dovetail.config.common import ConfigError
-from dovetail.config.flow import FlowTrainConfig
-from dovetail.config.lm import LMTrainConfig
 from dovetail.config.load import load_config, parse_config
 from dovetail.config.multiplex import MultiplexConfig
-from dovetail.exec.plan import prepare
 from dovetail.models.lm import ASSETS_DIR as ASSETS
 from dovetail.models.tokenizer import DEFAULT_ALPHABET
-from dovetail.report import compare
+from dovetail.pipelines.flow.config import FlowTrainConfig
+from dovetail.pipelines.lm.config import LMTrainConfig
+from dovetail.plan.prepare import prepare
+from dovetail.plan.report import compare
+from dovetail.plan.scenario import Scenario, list_scenarios, load_scenario, parse_scenario
 from dovetail.rewards import REWARDS, RewardError, score
 from dovetail.rewards.text import TEXT_REWARDS, score_text
-from dovetail.scenario import Scenario, list_scenarios, load_scenario, parse_scenario
 
 runner = CliRunner()
 

@@ -5,10 +5,10 @@ from collections import defaultdict
 
 import pytest
 
-from dovetail.exec.plan import prepare
-from dovetail.exec.sim import SimExecutor
-from dovetail.graph.llm import stage
-from dovetail.scenario import load_scenario
+from dovetail.graph.lm import stage
+from dovetail.plan.prepare import prepare
+from dovetail.plan.scenario import load_scenario
+from dovetail.plan.sim import SimExecutor
 
 
 def simulate(name: str, policy: str):

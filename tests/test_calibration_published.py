@@ -4,8 +4,8 @@ Sources are named in each scenario file."""
 
 import pytest
 
-from dovetail.exec.plan import simulate
-from dovetail.scenario import list_scenarios, load_scenario
+from dovetail.plan.prepare import simulate
+from dovetail.plan.scenario import list_scenarios, load_scenario
 
 PUBLISHED = [name for name in list_scenarios() if load_scenario(name).published is not None]
 

@@ -10,9 +10,9 @@ from typer.testing import CliRunner
 
 from dovetail.cli import app
 from dovetail.config.common import ConfigError
-from dovetail.config.flow import flow_rules
 from dovetail.config.load import load_config
-from dovetail.recipe import step_timesteps
+from dovetail.pipelines.flow.config import flow_rules
+from dovetail.pipelines.flow.recipe import step_timesteps
 from dovetail.rewards import REWARDS, RewardError, score
 from dovetail.rewards.judge import digit_probabilities, fit_digit_judge
 from dovetail.rewards.text import score_text

@@ -10,10 +10,10 @@ import pytest
 from dovetail.cost.calibration import DEFAULT
 from dovetail.cost.catalog import device, diffusion_model, language_model
 from dovetail.cost.model import CostModel, lora_params
-from dovetail.exec.metrics import summarize
-from dovetail.exec.plan import simulate
 from dovetail.graph.node import Kind
-from dovetail.scenario import load_scenario, parse_scenario
+from dovetail.plan.metrics import summarize
+from dovetail.plan.prepare import simulate
+from dovetail.plan.scenario import load_scenario, parse_scenario
 
 QWEN8B = language_model("Qwen3-8B")
 LLAMA8B = language_model("Llama-3.1-8B")
@@ -108,7 +108,7 @@ def test_an_l40s_never_beats_an_a100_at_diffusion_work(model, frames):
 
 
 def test_lora_adapter_parameters_closed_form():
-    """rank x (d_in + d_out) per adapted matrix: 4 hidden x hidden projections per layer; all-linear adds an LLM's
+    """rank x (d_in + d_out) per adapted matrix: 4 hidden x hidden projections per layer; all-linear adds an LM's
     three SwiGLU matrices of the intermediate width the layer's remaining parameters imply."""
     hidden, layers, rank = QWEN8B.hidden, QWEN8B.layers, 64
     attention = layers * 4 * rank * 2 * hidden

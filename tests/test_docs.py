@@ -7,8 +7,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from dovetail.graph.spec import FlowSpec, LengthDistribution, LLMSpec, LoRASpec, ModelShape
-from dovetail.scenario import (
+from dovetail.graph.spec import FlowSpec, LengthDistribution, LMSpec, LoRASpec, ModelShape
+from dovetail.plan.scenario import (
     ClusterSpec,
     PublishedRun,
     PublishedShape,
@@ -27,7 +27,7 @@ SECTIONS = {
     "`cluster`": ClusterSpec,
     "`schedule`": ScheduleSpec,
     "`pipelines`: `kind: flow`": FlowSpec,
-    "`pipelines`: `kind: lm`": LLMSpec,
+    "`pipelines`: `kind: lm`": LMSpec,
     "`lora` (either kind)": LoRASpec,
     "`lengths` (`kind: lm`)": LengthDistribution,
     "`architecture` (`kind: lm`)": ModelShape,

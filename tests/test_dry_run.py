@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from dovetail.config.load import load_config
-from dovetail.exec.launch import dry_run
+from dovetail.runtime.launch import dry_run
 
 
 def test_dry_run_on_cpu_cores_profiles_this_machine_and_keeps_the_config_s_choices():

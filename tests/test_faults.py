@@ -19,12 +19,12 @@ from fault_injection import CONFIG, Fault
 from safetensors.torch import load_file
 
 from dovetail.config.load import load_config
-from dovetail.exec.launch import device_pool
-from dovetail.exec.rendezvous import abandon
-from dovetail.exec.worker import form_group
 from dovetail.graph.node import Kind
 from dovetail.rewards import RewardError
 from dovetail.runner import train
+from dovetail.runtime.launch import device_pool
+from dovetail.runtime.rendezvous import abandon
+from dovetail.runtime.worker import form_group
 
 STEPS = 3
 pytestmark = pytest.mark.usefixtures("local_ray")

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from dovetail.config.flow import flow_rules
 from dovetail.config.load import load_config
 from dovetail.models.flow_rl import generate, group_sample_ids, step_prompts
 from dovetail.models.t2i import load_model
 from dovetail.models.training import strict_fp32
-from dovetail.recipe import advantages_of, policy_gradient, sde_settings, step_timesteps
+from dovetail.pipelines.flow.config import flow_rules
+from dovetail.pipelines.flow.recipe import advantages_of, policy_gradient, sde_settings, step_timesteps
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

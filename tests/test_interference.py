@@ -8,22 +8,22 @@ import time
 import numpy as np
 import pytest
 import ray
-from test_jigsaw_mixed import flow, llm, scenario
+from test_jigsaw_mixed import flow, lm, scenario
 from test_multiplex import FLOW, LM
 
 from dovetail.config.load import parse_config
 from dovetail.config.multiplex import pipeline_configs
 from dovetail.cost.calibration import DEFAULT
 from dovetail.cost.model import CostModel
-from dovetail.exec.driver import _fitted
-from dovetail.exec.interference import SAME_PIPELINE, measure_interference
-from dovetail.exec.launch import device_pool, start_workers
-from dovetail.exec.plan import prepare, simulate
-from dovetail.exec.replay import fitted_calibration
 from dovetail.graph.node import Kind
-from dovetail.local_flow import FlowLocal
-from dovetail.local_lm import LMLocal
 from dovetail.models.training import trainer_state_of
+from dovetail.pipelines.flow.local import FlowLocal
+from dovetail.pipelines.lm.local import LMLocal
+from dovetail.plan.prepare import prepare, simulate
+from dovetail.runtime.driver import _fitted
+from dovetail.runtime.interference import SAME_PIPELINE, measure_interference
+from dovetail.runtime.launch import device_pool, start_workers
+from dovetail.runtime.replay import fitted_calibration
 from dovetail.sched.jigsaw import phase_slowdowns, predict_completion
 
 ACROSS = {
@@ -94,7 +94,7 @@ def test_the_look_ahead_trains_pipelines_together_only_where_the_table_says_it_p
 
 
 def test_the_policy_and_the_simulator_use_the_cost_models_table_not_the_default():
-    mixed = scenario(llm(), flow())
+    mixed = scenario(lm(), flow())
     for slowdown in (1.0, 2.0):
         prepared = prepare(mixed, "jigsaw", cost=uniform(slowdown))
         assert prepared.setup.slowdown("decode", "generate") == slowdown

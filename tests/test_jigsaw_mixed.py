@@ -6,9 +6,9 @@ import pytest
 from test_sim_properties import check_trace
 
 from dovetail.cost.model import CostModel
-from dovetail.exec.plan import prepare, run_prepared, simulate
 from dovetail.graph.flow import FlowShape
 from dovetail.graph.node import Kind
+from dovetail.plan.prepare import prepare, run_prepared, simulate
 from dovetail.sched.jigsaw import Jigsaw, rollout_shares
 
 STEPS = 3
@@ -18,7 +18,7 @@ def scenario(*pipelines: dict, devices: int = 4):
     return planner_scenarios.scenario(*pipelines, name="mixed", devices=devices, steps=STEPS, policies=("jigsaw",))
 
 
-def llm(name: str = "qwen", **changes) -> dict:
+def lm(name: str = "qwen", **changes) -> dict:
     return planner_scenarios.lm_pipeline(**{"name": name, "length_bands": [1024, 2048], **changes})
 
 
@@ -48,7 +48,7 @@ def check_every_step_committed(prepared, trace) -> None:
 
 @pytest.mark.parametrize("policy", ["jigsaw", "jigsaw-greedy"])
 def test_a_flow_pipeline_shares_the_pool_with_a_language_model_pipeline(policy):
-    prepared, trace = on_the_whole_pool(scenario(llm(), flow()), policy)
+    prepared, trace = on_the_whole_pool(scenario(lm(), flow()), policy)
     check_every_step_committed(prepared, trace)
     shape = prepared.setup.shapes["sd"]
     assert isinstance(shape, FlowShape) and shape.shared and not shape.recompute_logprob
@@ -60,7 +60,7 @@ def test_a_flow_pipeline_shares_the_pool_with_a_language_model_pipeline(policy):
         for b in trace.spans
         if b.pipeline == "sd" and a.device == b.device and a.start < b.end and b.start < a.end
     }
-    assert ("decode", "generate") in overlapping, "the flow pipeline generates beside the LLM's decode"
+    assert ("decode", "generate") in overlapping, "the flow pipeline generates beside the LM's decode"
     assert any(kind in {"train", "logprob"} for pair in overlapping for kind in pair), (
         "one pipeline's trainer work runs beside the other's"
     )
@@ -88,10 +88,10 @@ def test_a_higher_priority_pipeline_trains_first_under_jigsaw():
     would put the other first; weighting the longer one twice as much sends it first and lowers its mean step
     latency (4.00 s -> 3.73 s)."""
     uniform = {"lengths": {"kind": "empirical", "values": [500]}, "length_bands": []}
-    quick = llm("b-quick", reference=False, recompute_logprob=False, **uniform)
+    quick = lm("b-quick", reference=False, recompute_logprob=False, **uniform)
 
     def latencies(priority: float) -> tuple[float, float]:
-        _, trace = on_the_whole_pool(scenario(llm("a-long", priority=priority, **uniform), quick), "jigsaw")
+        _, trace = on_the_whole_pool(scenario(lm("a-long", priority=priority, **uniform), quick), "jigsaw")
         return step_latency(trace, "b-quick"), step_latency(trace, "a-long")
 
     (quick_equal, long_equal), (quick_after, long_first) = latencies(1.0), latencies(2.0)
@@ -99,7 +99,7 @@ def test_a_higher_priority_pipeline_trains_first_under_jigsaw():
     assert quick_after > quick_equal, "the other pipeline waits instead"
 
 
-@pytest.mark.parametrize("pipeline", [llm(priority=0), flow(priority=-1.0)])
+@pytest.mark.parametrize("pipeline", [lm(priority=0), flow(priority=-1.0)])
 def test_a_priority_that_is_not_positive_is_a_one_line_error_naming_it(pipeline):
     with pytest.raises(ValueError) as error:
         scenario(pipeline)

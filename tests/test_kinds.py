@@ -13,10 +13,10 @@ from typer.testing import CliRunner
 from dovetail.cli import app
 from dovetail.config.common import ConfigError, RunSection, policies_for, scheduling_policies
 from dovetail.config.load import load_config, parse_config
-from dovetail.exec.launch import AUTO_TIE, chosen_policy
-from dovetail.exec.pipeline import PipelineAdapter, PipelineEngines
 from dovetail.graph.node import Kind
 from dovetail.kinds import DEFAULT_KIND, KINDS
+from dovetail.runtime.launch import AUTO_TIE, chosen_policy
+from dovetail.runtime.pipeline import PipelineAdapter, PipelineEngines
 from dovetail.sched import POLICIES, policy_class
 
 

@@ -317,7 +317,7 @@ def test_a_device_switched_to_training_puts_its_rollout_engine_to_sleep_and_any_
     """A colocated policy's role switch reaches the rollout engine (`LMEngines.hold`): vLLM's sleep mode then hands
     its memory to the trainer (`VllmEngine.sleep`, tested on vLLM in test_vllm_engine.py)."""
     from dovetail.config.load import load_config
-    from dovetail.exec.lm_engines import LMEngines
+    from dovetail.pipelines.lm.engines import LMEngines
 
     engines = LMEngines(
         load_config(Path(__file__).parents[1] / "configs/sort.yaml", []), torch.device("cpu"), True, None

@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from dovetail.config.load import load_config
-from dovetail.exec.lm_adapter import commit_scale
-from dovetail.exec.lm_engines import LMEngines
-from dovetail.exec.lm_model import encode_prompts, model_context
-from dovetail.exec.messages import Decode, LMLogProbs, LMTrain, Prefill, Score
 from dovetail.graph.node import SampleId
 from dovetail.models.lm_rl import by_group
 from dovetail.models.training import set_summed_gradient, weights_of
+from dovetail.pipelines.lm.adapter import commit_scale
+from dovetail.pipelines.lm.engines import LMEngines
+from dovetail.pipelines.lm.messages import Decode, LMLogProbs, LMTrain, Prefill
+from dovetail.pipelines.lm.model import encode_prompts, model_context
+from dovetail.runtime.messages import Score
 
 torch.set_num_threads(1)
 PROMPTS, GROUP = 6, 4

@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from dovetail.exec.metrics import summarize
-from dovetail.exec.sim import SimExecutor
-from dovetail.exec.trace import Segment, Span, StepRecord, Switch, Trace
 from dovetail.graph.node import Graph, Kind, Node, Role
+from dovetail.plan.metrics import summarize
+from dovetail.plan.sim import SimExecutor
+from dovetail.plan.trace import Segment, Span, StepRecord, Switch, Trace
 from dovetail.sched.policy import Begin, Engines, Policy, Run, Setup, StartStep
 
 SLOWDOWN = 1.6
@@ -159,7 +159,7 @@ def test_a_run_that_went_on_without_a_device_is_one_trace_on_the_run_s_clock_ste
 
 def test_the_replayed_step_time_of_a_multiplexed_run_is_per_step_of_a_pipeline():
     """Two pipelines of two steps each, the last commit at 5 s: 2.5 s a step, not 5 s over all four commits."""
-    from dovetail.exec.metrics import time_per_step
+    from dovetail.plan.metrics import time_per_step
 
     spans = [Span("n", "p", 0, "train", 0, 0.0, 6.0, 1.0, 0)]  # the final publish ends after the last commit
     steps = [

@@ -12,12 +12,12 @@ from two_pipelines import FLOW, LM, STEPS, final_weights, max_difference, same_p
 
 from dovetail.config.common import ConfigError, multiplexing_policies
 from dovetail.config.load import parse_config
-from dovetail.exec.launch import AUTO_TIE, dry_run, start_devices_early
-from dovetail.exec.messages import LMTrain
-from dovetail.exec.ray_executor import RayExecutor
-from dovetail.exec.replay import replay_run
 from dovetail.graph.node import Role
+from dovetail.pipelines.lm.messages import LMTrain
 from dovetail.runner import train
+from dovetail.runtime.executor import RayExecutor
+from dovetail.runtime.launch import AUTO_TIE, dry_run, start_devices_early
+from dovetail.runtime.replay import replay_run
 from dovetail.sched.jigsaw import Jigsaw, rollout_shares
 from dovetail.sched.policy import SwitchRole
 

@@ -8,12 +8,12 @@ from planner_scenarios import scenario
 
 from dovetail.cost.catalog import diffusion_model
 from dovetail.cost.model import CostModel
-from dovetail.exec.metrics import summarize
-from dovetail.exec.plan import prepare, run_prepared, simulate
-from dovetail.exec.state import ClusterState, DecisionError
 from dovetail.graph.flow import FlowShape, build_flow
 from dovetail.graph.node import Graph, Kind, Node, Role
-from dovetail.scenario import load_scenario
+from dovetail.plan.metrics import summarize
+from dovetail.plan.prepare import prepare, run_prepared, simulate
+from dovetail.plan.scenario import load_scenario
+from dovetail.plan.state import ClusterState, DecisionError
 from dovetail.sched import digen_search
 from dovetail.sched.digen_search import predict_makespan
 from dovetail.sched.policy import Engines, Run, Setup, StartStep, SwitchRole
@@ -309,8 +309,8 @@ def test_reward_pool_errors_name_the_field():
         ValueError, match="trainer_devices=4 must leave at least one rollout device.*after schedule.reward_devices=1"
     ):
         scenario(devices=5, reward_devices=1, trainer_devices=4)
-    llm = load_scenario("jigsaw-mixed-0.6b-8b")
-    pooled = llm.model_copy(update={"schedule": llm.schedule.model_copy(update={"reward_devices": 1})})
+    lm = load_scenario("jigsaw-mixed-0.6b-8b")
+    pooled = lm.model_copy(update={"schedule": lm.schedule.model_copy(update={"reward_devices": 1})})
     with pytest.raises(
         ValueError, match="policy verl-sync co-locates reward engines; reward_devices=1 needs a flow policy"
     ):
@@ -320,7 +320,7 @@ def test_reward_pool_errors_name_the_field():
 def test_a_straggler_device_sets_the_pace_of_the_staged_baseline():
     """colocated: every stage has work on every device, so one device at half speed makes the step as long as all
     four at half speed; the switches (not device work) keep their cost."""
-    from dovetail.exec.sim import SimExecutor
+    from dovetail.plan.sim import SimExecutor
 
     prepared = prepare(scenario(), "colocated")
     engines = prepared.setup.engines["p"]

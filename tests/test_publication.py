@@ -1,4 +1,4 @@
-"""Publication by a collective (`exec.publication`), the parts that need no cluster: the weights flattened into one
+"""Publication by a collective (`runtime.publication`), the parts that need no cluster: the weights flattened into one
 buffer per dtype and back, bit for bit; the staging between the publication thread and the main queue; which
 devices a publication broadcasts to under each setting. The runs that publish by broadcast are in test_cluster.py."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from dovetail.exec.publication import Publication, Staging, empty_buffers, flatten, layout_of, unflatten
+from dovetail.runtime.publication import Publication, Staging, empty_buffers, flatten, layout_of, unflatten
 
 
 def test_flattened_weights_come_back_bit_for_bit_one_buffer_per_dtype():

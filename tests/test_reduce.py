@@ -1,5 +1,5 @@
-"""A commit's reduction (`exec.worker.reduce_parts`): each device adds its own train parts and one all-reduce adds the
-devices' sums, whatever number of parts each holds (none included): the same bits as adding every part in key order,
+"""A commit's reduction (`runtime.worker.reduce_parts`): each device adds its own train parts and one all-reduce adds
+the devices' sums, whatever number of parts each holds (none included): the same bits as adding every part in key order,
 for fp32 gradients added in fp64 within the span the argument allows, and not beyond it."""
 
 import zlib
@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dovetail.exec.worker import reduce_parts
+from dovetail.runtime.worker import reduce_parts
 
 NUMEL = 1000
 HELD = {0: [("train-c", 0), ("train-a", 0)], 1: [("train-b", 1)], 2: []}

@@ -20,8 +20,8 @@ import dovetail
 from dovetail.cli import app
 from dovetail.config.common import ConfigError, ray_address
 from dovetail.config.load import check_this_machine, load_config
-from dovetail.exec import metrics as metrics_module
-from dovetail.local_flow import FlowLocal
+from dovetail.pipelines.flow.local import FlowLocal
+from dovetail.plan import metrics as metrics_module
 from dovetail.run_dir import RunDir, load_checkpoint
 
 CONFIGS = Path(__file__).parents[1] / "configs"
@@ -251,7 +251,7 @@ def test_a_real_full_disk_while_saving_is_one_line_and_keeps_the_previous_checkp
 
 
 def documented_names() -> list[re.Pattern]:
-    """The names of the metric table in exec/metrics.py's docstring, as patterns (`<...>`: any name)."""
+    """The names of the metric table in plan/metrics.py's docstring, as patterns (`<...>`: any name)."""
     names = re.findall(r"^  (\S+) {2,}\S", metrics_module.__doc__, flags=re.MULTILINE)
     return [
         re.compile(re.escape(name).replace(re.escape("<name>"), "[a-z_]+").replace(re.escape("<kind>"), "[a-z]+"))
@@ -311,7 +311,7 @@ def test_start_ray_joins_the_cluster_of_ray_address(monkeypatch):
     """start_ray hands $RAY_ADDRESS to ray.init (caught there: no cluster is started); unset, it starts its own."""
     import ray
 
-    from dovetail.exec import launch
+    from dovetail.runtime import launch
 
     class Joined(Exception):
         pass
@@ -450,8 +450,8 @@ def test_pretrain_never_replaces_a_model_without_overwrite(dataset, tmp_path):
 
 def test_ledger_json_names_every_field_of_its_rows():
     """A ledger.json row reads without the code that wrote it: each is a record keyed by field name."""
-    from dovetail.exec.pipeline import Ledger
     from dovetail.graph.node import SampleId
+    from dovetail.runtime.pipeline import Ledger
 
     sample = SampleId(3, 1, 2)
     ledger = Ledger(
@@ -490,7 +490,7 @@ def test_a_local_ray_instance_keeps_token_authentication_without_printing_ray_s_
     (Ray records the mode in RAY_AUTH_MODE) and leaves the run's output to the run."""
     script = (
         "import os, ray\n"
-        "from dovetail.exec.launch import start_local_ray\n"
+        "from dovetail.runtime.launch import start_local_ray\n"
         "start_local_ray(cpu_devices=1)\n"
         "print('auth mode', os.environ['RAY_AUTH_MODE'])\n"
         "ray.shutdown()\n"

@@ -19,10 +19,10 @@ from safetensors.torch import load_file
 
 from dovetail.config.common import DEFAULT_CHECKPOINT, scheduling_policies
 from dovetail.config.load import load_config
-from dovetail.exec.launch import AUTO_TIE, device_pool
-from dovetail.exec.replay import replay_run
 from dovetail.rewards import RewardError
 from dovetail.runner import train
+from dovetail.runtime.launch import AUTO_TIE, device_pool
+from dovetail.runtime.replay import replay_run
 from dovetail.sched import policy_class
 
 STEPS = 3

@@ -18,16 +18,16 @@ from dovetail.cli import app
 from dovetail.config.common import ConfigError
 from dovetail.config.load import load_config
 from dovetail.cost.model import CostModel
-from dovetail.exec.launch import dry_run
-from dovetail.exec.lm_adapter import balanced
-from dovetail.exec.lm_engines import DOUBLE
-from dovetail.exec.lm_startup import fitted_cost, profile_here
-from dovetail.exec.messages import LMTrain, Prefill
-from dovetail.exec.replay import replay_run
-from dovetail.graph.llm import LLMShape, build_llm
+from dovetail.graph.lm import LMShape, build_lm
 from dovetail.graph.node import Kind
+from dovetail.pipelines.lm.adapter import balanced
+from dovetail.pipelines.lm.engines import DOUBLE
+from dovetail.pipelines.lm.messages import LMTrain, Prefill
+from dovetail.pipelines.lm.startup import fitted_cost, profile_here
 from dovetail.rewards import RewardError
 from dovetail.runner import train
+from dovetail.runtime.launch import dry_run
+from dovetail.runtime.replay import replay_run
 from dovetail.sched import policy_class
 
 SMALL = [
@@ -241,7 +241,7 @@ def test_the_profile_s_two_sizes_give_each_kind_of_pass_its_fixed_cost():
     for kind in ("prefill", "decode", "logprob", "train"):
         assert cost.fixed(kind) == pytest.approx(0.01, rel=1e-6) and cost.scale(kind) == pytest.approx(2, rel=1e-6)
     (train, *_) = [
-        n for n in build_llm(spec, 1, LLMShape(1, 1, stream=False, shared=False), cost) if n.kind == Kind.TRAIN
+        n for n in build_lm(spec, 1, LMShape(1, 1, stream=False, shared=False), cost) if n.kind == Kind.TRAIN
     ]
     assert train.fixed_s == pytest.approx(0.01, rel=1e-6)
 
@@ -258,8 +258,8 @@ def test_a_run_s_commit_across_trainer_replicas_is_priced_at_the_sync_its_device
     measured = profile_here(config, carry=lambda weights: weights) | {"switch": 0.0, "sync": 0.05, "sync_devices": 2}
     cost = fitted_cost(config, scenario, measured)
     for devices, sync in ((2, 0.05), (1, 0.0)):
-        shape = LLMShape(1, devices, stream=False, shared=False)
-        (commit,) = [node for node in build_llm(spec, 1, shape, cost) if node.kind == Kind.COMMIT]
+        shape = LMShape(1, devices, stream=False, shared=False)
+        (commit,) = [node for node in build_lm(spec, 1, shape, cost) if node.kind == Kind.COMMIT]
         optimizer = cost.optimizer_step(spec.catalogue_model().params)
         assert commit.cost_s == pytest.approx(optimizer + sync, rel=1e-9)
     assert cost.optimizer_step(spec.catalogue_model().params) == pytest.approx(measured["optimizer"], rel=1e-9)

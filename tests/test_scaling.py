@@ -14,8 +14,8 @@ than its 4-GPU one, which the model reproduces through that cluster's fitted net
 
 import pytest
 
-from dovetail.exec.plan import simulate
-from dovetail.scenario import Scenario, list_scenarios, load_scenario, parse_scenario
+from dovetail.plan.prepare import simulate
+from dovetail.plan.scenario import Scenario, list_scenarios, load_scenario, parse_scenario
 
 MAX_DEVICES = 256
 DOUBLINGS = 3

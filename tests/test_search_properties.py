@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from dovetail.cost.catalog import DEVICES, dominates
 from dovetail.cost.catalog import device as lookup_device
 from dovetail.cost.model import CostModel
-from dovetail.exec.plan import Searched, prepare, run_prepared, simulate
-from dovetail.report import plan
-from dovetail.scenario import Scenario, load_scenario
+from dovetail.plan.prepare import Searched, prepare, run_prepared, simulate
+from dovetail.plan.report import plan
+from dovetail.plan.scenario import Scenario, load_scenario
 from dovetail.sched import digen_search, shape_from_fields
 from dovetail.sched.digen_search import trainer_layout
 from dovetail.sched.jigsaw import base_shape, on_slice, sub_pool, turn_of
@@ -68,7 +68,7 @@ def flow_scenario(case, devices: int | None = None) -> Scenario:
     )
 
 
-llm_cases = st.fixed_dictionaries(
+lm_cases = st.fixed_dictionaries(
     {
         "devices": st.integers(1, 8),
         "pipelines": st.integers(1, 2),
@@ -80,7 +80,7 @@ llm_cases = st.fixed_dictionaries(
 )
 
 
-def llm_scenario(case) -> Scenario:
+def lm_scenario(case) -> Scenario:
     pipelines = [
         planner_scenarios.lm_pipeline(
             name=f"lm{i}",
@@ -94,7 +94,7 @@ def llm_scenario(case) -> Scenario:
     ]
     return planner_scenarios.scenario(
         *pipelines,
-        name="random-llm",
+        name="random-lm",
         devices=max(case["devices"], case["pipelines"]),
         steps=case["steps"],
         policies=("verl-sync", "jigsaw"),
@@ -121,9 +121,9 @@ def test_digen_never_loses_to_a_shape_it_simulated(case, policy):
 
 
 @SEARCH
-@given(llm_cases)
+@given(lm_cases)
 def test_jigsaw_never_loses_to_a_shape_it_simulated(case):
-    scenario = llm_scenario(case)
+    scenario = lm_scenario(case)
     try:
         check_never_loses_to_a_candidate(scenario, "jigsaw")
     except ValueError as error:  # a model that does not fit beside its resident trainers is refused, by name
@@ -182,9 +182,9 @@ def test_a_strictly_faster_device_is_never_slower_for_flow_policies(case, policy
 
 
 @SEARCH
-@given(llm_cases, st.sampled_from(["verl-sync", "jigsaw"]), st.sampled_from([1.5, 3]))
-def test_a_strictly_faster_device_is_never_slower_for_llm_policies(case, policy, factor):
-    scenario = llm_scenario(case)
+@given(lm_cases, st.sampled_from(["verl-sync", "jigsaw"]), st.sampled_from([1.5, 3]))
+def test_a_strictly_faster_device_is_never_slower_for_lm_policies(case, policy, factor):
+    scenario = lm_scenario(case)
     try:
         base = rate(simulate(scenario, policy)[1])
     except ValueError:
@@ -275,7 +275,7 @@ def test_every_policy_s_chosen_shape_survives_a_run_profile_round_trip():
 
 
 def short_and_long_searched() -> tuple[list[dict], Scenario, list[Searched]]:
-    """Two LLM pipelines on 8 devices, one with short responses and one with long ones, and every candidate jigsaw
+    """Two LM pipelines on 8 devices, one with short responses and one with long ones, and every candidate jigsaw
     simulated for them."""
     specs = [
         planner_scenarios.lm_pipeline(
@@ -406,7 +406,7 @@ def test_a_field_a_run_fixes_leaves_the_rest_of_the_search_to_the_policy():
 
 def test_jigsaw_weighs_the_split_pool_with_each_language_model_s_tail_migrating_home_and_in_stages():
     """On sub-pools of their own nothing of another pipeline fills a pipeline's idle devices, so jigsaw simulates
-    each split also with the LLM tails kept home and with the LLM steps in stages (verl-sync's cut): on a CPU core,
+    each split also with the LM tails kept home and with the LM steps in stages (verl-sync's cut): on a CPU core,
     work streamed beside the decode runs slower than after it."""
     _, _, searched = short_and_long_searched()
     split = [s.shapes for s in searched if len({sub_pool(shape) for shape in s.shapes.values()}) == 2]

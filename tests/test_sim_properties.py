@@ -7,11 +7,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dovetail.exec.plan import prepare
-from dovetail.exec.sim import SimExecutor
-from dovetail.exec.trace import Trace
 from dovetail.graph.node import Graph, Kind, Node, Role
-from dovetail.scenario import Scenario
+from dovetail.plan.prepare import prepare
+from dovetail.plan.scenario import Scenario
+from dovetail.plan.sim import SimExecutor
+from dovetail.plan.trace import Trace
 from dovetail.sched.policy import Begin, Engines, Migrate, Policy, Run, Setup, StartStep, SwitchRole, VersionPublished
 
 EPS = 1e-6

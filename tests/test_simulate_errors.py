@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from dovetail.cli import app
-from dovetail.exec.plan import simulate
 from dovetail.graph.node import Kind, Role
-from dovetail.report import compare, plan
-from dovetail.scenario import Scenario, load_scenario
+from dovetail.plan.prepare import simulate
+from dovetail.plan.report import compare, plan
+from dovetail.plan.scenario import Scenario, load_scenario
 from dovetail.sched import POLICIES
 
 runner = CliRunner()
@@ -22,7 +22,7 @@ runner = CliRunner()
 LONGEST_LINE = 500
 
 
-def llm(devices: int, model: str = "Qwen3-0.6B", tensor_parallel: int = 1, policies=("verl-sync",)) -> Scenario:
+def lm(devices: int, model: str = "Qwen3-0.6B", tensor_parallel: int = 1, policies=("verl-sync",)) -> Scenario:
     pipeline = planner_scenarios.lm_pipeline(
         model=model,
         prompt_length=150,
@@ -50,7 +50,7 @@ def test_jigsaw_runs_the_calibration_scenario_it_used_to_stall_on():
 def test_jigsaw_runs_a_single_language_model_pipeline_on_one_and_two_devices():
     for devices, tensor_parallel in ((1, 1), (2, 1), (2, 2)):
         for policy in ("jigsaw", "jigsaw-greedy"):
-            _, trace = simulate(llm(devices, tensor_parallel=tensor_parallel), policy)
+            _, trace = simulate(lm(devices, tensor_parallel=tensor_parallel), policy)
             assert [r.step for r in trace.steps] == [0, 1]
             assert {span.device for span in trace.spans} == set(range(devices))
 
@@ -81,25 +81,25 @@ def test_two_pools_on_one_device_say_how_many_devices_they_need():
     assert "trainer_devices=0" not in message
 
 
-def test_a_split_llm_policy_on_too_few_devices_says_how_many_it_needs():
-    reasons = compare(llm(1, policies=("verl-sync", "streamrl", "areal", "jigsaw")), steps=1)["policies"]
+def test_a_split_lm_policy_on_too_few_devices_says_how_many_it_needs():
+    reasons = compare(lm(1, policies=("verl-sync", "streamrl", "areal", "jigsaw")), steps=1)["policies"]
     assert reasons["verl-sync"]["samples_per_s"] > 0 and reasons["jigsaw"]["samples_per_s"] > 0
     for policy in ("streamrl", "areal"):
         message = reasons[policy]["error"]
         assert "so it needs 2" in message and "verl-sync or jigsaw" in message, message
         assert "fits the trainer" not in message
-    message = compare(llm(2, tensor_parallel=2, policies=("streamrl",)), steps=1)["policies"]["streamrl"]["error"]
+    message = compare(lm(2, tensor_parallel=2, policies=("streamrl",)), steps=1)["policies"]["streamrl"]["error"]
     assert "tensor_parallel=2" in message and "so it needs 3" in message
 
 
 def test_a_trainer_too_large_for_any_split_names_its_memory():
-    message = compare(llm(2, model="Qwen3-8B", policies=("areal",)), steps=1)["policies"]["areal"]["error"]
+    message = compare(lm(2, model="Qwen3-8B", policies=("areal",)), steps=1)["policies"]["areal"]["error"]
     assert "trainer needs" in message and "GB per device even on 1 trainer device" in message
     assert "add devices" in message
 
 
 def test_jigsaw_says_when_resident_trainers_leave_no_room_for_the_rollout_weights():
-    message = compare(llm(2, model="Qwen3-8B", policies=("jigsaw",)), steps=1)["policies"]["jigsaw"]["error"]
+    message = compare(lm(2, model="Qwen3-8B", policies=("jigsaw",)), steps=1)["policies"]["jigsaw"]["error"]
     assert "leaves" in message and "its weights (16 GB at tensor_parallel=1)" in message and "add devices" in message
 
 
@@ -112,7 +112,7 @@ def test_a_field_a_policy_decides_itself_is_refused_by_name():
     assert chunked["digen"]["samples_per_s"] > 0
     fragmented = compare(flow(4, ("colocated",), fragments=2), steps=1)["policies"]["colocated"]["error"]
     assert fragmented.startswith("pipelines.0.fragments=2: policy colocated splits")
-    proximal = llm(4, policies=("areal",)).model_dump(mode="json")
+    proximal = lm(4, policies=("areal",)).model_dump(mode="json")
     proximal["pipelines"][0]["recompute_logprob"] = False
     message = compare(Scenario.model_validate(proximal), steps=1)["policies"]["areal"]["error"]
     assert message.startswith("pipelines.0.recompute_logprob=False: policy areal recomputes") and "streamrl" in message
@@ -169,7 +169,7 @@ small = st.fixed_dictionaries(
 @ROWS
 @given(small)
 def test_every_small_scenario_gets_numbers_or_a_one_line_reason_per_policy(case):
-    base = flow(case["devices"]) if case["kind"] == "flow" else llm(case["devices"])
+    base = flow(case["devices"]) if case["kind"] == "flow" else lm(case["devices"])
     data = base.model_dump(mode="json")
     pipeline = data["pipelines"][0]
     if case["kind"] == "flow":
@@ -203,7 +203,7 @@ def refusal_gb(scenario: Scenario, policy: str) -> float:
 
 
 def test_a_language_model_memory_refusal_names_micro_batches_and_raising_them_lowers_the_figure():
-    """An LLM pipeline has no offload; its trainer pass holds batch / micro_batches sequences' activations."""
+    """An LM pipeline has no offload; its trainer pass holds batch / micro_batches sequences' activations."""
     long = {"kind": "lognormal", "median": 8000, "sigma": 0.5}
 
     def scenario(micro_batches: int) -> Scenario:

@@ -1,9 +1,9 @@
-"""The start-up cache (`exec.startup_cache`): what a run measured before its first step is read back for the same
+"""The start-up cache (`runtime.startup_cache`): what a run measured before its first step is read back for the same
 config on the same machine, and measured again when anything that changes a device's seconds changes, or when
 asked to."""
 
 from dovetail.config.load import load_config
-from dovetail.exec.startup_cache import cached, key_of
+from dovetail.runtime.startup_cache import cached, key_of
 
 
 def tree(*overrides: str) -> dict:

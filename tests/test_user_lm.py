@@ -35,12 +35,12 @@ from typer.testing import CliRunner
 
 from dovetail.cli import app
 from dovetail.config.load import load_config
-from dovetail.exec.lm_model import encode_prompts
-from dovetail.exec.lm_prompts import RunPrompts
 from dovetail.models.causal_lm import HFTokenizer, StopStrings, load_causal_lm, rollout_engine
 from dovetail.models.engine import Request, SamplingParams, TorchEngine, TransformersEngine
 from dovetail.models.lm import load_tokenizer
 from dovetail.models.lm_rl import response_log_probs
+from dovetail.pipelines.lm.model import encode_prompts
+from dovetail.pipelines.lm.prompts import RunPrompts
 from dovetail.rewards.text import answers_match
 from dovetail.runner import train
 from dovetail.sched import policy_class
@@ -235,7 +235,7 @@ def test_the_rollout_engine_samples_what_the_trainer_computes_for_each_architect
 def test_sampling_engine_auto_is_vllm_on_gpus_where_vllm_is_installed_and_ours_elsewhere(monkeypatch):
     """The default engine is what a user of verl or TRL generates with on GPUs (vLLM), where it can run, and ours on
     CPU cores (bitwise the trainer's); a chosen engine is kept; vLLM brings the old log-prob pass into the plan."""
-    import dovetail.config.lm as lm_config
+    import dovetail.pipelines.lm.config as lm_config
 
     def config(*overrides: str):
         return load_config(Path(__file__).parents[1] / "configs/sort.yaml", list(overrides))

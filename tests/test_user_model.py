@@ -23,13 +23,13 @@ from dovetail.config.common import ConfigError
 from dovetail.config.load import load_config
 from dovetail.cost.catalog import diffusion_model
 from dovetail.cost.model import CostModel
-from dovetail.exec.flow_startup import fitted_cost
-from dovetail.exec.plan import rollout_wake_s, simulate
 from dovetail.models.diffusers_flow import load_diffusers_checkpoint, load_flow_model, save_prompt_embeddings
 from dovetail.models.flow_rl import generate, group_sample_ids, recompute_log_probs, step_prompts
 from dovetail.models.training import weights_of
+from dovetail.pipelines.flow.recipe import policy_gradient, sde_settings
+from dovetail.pipelines.flow.startup import fitted_cost
+from dovetail.plan.prepare import rollout_wake_s, simulate
 from dovetail.prompts import prompt_split, read_prompts
-from dovetail.recipe import policy_gradient, sde_settings
 from dovetail.runner import train
 
 STEPS = 2

@@ -20,8 +20,8 @@ from dovetail.cost.catalog import device
 from dovetail.files import read_text
 from dovetail.graph.spec import MAX_DEVICES, PipelineName
 from dovetail.kinds import KINDS, kind
+from dovetail.plan.scenario import MAX_SIMULATED_STEPS, Scenario, clip, parse_scenario, problem_report
 from dovetail.rewards import REWARD_TIMEOUT_S
-from dovetail.scenario import MAX_SIMULATED_STEPS, Scenario, clip, parse_scenario, problem_report
 from dovetail.sched import POLICIES, policy_class
 from dovetail.sched.policy import PolicyOptions
 
@@ -147,7 +147,7 @@ TRACKERS: tuple[str, ...] = get_args(Tracker)
 MAX_PIPELINES = 4
 """Pipelines one run may multiplex. Each has a worker process of its own on every device, so pipelines share a
 device the way JigsawRL's share a GPU (on a CPU core, the processes split its time; on a GPU, MPS shares), and
-each such worker takes this fraction of the device's Ray resource (`exec.launch`)."""
+each such worker takes this fraction of the device's Ray resource (`runtime.launch`)."""
 
 
 def _console_only() -> list[Tracker]:
@@ -271,7 +271,7 @@ REFERENCE = "reference"
 
 AUTO = "auto"
 """The run picks its policy: the one of its kind the simulator predicts fastest on the run's profiled devices
-(`exec.launch.chosen_policy`)."""
+(`runtime.launch.chosen_policy`)."""
 
 
 def policies_for(pipeline_kind: str) -> list[str]:

@@ -13,7 +13,7 @@ from dovetail.config.common import ConfigError, invalid, ray_address
 from dovetail.config.multiplex import MultiplexConfig, TrainConfig, multiplexed_tree
 from dovetail.cost.catalog import device
 from dovetail.kinds import DEFAULT_KIND, KINDS
-from dovetail.scenario import clip, parse_yaml, problem_lines, read_yaml
+from dovetail.plan.scenario import clip, parse_yaml, problem_lines, read_yaml
 
 
 def apply_override(tree: dict[str, Any], override: str) -> None:

@@ -17,7 +17,7 @@ from dovetail.config.common import (
     planner_scenario,
 )
 from dovetail.kinds import DEFAULT_KIND, KINDS
-from dovetail.scenario import Scenario, clip, problem_lines
+from dovetail.plan.scenario import Scenario, clip, problem_lines
 from dovetail.sched.policy import Arrangement, PolicyOptions
 
 

@@ -22,9 +22,9 @@ BF16 = 2
 FP32 = 4
 
 OP_KINDS = (
-    "prefill",  # LLM prompt processing
-    "decode",  # LLM token generation
-    "migrate",  # moving a running LLM sequence: re-prefill on the destination
+    "prefill",  # LM prompt processing
+    "decode",  # LM token generation
+    "migrate",  # moving a running LM sequence: re-prefill on the destination
     "generate",  # diffusion denoising (text encode + DiT steps + VAE decode)
     "score",  # reward
     "logprob",  # old / reference log-probabilities (forward only)
@@ -196,7 +196,7 @@ class CostModel:
     # --- language models: FLOPs -------------------------------------------------------------------
 
     @staticmethod
-    def llm_forward_flops(model: LanguageModel, lengths: Sequence[int]) -> float:
+    def lm_forward_flops(model: LanguageModel, lengths: Sequence[int]) -> float:
         """Causal forward over whole sequences: 2 FLOPs per parameter per token + attention."""
         linear = 2 * model.params * sum(lengths)
         attention = 2 * model.layers * model.attention_width * sum(n * n for n in lengths)
@@ -207,7 +207,7 @@ class CostModel:
     def _forward_seconds(self, model: LanguageModel, lengths: Sequence[int], devices: int) -> float:
         """A tensor-parallel forward over whole sequences: compute split over the engine, plus two all-reduces of
         the tokens' hidden states per layer on the engine's link."""
-        flops = self.llm_forward_flops(model, lengths)
+        flops = self.lm_forward_flops(model, lengths)
         allreduces = 2 * model.layers * self.allreduce_seconds(sum(lengths) * model.hidden * BF16, devices)
         return self.compute_seconds(flops, self.calibration.prefill_mfu, devices) + allreduces
 
@@ -282,7 +282,7 @@ class CostModel:
 
     def logprob(self, model: LanguageModel, lengths: Sequence[int], devices: int = 1, reference: bool = False) -> float:
         """Old (actor) or reference log-probabilities: one forward over prompt + response."""
-        seconds = self.compute_seconds(self.llm_forward_flops(model, lengths), self.calibration.logprob_mfu, devices)
+        seconds = self.compute_seconds(self.lm_forward_flops(model, lengths), self.calibration.logprob_mfu, devices)
         if reference:
             seconds *= self.calibration.reference_offload_factor
         return self._corrected("logprob", seconds)
@@ -297,7 +297,7 @@ class CostModel:
     ) -> float:
         """Forward + backward, plus one more forward when activations are recomputed (`backward_forwards`)."""
         forwards = 1 + backward_forwards(lora) + (1 if checkpointing else 0)
-        flops = forwards * self.llm_forward_flops(model, lengths)
+        flops = forwards * self.lm_forward_flops(model, lengths)
         return self._corrected("train", self.compute_seconds(flops, self.calibration.train_mfu, devices))
 
     def rule_score(self, samples: int) -> float:
@@ -566,7 +566,7 @@ class CostModel:
         )
 
     def rollout_memory(self, model: LanguageModel, kv_tokens: int, devices: int = 1) -> MemoryUse:
-        """An LLM rollout engine: bf16 weights and the KV cache of `kv_tokens` tokens, TP-sharded."""
+        """An LM rollout engine: bf16 weights and the KV cache of `kv_tokens` tokens, TP-sharded."""
         return MemoryUse(weights=model.params * BF16 / devices, kv_cache=model.kv_bytes_per_token * kv_tokens / devices)
 
 
@@ -598,7 +598,7 @@ LORA_TARGETS = ("attention", "all-linear")
 def lora_params(model: LanguageModel | DiffusionModel, rank: int, targets: str) -> float:
     """Parameters of a rank-`rank` LoRA adapter: rank x (d_in + d_out) per adapted matrix. Per layer the attention
     has four hidden x hidden projections (8 x hidden x rank); "all-linear" adds the MLP, whose matrices (2 for a
-    DiT's GELU MLP, 3 for an LLM's SwiGLU) share an intermediate width I found from the layer's remaining parameters
+    DiT's GELU MLP, 3 for an LM's SwiGLU) share an intermediate width I found from the layer's remaining parameters
     (per-layer params - 4 hidden^2 = k x hidden x I). Every expert of a mixture of experts (Wan2.2) has its adapter.
     Dual-stream MMDiT blocks are counted as one stream (their text stream is a small share of the tokens)."""
     if targets not in LORA_TARGETS:

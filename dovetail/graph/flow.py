@@ -33,7 +33,7 @@ class FlowShape:
     memory and the optimizer step's cost. `staged`: a stage-synchronous trainer (veRL-Omni, GenRL, flow_grpo): rollout
     fragments split the mini-batch's samples evenly (verl's data.chunk, groups may straddle devices)
     and the trainer's log-prob and train nodes cover the whole mini-batch. `shared`: every node may share its devices
-    with other shareable nodes (pipeline multiplexing, as `graph.llm.LLMShape.shared`)."""
+    with other shareable nodes (pipeline multiplexing, as `graph.lm.LMShape.shared`)."""
 
     fragments: int
     tsp_chunk: int

@@ -1,6 +1,6 @@
 """The sub-stage graph: one `Node` is one piece of work of one pipeline step; a `Graph` is their DAG.
 
-Builders (`graph.flow`, `graph.llm`) expand a pipeline step into nodes; policies decide where and when
+Builders (`graph.flow`, `graph.lm`) expand a pipeline step into nodes; policies decide where and when
 each node runs; executors (simulated or real) run them. Nothing here knows about devices or time.
 """
 
@@ -32,7 +32,7 @@ class Role(StrEnum):
 
 
 class Kind(StrEnum):
-    """What a node does. Flow pipelines use generate/score/logprob/train/commit/publish; LLM pipelines
+    """What a node does. Flow pipelines use generate/score/logprob/train/commit/publish; LM pipelines
     add prefill/decode/migrate."""
 
     GENERATE = "generate"
@@ -76,10 +76,10 @@ class Node:
     """A flow train node's TSP chunk: positions [start, stop) in each of its samples' lists of trained timesteps
     (positions, not timesteps: each sample looks its own timesteps up, `recipe.sample_timesteps`)."""
     band: tuple[int, int] | None = None
-    """An LLM decode node's length band: it generates response tokens [low, high) of its samples still running at
+    """An LM decode node's length band: it generates response tokens [low, high) of its samples still running at
     `low` (the migrated tail's band starts at the migration edge)."""
     micro_batch: int | None = None
-    """The micro-batch (whole prompt groups) an LLM train node trains, in the step's micro-batch order."""
+    """The micro-batch (whole prompt groups) an LM train node trains, in the step's micro-batch order."""
     cost_s: float = 0.0
     fixed_s: float = 0.0
     """Seconds each device the node runs on pays whatever its part of `cost_s` (a pass's fixed cost,
@@ -89,14 +89,14 @@ class Node:
     """False: may share a device with other shareable nodes (each gets the `share` its Run decision gives)."""
     collective: bool = False
     tokens: int = 0
-    """Tokens this node produces (LLM decode) or processes (flow generate), for tokens/s."""
+    """Tokens this node produces (LM decode) or processes (flow generate), for tokens/s."""
     shard: int | None = None
-    """Rollout engine (shard of whole prompt groups) an LLM prefill / decode node belongs to; None elsewhere and
+    """Rollout engine (shard of whole prompt groups) an LM prefill / decode node belongs to; None elsewhere and
     for the migrated tail, which decodes wherever the policy puts it."""
     reference: bool = False
     """A logprob node of the frozen reference model (the KL term), not of the weights being trained."""
     max_width: int | None = None
-    """Devices past which the node goes no faster (None: it spreads over any number): an LLM prefill / decode node
+    """Devices past which the node goes no faster (None: it spreads over any number): an LM prefill / decode node
     runs on one engine of `tensor_parallel` devices, so more devices cannot shorten one response's decode."""
 
     def seconds_on(self, devices: int) -> float:

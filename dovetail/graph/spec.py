@@ -183,7 +183,7 @@ class ModelShape(_Spec):
     vocab: int = Field(gt=0, le=10_000_000)
 
 
-class LLMSpec(_PipelineSpec):
+class LMSpec(_PipelineSpec):
     """A GRPO step of a causal language model."""
 
     kind: Literal["lm"] = "lm"
@@ -230,7 +230,7 @@ class LLMSpec(_PipelineSpec):
         return language_model(self.model)
 
     @model_validator(mode="after")
-    def _check(self) -> LLMSpec:
+    def _check(self) -> LMSpec:
         check_length_bands(self.length_bands, self.max_length, "length_bands", "max_length")
         _check_samples(self.batch, self.group, "batch")
         return self
@@ -253,4 +253,4 @@ def _check_samples(prompts: int, group: int, field: str) -> None:
         )
 
 
-PipelineSpec = FlowSpec | LLMSpec
+PipelineSpec = FlowSpec | LMSpec

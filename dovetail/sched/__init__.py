@@ -34,16 +34,16 @@ def policy_class(name: str) -> type[Policy]:
 
 
 def shape_from_fields(kind: str, fields: dict):
-    """A pipeline's shape from its fields (`dataclasses.asdict`, as a run profile stores it): an LLM shape, or a flow
+    """A pipeline's shape from its fields (`dataclasses.asdict`, as a run profile stores it): an LM shape, or a flow
     shape — the search's own class when it stores a field that class adds to the kind's shape (digen's `DigenShape`:
-    its TAG and TCSS choices; jigsaw's `SlicedLLMShape` / `SlicedFlowShape`: the pipeline's sub-pool), else the
+    its TAG and TCSS choices; jigsaw's `SlicedLMShape` / `SlicedFlowShape`: the pipeline's sub-pool), else the
     kind's plain shape. Fields the shape lacks, or of the wrong type (a damaged profile), are a ValueError naming
     them (pydantic's ValidationError for a value)."""
     from dovetail.sched.digen_search import DigenShape
-    from dovetail.sched.jigsaw import SlicedFlowShape, SlicedLLMShape
+    from dovetail.sched.jigsaw import SlicedFlowShape, SlicedLMShape
 
     base = pipeline_kind(kind).load("shape")
-    for richer in (DigenShape, SlicedLLMShape, SlicedFlowShape):
+    for richer in (DigenShape, SlicedLMShape, SlicedFlowShape):
         if issubclass(richer, base) and (_field_names(richer) - _field_names(base)) & set(fields):
             return from_fields(richer, fields)
     return from_fields(base, fields)

@@ -1,4 +1,4 @@
-"""`areal`: AReaL's fully asynchronous RL for LLM GRPO (Fu et al., 2025).
+"""`areal`: AReaL's fully asynchronous RL for LM GRPO (Fu et al., 2025).
 
 Rollout and trainer pools are disaggregated. Rollout engines never wait for training: a new step
 opens as soon as its rollouts would be at most `max_staleness` (eta) weight versions behind the
@@ -13,14 +13,14 @@ rollouts keep the version they started with.
 
 from __future__ import annotations
 
-from dovetail.sched.llm_common import SplitLLMPolicy, step_done
+from dovetail.sched.lm_common import SplitLMPolicy, step_done
 from dovetail.sched.policy import View
 
 ETA = 4
 """AReaL's default staleness bound (max_head_offpolicyness) in its GSM8K / math recipes."""
 
 
-class Areal(SplitLLMPolicy):
+class Areal(SplitLMPolicy):
     name = "areal"
     max_staleness = ETA
     fixes = {"recompute_logprob": "recomputes the proximal policy's log-probs its decoupled objective needs"}

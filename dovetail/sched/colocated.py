@@ -62,7 +62,7 @@ def data_parallel_fragments(spec: FlowSpec, devices: int) -> int:
 
 
 def fits(spec: FlowSpec, shape: FlowShape, cost) -> bool:
-    """Every node of a step fits beside its role's engine on a device (the check `exec.plan.prepare` makes)."""
+    """Every node of a step fits beside its role's engine on a device (the check `plan.prepare.prepare` makes)."""
     held = shape.engines(spec, cost).resident_gb
     capacity = cost.device.memory_bytes / 1e9
     return all(held.get(n.role, 0.0) + n.memory_gb <= capacity for n in shape.build(spec, 1, cost))

@@ -1,12 +1,12 @@
-"""`jigsaw`: JigsawRL's pipeline multiplexing (LLM GRPO, flow GRPO beside it), and `jigsaw-greedy`, its ablation.
+"""`jigsaw`: JigsawRL's pipeline multiplexing (LM GRPO, flow GRPO beside it), and `jigsaw-greedy`, its ablation.
 
 Several RL pipelines share one pool. Every device holds every pipeline's rollout engine (with a reduced
 KV-cache budget) and FSDP trainer shard (role ANY), so nothing is ever put to sleep. Each step is the
-sub-stage graph of `graph.llm` with shareable nodes: a pipeline's rollout runs on all devices as one
+sub-stage graph of `graph.lm` with shareable nodes: a pipeline's rollout runs on all devices as one
 engine per `tensor_parallel` devices, its trainer work on the whole pool. Complementary sub-stages of
 different pipelines — bandwidth-bound decode beside compute-bound log-prob / training — share devices
 (share `SHARE` each) and slow each other down by the pool's interference table (`Setup.slowdown`: the calibrated
-default, or the table a multiplexed run measures on its own devices, `exec.interference`). Long-tail responses
+default, or the table a multiplexed run measures on its own devices, `runtime.interference`). Long-tail responses
 migrate at `migrate_at` tokens (re-prefill counted) onto one engine of `tail_parallel` devices, freeing the
 others for the other pipeline's decode and trainer work; micro-batches are whole prompt groups in finishing
 order, so finished length bands get their log-probs and gradients while the tail decodes (one optimizer
@@ -38,12 +38,12 @@ from itertools import combinations
 
 from dovetail.cost.calibration import DEFAULT
 from dovetail.graph.flow import BF16, FlowShape
-from dovetail.graph.llm import GB, LLMShape, response_lengths
+from dovetail.graph.lm import GB, LMShape, response_lengths
 from dovetail.graph.node import Kind, Node, Role
-from dovetail.graph.spec import FlowSpec, LLMSpec, PipelineSpec
-from dovetail.sched.llm_common import (
+from dovetail.graph.spec import FlowSpec, LMSpec, PipelineSpec
+from dovetail.sched.lm_common import (
     TRAINER_KINDS,
-    StagedLLMPolicy,
+    StagedLMPolicy,
     engine_devices,
     rollout_engines,
     rollout_seconds,
@@ -77,8 +77,8 @@ EPS = 1e-9
 
 
 @dataclass(frozen=True)
-class SlicedLLMShape(LLMShape):
-    """An LLM pipeline's jigsaw cut on its sub-pool: devices `first_device` .. `first_device + trainer_devices - 1`
+class SlicedLMShape(LMShape):
+    """An LM pipeline's jigsaw cut on its sub-pool: devices `first_device` .. `first_device + trainer_devices - 1`
     (the whole pool: 0 and every device). Pipelines of the same sub-pool multiplex on it; sub-pools are disjoint.
     `turn`: pipelines take turns, a pipeline of turn k starting once every pipeline of the turns before it has
     run all its steps (every pipeline turn 0: all at once; one pipeline per turn on the whole pool: back to back)."""
@@ -89,7 +89,7 @@ class SlicedLLMShape(LLMShape):
 
 @dataclass(frozen=True)
 class SlicedFlowShape(FlowShape):
-    """A flow pipeline's jigsaw cut on its sub-pool and turn (as `SlicedLLMShape`)."""
+    """A flow pipeline's jigsaw cut on its sub-pool and turn (as `SlicedLMShape`)."""
 
     first_device: int = 0
     turn: int = 0
@@ -99,29 +99,29 @@ PLACE = ("first_device", "turn")
 """The fields a sliced shape adds to the kind's: where and when its pipeline runs."""
 
 
-def on_slice(shape: LLMShape | FlowShape, first_device: int, turn: int = 0) -> SlicedLLMShape | SlicedFlowShape:
+def on_slice(shape: LMShape | FlowShape, first_device: int, turn: int = 0) -> SlicedLMShape | SlicedFlowShape:
     """`shape` (cut for its sub-pool's `trainer_devices`) placed on the sub-pool starting at `first_device`, in
     `turn`."""
     fields = {key: value for key, value in asdict(shape).items() if key not in PLACE}
     if isinstance(shape, FlowShape):
         return SlicedFlowShape(**fields, first_device=first_device, turn=turn)
-    return SlicedLLMShape(**fields, first_device=first_device, turn=turn)
+    return SlicedLMShape(**fields, first_device=first_device, turn=turn)
 
 
-def base_shape(shape: SlicedLLMShape | SlicedFlowShape) -> LLMShape | FlowShape:
+def base_shape(shape: SlicedLMShape | SlicedFlowShape) -> LMShape | FlowShape:
     """The shape without its sub-pool's place and turn (what `Jigsaw.shape` cuts for the sub-pool's size)."""
     fields = {key: value for key, value in asdict(shape).items() if key not in PLACE}
-    return FlowShape(**fields) if isinstance(shape, FlowShape) else LLMShape(**fields)
+    return FlowShape(**fields) if isinstance(shape, FlowShape) else LMShape(**fields)
 
 
-def turn_of(shape: LLMShape | FlowShape) -> int:
+def turn_of(shape: LMShape | FlowShape) -> int:
     """A jigsaw shape's turn (a shape cut without a slice: 0, with every pipeline)."""
-    return shape.turn if isinstance(shape, (SlicedLLMShape, SlicedFlowShape)) else 0
+    return shape.turn if isinstance(shape, (SlicedLMShape, SlicedFlowShape)) else 0
 
 
-def sub_pool(shape: LLMShape | FlowShape) -> tuple[int, ...]:
+def sub_pool(shape: LMShape | FlowShape) -> tuple[int, ...]:
     """The devices a jigsaw shape's pipeline runs on (a shape cut without a slice: its whole trainer pool)."""
-    first = shape.first_device if isinstance(shape, (SlicedLLMShape, SlicedFlowShape)) else 0
+    first = shape.first_device if isinstance(shape, (SlicedLMShape, SlicedFlowShape)) else 0
     return tuple(range(first, first + shape.trainer_devices))
 
 
@@ -144,7 +144,7 @@ def generate_seconds(nodes: Sequence[Node], devices: int) -> float:
 
 
 PHASES = ("decode", "generate", "train")
-"""The classes of work the look-ahead rolls forward: an LLM's rollout, a flow pipeline's, and trainer work."""
+"""The classes of work the look-ahead rolls forward: an LM's rollout, a flow pipeline's, and trainer work."""
 
 
 def phase_slowdowns(slowdown: Callable[[str, str], float]) -> tuple[tuple[tuple[str, str], float], ...]:
@@ -227,7 +227,7 @@ def flow_shape(spec: FlowSpec, devices: int, cost) -> FlowShape:
     return replace(shape, tsp_chunk=-min(timed)[1])
 
 
-class Jigsaw(StagedLLMPolicy):
+class Jigsaw(StagedLMPolicy):
     name = "jigsaw"
     pipeline_kinds = frozenset({"lm", "flow"})
     multiplexes = True
@@ -236,20 +236,20 @@ class Jigsaw(StagedLLMPolicy):
     fixes = {"trainer_devices": "trains every pipeline on the whole pool"}
 
     @classmethod
-    def shape(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost) -> LLMShape | FlowShape:
-        """LLM, the cost-model default: the tail leaves at `tail_edge` for an engine as wide as the home ones;
+    def shape(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost) -> LMShape | FlowShape:
+        """LM, the cost-model default: the tail leaves at `tail_edge` for an engine as wide as the home ones;
         micro-batches in finishing order, so finished length bands train while the tail decodes. Flow: `flow_shape`."""
         if isinstance(spec, FlowSpec):
             return flow_shape(spec, devices, cost)
         shards = rollout_engines(spec, devices)
-        return LLMShape(
+        return LMShape(
             shards, devices, tail_edge(spec, shards), stream=True, shared=True, tail_parallel=spec.tensor_parallel
         )
 
     @classmethod
-    def plan_shapes(cls, context: SearchContext) -> dict[str, LLMShape | FlowShape]:
+    def plan_shapes(cls, context: SearchContext) -> dict[str, LMShape | FlowShape]:
         """Rollout memory from the memory model (for every step the run trains); then (`jigsaw`) the fastest in the
-        simulator over the run's steps (at most `SEARCH_STEPS`) of: every pipeline on the whole pool, where each LLM
+        simulator over the run's steps (at most `SEARCH_STEPS`) of: every pipeline on the whole pool, where each LM
         pipeline's tail migrates and how wide its engine is chosen by `_tail_search`; and the pipelines on disjoint
         sub-pools (`arrangements`: each pipeline its own, as verl-sync gives them, and mixtures of a few pipelines
         per sub-pool), each sub-pool sized by its pipelines' work. So jigsaw is never predicted below the split
@@ -265,7 +265,7 @@ class Jigsaw(StagedLLMPolicy):
             return shared
         memo: dict[tuple, float] = {}
 
-        def forecast(candidate: dict[str, LLMShape | FlowShape], horizon: int) -> float:
+        def forecast(candidate: dict[str, LMShape | FlowShape], horizon: int) -> float:
             key = (tuple(sorted(candidate.items())), horizon)
             if key not in memo:
                 memo[key] = context.forecast(dict(candidate), horizon)
@@ -306,20 +306,20 @@ class Jigsaw(StagedLLMPolicy):
                 "tensor_parallel"
             )
         self.flow = {name for name, shape in setup.shapes.items() if isinstance(shape, FlowShape)}
-        """Flow pipelines: their rollout is generate fragments, not LLM engines."""
+        """Flow pipelines: their rollout is generate fragments, not LM engines."""
         self.tensor_parallel = {
             name: len(self.pool[name]) // shape.shards
             for name, shape in setup.shapes.items()
-            if isinstance(shape, LLMShape)
+            if isinstance(shape, LMShape)
         }
-        """Devices per rollout engine of each LLM pipeline: its pool over its shards (`llm_common.tensor_parallel`)."""
+        """Devices per rollout engine of each LM pipeline: its pool over its shards (`lm_common.tensor_parallel`)."""
         self.priority = {name: setup.priorities.get(name, 1.0) for name in setup.engines}
         self.slowdowns = phase_slowdowns(setup.slowdown)
         self.tail_on: dict[tuple[str, int], tuple[int, ...]] = {}
         self.choices: list[tuple[float, tuple[str, ...]]] = []
         """(time, pipelines started) of every look-ahead choice among several, for the run's log."""
         self.turn = {name: turn_of(setup.shapes[name]) if name in setup.shapes else 0 for name in setup.engines}
-        """Each pipeline's turn (`SlicedLLMShape.turn`): the pipelines of a turn start once the earlier turns end."""
+        """Each pipeline's turn (`SlicedLMShape.turn`): the pipelines of a turn start once the earlier turns end."""
         self.turn_now = 0
         self._nodes: dict[str, list[str]] = {}
 
@@ -398,7 +398,7 @@ class Jigsaw(StagedLLMPolicy):
         return max(fitting, key=lambda d: (self.free[d], -d), default=None)
 
     def _rollout(self, pipeline: str, ready: list[Node]) -> list[Decision]:
-        """The pipeline's `ready` rollout nodes. LLM: home shards on their engines; the migrated tail on the
+        """The pipeline's `ready` rollout nodes. LM: home shards on their engines; the migrated tail on the
         least-loaded engine, then decoded there. Flow: each generate fragment on the device with the most free share,
         as the migrated tail."""
         decisions: list[Decision] = []
@@ -484,7 +484,7 @@ class Jigsaw(StagedLLMPolicy):
         return min(candidates, key=predicted)  # ties: the first candidate (largest, then highest priorities)
 
     def _phases(self, view: View, pipeline: str) -> tuple[tuple[str, float], ...]:
-        """What is left of the pipeline's open step and its next one, as (class, seconds on its pool): an LLM's
+        """What is left of the pipeline's open step and its next one, as (class, seconds on its pool): an LM's
         rollout decodes on its engines, a flow pipeline's generate fragments spread one per device."""
         opened = [s for (p, s) in view.started if p == pipeline]
         if not opened:
@@ -512,9 +512,9 @@ class JigsawGreedy(Jigsaw):
 
 
 def rollout_shares(
-    specs: Sequence[PipelineSpec], shapes: dict[str, LLMShape | FlowShape], costs, steps: int = 1
-) -> dict[str, LLMShape | FlowShape]:
-    """Each LLM pipeline's rollout engine (weights and KV cache) gets an even share of what the rest leaves of a
+    specs: Sequence[PipelineSpec], shapes: dict[str, LMShape | FlowShape], costs, steps: int = 1
+) -> dict[str, LMShape | FlowShape]:
+    """Each LM pipeline's rollout engine (weights and KV cache) gets an even share of what the rest leaves of a
     device, at most the calibrated rollout memory fraction. The rest: every pipeline's resident FSDP trainer shard
     and the largest working memory of its trainer nodes over the run's `steps` (they may run side by side; a
     later step's longest micro-batch may need more than the first's), and a flow pipeline's rollout engine with
@@ -533,11 +533,11 @@ def rollout_shares(
             f"jigsaw: the pipelines' trainers and flow rollout engines alone need {held:.0f} GB per device, "
             f"more than {capacity:.0f} GB"
         )
-    llm = [spec for spec in specs if isinstance(spec, LLMSpec)]
-    if not llm:
+    lm = [spec for spec in specs if isinstance(spec, LMSpec)]
+    if not lm:
         return shapes
-    share = min(DEFAULT.rollout_memory_fraction, (capacity - held) / capacity / len(llm))
-    for spec in llm:
+    share = min(DEFAULT.rollout_memory_fraction, (capacity - held) / capacity / len(lm))
+    for spec in lm:
         weights_gb = spec.catalogue_model().params * BF16 / GB / spec.tensor_parallel
         if weights_gb >= share * capacity:
             raise ValueError(
@@ -545,31 +545,31 @@ def rollout_shares(
                 f"per device for its rollout engine, less than its weights ({weights_gb:.0f} GB at tensor_parallel="
                 f"{spec.tensor_parallel}): add devices (the trainer's shard shrinks) or raise tensor_parallel"
             )
-    return shapes | {spec.name: replace(shapes[spec.name], rollout_memory=share) for spec in llm}
+    return shapes | {spec.name: replace(shapes[spec.name], rollout_memory=share) for spec in lm}
 
 
 def _tail_search(
     specs: Sequence[PipelineSpec],
-    shapes: dict[str, LLMShape | FlowShape],
-    forecast: Callable[[dict[str, LLMShape | FlowShape], int], float],
-) -> list[dict[str, LLMShape | FlowShape]]:
-    """Where each LLM pipeline of the whole pool migrates its tail and how wide the tail's engine is, by rolling the
+    shapes: dict[str, LMShape | FlowShape],
+    forecast: Callable[[dict[str, LMShape | FlowShape], int], float],
+) -> list[dict[str, LMShape | FlowShape]]:
+    """Where each LM pipeline of the whole pool migrates its tail and how wide the tail's engine is, by rolling the
     simulator forward `HORIZON_STEPS` steps per candidate: coordinate descent over the tail engine's width (the home
     width doubled while it stays within one pipeline's fair share of the pool) and the migration edge (the length
-    bands). Every candidate it scored, the best first; `shapes` alone without an LLM pipeline."""
-    llm_specs = [spec for spec in specs if isinstance(spec, LLMSpec)]
-    if not llm_specs:
+    bands). Every candidate it scored, the best first; `shapes` alone without an LM pipeline."""
+    lm_specs = [spec for spec in specs if isinstance(spec, LMSpec)]
+    if not lm_specs:
         return [shapes]
     devices = next(iter(shapes.values())).trainer_devices
     choices: dict[str, tuple[list[int | None], list[int]]] = {}
-    for spec in llm_specs:
+    for spec in lm_specs:
         edges = [e for e in spec.length_bands if e < spec.max_length] or [shapes[spec.name].migrate_at]
         widths = [spec.tensor_parallel]
         while widths[-1] * 2 <= devices // len(specs):
             widths.append(widths[-1] * 2)
         choices[spec.name] = (edges, widths)
 
-    def candidate(point: tuple[int, ...]) -> dict[str, LLMShape | FlowShape]:
+    def candidate(point: tuple[int, ...]) -> dict[str, LMShape | FlowShape]:
         return shapes | {
             name: replace(
                 shapes[name],
@@ -621,16 +621,16 @@ def pool_size(context: SearchContext) -> int:
     return context.devices or next(iter(context.shapes.values())).trainer_devices
 
 
-def arrangements(cls: type[Jigsaw], context: SearchContext) -> list[dict[str, LLMShape | FlowShape]]:
+def arrangements(cls: type[Jigsaw], context: SearchContext) -> list[dict[str, LMShape | FlowShape]]:
     """The pipelines on disjoint sub-pools: cut, in order, into k groups of consecutive pipelines (sizes differing by
     at most one) for k = 2, 4, 8, ... and every pipeline alone (k = N, the arrangement verl-sync gives, also with its
     even slices); each group multiplexes on a sub-pool sized by its pipelines' work (`slice_sizes`: device-seconds of
-    a step, at least the widest rollout engine of the group), each also with its LLM tails home and in stages
+    a step, at least the widest rollout engine of the group), each also with its LM tails home and in stages
     (`tails_home`, `in_stages`). An arrangement whose sub-pools do not fit is left out."""
     specs = list(context.specs)
     devices = pool_size(context)
     work = {spec.name: step_work(spec, context.shapes[spec.name], context.costs[spec.name]) for spec in specs}
-    least = {spec.name: spec.tensor_parallel if isinstance(spec, LLMSpec) else 1 for spec in specs}
+    least = {spec.name: spec.tensor_parallel if isinstance(spec, LMSpec) else 1 for spec in specs}
     counts = sorted({k for k in (2**i for i in range(1, len(specs).bit_length())) if k < len(specs)} | {len(specs)})
     layouts: list[tuple[list[list[PipelineSpec]], list[int]]] = []
     for k in counts if len(specs) > 1 else []:
@@ -644,7 +644,7 @@ def arrangements(cls: type[Jigsaw], context: SearchContext) -> list[dict[str, LL
             layouts.append((groups, even))
     candidates = []
     for groups, sizes in layouts:
-        candidate: dict[str, LLMShape | FlowShape] = {}
+        candidate: dict[str, LMShape | FlowShape] = {}
         first = 0
         try:
             for group, size in zip(groups, sizes):
@@ -659,30 +659,30 @@ def arrangements(cls: type[Jigsaw], context: SearchContext) -> list[dict[str, LL
     return candidates
 
 
-def with_llm_cut(candidate: dict[str, LLMShape | FlowShape], **fields) -> dict[str, LLMShape | FlowShape]:
-    """`candidate` with `fields` changed in every LLM pipeline's shape."""
+def with_lm_cut(candidate: dict[str, LMShape | FlowShape], **fields) -> dict[str, LMShape | FlowShape]:
+    """`candidate` with `fields` changed in every LM pipeline's shape."""
     return {
-        name: replace(shape, **fields) if isinstance(shape, LLMShape) else shape for name, shape in candidate.items()
+        name: replace(shape, **fields) if isinstance(shape, LMShape) else shape for name, shape in candidate.items()
     }
 
 
-def tails_home(candidate: dict[str, LLMShape | FlowShape]) -> dict[str, LLMShape | FlowShape]:
-    """`candidate` with every LLM pipeline's long tail kept on its own engines (no migration): what a pipeline alone
+def tails_home(candidate: dict[str, LMShape | FlowShape]) -> dict[str, LMShape | FlowShape]:
+    """`candidate` with every LM pipeline's long tail kept on its own engines (no migration): what a pipeline alone
     on its (sub-)pool may prefer, the tail's engine being on the devices its own trainer work needs."""
-    return with_llm_cut(candidate, migrate_at=None)
+    return with_lm_cut(candidate, migrate_at=None)
 
 
-def in_stages(candidate: dict[str, LLMShape | FlowShape]) -> dict[str, LLMShape | FlowShape]:
-    """`candidate` with every LLM pipeline's step in stages, as verl-sync runs it: its tail home, and its micro-batches
+def in_stages(candidate: dict[str, LMShape | FlowShape]) -> dict[str, LMShape | FlowShape]:
+    """`candidate` with every LM pipeline's step in stages, as verl-sync runs it: its tail home, and its micro-batches
     trained once every response is done, not streamed beside the decoding. On a sub-pool of its own, where nothing of
     another pipeline fills the decode's idle devices, that can be the faster cut: on a CPU core, work beside work runs
     slower than one after the other (the interference table's slowdowns above 2)."""
-    return with_llm_cut(candidate, migrate_at=None, stream=False)
+    return with_lm_cut(candidate, migrate_at=None, stream=False)
 
 
-def back_to_back(cls: type[Jigsaw], context: SearchContext, home: bool = False) -> dict[str, LLMShape | FlowShape]:
+def back_to_back(cls: type[Jigsaw], context: SearchContext, home: bool = False) -> dict[str, LMShape | FlowShape]:
     """Every pipeline alone on the whole pool, one after another in the scenario's order (turn k: the k-th): running
-    them back to back, which multiplexing must beat to be worth it. With `home`, an LLM pipeline's long tail
+    them back to back, which multiplexing must beat to be worth it. With `home`, an LM pipeline's long tail
     stays on its engines (no migration: alone in its turn there is no other pipeline to give the freed devices to,
     only its own trainer work). Every pipeline's engines stay resident, as in any jigsaw arrangement, so rollout
     memory is shared as on the whole pool (`rollout_shares`)."""
@@ -705,7 +705,7 @@ def _runs(items: int, parts: int) -> list[tuple[int, int]]:
     return runs
 
 
-def step_work(spec: PipelineSpec, shape: LLMShape | FlowShape, cost) -> float:
+def step_work(spec: PipelineSpec, shape: LMShape | FlowShape, cost) -> float:
     """Device-seconds of one step of `spec` as `shape` cuts it (collectives: their wall time): what a sub-pool is
     sized by."""
     return sum(n.seconds_on(1) for n in shape.build(spec, 1, cost))

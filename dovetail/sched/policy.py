@@ -210,7 +210,7 @@ class Setup:
     priorities: Mapping[str, float] = field(default_factory=dict)
     """Weight of each pipeline's step latency when pipelines compete for devices (1 when absent)."""
     shapes: Mapping[str, Shape] = field(default_factory=dict)
-    """The shape each pipeline's steps were cut with (pipeline -> e.g. `graph.llm.LLMShape`)."""
+    """The shape each pipeline's steps were cut with (pipeline -> e.g. `graph.lm.LMShape`)."""
     max_staleness: int = 1
     """Versions a step's rollouts may lag its training (the executor refuses more); AReaL's bound eta."""
     node_size: int | None = None
@@ -218,7 +218,7 @@ class Setup:
     that cuts FSDP groups places each group no larger than a node inside one (digen's `trainer_layout`)."""
     slowdown: Callable[[str, str], float] = DEFAULT.slowdown
     """How much a node of one kind slows down beside another kind on its devices: slowdown(kind, alongside)
-    (`Calibration.slowdown`). One table for the pool: `exec.plan.prepare` takes the first pipeline's cost model's
+    (`Calibration.slowdown`). One table for the pool: `plan.prepare.prepare` takes the first pipeline's cost model's
     (a multiplexed run measures its table once, on its own devices, and gives it to every pipeline)."""
 
     @property
@@ -238,7 +238,7 @@ class Setup:
 
 
 class DeviceView(Protocol):
-    """One device as a policy sees it (read-only; `exec.state.DeviceState`)."""
+    """One device as a policy sees it (read-only; `plan.state.DeviceState`)."""
 
     @property
     def index(self) -> int: ...
@@ -268,14 +268,14 @@ class DeviceView(Protocol):
 
 
 class RunningView(Protocol):
-    """A running node as a policy sees it (`exec.state.Running`)."""
+    """A running node as a policy sees it (`plan.state.Running`)."""
 
     @property
     def devices(self) -> tuple[int, ...]: ...
 
 
 class View(Protocol):
-    """The read-only state a policy decides from. Executors implement it (see `exec.state.ClusterState`); its
+    """The read-only state a policy decides from. Executors implement it (see `plan.state.ClusterState`); its
     members are read-only properties here, so an executor's own (mutable, concrete) attributes conform."""
 
     @property
@@ -340,7 +340,7 @@ class CostTracker:
 
 
 class Shape(Protocol):
-    """How a policy cuts one pipeline's steps into nodes (`graph.flow.FlowShape`, `graph.llm.LLMShape`): a frozen
+    """How a policy cuts one pipeline's steps into nodes (`graph.flow.FlowShape`, `graph.lm.LMShape`): a frozen
     dataclass, so a shape is compared, stored (`dataclasses.asdict`) and varied (`dataclasses.replace`) by fields."""
 
     __dataclass_fields__: ClassVar[dict[str, Any]]
@@ -406,7 +406,7 @@ class Policy(ABC):
     """Base of every policy: the whole contract an executor and the planner rely on.
 
     A subclass sets `name`, says how it cuts a pipeline's step (`shape`) and decides (`decide`). The class
-    attributes below describe it to the planner (`exec.plan.prepare`), which reads nothing else."""
+    attributes below describe it to the planner (`plan.prepare.prepare`), which reads nothing else."""
 
     name: ClassVar[str]
     pipeline_kinds: ClassVar[frozenset[str]]
@@ -425,7 +425,7 @@ class Policy(ABC):
     """Chooses its shapes by simulating candidates (`plan_shapes`); `dovetail plan` shows what it considered."""
     fixes: ClassVar[Mapping[str, str]] = {}
     """Scenario fields (of a pipeline or the schedule) this policy's schedule decides itself, with why: a scenario
-    that sets one is refused by name (`exec.plan.prepare`) instead of planned as something else."""
+    that sets one is refused by name (`plan.prepare.prepare`) instead of planned as something else."""
 
     @classmethod
     @abstractmethod

@@ -1,4 +1,4 @@
-"""`streamrl`: StreamRL's disaggregated stream generation for LLM GRPO (Zhong et al., 2025).
+"""`streamrl`: StreamRL's disaggregated stream generation for LM GRPO (Zhong et al., 2025).
 
 Each pipeline's devices are split into a rollout pool and a trainer pool, sized so that generation and
 training take about as long (they overlap). Finished samples stream to the trainer: micro-batches are
@@ -11,9 +11,9 @@ version behind (staleness <= 1).
 
 from __future__ import annotations
 
-from dovetail.sched.llm_common import SplitLLMPolicy
+from dovetail.sched.lm_common import SplitLMPolicy
 
 
-class StreamRL(SplitLLMPolicy):
+class StreamRL(SplitLMPolicy):
     name = "streamrl"
     stream = True

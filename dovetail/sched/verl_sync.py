@@ -1,4 +1,4 @@
-"""`verl-sync`: verl's synchronous hybrid engine for LLM GRPO.
+"""`verl-sync`: verl's synchronous hybrid engine for LM GRPO.
 
 Every device of a pipeline's group holds the rollout engine, generates its shard, and the whole group
 waits for the longest response (stage barrier). Then: reward -> sleep rollout / wake trainer -> old
@@ -10,24 +10,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dovetail.graph.llm import LLMShape, stage
+from dovetail.graph.lm import LMShape, stage
 from dovetail.graph.node import Role
 from dovetail.graph.spec import PipelineSpec
-from dovetail.sched.llm_common import StagedLLMPolicy, llm_only, rollout_engines, split_pool, step_done, tensor_parallel
+from dovetail.sched.lm_common import StagedLMPolicy, lm_only, rollout_engines, split_pool, step_done, tensor_parallel
 from dovetail.sched.policy import Begin, Decision, Event, StartStep, View
 
 ORDER = ("rollout", "score", "old", "ref", "train", "commit", "publish")
 
 
-class VerlSync(StagedLLMPolicy):
+class VerlSync(StagedLMPolicy):
     name = "verl-sync"
     splits_pool = True
     fixes = {"trainer_devices": "trains on every device of a pipeline's slice (hybrid engine)"}
 
     @classmethod
-    def shape(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost) -> LLMShape:
-        spec = llm_only(cls.name, spec)
-        return LLMShape(rollout_engines(spec, devices), devices)
+    def shape(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost) -> LMShape:
+        spec = lm_only(cls.name, spec)
+        return LMShape(rollout_engines(spec, devices), devices)
 
     def decide(self, view: View, events: Sequence[Event]) -> list[Decision]:
         pipelines = view.graph.pipelines()

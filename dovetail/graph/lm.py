@@ -1,0 +1,428 @@
+"""Expand GRPO steps of a language model into sub-stage nodes.
+
+One step of pipeline P on S rollout engines (shards of whole prompt groups):
+
+    prefill[shard] -> decode[shard, band 0] -> decode[shard, band 1] -> ... -> score[shard]
+    score[shard] -> logprob old[shard], logprob ref[shard] -> train[shard] -> commit -> publish
+
+A decode band holds the shard's sequences still running at the band's lower edge and generates
+their tokens up to its upper edge, so long tails show up as small, late nodes (JigsawRL's
+"imbalance inside a stage"). With `migrate_at`, every sequence still running at that length leaves
+its shard: one `migrate` node re-prefills all of them on the destination and one `decode` node
+finishes them there together, so the other engines are freed.
+
+Step s trains weights version s; its log-prob and train nodes wait for step s-1's commit.
+Micro-batches hold whole prompt groups: by prompt index, or with `stream` by when the group finishes
+(shortest longest-response first), so the first micro-batches can be trained while the tail decodes.
+With `shared`, every node may share its devices with other shareable nodes (pipeline multiplexing).
+Decode costs are per engine: a node's `cost_s` is its seconds on one engine times the engine's
+devices, so it runs for its predicted time on `tensor_parallel` devices.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, replace
+
+from dovetail.cost.catalog import LanguageModel
+from dovetail.cost.model import CostModel, lora_params
+from dovetail.graph.node import Engines, Kind, Node, Role, SampleId
+from dovetail.graph.spec import LMSpec, PipelineSpec
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Sample:
+    id: SampleId
+    shard: int
+    prompt_tokens: int
+    response_tokens: int
+
+
+def response_lengths(spec: LMSpec, step: int, seed: int) -> list[int]:
+    """Seeded lengths of one step's responses, cut at max_length (same seed, same lengths)."""
+    rng = random.Random(f"{seed}/{spec.name}/{step}")
+    count = spec.batch * spec.group
+    dist = spec.lengths
+    if dist.kind == "lognormal":
+        median, sigma = dist.median, dist.sigma
+        assert median is not None and sigma is not None  # LengthDistribution's validator requires both
+        raw = [rng.lognormvariate(math.log(median), sigma) for _ in range(count)]
+    else:
+        values = dist.values
+        assert values  # LengthDistribution's validator requires them
+        raw = [rng.choice(values) for _ in range(count)]
+    return [min(spec.max_length, max(1, round(x))) for x in raw]
+
+
+def step_samples(spec: LMSpec, step: int, shards: int, seed: int) -> list[Sample]:
+    """Whole prompt groups dealt round-robin to `shards` rollout engines."""
+    lengths = iter(response_lengths(spec, step, seed))
+    return [
+        Sample(SampleId(step, prompt, index), prompt % shards, spec.prompt_length, next(lengths))
+        for prompt in range(spec.batch)
+        for index in range(spec.group)
+    ]
+
+
+def _bands(spec: LMSpec, migrate_at: int | None) -> list[tuple[int, int]]:
+    edges = sorted({*spec.length_bands, spec.max_length} | ({migrate_at} if migrate_at else set()))
+    return list(zip([0, *edges[:-1]], edges))
+
+
+@dataclass(frozen=True)
+class LMShape:
+    """How a policy cuts an LM step: `shards` rollout engines (of `spec.tensor_parallel` devices
+    each) the batch is dealt to, the trainer group size (sets collective costs), and `migrate_at`
+    (tokens) where the long tail leaves its shard, None to keep every sequence home. `stream` orders
+    micro-batches by finishing time, `shared` makes the nodes shareable, and `rollout_memory` is the
+    fraction of a device the rollout engine may use (weights + KV cache; None: the calibrated default)."""
+
+    shards: int
+    trainer_devices: int
+    migrate_at: int | None = None
+    stream: bool = False
+    shared: bool = False
+    rollout_memory: float | None = None
+    tail_parallel: int | None = None
+    """Devices of the engine the migrated tail decodes on (tensor parallel); None: `spec.tensor_parallel`."""
+
+    def check(self, spec: LMSpec) -> None:
+        if not 0 < self.shards <= spec.batch:
+            raise ValueError(
+                f"{spec.name}: shards={self.shards} must be in 1..batch={spec.batch} (a shard holds whole groups)"
+            )
+        if self.trainer_devices < 1:
+            raise ValueError(f"{spec.name}: trainer_devices must be >= 1")
+        if self.migrate_at is not None and not 0 < self.migrate_at < spec.max_length:
+            raise ValueError(
+                f"{spec.name}: migrate_at={self.migrate_at} must be in 1..max_length-1={spec.max_length - 1}"
+            )
+        if spec.batch % spec.micro_batches:
+            raise ValueError(f"{spec.name}: micro_batches={spec.micro_batches} must divide batch={spec.batch}")
+        if self.tail_parallel is not None and self.tail_parallel < 1:
+            raise ValueError(f"{spec.name}: tail_parallel={self.tail_parallel} must be >= 1")
+        if self.rollout_memory is not None and not 0 < self.rollout_memory <= 1:
+            raise ValueError(
+                f"{spec.name}: rollout_memory={self.rollout_memory} must be a fraction of device memory in (0, 1]"
+            )
+
+    def cost_model(self, cost: CostModel) -> CostModel:
+        return cost if self.rollout_memory is None else cost.with_rollout_memory(self.rollout_memory)
+
+    # `build` and `engines` take any pipeline's spec, as `sched.policy.Shape` declares (a planner holds a shape and
+    # its spec as a pair the checker cannot see): an LM shape refuses another kind's spec.
+    def build(self, spec: PipelineSpec, steps: int, cost: CostModel, seed: int = 0) -> list[Node]:
+        return build_lm(_lm_spec(spec), steps, self, cost, seed)
+
+    def engines(self, spec: PipelineSpec, cost: CostModel) -> Engines:
+        return engines(_lm_spec(spec), cost, self)
+
+
+def _lm_spec(spec: PipelineSpec) -> LMSpec:
+    if not isinstance(spec, LMSpec):
+        raise TypeError(f"{spec.name}: an LM shape cuts a language model's steps, not a {type(spec).__name__}'s")
+    return spec
+
+
+STAGE_OF_KIND = {kind: "rollout" if kind in (Kind.PREFILL, Kind.DECODE, Kind.MIGRATE) else kind.value for kind in Kind}
+"""Node kind -> verl stage (a log-prob node's is `ref` or `old`, by the node): looked up, as the staged policies ask
+it of every node of a step at every decision."""
+
+
+def stage(node: Node) -> str:
+    """The verl stage a node belongs to: rollout, score, old, ref, train, commit or publish."""
+    if node.kind is Kind.LOGPROB:
+        return "ref" if node.reference else "old"
+    return STAGE_OF_KIND[node.kind]
+
+
+def engines(spec: LMSpec, cost: CostModel, shape: LMShape) -> Engines:
+    """Per-device resident memory of the rollout engine (weights / TP + its KV-cache share) and the
+    FSDP trainer (weights, grads, optimizer / trainer group), and their sleep / wake costs."""
+
+    model = spec.catalogue_model()
+    tp = spec.tensor_parallel
+    cost = shape.cost_model(cost)
+    rollout = cost.rollout_memory(model, 0, tp).weights + cost.kv_cache_bytes(model, tp) / tp
+    trainer = cost.training_memory(
+        model.params, model.layers, model.hidden, 0, shape.trainer_devices, trainable=trainable_params(spec)
+    ).total
+    resident = {Role.ROLLOUT: rollout / GB, Role.TRAINER: trainer / GB}
+    switch = {Role.ROLLOUT: cost.switch(rollout), Role.TRAINER: cost.switch(trainer)}
+    return Engines(resident_gb=resident, wake_s=switch, sleep_s=switch)
+
+
+def trainable_params(spec: LMSpec) -> float | None:
+    """Parameters the trainer trains: None for the whole model, the adapter's count under LoRA."""
+    return lora_params(spec.catalogue_model(), spec.lora.rank, spec.lora.targets) if spec.lora else None
+
+
+def build_lm(spec: LMSpec, steps: int, shape: LMShape, cost: CostModel, seed: int = 0) -> list[Node]:
+    """All nodes of `steps` consecutive GRPO steps of one language-model pipeline."""
+
+    shape.check(spec)
+    model = spec.catalogue_model()
+    cost = shape.cost_model(cost)
+    nodes: list[Node] = []
+    previous_commit: str | None = None
+    for step in range(steps):
+        samples = step_samples(spec, step, shape.shards, seed)
+        rollout, last_of = _rollout(spec, model, cost, shape, step, samples)
+        training = _training(spec, model, cost, shape, step, samples, last_of, previous_commit)
+        nodes += rollout + training
+        previous_commit = training[-2].id
+    return [replace(node, exclusive=False) for node in nodes] if shape.shared else nodes
+
+
+def _id(spec: LMSpec, step: int, *parts: object) -> str:
+    return "/".join([spec.name, str(step), *map(str, parts)])
+
+
+def _decode(
+    spec, model, cost, step, node_id, deps, members: list[Sample], low: int, high: int, tp: int, shard: int | None
+) -> Node:
+    new_tokens = [min(s.response_tokens, high) - low for s in members]
+    seconds = cost.decode(model, [s.prompt_tokens + low for s in members], new_tokens, devices=tp)
+    return Node(
+        node_id,
+        spec.name,
+        step,
+        Kind.DECODE,
+        Role.ROLLOUT,
+        deps,
+        version=step,
+        samples=tuple(s.id for s in members),
+        band=(low, high),
+        cost_s=seconds * tp,
+        fixed_s=cost.fixed("decode"),
+        tokens=sum(new_tokens),
+        shard=shard,
+        max_width=tp,
+    )
+
+
+def _rollout(spec: LMSpec, model: LanguageModel, cost: CostModel, shape: LMShape, step: int, samples: list[Sample]):
+    """Prefill and decode bands per shard, plus the migrated tail; returns the nodes and, per sample,
+    the decode node that finishes it."""
+    tp = spec.tensor_parallel
+    migrate_at = shape.migrate_at
+    home_bands = [b for b in _bands(spec, migrate_at) if migrate_at is None or b[1] <= migrate_at]
+    nodes: list[Node] = []
+    last_of: dict[SampleId, str] = {}
+    tail_deps: list[str] = []
+    for shard in range(shape.shards):
+        mine = [s for s in samples if s.shard == shard]
+        prefill = Node(
+            _id(spec, step, "prefill", shard),
+            spec.name,
+            step,
+            Kind.PREFILL,
+            Role.ROLLOUT,
+            version=step,
+            samples=tuple(s.id for s in mine),
+            cost_s=cost.prefill(model, [s.prompt_tokens for s in mine], devices=tp) * tp,
+            fixed_s=cost.fixed("prefill"),
+            shard=shard,
+            max_width=tp,
+        )
+        nodes.append(prefill)
+        previous = prefill.id
+        for low, high in home_bands:
+            members = [s for s in mine if s.response_tokens > low]
+            if not members and spec.lengths_known:
+                break
+            node = _decode(
+                spec,
+                model,
+                cost,
+                step,
+                _id(spec, step, "decode", shard, low),
+                (previous,),
+                members,
+                low,
+                high,
+                tp,
+                shard,
+            )
+            nodes.append(node)
+            last_of.update((s.id, node.id) for s in (members if spec.lengths_known else mine))
+            previous = node.id
+        tail_deps.append(previous)
+    tail = [s for s in samples if migrate_at is not None and s.response_tokens > migrate_at]
+    # A run learns which responses outlive the migration edge only by decoding: its tail nodes are always there
+    # (costed by the drawn lengths), and carry whatever is still running, if anything.
+    if migrate_at is not None and (tail or not spec.lengths_known):  # a tail exists only with migrate_at
+        tp = shape.tail_parallel or tp
+        migrate = Node(
+            _id(spec, step, "migrate"),
+            spec.name,
+            step,
+            Kind.MIGRATE,
+            Role.ROLLOUT,
+            tuple(tail_deps),
+            version=step,
+            samples=tuple(s.id for s in tail),
+            cost_s=cost.migrate(model, [s.prompt_tokens + migrate_at for s in tail], devices=tp) * tp,
+            max_width=tp,
+        )
+        decode = _decode(
+            spec,
+            model,
+            cost,
+            step,
+            _id(spec, step, "decode", "tail"),
+            (migrate.id,),
+            tail,
+            migrate_at,
+            spec.max_length,
+            tp,
+            None,
+        )
+        nodes += [migrate, decode]
+        last_of.update((s.id, decode.id) for s in tail)
+    if not spec.lengths_known:
+        return nodes, _finishing_levels(samples, nodes, shape)
+    return nodes, last_of
+
+
+def _finishing_levels(samples: list[Sample], rollout: list[Node], shape: LMShape) -> dict[SampleId, tuple]:
+    """Where a run learns that a sample finished, when lengths are learnt by decoding: at the end of its band on
+    every shard (the engine that holds it is known only at run time), or of the migrated tail. Per sample, the
+    level (band edge, or past every edge for the tail) and the nodes after which its drawn length says it is done.
+    Only streamed micro-batches wait for the predicted level: the runtime fills them with whichever whole groups
+    have finished by then (`pipelines.lm.adapter`), the last level taking the rest; fixed micro-batches wait for the
+    end."""
+    migrate_at = shape.migrate_at
+    bands: dict[int, list[str]] = {}
+    tail: tuple[str, ...] = ()
+    for node in rollout:
+        if node.kind == Kind.DECODE and node.shard is not None:
+            assert node.band is not None  # _decode gives every decode node its band
+            bands.setdefault(node.band[1], []).append(node.id)
+        elif node.kind == Kind.DECODE:
+            tail = (node.id,)
+    edges = sorted(bands)
+    level: dict[SampleId, tuple] = {}
+    final = (len(edges), tail) if tail else (len(edges) - 1, tuple(bands[edges[-1]]))
+    for s in samples:
+        if not shape.stream:
+            level[s.id] = final  # a micro-batch of fixed members waits for all of them, however long they run
+        elif migrate_at is not None and s.response_tokens > migrate_at:
+            level[s.id] = final
+        else:
+            edge = next((e for e in edges if s.response_tokens <= e), edges[-1])
+            level[s.id] = (edges.index(edge), tuple(bands[edge]))
+    return level
+
+
+def _finished_after(members: list[Sample], last_of: dict, lengths_known: bool) -> tuple[str, ...]:
+    """The decode nodes after which every member has finished: their shards' last bands; with lengths learnt at
+    run time, the latest finishing level among them."""
+    if lengths_known:
+        return tuple(sorted({last_of[s.id] for s in members}))
+    return max(last_of[s.id] for s in members)[1]
+
+
+def _prompt_order(samples: list[Sample]) -> list[int]:
+    """Prompts by the length of their group's longest response (ties by index): the order groups finish."""
+    longest: dict[int, int] = {}
+    for s in samples:
+        longest[s.id[1]] = max(longest.get(s.id[1], 0), s.response_tokens)
+    return sorted(longest, key=lambda prompt: (longest[prompt], prompt))
+
+
+def _training(
+    spec, model, cost, shape: LMShape, step, samples: list[Sample], last_of, previous_commit: str | None
+) -> list[Node]:
+    """Score, log-probs and train per micro-batch (whole prompt groups), then commit and publish."""
+    per_micro = spec.batch // spec.micro_batches
+    trainable = trainable_params(spec)
+    trained = model.params if trainable is None else trainable
+    order = _prompt_order(samples) if shape.stream else list(range(spec.batch))
+    rank = {prompt: position for position, prompt in enumerate(order)}
+    after_commit = (previous_commit,) if previous_commit else ()
+    nodes: list[Node] = []
+    trains: list[str] = []
+    for micro in range(spec.micro_batches):
+        members = [s for s in samples if rank[s.id[1]] // per_micro == micro]
+        ids = tuple(s.id for s in members)
+        lengths = [s.prompt_tokens + s.response_tokens for s in members]
+        score = Node(
+            _id(spec, step, "score", micro),
+            spec.name,
+            step,
+            Kind.SCORE,
+            Role.ANY,
+            _finished_after(members, last_of, spec.lengths_known),
+            version=step,
+            samples=ids,
+            cost_s=cost.rule_score(len(members)),
+            fixed_s=cost.fixed("score"),
+        )
+        nodes.append(score)
+        before_train = [score.id, *after_commit]
+        for which, wanted in (("old", spec.recompute_logprob), ("ref", spec.reference)):
+            if wanted:
+                logprob = Node(
+                    _id(spec, step, "logprob", which, micro),
+                    spec.name,
+                    step,
+                    Kind.LOGPROB,
+                    Role.TRAINER,
+                    (score.id, *after_commit),
+                    version=step,
+                    samples=ids,
+                    cost_s=cost.logprob(model, lengths, reference=which == "ref"),
+                    fixed_s=cost.fixed("logprob"),
+                    reference=which == "ref",
+                )
+                nodes.append(logprob)
+                before_train.append(logprob.id)
+        tokens_per_device = math.ceil(sum(lengths) / shape.trainer_devices)
+        activations = cost.training_memory(
+            model.params, model.layers, model.hidden, tokens_per_device, shape.trainer_devices
+        ).activations
+        train = Node(
+            _id(spec, step, "train", micro),
+            spec.name,
+            step,
+            Kind.TRAIN,
+            Role.TRAINER,
+            tuple(before_train),
+            version=step,
+            samples=ids,
+            micro_batch=micro,
+            cost_s=cost.train(model, lengths, lora=spec.lora is not None),
+            fixed_s=cost.fixed("train"),
+            memory_gb=activations / GB,
+        )
+        nodes.append(train)
+        trains.append(train.id)
+    commit = Node(
+        _id(spec, step, "commit"),
+        spec.name,
+        step,
+        Kind.COMMIT,
+        Role.TRAINER,
+        tuple(trains),
+        version=step,
+        cost_s=cost.optimizer_step(trained) + cost.replica_allreduce_seconds(trained, 1, shape.trainer_devices)
+        if spec.replicated_trainer
+        else cost.optimizer_step(trained, devices=shape.trainer_devices),
+        collective=True,
+    )
+    publish = Node(
+        _id(spec, step, "publish"),
+        spec.name,
+        step,
+        Kind.PUBLISH,
+        Role.TRAINER,
+        (commit.id,),
+        version=step,
+        cost_s=cost.publish(trained),
+        collective=True,
+    )
+    return nodes + [commit, publish]

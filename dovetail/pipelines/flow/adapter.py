@@ -1,0 +1,103 @@
+"""The driver's side of a flow pipeline on the Ray runtime: `FlowAdapter` turns a node of `graph.flow` into typed
+work for the devices the policy chose (generate, score, old log-probs, train), books what comes back in the ledger,
+and reports a committed step's figures.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dovetail.graph.node import Kind, Node, SampleId
+from dovetail.models.flow_rl import step_prompts
+from dovetail.pipelines.flow.config import FlowTrainConfig, flow_rules
+from dovetail.pipelines.flow.messages import FlowLogProbs, FlowTrain, Generate, Trajectories
+from dovetail.prompts import train_prompts
+from dovetail.runtime.messages import Score, Scores, Trained
+from dovetail.runtime.pipeline import Part, PipelineAdapter, RunContext
+
+STAT_MEANS = ("clip_frac", "approx_kl", "ratio_mean", "loss", "kl_ref")
+"""Loss statistics the train parts sum over their (sample, timestep) pairs, reported as means."""
+
+
+class FlowAdapter(PipelineAdapter):
+    """The driver side of a flow pipeline: node -> typed work per device, results -> the sample ledger."""
+
+    def __init__(self, config: FlowTrainConfig, first_step: int) -> None:
+        super().__init__(config, first_step)
+        self.rules = flow_rules(config)
+        self._prompts: dict[int, list[str]] = {}
+
+    def units_of(self, sample: SampleId) -> list[int]:
+        """Positions in the sample's trained timesteps (`sample_timesteps`): the engines look the timesteps up
+        from the sample's identity, so samples that train different timesteps share one train node's chunk."""
+        return list(range(self.rules.trained_timesteps))
+
+    def parts(self, node: Node, devices: tuple[int, ...], run: RunContext) -> list[Part]:
+        step = self.rl_step(node)
+        pipeline = node.pipeline
+        if node.kind == Kind.GENERATE:
+            prompts = self._prompts.setdefault(
+                step,
+                step_prompts(self.config.seed, step, self.config.algo.prompts_per_step, train_prompts(self.config)),
+            )
+            samples = [SampleId(step, p, i) for (_, p, i) in node.samples]
+            version = run.rollout_version(pipeline, node.step)
+            weights = run.weights(pipeline, version)
+            return [
+                Part(
+                    node.id,
+                    device,
+                    Generate(pipeline, ids, [prompts[s.prompt] for s in ids], self.first_step + version, weights),
+                )
+                for device, ids in self.spread(samples, devices)
+            ]
+        sources = run.sources(node, (Kind.GENERATE, Kind.SCORE, Kind.LOGPROB))
+        trajectories = sources[Kind.GENERATE]
+        if node.kind == Kind.SCORE:
+            return [Part(node.id, d, Score(pipeline, refs)) for d, refs in self.spread(trajectories, devices)]
+        units = list(range(self.rules.trained_timesteps))
+        if node.kind == Kind.LOGPROB:
+            return [
+                Part(node.id, d, FlowLogProbs(pipeline, units, refs)) for d, refs in self.spread(trajectories, devices)
+            ]
+        if node.kind == Kind.TRAIN:
+            chunk = units[node.timesteps[0] : node.timesteps[1]]
+            samples = [SampleId(step, p, i) for (_, p, i) in node.samples]
+            stale = run.rollout_version(pipeline, node.step) < node.version
+            return [
+                Part(
+                    node.id,
+                    device,
+                    FlowTrain(
+                        pipeline,
+                        ids,
+                        chunk,
+                        self.rules.pairs_per_step,
+                        stale,
+                        trajectories,
+                        sources[Kind.SCORE],
+                        sources[Kind.LOGPROB],
+                    ),
+                )
+                for device, ids in self.spread(samples, devices)
+            ]
+        raise ValueError(f"node {node.id}: a flow pipeline does not run {node.kind} nodes")
+
+    def step_metrics(self, scores: list[Scores], trained: list[Trained]) -> dict:
+        pairs = sum(len(t.samples) * len(t.units) for t in trained)
+        metrics = {"reward/total": float(np.concatenate([s.scores["total"] for s in scores]).mean())}
+        metrics |= {
+            name: sum(t.stats[name] for t in trained) / pairs for name in STAT_MEANS if name in trained[0].stats
+        }
+        metrics["ratio_min"] = min(t.stats["ratio_min"] for t in trained)
+        metrics["ratio_max"] = max(t.stats["ratio_max"] for t in trained)
+        metrics["timesteps"] = sorted({unit for t in trained for unit in t.units})
+        return metrics
+
+    def book(self, node: Node, part: Part, result, ledger) -> None:
+        if isinstance(result, Trajectories):
+            for sample in result.samples:
+                ledger.generated.setdefault(SampleId(*sample), []).append((part.device, result.version))
+        elif isinstance(result, Scores):
+            for sample in result.samples:
+                ledger.scored[SampleId(*sample)] = ledger.scored.get(SampleId(*sample), 0) + 1

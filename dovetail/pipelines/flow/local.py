@@ -1,0 +1,112 @@
+"""A flow run's model in this process (`FlowLocal`: the pipeline kind's `local`): the reference loop trains it through
+`rl_step`, and under a Ray policy the driver's evaluations and checkpoints read it. Loaded by the kind's registry, so a
+language-model run never imports the flow stack.
+
+prompts -> G samples per prompt (SDE) -> rewards -> advantages -> train the selected timesteps (batched) -> one
+optimizer step. Every other policy must reproduce these parameters.
+"""
+
+import time
+
+from dovetail.models.diffusers_flow import checkpoint_io, load_decoder, load_flow_model
+from dovetail.models.flow_rl import generate, group_sample_ids, step_prompts
+from dovetail.models.t2i import latents_to_images
+from dovetail.models.training import commit, make_optimizer
+from dovetail.pipelines.flow.config import FlowTrainConfig, flow_rules
+from dovetail.pipelines.flow.recipe import (
+    advantages_of,
+    evaluate,
+    policy_gradient,
+    sample_timesteps,
+    sde_settings,
+    sde_steps,
+)
+from dovetail.prompts import train_prompts
+from dovetail.rewards import score
+from dovetail.run_dir import (
+    RunDir,
+)
+from dovetail.trackers import Evaluation
+
+
+def rl_step(
+    model, optimizer, config: FlowTrainConfig, step: int, reference_model=None, decode=latents_to_images
+) -> dict:
+    """One on-policy step of the reference path; returns its metrics. `decode` turns latents into the images the
+    rewards score."""
+    sde, rules = sde_settings(config), flow_rules(config)
+    algo = config.algo
+    timings = {}
+
+    start = time.perf_counter()
+    prompts = step_prompts(config.seed, step, algo.prompts_per_step, train_prompts(config))
+    ids = group_sample_ids(step, list(range(algo.prompts_per_step)), algo.group_size)
+    sample_prompts = [prompts[s.prompt] for s in ids]
+    trajectories = generate(
+        model,
+        sample_prompts,
+        ids,
+        sde,
+        seed=config.seed,
+        shared_group_noise=rules.shared_group_noise,
+        sde_steps=sde_steps(config, ids),
+    )
+    timings["generate_s"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    rewards = score(decode(trajectories.images), sample_prompts, config.reward, config.reward_timeout_s)
+    advantages = advantages_of(config, rewards["total"], [s.prompt for s in ids], sample_prompts)
+    timings["score_s"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    timesteps = [sample_timesteps(config, s) for s in ids]
+    total_pairs = rules.pairs_per_step
+    sums = policy_gradient(
+        model,
+        trajectories,
+        advantages,
+        timesteps,
+        sde,
+        config,
+        total_pairs=total_pairs,
+        reference_model=reference_model,
+    )
+    timings["train_s"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    grad_norm = commit(model, optimizer, config.train.max_grad_norm)
+    timings["commit_s"] = time.perf_counter() - start
+
+    step_seconds = sum(timings.values())
+    metrics = {f"reward/{name}": float(values.mean()) for name, values in rewards.items()}
+    metrics |= {
+        name: value if name in ("ratio_min", "ratio_max") else value / total_pairs for name, value in sums.items()
+    }
+    metrics |= timings | {"grad_norm": grad_norm}
+    if not algo.per_sample_timesteps:
+        metrics["timesteps"] = timesteps[0]
+    return metrics | {"samples_per_s": len(ids) / step_seconds, "step_s": step_seconds}
+
+
+class FlowLocal:
+    """A flow run's model in this process: the reference loop trains it; evaluations and checkpoints read it."""
+
+    def __init__(self, config: FlowTrainConfig) -> None:
+        self.config = config
+        self.model = load_flow_model(config)
+        self.decode = load_decoder(config)
+        self.optimizer = make_optimizer(self.model, config.train)
+        self.save_weights, self.load_weights = checkpoint_io(config, self.model)
+        self._reference_model = None
+
+    def evaluate(self, run: RunDir, grid: str, step: int) -> Evaluation:
+        """ODE samples on the held-out seeds, drawn as one grid image."""
+        scores, images, prompts = evaluate(self.model, self.config, self.decode)
+        evaluation = Evaluation(step, scores, image=run.path / grid)
+        run.save_eval_grid(images, prompts, grid, evaluation.caption)
+        return evaluation
+
+    def rl_step(self, step: int) -> dict:
+        if self.config.algo.beta > 0 and self._reference_model is None:
+            self._reference_model = load_flow_model(self.config).requires_grad_(False)
+        return rl_step(self.model, self.optimizer, self.config, step, self._reference_model, self.decode)

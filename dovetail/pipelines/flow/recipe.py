@@ -1,0 +1,121 @@
+"""What one RL step of a training config is, shared by the reference loop and the Ray workers:
+the SDE, the trained timesteps of a step, advantages, the policy gradient, the optimizer, and the
+held-out evaluation."""
+
+import numpy as np
+import torch
+
+from dovetail.algo import group_advantages, select_train_timesteps
+from dovetail.graph.node import SampleId
+from dovetail.models.flow_rl import SDESettings, accumulate_policy_gradient
+from dovetail.models.sampling import keyed_normal, sample_key, sample_ode
+from dovetail.models.t2i import flow_sigmas, latents_to_images
+from dovetail.pipelines.flow.config import FlowTrainConfig, flow_rules
+from dovetail.prompts import eval_prompts
+from dovetail.rewards import score
+
+
+def sde_settings(config: FlowTrainConfig, device: torch.device | str = "cpu") -> SDESettings:
+    sampling, rules = config.sampling, flow_rules(config)
+    sigmas = flow_sigmas(sampling.num_steps, sampling.shift, sampling.schedule).to(device)
+    return SDESettings(sigmas, rules.noise_level, rules.sde_kind, sampling.cps_log_prob)
+
+
+def step_timesteps(config: FlowTrainConfig, step: int) -> list[int]:
+    """The trained steps of RL step `step`'s samples, one draw for all of them keyed by (seed, step)."""
+    return _select_timesteps(config, sample_key(config.seed, "timesteps", step))
+
+
+def sample_timesteps(config: FlowTrainConfig, sample: SampleId) -> list[int]:
+    """The steps trained on `sample`: its RL step's (`step_timesteps`), or with algo.per_sample_timesteps its own
+    (DanceGRPO), keyed by its identity so that every device and the reference loop draw the same."""
+    if not config.algo.per_sample_timesteps:
+        return step_timesteps(config, sample.step)
+    return _select_timesteps(config, sample_key(config.seed, "timesteps", sample.step, sample.prompt, sample.member))
+
+
+def sde_steps(config: FlowTrainConfig, samples: list[SampleId]) -> list[list[int]] | None:
+    """Each sample's stochastic steps where only its SDE window is (algo.timesteps=window, as Flow-GRPO-Fast
+    samples: the other steps are deterministic); None where every step is."""
+    if flow_rules(config).timestep_mode != "window":
+        return None
+    return [sample_timesteps(config, s) for s in samples]
+
+
+def _select_timesteps(config: FlowTrainConfig, key: int) -> list[int]:
+    algo = config.algo
+    return select_train_timesteps(
+        config.sampling.num_steps,
+        fraction=algo.timestep_fraction,
+        mode=flow_rules(config).timestep_mode,
+        window=algo.window_size,
+        window_range=None if algo.window_range is None else tuple(algo.window_range),
+        rounding=algo.timestep_rounding,
+        pool=algo.timestep_pool,
+        generator=torch.Generator().manual_seed(key),
+    )
+
+
+def evaluate(
+    model, config: FlowTrainConfig, decode=latents_to_images
+) -> tuple[dict[str, float], np.ndarray, list[str]]:
+    """ODE samples of the eval prompts on fixed held-out seeds, the same at every evaluation; `decode` turns latents
+    into the images the rewards score."""
+    prompts = eval_prompts(config)
+    noise = keyed_normal([sample_key(config.eval.seed, i) for i in range(len(prompts))], model.latent_shape).to(
+        model.device
+    )
+    images = decode(sample_ode(model, prompts, sde_settings(config, model.device).sigmas, noise))
+    scores = score(images, prompts, config.reward, config.reward_timeout_s)
+    return {name: float(values.mean()) for name, values in scores.items()}, images, prompts
+
+
+def advantages_of(
+    config: FlowTrainConfig, rewards: np.ndarray, prompts: list[int], texts: list[str] | None = None
+) -> torch.Tensor:
+    """Group-relative advantages; `prompts[i]` is sample i's prompt index (its group), `texts[i]` its prompt's text:
+    with algo.adv_group=prompt_text the samples of equal texts form one group (Flow-GRPO's per-prompt statistics)."""
+    algo = config.algo
+    if algo.adv_group == "prompt_text":
+        if texts is None:
+            raise ValueError("algo.adv_group=prompt_text groups the samples by their prompts' texts: pass `texts`")
+        prompts = [texts.index(text) for text in texts]
+    return group_advantages(
+        torch.as_tensor(rewards),
+        torch.tensor(prompts),
+        std_scope=algo.std_scope,
+        baseline=algo.adv_baseline,
+        eps=algo.adv_eps,
+        unbiased=algo.adv_unbiased,
+        clip=algo.adv_clip,
+    )
+
+
+def policy_gradient(
+    model,
+    trajectories,
+    advantages,
+    timesteps: list[int] | list[list[int]],
+    sde: SDESettings,
+    config: FlowTrainConfig,
+    *,
+    total_pairs: int,
+    reference_model=None,
+    stale: bool = False,
+) -> dict[str, float]:
+    """`accumulate_policy_gradient` with the config's knobs; `stale` (TCSS) turns on the decoupled correction."""
+    algo = config.algo
+    return accumulate_policy_gradient(
+        model,
+        trajectories,
+        advantages.to(trajectories.latents.device),
+        timesteps,
+        sde,
+        chunk_size=config.train.chunk_size,
+        total_pairs=total_pairs,
+        clip_range=algo.clip_range,
+        beta=algo.beta,
+        kl_std=algo.kl_std,
+        reference_model=reference_model,
+        stale_max_weight=algo.stale_max_weight if stale else None,
+    )

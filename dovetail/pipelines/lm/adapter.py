@@ -1,0 +1,219 @@
+"""The driver's side of a language-model pipeline on the Ray runtime: `LMAdapter` turns the nodes of `graph.lm`
+into typed work (a shard's prefill and decode bands on its rollout engine: a decode band continues whatever is still
+running, up to the band's upper edge, so lengths are learnt by decoding; scores of a micro-batch of whole groups;
+old / reference log-probs and the train micro-batches on the trainer devices), books what comes back in the ledger,
+and reports a committed step's scale and figures (the reference loop's too).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import ray
+
+from dovetail.graph.flow import split
+from dovetail.graph.node import Kind, Node, SampleId
+from dovetail.models.engine import Request
+from dovetail.models.lm_rl import by_group
+from dovetail.pipelines.lm.config import LMTrainConfig
+from dovetail.pipelines.lm.engines import merged_stats, requests_of
+from dovetail.pipelines.lm.messages import Decode, LMLogProbs, LMTrain, Prefill, Responses
+from dovetail.pipelines.lm.model import encode_prompts, load_run_tokenizer, model_context
+from dovetail.pipelines.lm.prompts import RunPrompts
+from dovetail.runtime.messages import Score, Scores, Trained
+from dovetail.runtime.pipeline import Part, PipelineAdapter, RunContext
+
+
+class LMAdapter(PipelineAdapter):
+    """The driver side of a language-model pipeline."""
+
+    def __init__(self, config: LMTrainConfig, first_step: int) -> None:
+        super().__init__(config, first_step)
+        self.tokenizer = load_run_tokenizer(config)
+        self.run_prompts = RunPrompts(config)
+        self.context = model_context(config)
+        self._prompts: dict[int, list[list[int]]] = {}
+        self._assigned: dict[tuple[str, int], tuple[dict[str, list[SampleId]], set[int]]] = {}
+        """(pipeline, graph step) -> streamed micro-batches' samples by score node, and the groups they took."""
+        self._shape = None
+
+    def units_of(self, sample: SampleId) -> list[int]:
+        return [0]
+
+    def parts(self, node: Node, devices: tuple[int, ...], run: RunContext) -> list[Part]:
+        pipeline, graph = node.pipeline, run.graph
+        version = run.rollout_version(pipeline, node.step)
+        self._shape = run.shape_of(pipeline)
+        if node.kind == Kind.PREFILL:
+            step = self.rl_step(node)
+            if step not in self._prompts:
+                rows = self.run_prompts.step(step)
+                self._prompts[step] = encode_prompts(self.config, self.tokenizer, rows, self.context)
+            samples = [SampleId(step, p, i) for (_, p, i) in node.samples]
+            prompts = [self._prompts[step][s.prompt] for s in samples]
+            weights = run.weights(pipeline, version)
+            return [Part(node.id, devices[0], Prefill(pipeline, samples, prompts, self.first_step + version, weights))]
+        if node.kind in (Kind.DECODE, Kind.MIGRATE):
+            weights = run.weights(pipeline, version)
+            rollouts = run.outputs_of(node.deps)
+            if node.kind == Kind.MIGRATE:  # the tail leaves its engines: re-prefilled here, one token decoded
+                return [
+                    Part(node.id, devices[0], Decode(pipeline, rollouts, self._shape.migrate_at + 1, weights, True))
+                ]
+            return [Part(node.id, devices[0], Decode(pipeline, rollouts, node.band[1], weights))]
+        score = node if node.kind == Kind.SCORE else next(graph[d] for d in node.deps if graph[d].kind == Kind.SCORE)
+        rollouts = self._rollouts(score, run)
+        samples = self._members(score, run)
+        if node.kind == Kind.SCORE:
+            return [Part(node.id, devices[0], Score(pipeline, rollouts, samples))]
+        scores = run.outputs_of([score.id])  # done: a log-prob or train node follows its micro-batch's score
+        if node.kind == Kind.LOGPROB:
+            return [
+                Part(node.id, d, LMLogProbs(pipeline, ids, rollouts, node.reference))
+                for d, ids in self.spread_groups(samples, devices, scores)
+            ]
+        if node.kind == Kind.TRAIN:
+            logprobs = [graph[d] for d in node.deps if graph[d].kind == Kind.LOGPROB]
+            old = run.outputs_of([n.id for n in logprobs if not n.reference])
+            ref = run.outputs_of([n.id for n in logprobs if n.reference])
+            stale = version < node.version
+            return [
+                Part(node.id, d, LMTrain(pipeline, ids, stale, rollouts, scores, old, ref))
+                for d, ids in self.spread_groups(samples, devices, scores)
+            ]
+        raise ValueError(f"node {node.id}: the language-model runtime does not run {node.kind} nodes yet")
+
+    def spread_groups(
+        self, samples: list[SampleId], devices: tuple[int, ...], scores: list
+    ) -> list[tuple[int, list[SampleId]]]:
+        """Whole groups (the trainer's unit of work, `models.lm_rl`) shared out to `devices` so that each trains about
+        as many tokens (`balanced`, as verl's `balance_batch` does for its data-parallel ranks), by the response
+        lengths the micro-batch's score reported (`scores`: its one result). A node ends when its slowest device
+        does; by count, one device of two trained 40 % more tokens than the other in some sort steps. Where the
+        groups go does not change the step's gradient: parts add up to the same bits in any order."""
+        groups = by_group(samples)
+        if len(devices) == 1:
+            return [(devices[0], [sample for group in groups for sample in group])]
+        (scored,) = ray.get(scores)
+        length = {SampleId(*s): tokens for s, tokens in zip(scored.samples, scored.response_tokens.tolist())}
+        costs = [self._group_tokens(group, length) for group in groups]
+        spread = [
+            (device, [sample for g in share for sample in groups[g]])
+            for device, share in zip(devices, balanced(costs, len(devices)))
+            if share
+        ]
+        return spread or [(devices[0], [])]  # a node of no groups still has one (empty) part, so that it finishes
+
+    def _group_tokens(self, group: list[SampleId], length: dict[SampleId, int]) -> int:
+        """The tokens a trainer passes over for a group: its prompt once, each response padded to the group's longest
+        (`models.lm_rl.group_response_log_probs`)."""
+        first = group[0]  # the step's prompts were encoded at its prefill
+        return len(self._prompts[first.step][first.prompt]) + len(group) * max(length[s] for s in group)
+
+    def _rollouts(self, score: Node, run: RunContext) -> list:
+        """The responses a micro-batch reads: the home engines' outputs at its level, and the migrated tail's after
+        them (a response the tail finished replaces its paused copy)."""
+        graph = run.graph
+        ends = list(score.deps)
+        if len(ends) == 1 and graph[ends[0]].shard is None:  # the migrated tail: its migrate node reads the homes
+            migrate = graph[graph[ends[0]].deps[0]]
+            ends = [*migrate.deps, *ends]
+        return run.outputs_of(ends)
+
+    def _members(self, score: Node, run: RunContext) -> list[SampleId]:
+        """A micro-batch's samples. Fixed micro-batches hold the graph's; streamed ones, with lengths learnt by
+        decoding, hold the whole groups that finished by their level, in finishing order (`_assign`)."""
+        if not run.shape_of(score.pipeline).stream:
+            return [SampleId(self.rl_step(score), p, i) for (_, p, i) in score.samples]
+        return self._assign(score, run)[score.id]
+
+    def _assign(self, score: Node, run: RunContext) -> dict[str, list[SampleId]]:
+        """Whole groups to the step's streamed micro-batches, level by level up to the score's (a level: the decode
+        nodes after which a micro-batch may start, ordered by their band's upper edge, the migrated tail last). A
+        level's micro-batches take the groups finished by then and not taken before, shortest longest-response
+        first, `B / micro_batches` each; the last level takes every group left. Sizes may differ from the planned
+        ones (even be empty): the commit divides by the step's normaliser, so the gradient is the batch's whatever
+        the split. Deterministic: a level reads only its own nodes' outputs and what the levels below took."""
+        graph, algo = run.graph, self.config.algo
+        per_micro = algo.prompts_per_step // algo.micro_batches
+        levels: dict[tuple[str, ...], list[Node]] = {}
+        for micro in graph.of(score.pipeline, score.step, Kind.SCORE):
+            levels.setdefault(micro.deps, []).append(micro)
+        ordered = sorted(levels, key=lambda deps: graph[deps[0]].band[1])
+        assignment, taken = self._assigned.setdefault((score.pipeline, score.step), ({}, set()))
+        for rank, deps in enumerate(ordered[: ordered.index(score.deps) + 1]):
+            micros = levels[deps]
+            if micros[0].id in assignment:
+                continue
+            groups: dict[int, list[Request]] = {}
+            for sample, request in requests_of(ray.get(self._rollouts(micros[0], run))).items():
+                groups.setdefault(sample.prompt, []).append(request)
+            finished = [
+                prompt
+                for _, prompt in sorted(
+                    (max(len(r.tokens) for r in members), prompt)
+                    for prompt, members in groups.items()
+                    if prompt not in taken and all(r.finished for r in members)
+                )
+            ]
+            if rank == len(ordered) - 1:
+                runs = split(len(finished), len(micros))
+            else:
+                finished = finished[: per_micro * len(micros)]
+                runs = [range(i * per_micro, min(len(finished), (i + 1) * per_micro)) for i in range(len(micros))]
+            for micro, rows in zip(micros, runs):
+                step = self.rl_step(micro)
+                assignment[micro.id] = [SampleId(step, finished[r], i) for r in rows for i in range(algo.group_size)]
+            taken.update(finished)
+        return assignment
+
+    def book(self, node: Node, part: Part, result, ledger) -> None:
+        if isinstance(result, Responses) and node.kind == Kind.MIGRATE:
+            ledger.migrated.append((self.rl_step(node), len(result.samples), part.device))
+        elif isinstance(result, Responses) and node.kind == Kind.DECODE and self._ends_chain(node):
+            for sample, done in zip(result.samples, result.finished):
+                if done:
+                    ledger.generated.setdefault(SampleId(*sample), []).append((part.device, result.version))
+        elif isinstance(result, Scores):
+            for sample in result.samples:
+                ledger.scored[SampleId(*sample)] = ledger.scored.get(SampleId(*sample), 0) + 1
+
+    def _ends_chain(self, node: Node) -> bool:
+        """A response is generated where it finishes: in its shard's last band before the migration edge (or the
+        end), or in the migrated tail."""
+        return node.shard is None or node.band[1] == (self._shape.migrate_at or self.config.max_new_tokens)
+
+    def commit_scale(self, trained: list[Trained]) -> float:
+        return commit_scale(trained)
+
+    def step_metrics(self, scores: list[Scores], trained: list[Trained]) -> dict:
+        return lm_step_metrics(self.config, scores, trained)
+
+
+def balanced(costs: list[float], shares: int) -> list[list[int]]:
+    """The indices of `costs` cut into `shares` lists of about equal total cost, each in index order: the longest
+    processing time rule (the costliest item first, to the share with the least so far; ties to the lower index),
+    whose largest share exceeds the mean share by at most one item's cost. With fewer items than shares, the shares
+    left over are empty."""
+    loads, members = [0.0] * shares, [[] for _ in range(shares)]
+    for item in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        lightest = min(range(shares), key=lambda s: (loads[s], s))
+        loads[lightest] += costs[item]
+        members[lightest].append(item)
+    return [sorted(share) for share in members]
+
+
+def commit_scale(trained: list[Trained]) -> float:
+    """What a step's summed gradient is multiplied by: 1 / the step's loss normaliser (its parts' contributions
+    are whole numbers, so their sum is exact in any order)."""
+    return 1.0 / sum(t.normaliser for t in trained)
+
+
+def lm_step_metrics(config: LMTrainConfig, scores: list[Scores], trained: list[Trained]) -> dict:
+    """Rewards (each and their total), and the loss statistics as per-token means over the step."""
+    metrics = {
+        f"reward/{name}": float(np.concatenate([s.scores[name] for s in scores]).mean()) for name in scores[0].scores
+    }
+    merged = merged_stats([t.stats for t in trained if t.samples])  # a streamed micro-batch may be empty
+    tokens = merged.pop("tokens")
+    merged.pop("loss")
+    return metrics | merged | {"response_tokens": tokens}

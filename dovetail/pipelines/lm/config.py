@@ -1,0 +1,467 @@
+"""The config of a GRPO run of a causal language model (`kind: lm`): a built-in verifiable task and its model, or a
+user's transformers model (`model.path`) on their dataset (`prompts.path`) with their rewards; sampling, the
+algorithm's knobs, evaluation, and how the Ray runtime cuts a step."""
+
+import re
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, StringConstraints, ValidationInfo, field_validator, model_validator
+
+from dovetail.config.common import (
+    MAX_PER_STEP,
+    MAX_STEPS,
+    PACKAGE_ROOT,
+    REFERENCE,
+    RewardWeights,
+    RunSection,
+    Section,
+    Seed,
+    imports_rewards,
+    is_dir,
+    is_file,
+    json_or_empty,
+    model_dir_name,
+    planner_scenario,
+)
+from dovetail.cost.catalog import device, language_model, language_model_of_config
+from dovetail.graph.spec import MAX_DEVICES, GroupSize, check_length_bands
+from dovetail.plan.scenario import Scenario, check_pools, clip
+from dovetail.rewards.text import DEFAULT_FORMAT, text_reward_fn
+from dovetail.sched.policy import PolicyOptions
+from dovetail.tasks import task
+
+FROM_CONFIG = "config.json"
+"""`model.cost_model` of a `model.path` run that names no catalogue entry: the planner prices the model from its
+directory's config.json (parameters, layers, widths, vocabulary)."""
+
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+"""What holds a transformers directory's weights (`save_pretrained`'s files, whole or sharded)."""
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""What a transformers directory's tokenizer leaves (any one: the fast tokenizer's, its config, sentencepiece's)."""
+
+
+class LMLoraSection(Section):
+    """A peft LoRA adapter on the language model's linear layers: only the adapter trains, is published and
+    checkpointed."""
+
+    rank: int = Field(8, ge=1, le=1024, description="r: the adapter's rank")
+    alpha: float | None = Field(None, gt=0, le=10_000, description="lora_alpha (scale alpha / rank); None: rank")
+    target_modules: Literal["all-linear"] | list[Annotated[str, StringConstraints(min_length=1, max_length=200)]] = (
+        Field(
+            "all-linear",
+            min_length=1,
+            max_length=64,
+            description="all-linear (every linear layer but the output head), or the names (suffixes) of the layers "
+            "that get an adapter, e.g. [q_proj, v_proj]",
+        )
+    )
+
+
+class LMModelSection(Section):
+    checkpoint: Path | None = Field(
+        None,
+        strict=False,
+        description="a built-in task model's directory (model.safetensors, config.json, tokenizer.json); None: the "
+        "task's base model",
+    )
+    path: Path | None = Field(
+        None,
+        strict=False,
+        description="your own transformers causal LM: a directory in save_pretrained layout (config.json, weights, "
+        "tokenizer); it trains on prompts.path",
+    )
+    lora: LMLoraSection | None = Field(None, description="train a LoRA adapter of model.path instead of every weight")
+    cost_model: str = Field(
+        "tiny-lm",
+        max_length=100,
+        description="the cost catalogue's language model the planner prices this one as before the run profiles it "
+        f"(e.g. Qwen3-8B): what a dry run on GPUs plans with; a model.path run's default, {FROM_CONFIG}, reads the "
+        "model's own shape from its config.json",
+    )
+
+    @field_validator("cost_model")
+    @classmethod
+    def _known_cost_model(cls, name: str) -> str:
+        if name != FROM_CONFIG:
+            language_model(name)
+        return name
+
+    @field_validator("path")
+    @classmethod
+    def _transformers_layout(cls, path: Path | None) -> Path | None:
+        if path is None:
+            return None
+        problem = transformers_layout_problem(path)
+        if problem:
+            raise ValueError(problem)
+        return path.resolve()
+
+    @field_validator("checkpoint")
+    @classmethod
+    def _builtin_format(cls, checkpoint: Path | None) -> Path | None:
+        if checkpoint is not None and "model_type" in json_or_empty(checkpoint / "config.json"):
+            raise ValueError(f"{checkpoint} is a transformers model directory: give it as model.path")
+        return checkpoint
+
+    @model_validator(mode="after")
+    def _one_model(self) -> "LMModelSection":
+        if self.path is not None and self.checkpoint is not None:
+            raise ValueError("model: give model.path (a transformers directory) or model.checkpoint, not both")
+        if self.lora is not None and self.path is None:
+            raise ValueError("model.lora: LoRA trains your own model; give its directory as model.path")
+        if self.path is not None and "cost_model" not in self.model_fields_set:
+            self.cost_model = FROM_CONFIG
+        if self.cost_model == FROM_CONFIG and self.path is None:
+            raise ValueError(f"model.cost_model={FROM_CONFIG} prices a model.path run's model; name a catalogue model")
+        return self
+
+
+def transformers_layout_problem(path: Path) -> str | None:
+    """What a `model.path` directory lacks, in one line naming it; None when a causal LM can load from it."""
+    if not is_dir(path):
+        return f"{path} is not a directory; give a transformers model directory (save_pretrained layout)"
+    config = json_or_empty(path / "config.json")
+    if "model_type" not in config:
+        if is_file(path / "model_index.json"):
+            return f"{path} is a diffusers pipeline: a kind: flow run's model.path"
+        return f"{path} has no config.json with a model_type: not a transformers model directory (save_pretrained)"
+    if not any(is_file(path / name) for name in WEIGHT_FILES):
+        return f"{path} has no weights ({' or '.join(WEIGHT_FILES[::2])}): save the model there with save_pretrained"
+    if not any(is_file(path / name) for name in TOKENIZER_FILES):
+        return f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES)}): save it there with tokenizer.save_pretrained"
+    return None
+
+
+class LMPromptsSection(Section):
+    """A dataset's rows (dovetail.prompts.read_records): JSON lines (.jsonl), a JSON list (.json), a table
+    (.parquet, .csv, .arrow) or a directory `datasets.Dataset.save_to_disk` wrote. `prompt_field` holds the prompt
+    (text, or a list of chat messages the tokenizer's chat template renders); every other column goes to the
+    rewards by name. Split into train and eval by a hash of each prompt (eval_fraction), or the eval rows from a file
+    of their own (eval_path)."""
+
+    path: Path = Field(strict=False, description="the dataset file (or save_to_disk directory)")
+    prompt_field: str = Field("prompt", min_length=1, max_length=200, description="the column holding the prompt")
+    eval_fraction: float | None = Field(
+        None, gt=0, lt=1, description="share of the rows held out for evaluation; None: 0.1 (without eval_path)"
+    )
+    eval_path: Path | None = Field(None, strict=False, description="the eval rows' file; then every row trains")
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=131_072,
+        description="longest prompt in tokens: a longer one keeps its last max_tokens (left truncation, as TRL); "
+        "None: every prompt must fit the model's context with sampling.max_new_tokens",
+    )
+
+    @field_validator("path", "eval_path")
+    @classmethod
+    def _exists(cls, path: Path | None) -> Path | None:
+        if path is not None and not (is_file(path) or is_dir(path)):
+            raise ValueError(f"no dataset file {path}")
+        return None if path is None else path.resolve()
+
+    @model_validator(mode="after")
+    def _one_eval_split(self) -> "LMPromptsSection":
+        if self.eval_path is not None and self.eval_fraction is not None:
+            raise ValueError("prompts: give prompts.eval_fraction or prompts.eval_path, not both")
+        if self.eval_path is None and self.eval_fraction is None:
+            self.eval_fraction = 0.1
+        return self
+
+
+MIN_TEMPERATURE = 1e-30
+"""The least sampling temperature: the trainer divides its fp32 logits by it, and below fp32's smallest normal number
+(1.2e-38) every quotient is infinite and the log-probs NaN (the next step then samples from NaN weights); 1e-30
+keeps logits up to 3e8 finite. So small a temperature samples greedily, as a tiny top_p does."""
+
+
+USER_MAX_NEW_TOKENS = 256
+"""A `model.path` run's default response budget (TRL's max_completion_length)."""
+
+
+def engine_matches_trainer(engine: str) -> bool:
+    """Whether a rollout engine (`sampling.engine`; `models.causal_lm.ROLLOUT_ENGINES` builds each) records the
+    trainer's log-probs (up to fp32 rounding, tested): ours and transformers' forward compute what the trainer
+    computes; vLLM's kernels do not, so its pipelines recompute the old log-probs in the trainer (verl's
+    recompute_logprob) and report the engine / trainer gap (`logprob_gap`)."""
+    return engine != "vllm"
+
+
+class LMSamplingSection(Section):
+    engine: Literal["auto", "dovetail", "vllm", "hf"] = Field(
+        "auto",
+        description="who generates rollouts: auto (vllm on GPUs where vLLM is installed, else dovetail), dovetail "
+        "(our engine; CPU or GPU), vllm (vLLM's engine: a GPU, or its CPU build via make test-vllm), hf (transformers' "
+        "forward)",
+    )
+    temperature: float = Field(1.0, gt=0, le=100, description="beyond 100 every token is as likely")
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description=f"None: the task's longest ideal completion + a margin; {USER_MAX_NEW_TOKENS} for a model.path run",
+    )
+    stop: list[Annotated[str, StringConstraints(min_length=1, max_length=100)]] = Field(
+        default_factory=list,
+        max_length=16,
+        description="strings that end a response (a model.path run's): it ends with the token that completes one, "
+        "whose text the reward sees",
+    )
+
+    @field_validator("temperature")
+    @classmethod
+    def _fp32_safe(cls, temperature: float) -> float:
+        if temperature < MIN_TEMPERATURE:
+            raise ValueError(
+                f"{temperature:g} is below {MIN_TEMPERATURE:g}, where the trainer's fp32 logits / temperature "
+                "overflow; for greedy decoding set sampling.top_p=1e-6"
+            )
+        return temperature
+
+
+class LMAlgoSection(Section):
+    prompts_per_step: int = Field(16, ge=1, le=MAX_PER_STEP, description="B: prompts per step")
+    group_size: GroupSize = Field(8, le=MAX_PER_STEP, description="G: responses per prompt")
+    micro_batches: int = Field(
+        2, ge=1, le=MAX_PER_STEP, description="train micro-batches per step (whole prompt groups each)"
+    )
+    clip_low: float = Field(0.2, ge=0, lt=1, description="PPO clip below 1")
+    clip_high: float = Field(0.28, ge=0, le=10, description="PPO clip above 1 (DAPO's clip-higher)")
+    aggregation: Literal["token", "sequence", "drgrpo"] = Field(
+        "token", description="token (DAPO), sequence (GRPO), drgrpo (Dr. GRPO: / (B x max_new_tokens))"
+    )
+    beta: float = Field(0.0, ge=0, le=100, description="weight of the KL to the base model")
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    entropy_coef: float = Field(0.0, ge=0, le=100)
+    std_scope: Literal["group", "none"] = Field("group", description="none: Dr. GRPO's unscaled advantages")
+    adv_clip: float = Field(5.0, gt=0, le=1000, description="clip of the advantages")
+    stale_max_weight: float = Field(
+        2.0, ge=1, le=1000, description="truncation of pi_prox/pi_behaviour for stale samples"
+    )
+
+
+class LMEvalSection(Section):
+    every: int = Field(10, ge=1, le=MAX_STEPS, description="evaluate every N steps (and at the start and end)")
+    prompts: int = Field(100, ge=1, le=10_000, description="held-out prompts (the task's eval split), one sample each")
+    seed: Seed = 10_000
+
+
+class LMRuntimeSection(Section):
+    """How the Ray runtime cuts an LM step, where the policy should not choose."""
+
+    trainer_devices: int | None = Field(
+        None, ge=1, le=MAX_DEVICES, description="trainer pool of disaggregated policies"
+    )
+    length_bands: list[int] = Field(
+        default_factory=list,
+        max_length=64,
+        description="upper edges (tokens) of decode length bands; [] one band to the end",
+    )
+    profile_samples: int = Field(
+        16, ge=1, le=1024, description="responses in the start-up profile that seeds the cost model"
+    )
+
+
+class LMTrainConfig(RunSection):
+    """A GRPO run of a causal language model: a built-in verifiable task, or your own model on your dataset."""
+
+    kind: Literal["lm"]
+    task: str = Field(
+        "sort", description="a task of dovetail.tasks: its prompts, answers and base model (a model.path run has none)"
+    )
+    policy: str = Field(REFERENCE, description="who schedules the step: `dovetail train --help` lists them")
+    model: LMModelSection = LMModelSection()
+    prompts: LMPromptsSection | None = Field(
+        None, description="your dataset (a model.path run's prompts and the columns its rewards read); None: the task's"
+    )
+    sampling: LMSamplingSection = LMSamplingSection()
+    algo: LMAlgoSection = LMAlgoSection()
+    reward: RewardWeights | None = Field(
+        None, description="text rewards and weights; None: the task's own (a prompts.path run names its own)"
+    )
+    format_pattern: str = Field(
+        DEFAULT_FORMAT,
+        min_length=1,
+        max_length=1000,
+        description="the regular expression a prompts.path run's `format` reward full-matches a completion against",
+    )
+    eval: LMEvalSection = LMEvalSection()
+    runtime: LMRuntimeSection = LMRuntimeSection()
+
+    @field_validator("task")
+    @classmethod
+    def _known_task(cls, name: str) -> str:
+        task(name)
+        return name
+
+    @field_validator("format_pattern")
+    @classmethod
+    def _compiles(cls, pattern: str) -> str:
+        try:
+            re.compile(pattern)
+        except re.error as error:
+            raise ValueError(f"{clip(repr(pattern))} is not a regular expression: {error}") from None
+        return pattern
+
+    @model_validator(mode="after")
+    def _user_model_and_dataset(self) -> "LMTrainConfig":
+        """model.path and prompts.path go together: a built-in task's model reads only its task's prompts, and a
+        user's model trains on the user's dataset, not on a task."""
+        if self.model.path is not None and self.prompts is None:
+            raise ValueError(
+                "prompts: a model.path run trains on your dataset; give it as prompts.path (a .jsonl / .json / "
+                ".parquet / .csv with a prompt column)"
+            )
+        if self.prompts is not None and self.model.path is None:
+            raise ValueError(
+                "prompts.path: the built-in task models read only their task's prompts; give your own model as "
+                "model.path"
+            )
+        if self.sampling.stop and self.model.path is None:
+            raise ValueError("sampling.stop: a built-in task's responses end at its model's end of sequence")
+        return self
+
+    @model_validator(mode="after")
+    def _known_text_rewards(self, info: ValidationInfo) -> "LMTrainConfig":
+        """Each reward exists (a task's, or with prompts.path a dataset run's: `rewards.text`); a custom one's module
+        is imported (unless `imports_rewards` says not to) and takes completions and prompts."""
+        if self.reward is None:
+            if self.prompts is not None:
+                raise ValueError(
+                    "reward: a prompts.path run names its rewards, e.g. reward={answer_match: 1.0, format: 0.2} or "
+                    "reward={mymodule:correct: 1.0} (a function of completions, prompts and the columns)"
+                )
+            return self
+        if not self.reward:
+            raise ValueError("name at least one reward, e.g. reward.exact_answer=1.0, or leave it unset")
+        if imports_rewards(info):
+            for name in self.reward:
+                try:
+                    text_reward_fn(name, dataset=self.prompts is not None)
+                except ValueError as error:
+                    raise ValueError(f"reward: {error}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _shape_fits(self) -> "LMTrainConfig":
+        algo, runtime = self.algo, self.runtime
+        if algo.prompts_per_step % algo.micro_batches:
+            raise ValueError(
+                f"algo.micro_batches={algo.micro_batches} must divide algo.prompts_per_step={algo.prompts_per_step}"
+            )
+        check_pools(self.cluster.devices, runtime.trainer_devices, 0, "runtime")
+        check_length_bands(runtime.length_bands, self.max_new_tokens, "runtime.length_bands", "max_new_tokens")
+        return self
+
+    @model_validator(mode="after")
+    def _task_base_model(self) -> "LMTrainConfig":
+        """No checkpoint given: the task's shipped base model. A checkpoint whose config.json names another task is
+        refused: a model reads only the prompts of the task it learned (`models.lm.LMConfig.task`)."""
+        if self.model.path is not None:
+            return self
+        if self.model.checkpoint is None:
+            self.model.checkpoint = PACKAGE_ROOT / "assets" / f"{self.task}-lm"
+        learned = json_or_empty(self.model.checkpoint / "config.json").get("task")
+        if isinstance(learned, str) and learned != self.task:
+            raise ValueError(
+                f"model.checkpoint={clip(str(self.model.checkpoint))} is a model of task {clip(repr(learned))}, not "
+                f"task={self.task}: set task={clip(learned)}, or give a {self.task} model (`dovetail pretrain "
+                f"{self.task} --out NEW_DIR` makes one)"
+            )
+        return self
+
+    @property
+    def rewards(self) -> dict[str, float]:
+        return self.reward if self.reward is not None else task(self.task).reward_names
+
+    @property
+    def rollout_engine(self) -> str:
+        """`sampling.engine` with `auto` resolved: vLLM where the run's devices are GPUs and vLLM is installed (what
+        verl, TRL and the other LM RL frameworks generate with there), else our engine (as fast or faster on CPU,
+        and bitwise the trainer's)."""
+        if self.sampling.engine != "auto":
+            return self.sampling.engine
+        on_gpus = device(self.cluster.device).platform == "cuda"
+        return "vllm" if on_gpus and find_spec("vllm") is not None else "dovetail"
+
+    @property
+    def user_model(self) -> bool:
+        """A `model.path` run: a user's transformers model on their dataset (`prompts.path`)."""
+        return self.model.path is not None
+
+    @property
+    def max_new_tokens(self) -> int:
+        if self.sampling.max_new_tokens is not None:
+            return self.sampling.max_new_tokens
+        return USER_MAX_NEW_TOKENS if self.user_model else task(self.task).max_new_tokens
+
+    @property
+    def compute_devices(self) -> int:
+        return self.cluster.devices
+
+    @property
+    def pipeline_name(self) -> str:
+        """The name, else the task's, else the model directory's (cut to what a pipeline name may hold)."""
+        if self.name is not None:
+            return self.name
+        if self.model.path is None:
+            return self.task
+        return model_dir_name(self.model.path)
+
+    def shape_overrides(self) -> dict:
+        return {}
+
+    def policy_options(self) -> PolicyOptions:
+        return PolicyOptions()
+
+    def scenario(self, steps: int) -> Scenario:
+        """This run as the planner's scenario, without torch: response lengths are the task's ideal completions
+        on a step's worth of training prompts (the base model's are near them; the run's profile corrects). A
+        model.path run's model is priced from its config.json (`model.cost_model` left at config.json); its lengths
+        are unknown before it decodes: prompts of prompts.max_tokens (else the planner's default), responses around
+        half the budget."""
+        pipeline = {
+            "kind": "lm",
+            "name": self.pipeline_name,
+            "model": self.model.cost_model,
+            "batch": self.algo.prompts_per_step,
+            "group": self.algo.group_size,
+            "max_length": self.max_new_tokens,
+            "length_bands": self.runtime.length_bands,
+            "micro_batches": self.algo.micro_batches,
+            "reference": self.algo.beta > 0,
+            "lengths_known": False,  # a run learns them by decoding
+            "replicated_trainer": True,
+            "priority": self.priority,
+        }
+        if self.model.path is None:
+            problems = task(self.task).prompts("train", self.seed, 0, self.algo.prompts_per_step * self.algo.group_size)
+            lengths = [min(self.max_new_tokens, len(task(self.task).solution(p)) + 1) for p in problems]
+            pipeline["prompt_length"] = round(sum(len(p) + 1 for p in problems) / len(problems))
+            pipeline["lengths"] = {"kind": "empirical", "values": lengths}
+        else:
+            if self.prompts is not None and self.prompts.max_tokens is not None:
+                pipeline["prompt_length"] = self.prompts.max_tokens
+            pipeline["lengths"] = {"kind": "lognormal", "median": max(1, self.max_new_tokens // 2), "sigma": 0.5}
+            if self.model.lora is not None:
+                targets = self.model.lora.target_modules
+                attention = targets != "all-linear" and set(targets) <= {"q_proj", "k_proj", "v_proj", "o_proj"}
+                pipeline["lora"] = {"rank": self.model.lora.rank, "targets": "attention" if attention else "all-linear"}
+        if self.model.path is not None and self.model.cost_model == FROM_CONFIG:
+            config = json_or_empty(self.model.path / "config.json")
+            pipeline["model"] = self.pipeline_name
+            pipeline["architecture"] = language_model_of_config(self.pipeline_name, config).shape()
+        if not engine_matches_trainer(self.rollout_engine):
+            # An engine that is not the trainer's (vLLM) gets the recompute pass whatever the policy: its log-probs
+            # are never the old ones, and the pass measures how far they are (`planner_scenario` keeps it).
+            pipeline["recompute_logprob"] = True
+        return planner_scenario(self, [pipeline], steps, self.runtime.trainer_devices, 0)

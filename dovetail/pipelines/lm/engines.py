@@ -1,0 +1,293 @@
+"""A language-model pipeline's (GRPO) engines on one device of the Ray runtime: the policy as trainer, its rollout
+engine (`sampling.engine`: our `TorchEngine`, transformers' own forward, or vLLM), the frozen base model
+for a KL term and the rewards (`pipelines.lm.prompts` finds each sample's prompt row), doing the typed work the driver
+sends (prefill, decode, score, log-probs, train), and the profile of that work the cost model is fitted to.
+
+Each train part sums its loss (`lm_grpo_loss(loss_scale=1)`) and says how much it adds to the step's normaliser
+(tokens, sequences, or sequences x max_new_tokens); the commit divides the all-reduced sum by the step's total
+(`pipelines.lm.adapter.commit_scale`), so any split into micro-batches and devices, in any finishing order, trains what
+one batch would.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from dovetail.graph.node import Role, SampleId
+from dovetail.models.causal_lm import rollout_engine, rollout_state
+from dovetail.models.engine import Request
+from dovetail.models.lm_rl import accumulate_group_gradients, group_log_probs, policy_gradient
+from dovetail.models.training import (
+    commit,
+    make_optimizer,
+    set_summed_gradient,
+    synchronize,
+    tensors_of,
+    trainer_state_of,
+    weights_of,
+)
+from dovetail.pipelines.lm.config import LMTrainConfig
+from dovetail.pipelines.lm.messages import Decode, LMLogProbs, LMTrain, Prefill, Responses
+from dovetail.pipelines.lm.model import (
+    encode_prompts,
+    engine_length,
+    load_policy,
+    load_reference,
+    load_run_tokenizer,
+    model_context,
+    sampling_params,
+    stop_strings,
+)
+from dovetail.pipelines.lm.prompts import RunPrompts
+from dovetail.rewards.text import score_text
+from dovetail.runtime.interference import Span, time_work
+from dovetail.runtime.messages import LogProbs, Score, Scores, Trained, Work
+from dovetail.runtime.pipeline import PROFILE_ROUNDS, PipelineEngines
+
+STAT_MEANS = ("clip_frac", "approx_kl", "ratio_mean", "kl_ref", "entropy", "logprob_gap")
+"""Per-token means each train part reports (`logprob_gap` where the old log-probs were recomputed); the step's are
+weighted by the parts' tokens."""
+
+
+def responses_of(requests: list[Request], version: int) -> Responses:
+    return Responses(
+        version=version,
+        samples=[SampleId(*r.key) for r in requests],
+        prompts=[r.prompt for r in requests],
+        tokens=[r.tokens for r in requests],
+        log_probs=[r.log_probs for r in requests],
+        finished=[r.finished for r in requests],
+    )
+
+
+def requests_of(parts: list[Responses]) -> dict[SampleId, Request]:
+    return {
+        SampleId(*sample): Request(tuple(sample), prompt, list(tokens), list(log_probs), done)
+        for part in parts
+        for sample, prompt, tokens, log_probs, done in zip(
+            part.samples, part.prompts, part.tokens, part.log_probs, part.finished
+        )
+    }
+
+
+def merged_stats(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Loss statistics of several groups or parts as one: per-token means weighted by tokens, the ratio's extremes,
+    token and loss sums."""
+    parts = [p for p in parts if p["tokens"] > 0]
+    if not parts:
+        return dict.fromkeys([*STAT_MEANS, "tokens", "loss"], 0.0) | {"ratio_min": np.inf, "ratio_max": -np.inf}
+    tokens = sum(p["tokens"] for p in parts)
+    means = {name: sum(p[name] * p["tokens"] for p in parts) / tokens for name in STAT_MEANS if name in parts[0]}
+    return means | {
+        "tokens": tokens,
+        "loss": sum(p["loss"] for p in parts),
+        "ratio_min": min(p["ratio_min"] for p in parts),
+        "ratio_max": max(p["ratio_max"] for p in parts),
+    }
+
+
+class LMEngines(PipelineEngines):
+    """A language-model pipeline's engines on one device."""
+
+    def __init__(self, config: LMTrainConfig, device: torch.device, holds_policy: bool, trainer_state: dict | None):
+        super().__init__(config, device)
+        self.tokenizer = load_run_tokenizer(config)
+        self.prompts = RunPrompts(config)
+        if not holds_policy:
+            return
+        model, _ = load_policy(config)
+        self.trainer = model.to(device)
+        self.optimizer = make_optimizer(self.trainer, config.train)
+        if trainer_state is not None:
+            self.load_trainer_state(trainer_state)
+        if config.algo.beta > 0:
+            self.reference = load_reference(config).to(device).requires_grad_(False)
+        context = model_context(config)
+        self.rollout = rollout_engine(
+            self.trainer,
+            sampling_params(config, self.tokenizer.stop_ids),
+            max_len=engine_length(config, self.tokenizer, self.prompts, context),
+            device=device,
+            stop=stop_strings(config, self.tokenizer),
+            engine=config.rollout_engine,
+        )
+
+    def hold(self, role: str) -> None:
+        """While the device trains, the rollout engine sleeps (vLLM's sleep mode hands its weights and KV cache's
+        memory to the trainer); it wakes for any other role."""
+        if self.rollout is None:
+            return
+        if role == Role.TRAINER:
+            self.rollout.sleep()
+        else:
+            self.rollout.wake()
+
+    def load_rollout(self, weights: dict) -> None:
+        self.rollout.load_weights(rollout_state(self.trainer, tensors_of(weights)))
+
+    def run(self, work: Work):
+        if isinstance(work, Prefill):
+            self.load_rollout_weights(work.version, work.weights)
+            requests = [Request(tuple(s), list(p)) for s, p in zip(work.samples, work.prompts)]
+            return responses_of(self.rollout.generate(requests, until=1), work.version)
+        if isinstance(work, Decode):
+            parts = self.fetch(work.rollouts)
+            self.load_rollout_weights(parts[0].version, work.weights)
+            requests = [r for r in requests_of(parts).values() if not (work.running_only and r.finished)]
+            return responses_of(self.rollout.generate(requests, until=work.until), parts[0].version)
+        if isinstance(work, (Score, LMLogProbs, LMTrain)) and work.samples == []:
+            return self._nothing(work)
+        if isinstance(work, Score):
+            chosen = self._select(work.rollouts, work.samples)
+            rows = [self.prompts.train(sample.step, sample.prompt) for sample in chosen]
+            completions = [self.tokenizer.decode(r.tokens) for r in chosen.values()]
+            context = self.prompts.context(rows, [len(r.tokens) for r in chosen.values()])
+            scores = score_text(
+                completions, [row.prompt for row in rows], self.config.rewards, self.config.reward_timeout_s, context
+            )
+            return Scores(list(chosen), scores, np.array([len(r.tokens) for r in chosen.values()]))
+        if isinstance(work, LMLogProbs):
+            chosen = self._select(work.rollouts, work.samples)
+            model = self.reference if work.reference else self.trainer
+            rows = group_log_probs(model, chosen, self.config.sampling.temperature)
+            return LogProbs(list(chosen), [rows[s].cpu().numpy() for s in chosen])
+        if isinstance(work, LMTrain):
+            return self._train(work)
+        raise TypeError(f"language-model engines cannot do {type(work).__name__}")
+
+    def _nothing(self, work: Work):
+        """The answer of a streamed micro-batch left empty (its groups all finished later): no reward, no gradient."""
+        if isinstance(work, Score):
+            return Scores([], {name: np.zeros(0) for name in [*self.config.rewards, "total"]}, np.zeros(0, dtype=int))
+        if isinstance(work, LMLogProbs):
+            return LogProbs([], [])
+        self._gradient, _ = accumulate_group_gradients(self.trainer, [], lambda group: None)
+        return Trained([], [0], merged_stats([]), 0.0)
+
+    def _select(self, rollouts: list, samples: list | None) -> dict[SampleId, Request]:
+        requests = requests_of(self.fetch(rollouts))
+        return requests if samples is None else {SampleId(*s): requests[SampleId(*s)] for s in samples}
+
+    def _train(self, work: LMTrain) -> Trained:
+        """The part's groups trained one at a time (`models.lm_rl.policy_gradient`); `part_gradient` hands the fp64
+        sum to the commit."""
+        scores = self.fetch(work.scores)
+        rewards = {SampleId(*s): r for part in scores for s, r in zip(part.samples, part.scores["total"])}
+        samples = [SampleId(*s) for s in work.samples]
+
+        def given(parts: list) -> dict:
+            return {SampleId(*s): v for part in self.fetch(parts) for s, v in zip(part.samples, part.log_probs)}
+
+        self._gradient, group_stats, normaliser = policy_gradient(
+            self.trainer,
+            self._select(work.rollouts, samples),
+            rewards,
+            given(work.old_log_probs),
+            given(work.ref_log_probs),
+            algo=self.config.algo,
+            temperature=self.config.sampling.temperature,
+            max_new_tokens=self.config.max_new_tokens,
+            stale=work.stale,
+        )
+        return Trained(samples, [0], merged_stats(group_stats), normaliser)
+
+    def part_gradient(self) -> torch.Tensor:
+        gradient, self._gradient = self._gradient, None
+        return gradient
+
+    def profile(self, samples: int, carry: Callable[[dict], dict]) -> dict[str, float]:
+        return profile_work(self, samples, carry)
+
+    def time_kind(self, kind: str, samples: int, repeats: int, carry: Callable[[dict], dict]) -> list[Span]:
+        with trainer_kept(self):
+            return time_work(profile_works(self, samples, carry), kind, repeats, self.device)
+
+
+@contextmanager
+def trainer_kept(engines: LMEngines):
+    """The profile's work trains and steps the engines' own trainer and loads its weights into the rollout engine:
+    afterwards the trainer's weights and optimizer are put back and the next work reloads the rollout's."""
+    saved = trainer_state_of(engines.trainer, engines.optimizer)
+    try:
+        yield
+    finally:
+        engines.load_trainer_state(saved)
+        engines.rollout_version = None
+
+
+def profile_works(
+    engines: LMEngines, samples: int, carry: Callable[[dict], dict], weights: dict | None = None
+) -> dict[str, Callable[[dict], object]]:
+    """The start-up profile's work of each kind, in the order it runs, each taking the earlier ones' results by
+    kind: `samples` responses of RL step -1 (never trained) prefilled (`weights`, default the trainer's now, loaded
+    into the rollout engine first), decoded, scored, their log-probs, a train and an optimizer step of the engines'
+    own trainer (run them `trainer_kept`), a publication to the rollout engine. The responses come in groups of the
+    run's group size, as the run's do: the trainer passes over one group at a time, so a profile of lone responses
+    would time a pass per response (three times the per-response cost of the run's groups of 8 on the copy task
+    here)."""
+    config, name = engines.config, engines.config.pipeline_name
+    group = min(config.algo.group_size, samples)
+    ids = [SampleId(-1, p // group, p % group) for p in range(samples)]
+    rows = [engines.prompts.train(-1, p // group) for p in range(samples)]
+    encoded = encode_prompts(config, engines.tokenizer, rows, model_context(config))
+    engines.rollout_version = None
+    weights = carry(weights_of(engines.trainer)) if weights is None else weights
+
+    def train(done: dict) -> Trained:
+        trained = engines.run(LMTrain(name, ids, False, [done["decode"]], [done["score"]]))
+        set_summed_gradient(engines.trainer, [engines.part_gradient()], 1.0)
+        return trained
+
+    return {
+        "prefill": lambda done: engines.run(Prefill(name, ids, encoded, -1, weights)),
+        "decode": lambda done: engines.run(Decode(name, [done["prefill"]], config.max_new_tokens, weights)),
+        "score": lambda done: engines.run(Score(name, [done["decode"]], None)),
+        "logprob": lambda done: engines.run(LMLogProbs(name, ids, [done["decode"]], False)),
+        "train": train,
+        "optimizer": lambda done: commit(engines.trainer, engines.optimizer, config.train.max_grad_norm),
+        "publish": lambda done: engines.load_rollout(carry(weights_of(engines.trainer))),
+    }
+
+
+SIZED_KINDS = ("prefill", "decode", "score", "logprob", "train")
+"""The kinds of LM work whose passes grow with the responses in them: profiled at two sizes."""
+DOUBLE = "_double"
+"""The suffix of a profile figure measured at twice the profile's responses."""
+
+
+def profile_work(engines: LMEngines, samples: int, carry: Callable[[dict], dict]) -> dict[str, float]:
+    """Measured seconds of each kind of LM work here (`profile_works`): medians of PROFILE_ROUNDS after a warm-up,
+    at `samples` responses and again at twice as many (the `_double` figures): a kind's two sizes give its fixed
+    cost per pass (`lm_startup.fitted_cost`), which on a CPU core makes a step's passes of 32 or 128 responses
+    cheaper per response than the profile's 16."""
+
+    def one_round(size: int) -> tuple[dict[str, float], dict[str, object]]:
+        seconds, done = {}, {}
+        for name, work in profile_works(engines, size, carry, weights).items():
+            synchronize(engines.device)
+            start = time.perf_counter()
+            done[name] = work(done)
+            synchronize(engines.device)
+            seconds[name] = time.perf_counter() - start
+        return seconds, done
+
+    def at(size: int) -> dict:
+        rounds = [one_round(size) for _ in range(PROFILE_ROUNDS)]
+        measured = {name: statistics.median(seconds[name] for seconds, _ in rounds) for name in rounds[0][0]}
+        _, done = rounds[0]
+        return measured | {
+            "lengths": [len(t) for t in done["decode"].tokens],
+            "prompt_tokens": [len(p) for p in done["prefill"].prompts],
+        }
+
+    with trainer_kept(engines):
+        weights = carry(weights_of(engines.trainer))  # every round and size decodes from these: the same responses
+        one_round(samples)
+        single, double = at(samples), at(2 * samples)
+    return single | {f"{name}{DOUBLE}": double[name] for name in (*SIZED_KINDS, "lengths", "prompt_tokens")}

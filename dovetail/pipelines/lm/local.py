@@ -1,0 +1,121 @@
+"""A language-model run's engines in this process (`LMLocal`: the pipeline kind's `local`): the reference loop's GRPO
+step (`lm_rl_step`) and the held-out evaluation. Loaded by the kind's registry, so a flow run never imports the
+language-model stack.
+"""
+
+import time
+
+import numpy as np
+import torch
+
+from dovetail.graph.node import SampleId
+from dovetail.models.causal_lm import rollout_engine
+from dovetail.models.engine import Request
+from dovetail.models.training import commit, set_summed_gradient, weights_of
+from dovetail.pipelines.lm.adapter import commit_scale, lm_step_metrics
+from dovetail.pipelines.lm.config import LMTrainConfig, engine_matches_trainer
+from dovetail.pipelines.lm.engines import LMEngines
+from dovetail.pipelines.lm.messages import Decode, LMLogProbs, LMTrain, Prefill
+from dovetail.pipelines.lm.model import encode_prompts, lm_checkpoint_io, model_context, sampling_params, stop_strings
+from dovetail.rewards.text import score_text
+from dovetail.run_dir import (
+    RunDir,
+)
+from dovetail.runtime.messages import Score
+from dovetail.tasks import final_answer, task
+from dovetail.trackers import Evaluation
+
+
+class LMLocal:
+    """A language-model run's engines in this process (trainer, rollout engine, rewards)."""
+
+    def __init__(self, config: LMTrainConfig) -> None:
+        self.config = config
+        self.engines = LMEngines(config, torch.device("cpu"), True, None)
+        self.model, self.optimizer = self.engines.trainer, self.engines.optimizer
+        self.save_weights, self.load_weights = lm_checkpoint_io(config, self.model, self.engines.tokenizer)
+
+    def evaluate(self, run: RunDir, grid: str, step: int) -> Evaluation:
+        scores, samples = lm_evaluate(self.engines, self.config)
+        return Evaluation(step, scores, samples=samples)
+
+    def rl_step(self, step: int) -> dict:
+        return lm_rl_step(self.engines, self.config, step)
+
+
+def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
+    """One on-policy GRPO step of the reference path, in this process, through the very work the Ray workers do:
+    every response to the end, scores, one train pass over the whole batch, one optimizer step."""
+
+    pipeline, algo = config.pipeline_name, config.algo
+    timings: dict[str, float] = {}
+
+    def timed(phase: str, work):
+        start = time.perf_counter()
+        result = engines.run(work)
+        timings[f"{phase}_s"] = timings.get(f"{phase}_s", 0.0) + time.perf_counter() - start
+        return result
+
+    ids = [SampleId(step, p, i) for p in range(algo.prompts_per_step) for i in range(algo.group_size)]
+    prompts = encode_prompts(config, engines.tokenizer, engines.prompts.step(step), model_context(config))
+    weights = weights_of(engines.trainer)
+    started = timed("prefill", Prefill(pipeline, ids, [prompts[s.prompt] for s in ids], step, weights))
+    responses = timed("decode", Decode(pipeline, [started], config.max_new_tokens, weights))
+    scores = timed("score", Score(pipeline, [responses], None))
+    # An engine whose log-probs are not the trainer's (vLLM): the old ones recomputed, as the graph's LOGPROB node.
+    recompute = not engine_matches_trainer(config.rollout_engine)
+    old = [timed("logprob", LMLogProbs(pipeline, ids, [responses], False))] if recompute else []
+    ref = [timed("logprob", LMLogProbs(pipeline, ids, [responses], True))] if algo.beta > 0 else []
+    trained = timed("train", LMTrain(pipeline, ids, False, [responses], [scores], old_log_probs=old, ref_log_probs=ref))
+    start = time.perf_counter()
+    set_summed_gradient(engines.trainer, [engines.part_gradient()], commit_scale([trained]))
+    grad_norm = commit(engines.trainer, engines.optimizer, config.train.max_grad_norm)
+    timings["commit_s"] = time.perf_counter() - start
+    seconds = sum(timings.values())
+    return (
+        lm_step_metrics(config, [scores], [trained])
+        | timings
+        | {
+            "grad_norm": grad_norm,
+            "samples_per_s": len(ids) / seconds,
+            "step_s": seconds,
+        }
+    )
+
+
+def success_rate(config: LMTrainConfig, completions: list[str], prompts: list[str]) -> float:
+    """Share of completions whose final answer solves its (task) prompt."""
+    the_task = task(config.task)
+    return float(
+        np.mean(
+            [(a := final_answer(c)) is not None and the_task.is_correct(p, a) for c, p in zip(completions, prompts)]
+        )
+    )
+
+
+def lm_evaluate(engines, config: LMTrainConfig) -> tuple[dict[str, float], list[tuple[str, str]]]:
+    """One response per held-out prompt, sampled as in training from the eval seed; their scores (the total: a
+    task's success rate, a dataset's mean reward) and the (prompt, completion) pairs."""
+    rows = engines.prompts.eval()
+    context = model_context(config)
+    encoded = encode_prompts(config, engines.tokenizer, rows, context)
+    engine = rollout_engine(
+        engines.trainer,
+        sampling_params(config, engines.tokenizer.stop_ids, seed=config.eval.seed),
+        max_len=min(context, max(map(len, encoded)) + config.max_new_tokens),
+        device=torch.device("cpu"),
+        stop=stop_strings(config, engines.tokenizer),
+    )
+    responses = engine.generate([Request((0, i, 0), ids) for i, ids in enumerate(encoded)])
+    completions = [engines.tokenizer.decode(r.tokens) for r in responses]
+    prompts = [row.prompt for row in rows]
+    reward_context = engines.prompts.context(rows, [len(r.tokens) for r in responses])
+    scores = score_text(completions, prompts, config.rewards, config.reward_timeout_s, reward_context)
+    if config.user_model:
+        total = {"total": float(scores["total"].mean())}
+    else:
+        total = {"total": success_rate(config, completions, prompts)}
+    shown = [p if isinstance(p, str) else engines.tokenizer.decode(ids) for p, ids in zip(prompts, encoded)]
+    return total | {f"reward/{name}": float(values.mean()) for name, values in scores.items()}, list(
+        zip(shown, completions)
+    )

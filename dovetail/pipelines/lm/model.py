@@ -1,0 +1,106 @@
+"""What a language-model run loads as its config names it, wherever its model is held (the engines, the driver's
+adapter, the start-up checks, the reference loop, the export): the policy and its tokenizer (a user's transformers
+model with its LoRA adapter, `models.causal_lm`, or a built-in task's tiny Llama), the frozen reference, the model's
+context, the prompts as token ids that leave room in it, the rollout engine's sampling and cache length, and the
+format of the run's checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from dovetail.models.causal_lm import (
+    HFTokenizer,
+    StopStrings,
+    context_of,
+    load_causal_lm,
+    load_causal_lm_checkpoint,
+    save_causal_lm_checkpoint,
+)
+from dovetail.models.engine import SamplingParams
+from dovetail.models.lm import load_lm, load_tokenizer, read_lm_config, save_lm
+from dovetail.pipelines.lm.config import LMTrainConfig
+from dovetail.pipelines.lm.prompts import Row, RunPrompts
+
+
+def load_policy(config: LMTrainConfig):
+    """The run's base policy and its tokenizer: a user's transformers model (`model.path`, with its LoRA adapter),
+    or a built-in task's model."""
+    if config.user_model:
+        lora = None if config.model.lora is None else config.model.lora.model_dump()
+        return load_causal_lm(config.model.path, lora=lora, seed=config.seed), HFTokenizer.load(config.model.path)
+    model, tokenizer, _ = load_lm(config.model.checkpoint)
+    return model, tokenizer
+
+
+def load_reference(config: LMTrainConfig):
+    """The frozen base model a KL term compares with: the policy's start, a user's model without its adapter."""
+    if config.user_model:
+        return load_causal_lm(config.model.path, lora=None, seed=config.seed)
+    return load_policy(config)[0]
+
+
+def load_run_tokenizer(config: LMTrainConfig):
+    return HFTokenizer.load(config.model.path) if config.user_model else load_tokenizer(config.model.checkpoint)
+
+
+def model_context(config: LMTrainConfig) -> int:
+    """The positions the run's model reads: prompt and response together fit in them."""
+    if config.user_model:
+        return context_of(config.model.path)
+    return read_lm_config(Path(config.model.checkpoint)).max_positions
+
+
+def encode_prompts(config: LMTrainConfig, tokenizer, rows: list[Row], context: int) -> list[list[int]]:
+    """The prompts' token ids (a longer one than prompts.max_tokens keeps its last tokens), each checked to leave
+    room in the model's `context` for max_new_tokens: a prompt too long is the config's error, named before any work
+    is sent."""
+    limit = config.prompts.max_tokens if config.prompts is not None else None
+    encoded = [tokenizer.prompt_ids(row.prompt) for row in rows]
+    if limit is not None:
+        encoded = [ids[-limit:] for ids in encoded]
+    for row, ids in zip(rows, encoded):
+        if not ids or len(ids) + config.max_new_tokens > context:
+            where = config.model.path or config.model.checkpoint
+            fix = "set prompts.max_tokens (keeps a prompt's last tokens) or " if config.user_model else ""
+            raise ValueError(
+                f"prompt {str(row.prompt)[:200]!r} ({len(ids)} tokens) and sampling.max_new_tokens="
+                f"{config.max_new_tokens} exceed the model's context of {context} tokens ({where}): "
+                f"{fix}lower sampling.max_new_tokens"
+            )
+    return encoded
+
+
+def engine_length(config: LMTrainConfig, tokenizer, prompts: RunPrompts, context: int) -> int:
+    """The positions a rollout engine's cache holds: the model's context, or for a dataset the longest prompt (at
+    most prompts.max_tokens) and max_new_tokens, where that is less (a large model's context would be a cache of
+    gigabytes)."""
+    rows = prompts.all()
+    if not rows:
+        return context
+    encoded = encode_prompts(config, tokenizer, rows, context)
+    return min(context, max(map(len, encoded)) + config.max_new_tokens)
+
+
+def sampling_params(config: LMTrainConfig, stop_ids: tuple[int, ...], seed: int | None = None) -> SamplingParams:
+    return SamplingParams(
+        temperature=config.sampling.temperature,
+        top_p=config.sampling.top_p,
+        max_new_tokens=config.max_new_tokens,
+        stop_ids=stop_ids,
+        seed=config.seed if seed is None else seed,
+    )
+
+
+def stop_strings(config: LMTrainConfig, tokenizer) -> StopStrings | None:
+    return StopStrings(tokenizer, config.sampling.stop) if config.sampling.stop else None
+
+
+def lm_checkpoint_io(config: LMTrainConfig, model, tokenizer) -> tuple[Callable, Callable]:
+    """(save_weights, load_weights) of an LM run's checkpoints for `RunDir`: the built-in model's own format, or a
+    transformers model's trained tensors and where it came from."""
+    if config.user_model:
+        return (lambda directory: save_causal_lm_checkpoint(model, directory)), load_causal_lm_checkpoint
+    lm_config = read_lm_config(Path(config.model.checkpoint))
+    return (lambda directory: save_lm(model, tokenizer, lm_config, directory)), (lambda d: load_lm(d)[0])

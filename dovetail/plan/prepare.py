@@ -1,0 +1,247 @@
+"""The planner's entry: a scenario, a policy and a cost model make the policy's graph and setup (`prepare`), and the
+simulator runs them (`simulate`). `dovetail plan` / `simulate`, the dry run and the Ray runtime all plan here."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from dovetail.cost.catalog import device as lookup_device
+from dovetail.cost.model import CostModel
+from dovetail.graph.node import Engines, Graph, Kind, Node, Role
+from dovetail.graph.spec import LMSpec, PipelineSpec
+from dovetail.plan.metrics import summarize
+from dovetail.plan.scenario import Scenario
+from dovetail.plan.sim import SimExecutor
+from dovetail.sched import POLICIES, policy_class
+from dovetail.sched.policy import Policy, PolicyOptions, SearchContext, Setup
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Everything an executor needs to run one policy on a scenario."""
+
+    graph: Graph
+    setup: Setup
+    policy: Policy
+
+
+def refuse_fixed_fields(scenario: Scenario, policy: str) -> None:
+    """A field the scenario sets away from its default that the policy decides itself (`Policy.fixes`) is refused by
+    name, with the policies that honour it: a plan must never silently be something else than what the file says."""
+    fixes = policy_class(policy).fixes
+    sections = [(f"pipelines.{i}", spec) for i, spec in enumerate(scenario.pipelines)] + [
+        ("schedule", scenario.schedule)
+    ]
+    for section, values in sections:
+        for field, why in fixes.items():
+            if field not in type(values).model_fields:
+                continue
+            value = getattr(values, field)
+            if value == type(values).model_fields[field].default:
+                continue
+            honour = [
+                name
+                for name in sorted(POLICIES)
+                if field not in policy_class(name).fixes
+                and all(spec.kind in policy_class(name).pipeline_kinds for spec in scenario.pipelines)
+            ]
+            raise ValueError(
+                f"{section}.{field}={value}: policy {policy} {why}, so it cannot honour it; remove the field"
+                + (f" or simulate {', '.join(honour)}" if honour else "")
+            )
+
+
+@dataclass(frozen=True)
+class Searched:
+    """One candidate a policy's search simulated: its shapes, over how many steps, and what it achieved."""
+
+    policy: str
+    shapes: dict
+    horizon: int
+    samples_per_s: float
+    step_time_s: float
+    """The simulated makespan over `horizon` (the first step's warm-up included)."""
+    steady_step_s: float
+    """Commit to commit after the first step (`plan.metrics.Metrics.steady_step_s`)."""
+    first_step_s: float
+
+
+def prepare(
+    scenario: Scenario,
+    policy: str,
+    *,
+    steps: int | None = None,
+    devices: int | None = None,
+    options: PolicyOptions | Mapping[str, object] | None = None,
+    shapes: dict | None = None,
+    cost: CostModel | Mapping[str, CostModel] | None = None,
+    searched: list | None = None,
+    **shape_overrides,
+) -> Prepared:
+    """Build the sub-stage graph the policy wants for every pipeline, the engines' footprints, and the policy.
+    `options` go to the policy (`PolicyOptions`, or its mapping: e.g. {"tag": False});
+    `shapes` (pipeline -> shape) fixes every pipeline's shape; otherwise `shape_overrides` (fragments, tsp_chunk,
+    trainer_devices...) replace those fields of what the policy would choose, every candidate of its search too (the
+    search still chooses the rest). `cost` replaces the analytic cost model, for every
+    pipeline or per pipeline name (the Ray runtime passes each pipeline's, corrected by costs profiled on its own
+    devices); the pool has one interference table (`Setup.slowdown`), the first pipeline's cost model's. A policy that
+    searches simulates its candidates here; `searched` (a list), when given, receives a `Searched` for each (what
+    `dovetail plan` shows)."""
+    cls = policy_class(policy)
+    for spec in scenario.pipelines:
+        if spec.kind not in cls.pipeline_kinds:
+            raise ValueError(
+                f"policy {policy} schedules {'/'.join(sorted(cls.pipeline_kinds))} pipelines; "
+                f"pipeline {spec.name!r} is a {spec.kind} pipeline"
+            )
+    refuse_fixed_fields(scenario, policy)
+    options = PolicyOptions.of(options)
+    devices = devices or scenario.cluster.devices
+    steps = steps or scenario.schedule.steps
+    cost = cost or CostModel(scenario.cluster.catalogue_device())
+    costs = cost if isinstance(cost, Mapping) else {spec.name: cost for spec in scenario.pipelines}
+    trainer_devices = shape_overrides.pop("trainer_devices", None) or scenario.schedule.trainer_devices
+    reward_devices = scenario.schedule.reward_devices
+    nodes: list[Node] = []
+    engines: dict[str, Engines] = {}
+    trainer_pools: dict[str, int] = {}
+    # Policies that give each pipeline its own slice of the pool (verl-sync, streamrl, areal) cut steps for it.
+    pipeline_devices = devices // len(scenario.pipelines) if cls.splits_pool else devices - reward_devices
+    if shapes is None:
+        shapes = {
+            spec.name: cls.shape(spec, pipeline_devices, trainer_devices, costs[spec.name])
+            for spec in scenario.pipelines
+        }
+        if reward_devices and cls.supports_reward_pool:
+            shapes = cls.with_reward_pool(scenario.pipelines, shapes)
+
+        def fixed(candidate: dict) -> dict:
+            """`candidate` with the fields `shape_overrides` fix: a searching policy still searches what they leave."""
+            return {name: replace(shape, **shape_overrides) for name, shape in candidate.items()}
+
+        # A policy that plans pipelines together rolls the simulator forward a bounded horizon per candidate.
+        def forecast(candidate: dict, horizon: int) -> float:
+            candidate = fixed(candidate)
+            trace = run_prepared(
+                scenario,
+                prepare(scenario, policy, steps=horizon, devices=devices, options=options, shapes=candidate, cost=cost),
+            )
+            metrics = summarize(trace)
+            if searched is not None:
+                searched.append(
+                    Searched(
+                        policy,
+                        candidate,
+                        horizon,
+                        metrics.samples_per_s,
+                        trace.makespan / horizon,
+                        metrics.steady_step_s,
+                        metrics.first_step_s,
+                    )
+                )
+            return metrics.samples_per_s
+
+        shapes = fixed(
+            cls.plan_shapes(
+                SearchContext(
+                    scenario.pipelines,
+                    fixed(shapes),
+                    costs,
+                    forecast,
+                    steps=steps,
+                    devices=pipeline_devices,
+                    trainer_devices=trainer_devices,
+                    options=options,
+                )
+            )
+        )
+    for spec in scenario.pipelines:
+        shape = shapes[spec.name]
+        nodes += shape.build(spec, steps, costs[spec.name])
+        engines[spec.name] = shape.engines(spec, costs[spec.name])
+        trainer_pools[spec.name] = shape.trainer_devices
+    capacity = lookup_device(scenario.cluster.device).memory_bytes / 1e9
+    for node in nodes:
+        need = engines[node.pipeline].resident_gb.get(node.role, 0.0) + node.memory_gb
+        if need > capacity:
+            spec = next(spec for spec in scenario.pipelines if spec.name == node.pipeline)
+            raise ValueError(
+                f"pipeline {node.pipeline}: {node.kind} needs {need:.0f} GB per device under {policy} "
+                f"(engine + working memory), more than a {scenario.cluster.device}'s {capacity:.0f} GB; "
+                + memory_fix(spec, node, engines[node.pipeline].resident_gb.get(node.role, 0.0) > capacity)
+            )
+    setup = Setup(
+        devices=devices,
+        memory_gb=capacity,
+        engines=engines,
+        trainer_devices=next(iter(trainer_pools.values()))
+        if len(set(trainer_pools.values())) == 1
+        else trainer_devices,
+        reward_devices=reward_devices,
+        trainer_groups={name: size for name, size in trainer_pools.items() if size is not None},
+        options=options,
+        priorities={spec.name: spec.priority for spec in scenario.pipelines},
+        shapes=shapes,
+        max_staleness=cls.max_staleness,
+        node_size=costs[scenario.pipelines[0].name].device.node_size,
+        slowdown=costs[scenario.pipelines[0].name].calibration.slowdown,
+    )
+    return Prepared(Graph(nodes), setup, cls(setup))
+
+
+def memory_fix(spec: PipelineSpec, node: Node, engine_too_large: bool) -> str:
+    """The scenario fields that lower what `node` needs per device: an LM's trainer passes hold `batch /
+    micro_batches` sequences' activations beside a shard of the trainer state, its rollout engine the weights and
+    KV cache over `tensor_parallel` devices; a flow trainer's state shrinks with more devices and offload; a flow
+    rollout generates in chunks that fit beside its engine (`graph.flow.generation_batch`), so only the engine itself
+    (the whole model on every device: `engine_too_large`) or one sample's activations can be too large."""
+    if isinstance(spec, LMSpec):
+        if node.role == Role.ROLLOUT:
+            return f"raise tensor_parallel (now {spec.tensor_parallel}) or use a device with more memory"
+        return (
+            f"raise micro_batches (now {spec.micro_batches}; fewer tokens per trainer pass) or use more devices "
+            "(a smaller shard of the trainer state)"
+        )
+    if node.kind == Kind.GENERATE and engine_too_large:
+        return "use a device with more memory (every rollout device holds the whole model, whatever the device count)"
+    if node.kind == Kind.GENERATE:
+        return "lower height / width / frames (one sample's activations do not fit beside the rollout engine)"
+    return "use more devices (a smaller shard of the trainer state)" + ("" if spec.offload else " or set offload: true")
+
+
+def simulate(
+    scenario: Scenario,
+    policy: str,
+    *,
+    steps: int | None = None,
+    devices: int | None = None,
+    options: PolicyOptions | Mapping[str, object] | None = None,
+    cost: CostModel | Mapping[str, CostModel] | None = None,
+    **shape_overrides,
+):
+    """Prepare and simulate one policy on a scenario; returns (Prepared, Trace). Shared devices slow each
+    other down by the cost model's interference table (`Setup.slowdown`); `cost` replaces the analytic cost model."""
+    prepared = prepare(scenario, policy, steps=steps, devices=devices, options=options, cost=cost, **shape_overrides)
+    return prepared, run_prepared(scenario, prepared)
+
+
+def run_prepared(scenario: Scenario, prepared: Prepared):
+    executor = SimExecutor(
+        prepared.graph,
+        prepared.setup,
+        seed=scenario.schedule.seed,
+        noise=scenario.schedule.noise,
+        slowdown=prepared.setup.slowdown,
+    )
+    return executor.run(prepared.policy)
+
+
+def rollout_wake_s(scenario: Scenario, cost: CostModel) -> float:
+    """The cost model's wake of the first pipeline's rollout engine, as the scenario's first policy cuts it before
+    any search (what a start-up profile's measured role switch is fitted against; the rollout engine's footprint
+    does not depend on what a search tunes)."""
+    spec, schedule = scenario.pipelines[0], scenario.schedule
+    devices = scenario.cluster.devices - schedule.reward_devices
+    shape = policy_class(schedule.policies[0]).shape(spec, devices, schedule.trainer_devices, cost)
+    return shape.engines(spec, cost).wake_s[Role.ROLLOUT]

@@ -1,0 +1,185 @@
+"""Compare policies on a scenario and show what their searches chose from: what `dovetail simulate` and
+`dovetail plan` print."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from dovetail.graph.flow import FlowShape
+from dovetail.graph.lm import LMShape
+from dovetail.plan.metrics import summarize
+from dovetail.plan.prepare import Searched, prepare, run_prepared, simulate
+from dovetail.plan.scenario import Scenario
+from dovetail.sched import policy_class
+from dovetail.sched.digen_search import DigenShape
+from dovetail.sched.jigsaw import SlicedFlowShape, SlicedLMShape, base_shape, sub_pool
+from dovetail.sched.policy import Shape, search_horizon
+
+
+def _per_policy(path: Path | None, policy: str, several: bool) -> Path | None:
+    if path is None or not several:
+        return path
+    return path.with_name(f"{path.stem}.{policy}{path.suffix}")
+
+
+def compare(
+    scenario: Scenario,
+    policies: list[str] | None = None,
+    *,
+    steps: int | None = None,
+    trace: Path | None = None,
+    gantt: Path | None = None,
+) -> dict:
+    """Simulate every policy; the JSON object `dovetail simulate --json` prints. Speedups are over the first policy
+    that runs. A policy that cannot run the scenario (memory, too few devices, a field it cannot honour) gets
+    {"error": its one-line reason} in place of numbers; an unknown policy name is bad input (ValueError)."""
+    names = policies or scenario.schedule.policies
+    for name in names:
+        policy_class(name)
+    result: dict = {"scenario": scenario.name, "devices": scenario.cluster.devices, "policies": {}}
+    baseline = None
+    for name in names:
+        try:
+            _, run = simulate(scenario, name, steps=steps)
+        except ValueError as error:
+            result["policies"][name] = {"error": str(error)}
+            continue
+        metrics = summarize(run)
+        baseline = baseline or metrics.samples_per_s
+        if path := _per_policy(trace, name, len(names) > 1):
+            run.write_chrome(path)
+        if path := _per_policy(gantt, name, len(names) > 1):
+            run.write_gantt(path, f"{scenario.name}: {name}")
+        result["policies"][name] = {
+            "samples_per_s": metrics.samples_per_s,
+            "tokens_per_s": metrics.tokens_per_s,
+            "step_time_s": metrics.step_time_s,
+            "steady_step_s": metrics.steady_step_s,
+            "first_step_s": metrics.first_step_s,
+            "speedup": metrics.samples_per_s / baseline,
+            "efficiency": metrics.efficiency,
+            "bubble_ratio": metrics.bubble_ratio,
+            "max_staleness": metrics.max_staleness,
+            "peak_memory_gb": metrics.peak_memory_gb,
+            "step_latency_s": metrics.step_latency_s,
+            "phase_seconds": metrics.phase_seconds,
+        }
+    return result
+
+
+def render_table(result: dict) -> str:
+    header = (
+        f"{'policy':16s} {'samples/s':>10s} {'step s':>9s} {'steady s':>9s} {'speedup':>8s} {'effic.':>7s} "
+        f"{'bubble':>7s} {'stale':>6s} {'peak GB':>8s}"
+    )
+    lines = [f"{result['scenario']} ({result['devices']} devices)", header, "-" * len(header)]
+    for name, m in result["policies"].items():
+        if "error" in m:
+            lines.append(f"{name:16s} cannot run: {' '.join(m['error'].split())}")
+            continue
+        lines.append(
+            f"{name:16s} {m['samples_per_s']:10.3f} {m['step_time_s']:9.1f} {m['steady_step_s']:9.1f} "
+            f"{m['speedup']:7.2f}x "
+            f"{m['efficiency']:7.3f} "
+            f"{100 * m['bubble_ratio']:6.1f}% {m['max_staleness']:6d} {m['peak_memory_gb']:8.1f}"
+        )
+    return "\n".join(lines)
+
+
+def describe(shape) -> str:
+    """A shape in the scenario's own words (the fields a user would set to run it); a jigsaw sub-pool first."""
+    if isinstance(shape, (SlicedLMShape, SlicedFlowShape)):
+        devices = sub_pool(shape)
+        when = f"turn {shape.turn}, " if shape.turn else ""
+        return f"{when}devices {devices[0]}-{devices[-1]}: " + describe(base_shape(shape))
+    if isinstance(shape, FlowShape):
+        text = (
+            f"trainer_devices={shape.trainer_devices} (FSDP groups of {shape.group}), fragments={shape.fragments}, "
+            f"tsp_chunk={shape.tsp_chunk}"
+        )
+        if isinstance(shape, DigenShape):
+            text += f", TAG {'on' if shape.tag else 'off'}, TCSS {'on' if shape.tcss else 'off'}"
+        return text
+    if isinstance(shape, LMShape):
+        text = f"trainer_devices={shape.trainer_devices}, {shape.shards} rollout engines"
+        if shape.migrate_at is not None:
+            text += f", tail past {shape.migrate_at} tokens on {shape.tail_parallel} devices"
+        return text
+    return repr(shape)
+
+
+def _describe_all(shapes: Mapping[str, Shape]) -> str:
+    if len(shapes) == 1:
+        return describe(next(iter(shapes.values())))
+    return "; ".join(f"{name}: {describe(shape)}" for name, shape in shapes.items())
+
+
+def plan(scenario: Scenario, devices: int, policies: list[str] | None = None) -> str:
+    """What each searching policy of the scenario (or `policies`) considered on `devices` and what it chose: every
+    candidate its search simulated over the run's steps (at most `SEARCH_STEPS`), fastest first, the chosen one
+    marked `*` — it is never slower than another row of its policy —, with its steady step (commit to commit after
+    the first) and first step (warm-up included), beside the first policy's throughput; last, how to run the best."""
+    schedule = scenario.schedule.policies
+    names = list(dict.fromkeys(policies or [schedule[0], *(p for p in schedule if policy_class(p).searches)]))
+    for name in names:
+        policy_class(name)
+    reward = scenario.schedule.reward_devices
+    needed = scenario.pipelines[0].min_plan_devices
+    if devices - reward < needed:
+        raise ValueError(
+            f"--devices must be at least {needed} (a rollout and a trainer pool) besides {reward} reward devices, "
+            f"got {devices}"
+        )
+    steps = search_horizon(scenario.schedule.steps)
+    lines = [f"plan for {scenario.name} on {devices}x {scenario.cluster.device}, simulated over {steps} steps"]
+    baseline: float | None = None
+    best: tuple[float, float, float, str, Mapping[str, Shape]] | None = None
+    for name in names:
+        searched: list[Searched] = []
+        try:
+            prepared = prepare(scenario, name, steps=steps, devices=devices, searched=searched)
+        except ValueError as error:
+            lines.append(f"{name}: cannot run: {' '.join(str(error).split())}")
+            continue
+        rows: list[tuple[float, float, float, Mapping[str, Shape]]] = [
+            (s.samples_per_s, s.steady_step_s, s.first_step_s, s.shapes) for s in searched if s.horizon == steps
+        ]
+        chosen = prepared.setup.shapes
+        if not any(shapes == chosen for *_, shapes in rows):  # no search, or the search ran nothing this long
+            metrics = summarize(run_prepared(scenario, prepared))
+            rows.append((metrics.samples_per_s, metrics.steady_step_s, metrics.first_step_s, chosen))
+        rows.sort(key=lambda row: -row[0])
+        rate, step_s, first_s = next((r, s, f) for r, s, f, shapes in rows if shapes == chosen)
+        baseline = baseline or rate
+        screened = len(searched) - sum(1 for s in searched if s.horizon == steps)
+        lines.append(
+            f"{name}: {len(rows)} candidate{'s' if len(rows) > 1 else ''} simulated"
+            + (f" (after a one-step screen of {screened})" if screened else "")
+        )
+        for candidate_rate, candidate_step_s, candidate_first_s, shapes in rows:
+            mark = "*" if shapes == chosen else " "
+            lines.append(
+                f"  {mark} {candidate_rate:10.3f} samples/s {candidate_step_s:9.1f} s/step steady "
+                f"(first {candidate_first_s:.1f} s) {candidate_rate / baseline:6.2f}x  {_describe_all(shapes)}"
+            )
+        if best is None or rate > best[0]:
+            best = (rate, step_s, first_s, name, chosen)
+    if best is None:
+        raise ValueError(f"{scenario.name}: no policy can run it on {devices} devices:\n" + "\n".join(lines[1:]))
+    rate, step_s, first_s, name, chosen = best
+    lines.append(
+        f"best: {_describe_all(chosen)} under {name} -> {rate:.3f} samples/s, {step_s:.1f} s/step steady (first "
+        f"step {first_s:.1f} s); {how_to_run(scenario, name, devices)}"
+    )
+    return "\n".join(lines)
+
+
+def how_to_run(scenario: Scenario, policy: str, devices: int) -> str:
+    """The run config's keys that run `policy` as planned. The shape is not among them: the policy cuts it itself
+    when the run starts, a searching one by the same search on the costs the run profiles on its own devices."""
+    keys = f"policy={policy} cluster.device={scenario.cluster.device} cluster.devices={devices}"
+    if scenario.schedule.reward_devices:
+        keys += f" runtime.reward_devices={scenario.schedule.reward_devices}"
+    how = "searches its shape itself as the run starts" if policy_class(policy).searches else "cuts this shape itself"
+    return f"to run it, set {keys} in the run config ({policy} {how})"

@@ -1,0 +1,417 @@
+"""ClusterState: the bookkeeping both executors share. It is the `View` a policy reads, it checks every
+decision (roles, exclusivity, memory, staleness) and it records the Trace. An executor only adds time:
+the simulator from predicted costs, the Ray runtime from real devices."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from dovetail.graph.node import Graph, Kind, Role
+from dovetail.plan.trace import Span, StepRecord, Switch, Trace
+from dovetail.sched.policy import (
+    Begin,
+    Decision,
+    DeviceIdle,
+    Event,
+    Migrate,
+    NodeFinished,
+    NodeReady,
+    NodeStarted,
+    RoleSwitched,
+    Run,
+    Setup,
+    StartStep,
+    StepCommitted,
+    SwitchRole,
+    VersionPublished,
+    can_run,
+)
+
+EPS = 1e-9
+ROLLOUT_KINDS = (Kind.GENERATE, Kind.PREFILL, Kind.DECODE, Kind.MIGRATE)
+
+
+class DecisionError(ValueError):
+    """A policy asked for something the cluster cannot do; the message names the decision and why."""
+
+
+@dataclass
+class DeviceState:
+    index: int
+    capacity_gb: float
+    role: Role | None = None
+    resident_gb: float = 0.0
+    running: dict[str, float] = field(default_factory=dict)
+    """Node -> the share of the device it takes (`take` / `release` keep `taken_share` their sum)."""
+    working_gb: float = 0.0
+    switching: bool = False
+    taken_share: float = 0.0
+
+    @property
+    def memory_gb(self) -> float:
+        return self.resident_gb + self.working_gb
+
+    @property
+    def idle(self) -> bool:
+        return not self.running and not self.switching
+
+    @property
+    def free_share(self) -> float:
+        """What a decision may still place here: read at every decision for every device, so kept, not summed."""
+        return 0.0 if self.switching else 1.0 - self.taken_share
+
+    def take(self, node_id: str, share: float, memory_gb: float) -> None:
+        self.running[node_id] = share
+        self.taken_share = sum(self.running.values())
+        self.working_gb += memory_gb
+
+    def release(self, node_id: str, memory_gb: float) -> None:
+        del self.running[node_id]
+        self.taken_share = sum(self.running.values())
+        self.working_gb -= memory_gb
+
+
+@dataclass
+class Running:
+    devices: tuple[int, ...]
+    share: float
+    start: float
+    """Start of the current segment (a migrated node has several)."""
+    work_left: float
+    """Device-seconds of work not yet done at `start` (the node's cost, less what earlier segments did)."""
+    first_start: float
+    delay: float = 0.0
+    """Seconds at the start of the segment that do no node work: the node's fixed cost (`Node.fixed_s`) as it
+    starts, a migration's re-prefill (in place of what is left of the fixed cost) as it moves."""
+    speed: float = 1.0
+    """Fraction of full speed the node runs at now: its share, or 1 / interference slowdown."""
+    pace: float = 1.0
+    """Noise multiplier of the segment's durations (the simulator's; 1 on real devices)."""
+    progress_at: float = 0.0
+    """Time up to which `work_left` is accounted (moves when the speed changes)."""
+    work_done: float = 0.0
+    """Exclusive seconds of node work done on each device in this segment (for `Span.work`)."""
+
+
+class ClusterState:
+    """Implements `sched.policy.View`. Call `begin`, then `apply` the policy's decisions and report
+    completions with `finish_node` / `finish_switch`; collect the resulting events with `take_events`."""
+
+    def __init__(self, graph: Graph, setup: Setup, slowdown: Callable[[str, str], float] | None = None) -> None:
+        """`slowdown(kind, alongside_kind)`: the interference model. With it, `share` only admits nodes onto a
+        device (shares sum to <= 1) and a shareable node runs at 1 / (its worst slowdown beside the nodes
+        sharing its devices), 1 alone, re-timed whenever a neighbour comes or goes. Without it, a node runs
+        at its share (time slicing)."""
+        self.graph = graph
+        self.setup = setup
+        self.slowdown = slowdown
+        self._retimed: dict[str, None] = {}
+        self.now = 0.0
+        self.devices = [DeviceState(i, setup.memory_gb) for i in range(setup.devices)]
+        self.ready: dict[str, None] = {}
+        self.running: dict[str, Running] = {}
+        self.finished: set[str] = set()
+        self.published: dict[str, int] = {p: 0 for p in graph.pipelines()}
+        self.started: dict[tuple[str, int], int] = {}
+        self.trace = Trace(devices=setup.devices, peak_memory_gb=[0.0] * setup.devices)
+        self._missing = {node.id: len(node.deps) for node in graph}
+        self._last_commit: dict[tuple[str, int], str] = {}
+        for node_id in graph.order:
+            node = graph[node_id]
+            if node.kind == Kind.COMMIT:
+                self._last_commit[(node.pipeline, node.step)] = node_id
+        self._step_start: dict[tuple[str, int], float] = {}
+        self._events: list[Event] = []
+        self.stopped: set[str] = set()
+        """Pipelines withdrawn from the run (`stop`): their unfinished nodes count as done and never run."""
+
+    # ------------------------------------------------------------ events
+    def take_events(self) -> list[Event]:
+        events, self._events = self._events, []
+        return events
+
+    def begin(self) -> None:
+        self._events.append(Begin(0.0))
+        for pipeline in self.published:
+            self._events.append(VersionPublished(0.0, pipeline, 0))
+
+    # ------------------------------------------------------------ decisions
+    def apply(self, decision: Decision) -> None:
+        if isinstance(decision, Run):
+            self._run(decision)
+        elif isinstance(decision, SwitchRole):
+            self._switch(decision)
+        elif isinstance(decision, StartStep):
+            self._start_step(decision)
+        elif isinstance(decision, Migrate):
+            self._migrate(decision)
+        else:
+            raise DecisionError(f"unknown decision {decision!r}")
+
+    def remaining(self, node_id: str) -> float:
+        """Predicted seconds until a running node finishes at its current speed."""
+        running = self.running[node_id]
+        delay_left = max(0.0, running.start + running.delay * running.pace - self.now)
+        return delay_left + running.work_left * running.pace / (self._width(node_id) * running.speed)
+
+    def set_pace(self, node_id: str, pace: float) -> None:
+        """Stretch the current segment of a running node by `pace` (the simulator's duration noise)."""
+        self._progress(node_id)
+        self.running[node_id].pace = pace
+        self._retimed[node_id] = None
+
+    def take_retimed(self) -> list[str]:
+        """Running nodes whose finish time changed (started, migrated, or sped up / slowed by neighbours)."""
+        retimed, self._retimed = [n for n in self._retimed if n in self.running], {}
+        return retimed
+
+    def _width(self, node_id: str) -> int:
+        """Devices the node's work spreads over (a collective's cost_s is its wall time already)."""
+        node, devices = self.graph[node_id], len(self.running[node_id].devices)
+        return 1 if node.collective else min(devices, node.max_width or devices)
+
+    def _progress(self, node_id: str) -> None:
+        """Account the work done since `progress_at` at the current speed."""
+        running = self.running[node_id]
+        working_since = max(running.progress_at, running.start + running.delay * running.pace)
+        done = min(
+            running.work_left, max(0.0, self.now - working_since) * self._width(node_id) * running.speed / running.pace
+        )
+        running.work_left -= done
+        running.work_done += done * running.pace / self._width(node_id)
+        running.progress_at = self.now
+
+    def _speed(self, node_id: str) -> float:
+        running = self.running[node_id]
+        if self.slowdown is None:
+            return running.share
+        kind = self.graph[node_id].kind.value
+        return 1.0 / max((self.slowdown(kind, other) for other in self.alongside(node_id)), default=1.0)
+
+    def _retime_around(self, devices: Sequence[int]) -> None:
+        """Re-time the nodes on `devices` after a neighbour came or went."""
+        for node_id in {n for index in devices for n in self.devices[index].running}:
+            speed = self._speed(node_id)
+            if speed != self.running[node_id].speed:
+                self._progress(node_id)
+                self.running[node_id].speed = speed
+                self._retimed[node_id] = None
+
+    def alongside(self, node_id: str) -> set[str]:
+        """Kinds of the other nodes sharing a device with `node_id` now."""
+        return {
+            self.graph[other].kind.value
+            for index in self.running[node_id].devices
+            for other in self.devices[index].running
+            if other != node_id
+        }
+
+    def _start_step(self, d: StartStep) -> None:
+        key = (d.pipeline, d.step)
+        if key in self.started:
+            raise DecisionError(f"{d}: step already started")
+        if d.pipeline not in self.published:
+            raise DecisionError(f"{d}: unknown pipeline {d.pipeline!r}")
+        if d.pipeline in self.stopped:  # its steps all count as done, so a policy may open the next: nothing runs
+            self.started[key] = d.version
+            return
+        if d.version > self.published[d.pipeline]:
+            raise DecisionError(f"{d}: version {d.version} not published yet (latest {self.published[d.pipeline]})")
+        if not 0 <= d.step - d.version <= self.setup.max_staleness:
+            raise DecisionError(f"{d}: staleness must be 0..{self.setup.max_staleness}, got {d.step - d.version}")
+        self.started[key] = d.version
+        for node in self.graph.of(d.pipeline, d.step):
+            if self._missing[node.id] == 0:
+                self._make_ready(node.id)
+
+    def stop(self, pipeline: str) -> None:
+        """Withdraw a pipeline (its reward failed): its ready and running nodes leave their devices, and every node
+        of it not finished counts as done without running, so the other pipelines go on and the run can end. A
+        policy that opens one of its steps after this (they look done) opens nothing: no staleness bound applies to
+        steps that never run, and its last committed step stays the last."""
+        self.stopped.add(pipeline)
+        for node_id in [n for n in self.ready if self.graph[n].pipeline == pipeline]:
+            del self.ready[node_id]
+        for node_id in [n for n in self.running if self.graph[n].pipeline == pipeline]:
+            running = self.running.pop(node_id)
+            self._release(node_id, running.devices)
+            self._retime_around(running.devices)
+        self.finished |= {node.id for node in self.graph if node.pipeline == pipeline}
+
+    def _make_ready(self, node_id: str) -> None:
+        if self.graph[node_id].pipeline in self.stopped:
+            return
+        self.ready[node_id] = None
+        self._events.append(NodeReady(self.now, node_id))
+
+    def _check_devices(self, what: object, node_id: str, devices: Sequence[int], share: float) -> None:
+        node = self.graph[node_id]
+        if not devices or len(set(devices)) != len(devices):
+            raise DecisionError(f"{what}: devices must be distinct and non-empty")
+        if not 0 < share <= 1 or (node.exclusive and share != 1):
+            raise DecisionError(f"{what}: share must be in (0, 1] and exactly 1 for an exclusive node")
+        for index in devices:
+            if not 0 <= index < len(self.devices):
+                raise DecisionError(f"{what}: no device {index}")
+            device = self.devices[index]
+            if device.switching:
+                raise DecisionError(f"{what}: device {index} is switching role")
+            if not can_run(node, device.role):
+                raise DecisionError(f"{what}: device {index} holds {device.role}, node needs {node.role}")
+            exclusive_there = any(self.graph[other].exclusive for other in device.running)
+            if device.running and (node.exclusive or exclusive_there):
+                raise DecisionError(f"{what}: device {index} is running {list(device.running)}")
+            if share > device.free_share + EPS:
+                raise DecisionError(f"{what}: device {index} has only {device.free_share:.3f} share free")
+            if device.memory_gb + node.memory_gb > device.capacity_gb + EPS:
+                raise DecisionError(
+                    f"{what}: device {index} would hold {device.memory_gb + node.memory_gb:.1f} GB "
+                    f"of {device.capacity_gb:.1f} GB"
+                )
+
+    def _occupy(self, node_id: str, devices: Sequence[int], share: float) -> None:
+        node = self.graph[node_id]
+        for index in devices:
+            device = self.devices[index]
+            device.take(node_id, share, node.memory_gb)
+            self.trace.peak_memory_gb[index] = max(self.trace.peak_memory_gb[index], device.memory_gb)
+
+    def _release(self, node_id: str, devices: Sequence[int]) -> None:
+        node = self.graph[node_id]
+        for index in devices:
+            device = self.devices[index]
+            device.release(node_id, node.memory_gb)
+            if device.idle:
+                self._events.append(DeviceIdle(self.now, index))
+
+    def _run(self, d: Run) -> None:
+        if d.node not in self.ready:
+            raise DecisionError(f"{d}: node is not ready")
+        self._check_devices(d, d.node, d.devices, d.share)
+        node = self.graph[d.node]
+        del self.ready[d.node]
+        self._occupy(d.node, d.devices, d.share)
+        self.running[d.node] = Running(
+            tuple(d.devices), d.share, self.now, node.cost_s, self.now, delay=node.fixed_s, progress_at=self.now
+        )
+        self._started_segment(d.node)
+        self._step_start.setdefault((node.pipeline, node.step), self.now)
+        self._events.append(NodeStarted(self.now, d.node, tuple(d.devices)))
+
+    def _migrate(self, d: Migrate) -> None:
+        if d.node not in self.running:
+            raise DecisionError(f"{d}: node is not running")
+        self._progress(d.node)
+        running = self.running[d.node]
+        self._record(d.node, running, self.now)
+        self._release(d.node, running.devices)
+        self._check_devices(d, d.node, d.devices, d.share)
+        self._occupy(d.node, d.devices, d.share)
+        self.running[d.node] = Running(
+            tuple(d.devices), d.share, self.now, running.work_left, running.first_start, d.cost_s, progress_at=self.now
+        )
+        self._retime_around(running.devices)
+        self._started_segment(d.node)
+
+    def _started_segment(self, node_id: str) -> None:
+        self.running[node_id].speed = self._speed(node_id)
+        self._retimed[node_id] = None
+        self._retime_around(self.running[node_id].devices)
+
+    def _switch(self, d: SwitchRole) -> None:
+        if not 0 <= d.device < len(self.devices):
+            raise DecisionError(f"{d}: no device {d.device}")
+        device = self.devices[d.device]
+        if not device.idle:
+            raise DecisionError(f"{d}: device is not idle (running {list(device.running)})")
+        if d.resident_gb > device.capacity_gb + EPS:
+            raise DecisionError(f"{d}: {d.resident_gb:.1f} GB does not fit in {device.capacity_gb:.1f} GB")
+        device.switching = True
+        device.resident_gb = max(device.resident_gb, d.resident_gb)
+        self.trace.peak_memory_gb[d.device] = max(self.trace.peak_memory_gb[d.device], device.memory_gb)
+        device.role = None
+        self.trace.switches.append(Switch(d.device, self.now, self.now + d.cost_s, d.role.value))
+
+    # ------------------------------------------------------------ completions
+    def finish_switch(self, device_index: int, role: Role, resident_gb: float) -> None:
+        device = self.devices[device_index]
+        device.switching = False
+        device.role = role
+        device.resident_gb = resident_gb
+        self._events.append(RoleSwitched(self.now, device_index, role))
+        self._events.append(DeviceIdle(self.now, device_index))
+
+    def _version_used(self, node_id: str) -> int:
+        node = self.graph[node_id]
+        if node.kind in ROLLOUT_KINDS:
+            return self.started[(node.pipeline, node.step)]
+        return node.version
+
+    def _record(self, node_id: str, running: Running, end: float) -> None:
+        node = self.graph[node_id]
+        version = self._version_used(node_id)
+        for index in running.devices:
+            self.trace.spans.append(
+                Span(
+                    node_id,
+                    node.pipeline,
+                    node.step,
+                    node.kind.value,
+                    index,
+                    running.start,
+                    end,
+                    running.share,
+                    version,
+                    running.work_done,
+                )
+            )
+
+    def finish_node(self, node_id: str) -> None:
+        self._progress(node_id)
+        running = self.running.pop(node_id)
+        node = self.graph[node_id]
+        self._record(node_id, running, self.now)
+        self.finished.add(node_id)
+        self._release(node_id, running.devices)
+        self._retime_around(running.devices)
+        self._events.append(NodeFinished(self.now, node_id, running.devices, self.now - running.first_start))
+        if self._last_commit.get((node.pipeline, node.step)) == node_id:
+            self._commit(node.pipeline, node.step)
+        if node.kind == Kind.PUBLISH:
+            version = node.version + 1
+            self.published[node.pipeline] = max(self.published[node.pipeline], version)
+            self._events.append(VersionPublished(self.now, node.pipeline, version))
+        for child in self.graph.dependants[node_id]:
+            self._missing[child] -= 1
+            child_node = self.graph[child]
+            if self._missing[child] == 0 and (child_node.pipeline, child_node.step) in self.started:
+                self._make_ready(child)
+
+    def _commit(self, pipeline: str, step: int) -> None:
+        nodes = self.graph.of(pipeline, step)
+        samples = {sample for node in nodes for sample in node.samples}
+        tokens = sum(node.tokens for node in nodes)
+        self.trace.steps.append(
+            StepRecord(
+                pipeline,
+                step,
+                self.started[(pipeline, step)],
+                self._step_start[(pipeline, step)],
+                self.now,
+                len(samples),
+                tokens,
+            )
+        )
+        self._events.append(StepCommitted(self.now, pipeline, step, step + 1))
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == len(self.graph)
+
+    def stuck_message(self) -> str:
+        waiting = [nid for nid in self.graph.order if nid not in self.finished][:5]
+        return (
+            f"no node running and {len(self.graph) - len(self.finished)} unfinished at t={self.now:.2f}s "
+            f"(ready: {list(self.ready)[:5]}, first unfinished: {waiting}, started steps: {sorted(self.started)})"
+        )

@@ -1,0 +1,437 @@
+"""The Ray side of `dovetail train`: run the policy on DeviceWorkers, log each optimizer step, and
+leave the run's trace, Gantt chart, sample ledger and profiled costs in the run directory."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import ray
+from ray.exceptions import RayError
+
+from dovetail.config.common import AUTO, ConfigError
+from dovetail.config.load import parse_config
+from dovetail.config.multiplex import TrainConfig
+from dovetail.cost.calibration import DEFAULT
+from dovetail.graph.node import Kind, SampleId
+from dovetail.models.training import load_trainer_state, trainer_state_of
+from dovetail.plan.metrics import summarize, time_per_step
+from dovetail.plan.trace import Segment, Trace
+from dovetail.rewards import RewardError
+from dovetail.runtime.executor import RayExecutor
+from dovetail.runtime.launch import Choice, device_pool, make_executor, prepare_run, start_ray, start_workers
+from dovetail.runtime.pipeline import Ledger
+from dovetail.runtime.recovery import StepLost
+
+
+def window_occupancy(executor: RayExecutor, start: float, end: float) -> list[float]:
+    """Each device's occupancy between two commits, from the trace: the time-weighted share of it that running
+    nodes reserved (a node holding half a device for the whole window: 0.5)."""
+    busy = [0.0] * executor.setup.devices
+    for span in executor.state.trace.spans:
+        overlap = min(span.end, end) - max(span.start, start)
+        if overlap > 0:
+            busy[span.device] += overlap * span.share
+    return [b / (end - start) for b in busy]
+
+
+class StepMetrics:
+    """Turns the executor's state at a pipeline's commit into the step's line of its metrics.jsonl."""
+
+    def __init__(self, policy, pipeline: str):
+        self.policy = policy
+        self.pipeline = pipeline
+        self.last_commit_time: float | None = None
+        """The pipeline's previous commit; before its first, the step's window opens as its first node starts (a
+        pipeline may start after others: jigsaw's turns)."""
+        self.tag_seen = 0
+
+    def __call__(self, executor: RayExecutor, graph_step: int) -> dict:
+        graph, now, run = executor.graph, executor.state.now, executor.pipelines[self.pipeline]
+        scores = ray.get(executor.outputs_of([n.id for n in graph.of(self.pipeline, graph_step, Kind.SCORE)]))
+        trained = ray.get(executor.outputs_of([n.id for n in graph.of(self.pipeline, graph_step, Kind.TRAIN)]))
+        commits = executor.outputs_of([n.id for n in graph.of(self.pipeline, graph_step, Kind.COMMIT)])
+        opened = self.last_commit_time
+        if opened is None:
+            opened = min(span.start for span in executor.state.trace.spans if span.pipeline == self.pipeline)
+        window = now - opened
+        occupancy = window_occupancy(executor, opened, now)
+        tag = self.policy.tag_decisions
+        metrics = run.adapter.step_metrics(scores, trained)
+        metrics |= {  # every reward, as the reference path logs them
+            f"reward/{name}": float(np.concatenate([s.scores[name] for s in scores]).mean())
+            for name in scores[0].scores
+        }
+        metrics |= phase_seconds(executor, self.pipeline, graph_step) | {
+            **commit_figures(commits),
+            "samples_per_s": sum(len(s.samples) for s in scores) / window,
+            "step_s": window,
+            "occupancy": float(np.mean(occupancy)),
+            "occupancy_per_device": [round(o, 4) for o in occupancy],
+            "staleness": graph_step - executor.state.started[(self.pipeline, graph_step)],
+            "publish_bytes": run.publish_bytes,
+            "publish_s": run.publish_seconds[-1] if run.publish_seconds else 0.0,
+            "tag_decisions": [k for _, k in tag[self.tag_seen :]],
+        }
+        self.last_commit_time, self.tag_seen = now, len(tag)
+        return metrics
+
+
+def commit_figures(commit_refs: list) -> dict[str, float]:
+    """The step's commit as its first trainer replica that answers tells it (`Committed`): the pre-clip gradient norm
+    (every replica's is the same) and the seconds it spent adding the devices' gradients and stepping the optimizer;
+    a replica that died after committing holds an error instead (NaN if none answers)."""
+    for ref in commit_refs:
+        try:
+            committed = ray.get(ref)
+        except RayError:
+            continue
+        return {
+            "grad_norm": float(committed.grad_norm),
+            "commit_sync_s": committed.sync_s,
+            "commit_optimizer_s": committed.optimizer_s,
+        }
+    return {"grad_norm": float("nan"), "commit_sync_s": float("nan"), "commit_optimizer_s": float("nan")}
+
+
+def phase_seconds(executor: RayExecutor, pipeline: str, graph_step: int) -> dict[str, float]:
+    """`{kind}_s`: the seconds devices spent on the step's nodes of each kind, summed over devices (the reference
+    path's phase timings are the same on its one device)."""
+    seconds: dict[str, float] = {}
+    for span in executor.state.trace.spans:  # a step's publish follows its commit: `publish_s` is another figure
+        if span.pipeline == pipeline and span.step == graph_step and span.kind != Kind.PUBLISH:
+            seconds[f"{span.kind}_s"] = seconds.get(f"{span.kind}_s", 0.0) + span.end - span.start
+    return dict(sorted(seconds.items()))
+
+
+def train_on_ray(
+    config,
+    logs: dict,
+    first_steps: dict[str, int],
+    last_step: int,
+    *,
+    after_record=None,
+    after_start=None,
+    after_part=None,
+    reprofile: bool = False,
+    called: float,
+    devices_starting: Future | None = None,
+) -> dict:
+    """Train every pipeline of the run from its first step up to `last_step` under config.policy; `logs` are the
+    pipelines' `StepLog`s (metrics, eval, checkpoints, progress). Returns run-level figures for the summary.
+    `after_record()` runs after each step is recorded (an exception it raises ends the run there). Fault-injection
+    hooks: `after_start(started)` once the workers are configured, before the start-up profile; `after_part`.
+    `called`: when the run was called (`time.perf_counter()`), for the figures' `startup_s`, the seconds until the
+    first step starts (Ray, the device workers, the start-up profile and the plan included). `devices_starting`: Ray
+    and the device workers being started on another thread (`launch.start_devices_early`), waited for first."""
+
+    def phase(what: str) -> None:
+        for name, log in logs.items():
+            log.progress.phase(name, what)
+
+    phase("starting Ray")
+    if devices_starting is not None:
+        devices_starting.result()
+    start_ray(config)
+    pool = device_pool(config)
+    states = {name: trainer_state_of(log.model, log.optimizer) for name, log in logs.items()}
+    steps = {last_step - first for first in first_steps.values()}
+    if len(steps) != 1:
+        raise ValueError(f"every pipeline of a run resumes from the same step; got {first_steps}")
+    first_steps = dict(first_steps)  # moves on when the run goes on without a lost device
+    earlier = Earlier(run_devices=pool.bundles, run_first_step=next(iter(first_steps.values())))
+    startup_s: float | None = None
+    label = f"began on {len(pool.bundles)} devices"
+    lost_at_end = False
+    while True:
+        phase(f"starting {len(pool.bundles)} device workers")
+        executor: RayExecutor | None = None
+        try:
+            started = start_workers(config, pool, states)
+            if after_start is not None:
+                after_start(started)
+            phase("profiling the devices and planning the step")
+            costs, prepared, choice, publications = prepare_run(
+                config, last_step - min(first_steps.values()), started, pool.nodes(), reprofile
+            )
+            if choice is not None:  # policy=auto: from here on the run is the chosen policy's, and says so once
+                config = config.model_copy(update={"policy": choice.policy})
+                next(iter(logs.values())).progress.note(choice.line())
+            for name, publication in publications.items():  # `auto` measured both paths: it says which it keeps
+                if publication.collective_s is not None:
+                    next(iter(logs.values())).progress.note(publication.line(name if len(logs) > 1 else None))
+            phase("first step")
+            on_commit = Recorder(logs, first_steps, prepared.policy, config.policy, after_record)
+            hooks = {"on_commit": on_commit, "after_part": after_part}
+            executor = make_executor(
+                config, prepared, started, first_steps, pool, earlier.ledgers, publications, **hooks
+            )
+            if startup_s is None:
+                startup_s = time.perf_counter() - called
+            began = time.perf_counter()
+            try:
+                trace = executor.run(prepared.policy)
+            finally:  # every step the executor committed is in its log before the run ends or goes on
+                on_commit.close()
+            break
+        except StepLost as lost:
+            earlier.lost += len(lost.devices)
+            if executor is not None and all(
+                first_steps[name] + executor.committed_steps(name) >= last_step for name in logs
+            ):  # every step was committed (and saved) before the loss: nothing is left to go on with
+                next(iter(logs.values())).progress.note(f"{lost.why} after the last step; the run is complete")
+                trace, lost_at_end = executor.state.trace, True
+                break
+            if executor is not None:
+                states = {name: executor.committed_state(name) for name in logs}
+                earlier.segment(executor, began, pool, first_steps, label)
+                earlier.book(executor, first_steps)
+            pool = pool.without(lost.devices)
+            if not pool.bundles:
+                raise RuntimeError(
+                    f"{lost.why}: no device left; check the cluster (`ray status`) and resume with --resume RUN_DIR"
+                ) from None
+            if len(set(first_steps.values())) != 1:
+                raise RuntimeError(
+                    f"{lost.why} while the pipelines stood at different steps {first_steps}: a multiplexed run goes "
+                    "on only from a step every pipeline committed; resume with --resume RUN_DIR"
+                ) from None
+            if lost.devices:
+                config = on_fewer_devices(config, len(pool.bundles))
+            step = next(iter(first_steps.values()))
+            devices = len(pool.bundles)
+            for name in logs:
+                earlier.ledgers.setdefault(name, Ledger()).went_on.append((step, devices, lost.why))
+            left = f"{devices} device{'s' if devices > 1 else ''} left"
+            label = f"{lost.why}: going on from step {step} on the {left} under {config.policy}"
+            next(iter(logs.values())).progress.note(label)
+    for pipeline in started.values():  # every publication is loaded: no member waits at their rendezvous any more
+        pipeline.incarnations.forget_publications()
+    stopped = {name: save_stopped(executor, name, logs, first_steps[name]) for name in executor.stopped}
+    if stopped and len(logs) == 1:
+        raise RewardError(next(iter(stopped.values())))
+    earlier.segment(executor, began, pool, first_steps, label)
+    return (
+        write_run_outputs(logs, config, prepared, executor, trace, costs, choice, earlier, lost_at_end)
+        | ({"stopped": stopped} if stopped else {})
+        | {"startup_s": startup_s, "devices_lost": earlier.lost}
+    )
+
+
+class Recorder:
+    """Records each optimizer step of a run's pipeline in its log (`StepLog`), with the trainer state where the log
+    needs it (a checkpoint, an evaluation); `after_record()` runs next.
+
+    The step's metrics and trainer state are read from the executor at its commit; the record itself (an evaluation,
+    a checkpoint, the curves: seconds of the driver's) runs on a thread of its own, one step after another, so that
+    the driver's loop goes on placing the pipelines' work meanwhile (a multiplexed run's other pipeline, the next
+    step's rollout). What a record raises (a failing reward, a stop the user asked for) is raised in the loop at the
+    next commit or by `drain`; once the user asked to stop, the loop waits for each record, so the run stops at the
+    step it saves."""
+
+    def __init__(self, logs: dict, first_steps: dict[str, int], policy, policy_name: str, after_record) -> None:
+        self.logs, self.first_steps, self.policy_name, self.after_record = logs, first_steps, policy_name, after_record
+        self.step_metrics = {name: StepMetrics(policy, name) for name in logs}
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="record")
+        self.submitted: list[Future] = []
+        self.failed = False
+        """A record raised: the ones after it do nothing (the run ends at the step before it)."""
+
+    def __call__(self, pipeline: str, rl_step: int, executor: RayExecutor) -> None:
+        self._raise_failed()
+        done, log = rl_step + 1, self.logs[pipeline]
+        metrics = self.step_metrics[pipeline](executor, rl_step - self.first_steps[pipeline])
+        state = executor.committed_state(pipeline) if log.needs_weights(done) else None
+        self.submitted.append(self.thread.submit(self._record, log, done, metrics, state))
+        if log.interrupt.requested is not None:
+            self.drain()
+
+    def _record(self, log, done: int, metrics: dict, state: dict | None) -> None:
+        if self.failed:
+            return
+        try:
+            if state is not None:
+                load_trainer_state(log.model, log.optimizer, state)
+                log.holds = done
+            log.record(done, metrics, {"policy": self.policy_name, "version": done})
+            if self.after_record is not None:
+                self.after_record()
+        except BaseException:
+            self.failed = True
+            raise
+
+    def _raise_failed(self) -> None:
+        """Raise what a finished record raised; keep the ones still to finish."""
+        pending = []
+        for future in self.submitted:
+            if not future.done():
+                pending.append(future)
+            elif future.exception() is not None:
+                raise future.exception()
+        self.submitted = pending
+
+    def drain(self) -> None:
+        """Wait for every record submitted; raise what a failed one raised."""
+        submitted, self.submitted = self.submitted, []
+        for future in submitted:
+            future.result()
+
+    def close(self) -> None:
+        """`drain`, then end the thread: the executor this recorder served is done."""
+        try:
+            self.drain()
+        finally:
+            self.thread.shutdown()
+
+
+@dataclass
+class Earlier:
+    """What the run did on the devices it had before it went on without lost ones: each pipeline's ledger of its
+    committed steps, the samples those steps had to cover, the devices lost, and each stretch of the run on one set
+    of devices (`segments`, the last one's added as the run ends), for the run's whole trace."""
+
+    run_devices: tuple
+    """The pool's devices (placement group bundles) when the run began: a later pool's device is known by its bundle."""
+    run_first_step: int
+    ledgers: dict[str, Ledger] = field(default_factory=dict)
+    expected: dict[str, dict[SampleId, list[int]]] = field(default_factory=dict)
+    lost: int = 0
+    segments: list[Segment] = field(default_factory=list)
+
+    def book(self, executor: RayExecutor, first_steps: dict[str, int]) -> None:
+        """Keep what `executor` committed and move each pipeline's first step past it."""
+        for name, run in executor.pipelines.items():
+            first_steps[name] += executor.committed_steps(name)
+            self.ledgers[name] = run.ledger.before(first_steps[name])
+            self.expected.setdefault(name, {}).update(executor.expected_samples(name))
+
+    def segment(self, executor: RayExecutor, began: float, pool, first_steps: dict[str, int], label: str) -> None:
+        """Keep the trace `executor` ran from `began` (`time.perf_counter()`) on `pool`, from the run's step
+        `first_steps`, and what began it (`label`)."""
+        devices = tuple(self.run_devices.index(bundle) for bundle in pool.bundles)
+        first_step = next(iter(first_steps.values())) - self.run_first_step
+        self.segments.append(Segment(executor.state.trace, began, first_step, devices, label))
+
+
+def on_fewer_devices(config, devices: int) -> TrainConfig:
+    """The run's config on the `devices` that remain: the same policy and pools where they fit, else the policy's own
+    pools, else the policy `policy=auto` picks there."""
+    same = config.model_dump(mode="json")
+    same["cluster"]["devices"] = devices
+    own_pools = copy.deepcopy(same)
+    for runtime in [own_pools.get("runtime", {}), *(p.get("runtime", {}) for p in own_pools.get("pipelines", []))]:
+        runtime.pop("trainer_devices", None)
+        runtime.pop("reward_devices", None)
+    for tree in (same, own_pools, own_pools | {"policy": AUTO}):
+        try:
+            return parse_config(tree)
+        except ConfigError:
+            continue
+    raise RuntimeError(f"no policy runs this config on the {devices} devices left; resume with --resume RUN_DIR")
+
+
+def save_stopped(executor: RayExecutor, name: str, logs: dict, first_step: int) -> str:
+    """Save a pipeline whose reward failed at its last committed step, where its run ends; returns what to tell the
+    user, in one line (a multiplexed pipeline resumes alone, from the config in its sub-directory)."""
+    log = logs[name]
+    done = first_step + executor.committed_steps(name)
+    load_trainer_state(log.model, log.optimizer, executor.committed_state(name))
+    checkpoint = log.checkpoint(done, {"policy": log.config.policy, "version": done})
+    log.last_step = done
+    return (
+        f"{executor.stopped[name]}; pipeline {name} stopped, its last committed step is saved in {checkpoint}: "
+        f"fix the reward and resume with `dovetail train --resume {log.run.path}`"
+    )
+
+
+def node_seconds(trace) -> dict[str, tuple[float, list[int]]]:
+    """Node id -> (wall seconds from first start to last end, the devices it ran on)."""
+    spans: dict[str, list] = {}
+    for span in trace.spans:
+        spans.setdefault(span.node, []).append(span)
+    return {
+        node: (max(s.end for s in group) - min(s.start for s in group), sorted({s.device for s in group}))
+        for node, group in spans.items()
+    }
+
+
+def write_run_outputs(
+    logs: dict,
+    config,
+    prepared,
+    executor: RayExecutor,
+    trace,
+    costs: dict,
+    choice: Choice | None,
+    earlier: Earlier,
+    lost_at_end: bool = False,
+) -> dict:
+    """In the run directory: trace.json (Perfetto / chrome://tracing), gantt.png and run_profile.json for
+    `dovetail simulate --from-run`; in each pipeline's directory (the run's own for a single pipeline) its sample
+    ledger.json, and with several pipelines all of them in the run directory's ledger.json. After the run went on
+    without a lost device, the trace and chart are of the whole run (a mark where it went on), the ledger too, and the
+    profile, which `simulate --from-run` replays, of the devices it ended on, naming the segments before them.
+    `lost_at_end`: a device was lost after the last step's commit (the summary's device_engines is then None)."""
+    path = next(iter(logs.values())).run.path if len(logs) == 1 else next(iter(logs.values())).run.path.parent
+    # first: a worker that died after the last step is brought back, unless its device was lost (none is asked)
+    device_engines = None if lost_at_end else executor.held_engines()
+    segments = earlier.segments
+    whole = Trace.of_segments(segments, len(earlier.run_devices)) if len(segments) > 1 else trace
+    whole.write_chrome(path / "trace.json")
+    whole.write_gantt(path / "gantt.png", f"dovetail train, policy {config.policy}, {whole.devices} devices")
+    ledgers = {}
+    for name, log in logs.items():
+        ledger = executor.pipelines[name].ledger
+        expected = earlier.expected.get(name, {}) | executor.expected_samples(name)
+        problems = ledger.problems(expected)
+        ledgers[name] = ledger.to_json() | {"problems": problems}
+        (log.run.path / "ledger.json").write_text(json.dumps(ledgers[name]))
+        if problems:
+            raise RuntimeError(f"sample ledger of {name} violated: {problems[:5]} (see {log.run.path / 'ledger.json'})")
+    if len(logs) > 1:  # every pipeline's ledger in one file too
+        (path / "ledger.json").write_text(json.dumps(ledgers))
+    metrics = summarize(trace)
+    publication = {
+        name: asdict(run.publication) | {"loads": dict(sorted(run.loads.items()))}
+        for name, run in executor.pipelines.items()
+    }
+    profile = {
+        "policy": config.policy,
+        "config": config.model_dump(mode="json"),
+        "steps": len(trace.steps) // len(logs),
+        "shapes": {name: asdict(prepared.setup.shapes[name]) for name in logs},
+        "node_seconds": node_seconds(trace),
+        "switch_seconds": executor.switch_seconds,
+        "calibration": {name: _fitted(cost) for name, cost in costs.items()},
+        "measured_step_time_s": time_per_step(trace),
+        "measured_steady_step_s": metrics.steady_step_s,
+        "auto": None if choice is None else asdict(choice),  # what policy=auto predicted for each policy it weighed
+        "publication": publication,
+        "segments_before": [
+            {"first_step": s.first_step, "steps": len(s.trace.steps) // len(logs), "devices": s.devices, "why": s.label}
+            for s in segments[:-1]
+        ],
+    }
+    (path / "run_profile.json").write_text(json.dumps(profile))
+    return {
+        "efficiency": metrics.efficiency,
+        "bubble_ratio": metrics.bubble_ratio,
+        "step_time_s": metrics.step_time_s,
+        "max_staleness": metrics.max_staleness,
+        "restarts": sum(len(run.ledger.restarts) for run in executor.pipelines.values()),
+        "device_engines": device_engines,
+        "publication": publication,
+    }
+
+
+def _fitted(cost) -> dict:
+    """The calibration fields a profile moved off the defaults. JSON keys are strings: an interference table's
+    (kind, alongside) keys are written "kind|alongside" (`replay.fitted_calibration` reads them back)."""
+    fitted = {k: v for k, v in asdict(cost.calibration).items() if v != getattr(DEFAULT, k)}
+    if "interference" in fitted:
+        fitted["interference"] = {f"{kind}|{alongside}": s for (kind, alongside), s in fitted["interference"].items()}
+    return fitted

@@ -1,0 +1,101 @@
+"""The typed messages that cross the actor boundary: what the driver asks a DeviceWorker to do, and what it answers.
+
+A `Work` names its pipeline, so a worker can hold the engines of several; its fields are plain Python, numpy, or
+Ray object refs of earlier results (the worker fetches those: a nested ref is not resolved by Ray). Results are
+what the object store keeps for the nodes that read them, and what the driver books in the sample ledger.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dovetail.graph.node import SampleId
+
+
+@dataclass(frozen=True)
+class Work:
+    pipeline: str
+
+
+# ---------------------------------------------------------------- any pipeline
+
+
+@dataclass(frozen=True)
+class LoadWeights(Work):
+    """Switch the rollout engine to weights `version` (between trajectories, never inside one)."""
+
+    version: int
+    weights: Any
+    """A ref of the exported weights (name -> numpy array)."""
+    staged: bool = False
+    """The weights come by broadcast (`runtime.publication`): take them from the staging, else from `weights`."""
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A `LoadWeights`' answer: its seconds, and the path its weights came by (`object_store`, or `collective` when
+    a broadcast staged them)."""
+
+    seconds: float
+    path: str
+
+
+@dataclass(frozen=True)
+class Commit(Work):
+    """Sum the step's train parts' gradients over the trainer devices `ranks` (the same bits wherever each part ran:
+    in the order of the parts' keys, or in any order where that gives the same bits), scale the sum by `scale`
+    (1 / the loss normaliser when the train parts summed their losses) and take one optimizer step."""
+
+    ranks: tuple[int, ...]
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A `Commit`'s answer: the pre-clip gradient norm (the same on every replica) and where the replica's commit
+    went: adding the trainer devices' gradients together (the all-reduce, with the wait for the slowest),
+    then the clip and the optimizer step."""
+
+    grad_norm: float
+    sync_s: float
+    optimizer_s: float
+
+
+@dataclass(frozen=True)
+class Trained:
+    """A train part's answer: which (sample, unit) pairs entered the gradient, its loss statistics (sums), and
+    how much it adds to the step's loss normaliser (tokens or sequences; 0 when the loss was already normalised)."""
+
+    samples: list[SampleId]
+    units: list[int]
+    """Flow: positions in every sample's trained timesteps; LM: one unit (the response)."""
+    stats: dict[str, float]
+    normaliser: float = 0.0
+
+
+@dataclass(frozen=True)
+class Score(Work):
+    """Score the samples of the given rollout results (flow `Trajectories`, LM `Responses`): `samples`, or all."""
+
+    rollouts: list[Any]
+    samples: list[SampleId] | None = None
+
+
+@dataclass(frozen=True)
+class Scores:
+    samples: list[SampleId]
+    scores: dict[str, np.ndarray]
+    """Each reward's values and their weighted sum under "total"."""
+    response_tokens: np.ndarray | None = None
+    """A language model's: each sample's response length, what its training costs (the driver balances the trainer
+    devices' shares by it, `lm_adapter.balanced`); None for a flow pipeline, whose samples cost alike."""
+
+
+@dataclass(frozen=True)
+class LogProbs:
+    samples: list[SampleId]
+    log_probs: list[np.ndarray]
+    """Per sample: per timestep (flow) or per response token (LM)."""

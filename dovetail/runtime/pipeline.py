@@ -1,0 +1,240 @@
+"""What the Ray runtime needs of a kind of pipeline, written down once: a driver-side adapter and worker-side engines.
+
+`PipelineAdapter` (driver) maps a node of the sub-stage graph to typed work on the devices the policy chose and
+books the results in the sample ledger; `PipelineEngines` (one per DeviceWorker) holds that pipeline's engines on
+the device and does the work. Commit and publish are the same for every kind and live in the executor and the
+worker; each kind's adapter and engines (`pipelines.flow.adapter`, `pipelines.flow.engines`; `pipelines.lm.adapter`,
+`pipelines.lm.engines`) implement the rest.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+import numpy as np
+import ray
+import torch
+
+from dovetail.graph.flow import split
+from dovetail.graph.node import Graph, Kind, Node, SampleId
+from dovetail.models.training import flat_gradient, load_trainer_state
+from dovetail.runtime.messages import Work
+from dovetail.sched.policy import Shape
+
+PROFILE_ROUNDS = 3
+"""Rounds of the start-up profile. One round's small-pass fit swung with this machine's noise (a fitted half point
+of 0 made digen cut 8 fragments where 4 ran 1.4x faster)."""
+
+
+@dataclass
+class Part:
+    """One actor call that carries out (part of) a node on one device; kept so it can be re-sent."""
+
+    node: str
+    device: int
+    work: object
+    index: int = 0
+    """Position of the part's output among the node's outputs (results are read in this order)."""
+    rerun: bool = False
+    """A finished train part sent again to a restarted device, to rebuild its gradient."""
+
+
+@dataclass
+class Ledger:
+    """Per sample and per weights version: what was generated, scored and trained, and where."""
+
+    generated: dict[SampleId, list[tuple[int, int]]] = field(default_factory=dict)
+    scored: dict[SampleId, int] = field(default_factory=dict)
+    trained: dict[tuple[SampleId, int], int] = field(default_factory=dict)
+    """(sample, unit) -> times its gradient entered a commit (unit: a timestep, or 0 for an LM response)."""
+    migrated: list[tuple[int, int, int]] = field(default_factory=list)
+    """(RL step, responses, destination device) of each tail migration."""
+    restarts: list[tuple[float, int, str]] = field(default_factory=list)
+    reruns: list[tuple[int, str]] = field(default_factory=list)
+    """(device, train node) re-run on a restarted device to rebuild the gradients it held."""
+    went_on: list[tuple[int, int, str]] = field(default_factory=list)
+    """(RL step, devices, why) each time the run went on from its last committed step without a lost node's work."""
+
+    def problems(self, expected: dict[SampleId, list[int]]) -> list[str]:
+        """Every sample generated once and scored once, every (sample, unit) trained once."""
+        found = []
+        for sample, units in expected.items():
+            if len(self.generated.get(sample, [])) != 1:
+                found.append(f"sample {sample} generated {len(self.generated.get(sample, []))} times")
+            if self.scored.get(sample, 0) != 1:
+                found.append(f"sample {sample} scored {self.scored.get(sample, 0)} times")
+            for unit in units:
+                if self.trained.get((sample, unit), 0) != 1:
+                    found.append(f"sample {sample} unit {unit} trained {self.trained.get((sample, unit), 0)} times")
+        return found
+
+    def before(self, step: int) -> Ledger:
+        """What was booked of the RL steps before `step` (a run that goes on from `step` without a lost device does
+        that step again), and every restart and migration."""
+        return replace(
+            self,
+            generated={sample: uses for sample, uses in self.generated.items() if sample.step < step},
+            scored={sample: times for sample, times in self.scored.items() if sample.step < step},
+            trained={key: times for key, times in self.trained.items() if key[0].step < step},
+        )
+
+    def with_restarts(self, restarts: list[tuple[float, int, str]]) -> Ledger:
+        return replace(self, restarts=self.restarts + list(restarts))
+
+    def to_json(self) -> dict:
+        """ledger.json: each row a record whose keys name its fields, so the file reads without this class."""
+        return {
+            "generated": [
+                {"step": s.step, "prompt": s.prompt, "member": s.member, "device": d, "version": v}
+                for s, uses in sorted(self.generated.items())
+                for d, v in uses
+            ],
+            "trained": [
+                {"step": s.step, "prompt": s.prompt, "member": s.member, "unit": k, "times": n}
+                for (s, k), n in sorted(self.trained.items())
+            ],
+            "migrated": [{"step": s, "responses": n, "device": d} for s, n, d in self.migrated],
+            "restarts": [{"time": t, "device": d, "during": what} for t, d, what in self.restarts],
+            "reruns": [{"device": d, "node": node} for d, node in self.reruns],
+            "went_on": [{"step": s, "devices": d, "why": why} for s, d, why in self.went_on],
+        }
+
+
+class RunContext(Protocol):
+    """What an adapter may ask of the executor running its pipeline, and nothing more (the `RayExecutor` answers):
+    the graph, which weights a step's rollouts use, the results of finished nodes, and the step's shape."""
+
+    graph: Graph
+
+    def rollout_version(self, pipeline: str, step: int) -> int:
+        """The weights version the pipeline's graph step `step` opened on (its rollouts' version)."""
+
+    def weights(self, pipeline: str, version: int) -> ray.ObjectRef:
+        """The published weights of a version."""
+
+    def outputs_of(self, node_ids: Sequence[str]) -> list:
+        """The result refs of finished nodes, in the given order."""
+
+    def sources(self, node: Node, kinds: Sequence[Kind]) -> dict[Kind, list]:
+        """Result refs of the nodes of `kinds` of the node's step that it (transitively) reads."""
+
+    def shape_of(self, pipeline: str) -> Shape:
+        """The shape the pipeline's steps were cut with (`graph.lm.LMShape`, `graph.flow.FlowShape`)."""
+
+
+class PipelineAdapter(ABC):
+    """The driver side of one pipeline kind."""
+
+    def __init__(self, config, first_step: int) -> None:
+        self.config = config
+        self.first_step = first_step
+
+    def rl_step(self, node: Node) -> int:
+        """The RL step of a node (the graph counts from 0 at the run's first step, e.g. after a resume)."""
+        return self.first_step + node.step
+
+    @abstractmethod
+    def parts(self, node: Node, devices: tuple[int, ...], run: RunContext) -> list[Part]:
+        """The actor calls that carry out `node` on `devices` (not commit / publish, which the executor does)."""
+
+    @abstractmethod
+    def book(self, node: Node, part: Part, result, ledger: Ledger) -> None:
+        """Account a finished part's result in the ledger (generated, scored); training is booked at the commit."""
+
+    @abstractmethod
+    def units_of(self, sample: SampleId) -> list[int]:
+        """What training a sample consists of (the ledger's units): its trained timesteps, or [0]."""
+
+    @abstractmethod
+    def step_metrics(self, scores: list, trained: list) -> dict:
+        """The pipeline's own figures of a committed step (rewards, loss statistics) from its score and train
+        results; the driver adds throughput, efficiency and staleness."""
+
+    def commit_scale(self, trained: list) -> float:
+        """What the commit multiplies the summed gradients by, given the step's train results: 1 when each part's
+        loss was already divided by the step's normaliser, else 1 / the sum of their contributions."""
+        return 1.0
+
+    @staticmethod
+    def spread(items: list, devices: tuple[int, ...]) -> list[tuple[int, list]]:
+        """`items` dealt to `devices` in contiguous runs (sizes differ by at most one); an empty share is dropped."""
+        runs = zip(devices, split(len(items), len(devices)))
+        return [(device, [items[r] for r in rows]) for device, rows in runs if rows]
+
+
+class PipelineEngines(ABC):
+    """The worker side of one pipeline kind: its engines on one device. `trainer` / `optimizer` are None on a
+    device that holds no policy engine (a reward device)."""
+
+    def __init__(self, config, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.trainer: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.reference: torch.nn.Module | None = None
+        self.rollout = None
+        self.rollout_version: int | None = None
+
+    @abstractmethod
+    def run(self, work: Work):
+        """Do one piece of work and return its result message (a train's gradient is then `part_gradient()`)."""
+
+    def part_gradient(self) -> torch.Tensor:
+        """The flat gradient of the train work just run, in fp64, the precision the commit adds parts in
+        (`worker.reduce_parts`); the trainer's own gradients are cleared. By default what backpropagation accumulated
+        in the trainer."""
+        trainer, _ = self.held_trainer()
+        gradient = flat_gradient(trainer).double()
+        trainer.zero_grad(set_to_none=True)
+        return gradient
+
+    def held_trainer(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """The trainer engine and its optimizer, on a device that holds them (trainer work goes only there)."""
+        if self.trainer is None or self.optimizer is None:
+            raise RuntimeError("this device holds no trainer engine (a reward device)")
+        return self.trainer, self.optimizer
+
+    def hold(self, role: str) -> None:
+        """The device switched to `role` (a policy's `SwitchRole`: `rollout`, `trainer` or `any`); by default every
+        engine stays resident and awake (the models are small here)."""
+        return None
+
+    @abstractmethod
+    def load_rollout(self, weights: dict[str, np.ndarray]) -> None:
+        """Put published weights into the rollout engine."""
+
+    @abstractmethod
+    def profile(self, samples: int, carry: Callable[[dict], dict]) -> dict[str, float]:
+        """Measured seconds of each kind of work here, for the cost model the policy plans with."""
+
+    @abstractmethod
+    def time_kind(
+        self, kind: str, samples: int, repeats: int, carry: Callable[[dict], dict]
+    ) -> list[tuple[float, float]]:
+        """(start, end) of each of `repeats` runs of one kind of the profile's work here
+        (`runtime.interference.time_work`: what the interference table is measured with), the trainer left as it was."""
+
+    def held(self) -> list[str]:
+        engines = {"trainer": self.trainer, "rollout": self.rollout, "reference": self.reference}
+        return [name for name, engine in engines.items() if engine is not None] + ["reward"]
+
+    def load_rollout_weights(self, version: int, weights) -> None:
+        """Switch the rollout engine to `version` (between trajectories, never inside one)."""
+        if self.rollout_version != version:
+            self.load_rollout(weights if isinstance(weights, dict) else ray.get(weights))
+            self.rollout_version = version
+
+    def load_trainer_state(self, state: dict) -> None:
+        """Take over another replica's committed state (after a restart, or to join the trainer pool)."""
+        trainer, optimizer = self.held_trainer()
+        load_trainer_state(trainer, optimizer, state)
+        optimizer.zero_grad(set_to_none=True)
+
+    @staticmethod
+    def fetch(refs: list) -> list:
+        """Results of earlier nodes: a message's refs are not resolved by Ray, the worker gets them; a result
+        that is no ref is itself (the LM reference loop runs the workers' work in-process)."""
+        return [ray.get(r) if isinstance(r, ray.ObjectRef) else r for r in refs]

@@ -1,0 +1,320 @@
+"""DeviceWorker: one Ray actor per device (a GPU, or on a CPU-only machine one pinned core).
+
+It holds a pipeline's engines (`runtime.pipeline.PipelineEngines`: for a flow model or a language model, rollout,
+trainer, reference and reward engines) and does the typed work the driver sends (`runtime.messages`). It carries out
+work and never decides: which node runs where is the policy's, through the executor.
+
+The engines live on the worker's device (the GPU Ray assigned it, else the CPU); what crosses Ray (rollouts,
+scores, weights, trainer state) is CPU numpy / tensors, so the driver needs no GPU. Each train part's gradient stays
+on the device in fp64, keyed by the part (node, index); at the commit each device that holds the trainer engine adds
+its own parts and one all-reduce in a torch.distributed group (NCCL between GPUs, gloo between CPU cores) adds the
+devices' sums (`reduce_parts`): fp32 gradients add up in fp64 to the same bits in any order, so the sum is the same
+whichever device trained which part — a run is bitwise reproducible under a scheduler that places work by measured
+time — and every trainer replica takes the same optimizer step. A worker that dies loses its parts' gradients: the
+executor re-runs them (same keys, same bits).
+
+A publication's weights come through the object store, or by a broadcast that runs on a thread of its own
+(`broadcast_weights`) and stages them for the `LoadWeights` in the main queue: `runtime.publication` says why that
+cannot deadlock.
+"""
+
+import os
+import socket
+import statistics
+import time
+import uuid
+from datetime import timedelta
+
+import ray
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from dovetail.config.load import parse_config
+from dovetail.kinds import kind
+from dovetail.models.training import (
+    commit,
+    set_summed_gradient,
+    strict_fp32,
+    trainable_parameters,
+    trainer_state_of,
+    weights_of,
+)
+from dovetail.runtime.messages import Commit, Committed, Loaded, LoadWeights, Trained, Work
+from dovetail.runtime.publication import (
+    Layout,
+    Staging,
+    broadcast,
+    empty_buffers,
+    flatten,
+    publication_group,
+    unflatten,
+)
+from dovetail.runtime.rendezvous import RayStore, forget
+
+DEVICE_RESOURCE = "dovetail_device"
+GROUP_TIMEOUT_S = 120
+LOOPBACK = "127.0.0.1"
+"""The node address of a local run (`launch.start_local_ray`): every server on it, and every peer on this machine."""
+
+
+class WorkerRestarted(RuntimeError):
+    """A restarted DeviceWorker got work before it was configured again: the executor revives it and sends the work
+    again (`runtime.recovery`)."""
+
+
+def form_group(workers: list) -> str:
+    """Every device joins one new torch.distributed group, its rank its place in `workers`; it meets in Ray's
+    key-value store (`runtime.rendezvous`), which outlives any device. Returns the group's rendezvous prefix."""
+    prefix = f"group-{uuid.uuid4().hex}"
+    ray.get([w.join_group.remote(prefix, rank, len(workers)) for rank, w in enumerate(workers)])
+    return prefix
+
+
+def through_object_store(weights: dict) -> dict:
+    """Weights as a publication moves them: into Ray's object store and out (what the profile times)."""
+    return ray.get(ray.put(weights))
+
+
+def worker_device() -> torch.device:
+    """The GPU Ray assigned to this actor (Ray narrows CUDA_VISIBLE_DEVICES to it), else the CPU."""
+    return torch.device("cuda", 0) if ray.get_gpu_ids() else torch.device("cpu")
+
+
+def group_backend(device: torch.device) -> str:
+    """NCCL all-reduces tensors on CUDA devices, gloo on the CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def join_process_group(prefix: str, rank: int, world: int, backend: str) -> RayStore:
+    """Module-level: Ray cannot pickle actor methods that use torch.distributed. On a local run's node (loopback)
+    every member is on this machine, and gloo's own connections stay on loopback too. Returns the group's store,
+    which the caller keeps for the group's life: torch holds it from C++ only, and sub-groups cut later read it."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if ray.util.get_node_ip_address() == LOOPBACK:
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
+    timeout = timedelta(seconds=GROUP_TIMEOUT_S)
+    store = RayStore(prefix, timeout)
+    named = c10d._world.group_count
+    try:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    except BaseException:
+        # torch names a default group by a count of this process's groups, which it has advanced: a member whose
+        # forming failed (its group abandoned) would name its next group apart from members that never tried, and
+        # the group would never meet
+        c10d._world.group_count = named
+        raise
+    return store
+
+
+def loopback_interface() -> str:
+    """This machine's loopback network interface (`lo` on Linux, `lo0` on macOS)."""
+    names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
+    if not names:
+        raise RuntimeError("no loopback network interface (lo) on this machine: a local run keeps its group on it")
+    return min(names, key=len)
+
+
+def group_of(ranks: tuple[int, ...], groups: dict):
+    """The torch.distributed subgroup of the devices `ranks`, cut once (by its members only) and kept in `groups`."""
+    if ranks not in groups:
+        groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return groups[ranks]
+
+
+def reduce_parts(parts: dict, ranks: tuple[int, ...], groups: dict, total: torch.Tensor) -> torch.Tensor:
+    """The sum of every device's train `parts` (flat fp64 gradients) over the devices `ranks`: each device adds its own
+    into `total` (zeros of the parts' size and dtype: a device may hold none), and one all-reduce adds the devices'
+    sums. fp32 terms add up in fp64 to the same bits in any order unless their magnitudes span more than 2^29 (less a
+    few bits of carries), and the sum is rounded once to fp32 at the commit, so a run is the same bits whichever
+    device trained which part (and after a restart). One gradient per device crosses, where gathering every part to
+    every device and adding in key order moved them all: 4 fp64 parts on each of 2 devices (a 1.3 M-parameter model)
+    took ~140 ms to gather here, ~20 ms to all-reduce as one sum; a flow step of `colocated` (five train nodes, ten
+    fp32 parts) spent 0.32 device-s in its commit gathering them."""
+    for key in sorted(parts):
+        total += parts[key]
+    if len(ranks) > 1:
+        dist.all_reduce(total, group=group_of(ranks, groups))
+    return total
+
+
+@ray.remote(
+    num_cpus=0,
+    resources={DEVICE_RESOURCE: 1},
+    max_restarts=-1,
+    max_task_retries=0,
+    concurrency_groups={"liveness": 1, "publication": 1},
+)
+class DeviceWorker:
+    def __init__(self, index: int, pin_core: bool = True):
+        """`index`: the device's place in the pool that started it, which picks its core; a run gives the worker
+        its place in that run's pool at `configure` (the same, unless the run goes on without a lost device)."""
+        torch.set_num_threads(1)
+        self.device = worker_device()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            strict_fp32()
+        elif pin_core and hasattr(os, "sched_setaffinity"):
+            # device i is the i-th core this process may use (taskset / cgroups narrow them): two runs started on
+            # different cores keep to them
+            cores = sorted(os.sched_getaffinity(0))
+            os.sched_setaffinity(0, {cores[index % len(cores)]})
+        self.index = index
+        self._engines = None
+        self.group: str | None = None
+        """The rendezvous prefix of this device's current group (`form_group`)."""
+        self.publication_groups: dict[str, tuple[object, RayStore]] = {}
+        """This device's publication groups and their stores, by rendezvous prefix (the publication thread's alone)."""
+        self.staging = Staging()
+
+    def configure(self, config: dict, trainer_state: dict, index: int) -> None:
+        """Build the pipeline's engines for a run in which this is device `index`; a device past `compute_devices`
+        (the reward pool) holds the reward engine alone. Workers outlive a run, so one pool serves many runs (and
+        tests) without restarting torch."""
+        self.index = index
+        self.config = parse_config(config)
+        self.publication_groups.clear()  # an earlier run's: it is over, and its driver forgot their rendezvous
+        holds_policy = self.index < self.config.compute_devices
+        engines = kind(self.config.kind).load("engines")
+        self._engines = engines(self.config, self.device, holds_policy, trainer_state)
+        self.gradients: dict[tuple[str, int], torch.Tensor] = {}
+        """The open step's train parts' gradients here, by part (node, index)."""
+        self.role: str | None = None
+
+    @property
+    def engines(self):
+        """The pipeline's engines here; a new incarnation (Ray restarted this actor) has none until `configure`."""
+        if self._engines is None:
+            raise WorkerRestarted(f"device {self.index} restarted and is not configured yet")
+        return self._engines
+
+    def preload(self, kind_name: str) -> None:
+        """Import a pipeline kind's engines (torch's model stack: seconds) before `configure` needs them. A run
+        started from the command line sends this as its workers start, before its own process imports the same
+        stack, so that the two imports overlap instead of following each other (`launch.start_devices_early`)."""
+        kind(kind_name).load("engines")
+
+    def held_engines(self) -> list[str]:
+        """The engines this device holds (every device holds the reward engine, built at configure)."""
+        return self.engines.held()
+
+    def join_group(self, prefix: str, rank: int, world: int) -> None:
+        """(Re)join the torch.distributed group of all devices as `rank`; trainer groups are cut from it at commits.
+        Accumulated gradients survive (a re-join follows another device's restart)."""
+        self.store = join_process_group(prefix, rank, world, group_backend(self.device))
+        self.groups: dict[tuple[int, ...], object] = {}
+        # every member has left the group this one replaces (each leaves before it joins, and joining waits for all):
+        # its rendezvous keys are nobody's any more
+        previous, self.group = self.group, prefix
+        if previous is not None and previous != prefix:
+            forget(previous)
+
+    @ray.method(concurrency_group="liveness")
+    def ping(self) -> int:
+        """This process's pid, answered on a thread of its own: a worker whose work waits for a peer (a commit's
+        all-reduce) still tells a revive that it is alive, so the revive can send that peer its work."""
+        return os.getpid()
+
+    @ray.method(concurrency_group="publication")
+    def broadcast_weights(self, prefix: str, rank: int, world: int, version: int, layout: Layout, weights) -> None:
+        """One publication by broadcast, on the publication thread: rank 0 sends `weights` (the exported snapshot),
+        the others receive weights of `layout` into their staging under `version`. A failure (a member died, the
+        group broke) is staged instead: that version loads from the object store, and this group is left."""
+        try:
+            if prefix not in self.publication_groups:
+                self.publication_groups[prefix] = publication_group(prefix, rank, world, self.device)
+            buffers = flatten(weights, self.device) if rank == 0 else empty_buffers(layout, self.device)
+            group, _ = self.publication_groups[prefix]
+            broadcast(group, buffers)
+            if rank > 0:
+                self.staging.put(version, unflatten(buffers, layout))
+        except Exception as error:  # any failure is the publication's: it has a fallback
+            self.publication_groups.pop(prefix, None)
+            if rank > 0:
+                self.staging.put(version, error)
+
+    def profile(self, samples: int) -> dict[str, float]:
+        return self.engines.profile(samples, carry=through_object_store)
+
+    def time_kind(self, kind: str, samples: int, repeats: int) -> list[tuple[float, float]]:
+        """(start, end) of each of `repeats` runs of one kind of the profile's work here: `runtime.interference` times
+        it alone, and beside another pipeline's work on this device."""
+        return self.engines.time_kind(kind, samples, repeats, carry=through_object_store)
+
+    def trainer_state(self) -> dict:
+        return trainer_state_of(self.engines.trainer, self.engines.optimizer)
+
+    def export_weights(self) -> dict:
+        """The trainer's weights as numpy arrays: what a publish node puts in the object store."""
+        return weights_of(self.engines.trainer)
+
+    @ray.method(num_returns=2)
+    def taken(self, method: str) -> tuple[bool, object]:
+        """What `method` (`trainer_state`, `export_weights`) returns, as the second of two objects: the driver waits
+        on the first, a flag, to learn that the call succeeded, and hands the second on by reference without
+        fetching it (a trainer state is three times the weights)."""
+        return True, getattr(self, method)()
+
+    def switch_role(self, role: str) -> float:
+        """Sleep one engine, wake the other (`PipelineEngines.hold`: vLLM's rollout engine sleeps while the device
+        trains; the others stay resident, the models being small); returns the round trip, what a switch costs here."""
+        start = time.perf_counter()
+        self.engines.hold(role)
+        self.role = role
+        return time.perf_counter() - start
+
+    def run(self, work: Work, part: tuple[str, int] | None = None):
+        """Do one piece of work, `part` (node, index) of a node. A train part's gradient is kept under that key
+        for the commit."""
+        if isinstance(work, Commit):
+            return self._commit(work)
+        if isinstance(work, LoadWeights):
+            return self._load(work)
+        if self.engines.trainer is not None:
+            self.engines.trainer.zero_grad(set_to_none=True)
+        result = self.engines.run(work)
+        if isinstance(result, Trained):
+            self.gradients[part] = self.engines.part_gradient()
+        return result
+
+    def _load(self, work: LoadWeights) -> Loaded:
+        """Switch the rollout engine to the published version: the broadcast's staged weights where it was sent
+        one, else (or if it failed) the object store's."""
+        engines, start = self.engines, time.perf_counter()  # a bare incarnation raises at once, before any wait
+        weights, path = work.weights, "object_store"
+        if work.staged:
+            try:
+                weights, path = self.staging.take(work.version), "collective"
+            except Exception:  # the broadcast failed or never came: the object store has it
+                pass
+        engines.load_rollout_weights(work.version, weights)
+        return Loaded(time.perf_counter() - start, path)
+
+    def _commit(self, work: Commit) -> Committed:
+        """Add the step's train parts' gradients of every trainer device (`reduce_parts`) and take one optimizer
+        step."""
+        start = time.perf_counter()
+        summed = reduce_parts(self.gradients, work.ranks, self.groups, self._zero_gradient())
+        synced = time.perf_counter()
+        set_summed_gradient(self.engines.trainer, [summed], work.scale)
+        self.gradients = {}
+        grad_norm = commit(self.engines.trainer, self.engines.optimizer, self.config.train.max_grad_norm)
+        return Committed(grad_norm, synced - start, time.perf_counter() - synced)
+
+    def _zero_gradient(self) -> torch.Tensor:
+        """A flat fp64 gradient of zeros over the trainer's trainable parameters (what a part is: `part_gradient`)."""
+        trained = trainable_parameters(self.engines.held_trainer()[0])
+        return torch.zeros(sum(p.numel() for p in trained), dtype=torch.float64, device=self.device)
+
+    def time_sync(self, ranks: tuple[int, ...], repeats: int) -> float:
+        """Median seconds of a commit's adding across the devices `ranks` (each calls this at once), one part of the
+        trainer's gradient size per device: what the planner's commit across trainer replicas is fitted to
+        (`cost.model.CostModel.replica_allreduce_seconds`). The first round, which cuts the group, is not timed."""
+        part = {("sync", self.index): self._zero_gradient()}
+        seconds = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            reduce_parts(part, ranks, self.groups, self._zero_gradient())
+            seconds.append(time.perf_counter() - start)
+        return statistics.median(seconds[1:])
