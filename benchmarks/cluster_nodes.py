@@ -41,8 +41,8 @@ def run_on_cluster(nodes: list[int], publication: str, steps: int, out: Path) ->
     from ray._private import ray_constants
     from ray.cluster_utils import Cluster
 
+    from dovetail import train
     from dovetail.config.load import load_config
-    from dovetail.runner import train
     from dovetail.runtime.worker import DEVICE_RESOURCE, LOOPBACK
 
     ray_constants.ENABLE_RAY_CLUSTER = False  # every node on loopback, as a local run's
@@ -54,7 +54,7 @@ def run_on_cluster(nodes: list[int], publication: str, steps: int, out: Path) ->
             None, [*CONFIG, f"cluster.address={cluster.address}", f"cluster.publication={publication}"]
         )
         start = time.perf_counter()
-        summary = train(config, out, steps=steps, overwrite=True)
+        summary = train(config, out=out, steps=steps, overwrite=True)
         wall = time.perf_counter() - start
     finally:
         ray.shutdown()

@@ -24,8 +24,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from fault_injection import CONFIG, MOMENTS, SPREADS, Fault  # noqa: E402
 
+from dovetail import runner  # noqa: E402
 from dovetail.config.load import load_config  # noqa: E402
-from dovetail.runner import train  # noqa: E402
+from dovetail.request import FaultHooks, RunRequest  # noqa: E402
 from dovetail.runtime.launch import start_local_ray  # noqa: E402
 
 STEPS = 3
@@ -42,7 +43,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     start_local_ray(cpu_devices=2)
-    train(load_config(None, CONFIG), args.out / "undisturbed", steps=STEPS)
+    runner.train(RunRequest.build(load_config(None, CONFIG), out=args.out / "undisturbed", steps=STEPS))
     expected = weights(args.out / "undisturbed")
     print("| moment | workers killed | kills | restarts | ledger problems | weights bitwise equal | wall s |")
     print("|---|---|---|---|---|---|---|")
@@ -51,7 +52,10 @@ def main() -> None:
             out = args.out / f"{moment.replace(' ', '-')}-{spread.replace(' ', '-')}"
             fault = Fault(moment, spread, STEPS)
             start = time.perf_counter()
-            summary = train(load_config(None, CONFIG), out, steps=STEPS, **fault.hooks())
+            request = RunRequest.build(
+                load_config(None, CONFIG), out=out, steps=STEPS, hooks=FaultHooks(**fault.hooks())
+            )
+            summary = runner.train(request)
             took = time.perf_counter() - start
             problems = json.loads((out / "ledger.json").read_text())["problems"]
             got = weights(out)

@@ -21,12 +21,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from dovetail import train
 from dovetail.config.load import load_config
-from dovetail.runner import train
 
 
 def flow_grpo(out: Path) -> tuple[float, float, float]:
-    summary = train(load_config(None, ["eval.every=100", "checkpoint.every=100"]), out, steps=30)
+    summary = train(load_config(None, ["eval.every=100", "checkpoint.every=100"]), out=out, steps=30)
     return summary["base_eval_reward"], summary["final_eval_reward"], 0.1
 
 
@@ -34,13 +34,13 @@ def dance_grpo(out: Path) -> tuple[float, float, float]:
     config = load_config(
         None, ["algorithm=dance_grpo", "algo.timestep_fraction=0.6", "eval.every=100", "checkpoint.every=100"]
     )
-    summary = train(config, out, steps=30)
+    summary = train(config, out=out, steps=30)
     return summary["base_eval_reward"], summary["final_eval_reward"], 0.1
 
 
 def sort(out: Path) -> tuple[float, float, float]:
     config = load_config("configs/sort.yaml", ["train.steps=30", "eval.every=30", "checkpoint.every=100"])
-    summary = train(config, out, steps=30)
+    summary = train(config, out=out, steps=30)
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     first, last = (sum(m["reward/total"] for m in part) / 5 for part in (lines[:5], lines[-5:]))
     if last < first + 0.05:

@@ -69,6 +69,7 @@ import torch
 from runtime_policies import read_steps, steady_figures
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
+from dovetail import train
 from dovetail.algo import group_advantages
 from dovetail.config.load import load_config
 from dovetail.graph.node import SampleId
@@ -79,7 +80,6 @@ from dovetail.models.training import flat_gradient, make_optimizer
 from dovetail.pipelines.lm.model import load_policy
 from dovetail.pipelines.lm.prompts import RunPrompts
 from dovetail.rewards.text import score_text
-from dovetail.runner import train
 
 SORT_YAML = Path(__file__).resolve().parents[1] / "configs" / "sort.yaml"
 ARRANGEMENTS = {  # name: (framework, cores its compute uses)
@@ -123,7 +123,7 @@ def run_dovetail(policy: str, steps: int, out: Path, launched: float) -> dict:
     samples = config.algo.prompts_per_step * config.algo.group_size
     clock = Clock()
     called = time.time()
-    summary = train(config, out / "run", steps=steps, overwrite=True, callbacks=[clock])
+    summary = train(config, out=out / "run", steps=steps, overwrite=True, callbacks=[clock])
     lines = read_steps(out / "run")
     between = [b - a for a, b in zip(clock.ends, clock.ends[1:])][:-1]  # the last step's callback follows its eval
     return {

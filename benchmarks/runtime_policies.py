@@ -22,9 +22,9 @@ import statistics
 import time
 from pathlib import Path
 
+from dovetail import train
 from dovetail.config.load import load_config
 from dovetail.graph.node import Kind
-from dovetail.runner import train
 from dovetail.runtime.launch import dry_run
 from dovetail.runtime.replay import replay_run
 
@@ -74,7 +74,9 @@ def measure(policy: str, steps: int, out: Path, overrides: list[str]) -> dict:
     predicted = dry_run(config, steps).get("step_time_s")
     clock = StepClock()
     start = time.perf_counter()
-    summary = train(config, out, steps=steps, overwrite=True, callbacks=[clock])  # a re-run replaces its earlier one
+    summary = train(
+        config, out=out, steps=steps, overwrite=True, callbacks=[clock]
+    )  # a re-run replaces its earlier one
     wall = time.perf_counter() - start
     lines = read_steps(out)[1:]
     row = {

@@ -21,9 +21,9 @@ import torch
 import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from dovetail import train
 from dovetail.config.load import load_config
 from dovetail.models.tokenizer import CharTokenizer
-from dovetail.runner import train
 
 ALPHABET = "0123456789+="
 IGNORE = -100
@@ -103,7 +103,7 @@ def main() -> None:
     }
     (args.out / "my_lm.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     start = time.perf_counter()
-    summary = train(load_config(args.out / "my_lm.yaml"), args.out / "run", overwrite=True)
+    summary = train(load_config(args.out / "my_lm.yaml"), out=args.out / "run", overwrite=True)
     print(
         f"held-out reward {summary['base_eval_reward']:.3f} -> {summary['final_eval_reward']:.3f} after {args.steps} "
         f"GRPO steps ({args.policy}, {time.perf_counter() - start:.0f} s)"

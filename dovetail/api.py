@@ -1,18 +1,25 @@
 """The Python API: `dovetail.train(config, ...)` and `dovetail.simulate(scenario, ...)`, as the command line's
 `dovetail train` and `dovetail simulate --json` do them. Imports nothing heavy until called."""
 
+from __future__ import annotations
+
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the API imports nothing heavy until called
+    from dovetail.request import Callback
 
 
 def train(
     config,
     *,
     out: Path | str | None = None,
-    overrides: list[str] = (),
+    overrides: Sequence[str] = (),
     steps: int | None = None,
     resume: Path | str | None = None,
     overwrite: bool = False,
-    callbacks: list = (),
+    callbacks: Sequence[Callback] = (),
 ) -> dict:
     """Train as `dovetail train` does and return the run's summary (what summary.json holds).
 
@@ -24,23 +31,13 @@ def train(
     copy there, as the command line's `--resume` does). A bad config raises `dovetail.config.common.ConfigError`; a
     directory holding another run `RunDirInUse` (unless `overwrite`); Ctrl-C stops after the step in flight, saved,
     raising `dovetail.run_dir.RunInterrupted`."""
-    import copy
-
-    from dovetail.config.load import apply_override, load_config, parse_config
+    from dovetail.request import RunRequest
     from dovetail.runner import train as run_training
 
-    if isinstance(config, str | Path):
-        config = load_config(config, list(overrides))
-    else:  # a tree, or a config object: validated again, with the overrides applied
-        tree = copy.deepcopy(config) if isinstance(config, dict) else config.model_dump(mode="json")
-        for override in overrides:
-            apply_override(tree, override)
-        config = parse_config(tree)
-    if out is None:
-        from dovetail.run_dir import run_of
-
-        out = run_of(Path(resume)) if resume is not None else Path("runs/latest")
-    return run_training(config, Path(out), steps=steps, resume=resume, overwrite=overwrite, callbacks=list(callbacks))
+    request = RunRequest.build(
+        config, overrides, out=out, steps=steps, resume=resume, overwrite=overwrite, callbacks=callbacks
+    )
+    return run_training(request)
 
 
 def simulate(scenario, policies: list[str] | None = None, *, steps: int | None = None) -> dict:

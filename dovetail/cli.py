@@ -30,7 +30,7 @@ def _check_count(flag: str, value: int | None, most: int) -> None:
 
 @app.command()
 def train(
-    config: Path = typer.Argument(None, help="YAML config; omit for the defaults"),
+    config: Path | None = typer.Argument(None, help="YAML config; omit for the defaults"),
     overrides: list[str] = typer.Argument(None, help="dotted overrides, e.g. train.lr=1e-4"),
     out: Path = typer.Option(
         None, help="run directory (default: runs/latest; with --resume, the resumed run's own directory)"
@@ -61,66 +61,53 @@ def train(
     code 130 / 143 / 129 (a second signal stops at once). A run that fails says why in one line; the traceback is in
     RUN_DIR/error.log."""
     began = time.perf_counter()
-    from dovetail.config.common import MAX_STEPS
-    from dovetail.config.load import check_this_machine, load_config
-    from dovetail.config.multiplex import pipeline_configs
+    from dovetail.config.load import check_this_machine
     from dovetail.graph.spec import MAX_DEVICES
+    from dovetail.request import RunRequest
     from dovetail.rewards import RewardError
-    from dovetail.trackers import check_installed
 
     if config is not None and "=" in str(config):
         overrides, config = [str(config), *(overrides or [])], None
-    _check_count("--steps", steps, MAX_STEPS)
     _check_count("--devices", devices, MAX_DEVICES)
     if policy is not None and not policy.strip():
         _refuse("--policy '': name a policy, e.g. --policy digen")
-    if resume is not None and not resume.exists():
-        _refuse(f"--resume {resume}: no such run directory or checkpoint")
-    if resume is not None:
-        from dovetail.run_dir import run_of
-
-        if out is None:  # a resumed run continues where it was
-            out = run_of(resume)
-        if config is None:
-            config = run_of(resume) / "config.yaml"
-            if not config.is_file():
-                _refuse(f"--resume {resume}: the run has no {config}; give the config it was trained with")
-    out = out if out is not None else Path("runs/latest")
-    if out.exists() and not out.is_dir():
-        _refuse(f"--out {out}: is a file; give a directory for the run")
     flags = [f"policy={json.dumps(policy)}"] if policy is not None else []
     flags += [f"cluster.devices={devices}"] if devices is not None else []
-    try:
-        run_config = load_config(config, [*(overrides or []), *flags])
-        check_installed(sorted({name for p in pipeline_configs(run_config).values() for name in p.logger}))
-        if not dry_run:
-            check_this_machine(run_config)
-    except ValueError as error:  # ConfigError, TrackerMissing among them
-        _refuse(str(error))
-    steps = steps if steps is not None else run_config.train.steps
-    if dry_run:
-        _print_dry_run(run_config, steps)
+    if dry_run:  # a dry run plans a run without its directory or this machine's devices: only the config is checked
+        from dovetail.request import checked_config
+
+        try:
+            run_config = checked_config(config, [*(overrides or []), *flags], steps, flag="--")
+        except ValueError as error:
+            _refuse(str(error))
+        _print_dry_run(run_config, run_config.train.steps)
         return
-    from dovetail.run_dir import RunInterrupted, checked_run_paths
-    from dovetail.runtime.launch import start_devices_in_background
-
-    try:
-        checked_run_paths(run_config, out, resume, overwrite)  # refused at once, not after Ray has started
-        # Ray and the device workers (each importing its engines) start while this process imports the runner,
-        # checks the checkpoint and evaluates the base model
-        devices_starting = start_devices_in_background(run_config)
-        from dovetail.runner import train as run_training
-
-        summary = run_training(
-            run_config,
-            out,
+    try:  # refused at once, before Ray starts: the config, the run directory, the trackers, this machine's devices
+        request = RunRequest.build(
+            config,
+            [*(overrides or []), *flags],
+            out=out,
             steps=steps,
             resume=resume,
             overwrite=overwrite,
             reprofile=reprofile,
             began=began,
-            devices_starting=devices_starting,
+            flag="--",
         )
+        check_this_machine(request.config)
+    except (FileNotFoundError, ValueError) as error:  # ConfigError, RunDirInUse, TrackerMissing among them
+        _refuse(str(error))
+    from dovetail.run_dir import RunInterrupted
+    from dovetail.runtime.launch import start_devices_in_background
+
+    out = request.out
+    try:
+        # Ray and the device workers (each importing its engines) start while this process imports the runner,
+        # checks the checkpoint and evaluates the base model
+        devices_starting = start_devices_in_background(request.config)
+        from dovetail.runner import train as run_training
+
+        summary = run_training(request, devices_starting=devices_starting)
     except (RewardError, RunInterrupted) as error:  # the message says what was saved and how to go on
         typer.echo(str(error), err=True)
         raise typer.Exit(error.exit_code if isinstance(error, RunInterrupted) else 1) from None
@@ -154,7 +141,7 @@ def _failure(error: BaseException, out: Path) -> str:
     log: Path | None = out / "error.log"
     try:
         out.mkdir(parents=True, exist_ok=True)
-        log.write_text("".join(traceback.format_exception(error)))
+        (out / "error.log").write_text("".join(traceback.format_exception(error)))
     except OSError:  # the disk that failed the run may be the one the log would go on
         log = None
     cause = one_line(error) or type(error).__name__

@@ -1,7 +1,7 @@
 """Training a run: its pipelines' run directories, logs and checkpoints (`StepLog`), and the steps, by the reference
-loop in this process (`policy: reference`: one process, no Ray, every step in order; each kind's step is its
-`local` part, `local_flow` / `local_lm`) or by the Ray runtime (`runtime.driver.train_on_ray`). Every other policy must
-reproduce the reference loop's parameters."""
+loop in this process (`policy: reference`: one process, no Ray, every step in order; each kind's step is its `local`
+part, `pipelines/<kind>/local.py`) or by the Ray runtime (`runtime.driver.train_on_ray`). Every other policy must
+reproduce the reference loop's parameters. It takes the run as a `request.RunRequest`, checked when built."""
 
 import os
 import shutil
@@ -9,30 +9,33 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import torch
 
 from dovetail.config.common import ConfigError
 from dovetail.config.load import dump_config, parse_config
-from dovetail.config.multiplex import MultiplexConfig, PipelineConfig, TrainConfig, pipeline_configs
+from dovetail.config.multiplex import PipelineConfig, pipeline_configs
 from dovetail.kinds import kind
 from dovetail.plan.metrics import SUMMARY_NOTES
+from dovetail.request import Callback, RunRequest
 from dovetail.rewards import RewardError
 from dovetail.run_dir import (
     NothingToTrain,
     RunDir,
     RunInterrupted,
     check_resumable,
-    checked_run_paths,
     load_checkpoint,
     plot_curves,
     resume_points,
     run_of,
 )
 from dovetail.runtime.driver import train_on_ray
-from dovetail.trackers import Evaluation, RunProgress, Tracker, check_installed, open_trackers, scalars
+from dovetail.trackers import Evaluation, RunProgress, Tracker, open_trackers, scalars
 
 
 class StepLog:
@@ -48,7 +51,7 @@ class StepLog:
         state: dict,
         progress: RunProgress,
         trackers: list[Tracker],
-        callbacks: list,
+        callbacks: tuple[Callback, ...],
         interrupt: "Interrupt",
         draw_curves,
     ):
@@ -80,7 +83,7 @@ class StepLog:
         resume: Path | None,
         last_step: int,
         progress: RunProgress,
-        callbacks: list,
+        callbacks: tuple[Callback, ...],
         interrupt: "Interrupt",
         draw_curves,
     ):
@@ -96,13 +99,15 @@ class StepLog:
                 f"nothing left to train: {run.path} is at step {state['step']}; raise train.steps (or --steps) to "
                 "continue"
             )
-        if state is not None and "config" in state:
-            check_resumable(_in_current_schema(state["config"]), config.model_dump(mode="json"), resume)
-        if state is not None:
+        if state is not None and resume is not None:
+            if "config" in state:
+                check_resumable(_in_current_schema(state["config"]), config.model_dump(mode="json"), resume)
             _branch_history(run_of(resume), run)
         run.begin(None if state is None else state["step"])
         run.write_config(dump_config(config))
-        trackers = open_trackers(config.logger, run.path, name, config.model_dump(mode="json"))
+        trackers = open_trackers(
+            [str(logger) for logger in config.logger], run.path, name, config.model_dump(mode="json")
+        )
         base = None
         if state is None:
             progress.phase(name, "evaluating the base model")
@@ -216,47 +221,26 @@ def _branch_history(source: Path, run: RunDir) -> None:
             shutil.copy2(source / name, run.path / name)
 
 
-def train(
-    config: TrainConfig,
-    out: Path,
-    *,
-    steps: int | None = None,
-    resume: Path | None = None,
-    overwrite: bool = False,
-    callbacks: list = (),
-    after_start=None,
-    after_part=None,
-    reprofile: bool = False,
-    began: float | None = None,
-    devices_starting: Future | None = None,
-) -> dict:
-    """Train every pipeline of the run to `steps` (default config.train.steps) under config.policy; returns the
-    summary. A multiplexed run keeps each pipeline in its own sub-directory of `out` (and resumes each from there).
+def train(request: RunRequest, *, devices_starting: Future | None = None) -> dict:
+    """Train every pipeline of the run to `request.steps` under its policy; returns the summary. A multiplexed run
+    keeps each pipeline in its own sub-directory of `out` (and resumes each from there).
 
-    Before any work: every tracker of `logger` is installed (`TrackerMissing`), every pipeline's checkpoint loads and
-    its first prompts fit its context (`check_checkpoint`, what the dry run checks), and `out` holds no other run's
-    checkpoints unless `overwrite` (`RunDirInUse`; overwritten checkpoints move to out/superseded/). config.yaml
-    records the config as run, `steps` included. Ctrl-C stops after the step in flight, saves it and raises
-    `RunInterrupted` saying how to resume (SIGTERM and SIGHUP too, `STOP_SIGNALS`). `callbacks`: objects with
-    `on_step(metrics, pipeline)` and / or `on_eval(evaluation, pipeline)` (`dovetail.trackers.Evaluation`).
-    `reprofile`: measure the devices again instead of reading what a run of the same config measured on this machine
-    (`runtime.startup_cache`). `after_start` / `after_part` are the Ray runtime's fault-injection hooks, for tests.
-    The summary's `startup_s` is the seconds from `began` (`time.perf_counter()` when the command began; default
-    this call) to the first step's start. `devices_starting`: the local Ray instance and device workers the caller is
-    starting meanwhile (`launch.start_devices_early` on a thread), which the run waits for before it uses Ray."""
-    called = time.perf_counter() if began is None else began
+    The request was checked when built (config, run directory, trackers); here, before any work, every pipeline's
+    checkpoint loads and its first prompts fit its context (`check_checkpoint`, what the dry run checks).
+    config.yaml records the config as run. Ctrl-C stops after the step in flight, saves it and raises
+    `RunInterrupted` saying how to resume (SIGTERM and SIGHUP too, `STOP_SIGNALS`). The summary's `startup_s` is
+    the seconds from `request.began` to the first step's start. `devices_starting`: the local Ray instance and device
+    workers the caller is starting meanwhile (`launch.start_devices_in_background`), which the run waits for before it
+    uses Ray."""
     torch.set_num_threads(1)
-    config = with_steps(config, steps if steps is not None else config.train.steps)
-    last_step = config.train.steps
-    multiplexed = isinstance(config, MultiplexConfig)
+    config, out, last_step = request.config, request.out, request.steps
+    multiplexed = request.multiplexed
     pipelines = pipeline_configs(config)
-    check_installed(sorted({logger for pipeline in pipelines.values() for logger in pipeline.logger}))
     for pipeline in pipelines.values():
         kind(pipeline.kind).load("check_checkpoint")(pipeline)
-    out = Path(out)
-    paths, resumes = checked_run_paths(config, out, resume, overwrite)
-    if resume is not None:
-        resumes = resume_points(resumes)
+    resumes = dict(request.resumes)
+    if request.resume is not None:
+        resumes = resume_points({name: path for name, path in request.resumes.items() if path is not None})
     created = not out.exists()
     root = RunDir(out)
     console = any("console" in pipeline.logger for pipeline in pipelines.values())
@@ -274,9 +258,9 @@ def train(
                 progress.add(name, last_step)
             first_steps = {}
             for name, pipeline in pipelines.items():
-                run = RunDir(paths[name]) if multiplexed else root
+                run = RunDir(request.pipeline_dirs[name]) if multiplexed else root
                 logs[name], first_steps[name] = StepLog.open(
-                    pipeline, run, resumes[name], last_step, progress, list(callbacks), interrupt, draw_curves
+                    pipeline, run, resumes[name], last_step, progress, request.callbacks, interrupt, draw_curves
                 )
             if multiplexed:
                 root.write_config(dump_config(config))
@@ -293,7 +277,7 @@ def train(
 
             if config.policy == "reference":
                 (log,) = logs.values()
-                run_figures = {"startup_s": time.perf_counter() - called}
+                run_figures: dict[str, Any] = {"startup_s": time.perf_counter() - request.began}
                 for step in range(first_steps[log.config.pipeline_name], last_step):
                     try:
                         metrics = log.local.rl_step(step)
@@ -303,18 +287,7 @@ def train(
                     log.record(step + 1, metrics)
                     after_record()
             else:
-                run_figures = train_on_ray(
-                    config,
-                    logs,
-                    first_steps,
-                    last_step,
-                    after_record=after_record,
-                    after_start=after_start,
-                    after_part=after_part,
-                    reprofile=reprofile,
-                    called=called,
-                    devices_starting=devices_starting,
-                )
+                run_figures = train_on_ray(request, logs, first_steps, after_record, devices_starting)
     except BaseException as error:
         for log in logs.values():
             log.close(failed=not isinstance(error, RunInterrupted))
@@ -350,15 +323,6 @@ def _in_current_schema(tree: dict) -> dict:
         return tree
 
 
-def with_steps(config: TrainConfig, steps: int) -> TrainConfig:
-    """The config with train.steps = `steps` (every pipeline's too, when multiplexed): what the run records."""
-    tree = config.model_dump(mode="json")
-    tree["train"]["steps"] = steps
-    for pipeline in tree.get("pipelines", []):
-        pipeline["train"]["steps"] = steps
-    return parse_config(tree)
-
-
 STOP_SIGNALS = {
     signal.SIGINT: "Ctrl-C",
     signal.SIGTERM: "SIGTERM",
@@ -367,6 +331,10 @@ STOP_SIGNALS = {
 """What asks a run to stop after the step in flight: Ctrl-C; SIGTERM, which `kill`, systemd, Kubernetes, Docker
 and SLURM send before they kill; and SIGHUP, which a closed terminal sends (the run's console output then goes
 nowhere; run long jobs under nohup, tmux or a scheduler)."""
+
+
+Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+"""What `signal.signal` takes and returns: a function, or SIG_DFL / SIG_IGN; None where Python did not install it."""
 
 
 class Interrupt:
@@ -378,7 +346,7 @@ class Interrupt:
     def __init__(self) -> None:
         self.requested: int | None = None
         """The signal that asked the run to stop, if one did."""
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Handler] = {}
 
     def __enter__(self) -> "Interrupt":
         if threading.current_thread() is threading.main_thread():

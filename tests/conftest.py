@@ -82,8 +82,9 @@ def train_until_the_reward_breaks(flag: Path, config, pipeline: str, steps: int,
     """Train `config` (its reward `faulty_reward`, NaN while `flag` exists) for `steps`, the flag raised once the
     pipeline's first step is committed; the run must stop on a RewardError with exactly one checkpoint. Returns the
     checkpoint's name, the steps committed (metrics lines) and the error's message."""
+    from running import train
+
     from dovetail.rewards import RewardError
-    from dovetail.runner import train
 
     def break_reward_once_a_step_is_committed(executor, part):
         if executor.committed_steps(pipeline):

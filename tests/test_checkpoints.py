@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from running import train
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
@@ -21,7 +22,6 @@ from dovetail.config.load import load_config
 from dovetail.models.t2i import load_model
 from dovetail.rewards import RewardError
 from dovetail.run_dir import BrokenCheckpoint, NothingToTrain, RunDir, RunDirInUse, load_checkpoint, seal
-from dovetail.runner import train
 
 FLOW = [
     "policy=reference",

@@ -14,10 +14,10 @@ import ray
 from ray._private import ray_constants
 from ray.cluster_utils import Cluster
 from ray.experimental import internal_kv
+from running import train
 from two_pipelines import FLOW, LM, STEPS, final_weights, same_parameters
 
 from dovetail.config.load import parse_config
-from dovetail.runner import train
 from dovetail.runtime.launch import RAY_NAMESPACE, by_node
 from dovetail.runtime.rendezvous import NAMESPACE
 from dovetail.runtime.worker import DEVICE_RESOURCE, LOOPBACK

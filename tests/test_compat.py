@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from running import train
 from safetensors.torch import load_file
 
 from dovetail.algo import sde_step
@@ -24,7 +25,6 @@ from dovetail.models.flow_rl import SDESettings, generate, recompute_log_probs
 from dovetail.models.sampling import Trajectories, keyed_normal, sample_key
 from dovetail.pipelines.flow.config import flow_rules
 from dovetail.pipelines.flow.recipe import advantages_of, policy_gradient, sample_timesteps, sde_settings, sde_steps
-from dovetail.runner import train
 
 DTYPE = torch.float64
 """Both sides compute in float64 here (dovetail's step keeps fp64 inputs fp64): upstream and dovetail write the same

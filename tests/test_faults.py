@@ -16,12 +16,12 @@ import pytest
 import ray
 import torch
 from fault_injection import CONFIG, Fault
+from running import train
 from safetensors.torch import load_file
 
 from dovetail.config.load import load_config
 from dovetail.graph.node import Kind
 from dovetail.rewards import RewardError
-from dovetail.runner import train
 from dovetail.runtime.launch import device_pool
 from dovetail.runtime.rendezvous import abandon
 from dovetail.runtime.worker import form_group

@@ -43,6 +43,7 @@ LAYERS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
     (("plan",), ("files", "cost", "graph", "sched")),
     (("config",), ("files", "kinds", "rewards", "tasks", "cost", "graph", "sched", "plan", "torch")),
     (("run_dir",), ("files", "kinds", "config", "torch")),
+    (("request",), ("files", "kinds", "config", "run_dir", "trackers")),
     (("runtime",), (ABOVE, "ray")),
     (("pipelines",), (ABOVE,)),
     (("cli", "runner", "api", "export", INIT), (EVERYTHING,)),

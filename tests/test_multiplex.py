@@ -8,13 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 import ray
+from running import train
 from two_pipelines import FLOW, LM, STEPS, final_weights, max_difference, same_parameters
 
 from dovetail.config.common import ConfigError, multiplexing_policies
 from dovetail.config.load import parse_config
 from dovetail.graph.node import Role
 from dovetail.pipelines.lm.messages import LMTrain
-from dovetail.runner import train
 from dovetail.runtime.executor import RayExecutor
 from dovetail.runtime.launch import AUTO_TIE, dry_run, start_devices_early
 from dovetail.runtime.replay import replay_run

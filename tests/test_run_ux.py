@@ -266,7 +266,7 @@ def undocumented(keys) -> list[str]:
 
 @pytest.mark.usefixtures("local_ray")
 def test_every_metric_is_documented_and_ray_logs_what_reference_logs(tmp_path):
-    from dovetail.runner import train
+    from running import train
 
     runs = {}
     for policy in ("reference", "colocated"):
@@ -386,8 +386,9 @@ def test_logger_console_off_prints_nothing(tmp_path):
 def test_resume_reads_an_older_checkpoint_config_with_the_fields_added_since_at_their_defaults(tmp_path):
     """A checkpoint written before `sampling.shift` existed (its state.json's config lacks it, sealed again)
     resumes: a field it never had, at its default now, is not a difference."""
+    from running import train
+
     from dovetail.run_dir import seal
-    from dovetail.runner import train
 
     config = load_config(None, [*FAST, "eval.every=100"])
     train(config, tmp_path, steps=1)
@@ -416,9 +417,10 @@ class CtrlCAfterStep:
 def test_ctrl_c_under_a_ray_policy_saves_the_committed_weights_of_its_last_step(tmp_path):
     """The Ray driver fetches the trainer state only for steps that need it (step 1 does not here): the step Ctrl-C
     stops at holds the committed weights of that step, equal to the reference path's after as many steps."""
+    from running import train
     from safetensors.torch import load_file
 
-    from dovetail.runner import RunInterrupted, train
+    from dovetail.runner import RunInterrupted
 
     out = tmp_path / "colocated"
     config = load_config(None, [*FAST, "policy=colocated", "eval.every=100", "checkpoint.every=100"])

@@ -15,12 +15,12 @@ import pytest
 import ray
 import torch
 from conftest import train_until_the_reward_breaks
+from running import train
 from safetensors.torch import load_file
 
 from dovetail.config.common import DEFAULT_CHECKPOINT, scheduling_policies
 from dovetail.config.load import load_config
 from dovetail.rewards import RewardError
-from dovetail.runner import train
 from dovetail.runtime.launch import AUTO_TIE, device_pool
 from dovetail.runtime.replay import replay_run
 from dovetail.sched import policy_class

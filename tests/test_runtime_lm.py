@@ -11,6 +11,7 @@ import pytest
 import ray
 import torch
 from conftest import train_until_the_reward_breaks
+from running import train
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -25,7 +26,6 @@ from dovetail.pipelines.lm.engines import DOUBLE
 from dovetail.pipelines.lm.messages import LMTrain, Prefill
 from dovetail.pipelines.lm.startup import fitted_cost, profile_here
 from dovetail.rewards import RewardError
-from dovetail.runner import train
 from dovetail.runtime.launch import dry_run
 from dovetail.runtime.replay import replay_run
 from dovetail.sched import policy_class

@@ -7,11 +7,11 @@ import struct
 import sys
 
 import pytest
+from running import train
 from typer.testing import CliRunner
 
 from dovetail.cli import app
 from dovetail.config.load import load_config
-from dovetail.runner import train
 from dovetail.trackers import scalars
 
 FAST = ["algo.prompts_per_step=4", "algo.group_size=4", "sampling.num_steps=6", "eval.per_prompt=2"]

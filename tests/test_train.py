@@ -7,10 +7,10 @@ import sys
 
 import pytest
 import torch
+from running import train
 from safetensors.torch import load_file
 
 from dovetail.config.load import load_config
-from dovetail.runner import train, with_steps
 
 FAST = ["algo.prompts_per_step=6", "algo.group_size=6", "sampling.num_steps=8", "eval.per_prompt=6"]
 
@@ -38,7 +38,7 @@ def test_run_directory_holds_what_the_user_needs(tmp_path):
     assert lines[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # one update per rollout: on-policy
     assert "eval_reward" in lines[1] and "eval_reward" in lines[2] and "eval_reward" not in lines[0]
     recorded = load_config(tmp_path / "config.yaml")  # the config as run: --steps 3 is train.steps 3
-    assert recorded.train.steps == 3 and recorded == with_steps(config, 3)
+    assert recorded == config.model_copy(update={"train": config.train.model_copy(update={"steps": 3})})
     for name in ("eval_base.png", "eval_latest.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     for step in (2, 3):

@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 from peft import PeftModel, get_peft_model_state_dict
+from running import train
 from safetensors.torch import load_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
@@ -42,7 +43,6 @@ from dovetail.models.lm_rl import response_log_probs
 from dovetail.pipelines.lm.model import encode_prompts
 from dovetail.pipelines.lm.prompts import RunPrompts
 from dovetail.rewards.text import answers_match
-from dovetail.runner import train
 from dovetail.sched import policy_class
 
 STEPS = 2

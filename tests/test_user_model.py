@@ -14,6 +14,7 @@ import pytest
 import torch
 from diffusers import FluxPipeline, SD3Transformer2DModel, StableDiffusion3Pipeline
 from peft import PeftModel, get_peft_model_state_dict
+from running import train
 from safetensors.torch import load_file
 from tiny_pipelines import PROMPTS, tiny_flux_pipeline
 from typer.testing import CliRunner
@@ -30,7 +31,6 @@ from dovetail.pipelines.flow.recipe import policy_gradient, sde_settings
 from dovetail.pipelines.flow.startup import fitted_cost
 from dovetail.plan.prepare import rollout_wake_s, simulate
 from dovetail.prompts import prompt_split, read_prompts
-from dovetail.runner import train
 
 STEPS = 2
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from diffusers import WanPipeline
 from PIL import Image
+from running import train
 from safetensors.torch import load_file
 from tiny_pipelines import PROMPTS, tiny_wan_pipeline
 from typer.testing import CliRunner
@@ -22,7 +23,6 @@ from dovetail.config.load import load_config
 from dovetail.cost.catalog import diffusion_model
 from dovetail.models.diffusers_flow import load_decoder, load_flow_model
 from dovetail.rewards import score, temporal_smoothness
-from dovetail.runner import train
 
 FRAMES = 5
 """Video frames a sample: 3 latent frames through the VAE's temporal stride of 2."""

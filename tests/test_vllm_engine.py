@@ -17,6 +17,7 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
+from running import train  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from test_user_lm import REWARDS, char_tokenizer, sums, tiny_model  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
@@ -25,7 +26,6 @@ from dovetail.config.load import load_config  # noqa: E402
 from dovetail.models.engine import Request, SamplingParams, TorchEngine  # noqa: E402
 from dovetail.models.lm_rl import response_log_probs  # noqa: E402
 from dovetail.models.vllm_engine import VllmEngine  # noqa: E402
-from dovetail.runner import train  # noqa: E402
 
 MAX_LEN = 96
 PROMPTS = [[1, 9, 10, 19, 11], [1, 12, 13], [1, 9, 10, 19, 11], [1, 30, 31, 32, 33, 34]]

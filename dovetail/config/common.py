@@ -164,6 +164,13 @@ class RuntimeFields(Protocol):
     def profile_samples(self) -> int: ...
 
 
+class EvalFields(Protocol):
+    """What every kind's evaluation section (`eval:`) has."""
+
+    @property
+    def every(self) -> int: ...
+
+
 class RunSection(Section):
     """What every pipeline's run config has: a name, a seed, the optimizer loop, checkpoints, the cluster; and the
     interface each kind's schema completes (`kind`, `policy`, `runtime`, `pipeline_name`, `compute_devices`,
@@ -176,6 +183,7 @@ class RunSection(Section):
         kind: str
         policy: str
         runtime: RuntimeFields
+        eval: EvalFields
 
     name: PipelineName | None = Field(
         None,

@@ -37,23 +37,27 @@ def apply_override(tree: dict[str, Any], override: str) -> None:
 def load_config(path: Path | str | None = None, overrides: Sequence[str] = (), *, rewards: bool = True) -> TrainConfig:
     """The run config of a YAML file (None, or an empty file: the defaults) with dotted overrides applied; `rewards`
     as `parse_config`'s. A reward module beside the file or in the working directory imports (`import_dirs_of`)."""
-    tree: Any = {}
-    if path is not None:
-        try:
-            tree = read_yaml(Path(path))
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
-        if tree is None:
-            tree = {}
-        if not isinstance(tree, dict):
-            raise ConfigError(
-                f"{path}: a config is a mapping of sections (algo:, train: ...), got {type(tree).__name__}"
-            )
+    tree = read_config_tree(None if path is None else Path(path))
     for override in overrides:
         apply_override(tree, override)
     if path is not None:
         import_dirs_of(tree, Path(path))
     return parse_config(tree, rewards=rewards)
+
+
+def read_config_tree(path: Path | None) -> dict[str, Any]:
+    """A config file's tree of sections (None, or an empty file: no section, the defaults), unvalidated."""
+    if path is None:
+        return {}
+    try:
+        tree = read_yaml(path)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if tree is None:
+        return {}
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: a config is a mapping of sections (algo:, train: ...), got {type(tree).__name__}")
+    return tree
 
 
 def import_dirs_of(tree: dict, config: Path) -> None:

@@ -6,8 +6,11 @@ from __future__ import annotations
 import copy
 import json
 import time
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import ray
@@ -21,11 +24,14 @@ from dovetail.graph.node import Kind, SampleId
 from dovetail.models.training import load_trainer_state, trainer_state_of
 from dovetail.plan.metrics import summarize, time_per_step
 from dovetail.plan.trace import Segment, Trace
+from dovetail.request import RunRequest
 from dovetail.rewards import RewardError
+from dovetail.run_dir import RunDir
 from dovetail.runtime.executor import RayExecutor
 from dovetail.runtime.launch import Choice, device_pool, make_executor, prepare_run, start_ray, start_workers
 from dovetail.runtime.pipeline import Ledger
 from dovetail.runtime.recovery import StepLost
+from dovetail.trackers import RunProgress
 
 
 def window_occupancy(executor: RayExecutor, start: float, end: float) -> list[float]:
@@ -108,118 +114,225 @@ def phase_seconds(executor: RayExecutor, pipeline: str, graph_step: int) -> dict
     return dict(sorted(seconds.items()))
 
 
+class StopRequest(Protocol):
+    @property
+    def requested(self) -> int | None:
+        """The signal that asked the run to stop after the step in flight, if one did."""
+
+
+class RunLog(Protocol):
+    """What the driver reads and calls of a pipeline's log of its steps (`runner.StepLog`): the model and optimizer
+    it records with, where it writes, and its record of each step."""
+
+    @property
+    def config(self) -> Any: ...
+
+    @property
+    def run(self) -> RunDir: ...
+
+    @property
+    def model(self) -> Any: ...
+
+    @property
+    def optimizer(self) -> Any: ...
+
+    @property
+    def progress(self) -> RunProgress: ...
+
+    @property
+    def interrupt(self) -> StopRequest: ...
+
+    holds: int
+    """The step whose weights `model` holds (the driver sets it when it loads a step's state into the model)."""
+    last_step: int
+    """The pipeline's last step (the driver ends it early when its reward failed)."""
+
+    def needs_weights(self, done: int) -> bool: ...
+
+    def record(self, done: int, metrics: dict, checkpoint_extra: dict | None = None) -> None: ...
+
+    def checkpoint(self, done: int, extra: dict | None = None) -> Path: ...
+
+
 def train_on_ray(
-    config,
-    logs: dict,
+    request: RunRequest,
+    logs: Mapping[str, RunLog],
     first_steps: dict[str, int],
-    last_step: int,
-    *,
-    after_record=None,
-    after_start=None,
-    after_part=None,
-    reprofile: bool = False,
-    called: float,
+    after_record: Callable[[], None],
     devices_starting: Future | None = None,
 ) -> dict:
-    """Train every pipeline of the run from its first step up to `last_step` under config.policy; `logs` are the
-    pipelines' `StepLog`s (metrics, eval, checkpoints, progress). Returns run-level figures for the summary.
-    `after_record()` runs after each step is recorded (an exception it raises ends the run there). Fault-injection
-    hooks: `after_start(started)` once the workers are configured, before the start-up profile; `after_part`.
-    `called`: when the run was called (`time.perf_counter()`), for the figures' `startup_s`, the seconds until the
-    first step starts (Ray, the device workers, the start-up profile and the plan included). `devices_starting`: Ray
-    and the device workers being started on another thread (`launch.start_devices_early`), waited for first."""
+    """Train every pipeline of the run from its first step up to `request.steps` under its policy, each step
+    recorded in its log and `after_record()` run after it (an exception it raises ends the run there). Returns
+    run-level figures for the summary. `devices_starting`: Ray and the device workers being started on another
+    thread (`launch.start_devices_in_background`), waited for first.
 
-    def phase(what: str) -> None:
-        for name, log in logs.items():
-            log.progress.phase(name, what)
-
-    phase("starting Ray")
-    if devices_starting is not None:
-        devices_starting.result()
-    start_ray(config)
-    pool = device_pool(config)
-    states = {name: trainer_state_of(log.model, log.optimizer) for name, log in logs.items()}
-    steps = {last_step - first for first in first_steps.values()}
-    if len(steps) != 1:
-        raise ValueError(f"every pipeline of a run resumes from the same step; got {first_steps}")
-    first_steps = dict(first_steps)  # moves on when the run goes on without a lost device
-    earlier = Earlier(run_devices=pool.bundles, run_first_step=next(iter(first_steps.values())))
-    startup_s: float | None = None
-    label = f"began on {len(pool.bundles)} devices"
-    lost_at_end = False
+    A run is one or more segments, each on one set of devices: `RayRun.start` brings up Ray and the pool,
+    `run_segment` starts the workers, profiles, plans and runs the executor; when a step's inputs went with a lost
+    device (`StepLost`), `go_on_without` books what was committed and re-plans on the devices left."""
+    run = RayRun.start(request, logs, first_steps, devices_starting)
     while True:
-        phase(f"starting {len(pool.bundles)} device workers")
-        executor: RayExecutor | None = None
         try:
-            started = start_workers(config, pool, states)
-            if after_start is not None:
-                after_start(started)
-            phase("profiling the devices and planning the step")
-            costs, prepared, choice, publications = prepare_run(
-                config, last_step - min(first_steps.values()), started, pool.nodes(), reprofile
-            )
-            if choice is not None:  # policy=auto: from here on the run is the chosen policy's, and says so once
-                config = config.model_copy(update={"policy": choice.policy})
-                next(iter(logs.values())).progress.note(choice.line())
-            for name, publication in publications.items():  # `auto` measured both paths: it says which it keeps
-                if publication.collective_s is not None:
-                    next(iter(logs.values())).progress.note(publication.line(name if len(logs) > 1 else None))
-            phase("first step")
-            on_commit = Recorder(logs, first_steps, prepared.policy, config.policy, after_record)
-            hooks = {"on_commit": on_commit, "after_part": after_part}
-            executor = make_executor(
-                config, prepared, started, first_steps, pool, earlier.ledgers, publications, **hooks
-            )
-            if startup_s is None:
-                startup_s = time.perf_counter() - called
-            began = time.perf_counter()
-            try:
-                trace = executor.run(prepared.policy)
-            finally:  # every step the executor committed is in its log before the run ends or goes on
-                on_commit.close()
+            trace = run.run_segment(after_record)
             break
         except StepLost as lost:
-            earlier.lost += len(lost.devices)
-            if executor is not None and all(
-                first_steps[name] + executor.committed_steps(name) >= last_step for name in logs
-            ):  # every step was committed (and saved) before the loss: nothing is left to go on with
-                next(iter(logs.values())).progress.note(f"{lost.why} after the last step; the run is complete")
-                trace, lost_at_end = executor.state.trace, True
+            if run.complete_before(lost):
+                trace = run.ended_with_loss(lost)
                 break
-            if executor is not None:
-                states = {name: executor.committed_state(name) for name in logs}
-                earlier.segment(executor, began, pool, first_steps, label)
-                earlier.book(executor, first_steps)
-            pool = pool.without(lost.devices)
-            if not pool.bundles:
-                raise RuntimeError(
-                    f"{lost.why}: no device left; check the cluster (`ray status`) and resume with --resume RUN_DIR"
-                ) from None
-            if len(set(first_steps.values())) != 1:
-                raise RuntimeError(
-                    f"{lost.why} while the pipelines stood at different steps {first_steps}: a multiplexed run goes "
-                    "on only from a step every pipeline committed; resume with --resume RUN_DIR"
-                ) from None
-            if lost.devices:
-                config = on_fewer_devices(config, len(pool.bundles))
-            step = next(iter(first_steps.values()))
-            devices = len(pool.bundles)
-            for name in logs:
-                earlier.ledgers.setdefault(name, Ledger()).went_on.append((step, devices, lost.why))
-            left = f"{devices} device{'s' if devices > 1 else ''} left"
-            label = f"{lost.why}: going on from step {step} on the {left} under {config.policy}"
-            next(iter(logs.values())).progress.note(label)
-    for pipeline in started.values():  # every publication is loaded: no member waits at their rendezvous any more
-        pipeline.incarnations.forget_publications()
-    stopped = {name: save_stopped(executor, name, logs, first_steps[name]) for name in executor.stopped}
-    if stopped and len(logs) == 1:
-        raise RewardError(next(iter(stopped.values())))
-    earlier.segment(executor, began, pool, first_steps, label)
-    return (
-        write_run_outputs(logs, config, prepared, executor, trace, costs, choice, earlier, lost_at_end)
-        | ({"stopped": stopped} if stopped else {})
-        | {"startup_s": startup_s, "devices_lost": earlier.lost}
-    )
+            run.go_on_without(lost)
+    return run.finish(trace)
+
+
+class RayRun:
+    """One run on Ray across its segments: what carries from one set of devices to the next (the config, the pool,
+    each pipeline's committed trainer state and first step, what earlier segments did)."""
+
+    def __init__(self, request: RunRequest, logs: Mapping[str, RunLog], first_steps: dict[str, int], pool, states):
+        self.request, self.logs = request, logs
+        self.config = request.config
+        """The run's config on its current devices: `auto` resolved, and after a lost device its new shape."""
+        self.pool = pool
+        self.states = states
+        """Each pipeline's trainer state (weights + optimizer) the next segment's workers start from."""
+        self.first_steps = dict(first_steps)
+        """Each pipeline's first step of the next segment: moves on when the run goes on without a lost device."""
+        self.earlier = Earlier(run_devices=pool.bundles, run_first_step=next(iter(first_steps.values())))
+        self.label = f"began on {len(pool.bundles)} devices"
+        self.startup_s: float | None = None
+        self.lost_at_end = False
+        self.executor: RayExecutor | None = None
+        self.began = 0.0
+
+    @classmethod
+    def start(
+        cls, request: RunRequest, logs: Mapping[str, RunLog], first_steps: dict[str, int], devices_starting
+    ) -> RayRun:
+        """Ray and the run's device pool up, each pipeline's trainer state taken from its log's model."""
+        if len({request.steps - first for first in first_steps.values()}) != 1:
+            raise ValueError(f"every pipeline of a run resumes from the same step; got {first_steps}")
+        for name, log in logs.items():
+            log.progress.phase(name, "starting Ray")
+        if devices_starting is not None:
+            devices_starting.result()
+        start_ray(request.config)
+        states = {name: trainer_state_of(log.model, log.optimizer) for name, log in logs.items()}
+        return cls(request, logs, first_steps, device_pool(request.config), states)
+
+    def phase(self, what: str) -> None:
+        for name, log in self.logs.items():
+            log.progress.phase(name, what)
+
+    def note(self, line: str) -> None:
+        next(iter(self.logs.values())).progress.note(line)
+
+    def run_segment(self, after_record: Callable[[], None]) -> Trace:
+        """Start the workers on the pool, profile the devices, plan, and run the executor to the run's last step (or
+        until a step is lost, `StepLost`)."""
+        self.executor = None
+        self.phase(f"starting {len(self.pool.bundles)} device workers")
+        self.started = start_workers(self.config, self.pool, self.states)
+        if self.request.hooks.after_start is not None:
+            self.request.hooks.after_start(self.started)
+        self.phase("profiling the devices and planning the step")
+        steps_left = self.request.steps - min(self.first_steps.values())
+        self.costs, self.prepared, self.choice, publications = prepare_run(
+            self.config, steps_left, self.started, self.pool.nodes(), self.request.reprofile
+        )
+        if self.choice is not None:  # policy=auto: from here on the run is the chosen policy's, and says so once
+            self.config = self.config.model_copy(update={"policy": self.choice.policy})
+            self.note(self.choice.line())
+        for name, publication in publications.items():  # `auto` measured both paths: it says which it keeps
+            if publication.collective_s is not None:
+                self.note(publication.line(name if len(self.logs) > 1 else None))
+        self.phase("first step")
+        on_commit = Recorder(self.logs, self.first_steps, self.prepared.policy, self.config.policy, after_record)
+        hooks = {"on_commit": on_commit, "after_part": self.request.hooks.after_part}
+        self.executor = make_executor(
+            self.config,
+            self.prepared,
+            self.started,
+            self.first_steps,
+            self.pool,
+            self.earlier.ledgers,
+            publications,
+            **hooks,
+        )
+        if self.startup_s is None:
+            self.startup_s = time.perf_counter() - self.request.began
+        self.began = time.perf_counter()
+        try:
+            return self.executor.run(self.prepared.policy)
+        finally:  # every step the executor committed is in its log before the run ends or goes on
+            on_commit.close()
+
+    def complete_before(self, lost: StepLost) -> bool:
+        """Whether every step was committed (and saved) before the loss: nothing is left to go on with."""
+        executor = self.executor
+        return executor is not None and all(
+            self.first_steps[name] + executor.committed_steps(name) >= self.request.steps for name in self.logs
+        )
+
+    def ended_with_loss(self, lost: StepLost) -> Trace:
+        assert self.executor is not None  # `complete_before` held
+        self.earlier.lost += len(lost.devices)
+        self.note(f"{lost.why} after the last step; the run is complete")
+        self.lost_at_end = True
+        return self.executor.state.trace
+
+    def go_on_without(self, lost: StepLost) -> None:
+        """After `lost`: keep what the segment committed, and carry on from the last step every pipeline committed
+        on the devices left, re-planned (the same policy and pools where they fit, `on_fewer_devices`)."""
+        self.earlier.lost += len(lost.devices)
+        if self.executor is not None:
+            self.states = {name: self.executor.committed_state(name) for name in self.logs}
+            self.earlier.segment(self.executor, self.began, self.pool, self.first_steps, self.label)
+            self.earlier.book(self.executor, self.first_steps)
+        self.pool = self.pool.without(lost.devices)
+        if not self.pool.bundles:
+            raise RuntimeError(
+                f"{lost.why}: no device left; check the cluster (`ray status`) and resume with --resume RUN_DIR"
+            ) from None
+        if len(set(self.first_steps.values())) != 1:
+            raise RuntimeError(
+                f"{lost.why} while the pipelines stood at different steps {self.first_steps}: a multiplexed run goes "
+                "on only from a step every pipeline committed; resume with --resume RUN_DIR"
+            ) from None
+        if lost.devices:
+            self.config = on_fewer_devices(self.config, len(self.pool.bundles))
+        step = next(iter(self.first_steps.values()))
+        devices = len(self.pool.bundles)
+        for name in self.logs:
+            self.earlier.ledgers.setdefault(name, Ledger()).went_on.append((step, devices, lost.why))
+        left = f"{devices} device{'s' if devices > 1 else ''} left"
+        self.label = f"{lost.why}: going on from step {step} on the {left} under {self.config.policy}"
+        self.note(self.label)
+
+    def finish(self, trace: Trace) -> dict:
+        """The run's outputs written (trace, chart, ledgers, profile) and its figures for the summary; a pipeline
+        whose reward failed saved at its last committed step."""
+        executor = self.executor
+        assert executor is not None  # a segment ran
+        for pipeline in self.started.values():  # every publication is loaded: no member waits at their rendezvous
+            pipeline.incarnations.forget_publications()
+        stopped = {name: save_stopped(executor, name, self.logs, self.first_steps[name]) for name in executor.stopped}
+        if stopped and len(self.logs) == 1:
+            raise RewardError(next(iter(stopped.values())))
+        self.earlier.segment(executor, self.began, self.pool, self.first_steps, self.label)
+        outputs = write_run_outputs(
+            self.logs,
+            self.config,
+            self.prepared,
+            executor,
+            trace,
+            self.costs,
+            self.choice,
+            self.earlier,
+            self.lost_at_end,
+        )
+        return (
+            outputs
+            | ({"stopped": stopped} if stopped else {})
+            | {"startup_s": self.startup_s, "devices_lost": self.earlier.lost}
+        )
 
 
 class Recorder:
@@ -233,7 +346,9 @@ class Recorder:
     next commit or by `drain`; once the user asked to stop, the loop waits for each record, so the run stops at the
     step it saves."""
 
-    def __init__(self, logs: dict, first_steps: dict[str, int], policy, policy_name: str, after_record) -> None:
+    def __init__(
+        self, logs: Mapping[str, RunLog], first_steps: dict[str, int], policy, policy_name: str, after_record
+    ) -> None:
         self.logs, self.first_steps, self.policy_name, self.after_record = logs, first_steps, policy_name, after_record
         self.step_metrics = {name: StepMetrics(policy, name) for name in logs}
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="record")
@@ -270,8 +385,8 @@ class Recorder:
         for future in self.submitted:
             if not future.done():
                 pending.append(future)
-            elif future.exception() is not None:
-                raise future.exception()
+            elif (error := future.exception()) is not None:
+                raise error
         self.submitted = pending
 
     def drain(self) -> None:
@@ -334,7 +449,7 @@ def on_fewer_devices(config, devices: int) -> TrainConfig:
     raise RuntimeError(f"no policy runs this config on the {devices} devices left; resume with --resume RUN_DIR")
 
 
-def save_stopped(executor: RayExecutor, name: str, logs: dict, first_step: int) -> str:
+def save_stopped(executor: RayExecutor, name: str, logs: Mapping[str, RunLog], first_step: int) -> str:
     """Save a pipeline whose reward failed at its last committed step, where its run ends; returns what to tell the
     user, in one line (a multiplexed pipeline resumes alone, from the config in its sub-directory)."""
     log = logs[name]
@@ -360,7 +475,7 @@ def node_seconds(trace) -> dict[str, tuple[float, list[int]]]:
 
 
 def write_run_outputs(
-    logs: dict,
+    logs: Mapping[str, RunLog],
     config,
     prepared,
     executor: RayExecutor,

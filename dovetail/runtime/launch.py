@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any, TypeVar
 
 import ray
 import torch
@@ -23,7 +24,7 @@ from ray.util.placement_group import PlacementGroup, get_placement_group, placem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dovetail.config.common import AUTO, MAX_PIPELINES, REFERENCE, auto_candidates, ray_address
-from dovetail.config.multiplex import TrainConfig, pipeline_configs
+from dovetail.config.multiplex import PipelineConfig, TrainConfig, pipeline_configs
 from dovetail.cost.catalog import DEVICES, device
 from dovetail.cost.model import CostModel
 from dovetail.graph.spec import LMSpec
@@ -39,6 +40,11 @@ from dovetail.runtime.recovery import Incarnations, LostWatch, Started
 from dovetail.runtime.startup_cache import cached
 from dovetail.runtime.watchdog import start_watchdog
 from dovetail.runtime.worker import DEVICE_RESOURCE, LOOPBACK, DeviceWorker, WorkerRestarted
+
+WORKER_ACTOR: Any = DeviceWorker
+"""`ray.remote` made DeviceWorker an actor class (`.options`, `.remote`), which the type checker cannot see."""
+
+Bundle = TypeVar("Bundle")
 
 
 def device_bundle(config: TrainConfig) -> dict[str, float]:
@@ -157,7 +163,7 @@ class DevicePool:
         options: dict = {"num_gpus": share, "resources": {}} if self.gpu else {"resources": {DEVICE_RESOURCE: share}}
         with warning_muted("ray.actor", "detached actor with a placement group"):  # its point here: see above
             return [
-                DeviceWorker.options(
+                WORKER_ACTOR.options(
                     name=f"{name}-bundle{bundle}-slot{slot}",
                     get_if_exists=True,
                     lifetime="detached",
@@ -270,7 +276,7 @@ def bundle_nodes(bundles) -> dict[str, dict[int, str]]:
     return {name: placement_group_table(group)["bundles_to_node_id"] for name, group in groups.items()}
 
 
-def by_node(bundles: list, node_of: Callable[[object], str]) -> list:
+def by_node(bundles: list[Bundle], node_of: Callable[[Bundle], str]) -> list[Bundle]:
     """The bundles with each node's together, nodes in the order they first come: a policy's pools and groups are
     ranges of device indices, which the planner takes to be a node's devices where they fit in one (a trainer group
     inside a node all-reduces over its interconnect, not the network)."""
@@ -300,7 +306,7 @@ def start_workers(config: TrainConfig, pool: DevicePool, trainer_states: dict[st
     return started
 
 
-def profiled_cost(config: TrainConfig, scenario: Scenario, workers: list, reprofile: bool = False) -> CostModel:
+def profiled_cost(config: PipelineConfig, scenario: Scenario, workers: list, reprofile: bool = False) -> CostModel:
     """The cost model fitted to what the devices that hold the policy's engines measure (`profile_work`), all at
     once as they will run, the median over them; and to a role switch's round trip. Profiling also warms every
     device's engines up, so the run's first step is like the others. Kept per machine and config
