@@ -7,12 +7,15 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import typer
 from typer.exceptions import TyperException
 
 from dovetail.config.common import policies_by_kind
+
+if TYPE_CHECKING:  # the command imports what a subcommand needs when it runs
+    from dovetail.request import RunRequest
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 
@@ -64,7 +67,6 @@ def train(
     from dovetail.config.load import check_this_machine
     from dovetail.graph.spec import MAX_DEVICES
     from dovetail.request import RunRequest
-    from dovetail.rewards import RewardError
 
     if config is not None and "=" in str(config):
         overrides, config = [str(config), *(overrides or [])], None
@@ -97,25 +99,34 @@ def train(
         check_this_machine(request.config)
     except (FileNotFoundError, ValueError) as error:  # ConfigError, RunDirInUse, TrackerMissing among them
         _refuse(str(error))
+    _report(_run(request), request.out)
+
+
+def _run(request: "RunRequest") -> dict:
+    """Train `request` (its devices starting on a thread meanwhile); a failure is one line and its exit code."""
+    from dovetail.rewards import RewardError
     from dovetail.run_dir import RunInterrupted
     from dovetail.runtime.launch import start_devices_in_background
 
-    out = request.out
     try:
         # Ray and the device workers (each importing its engines) start while this process imports the runner,
         # checks the checkpoint and evaluates the base model
         devices_starting = start_devices_in_background(request.config)
         from dovetail.runner import train as run_training
 
-        summary = run_training(request, devices_starting=devices_starting)
+        return run_training(request, devices_starting=devices_starting)
     except (RewardError, RunInterrupted) as error:  # the message says what was saved and how to go on
         typer.echo(str(error), err=True)
         raise typer.Exit(error.exit_code if isinstance(error, RunInterrupted) else 1) from None
     except (FileNotFoundError, ValueError) as error:  # input the config could not check alone: a checkpoint, a prompt
         _refuse(str(error))
     except (Exception, KeyboardInterrupt) as error:  # any other failure: one line, the traceback in a log
-        typer.echo(_failure(error, out), err=True)
+        typer.echo(_failure(error, request.out), err=True)
         raise typer.Exit(130 if isinstance(error, KeyboardInterrupt) else 1) from None
+
+
+def _report(summary: dict, out: Path) -> None:
+    """Each pipeline's result in a line; a pipeline that stopped on its reward (the others went on) fails the run."""
     for name, pipeline in summary.get("pipelines", {"": summary}).items():
         typer.echo(
             f"{name + ': ' if name else ''}eval reward {pipeline['base_eval_reward']:.3f} -> "
@@ -123,7 +134,7 @@ def train(
             f"{pipeline['samples_per_s']:.1f} samples/s after {summary['startup_s']:.1f} s of start-up; "
             f"run in {out / name}"
         )
-    for message in summary.get("stopped", {}).values():  # the other pipelines went on
+    for message in summary.get("stopped", {}).values():
         typer.echo(message, err=True)
     if summary.get("stopped"):
         raise typer.Exit(1)
