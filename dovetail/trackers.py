@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
 """Tracker -> (module it imports, package to install)."""
@@ -134,7 +134,7 @@ class Wandb(Tracker):
         self.run.log(values, step=step)
 
     def log_evaluation(self, evaluation: Evaluation) -> None:
-        media = {}
+        media: dict[str, object] = {}  # wandb media by key: an Image, a Table
         if evaluation.image is not None:
             media["eval/grid"] = self.wandb.Image(str(evaluation.image), caption=evaluation.caption)
         if evaluation.samples:
@@ -219,7 +219,7 @@ class RunProgress:
                 TextColumn("ETA"),
                 TimeRemainingColumn(),
             )
-        self.tasks: dict[str, int] = {}
+        self.tasks: dict[str, TaskID] = {}
         self.clock: dict[str, tuple[float, int]] = {}
         """Pipeline -> (time, step) when its first step of this session was recorded: the pace for the ETA."""
 

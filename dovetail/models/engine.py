@@ -29,6 +29,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -328,6 +329,28 @@ class LlamaWeights:
         tokens = torch.tensor([token for sequence in sequences for token in sequence], device=device)
         self._layers(tokens, positions, real, k_cache, v_cache, output=False)
 
+    @overload
+    def _layers(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        real: torch.Tensor | None,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        output: Literal[True] = True,
+    ) -> torch.Tensor: ...
+
+    @overload
+    def _layers(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        real: torch.Tensor | None,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        output: Literal[False],
+    ) -> None: ...
+
     def _layers(
         self,
         tokens: torch.Tensor,
@@ -496,7 +519,8 @@ class TorchEngine(Engine):
         return request
 
     def generate(self, requests: list[Request], until: int | None = None) -> list[Request]:
-        if self.weights is None:
+        weights = self.weights
+        if weights is None:
             raise RuntimeError("load_weights first")
         limit = token_limit(self.params, until)
         results = [request.copy() for request in requests]
@@ -506,15 +530,15 @@ class TorchEngine(Engine):
         self._key_states = dict(zip(keys, key_states(self.params.seed, keys, self.device).tolist()))
         with torch.inference_mode():
             while waiting or self.running:
-                self._admit(waiting)
-                self._decode_step()
+                self._admit(waiting, weights)
+                self._decode_step(weights)
                 self._retire(limit)
             self._move_rows()
         return self._keep_paused(results)
 
-    def _admit(self, waiting: deque) -> None:
+    def _admit(self, waiting: deque, weights: LlamaWeights) -> None:
         """Move waiting requests into the running slots; resumes first, then the new ones, prefilled as
-        one batch in the contiguous slots after them."""
+        one batch (by `weights`, the loaded ones) in the contiguous slots after them."""
         joining = [waiting.popleft() for _ in range(min(len(waiting), self.max_batch - len(self.running)))]
         to_prefill = []
         for request in joining:
@@ -542,7 +566,7 @@ class TorchEngine(Engine):
             sequence if source == offset else [] for offset, (sequence, source) in enumerate(zip(sequences, sources))
         ]
         rows = slice(first, first + len(sequences))
-        self.weights.prefill(computed, self.k_cache[:, rows], self.v_cache[:, rows])
+        weights.prefill(computed, self.k_cache[:, rows], self.v_cache[:, rows])
         copies = [(first + offset, first + source) for offset, source in enumerate(sources) if source != offset]
         if copies:
             slots, sources = torch.tensor(copies, device=self.device).T
@@ -590,12 +614,13 @@ class TorchEngine(Engine):
             for cache in (self.k_cache, self.v_cache):
                 cache.index_copy_(1, slots, cache.index_select(1, sources))
 
-    def _decode_step(self) -> None:
-        """One token for every running request: feed each its last token, sample the next."""
+    def _decode_step(self, weights: LlamaWeights) -> None:
+        """One token for every running request: feed each its last token, sample the next (`weights`: the
+        loaded ones)."""
         batch = len(self.running)
         tokens = torch.tensor([(r.tokens or r.prompt)[-1] for r in self.running], device=self.device)
         start = torch.tensor(self.cached_len[:batch], device=self.device)
-        logits = self.weights.decode(tokens, start, self.k_cache[:, :batch], self.v_cache[:, :batch])
+        logits = weights.decode(tokens, start, self.k_cache[:, :batch], self.v_cache[:, :batch])
         states = torch.tensor([self._key_states[r.key] for r in self.running], device=self.device)
         indices = torch.tensor([len(r.tokens) for r in self.running], device=self.device)
         sampled, log_probs = sample_tokens(

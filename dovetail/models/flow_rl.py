@@ -7,6 +7,7 @@ identity, so both give the same numbers.
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -84,7 +85,8 @@ def per_row(timesteps: list[int] | list[list[int]], rows: int) -> list[list[int]
         return [list(timesteps)] * rows
     if len(timesteps) != rows:
         raise ValueError(f"{len(timesteps)} rows of timesteps for {rows} trajectories")
-    return [list(t) for t in timesteps]
+    # The union's other member (its first item is no int): mypy cannot narrow a list by its item's isinstance.
+    return [list(t) for t in cast(list[list[int]], timesteps)]
 
 
 def accumulate_policy_gradient(

@@ -15,7 +15,7 @@ an order its kernel chooses by shape). Groups of one prompt are also faster here
 passes its prompt once (`group_response_log_probs`), not once per response.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import groupby
 
 import numpy as np
@@ -105,14 +105,14 @@ def group_prompt(requests: list[Request]) -> list[int]:
     return prompt
 
 
-def by_group(samples: Sequence[SampleId]) -> list[list[SampleId]]:
+def by_group(samples: Iterable[SampleId]) -> list[list[SampleId]]:
     """`samples` cut into their groups (same step and prompt), in key order."""
     return [list(members) for _, members in groupby(sorted(samples), key=lambda s: (s.step, s.prompt))]
 
 
 def group_log_probs(model, requests: dict[SampleId, Request], temperature: float) -> dict[SampleId, torch.Tensor]:
     """Each sampled response's log-probs (`group_response_log_probs`, a group at a time), without grad."""
-    out = {}
+    out: dict[SampleId, torch.Tensor] = {}
     with torch.no_grad():
         for group in by_group(requests):
             chosen = [requests[s] for s in group]

@@ -51,7 +51,7 @@ def _jpeg_kilobytes(image: np.ndarray) -> float:
     """DDPO's measure: size of the JPEG at quality 95, after upscaling to at least 32x32."""
     pil = Image.fromarray((np.clip(image, 0, 1) * 255).round().astype(np.uint8))  # grey (H, W) or RGB (H, W, 3)
     scale = max(1, -(-32 // min(pil.size)))
-    pil = pil.resize((pil.width * scale, pil.height * scale), Image.NEAREST)
+    pil = pil.resize((pil.width * scale, pil.height * scale), Image.Resampling.NEAREST)
     buffer = io.BytesIO()
     pil.save(buffer, format="JPEG", quality=95)
     return buffer.tell() / 1000.0
@@ -73,7 +73,7 @@ def brightness(images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
 def video_reward(fn: RewardFn) -> RewardFn:
     """Mark `fn` a video reward: `fn(videos, prompts)` takes videos (B, F, H, W, 3) whole (see the module's
     docstring). A user's reward module may use it, or set `fn.video = True` itself."""
-    fn.video = True
+    setattr(fn, "video", True)  # noqa: B010 (a function's own attribute, which the Callable type does not declare)
     return fn
 
 

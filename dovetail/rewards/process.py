@@ -35,8 +35,8 @@ class Failed(Exception):
 
 
 _lock = threading.Lock()
-_process: subprocess.Popen | None = None
-_connection: Connection | None = None
+_server: tuple[subprocess.Popen, Connection] | None = None
+"""The reward process and this side's end of its pipe, while it runs: the two live and die together."""
 
 SERVE = "import sys; from dovetail.rewards.process import serve; serve(int(sys.argv[1]))"
 """The reward process's program; its argument is the descriptor of its end of the pipe."""
@@ -66,14 +66,15 @@ def _ask(request: tuple, timeout_s: float) -> tuple[str, object]:
     """Send a request to the reward process (started if there is none) and wait for its answer: ("returned",
     output), ("raised", ...) or ("failed", ...) from the process; ("overran", None) or ("ended", exit code) where
     none came. The process is killed wherever its state is unknown: it overran, it ended, the wait was interrupted."""
-    connection = _connection if _process is not None and _process.poll() is None else _start()
+    process, connection = _server if _server is not None and _server[0].poll() is None else _start()
+    answer: tuple[str, object]
     try:
         connection.send(request)
         if connection.poll(timeout_s):
             return connection.recv()
         answer = ("overran", None)
     except (EOFError, ConnectionError):  # it ended before answering, or before reading the request
-        answer = ("ended", _process.wait())
+        answer = ("ended", process.wait())
     except BaseException:  # Ctrl-C while waiting: an answer may still come, to the next request
         _stop()
         raise
@@ -81,31 +82,33 @@ def _ask(request: tuple, timeout_s: float) -> tuple[str, object]:
     return answer
 
 
-def _start() -> Connection:
-    global _process, _connection
+def _start() -> tuple[subprocess.Popen, Connection]:
+    global _server
     _stop()
-    _connection, theirs = Pipe()
+    connection, theirs = Pipe()
     environment = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}  # where it finds dovetail, as the caller
-    _process = subprocess.Popen(
+    process = subprocess.Popen(
         [sys.executable, "-c", SERVE, str(theirs.fileno())], pass_fds=[theirs.fileno()], env=environment
     )
+    _server = process, connection
     theirs.close()  # its end lives in the process alone: when the process ends, recv() here sees EOF
     try:
-        _connection.recv()  # its "ready": the interpreter is up, so the first call's clock starts now
+        connection.recv()  # its "ready": the interpreter is up, so the first call's clock starts now
     except EOFError:
-        exit_code = _process.wait()
+        exit_code = process.wait()
         _stop()
         raise Failed(f"could not start its process (exit code {exit_code})") from None
-    return _connection
+    return _server
 
 
 def _stop() -> None:
-    global _process, _connection
-    if _process is not None:
-        _process.kill()
-        _process.wait()
-        _connection.close()
-        _process = _connection = None
+    global _server
+    if _server is not None:
+        process, connection = _server
+        process.kill()
+        process.wait()
+        connection.close()
+        _server = None
 
 
 def serve(descriptor: int) -> None:

@@ -288,7 +288,7 @@ def score_text(
                 f"(prompt {prompts[i]!r}, completion {completions[i]!r})"
             )
         scores[name] = values
-    scores["total"] = sum(weights[name] * scores[name] for name in weights)
+    scores["total"] = sum((weights[name] * scores[name] for name in weights), np.zeros(len(completions)))
     return scores
 
 

@@ -24,6 +24,7 @@ from itertools import combinations
 
 import ray
 import torch
+from ray.actor import ActorHandle
 
 from dovetail.config.multiplex import PipelineConfig
 from dovetail.graph.flow import split
@@ -50,7 +51,8 @@ class Side:
 
     pipeline: str
     kind: str
-    worker: object
+    worker: ActorHandle
+    """The pipeline's DeviceWorker on device 0."""
     samples: int
     run_s: float = 0.0
     """Seconds of one run alone (`time_alone`)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 import ray
@@ -165,9 +165,13 @@ class PipelineAdapter(ABC):
         return [(device, [items[r] for r in rows]) for device, rows in runs if rows]
 
 
-class PipelineEngines(ABC):
-    """The worker side of one pipeline kind: its engines on one device. `trainer` / `optimizer` are None on a
-    device that holds no policy engine (a reward device)."""
+Rollout = TypeVar("Rollout")
+"""A pipeline kind's rollout engine: a flow model's copy, a language model's `models.engine.Engine`."""
+
+
+class PipelineEngines(ABC, Generic[Rollout]):
+    """The worker side of one pipeline kind: its engines on one device. `trainer` / `optimizer` / `rollout` are None
+    on a device that holds no policy engine (a reward device)."""
 
     def __init__(self, config, device: torch.device) -> None:
         self.config = config
@@ -175,7 +179,7 @@ class PipelineEngines(ABC):
         self.trainer: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.reference: torch.nn.Module | None = None
-        self.rollout = None
+        self.rollout: Rollout | None = None
         self.rollout_version: int | None = None
 
     @abstractmethod
@@ -196,6 +200,12 @@ class PipelineEngines(ABC):
         if self.trainer is None or self.optimizer is None:
             raise RuntimeError("this device holds no trainer engine (a reward device)")
         return self.trainer, self.optimizer
+
+    def held_rollout(self) -> Rollout:
+        """The rollout engine, on a device that holds one (rollout work goes only there)."""
+        if self.rollout is None:
+            raise RuntimeError("this device holds no rollout engine (a reward device)")
+        return self.rollout
 
     def hold(self, role: str) -> None:
         """The device switched to `role` (a policy's `SwitchRole`: `rollout`, `trainer` or `any`); by default every

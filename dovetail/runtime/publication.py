@@ -79,7 +79,7 @@ def unflatten(buffers: list[torch.Tensor], layout: Layout) -> dict[str, np.ndarr
     for dtype, buffer in zip(host, buffers):
         host[dtype] = buffer.cpu().numpy()
     offsets = dict.fromkeys(host, 0)
-    weights = {}
+    weights: dict[str, np.ndarray] = {}
     for name, shape, dtype in layout:
         size = int(np.prod(shape, dtype=np.int64))
         flat = host[dtype]

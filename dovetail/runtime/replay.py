@@ -176,20 +176,23 @@ def replay_run(run_dir: Path | str) -> dict:
     }
     if run.auto is not None:
         samples_per_step = sum(record.samples for record in trace.steps) / len(trace.steps)
-        result["auto"] = auto_replayed(config, run, costs, samples_per_step / measured_step)
+        result["auto"] = auto_replayed(config, run, run.auto["predicted"], costs, samples_per_step / measured_step)
     return result
 
 
-def auto_replayed(config: TrainConfig, run: RunProfile, costs: dict[str, CostModel], measured: float) -> dict:
-    """`policy=auto`'s choice after the fact: the chosen policy's predicted samples/s before the run beside what it
-    measured, and the runner-up's prediction before the run beside its prediction on the costs the run measured (it
-    did not run: that is the closest figure to a measurement of it)."""
-    predicted = run.auto["predicted"]
+def auto_replayed(
+    config: TrainConfig, run: RunProfile, predicted: dict[str, float], costs: dict[str, CostModel], measured: float
+) -> dict:
+    """`policy=auto`'s choice after the fact (`predicted`: samples/s of each policy it weighed, before the run): the
+    chosen policy's predicted samples/s before the run beside what it measured, and the runner-up's prediction before
+    the run beside its prediction on the costs the run measured (it did not run: that is the closest figure to a
+    measurement of it)."""
     chosen = {"policy": config.policy, "predicted_samples_per_s": predicted[config.policy], "measured": measured}
     others = [name for name in predicted if name != config.policy]
     if not others:
         return {"chosen": chosen, "runner_up": None}
-    name = max(others, key=predicted.get)  # a tie goes to the first in the registry's order, as auto's choice does
+    # A tie goes to the first in the registry's order, as auto's choice does.
+    name = max(others, key=predicted.__getitem__)
     rate = predicted[name]
     candidate = config.model_copy(update={"policy": name})
     prepared = prepare(

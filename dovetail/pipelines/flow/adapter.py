@@ -61,6 +61,7 @@ class FlowAdapter(PipelineAdapter):
                 Part(node.id, d, FlowLogProbs(pipeline, units, refs)) for d, refs in self.spread(trajectories, devices)
             ]
         if node.kind == Kind.TRAIN:
+            assert node.timesteps is not None, "a flow train node carries its timestep chunk (`graph.flow`)"
             chunk = units[node.timesteps[0] : node.timesteps[1]]
             samples = [SampleId(step, p, i) for (_, p, i) in node.samples]
             stale = run.rollout_version(pipeline, node.step) < node.version
@@ -85,7 +86,9 @@ class FlowAdapter(PipelineAdapter):
 
     def step_metrics(self, scores: list[Scores], trained: list[Trained]) -> dict:
         pairs = sum(len(t.samples) * len(t.units) for t in trained)
-        metrics = {"reward/total": float(np.concatenate([s.scores["total"] for s in scores]).mean())}
+        metrics: dict[str, float | list[int]] = {
+            "reward/total": float(np.concatenate([s.scores["total"] for s in scores]).mean())
+        }
         metrics |= {
             name: sum(t.stats[name] for t in trained) / pairs for name in STAT_MEANS if name in trained[0].stats
         }

@@ -56,7 +56,7 @@ def unpack(parts: list[Trajectories], sigmas: torch.Tensor) -> tuple[sampling.Tr
     return joined, [SampleId(*s) for p in parts for s in p.samples]
 
 
-class FlowEngines(PipelineEngines):
+class FlowEngines(PipelineEngines[torch.nn.Module]):
     """A flow pipeline's engines on one device: trainer (weights + optimizer), a rollout copy at some published
     version, the frozen reference (KL) and the reward judge. A device of the reward pool holds the judge alone."""
 
@@ -150,8 +150,8 @@ def profile_works(
     trainer = copy.deepcopy(model)
     rollout = copy.deepcopy(model).requires_grad_(False)
     optimizer = make_optimizer(trainer, config.train)
-    train = train_prompts(config)
-    prompts = [train[p % len(train)] for p in range(n)]
+    pool = train_prompts(config)
+    prompts = [pool[p % len(pool)] for p in range(n)]
     ids = [SampleId(-1, p, 0) for p in range(n)]
 
     def logprob(done: dict) -> torch.Tensor:
@@ -189,7 +189,8 @@ def profile_work(
     pass (from the fastest rounds: interference only adds time); every other time is the median of PROFILE_ROUNDS."""
 
     def one_of_each(n: int) -> dict[str, float]:
-        seconds, done = {}, {}
+        seconds: dict[str, float] = {}
+        done: dict[str, object] = {}
         for name, work in profile_works(model, decode, config, sde, n, carry).items():
             synchronize(model.device)
             start = time.perf_counter()

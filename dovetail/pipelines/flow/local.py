@@ -78,7 +78,7 @@ def rl_step(
     timings["commit_s"] = time.perf_counter() - start
 
     step_seconds = sum(timings.values())
-    metrics = {f"reward/{name}": float(values.mean()) for name, values in rewards.items()}
+    metrics: dict[str, float | list[int]] = {f"reward/{name}": float(values.mean()) for name, values in rewards.items()}
     metrics |= {
         name: value if name in ("ratio_min", "ratio_max") else value / total_pairs for name, value in sums.items()
     }

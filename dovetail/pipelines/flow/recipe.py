@@ -49,7 +49,7 @@ def _select_timesteps(config: FlowTrainConfig, key: int) -> list[int]:
         fraction=algo.timestep_fraction,
         mode=flow_rules(config).timestep_mode,
         window=algo.window_size,
-        window_range=None if algo.window_range is None else tuple(algo.window_range),
+        window_range=None if algo.window_range is None else (algo.window_range[0], algo.window_range[1]),
         rounding=algo.timestep_rounding,
         pool=algo.timestep_pool,
         generator=torch.Generator().manual_seed(key),

@@ -10,6 +10,7 @@ from dataclasses import replace
 from dovetail.cost.calibration import DEFAULT
 from dovetail.cost.catalog import diffusion_model
 from dovetail.cost.model import CostModel
+from dovetail.graph.spec import FlowSpec
 from dovetail.models.diffusers_flow import check_prompt_table, load_decoder, load_flow_model
 from dovetail.pipelines.flow.config import FlowTrainConfig
 from dovetail.pipelines.flow.engines import profile_work
@@ -26,6 +27,7 @@ def fitted_cost(config: FlowTrainConfig, scenario: Scenario, measured: dict[str,
     carry the doubling and the graph would double it again)."""
     samples = config.runtime.profile_samples
     spec = scenario.pipelines[0]
+    assert isinstance(spec, FlowSpec), "a flow run's scenario (`FlowTrainConfig.scenario`) is its one flow pipeline"
     model = diffusion_model(spec.model)
     tokens = model.latent_tokens(spec.height, spec.width, spec.frames)
     small = max(1, samples // 4)

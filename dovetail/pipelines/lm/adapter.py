@@ -7,10 +7,13 @@ and reports a committed step's scale and figures (the reference loop's too).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import ray
 
 from dovetail.graph.flow import split
+from dovetail.graph.lm import LMShape
 from dovetail.graph.node import Kind, Node, SampleId
 from dovetail.models.engine import Request
 from dovetail.models.lm_rl import by_group
@@ -21,6 +24,7 @@ from dovetail.pipelines.lm.model import encode_prompts, load_run_tokenizer, mode
 from dovetail.pipelines.lm.prompts import RunPrompts
 from dovetail.runtime.messages import Score, Scores, Trained
 from dovetail.runtime.pipeline import Part, PipelineAdapter, RunContext
+from dovetail.sched.policy import Shape
 
 
 class LMAdapter(PipelineAdapter):
@@ -34,7 +38,8 @@ class LMAdapter(PipelineAdapter):
         self._prompts: dict[int, list[list[int]]] = {}
         self._assigned: dict[tuple[str, int], tuple[dict[str, list[SampleId]], set[int]]] = {}
         """(pipeline, graph step) -> streamed micro-batches' samples by score node, and the groups they took."""
-        self._shape = None
+        self._shape: LMShape | None = None
+        """The shape of the steps whose nodes `parts` last cut (`book` reads it for their results)."""
 
     def units_of(self, sample: SampleId) -> list[int]:
         return [0]
@@ -42,7 +47,7 @@ class LMAdapter(PipelineAdapter):
     def parts(self, node: Node, devices: tuple[int, ...], run: RunContext) -> list[Part]:
         pipeline, graph = node.pipeline, run.graph
         version = run.rollout_version(pipeline, node.step)
-        self._shape = run.shape_of(pipeline)
+        shape = self._shape = lm_shape(run.shape_of(pipeline))
         if node.kind == Kind.PREFILL:
             step = self.rl_step(node)
             if step not in self._prompts:
@@ -56,10 +61,9 @@ class LMAdapter(PipelineAdapter):
             weights = run.weights(pipeline, version)
             rollouts = run.outputs_of(node.deps)
             if node.kind == Kind.MIGRATE:  # the tail leaves its engines: re-prefilled here, one token decoded
-                return [
-                    Part(node.id, devices[0], Decode(pipeline, rollouts, self._shape.migrate_at + 1, weights, True))
-                ]
-            return [Part(node.id, devices[0], Decode(pipeline, rollouts, node.band[1], weights))]
+                assert shape.migrate_at is not None, "a step has a migrate node only where its shape migrates"
+                return [Part(node.id, devices[0], Decode(pipeline, rollouts, shape.migrate_at + 1, weights, True))]
+            return [Part(node.id, devices[0], Decode(pipeline, rollouts, band_end(node), weights))]
         score = node if node.kind == Kind.SCORE else next(graph[d] for d in node.deps if graph[d].kind == Kind.SCORE)
         rollouts = self._rollouts(score, run)
         samples = self._members(score, run)
@@ -122,7 +126,7 @@ class LMAdapter(PipelineAdapter):
     def _members(self, score: Node, run: RunContext) -> list[SampleId]:
         """A micro-batch's samples. Fixed micro-batches hold the graph's; streamed ones, with lengths learnt by
         decoding, hold the whole groups that finished by their level, in finishing order (`_assign`)."""
-        if not run.shape_of(score.pipeline).stream:
+        if not lm_shape(run.shape_of(score.pipeline)).stream:
             return [SampleId(self.rl_step(score), p, i) for (_, p, i) in score.samples]
         return self._assign(score, run)[score.id]
 
@@ -138,7 +142,7 @@ class LMAdapter(PipelineAdapter):
         levels: dict[tuple[str, ...], list[Node]] = {}
         for micro in graph.of(score.pipeline, score.step, Kind.SCORE):
             levels.setdefault(micro.deps, []).append(micro)
-        ordered = sorted(levels, key=lambda deps: graph[deps[0]].band[1])
+        ordered = sorted(levels, key=lambda deps: band_end(graph[deps[0]]))
         assignment, taken = self._assigned.setdefault((score.pipeline, score.step), ({}, set()))
         for rank, deps in enumerate(ordered[: ordered.index(score.deps) + 1]):
             micros = levels[deps]
@@ -180,7 +184,10 @@ class LMAdapter(PipelineAdapter):
     def _ends_chain(self, node: Node) -> bool:
         """A response is generated where it finishes: in its shard's last band before the migration edge (or the
         end), or in the migrated tail."""
-        return node.shard is None or node.band[1] == (self._shape.migrate_at or self.config.max_new_tokens)
+        if node.shard is None:
+            return True
+        assert self._shape is not None, "`parts` cut the node, and set the shape, before its result is booked"
+        return band_end(node) == (self._shape.migrate_at or self.config.max_new_tokens)
 
     def commit_scale(self, trained: list[Trained]) -> float:
         return commit_scale(trained)
@@ -189,12 +196,25 @@ class LMAdapter(PipelineAdapter):
         return lm_step_metrics(self.config, scores, trained)
 
 
-def balanced(costs: list[float], shares: int) -> list[list[int]]:
+def lm_shape(shape: Shape) -> LMShape:
+    """A language-model pipeline's shape: the planner cuts its steps with an `LMShape` (`graph.lm`)."""
+    assert isinstance(shape, LMShape), f"a language-model pipeline cut by a {type(shape).__name__}"
+    return shape
+
+
+def band_end(node: Node) -> int:
+    """The upper edge of a decode node's length band (`graph.lm` gives every decode node one)."""
+    assert node.band is not None, f"node {node.id}: a decode node without a length band"
+    return node.band[1]
+
+
+def balanced(costs: Sequence[float], shares: int) -> list[list[int]]:
     """The indices of `costs` cut into `shares` lists of about equal total cost, each in index order: the longest
     processing time rule (the costliest item first, to the share with the least so far; ties to the lower index),
     whose largest share exceeds the mean share by at most one item's cost. With fewer items than shares, the shares
     left over are empty."""
-    loads, members = [0.0] * shares, [[] for _ in range(shares)]
+    loads = [0.0] * shares
+    members: list[list[int]] = [[] for _ in range(shares)]
     for item in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         lightest = min(range(shares), key=lambda s: (loads[s], s))
         loads[lightest] += costs[item]

@@ -399,6 +399,14 @@ class LMTrainConfig(RunSection):
         return self.model.path is not None
 
     @property
+    def builtin_checkpoint(self) -> Path:
+        """The built-in task model's directory, of a run without model.path: model.checkpoint, which validation sets
+        to the task's base model where none was given (`_task_base_model`)."""
+        checkpoint = self.model.checkpoint
+        assert checkpoint is not None, "a model.path run has no built-in checkpoint: read its model.path"
+        return checkpoint
+
+    @property
     def max_new_tokens(self) -> int:
         if self.sampling.max_new_tokens is not None:
             return self.sampling.max_new_tokens

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 
 import numpy as np
@@ -21,7 +21,7 @@ import torch
 
 from dovetail.graph.node import Role, SampleId
 from dovetail.models.causal_lm import rollout_engine, rollout_state
-from dovetail.models.engine import Request
+from dovetail.models.engine import Engine, Key, Request
 from dovetail.models.lm_rl import accumulate_group_gradients, group_log_probs, policy_gradient
 from dovetail.models.training import (
     commit,
@@ -66,9 +66,15 @@ def responses_of(requests: list[Request], version: int) -> Responses:
     )
 
 
+def request_key(sample: Sequence[int]) -> Key:
+    """A sample id as the rollout engine's key: a plain (step, prompt, member) tuple."""
+    step, prompt, member = sample
+    return step, prompt, member
+
+
 def requests_of(parts: list[Responses]) -> dict[SampleId, Request]:
     return {
-        SampleId(*sample): Request(tuple(sample), prompt, list(tokens), list(log_probs), done)
+        SampleId(*sample): Request(request_key(sample), prompt, list(tokens), list(log_probs), done)
         for part in parts
         for sample, prompt, tokens, log_probs, done in zip(
             part.samples, part.prompts, part.tokens, part.log_probs, part.finished
@@ -92,7 +98,7 @@ def merged_stats(parts: list[dict[str, float]]) -> dict[str, float]:
     }
 
 
-class LMEngines(PipelineEngines):
+class LMEngines(PipelineEngines[Engine]):
     """A language-model pipeline's engines on one device."""
 
     def __init__(self, config: LMTrainConfig, device: torch.device, holds_policy: bool, trainer_state: dict | None):
@@ -129,18 +135,18 @@ class LMEngines(PipelineEngines):
             self.rollout.wake()
 
     def load_rollout(self, weights: dict) -> None:
-        self.rollout.load_weights(rollout_state(self.trainer, tensors_of(weights)))
+        self.held_rollout().load_weights(rollout_state(self.trainer, tensors_of(weights)))
 
     def run(self, work: Work):
         if isinstance(work, Prefill):
             self.load_rollout_weights(work.version, work.weights)
-            requests = [Request(tuple(s), list(p)) for s, p in zip(work.samples, work.prompts)]
-            return responses_of(self.rollout.generate(requests, until=1), work.version)
+            requests = [Request(request_key(s), list(p)) for s, p in zip(work.samples, work.prompts)]
+            return responses_of(self.held_rollout().generate(requests, until=1), work.version)
         if isinstance(work, Decode):
             parts = self.fetch(work.rollouts)
             self.load_rollout_weights(parts[0].version, work.weights)
             requests = [r for r in requests_of(parts).values() if not (work.running_only and r.finished)]
-            return responses_of(self.rollout.generate(requests, until=work.until), parts[0].version)
+            return responses_of(self.held_rollout().generate(requests, until=work.until), parts[0].version)
         if isinstance(work, (Score, LMLogProbs, LMTrain)) and work.samples == []:
             return self._nothing(work)
         if isinstance(work, Score):
@@ -155,8 +161,8 @@ class LMEngines(PipelineEngines):
         if isinstance(work, LMLogProbs):
             chosen = self._select(work.rollouts, work.samples)
             model = self.reference if work.reference else self.trainer
-            rows = group_log_probs(model, chosen, self.config.sampling.temperature)
-            return LogProbs(list(chosen), [rows[s].cpu().numpy() for s in chosen])
+            log_probs = group_log_probs(model, chosen, self.config.sampling.temperature)
+            return LogProbs(list(chosen), [log_probs[s].cpu().numpy() for s in chosen])
         if isinstance(work, LMTrain):
             return self._train(work)
         raise TypeError(f"language-model engines cannot do {type(work).__name__}")
@@ -268,7 +274,8 @@ def profile_work(engines: LMEngines, samples: int, carry: Callable[[dict], dict]
     cheaper per response than the profile's 16."""
 
     def one_round(size: int) -> tuple[dict[str, float], dict[str, object]]:
-        seconds, done = {}, {}
+        seconds: dict[str, float] = {}
+        done: dict[str, object] = {}
         for name, work in profile_works(engines, size, carry, weights).items():
             synchronize(engines.device)
             start = time.perf_counter()
@@ -281,9 +288,11 @@ def profile_work(engines: LMEngines, samples: int, carry: Callable[[dict], dict]
         rounds = [one_round(size) for _ in range(PROFILE_ROUNDS)]
         measured = {name: statistics.median(seconds[name] for seconds, _ in rounds) for name in rounds[0][0]}
         _, done = rounds[0]
+        decoded, prefilled = done["decode"], done["prefill"]
+        assert isinstance(decoded, Responses) and isinstance(prefilled, Responses)  # what Decode and Prefill return
         return measured | {
-            "lengths": [len(t) for t in done["decode"].tokens],
-            "prompt_tokens": [len(p) for p in done["prefill"].prompts],
+            "lengths": [len(t) for t in decoded.tokens],
+            "prompt_tokens": [len(p) for p in prefilled.prompts],
         }
 
     with trainer_kept(engines):

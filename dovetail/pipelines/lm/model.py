@@ -8,7 +8,6 @@ format of the run's checkpoints.
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 from dovetail.models.causal_lm import (
     HFTokenizer,
@@ -27,29 +26,33 @@ from dovetail.pipelines.lm.prompts import Row, RunPrompts
 def load_policy(config: LMTrainConfig):
     """The run's base policy and its tokenizer: a user's transformers model (`model.path`, with its LoRA adapter),
     or a built-in task's model."""
-    if config.user_model:
+    path = config.model.path
+    if path is not None:
         lora = None if config.model.lora is None else config.model.lora.model_dump()
-        return load_causal_lm(config.model.path, lora=lora, seed=config.seed), HFTokenizer.load(config.model.path)
-    model, tokenizer, _ = load_lm(config.model.checkpoint)
+        return load_causal_lm(path, lora=lora, seed=config.seed), HFTokenizer.load(path)
+    model, tokenizer, _ = load_lm(config.builtin_checkpoint)
     return model, tokenizer
 
 
 def load_reference(config: LMTrainConfig):
     """The frozen base model a KL term compares with: the policy's start, a user's model without its adapter."""
-    if config.user_model:
-        return load_causal_lm(config.model.path, lora=None, seed=config.seed)
+    path = config.model.path
+    if path is not None:
+        return load_causal_lm(path, lora=None, seed=config.seed)
     return load_policy(config)[0]
 
 
 def load_run_tokenizer(config: LMTrainConfig):
-    return HFTokenizer.load(config.model.path) if config.user_model else load_tokenizer(config.model.checkpoint)
+    path = config.model.path
+    return HFTokenizer.load(path) if path is not None else load_tokenizer(config.builtin_checkpoint)
 
 
 def model_context(config: LMTrainConfig) -> int:
     """The positions the run's model reads: prompt and response together fit in them."""
-    if config.user_model:
-        return context_of(config.model.path)
-    return read_lm_config(Path(config.model.checkpoint)).max_positions
+    path = config.model.path
+    if path is not None:
+        return context_of(path)
+    return read_lm_config(config.builtin_checkpoint).max_positions
 
 
 def encode_prompts(config: LMTrainConfig, tokenizer, rows: list[Row], context: int) -> list[list[int]]:
@@ -102,5 +105,5 @@ def lm_checkpoint_io(config: LMTrainConfig, model, tokenizer) -> tuple[Callable,
     transformers model's trained tensors and where it came from."""
     if config.user_model:
         return (lambda directory: save_causal_lm_checkpoint(model, directory)), load_causal_lm_checkpoint
-    lm_config = read_lm_config(Path(config.model.checkpoint))
+    lm_config = read_lm_config(config.builtin_checkpoint)
     return (lambda directory: save_lm(model, tokenizer, lm_config, directory)), (lambda d: load_lm(d)[0])

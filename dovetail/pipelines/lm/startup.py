@@ -13,6 +13,7 @@ import torch
 
 from dovetail.cost.model import CostModel
 from dovetail.graph.lm import trainable_params
+from dovetail.graph.spec import LMSpec
 from dovetail.models.causal_lm import HFTokenizer, causal_lm_config
 from dovetail.models.engine import engine_problem
 from dovetail.pipelines.lm.config import LMTrainConfig
@@ -30,6 +31,7 @@ def fitted_cost(config: LMTrainConfig, scenario: Scenario, measured: dict) -> Co
     per pass). A role switch is fitted too: the catalogue's switch moves the engine's whole memory budget (gigabytes
     for a GPU's KV cache), where a CPU core's engines stay resident and a switch is a round trip."""
     spec = scenario.pipelines[0]
+    assert isinstance(spec, LMSpec), "an LM run's scenario (`LMTrainConfig.scenario`) is its one LM pipeline"
     analytic = CostModel(config.cluster.device)
     model = spec.catalogue_model()
 
@@ -64,8 +66,9 @@ def check_checkpoint(config: LMTrainConfig) -> None:
     (a dataset's every one; a task's first: the base evaluation's, the first step's) leave max_new_tokens in the
     model's context, the rewards' columns are the dataset's, and `sampling.engine=vllm` finds vLLM installed. A model
     our engine does not compute is said in one line on stderr: its rollouts run on transformers' own forward."""
-    if config.user_model:  # its config and tokenizer: a large model's weights are the run's to load
-        model_config, tokenizer = causal_lm_config(config.model.path), HFTokenizer.load(config.model.path)
+    path = config.model.path
+    if path is not None:  # its config and tokenizer: a large model's weights are the run's to load
+        model_config, tokenizer = causal_lm_config(path), HFTokenizer.load(path)
     else:
         model, tokenizer = load_policy(config)
         model_config = model.config
