@@ -8,6 +8,8 @@ format of the run's checkpoints.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import lru_cache
+from pathlib import Path
 
 from dovetail.models.causal_lm import (
     HFTokenizer,
@@ -19,6 +21,7 @@ from dovetail.models.causal_lm import (
 )
 from dovetail.models.engine import SamplingParams
 from dovetail.models.lm import load_lm, load_tokenizer, read_lm_config, save_lm
+from dovetail.models.tokenizer import CharTokenizer
 from dovetail.pipelines.lm.config import LMTrainConfig
 from dovetail.pipelines.lm.prompts import Row, RunPrompts
 
@@ -29,9 +32,9 @@ def load_policy(config: LMTrainConfig):
     path = config.model.path
     if path is not None:
         lora = None if config.model.lora is None else config.model.lora.model_dump()
-        return load_causal_lm(path, lora=lora, seed=config.seed), HFTokenizer.load(path)
-    model, tokenizer, _ = load_lm(config.builtin_checkpoint)
-    return model, tokenizer
+        return load_causal_lm(path, lora=lora, seed=config.seed), load_run_tokenizer(config)
+    model, _, _ = load_lm(config.builtin_checkpoint)
+    return model, load_run_tokenizer(config)
 
 
 def load_reference(config: LMTrainConfig):
@@ -42,9 +45,24 @@ def load_reference(config: LMTrainConfig):
     return load_policy(config)[0]
 
 
-def load_run_tokenizer(config: LMTrainConfig):
+def load_run_tokenizer(config: LMTrainConfig) -> HFTokenizer | CharTokenizer:
+    """The run's tokenizer, loaded once in a process while its files are unchanged: the driver's start-up check, its
+    reference model and its adapter all read it (a transformers tokenizer takes a good part of a second to load)."""
     path = config.model.path
-    return HFTokenizer.load(path) if path is not None else load_tokenizer(config.builtin_checkpoint)
+    directory = path if path is not None else Path(config.builtin_checkpoint)
+    return _tokenizer(directory, path is not None, _stamp(directory))
+
+
+def _stamp(directory: Path) -> tuple[tuple[str, int, int], ...]:
+    """What tells a model directory's versions apart for the cache: its files' names, sizes and modification times."""
+    if not directory.is_dir():
+        return ()
+    return tuple((entry.name, entry.stat().st_size, entry.stat().st_mtime_ns) for entry in sorted(directory.iterdir()))
+
+
+@lru_cache(maxsize=4)
+def _tokenizer(directory: Path, user_model: bool, stamp: tuple) -> HFTokenizer | CharTokenizer:
+    return HFTokenizer.load(directory) if user_model else load_tokenizer(directory)
 
 
 def model_context(config: LMTrainConfig) -> int:

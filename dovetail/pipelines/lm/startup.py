@@ -14,11 +14,11 @@ import torch
 from dovetail.cost.model import CostModel
 from dovetail.graph.lm import trainable_params
 from dovetail.graph.spec import LMSpec
-from dovetail.models.causal_lm import HFTokenizer, causal_lm_config
+from dovetail.models.causal_lm import causal_lm_config
 from dovetail.models.engine import engine_problem
 from dovetail.pipelines.lm.config import LMTrainConfig
 from dovetail.pipelines.lm.engines import DOUBLE, LMEngines
-from dovetail.pipelines.lm.model import encode_prompts, load_policy, model_context
+from dovetail.pipelines.lm.model import encode_prompts, load_policy, load_run_tokenizer, model_context
 from dovetail.pipelines.lm.prompts import RunPrompts
 from dovetail.plan.prepare import rollout_wake_s
 from dovetail.plan.scenario import Scenario
@@ -68,7 +68,7 @@ def check_checkpoint(config: LMTrainConfig) -> None:
     our engine does not compute is said in one line on stderr: its rollouts run on transformers' own forward."""
     path = config.model.path
     if path is not None:  # its config and tokenizer: a large model's weights are the run's to load
-        model_config, tokenizer = causal_lm_config(path), HFTokenizer.load(path)
+        model_config, tokenizer = causal_lm_config(path), load_run_tokenizer(config)
     else:
         model, tokenizer = load_policy(config)
         model_config = model.config
