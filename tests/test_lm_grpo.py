@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -321,3 +322,25 @@ def test_bad_arguments_raise_naming_the_argument(changes, named):
     }
     with pytest.raises(ValueError, match=named):
         lm_grpo_loss(**arguments)
+
+
+def test_an_lm_steps_metrics_tell_the_loss_the_reward_spread_and_the_groups_without_signal():
+    """`lm_step_metrics` against the figures computed here by hand: two prompts of three responses, one of them with
+    equal rewards (no GRPO signal), trained in two parts whose summed losses and token counts add up."""
+    from dovetail.graph.node import SampleId
+    from dovetail.pipelines.lm.adapter import lm_step_metrics
+    from dovetail.runtime.messages import Scores, Trained
+
+    totals = np.array([1.0, 0.0, 0.5, 0.25, 0.25, 0.25])
+    samples = [SampleId(3, prompt, member) for prompt in (0, 1) for member in range(3)]
+    scores = [Scores(samples[:4], {"total": totals[:4]}), Scores(samples[4:], {"total": totals[4:]})]
+    stats = {"clip_frac": 0.5, "approx_kl": 0.0, "ratio_mean": 1.0, "ratio_min": 1.0, "ratio_max": 1.0}
+    trained = [
+        Trained(samples[:3], [0] * 3, stats | {"loss": 6.0, "tokens": 30.0}, normaliser=30.0),
+        Trained(samples[3:], [0] * 3, stats | {"loss": 2.0, "tokens": 10.0}, normaliser=10.0),
+    ]
+    metrics = lm_step_metrics(scores, trained)
+    assert metrics["loss"] == pytest.approx((6.0 + 2.0) / (30.0 + 10.0))
+    assert metrics["reward_std"] == pytest.approx(float(np.sqrt(np.mean((totals - totals.mean()) ** 2))))
+    assert metrics["frac_reward_zero_std"] == 0.5
+    assert metrics["reward/total"] == pytest.approx(totals.mean()) and metrics["response_tokens"] == 40.0

@@ -75,6 +75,9 @@ def test_verl_sync_on_ray_ends_at_the_reference_parameters(reference, tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     reference_lines = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
     assert [m["reward/total"] for m in lines] == [m["reward/total"] for m in reference_lines]
+    for key in ("reward_std", "frac_reward_zero_std"):  # the same rewards: the same spread, bit for bit
+        assert [m[key] for m in lines] == [m[key] for m in reference_lines]
+    assert [m["loss"] for m in lines] == pytest.approx([m["loss"] for m in reference_lines], rel=1e-5)
     assert all(m["staleness"] == 0 and abs(m["ratio_mean"] - 1) < 1e-5 for m in lines)
     # the commit's own split: inside the commit node's time on its devices
     assert all(0 < m["commit_sync_s"] and 0 < m["commit_optimizer_s"] for m in lines)

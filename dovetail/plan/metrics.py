@@ -15,8 +15,11 @@ metrics.jsonl and summary.json to this table (`<...>` stands for any name).
 metrics.jsonl, one line per step (Ray: only under a Ray policy; flow / LM: of that pipeline kind):
   step                  optimizer steps done, this one included
   reward/<name>         mean over the step's samples of each reward; reward/total of their weighted sum
-  loss                  the policy loss, mean over the step's trained pairs (flow) or tokens (LM)
+  loss                  the loss the step descends: mean over the trained pairs (flow), the summed token losses over
+                        the step's normaliser (LM)
   clip_frac             share of trained pairs / tokens whose ratio the PPO clip cut
+  reward_std            LM: standard deviation of the step's total rewards (TRL's name)
+  frac_reward_zero_std  LM: share of prompt groups whose rewards are all equal: no GRPO signal, advantage 0 (TRL's)
   approx_kl             mean approximate KL between the behaviour and trained policies
   ratio_mean            mean importance ratio (1 when on-policy)
   ratio_min             smallest importance ratio of the step

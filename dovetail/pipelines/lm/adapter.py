@@ -193,7 +193,7 @@ class LMAdapter(PipelineAdapter):
         return commit_scale(trained)
 
     def step_metrics(self, scores: list[Scores], trained: list[Trained]) -> dict:
-        return lm_step_metrics(self.config, scores, trained)
+        return lm_step_metrics(scores, trained)
 
 
 def lm_shape(shape: Shape) -> LMShape:
@@ -228,12 +228,28 @@ def commit_scale(trained: list[Trained]) -> float:
     return 1.0 / sum(t.normaliser for t in trained)
 
 
-def lm_step_metrics(config: LMTrainConfig, scores: list[Scores], trained: list[Trained]) -> dict:
-    """Rewards (each and their total), and the loss statistics as per-token means over the step."""
+def lm_step_metrics(scores: list[Scores], trained: list[Trained]) -> dict:
+    """Rewards (each and their total), their spread, and the loss statistics as per-token means over the step: what
+    tells a run that learns from one with a bug, under the names TRL logs them by.
+
+    `loss` is the objective the step's gradient descends (the parts' summed losses over the step's normaliser);
+    `reward_std` the total reward's standard deviation over the batch; `frac_reward_zero_std` the share of prompt
+    groups whose rewards are all equal, which carry no GRPO signal (their advantages are 0)."""
     metrics = {
         f"reward/{name}": float(np.concatenate([s.scores[name] for s in scores]).mean()) for name in scores[0].scores
     }
+    totals = np.concatenate([s.scores["total"] for s in scores])
+    groups: dict[tuple[int, int], list[float]] = {}
+    for sample, total in zip((sample for s in scores for sample in s.samples), totals):
+        groups.setdefault((sample.step, sample.prompt), []).append(float(total))
+    flat = sum(1 for rewards in groups.values() if max(rewards) == min(rewards))
     merged = merged_stats([t.stats for t in trained if t.samples])  # a streamed micro-batch may be empty
     tokens = merged.pop("tokens")
-    merged.pop("loss")
-    return metrics | merged | {"response_tokens": tokens}
+    normaliser = sum(t.normaliser for t in trained)
+    loss = merged.pop("loss") / normaliser if normaliser else merged.pop("loss")
+    return (
+        metrics
+        | {"loss": loss, "reward_std": float(totals.std()), "frac_reward_zero_std": flat / len(groups)}
+        | merged
+        | {"response_tokens": tokens}
+    )

@@ -73,7 +73,7 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
     timings["commit_s"] = time.perf_counter() - start
     seconds = sum(timings.values())
     return (
-        lm_step_metrics(config, [scores], [trained])
+        lm_step_metrics([scores], [trained])
         | timings
         | {
             "grad_norm": grad_norm,
