@@ -66,6 +66,17 @@ def test_a_runtime_field_the_policy_decides_itself_is_refused_under_its_own_name
     load_config(None, [o.replace("colocated", "digen").replace("verl-sync", "streamrl") for o in overrides])
 
 
+def test_a_negative_adv_eps_is_refused_in_one_line_and_zero_is_taken():
+    """The advantages divide by std + adv_eps: a negative eps could make that 0 or negative for a group with spread;
+    0 (or -0.0) is TRL's and verl's plain std, a group of equal rewards getting 0 whatever eps."""
+    with pytest.raises(ConfigError) as error:
+        load_config(None, ["algo.adv_eps=-1e-4"])
+    assert str(error.value) == "invalid config: algo.adv_eps: Input should be greater than or equal to 0 (got -0.0001)"
+    assert (
+        load_config(None, ["algo.adv_eps=0"]).algo.adv_eps == load_config(None, ["algo.adv_eps=-0.0"]).algo.adv_eps == 0
+    )
+
+
 def test_unknown_reward_lists_the_known_ones():
     with pytest.raises(ConfigError) as error:
         load_config(None, ["reward={aesthetic: 1.0}"])
