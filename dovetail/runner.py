@@ -24,6 +24,7 @@ from dovetail.run_dir import (
     NothingToTrain,
     RunDir,
     RunInterrupted,
+    RunLock,
     check_resumable,
     checked_run_paths,
     load_checkpoint,
@@ -259,6 +260,7 @@ def train(
         resumes = resume_points(resumes)
     created = not out.exists()
     root = RunDir(out)
+    lock = RunLock(out, *paths.values())  # held for the run's life: another run on `out` is refused, naming this one
     console = any("console" in pipeline.logger for pipeline in pipelines.values())
     logs: dict[str, StepLog] = {}
 
@@ -318,12 +320,15 @@ def train(
     except BaseException as error:
         for log in logs.values():
             log.close(failed=not isinstance(error, RunInterrupted))
+        lock.release()
         if created:  # a run that failed before writing anything (a checkpoint that would not load) leaves no trace
             _remove_if_empty(out)
         raise
     draw_curves()
     if not multiplexed:
-        return next(iter(logs.values())).finish(run_figures)
+        summary = next(iter(logs.values())).finish(run_figures)
+        lock.release()
+        return summary
     stopped = run_figures.get("stopped", {})
     summary = {
         "pipelines": {
@@ -332,6 +337,7 @@ def train(
     }
     summary |= run_figures
     root.write_summary(summary)
+    lock.release()
     return summary
 
 
