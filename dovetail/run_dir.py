@@ -13,21 +13,26 @@ A checkpoint is what a long run cannot afford to lose, nor to trust when it shou
   fresh run in an old directory keeps the old run whole; delete superseded/ when you no longer want it;
 * the run's history stays right across a resume: metrics.jsonl is cut back to the steps up to k (a re-run step
   appears once), and state.json carries the run's base evaluation, so the summary reports the base the run
-  started from whatever happened to summary.json.
+  started from whatever happened to summary.json;
+* one run at a time: a run holds a lock on its directory for its life (`RunLock`), and another run there is refused
+  naming the live one, --overwrite or not; the lock dies with its process, so a crashed run leaves none behind.
 """
 
 import errno
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 import torch
@@ -43,6 +48,8 @@ STEP_DIR = re.compile(r"step_(\d+)")
 RUN_RECORDS = ("config.yaml", "metrics.jsonl")
 """What a run writes before its first checkpoint: a directory holding one is another run's."""
 NO_CHECKPOINT = "expected RUN_DIR or RUN_DIR/checkpoints/step_NNNNNN"
+LOCK = ".lock"
+"""The file of a run directory that a live run holds an exclusive flock on (`RunLock`), its pid and host inside."""
 STRIP_FRAMES = 8
 """Frames an eval grid draws of a video: an 81-frame Wan video in full would be a strip 81 frames wide."""
 
@@ -110,14 +117,17 @@ def checked_run_paths(
     config: TrainConfig, out: Path, resume: Path | None, overwrite: bool
 ) -> tuple[dict[str, Path], dict[str, Path | None]]:
     """Each pipeline's run directory under `out` (a multiplexed run's: a sub-directory each) and what it resumes
-    from, checked before anything starts: no directory holds another run's checkpoints unless `overwrite`
-    (`check_run_directory`), and a resumed run trains the model its run trained (`check_same_model`)."""
+    from, checked before anything starts: no live run holds one (`check_not_live`, whatever `overwrite`), no
+    directory holds another run's checkpoints unless `overwrite` (`check_run_directory`), and a resumed run trains
+    the model its run trained (`check_same_model`)."""
     pipelines = pipeline_configs(config)
     multiplexed = isinstance(config, MultiplexConfig)
     paths = {name: out / name if multiplexed else out for name in pipelines}
     resumes = {
         name: None if resume is None else (Path(resume) / name if multiplexed else Path(resume)) for name in paths
     }
+    for directory in dict.fromkeys([out, *paths.values()]):
+        check_not_live(directory)
     for name, path in paths.items():
         check_run_directory(path, resumes[name], overwrite)
     if resume is not None:
@@ -126,6 +136,91 @@ def checked_run_paths(
             if multiplexed:
                 check_same_model(run_of(Path(resume) / name), pipeline.model_dump(mode="json"))
     return paths, resumes
+
+
+def check_not_live(directory: Path) -> None:
+    """No live run holds `directory`'s lock (`RunLock`): else `RunDirInUse` naming it. Asked with a shared lock,
+    let go at once: a run that takes the lock at that instant retries (`RunLock`), and two checks never collide."""
+    try:
+        file = open(Path(directory) / LOCK)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    with file:
+        try:
+            fcntl.flock(file, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunDirInUse(_live_run(directory, file.read())) from None
+
+
+def _live_run(directory: Path, holder: str) -> str:
+    """The refusal of a run on `directory`, which the live run that wrote `holder` (its lock's contents) holds."""
+    try:
+        held = json.loads(holder)
+        who = f"pid {held['pid']} on {held['host']}, started {held['started']}"
+    except (ValueError, KeyError, TypeError):  # taken an instant ago: its holder has not written itself yet
+        who = "a process that took it an instant ago"
+    return (
+        f"--out {directory} is in use by a live run ({who}): let it end or stop it, or give another --out; "
+        "--overwrite does not take a live run's directory"
+    )
+
+
+class RunLock:
+    """An exclusive flock on each of `directories`' .lock (created where missing), held until `release` (or the
+    process's end: the OS drops a dead process's locks, so a crashed run leaves no stale one and its directory resumes
+    or is overwritten as any other). The file says who holds it: pid, host and start. A lock held elsewhere, by
+    another process or another run of this one (flock is per open file), is `RunDirInUse` naming its holder. flock is
+    advisory and, on some network file systems, local to each machine: it keeps apart the runs of one machine."""
+
+    ATTEMPTS = 20
+    """Tries 10 ms apart before a lock held counts as a live run's: a `check_not_live` may hold it for an instant."""
+
+    def __init__(self, *directories: Path):
+        self.held: list[tuple[Path, TextIO]] = []
+        try:
+            for directory in dict.fromkeys(Path(d) for d in directories):
+                directory.mkdir(parents=True, exist_ok=True)
+                self.held.append((directory / LOCK, self._take(directory)))
+        except BaseException:
+            self.release()
+            raise
+
+    @classmethod
+    def _take(cls, directory: Path) -> TextIO:
+        path = directory / LOCK
+        while True:
+            file = open(path, "a+")
+            for _ in range(cls.ATTEMPTS):
+                try:
+                    fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    time.sleep(0.01)
+            else:
+                file.seek(0)
+                holder = file.read()
+                file.close()
+                raise RunDirInUse(_live_run(directory, holder))
+            try:
+                same = os.stat(path).st_ino == os.fstat(file.fileno()).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            file.close()  # its holder released it (and removed the file) between our open and lock: lock the new one
+        file.truncate(0)
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        file.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": started}) + "\n")
+        file.flush()
+        return file
+
+    def release(self) -> None:
+        """Let go of every lock: each file is removed while still locked (a process waiting on the old file then sees
+        it gone and locks a new one), so a directory the run leaves empty can be removed."""
+        for path, file in reversed(self.held):
+            path.unlink(missing_ok=True)
+            file.close()
+        self.held = []
 
 
 IDENTITY_FIELDS = ("kind", "task", "model.checkpoint", "model.path")

@@ -28,6 +28,7 @@ from dovetail.run_dir import (
     NothingToTrain,
     RunDir,
     RunInterrupted,
+    RunLock,
     check_resumable,
     load_checkpoint,
     plot_curves,
@@ -243,6 +244,7 @@ def train(request: RunRequest, *, devices_starting: Future | None = None) -> dic
         resumes = resume_points({name: path for name, path in request.resumes.items() if path is not None})
     created = not out.exists()
     root = RunDir(out)
+    lock = RunLock(out, *paths.values())  # held for the run's life: another run on `out` is refused, naming this one
     console = any("console" in pipeline.logger for pipeline in pipelines.values())
     logs: dict[str, StepLog] = {}
 
@@ -291,12 +293,15 @@ def train(request: RunRequest, *, devices_starting: Future | None = None) -> dic
     except BaseException as error:
         for log in logs.values():
             log.close(failed=not isinstance(error, RunInterrupted))
+        lock.release()
         if created:  # a run that failed before writing anything (a checkpoint that would not load) leaves no trace
             _remove_if_empty(out)
         raise
     draw_curves()
     if not multiplexed:
-        return next(iter(logs.values())).finish(run_figures)
+        summary = next(iter(logs.values())).finish(run_figures)
+        lock.release()
+        return summary
     stopped = run_figures.get("stopped", {})
     summary = {
         "pipelines": {
@@ -305,6 +310,7 @@ def train(request: RunRequest, *, devices_starting: Future | None = None) -> dic
     }
     summary |= run_figures
     root.write_summary(summary)
+    lock.release()
     return summary
 
 

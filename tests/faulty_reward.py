@@ -40,18 +40,22 @@ def powers(completions, prompts):
     return np.array([float(pow(3, int(completion)) % 2) for completion in completions])
 
 
-def exits(samples, prompts):
+# The failures below serve as image and as text rewards: they take an image reward's arguments (by position) and a
+# text reward's (by keyword) alike.
+
+
+def exits(*args, **kwargs):
     raise SystemExit(0)
 
 
-def interrupts(samples, prompts):
+def interrupts(*args, **kwargs):
     raise KeyboardInterrupt
 
 
-def ends_its_process(samples, prompts):
+def ends_its_process(*args, **kwargs):
     os._exit(3)
 
 
-def waits(samples, prompts):
+def waits(*args, **kwargs):
     """A request to a reward server that never answers."""
     threading.Event().wait()

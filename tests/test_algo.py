@@ -1,6 +1,7 @@
 """The FlowGRPO / DanceGRPO math against closed forms and independent recomputation."""
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -148,3 +149,25 @@ def test_decoupled_correction_is_a_truncated_importance_weighted_policy_gradient
     loss.backward()
     torch.testing.assert_close(theta.grad, -expected_weight * advantages * 2.0 / 3)
     assert stats["ratio_mean"] == 1.0 and stats["clip_frac"] == 0.0
+
+
+@pytest.mark.parametrize("eps", [0.0, -0.0, 1e-4])
+@pytest.mark.parametrize("std_scope", ["group", "global", "none"])
+@pytest.mark.parametrize("unbiased", [False, True])
+def test_a_group_whose_rewards_are_all_equal_gets_exactly_zero_whatever_eps(eps, std_scope, unbiased):
+    """r - mean = 0 exactly, as TRL and verl give it; 13/997 three times is a mean a rounded sum misses by an ulp."""
+    rewards = torch.tensor([1.0, 1.0, 13 / 997, 13 / 997, 13 / 997, 0.0, 1.0], dtype=torch.float64)
+    groups = torch.tensor([0, 0, 1, 1, 1, 2, 2])
+    advantages = group_advantages(rewards, groups, std_scope=std_scope, eps=eps, unbiased=unbiased)
+    assert advantages[:5].tolist() == [0.0] * 5
+    values = rewards.tolist()
+    scale = {
+        "group": (statistics.stdev if unbiased else statistics.pstdev)([0.0, 1.0]) + eps,
+        "global": (statistics.stdev if unbiased else statistics.pstdev)(values) + eps,
+        "none": 1.0,
+    }[std_scope]
+    torch.testing.assert_close(advantages[5:], torch.tensor([-0.5, 0.5]) / scale)
+    same = group_advantages(torch.full((4,), 0.3), torch.tensor([0, 0, 1, 1]), std_scope=std_scope, eps=eps)
+    assert same.tolist() == [0.0] * 4
+    batch = group_advantages(torch.full((4,), 0.3), torch.tensor([0, 0, 1, 1]), baseline="batch", eps=eps)
+    assert batch.tolist() == [0.0] * 4

@@ -15,7 +15,7 @@ from dovetail.pipelines.flow.config import flow_rules
 from dovetail.pipelines.flow.recipe import step_timesteps
 from dovetail.rewards import REWARDS, RewardError, score
 from dovetail.rewards.judge import digit_probabilities, fit_digit_judge
-from dovetail.rewards.text import score_text
+from dovetail.rewards.text import TextContext, columns_read, score_text, text_reward_fn
 
 
 def test_yaml_plus_dotted_overrides(tmp_path):
@@ -64,6 +64,17 @@ def test_a_runtime_field_the_policy_decides_itself_is_refused_under_its_own_name
     with pytest.raises(ConfigError, match=re.escape(named)):
         load_config(None, overrides)
     load_config(None, [o.replace("colocated", "digen").replace("verl-sync", "streamrl") for o in overrides])
+
+
+def test_a_negative_adv_eps_is_refused_in_one_line_and_zero_is_taken():
+    """The advantages divide by std + adv_eps: a negative eps could make that 0 or negative for a group with spread;
+    0 (or -0.0) is TRL's and verl's plain std, a group of equal rewards getting 0 whatever eps."""
+    with pytest.raises(ConfigError) as error:
+        load_config(None, ["algo.adv_eps=-1e-4"])
+    assert str(error.value) == "invalid config: algo.adv_eps: Input should be greater than or equal to 0 (got -0.0001)"
+    assert (
+        load_config(None, ["algo.adv_eps=0"]).algo.adv_eps == load_config(None, ["algo.adv_eps=-0.0"]).algo.adv_eps == 0
+    )
 
 
 def test_unknown_reward_lists_the_known_ones():
@@ -224,3 +235,88 @@ def test_lm_length_bands_must_lie_inside_the_generation_budget(bands):
 
 def test_lm_length_bands_inside_the_budget_are_taken():
     assert load_config(None, ["kind=lm", "task=sort", "runtime.length_bands=[4, 12]"]).runtime.length_bands == [4, 12]
+
+
+# --- a user's reward is called as TRL (text) and DDPO / Flow-GRPO (images) call theirs ---------------------------
+
+
+def trl_correct(prompts, completions, answer, **kwargs):
+    """A reward as TRL's docs write them: prompts first, the `answer` column by name, the other columns and the
+    completions' token ids in kwargs. Each argument leaves its own mark on the score."""
+    return [
+        float(c == a) + 10 * len(p) + 100 * len(ids) + 1000 * level
+        for p, c, a, ids, level in zip(prompts, completions, answer, kwargs["completion_ids"], kwargs["level"])
+    ]
+
+
+def completions_only(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def dovetails_order(completions, prompts):
+    return [10.0 * len(p) + len(c) for c, p in zip(completions, prompts)]
+
+
+def by_position(completions, prompts, /):
+    return [0.0] * len(completions)
+
+
+def needs_answer(prompts, completions, answer):
+    return [float(c == a) for c, a in zip(completions, answer)]
+
+
+def no_completions(prompts):
+    return [0.0] * len(prompts)
+
+
+def swapped_images(prompts, images):
+    return [0.0] * len(prompts)
+
+
+def test_a_reward_written_for_trl_gets_each_argument_by_its_name():
+    prompts, completions = ["what is 2+2?", "name a colour:"], ["4", "red"]
+    context = TextContext(
+        dataset=True, columns={"answer": ["4", "blue"], "level": [1, 2]}, completion_ids=[[7, 2], [5, 6, 2]]
+    )
+    name = f"{__name__}:trl_correct"
+    assert columns_read(name, text_reward_fn(name, dataset=True)) == {"answer"}
+    expected = [1.0 + 10 * 12 + 100 * 2 + 1000, 0.0 + 10 * 14 + 100 * 3 + 2000]
+    assert score_text(completions, prompts, {name: 1.0}, context=context)[name].tolist() == expected
+    # What took (completions, prompts) or named only some arguments goes on working, in a dataset run and a task run.
+    for run in (context, TextContext(completion_ids=[[7, 2], [5, 6, 2]])):
+        scores = score_text(
+            completions, prompts, {f"{__name__}:{f}": 1.0 for f in ("completions_only", "dovetails_order")}, context=run
+        )
+        assert scores[f"{__name__}:completions_only"].tolist() == [1.0, 3.0]
+        assert scores[f"{__name__}:dovetails_order"].tolist() == [121.0, 143.0]
+
+
+@pytest.mark.parametrize(
+    ("function", "says"),
+    [
+        ("by_position", "takes completions, prompts by position only; rewards are called by keyword, as TRL"),
+        ("no_completions", "takes no completions= keyword"),
+        ("needs_answer", "requires answer, which a task run does not pass"),
+    ],
+)
+def test_a_text_reward_that_cannot_be_called_by_keyword_is_refused_naming_it_its_file_and_the_fix(function, says):
+    name = f"{__name__}:{function}"
+    with pytest.raises(ValueError) as error:
+        text_reward_fn(name)
+    message = str(error.value)
+    assert message.startswith(f"reward '{name}' ({__file__}) {says}") and "\n" not in message, message
+    assert message.endswith(f": write def {function}(prompts, completions, **kwargs)"), message
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, ["kind=lm", "task=sort", f"reward={{{name}: 1.0}}"])
+    if function == "needs_answer":  # a dataset run passes its columns: the dataset's check (`columns_read`) decides
+        assert columns_read(name, text_reward_fn(name, dataset=True)) == {"answer"}
+
+
+def test_an_image_reward_naming_its_arguments_the_other_way_round_is_refused():
+    name = f"{__name__}:swapped_images"
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [f"reward={{{name}: 1.0}}"])
+    assert (
+        f"reward '{name}' ({__file__}) takes (prompts, images); an image reward is called f(images, prompts), images "
+        "first, as DDPO and Flow-GRPO call theirs: write def swapped_images(images, prompts)"
+    ) in str(error.value)

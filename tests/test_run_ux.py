@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ from dovetail.config.common import ConfigError, ray_address
 from dovetail.config.load import check_this_machine, load_config
 from dovetail.pipelines.flow.local import FlowLocal
 from dovetail.plan import metrics as metrics_module
-from dovetail.run_dir import RunDir, load_checkpoint
+from dovetail.run_dir import LOCK, RunDir, RunDirInUse, RunLock, load_checkpoint
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 FAST = ["algo.prompts_per_step=4", "algo.group_size=4", "sampling.num_steps=6", "eval.per_prompt=2"]
@@ -188,6 +189,72 @@ def test_a_new_run_refuses_a_directory_holding_a_run_that_saved_no_checkpoint(tm
     (aside,) = (out / "superseded").iterdir()
     assert {p.name: p.read_bytes() for p in aside.iterdir() if p.is_file()} == {p.name: b for p, b in before.items()}
     assert [m["step"] for m in metric_lines(out)] == [1]
+
+
+def live_run_refusal(out: Path, pid: int) -> re.Pattern:
+    return re.compile(
+        re.escape(f"--out {out} is in use by a live run (pid {pid} on {socket.gethostname()}, started ")
+        + r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d"
+        + re.escape("): let it end or stop it, or give another --out; --overwrite does not take a live run's directory")
+    )
+
+
+def test_a_live_runs_directory_is_refused_naming_its_pid_even_with_overwrite_and_a_killed_ones_is_not(tmp_path):
+    """Two `dovetail train` on one --out: the second is refused, naming the first's process, rather than told that
+    the live run "stopped before its first save" and offered --overwrite, which would move its files aside. Killed
+    (no handler runs), the first leaves its .lock file but no lock: the directory is overwritten as any other."""
+    out = tmp_path / "run"
+    run = [*FAST, "policy=reference", "eval.every=100", "checkpoint.every=100", "--out", str(out)]
+    command = [sys.executable, "-m", "dovetail.cli", "train", *run, "--steps", "1000"]
+    live = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        for line in live.stdout:
+            if "step 1/1000" in line:  # it has written config.yaml and metrics.jsonl, and saved no checkpoint
+                break
+        config = (out / "config.yaml").read_text()
+        for overwrite in ([], ["--overwrite"]):
+            result = CliRunner().invoke(app, ["train", *run, "--steps", "1", *overwrite])
+            assert result.exit_code == 2, result.output
+            (line,) = result.output.strip().splitlines()
+            assert live_run_refusal(out, live.pid).fullmatch(line), line
+        assert not (out / "superseded").exists() and (out / "config.yaml").read_text() == config
+    finally:
+        live.kill()
+        live.wait(timeout=60)
+    assert json.loads((out / ".lock").read_text())["pid"] == live.pid
+    result = CliRunner().invoke(app, ["train", *run, "--steps", "1", "--overwrite"])
+    assert result.exit_code == 0, result.output
+    assert [m["step"] for m in metric_lines(out)] == [1] and not (out / ".lock").exists()  # let go at the end
+
+
+HOLD = (
+    "import sys; from dovetail.run_dir import RunLock; lock = RunLock(sys.argv[1]); print('held', flush=True); input()"
+)
+
+
+def test_a_run_lock_held_by_another_process_is_refused_naming_it_and_a_dead_holders_is_taken(tmp_path):
+    """What `dovetail.runner.train` takes where it opens the run directory (a run that passed `checked_run_paths` an
+    instant before another took the lock is refused there), and the API's refusal."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(RunDirInUse) as refused:
+            RunLock(tmp_path)
+        assert live_run_refusal(tmp_path, holder.pid).fullmatch(str(refused.value)), refused.value
+        for overwrite in (False, True):
+            with pytest.raises(RunDirInUse, match=f"pid {holder.pid} on"):
+                dovetail.train({}, out=tmp_path, overrides=[*FAST, "policy=reference"], steps=1, overwrite=overwrite)
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
+    lock = RunLock(tmp_path)
+    assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid()
+    with pytest.raises(RunDirInUse, match=f"pid {os.getpid()} on"):  # flock is per open file: this process too
+        RunLock(tmp_path)
+    lock.release()
+    assert not (tmp_path / LOCK).exists()
 
 
 def test_a_runtime_error_is_one_line_naming_cause_and_fix_with_the_traceback_in_the_run(tmp_path, monkeypatch):

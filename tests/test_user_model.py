@@ -24,7 +24,7 @@ from dovetail.config.common import ConfigError
 from dovetail.config.load import load_config
 from dovetail.cost.catalog import diffusion_model
 from dovetail.cost.model import CostModel
-from dovetail.models.diffusers_flow import load_diffusers_checkpoint, load_flow_model, save_prompt_embeddings
+from dovetail.models.diffusers_flow import export, load_diffusers_checkpoint, load_flow_model, save_prompt_embeddings
 from dovetail.models.flow_rl import generate, group_sample_ids, recompute_log_probs, step_prompts
 from dovetail.models.training import weights_of
 from dovetail.pipelines.flow.recipe import policy_gradient, sde_settings
@@ -207,6 +207,52 @@ def test_export_writes_what_diffusers_and_peft_load_back_with_the_trained_weight
     ):
         result = runner.invoke(app, ["export", *args])
         assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1 and names in result.output
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_diffusers_own_lora_loader_reads_the_exported_adapter_as_the_merged_export(
+    kind, sd3_pipeline_dir, tiny_prompts_file, tmp_path
+):
+    """`pipe.load_lora_weights(OUT/lora)` and the transformer's `load_lora_adapter` on a LoRA run's export sample
+    what the merged export samples (the pipeline's latents, before a random VAE's clipping could hide a difference);
+    they loaded nothing before, without an error."""
+    if kind == "sd3":
+        source, pipeline_class, transformer_class = sd3_pipeline_dir, StableDiffusion3Pipeline, SD3Transformer2DModel
+        sizes, options = [], {"text_encoder_3": None, "tokenizer_3": None}
+    else:
+        source, pipeline_class, transformer_class = tiny_flux_pipeline(tmp_path / "flux"), FluxPipeline, None
+        sizes, options = ["model.sample_size=8", "model.max_sequence_length=8"], {}
+    model = load_flow_model(load_config(None, small(source, tiny_prompts_file, *LORA, *sizes)))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # a trained adapter: its B matrices start at 0, where merged or not is all one
+        for name, parameter in model.transformer.named_parameters():
+            if ".lora_B." in name:
+                parameter.copy_(0.3 * torch.randn(parameter.shape, generator=generator))
+    out = tmp_path / "export"
+    export(model, out)
+
+    def latents(pipeline) -> torch.Tensor:
+        length = 4 if kind == "sd3" else 8
+        return pipeline(
+            [PROMPTS[0]],
+            num_inference_steps=2,
+            height=16,
+            width=16,
+            max_sequence_length=length,
+            output_type="latent",
+            generator=torch.Generator().manual_seed(1),
+        ).images
+
+    merged = latents(pipeline_class.from_pretrained(out, **options))
+    base = pipeline_class.from_pretrained(source, **options)
+    assert (latents(base) - merged).abs().max() > 1e-3  # the adapter changes what is sampled
+    base.load_lora_weights(out / "lora")
+    assert (latents(base) - merged).abs().max() <= 1e-5
+    if transformer_class is not None:
+        base = pipeline_class.from_pretrained(source, **options)
+        base.transformer = transformer_class.from_pretrained(source / "transformer")
+        base.transformer.load_lora_adapter(out / "lora", weight_name="pytorch_lora_weights.safetensors")
+        assert (latents(base) - merged).abs().max() <= 1e-5
 
 
 def test_prompts_read_alike_from_text_jsonl_json_and_parquet_and_split_by_their_hash(tmp_path):

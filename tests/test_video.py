@@ -219,6 +219,11 @@ def test_export_reloads_in_wan_pipeline_with_the_trained_weights_and_generates(f
     assert max_difference(pipeline.transformer.state_dict(), merged) <= 1e-6
     assert max_difference(pipeline.transformer.state_dict(), base) > 1e-5
     assert (out / "lora" / "adapter_model.safetensors").is_file()
+    with_adapter = WanPipeline.from_pretrained(wan_dir)  # diffusers' own loader reads the adapter as exported
+    with_adapter.load_lora_weights(out / "lora")
+    with_adapter.fuse_lora()
+    with_adapter.unload_lora_weights()
+    assert max_difference(with_adapter.transformer.state_dict(), merged) <= 1e-6
     video = pipeline(
         ["a red cat"],
         num_frames=FRAMES,

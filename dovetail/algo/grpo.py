@@ -28,6 +28,10 @@ def group_advantages(
     sample's group), ``global`` (std over the whole batch, as Flow-GRPO does for small groups) or
     ``none`` (divide by 1). `unbiased`: the sample std (n - 1, torch's default: DanceGRPO, verl-omni)
     instead of the population std (n, numpy's: Flow-GRPO).
+
+    A sample whose reward is its baseline gets exactly 0, whatever `eps`: so does every member of a group whose
+    rewards are all equal (its mean is taken as their common value, `_exact_mean`), as TRL and verl give it, where
+    eps = 0 would make it 0 / 0 = NaN, or a few ulps of rounding over a std of as many ulps, +-1.
     """
     if std_scope not in STD_SCOPES:
         raise ValueError(f"std_scope={std_scope!r} is not one of {STD_SCOPES}")
@@ -37,6 +41,7 @@ def group_advantages(
     group_ids = torch.as_tensor(group_ids)
     advantages = torch.zeros_like(rewards)
     global_std = rewards.std(unbiased=unbiased) if rewards.numel() > 1 else rewards.new_tensor(0.0)
+    batch_mean = _exact_mean(rewards)
     for group in torch.unique(group_ids):
         members = group_ids == group
         r = rewards[members]
@@ -48,8 +53,15 @@ def group_advantages(
             scale = global_std + eps
         else:
             scale = r.new_tensor(1.0)
-        advantages[members] = (r - (r.mean() if baseline == "group" else rewards.mean())) / scale
+        centred = r - (_exact_mean(r) if baseline == "group" else batch_mean)
+        advantages[members] = torch.where(centred == 0, 0.0, centred / scale)
     return advantages.clamp(-clip, clip).float()
+
+
+def _exact_mean(values: torch.Tensor) -> torch.Tensor:
+    """The mean, exactly the common value where all values are equal: a rounded sum would leave them a few ulps off
+    their mean."""
+    return values[0] if bool((values == values[0]).all()) else values.mean()
 
 
 def flow_grpo_loss(

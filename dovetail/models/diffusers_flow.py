@@ -46,7 +46,8 @@ pooled_prompt_embeds (N, P) (P = 0 for Wan, which has no pooled embedding), and 
 file's metadata under "prompts"."""
 
 ADAPTER_DIR = "lora"
-"""Where `export` writes a LoRA run's adapter in peft's layout, inside the exported pipeline directory."""
+"""Where `export` writes a LoRA run's adapter, inside the exported pipeline directory: in peft's layout and in
+diffusers' (`export_adapter`)."""
 
 
 class Frozen:
@@ -562,12 +563,31 @@ def checkpoint_io(config, model) -> tuple[Callable, Callable]:
 
 def export(model: DiffusersFlow, out: Path) -> None:
     """`out` as a diffusers directory that `from_pretrained` loads: the source directory's files with the trained
-    transformer in transformer/ (a LoRA adapter merged in), and a LoRA run's adapter in peft's layout in lora/
-    (`PeftModel.from_pretrained(transformer, out / "lora")`). The adapter is merged into `model` itself."""
+    transformer in transformer/ (a LoRA adapter merged in), and a LoRA run's adapter in lora/ (`export_adapter`).
+    The adapter is merged into `model` itself."""
     source = Path(model.source["diffusers_path"])
     shutil.copytree(source, out, ignore=lambda d, names: ["transformer"] if Path(d) == source else [])
     transformer = model.transformer
     if model.lora:
-        transformer.save_pretrained(out / ADAPTER_DIR)
+        export_adapter(model, out / ADAPTER_DIR)
         transformer = transformer.merge_and_unload()
     transformer.save_pretrained(out / "transformer")
+
+
+def export_adapter(model: DiffusersFlow, out: Path) -> None:
+    """A LoRA run's adapter in `out` as both loaders read it: peft's (adapter_config.json, adapter_model.safetensors:
+    `PeftModel.from_pretrained(transformer, out)`) and diffusers' (pytorch_lora_weights.safetensors, which its
+    pipelines' loader picks first: `pipeline.load_lora_weights(out)`; a transformer's `load_lora_adapter` is given it
+    as `weight_name`). diffusers' is
+    written by the pipeline's own `save_lora_weights`, as its LoRA training scripts write theirs: the peft keys
+    under "transformer." (peft's "base_model.model." off: with it, diffusers' loader finds no key of the transformer
+    and loads nothing, without an error) and the LoRA config (alpha, rank, targets) in the file's metadata, which
+    it reads back rather than guess a scale of 1 from the shapes."""
+    transformer = model.transformer
+    transformer.save_pretrained(out)
+    layers = {name.removeprefix("base_model.model."): tensor for name, tensor in lora_state_dict(transformer).items()}
+    getattr(diffusers, model.PIPELINE).save_lora_weights(
+        out,
+        transformer_lora_layers=layers,
+        transformer_lora_adapter_metadata=transformer.peft_config[transformer.active_adapter].to_dict(),
+    )

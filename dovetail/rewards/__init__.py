@@ -23,6 +23,7 @@ import inspect
 import io
 import os
 import re
+import sys
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -106,17 +107,17 @@ REWARD_TIMEOUT_S = 600.0
 """Default of a run's `reward_timeout_s`: a reward call (one batch) that takes longer is a failure, not a hang."""
 
 
-def call_reward(name: str, fn: Callable, args: tuple, timeout_s: float, kwargs: dict | None = None):
-    """`fn(*args, **kwargs)`: a user's reward ("package.module:function") in the reward process, stopped after
-    `timeout_s` whatever it does (`dovetail.rewards.process`); one of ours here, directly. What the reward raises,
-    SystemExit and KeyboardInterrupt included, is a RewardRaised naming it, in one line."""
+def call_reward(name: str, fn: Callable, args: tuple, kwargs: dict, samples: int, timeout_s: float):
+    """`fn(*args, **kwargs)` on `samples` samples: a user's reward ("package.module:function") in the reward
+    process, stopped after `timeout_s` whatever it does (`dovetail.rewards.process`); one of ours here, directly.
+    What the reward raises, SystemExit and KeyboardInterrupt included, is a RewardRaised naming it, in one line."""
     if ":" not in name:
         try:
-            return fn(*args, **(kwargs or {}))
+            return fn(*args, **kwargs)
         except Exception as error:
             raise RewardRaised(f"reward {name!r} raised {process.describe(error)}") from error
     try:
-        return process.call(name, args, timeout_s, kwargs)
+        return process.call(name, args, kwargs, samples, timeout_s)
     except process.Raised as error:
         raise RewardRaised(f"reward {name!r} raised {error}") from None
     except process.Failed as error:
@@ -132,14 +133,46 @@ def reward_fn(name: str) -> RewardFn:
     if name in REWARDS:
         return REWARDS[name]
     if ":" in name:
-        return custom_reward(name, "(images, prompts)")
+        return _image_reward(name, custom_reward(name, "(images, prompts)"))
     raise ValueError(f"unknown reward {name!r}; known rewards: {sorted(REWARDS)}, or give module:function")
 
 
-def custom_reward(name: str, arguments: str, columns: bool = False) -> Callable:
+SAMPLE_NAMES = frozenset({"images", "image", "videos", "video", "samples"})
+PROMPT_NAMES = frozenset({"prompts", "prompt"})
+"""Parameter names that say what an image reward's first (`SAMPLE_NAMES`) or second (`PROMPT_NAMES`) argument is."""
+
+
+def _image_reward(name: str, fn: Callable) -> RewardFn:
+    """`fn` if it can be called f(images, prompts) by position, as DDPO and Flow-GRPO call theirs; else a ValueError
+    naming it and its file. One that names its first two parameters the other way round, (prompts, images), is
+    refused too: it would take the prompts for the images and score them without error."""
+    attribute = name.partition(":")[2]
+    try:
+        signature = inspect.signature(fn)
+    except ValueError:  # no signature to read (some built-ins): its first call tells
+        return fn
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        raise ValueError(
+            f"reward {name!r} must be a function of (images, prompts), not {attribute}{signature}"
+        ) from None
+    positional = [
+        p.name for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    first, second = (positional + ["", ""])[:2]
+    if first in PROMPT_NAMES or second in SAMPLE_NAMES:
+        raise ValueError(
+            f"reward {name!r} ({reward_file(name)}) takes ({first}, {second}); an image reward is called f(images, "
+            f"prompts), images first, as DDPO and Flow-GRPO call theirs: write def {attribute}(images, prompts)"
+        )
+    return fn
+
+
+def custom_reward(name: str, arguments: str) -> Callable:
     """Your own reward "package.module:function": its module imported (which runs the module's code, so only
-    from a module DOVETAIL_REWARD_MODULES allows, where it is set), and the function checked to take `arguments`
-    (two: the samples and their prompts; with `columns`, further parameters too: a dataset's columns by name)."""
+    from a module DOVETAIL_REWARD_MODULES allows, where it is set) and the function found; the caller checks that it
+    takes `arguments` as it will be called."""
     module, _, attribute = name.partition(":")
     allowed = os.environ.get(ALLOWED_MODULES)
     if allowed is not None:
@@ -155,15 +188,13 @@ def custom_reward(name: str, arguments: str, columns: bool = False) -> Callable:
         raise ValueError(f"reward {name!r} cannot be imported: {process.describe(error)}") from None
     if not callable(fn):
         raise ValueError(f"reward {name!r} must be a function of {arguments}, not a {type(fn).__name__}")
-    try:
-        signature = inspect.signature(fn)
-    except ValueError:  # no signature to read (some built-ins): its first call tells
-        return fn
-    try:
-        signature.bind_partial(None, None) if columns else signature.bind(None, None)
-    except TypeError:
-        raise ValueError(f"reward {name!r} must be a function of {arguments}, not {attribute}{signature}") from None
     return fn
+
+
+def reward_file(name: str) -> str:
+    """The file of the module a custom reward "package.module:function" was imported from, for its messages."""
+    module = name.partition(":")[0]
+    return getattr(sys.modules.get(module), "__file__", None) or module
 
 
 def check_reward_names(weights: dict[str, float]) -> None:
@@ -215,8 +246,10 @@ def _reward_of_samples(name: str, fn: RewardFn, samples: np.ndarray, prompts: Se
     if samples.ndim == 5 and not video:
         frames = samples.shape[1]
         per_frame = [prompt for prompt in prompts for _ in range(frames)]
-        output = call_reward(name, fn, (samples.reshape(-1, *samples.shape[2:]), per_frame), timeout_s)
+        frames_and_prompts = (samples.reshape(-1, *samples.shape[2:]), per_frame)
+        output = call_reward(name, fn, frames_and_prompts, {}, len(per_frame), timeout_s)
         return reward_values(name, output, len(per_frame)).reshape(len(prompts), frames).mean(axis=1)
     if samples.ndim != 5 and video:
         samples = samples[:, None]
-    return reward_values(name, call_reward(name, fn, (samples, prompts), timeout_s), len(prompts))
+    output = call_reward(name, fn, (samples, prompts), {}, len(prompts), timeout_s)
+    return reward_values(name, output, len(prompts))

@@ -42,19 +42,19 @@ SERVE = "import sys; from dovetail.rewards.process import serve; serve(int(sys.a
 """The reward process's program; its argument is the descriptor of its end of the pipe."""
 
 
-def call(name: str, args: tuple, timeout_s: float, kwargs: dict | None = None):
-    """The reward `name` ("package.module:function") called on `args` (and keyword arguments `kwargs`: a dataset's
-    columns) in the reward process: its output, or Raised / Failed. One call at a time: a second caller waits for
-    the first."""
+def call(name: str, args: tuple, kwargs: dict, samples: int, timeout_s: float):
+    """The reward `name` ("package.module:function") called on `args` and `kwargs` (an image reward's by position,
+    a text reward's by keyword), `samples` samples, in the reward process: its output, or Raised / Failed. One call
+    at a time: a second caller waits for the first."""
     with _lock:
-        outcome, detail = _ask((name, args, kwargs or {}, (os.getcwd(), sys.path, dict(os.environ))), timeout_s)
+        outcome, detail = _ask((name, args, kwargs, (os.getcwd(), sys.path, dict(os.environ))), timeout_s)
     if outcome == "returned":
         return detail
     if outcome == "raised":
         raise Raised(detail)
     if outcome == "overran":
         raise Failed(
-            f"took longer than reward_timeout_s={timeout_s:g} s on {len(args[0])} samples and was stopped; make it "
+            f"took longer than reward_timeout_s={timeout_s:g} s on {samples} samples and was stopped; make it "
             "faster, or raise reward_timeout_s in the config"
         )
     if outcome == "ended":

@@ -4,10 +4,11 @@ the call of a user's own.
 A task's reward takes the completions and their prompts and returns one float per sample; the task and its answer
 are read from the prompt, never stored, so it needs nothing but the two lists. A dataset run's (`prompts.path`)
 rewards see the dataset's other columns too: the built-in ones (`DATASET_REWARDS`: answer match against the
-`answer` column, a format regex, a length penalty) through a `TextContext`, a user's own ("package.module:function")
-as TRL passes them, `f(completions, prompts, **columns)`: every other column of the sample's row as a keyword list
-(only those its signature names, unless it takes **kwargs). They combine with weights as the image rewards do:
-``{"exact_answer": 1.0, "format": 0.1}``.
+`answer` column, a format regex, a length penalty) through a `TextContext`. A user's own ("package.module:function")
+is called as TRL's GRPOTrainer calls it, every argument by keyword: `prompts`, `completions`, `completion_ids` and
+each other column of the sample's row by its name (only those its signature names, unless it takes **kwargs), so a
+reward written for TRL, `def f(prompts, completions, answer, **kwargs)`, gets what TRL would give it. They combine
+with weights as the image rewards do: ``{"exact_answer": 1.0, "format": 0.1}``.
 """
 
 import inspect
@@ -18,7 +19,15 @@ from fractions import Fraction
 
 import numpy as np
 
-from dovetail.rewards import REWARD_TIMEOUT_S, RewardError, RewardRaised, call_reward, custom_reward, reward_values
+from dovetail.rewards import (
+    REWARD_TIMEOUT_S,
+    RewardError,
+    RewardRaised,
+    call_reward,
+    custom_reward,
+    reward_file,
+    reward_values,
+)
 from dovetail.tasks import Copy, Countdown, ExpressionError, evaluate_expression, final_answer, task_of_prompt
 
 TextRewardFn = Callable[[Sequence[str], Sequence[str]], np.ndarray]
@@ -103,12 +112,12 @@ DEFAULT_FORMAT = r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*"
 class TextContext:
     """What a batch's rewards may read besides the completions and their prompts. `dataset`: a `prompts.path` run,
     whose rewards are `DATASET_REWARDS`' and the user's; `columns`: the dataset's other columns, one value per
-    sample; `tokens`: each response's length in tokens, of `max_new_tokens`; `format_pattern`: the regular
+    sample; `completion_ids`: each response's tokens (a budget of `max_new_tokens`); `format_pattern`: the regular
     expression the dataset `format` reward full-matches."""
 
     dataset: bool = False
     columns: dict[str, list] = field(default_factory=dict)
-    tokens: list[int] | None = None
+    completion_ids: list[list[int]] | None = None
     max_new_tokens: int | None = None
     format_pattern: str = DEFAULT_FORMAT
 
@@ -117,7 +126,7 @@ class TextContext:
         return TextContext(
             self.dataset,
             {name: values[i : i + 1] for name, values in self.columns.items()},
-            None if self.tokens is None else self.tokens[i : i + 1],
+            None if self.completion_ids is None else self.completion_ids[i : i + 1],
             self.max_new_tokens,
             self.format_pattern,
         )
@@ -200,9 +209,9 @@ def format_pattern(completions: Sequence[str], prompts: Sequence, context: TextC
 def length_penalty(completions: Sequence[str], prompts: Sequence, context: TextContext) -> np.ndarray:
     """-(response tokens / sampling.max_new_tokens), in [-1, 0]: its weight is what a response of the whole budget
     costs."""
-    if context.tokens is None or context.max_new_tokens is None:
+    if context.completion_ids is None or context.max_new_tokens is None:
         raise ValueError("length_penalty needs the responses' token counts")
-    return -np.asarray(context.tokens, dtype=np.float64) / context.max_new_tokens
+    return -np.array([len(ids) for ids in context.completion_ids], dtype=np.float64) / context.max_new_tokens
 
 
 DATASET_REWARDS: dict[str, Callable[[Sequence[str], Sequence, TextContext], np.ndarray]] = {
@@ -213,50 +222,93 @@ DATASET_REWARDS: dict[str, Callable[[Sequence[str], Sequence, TextContext], np.n
 """The built-in rewards of a dataset run (`prompts.path`): functions of (completions, prompts, `TextContext`)."""
 
 
+TRL_KEYWORDS = ("prompts", "completions", "completion_ids")
+"""What a user's text reward is offered by keyword besides a dataset's columns, as TRL's GRPOTrainer passes them."""
+
+
 def text_reward_fn(name: str, dataset: bool = False) -> Callable:
     """A text reward by name: a task's (`TEXT_REWARDS`), or with `dataset` a dataset run's (`DATASET_REWARDS`), or
-    your own as "package.module:function" (taking completions and prompts, and a dataset run's columns by
-    keyword)."""
+    your own as "package.module:function" (called by keyword as TRL calls it: `_keyword_reward`)."""
     known = DATASET_REWARDS if dataset else TEXT_REWARDS
     if name in known:
         return known[name]
     if ":" in name:
-        if dataset:
-            return custom_reward(name, "(completions, prompts, **columns)", columns=True)
-        return custom_reward(name, "(completions, prompts)")
+        return _keyword_reward(name, custom_reward(name, "(prompts, completions, **kwargs)"), dataset)
     raise ValueError(f"unknown text reward {name!r}; known text rewards: {sorted(known)}, or give module:function")
+
+
+def _keyword_reward(name: str, fn: Callable, dataset: bool) -> Callable:
+    """`fn` if every argument it needs can be passed by keyword from what a run offers (`TRL_KEYWORDS`, and a dataset
+    run's columns, which `columns_read` names for the dataset's check); else a ValueError naming it, its file and
+    the signature to write. Refused: a parameter that only position can fill (it was given the completions or the
+    prompts by position before, and a TRL reward of (prompts, completions, ...) got them swapped), a function that
+    cannot take the completions, and in a task run, which has no columns, any other parameter it requires."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except ValueError:  # no signature to read (some built-ins): its first call tells
+        return fn
+    attribute = name.partition(":")[2]
+    where = f"reward {name!r} ({reward_file(name)})"
+    fix = f"write def {attribute}(prompts, completions, **kwargs)"
+    by_position = [p.name for p in parameters if p.kind == p.POSITIONAL_ONLY and p.default is p.empty]
+    if by_position:
+        raise ValueError(
+            f"{where} takes {', '.join(by_position)} by position only; rewards are called by keyword, as TRL calls "
+            f"them: {fix}"
+        )
+    if not _takes_keyword(parameters, "completions"):
+        raise ValueError(f"{where} takes no completions= keyword: {fix}")
+    needed = _required_keywords(parameters) - set(TRL_KEYWORDS)
+    if needed and not dataset:
+        raise ValueError(
+            f"{where} requires {', '.join(sorted(needed))}, which a task run does not pass (only "
+            f"{', '.join(TRL_KEYWORDS)}): {fix}"
+        )
+    return fn
+
+
+def _takes_keyword(parameters, keyword: str) -> bool:
+    named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return keyword in named or any(p.kind == p.VAR_KEYWORD for p in parameters)
+
+
+def _required_keywords(parameters) -> set[str]:
+    """The parameters a call by keyword must fill: those that take a keyword and have no default."""
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name for p in parameters if p.kind in named and p.default is inspect.Parameter.empty}
 
 
 def columns_read(name: str, fn: Callable) -> set[str]:
     """The dataset columns a dataset run's reward cannot do without: answer_match's `answer`, a user's function's
-    parameters after (completions, prompts) that have no default."""
+    required parameters other than `TRL_KEYWORDS`."""
     if name == "answer_match":
         return {"answer"}
     if ":" not in name:
         return set()
     try:
-        parameters = list(inspect.signature(fn).parameters.values())[2:]
+        parameters = inspect.signature(fn).parameters.values()
     except ValueError:  # no signature to read
         return set()
-    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return {p.name for p in parameters if p.kind in named and p.default is inspect.Parameter.empty}
+    return _required_keywords(parameters) - set(TRL_KEYWORDS)
 
 
 def reward_arguments(name: str, fn: Callable, completions: Sequence[str], prompts: Sequence, context: TextContext):
-    """(args, kwargs) of one reward call: a task reward's (completions, prompts); a built-in dataset reward's and
-    its context; a user's, with the columns its signature takes (every one where it takes **kwargs)."""
+    """(args, kwargs) of one reward call: a task reward's (completions, prompts) and a built-in dataset reward's
+    with its context, by position; a user's by keyword alone, as TRL's GRPOTrainer calls it: `prompts`,
+    `completions`, `completion_ids` and the dataset's columns by name (those its signature takes; all where it
+    takes **kwargs)."""
     if name in DATASET_REWARDS and context.dataset:
         return (completions, prompts, context), {}
-    if ":" not in name or not context.columns:
+    if ":" not in name:
         return (completions, prompts), {}
+    offered = {**context.columns, "prompts": prompts, "completions": completions}
+    if context.completion_ids is not None:
+        offered["completion_ids"] = context.completion_ids
     try:
         parameters = inspect.signature(fn).parameters.values()
-    except ValueError:  # no signature to read: pass every column, as TRL does
-        return (completions, prompts), dict(context.columns)
-    if any(p.kind == p.VAR_KEYWORD for p in parameters):
-        return (completions, prompts), dict(context.columns)
-    named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return (completions, prompts), {k: v for k, v in context.columns.items() if k in named}
+    except ValueError:  # no signature to read: pass everything, as TRL does
+        return (), offered
+    return (), {k: v for k, v in offered.items() if _takes_keyword(parameters, k)}
 
 
 def score_text(
@@ -275,7 +327,7 @@ def score_text(
         fn = text_reward_fn(name, context.dataset)
         args, kwargs = reward_arguments(name, fn, completions, prompts, context)
         try:
-            output = call_reward(name, fn, args, timeout_s, kwargs)
+            output = call_reward(name, fn, args, kwargs, len(completions), timeout_s)
         except RewardRaised as error:
             culprit = _first_raising_sample(name, fn, completions, prompts, timeout_s, context)
             raise RewardError(f"{error}{culprit}") from error
@@ -299,7 +351,7 @@ def _first_raising_sample(
     for i, (completion, prompt) in enumerate(zip(completions, prompts)):
         try:
             args, kwargs = reward_arguments(name, fn, [completion], [prompt], context.sample(i))
-            call_reward(name, fn, args, timeout_s, kwargs)
+            call_reward(name, fn, args, kwargs, 1, timeout_s)
         except RewardRaised:
             return f" on sample {i} (prompt {prompt!r}, completion {completion!r})"
         except RewardError:  # it overran or ended its process: searching on could take reward_timeout_s each

@@ -333,12 +333,12 @@ class LMTrainConfig(RunSection):
     @model_validator(mode="after")
     def _known_text_rewards(self, info: ValidationInfo) -> "LMTrainConfig":
         """Each reward exists (a task's, or with prompts.path a dataset run's: `rewards.text`); a custom one's module
-        is imported (unless `imports_rewards` says not to) and takes completions and prompts."""
+        is imported (unless `imports_rewards` says not to) and can be called by keyword, as TRL calls it."""
         if self.reward is None:
             if self.prompts is not None:
                 raise ValueError(
                     "reward: a prompts.path run names its rewards, e.g. reward={answer_match: 1.0, format: 0.2} or "
-                    "reward={mymodule:correct: 1.0} (a function of completions, prompts and the columns)"
+                    "reward={mymodule:correct: 1.0} (def correct(prompts, completions, answer, **kwargs), as for TRL)"
                 )
             return self
         if not self.reward:

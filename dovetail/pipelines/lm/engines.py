@@ -153,7 +153,7 @@ class LMEngines(PipelineEngines[Engine]):
             chosen = self._select(work.rollouts, work.samples)
             rows = [self.prompts.train(sample.step, sample.prompt) for sample in chosen]
             completions = [self.tokenizer.decode(r.tokens) for r in chosen.values()]
-            context = self.prompts.context(rows, [len(r.tokens) for r in chosen.values()])
+            context = self.prompts.context(rows, [list(r.tokens) for r in chosen.values()])
             scores = score_text(
                 completions, [row.prompt for row in rows], self.config.rewards, self.config.reward_timeout_s, context
             )

@@ -109,7 +109,7 @@ def lm_evaluate(engines, config: LMTrainConfig) -> tuple[dict[str, float], list[
     responses = engine.generate([Request((0, i, 0), ids) for i, ids in enumerate(encoded)])
     completions = [engines.tokenizer.decode(r.tokens) for r in responses]
     prompts = [row.prompt for row in rows]
-    reward_context = engines.prompts.context(rows, [len(r.tokens) for r in responses])
+    reward_context = engines.prompts.context(rows, [list(r.tokens) for r in responses])
     scores = score_text(completions, prompts, config.rewards, config.reward_timeout_s, reward_context)
     if config.user_model:
         total = {"total": float(scores["total"].mean())}

@@ -70,15 +70,16 @@ class RunPrompts:
         """Every distinct prompt the run can meet: a dataset's rows (None for a task's endless problems)."""
         return [] if self.dataset is None else [*self.dataset.train, *self.dataset.eval]
 
-    def context(self, rows: list[Row], tokens: list[int]) -> TextContext:
-        """What the rewards of responses to `rows` (of `tokens` tokens each) see besides completions and prompts."""
+    def context(self, rows: list[Row], completion_ids: list[list[int]]) -> TextContext:
+        """What the rewards of responses to `rows` (`completion_ids` their tokens) see besides completions and
+        prompts."""
         if self.dataset is None:
-            return TextContext(tokens=tokens, max_new_tokens=self.config.max_new_tokens)
+            return TextContext(completion_ids=completion_ids, max_new_tokens=self.config.max_new_tokens)
         names = list(dict.fromkeys(name for row in rows for name in row.columns))
         return TextContext(
             dataset=True,
             columns={name: [row.columns.get(name) for row in rows] for name in names},
-            tokens=tokens,
+            completion_ids=completion_ids,
             max_new_tokens=self.config.max_new_tokens,
             format_pattern=self.config.format_pattern,
         )
