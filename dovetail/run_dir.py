@@ -185,6 +185,12 @@ class RunLock:
             self.release()
             raise
 
+    def __enter__(self) -> "RunLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
     @classmethod
     def _take(cls, directory: Path) -> TextIO:
         path = directory / LOCK

@@ -244,74 +244,71 @@ def train(request: RunRequest, *, devices_starting: Future | None = None) -> dic
         resumes = resume_points({name: path for name, path in request.resumes.items() if path is not None})
     created = not out.exists()
     root = RunDir(out)
-    lock = RunLock(out, *paths.values())  # held for the run's life: another run on `out` is refused, naming this one
-    console = any("console" in pipeline.logger for pipeline in pipelines.values())
-    logs: dict[str, StepLog] = {}
+    # held for the run's life: another run on `out` is refused, naming this one
+    with RunLock(out, *request.pipeline_dirs.values()):
+        console = any("console" in pipeline.logger for pipeline in pipelines.values())
+        logs: dict[str, StepLog] = {}
 
-    def draw_curves() -> None:
-        plot_curves(
-            root.path / "curves.png",
-            {name: (log.summary["base_eval_reward"], log.lines) for name, log in logs.items()},
-        )
+        def draw_curves() -> None:
+            plot_curves(
+                root.path / "curves.png",
+                {name: (log.summary["base_eval_reward"], log.lines) for name, log in logs.items()},
+            )
 
-    try:
-        with RunProgress(console) as progress, Interrupt() as interrupt:
-            for name in pipelines:
-                progress.add(name, last_step)
-            first_steps = {}
-            for name, pipeline in pipelines.items():
-                run = RunDir(request.pipeline_dirs[name]) if multiplexed else root
-                logs[name], first_steps[name] = StepLog.open(
-                    pipeline, run, resumes[name], last_step, progress, request.callbacks, interrupt, draw_curves
-                )
-            if multiplexed:
-                root.write_config(dump_config(config))
+        try:
+            with RunProgress(console) as progress, Interrupt() as interrupt:
+                for name in pipelines:
+                    progress.add(name, last_step)
+                first_steps = {}
+                for name, pipeline in pipelines.items():
+                    run = RunDir(request.pipeline_dirs[name]) if multiplexed else root
+                    logs[name], first_steps[name] = StepLog.open(
+                        pipeline, run, resumes[name], last_step, progress, request.callbacks, interrupt, draw_curves
+                    )
+                if multiplexed:
+                    root.write_config(dump_config(config))
 
-            def after_record() -> None:
-                """Stop here, saved, once Ctrl-C was pressed and every pipeline has recorded the same step."""
-                recorded = {log.recorded for log in logs.values()}
-                if (
-                    interrupt.requested is not None
-                    and len(recorded) == 1
-                    and all(log.holds in recorded for log in logs.values())
-                ):
-                    raise RunInterrupted(_interrupted(logs, root, multiplexed), interrupt.requested)
+                def after_record() -> None:
+                    """Stop here, saved, once Ctrl-C was pressed and every pipeline has recorded the same step."""
+                    recorded = {log.recorded for log in logs.values()}
+                    if (
+                        interrupt.requested is not None
+                        and len(recorded) == 1
+                        and all(log.holds in recorded for log in logs.values())
+                    ):
+                        raise RunInterrupted(_interrupted(logs, root, multiplexed), interrupt.requested)
 
-            if config.policy == "reference":
-                (log,) = logs.values()
-                run_figures: dict[str, Any] = {"startup_s": time.perf_counter() - request.began}
-                for step in range(first_steps[log.config.pipeline_name], last_step):
-                    try:
-                        metrics = log.local.rl_step(step)
-                    except RewardError as error:  # the step changed nothing yet: its reward comes before training
-                        raise RewardError(log.stop(step, error)) from error
-                    log.holds = step + 1
-                    log.record(step + 1, metrics)
-                    after_record()
-            else:
-                run_figures = train_on_ray(request, logs, first_steps, after_record, devices_starting)
-    except BaseException as error:
-        for log in logs.values():
-            log.close(failed=not isinstance(error, RunInterrupted))
-        lock.release()
-        if created:  # a run that failed before writing anything (a checkpoint that would not load) leaves no trace
-            _remove_if_empty(out)
-        raise
-    draw_curves()
-    if not multiplexed:
-        summary = next(iter(logs.values())).finish(run_figures)
-        lock.release()
-        return summary
-    stopped = run_figures.get("stopped", {})
-    summary = {
-        "pipelines": {
-            name: log.finish({"stopped": stopped[name]} if name in stopped else {}) for name, log in logs.items()
+                if config.policy == "reference":
+                    (log,) = logs.values()
+                    run_figures: dict[str, Any] = {"startup_s": time.perf_counter() - request.began}
+                    for step in range(first_steps[log.config.pipeline_name], last_step):
+                        try:
+                            metrics = log.local.rl_step(step)
+                        except RewardError as error:  # the step changed nothing yet: its reward comes before training
+                            raise RewardError(log.stop(step, error)) from error
+                        log.holds = step + 1
+                        log.record(step + 1, metrics)
+                        after_record()
+                else:
+                    run_figures = train_on_ray(request, logs, first_steps, after_record, devices_starting)
+        except BaseException as error:
+            for log in logs.values():
+                log.close(failed=not isinstance(error, RunInterrupted))
+            if created:  # a run that failed before writing anything (a checkpoint that would not load) leaves no trace
+                _remove_if_empty(out)
+            raise
+        draw_curves()
+        if not multiplexed:
+            return next(iter(logs.values())).finish(run_figures)
+        stopped = run_figures.get("stopped", {})
+        summary = {
+            "pipelines": {
+                name: log.finish({"stopped": stopped[name]} if name in stopped else {}) for name, log in logs.items()
+            }
         }
-    }
-    summary |= run_figures
-    root.write_summary(summary)
-    lock.release()
-    return summary
+        summary |= run_figures
+        root.write_summary(summary)
+        return summary
 
 
 def _remove_if_empty(directory: Path) -> None:
