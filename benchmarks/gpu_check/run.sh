@@ -2,7 +2,8 @@
 # Run on the lent GPU machine (device tool: carry [".whl"], command `bash benchmarks/gpu_check/run.sh`), after
 # pack.sh here. Installs the carried packages, then runs the GPU tests: the engines on CUDA against the CPU
 # (tests/test_gpu.py) and a Ray run with GPU DeviceWorkers against the CPU reference (tests/test_runtime.py -k gpu);
-# then the user's command end to end, start-up against the reference, and vLLM where the image has it.
+# then the sharded trainers at a real width, the user's command end to end, start-up against the reference, and vLLM
+# where the image has it.
 set -uo pipefail
 out=${OUT:-/tmp}
 mkdir -p /tmp/site
@@ -13,6 +14,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 python3 -c "import torch, ray, diffusers; print('torch', torch.__version__, 'ray', ray.__version__, 'diffusers', diffusers.__version__)" | tee -a "$out/gpu_check.log"
 python3 -m pytest -q -rs tests/test_gpu.py "tests/test_runtime.py::test_gpu_devices_train_where_the_cpu_reference_goes" 2>&1 | tee -a "$out/gpu_check.log"
 status=${PIPESTATUS[0]}
+# Sharded trainers (issue 35): FSDP2 on nccl, each kind at a published model's width (Qwen2-0.5B, the SD3-medium
+# transformer), a replica in fp32 against FSDP in bf16 with and without activation checkpointing: bytes by kind, peak
+# bytes, step time, the full-weight gather of a publication.
+timeout 300 python3 benchmarks/gpu_check/sharded.py --json "$out/sharded.json" 2>&1 | tee -a "$out/gpu_check.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 # The user's command end to end on one GPU, each kind of pipeline: the CLI, the Ray runtime, CUDA engines, the summary.
 for config in sort digits; do
   timeout 240 python3 -c "from dovetail.cli import main; main()" train "configs/$config.yaml" --out "/tmp/gpu-$config" \
