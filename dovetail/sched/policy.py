@@ -13,11 +13,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, ClassVar, Literal, Protocol, cast, get_args
+from typing import ClassVar, Literal, Protocol, cast, get_args
 
 from dovetail.cost.calibration import DEFAULT
 from dovetail.cost.model import CostModel
 from dovetail.graph.node import Engines, Graph, Kind, Node, Role
+from dovetail.graph.shape import Shape
 from dovetail.graph.spec import PipelineSpec
 
 # ---------------------------------------------------------------- events (executor -> policy)
@@ -337,22 +338,6 @@ class CostTracker:
         """`Node.seconds_on` times the measured correction: work spreads over at most the node's `max_width`
         devices, so a decode's prediction never falls below its engine's tensor-parallel time."""
         return node.seconds_on(devices) * self.ratio.get((node.pipeline, node.kind), 1.0)
-
-
-class Shape(Protocol):
-    """How a policy cuts one pipeline's steps into nodes (`graph.flow.FlowShape`, `graph.lm.LMShape`): a frozen
-    dataclass, so a shape is compared, stored (`dataclasses.asdict`) and varied (`dataclasses.replace`) by fields."""
-
-    __dataclass_fields__: ClassVar[dict[str, Any]]
-
-    @property
-    def trainer_devices(self) -> int:
-        """Read-only: a shape is frozen."""
-        ...
-
-    def build(self, spec: PipelineSpec, steps: int, cost: CostModel) -> list[Node]: ...
-
-    def engines(self, spec: PipelineSpec, cost: CostModel) -> Engines: ...
 
 
 Forecast = Callable[[dict[str, Shape], int], float]
