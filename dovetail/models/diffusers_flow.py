@@ -187,7 +187,8 @@ class DiffusersFlow(torch.nn.Module):
         return has_lora(self.transformer)
 
     @property
-    def latent_shape(self) -> tuple[int, int, int]:
+    def latent_shape(self) -> tuple[int, ...]:
+        """One sample's latents: (C, H, W) of an image, (C, F, H, W) of a video (`WanFlow`)."""
         config = self.transformer_config
         return (config.in_channels, config.sample_size, config.sample_size)
 
@@ -268,7 +269,7 @@ class FluxFlow(DiffusersFlow):
         self.guidance = source["guidance"]
 
     @property
-    def latent_shape(self) -> tuple[int, int, int]:
+    def latent_shape(self) -> tuple[int, ...]:
         return (self.transformer_config.in_channels // 4, self.sample_size, self.sample_size)
 
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, encoding: torch.Tensor) -> torch.Tensor:
@@ -315,7 +316,7 @@ class WanFlow(DiffusersFlow):
         return config.text_dim, 0
 
     @property
-    def latent_shape(self) -> tuple[int, int, int, int]:
+    def latent_shape(self) -> tuple[int, ...]:
         return (self.transformer_config.in_channels, self.latent_frames, self.sample_size, self.sample_size)
 
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, encoding: torch.Tensor) -> torch.Tensor:
@@ -364,6 +365,7 @@ def load_diffusers_flow(
     transformers.utils.logging.disable_progress_bar()
     kind, wrapper = TRANSFORMERS[json.loads((path / "transformer" / "config.json").read_text())["_class_name"]]
     transformer = kind.from_pretrained(path / "transformer", dtype=torch.float32)
+    prompts: PrecomputedPrompts | PipelinePrompts
     if (path / PROMPT_EMBEDDINGS).is_file():
         prompts = PrecomputedPrompts(path / PROMPT_EMBEDDINGS)
     else:

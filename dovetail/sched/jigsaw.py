@@ -389,7 +389,7 @@ class Jigsaw(StagedLMPolicy):
             return decisions + [SwitchRole(d, Role.ANY, self.wake_s[d], self.resident_gb[d]) for d in held]
         if not view.ready:
             return decisions
-        self.free = ReadOnFirstUse(lambda d: view.devices[d].free_share)
+        self.share_left = ReadOnFirstUse(lambda d: view.devices[d].free_share)
         self.memory = ReadOnFirstUse(lambda d: view.devices[d].memory_gb)
         ready: dict[str, list[Node]] = {}
         scores: list[Node] = []
@@ -413,19 +413,19 @@ class Jigsaw(StagedLMPolicy):
     # ------------------------------------------------------------ placement
     def _fits(self, node: Node, devices: Sequence[int], share: float) -> bool:
         return all(
-            self.free[d] >= share - EPS and self.memory[d] + node.memory_gb <= self.setup.memory_gb + EPS
+            self.share_left[d] >= share - EPS and self.memory[d] + node.memory_gb <= self.setup.memory_gb + EPS
             for d in devices
         )
 
     def _take(self, node: Node, devices: tuple[int, ...], share: float) -> Run:
         for d in devices:
-            self.free[d] -= share
+            self.share_left[d] -= share
             self.memory[d] += node.memory_gb
         return Run(node.id, devices, share)
 
     def _roomiest(self, node: Node, share: float) -> int | None:
         fitting = [d for d in self.pool[node.pipeline] if self._fits(node, (d,), share)]
-        return max(fitting, key=lambda d: (self.free[d], -d), default=None)
+        return max(fitting, key=lambda d: (self.share_left[d], -d), default=None)
 
     def _rollout(self, pipeline: str, ready: list[Node]) -> list[Decision]:
         """The pipeline's `ready` rollout nodes. LM: home shards on their engines; the migrated tail on the
@@ -445,7 +445,7 @@ class Jigsaw(StagedLMPolicy):
             elif node.kind == Kind.MIGRATE:
                 width = lm_shape(self.name, self.setup.shapes[pipeline]).tail_parallel or tp
                 engines = [engine_devices(pool, k, width) for k in range(len(pool) // width)]
-                devices = max(engines, key=lambda e: (min(self.free[d] for d in e), -e[0]))
+                devices = max(engines, key=lambda e: (min(self.share_left[d] for d in e), -e[0]))
             else:
                 devices = self.tail_on[(pipeline, node.step)]
             if self._fits(node, devices, SHARE):
@@ -472,7 +472,7 @@ class Jigsaw(StagedLMPolicy):
         if not waiting:
             return []
         by_priority = sorted(waiting, key=lambda p: (-self.priority[p], p))
-        least_free, most_memory = min(self.free[d] for d in pool), max(self.memory[d] for d in pool)
+        least_free, most_memory = min(self.share_left[d] for d in pool), max(self.memory[d] for d in pool)
         side_by_side = int((least_free + EPS) // SHARE)
         candidates = [
             group

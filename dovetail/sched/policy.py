@@ -491,9 +491,9 @@ def reward_roles(setup: Setup, pipeline: str) -> list[Decision]:
     return [setup.switch(device, pipeline, None, Role.REWARD) for device in setup.reward_pool]
 
 
-def open_steps_on_publish(view: View, events: Sequence[Event]) -> list[Decision]:
+def open_steps_on_publish(view: View, events: Sequence[Event]) -> list[StartStep]:
     """The synchronous rule: once weights `v` are published, start step v on them (staleness 0)."""
-    decisions: list[Decision] = []
+    decisions: list[StartStep] = []
     for event in events:
         if isinstance(event, VersionPublished) and (event.pipeline, event.version) not in view.started:
             if event.version in view.graph.steps(event.pipeline):
