@@ -250,11 +250,16 @@ class DeviceWorker:
         return weights_of(self.engines.trainer)
 
     @ray.method(num_returns=2)
-    def taken(self, method: str) -> tuple[bool, object]:
-        """What `method` (`trainer_state`, `export_weights`) returns, as the second of two objects: the driver waits
-        on the first, a flag, to learn that the call succeeded, and hands the second on by reference without
-        fetching it (a trainer state is three times the weights)."""
-        return True, getattr(self, method)()
+    def taken_trainer_state(self) -> tuple[bool, dict]:
+        """`trainer_state` as the second of two objects: the driver waits on the first, a flag, to learn that the
+        call succeeded, and hands the second on by reference without fetching it (a trainer state is three times the
+        weights)."""
+        return True, self.trainer_state()
+
+    @ray.method(num_returns=2)
+    def taken_weights(self) -> tuple[bool, dict]:
+        """`export_weights` as the second of two objects, as `taken_trainer_state` gives the state."""
+        return True, self.export_weights()
 
     def switch_role(self, role: str) -> float:
         """Sleep one engine, wake the other (`PipelineEngines.hold`: vLLM's rollout engine sleeps while the device
