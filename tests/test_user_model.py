@@ -35,7 +35,7 @@ from dovetail.models.training import weights_of
 from dovetail.pipelines.flow.recipe import policy_gradient, sde_settings
 from dovetail.pipelines.flow.startup import fitted_cost
 from dovetail.plan.prepare import rollout_wake_s, simulate
-from dovetail.prompts import prompt_split, read_prompts
+from dovetail.prompts import prompt_split, read_rows
 from dovetail.runner import train
 
 STEPS = 2
@@ -260,7 +260,7 @@ def test_prompts_read_alike_from_text_jsonl_json_and_parquet_and_split_by_their_
     (tmp_path / "p.json").write_text(json.dumps(records))
     datasets.Dataset.from_list(records).to_parquet(str(tmp_path / "p.parquet"))
     for name in ("p.txt", "p.jsonl", "p.json", "p.parquet"):
-        assert read_prompts(tmp_path / name, "text") == PROMPTS
+        assert [row.prompt for row in read_rows(tmp_path / name, "text")] == PROMPTS
 
     parquet = [f"prompts.path={tmp_path / 'p.parquet'}", "prompts.field=text", "prompts.eval_fraction=0.3"]
     config = load_config(None, parquet)
@@ -287,7 +287,7 @@ def test_prompts_read_alike_from_text_jsonl_json_and_parquet_and_split_by_their_
         (["prompts.path=/nowhere.txt"], "prompts.path: no prompts file /nowhere.txt"),
         (
             ["prompts.path={d}/p.jsonl", "prompts.field=prompt"],
-            "record 1 has no text field 'prompt'; set prompts.field",
+            "record 1 has no text in 'prompt'; set prompts.field",
         ),
         (["prompts.path={d}/p.parquet", "prompts.field=prompt"], "has no column 'prompt' (columns: ['text']); set"),
         (["prompts.path={d}/p.csv.gz"], "unknown format .gz; use .txt, .jsonl, .json, .parquet, .csv, .arrow"),
