@@ -1,5 +1,6 @@
 """A run's prompts: a flow run's built-in "digit N" ones, or the user's from a file or dataset, split train / eval;
-and the records of such a file with all their fields (a language-model run's dataset: `pipelines.lm.prompts`).
+the one reader of such a file for every kind (`read_rows`: each record's prompt and its other fields, which a
+language-model run's rewards read, `pipelines.lm.prompts`).
 
 A step's prompts are drawn from the train split by (seed, step) alone (`models.flow_rl.step_prompts`), so a resumed
 run draws what the uninterrupted one would have, given the same file. The split is by a hash of each prompt's text,
@@ -9,15 +10,36 @@ a prompt repeated in the file never leaks into both.
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from typing import TypeGuard
 
 DIGIT_PROMPTS = tuple(f"digit {d}" for d in range(10))
 """The built-in model's prompts: they train, and each is evaluated `eval.per_prompt` times."""
 
 TABLE_FORMATS = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 """File suffix -> the `datasets` builder that reads it."""
+
+CHAT = "text or a list of chat messages with role and content"
+"""What a prompt may be where chat messages are prompts too (`read_rows`' `chat`: a language model's)."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One prompt as its file holds it (text; where `chat`, also a list of chat messages) and its record's other
+    fields (the columns a language-model run's rewards receive by name)."""
+
+    prompt: str | list
+    columns: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A prompts file's rows split into train and eval."""
+
+    train: tuple[Row, ...]
+    eval: tuple[Row, ...]
 
 
 @dataclass(frozen=True)
@@ -27,12 +49,16 @@ class PromptSplit:
 
 
 def prompt_split(config) -> PromptSplit:
-    """The run's train and eval prompts; a file that cannot give them is a ValueError, one line naming it."""
+    """A flow run's train and eval prompts (a prompt repeated in the eval split evaluated once); a file that cannot
+    give them is a ValueError, one line naming it."""
     section = config.prompts
     if section is None:
         return PromptSplit(DIGIT_PROMPTS, DIGIT_PROMPTS)
-    stamps = tuple(_stamp(p) for p in (section.path, section.eval_path))
-    return _split(section.path, section.field, section.eval_fraction, section.eval_path, stamps)
+    rows = split_rows(section.path, section.field, section.eval_fraction, section.eval_path, "prompts.field")
+    return PromptSplit(
+        tuple(prompt_text(row.prompt) for row in rows.train),
+        tuple(dict.fromkeys(prompt_text(row.prompt) for row in rows.eval)),
+    )
 
 
 def train_prompts(config) -> tuple[str, ...]:
@@ -47,31 +73,43 @@ def eval_prompts(config) -> list[str]:
     return [p for p in chosen for _ in range(config.eval.per_prompt)]
 
 
+def split_rows(
+    path: Path, field: str, eval_fraction: float | None, eval_path: Path | None, setting: str, chat: bool = False
+) -> Rows:
+    """The rows of `path` (`read_rows`) split into train and eval: by a hash of each prompt (`eval_fraction` of them
+    held out), or every row trains and the eval rows are `eval_path`'s. Read once while the files stay as they are.
+    `setting` names the prompt's field in the config, for the line a file without it gets."""
+    stamps = tuple(_stamp(p) for p in (path, eval_path))
+    return _split(path, field, eval_fraction, eval_path, setting, chat, stamps)
+
+
 def _stamp(path: Path | None) -> tuple[int, int] | None:
-    """What tells a file's versions apart for the cache: its size and modification time."""
-    if path is None or not path.is_file():
+    """What tells a file's (or a dataset directory's) versions apart for the cache: its size and modification time."""
+    if path is None or not path.exists():
         return None
     stat = path.stat()
     return stat.st_size, stat.st_mtime_ns
 
 
 @lru_cache(maxsize=16)
-def _split(path: Path, field: str, eval_fraction: float | None, eval_path: Path | None, stamps: tuple) -> PromptSplit:
+def _split(
+    path: Path, field: str, eval_fraction: float | None, eval_path: Path | None, setting: str, chat: bool, stamps: tuple
+) -> Rows:
     """The split of the files as they are (`stamps`: their sizes and times, so that an edited file is read again)."""
-    prompts = read_prompts(path, field)
+    rows = read_rows(path, field, setting, chat)
     if eval_path is not None:
-        return PromptSplit(tuple(prompts), tuple(read_prompts(eval_path, field)))
-    assert eval_fraction is not None  # PromptsSection sets it (0.1) where eval_path is not given
-    held_out = [hash_share(p) < eval_fraction for p in prompts]
-    train = tuple(p for p, held in zip(prompts, held_out) if not held)
-    evaluated = tuple(dict.fromkeys(p for p, held in zip(prompts, held_out) if held))
+        return Rows(tuple(rows), tuple(read_rows(eval_path, field, setting, chat)))
+    assert eval_fraction is not None  # the prompts sections set it (0.1) where eval_path is not given
+    held_out = [hash_share(prompt_text(row.prompt)) < eval_fraction for row in rows]
+    train = tuple(row for row, held in zip(rows, held_out) if not held)
+    evaluated = tuple(row for row, held in zip(rows, held_out) if held)
     if not train or not evaluated:
         side = "train" if not train else "eval"
         raise ValueError(
-            f"prompts.path {path}: its {len(prompts)} prompts split by eval_fraction={eval_fraction} leave no "
+            f"prompts.path {path}: its {len(rows)} prompts split by eval_fraction={eval_fraction} leave no "
             f"{side} prompt; change prompts.eval_fraction or give prompts.eval_path"
         )
-    return PromptSplit(train, evaluated)
+    return Rows(train, evaluated)
 
 
 def hash_share(prompt: str) -> float:
@@ -79,15 +117,40 @@ def hash_share(prompt: str) -> float:
     return int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "big") / 2**64
 
 
-def read_prompts(path: Path, field: str) -> list[str]:
-    """The non-empty prompts of a file, in its order: a line each (.txt), `field` of each JSON line (.jsonl), of
-    each element of a JSON list (.json; or the list's strings), or of each row of a table (.parquet, .csv, .arrow,
-    read by `datasets`)."""
-    prompts = [_prompt(record, field, path, n) for n, record in enumerate(read_records(path, field), 1)]
-    prompts = [p.strip() for p in prompts if p.strip()]
-    if not prompts:
+def prompt_text(prompt: str | list) -> str:
+    """The text a prompt's side of the split hashes: itself, or its chat messages as canonical JSON."""
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+
+
+def read_rows(path: Path, field: str, setting: str = "prompts.field", chat: bool = False) -> list[Row]:
+    """A prompts file's rows, in its order (`read_records`): `field` the prompt, the record's other fields its
+    columns. A prompt is non-empty text (a blank one is skipped, as a blank line is) or, where `chat`, a list of
+    {"role", "content"} messages; a record without one is one line naming the file, the record and `setting`."""
+    rows = []
+    for n, record in enumerate(read_records(path, field, setting), 1):
+        if isinstance(record, str):
+            record = {field: record}
+        prompt = record.get(field) if isinstance(record, dict) else None
+        if isinstance(prompt, str) and not prompt.strip():
+            continue
+        if not (isinstance(prompt, str) or (chat and _messages(prompt))):
+            raise ValueError(
+                f"{path} record {n} has no {CHAT if chat else 'text'} in {field!r}; set {setting} to the prompt's field"
+            )
+        rows.append(Row(prompt, {k: v for k, v in record.items() if k != field}))
+    if not rows:
         raise ValueError(f"prompts file {path} holds no prompt")
-    return prompts
+    return rows
+
+
+def _messages(value: object) -> TypeGuard[list]:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+        )
+    )
 
 
 def read_records(path: Path, field: str, setting: str = "prompts.field") -> list:
@@ -99,8 +162,8 @@ def read_records(path: Path, field: str, setting: str = "prompts.field") -> list
     try:
         if path.is_dir():
             return _table(path, field, setting)
-        if suffix == ".txt":
-            return path.read_text().splitlines()
+        if suffix == ".txt":  # a line's ends are the file's layout, invisible in it, not the prompt's
+            return [line.strip() for line in path.read_text().splitlines()]
         if suffix == ".jsonl":
             return [_json(line, path, n) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
         if suffix == ".json":
@@ -124,15 +187,6 @@ def _json(text: str, path: Path, line: int | None):
     except ValueError as error:
         where = f"{path} line {line}" if line is not None else str(path)
         raise ValueError(f"{where} is not JSON: {error}") from None
-
-
-def _prompt(record, field: str, path: Path, n: int) -> str:
-    if isinstance(record, str):
-        return record
-    value = record.get(field) if isinstance(record, dict) else None
-    if not isinstance(value, str):
-        raise ValueError(f"{path} record {n} has no text field {field!r}; set prompts.field to the prompt's field")
-    return value
 
 
 def _table(path: Path, field: str, setting: str) -> list:

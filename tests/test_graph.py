@@ -1,12 +1,18 @@
 """Node / Graph checks and the flow builder, recomputed independently from the spec and the cost model."""
 
+import inspect
+
+import planner_scenarios
 import pytest
 
 from dovetail.cost.catalog import diffusion_model
 from dovetail.cost.model import CostModel
 from dovetail.graph.flow import FlowShape, build_flow, split
+from dovetail.graph.lm import LMShape
 from dovetail.graph.node import Graph, Kind, Node, Role
-from dovetail.graph.spec import FlowSpec
+from dovetail.graph.shape import Shape
+from dovetail.graph.spec import FlowSpec, LMSpec, PipelineSpec
+from dovetail.kinds import KINDS
 from dovetail.sched.digen_search import ranking_model
 
 SPEC = FlowSpec(
@@ -169,3 +175,42 @@ def test_digen_ranks_its_cuts_on_an_h100_for_a_gpu_and_on_the_device_itself_for_
     assert ranking_model(CostModel("H200")).device.name == "H100"
     cpu = CostModel("cpu-core")
     assert ranking_model(cpu) is cpu
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_every_kind_s_spec_and_shape_answer_what_the_planner_asks_of_them(name):
+    """A kind's spec and shape implement every abstract member of their contract (`graph.spec._PipelineSpec`,
+    `graph.shape.Shape`): a policy asks them, never which kind they are."""
+    spec, shape = KINDS[name].load("spec"), KINDS[name].load("shape")
+    assert issubclass(shape, Shape) and not inspect.isabstract(shape)
+    assert not inspect.isabstract(spec)
+
+
+LM_SPEC = LMSpec(**planner_scenarios.lm_pipeline(length_bands=[256, 1024]))
+CUTS: list[tuple[PipelineSpec, Shape]] = [
+    (SPEC, FlowShape(2, 1, True, trainer_devices=3)),
+    (SPEC, FlowShape(6, 5, False, trainer_devices=2, staged=True)),
+    (LM_SPEC, LMShape(4, 2)),
+    (LM_SPEC, LMShape(3, 4, migrate_at=256, tail_parallel=2, stream=True)),
+    (LM_SPEC.model_copy(update={"tensor_parallel": 2}), LMShape(2, 4, migrate_at=1024)),
+]
+
+
+@pytest.mark.parametrize(("spec", "shape"), CUTS)
+def test_what_a_shape_and_its_spec_say_of_themselves_is_what_they_build(spec, shape):
+    """`Shape.rollout_engines`, `rollout_kind`, `tails_migrate` and `PipelineSpec.rollout_engine_devices` against the
+    nodes the shape builds: rollout nodes on engines carry their engine's shard (one per engine) and spread over at
+    most the engine's devices; pieces that may run anywhere carry none; a tail migrates only where the shape says
+    one may; the rollout's bulk is of its `rollout_kind`."""
+    nodes = shape.build(spec, 2, COST)
+    rollout = [n for n in nodes if n.role == Role.ROLLOUT]
+    kinds = [n.kind for n in rollout]
+    assert max(kinds.count(kind) for kind in set(kinds)) == kinds.count(shape.rollout_kind)
+    home = [n for n in rollout if n.shard is not None]
+    if shape.rollout_engines is None:
+        assert not home
+    else:
+        assert {n.shard for n in home} == set(range(shape.rollout_engines))
+        assert {n.max_width for n in home} == {spec.rollout_engine_devices}
+    migrated = any(n.kind == Kind.MIGRATE for n in nodes)
+    assert migrated <= shape.tails_migrate

@@ -8,8 +8,9 @@ from test_sim_properties import check_trace
 from dovetail.cost.model import CostModel
 from dovetail.graph.flow import FlowShape
 from dovetail.graph.node import Kind
+from dovetail.kinds import KINDS
 from dovetail.plan.prepare import prepare, run_prepared, simulate
-from dovetail.sched.jigsaw import Jigsaw, rollout_shares
+from dovetail.sched.jigsaw import SLICED, UNSLICED, Jigsaw, base_shape, on_slice, rollout_shares, sub_pool, turn_of
 
 STEPS = 3
 
@@ -106,3 +107,17 @@ def test_a_priority_that_is_not_positive_is_a_one_line_error_naming_it(pipeline)
     message = str(error.value)
     assert "\n" not in message
     assert message.startswith("scenario: invalid scenario: pipelines.0.") and ".priority: " in message
+
+
+def test_jigsaw_places_a_shape_of_every_kind_it_schedules_on_a_sub_pool_and_back():
+    """Every kind jigsaw schedules has its shape's sliced class (`SLICED`), and placing a cut on a sub-pool keeps its
+    fields, adds the place, and comes back the kind's own shape."""
+    assert set(SLICED) == {KINDS[kind].load("shape") for kind in Jigsaw.pipeline_kinds}
+    cost = CostModel("H100")
+    for spec in scenario(lm(), flow()).pipelines:
+        shape = Jigsaw.shape(spec, 2, None, cost)
+        sliced = on_slice(shape, 2, turn=1)
+        assert isinstance(sliced, type(shape)) and type(sliced) in UNSLICED
+        assert (sub_pool(sliced), turn_of(sliced), sub_pool(shape), turn_of(shape)) == ((2, 3), 1, (0, 1), 0)
+        assert base_shape(sliced) == shape and type(base_shape(sliced)) is type(shape)
+        assert sliced.describe() == f"turn 1, devices 2-3: {shape.describe()}"

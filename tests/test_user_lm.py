@@ -503,7 +503,10 @@ def test_the_planner_prices_a_user_model_from_its_config(workspace):
             "my-llama is a transformers model directory: give it as model.path",
         ),
         (["prompts.path=missing.jsonl"], "prompts.path: no dataset file"),
-        (["prompts.prompt_field=question"], "row 1 has no prompt in 'question'"),
+        (
+            ["prompts.prompt_field=question"],
+            "record 1 has no text or a list of chat messages with role and content in 'question'; set prompts.prompt",
+        ),
         (["prompts=null"], "a model.path run trains on your dataset; give it as prompts.path"),
         (["model.path=null"], "the built-in task models read only their task's prompts"),
         (["reward=null"], "a prompts.path run names its rewards"),
@@ -511,7 +514,7 @@ def test_the_planner_prices_a_user_model_from_its_config(workspace):
         (["reward={myrewards:nothing: 1.0}"], "reward 'myrewards:nothing' cannot be imported"),
         (["sampling.max_new_tokens=95"], "exceed the model's context of 96 tokens"),
         (["prompts.prompt_field=answer"], "reward 'answer_match' reads the column answer, which"),
-        (["prompts.eval_path=null", "prompts.eval_fraction=0.001"], "leave no eval row"),
+        (["prompts.eval_path=null", "prompts.eval_fraction=0.001"], "leave no eval prompt"),
     ],
 )
 def test_bad_inputs_are_one_line_naming_the_field_and_the_fix(overrides, says, workspace, monkeypatch):

@@ -24,13 +24,20 @@ from dovetail.config.common import ConfigError
 from dovetail.config.load import load_config
 from dovetail.cost.catalog import diffusion_model
 from dovetail.cost.model import CostModel
-from dovetail.models.diffusers_flow import export, load_diffusers_checkpoint, load_flow_model, save_prompt_embeddings
+from dovetail.models.diffusers_flow import (
+    DiffusersSource,
+    export,
+    load_diffusers_checkpoint,
+    load_flow_model,
+    save_diffusers_checkpoint,
+    save_prompt_embeddings,
+)
 from dovetail.models.flow_rl import generate, group_sample_ids, recompute_log_probs, step_prompts
 from dovetail.models.training import weights_of
 from dovetail.pipelines.flow.recipe import policy_gradient, sde_settings
 from dovetail.pipelines.flow.startup import fitted_cost
 from dovetail.plan.prepare import rollout_wake_s, simulate
-from dovetail.prompts import prompt_split, read_prompts
+from dovetail.prompts import prompt_split, read_rows
 
 STEPS = 2
 
@@ -155,6 +162,44 @@ def test_lora_trains_publishes_and_checkpoints_the_adapter_alone_and_a_ray_polic
     assert {s["publish_bytes"] for s in steps} == {published}
 
 
+@pytest.mark.parametrize(
+    ("left_out", "written", "says"),
+    [
+        ("diffusers_path", {}, "diffusers_path"),  # a field the source needs
+        (None, {"frames": "many"}, "frames"),  # of the wrong type
+        (None, {"seed": 3}, "seed"),  # no field of a source
+    ],
+)
+def test_a_checkpoint_builds_its_model_from_the_source_its_config_json_holds(
+    sd3_pipeline_dir, tiny_prompts_file, tmp_path, left_out, written, says
+):
+    """A checkpoint's config.json is its model's `source` (`DiffusersSource`): the directory resolved and the sample
+    size the model took, the LoRA settings and guidance as the config gave them; the checkpoint loads back the same
+    model. One written by an older dovetail, without the fields added since, means their defaults; a damaged one is
+    one line naming the file and the field."""
+    config = load_config(None, small(sd3_pipeline_dir, tiny_prompts_file, "sampling.guidance_scale=2.0", *LORA))
+    model = load_flow_model(config)
+    source = model.source
+    assert source.diffusers_path == str(sd3_pipeline_dir.resolve())
+    assert source.sample_size == model.transformer_config.sample_size
+    assert (source.lora, source.guidance_scale) == (config.model.lora.model_dump(), 2.0)
+    save_diffusers_checkpoint(model, tmp_path / "checkpoint")
+    again = load_diffusers_checkpoint(tmp_path / "checkpoint")
+    assert again.source == source and max_difference(again.trained_state_dict(), model.trained_state_dict()) == 0.0
+
+    older = json.loads((tmp_path / "checkpoint" / "config.json").read_text())
+    for added in ("guidance", "frames", "guidance_scale", "negative_prompt"):
+        del older[added]
+    (tmp_path / "checkpoint" / "config.json").write_text(json.dumps(older))
+    assert load_diffusers_checkpoint(tmp_path / "checkpoint").source == DiffusersSource(**older)
+
+    damaged = {key: value for key, value in older.items() if key != left_out} | written
+    (tmp_path / "checkpoint" / "config.json").write_text(json.dumps(damaged))
+    with pytest.raises(ValueError, match=f"unreadable {tmp_path / 'checkpoint' / 'config.json'}: .*{says}") as error:
+        load_diffusers_checkpoint(tmp_path / "checkpoint")
+    assert "\n" not in str(error.value)
+
+
 def test_lora_under_digen_with_trainer_assisted_generation_matches_the_reference(
     lora_reference_run, sd3_pipeline_dir, tiny_prompts_file, local_ray, tmp_path
 ):
@@ -262,7 +307,7 @@ def test_prompts_read_alike_from_text_jsonl_json_and_parquet_and_split_by_their_
     (tmp_path / "p.json").write_text(json.dumps(records))
     datasets.Dataset.from_list(records).to_parquet(str(tmp_path / "p.parquet"))
     for name in ("p.txt", "p.jsonl", "p.json", "p.parquet"):
-        assert read_prompts(tmp_path / name, "text") == PROMPTS
+        assert [row.prompt for row in read_rows(tmp_path / name, "text")] == PROMPTS
 
     parquet = [f"prompts.path={tmp_path / 'p.parquet'}", "prompts.field=text", "prompts.eval_fraction=0.3"]
     config = load_config(None, parquet)
@@ -289,7 +334,7 @@ def test_prompts_read_alike_from_text_jsonl_json_and_parquet_and_split_by_their_
         (["prompts.path=/nowhere.txt"], "prompts.path: no prompts file /nowhere.txt"),
         (
             ["prompts.path={d}/p.jsonl", "prompts.field=prompt"],
-            "record 1 has no text field 'prompt'; set prompts.field",
+            "record 1 has no text in 'prompt'; set prompts.field",
         ),
         (["prompts.path={d}/p.parquet", "prompts.field=prompt"], "has no column 'prompt' (columns: ['text']); set"),
         (["prompts.path={d}/p.csv.gz"], "unknown format .gz; use .txt, .jsonl, .json, .parquet, .csv, .arrow"),

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from dovetail.cost.catalog import DiffusionModel, diffusion_model
 from dovetail.cost.model import CostModel, lora_params
 from dovetail.graph.node import Engines, Kind, Node, Role, SampleId
+from dovetail.graph.shape import Shape
 from dovetail.graph.spec import FlowSpec, PipelineSpec
 
 GB = 1e9
@@ -25,7 +26,7 @@ FSDP_PARAM_BYTES = {"bf16": 2, "fp32": 4}
 
 
 @dataclass(frozen=True)
-class FlowShape:
+class FlowShape(Shape):
     """How a policy cuts a step: GAP fragments, TSP chunk (1 = per-timestep loop), whether the trainer
     recomputes old log-probs, and the trainer pool size. `trainer_group`: devices of one FSDP group (None: the
     whole trainer pool); a pool of several groups (hybrid sharding) trains whole train nodes per group and
@@ -52,13 +53,38 @@ class FlowShape:
     def groups(self) -> int:
         return self.trainer_devices // self.group
 
-    # `build` and `engines` take any pipeline's spec, as `sched.policy.Shape` declares (a planner holds a shape and
+    # `build` and `engines` take any pipeline's spec, as `graph.shape.Shape` declares (a planner holds a shape and
     # its spec as a pair the checker cannot see): a flow shape refuses another kind's spec.
     def build(self, spec: PipelineSpec, steps: int, cost: CostModel) -> list[Node]:
         return build_flow(_flow_spec(spec), steps, self, cost)
 
     def engines(self, spec: PipelineSpec, cost: CostModel) -> Engines:
         return engines(_flow_spec(spec), cost, self.group)
+
+    def describe(self) -> str:
+        return (
+            f"trainer_devices={self.trainer_devices} (FSDP groups of {self.group}), fragments={self.fragments}, "
+            f"tsp_chunk={self.tsp_chunk}"
+        )
+
+    @property
+    def rollout_engines(self) -> None:
+        """A generate fragment holds whole groups and runs on any one device holding the model."""
+        return None
+
+    @property
+    def rollout_kind(self) -> Kind:
+        return Kind.GENERATE
+
+    @property
+    def tails_migrate(self) -> bool:
+        """A fragment denoises its samples in lockstep: no sample runs longer than the others."""
+        return False
+
+    @property
+    def sizes_rollout_memory(self) -> bool:
+        """The rollout engine is the model's weights; what a fragment needs besides comes with its node."""
+        return False
 
     def check(self, spec: FlowSpec) -> None:
         if self.staged and not 1 <= self.fragments <= spec.samples:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from dovetail.cost.catalog import LanguageModel
 from dovetail.cost.model import CostModel, lora_params
 from dovetail.graph.node import Engines, Kind, Node, Role, SampleId
+from dovetail.graph.shape import Shape
 from dovetail.graph.spec import LMSpec, PipelineSpec
 
 GB = 1e9
@@ -73,7 +74,7 @@ def _bands(spec: LMSpec, migrate_at: int | None) -> list[tuple[int, int]]:
 
 
 @dataclass(frozen=True)
-class LMShape:
+class LMShape(Shape):
     """How a policy cuts an LM step: `shards` rollout engines (of `spec.tensor_parallel` devices
     each) the batch is dealt to, the trainer group size (sets collective costs), and `migrate_at`
     (tokens) where the long tail leaves its shard, None to keep every sequence home. `stream` orders
@@ -112,13 +113,38 @@ class LMShape:
     def cost_model(self, cost: CostModel) -> CostModel:
         return cost if self.rollout_memory is None else cost.with_rollout_memory(self.rollout_memory)
 
-    # `build` and `engines` take any pipeline's spec, as `sched.policy.Shape` declares (a planner holds a shape and
+    # `build` and `engines` take any pipeline's spec, as `graph.shape.Shape` declares (a planner holds a shape and
     # its spec as a pair the checker cannot see): an LM shape refuses another kind's spec.
     def build(self, spec: PipelineSpec, steps: int, cost: CostModel, seed: int = 0) -> list[Node]:
         return build_lm(_lm_spec(spec), steps, self, cost, seed)
 
     def engines(self, spec: PipelineSpec, cost: CostModel) -> Engines:
         return engines(_lm_spec(spec), cost, self)
+
+    def describe(self) -> str:
+        text = f"trainer_devices={self.trainer_devices}, {self.shards} rollout engines"
+        if self.migrate_at is not None:
+            text += f", tail past {self.migrate_at} tokens on {self.tail_parallel} devices"
+        return text
+
+    @property
+    def rollout_engines(self) -> int:
+        return self.shards
+
+    @property
+    def rollout_kind(self) -> Kind:
+        """Prefill is short beside the decode bands."""
+        return Kind.DECODE
+
+    @property
+    def tails_migrate(self) -> bool:
+        """Responses end at their own lengths: the few long ones run on after the rest finished."""
+        return True
+
+    @property
+    def sizes_rollout_memory(self) -> bool:
+        """The KV cache takes what `rollout_memory` leaves beside the weights."""
+        return True
 
 
 def _lm_spec(spec: PipelineSpec) -> LMSpec:

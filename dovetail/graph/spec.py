@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from dovetail.cost.catalog import DiffusionModel, LanguageModel, diffusion_model, language_model
+from dovetail.graph.node import Kind, Node, Role
 
 MAX_DEVICES = 4096
 """Devices of one pool: more than any run here needs, few enough that the planner's search over pool splits ends."""
@@ -46,7 +48,8 @@ class LoRASpec(_Spec):
 
 
 class _PipelineSpec(_Spec):
-    """What every kind of pipeline has."""
+    """What every kind of pipeline has, and what it says of itself where kinds differ (abstract: a new kind's spec
+    that does not answer cannot be made), so the planner asks the spec instead of which kind it is."""
 
     lora: LoRASpec | None = Field(
         None,
@@ -66,6 +69,23 @@ class _PipelineSpec(_Spec):
         description="Recompute old log-probs in the trainer before training, as verl and veRL-Omni do (their rollout "
         "engines' kernels differ from the trainer's); a policy whose shape has no such pass ignores it.",
     )
+
+    @property
+    @abstractmethod
+    def rollout_engine_devices(self) -> int:
+        """Devices one rollout engine spans: the fewest a pipeline's own (sub-)pool may have."""
+
+    @property
+    @abstractmethod
+    def trains_replicas(self) -> bool:
+        """Whether a commit is priced as the trainer devices' whole replicas all-reducing their gradients, as
+        dovetail's runtime trains (a start-up profile then times that sync, `DeviceWorker.time_sync`); else as one
+        FSDP group sharding the optimizer step."""
+
+    @abstractmethod
+    def memory_fix(self, node: Node, engine_too_large: bool) -> str:
+        """The scenario fields that lower what `node` needs per device, where it does not fit (`plan.prepare`);
+        `engine_too_large`: its role's engine alone is larger than a device."""
 
 
 class FlowSpec(_PipelineSpec):
@@ -149,6 +169,29 @@ class FlowSpec(_PipelineSpec):
         return diffusion_model(self.model)
 
     @property
+    def rollout_engine_devices(self) -> int:
+        """A rollout engine holds the whole model on each device."""
+        return 1
+
+    @property
+    def trains_replicas(self) -> bool:
+        """The cost model prices a flow trainer pool as FSDP groups (`FlowShape.trainer_group`)."""
+        return False
+
+    def memory_fix(self, node: Node, engine_too_large: bool) -> str:
+        """A flow trainer's state shrinks with more devices and offload; a rollout generates in chunks that fit
+        beside its engine (`graph.flow.generation_batch`), so only the engine itself (the whole model on every
+        device: `engine_too_large`) or one sample's activations can be too large."""
+        if node.kind == Kind.GENERATE and engine_too_large:
+            return (
+                "use a device with more memory (every rollout device holds the whole model, whatever the device count)"
+            )
+        if node.kind == Kind.GENERATE:
+            return "lower height / width / frames (one sample's activations do not fit beside the rollout engine)"
+        offload = "" if self.offload else " or set offload: true"
+        return f"use more devices (a smaller shard of the trainer state){offload}"
+
+    @property
     def samples(self) -> int:
         return self.prompts * self.group
 
@@ -228,6 +271,24 @@ class LMSpec(_PipelineSpec):
         if self.architecture is not None:
             return LanguageModel(self.model, **self.architecture.model_dump())
         return language_model(self.model)
+
+    @property
+    def rollout_engine_devices(self) -> int:
+        return self.tensor_parallel
+
+    @property
+    def trains_replicas(self) -> bool:
+        return self.replicated_trainer
+
+    def memory_fix(self, node: Node, engine_too_large: bool) -> str:
+        """Trainer passes hold `batch / micro_batches` sequences' activations beside a shard of the trainer state;
+        the rollout engine holds the weights and KV cache over `tensor_parallel` devices."""
+        if node.role == Role.ROLLOUT:
+            return f"raise tensor_parallel (now {self.tensor_parallel}) or use a device with more memory"
+        return (
+            f"raise micro_batches (now {self.micro_batches}; fewer tokens per trainer pass) or use more devices "
+            "(a smaller shard of the trainer state)"
+        )
 
     @model_validator(mode="after")
     def _check(self) -> LMSpec:

@@ -19,7 +19,9 @@ publication, trainer hand-over and checkpoints carry (a LoRA run's adapter alone
 import json
 import shutil
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import diffusers
 import numpy as np
@@ -32,6 +34,7 @@ from diffusers import (
     SD3Transformer2DModel,
     WanTransformer3DModel,
 )
+from pydantic import ConfigDict, TypeAdapter
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
@@ -48,6 +51,43 @@ file's metadata under "prompts"."""
 ADAPTER_DIR = "lora"
 """Where `export` writes a LoRA run's adapter, inside the exported pipeline directory: in peft's layout and in
 diffusers' (`export_adapter`)."""
+
+
+@dataclass(frozen=True)
+class DiffusersSource:
+    """What a user's diffusers flow model is built from (`load_diffusers_flow`): the run config's model and sampling
+    settings (`load_flow_model`), or a checkpoint's config.json (`load_diffusers_checkpoint`), which holds a model's
+    `source` to build it again. A default is what a checkpoint written before its field existed meant."""
+
+    diffusers_path: str
+    """The diffusers directory (a model's `source`: resolved)."""
+    max_sequence_length: int
+    """T5 tokens of an SD3 pipeline's prompt encoding (its encode_prompt's)."""
+    lora: dict[str, Any] | None = None
+    """The peft LoRA adapter trained on the transformer (rank, alpha, target_modules); None: the whole transformer."""
+    sample_size: int | None = None
+    """Latent pixels a side; None: the transformer's own, or FluxPipeline's default (a model's `source`: the size it
+    took)."""
+    guidance: float = 3.5
+    """A guidance-distilled FLUX's guidance."""
+    frames: int = 1
+    """A video model's frames a sample (1 + a multiple of its VAE's temporal stride); 1 for images."""
+    guidance_scale: float = 1.0
+    """Classifier-free guidance's scale (1.0: none)."""
+    negative_prompt: str = ""
+    """Classifier-free guidance's negative prompt."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid")  # a field it does not know is no config.json of a source
+
+    @classmethod
+    def from_json(cls, fields: object) -> "DiffusersSource":
+        """The source a checkpoint's config.json holds, each field checked (a pydantic ValidationError, a ValueError,
+        for one that is missing, unknown or of the wrong type)."""
+        return SOURCE_FIELDS.validate_python(fields)
+
+
+SOURCE_FIELDS = TypeAdapter(DiffusersSource)
+"""`DiffusersSource.from_json`'s check."""
 
 
 class Frozen:
@@ -157,7 +197,7 @@ class DiffusersFlow(torch.nn.Module):
     """Whether classifier-free guidance runs the unconditional and conditional branches as one forward of 2B, as
     StableDiffusion3Pipeline does (FluxPipeline's true CFG and WanPipeline run two forwards of B)."""
 
-    def __init__(self, transformer: SD3Transformer2DModel, prompts, num_train_timesteps: int, source: dict):
+    def __init__(self, transformer: SD3Transformer2DModel, prompts, num_train_timesteps: int, source: DiffusersSource):
         super().__init__()
         self.transformer = transformer
         self.prompts = prompts
@@ -166,11 +206,11 @@ class DiffusersFlow(torch.nn.Module):
         """How to build this model again: the directory, the LoRA settings, the T5 length, the guidance (a
         checkpoint's config)."""
         self._text_dims = self.text_widths(self.transformer_config)
-        self.guidance_scale = source["guidance_scale"]
+        self.guidance_scale = source.guidance_scale
         if self.guidance_scale != 1.0:
             # encoded once, as Flow-GRPO encodes its negative prompt once; a buffer, so it moves with the model and
             # stays out of every state dict
-            negative = self.encode_prompts([source["negative_prompt"]])
+            negative = self.encode_prompts([source.negative_prompt])
             self.register_buffer("negative_encoding", negative, persistent=False)
 
     @staticmethod
@@ -188,7 +228,8 @@ class DiffusersFlow(torch.nn.Module):
         return has_lora(self.transformer)
 
     @property
-    def latent_shape(self) -> tuple[int, int, int]:
+    def latent_shape(self) -> tuple[int, ...]:
+        """One sample's latents: (C, H, W) of an image, (C, F, H, W) of a video (`WanFlow`)."""
         config = self.transformer_config
         return (config.in_channels, config.sample_size, config.sample_size)
 
@@ -263,13 +304,14 @@ class FluxFlow(DiffusersFlow):
     PIPELINE = "FluxPipeline"
     BATCHED_GUIDANCE = False
 
-    def __init__(self, transformer, prompts, num_train_timesteps: int, source: dict):
+    def __init__(self, transformer, prompts, num_train_timesteps: int, source: DiffusersSource):
         super().__init__(transformer, prompts, num_train_timesteps, source)
-        self.sample_size = source["sample_size"]
-        self.guidance = source["guidance"]
+        assert source.sample_size is not None  # load_diffusers_flow resolves it
+        self.sample_size = source.sample_size
+        self.guidance = source.guidance
 
     @property
-    def latent_shape(self) -> tuple[int, int, int]:
+    def latent_shape(self) -> tuple[int, ...]:
         return (self.transformer_config.in_channels // 4, self.sample_size, self.sample_size)
 
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, encoding: torch.Tensor) -> torch.Tensor:
@@ -305,18 +347,19 @@ class WanFlow(DiffusersFlow):
     PIPELINE = "WanPipeline"
     BATCHED_GUIDANCE = False
 
-    def __init__(self, transformer, prompts, num_train_timesteps: int, source: dict):
+    def __init__(self, transformer, prompts, num_train_timesteps: int, source: DiffusersSource):
         super().__init__(transformer, prompts, num_train_timesteps, source)
-        stride = temporal_stride(Path(source["diffusers_path"]))
-        self.latent_frames = (source["frames"] - 1) // stride + 1
-        self.sample_size = source["sample_size"]
+        stride = temporal_stride(Path(source.diffusers_path))
+        self.latent_frames = (source.frames - 1) // stride + 1
+        assert source.sample_size is not None  # load_diffusers_flow resolves it
+        self.sample_size = source.sample_size
 
     @staticmethod
     def text_widths(config) -> tuple[int, int]:
         return config.text_dim, 0
 
     @property
-    def latent_shape(self) -> tuple[int, int, int, int]:
+    def latent_shape(self) -> tuple[int, ...]:
         return (self.transformer_config.in_channels, self.latent_frames, self.sample_size, self.sample_size)
 
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, encoding: torch.Tensor) -> torch.Tensor:
@@ -344,50 +387,30 @@ FLUX_SAMPLE_SIZE = 128
 """FluxPipeline's default latent size (1024-pixel images): FLUX's transformer config has none of its own."""
 
 
-def load_diffusers_flow(
-    path: Path | str,
-    *,
-    lora: dict | None,
-    max_sequence_length: int,
-    seed: int,
-    sample_size: int | None = None,
-    guidance: float = 3.5,
-    frames: int = 1,
-    guidance_scale: float = 1.0,
-    negative_prompt: str = "",
-) -> DiffusersFlow:
-    """The flow model of a diffusers directory (`config.flow.ModelSection` has checked its layout), in eval mode.
-    `sample_size`: latent pixels a side (None: the transformer's own, or FluxPipeline's default); `guidance`: a
-    guidance-distilled FLUX's guidance; `frames`: a video model's frames a sample (1 + a multiple of its VAE's
-    temporal stride); `guidance_scale`, `negative_prompt`: classifier-free guidance (1.0: none)."""
-    path = Path(path).resolve()
+def load_diffusers_flow(source: DiffusersSource, *, seed: int) -> DiffusersFlow:
+    """The flow model of `source`'s diffusers directory (`config.flow.ModelSection` has checked its layout), in eval
+    mode; `seed` draws a new LoRA adapter's initial weights. Its `source` is the one given with the directory
+    resolved and the sample size it took."""
+    path = Path(source.diffusers_path).resolve()
     diffusers.utils.logging.disable_progress_bar()  # the run's own display says what start-up is doing
     transformers.utils.logging.disable_progress_bar()
     kind, wrapper = TRANSFORMERS[json.loads((path / "transformer" / "config.json").read_text())["_class_name"]]
     transformer = kind.from_pretrained(path / "transformer", dtype=torch.float32)
+    prompts: PrecomputedPrompts | PipelinePrompts
     if (path / PROMPT_EMBEDDINGS).is_file():
         prompts = PrecomputedPrompts(path / PROMPT_EMBEDDINGS)
     else:
-        prompts = PipelinePrompts(_text_pipeline(path, transformer, wrapper.PIPELINE), max_sequence_length)
+        prompts = PipelinePrompts(_text_pipeline(path, transformer, wrapper.PIPELINE), source.max_sequence_length)
     scheduler_config = path / "scheduler" / "scheduler_config.json"
     timesteps = (
         json.loads(scheduler_config.read_text()).get("num_train_timesteps", 1000)
         if scheduler_config.is_file()
         else 1000
     )
-    if lora is not None:
-        transformer = with_lora(transformer, lora, seed)
-    sample_size = sample_size or getattr(transformer.config, "sample_size", None) or FLUX_SAMPLE_SIZE
-    source = {
-        "diffusers_path": str(path),
-        "lora": lora,
-        "max_sequence_length": max_sequence_length,
-        "sample_size": sample_size,
-        "guidance": guidance,
-        "frames": frames,
-        "guidance_scale": guidance_scale,
-        "negative_prompt": negative_prompt,
-    }
+    if source.lora is not None:
+        transformer = with_lora(transformer, source.lora, seed)
+    sample_size = source.sample_size or getattr(transformer.config, "sample_size", None) or FLUX_SAMPLE_SIZE
+    source = replace(source, diffusers_path=str(path), sample_size=sample_size)
     return wrapper(transformer, prompts, timesteps, source).eval()
 
 
@@ -458,18 +481,17 @@ def load_flow_model(config) -> torch.nn.Module:
     if section.path is None:
         return load_model(section.checkpoint)
     check_prompt_table(config)
-    lora = None if section.lora is None else section.lora.model_dump()
-    return load_diffusers_flow(
-        section.path,
-        lora=lora,
+    source = DiffusersSource(
+        diffusers_path=str(section.path),
         max_sequence_length=section.max_sequence_length,
-        seed=config.seed,
+        lora=None if section.lora is None else section.lora.model_dump(),
         sample_size=section.sample_size,
         guidance=section.guidance,
         frames=section.frames,
         guidance_scale=config.sampling.guidance_scale,
         negative_prompt=config.sampling.negative_prompt,
     )
+    return load_diffusers_flow(source, seed=config.seed)
 
 
 def check_prompt_table(config) -> None:
@@ -521,7 +543,7 @@ def save_diffusers_checkpoint(model: DiffusersFlow, directory: Path) -> None:
     save_file(
         {k: v.detach().contiguous() for k, v in model.trained_state_dict().items()}, directory / "model.safetensors"
     )
-    (directory / "config.json").write_text(json.dumps(model.source, indent=2))
+    (directory / "config.json").write_text(json.dumps(asdict(model.source), indent=2))
 
 
 def load_diffusers_checkpoint(directory: Path | str) -> DiffusersFlow:
@@ -529,23 +551,13 @@ def load_diffusers_checkpoint(directory: Path | str) -> DiffusersFlow:
     directory = Path(directory)
     config_path, weights = directory / "config.json", directory / "model.safetensors"
     try:
-        source = json.loads(config_path.read_text())
-        path = Path(source["diffusers_path"])
-    except (OSError, ValueError, KeyError, TypeError) as error:
+        source = DiffusersSource.from_json(json.loads(config_path.read_text()))
+    except (OSError, ValueError) as error:
         raise ValueError(f"unreadable {config_path}: {one_line(error)}") from None
+    path = Path(source.diffusers_path)
     if not (path / "transformer").is_dir():
         raise FileNotFoundError(f"{config_path}: the model directory {path} it names has no transformer/ any more")
-    model = load_diffusers_flow(
-        path,
-        lora=source.get("lora"),
-        max_sequence_length=source["max_sequence_length"],
-        seed=0,
-        sample_size=source.get("sample_size"),
-        guidance=source.get("guidance", 3.5),
-        frames=source.get("frames", 1),
-        guidance_scale=source.get("guidance_scale", 1.0),
-        negative_prompt=source.get("negative_prompt", ""),
-    )
+    model = load_diffusers_flow(source, seed=0)
     try:
         model.load_trained_state_dict(load_file(weights))
     except (SafetensorError, RuntimeError, OSError, ValueError) as error:
@@ -565,7 +577,7 @@ def export(model: DiffusersFlow, out: Path) -> None:
     """`out` as a diffusers directory that `from_pretrained` loads: the source directory's files with the trained
     transformer in transformer/ (a LoRA adapter merged in), and a LoRA run's adapter in lora/ (`export_adapter`).
     The adapter is merged into `model` itself."""
-    source = Path(model.source["diffusers_path"])
+    source = Path(model.source.diffusers_path)
     shutil.copytree(source, out, ignore=lambda d, names: ["transformer"] if Path(d) == source else [])
     transformer = model.transformer
     if model.lora:

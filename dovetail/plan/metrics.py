@@ -82,7 +82,7 @@ summary.json, once per pipeline (a multiplexed run: under pipelines, and the Ray
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
 
 from dovetail.plan.trace import Trace
@@ -136,7 +136,7 @@ def summarize(trace: Trace) -> Metrics:
     intervals: list[list[tuple[float, float]]] = [[] for _ in range(devices)]
     work = [0.0] * devices
     switching = [0.0] * devices
-    phases: Counter[str] = Counter()
+    phases: dict[str, float] = defaultdict(float)
     for span in trace.spans:
         intervals[span.device].append((span.start, span.end))
         work[span.device] += span.work

@@ -8,8 +8,7 @@ from dataclasses import dataclass, replace
 
 from dovetail.cost.catalog import device as lookup_device
 from dovetail.cost.model import CostModel
-from dovetail.graph.node import Engines, Graph, Kind, Node, Role
-from dovetail.graph.spec import LMSpec, PipelineSpec
+from dovetail.graph.node import Engines, Graph, Node, Role
 from dovetail.plan.metrics import summarize
 from dovetail.plan.scenario import Scenario
 from dovetail.plan.sim import SimExecutor
@@ -169,7 +168,7 @@ def prepare(
             raise ValueError(
                 f"pipeline {node.pipeline}: {node.kind} needs {need:.0f} GB per device under {policy} "
                 f"(engine + working memory), more than a {scenario.cluster.device}'s {capacity:.0f} GB; "
-                + memory_fix(spec, node, engines[node.pipeline].resident_gb.get(node.role, 0.0) > capacity)
+                + spec.memory_fix(node, engines[node.pipeline].resident_gb.get(node.role, 0.0) > capacity)
             )
     setup = Setup(
         devices=devices,
@@ -188,26 +187,6 @@ def prepare(
         slowdown=costs[scenario.pipelines[0].name].calibration.slowdown,
     )
     return Prepared(Graph(nodes), setup, cls(setup))
-
-
-def memory_fix(spec: PipelineSpec, node: Node, engine_too_large: bool) -> str:
-    """The scenario fields that lower what `node` needs per device: an LM's trainer passes hold `batch /
-    micro_batches` sequences' activations beside a shard of the trainer state, its rollout engine the weights and
-    KV cache over `tensor_parallel` devices; a flow trainer's state shrinks with more devices and offload; a flow
-    rollout generates in chunks that fit beside its engine (`graph.flow.generation_batch`), so only the engine itself
-    (the whole model on every device: `engine_too_large`) or one sample's activations can be too large."""
-    if isinstance(spec, LMSpec):
-        if node.role == Role.ROLLOUT:
-            return f"raise tensor_parallel (now {spec.tensor_parallel}) or use a device with more memory"
-        return (
-            f"raise micro_batches (now {spec.micro_batches}; fewer tokens per trainer pass) or use more devices "
-            "(a smaller shard of the trainer state)"
-        )
-    if node.kind == Kind.GENERATE and engine_too_large:
-        return "use a device with more memory (every rollout device holds the whole model, whatever the device count)"
-    if node.kind == Kind.GENERATE:
-        return "lower height / width / frames (one sample's activations do not fit beside the rollout engine)"
-    return "use more devices (a smaller shard of the trainer state)" + ("" if spec.offload else " or set offload: true")
 
 
 def simulate(

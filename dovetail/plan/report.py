@@ -6,14 +6,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from dovetail.graph.flow import FlowShape
-from dovetail.graph.lm import LMShape
 from dovetail.plan.metrics import summarize
 from dovetail.plan.prepare import Searched, prepare, run_prepared, simulate
 from dovetail.plan.scenario import Scenario
 from dovetail.sched import policy_class
-from dovetail.sched.digen_search import DigenShape
-from dovetail.sched.jigsaw import SlicedFlowShape, SlicedLMShape, base_shape, sub_pool
 from dovetail.sched.policy import Shape, search_horizon
 
 
@@ -87,32 +83,10 @@ def render_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def describe(shape) -> str:
-    """A shape in the scenario's own words (the fields a user would set to run it); a jigsaw sub-pool first."""
-    if isinstance(shape, (SlicedLMShape, SlicedFlowShape)):
-        devices = sub_pool(shape)
-        when = f"turn {shape.turn}, " if shape.turn else ""
-        return f"{when}devices {devices[0]}-{devices[-1]}: " + describe(base_shape(shape))
-    if isinstance(shape, FlowShape):
-        text = (
-            f"trainer_devices={shape.trainer_devices} (FSDP groups of {shape.group}), fragments={shape.fragments}, "
-            f"tsp_chunk={shape.tsp_chunk}"
-        )
-        if isinstance(shape, DigenShape):
-            text += f", TAG {'on' if shape.tag else 'off'}, TCSS {'on' if shape.tcss else 'off'}"
-        return text
-    if isinstance(shape, LMShape):
-        text = f"trainer_devices={shape.trainer_devices}, {shape.shards} rollout engines"
-        if shape.migrate_at is not None:
-            text += f", tail past {shape.migrate_at} tokens on {shape.tail_parallel} devices"
-        return text
-    return repr(shape)
-
-
 def _describe_all(shapes: Mapping[str, Shape]) -> str:
     if len(shapes) == 1:
-        return describe(next(iter(shapes.values())))
-    return "; ".join(f"{name}: {describe(shape)}" for name, shape in shapes.items())
+        return next(iter(shapes.values())).describe()
+    return "; ".join(f"{name}: {shape.describe()}" for name, shape in shapes.items())
 
 
 def plan(scenario: Scenario, devices: int, policies: list[str] | None = None) -> str:

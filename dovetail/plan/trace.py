@@ -130,16 +130,16 @@ class Trace:
                     "args": {"node": s.node, "step": s.step, "version": s.version, "share": s.share},
                 }
             )
-        for s in self.switches:
+        for switch in self.switches:
             events.append(
                 {
                     "ph": "X",
                     "pid": 0,
-                    "tid": s.device,
+                    "tid": switch.device,
                     "cat": "switch",
-                    "name": f"switch->{s.role}",
-                    "ts": s.start * 1e6,
-                    "dur": (s.end - s.start) * 1e6,
+                    "name": f"switch->{switch.role}",
+                    "ts": switch.start * 1e6,
+                    "dur": (switch.end - switch.start) * 1e6,
                     "args": {},
                 }
             )
@@ -180,15 +180,19 @@ class Trace:
             ax.broken_barh(
                 bars, (top, lane), facecolor=colours[kind], edgecolor="black", linewidth=0.2, hatch=hatches[pipeline]
             )
-        for s in self.switches:
+        for switch in self.switches:
             ax.broken_barh(
-                [(s.start, s.end - s.start)], (s.device - 0.4, 0.8), facecolor="white", edgecolor="grey", hatch="//"
+                [(switch.start, switch.end - switch.start)],
+                (switch.device - 0.4, 0.8),
+                facecolor="white",
+                edgecolor="grey",
+                hatch="//",
             )
         for commit in sorted({record.end for record in self.steps}):
             ax.axvline(commit, color="black", linestyle=":", linewidth=0.8)
         for mark in self.marks:
             ax.axvline(mark.time, color="red", linestyle="--", linewidth=1.2)
-        handles = [Patch(facecolor=colours[k], label=k) for k in kinds]
+        handles: list[Patch | Line2D] = [Patch(facecolor=colours[k], label=k) for k in kinds]
         if len(pipelines) > 1:
             handles += [Patch(facecolor="white", edgecolor="black", hatch=hatches[p], label=p) for p in pipelines]
         if self.switches:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 import ray
 from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
 
+from dovetail.config.multiplex import PipelineConfig
 from dovetail.graph.node import Graph, Kind, Node, SampleId
 from dovetail.kinds import kind
 from dovetail.plan.loop import settle
@@ -41,6 +42,18 @@ from dovetail.sched.policy import Migrate, Policy, Run, Setup, StepCommitted, Sw
 MAX_RESENDS = 5
 """Times one part is sent again after its worker died before the run gives up on it."""
 
+Take = Callable[[ray.actor.ActorHandle], tuple[ray.ObjectRef, ray.ObjectRef]]
+"""What the driver takes from a trainer replica (a DeviceWorker): refs of a flag that the call succeeded and of the
+object it gave."""
+
+
+def take_trainer_state(worker: ray.actor.ActorHandle) -> tuple[ray.ObjectRef, ray.ObjectRef]:
+    return worker.taken_trainer_state.remote()
+
+
+def take_weights(worker: ray.actor.ActorHandle) -> tuple[ray.ObjectRef, ray.ObjectRef]:
+    return worker.taken_weights.remote()
+
 
 class TrainersLost(RuntimeError):
     """Every trainer replica of a pipeline died before the driver had what it asked of them."""
@@ -53,7 +66,7 @@ class PipelineRun:
     trainer state and its sample ledger. Pipelines share the devices and nothing else."""
 
     name: str
-    config: object
+    config: PipelineConfig
     workers: list
     incarnations: Incarnations
     """The process of each worker now (a new one is a restart: `recovery.revive`) and their group."""
@@ -187,8 +200,9 @@ class RayExecutor:
                 self._recover(part, time.perf_counter() - start, switching)
                 continue
             except RayTaskError as error:
-                if isinstance(error, RewardError):  # the worker's own error: one line, without Ray's traceback
-                    self._stop(part, error.cause)
+                cause = error.cause
+                if isinstance(cause, RewardError) and isinstance(part, Part):  # the worker's own error: one line,
+                    self._stop(part, cause)  # without Ray's traceback (a reward runs in a part, never a switch)
                     continue
                 if isinstance(error, WorkerRestarted):  # sent before the executor saw the death
                     self._recover(part, time.perf_counter() - start, switching)
@@ -283,7 +297,7 @@ class RayExecutor:
         self._submit(part)
 
     def _count_resend(self, part: Part | SwitchRole) -> None:
-        key = (getattr(part, "node", "switch"), part.device, getattr(part, "index", 0))
+        key = (part.node, part.device, part.index) if isinstance(part, Part) else ("switch", part.device, 0)
         self._resent[key] = self._resent.get(key, 0) + 1
         if self._resent[key] > MAX_RESENDS:
             raise RuntimeError(f"{key[0]} on device {part.device} failed {MAX_RESENDS} times after restarts; giving up")
@@ -311,7 +325,7 @@ class RayExecutor:
         except ObjectLostError:
             recorded = run.recorded_state is run.trainer_state
             try:
-                _, run.trainer_state = self._from_a_trainer(run, "trainer_state", run.trainer_devices)
+                _, run.trainer_state = self._from_a_trainer(run, take_trainer_state, run.trainer_devices)
             except TrainersLost:
                 raise TrainersLost(
                     f"pipeline {run.name}: its committed state was on a node that is gone, with every trainer "
@@ -420,7 +434,7 @@ class RayExecutor:
         (`device`): the object store outlives the workers, so a replica that dies from now on, still committing or
         not, comes back with this step's state, and the step's gradients are spent."""
         others = [d for d in run.trainer_devices if d != device]
-        _, run.trainer_state = self._from_a_trainer(run, "trainer_state", [device, *others])
+        _, run.trainer_state = self._from_a_trainer(run, take_trainer_state, [device, *others])
         run.state_of_commit = commit
         run.uncommitted.clear()
 
@@ -429,18 +443,18 @@ class RayExecutor:
         or, if every one died since the commit (its state already in the object store), one brought back with that
         state."""
         try:
-            return self._from_a_trainer(run, "export_weights", run.trainer_devices)
+            return self._from_a_trainer(run, take_weights, run.trainer_devices)
         except TrainersLost:
             self._revive(run, self.state.now, "publish")
-            return self._from_a_trainer(run, "export_weights", run.trainer_devices)
+            return self._from_a_trainer(run, take_weights, run.trainer_devices)
 
-    def _from_a_trainer(self, run: PipelineRun, method: str, devices: Sequence[int]) -> tuple[int, ray.ObjectRef]:
-        """The first of `devices` (trainer replicas) that answers, and a ref of what it gives (`trainer_state`,
-        `export_weights`), known to hold the answer: a replica that died since the commit is passed over for the next
+    def _from_a_trainer(self, run: PipelineRun, take: Take, devices: Sequence[int]) -> tuple[int, ray.ObjectRef]:
+        """The first of `devices` (trainer replicas) that answers, and a ref of what it gives (`take_trainer_state`,
+        `take_weights`), known to hold the answer: a replica that died since the commit is passed over for the next
         (a replica still committing answers once its commit is done: they reach the same state); a ref that held an
         error would poison every part that reads it."""
         for device in devices:
-            succeeded, payload = run.workers[device].taken.remote(method)
+            succeeded, payload = take(run.workers[device])
             try:
                 ray.get(succeeded)
                 return device, payload

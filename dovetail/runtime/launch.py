@@ -27,7 +27,6 @@ from dovetail.config.common import AUTO, MAX_PIPELINES, REFERENCE, auto_candidat
 from dovetail.config.multiplex import PipelineConfig, TrainConfig, pipeline_configs
 from dovetail.cost.catalog import DEVICES, device
 from dovetail.cost.model import CostModel
-from dovetail.graph.spec import LMSpec
 from dovetail.kinds import kind
 from dovetail.plan.metrics import summarize
 from dovetail.plan.prepare import Prepared, prepare, simulate
@@ -328,7 +327,7 @@ def profiled_cost(config: PipelineConfig, scenario: Scenario, workers: list, rep
 
     measured = cached("profile", [config.model_dump(mode="json")], measure, reprofile)
     spec = scenario.pipelines[0]
-    if isinstance(spec, LMSpec) and spec.replicated_trainer:
+    if spec.trains_replicas:
         measured |= measured_sync(config, workers, reprofile)
     return kind(config.kind).load("fit")(config, scenario, measured)
 

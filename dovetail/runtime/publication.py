@@ -197,7 +197,7 @@ def measured(
     layout: Layout = ()
     seconds: dict[str, float] = {}
     for version, path in enumerate(["object_store", "collective"] * 2, start=1):
-        succeeded, weights = workers[0].taken.remote("export_weights")
+        succeeded, weights = workers[0].taken_weights.remote()
         ray.get(succeeded)
         layout = layout or layout_of(ray.get(weights))
         start = time.perf_counter()

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from dovetail.config.load import parse_config
+from dovetail.config.multiplex import MultiplexConfig
 from dovetail.kinds import kind
 from dovetail.models.training import (
     commit,
@@ -173,7 +174,9 @@ class DeviceWorker:
         (the reward pool) holds the reward engine alone. Workers outlive a run, so one pool serves many runs (and
         tests) without restarting torch."""
         self.index = index
-        self.config = parse_config(config)
+        parsed = parse_config(config)
+        assert not isinstance(parsed, MultiplexConfig), "a worker serves one pipeline: it is given that one's config"
+        self.config = parsed
         self.publication_groups.clear()  # an earlier run's: it is over, and its driver forgot their rendezvous
         holds_policy = self.index < self.config.compute_devices
         engines = kind(self.config.kind).load("engines")
@@ -250,11 +253,16 @@ class DeviceWorker:
         return weights_of(self.engines.trainer)
 
     @ray.method(num_returns=2)
-    def taken(self, method: str) -> tuple[bool, object]:
-        """What `method` (`trainer_state`, `export_weights`) returns, as the second of two objects: the driver waits
-        on the first, a flag, to learn that the call succeeded, and hands the second on by reference without
-        fetching it (a trainer state is three times the weights)."""
-        return True, getattr(self, method)()
+    def taken_trainer_state(self) -> tuple[bool, dict]:
+        """`trainer_state` as the second of two objects: the driver waits on the first, a flag, to learn that the
+        call succeeded, and hands the second on by reference without fetching it (a trainer state is three times the
+        weights)."""
+        return True, self.trainer_state()
+
+    @ray.method(num_returns=2)
+    def taken_weights(self) -> tuple[bool, dict]:
+        """`export_weights` as the second of two objects, as `taken_trainer_state` gives the state."""
+        return True, self.export_weights()
 
     def switch_role(self, role: str) -> float:
         """Sleep one engine, wake the other (`PipelineEngines.hold`: vLLM's rollout engine sleeps while the device
@@ -275,6 +283,7 @@ class DeviceWorker:
             self.engines.trainer.zero_grad(set_to_none=True)
         result = self.engines.run(work)
         if isinstance(result, Trained):
+            assert part is not None, "a train part is sent with its key"  # executor._launch sends every part's
             self.gradients[part] = self.engines.part_gradient()
         return result
 

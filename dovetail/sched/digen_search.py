@@ -64,7 +64,10 @@ class DigenShape(FlowShape):
     def of(cls, shape: FlowShape) -> DigenShape:
         """`shape` with digen's choices: its own, or the defaults above for a shape cut without them (a staged
         baseline's, or one a caller gave)."""
-        return shape if isinstance(shape, DigenShape) else cls(**asdict(shape))
+        return cls(**asdict(shape))
+
+    def describe(self) -> str:
+        return f"{super().describe()}, TAG {'on' if self.tag else 'off'}, TCSS {'on' if self.tcss else 'off'}"
 
 
 @lru_cache(maxsize=65536)

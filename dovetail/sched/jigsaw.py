@@ -31,20 +31,24 @@ higher priorities first when not everything fits.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from itertools import combinations
 
 from dovetail.cost.calibration import DEFAULT
+from dovetail.cost.model import CostModel
 from dovetail.graph.flow import BF16, FlowShape
 from dovetail.graph.lm import GB, LMShape, response_lengths
 from dovetail.graph.node import Kind, Node, Role
 from dovetail.graph.spec import FlowSpec, LMSpec, PipelineSpec
+from dovetail.sched.colocated import flow_only
 from dovetail.sched.lm_common import (
     TRAINER_KINDS,
     StagedLMPolicy,
     engine_devices,
+    lm_only,
+    lm_shape,
     rollout_engines,
     rollout_seconds,
     split_pool,
@@ -57,6 +61,7 @@ from dovetail.sched.policy import (
     Run,
     SearchContext,
     Setup,
+    Shape,
     StartStep,
     SwitchRole,
     View,
@@ -76,56 +81,72 @@ SCORE_SHARE = 0.05
 EPS = 1e-9
 
 
+class Sliced(Shape):
+    """A pipeline's jigsaw cut on its sub-pool: its kind's shape with devices `first_device` .. `first_device +
+    trainer_devices - 1` (the whole pool: 0 and every device). Pipelines of the same sub-pool multiplex on it;
+    sub-pools are disjoint. `turn`: pipelines take turns, a pipeline of turn k starting once every pipeline of the
+    turns before it has run all its steps (every pipeline turn 0: all at once; one pipeline per turn on the whole
+    pool: back to back)."""
+
+    first_device: int
+    turn: int
+
+    def describe(self) -> str:
+        """The sub-pool (and a later turn) first, then the kind's own cut."""
+        devices = sub_pool(self)
+        when = f"turn {self.turn}, " if self.turn else ""
+        return f"{when}devices {devices[0]}-{devices[-1]}: " + base_shape(self).describe()
+
+
 @dataclass(frozen=True)
-class SlicedLMShape(LMShape):
-    """An LM pipeline's jigsaw cut on its sub-pool: devices `first_device` .. `first_device + trainer_devices - 1`
-    (the whole pool: 0 and every device). Pipelines of the same sub-pool multiplex on it; sub-pools are disjoint.
-    `turn`: pipelines take turns, a pipeline of turn k starting once every pipeline of the turns before it has
-    run all its steps (every pipeline turn 0: all at once; one pipeline per turn on the whole pool: back to back)."""
+class SlicedLMShape(Sliced, LMShape):
+    """An LM pipeline's jigsaw cut on its sub-pool and turn."""
 
     first_device: int = 0
     turn: int = 0
 
 
 @dataclass(frozen=True)
-class SlicedFlowShape(FlowShape):
-    """A flow pipeline's jigsaw cut on its sub-pool and turn (as `SlicedLMShape`)."""
+class SlicedFlowShape(Sliced, FlowShape):
+    """A flow pipeline's jigsaw cut on its sub-pool and turn."""
 
     first_device: int = 0
     turn: int = 0
 
+
+SLICED: Mapping[type[Shape], Callable[..., Sliced]] = {LMShape: SlicedLMShape, FlowShape: SlicedFlowShape}
+"""Each kind's shape (of every kind jigsaw schedules, `Jigsaw.pipeline_kinds`) -> its cut on a sub-pool."""
+UNSLICED: Mapping[type[Shape], Callable[..., Shape]] = {SlicedLMShape: LMShape, SlicedFlowShape: FlowShape}
+"""`SLICED` the other way round."""
 
 PLACE = ("first_device", "turn")
 """The fields a sliced shape adds to the kind's: where and when its pipeline runs."""
 
 
-def on_slice(shape: LMShape | FlowShape, first_device: int, turn: int = 0) -> SlicedLMShape | SlicedFlowShape:
+def on_slice(shape: Shape, first_device: int, turn: int = 0) -> Sliced:
     """`shape` (cut for its sub-pool's `trainer_devices`) placed on the sub-pool starting at `first_device`, in
     `turn`."""
-    fields = {key: value for key, value in asdict(shape).items() if key not in PLACE}
-    if isinstance(shape, FlowShape):
-        return SlicedFlowShape(**fields, first_device=first_device, turn=turn)
-    return SlicedLMShape(**fields, first_device=first_device, turn=turn)
+    return SLICED[type(shape)](**asdict(shape), first_device=first_device, turn=turn)
 
 
-def base_shape(shape: SlicedLMShape | SlicedFlowShape) -> LMShape | FlowShape:
+def base_shape(shape: Sliced) -> Shape:
     """The shape without its sub-pool's place and turn (what `Jigsaw.shape` cuts for the sub-pool's size)."""
     fields = {key: value for key, value in asdict(shape).items() if key not in PLACE}
-    return FlowShape(**fields) if isinstance(shape, FlowShape) else LMShape(**fields)
+    return UNSLICED[type(shape)](**fields)
 
 
-def turn_of(shape: LMShape | FlowShape) -> int:
+def turn_of(shape: Shape) -> int:
     """A jigsaw shape's turn (a shape cut without a slice: 0, with every pipeline)."""
-    return shape.turn if isinstance(shape, (SlicedLMShape, SlicedFlowShape)) else 0
+    return shape.turn if isinstance(shape, Sliced) else 0
 
 
-def sub_pool(shape: LMShape | FlowShape) -> tuple[int, ...]:
+def sub_pool(shape: Shape) -> tuple[int, ...]:
     """The devices a jigsaw shape's pipeline runs on (a shape cut without a slice: its whole trainer pool)."""
-    first = shape.first_device if isinstance(shape, (SlicedLMShape, SlicedFlowShape)) else 0
+    first = shape.first_device if isinstance(shape, Sliced) else 0
     return tuple(range(first, first + shape.trainer_devices))
 
 
-def tail_edge(spec, shards: int) -> int | None:
+def tail_edge(spec: LMSpec, shards: int) -> int | None:
     """The first length-band edge past which at most one engine's fair share of the step's responses is
     still running (or the last edge): where the long tail migrates. None without bands."""
     lengths = response_lengths(spec, 0, 0)
@@ -201,7 +222,7 @@ def predict_completion(
                     queue.append(i)
 
 
-def flow_shape(spec: FlowSpec, devices: int, cost) -> FlowShape:
+def flow_cut(spec: FlowSpec, devices: int, cost: CostModel) -> FlowShape:
     """A flow step cut for the shared pool: whole-group fragments, one per device (at most the prompts, a multiple
     of the mini-batches) unless the spec fixes them, and the trainer on the whole pool. No old log-prob recompute:
     steps are on-policy (staleness 0), so the rollout's log-probs are the old ones (a KL term still gets its
@@ -227,27 +248,37 @@ def flow_shape(spec: FlowSpec, devices: int, cost) -> FlowShape:
     return replace(shape, tsp_chunk=-min(timed)[1])
 
 
+def lm_cut(spec: LMSpec, devices: int) -> LMShape:
+    """An LM step cut for the shared pool, the cost-model default: the tail leaves at `tail_edge` for an engine as
+    wide as the home ones; micro-batches in finishing order, so finished length bands train while the tail decodes."""
+    shards = rollout_engines(spec, devices)
+    return LMShape(
+        shards, devices, tail_edge(spec, shards), stream=True, shared=True, tail_parallel=spec.tensor_parallel
+    )
+
+
+CUTS: Mapping[str, Callable[[PipelineSpec, int, CostModel], Shape]] = {
+    "flow": lambda spec, devices, cost: flow_cut(flow_only("jigsaw", spec), devices, cost),
+    "lm": lambda spec, devices, cost: lm_cut(lm_only("jigsaw", spec), devices),
+}
+"""How jigsaw cuts a step of each kind it schedules (`PipelineSpec.kind` -> the cut, on `devices`)."""
+
+
 class Jigsaw(StagedLMPolicy):
     name = "jigsaw"
-    pipeline_kinds = frozenset({"lm", "flow"})
+    pipeline_kinds = frozenset(CUTS)
     multiplexes = True
     look_ahead = True
     searches = True
     fixes = {"trainer_devices": "trains every pipeline on the whole pool"}
 
     @classmethod
-    def shape(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost) -> LMShape | FlowShape:
-        """LM, the cost-model default: the tail leaves at `tail_edge` for an engine as wide as the home ones;
-        micro-batches in finishing order, so finished length bands train while the tail decodes. Flow: `flow_shape`."""
-        if isinstance(spec, FlowSpec):
-            return flow_shape(spec, devices, cost)
-        shards = rollout_engines(spec, devices)
-        return LMShape(
-            shards, devices, tail_edge(spec, shards), stream=True, shared=True, tail_parallel=spec.tensor_parallel
-        )
+    def shape(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost: CostModel) -> Shape:
+        """Every pipeline on the whole pool, its cut by its kind (`CUTS`: `lm_cut`, `flow_cut`)."""
+        return CUTS[spec.kind](spec, devices, cost)
 
     @classmethod
-    def plan_shapes(cls, context: SearchContext) -> dict[str, LMShape | FlowShape]:
+    def plan_shapes(cls, context: SearchContext) -> dict[str, Shape]:
         """Rollout memory from the memory model (for every step the run trains); then (`jigsaw`) the fastest in the
         simulator over the run's steps (at most `SEARCH_STEPS`) of: every pipeline on the whole pool, where each LM
         pipeline's tail migrates and how wide its engine is chosen by `_tail_search`; and the pipelines on disjoint
@@ -265,7 +296,7 @@ class Jigsaw(StagedLMPolicy):
             return shared
         memo: dict[tuple, float] = {}
 
-        def forecast(candidate: dict[str, LMShape | FlowShape], horizon: int) -> float:
+        def forecast(candidate: dict[str, Shape], horizon: int) -> float:
             key = (tuple(sorted(candidate.items())), horizon)
             if key not in memo:
                 memo[key] = context.forecast(dict(candidate), horizon)
@@ -305,21 +336,20 @@ class Jigsaw(StagedLMPolicy):
                 f"device, more than {setup.memory_gb:.0f} GB; multiplex fewer or smaller pipelines, or raise "
                 "tensor_parallel"
             )
-        self.flow = {name for name, shape in setup.shapes.items() if isinstance(shape, FlowShape)}
-        """Flow pipelines: their rollout is generate fragments, not LM engines."""
         self.tensor_parallel = {
-            name: len(self.pool[name]) // shape.shards
+            name: len(self.pool[name]) // count
             for name, shape in setup.shapes.items()
-            if isinstance(shape, LMShape)
+            if (count := shape.rollout_engines) is not None
         }
-        """Devices per rollout engine of each LM pipeline: its pool over its shards (`lm_common.tensor_parallel`)."""
+        """Devices per rollout engine of each pipeline whose rollout runs on engines (`Shape.rollout_engines`): its
+        pool over its engines (`lm_common.tensor_parallel`). The others' rollout pieces go to any one device each."""
         self.priority = {name: setup.priorities.get(name, 1.0) for name in setup.engines}
         self.slowdowns = phase_slowdowns(setup.slowdown)
         self.tail_on: dict[tuple[str, int], tuple[int, ...]] = {}
         self.choices: list[tuple[float, tuple[str, ...]]] = []
         """(time, pipelines started) of every look-ahead choice among several, for the run's log."""
         self.turn = {name: turn_of(setup.shapes[name]) if name in setup.shapes else 0 for name in setup.engines}
-        """Each pipeline's turn (`SlicedLMShape.turn`): the pipelines of a turn start once the earlier turns end."""
+        """Each pipeline's turn (`Sliced.turn`): the pipelines of a turn start once the earlier turns end."""
         self.turn_now = 0
         self._nodes: dict[str, list[str]] = {}
 
@@ -359,7 +389,7 @@ class Jigsaw(StagedLMPolicy):
             return decisions + [SwitchRole(d, Role.ANY, self.wake_s[d], self.resident_gb[d]) for d in held]
         if not view.ready:
             return decisions
-        self.free = ReadOnFirstUse(lambda d: view.devices[d].free_share)
+        self.share_left = ReadOnFirstUse(lambda d: view.devices[d].free_share)
         self.memory = ReadOnFirstUse(lambda d: view.devices[d].memory_gb)
         ready: dict[str, list[Node]] = {}
         scores: list[Node] = []
@@ -383,26 +413,26 @@ class Jigsaw(StagedLMPolicy):
     # ------------------------------------------------------------ placement
     def _fits(self, node: Node, devices: Sequence[int], share: float) -> bool:
         return all(
-            self.free[d] >= share - EPS and self.memory[d] + node.memory_gb <= self.setup.memory_gb + EPS
+            self.share_left[d] >= share - EPS and self.memory[d] + node.memory_gb <= self.setup.memory_gb + EPS
             for d in devices
         )
 
     def _take(self, node: Node, devices: tuple[int, ...], share: float) -> Run:
         for d in devices:
-            self.free[d] -= share
+            self.share_left[d] -= share
             self.memory[d] += node.memory_gb
         return Run(node.id, devices, share)
 
     def _roomiest(self, node: Node, share: float) -> int | None:
         fitting = [d for d in self.pool[node.pipeline] if self._fits(node, (d,), share)]
-        return max(fitting, key=lambda d: (self.free[d], -d), default=None)
+        return max(fitting, key=lambda d: (self.share_left[d], -d), default=None)
 
     def _rollout(self, pipeline: str, ready: list[Node]) -> list[Decision]:
         """The pipeline's `ready` rollout nodes. LM: home shards on their engines; the migrated tail on the
         least-loaded engine, then decoded there. Flow: each generate fragment on the device with the most free share,
         as the migrated tail."""
         decisions: list[Decision] = []
-        if pipeline in self.flow:
+        if pipeline not in self.tensor_parallel:
             for node in ready:
                 if (device := self._roomiest(node, SHARE)) is not None:
                     decisions.append(self._take(node, (device,), SHARE))
@@ -413,9 +443,9 @@ class Jigsaw(StagedLMPolicy):
             if shard is not None:
                 devices = engine_devices(pool, shard, tp)
             elif node.kind == Kind.MIGRATE:
-                width = self.setup.shapes[pipeline].tail_parallel or tp
+                width = lm_shape(self.name, self.setup.shapes[pipeline]).tail_parallel or tp
                 engines = [engine_devices(pool, k, width) for k in range(len(pool) // width)]
-                devices = max(engines, key=lambda e: (min(self.free[d] for d in e), -e[0]))
+                devices = max(engines, key=lambda e: (min(self.share_left[d] for d in e), -e[0]))
             else:
                 devices = self.tail_on[(pipeline, node.step)]
             if self._fits(node, devices, SHARE):
@@ -442,7 +472,7 @@ class Jigsaw(StagedLMPolicy):
         if not waiting:
             return []
         by_priority = sorted(waiting, key=lambda p: (-self.priority[p], p))
-        least_free, most_memory = min(self.free[d] for d in pool), max(self.memory[d] for d in pool)
+        least_free, most_memory = min(self.share_left[d] for d in pool), max(self.memory[d] for d in pool)
         side_by_side = int((least_free + EPS) // SHARE)
         candidates = [
             group
@@ -484,21 +514,22 @@ class Jigsaw(StagedLMPolicy):
         return min(candidates, key=predicted)  # ties: the first candidate (largest, then highest priorities)
 
     def _phases(self, view: View, pipeline: str) -> tuple[tuple[str, float], ...]:
-        """What is left of the pipeline's open step and its next one, as (class, seconds on its pool): an LM's
-        rollout decodes on its engines, a flow pipeline's generate fragments spread one per device."""
+        """What is left of the pipeline's open step and its next one, as (class, seconds on its pool): a rollout on
+        engines (an LM's) runs its shards' chains on them, independent pieces (a flow pipeline's generate
+        fragments) spread one per device; its class is its shape's `rollout_kind`."""
         opened = [s for (p, s) in view.started if p == pipeline]
         if not opened:
             return ()
         step = max(opened)
         pool = self.pool[pipeline]
-        flow = pipeline in self.flow
-        tp = self.tensor_parallel.get(pipeline, 1)
+        tp = self.tensor_parallel.get(pipeline)
+        phase = self.setup.shapes[pipeline].rollout_kind.value
         phases: list[tuple[str, float]] = []
         for s in (step, step + 1):
             nodes = [n for n in view.graph.of(pipeline, s) if n.id not in view.finished]
-            rollout = generate_seconds(nodes, len(pool)) if flow else rollout_seconds(nodes, tp)
+            rollout = generate_seconds(nodes, len(pool)) if tp is None else rollout_seconds(nodes, tp)
             if rollout > 0:
-                phases.append(("generate" if flow else "decode", round(rollout, 1)))
+                phases.append((phase, round(rollout, 1)))
             train = trainer_seconds(nodes, len(pool))
             if train > 0:
                 phases.append(("train", round(train, 1)))
@@ -512,13 +543,14 @@ class JigsawGreedy(Jigsaw):
 
 
 def rollout_shares(
-    specs: Sequence[PipelineSpec], shapes: dict[str, LMShape | FlowShape], costs, steps: int = 1
-) -> dict[str, LMShape | FlowShape]:
-    """Each LM pipeline's rollout engine (weights and KV cache) gets an even share of what the rest leaves of a
-    device, at most the calibrated rollout memory fraction. The rest: every pipeline's resident FSDP trainer shard
-    and the largest working memory of its trainer nodes over the run's `steps` (they may run side by side; a
-    later step's longest micro-batch may need more than the first's), and a flow pipeline's rollout engine with
-    its largest generate fragment's working memory (it may generate beside its trainer)."""
+    specs: Sequence[PipelineSpec], shapes: Mapping[str, Shape], costs: Mapping[str, CostModel], steps: int = 1
+) -> dict[str, Shape]:
+    """Each rollout engine whose shape sizes its memory (`Shape.sizes_rollout_memory`: an LM's weights and KV cache)
+    gets an even share of what the rest leaves of a device, at most the calibrated rollout memory fraction. The rest:
+    every pipeline's resident FSDP trainer shard and the largest working memory of its trainer nodes over the run's
+    `steps` (they may run side by side; a later step's longest micro-batch may need more than the first's), and
+    each other rollout engine (a flow pipeline's) with its largest rollout piece's working memory (it may generate
+    beside its trainer)."""
     capacity = costs[specs[0].name].device.memory_bytes / GB
     held = 0.0
     for spec in specs:
@@ -526,50 +558,54 @@ def rollout_shares(
         resident = shape.engines(spec, cost).resident_gb
         nodes = shape.build(spec, steps, cost)
         held += resident[Role.TRAINER] + max(n.memory_gb for n in nodes if n.kind in TRAINER_KINDS)
-        if isinstance(spec, FlowSpec):
-            held += resident[Role.ROLLOUT] + max(n.memory_gb for n in nodes if n.kind == Kind.GENERATE)
+        if not shape.sizes_rollout_memory:
+            held += resident[Role.ROLLOUT] + max(n.memory_gb for n in nodes if n.kind == shape.rollout_kind)
     if held >= capacity:
         raise ValueError(
             f"jigsaw: the pipelines' trainers and flow rollout engines alone need {held:.0f} GB per device, "
             f"more than {capacity:.0f} GB"
         )
-    lm = [spec for spec in specs if isinstance(spec, LMSpec)]
-    if not lm:
-        return shapes
-    share = min(DEFAULT.rollout_memory_fraction, (capacity - held) / capacity / len(lm))
-    for spec in lm:
-        weights_gb = spec.catalogue_model().params * BF16 / GB / spec.tensor_parallel
+    sized = [spec for spec in specs if shapes[spec.name].sizes_rollout_memory]
+    if not sized:
+        return dict(shapes)
+    share = min(DEFAULT.rollout_memory_fraction, (capacity - held) / capacity / len(sized))
+    for spec in sized:
+        weights_gb = spec.catalogue_model().params * BF16 / GB / spec.rollout_engine_devices
         if weights_gb >= share * capacity:
             raise ValueError(
                 f"{spec.name}: jigsaw keeps every pipeline's trainer resident, which leaves {share * capacity:.0f} GB "
                 f"per device for its rollout engine, less than its weights ({weights_gb:.0f} GB at tensor_parallel="
-                f"{spec.tensor_parallel}): add devices (the trainer's shard shrinks) or raise tensor_parallel"
+                f"{spec.rollout_engine_devices}): add devices (the trainer's shard shrinks) or raise tensor_parallel"
             )
-    return shapes | {spec.name: replace(shapes[spec.name], rollout_memory=share) for spec in lm}
+    return dict(shapes) | {spec.name: replace(shapes[spec.name], rollout_memory=share) for spec in sized}
 
 
 def _tail_search(
-    specs: Sequence[PipelineSpec],
-    shapes: dict[str, LMShape | FlowShape],
-    forecast: Callable[[dict[str, LMShape | FlowShape], int], float],
-) -> list[dict[str, LMShape | FlowShape]]:
-    """Where each LM pipeline of the whole pool migrates its tail and how wide the tail's engine is, by rolling the
-    simulator forward `HORIZON_STEPS` steps per candidate: coordinate descent over the tail engine's width (the home
-    width doubled while it stays within one pipeline's fair share of the pool) and the migration edge (the length
-    bands). Every candidate it scored, the best first; `shapes` alone without an LM pipeline."""
-    lm_specs = [spec for spec in specs if isinstance(spec, LMSpec)]
-    if not lm_specs:
+    specs: Sequence[PipelineSpec], shapes: dict[str, Shape], forecast: Callable[[dict[str, Shape], int], float]
+) -> list[dict[str, Shape]]:
+    """Where each pipeline of the whole pool whose tail migrates (`Shape.tails_migrate`: an LM's) migrates it and how
+    wide the tail's engine is, by rolling the simulator forward `HORIZON_STEPS` steps per candidate: coordinate
+    descent over the tail engine's width (the home width doubled while it stays within one pipeline's fair share of
+    the pool) and the migration edge (the length bands). Every candidate it scored, the best first; `shapes` alone
+    without such a pipeline."""
+    tails = [
+        (lm_only("jigsaw", spec), lm_shape("jigsaw", shapes[spec.name]))
+        for spec in specs
+        if shapes[spec.name].tails_migrate
+    ]
+    if not tails:
         return [shapes]
     devices = next(iter(shapes.values())).trainer_devices
     choices: dict[str, tuple[list[int | None], list[int]]] = {}
-    for spec in lm_specs:
-        edges = [e for e in spec.length_bands if e < spec.max_length] or [shapes[spec.name].migrate_at]
+    for spec, shape in tails:
+        edges: list[int | None] = [e for e in spec.length_bands if e < spec.max_length] or [shape.migrate_at]
         widths = [spec.tensor_parallel]
         while widths[-1] * 2 <= devices // len(specs):
             widths.append(widths[-1] * 2)
         choices[spec.name] = (edges, widths)
+    migrate_at = {spec.name: shape.migrate_at for spec, shape in tails}
 
-    def candidate(point: tuple[int, ...]) -> dict[str, LMShape | FlowShape]:
+    def candidate(point: tuple[int, ...]) -> dict[str, Shape]:
         return shapes | {
             name: replace(
                 shapes[name],
@@ -586,9 +622,7 @@ def _tail_search(
             scores[point] = forecast(candidate(point), HORIZON_STEPS)
         return scores[point]
 
-    start = max(
-        edges.index(shapes[n].migrate_at) if shapes[n].migrate_at in edges else 0 for n, (edges, _) in choices.items()
-    )
+    start = max(edges.index(migrate_at[n]) if migrate_at[n] in edges else 0 for n, (edges, _) in choices.items())
     sizes = [max(len(e) for e, _ in choices.values()), max(len(w) for _, w in choices.values())]
     point: tuple[int, ...] = (start, 0)
     for _ in range(2):
@@ -621,7 +655,7 @@ def pool_size(context: SearchContext) -> int:
     return context.devices or next(iter(context.shapes.values())).trainer_devices
 
 
-def arrangements(cls: type[Jigsaw], context: SearchContext) -> list[dict[str, LMShape | FlowShape]]:
+def arrangements(cls: type[Jigsaw], context: SearchContext) -> list[dict[str, Shape]]:
     """The pipelines on disjoint sub-pools: cut, in order, into k groups of consecutive pipelines (sizes differing by
     at most one) for k = 2, 4, 8, ... and every pipeline alone (k = N, the arrangement verl-sync gives, also with its
     even slices); each group multiplexes on a sub-pool sized by its pipelines' work (`slice_sizes`: device-seconds of
@@ -630,7 +664,7 @@ def arrangements(cls: type[Jigsaw], context: SearchContext) -> list[dict[str, LM
     specs = list(context.specs)
     devices = pool_size(context)
     work = {spec.name: step_work(spec, context.shapes[spec.name], context.costs[spec.name]) for spec in specs}
-    least = {spec.name: spec.tensor_parallel if isinstance(spec, LMSpec) else 1 for spec in specs}
+    least = {spec.name: spec.rollout_engine_devices for spec in specs}
     counts = sorted({k for k in (2**i for i in range(1, len(specs).bit_length())) if k < len(specs)} | {len(specs)})
     layouts: list[tuple[list[list[PipelineSpec]], list[int]]] = []
     for k in counts if len(specs) > 1 else []:
@@ -644,7 +678,7 @@ def arrangements(cls: type[Jigsaw], context: SearchContext) -> list[dict[str, LM
             layouts.append((groups, even))
     candidates = []
     for groups, sizes in layouts:
-        candidate: dict[str, LMShape | FlowShape] = {}
+        candidate: dict[str, Shape] = {}
         first = 0
         try:
             for group, size in zip(groups, sizes):
@@ -659,35 +693,33 @@ def arrangements(cls: type[Jigsaw], context: SearchContext) -> list[dict[str, LM
     return candidates
 
 
-def with_lm_cut(candidate: dict[str, LMShape | FlowShape], **fields) -> dict[str, LMShape | FlowShape]:
-    """`candidate` with `fields` changed in every LM pipeline's shape."""
-    return {
-        name: replace(shape, **fields) if isinstance(shape, LMShape) else shape for name, shape in candidate.items()
-    }
+def with_tails_cut(candidate: dict[str, Shape], **fields: object) -> dict[str, Shape]:
+    """`candidate` with `fields` changed in the shape of every pipeline whose tail migrates (`Shape.tails_migrate`)."""
+    return {name: replace(shape, **fields) if shape.tails_migrate else shape for name, shape in candidate.items()}
 
 
-def tails_home(candidate: dict[str, LMShape | FlowShape]) -> dict[str, LMShape | FlowShape]:
+def tails_home(candidate: dict[str, Shape]) -> dict[str, Shape]:
     """`candidate` with every LM pipeline's long tail kept on its own engines (no migration): what a pipeline alone
     on its (sub-)pool may prefer, the tail's engine being on the devices its own trainer work needs."""
-    return with_lm_cut(candidate, migrate_at=None)
+    return with_tails_cut(candidate, migrate_at=None)
 
 
-def in_stages(candidate: dict[str, LMShape | FlowShape]) -> dict[str, LMShape | FlowShape]:
+def in_stages(candidate: dict[str, Shape]) -> dict[str, Shape]:
     """`candidate` with every LM pipeline's step in stages, as verl-sync runs it: its tail home, and its micro-batches
     trained once every response is done, not streamed beside the decoding. On a sub-pool of its own, where nothing of
     another pipeline fills the decode's idle devices, that can be the faster cut: on a CPU core, work beside work runs
     slower than one after the other (the interference table's slowdowns above 2)."""
-    return with_lm_cut(candidate, migrate_at=None, stream=False)
+    return with_tails_cut(candidate, migrate_at=None, stream=False)
 
 
-def back_to_back(cls: type[Jigsaw], context: SearchContext, home: bool = False) -> dict[str, LMShape | FlowShape]:
+def back_to_back(cls: type[Jigsaw], context: SearchContext, home: bool = False) -> dict[str, Shape]:
     """Every pipeline alone on the whole pool, one after another in the scenario's order (turn k: the k-th): running
     them back to back, which multiplexing must beat to be worth it. With `home`, an LM pipeline's long tail
     stays on its engines (no migration: alone in its turn there is no other pipeline to give the freed devices to,
     only its own trainer work). Every pipeline's engines stay resident, as in any jigsaw arrangement, so rollout
     memory is shared as on the whole pool (`rollout_shares`)."""
     devices = pool_size(context)
-    cut = {
+    cut: dict[str, Shape] = {
         spec.name: on_slice(cls.shape(spec, devices, None, context.costs[spec.name]), 0, turn)
         for turn, spec in enumerate(context.specs)
     }
@@ -705,7 +737,7 @@ def _runs(items: int, parts: int) -> list[tuple[int, int]]:
     return runs
 
 
-def step_work(spec: PipelineSpec, shape: LMShape | FlowShape, cost) -> float:
+def step_work(spec: PipelineSpec, shape: Shape, cost) -> float:
     """Device-seconds of one step of `spec` as `shape` cuts it (collectives: their wall time): what a sub-pool is
     sized by."""
     return sum(n.seconds_on(1) for n in shape.build(spec, 1, cost))

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dovetail.graph.lm import LMShape, stage
 from dovetail.graph.node import Kind, Node, Role
 from dovetail.graph.spec import LMSpec, PipelineSpec
-from dovetail.sched.policy import Begin, Decision, Event, Policy, Run, StartStep, View
+from dovetail.sched.policy import Begin, Decision, Event, Policy, Run, Shape, StartStep, View
 
 
 def engine_devices(group: Sequence[int], shard: int, tensor_parallel: int) -> tuple[int, ...]:
@@ -105,6 +105,13 @@ def lm_only(policy: str, spec: PipelineSpec) -> LMSpec:
     if not isinstance(spec, LMSpec):
         raise ValueError(f"{policy} schedules language-model pipelines; {spec.name!r} is a {spec.kind} pipeline")
     return spec
+
+
+def lm_shape(policy: str, shape: Shape) -> LMShape:
+    """A shape an LM policy was given back (`SearchContext.shapes`, `Setup.shapes`): its own `shape`'s, an LMShape."""
+    if not isinstance(shape, LMShape):
+        raise TypeError(f"policy {policy} cuts language-model steps; got a {type(shape).__name__}")
+    return shape
 
 
 def tensor_parallel(view: View, pipeline: str, group: Sequence[int]) -> int:

@@ -13,11 +13,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, ClassVar, Literal, Protocol, cast, get_args
+from typing import ClassVar, Literal, Protocol, cast, get_args
 
 from dovetail.cost.calibration import DEFAULT
 from dovetail.cost.model import CostModel
 from dovetail.graph.node import Engines, Graph, Kind, Node, Role
+from dovetail.graph.shape import Shape
 from dovetail.graph.spec import PipelineSpec
 
 # ---------------------------------------------------------------- events (executor -> policy)
@@ -339,22 +340,6 @@ class CostTracker:
         return node.seconds_on(devices) * self.ratio.get((node.pipeline, node.kind), 1.0)
 
 
-class Shape(Protocol):
-    """How a policy cuts one pipeline's steps into nodes (`graph.flow.FlowShape`, `graph.lm.LMShape`): a frozen
-    dataclass, so a shape is compared, stored (`dataclasses.asdict`) and varied (`dataclasses.replace`) by fields."""
-
-    __dataclass_fields__: ClassVar[dict[str, Any]]
-
-    @property
-    def trainer_devices(self) -> int:
-        """Read-only: a shape is frozen."""
-        ...
-
-    def build(self, spec: PipelineSpec, steps: int, cost: CostModel) -> list[Node]: ...
-
-    def engines(self, spec: PipelineSpec, cost: CostModel) -> Engines: ...
-
-
 Forecast = Callable[[dict[str, Shape], int], float]
 """Shapes (pipeline -> shape) and a horizon in steps -> the samples/s the simulator predicts for them."""
 
@@ -506,9 +491,9 @@ def reward_roles(setup: Setup, pipeline: str) -> list[Decision]:
     return [setup.switch(device, pipeline, None, Role.REWARD) for device in setup.reward_pool]
 
 
-def open_steps_on_publish(view: View, events: Sequence[Event]) -> list[Decision]:
+def open_steps_on_publish(view: View, events: Sequence[Event]) -> list[StartStep]:
     """The synchronous rule: once weights `v` are published, start step v on them (staleness 0)."""
-    decisions: list[Decision] = []
+    decisions: list[StartStep] = []
     for event in events:
         if isinstance(event, VersionPublished) and (event.pipeline, event.version) not in view.started:
             if event.version in view.graph.steps(event.pipeline):

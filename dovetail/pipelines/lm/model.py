@@ -23,7 +23,8 @@ from dovetail.models.engine import SamplingParams
 from dovetail.models.lm import load_lm, load_tokenizer, read_lm_config, save_lm
 from dovetail.models.tokenizer import CharTokenizer
 from dovetail.pipelines.lm.config import LMTrainConfig
-from dovetail.pipelines.lm.prompts import Row, RunPrompts
+from dovetail.pipelines.lm.prompts import RunPrompts
+from dovetail.prompts import Row
 
 
 def load_policy(config: LMTrainConfig):

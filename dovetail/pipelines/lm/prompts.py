@@ -6,34 +6,20 @@ or the dataset's row at place s·B + p of a stream that visits the train split i
 so the reference loop, every device worker and a resumed run find the same prompt from a sample's id alone, and a
 score node looks up the rows its samples came from without the driver sending them. Every train row is seen once
 before any is seen twice (TRL and verl iterate epochs over a shuffled dataset too).
+
+The dataset's file is read and split by `dovetail.prompts` (`split_rows`), the one reader of every kind; what is a
+language model's own is here: a prompt may be chat messages, and every row keeps its columns for the rewards.
 """
 
 from __future__ import annotations
 
-import json
 import random
-from dataclasses import dataclass, field
 from functools import lru_cache
-from pathlib import Path
 
 from dovetail.pipelines.lm.config import LMTrainConfig
-from dovetail.prompts import hash_share, read_records
+from dovetail.prompts import Row, Rows, split_rows
 from dovetail.rewards.text import TextContext
 from dovetail.tasks import task
-
-
-@dataclass(frozen=True)
-class Row:
-    """One prompt as the dataset holds it (text, or chat messages) and its row's other columns."""
-
-    prompt: str | list
-    columns: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Dataset:
-    train: tuple[Row, ...]
-    eval: tuple[Row, ...]
 
 
 class RunPrompts:
@@ -93,71 +79,11 @@ def epoch_order(seed: int, epoch: int, size: int) -> list[int]:
     return order
 
 
-def dataset_of(config: LMTrainConfig) -> Dataset:
-    """The run's dataset split into train and eval rows; a file that cannot give them is a ValueError, one line
-    naming it and the fix."""
+def dataset_of(config: LMTrainConfig) -> Rows:
+    """The run's dataset split into train and eval rows (`dovetail.prompts.split_rows`; a prompt may be chat
+    messages); a file that cannot give them is a ValueError, one line naming it and the fix."""
     section = config.prompts
     assert section is not None
-    stamps = tuple(_stamp(p) for p in (section.path, section.eval_path))
-    return _dataset(section.path, section.prompt_field, section.eval_fraction, section.eval_path, stamps)
-
-
-def _stamp(path: Path | None) -> tuple[int, int] | None:
-    """What tells a file's versions apart for the cache: its size and modification time."""
-    if path is None or not path.exists():
-        return None
-    stat = path.stat()
-    return stat.st_size, stat.st_mtime_ns
-
-
-@lru_cache(maxsize=4)
-def _dataset(path: Path, field: str, eval_fraction: float | None, eval_path: Path | None, stamps: tuple) -> Dataset:
-    rows = read_rows(path, field)
-    if eval_path is not None:
-        return Dataset(tuple(rows), tuple(read_rows(eval_path, field)))
-    held_out = [hash_share(prompt_text(row.prompt)) < eval_fraction for row in rows]
-    train = tuple(row for row, held in zip(rows, held_out) if not held)
-    evaluated = tuple(row for row, held in zip(rows, held_out) if held)
-    if not train or not evaluated:
-        side = "train" if not train else "eval"
-        raise ValueError(
-            f"prompts.path {path}: its {len(rows)} rows split by eval_fraction={eval_fraction} leave no {side} row; "
-            "change prompts.eval_fraction or give prompts.eval_path"
-        )
-    return Dataset(train, evaluated)
-
-
-def prompt_text(prompt: str | list) -> str:
-    """The text a prompt's side of the split hashes: itself, or its messages as canonical JSON."""
-    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
-
-
-def read_rows(path: Path, field: str) -> list[Row]:
-    """A dataset file's rows: `field` the prompt (non-empty text, or a list of {"role", "content"} messages), the
-    other fields its columns; a row without a prompt is one line naming the file, the row and the setting."""
-    rows = []
-    for n, record in enumerate(read_records(path, field, "prompts.prompt_field"), 1):
-        if isinstance(record, str):
-            record = {field: record}
-        prompt = record.get(field) if isinstance(record, dict) else None
-        if isinstance(prompt, str) and not prompt.strip():  # skipped, as a blank line is
-            continue
-        if not (isinstance(prompt, str) or _messages(prompt)):
-            raise ValueError(
-                f"{path} row {n} has no prompt in {field!r} (text, or a list of chat messages with role and content); "
-                "set prompts.prompt_field to the prompt's column"
-            )
-        rows.append(Row(prompt, {k: v for k, v in record.items() if k != field}))
-    if not rows:
-        raise ValueError(f"prompts.path {path} holds no prompt")
-    return rows
-
-
-def _messages(value) -> bool:
-    return (
-        isinstance(value, list)
-        and bool(value)
-        and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
-        )
+    return split_rows(
+        section.path, section.prompt_field, section.eval_fraction, section.eval_path, "prompts.prompt_field", chat=True
     )
