@@ -95,42 +95,60 @@ def prepare(
                 f"pipeline {spec.name!r} is a {spec.kind} pipeline"
             )
     refuse_fixed_fields(scenario, policy)
-    options = PolicyOptions.of(options)
-    devices = devices or scenario.cluster.devices
-    steps = steps or scenario.schedule.steps
     cost = cost or CostModel(scenario.cluster.catalogue_device())
-    costs = cost if isinstance(cost, Mapping) else {spec.name: cost for spec in scenario.pipelines}
-    trainer_devices = shape_overrides.pop("trainer_devices", None) or scenario.schedule.trainer_devices
-    reward_devices = scenario.schedule.reward_devices
-    nodes: list[Node] = []
-    engines: dict[str, Engines] = {}
-    trainer_pools: dict[str, int] = {}
-    # Policies that give each pipeline its own slice of the pool (verl-sync, streamrl, areal) cut steps for it.
-    pipeline_devices = devices // len(scenario.pipelines) if cls.splits_pool else devices - reward_devices
+    planning = Planning(
+        scenario,
+        policy,
+        PolicyOptions.of(options),
+        devices or scenario.cluster.devices,
+        cost if isinstance(cost, Mapping) else {spec.name: cost for spec in scenario.pipelines},
+        shape_overrides.pop("trainer_devices", None) or scenario.schedule.trainer_devices,
+    )
+    steps = steps or scenario.schedule.steps
     if shapes is None:
-        shapes = {
-            spec.name: cls.shape(spec, pipeline_devices, trainer_devices, costs[spec.name])
-            for spec in scenario.pipelines
-        }
-        if reward_devices and cls.supports_reward_pool:
-            shapes = cls.with_reward_pool(scenario.pipelines, shapes)
+        shapes = planning.searched_shapes(steps, shape_overrides, searched)
+    return planning.built(shapes, steps)
 
-        def fixed(candidate: dict) -> dict:
-            """`candidate` with the fields `shape_overrides` fix: a searching policy still searches what they leave."""
-            return {name: replace(shape, **shape_overrides) for name, shape in candidate.items()}
 
-        # A policy that plans pipelines together rolls the simulator forward a bounded horizon per candidate.
+@dataclass(frozen=True)
+class Planning:
+    """What one `prepare` plans with: the scenario, the policy, its options, the pool, each pipeline's cost model and
+    the trainer pool asked for. It cuts the pipelines' steps (the policy's shapes, searched where the policy searches)
+    and builds the graph and setup of a cut; a search simulates each candidate cut it weighs the same way."""
+
+    scenario: Scenario
+    policy: str
+    options: PolicyOptions
+    devices: int
+    costs: Mapping[str, CostModel]
+    trainer_devices: int | None
+
+    @property
+    def pipeline_devices(self) -> int:
+        """The devices a pipeline's step is cut for: its slice where the policy gives each pipeline its own (verl-sync,
+        streamrl, areal), else the pool less its reward devices."""
+        cls, scenario = policy_class(self.policy), self.scenario
+        if cls.splits_pool:
+            return self.devices // len(scenario.pipelines)
+        return self.devices - scenario.schedule.reward_devices
+
+    def searched_shapes(self, steps: int, overrides: Mapping[str, object], searched: list | None) -> dict:
+        """The policy's shapes, the fields `overrides` fix replaced in each (a searching policy still searches what
+        they leave): a policy that plans pipelines together rolls the simulator forward a bounded horizon for each
+        candidate (`forecast`), and `searched`, when given, receives each candidate's figures."""
+        cls, scenario = policy_class(self.policy), self.scenario
+
+        def fixed(candidate: Mapping) -> dict:
+            return {name: replace(shape, **overrides) for name, shape in candidate.items()}
+
         def forecast(candidate: dict, horizon: int) -> float:
             candidate = fixed(candidate)
-            trace = run_prepared(
-                scenario,
-                prepare(scenario, policy, steps=horizon, devices=devices, options=options, shapes=candidate, cost=cost),
-            )
+            trace = run_prepared(scenario, self.built(candidate, horizon))
             metrics = summarize(trace)
             if searched is not None:
                 searched.append(
                     Searched(
-                        policy,
+                        self.policy,
                         candidate,
                         horizon,
                         metrics.samples_per_s,
@@ -141,52 +159,64 @@ def prepare(
                 )
             return metrics.samples_per_s
 
-        shapes = fixed(
-            cls.plan_shapes(
-                SearchContext(
-                    scenario.pipelines,
-                    fixed(shapes),
-                    costs,
-                    forecast,
-                    steps=steps,
-                    devices=pipeline_devices,
-                    trainer_devices=trainer_devices,
-                    options=options,
-                )
-            )
+        shapes = {
+            spec.name: cls.shape(spec, self.pipeline_devices, self.trainer_devices, self.costs[spec.name])
+            for spec in scenario.pipelines
+        }
+        if scenario.schedule.reward_devices and cls.supports_reward_pool:
+            shapes = cls.with_reward_pool(scenario.pipelines, shapes)
+        context = SearchContext(
+            scenario.pipelines,
+            fixed(shapes),
+            self.costs,
+            forecast,
+            steps=steps,
+            devices=self.pipeline_devices,
+            trainer_devices=self.trainer_devices,
+            options=self.options,
         )
-    for spec in scenario.pipelines:
-        shape = shapes[spec.name]
-        nodes += shape.build(spec, steps, costs[spec.name])
-        engines[spec.name] = shape.engines(spec, costs[spec.name])
-        trainer_pools[spec.name] = shape.trainer_devices
-    capacity = lookup_device(scenario.cluster.device).memory_bytes / 1e9
-    for node in nodes:
-        need = engines[node.pipeline].resident_gb.get(node.role, 0.0) + node.memory_gb
-        if need > capacity:
-            spec = next(spec for spec in scenario.pipelines if spec.name == node.pipeline)
-            raise ValueError(
-                f"pipeline {node.pipeline}: {node.kind} needs {need:.0f} GB per device under {policy} "
-                f"(engine + working memory), more than a {scenario.cluster.device}'s {capacity:.0f} GB; "
-                + spec.memory_fix(node, engines[node.pipeline].resident_gb.get(node.role, 0.0) > capacity)
-            )
-    setup = Setup(
-        devices=devices,
-        memory_gb=capacity,
-        engines=engines,
-        trainer_devices=next(iter(trainer_pools.values()))
-        if len(set(trainer_pools.values())) == 1
-        else trainer_devices,
-        reward_devices=reward_devices,
-        trainer_groups={name: size for name, size in trainer_pools.items() if size is not None},
-        options=options,
-        priorities={spec.name: spec.priority for spec in scenario.pipelines},
-        shapes=shapes,
-        max_staleness=cls.max_staleness,
-        node_size=costs[scenario.pipelines[0].name].device.node_size,
-        slowdown=costs[scenario.pipelines[0].name].calibration.slowdown,
-    )
-    return Prepared(Graph(nodes), setup, cls(setup))
+        return fixed(cls.plan_shapes(context))
+
+    def built(self, shapes: Mapping, steps: int) -> Prepared:
+        """The graph of `steps` steps of every pipeline cut by `shapes`, checked to fit each device's memory, the
+        setup, and the policy to run them."""
+        scenario, costs = self.scenario, self.costs
+        nodes: list[Node] = []
+        engines: dict[str, Engines] = {}
+        trainer_pools: dict[str, int] = {}
+        for spec in scenario.pipelines:
+            shape = shapes[spec.name]
+            nodes += shape.build(spec, steps, costs[spec.name])
+            engines[spec.name] = shape.engines(spec, costs[spec.name])
+            trainer_pools[spec.name] = shape.trainer_devices
+        capacity = lookup_device(scenario.cluster.device).memory_bytes / 1e9
+        for node in nodes:
+            need = engines[node.pipeline].resident_gb.get(node.role, 0.0) + node.memory_gb
+            if need > capacity:
+                spec = next(spec for spec in scenario.pipelines if spec.name == node.pipeline)
+                raise ValueError(
+                    f"pipeline {node.pipeline}: {node.kind} needs {need:.0f} GB per device under {self.policy} "
+                    f"(engine + working memory), more than a {scenario.cluster.device}'s {capacity:.0f} GB; "
+                    + spec.memory_fix(node, engines[node.pipeline].resident_gb.get(node.role, 0.0) > capacity)
+                )
+        cls = policy_class(self.policy)
+        setup = Setup(
+            devices=self.devices,
+            memory_gb=capacity,
+            engines=engines,
+            trainer_devices=next(iter(trainer_pools.values()))
+            if len(set(trainer_pools.values())) == 1
+            else self.trainer_devices,
+            reward_devices=scenario.schedule.reward_devices,
+            trainer_groups={name: size for name, size in trainer_pools.items() if size is not None},
+            options=self.options,
+            priorities={spec.name: spec.priority for spec in scenario.pipelines},
+            shapes=dict(shapes),
+            max_staleness=cls.max_staleness,
+            node_size=costs[scenario.pipelines[0].name].device.node_size,
+            slowdown=costs[scenario.pipelines[0].name].calibration.slowdown,
+        )
+        return Prepared(Graph(nodes), setup, cls(setup))
 
 
 def simulate(
