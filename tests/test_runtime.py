@@ -73,6 +73,10 @@ def test_policy_reproduces_the_reference_parameters(policy, overrides, reference
     assert ledger["problems"] == [] and len(ledger["generated"]) == STEPS * 64
     if policy == "digen":  # TAG forced: the trainer device generated some fragments too
         assert len({row["device"] for row in ledger["generated"]}) == 2
+    # each step reports the trainer-assisted generations its search chose where the policy makes any (digen), else
+    # nothing (tag=force lends the trainer without a choice)
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(("tag_decisions" in line) == (policy == "digen") for line in lines)
 
 
 def test_policy_auto_runs_the_fastest_predicted_policy_records_why_and_replays(tmp_path):

@@ -78,6 +78,7 @@ def test_verl_sync_on_ray_ends_at_the_reference_parameters(reference, tmp_path):
     for key in ("reward_std", "frac_reward_zero_std"):  # the same rewards: the same spread, bit for bit
         assert [m[key] for m in lines] == [m[key] for m in reference_lines]
     assert [m["loss"] for m in lines] == pytest.approx([m["loss"] for m in reference_lines], rel=1e-5)
+    assert not any("tag_decisions" in m for m in lines)  # digen's alone: no LM policy lends its trainer
     assert all(m["staleness"] == 0 and abs(m["ratio_mean"] - 1) < 1e-5 for m in lines)
     # the commit's own split: inside the commit node's time on its devices
     assert all(0 < m["commit_sync_s"] and 0 < m["commit_optimizer_s"] for m in lines)

@@ -48,7 +48,8 @@ metrics.jsonl, one line per step (Ray: only under a Ray policy; flow / LM: of th
   staleness             Ray: versions between the weights that generated the step's samples and those that trained them
   publish_bytes         Ray: bytes of one weight publication
   publish_s             Ray: seconds the latest weight publication took (a step's own comes after its commit)
-  tag_decisions         Ray, digen: trainer-assisted generation decisions taken since the previous step
+  tag_decisions         Ray, a policy that assists generation (digen): trainer-assisted generation decisions taken
+                        since the previous step
 
 summary.json, once per pipeline (a multiplexed run: under pipelines, and the Ray figures at the top):
   base_eval_reward      the evaluation's total before the run's first step (a resumed run: its run's)

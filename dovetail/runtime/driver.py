@@ -81,8 +81,9 @@ class StepMetrics:
             "staleness": graph_step - executor.state.started[(self.pipeline, graph_step)],
             "publish_bytes": run.publish_bytes,
             "publish_s": run.publish_seconds[-1] if run.publish_seconds else 0.0,
-            "tag_decisions": [k for _, k in tag[self.tag_seen :]],
         }
+        if self.policy.assists_generation:
+            metrics["tag_decisions"] = [k for _, k in tag[self.tag_seen :]]
         self.last_commit_time, self.tag_seen = now, len(tag)
         return metrics
 

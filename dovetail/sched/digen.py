@@ -64,6 +64,7 @@ class Digen(Policy):
     tcss = False
     """Steps overlap (digen+tcss) on a shape whose search allowed it (`DigenShape.tcss`)."""
     supports_reward_pool = True
+    assists_generation = True
     searches = True
 
     @classmethod

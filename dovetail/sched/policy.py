@@ -406,6 +406,9 @@ class Policy(ABC):
     that slice; otherwise every pipeline's steps are cut for the whole pool (less the reward devices)."""
     max_staleness: ClassVar[int] = 1
     """Versions a step's rollouts may lag its training (the executor refuses more)."""
+    assists_generation: ClassVar[bool] = False
+    """Lends idle trainer devices to the rollout (trainer-assisted generation, digen's TAG): its choices are kept in
+    `tag_decisions`, which a run's metrics report."""
     searches: ClassVar[bool] = False
     """Chooses its shapes by simulating candidates (`plan_shapes`); `dovetail plan` shows what it considered."""
     fixes: ClassVar[Mapping[str, str]] = {}
@@ -443,7 +446,7 @@ class Policy(ABC):
         self.setup = setup
         self.costs = CostTracker()
         self.tag_decisions: list[tuple[float, int]] = []
-        """(time, fragments) of each trainer-assisted generation the policy chose (only digen chooses any)."""
+        """(time, fragments) of each trainer-assisted generation the policy chose (`assists_generation`)."""
 
     def react(self, view: View, events: Sequence[Event]) -> list[Decision]:
         """What executors call: learn from the events, then decide."""
