@@ -12,8 +12,9 @@ A checkpoint is what a long run cannot afford to lose, nor to trust when it shou
   they belong to, and says so on stderr. So a resumed run cannot overwrite a newer checkpoint, intact or not, and a
   fresh run in an old directory keeps the old run whole; delete superseded/ when you no longer want it;
 * the run's history stays right across a resume: metrics.jsonl is cut back to the steps up to k (a re-run step
-  appears once), and state.json carries the run's base evaluation, so the summary reports the base the run
-  started from whatever happened to summary.json;
+  appears once; a line it cannot read, cut short or damaged, is dropped and counted on stderr), and state.json
+  carries the run's base evaluation, so the summary reports the base the run started from whatever happened to
+  summary.json;
 * one run at a time: a run holds a lock on its directory for its life (`RunLock`), and another run there is refused
   naming the live one, --overwrite or not; the lock dies with its process, so a crashed run leaves none behind.
 """
@@ -313,8 +314,16 @@ class RunDir:
                 file=sys.stderr,
             )
         metrics = self.path / "metrics.jsonl"
-        lines = metrics.read_text().splitlines(keepends=True) if metrics.exists() else []
-        kept = [line for line in lines if resumed_step is not None and _step_of(line) <= resumed_step]
+        lines = metrics.read_bytes().splitlines(keepends=True) if metrics.exists() else []
+        steps = [_step_of(line) for line in lines]
+        kept = [line.decode() for line, step in zip(lines, steps) if resumed_step is not None and step <= resumed_step]
+        unreadable = steps.count(float("inf"))
+        if unreadable and resumed_step is not None:  # what the file held is not dropped without a word
+            print(
+                f"{metrics}: dropped {unreadable} unreadable line(s), cut short by a crash or damaged; the steps they "
+                "held are missing from the run's metrics unless the resumed run trains them again",
+                file=sys.stderr,
+            )
         _write_atomically(metrics, "".join(kept))
         (self.path / "summary.json").unlink(missing_ok=True)
 
@@ -600,8 +609,9 @@ def _torch_load(path: Path):
         raise BrokenCheckpoint(f"{path.name} unreadable: {one_line(error)}") from None
 
 
-def _step_of(line: str) -> float:
-    """The step of a metrics.jsonl line; infinite for a line a crash cut short (never kept)."""
+def _step_of(line: bytes) -> float:
+    """The step of a metrics.jsonl line; infinite for one that is not a JSON object with an integer step (a crash
+    cut it short, or the file was damaged): such a line is never kept."""
     try:
         step = json.loads(line)["step"]
     except (ValueError, KeyError, TypeError):

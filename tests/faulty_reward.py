@@ -28,6 +28,20 @@ def nan_text_when_flagged(completions, prompts):
     return values
 
 
+def fails_when_flagged(completions, prompts):
+    """The exact-answer reward until the flag file exists; then the failure the file names: "holds_the_gil" (the
+    backtracking regular expression on 32 "a"s and a "b": one call into C for minutes, longer than any test waits),
+    or a function of this module called as the reward ("exits", "ends_its_process"...). A run's reward breaks mid-run
+    this way in processes the test cannot reach into (a `dovetail train` subprocess, its Ray workers)."""
+    flag = os.environ["DOVETAIL_TEST_NAN_FLAG"]
+    if not os.path.exists(flag):
+        return exact_answer(completions, prompts)
+    failure = open(flag).read().strip()
+    if failure == "holds_the_gil":
+        return backtracks(["a" * 32 + "b"], prompts[:1])
+    return globals()[failure](completions, prompts)
+
+
 def backtracks(completions, prompts):
     """1 where the completion is all "a"s, by a regular expression that backtracks exponentially on "aa...ab": one
     call into C that holds the GIL for as long as it runs (seconds at 26 "a"s, twice as long with each more)."""

@@ -252,6 +252,38 @@ def test_resume_after_a_crash_keeps_each_step_once_and_the_run_base(crash, prist
     assert f"moved step_000003 to {aside}" in capsys.readouterr().err
 
 
+def garbage_line_for_step_1(path: Path) -> None:
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(["{not json at all\n", *lines[1:]]))
+
+
+@pytest.mark.parametrize(
+    ("damage", "kept", "dropped"),
+    [
+        (lambda path: path.write_bytes(os.urandom(path.stat().st_size)), [], r"\d+"),
+        (garbage_line_for_step_1, [2], "1"),
+    ],
+    ids=["random-bytes", "a-garbage-line"],
+)
+def test_a_damaged_metrics_file_resumes_keeping_its_readable_steps_and_says_what_it_dropped(
+    damage, kept, dropped, pristine, run, capsys
+):
+    """metrics.jsonl is the run's history, not its state: damaged, the run resumes from its intact checkpoint all the
+    same (random bytes once stopped it with Python's "'utf-8' codec can't decode byte"), keeps the lines it can read
+    and names, in one line, the file and how many it dropped."""
+    damage(run / "metrics.jsonl")
+    summary = train(load_config(None, FLOW), run, steps=STEPS, resume=step_dir(run, 2))
+    said = [line for line in capsys.readouterr().err.splitlines() if "metrics.jsonl" in line]
+    assert len(said) == 1 and re.fullmatch(
+        rf"{re.escape(str(run / 'metrics.jsonl'))}: dropped {dropped} unreadable line\(s\), cut short by a crash or "
+        "damaged; the steps they held are missing from the run's metrics unless the resumed run trains them again",
+        said[0],
+    ), said
+    assert metric_steps(run) == [*kept, 3]
+    assert bitwise_equal(weights(run, STEPS), weights(pristine, STEPS))
+    assert summary["base_eval_reward"] == json.loads((pristine / "summary.json").read_text())["base_eval_reward"]
+
+
 def test_a_fresh_run_in_an_old_run_directory_keeps_the_old_run_whole(pristine, run, capsys):
     before = snapshot(run)
     with pytest.raises(RunDirInUse, match=f"--out {run} holds another run's checkpoints .*pass --overwrite"):

@@ -8,6 +8,7 @@ re-measured, an open step's gradients rebuilt, a committed state brought back fr
 re-formed); the whole matrix is benchmarks/kill_matrix.py (about 20 minutes)."""
 
 import json
+import os
 import time
 import uuid
 
@@ -69,7 +70,8 @@ def test_killed_workers_recover_and_the_run_is_bitwise_the_undisturbed_one(
 def test_a_run_stopped_after_its_first_step_resumes_bitwise_to_the_undisturbed_one(local_ray, undisturbed, tmp_path):
     """The driver's side of a fault: the run stops after step 1's commit (its reward fails: the driver saves the last
     committed step and exits, as after a crash past a checkpoint) and `--resume` trains steps 2 and 3 to the same bits
-    as the run that never stopped (the reward is digit_match's values while unflagged)."""
+    as the run that never stopped (the reward is digit_match's values while unflagged). A damaged ledger.json left in
+    the run directory changes nothing: a run writes its own ledger, it never reads one."""
     flag = local_ray
     config = load_config(None, [*CONFIG, "reward={faulty_reward:nan_when_flagged: 1.0}"])
 
@@ -81,9 +83,11 @@ def test_a_run_stopped_after_its_first_step_resumes_bitwise_to_the_undisturbed_o
         train(config, tmp_path, steps=STEPS, after_part=break_reward_after_first_commit)
     flag.unlink()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001"]
+    (tmp_path / "ledger.json").write_bytes(os.urandom(512))
     train(config, tmp_path, steps=STEPS, resume=tmp_path)
     got = weights(tmp_path)
     assert all(torch.equal(got[k], undisturbed[k]) for k in undisturbed)
+    assert json.loads((tmp_path / "ledger.json").read_text())["problems"] == []
 
 
 def test_the_committed_state_is_the_recorded_steps_while_a_commit_is_half_done(tmp_path):

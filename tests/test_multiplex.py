@@ -4,6 +4,8 @@ own run sub-directory, with its own ledger; the migrated tail and streamed micro
 
 import json
 import re
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -158,39 +160,35 @@ def test_a_killed_worker_in_a_multiplexed_run_loses_no_sample_of_any_pipeline(al
     assert dict(zip(("device", "node"), killed[0])) in reruns
 
 
-class DriverDies(Exception):
-    """The driver's end, at the worst moment."""
-
-
-class StopWhenUneven:
-    """Ends the run as a killed driver would the first time one pipeline has recorded (and, checkpointing every
-    step, saved) a step the other has not."""
-
-    def __init__(self) -> None:
-        self.recorded: dict[str, int] = {}
-
-    def on_step(self, metrics, pipeline):
-        self.recorded[pipeline] = metrics["step"]
-        if metrics["step"] >= 2:
-            raise DriverDies(dict(self.recorded))
-
-
 @pytest.mark.usefixtures("local_ray")
-def test_a_run_stopped_at_uneven_steps_resumes_every_pipeline_to_the_undisturbed_parameters(alone, tmp_path, capsys):
+def test_a_run_killed_at_uneven_steps_resumes_every_pipeline_to_the_undisturbed_parameters(alone, tmp_path, capsys):
+    """`dovetail train` SIGKILLed the moment one pipeline has saved (checkpointing every step, before its line is
+    printed) a step the other has not: no handler of the run's runs, a checkpoint or a metrics line may be half
+    written. `--resume` takes every pipeline back to the newest step all of them saved and ends each where it ends
+    alone."""
     every_step = {"checkpoint": {"every": 1}}
-    config = parse_config(multiplexed("jigsaw", LM | every_step, FLOW | every_step))
-    with pytest.raises(DriverDies) as died:
-        train(config, tmp_path, steps=STEPS, callbacks=[StopWhenUneven()])
-    (ahead,) = [name for name, step in died.value.args[0].items() if step == 2]
-    saved = {name: sorted(p.name for p in (tmp_path / name).glob("checkpoints/step_*")) for name in ("sort", "digits")}
-    assert saved[ahead] == ["step_000001", "step_000002"] and len({tuple(v) for v in saved.values()}) == 2
+    tree = multiplexed("jigsaw", LM | every_step, FLOW | every_step)
+    (tmp_path / "config.yaml").write_text(json.dumps(tree))  # JSON is YAML
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "dovetail.cli", "train", str(tmp_path / "config.yaml"), "--steps", str(STEPS)]
+    process = subprocess.Popen([*command, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ahead = None
+    for line in process.stdout:
+        if match := re.search(r"(\w+) step 2/", line):
+            process.kill()
+            ahead = match[1]
+            break
+    process.wait(timeout=60)
+    assert ahead is not None, process.stderr.read()
+    saved = {name: sorted(p.name for p in (out / name).glob("checkpoints/step_*")) for name in ("sort", "digits")}
+    assert saved[ahead] == ["step_000001", "step_000002"] and len({tuple(v) for v in saved.values()}) == 2, saved
     capsys.readouterr()
-    train(config, tmp_path, steps=STEPS, resume=tmp_path)
+    train(parse_config(tree), out, steps=STEPS, resume=out)
     assert "the pipelines stopped unevenly" in capsys.readouterr().err
     for name in ("sort", "digits"):
-        assert json.loads((tmp_path / name / "ledger.json").read_text())["problems"] == []
-        assert same_parameters(name, final_weights(alone[name]), final_weights(tmp_path / name))
-        assert [json.loads(line)["step"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()] == [
+        assert json.loads((out / name / "ledger.json").read_text())["problems"] == []
+        assert same_parameters(name, final_weights(alone[name]), final_weights(out / name))
+        assert [json.loads(line)["step"] for line in (out / name / "metrics.jsonl").read_text().splitlines()] == [
             1,
             2,
             3,

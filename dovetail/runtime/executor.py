@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import ray
-from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
+from ray.exceptions import ObjectLostError, RayActorError, RayError, RayTaskError
 
 from dovetail.config.multiplex import PipelineConfig
 from dovetail.graph.node import Graph, Kind, Node, SampleId
@@ -112,6 +112,16 @@ class Switching:
     longest_s: float = 0.0
 
 
+def _discard(ref: ray.ObjectRef) -> None:
+    """Read and drop an answer nothing waits for. Ray prints a failed task's error nobody read, Ray's traceback and
+    all, once its ref is freed: the other devices' failures of a reward that failed on every device would follow the
+    run's one-line message so."""
+    try:
+        ray.get(ref)
+    except RayError:
+        pass
+
+
 class RayExecutor:
     def __init__(
         self,
@@ -180,6 +190,7 @@ class RayExecutor:
         while True:
             settle(state, policy, self._launch, log_commits)
             if state.done:
+                self._drain()
                 return state.trace
             if not self._pending:
                 raise RuntimeError(f"policy {policy.name} stalled: {state.stuck_message()}")
@@ -187,7 +198,8 @@ class RayExecutor:
             part = self._pending.pop(ref)
             switching = self._switching.pop(ref, None)
             if isinstance(part, Part) and self.graph[part.node].pipeline in self.stopped:
-                continue  # the answer of a pipeline that stopped: nothing waits for it
+                _discard(ref)  # the answer of a pipeline that stopped: nothing waits for it
+                continue
             try:
                 result = ray.get(ref)
             except ObjectLostError:  # what it read was on a node that is gone: the step is done again
@@ -218,6 +230,16 @@ class RayExecutor:
             self._complete(part, ref, result)
             if self.after_part is not None:
                 self.after_part(self, part)
+
+    def _drain(self) -> None:
+        """The parts still in flight once the run is done (a stopped pipeline's: its other devices scoring with the
+        reward that failed) are waited for and discarded, so that none of their errors is printed after the run's
+        one line; a part that will not end within RECOVERY_DEADLINE_S is left behind."""
+        if self._pending:
+            ended, _ = ray.wait(list(self._pending), num_returns=len(self._pending), timeout=RECOVERY_DEADLINE_S)
+            for ref in ended:
+                _discard(ref)
+        self._pending.clear()
 
     def _stop(self, part: Part, error: RewardError) -> None:
         """A pipeline's reward failed: it stops after its last committed step (its trainer state stays that
