@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 
 from dovetail.models import sharding
 from dovetail.models.lm import LMConfig, build_lm
+from dovetail.models.memory import memory_by_kind
 from dovetail.models.t2i import T2IConfig, TinyT2I
 from dovetail.models.training import commit, trainer_state_of
 
@@ -81,7 +82,7 @@ def held(kind, model, optimizer, rank: int = 0, world: int = 1) -> dict[str, int
     """Bytes by kind while parameters, gradients and optimizer state are all there: after a backward of the step
     past the last, whose gradients are then dropped."""
     loss_of(kind, model, STEPS, rank, world).backward()
-    memory = sharding.memory_by_kind(model, optimizer)
+    memory = memory_by_kind(model, optimizer)
     optimizer.zero_grad(set_to_none=True)
     return memory
 

@@ -93,6 +93,21 @@ RAY_ADDRESS = re.compile(r"(ray://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-
 """host:port or ray://host:port, the host a name, an IPv4 address or a bracketed IPv6 address."""
 
 
+GB = 1e9
+REPLICA_WEIGHT_BYTES = 4
+"""A replicated trainer's bytes per parameter for its fp32 weights."""
+REPLICA_TRAINED_BYTES = 12
+"""And per trained parameter besides: its fp32 gradient (4) and AdamW's two fp32 moments (8)."""
+ROLLOUT_WEIGHT_BYTES = 4
+"""A rollout engine's own fp32 copy of the weights, per parameter."""
+
+
+class LoraRank(Protocol):
+    """What the memory check reads of either kind's `model.lora` section."""
+
+    rank: int
+
+
 class ClusterSection(Section):
     """Where the Ray runtime (every policy but `reference`) runs."""
 
@@ -119,6 +134,40 @@ class ClusterSection(Section):
         "(a broadcast from the trainer), or auto (both timed at start-up where devices are on several nodes, the "
         "faster kept for publications across nodes; docs/cluster.md)",
     )
+
+    device_memory_gb: float | None = Field(
+        None,
+        gt=0,
+        le=100_000,
+        description="memory of one device in GB, the budget a run must fit (CPU devices too); None: the catalogue "
+        "device's memory",
+    )
+
+    def check_replicated_fits(self, params: int, trainable: int, lora: LoraRank | None) -> None:
+        """Refuse, before any work, a run whose replicated trainer (every trainer device holds fp32 weights of all
+        `params` parameters, and of the `trainable` ones a gradient and AdamW's two moments) and rollout engine
+        (its own fp32 copy of the weights) would not fit one device's memory (`device_memory_gb`): one line saying
+        how much memory makes it fit, or how to train fewer parameters: a LoRA adapter (`lora`, the run's
+        model.lora), or a smaller one."""
+        budget = self.device_memory_gb * GB if self.device_memory_gb is not None else device(self.device).memory_bytes
+        trainer = REPLICA_WEIGHT_BYTES * params + REPLICA_TRAINED_BYTES * trainable
+        needed = trainer + ROLLOUT_WEIGHT_BYTES * params
+        if needed <= budget:
+            return
+        if lora is None:
+            lighter = "train a LoRA adapter of a model.path model (model.lora)"
+        else:
+            lighter = f"train a smaller adapter (model.lora.rank, now {lora.rank}; fewer model.lora.target_modules)"
+        if self.device_memory_gb is None:
+            given = f" (unset: the {self.device}'s {budget / GB:g} GB)"
+        else:
+            given = f"={self.device_memory_gb:g}"
+        raise ValueError(
+            f"cluster.device_memory_gb{given}: each device holds a replicated trainer of {params:,} parameters "
+            f"({trainable:,} trained: 16 bytes each for fp32 weights, gradient and AdamW moments, 4 each frozen) and "
+            f"its rollout engine's weights (4 bytes a parameter), {needed / GB:.3g} GB; raise cluster.device_memory_gb "
+            f"to {needed / GB:.3g} or more, or {lighter}"
+        )
 
     @field_validator("device")
     @classmethod

@@ -26,6 +26,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from dovetail.files import one_line
 from dovetail.models.engine import Engine, SamplingParams, TorchEngine, TransformersEngine, engine_problem
+from dovetail.models.memory import counted_on_meta
 from dovetail.models.training import has_lora, load_lora_state_dict, lora_state_dict, with_lora
 
 ADAPTER_DIR = "lora"
@@ -156,6 +157,17 @@ def load_causal_lm(path: Path | str, *, lora: dict | None, seed: int) -> CausalL
                 "here (all-linear, or their names)"
             )
     return CausalLM(model, {"transformers_path": str(path), "lora": lora}).eval()
+
+
+def causal_lm_parameter_counts(path: Path | str, *, lora: dict | None, seed: int) -> tuple[int, int]:
+    """(parameters, trained parameters) of a transformers directory's model with `lora`, from its config alone."""
+    config = causal_lm_config(path)
+
+    def build():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return with_lora(model, lora, seed, task_type="CAUSAL_LM") if lora is not None else model
+
+    return counted_on_meta(build)
 
 
 def causal_lm_config(path: Path | str):

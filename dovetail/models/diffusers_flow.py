@@ -39,6 +39,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from dovetail.files import one_line
+from dovetail.models.memory import counted_on_meta
 from dovetail.models.t2i import latents_to_images, load_model, save_model
 from dovetail.models.training import has_lora, load_lora_state_dict, lora_state_dict, with_lora
 from dovetail.prompts import prompt_split
@@ -385,6 +386,19 @@ TRANSFORMERS = {
 
 FLUX_SAMPLE_SIZE = 128
 """FluxPipeline's default latent size (1024-pixel images): FLUX's transformer config has none of its own."""
+
+
+def transformer_parameter_counts(path: Path | str, *, lora: dict | None, seed: int) -> tuple[int, int]:
+    """(parameters, trained parameters) of a diffusers directory's transformer with `lora`, from its config alone
+    (the text encoders and VAE, frozen and beside the trainer, are not counted)."""
+    directory = Path(path) / "transformer"
+    kind, _ = TRANSFORMERS[json.loads((directory / "config.json").read_text())["_class_name"]]
+
+    def build():
+        transformer = kind.from_config(kind.load_config(directory))
+        return with_lora(transformer, lora, seed) if lora is not None else transformer
+
+    return counted_on_meta(build)
 
 
 def load_diffusers_flow(source: DiffusersSource, *, seed: int) -> DiffusersFlow:

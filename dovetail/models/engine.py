@@ -111,6 +111,11 @@ class Engine(ABC):
                 self.paused[request.key] = request.copy()
         return results
 
+    @abstractmethod
+    def held_bytes(self) -> int:
+        """Bytes the engine holds on its device beside the trainer: its own copy of the weights and its KV cache
+        (what a device's `rollout` memory figure reports)."""
+
     def sleep(self) -> None:
         """Give the device's memory to the trainer while the device trains (a colocated policy's switch); by default
         nothing is freed: our engine's cache is preallocated and small beside the trainer's state here."""
@@ -294,6 +299,11 @@ class LlamaWeights:
         # exact): one roll instead of two slices, a negation and a concatenation per rotation.
         self.cos, self.signed_sin = angles.cos() * scaling, angles.sin() * scaling
         self.signed_sin[:, : self.head_dim // 2] *= -1
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor these weights hold (the fused matrices, the rotary tables): what they occupy."""
+        layered = [t for layer in self.layers for t in layer.values() if t is not None]
+        return [self.embed, self.lm_head, *layered, self.cos, self.signed_sin]
 
     def forward(
         self, tokens: torch.Tensor, start: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -512,6 +522,11 @@ class TorchEngine(Engine):
         self.weights = LlamaWeights(self.config, state_dict, max_len=self.max_len, device=self.device)
         self.slot_owner = [None] * self.num_slots  # caches were computed by the old weights
 
+    def held_bytes(self) -> int:
+        """The fused weights and the preallocated KV cache (both held whatever is running)."""
+        held = [self.k_cache, self.v_cache, *(self.weights.tensors() if self.weights is not None else [])]
+        return sum(t.numel() * t.element_size() for t in held)
+
     def export(self, key: Key) -> Request:
         request = self.paused.pop(key)
         if key in self.slot_owner:
@@ -698,6 +713,10 @@ class TransformersEngine(RePrefillingEngine):
 
     def load_weights(self, state_dict: dict) -> None:
         self.model.load_state_dict(state_dict)
+
+    def held_bytes(self) -> int:
+        """The model copy's parameters and buffers; its KV cache lives only inside a `generate` call."""
+        return sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
 
     def _decode_until(self, requests: list[Request], limit: int) -> None:
         by_length: dict[int, list[Request]] = {}

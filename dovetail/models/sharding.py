@@ -1,15 +1,15 @@
 """Sharded trainers: a model whose parameters, gradients and AdamW moments are split over the devices of an FSDP
 group (PyTorch's FSDP2, `torch.distributed.fsdp.fully_shard`), so that a device holds 1/N of what a replica holds.
 
-A trainer process calls `torch.distributed.init_process_group` first (nccl on GPUs, gloo on CPUs), then
-`device_mesh` (one FSDP group over every process, or HYBRID: groups of `group_size`, replicated across groups), then
-`shard`. After that the model trains as a replica does (forward, backward, `clip_grad_norm_`, the optimizer's step):
-FSDP gathers each block's parameters before its forward and backward and reduce-scatters its gradients after, so
-each process's optimizer steps its own shards. What leaves a process is its own shards (`local_state`, numpy as the
-runtime's object store wants), a full model assembled one parameter at a time (`full_weights`, for publication), or a
-sharded checkpoint that every process writes at once and any device count reads back (`save_checkpoint`,
-`load_checkpoint`). Replicated (unsharded) models go through the same state and checkpoint functions, so a run can
-move between a replica and a sharded group through a checkpoint.
+A trainer process calls `torch.distributed.init_process_group` first (nccl on GPUs, gloo on CPUs), then `device_mesh`
+(one FSDP group over every process, or HYBRID: groups of `group_size`, replicated across groups), then `shard`. After
+that the model trains as a replica does (forward, backward, `clip_grad_norm_`, the optimizer's step): FSDP gathers each
+block's parameters before its forward and backward and reduce-scatters its gradients after, so each process's optimizer
+steps its own shards (`models.memory.memory_by_kind` counts what a process holds). What leaves a process is its own
+shards (`local_state`, numpy as the runtime's object store wants), a full model assembled one parameter at a time
+(`full_weights`, for publication), or a sharded checkpoint that every process writes at once and any device count reads
+back (`save_checkpoint`, `load_checkpoint`). Replicated (unsharded) models go through the same state and checkpoint
+functions, so a run can move between a replica and a sharded group through a checkpoint.
 
 Mixed precision is FSDP's own, as verl and torchtitan run it: the sharded parameters, their gradients and the
 optimizer state stay fp32 (the master weights); blocks gather bf16 copies to compute, and gradients are reduced in
@@ -120,26 +120,6 @@ def shard(
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This process's part of a tensor: a sharded DTensor's local shard, a plain tensor itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _bytes(tensor: torch.Tensor) -> int:
-    local = _local(tensor)
-    return local.numel() * local.element_size()
-
-
-def memory_by_kind(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """Bytes this process holds now, by kind, summed over the tensors themselves (a DTensor counts its local shard):
-    parameters, gradients (those not None) and optimizer state (AdamW's moments and step counts). The gathered
-    copies FSDP makes for a block's forward and backward live only for that block and are not counted."""
-    return {
-        "parameters": sum(_bytes(p) for p in model.parameters()),
-        "gradients": sum(_bytes(p.grad) for p in model.parameters() if p.grad is not None),
-        "optimizer": sum(
-            _bytes(value) for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)
-        )
-        if optimizer is not None
-        else 0,
-    }
 
 
 SHARDED = StateDictOptions(full_state_dict=False, cpu_offload=True)

@@ -51,6 +51,8 @@ from dovetail.models.engine import (
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 """The KV cache vLLM reserves on CPU (its `gpu_memory_utilization` would reserve a fraction of the host's memory)."""
+GPU_MEMORY_UTILIZATION = 0.5
+"""The share of a GPU vLLM takes for its weights and KV cache (the trainer holds the rest)."""
 
 
 class VllmEngine(RePrefillingEngine):
@@ -83,6 +85,9 @@ class VllmEngine(RePrefillingEngine):
         # vLLM reads the architecture from a directory: the config alone, the weights come by `load_weights`.
         self._directory = tempfile.TemporaryDirectory(prefix="dovetail-vllm-")
         config.save_pretrained(self._directory.name)
+        pool: dict[str, float] = {"kv_cache_memory_bytes": kv_cache_bytes}
+        if on_gpu:
+            pool = {"gpu_memory_utilization": GPU_MEMORY_UTILIZATION}
         self.llm = LLM(
             model=self._directory.name,
             skip_tokenizer_init=True,
@@ -95,9 +100,19 @@ class VllmEngine(RePrefillingEngine):
             logits_processors=[keyed_sampler_class()],
             enable_prefix_caching=True,
             enable_sleep_mode=on_gpu,
-            **({"gpu_memory_utilization": 0.5} if on_gpu else {"kv_cache_memory_bytes": kv_cache_bytes}),
+            **pool,
         )
         self.sleeping = False
+        self.on_gpu = on_gpu
+        self.weights_bytes = 0
+        """What the last `load_weights` wrote into vLLM's model (fp32)."""
+        self.pool_bytes = (
+            int(GPU_MEMORY_UTILIZATION * torch.cuda.get_device_properties(torch.device(device)).total_memory)
+            if on_gpu
+            else kv_cache_bytes
+        )
+        """What vLLM holds besides on CPU (its KV cache), or in all on a GPU (its share of the GPU: weights and KV
+        cache)."""
 
     def load_weights(self, state_dict: dict) -> None:
         """Write the trainer's tensors (Hugging Face names) into vLLM's running model, in place (awake: a sleeping
@@ -105,10 +120,15 @@ class VllmEngine(RePrefillingEngine):
         if self.sleeping:
             self.wake()
         weights = [(name, torch.as_tensor(t).detach().to(torch.float32)) for name, t in state_dict.items()]
+        self.weights_bytes = sum(t.numel() * t.element_size() for _, t in weights)
         # The worker's `reload_weights`: the model's layers were repacked for the device after the first load, so
         # their own `load_weights` no longer applies; this restores the checkpoint layout, loads, and repacks.
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.reset_prefix_cache()  # cached blocks hold the old weights' keys and values
+
+    def held_bytes(self) -> int:
+        """A GPU's share that vLLM took (weights and KV cache within it); on CPU its KV cache and the weights."""
+        return self.pool_bytes if self.on_gpu else self.pool_bytes + self.weights_bytes
 
     def _decode_until(self, requests: list[Request], limit: int) -> None:
         from vllm import SamplingParams as VllmSampling

@@ -50,6 +50,13 @@ metrics.jsonl, one line per step (Ray: only under a Ray policy; flow / LM: of th
   publish_s             Ray: seconds the latest weight publication took (a step's own comes after its commit)
   tag_decisions         Ray, a policy that assists generation (digen): trainer-assisted generation decisions taken
                         since the previous step
+  memory_bytes_per_device  per device (reference: its one), the bytes it held by kind, counted from its tensors:
+                        parameters (the trainer's weights), gradients (the trainer's and the fp64 train parts a
+                        commit adds), optimizer (AdamW's moments and step counts), rollout (the rollout engine's own
+                        weights and KV cache), and peak (the process's peak resident set; on a GPU, torch's peak
+                        allocation); Ray: the trainer devices' at their commit, the others' after their last work
+                        (null: a device that did not answer)
+  memory_peak_bytes     the largest peak of the step's devices: what the run's devices must hold
 
 summary.json, once per pipeline (a multiplexed run: under pipelines, and the Ray figures at the top):
   base_eval_reward      the evaluation's total before the run's first step (a resumed run: its run's)

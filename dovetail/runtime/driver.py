@@ -29,7 +29,8 @@ from dovetail.rewards import RewardError
 from dovetail.run_dir import RunDir
 from dovetail.runtime.executor import RayExecutor
 from dovetail.runtime.launch import Choice, device_pool, make_executor, prepare_run, start_ray, start_workers
-from dovetail.runtime.pipeline import Ledger
+from dovetail.runtime.messages import DeviceMemory
+from dovetail.runtime.pipeline import Ledger, memory_figures
 from dovetail.runtime.recovery import StepLost
 from dovetail.trackers import RunProgress
 
@@ -82,6 +83,7 @@ class StepMetrics:
             "publish_bytes": run.publish_bytes,
             "publish_s": run.publish_seconds[-1] if run.publish_seconds else 0.0,
         }
+        metrics |= memory_figures(device_memory(run.workers, run.trainer_devices, commits))
         if self.policy.assists_generation:
             metrics["tag_decisions"] = [k for _, k in tag[self.tag_seen :]]
         self.last_commit_time, self.tag_seen = now, len(tag)
@@ -103,6 +105,30 @@ def commit_figures(commit_refs: list) -> dict[str, float]:
             "commit_optimizer_s": committed.optimizer_s,
         }
     return {"grad_norm": float("nan"), "commit_sync_s": float("nan"), "commit_optimizer_s": float("nan")}
+
+
+MEMORY_WAIT_S = 2.0
+"""How long a step's metrics wait for the memory of the devices outside its commit (answered on a thread of their
+own at once); a device restarting meanwhile is reported as None."""
+
+
+def device_memory(workers: list, trainer_devices: tuple[int, ...], commit_refs: list) -> list[DeviceMemory | None]:
+    """Each device's memory at the step's end: a trainer device's from its commit's answer (`Committed.memory`),
+    every other device's by one small call (`DeviceWorker.memory`); None for a device that answered neither."""
+    memory: list[DeviceMemory | None] = [None] * len(workers)
+    for device, ref in zip(trainer_devices, commit_refs):
+        try:
+            memory[device] = ray.get(ref).memory
+        except RayError:
+            continue
+    asked = {workers[d].memory.remote(): d for d in range(len(workers)) if memory[d] is None}
+    ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=MEMORY_WAIT_S) if asked else ([], [])
+    for ref in ready:
+        try:
+            memory[asked[ref]] = ray.get(ref)
+        except RayError:
+            continue
+    return memory
 
 
 def phase_seconds(executor: RayExecutor, pipeline: str, graph_step: int) -> dict[str, float]:

@@ -54,14 +54,30 @@ class Commit(Work):
 
 
 @dataclass(frozen=True)
+class DeviceMemory:
+    """Bytes a device's process holds, by kind, counted from its tensors (`models.memory.memory_by_kind`):
+    the trainer's parameters, its gradients (the train parts' fp64 gradients kept for the commit and the summed
+    gradient the optimizer steps with), the optimizer's state (AdamW's moments), the rollout engine's own weights and
+    KV cache; and the process's peak (`models.memory.peak_bytes`: resident set on CPU, allocated on a GPU)."""
+
+    parameters: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+    rollout: int = 0
+    peak: int = 0
+
+
+@dataclass(frozen=True)
 class Committed:
-    """A `Commit`'s answer: the pre-clip gradient norm (the same on every replica) and where the replica's commit
+    """A `Commit`'s answer: the pre-clip gradient norm (the same on every replica), where the replica's commit
     went: adding the trainer devices' gradients together (the all-reduce, with the wait for the slowest),
-    then the clip and the optimizer step."""
+    then the clip and the optimizer step; and the device's memory at the commit, where every kind is held at once
+    (the step's metrics carry it, with no call of their own)."""
 
     grad_norm: float
     sync_s: float
     optimizer_s: float
+    memory: DeviceMemory = DeviceMemory()
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ worker; each kind's adapter and engines (`pipelines.flow.adapter`, `pipelines.fl
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import Generic, Protocol, TypeVar
 
 import numpy as np
@@ -20,8 +20,9 @@ import torch
 
 from dovetail.graph.flow import split
 from dovetail.graph.node import Graph, Kind, Node, SampleId
+from dovetail.models.memory import memory_by_kind, peak_bytes
 from dovetail.models.training import flat_gradient, load_trainer_state
-from dovetail.runtime.messages import Work
+from dovetail.runtime.messages import DeviceMemory, Work
 from dovetail.sched.policy import Shape
 
 PROFILE_ROUNDS = 3
@@ -101,6 +102,16 @@ class Ledger:
             "reruns": [{"device": d, "node": node} for d, node in self.reruns],
             "went_on": [{"step": s, "devices": d, "why": why} for s, d, why in self.went_on],
         }
+
+
+def memory_figures(memory: list[DeviceMemory | None]) -> dict:
+    """`memory_bytes_per_device`: each device's bytes by kind (`DeviceMemory`'s fields; None where a device did
+    not answer), and `memory_peak_bytes`: the largest peak among them, the device the run must fit."""
+    answered = [m for m in memory if m is not None]
+    return {
+        "memory_bytes_per_device": [asdict(m) if m is not None else None for m in memory],
+        "memory_peak_bytes": max((m.peak for m in answered), default=0),
+    }
 
 
 class RunContext(Protocol):
@@ -226,6 +237,22 @@ class PipelineEngines(ABC, Generic[Rollout]):
     ) -> list[tuple[float, float]]:
         """(start, end) of each of `repeats` runs of one kind of the profile's work here
         (`runtime.interference.time_work`: what the interference table is measured with), the trainer left as it was."""
+
+    @abstractmethod
+    def rollout_bytes(self) -> int:
+        """Bytes the rollout engine holds of its own (its copy of the weights, its KV cache), where it holds one."""
+
+    def memory(self, gradient_parts: Iterable[torch.Tensor] = ()) -> DeviceMemory:
+        """This device's bytes by kind now, counted from the tensors held (`DeviceMemory`); `gradient_parts`: the
+        flat gradients the worker keeps for the commit beside the trainer's own."""
+        held = memory_by_kind(self.trainer, self.optimizer) if self.trainer is not None else {}
+        return DeviceMemory(
+            parameters=held.get("parameters", 0),
+            gradients=held.get("gradients", 0) + sum(t.numel() * t.element_size() for t in gradient_parts),
+            optimizer=held.get("optimizer", 0),
+            rollout=self.rollout_bytes() if self.rollout is not None else 0,
+            peak=peak_bytes(self.device),
+        )
 
     def held(self) -> list[str]:
         engines = {"trainer": self.trainer, "rollout": self.rollout, "reference": self.reference}

@@ -23,6 +23,7 @@ import socket
 import statistics
 import time
 import uuid
+from dataclasses import replace
 from datetime import timedelta
 
 import ray
@@ -33,6 +34,7 @@ import torch.distributed.distributed_c10d as c10d
 from dovetail.config.load import parse_config
 from dovetail.config.multiplex import MultiplexConfig
 from dovetail.kinds import kind
+from dovetail.models.memory import peak_bytes
 from dovetail.models.training import (
     commit,
     set_summed_gradient,
@@ -41,7 +43,7 @@ from dovetail.models.training import (
     trainer_state_of,
     weights_of,
 )
-from dovetail.runtime.messages import Commit, Committed, Loaded, LoadWeights, Trained, Work
+from dovetail.runtime.messages import Commit, Committed, DeviceMemory, Loaded, LoadWeights, Trained, Work
 from dovetail.runtime.publication import (
     Layout,
     Staging,
@@ -145,7 +147,7 @@ def reduce_parts(parts: dict, ranks: tuple[int, ...], groups: dict, total: torch
     resources={DEVICE_RESOURCE: 1},
     max_restarts=-1,
     max_task_retries=0,
-    concurrency_groups={"liveness": 1, "publication": 1},
+    concurrency_groups={"liveness": 1, "publication": 1, "metrics": 1},
 )
 class DeviceWorker:
     def __init__(self, index: int, pin_core: bool = True):
@@ -168,6 +170,8 @@ class DeviceWorker:
         self.publication_groups: dict[str, tuple[object, RayStore]] = {}
         """This device's publication groups and their stores, by rendezvous prefix (the publication thread's alone)."""
         self.staging = Staging()
+        self.held_memory = DeviceMemory()
+        """The bytes held by kind after the last work here (`memory` answers it, from a thread of its own)."""
 
     def configure(self, config: dict, trainer_state: dict, index: int) -> None:
         """Build the pipeline's engines for a run in which this is device `index`; a device past `compute_devices`
@@ -184,6 +188,7 @@ class DeviceWorker:
         self.gradients: dict[tuple[str, int], torch.Tensor] = {}
         """The open step's train parts' gradients here, by part (node, index)."""
         self.role: str | None = None
+        self.held_memory = self.engines.memory()
 
     @property
     def engines(self):
@@ -237,6 +242,13 @@ class DeviceWorker:
             if rank > 0:
                 self.staging.put(version, error)
 
+    @ray.method(concurrency_group="metrics")
+    def memory(self) -> DeviceMemory:
+        """This device's bytes by kind as its last work left them, and its peak so far: answered on a thread of its
+        own, so a step's metrics never wait for the work queued here (a device that took no part in the step's
+        commit, whose answer carries the trainer devices' memory)."""
+        return replace(self.held_memory, peak=peak_bytes(self.device))
+
     def profile(self, samples: int) -> dict[str, float]:
         return self.engines.profile(samples, carry=through_object_store)
 
@@ -285,6 +297,7 @@ class DeviceWorker:
         if isinstance(result, Trained):
             assert part is not None, "a train part is sent with its key"  # executor._launch sends every part's
             self.gradients[part] = self.engines.part_gradient()
+        self.held_memory = self.engines.memory(self.gradients.values())
         return result
 
     def _load(self, work: LoadWeights) -> Loaded:
@@ -298,18 +311,23 @@ class DeviceWorker:
             except Exception:  # the broadcast failed or never came: the object store has it
                 pass
         engines.load_rollout_weights(work.version, weights)
+        self.held_memory = engines.memory(self.gradients.values())
         return Loaded(time.perf_counter() - start, path)
 
     def _commit(self, work: Commit) -> Committed:
         """Add the step's train parts' gradients of every trainer device (`reduce_parts`) and take one optimizer
-        step."""
+        step. Its answer carries the device's memory: the gradients as the commit holds them (the parts, their sum,
+        the trainer's own), the rest after the optimizer step (AdamW makes its moments at its first)."""
         start = time.perf_counter()
         summed = reduce_parts(self.gradients, work.ranks, self.groups, self._zero_gradient())
         synced = time.perf_counter()
         set_summed_gradient(self.engines.trainer, [summed], work.scale)
+        gradients = self.engines.memory([*self.gradients.values(), summed]).gradients
         self.gradients = {}
         grad_norm = commit(self.engines.trainer, self.engines.optimizer, self.config.train.max_grad_norm)
-        return Committed(grad_norm, synced - start, time.perf_counter() - synced)
+        seconds = time.perf_counter() - synced
+        self.held_memory = self.engines.memory()
+        return Committed(grad_norm, synced - start, seconds, replace(self.held_memory, gradients=gradients))
 
     def _zero_gradient(self) -> torch.Tensor:
         """A flat fp64 gradient of zeros over the trainer's trainable parameters (what a part is: `part_gradient`)."""

@@ -19,6 +19,7 @@ from dovetail.graph.node import SampleId
 from dovetail.models import sampling
 from dovetail.models.diffusers_flow import load_decoder, load_flow_model
 from dovetail.models.flow_rl import accumulate_policy_gradient, generate, recompute_log_probs
+from dovetail.models.memory import module_bytes
 from dovetail.models.training import commit, load_weights, make_optimizer, synchronize, weights_of
 from dovetail.pipelines.flow.config import FlowTrainConfig, flow_rules
 from dovetail.pipelines.flow.messages import FlowLogProbs, FlowTrain, Generate, Trajectories
@@ -76,6 +77,9 @@ class FlowEngines(PipelineEngines[torch.nn.Module]):
 
     def load_rollout(self, weights: dict) -> None:
         load_weights(self.rollout, weights)
+
+    def rollout_bytes(self) -> int:
+        return module_bytes(self.held_rollout())
 
     def run(self, work: Work):
         config = self.config

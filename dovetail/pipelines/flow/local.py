@@ -10,6 +10,7 @@ import time
 
 from dovetail.models.diffusers_flow import checkpoint_io, load_decoder, load_flow_model
 from dovetail.models.flow_rl import generate, group_sample_ids, step_prompts
+from dovetail.models.memory import memory_by_kind, peak_bytes
 from dovetail.models.t2i import latents_to_images
 from dovetail.models.training import commit, make_optimizer
 from dovetail.pipelines.flow.config import FlowTrainConfig, flow_rules
@@ -26,6 +27,8 @@ from dovetail.rewards import score
 from dovetail.run_dir import (
     RunDir,
 )
+from dovetail.runtime.messages import DeviceMemory
+from dovetail.runtime.pipeline import memory_figures
 from dovetail.trackers import Evaluation
 
 
@@ -73,9 +76,13 @@ def rl_step(
     )
     timings["train_s"] = time.perf_counter() - start
 
+    gradients = memory_by_kind(model)["gradients"]
     start = time.perf_counter()
     grad_norm = commit(model, optimizer, config.train.max_grad_norm)
     timings["commit_s"] = time.perf_counter() - start
+    held = memory_by_kind(model, optimizer)  # after the step: AdamW makes its moments at its first
+    device = next(model.parameters()).device
+    memory = DeviceMemory(held["parameters"], gradients, held["optimizer"], 0, peak_bytes(device))
 
     step_seconds = sum(timings.values())
     metrics: dict[str, float | list[int]] = {f"reward/{name}": float(values.mean()) for name, values in rewards.items()}
@@ -85,7 +92,7 @@ def rl_step(
     metrics |= timings | {"grad_norm": grad_norm}
     if not algo.per_sample_timesteps:
         metrics["timesteps"] = timesteps[0]
-    return metrics | {"samples_per_s": len(ids) / step_seconds, "step_s": step_seconds}
+    return metrics | {"samples_per_s": len(ids) / step_seconds, "step_s": step_seconds} | memory_figures([memory])
 
 
 class FlowLocal:

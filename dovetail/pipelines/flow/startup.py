@@ -11,7 +11,13 @@ from dovetail.cost.calibration import DEFAULT
 from dovetail.cost.catalog import diffusion_model
 from dovetail.cost.model import CostModel
 from dovetail.graph.spec import FlowSpec
-from dovetail.models.diffusers_flow import check_prompt_table, load_decoder, load_flow_model
+from dovetail.models.diffusers_flow import (
+    check_prompt_table,
+    load_decoder,
+    load_flow_model,
+    transformer_parameter_counts,
+)
+from dovetail.models.memory import parameter_counts
 from dovetail.pipelines.flow.config import FlowTrainConfig
 from dovetail.pipelines.flow.engines import profile_work
 from dovetail.pipelines.flow.recipe import sde_settings
@@ -54,11 +60,16 @@ def fitted_cost(config: FlowTrainConfig, scenario: Scenario, measured: dict[str,
 
 def check_checkpoint(config: FlowTrainConfig) -> None:
     """What every run meets as it starts, whatever its policy (the dry run's check): the built-in model loads, as
-    the run loads it (a truncated or foreign file fails here), and the prompts split. A diffusers directory's layout
-    the config has checked, and its prompt table is checked here; its model is not loaded (a dry run plans a GPU
-    cluster from a laptop)."""
+    the run loads it (a truncated or foreign file fails here), a replicated trainer of the model fits
+    `cluster.device_memory_gb` (a diffusers transformer counted from its config), and the prompts split. A diffusers
+    directory's layout the config has checked, and its prompt table is checked here; its model is not loaded (a dry
+    run plans a GPU cluster from a laptop)."""
     if config.model.path is None:
-        load_flow_model(config)
+        params, trained = parameter_counts(load_flow_model(config))
+    else:
+        lora = None if config.model.lora is None else config.model.lora.model_dump()
+        params, trained = transformer_parameter_counts(config.model.path, lora=lora, seed=config.seed)
+    config.cluster.check_replicated_fits(params, trained, config.model.lora)
     prompt_split(config)
     if config.model.path is not None:
         check_prompt_table(config)

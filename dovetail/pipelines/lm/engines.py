@@ -137,6 +137,9 @@ class LMEngines(PipelineEngines[Engine]):
     def load_rollout(self, weights: dict) -> None:
         self.held_rollout().load_weights(rollout_state(self.trainer, tensors_of(weights)))
 
+    def rollout_bytes(self) -> int:
+        return self.held_rollout().held_bytes()
+
     def run(self, work: Work):
         if isinstance(work, Prefill):
             self.load_rollout_weights(work.version, work.weights)

@@ -4,6 +4,7 @@ language-model stack.
 """
 
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -22,6 +23,7 @@ from dovetail.run_dir import (
     RunDir,
 )
 from dovetail.runtime.messages import Score
+from dovetail.runtime.pipeline import memory_figures
 from dovetail.tasks import final_answer, task
 from dovetail.trackers import Evaluation
 
@@ -68,9 +70,12 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
     ref = [timed("logprob", LMLogProbs(pipeline, ids, [responses], True))] if algo.beta > 0 else []
     trained = timed("train", LMTrain(pipeline, ids, False, [responses], [scores], old_log_probs=old, ref_log_probs=ref))
     start = time.perf_counter()
-    set_summed_gradient(engines.trainer, [engines.part_gradient()], commit_scale([trained]))
+    part = engines.part_gradient()
+    set_summed_gradient(engines.trainer, [part], commit_scale([trained]))
+    gradients = engines.memory([part]).gradients  # as a Ray device's commit counts them: the part and the trainer's
     grad_norm = commit(engines.trainer, engines.optimizer, config.train.max_grad_norm)
     timings["commit_s"] = time.perf_counter() - start
+    memory = replace(engines.memory(), gradients=gradients)
     seconds = sum(timings.values())
     return (
         lm_step_metrics([scores], [trained])
@@ -80,6 +85,7 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
             "samples_per_s": len(ids) / seconds,
             "step_s": seconds,
         }
+        | memory_figures([memory])
     )
 
 

@@ -14,8 +14,9 @@ import torch
 from dovetail.cost.model import CostModel
 from dovetail.graph.lm import trainable_params
 from dovetail.graph.spec import LMSpec
-from dovetail.models.causal_lm import causal_lm_config
+from dovetail.models.causal_lm import causal_lm_config, causal_lm_parameter_counts
 from dovetail.models.engine import engine_problem
+from dovetail.models.memory import parameter_counts
 from dovetail.pipelines.lm.config import LMTrainConfig
 from dovetail.pipelines.lm.engines import DOUBLE, LMEngines
 from dovetail.pipelines.lm.model import encode_prompts, load_policy, load_run_tokenizer, model_context
@@ -62,16 +63,21 @@ def fitted_cost(config: LMTrainConfig, scenario: Scenario, measured: dict) -> Co
 
 def check_checkpoint(config: LMTrainConfig) -> None:
     """What every run meets as it starts, whatever its policy (the dry run's check): the model loads (a user's: its
-    config is a causal LM's, its weights are not read), its tokenizer loads, the dataset reads, the prompts it encodes
+    config is a causal LM's, its weights are not read), a replicated trainer of it fits `cluster.device_memory_gb`
+    (its parameters counted without its weights), its tokenizer loads, the dataset reads, the prompts it encodes
     (a dataset's every one; a task's first: the base evaluation's, the first step's) leave max_new_tokens in the
     model's context, the rewards' columns are the dataset's, and `sampling.engine=vllm` finds vLLM installed. A model
     our engine does not compute is said in one line on stderr: its rollouts run on transformers' own forward."""
     path = config.model.path
     if path is not None:  # its config and tokenizer: a large model's weights are the run's to load
         model_config, tokenizer = causal_lm_config(path), load_run_tokenizer(config)
+        lora = None if config.model.lora is None else config.model.lora.model_dump()
+        params, trained = causal_lm_parameter_counts(path, lora=lora, seed=config.seed)
     else:
         model, tokenizer = load_policy(config)
         model_config = model.config
+        params, trained = parameter_counts(model)
+    config.cluster.check_replicated_fits(params, trained, config.model.lora)
     prompts = RunPrompts(config)
     encode_prompts(config, tokenizer, prompts.all() or [*prompts.eval(), *prompts.step(0)], model_context(config))
     check_columns(config, prompts)
