@@ -178,6 +178,37 @@ def test_a_failing_reward_saves_the_last_step_and_the_run_resumes_where_it_stopp
     assert same_bits(expected, got)
 
 
+@pytest.mark.exactness
+def test_with_an_lr_schedule_verl_sync_and_its_resumed_run_end_at_the_reference_parameters(
+    local_ray, reference, tmp_path
+):
+    """Every step's lr is a function of the optimizer's own step count (`models.training.commit`): the reference
+    loop, the Ray trainer and a trainer restored from the checkpoint of step 1 take the same steps."""
+    flag = local_ray
+    scheduled = [*SMALL, "train.lr_schedule=cosine", "reward={faulty_reward:nan_text_when_flagged: 1.0}"]
+    train(load_config(None, [*scheduled, "policy=reference"]), tmp_path / "reference", steps=STEPS)
+    expected = final_weights(tmp_path / "reference")
+    assert not same_bits(final_weights(reference), expected), "the schedule changed the run"
+    train(load_config(None, [*scheduled, "policy=verl-sync"]), tmp_path / "ray", steps=STEPS)
+    assert same_bits(expected, final_weights(tmp_path / "ray"))
+
+    def break_reward_after_first_commit(executor, part):
+        if part.node == "sort/0/commit":
+            flag.touch()
+
+    resumed = tmp_path / "resumed"
+    with pytest.raises(RewardError):
+        train(
+            load_config(None, [*scheduled, "policy=verl-sync"]),
+            resumed,
+            steps=STEPS,
+            after_part=break_reward_after_first_commit,
+        )
+    flag.unlink()
+    train(load_config(None, [*scheduled, "policy=verl-sync"]), resumed, steps=STEPS, resume=resumed)
+    assert same_bits(expected, final_weights(resumed))
+
+
 @pytest.mark.parametrize("policy", ["verl-sync", "streamrl", "areal"])
 def test_a_reward_failing_mid_run_stops_every_policy_saved_at_its_last_commit_in_one_line(local_ray, policy, tmp_path):
     """The reward turns NaN once step 0 is committed. The run is long enough that a step which cannot open before

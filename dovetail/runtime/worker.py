@@ -308,7 +308,7 @@ class DeviceWorker:
         synced = time.perf_counter()
         set_summed_gradient(self.engines.trainer, [summed], work.scale)
         self.gradients = {}
-        grad_norm = commit(self.engines.trainer, self.engines.optimizer, self.config.train.max_grad_norm)
+        grad_norm = commit(self.engines.trainer, self.engines.optimizer, self.config.train)
         return Committed(grad_norm, synced - start, time.perf_counter() - synced)
 
     def _zero_gradient(self) -> torch.Tensor:

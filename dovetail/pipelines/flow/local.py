@@ -74,7 +74,7 @@ def rl_step(
     timings["train_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    grad_norm = commit(model, optimizer, config.train.max_grad_norm)
+    grad_norm = commit(model, optimizer, config.train)
     timings["commit_s"] = time.perf_counter() - start
 
     step_seconds = sum(timings.values())

@@ -69,7 +69,7 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
     trained = timed("train", LMTrain(pipeline, ids, False, [responses], [scores], old_log_probs=old, ref_log_probs=ref))
     start = time.perf_counter()
     set_summed_gradient(engines.trainer, [engines.part_gradient()], commit_scale([trained]))
-    grad_norm = commit(engines.trainer, engines.optimizer, config.train.max_grad_norm)
+    grad_norm = commit(engines.trainer, engines.optimizer, config.train)
     timings["commit_s"] = time.perf_counter() - start
     seconds = sum(timings.values())
     return (
