@@ -366,12 +366,16 @@ def plan(
 
 @app.command()
 def export(
-    run: Path = typer.Argument(..., help="run directory of `dovetail train` with model.path"),
-    out: Path = typer.Argument(..., help="new directory for the diffusers pipeline"),
+    run: Path = typer.Argument(
+        ..., help="run directory of `dovetail train`: a language-model run, or a flow run with model.path"
+    ),
+    out: Path = typer.Argument(..., help="new directory for the transformers model or the diffusers pipeline"),
     step: int = typer.Option(None, help="the checkpoint's step (default: the newest)"),
 ):
-    """Write a run's checkpoint as a diffusers directory (save_pretrained layout, the trained transformer in
-    transformer/) that from_pretrained loads; a LoRA run's adapter also in peft's layout in OUT/lora."""
+    """Write a run's checkpoint as its library's directory that from_pretrained loads (save_pretrained layout): a
+    language-model run's as a transformers model with its tokenizer (AutoModelForCausalLM), a flow run's as a
+    diffusers pipeline (the trained transformer in transformer/); a LoRA run's adapter also in peft's layout in
+    OUT/lora."""
     from dovetail.export import export_run
 
     try:
