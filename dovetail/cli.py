@@ -289,6 +289,12 @@ def simulate(
         if json_out:
             typer.echo(json.dumps(result))
         else:
+            if result["resumed_from"]:
+                first = result["first_step"]
+                typer.echo(
+                    f"the run was resumed from step {result['resumed_from']}: this replays steps {first}-"
+                    f"{first + result['steps'] - 1} alone, the last --resume's (each writes run_profile.json anew)"
+                )
             typer.echo(
                 f"{result['policy']} over {result['steps']} steps: measured "
                 f"{result['measured_step_time_s']:.3f} s/step to the last optimizer step (summary.json's "

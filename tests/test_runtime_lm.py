@@ -179,7 +179,7 @@ def test_a_failing_reward_saves_the_last_step_and_the_run_resumes_where_it_stopp
 
 
 @pytest.mark.exactness
-def test_with_an_lr_schedule_verl_sync_and_its_resumed_run_end_at_the_reference_parameters(
+def test_with_an_lr_schedule_verl_sync_and_its_resumed_run_end_at_the_reference_parameters_and_the_replay_says_so(
     local_ray, reference, tmp_path
 ):
     """Every step's lr is a function of the optimizer's own step count (`models.training.commit`): the reference
@@ -207,6 +207,16 @@ def test_with_an_lr_schedule_verl_sync_and_its_resumed_run_end_at_the_reference_
     flag.unlink()
     train(load_config(None, [*scheduled, "policy=verl-sync"]), resumed, steps=STEPS, resume=resumed)
     assert same_bits(expected, final_weights(resumed))
+
+    # the replay of the resumed run is of the steps its last process ran, and says so; a fresh run's says nothing
+    assert (replay_run(resumed)["resumed_from"], replay_run(resumed)["steps"]) == (1, STEPS - 1)
+    said = CliRunner().invoke(app, ["simulate", "--from-run", str(resumed)])
+    assert said.exit_code == 0 and said.stdout.splitlines()[0] == (
+        f"the run was resumed from step 1: this replays steps 2-{STEPS} alone, the last --resume's (each writes "
+        "run_profile.json anew)"
+    )
+    fresh = CliRunner().invoke(app, ["simulate", "--from-run", str(tmp_path / "ray")])
+    assert fresh.exit_code == 0 and fresh.stdout.startswith("verl-sync over 3 steps"), fresh.output
 
 
 @pytest.mark.parametrize("policy", ["verl-sync", "streamrl", "areal"])

@@ -526,6 +526,7 @@ def write_run_outputs(
         "measured_step_time_s": time_per_step(trace),
         "measured_steady_step_s": metrics.steady_step_s,
         "auto": None if choice is None else asdict(choice),  # what policy=auto predicted for each policy it weighed
+        "resumed_from": earlier.run_first_step,
         "publication": publication,
         "segments_before": [
             {"first_step": s.first_step, "steps": len(s.trace.steps) // len(logs), "devices": s.devices, "why": s.label}
