@@ -3,6 +3,7 @@ references to other files, and docs/scenarios.md against the scenario schema."""
 
 import re
 import typing
+from importlib.util import find_spec
 from pathlib import Path
 
 import typer
@@ -135,3 +136,19 @@ def test_docs_trl_maps_the_grpo_config_fields_users_set_to_keys_the_lm_schema_ha
                 assert value in choices, f"{trl_field}: {dotted} takes {choices}, not {value}"
             named += 1
     assert named >= 40
+
+
+def test_docs_cluster_says_what_every_node_needs_and_ray_s_token_authentication_as_the_installed_ray_has_it():
+    """The token's file, the variables and the command are Ray's own names (read from the installed Ray)."""
+    from ray._private.authentication import authentication_token_setup as setup
+    from ray._private.authentication_test_utils import _AUTH_ENV_VARS
+
+    cluster = (ROOT / "docs" / "cluster.md").read_text()
+    for said in ("The same environment on every node", "The same paths on every node", "only the driver writes it"):
+        assert said in cluster, said
+    assert f"{setup.AUTH_MODE_ENV_VAR}=token" in cluster and setup.AUTH_MODE_ENV_VAR in _AUTH_ENV_VARS
+    for variable in _AUTH_ENV_VARS:
+        assert f"`{variable}=" in cluster, variable
+    assert "~/" + setup._get_default_token_path().relative_to(Path.home()).as_posix() in cluster
+    scripts = Path(str(find_spec("ray.scripts.scripts").origin)).read_text()  # the ray CLI (importing it is slow)
+    assert "ray get-auth-token --generate" in cluster and '@cli.command(name="get-auth-token")' in scripts
