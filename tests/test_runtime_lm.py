@@ -4,6 +4,7 @@ by the run itself) finds every response generated, scored and trained once."""
 
 import itertools
 import json
+import math
 import random
 import re
 
@@ -207,6 +208,11 @@ def test_with_an_lr_schedule_verl_sync_and_its_resumed_run_end_at_the_reference_
     flag.unlink()
     train(load_config(None, [*scheduled, "policy=verl-sync"]), resumed, steps=STEPS, resume=resumed)
     assert same_bits(expected, final_weights(resumed))
+    # each step logs the lr it took, transformers' cosine schedule's: lr x (1 + cos(pi k / 3)) / 2 for step k
+    lrs = [1e-3 * (1 + math.cos(math.pi * k / STEPS)) / 2 for k in range(STEPS)]
+    for run in ("reference", "ray", "resumed"):
+        logged = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        assert [m["learning_rate"] for m in logged] == pytest.approx(lrs, abs=1e-15, rel=0), run
 
     # the replay of the resumed run is of the steps its last process ran, and says so; a fresh run's says nothing
     assert (replay_run(resumed)["resumed_from"], replay_run(resumed)["steps"]) == (1, STEPS - 1)

@@ -139,6 +139,11 @@ def commit(model, optimizer: torch.optim.Optimizer, train) -> float:
     return float(grad_norm)
 
 
+def stepped_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The lr of the optimizer's latest step (`commit` sets every parameter group's alike): TRL's `learning_rate`."""
+    return float(optimizer.param_groups[0]["lr"])
+
+
 def with_lora(model, lora: dict, seed: int, task_type: str | None = None):
     """The model with a peft LoRA adapter (rank, alpha, target modules), the only part that trains: a
     `peft.PeftModel`. Its random initial A matrices are drawn from `seed`, so every process of a run starts from

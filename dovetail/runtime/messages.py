@@ -55,11 +55,12 @@ class Commit(Work):
 
 @dataclass(frozen=True)
 class Committed:
-    """A `Commit`'s answer: the pre-clip gradient norm (the same on every replica) and where the replica's commit
-    went: adding the trainer devices' gradients together (the all-reduce, with the wait for the slowest),
-    then the clip and the optimizer step."""
+    """A `Commit`'s answer: the pre-clip gradient norm (the same on every replica), the lr it stepped at, and where
+    the replica's commit went: adding the trainer devices' gradients together (the all-reduce, with the wait for the
+    slowest), then the clip and the optimizer step."""
 
     grad_norm: float
+    lr: float
     sync_s: float
     optimizer_s: float
 

@@ -36,6 +36,7 @@ from dovetail.kinds import kind
 from dovetail.models.training import (
     commit,
     set_summed_gradient,
+    stepped_lr,
     strict_fp32,
     trainable_parameters,
     trainer_state_of,
@@ -309,7 +310,8 @@ class DeviceWorker:
         set_summed_gradient(self.engines.trainer, [summed], work.scale)
         self.gradients = {}
         grad_norm = commit(self.engines.trainer, self.engines.optimizer, self.config.train)
-        return Committed(grad_norm, synced - start, time.perf_counter() - synced)
+        lr = stepped_lr(self.engines.optimizer)
+        return Committed(grad_norm, lr, synced - start, time.perf_counter() - synced)
 
     def _zero_gradient(self) -> torch.Tensor:
         """A flat fp64 gradient of zeros over the trainer's trainable parameters (what a part is: `part_gradient`)."""

@@ -11,7 +11,7 @@ import time
 from dovetail.models.diffusers_flow import checkpoint_io, load_decoder, load_flow_model
 from dovetail.models.flow_rl import generate, group_sample_ids, step_prompts
 from dovetail.models.t2i import latents_to_images
-from dovetail.models.training import commit, make_optimizer
+from dovetail.models.training import commit, make_optimizer, stepped_lr
 from dovetail.pipelines.flow.config import FlowTrainConfig, flow_rules
 from dovetail.pipelines.flow.recipe import (
     advantages_of,
@@ -82,7 +82,7 @@ def rl_step(
     metrics |= {
         name: value if name in ("ratio_min", "ratio_max") else value / total_pairs for name, value in sums.items()
     }
-    metrics |= timings | {"grad_norm": grad_norm}
+    metrics |= timings | {"grad_norm": grad_norm, "learning_rate": stepped_lr(optimizer)}
     if not algo.per_sample_timesteps:
         metrics["timesteps"] = timesteps[0]
     return metrics | {"samples_per_s": len(ids) / step_seconds, "step_s": step_seconds}
