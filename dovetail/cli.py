@@ -289,6 +289,12 @@ def simulate(
         if json_out:
             typer.echo(json.dumps(result))
         else:
+            if result["resumed_from"]:
+                first = result["first_step"]
+                typer.echo(
+                    f"the run was resumed from step {result['resumed_from']}: this replays steps {first}-"
+                    f"{first + result['steps'] - 1} alone, the last --resume's (each writes run_profile.json anew)"
+                )
             typer.echo(
                 f"{result['policy']} over {result['steps']} steps: measured "
                 f"{result['measured_step_time_s']:.3f} s/step to the last optimizer step (summary.json's "
@@ -366,12 +372,16 @@ def plan(
 
 @app.command()
 def export(
-    run: Path = typer.Argument(..., help="run directory of `dovetail train` with model.path"),
-    out: Path = typer.Argument(..., help="new directory for the diffusers pipeline"),
+    run: Path = typer.Argument(
+        ..., help="run directory of `dovetail train`: a language-model run, or a flow run with model.path"
+    ),
+    out: Path = typer.Argument(..., help="new directory for the transformers model or the diffusers pipeline"),
     step: int = typer.Option(None, help="the checkpoint's step (default: the newest)"),
 ):
-    """Write a run's checkpoint as a diffusers directory (save_pretrained layout, the trained transformer in
-    transformer/) that from_pretrained loads; a LoRA run's adapter also in peft's layout in OUT/lora."""
+    """Write a run's checkpoint as its library's directory that from_pretrained loads (save_pretrained layout): a
+    language-model run's as a transformers model with its tokenizer (AutoModelForCausalLM), a flow run's as a
+    diffusers pipeline (the trained transformer in transformer/); a LoRA run's adapter also in peft's layout in
+    OUT/lora."""
     from dovetail.export import export_run
 
     try:

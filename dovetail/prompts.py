@@ -10,6 +10,7 @@ a prompt repeated in the file never leaks into both.
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -194,6 +195,11 @@ def _table(path: Path, field: str, setting: str) -> list:
     import datasets
 
     datasets.disable_progress_bars()
+    # A damaged file's reader logs its error (pyarrow's, through datasets' logger) before raising it: the error
+    # reaches the user once, in our one line, so the logger is silenced for the read.
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL + 1)
     try:
         if path.is_dir():
             table = datasets.load_from_disk(str(path))
@@ -201,6 +207,8 @@ def _table(path: Path, field: str, setting: str) -> list:
             table = datasets.load_dataset(TABLE_FORMATS[path.suffix.lower()], data_files=str(path), split="train")
     except Exception as error:  # a damaged file raises whatever its reader does
         raise ValueError(f"unreadable prompts file {path}: {' '.join(str(error).split())[:300]}") from None
+    finally:
+        logger.setLevel(level)
     if isinstance(table, datasets.DatasetDict):
         raise ValueError(f"{path} holds the splits {list(table)}: give the directory of one split")
     if field not in table.column_names:

@@ -249,6 +249,8 @@ def check_same_model(run: Path, current: dict) -> None:
         return
     saved = {"kind": DEFAULT_KIND} | saved
     for field in IDENTITY_FIELDS:
+        if field == "task" and _at(current, "model.path") is not None:
+            continue  # a model.path run trains no task (a config.yaml of an older version records the default's)
         if _at(saved, field) != _at(current, field):
             raise ConfigMismatch(
                 f"--resume {run}: the config's {field} ({_at(current, field)!r}) differs from the run's "

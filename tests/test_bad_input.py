@@ -144,6 +144,38 @@ def test_a_bad_config_is_one_line_naming_it_and_nothing_is_written(tmp_path, tex
     assert not out.exists()
 
 
+KIND_CASES = [
+    ("kind-10000-chars", None, ["kind=" + "x" * 10_000], "kind: 'xxxx"),
+    (
+        "multiplex-kind-10000-chars",
+        yaml.safe_dump({"kind": "multiplex", "pipelines": [{"kind": "x" * 10_000}]}),
+        [],
+        "pipelines.0: kind 'xxxx",
+    ),
+    ("multiplex-kind-unknown", "kind: multiplex\npipelines: [{kind: flux}]\n", [], "kind 'flux' is not one of"),
+    ("multiplex-kind-number", "kind: multiplex\npipelines: [{kind: 5}]\n", [], "kind must name the entry's kind"),
+]
+"""A kind that is no kind, at the top or in a multiplexed entry, where pydantic's own message would echo it whole
+and name the function that reads it."""
+
+
+@pytest.mark.parametrize(("text", "arguments", "names"), [c[1:] for c in KIND_CASES], ids=[c[0] for c in KIND_CASES])
+def test_a_bad_kind_is_clipped_and_names_no_internal_function(tmp_path, text, arguments, names):
+    result, out = invoke_train(tmp_path, text, arguments, "--dry-run")
+    assert_one_line(result, names)
+    assert len(result.stderr) < 250 and "()" not in result.stderr, result.stderr[:300]
+    assert not out.exists()
+
+
+def test_a_scenario_pipelines_bad_kind_is_clipped_and_names_no_internal_function(tmp_path):
+    scenario = load_scenario(next(iter(list_scenarios()))).model_dump(mode="json", exclude_none=True)
+    scenario["pipelines"][0]["kind"] = "x" * 10_000
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(scenario))
+    result = runner.invoke(app, ["simulate", str(tmp_path / "bad.yaml")])
+    assert_one_line(result, "pipelines.0: kind 'xxxx")
+    assert len(result.stderr) < 250 and "()" not in result.stderr, result.stderr[:300]
+
+
 def test_a_directory_as_the_config_is_named(tmp_path):
     result = runner.invoke(app, ["train", str(tmp_path), "--dry-run", "--out", str(tmp_path / "run")])
     assert_one_line(result, f"{tmp_path}: is a directory")

@@ -3,13 +3,14 @@ a language-model run's dataset rows come from the same records and the same hash
 its own (a flow run's text prompts, an eval prompt once; an LM's chat messages and every row's columns)."""
 
 import json
+import logging
 import os
 
 import datasets
 import pytest
 
 from dovetail.config.load import load_config
-from dovetail.prompts import hash_share, prompt_split, read_rows, split_rows
+from dovetail.prompts import hash_share, prompt_split, read_records, read_rows, split_rows
 
 PROMPTS = [f"a {colour} {animal}" for colour in ("red", "green", "blue", "black") for animal in ("cat", "dog", "owl")]
 
@@ -68,3 +69,23 @@ def test_a_dataset_directory_written_again_is_read_again(tmp_path):
     os.rename(str(path) + ".new", path)
     after = split_rows(path, "prompt", 0.3, None, "prompts.prompt_field", chat=True)
     assert len(after.train) + len(after.eval) == len(before.train) + len(before.eval) + 1
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".arrow", ".csv"])
+def test_a_garbage_table_file_is_our_one_line_alone_and_datasets_logger_is_left_as_it_was(suffix, tmp_path):
+    """pyarrow's reader logs its error through datasets' logger before raising it: the user sees it once, ours."""
+    logger = logging.getLogger("datasets")
+    before = logger.level
+    logged: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = logged.append  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    path = tmp_path / f"prompts{suffix}"
+    path.write_bytes(b"\x00\xffgarbage, not a table\n\x00" * 3)
+    try:
+        with pytest.raises(ValueError, match=rf"^unreadable prompts file {path}: [^\n]+$"):
+            read_records(path, "prompt")
+    finally:
+        logger.removeHandler(handler)
+    assert [record.getMessage() for record in logged] == []
+    assert logger.level == before

@@ -617,3 +617,11 @@ def test_the_curves_of_a_multiplexed_run_have_a_line_per_pipeline_and_evals_only
         [[0, 0.5], [3, 0.6]],
     ]
     assert list(pace.lines[1].get_ydata()) == [21.0, 22.0, 23.0]
+
+
+def test_export_help_names_both_libraries_a_run_exports_to():
+    result = CliRunner().invoke(app, ["export", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    help_text = " ".join(result.output.split())
+    for said in ("transformers model", "diffusers pipeline", "language-model run", "flow run with model.path"):
+        assert said in help_text, said

@@ -55,6 +55,20 @@ def reference_run(tmp_path_factory) -> Path:
     return run("reference", tmp_path_factory.mktemp("runs"), ["policy=reference"])
 
 
+@pytest.mark.exactness
+def test_with_an_lr_schedule_colocated_ends_at_the_scheduled_reference_parameters(reference_run, tmp_path):
+    """The lr of each step comes from the optimizer's step count (`models.training.commit`), the same on the reference
+    loop and on the Ray trainer: warm-up gives the first step lr 0, so the run differs from the constant one."""
+    scheduled = [*COMMON, "train.lr_schedule=linear", "train.warmup_steps=1"]
+    for policy in ("reference", "colocated"):
+        train(load_config(None, [*scheduled, f"policy={policy}"]), tmp_path / policy, steps=STEPS)
+    assert max_difference(weights(tmp_path / "colocated"), weights(tmp_path / "reference")) <= 1e-5
+    assert max_difference(weights(tmp_path / "reference"), weights(reference_run)) > 1e-4
+    for policy in ("reference", "colocated"):  # warm-up's 0, then linear decay: 1 - (k - 1) / (STEPS - 1) of lr
+        logged = [json.loads(line) for line in (tmp_path / policy / "metrics.jsonl").read_text().splitlines()]
+        assert [m["learning_rate"] for m in logged] == [0.0, 1e-4, 0.5e-4], policy
+
+
 @pytest.mark.parametrize(
     "policy, overrides",
     [

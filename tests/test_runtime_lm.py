@@ -4,6 +4,7 @@ by the run itself) finds every response generated, scored and trained once."""
 
 import itertools
 import json
+import math
 import random
 import re
 
@@ -176,6 +177,52 @@ def test_a_failing_reward_saves_the_last_step_and_the_run_resumes_where_it_stopp
     train(load_config(None, overrides), tmp_path, steps=STEPS, resume=tmp_path)
     expected, got = final_weights(reference), final_weights(tmp_path)
     assert same_bits(expected, got)
+
+
+@pytest.mark.exactness
+def test_with_an_lr_schedule_verl_sync_and_its_resumed_run_end_at_the_reference_parameters_and_the_replay_says_so(
+    local_ray, reference, tmp_path
+):
+    """Every step's lr is a function of the optimizer's own step count (`models.training.commit`): the reference
+    loop, the Ray trainer and a trainer restored from the checkpoint of step 1 take the same steps."""
+    flag = local_ray
+    scheduled = [*SMALL, "train.lr_schedule=cosine", "reward={faulty_reward:nan_text_when_flagged: 1.0}"]
+    train(load_config(None, [*scheduled, "policy=reference"]), tmp_path / "reference", steps=STEPS)
+    expected = final_weights(tmp_path / "reference")
+    assert not same_bits(final_weights(reference), expected), "the schedule changed the run"
+    train(load_config(None, [*scheduled, "policy=verl-sync"]), tmp_path / "ray", steps=STEPS)
+    assert same_bits(expected, final_weights(tmp_path / "ray"))
+
+    def break_reward_after_first_commit(executor, part):
+        if part.node == "sort/0/commit":
+            flag.touch()
+
+    resumed = tmp_path / "resumed"
+    with pytest.raises(RewardError):
+        train(
+            load_config(None, [*scheduled, "policy=verl-sync"]),
+            resumed,
+            steps=STEPS,
+            after_part=break_reward_after_first_commit,
+        )
+    flag.unlink()
+    train(load_config(None, [*scheduled, "policy=verl-sync"]), resumed, steps=STEPS, resume=resumed)
+    assert same_bits(expected, final_weights(resumed))
+    # each step logs the lr it took, transformers' cosine schedule's: lr x (1 + cos(pi k / 3)) / 2 for step k
+    lrs = [1e-3 * (1 + math.cos(math.pi * k / STEPS)) / 2 for k in range(STEPS)]
+    for run in ("reference", "ray", "resumed"):
+        logged = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        assert [m["learning_rate"] for m in logged] == pytest.approx(lrs, abs=1e-15, rel=0), run
+
+    # the replay of the resumed run is of the steps its last process ran, and says so; a fresh run's says nothing
+    assert (replay_run(resumed)["resumed_from"], replay_run(resumed)["steps"]) == (1, STEPS - 1)
+    said = CliRunner().invoke(app, ["simulate", "--from-run", str(resumed)])
+    assert said.exit_code == 0 and said.stdout.splitlines()[0] == (
+        f"the run was resumed from step 1: this replays steps 2-{STEPS} alone, the last --resume's (each writes "
+        "run_profile.json anew)"
+    )
+    fresh = CliRunner().invoke(app, ["simulate", "--from-run", str(tmp_path / "ray")])
+    assert fresh.exit_code == 0 and fresh.stdout.startswith("verl-sync over 3 steps"), fresh.output
 
 
 @pytest.mark.parametrize("policy", ["verl-sync", "streamrl", "areal"])

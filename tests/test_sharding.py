@@ -26,6 +26,8 @@ torch.set_num_threads(1)
 
 WORLD, STEPS, RESUME_AT, BATCH = 2, 4, 2, 4
 LR, WEIGHT_DECAY, MAX_GRAD_NORM = 1e-3, 0.1, 0.5
+TRAIN = SimpleNamespace(lr=LR, max_grad_norm=MAX_GRAD_NORM, lr_schedule="constant", warmup_steps=0, steps=STEPS)
+"""What `commit` reads of a config's `train` section."""
 LM = LMConfig(task="sort", vocab_size=41, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64)
 """An odd vocabulary: the tied embedding's 41 rows shard 21 / 20, the uneven case."""
 FLOW = T2IConfig(num_layers=2, num_heads=2, head_dim=8, text_dim=16)
@@ -74,7 +76,7 @@ def train(kind, model, optimizer, steps: range, rank: int = 0, world: int = 1) -
     for step in steps:
         loss = loss_of(kind, model, step, rank, world)
         loss.backward()
-        trace.append((float(loss.detach()), commit(model, optimizer, MAX_GRAD_NORM)))
+        trace.append((float(loss.detach()), commit(model, optimizer, TRAIN)))
     return trace
 
 
@@ -157,7 +159,7 @@ def sharded_experiments(rank: int, directory) -> dict:
         "parameters": {p.dtype for p in bf16.parameters()},
         "gradients": {p.grad.dtype for p in bf16.parameters()},
     }
-    results["bf16_trace"] = [(float(loss.detach()), commit(bf16, bf16_optimizer, MAX_GRAD_NORM))]
+    results["bf16_trace"] = [(float(loss.detach()), commit(bf16, bf16_optimizer, TRAIN))]
     results["bf16_dtypes"]["optimizer"] = {v.dtype for s in bf16_optimizer.state.values() for v in s.values()}
 
     hybrid = sharding.shard(build("lm"), sharding.device_mesh("cpu", group_size=1))

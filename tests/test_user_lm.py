@@ -43,6 +43,7 @@ from dovetail.models.lm_rl import response_log_probs
 from dovetail.pipelines.lm.model import encode_prompts
 from dovetail.pipelines.lm.prompts import RunPrompts
 from dovetail.rewards.text import answers_match
+from dovetail.run_dir import check_same_model
 from dovetail.sched import policy_class
 
 STEPS = 2
@@ -381,6 +382,20 @@ def test_an_architecture_our_engine_does_not_compute_trains_on_transformers_forw
 
 
 # ---------------------------------------------------------------- export
+
+
+def test_a_user_runs_config_yaml_records_no_task_and_an_older_one_that_did_still_resumes(runs, workspace, tmp_path):
+    """A model.path run trains the dataset, not the default task (`sort`), so its config.yaml names no task; one an
+    older version wrote with `task: sort` is still the same model's run for --resume."""
+    recorded = yaml.safe_load((runs / "llama" / "config.yaml").read_text())
+    assert "task" not in recorded and recorded["model"]["path"] == str(workspace / "my-llama")
+    assert load_config(runs / "llama" / "config.yaml").model_dump(mode="json") == recorded
+    built_in = load_config(None, ["kind=lm", "task=countdown"]).model_dump(mode="json")
+    assert built_in["task"] == "countdown"  # a task run records its task
+    older = tmp_path / "older"
+    older.mkdir()
+    (older / "config.yaml").write_text(yaml.safe_dump(recorded | {"task": "sort"}))
+    check_same_model(older, user_config(workspace).model_dump(mode="json"))
 
 
 def test_export_writes_a_transformers_directory_that_loads_and_generates(runs, workspace, tmp_path):

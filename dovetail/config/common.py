@@ -83,6 +83,23 @@ class TrainSection(Section):
         0.0, ge=0, le=1, description="AdamW's decoupled decay: at most 1, so lr x weight_decay only shrinks weights"
     )
     max_grad_norm: float = Field(1.0, gt=0, le=1e4)
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant",
+        description="the lr after warm-up: constant, linear decay to 0 at the last step, or cosine decay to 0 "
+        "(TRL's lr_scheduler_type; TRL defaults to linear, dovetail to constant)",
+    )
+    warmup_steps: int = Field(
+        0, ge=0, le=MAX_STEPS, description="optimizer steps whose lr rises linearly from 0 (TRL's warmup_steps)"
+    )
+
+    @model_validator(mode="after")
+    def _warmup_within_run(self) -> "TrainSection":
+        if self.warmup_steps > self.steps:
+            raise ValueError(
+                f"warmup_steps={self.warmup_steps} is more than steps={self.steps}: the lr would never reach "
+                "train.lr; lower train.warmup_steps"
+            )
+        return self
 
 
 class CheckpointSection(Section):

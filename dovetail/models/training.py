@@ -2,6 +2,7 @@
 snapshots, the flat gradient of a part and the sum of parts at a commit, the optimizer step, fp32 kept strict, a
 LoRA adapter seeded by the run."""
 
+import math
 import sys
 
 import numpy as np
@@ -99,16 +100,48 @@ def synchronize(device: torch.device) -> None:
 
 def make_optimizer(model, train) -> torch.optim.Optimizer:
     """AdamW over the parameters that train (a LoRA run's adapter alone), at the config's `train` section's lr and
-    weight_decay: every kind's trainer and the reference loop build theirs here."""
+    weight_decay: every kind's trainer and the reference loop build theirs here. `commit` sets each step's lr from
+    the schedule, so the optimizer carries no scheduler of its own to checkpoint."""
     return torch.optim.AdamW(trainable_parameters(model), lr=train.lr, weight_decay=train.weight_decay)
 
 
-def commit(model, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> float:
-    """One optimizer step for the whole logical batch; returns the pre-clip gradient norm."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+def scheduled_lr(train, step: int) -> float:
+    """The lr of optimizer step `step` (0 for the first) under the `train` section's schedule: transformers'
+    `get_{constant,linear,cosine}_schedule_with_warmup` in closed form, so that it is a function of the step alone
+    and every process computes the same bits."""
+    warmup = train.warmup_steps
+    if step < warmup:
+        return train.lr * (float(step) / float(max(1, warmup)))
+    if train.lr_schedule == "constant":
+        return train.lr
+    if train.lr_schedule == "linear":
+        return train.lr * max(0.0, float(train.steps - step) / float(max(1, train.steps - warmup)))
+    progress = float(step - warmup) / float(max(1, train.steps - warmup))
+    return train.lr * max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))
+
+
+def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
+    """How many steps `optimizer` has taken, from the count AdamW keeps per parameter: it travels with the
+    optimizer's state into every checkpoint and trainer snapshot, so a resumed or restarted trainer goes on with it.
+    The largest count, since a parameter that never had a gradient has none."""
+    return max((int(state["step"]) for state in optimizer.state.values() if "step" in state), default=0)
+
+
+def commit(model, optimizer: torch.optim.Optimizer, train) -> float:
+    """One optimizer step for the whole logical batch at the lr the `train` section's schedule gives this step,
+    its gradient clipped to `train.max_grad_norm`; returns the pre-clip gradient norm."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_grad_norm)
+    lr = scheduled_lr(train, optimizer_steps(optimizer))
+    for group in optimizer.param_groups:
+        group["lr"] = lr
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return float(grad_norm)
+
+
+def stepped_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The lr of the optimizer's latest step (`commit` sets every parameter group's alike): TRL's `learning_rate`."""
+    return float(optimizer.param_groups[0]["lr"])
 
 
 def with_lora(model, lora: dict, seed: int, task_type: str | None = None):

@@ -31,6 +31,7 @@ metrics.jsonl, one line per step (Ray: only under a Ray policy; flow / LM: of th
   response_tokens       LM: tokens of the step's responses
   timesteps             flow: the denoising steps the step trained
   grad_norm             the step's gradient norm before clipping
+  learning_rate         the lr the step's optimizer step took (train.lr_schedule, train.warmup_steps; TRL's name)
   commit_sync_s         Ray: seconds the step's commit spent adding the trainer devices' gradients together (the
                         all-reduce, the wait for the slowest device included), on the first replica that answered
   commit_optimizer_s    Ray: seconds that commit then spent on the clip and the optimizer step

@@ -204,7 +204,11 @@ def problem_lines(error: ValidationError, hidden: tuple[str, ...] = (), within: 
     for problem in error.errors():
         field = clip(".".join(str(part) for part in (*within, *problem["loc"]) if part not in hidden))
         line = clip(problem["msg"].removeprefix("Value error, "), 300)  # some echo their input
-        if problem["type"] not in ("value_error", "missing"):  # they say what they got, or got nothing
+        if problem["type"] == "union_tag_invalid":  # pydantic's own words echo the whole tag and its finder
+            line = f"kind {clip(repr(problem['ctx']['tag']))} is not one of {problem['ctx']['expected_tags']}"
+        elif problem["type"] == "union_tag_not_found":
+            line = f"kind must name the entry's kind, e.g. kind: flow (got {clip(repr(problem['input']))})"
+        elif problem["type"] not in ("value_error", "missing"):  # they say what they got, or got nothing
             line += f" (got {clip(repr(problem['input']))})"
         lines.append(f"{field}: {line}" if field else line)
     return lines

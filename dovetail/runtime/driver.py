@@ -92,8 +92,8 @@ class StepMetrics:
 
 def commit_figures(commit_refs: list) -> dict[str, float]:
     """The step's commit as its first trainer replica that answers tells it (`Committed`): the pre-clip gradient norm
-    (every replica's is the same) and the seconds it spent adding the devices' gradients and stepping the optimizer;
-    a replica that died after committing holds an error instead (NaN if none answers)."""
+    (every replica's is the same), the lr it stepped at, and the seconds it spent adding the devices' gradients and
+    stepping the optimizer; a replica that died after committing holds an error instead (NaN if none answers)."""
     for ref in commit_refs:
         try:
             committed = ray.get(ref)
@@ -101,10 +101,16 @@ def commit_figures(commit_refs: list) -> dict[str, float]:
             continue
         return {
             "grad_norm": float(committed.grad_norm),
+            "learning_rate": committed.lr,
             "commit_sync_s": committed.sync_s,
             "commit_optimizer_s": committed.optimizer_s,
         }
-    return {"grad_norm": float("nan"), "commit_sync_s": float("nan"), "commit_optimizer_s": float("nan")}
+    return {
+        "grad_norm": float("nan"),
+        "learning_rate": float("nan"),
+        "commit_sync_s": float("nan"),
+        "commit_optimizer_s": float("nan"),
+    }
 
 
 MEMORY_WAIT_S = 2.0
@@ -552,6 +558,7 @@ def write_run_outputs(
         "measured_step_time_s": time_per_step(trace),
         "measured_steady_step_s": metrics.steady_step_s,
         "auto": None if choice is None else asdict(choice),  # what policy=auto predicted for each policy it weighed
+        "resumed_from": earlier.run_first_step,
         "publication": publication,
         "segments_before": [
             {"first_step": s.first_step, "steps": len(s.trace.steps) // len(logs), "devices": s.devices, "why": s.label}

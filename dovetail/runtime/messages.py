@@ -69,12 +69,13 @@ class DeviceMemory:
 
 @dataclass(frozen=True)
 class Committed:
-    """A `Commit`'s answer: the pre-clip gradient norm (the same on every replica), where the replica's commit
-    went: adding the trainer devices' gradients together (the all-reduce, with the wait for the slowest),
-    then the clip and the optimizer step; and the device's memory at the commit, where every kind is held at once
-    (the step's metrics carry it, with no call of their own)."""
+    """A `Commit`'s answer: the pre-clip gradient norm (the same on every replica), the lr it stepped at, where the
+    replica's commit went: adding the trainer devices' gradients together (the all-reduce, with the wait for the
+    slowest), then the clip and the optimizer step; and the device's memory at the commit, where every kind is held
+    at once (the step's metrics carry it, with no call of their own)."""
 
     grad_norm: float
+    lr: float
     sync_s: float
     optimizer_s: float
     memory: DeviceMemory = DeviceMemory()

@@ -55,6 +55,9 @@ class RunProfile(BaseModel):
     """Seconds between optimizer steps after the first (a profile written before it was recorded has none)."""
     auto: dict | None = None
     """What `policy=auto` predicted for each policy it weighed (`launch.Choice`), if the run chose so."""
+    resumed_from: int = Field(0, ge=0, le=MAX_STEPS)
+    """The step a `--resume` went on from (0: a fresh run): the profile is of this process's steps alone, since each
+    resume writes run_profile.json anew."""
     segments_before: list[dict] = []
     """Where the run went on without lost devices: each earlier stretch's first step, committed steps, devices (the
     run's first pool's indices) and what began it; the profile's other fields are the last stretch's."""
@@ -166,6 +169,8 @@ def replay_run(run_dir: Path | str) -> dict:
         "run": str(run_dir),
         "policy": config.policy,
         "steps": run.steps,
+        "resumed_from": run.resumed_from,
+        "first_step": run.resumed_from + sum(segment["steps"] for segment in run.segments_before) + 1,
         "measured_step_time_s": measured_step,
         "predicted_step_time_s": predicted,
         "relative_error": (predicted - measured_step) / measured_step,

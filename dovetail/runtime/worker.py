@@ -38,6 +38,7 @@ from dovetail.models.memory import peak_bytes
 from dovetail.models.training import (
     commit,
     set_summed_gradient,
+    stepped_lr,
     strict_fp32,
     trainable_parameters,
     trainer_state_of,
@@ -324,10 +325,11 @@ class DeviceWorker:
         set_summed_gradient(self.engines.trainer, [summed], work.scale)
         gradients = self.engines.memory([*self.gradients.values(), summed]).gradients
         self.gradients = {}
-        grad_norm = commit(self.engines.trainer, self.engines.optimizer, self.config.train.max_grad_norm)
+        grad_norm = commit(self.engines.trainer, self.engines.optimizer, self.config.train)
+        lr = stepped_lr(self.engines.optimizer)
         seconds = time.perf_counter() - synced
         self.held_memory = self.engines.memory()
-        return Committed(grad_norm, synced - start, seconds, replace(self.held_memory, gradients=gradients))
+        return Committed(grad_norm, lr, synced - start, seconds, replace(self.held_memory, gradients=gradients))
 
     def _zero_gradient(self) -> torch.Tensor:
         """A flat fp64 gradient of zeros over the trainer's trainable parameters (what a part is: `part_gradient`)."""

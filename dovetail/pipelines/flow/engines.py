@@ -179,7 +179,7 @@ def profile_works(
         "score": lambda done: score(decode(done["generate"].images), prompts, config.reward, config.reward_timeout_s),
         "logprob": logprob,
         "train": train,
-        "optimizer": lambda done: commit(trainer, optimizer, config.train.max_grad_norm),
+        "optimizer": lambda done: commit(trainer, optimizer, config.train),
         "publish": lambda done: load_weights(rollout, carry(weights_of(trainer))),
     }
 

@@ -12,7 +12,7 @@ from dovetail.models.diffusers_flow import checkpoint_io, load_decoder, load_flo
 from dovetail.models.flow_rl import generate, group_sample_ids, step_prompts
 from dovetail.models.memory import memory_by_kind, peak_bytes
 from dovetail.models.t2i import latents_to_images
-from dovetail.models.training import commit, make_optimizer
+from dovetail.models.training import commit, make_optimizer, stepped_lr
 from dovetail.pipelines.flow.config import FlowTrainConfig, flow_rules
 from dovetail.pipelines.flow.recipe import (
     advantages_of,
@@ -78,7 +78,7 @@ def rl_step(
 
     gradients = memory_by_kind(model)["gradients"]
     start = time.perf_counter()
-    grad_norm = commit(model, optimizer, config.train.max_grad_norm)
+    grad_norm = commit(model, optimizer, config.train)
     timings["commit_s"] = time.perf_counter() - start
     held = memory_by_kind(model, optimizer)  # after the step: AdamW makes its moments at its first
     device = next(model.parameters()).device
@@ -89,7 +89,7 @@ def rl_step(
     metrics |= {
         name: value if name in ("ratio_min", "ratio_max") else value / total_pairs for name, value in sums.items()
     }
-    metrics |= timings | {"grad_norm": grad_norm}
+    metrics |= timings | {"grad_norm": grad_norm, "learning_rate": stepped_lr(optimizer)}
     if not algo.per_sample_timesteps:
         metrics["timesteps"] = timesteps[0]
     return metrics | {"samples_per_s": len(ids) / step_seconds, "step_s": step_seconds} | memory_figures([memory])

@@ -5,9 +5,17 @@ algorithm's knobs, evaluation, and how the Ray runtime cuts a step."""
 import re
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, StringConstraints, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    Field,
+    SerializerFunctionWrapHandler,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from dovetail.config.common import (
     MAX_PER_STEP,
@@ -378,6 +386,15 @@ class LMTrainConfig(RunSection):
                 f"{self.task} --out NEW_DIR` makes one)"
             )
         return self
+
+    @model_serializer(mode="wrap")
+    def _no_task_of_a_user_model(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A `model.path` run trains the user's dataset, not a task: its dump (config.yaml, the checkpoints' and
+        the caches' configs) records no `task`, which would otherwise say the default task it never trained."""
+        tree = handler(self)
+        if self.model.path is not None:
+            tree.pop("task", None)
+        return tree
 
     @property
     def rewards(self) -> dict[str, float]:

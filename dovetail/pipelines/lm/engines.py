@@ -259,7 +259,7 @@ def profile_works(
         "score": lambda done: engines.run(Score(name, [done["decode"]], None)),
         "logprob": lambda done: engines.run(LMLogProbs(name, ids, [done["decode"]], False)),
         "train": train,
-        "optimizer": lambda done: commit(engines.trainer, engines.optimizer, config.train.max_grad_norm),
+        "optimizer": lambda done: commit(engines.trainer, engines.optimizer, config.train),
         "publish": lambda done: engines.load_rollout(carry(weights_of(engines.trainer))),
     }
 

@@ -12,7 +12,7 @@ import torch
 from dovetail.graph.node import SampleId
 from dovetail.models.causal_lm import rollout_engine
 from dovetail.models.engine import Request
-from dovetail.models.training import commit, set_summed_gradient, weights_of
+from dovetail.models.training import commit, set_summed_gradient, stepped_lr, weights_of
 from dovetail.pipelines.lm.adapter import commit_scale, lm_step_metrics
 from dovetail.pipelines.lm.config import LMTrainConfig, engine_matches_trainer
 from dovetail.pipelines.lm.engines import LMEngines
@@ -73,7 +73,7 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
     part = engines.part_gradient()
     set_summed_gradient(engines.trainer, [part], commit_scale([trained]))
     gradients = engines.memory([part]).gradients  # as a Ray device's commit counts them: the part and the trainer's
-    grad_norm = commit(engines.trainer, engines.optimizer, config.train.max_grad_norm)
+    grad_norm = commit(engines.trainer, engines.optimizer, config.train)
     timings["commit_s"] = time.perf_counter() - start
     memory = replace(engines.memory(), gradients=gradients)
     seconds = sum(timings.values())
@@ -82,6 +82,7 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
         | timings
         | {
             "grad_norm": grad_norm,
+            "learning_rate": stepped_lr(engines.optimizer),
             "samples_per_s": len(ids) / seconds,
             "step_s": seconds,
         }
