@@ -48,8 +48,9 @@ def dovetail_train(out: Path, flag: Path, *arguments: str) -> subprocess.Popen:
         ("reference", "holds_the_gil"),
         ("reference", "exits"),
         ("reference", "ends_its_process"),
-        ("verl-sync", "holds_the_gil"),  # the other device's worker overran too: its error once followed, Ray's
-        ("verl-sync", "ends_its_process"),  # traceback and all, after the run's one line
+        # the other device's worker overran too: its error once followed, Ray's traceback and all, after the run's
+        # one line (a reward ending its process takes the same way out of a worker: the reference case covers it)
+        ("verl-sync", "holds_the_gil"),
     ],
 )
 def test_a_reward_failing_mid_run_stops_the_run_saved_in_one_line_and_the_run_resumes(policy, failure, tmp_path):
