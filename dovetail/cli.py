@@ -350,8 +350,7 @@ def plan(
     devices: int = typer.Option(..., help="devices to plan for"),
     policies: str = typer.Option(
         None,
-        help="comma-separated policies; default: the scenario's first (schedule.policies) and every other of its "
-        "schedule.policies that searches",
+        help="comma-separated policies; default: every policy of the scenario's schedule.policies",
     ),
 ):
     """Show every shape the policies' searches simulated (digen: pool split, FSDP groups, GAP fragments, TSP chunk,

@@ -113,3 +113,28 @@ def test_plans_best_line_names_the_run_config_keys_that_run_it():
     keys = best.split("to run it, set ")[1].split(" in the run config")[0].split()
     config = load_config(None, keys)  # the shipped digits config takes them as overrides
     assert (config.policy, config.cluster.device, config.cluster.devices) == ("digen", "H200", 4)
+
+
+def test_plan_weighs_every_listed_policy_and_names_the_shortest_steady_step():
+    """A scenario listing five LM policies, the first of them not the fastest: plain `dovetail plan` simulates each
+    (not only the first and the searching ones) and names the one whose chosen shape steps fastest once warm, which
+    each policy's own simulation on the same devices and steps says independently of the plan's table."""
+    from dovetail.plan.metrics import summarize
+    from dovetail.plan.prepare import prepare, run_prepared
+    from dovetail.plan.scenario import load_scenario
+    from dovetail.sched.policy import search_horizon
+
+    scenario = load_scenario("jigsaw-qwen3-4b-8xh100")
+    listed = scenario.schedule.policies
+    result = runner.invoke(app, ["plan", scenario.name, "--devices", "8"])
+    assert result.exit_code == 0, result.output
+    assert all(any(line.startswith(f"{name}: ") for line in result.output.splitlines()) for name in listed)
+    steps = search_horizon(scenario.schedule.steps)
+    steady = {
+        name: summarize(run_prepared(scenario, prepare(scenario, name, steps=steps, devices=8))).steady_step_s
+        for name in listed
+    }
+    fastest = min(steady, key=steady.__getitem__)
+    assert fastest != listed[0], steady  # the case the plan got wrong: the first listed was named best
+    best = result.output.splitlines()[-1]
+    assert f" under {fastest} -> " in best and f"{steady[fastest]:.1f} s/step steady" in best, (best, steady)

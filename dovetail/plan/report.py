@@ -90,12 +90,14 @@ def _describe_all(shapes: Mapping[str, Shape]) -> str:
 
 
 def plan(scenario: Scenario, devices: int, policies: list[str] | None = None) -> str:
-    """What each searching policy of the scenario (or `policies`) considered on `devices` and what it chose: every
+    """What each policy of the scenario's schedule (or `policies`) considered on `devices` and what it chose: every
     candidate its search simulated over the run's steps (at most `SEARCH_STEPS`), fastest first, the chosen one
     marked `*` — it is never slower than another row of its policy —, with its steady step (commit to commit after
-    the first) and first step (warm-up included), beside the first policy's throughput; last, how to run the best."""
-    schedule = scenario.schedule.policies
-    names = list(dict.fromkeys(policies or [schedule[0], *(p for p in schedule if policy_class(p).searches)]))
+    the first) and first step (warm-up included), beside the first policy's throughput; last, the best and how to run
+    it. The best is the policy whose chosen shape has the shortest steady step: a run takes hundreds of steps, so a
+    slower first step (a pipelined shape's warm-up) weighs next to nothing; the throughput over the few simulated
+    steps would count it as much as every later step."""
+    names = list(dict.fromkeys(policies or scenario.schedule.policies))
     for name in names:
         policy_class(name)
     reward = scenario.schedule.reward_devices
@@ -137,7 +139,7 @@ def plan(scenario: Scenario, devices: int, policies: list[str] | None = None) ->
                 f"  {mark} {candidate_rate:10.3f} samples/s {candidate_step_s:9.1f} s/step steady "
                 f"(first {candidate_first_s:.1f} s) {candidate_rate / baseline:6.2f}x  {_describe_all(shapes)}"
             )
-        if best is None or rate > best[0]:
+        if best is None or (step_s, -rate) < (best[1], -best[0]):
             best = (rate, step_s, first_s, name, chosen)
     if best is None:
         raise ValueError(f"{scenario.name}: no policy can run it on {devices} devices:\n" + "\n".join(lines[1:]))
