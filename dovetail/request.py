@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -39,8 +39,10 @@ class FaultHooks:
     """The Ray runtime's fault-injection points, for tests and benchmarks: `after_start(started)` once the workers
     are configured, before the start-up profile; `after_part(executor, part)` after each train part is placed."""
 
-    after_start: Any = None
-    after_part: Any = None
+    after_start: Callable[[Mapping[str, Any]], None] | None = None
+    """Called with each pipeline's started workers (`recovery.Started`, by pipeline name)."""
+    after_part: Callable[[Any, Any], None] | None = None
+    """Called with the executor and the train part it just placed."""
 
 
 @dataclass(frozen=True)
