@@ -10,7 +10,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -56,16 +55,15 @@ def dovetail_train(out: Path, flag: Path, *arguments: str) -> subprocess.Popen:
 def test_a_reward_failing_mid_run_stops_the_run_saved_in_one_line_and_the_run_resumes(policy, failure, tmp_path):
     out, flag = tmp_path / "run", tmp_path / "flag"
     process = dovetail_train(out, flag, f"policy={policy}", "--steps", "40")
-    lines, broken_at = [], 0.0
+    lines = []
     for line in process.stdout:
         lines.append(line)
         if "step 1/40" in line:
             flag.write_text(failure)
-            broken_at = time.monotonic()
     stderr = process.stderr.read()
     assert process.wait(timeout=120) == 1, stderr
-    assert broken_at and time.monotonic() - broken_at < 60, "the run stopped once the reward broke"
     done = len(lines)  # a step whose rewards were scored before the flag was written may have finished too
+    assert done in (1, 2), lines  # the run stopped once the reward broke, not at its 40th step
     saved = out / "checkpoints" / f"step_{done:06d}"
     assert [p.name for p in (out / "checkpoints").iterdir()] == [saved.name]  # checkpoint.every=100: the stop saved
     assert len(stderr.splitlines()) == 1 and "Traceback" not in stderr, stderr

@@ -29,7 +29,7 @@ from dovetail.rewards import RewardError
 from dovetail.run_dir import RunDir
 from dovetail.runtime.executor import RayExecutor
 from dovetail.runtime.launch import Choice, device_pool, make_executor, prepare_run, start_ray, start_workers
-from dovetail.runtime.messages import DeviceMemory
+from dovetail.runtime.messages import Committed, DeviceMemory
 from dovetail.runtime.pipeline import Ledger, memory_figures
 from dovetail.runtime.recovery import StepLost
 from dovetail.trackers import RunProgress
@@ -61,7 +61,7 @@ class StepMetrics:
         graph, now, run = executor.graph, executor.state.now, executor.pipelines[self.pipeline]
         scores = ray.get(executor.outputs_of([n.id for n in graph.of(self.pipeline, graph_step, Kind.SCORE)]))
         trained = ray.get(executor.outputs_of([n.id for n in graph.of(self.pipeline, graph_step, Kind.TRAIN)]))
-        commits = executor.outputs_of([n.id for n in graph.of(self.pipeline, graph_step, Kind.COMMIT)])
+        commits = answers(executor.outputs_of([n.id for n in graph.of(self.pipeline, graph_step, Kind.COMMIT)]))
         opened = self.last_commit_time
         if opened is None:
             opened = min(span.start for span in executor.state.trace.spans if span.pipeline == self.pipeline)
@@ -90,21 +90,30 @@ class StepMetrics:
         return metrics
 
 
-def commit_figures(commit_refs: list) -> dict[str, float]:
-    """The step's commit as its first trainer replica that answers tells it (`Committed`): the pre-clip gradient norm
-    (every replica's is the same), the lr it stepped at, and the seconds it spent adding the devices' gradients and
-    stepping the optimizer; a replica that died after committing holds an error instead (NaN if none answers)."""
+def answers(commit_refs: list) -> list[Committed | None]:
+    """Each trainer replica's answer to the step's commit (`Committed`), fetched once; None for a replica that died
+    after committing (its ref holds the error)."""
+    committed: list[Committed | None] = []
     for ref in commit_refs:
         try:
-            committed = ray.get(ref)
+            committed.append(ray.get(ref))
         except RayError:
-            continue
-        return {
-            "grad_norm": float(committed.grad_norm),
-            "learning_rate": committed.lr,
-            "commit_sync_s": committed.sync_s,
-            "commit_optimizer_s": committed.optimizer_s,
-        }
+            committed.append(None)
+    return committed
+
+
+def commit_figures(commits: list[Committed | None]) -> dict[str, float]:
+    """The step's commit as its first trainer replica that answered tells it: the pre-clip gradient norm (every
+    replica's is the same), the lr it stepped at, and the seconds it spent adding the devices' gradients and stepping
+    the optimizer (NaN if none answered)."""
+    for committed in commits:
+        if committed is not None:
+            return {
+                "grad_norm": float(committed.grad_norm),
+                "learning_rate": committed.lr,
+                "commit_sync_s": committed.sync_s,
+                "commit_optimizer_s": committed.optimizer_s,
+            }
     return {
         "grad_norm": float("nan"),
         "learning_rate": float("nan"),
@@ -118,15 +127,15 @@ MEMORY_WAIT_S = 2.0
 own at once); a device restarting meanwhile is reported as None."""
 
 
-def device_memory(workers: list, trainer_devices: tuple[int, ...], commit_refs: list) -> list[DeviceMemory | None]:
+def device_memory(
+    workers: list, trainer_devices: tuple[int, ...], commits: list[Committed | None]
+) -> list[DeviceMemory | None]:
     """Each device's memory at the step's end: a trainer device's from its commit's answer (`Committed.memory`),
     every other device's by one small call (`DeviceWorker.memory`); None for a device that answered neither."""
     memory: list[DeviceMemory | None] = [None] * len(workers)
-    for device, ref in zip(trainer_devices, commit_refs):
-        try:
-            memory[device] = ray.get(ref).memory
-        except RayError:
-            continue
+    for device, committed in zip(trainer_devices, commits):
+        if committed is not None:
+            memory[device] = committed.memory
     asked = {workers[d].memory.remote(): d for d in range(len(workers)) if memory[d] is None}
     ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=MEMORY_WAIT_S) if asked else ([], [])
     for ref in ready:
