@@ -91,6 +91,34 @@ class TrainSection(Section):
     warmup_steps: int = Field(
         0, ge=0, le=MAX_STEPS, description="optimizer steps whose lr rises linearly from 0 (TRL's warmup_steps)"
     )
+    sharding: Literal["replicate", "fsdp"] = Field(
+        "replicate",
+        description="replicate: every trainer device holds the whole model and its optimizer state; fsdp: they "
+        "split it (FSDP2, per transformer block), each holding 1/N of the parameters, gradients and AdamW moments",
+    )
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="the trainer's compute: bf16 gathers and computes each block in bf16 and keeps fp32 master "
+        "weights, optimizer state and gradient reduction (FSDP's mixed precision: needs sharding: fsdp)",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="keep only each transformer block's input through the forward and recompute the rest in the "
+        "backward (less memory, ~1/3 more compute; needs sharding: fsdp)",
+    )
+
+    @model_validator(mode="after")
+    def _sharded_options(self) -> "TrainSection":
+        """bf16 and activation checkpointing are applied where FSDP wraps the trainer's blocks."""
+        for name, value, plain in (
+            ("precision", self.precision, "fp32"),
+            ("activation_checkpointing", self.activation_checkpointing, False),
+        ):
+            if value != plain and self.sharding != "fsdp":
+                raise ValueError(
+                    f"{name}={value}: applied by the sharded trainer; set train.sharding: fsdp (or {name}: {plain})"
+                )
+        return self
 
     @model_validator(mode="after")
     def _warmup_within_run(self) -> "TrainSection":

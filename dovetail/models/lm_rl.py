@@ -53,7 +53,7 @@ def response_log_probs(
     grad where the log-probs are)."""
     device = next(model.parameters()).device
     ids, attention_mask = pad_batch([p + r for p, r in zip(prompts, responses)])
-    logits = model(input_ids=ids.to(device), attention_mask=attention_mask.long().to(device)).logits
+    logits = model(input_ids=ids.to(device), attention_mask=attention_mask.long().to(device), use_cache=False).logits
     targets, mask = pad_batch(responses)
     targets, mask = targets.to(device), mask.to(device)
     prompt_lengths = torch.tensor([len(p) for p in prompts], device=device)
@@ -110,17 +110,48 @@ def by_group(samples: Iterable[SampleId]) -> list[list[SampleId]]:
     return [list(members) for _, members in groupby(sorted(samples), key=lambda s: (s.step, s.prompt))]
 
 
-def group_log_probs(model, requests: dict[SampleId, Request], temperature: float) -> dict[SampleId, torch.Tensor]:
-    """Each sampled response's log-probs (`group_response_log_probs`, a group at a time), without grad."""
+def lockstep_log_probs(model, prompt: list[int], responses: list[list[int]], temperature: float, entropy: bool = False):
+    """`group_response_log_probs` as a member of an FSDP group computes it: in one forward, the prompt repeated per
+    response (`response_log_probs`). Every forward of a sharded model gathers each block's parameters from every
+    member, so the members must make the same calls; the prompt pass's cache is read by a second call only where a
+    response has more than one token, which would make the calls depend on the member's responses."""
+    return response_log_probs(model, [prompt] * len(responses), responses, temperature, entropy)
+
+
+def padding_pass(model) -> torch.Tensor:
+    """The loss of a pass with nothing to train, times 0: what a member of an FSDP group runs (forward, and backward
+    when training) where it has fewer groups than the others, so that every member makes the step's gathers and
+    reductions; it adds exact zeros to the gradients."""
+    log_probs, _ = response_log_probs(model, [[0]], [[0]], 1.0)
+    return log_probs.sum() * 0.0
+
+
+def group_log_probs(
+    model, requests: dict[SampleId, Request], temperature: float, passes: int | None = None
+) -> dict[SampleId, torch.Tensor]:
+    """Each sampled response's log-probs (`group_response_log_probs`, a group at a time), without grad. `passes`: the
+    forwards every member of a sharded trainer's group makes (`lockstep_log_probs`, then `padding_pass`es); None for
+    a replica."""
     out: dict[SampleId, torch.Tensor] = {}
+    groups = by_group(requests)
+    log_probs_of = group_response_log_probs if passes is None else lockstep_log_probs
     with torch.no_grad():
-        for group in by_group(requests):
+        for group in groups:
             chosen = [requests[s] for s in group]
-            log_probs, mask = group_response_log_probs(
-                model, group_prompt(chosen), [r.tokens for r in chosen], temperature
-            )
+            log_probs, mask = log_probs_of(model, group_prompt(chosen), [r.tokens for r in chosen], temperature)
             out |= {s: row[m] for s, row, m in zip(group, log_probs, mask)}
+        for _ in range(_padding(groups, passes)):
+            padding_pass(model)
     return out
+
+
+def _padding(groups: list, passes: int | None) -> int:
+    """How many padding passes a member with `groups` makes to make `passes` in all."""
+    if passes is None:
+        return 0
+    if len(groups) > passes:
+        raise ValueError(f"{len(groups)} groups in a part of {passes} lockstep passes: the driver counts them")
+    return passes - len(groups)
 
 
 def accumulate_group_gradients(
@@ -145,6 +176,28 @@ def accumulate_group_gradients(
     return total, stats
 
 
+def backward_in_lockstep(
+    model,
+    samples: Sequence[SampleId],
+    group_loss: Callable[[list[SampleId]], tuple[torch.Tensor, dict | None]],
+    passes: int,
+) -> list[dict]:
+    """`accumulate_group_gradients` on a member of a sharded trainer's FSDP group: each group's loss backpropagated
+    into the model's own gradients, where FSDP adds every member's into each member's shard, and `padding_pass`es up
+    to `passes`, the count every member makes. `group_loss` gives a group with nothing to train a loss of 0 and no
+    statistics: its backward still runs. Returns each trained group's statistics."""
+    groups = by_group(samples)
+    stats = []
+    for group in groups:
+        loss, group_stats = group_loss(group)
+        loss.backward()
+        if group_stats is not None:
+            stats.append(group_stats | {"loss": loss.item()})
+    for _ in range(_padding(groups, passes)):
+        padding_pass(model).backward()
+    return stats
+
+
 def normaliser_of(aggregation: str, max_new_tokens: int, mask: torch.Tensor) -> float:
     """What a part of the step adds to the step's loss normaliser: its tokens (token aggregation, DAPO), its
     sequences (GRPO), or its sequences x max_new_tokens (Dr. GRPO)."""
@@ -165,7 +218,8 @@ def policy_gradient(
     temperature: float,
     max_new_tokens: int,
     stale: bool,
-) -> tuple[torch.Tensor, list[dict], float]:
+    passes: int | None = None,
+) -> tuple[torch.Tensor | None, list[dict], float]:
     """The GRPO gradient of the groups of `requests` (a part of the step, whole groups), summed: the flat fp64
     gradient of the loss summed over the part (`lm_grpo_loss(loss_scale=1)`), each group's statistics, and what
     the part adds to the step's normaliser (the commit divides the summed parts by the step's).
@@ -178,7 +232,10 @@ def policy_gradient(
     version) is corrected by the decoupled PPO weight of the proximal to the behaviour log-probs. The mean token
     entropy of the sampling distributions is reported, and
     with `algo.entropy_coef` its bonus trains (the loss less entropy_coef x the entropy, aggregated as the
-    surrogate). `algo`: the run's `algo` section (clips, aggregation, KL, entropy bonus)."""
+    surrogate). `algo`: the run's `algo` section (clips, aggregation, KL, entropy bonus).
+
+    `passes`: on a member of a sharded trainer's group, the passes every member makes (`backward_in_lockstep`): the
+    gradient is then left in the model's own (its shard of every member's), and None is returned for it."""
     scored = sorted(rewards)
     advantages = group_advantages(
         torch.tensor([rewards[s] for s in scored]),
@@ -193,14 +250,13 @@ def policy_gradient(
         nonlocal normaliser
         group_requests = [requests[s] for s in group]
         responses = [r.tokens for r in group_requests]
-        log_probs, mask, entropy = group_response_log_probs(
-            model, group_prompt(group_requests), responses, temperature, entropy=True
-        )
+        log_probs_of = group_response_log_probs if passes is None else lockstep_log_probs
+        log_probs, mask, entropy = log_probs_of(model, group_prompt(group_requests), responses, temperature, True)
         if algo.entropy_coef == 0:
             entropy = entropy.detach()  # the metric alone: no backward through it
         normaliser += normaliser_of(algo.aggregation, max_new_tokens, mask)
-        if not mask.any():
-            return None
+        if not mask.any():  # a member of a sharded group backpropagates it all the same (`backward_in_lockstep`)
+            return None if passes is None else (log_probs.sum() * 0.0, None)
 
         def padded(per_sample: dict) -> torch.Tensor:
             out = torch.zeros_like(log_probs)
@@ -236,5 +292,7 @@ def policy_gradient(
             stats["logprob_gap"] = (padded(old_log_probs) - engine)[mask].abs().mean().item()
         return loss, stats
 
+    if passes is not None:
+        return None, backward_in_lockstep(model, list(requests), group_loss, passes), normaliser
     gradient, stats = accumulate_group_gradients(model, list(requests), group_loss)
     return gradient, stats, normaliser

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 PRECISIONS = ("fp32", "bf16")
@@ -61,6 +61,12 @@ def device_mesh(device_type: str, group_size: int | None = None) -> DeviceMesh:
             f"group_size={group_size} does not divide the {world} trainer devices: give a divisor of {world}"
         )
     return init_device_mesh(device_type, (world // group_size, group_size), mesh_dim_names=("replicate", "shard"))
+
+
+def group_mesh(group: dist.ProcessGroup, device_type: str) -> DeviceMesh:
+    """The 1-D mesh of one torch.distributed group: the runtime's FSDP group, the trainer devices' group cut from the
+    group of a pipeline's devices (`runtime.worker.group_of`)."""
+    return DeviceMesh.from_group(group, device_type, mesh_dim_names=("shard",))
 
 
 def blocks_of(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -93,6 +99,7 @@ def shard(
     precision: str = "fp32",
     reshard_after_forward: bool = True,
     activation_checkpointing: bool = False,
+    sum_gradients: bool = False,
 ) -> torch.nn.Module:
     """`model` sharded in place over `mesh` (`device_mesh`) and returned: each block (`blocks_of`) an FSDP unit,
     then the root, which holds the rest (embeddings, the head, a flow model's patch and time embeddings).
@@ -102,7 +109,9 @@ def shard(
     last block is never resharded after its forward, as its backward comes at once; FSDP keeps the root gathered for
     the same reason. `activation_checkpointing` keeps only each block's inputs through the forward and recomputes
     the rest in the backward. The root returns fp32 outputs (with bf16, cast from bf16 logits): the loss and
-    log-probs are computed in fp32 whatever the precision."""
+    log-probs are computed in fp32 whatever the precision. `sum_gradients`: the reduce-scatter adds the members'
+    gradients where FSDP would average them, for losses summed over the parts of a step that the commit divides by
+    the step's normaliser (the runtime's)."""
     policy = mixed_precision(precision)
     blocks = blocks_of(model)
     for index, block in enumerate(blocks):
@@ -114,6 +123,10 @@ def shard(
             block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward and index < len(blocks) - 1
         )
     fully_shard(model, mesh=mesh, mp_policy=replace(policy, output_dtype=torch.float32))
+    if sum_gradients:
+        for unit in [*blocks, model]:
+            unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]  # fully_shard made each an FSDPModule
+            unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]  # a plain sum: gloo has no pre-scaled one
     return model
 
 
@@ -144,6 +157,66 @@ def local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     return {
         "weights": {name: _to_numpy(value) for name, value in weights.items()},
         "optimizer": {"state": moments, "param_groups": optimizer_state["param_groups"]},
+        "sharded": sorted(name for name, value in get_model_state_dict(model).items() if isinstance(value, DTensor)),
+    }
+
+
+def merged_state(shards: list[dict]) -> dict:
+    """The replicated trainer state (`models.training.trainer_state_of`'s layout: weights by name, AdamW's state by
+    the parameter's index) of the local states `local_state` took from every member of a 1-D FSDP group, in rank
+    order: each sharded tensor's and its moments' shards joined along dim 0, where FSDP cut them; what is not sharded
+    (buffers, step counts, hyper-parameters) taken from the first member. What the driver checkpoints, evaluates and
+    restarts a group with (on any number of devices: `local_of_full` cuts it again)."""
+    first = shards[0]
+    sharded = set(first["sharded"])
+
+    def joined(name: str, pick) -> np.ndarray:
+        return np.concatenate([pick(shard) for shard in shards]) if name in sharded else pick(first)
+
+    weights = {name: joined(name, lambda shard, n=name: shard["weights"][n]) for name in first["weights"]}
+    groups = first["optimizer"]["param_groups"]
+    index = {name: i for i, name in enumerate(name for group in groups for name in group["params"])}
+    state = {
+        index[name]: {
+            key: joined(name, lambda shard, n=name, k=key: shard["optimizer"]["state"][n][k])
+            if isinstance(value, np.ndarray) and value.ndim
+            else value
+            for key, value in per_param.items()
+        }
+        for name, per_param in first["optimizer"]["state"].items()
+    }
+    param_groups = [group | {"params": [index[name] for name in group["params"]]} for group in groups]
+    return {"weights": weights, "optimizer": {"state": state, "param_groups": param_groups}}
+
+
+def local_of_full(model: torch.nn.Module, optimizer: torch.optim.Optimizer, full: dict) -> dict:
+    """This process's part of a replicated trainer state (`merged_state`'s layout), as `local_state` would give it,
+    for `load_local_state`: each tensor cut as this process's shard of it is (no communication: every member holds
+    the whole and keeps its own rows)."""
+    templates = get_model_state_dict(model)
+
+    def rows(name: str, array: np.ndarray) -> np.ndarray:
+        template = templates[name]
+        if not isinstance(template, DTensor):
+            return array
+        whole = torch.from_numpy(np.array(array, copy=True)).to(template.device)
+        return _to_numpy(distribute_tensor(whole, template.device_mesh, template.placements, src_data_rank=None))
+
+    names = [name for group in get_optimizer_state_dict(model, optimizer)["param_groups"] for name in group["params"]]
+    moments = {
+        names[index]: {
+            key: rows(names[index], value) if isinstance(value, np.ndarray) and value.ndim else value
+            for key, value in per_param.items()
+        }
+        for index, per_param in full["optimizer"]["state"].items()
+    }
+    param_groups = [
+        group | {"params": [names[i] for i in group["params"]]} for group in full["optimizer"]["param_groups"]
+    ]
+    return {
+        "weights": {name: rows(name, array) for name, array in full["weights"].items()},
+        "optimizer": {"state": moments, "param_groups": param_groups},
+        "sharded": sorted(name for name, value in templates.items() if isinstance(value, DTensor)),
     }
 
 

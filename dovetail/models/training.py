@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 from dovetail.files import one_line
 from dovetail.models.sampling import sample_key
@@ -92,6 +93,16 @@ def set_summed_gradient(model, parts: list[torch.Tensor], scale: float) -> None:
         offset += p.numel()
 
 
+def scale_gradients(model, scale: float) -> None:
+    """Multiply the gradients the trainable parameters accumulated by `scale`: a sharded trainer's commit, whose
+    parts' summed gradients FSDP already added into the parameters' own (each member its shard)."""
+    if scale == 1.0:
+        return
+    for p in trainable_parameters(model):
+        if p.grad is not None:
+            p.grad.mul_(scale)
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued kernels, so that a wall-clock time covers the work."""
     if device.type == "cuda":
@@ -131,6 +142,8 @@ def commit(model, optimizer: torch.optim.Optimizer, train) -> float:
     """One optimizer step for the whole logical batch at the lr the `train` section's schedule gives this step,
     its gradient clipped to `train.max_grad_norm`; returns the pre-clip gradient norm."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_grad_norm)
+    if isinstance(grad_norm, DTensor):  # a sharded trainer's: the norm over every member's shards
+        grad_norm = grad_norm.full_tensor()
     lr = scheduled_lr(train, optimizer_steps(optimizer))
     for group in optimizer.param_groups:
         group["lr"] = lr

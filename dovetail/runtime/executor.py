@@ -13,6 +13,12 @@ trainer state (`PipelineRun`), and a pipeline whose reward fails stops alone aft
 A worker that dies is restarted by Ray; the executor gives it the last committed trainer state, forms the device
 group again, re-runs the train parts whose gradients it held (their results are already booked, so no sample
 counts twice) and sends its unfinished parts again. Rollouts and scores live in the object store and survive it.
+
+A sharded trainer (`train.sharding: fsdp`) is one FSDP group of devices: each member holds 1/N of the weights,
+gradients and AdamW moments, the group runs each trainer node together (a part per member, in lockstep), and after
+each commit every member puts its own shards in the object store (1/N of a replica's state each, never a whole one).
+Every member holds a piece of every part's gradient, so a member that dies takes the open step with it: the run goes
+on from its last committed step (`StepLost`, the driver's path for a lost device, with every device still there).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypeAlias
 
 import ray
 from ray.exceptions import ObjectLostError, RayActorError, RayError, RayTaskError
@@ -28,11 +35,12 @@ from ray.exceptions import ObjectLostError, RayActorError, RayError, RayTaskErro
 from dovetail.config.multiplex import PipelineConfig
 from dovetail.graph.node import Graph, Kind, Node, SampleId
 from dovetail.kinds import kind
+from dovetail.models.sharding import merged_state
 from dovetail.plan.loop import settle
 from dovetail.plan.state import ClusterState
 from dovetail.plan.trace import Trace
 from dovetail.rewards import RewardError
-from dovetail.runtime.messages import Commit, Loaded, LoadWeights, Trained
+from dovetail.runtime.messages import Commit, Loaded, LoadWeights, Trained, TrainerWork
 from dovetail.runtime.pipeline import Ledger, Part, PipelineAdapter
 from dovetail.runtime.publication import Layout, Publication, layout_of, send
 from dovetail.runtime.recovery import RECOVERY_DEADLINE_S, Incarnations, LostWatch, StepLost, revive
@@ -41,6 +49,9 @@ from dovetail.sched.policy import Migrate, Policy, Run, Setup, StepCommitted, Sw
 
 MAX_RESENDS = 5
 """Times one part is sent again after its worker died before the run gives up on it."""
+
+Held: TypeAlias = "ray.ObjectRef | tuple[ray.ObjectRef, ...]"
+"""A trainer state in the object store: a replica's whole, or a sharded trainer's members' shards in rank order."""
 
 Take = Callable[[ray.actor.ActorHandle], tuple[ray.ObjectRef, ray.ObjectRef]]
 """What the driver takes from a trainer replica (a DeviceWorker): refs of a flag that the call succeeded and of the
@@ -53,6 +64,13 @@ def take_trainer_state(worker: ray.actor.ActorHandle) -> tuple[ray.ObjectRef, ra
 
 def take_weights(worker: ray.actor.ActorHandle) -> tuple[ray.ObjectRef, ray.ObjectRef]:
     return worker.taken_weights.remote()
+
+
+def fetched(held: Held) -> dict:
+    """A trainer state from the object store, whole: a sharded trainer's members' shards joined (`merged_state`)."""
+    if isinstance(held, tuple):
+        return merged_state(ray.get(list(held)))
+    return ray.get(held)
 
 
 class TrainersLost(RuntimeError):
@@ -73,11 +91,11 @@ class PipelineRun:
     first_step: int
     versions: dict[int, ray.ObjectRef]
     """Published weights by graph version (0: the run's initial weights)."""
-    trainer_state: ray.ObjectRef
+    trainer_state: Held
     state_of_commit: str | None = None
     """The commit node whose new state `trainer_state` already holds: once one trainer replica finished a commit,
     its state is the step's, for every replica (a restarted one takes it and has nothing left to commit)."""
-    recorded_state: ray.ObjectRef = field(init=False)
+    recorded_state: Held = field(init=False)
     """The trainer state after the pipeline's recorded steps (`committed_steps`): `trainer_state` runs ahead of it
     from the moment one replica finished a commit until the commit's last replica has, and a run that goes on
     without a lost device in between goes on from the recorded step, so from this state. The object store holds
@@ -94,6 +112,12 @@ class PipelineRun:
     loads: Counter = field(default_factory=Counter)
     """Rollout devices' weight loads by the path their weights came (`object_store`, `collective`)."""
     layout: Layout = ()
+    shards: dict[int, ray.ObjectRef] = field(default_factory=dict)
+    """A sharded trainer's commit under way: the shards of the members that finished it, by device."""
+
+    @property
+    def sharded(self) -> bool:
+        return self.config.train.sharding == "fsdp"
 
     def __post_init__(self) -> None:
         self.adapter = kind(self.config.kind).load("adapter")(self.config, self.first_step)
@@ -260,12 +284,12 @@ class RayExecutor:
     def _lost_a_peer(self, part: Part, now: float) -> bool:
         """Whether a failed part is a commit whose all-reduce lost a peer that died: then the pipeline's workers are
         brought back (the dead one's parts rebuilt before its commit is sent again) and the commit may be re-sent."""
-        if not isinstance(part.work, Commit):
-            return False
         run = self.run_of(part.node)
-        self._revive(run, now, part.node)
+        if not (isinstance(part.work, Commit) or (run.sharded and isinstance(part.work, TrainerWork))):
+            return False
+        self._revive(run, now, part.node)  # a sharded trainer's member that restarted ends the step there
         self._count_resend(part)
-        return bool(run.ledger.restarts)
+        return bool(run.ledger.restarts) and not run.sharded
 
     def worker_of(self, part: Part):
         """The DeviceWorker that carries out a part."""
@@ -331,7 +355,7 @@ class RayExecutor:
         if run.recorded_state is run.trainer_state:
             return self._newest_state(run)
         try:
-            return ray.get(run.recorded_state)
+            return fetched(run.recorded_state)
         except ObjectLostError:
             raise TrainersLost(
                 f"pipeline {pipeline}: its last recorded state was on a node that is gone, and every trainer replica "
@@ -343,8 +367,13 @@ class RayExecutor:
         store since the commit (`_keep_committed_state`), which outlives the workers; if it was on a node that is
         gone, from a trainer replica that holds it still (each holds it; a restarted one is passed over)."""
         try:
-            return ray.get(run.trainer_state)
+            return fetched(run.trainer_state)
         except ObjectLostError:
+            if run.sharded:  # each member holds its shards of the step after this one's commit, or none
+                raise TrainersLost(
+                    f"pipeline {run.name}: a shard of its committed state was on a node that is gone; resume from "
+                    "the last checkpoint with --resume RUN_DIR"
+                ) from None
             recorded = run.recorded_state is run.trainer_state
             try:
                 _, run.trainer_state = self._from_a_trainer(run, take_trainer_state, run.trainer_devices)
@@ -355,15 +384,22 @@ class RayExecutor:
                 ) from None
             if recorded:
                 run.recorded_state = run.trainer_state
-            return ray.get(run.trainer_state)
+            return fetched(run.trainer_state)
 
     def _revive(self, run: PipelineRun, now: float, during: str) -> None:
         """Bring the pipeline's workers back with its committed trainer state and group (`recovery.revive`) and
         rebuild the gradients of the restarted devices' train parts of the open step (sent before anything else)."""
         config = run.config.model_dump(mode="json")
         state = ray.put(self._newest_state(run))
-        for device in revive(run.workers, run.incarnations, config, state, RECOVERY_DEADLINE_S, self.lost()):
-            run.ledger.restarts.append((round(now, 3), device, during))
+        restarted = revive(run.workers, run.incarnations, config, state, RECOVERY_DEADLINE_S, self.lost())
+        run.ledger.restarts += [(round(now, 3), device, during) for device in restarted]
+        if run.sharded and restarted:
+            # every member holds a piece of each part's gradient: the open step is lost with any of them, and the
+            # run goes on from its last committed step on every device (the dead ones are back)
+            raise StepLost(
+                f"device {', '.join(map(str, restarted))} of pipeline {run.name}'s sharded trainer restarted"
+            )
+        for device in restarted:
             for lost in run.uncommitted[device]:
                 run.ledger.reruns.append((device, lost.node))
                 self._submit(replace(lost, rerun=True))
@@ -430,7 +466,9 @@ class RayExecutor:
             self.results.setdefault(node.id, []).append(result)
             run.uncommitted[part.device].append(part)
         elif node.kind == Kind.COMMIT:
-            if run.state_of_commit != node.id:
+            if run.sharded:
+                self._keep_shard(run, node.id, part.device)
+            elif run.state_of_commit != node.id:
                 self._keep_committed_state(run, node.id, part.device)
             if part.device == run.trainer_devices[0]:
                 self._book_training(run, node)
@@ -460,10 +498,29 @@ class RayExecutor:
         run.state_of_commit = commit
         run.uncommitted.clear()
 
+    def _keep_shard(self, run: PipelineRun, commit: str, device: int) -> None:
+        """A member of a sharded trainer finished the commit: its new shards go into the object store; once every
+        member's are there, they are the pipeline's committed state and the step's gradients are spent."""
+        _, run.shards[device] = self._from_a_trainer(run, take_trainer_state, [device])
+        if run.shards.keys() == set(run.trainer_devices):
+            run.trainer_state = tuple(run.shards[d] for d in sorted(run.trainer_devices))
+            run.shards = {}
+            run.state_of_commit = commit
+            run.uncommitted.clear()
+
     def _published_weights(self, run: PipelineRun) -> tuple[int, ray.ObjectRef]:
         """The committed weights, for a publish, and the trainer replica that exported them: the first that answers,
         or, if every one died since the commit (its state already in the object store), one brought back with that
         state."""
+        if run.sharded:  # every member gathers each tensor with the others; the first keeps them
+            members = sorted(run.trainer_devices)
+            taken = [take_weights(run.workers[d]) for d in members]
+            try:
+                ray.get([succeeded for succeeded, _ in taken])
+            except (RayActorError, RayTaskError):
+                self._revive(run, self.state.now, "publish")  # a member restarted: the step is lost
+                raise
+            return members[0], taken[0][1]
         try:
             return self._from_a_trainer(run, take_weights, run.trainer_devices)
         except TrainersLost:

@@ -7,7 +7,7 @@ what the object store keeps for the nodes that read them, and what the driver bo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -18,6 +18,19 @@ from dovetail.graph.node import SampleId
 @dataclass(frozen=True)
 class Work:
     pipeline: str
+
+
+@dataclass(frozen=True)
+class TrainerWork(Work):
+    """Work the trainer engine does (log-probs, a train part). On a sharded trainer the devices of its FSDP group
+    (`group`) do a node's work together, each member its own part of it: every forward gathers each block's
+    parameters from every member, so each makes the same number of passes (`passes`; a member with fewer groups of
+    samples pads with passes that add nothing)."""
+
+    group: tuple[int, ...] = field(default=(), kw_only=True)
+    """The sharded trainer's FSDP group (its devices, in rank order); () for a replicated trainer."""
+    passes: int = field(default=0, kw_only=True)
+    """The passes every member of `group` makes: the most of any member's part."""
 
 
 # ---------------------------------------------------------------- any pipeline

@@ -21,7 +21,8 @@ import torch
 from dovetail.graph.flow import split
 from dovetail.graph.node import Graph, Kind, Node, SampleId
 from dovetail.models.memory import memory_by_kind, peak_bytes
-from dovetail.models.training import flat_gradient, load_trainer_state
+from dovetail.models.sharding import full_weights, load_local_state, local_of_full, local_state, shard
+from dovetail.models.training import flat_gradient, load_trainer_state, make_optimizer, trainer_state_of, weights_of
 from dovetail.runtime.messages import DeviceMemory, Work
 from dovetail.sched.policy import Shape
 
@@ -192,6 +193,8 @@ class PipelineEngines(ABC, Generic[Rollout]):
         self.reference: torch.nn.Module | None = None
         self.rollout: Rollout | None = None
         self.rollout_version: int | None = None
+        self.sharded_group: tuple[int, ...] | None = None
+        """The devices of the FSDP group the trainer is sharded over (`shard_trainer`); None while it is a replica."""
 
     @abstractmethod
     def run(self, work: Work):
@@ -211,6 +214,53 @@ class PipelineEngines(ABC, Generic[Rollout]):
         if self.trainer is None or self.optimizer is None:
             raise RuntimeError("this device holds no trainer engine (a reward device)")
         return self.trainer, self.optimizer
+
+    def state_module(self) -> torch.nn.Module:
+        """The trainer's module whose state dict is what `weights_of` gives (a user's model wrapped in `CausalLM`:
+        the transformers model inside): the one FSDP shards, so that sharded states keep the replica's names."""
+        trainer, _ = self.held_trainer()
+        return trainer
+
+    def shard_trainer(self, group: tuple[int, ...], mesh) -> None:
+        """Split the trainer over `mesh` (the FSDP group of devices `group`: `models.sharding.shard`, per transformer
+        block, in `train.precision`, gradients summed): its weights and AdamW moments as they stand (a replica's
+        until now: the run's state given at configure, the profile's work put back) are cut into this member's
+        shards, and the optimizer is made anew over them. The rollout engine keeps its own copy of the weights."""
+        trainer, optimizer = self.held_trainer()
+        whole = trainer_state_of(trainer, optimizer)
+        train = self.config.train
+        module = self.state_module()
+        shard(
+            module,
+            mesh,
+            precision=train.precision,
+            activation_checkpointing=train.activation_checkpointing,
+            sum_gradients=True,
+        )
+        self.optimizer = make_optimizer(trainer, train)
+        load_local_state(module, self.optimizer, local_of_full(module, self.optimizer, whole))
+        self.sharded_group = group
+
+    def trainer_state(self) -> dict:
+        """The trainer's state as numpy: a replica's whole (`trainer_state_of`), a sharded member's own shards
+        (`models.sharding.local_state`, joined by `merged_state`)."""
+        trainer, optimizer = self.held_trainer()
+        if self.sharded_group is None:
+            return trainer_state_of(trainer, optimizer)
+        return local_state(self.state_module(), optimizer)
+
+    def export_weights(self, keep: bool = True) -> dict:
+        """The trained weights as numpy, for a publication: a replica's own. On a sharded trainer every member calls
+        this at once (each tensor is gathered from all of them, one at a time); one member `keep`s them, the others
+        drop each as it comes and answer nothing."""
+        trainer, _ = self.held_trainer()
+        if self.sharded_group is None:
+            return weights_of(trainer)
+        gathered = {}
+        for name, tensor in full_weights(self.state_module()):
+            if keep:
+                gathered[name] = tensor.numpy().copy()
+        return gathered
 
     def held_rollout(self) -> Rollout:
         """The rollout engine, on a device that holds one (rollout work goes only there)."""

@@ -35,16 +35,25 @@ from dovetail.config.load import parse_config
 from dovetail.config.multiplex import MultiplexConfig
 from dovetail.kinds import kind
 from dovetail.models.memory import peak_bytes
+from dovetail.models.sharding import group_mesh
 from dovetail.models.training import (
     commit,
+    scale_gradients,
     set_summed_gradient,
     stepped_lr,
     strict_fp32,
     trainable_parameters,
-    trainer_state_of,
-    weights_of,
 )
-from dovetail.runtime.messages import Commit, Committed, DeviceMemory, Loaded, LoadWeights, Trained, Work
+from dovetail.runtime.messages import (
+    Commit,
+    Committed,
+    DeviceMemory,
+    Loaded,
+    LoadWeights,
+    Trained,
+    TrainerWork,
+    Work,
+)
 from dovetail.runtime.publication import (
     Layout,
     Staging,
@@ -259,11 +268,14 @@ class DeviceWorker:
         return self.engines.time_kind(kind, samples, repeats, carry=through_object_store)
 
     def trainer_state(self) -> dict:
-        return trainer_state_of(self.engines.trainer, self.engines.optimizer)
+        """The trainer's state (a sharded trainer's: this member's shards)."""
+        return self.engines.trainer_state()
 
     def export_weights(self) -> dict:
-        """The trainer's weights as numpy arrays: what a publish node puts in the object store."""
-        return weights_of(self.engines.trainer)
+        """The trainer's weights as numpy arrays: what a publish node puts in the object store. Every member of a
+        sharded trainer's group is asked at once; the first answers the weights."""
+        group = self.engines.sharded_group
+        return self.engines.export_weights(keep=group is None or self.index == group[0])
 
     @ray.method(num_returns=2)
     def taken_trainer_state(self) -> tuple[bool, dict]:
@@ -292,14 +304,30 @@ class DeviceWorker:
             return self._commit(work)
         if isinstance(work, LoadWeights):
             return self._load(work)
-        if self.engines.trainer is not None:
+        if isinstance(work, TrainerWork) and work.group:
+            self._shard(work.group)
+        replica = self.engines.sharded_group is None
+        if self.engines.trainer is not None and replica:  # a sharded trainer's gradients add up over the step
             self.engines.trainer.zero_grad(set_to_none=True)
         result = self.engines.run(work)
-        if isinstance(result, Trained):
+        if isinstance(result, Trained) and replica:
             assert part is not None, "a train part is sent with its key"  # executor._launch sends every part's
             self.gradients[part] = self.engines.part_gradient()
         self.held_memory = self.engines.memory(self.gradients.values())
         return result
+
+    def _shard(self, group: tuple[int, ...]) -> None:
+        """Shard the trainer over the devices `group` at its first work there (`PipelineEngines.shard_trainer`); the
+        group stays the trainer's for the run."""
+        engines = self.engines
+        if engines.sharded_group is None:
+            engines.shard_trainer(group, group_mesh(group_of(group, self.groups), self.device.type))
+        elif engines.sharded_group != group:
+            raise RuntimeError(
+                f"the trainer is sharded over devices {list(engines.sharded_group)} and a node trains on "
+                f"{list(group)}: a sharded trainer keeps one group (a policy that trains on one pool: verl-sync, "
+                "streamrl, areal)"
+            )
 
     def _load(self, work: LoadWeights) -> Loaded:
         """Switch the rollout engine to the published version: the broadcast's staged weights where it was sent
@@ -318,7 +346,10 @@ class DeviceWorker:
     def _commit(self, work: Commit) -> Committed:
         """Add the step's train parts' gradients of every trainer device (`reduce_parts`) and take one optimizer
         step. Its answer carries the device's memory: the gradients as the commit holds them (the parts, their sum,
-        the trainer's own), the rest after the optimizer step (AdamW makes its moments at its first)."""
+        the trainer's own), the rest after the optimizer step (AdamW makes its moments at its first). A sharded
+        trainer's gradients were added in the backward (FSDP's reduce-scatter): its commit scales them and steps."""
+        if self.engines.sharded_group is not None:
+            return self._commit_shards(work)
         start = time.perf_counter()
         summed = reduce_parts(self.gradients, work.ranks, self.groups, self._zero_gradient())
         synced = time.perf_counter()
@@ -330,6 +361,18 @@ class DeviceWorker:
         seconds = time.perf_counter() - synced
         self.held_memory = self.engines.memory()
         return Committed(grad_norm, lr, synced - start, seconds, replace(self.held_memory, gradients=gradients))
+
+    def _commit_shards(self, work: Commit) -> Committed:
+        """A sharded trainer's commit: every member scales its shard of the step's summed gradient and steps its
+        shards; the gradient norm is the whole gradient's (the members' squares added)."""
+        start = time.perf_counter()
+        trainer, optimizer = self.engines.held_trainer()
+        scale_gradients(trainer, work.scale)
+        gradients = self.engines.memory().gradients
+        grad_norm = commit(trainer, optimizer, self.config.train)
+        self.held_memory = self.engines.memory()
+        memory = replace(self.held_memory, gradients=gradients)
+        return Committed(grad_norm, stepped_lr(optimizer), 0.0, time.perf_counter() - start, memory)
 
     def _zero_gradient(self) -> torch.Tensor:
         """A flat fp64 gradient of zeros over the trainer's trainable parameters (what a part is: `part_gradient`)."""

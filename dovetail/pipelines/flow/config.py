@@ -317,6 +317,16 @@ class FlowTrainSection(TrainSection):
         128, ge=1, le=MAX_SAMPLES, description="(sample, timestep) pairs per batched forward/backward"
     )
 
+    @model_validator(mode="after")
+    def _replicated(self) -> "FlowTrainSection":
+        """The runtime shards language-model trainers only so far (docs/architecture.md, "Sharded trainers")."""
+        if self.sharding != "replicate":
+            raise ValueError(
+                f"sharding={self.sharding}: a flow model's trainer runs replicated on the runtime yet (kind: lm "
+                "shards); set train.sharding: replicate"
+            )
+        return self
+
 
 class EvalSection(Section):
     every: int = Field(25, ge=1, le=MAX_STEPS, description="evaluate every N steps (and at the start and end)")

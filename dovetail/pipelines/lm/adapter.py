@@ -71,20 +71,36 @@ class LMAdapter(PipelineAdapter):
             return [Part(node.id, devices[0], Score(pipeline, rollouts, samples))]
         scores = run.outputs_of([score.id])  # done: a log-prob or train node follows its micro-batch's score
         if node.kind == Kind.LOGPROB:
+            shares, lockstep = self.trainer_shares(samples, devices, scores, trainer=not node.reference)
             return [
-                Part(node.id, d, LMLogProbs(pipeline, ids, rollouts, node.reference))
-                for d, ids in self.spread_groups(samples, devices, scores)
+                Part(node.id, d, LMLogProbs(pipeline, ids, rollouts, node.reference, **lockstep)) for d, ids in shares
             ]
         if node.kind == Kind.TRAIN:
             logprobs = [graph[d] for d in node.deps if graph[d].kind == Kind.LOGPROB]
             old = run.outputs_of([n.id for n in logprobs if not n.reference])
             ref = run.outputs_of([n.id for n in logprobs if n.reference])
             stale = version < node.version
+            shares, lockstep = self.trainer_shares(samples, devices, scores, trainer=True)
             return [
-                Part(node.id, d, LMTrain(pipeline, ids, stale, rollouts, scores, old, ref))
-                for d, ids in self.spread_groups(samples, devices, scores)
+                Part(node.id, d, LMTrain(pipeline, ids, stale, rollouts, scores, old, ref, **lockstep))
+                for d, ids in shares
             ]
         raise ValueError(f"node {node.id}: the language-model runtime does not run {node.kind} nodes yet")
+
+    def trainer_shares(
+        self, samples: list[SampleId], devices: tuple[int, ...], scores: list, trainer: bool
+    ) -> tuple[list[tuple[int, list[SampleId]]], dict]:
+        """A trainer node's groups shared out to `devices` (`spread_groups`), and what its parts say besides. A
+        sharded trainer's node (`trainer`: the trainer's work, not the reference model's) runs on its whole FSDP group
+        at once: a part for every member, even one without groups, each making as many passes as the member with the
+        most groups (`runtime.messages.TrainerWork`)."""
+        shares = self.spread_groups(samples, devices, scores)
+        if not (trainer and self.config.train.sharding == "fsdp"):
+            return shares, {}
+        group = tuple(sorted(devices))
+        held = dict(shares)
+        every = [(device, held.get(device, [])) for device in group]
+        return every, {"group": group, "passes": max(len(by_group(ids)) for _, ids in every)}
 
     def spread_groups(
         self, samples: list[SampleId], devices: tuple[int, ...], scores: list

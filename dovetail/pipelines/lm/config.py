@@ -321,6 +321,16 @@ class LMTrainConfig(RunSection):
         return pattern
 
     @model_validator(mode="after")
+    def _shards_whole_models(self) -> "LMTrainConfig":
+        """A LoRA adapter trains a few parameters of a frozen base; the sharded trainer shards whole models so far."""
+        if self.train.sharding == "fsdp" and self.model.lora is not None:
+            raise ValueError(
+                "train.sharding=fsdp: a LoRA adapter trains replicated (its frozen base is 4 bytes a parameter); "
+                "drop model.lora to shard the whole model, or set train.sharding: replicate"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _user_model_and_dataset(self) -> "LMTrainConfig":
         """model.path and prompts.path go together: a built-in task's model reads only its task's prompts, and a
         user's model trains on the user's dataset, not on a task."""

@@ -11,6 +11,7 @@ one batch would.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from dovetail.graph.node import Role, SampleId
-from dovetail.models.causal_lm import rollout_engine, rollout_state
+from dovetail.models.causal_lm import CausalLM, rollout_engine, rollout_state
 from dovetail.models.engine import Engine, Key, Request
 from dovetail.models.lm_rl import accumulate_group_gradients, group_log_probs, policy_gradient
 from dovetail.models.training import (
@@ -47,7 +48,7 @@ from dovetail.pipelines.lm.model import (
 from dovetail.pipelines.lm.prompts import RunPrompts
 from dovetail.rewards.text import score_text
 from dovetail.runtime.interference import Span, time_work
-from dovetail.runtime.messages import LogProbs, Score, Scores, Trained, Work
+from dovetail.runtime.messages import LogProbs, Score, Scores, Trained, TrainerWork, Work
 from dovetail.runtime.pipeline import PROFILE_ROUNDS, PipelineEngines
 
 STAT_MEANS = ("clip_frac", "approx_kl", "ratio_mean", "kl_ref", "entropy", "logprob_gap")
@@ -116,13 +117,17 @@ class LMEngines(PipelineEngines[Engine]):
             self.reference = load_reference(config).to(device).requires_grad_(False)
         context = model_context(config)
         self.rollout = rollout_engine(
-            self.trainer,
+            copy.deepcopy(self.trainer) if config.train.sharding == "fsdp" else self.trainer,
             sampling_params(config, self.tokenizer.stop_ids),
             max_len=engine_length(config, self.tokenizer, self.prompts, context),
             device=device,
             stop=stop_strings(config, self.tokenizer),
             engine=config.rollout_engine,
         )
+
+    def state_module(self) -> torch.nn.Module:
+        trainer, _ = self.held_trainer()
+        return trainer.model if isinstance(trainer, CausalLM) else trainer
 
     def hold(self, role: str) -> None:
         """While the device trains, the rollout engine sleeps (vLLM's sleep mode hands its weights and KV cache's
@@ -150,7 +155,7 @@ class LMEngines(PipelineEngines[Engine]):
             self.load_rollout_weights(parts[0].version, work.weights)
             requests = [r for r in requests_of(parts).values() if not (work.running_only and r.finished)]
             return responses_of(self.held_rollout().generate(requests, until=work.until), parts[0].version)
-        if isinstance(work, (Score, LMLogProbs, LMTrain)) and work.samples == []:
+        if isinstance(work, (Score, LMLogProbs, LMTrain)) and work.samples == [] and not _in_lockstep(work):
             return self._nothing(work)
         if isinstance(work, Score):
             chosen = self._select(work.rollouts, work.samples)
@@ -164,7 +169,7 @@ class LMEngines(PipelineEngines[Engine]):
         if isinstance(work, LMLogProbs):
             chosen = self._select(work.rollouts, work.samples)
             model = self.reference if work.reference else self.trainer
-            log_probs = group_log_probs(model, chosen, self.config.sampling.temperature)
+            log_probs = group_log_probs(model, chosen, self.config.sampling.temperature, _lockstep_passes(work))
             return LogProbs(list(chosen), [log_probs[s].cpu().numpy() for s in chosen])
         if isinstance(work, LMTrain):
             return self._train(work)
@@ -185,7 +190,7 @@ class LMEngines(PipelineEngines[Engine]):
 
     def _train(self, work: LMTrain) -> Trained:
         """The part's groups trained one at a time (`models.lm_rl.policy_gradient`); `part_gradient` hands the fp64
-        sum to the commit."""
+        sum to the commit (a sharded trainer's stays in its shards)."""
         scores = self.fetch(work.scores)
         rewards = {SampleId(*s): r for part in scores for s, r in zip(part.samples, part.scores["total"])}
         samples = [SampleId(*s) for s in work.samples]
@@ -203,6 +208,7 @@ class LMEngines(PipelineEngines[Engine]):
             temperature=self.config.sampling.temperature,
             max_new_tokens=self.config.max_new_tokens,
             stale=work.stale,
+            passes=_lockstep_passes(work),
         )
         return Trained(samples, [0], merged_stats(group_stats), normaliser)
 
@@ -216,6 +222,16 @@ class LMEngines(PipelineEngines[Engine]):
     def time_kind(self, kind: str, samples: int, repeats: int, carry: Callable[[dict], dict]) -> list[Span]:
         with trainer_kept(self):
             return time_work(profile_works(self, samples, carry), kind, repeats, self.device)
+
+
+def _in_lockstep(work: Work) -> bool:
+    """Whether a member of a sharded trainer's group does `work` with the others (even with no samples of its own)."""
+    return isinstance(work, TrainerWork) and bool(work.group)
+
+
+def _lockstep_passes(work: LMLogProbs | LMTrain) -> int | None:
+    """The passes a member of a sharded trainer's group makes for `work`; None on a replica."""
+    return work.passes if _in_lockstep(work) else None
 
 
 @contextmanager
