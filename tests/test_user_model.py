@@ -127,6 +127,25 @@ def test_a_saved_pipeline_trains_through_model_path_and_a_ray_policy_matches_the
     assert json.loads((tmp_path / "ledger.json").read_text())["problems"] == []
 
 
+def test_a_sharded_transformer_matches_the_reference_holds_half_and_exports_to_diffusers(
+    reference_run, sd3_pipeline_dir, tiny_prompts_file, local_ray, tmp_path
+):
+    """`train.sharding: fsdp` over both devices (FSDP per SD3 block): the reference's weights within the flow bound,
+    each device half the transformer's parameters and moments, and the run exports as an unsharded one does."""
+    config = small(sd3_pipeline_dir, tiny_prompts_file, "policy=colocated", "train.sharding=fsdp")
+    train(load_config(None, config), tmp_path / "run", steps=STEPS)
+    assert max_difference(trained(tmp_path / "run"), trained(reference_run)) <= 1e-5
+    whole = SD3Transformer2DModel.from_pretrained(sd3_pipeline_dir / "transformer")
+    parameters = sum(p.numel() * p.element_size() for p in whole.parameters())
+    (last,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1:]
+    for device in last["memory_bytes_per_device"]:
+        assert device["parameters"] < 0.51 * parameters and device["optimizer"] < 1.02 * parameters
+    result = CliRunner().invoke(app, ["export", str(tmp_path / "run"), str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    pipeline = StableDiffusion3Pipeline.from_pretrained(tmp_path / "out", text_encoder_3=None, tokenizer_3=None)
+    assert max_difference(pipeline.transformer.state_dict(), trained(tmp_path / "run")) == 0.0
+
+
 LORA = ["model.lora.rank=4", "model.lora.alpha=8.0"]
 
 

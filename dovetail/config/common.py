@@ -130,6 +130,16 @@ class TrainSection(Section):
         return self
 
 
+def refuse_sharded_adapter(train: TrainSection, lora: object | None) -> None:
+    """A LoRA adapter trains a few parameters of a frozen base, and the sharded trainer shards whole models so far:
+    one line naming both fields."""
+    if train.sharding == "fsdp" and lora is not None:
+        raise ValueError(
+            "train.sharding=fsdp: a LoRA adapter trains replicated (its frozen base is 4 bytes a parameter); drop "
+            "model.lora to shard the whole model, or set train.sharding: replicate"
+        )
+
+
 class CheckpointSection(Section):
     every: int = Field(50, ge=1, le=MAX_STEPS, description="save every N steps (and at the end)")
 

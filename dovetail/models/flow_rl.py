@@ -175,6 +175,24 @@ def accumulate_policy_gradient(
     return totals
 
 
+def training_passes(pairs: int, chunk_size: int) -> int:
+    """The forward and backward passes `accumulate_policy_gradient` makes over `pairs` (sample, timestep) pairs."""
+    return -(-pairs // chunk_size)
+
+
+def recompute_passes(timesteps: list[list[int]]) -> int:
+    """The forwards `recompute_log_probs` makes over trajectories that train `timesteps` (one list per row)."""
+    return len({k for row in timesteps for k in row})
+
+
+def padding_pass(model, trajectories: Trajectories, sde: SDESettings) -> torch.Tensor:
+    """The velocity of the first trajectory's first step, summed, times 0: what a member of a sharded trainer's FSDP
+    group runs (forward, and backward when training) where it makes fewer passes than the others, so that every
+    member makes the same gathers and reductions; its gradient is exact zeros."""
+    velocity = model(trajectories.latents[:1, 0], sde.sigmas[:1], trajectories.prompt_ids[:1])
+    return velocity.sum() * 0.0
+
+
 @torch.no_grad()
 def recompute_log_probs(
     model, trajectories: Trajectories, timesteps: list[int] | list[list[int]], sde: SDESettings

@@ -8,9 +8,10 @@ from __future__ import annotations
 import numpy as np
 
 from dovetail.graph.node import Kind, Node, SampleId
-from dovetail.models.flow_rl import step_prompts
+from dovetail.models.flow_rl import recompute_passes, step_prompts, training_passes
 from dovetail.pipelines.flow.config import FlowTrainConfig, flow_rules
 from dovetail.pipelines.flow.messages import FlowLogProbs, FlowTrain, Generate, Trajectories
+from dovetail.pipelines.flow.recipe import sample_timesteps
 from dovetail.prompts import train_prompts
 from dovetail.runtime.messages import Score, Scores, Trained
 from dovetail.runtime.pipeline import Part, PipelineAdapter, RunContext
@@ -56,6 +57,9 @@ class FlowAdapter(PipelineAdapter):
         if node.kind == Kind.SCORE:
             return [Part(node.id, d, Score(pipeline, refs)) for d, refs in self.spread(trajectories, devices)]
         units = list(range(self.rules.trained_timesteps))
+        sharded = self.config.train.sharding == "fsdp"
+        if node.kind == Kind.LOGPROB and sharded:
+            return self._sharded_log_probs(node, devices, units, trajectories)
         if node.kind == Kind.LOGPROB:
             return [
                 Part(node.id, d, FlowLogProbs(pipeline, units, refs)) for d, refs in self.spread(trajectories, devices)
@@ -65,6 +69,14 @@ class FlowAdapter(PipelineAdapter):
             chunk = units[node.timesteps[0] : node.timesteps[1]]
             samples = [SampleId(step, p, i) for (_, p, i) in node.samples]
             stale = run.rollout_version(pipeline, node.step) < node.version
+            shares = self.spread(samples, devices)
+            group: tuple[int, ...] = ()
+            passes = 0
+            if sharded:  # every member of the FSDP group, each making the most passes any makes
+                shares = self.every_member(shares, devices)
+                chunk_size = self.config.train.chunk_size
+                passes = max(training_passes(len(ids) * len(chunk), chunk_size) for _, ids in shares)
+                group = tuple(sorted(devices))
             return [
                 Part(
                     node.id,
@@ -78,11 +90,35 @@ class FlowAdapter(PipelineAdapter):
                         trajectories,
                         sources[Kind.SCORE],
                         sources[Kind.LOGPROB],
+                        group=group,
+                        passes=passes,
                     ),
                 )
-                for device, ids in self.spread(samples, devices)
+                for device, ids in shares
             ]
         raise ValueError(f"node {node.id}: a flow pipeline does not run {node.kind} nodes")
+
+    def _sharded_log_probs(self, node: Node, devices: tuple[int, ...], units: list[int], trajectories) -> list[Part]:
+        """A sharded trainer's log-prob node: every member of its FSDP group reads the node's trajectories and
+        recomputes its share of the samples, each making as many forwards as the member with the most."""
+        step = self.rl_step(node)
+        samples = [SampleId(step, p, i) for (_, p, i) in node.samples]
+        shares = self.every_member(self.spread(samples, devices), devices)
+        passes = max(
+            recompute_passes([[sample_timesteps(self.config, s)[u] for u in units] for s in ids]) for _, ids in shares
+        )
+        group = tuple(sorted(devices))
+        return [
+            Part(node.id, d, FlowLogProbs(node.pipeline, units, trajectories, ids, group=group, passes=passes))
+            for d, ids in shares
+        ]
+
+    @staticmethod
+    def every_member(shares: list[tuple[int, list]], devices: tuple[int, ...]) -> list[tuple[int, list]]:
+        """`shares` (device, items) with an empty share for every device of `devices` that has none, in device
+        order: each member of a sharded trainer's group takes part in each of its nodes."""
+        held = dict(shares)
+        return [(device, held.get(device, [])) for device in sorted(devices)]
 
     def step_metrics(self, scores: list[Scores], trained: list[Trained]) -> dict:
         pairs = sum(len(t.samples) * len(t.units) for t in trained)

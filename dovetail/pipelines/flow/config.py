@@ -25,6 +25,7 @@ from dovetail.config.common import (
     json_or_empty,
     model_dir_name,
     planner_scenario,
+    refuse_sharded_adapter,
 )
 from dovetail.cost.catalog import diffusion_model
 from dovetail.graph.spec import MAX_DEVICES, MAX_SAMPLES, GroupSize
@@ -317,16 +318,6 @@ class FlowTrainSection(TrainSection):
         128, ge=1, le=MAX_SAMPLES, description="(sample, timestep) pairs per batched forward/backward"
     )
 
-    @model_validator(mode="after")
-    def _replicated(self) -> "FlowTrainSection":
-        """The runtime shards language-model trainers only so far (docs/architecture.md, "Sharded trainers")."""
-        if self.sharding != "replicate":
-            raise ValueError(
-                f"sharding={self.sharding}: a flow model's trainer runs replicated on the runtime yet (kind: lm "
-                "shards); set train.sharding: replicate"
-            )
-        return self
-
 
 class EvalSection(Section):
     every: int = Field(25, ge=1, le=MAX_STEPS, description="evaluate every N steps (and at the start and end)")
@@ -432,6 +423,11 @@ class FlowTrainConfig(RunSection):
         if not weights:
             raise ValueError("name at least one reward, e.g. reward.digit_match=1.0")
         return weights
+
+    @model_validator(mode="after")
+    def _shards_whole_models(self) -> "FlowTrainConfig":
+        refuse_sharded_adapter(self.train, self.model.lora)
+        return self
 
     @model_validator(mode="after")
     def _apply_compat(self) -> "FlowTrainConfig":

@@ -17,8 +17,15 @@ import torch
 
 from dovetail.graph.node import SampleId
 from dovetail.models import sampling
-from dovetail.models.diffusers_flow import load_decoder, load_flow_model
-from dovetail.models.flow_rl import accumulate_policy_gradient, generate, recompute_log_probs
+from dovetail.models.diffusers_flow import DiffusersFlow, load_decoder, load_flow_model
+from dovetail.models.flow_rl import (
+    accumulate_policy_gradient,
+    generate,
+    padding_pass,
+    recompute_log_probs,
+    recompute_passes,
+    training_passes,
+)
 from dovetail.models.memory import module_bytes
 from dovetail.models.training import commit, load_weights, make_optimizer, synchronize, weights_of
 from dovetail.pipelines.flow.config import FlowTrainConfig, flow_rules
@@ -75,6 +82,10 @@ class FlowEngines(PipelineEngines[torch.nn.Module]):
             self.reference = load_flow_model(config).to(device).requires_grad_(False)
         self.rollout = copy.deepcopy(self.trainer).requires_grad_(False)
 
+    def state_module(self) -> torch.nn.Module:
+        trainer, _ = self.held_trainer()
+        return trainer.transformer if isinstance(trainer, DiffusersFlow) else trainer
+
     def load_rollout(self, weights: dict) -> None:
         load_weights(self.rollout, weights)
 
@@ -100,9 +111,18 @@ class FlowEngines(PipelineEngines[torch.nn.Module]):
             images = self.decode(trajectories.images)
             return Scores(ids, score(images, trajectories.prompts, config.reward, config.reward_timeout_s))
         if isinstance(work, FlowLogProbs):
-            trajectories, ids = unpack(self.fetch(work.trajectories), self.sde.sigmas)
+            every, ids = unpack(self.fetch(work.trajectories), self.sde.sigmas)
+            trajectories = every
+            if work.samples is not None:
+                position = {sample: row for row, sample in enumerate(ids)}
+                rows = [position[SampleId(*sample)] for sample in work.samples]
+                trajectories, ids = every.select(rows), [ids[r] for r in rows]
             timesteps = self._timesteps(ids, work.units)
             log_probs = recompute_log_probs(self.trainer, trajectories, timesteps, self.sde).cpu().numpy()
+            if work.group:
+                with torch.no_grad():
+                    for _ in range(work.passes - recompute_passes(timesteps)):
+                        padding_pass(self.trainer, every, self.sde)
             return LogProbs(ids, list(log_probs))
         if isinstance(work, FlowTrain):
             return self._train(work)
@@ -130,6 +150,10 @@ class FlowEngines(PipelineEngines[torch.nn.Module]):
             reference_model=self.reference,
             stale=work.stale,
         )
+        if work.group:  # a member of a sharded group makes as many passes as the others
+            made = training_passes(len(rows) * len(work.units), self.config.train.chunk_size)
+            for _ in range(work.passes - made):
+                padding_pass(self.trainer, trajectories, self.sde).backward()
         return Trained([ids[r] for r in rows], work.units, sums)
 
     def _timesteps(self, samples: list[SampleId], units: list[int]) -> list[list[int]]:

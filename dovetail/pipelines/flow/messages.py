@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from dovetail.graph.node import SampleId
-from dovetail.runtime.messages import Work
+from dovetail.runtime.messages import TrainerWork, Work
 
 
 @dataclass(frozen=True)
@@ -32,16 +32,19 @@ class Trajectories:
 
 
 @dataclass(frozen=True)
-class FlowLogProbs(Work):
+class FlowLogProbs(TrainerWork):
     """Recompute the log-probs of the taken steps under the trainer's weights (the colocated baselines)."""
 
     units: list[int]
     """Positions in each sample's trained timesteps (`recipe.sample_timesteps`)."""
     trajectories: list[Any]
+    samples: list[SampleId] | None = None
+    """The samples of `trajectories` whose log-probs a member of a sharded trainer's group recomputes (each member
+    reads the node's every trajectory); None: all of them."""
 
 
 @dataclass(frozen=True)
-class FlowTrain(Work):
+class FlowTrain(TrainerWork):
     """The GRPO gradient of `samples` over their trained timesteps at positions `units` (of each sample's own
     `recipe.sample_timesteps`); `stale` samples (TCSS) get the decoupled correction. The inputs hold whole groups,
     over which the advantages are computed."""

@@ -32,6 +32,7 @@ from dovetail.config.common import (
     json_or_empty,
     model_dir_name,
     planner_scenario,
+    refuse_sharded_adapter,
 )
 from dovetail.cost.catalog import device, language_model, language_model_of_config
 from dovetail.graph.spec import MAX_DEVICES, GroupSize, check_length_bands
@@ -322,12 +323,7 @@ class LMTrainConfig(RunSection):
 
     @model_validator(mode="after")
     def _shards_whole_models(self) -> "LMTrainConfig":
-        """A LoRA adapter trains a few parameters of a frozen base; the sharded trainer shards whole models so far."""
-        if self.train.sharding == "fsdp" and self.model.lora is not None:
-            raise ValueError(
-                "train.sharding=fsdp: a LoRA adapter trains replicated (its frozen base is 4 bytes a parameter); "
-                "drop model.lora to shard the whole model, or set train.sharding: replicate"
-            )
+        refuse_sharded_adapter(self.train, self.model.lora)
         return self
 
     @model_validator(mode="after")
