@@ -22,9 +22,37 @@ from dovetail.graph.flow import split
 from dovetail.graph.node import Graph, Kind, Node, SampleId
 from dovetail.models.memory import memory_by_kind, peak_bytes
 from dovetail.models.sharding import full_weights, load_local_state, local_of_full, local_state, shard
-from dovetail.models.training import flat_gradient, load_trainer_state, make_optimizer, trainer_state_of, weights_of
+from dovetail.models.training import (
+    flat_gradient,
+    load_trainer_state,
+    load_weights,
+    make_optimizer,
+    trainer_state_of,
+    weights_of,
+)
 from dovetail.runtime.messages import DeviceMemory, Work
 from dovetail.sched.policy import Shape
+
+UNSHARDED_KINDS = ("train", "optimizer")
+"""The kinds of work a sharded run's start-up profile leaves out (`unsharded_works`)."""
+
+
+def unsharded_works(works: dict) -> dict:
+    """A sharded run's start-up profile without the train and the optimizer step: on a replica they would hold the
+    whole model's gradients and AdamW moments on one device, which a sharded run is there to avoid (a 7B model's are
+    84 GB). The cost model prices the train from the log-prob passes' measured speed (`with_train_priced`) and the
+    optimizer step analytically."""
+    return {kind: work for kind, work in works.items() if kind not in UNSHARDED_KINDS}
+
+
+def with_train_priced(measured: dict, predicted: dict[str, float], suffix: str = "") -> dict:
+    """`measured` (a profile's seconds) with a train pass it left out (`unsharded_works`) priced as the analytic
+    train time x the measured / analytic time of the log-prob pass over the same responses: a backward is priced as
+    the forward runs on this device. `suffix`: the profile's size (`_double`)."""
+    if f"train{suffix}" in measured:
+        return measured
+    return measured | {f"train{suffix}": predicted["train"] * measured[f"logprob{suffix}"] / predicted["logprob"]}
+
 
 PROFILE_ROUNDS = 3
 """Rounds of the start-up profile. One round's small-pass fit swung with this machine's noise (a fitted half point
@@ -195,6 +223,9 @@ class PipelineEngines(ABC, Generic[Rollout]):
         self.rollout_version: int | None = None
         self.sharded_group: tuple[int, ...] | None = None
         """The devices of the FSDP group the trainer is sharded over (`shard_trainer`); None while it is a replica."""
+        self.pending_optimizer: dict | None = None
+        """A sharded run's optimizer state given at configure (a resumed run's AdamW moments, numpy on the host),
+        loaded into this member's shards by `shard_trainer`: never whole on the device."""
 
     @abstractmethod
     def run(self, work: Work):
@@ -228,6 +259,8 @@ class PipelineEngines(ABC, Generic[Rollout]):
         shards, and the optimizer is made anew over them. The rollout engine keeps its own copy of the weights."""
         trainer, optimizer = self.held_trainer()
         whole = trainer_state_of(trainer, optimizer)
+        if self.pending_optimizer is not None:
+            whole["optimizer"], self.pending_optimizer = self.pending_optimizer, None
         train = self.config.train
         module = self.state_module()
         shard(
@@ -314,9 +347,21 @@ class PipelineEngines(ABC, Generic[Rollout]):
             self.load_rollout(weights if isinstance(weights, dict) else ray.get(weights))
             self.rollout_version = version
 
+    @property
+    def shards(self) -> bool:
+        """Whether the run shards its trainer (`train.sharding: fsdp`): it stays a replica until `shard_trainer`,
+        whose work alone ever holds gradients or AdamW moments (the start-up profile neither trains nor steps it)."""
+        return self.config.train.sharding == "fsdp"
+
     def load_trainer_state(self, state: dict) -> None:
-        """Take over another replica's committed state (after a restart, or to join the trainer pool)."""
+        """Take over another replica's committed state (after a restart, or to join the trainer pool). A sharded
+        run's replica takes the weights and keeps the optimizer state for its shards (`pending_optimizer`)."""
         trainer, optimizer = self.held_trainer()
+        if self.shards:
+            assert self.sharded_group is None, "a sharded trainer takes its state as it is sharded"
+            load_weights(trainer, state["weights"])
+            self.pending_optimizer = state["optimizer"]
+            return
         load_trainer_state(trainer, optimizer, state)
         optimizer.zero_grad(set_to_none=True)
 

@@ -35,7 +35,7 @@ from dovetail.prompts import train_prompts
 from dovetail.rewards import load_rewards, score
 from dovetail.runtime.interference import Span, time_work
 from dovetail.runtime.messages import LogProbs, Score, Scores, Trained, Work
-from dovetail.runtime.pipeline import PROFILE_ROUNDS, PipelineEngines
+from dovetail.runtime.pipeline import PROFILE_ROUNDS, PipelineEngines, unsharded_works
 
 
 def pack(trajectories: sampling.Trajectories, ids: list[SampleId], version: int) -> Trajectories:
@@ -174,9 +174,13 @@ def profile_works(
     """The start-up profile's work of each kind, in the order it runs, each taking the earlier ones' results by kind,
     on throw-away copies of `model` (trainer, optimizer, rollout copy) and `n` samples of RL step -1: generation,
     score, log-probs, a train and an optimizer step, and a publication from the trainer to the loaded rollout copy
-    (`carry` moves the weights between them: the object store, or pickle in a dry run)."""
-    trainer = copy.deepcopy(model)
-    rollout = copy.deepcopy(model).requires_grad_(False)
+    (`carry` moves the weights between them: the object store, or pickle in a dry run). A sharded run's profile
+    makes no copies and leaves out the train and the optimizer step (`unsharded_works`): `model` generates, scores
+    its log-probs and takes its own weights back."""
+    if config.train.sharding == "fsdp":
+        trainer = rollout = model
+    else:
+        trainer, rollout = copy.deepcopy(model), copy.deepcopy(model).requires_grad_(False)
     optimizer = make_optimizer(trainer, config.train)
     pool = train_prompts(config)
     prompts = [pool[p % len(pool)] for p in range(n)]
@@ -198,7 +202,7 @@ def profile_works(
             clip_range=config.algo.clip_range,
         )
 
-    return {
+    works = {
         "generate": lambda done: generate(trainer, prompts, ids, sde, seed=config.seed, shared_group_noise=False),
         "score": lambda done: score(decode(done["generate"].images), prompts, config.reward, config.reward_timeout_s),
         "logprob": logprob,
@@ -206,6 +210,7 @@ def profile_works(
         "optimizer": lambda done: commit(trainer, optimizer, config.train),
         "publish": lambda done: load_weights(rollout, carry(weights_of(trainer))),
     }
+    return unsharded_works(works) if config.train.sharding == "fsdp" else works
 
 
 def profile_work(

@@ -24,6 +24,7 @@ from dovetail.pipelines.flow.recipe import sde_settings
 from dovetail.plan.prepare import rollout_wake_s
 from dovetail.plan.scenario import Scenario
 from dovetail.prompts import prompt_split
+from dovetail.runtime.pipeline import with_train_priced
 
 
 def fitted_cost(config: FlowTrainConfig, scenario: Scenario, measured: dict[str, float]) -> CostModel:
@@ -54,7 +55,8 @@ def fitted_cost(config: FlowTrainConfig, scenario: Scenario, measured: dict[str,
         "publish": analytic.publish(model.params),
         "switch": rollout_wake_s(scenario, analytic),
     }
-    records = [(kind, predicted[kind], max(measured[kind], 1e-9)) for kind in predicted]
+    measured = with_train_priced(measured, predicted)
+    records = [(kind, predicted[kind], max(measured[kind], 1e-9)) for kind in predicted if kind in measured]
     return CostModel.from_measurements(config.cluster.device, records, calibration)
 
 

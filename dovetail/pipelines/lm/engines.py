@@ -49,7 +49,7 @@ from dovetail.pipelines.lm.prompts import RunPrompts
 from dovetail.rewards.text import score_text
 from dovetail.runtime.interference import Span, time_work
 from dovetail.runtime.messages import LogProbs, Score, Scores, Trained, TrainerWork, Work
-from dovetail.runtime.pipeline import PROFILE_ROUNDS, PipelineEngines
+from dovetail.runtime.pipeline import PROFILE_ROUNDS, PipelineEngines, unsharded_works
 
 STAT_MEANS = ("clip_frac", "approx_kl", "ratio_mean", "kl_ref", "entropy", "logprob_gap")
 """Per-token means each train part reports (`logprob_gap` where the old log-probs were recomputed); the step's are
@@ -237,12 +237,14 @@ def _lockstep_passes(work: LMLogProbs | LMTrain) -> int | None:
 @contextmanager
 def trainer_kept(engines: LMEngines):
     """The profile's work trains and steps the engines' own trainer and loads its weights into the rollout engine:
-    afterwards the trainer's weights and optimizer are put back and the next work reloads the rollout's."""
-    saved = trainer_state_of(engines.trainer, engines.optimizer)
+    afterwards the trainer's weights and optimizer are put back and the next work reloads the rollout's. A sharded
+    run's profile neither trains nor steps it (`profile_works`): nothing to put back."""
+    saved = None if engines.shards else trainer_state_of(engines.trainer, engines.optimizer)
     try:
         yield
     finally:
-        engines.load_trainer_state(saved)
+        if saved is not None:
+            engines.load_trainer_state(saved)
         engines.rollout_version = None
 
 
@@ -269,7 +271,7 @@ def profile_works(
         set_summed_gradient(engines.trainer, [engines.part_gradient()], 1.0)
         return trained
 
-    return {
+    works = {
         "prefill": lambda done: engines.run(Prefill(name, ids, encoded, -1, weights)),
         "decode": lambda done: engines.run(Decode(name, [done["prefill"]], config.max_new_tokens, weights)),
         "score": lambda done: engines.run(Score(name, [done["decode"]], None)),
@@ -278,6 +280,7 @@ def profile_works(
         "optimizer": lambda done: commit(engines.trainer, engines.optimizer, config.train),
         "publish": lambda done: engines.load_rollout(carry(weights_of(engines.trainer))),
     }
+    return unsharded_works(works) if engines.shards else works
 
 
 SIZED_KINDS = ("prefill", "decode", "score", "logprob", "train")
@@ -318,4 +321,5 @@ def profile_work(engines: LMEngines, samples: int, carry: Callable[[dict], dict]
         weights = carry(weights_of(engines.trainer))  # every round and size decodes from these: the same responses
         one_round(samples)
         single, double = at(samples), at(2 * samples)
-    return single | {f"{name}{DOUBLE}": double[name] for name in (*SIZED_KINDS, "lengths", "prompt_tokens")}
+    sized = [name for name in (*SIZED_KINDS, "lengths", "prompt_tokens") if name in double]
+    return single | {f"{name}{DOUBLE}": double[name] for name in sized}

@@ -24,6 +24,7 @@ from dovetail.pipelines.lm.prompts import RunPrompts
 from dovetail.plan.prepare import rollout_wake_s
 from dovetail.plan.scenario import Scenario
 from dovetail.rewards.text import columns_read, text_reward_fn
+from dovetail.runtime.pipeline import with_train_priced
 
 
 def fitted_cost(config: LMTrainConfig, scenario: Scenario, measured: dict) -> CostModel:
@@ -56,7 +57,12 @@ def fitted_cost(config: LMTrainConfig, scenario: Scenario, measured: dict) -> Co
         trained = trainable_params(spec) or model.params
         predicted["sync"] = analytic.replica_allreduce_seconds(trained, 1, measured["sync_devices"])
     double = sized(DOUBLE)
-    records = [(kind, predicted[kind], max(measured[kind], 1e-9)) for kind in predicted if predicted[kind] > 0]
+    measured = with_train_priced(with_train_priced(measured, predicted), double, DOUBLE)
+    records = [
+        (kind, predicted[kind], max(measured[kind], 1e-9))
+        for kind in predicted
+        if predicted[kind] > 0 and kind in measured
+    ]
     records += [(kind, double[kind], max(measured[f"{kind}{DOUBLE}"], 1e-9)) for kind in double if double[kind] > 0]
     return CostModel.from_measurements(config.cluster.device, records, per_pass=True)
 
