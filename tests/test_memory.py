@@ -107,6 +107,34 @@ def test_a_budget_below_the_replicated_state_is_refused_naming_the_field_and_abo
     assert len(lines_of(tmp_path / "yes")) == 1
 
 
+def sharded_gb(params: int, devices: int) -> float:
+    """A trainer sharded over `devices`: its rollout weights (4 bytes a parameter) and the larger of the whole
+    model's fp32 weights, which it holds while it starts, and its share of 16 bytes a parameter."""
+    return (4 * params + max(4 * params, 16 * params / devices)) / 1e9
+
+
+def test_a_model_refused_replicated_trains_sharded_within_the_budget(tmp_path):
+    """The budget that refuses a replicated trainer (naming `train.sharding: fsdp`, which fits) trains the run
+    sharded over two devices; below what a shard needs, the refusal names more devices."""
+    params, _ = lm_model_counts()
+    budget = f"cluster.device_memory_gb={sharded_gb(params, 2) * 1.01:.6g}"
+    result = CliRunner().invoke(app, ["train", *SMALL, "policy=verl-sync", budget, "--out", str(tmp_path / "no")])
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert f"set train.sharding: fsdp (each of the 2 trainer devices then holds {sharded_gb(params, 2):.3g} GB)" in (
+        result.output
+    )
+    sharded = ["policy=verl-sync", budget, "train.sharding=fsdp", "--steps", "1", "--out", str(tmp_path / "yes")]
+    result = CliRunner().invoke(app, ["train", *SMALL, *sharded])
+    assert result.exit_code == 0, result.output
+    [line] = lines_of(tmp_path / "yes")
+    for device in line["memory_bytes_per_device"]:  # the shard the check counts, counted from the tensors
+        trainer = device["parameters"] + device["gradients"] + device["optimizer"]
+        assert trainer == pytest.approx(16 * params / 2, rel=1e-3)  # AdamW's step counts and an uneven cut
+    tight = f"cluster.device_memory_gb={sharded_gb(params, 2) * 0.99:.6g}"
+    result = CliRunner().invoke(app, ["train", *SMALL, "policy=verl-sync", tight, "train.sharding=fsdp"])
+    assert result.exit_code == 2 and "shard over more devices (cluster.devices)" in result.output, result.output
+
+
 def test_a_user_model_is_counted_from_its_config_as_loading_it_counts(tmp_path):
     """What the budget check counts without reading weights (a meta-device build, LoRA adapter included) is what the
     loaded model holds."""

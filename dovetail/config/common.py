@@ -198,30 +198,49 @@ class ClusterSection(Section):
         "device's memory",
     )
 
-    def check_replicated_fits(self, params: int, trainable: int, lora: LoraRank | None) -> None:
-        """Refuse, before any work, a run whose replicated trainer (every trainer device holds fp32 weights of all
-        `params` parameters, and of the `trainable` ones a gradient and AdamW's two moments) and rollout engine
-        (its own fp32 copy of the weights) would not fit one device's memory (`device_memory_gb`): one line saying
-        how much memory makes it fit, or how to train fewer parameters: a LoRA adapter (`lora`, the run's
-        model.lora), or a smaller one."""
+    def check_trainer_fits(
+        self, params: int, trainable: int, lora: LoraRank | None, train: TrainSection, trainer_devices: int
+    ) -> None:
+        """Refuse, before any work, a run whose trainer and rollout engine would not fit one device's memory
+        (`device_memory_gb`), in one line naming what makes it fit. A replicated trainer holds fp32 weights of all
+        `params` parameters and, of the `trainable` ones, a gradient and AdamW's two moments (16 bytes a trained
+        parameter); a trainer sharded over the `trainer_devices` (`train.sharding: fsdp`) holds 1/N of that, and the
+        whole model's fp32 weights while it starts (it is built whole, then cut); the rollout engine its own fp32 copy.
+        Activations and the KV cache come on top."""
         budget = self.device_memory_gb * GB if self.device_memory_gb is not None else device(self.device).memory_bytes
-        trainer = REPLICA_WEIGHT_BYTES * params + REPLICA_TRAINED_BYTES * trainable
-        needed = trainer + ROLLOUT_WEIGHT_BYTES * params
+        whole = REPLICA_WEIGHT_BYTES * params + REPLICA_TRAINED_BYTES * trainable
+        rollout = ROLLOUT_WEIGHT_BYTES * params
+        sharded = rollout + max(REPLICA_WEIGHT_BYTES * params, whole / trainer_devices)
+        needed = sharded if train.sharding == "fsdp" else rollout + whole
         if needed <= budget:
             return
         if lora is None:
             lighter = "train a LoRA adapter of a model.path model (model.lora)"
         else:
             lighter = f"train a smaller adapter (model.lora.rank, now {lora.rank}; fewer model.lora.target_modules)"
-        if self.device_memory_gb is None:
-            given = f" (unset: the {self.device}'s {budget / GB:g} GB)"
-        else:
-            given = f"={self.device_memory_gb:g}"
+        given = (
+            f" (unset: the {self.device}'s {budget / GB:g} GB)"
+            if self.device_memory_gb is None
+            else f"={self.device_memory_gb:g}"
+        )
+        counted = f"({trainable:,} trained: 16 bytes each for fp32 weights, gradient and AdamW moments, 4 each frozen)"
+        if train.sharding == "fsdp":
+            raise ValueError(
+                f"cluster.device_memory_gb{given}: each of {trainer_devices} devices holds its shard of a trainer of "
+                f"{params:,} parameters {counted}, the whole model's fp32 weights while it starts, and its rollout "
+                f"engine's weights (4 bytes a parameter), {needed / GB:.3g} GB; shard over more devices "
+                f"(cluster.devices), raise cluster.device_memory_gb to {needed / GB:.3g} or more, or {lighter}"
+            )
+        shard = (
+            f"set train.sharding: fsdp (each of the {trainer_devices} trainer devices then holds {sharded / GB:.3g} "
+            "GB), "
+            if sharded <= budget and lora is None
+            else ""
+        )
         raise ValueError(
             f"cluster.device_memory_gb{given}: each device holds a replicated trainer of {params:,} parameters "
-            f"({trainable:,} trained: 16 bytes each for fp32 weights, gradient and AdamW moments, 4 each frozen) and "
-            f"its rollout engine's weights (4 bytes a parameter), {needed / GB:.3g} GB; raise cluster.device_memory_gb "
-            f"to {needed / GB:.3g} or more, or {lighter}"
+            f"{counted} and its rollout engine's weights (4 bytes a parameter), {needed / GB:.3g} GB; {shard}raise "
+            f"cluster.device_memory_gb to {needed / GB:.3g} or more, or {lighter}"
         )
 
     @field_validator("device")

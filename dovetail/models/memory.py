@@ -50,7 +50,7 @@ def peak_bytes(device: torch.device) -> int:
 
 def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
     """(parameters, trained parameters) of a model: what a replicated trainer of it holds (`ClusterSection.
-    check_replicated_fits`). Counts a model built on the meta device (`counted_on_meta`) as well as a loaded one."""
+    check_trainer_fits`). Counts a model built on the meta device (`counted_on_meta`) as well as a loaded one."""
     return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 

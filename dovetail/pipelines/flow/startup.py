@@ -62,7 +62,7 @@ def fitted_cost(config: FlowTrainConfig, scenario: Scenario, measured: dict[str,
 
 def check_checkpoint(config: FlowTrainConfig) -> None:
     """What every run meets as it starts, whatever its policy (the dry run's check): the built-in model loads, as
-    the run loads it (a truncated or foreign file fails here), a replicated trainer of the model fits
+    the run loads it (a truncated or foreign file fails here), its trainer (replicated or sharded) fits
     `cluster.device_memory_gb` (a diffusers transformer counted from its config), and the prompts split. A diffusers
     directory's layout the config has checked, and its prompt table is checked here; its model is not loaded (a dry
     run plans a GPU cluster from a laptop)."""
@@ -71,7 +71,8 @@ def check_checkpoint(config: FlowTrainConfig) -> None:
     else:
         lora = None if config.model.lora is None else config.model.lora.model_dump()
         params, trained = transformer_parameter_counts(config.model.path, lora=lora, seed=config.seed)
-    config.cluster.check_replicated_fits(params, trained, config.model.lora)
+    trainer_devices = config.runtime.trainer_devices or config.compute_devices
+    config.cluster.check_trainer_fits(params, trained, config.model.lora, config.train, trainer_devices)
     prompt_split(config)
     if config.model.path is not None:
         check_prompt_table(config)

@@ -69,11 +69,12 @@ def fitted_cost(config: LMTrainConfig, scenario: Scenario, measured: dict) -> Co
 
 def check_checkpoint(config: LMTrainConfig) -> None:
     """What every run meets as it starts, whatever its policy (the dry run's check): the model loads (a user's: its
-    config is a causal LM's, its weights are not read), a replicated trainer of it fits `cluster.device_memory_gb`
-    (its parameters counted without its weights), its tokenizer loads, the dataset reads, the prompts it encodes
-    (a dataset's every one; a task's first: the base evaluation's, the first step's) leave max_new_tokens in the
-    model's context, the rewards' columns are the dataset's, and `sampling.engine=vllm` finds vLLM installed. A model
-    our engine does not compute is said in one line on stderr: its rollouts run on transformers' own forward."""
+    config is a causal LM's, its weights are not read), its trainer (replicated or sharded) fits
+    `cluster.device_memory_gb` (its parameters counted without its weights), its tokenizer loads, the dataset reads,
+    the prompts it encodes (a dataset's every one; a task's first: the base evaluation's, the first step's) leave
+    max_new_tokens in the model's context, the rewards' columns are the dataset's, and `sampling.engine=vllm` finds
+    vLLM installed. A model our engine does not compute is said in one line on stderr: its rollouts run on
+    transformers' own forward."""
     path = config.model.path
     if path is not None:  # its config and tokenizer: a large model's weights are the run's to load
         model_config, tokenizer = causal_lm_config(path), load_run_tokenizer(config)
@@ -83,7 +84,8 @@ def check_checkpoint(config: LMTrainConfig) -> None:
         model, tokenizer = load_policy(config)
         model_config = model.config
         params, trained = parameter_counts(model)
-    config.cluster.check_replicated_fits(params, trained, config.model.lora)
+    trainer_devices = config.runtime.trainer_devices or config.compute_devices
+    config.cluster.check_trainer_fits(params, trained, config.model.lora, config.train, trainer_devices)
     prompts = RunPrompts(config)
     encode_prompts(config, tokenizer, prompts.all() or [*prompts.eval(), *prompts.step(0)], model_context(config))
     check_columns(config, prompts)
