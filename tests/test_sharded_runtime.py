@@ -12,9 +12,11 @@ activation checkpointing on (it recomputes the same forward). A checkpoint writt
 and on one, and exports as a replicated run's does."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from fault_injection import Fault
 from running import train
 from safetensors.torch import load_file
@@ -22,6 +24,7 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from dovetail.cli import app
+from dovetail.config.common import ConfigError
 from dovetail.config.load import load_config
 
 LR = 3e-4
@@ -35,6 +38,7 @@ SMALL = [
     "runtime.profile_samples=4",
     f"train.lr={LR}",
 ]
+CONFIGS = Path(__file__).parent.parent / "configs"
 SHARDED = [*SMALL, "policy=verl-sync", "train.sharding=fsdp", "checkpoint.every=2"]
 STEPS = 3
 FP32_BOUND = 0.1 * LR
@@ -136,3 +140,23 @@ def test_a_sharded_run_exports_a_transformers_model(sharded, tmp_path):
     assert result.exit_code == 0, result.output
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert all(torch.equal(model.state_dict()[k], v) for k, v in final_weights(sharded).items())
+
+
+def test_what_a_sharded_trainer_does_not_run_is_refused_in_one_line_naming_the_field(tmp_path, sd3_pipeline_dir):
+    refusals = [
+        (["train.precision=bf16"], "precision=bf16: applied by the sharded trainer; set train.sharding: fsdp"),
+        (["train.activation_checkpointing=true"], "activation_checkpointing=True: applied by the sharded trainer"),
+        (
+            [f"model.path={sd3_pipeline_dir}", "model.lora.rank=4", "train.sharding=fsdp"],
+            "train.sharding=fsdp: a LoRA adapter trains replicated",
+        ),
+    ]
+    for overrides, said in refusals:
+        with pytest.raises(ConfigError) as refused:
+            load_config(None, overrides)
+        assert said in str(refused.value) and "\n" not in str(refused.value)
+    multiplex = yaml.safe_load((CONFIGS / "multiplex.yaml").read_text())
+    multiplex["pipelines"][1].setdefault("train", {})["sharding"] = "fsdp"
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(multiplex))
+    with pytest.raises(ConfigError, match=r"pipelines\.1\.train\.sharding=fsdp: a multiplexed pipeline trains"):
+        load_config(tmp_path / "run.yaml", [])

@@ -85,6 +85,18 @@ class MultiplexConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _replicated_trainers(self) -> "MultiplexConfig":
+        """Multiplexed pipelines share devices whose interference is timed per kind of work alone and side by side,
+        the train pass among them; a sharded trainer's runs only with its whole group (docs/architecture.md)."""
+        for index, pipeline in enumerate(self.pipelines):
+            if pipeline.train.sharding != "replicate":
+                raise ValueError(
+                    f"pipelines.{index}.train.sharding={pipeline.train.sharding}: a multiplexed pipeline trains "
+                    "replicated; set train.sharding: replicate, or run the pipeline alone"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _names_unique(self) -> "MultiplexConfig":
         names = [p.pipeline_name for p in self.pipelines]
         if len(set(names)) != len(names):

@@ -471,7 +471,8 @@ class LMTrainConfig(RunSection):
             "micro_batches": self.algo.micro_batches,
             "reference": self.algo.beta > 0,
             "lengths_known": False,  # a run learns them by decoding
-            "replicated_trainer": True,
+            "replicated_trainer": self.train.sharding
+            == "replicate",  # the runtime's trainer, as the simulator prices it
             "priority": self.priority,
         }
         if self.model.path is None:
