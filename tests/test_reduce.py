@@ -1,6 +1,7 @@
-"""A commit's reduction (`runtime.worker.reduce_parts`): each device adds its own train parts and one all-reduce adds
-the devices' sums, whatever number of parts each holds (none included): the same bits as adding every part in key order,
-for fp32 gradients added in fp64 within the span the argument allows, and not beyond it."""
+"""A commit's reduction (`runtime.worker.reduce_parts`): each device adds its own train parts into one fp64 sum as they
+finish, in any order, and one all-reduce adds the devices' sums, whatever number of parts each holds (none included):
+the same bits as adding every part in key order, for fp32 gradients added in fp64 within the span the argument allows,
+and not beyond it."""
 
 import zlib
 
@@ -38,8 +39,10 @@ def reduce_on(rank: int, store: str) -> None:
             in_key_order = torch.zeros(NUMEL, dtype=torch.float64)
             for key in every_key:
                 in_key_order += part(key, lowest)
-            held = {key: part(key, lowest) for key in HELD[rank]}
-            reduced = reduce_parts(held, (0, 1, 2), {}, torch.zeros(NUMEL, dtype=torch.float64))
+            total = torch.zeros(NUMEL, dtype=torch.float64)
+            for key in HELD[rank]:  # as they finished: not in key order
+                total += part(key, lowest)
+            reduced = reduce_parts(total, (0, 1, 2), {})
             assert torch.equal(reduced, in_key_order) == same_bits, lowest
     finally:
         dist.destroy_process_group()
@@ -49,9 +52,10 @@ def test_the_devices_parts_reduce_to_the_key_ordered_sum_within_the_span_of_the_
     mp.spawn(reduce_on, args=(str(tmp_path / "store"),), nprocs=len(HELD))
 
 
-def test_a_device_alone_adds_its_own_parts():
-    parts = {key: part(key) for key in HELD[0]}
-    expected = torch.zeros(NUMEL, dtype=torch.float64)
-    for key in sorted(parts):
-        expected += parts[key]
-    assert torch.equal(reduce_parts(parts, (0,), {}, torch.zeros(NUMEL, dtype=torch.float64)), expected)
+def test_a_device_alone_keeps_the_sum_of_its_parts_in_any_order():
+    expected, total = torch.zeros(NUMEL, dtype=torch.float64), torch.zeros(NUMEL, dtype=torch.float64)
+    for key in sorted(HELD[0]):
+        expected += part(key)
+    for key in HELD[0]:
+        total += part(key)
+    assert torch.equal(reduce_parts(total, (0,), {}), expected)

@@ -151,8 +151,12 @@ RAY_ADDRESS = re.compile(r"(ray://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-
 GB = 1e9
 REPLICA_WEIGHT_BYTES = 4
 """A replicated trainer's bytes per parameter for its fp32 weights."""
-REPLICA_TRAINED_BYTES = 12
-"""And per trained parameter besides: its fp32 gradient (4) and AdamW's two fp32 moments (8)."""
+REPLICA_TRAINED_BYTES = 20
+"""And per trained parameter besides: its fp32 gradient (4), the fp64 sum of the step's parts it is rounded from at
+the commit (8: `runtime.worker.reduce_parts`) and AdamW's two fp32 moments (8)."""
+SHARD_TRAINED_BYTES = 12
+"""A sharded trainer's per trained parameter besides its fp32 weights, before dividing by the group: its fp32
+gradient (4; FSDP adds the parts in it) and AdamW's two fp32 moments (8)."""
 ROLLOUT_WEIGHT_BYTES = 4
 """A rollout engine's own fp32 copy of the weights, per parameter."""
 
@@ -203,15 +207,16 @@ class ClusterSection(Section):
     ) -> None:
         """Refuse, before any work, a run whose trainer and rollout engine would not fit one device's memory
         (`device_memory_gb`), in one line naming what makes it fit. A replicated trainer holds fp32 weights of all
-        `params` parameters and, of the `trainable` ones, a gradient and AdamW's two moments (16 bytes a trained
-        parameter); a trainer sharded over the `trainer_devices` (`train.sharding: fsdp`) holds 1/N of that, and the
-        whole model's fp32 weights while it starts (it is built whole, then cut); the rollout engine its own fp32 copy.
-        Activations and the KV cache come on top."""
+        `params` parameters and, of the `trainable` ones, a gradient, the fp64 sum of the step's parts and AdamW's two
+        moments (24 bytes a trained parameter); a trainer sharded over the `trainer_devices` (`train.sharding: fsdp`)
+        holds 1/N of its weights, gradient and moments (16 bytes a trained parameter), and the whole model's fp32
+        weights while it starts (it is built whole, then cut); the rollout engine its own fp32 copy. Activations and
+        the KV cache come on top."""
         budget = self.device_memory_gb * GB if self.device_memory_gb is not None else device(self.device).memory_bytes
-        whole = REPLICA_WEIGHT_BYTES * params + REPLICA_TRAINED_BYTES * trainable
+        weights = REPLICA_WEIGHT_BYTES * params
         rollout = ROLLOUT_WEIGHT_BYTES * params
-        sharded = rollout + max(REPLICA_WEIGHT_BYTES * params, whole / trainer_devices)
-        needed = sharded if train.sharding == "fsdp" else rollout + whole
+        sharded = rollout + max(weights, (weights + SHARD_TRAINED_BYTES * trainable) / trainer_devices)
+        needed = sharded if train.sharding == "fsdp" else rollout + weights + REPLICA_TRAINED_BYTES * trainable
         if needed <= budget:
             return
         if lora is None:
@@ -223,14 +228,18 @@ class ClusterSection(Section):
             if self.device_memory_gb is None
             else f"={self.device_memory_gb:g}"
         )
-        counted = f"({trainable:,} trained: 16 bytes each for fp32 weights, gradient and AdamW moments, 4 each frozen)"
         if train.sharding == "fsdp":
+            counted = f"({trainable:,} trained: 16 bytes each for fp32 weights, gradient and AdamW moments)"
             raise ValueError(
                 f"cluster.device_memory_gb{given}: each of {trainer_devices} devices holds its shard of a trainer of "
                 f"{params:,} parameters {counted}, the whole model's fp32 weights while it starts, and its rollout "
                 f"engine's weights (4 bytes a parameter), {needed / GB:.3g} GB; shard over more devices "
                 f"(cluster.devices), raise cluster.device_memory_gb to {needed / GB:.3g} or more, or {lighter}"
             )
+        counted = (
+            f"({trainable:,} trained: 24 bytes each for fp32 weights and gradient, the fp64 sum of the step's parts "
+            "and AdamW moments, 4 each frozen)"
+        )
         shard = (
             f"set train.sharding: fsdp (each of the {trainer_devices} trainer devices then holds {sharded / GB:.3g} "
             "GB), "

@@ -390,7 +390,10 @@ class RayExecutor:
         """Bring the pipeline's workers back with its committed trainer state and group (`recovery.revive`) and
         rebuild the gradients of the restarted devices' train parts of the open step (sent before anything else)."""
         config = run.config.model_dump(mode="json")
-        state = ray.put(self._newest_state(run))
+
+        def state() -> ray.ObjectRef:  # asked only where a worker restarted (a sharded trainer's is joined for it)
+            return ray.put(self._newest_state(run))
+
         restarted = revive(run.workers, run.incarnations, config, state, RECOVERY_DEADLINE_S, self.lost())
         run.ledger.restarts += [(round(now, 3), device, during) for device in restarted]
         if run.sharded and restarted:
@@ -501,7 +504,11 @@ class RayExecutor:
     def _keep_shard(self, run: PipelineRun, commit: str, device: int) -> None:
         """A member of a sharded trainer finished the commit: its new shards go into the object store; once every
         member's are there, they are the pipeline's committed state and the step's gradients are spent."""
-        _, run.shards[device] = self._from_a_trainer(run, take_trainer_state, [device])
+        try:
+            _, run.shards[device] = self._from_a_trainer(run, take_trainer_state, [device])
+        except TrainersLost:  # its shards of this commit went with it, and with them the step
+            self._revive(run, self.state.now, commit)
+            raise
         if run.shards.keys() == set(run.trainer_devices):
             run.trainer_state = tuple(run.shards[d] for d in sorted(run.trainer_devices))
             run.shards = {}

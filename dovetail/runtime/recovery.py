@@ -117,19 +117,27 @@ class Incarnations:
 
 
 def revive(
-    workers: list, incarnations: Incarnations, config: dict, trainer_state, deadline_s: float, lost: LostWatch
+    workers: list,
+    incarnations: Incarnations,
+    config: dict,
+    trainer_state: Callable[[], ray.ObjectRef],
+    deadline_s: float,
+    lost: LostWatch,
 ) -> list[int]:
     """Wait for every worker to answer; configure the ones that are new incarnations (their pid changed) with `config`
-    (a config dump) and `trainer_state` (a ref), and form the group again if any was (`incarnations` is updated).
+    (a config dump) and the ref `trainer_state()` gives, asked only where a worker restarted (a sharded trainer's is
+    joined from its members' shards for it), and form the group again if any was (`incarnations` is updated).
     Returns the devices that restarted; raises `StepLost` for devices `lost` finds gone."""
+    state: ray.ObjectRef | None = None
     end = time.monotonic() + deadline_s
     while True:
         current = _answers(workers, incarnations, end, lost)
         restarted = [device for device, (old, new) in enumerate(zip(incarnations.pids, current)) if old != new]
         if not restarted:
             return []
+        state = state if state is not None else trainer_state()
         try:
-            ray.get([workers[device].configure.remote(config, trainer_state, device) for device in restarted])
+            ray.get([workers[device].configure.remote(config, state, device) for device in restarted])
             incarnations.group = form_group(workers)
         except RayActorError:  # another worker died meanwhile: start over, it is a new incarnation too
             _check(end, workers)
@@ -198,6 +206,6 @@ class Started:
     def revive(self, during: str) -> None:
         watch = self.lost()
         for index in revive(
-            self.workers, self.incarnations, self.config, self.trainer_state, RECOVERY_DEADLINE_S, watch
+            self.workers, self.incarnations, self.config, lambda: self.trainer_state, RECOVERY_DEADLINE_S, watch
         ):
             self.restarts.append((0.0, index, during))

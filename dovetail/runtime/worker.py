@@ -5,13 +5,13 @@ trainer, reference and reward engines) and does the typed work the driver sends 
 work and never decides: which node runs where is the policy's, through the executor.
 
 The engines live on the worker's device (the GPU Ray assigned it, else the CPU); what crosses Ray (rollouts,
-scores, weights, trainer state) is CPU numpy / tensors, so the driver needs no GPU. Each train part's gradient stays
-on the device in fp64, keyed by the part (node, index); at the commit each device that holds the trainer engine adds
-its own parts and one all-reduce in a torch.distributed group (NCCL between GPUs, gloo between CPU cores) adds the
-devices' sums (`reduce_parts`): fp32 gradients add up in fp64 to the same bits in any order, so the sum is the same
-whichever device trained which part — a run is bitwise reproducible under a scheduler that places work by measured
-time — and every trainer replica takes the same optimizer step. A worker that dies loses its parts' gradients: the
-executor re-runs them (same keys, same bits).
+scores, weights, trainer state) is CPU numpy / tensors, so the driver needs no GPU. Each train part's gradient is
+added, as the part finishes, into the device's one fp64 sum of the open step (each part once, by its key (node,
+index)); at the commit one all-reduce in a torch.distributed group (NCCL between GPUs, gloo between CPU cores) adds
+the devices' sums (`reduce_parts`): fp32 gradients add up in fp64 to the same bits in any order, so the sum is the
+same whichever device trained which part in whichever order — a run is bitwise reproducible under a scheduler that
+places work by measured time — and every trainer replica takes the same optimizer step. A worker that dies loses its
+sum: the executor re-runs its parts (same keys, same bits).
 
 A publication's weights come through the object store, or by a broadcast that runs on a thread of its own
 (`broadcast_weights`) and stages them for the `LoadWeights` in the main queue: `runtime.publication` says why that
@@ -136,17 +136,15 @@ def group_of(ranks: tuple[int, ...], groups: dict):
     return groups[ranks]
 
 
-def reduce_parts(parts: dict, ranks: tuple[int, ...], groups: dict, total: torch.Tensor) -> torch.Tensor:
-    """The sum of every device's train `parts` (flat fp64 gradients) over the devices `ranks`: each device adds its own
-    into `total` (zeros of the parts' size and dtype: a device may hold none), and one all-reduce adds the devices'
-    sums. fp32 terms add up in fp64 to the same bits in any order unless their magnitudes span more than 2^29 (less a
-    few bits of carries), and the sum is rounded once to fp32 at the commit, so a run is the same bits whichever
-    device trained which part (and after a restart). One gradient per device crosses, where gathering every part to
-    every device and adding in key order moved them all: 4 fp64 parts on each of 2 devices (a 1.3 M-parameter model)
-    took ~140 ms to gather here, ~20 ms to all-reduce as one sum; a flow step of `colocated` (five train nodes, ten
-    fp32 parts) spent 0.32 device-s in its commit gathering them."""
-    for key in sorted(parts):
-        total += parts[key]
+def reduce_parts(total: torch.Tensor, ranks: tuple[int, ...], groups: dict) -> torch.Tensor:
+    """The sum over the devices `ranks` of each device's `total`, the flat fp64 sum of the train parts it trained
+    (zeros where it trained none), added in place by one all-reduce. fp32 terms add up in fp64 to the same bits in
+    any order unless their magnitudes span more than 2^29 (less a few bits of carries), and the sum is rounded once to
+    fp32 at the commit, so a run is the same bits whichever device trained which part, in whichever order it finished
+    (and after a restart). A device holds one fp64 sum (8 bytes a trained parameter), where keeping each part to add
+    them in key order at the commit held 8 bytes a parameter per part; one gradient per device crosses, where
+    gathering every part to every device moved them all (4 fp64 parts on each of 2 devices of a 1.3 M-parameter
+    model: ~140 ms gathered, ~20 ms all-reduced as one sum)."""
     if len(ranks) > 1:
         dist.all_reduce(total, group=group_of(ranks, groups))
     return total
@@ -195,8 +193,10 @@ class DeviceWorker:
         holds_policy = self.index < self.config.compute_devices
         engines = kind(self.config.kind).load("engines")
         self._engines = engines(self.config, self.device, holds_policy, trainer_state)
-        self.gradients: dict[tuple[str, int], torch.Tensor] = {}
-        """The open step's train parts' gradients here, by part (node, index)."""
+        self.gradient: torch.Tensor | None = None
+        """The fp64 sum of the open step's train parts' gradients here (None before the first)."""
+        self.summed: set[tuple[str, int]] = set()
+        """The parts (node, index) in `gradient`: a part sent again to this process is added once."""
         self.role: str | None = None
         self.held_memory = self.engines.memory()
 
@@ -312,8 +312,11 @@ class DeviceWorker:
         result = self.engines.run(work)
         if isinstance(result, Trained) and replica:
             assert part is not None, "a train part is sent with its key"  # executor._launch sends every part's
-            self.gradients[part] = self.engines.part_gradient()
-        self.held_memory = self.engines.memory(self.gradients.values())
+            gradient = self.engines.part_gradient()
+            if part not in self.summed:
+                self.gradient = gradient if self.gradient is None else self.gradient.add_(gradient)
+                self.summed.add(part)
+        self.held_memory = self.engines.memory(self._held_gradient())
         return result
 
     def _shard(self, group: tuple[int, ...]) -> None:
@@ -325,8 +328,8 @@ class DeviceWorker:
         elif engines.sharded_group != group:
             raise RuntimeError(
                 f"the trainer is sharded over devices {list(engines.sharded_group)} and a node trains on "
-                f"{list(group)}: a sharded trainer keeps one group (a policy that trains on one pool: verl-sync, "
-                "streamrl, areal)"
+                f"{list(group)}: a sharded trainer keeps one group for the run; use a policy that trains on one "
+                "pool of devices, or train.sharding: replicate"
             )
 
     def _load(self, work: LoadWeights) -> Loaded:
@@ -340,22 +343,23 @@ class DeviceWorker:
             except Exception:  # the broadcast failed or never came: the object store has it
                 pass
         engines.load_rollout_weights(work.version, weights)
-        self.held_memory = engines.memory(self.gradients.values())
+        self.held_memory = engines.memory(self._held_gradient())
         return Loaded(time.perf_counter() - start, path)
 
     def _commit(self, work: Commit) -> Committed:
         """Add the step's train parts' gradients of every trainer device (`reduce_parts`) and take one optimizer
-        step. Its answer carries the device's memory: the gradients as the commit holds them (the parts, their sum,
-        the trainer's own), the rest after the optimizer step (AdamW makes its moments at its first). A sharded
+        step. Its answer carries the device's memory: the gradients as the commit holds them (the fp64 sum and the
+        trainer's own), the rest after the optimizer step (AdamW makes its moments at its first). A sharded
         trainer's gradients were added in the backward (FSDP's reduce-scatter): its commit scales them and steps."""
         if self.engines.sharded_group is not None:
             return self._commit_shards(work)
         start = time.perf_counter()
-        summed = reduce_parts(self.gradients, work.ranks, self.groups, self._zero_gradient())
+        total = self.gradient if self.gradient is not None else self._zero_gradient()
+        summed = reduce_parts(total, work.ranks, self.groups)
         synced = time.perf_counter()
         set_summed_gradient(self.engines.trainer, [summed], work.scale)
-        gradients = self.engines.memory([*self.gradients.values(), summed]).gradients
-        self.gradients = {}
+        gradients = self.engines.memory([summed]).gradients
+        self.gradient, self.summed = None, set()
         grad_norm = commit(self.engines.trainer, self.engines.optimizer, self.config.train)
         lr = stepped_lr(self.engines.optimizer)
         seconds = time.perf_counter() - synced
@@ -374,6 +378,9 @@ class DeviceWorker:
         memory = replace(self.held_memory, gradients=gradients)
         return Committed(grad_norm, stepped_lr(optimizer), 0.0, time.perf_counter() - start, memory)
 
+    def _held_gradient(self) -> list[torch.Tensor]:
+        return [] if self.gradient is None else [self.gradient]
+
     def _zero_gradient(self) -> torch.Tensor:
         """A flat fp64 gradient of zeros over the trainer's trainable parameters (what a part is: `part_gradient`)."""
         trained = trainable_parameters(self.engines.held_trainer()[0])
@@ -383,10 +390,10 @@ class DeviceWorker:
         """Median seconds of a commit's adding across the devices `ranks` (each calls this at once), one part of the
         trainer's gradient size per device: what the planner's commit across trainer replicas is fitted to
         (`cost.model.CostModel.replica_allreduce_seconds`). The first round, which cuts the group, is not timed."""
-        part = {("sync", self.index): self._zero_gradient()}
+        total = self._zero_gradient()
         seconds = []
         for _ in range(repeats + 1):
             start = time.perf_counter()
-            reduce_parts(part, ranks, self.groups, self._zero_gradient())
+            reduce_parts(total, ranks, self.groups)
             seconds.append(time.perf_counter() - start)
         return statistics.median(seconds[1:])
