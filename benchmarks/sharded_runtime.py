@@ -28,8 +28,13 @@ from dovetail.config.common import (
     ROLLOUT_WEIGHT_BYTES,
     SHARD_TRAINED_BYTES,
 )
+from dovetail.config.load import load_config
+from dovetail.cost.model import CostModel
+from dovetail.graph.lm import engines
+from dovetail.graph.node import Role
 from dovetail.models.tokenizer import CharTokenizer
 from dovetail.runtime.replay import replay_run
+from dovetail.sched import policy_class
 
 ALPHABET = "0123456789+="
 MODES = {
@@ -73,6 +78,15 @@ def train(out: Path, overrides: list[str], steps: int) -> subprocess.CompletedPr
     return subprocess.run([*command, *overrides], capture_output=True, text=True)
 
 
+def planned_trainer_bytes(out: Path) -> float:
+    """The planner's resident trainer memory on one device for the run's config and shape (`graph.lm.engines`)."""
+    config = load_config(out / "config.yaml", [])
+    spec = config.scenario(1).pipelines[0]
+    cost = CostModel(config.cluster.device)
+    shape = policy_class(config.policy).shape(spec, config.cluster.devices, None, cost)
+    return engines(spec, cost, shape).resident_gb[Role.TRAINER] * GB
+
+
 def row(name: str, out: Path, params: int, devices: int) -> dict:
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     memory = lines[-1]["memory_bytes_per_device"]
@@ -86,6 +100,7 @@ def row(name: str, out: Path, params: int, devices: int) -> dict:
         "mode": name,
         "trainer_bytes": trainer,
         "counted_trainer_bytes": counted,
+        "planned_trainer_bytes": planned_trainer_bytes(out),
         "rollout_bytes": max(m["rollout"] for m in memory),
         "peak_bytes": lines[-1]["memory_peak_bytes"],
         "step_s": replay["measured_steady_step_s"],
@@ -137,11 +152,14 @@ def main() -> None:
     }
     (args.out / "sharded_runtime.json").write_text(json.dumps(result, indent=2))
     print(f"Qwen2-0.5B layer shape x {args.layers} layers: {params / 1e6:.1f} M parameters, 2 CPU cores, verl-sync\n")
-    print("| mode | trainer bytes / device (counted) | rollout | peak | step s | planner's step s |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| mode | trainer bytes / device | memory check | planner | rollout | peak (RSS) | step s | planner's step s |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['mode']} | {r['trainer_bytes'] / GB:.3f} GB ({r['counted_trainer_bytes'] / GB:.3f}) "
+            f"| {r['mode']} | {r['trainer_bytes'] / GB:.3f} GB | {r['counted_trainer_bytes'] / GB:.3f} GB "
+            f"| {r['planned_trainer_bytes'] / GB:.3f} GB "
             f"| {r['rollout_bytes'] / GB:.3f} GB | {r['peak_bytes'] / GB:.2f} GB | {r['step_s']:.2f} "
             f"| {r['predicted_step_s']:.2f} |"
         )

@@ -26,6 +26,11 @@ from typer.testing import CliRunner
 from dovetail.cli import app
 from dovetail.config.common import ConfigError
 from dovetail.config.load import load_config
+from dovetail.cost.model import CostModel
+from dovetail.graph.lm import engines
+from dovetail.graph.node import Role
+from dovetail.pipelines.lm.model import load_policy
+from dovetail.sched import policy_class
 
 LR = 3e-4
 SMALL = [
@@ -160,3 +165,20 @@ def test_what_a_sharded_trainer_does_not_run_is_refused_in_one_line_naming_the_f
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(multiplex))
     with pytest.raises(ConfigError, match=r"pipelines\.1\.train\.sharding=fsdp: a multiplexed pipeline trains"):
         load_config(tmp_path / "run.yaml", [])
+
+
+def test_the_planner_prices_the_trainer_each_device_holds(reference, sharded, tmp_path):
+    """The planner's resident trainer memory for the run's shape (`graph.lm.engines`), per parameter of its model,
+    against the bytes each device held at the commit, per parameter of the model trained: a replica's 24 (fp32 weights,
+    gradient, the fp64 sum of the parts, AdamW's moments), a shard's 16 / 2."""
+    replicated = tmp_path / "replicated"
+    train(load_config(None, [*SMALL, "policy=verl-sync"]), replicated, steps=1)
+    params = sum(p.numel() for p in load_policy(load_config(None, SMALL))[0].parameters())
+    for out, overrides in ((replicated, []), (sharded, ["train.sharding=fsdp"])):
+        config = load_config(None, [*SMALL, "policy=verl-sync", *overrides])
+        spec = config.scenario(STEPS).pipelines[0]
+        cost = CostModel(config.cluster.device)
+        planned = engines(spec, cost, policy_class("verl-sync").shape(spec, 2, None, cost))
+        per_parameter = planned.resident_gb[Role.TRAINER] * 1e9 / spec.catalogue_model().params
+        held = [m["parameters"] + m["gradients"] + m["optimizer"] for m in metrics(out)[0]["memory_bytes_per_device"]]
+        assert max(held) / params == pytest.approx(per_parameter, rel=1e-3), overrides  # AdamW's step counts

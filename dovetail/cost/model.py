@@ -20,6 +20,7 @@ from dovetail.cost.catalog import device as lookup_device
 
 BF16 = 2
 FP32 = 4
+FP64 = 8
 
 OP_KINDS = (
     "prefill",  # LM prompt processing
@@ -564,6 +565,15 @@ class CostModel:
             optimizer=0.0 if offload else trained * 3 * FP32 / devices,
             activations=activations,
         )
+
+    def replicated_training_memory(self, params: float, trainable: float | None = None) -> MemoryUse:
+        """dovetail's replicated trainer on one device (`replicated_trainer` specs): fp32 weights of every parameter,
+        and of the trained ones an fp32 gradient beside the fp64 sum of the step's parts it is rounded from
+        (`runtime.worker.reduce_parts`: what makes every policy end at the same bits) and AdamW's two fp32 moments:
+        24 bytes a trained parameter, 4 a frozen one. Activations are the train nodes' (`training_memory`)."""
+        trained = params if trainable is None else trainable
+        weights = (params + (0.0 if trainable is None else trainable)) * FP32
+        return MemoryUse(weights=weights, grads=trained * (FP32 + FP64), optimizer=trained * 2 * FP32)
 
     def rollout_memory(self, model: LanguageModel, kv_tokens: int, devices: int = 1) -> MemoryUse:
         """An LM rollout engine: bf16 weights and the KV cache of `kv_tokens` tokens, TP-sharded."""

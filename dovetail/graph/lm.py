@@ -173,9 +173,12 @@ def engines(spec: LMSpec, cost: CostModel, shape: LMShape) -> Engines:
     tp = spec.tensor_parallel
     cost = shape.cost_model(cost)
     rollout = cost.rollout_memory(model, 0, tp).weights + cost.kv_cache_bytes(model, tp) / tp
-    trainer = cost.training_memory(
-        model.params, model.layers, model.hidden, 0, shape.trainer_devices, trainable=trainable_params(spec)
-    ).total
+    if spec.replicated_trainer:  # dovetail's runtime replicas: each holds the whole trainer
+        trainer = cost.replicated_training_memory(model.params, trainable_params(spec)).total
+    else:
+        trainer = cost.training_memory(
+            model.params, model.layers, model.hidden, 0, shape.trainer_devices, trainable=trainable_params(spec)
+        ).total
     resident = {Role.ROLLOUT: rollout / GB, Role.TRAINER: trainer / GB}
     switch = {Role.ROLLOUT: cost.switch(rollout), Role.TRAINER: cost.switch(trainer)}
     return Engines(resident_gb=resident, wake_s=switch, sleep_s=switch)
