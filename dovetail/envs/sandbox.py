@@ -18,6 +18,7 @@ write such code in a container without network."""
 import ast
 import errno
 import json
+import math
 import os
 import resource
 import signal
@@ -48,8 +49,10 @@ WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 def run_python(code: str, *, cpu_s: float, wall_s: float, memory_mb: int, output_bytes: int, file_bytes: int) -> str:
     """What `code` prints (stdout and stderr together, and the value of its last line where that is an expression,
-    as a notebook shows it), run in the child within its limits; or what stopped it."""
-    limits = {"cpu_s": cpu_s, "memory_mb": memory_mb, "file_bytes": file_bytes}
+    as a notebook shows it), run in the child within its limits; or what stopped it. The kernel counts CPU time in
+    whole seconds: `cpu_s` is rounded up, to 1 at least."""
+    cpu_seconds = max(1, math.ceil(cpu_s))
+    limits = {"cpu_s": cpu_seconds, "memory_mb": memory_mb, "file_bytes": file_bytes}
     with tempfile.TemporaryDirectory(prefix="dovetail-sandbox-") as root:
         scratch = os.path.join(root, "scratch")
         os.mkdir(scratch)
@@ -85,7 +88,7 @@ def run_python(code: str, *, cpu_s: float, wall_s: float, memory_mb: int, output
     if overran:
         return _then(text, f"error: stopped after {wall_s:g} s of wall-clock time, its limit")
     if child.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
-        return _then(text, f"error: stopped after {cpu_s:g} s of CPU time, its limit")
+        return _then(text, f"error: stopped after {cpu_seconds} s of CPU time, its limit")
     return text.rstrip()
 
 
@@ -136,8 +139,7 @@ def _child(limits: dict) -> None:
     code = sys.stdin.read()
     scratch = os.path.realpath(os.getcwd())
     readable = tuple(os.path.realpath(p) for p in sys.path if p)
-    cpu = max(1, round(limits["cpu_s"]))
-    memory = limits["memory_mb"] * 2**20
+    cpu, memory = limits["cpu_s"], limits["memory_mb"] * 2**20
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_bytes"], limits["file_bytes"]))
