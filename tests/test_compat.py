@@ -20,9 +20,9 @@ from safetensors.torch import load_file
 from dovetail.algo import sde_step
 from dovetail.config.common import DEFAULT_CHECKPOINT, ConfigError
 from dovetail.config.load import dump_config, load_config, parse_config
-from dovetail.graph.node import SampleId
+from dovetail.graph.node import SampleId, sample_key
 from dovetail.models.flow_rl import SDESettings, generate, recompute_log_probs
-from dovetail.models.sampling import Trajectories, keyed_normal, sample_key
+from dovetail.models.sampling import Trajectories, keyed_normal
 from dovetail.pipelines.flow.config import flow_rules
 from dovetail.pipelines.flow.recipe import advantages_of, policy_gradient, sample_timesteps, sde_settings, sde_steps
 

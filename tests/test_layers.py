@@ -34,6 +34,7 @@ LAYERS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
     (("models",), ("algo", "prompts", "files", "rewards", "tasks", "graph", "torch")),
     (("prompts",), ()),
     (("rewards", "tasks"), ()),
+    (("envs",), ("rewards", "files", "graph")),
     (("files",), ()),
     (("kinds",), ()),
     (("trackers",), ("torch",)),

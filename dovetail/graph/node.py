@@ -6,10 +6,18 @@ each node runs; executors (simulated or real) run them. Nothing here knows about
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import NamedTuple
+
+
+def sample_key(*parts: int | str) -> int:
+    """A stable 63-bit seed from its parts (Python's hash() is salted per process): every random draw of a sample
+    (its noise, its environment's waits) is keyed by its `SampleId` and what it draws, never by a process's RNG."""
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 class SampleId(NamedTuple):

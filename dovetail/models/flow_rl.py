@@ -12,8 +12,8 @@ from typing import cast
 import torch
 
 from dovetail.algo import decoupled_old_log_prob, flow_grpo_loss, sde_step
-from dovetail.graph.node import SampleId
-from dovetail.models.sampling import Trajectories, keyed_normal, sample_key, sample_sde
+from dovetail.graph.node import SampleId, sample_key
+from dovetail.models.sampling import Trajectories, keyed_normal, sample_sde
 from dovetail.prompts import DIGIT_PROMPTS
 
 

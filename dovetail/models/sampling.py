@@ -4,19 +4,12 @@ Randomness is keyed by (seed, step, prompt, sample), never by a device or a batc
 sample is the same wherever and with whatever neighbours it is generated.
 """
 
-import hashlib
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from dovetail.algo import sde_step
-
-
-def sample_key(*parts: int | str) -> int:
-    """A stable 63-bit seed from its parts (Python's hash() is salted per process)."""
-    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 def keyed_normal(keys: list[int], shape: tuple[int, ...]) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dovetail.files import one_line
-from dovetail.models.sampling import sample_key
+from dovetail.graph.node import sample_key
 
 
 def strict_fp32() -> None:

@@ -170,25 +170,31 @@ def _image_reward(name: str, fn: Callable) -> RewardFn:
 
 
 def custom_reward(name: str, arguments: str) -> Callable:
-    """Your own reward "package.module:function": its module imported (which runs the module's code, so only
-    from a module DOVETAIL_REWARD_MODULES allows, where it is set) and the function found; the caller checks that it
-    takes `arguments` as it will be called."""
+    """Your own reward "package.module:function" (`import_named`); the caller checks that it takes `arguments` as it
+    will be called."""
+    fn = import_named(name, "reward")
+    if not callable(fn):
+        raise ValueError(f"reward {name!r} must be a function of {arguments}, not a {type(fn).__name__}")
+    return fn
+
+
+def import_named(name: str, what: str) -> object:
+    """What "package.module:attribute" names, its module imported: which runs the module's code, so only from a
+    module DOVETAIL_REWARD_MODULES allows, where it is set (a reward's, an environment's: a config is code). `what`
+    says what it is in an error's one line ("reward", "environment")."""
     module, _, attribute = name.partition(":")
     allowed = os.environ.get(ALLOWED_MODULES)
     if allowed is not None:
         prefixes = [prefix.strip() for prefix in allowed.split(",") if prefix.strip()]
         if not any(module == prefix or module.startswith(prefix + ".") for prefix in prefixes):
             raise ValueError(
-                f"reward {name!r}: module {module!r} is not allowed by {ALLOWED_MODULES}={allowed!r}; add it there "
+                f"{what} {name!r}: module {module!r} is not allowed by {ALLOWED_MODULES}={allowed!r}; add it there "
                 "if you trust its code"
             )
     try:
-        fn = getattr(importlib.import_module(module), attribute)
+        return getattr(importlib.import_module(module), attribute)
     except Exception as error:  # importing runs the module: it may raise anything
-        raise ValueError(f"reward {name!r} cannot be imported: {process.describe(error)}") from None
-    if not callable(fn):
-        raise ValueError(f"reward {name!r} must be a function of {arguments}, not a {type(fn).__name__}")
-    return fn
+        raise ValueError(f"{what} {name!r} cannot be imported: {process.describe(error)}") from None
 
 
 def reward_file(name: str) -> str:

@@ -34,20 +34,77 @@ class Failed(Exception):
     """The call failed otherwise; the message says how, following the reward's name."""
 
 
-_lock = threading.Lock()
-_server: tuple[subprocess.Popen, Connection] | None = None
-"""The reward process and this side's end of its pipe, while it runs: the two live and die together."""
+class Server:
+    """A fresh interpreter running `program` (its argument: the descriptor of its end of a pipe), which answers each
+    request on the pipe; started on first use and kept, killed wherever its state is unknown. The reward process is
+    one; an environment's episodes run in another (`dovetail.envs.host`)."""
+
+    def __init__(self, program: str):
+        self.program = program
+        self.lock = threading.Lock()
+        self._running: tuple[subprocess.Popen, Connection] | None = None
+        """The process and this side's end of its pipe, while it runs: the two live and die together."""
+
+    def ask(self, request: object, timeout_s: float) -> tuple[str, object]:
+        """Send a request to the process (started if there is none) and wait for its answer: the process's; or
+        ("overran", None) or ("ended", exit code) where none came. The process is killed wherever its state is
+        unknown: it overran, it ended, the wait was interrupted."""
+        process, connection = self._running if self._running and self.running() else self._start()
+        answer: tuple[str, object]
+        try:
+            connection.send(request)
+            if connection.poll(timeout_s):
+                return connection.recv()
+            answer = ("overran", None)
+        except (EOFError, ConnectionError):  # it ended before answering, or before reading the request
+            answer = ("ended", process.wait())
+        except BaseException:  # Ctrl-C while waiting: an answer may still come, to the next request
+            self.stop()
+            raise
+        self.stop()
+        return answer
+
+    def running(self) -> bool:
+        return self._running is not None and self._running[0].poll() is None
+
+    def _start(self) -> tuple[subprocess.Popen, Connection]:
+        self.stop()
+        connection, theirs = Pipe()
+        environment = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}  # where it finds dovetail, as the caller
+        process = subprocess.Popen(
+            [sys.executable, "-c", self.program, str(theirs.fileno())], pass_fds=[theirs.fileno()], env=environment
+        )
+        self._running = process, connection
+        theirs.close()  # its end lives in the process alone: when the process ends, recv() here sees EOF
+        try:
+            connection.recv()  # its "ready": the interpreter is up, so the first call's clock starts now
+        except EOFError:
+            exit_code = process.wait()
+            self.stop()
+            raise Failed(f"could not start its process (exit code {exit_code})") from None
+        return self._running
+
+    def stop(self) -> None:
+        if self._running is not None:
+            process, connection = self._running
+            process.kill()
+            process.wait()
+            connection.close()
+            self._running = None
+
 
 SERVE = "import sys; from dovetail.rewards.process import serve; serve(int(sys.argv[1]))"
 """The reward process's program; its argument is the descriptor of its end of the pipe."""
+
+_rewards = Server(SERVE)
 
 
 def call(name: str, args: tuple, kwargs: dict, samples: int, timeout_s: float):
     """The reward `name` ("package.module:function") called on `args` and `kwargs` (an image reward's by position,
     a text reward's by keyword), `samples` samples, in the reward process: its output, or Raised / Failed. One call
     at a time: a second caller waits for the first."""
-    with _lock:
-        outcome, detail = _ask((name, args, kwargs, (os.getcwd(), sys.path, dict(os.environ))), timeout_s)
+    with _rewards.lock:
+        outcome, detail = _rewards.ask((name, args, kwargs, (os.getcwd(), sys.path, dict(os.environ))), timeout_s)
     if outcome == "returned":
         return detail
     if outcome == "raised":
@@ -59,56 +116,7 @@ def call(name: str, args: tuple, kwargs: dict, samples: int, timeout_s: float):
         )
     if outcome == "ended":
         raise Failed(f"ended its process (exit code {detail}); a reward must return its scores, not exit")
-    raise Failed(detail)
-
-
-def _ask(request: tuple, timeout_s: float) -> tuple[str, object]:
-    """Send a request to the reward process (started if there is none) and wait for its answer: ("returned",
-    output), ("raised", ...) or ("failed", ...) from the process; ("overran", None) or ("ended", exit code) where
-    none came. The process is killed wherever its state is unknown: it overran, it ended, the wait was interrupted."""
-    process, connection = _server if _server is not None and _server[0].poll() is None else _start()
-    answer: tuple[str, object]
-    try:
-        connection.send(request)
-        if connection.poll(timeout_s):
-            return connection.recv()
-        answer = ("overran", None)
-    except (EOFError, ConnectionError):  # it ended before answering, or before reading the request
-        answer = ("ended", process.wait())
-    except BaseException:  # Ctrl-C while waiting: an answer may still come, to the next request
-        _stop()
-        raise
-    _stop()
-    return answer
-
-
-def _start() -> tuple[subprocess.Popen, Connection]:
-    global _server
-    _stop()
-    connection, theirs = Pipe()
-    environment = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}  # where it finds dovetail, as the caller
-    process = subprocess.Popen(
-        [sys.executable, "-c", SERVE, str(theirs.fileno())], pass_fds=[theirs.fileno()], env=environment
-    )
-    _server = process, connection
-    theirs.close()  # its end lives in the process alone: when the process ends, recv() here sees EOF
-    try:
-        connection.recv()  # its "ready": the interpreter is up, so the first call's clock starts now
-    except EOFError:
-        exit_code = process.wait()
-        _stop()
-        raise Failed(f"could not start its process (exit code {exit_code})") from None
-    return _server
-
-
-def _stop() -> None:
-    global _server
-    if _server is not None:
-        process, connection = _server
-        process.kill()
-        process.wait()
-        connection.close()
-        _server = None
+    raise Failed(str(detail))
 
 
 def serve(descriptor: int) -> None:

@@ -6,9 +6,9 @@ import numpy as np
 import torch
 
 from dovetail.algo import group_advantages, select_train_timesteps
-from dovetail.graph.node import SampleId
+from dovetail.graph.node import SampleId, sample_key
 from dovetail.models.flow_rl import SDESettings, accumulate_policy_gradient
-from dovetail.models.sampling import keyed_normal, sample_key, sample_ode
+from dovetail.models.sampling import keyed_normal, sample_ode
 from dovetail.models.t2i import flow_sigmas, latents_to_images
 from dovetail.pipelines.flow.config import FlowTrainConfig, flow_rules
 from dovetail.prompts import eval_prompts

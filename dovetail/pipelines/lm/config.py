@@ -35,6 +35,9 @@ from dovetail.config.common import (
     refuse_sharded_adapter,
 )
 from dovetail.cost.catalog import device, language_model, language_model_of_config
+from dovetail.envs import check_options, environment_class
+from dovetail.envs.contract import Latency
+from dovetail.envs.toolcalls import convention
 from dovetail.graph.spec import MAX_DEVICES, GroupSize, check_length_bands
 from dovetail.plan.scenario import Scenario, check_pools, clip
 from dovetail.rewards.text import DEFAULT_FORMAT, text_reward_fn
@@ -264,6 +267,58 @@ class LMEvalSection(Section):
     seed: Seed = 10_000
 
 
+class EnvSection(Section):
+    """The environment of a multi-turn run (docs/environments.md): which one, made how, how the model's tool calls
+    are read, how long a step may take and how long it waits. Checked as a config is read: the environment imported
+    (a user's module, as a reward's: unless `imports_rewards` says not to) and its options bound to its constructor."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=200,
+        description="a built-in environment (arithmetic) or your own as package.module:Class",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, max_length=64, description="the environment's constructor's keyword arguments"
+    )
+    parser: str = Field(
+        "hermes",
+        max_length=40,
+        description="how tool calls are written: hermes (<tool_call>{json}</tool_call>, as Qwen's and Hermes' chat "
+        "templates teach) or plain (<calc>12*34</calc>, for the tiny models)",
+    )
+    timeout_s: float = Field(
+        60.0,
+        gt=0,
+        le=86_400,
+        description="seconds one reset or step may take in the environment's process before it is stopped",
+    )
+    latency: Latency = Field(
+        default_factory=Latency,
+        description="each step's wait besides its tools' own: {kind: constant, seconds: S} or {kind: lognormal, "
+        "median_s: M, sigma: S}",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _known_environment(cls, name: str, info: ValidationInfo) -> str:
+        if imports_rewards(info):
+            environment_class(name)
+        return name
+
+    @field_validator("options")
+    @classmethod
+    def _options_it_takes(cls, options: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if imports_rewards(info) and "name" in info.data:  # else the name was refused: nothing to bind to
+            check_options(info.data["name"], options)
+        return options
+
+    @field_validator("parser")
+    @classmethod
+    def _known_parser(cls, parser: str) -> str:
+        convention(parser)
+        return parser
+
+
 class LMRuntimeSection(Section):
     """How the Ray runtime cuts an LM step, where the policy should not choose."""
 
@@ -305,6 +360,9 @@ class LMTrainConfig(RunSection):
     )
     eval: LMEvalSection = LMEvalSection()
     runtime: LMRuntimeSection = LMRuntimeSection()
+    env: EnvSection | None = Field(
+        None, description="the environment of a multi-turn run (docs/environments.md); not wired into training yet"
+    )
 
     @field_validator("task")
     @classmethod
@@ -363,6 +421,17 @@ class LMTrainConfig(RunSection):
                     text_reward_fn(name, dataset=self.prompts is not None)
                 except ValueError as error:
                     raise ValueError(f"reward: {error}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _single_turn_for_now(self) -> "LMTrainConfig":
+        """A config naming an environment is checked (`EnvSection`), then refused rather than trained single-turn:
+        multi-turn rollouts on the runtime are the next part of issue 36."""
+        if self.env is not None:
+            raise ValueError(
+                f"env: multi-turn rollouts are not wired into training yet (docs/environments.md), so environment "
+                f"{self.env.name!r} cannot run; remove env to train single-turn"
+            )
         return self
 
     @model_validator(mode="after")
