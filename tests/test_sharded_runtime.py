@@ -152,6 +152,10 @@ def test_what_a_sharded_trainer_does_not_run_is_refused_in_one_line_naming_the_f
         (["train.precision=bf16"], "precision=bf16: applied by the sharded trainer; set train.sharding: fsdp"),
         (["train.activation_checkpointing=true"], "activation_checkpointing=True: applied by the sharded trainer"),
         (
+            ["train.sharding=fsdp", "train.cpu_offload=true"],
+            "train.cpu_offload=true: cluster.device=cpu-core is the host's memory already",
+        ),
+        (
             [f"model.path={sd3_pipeline_dir}", "model.lora.rank=4", "train.sharding=fsdp"],
             "train.sharding=fsdp: a LoRA adapter trains replicated",
         ),

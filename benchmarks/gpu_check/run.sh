@@ -20,16 +20,17 @@ status=${PIPESTATUS[0]}
 timeout 300 python3 benchmarks/gpu_check/sharded.py --json "$out/sharded.json" 2>&1 | tee -a "$out/gpu_check.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 # The user's command end to end on one GPU, each kind of pipeline: the CLI, the Ray runtime, CUDA engines, the summary;
-# then each sharded in bf16 with checkpointed activations (the runtime's FSDP2 trainer on nccl: a group of one here,
-# its lockstep, commit, gathered publication and memory metrics), beside the replicated run's figures.
+# then each sharded in bf16 with checkpointed activations, and with CPU offload (the runtime's FSDP2 trainer on nccl:
+# a group of one here, its lockstep, commit, gathered publication and memory metrics), beside the replicated run's.
 for config in sort digits; do
-  for sharded in "" "train.sharding=fsdp train.precision=bf16 train.activation_checkpointing=true"; do
+  for sharded in "" "train.sharding=fsdp train.precision=bf16 train.activation_checkpointing=true" \
+    "train.sharding=fsdp train.precision=bf16 train.cpu_offload=true"; do
     # shellcheck disable=SC2086  # the overrides are words
     timeout 240 python3 -c "from dovetail.cli import main; main()" train "configs/$config.yaml" \
-      --out "/tmp/gpu-$config${sharded:+-fsdp}" --steps 4 --devices 1 cluster.device=H200 $sharded 2>&1 \
+      --out "/tmp/gpu-$config-${#sharded}" --steps 4 --devices 1 cluster.device=H200 $sharded 2>&1 \
       | tee -a "$out/gpu_check.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-    tail -n 1 "/tmp/gpu-$config${sharded:+-fsdp}/metrics.jsonl" | tee -a "$out/gpu_check.log"
+    tail -n 1 "/tmp/gpu-$config-${#sharded}/metrics.jsonl" | tee -a "$out/gpu_check.log"
   done
 done
 # Start-up before the first step where cores are many (issue 19: a Ray run within 4 s of the reference, warm cache;

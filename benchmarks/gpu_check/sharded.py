@@ -37,8 +37,13 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from dovetail.models import sharding
 from dovetail.models.training import strict_fp32, synchronize
 
-MODES = (("replica", "fp32", False, False), ("fsdp-bf16", "bf16", True, False), ("fsdp-bf16-ac", "bf16", True, True))
-"""(name, precision, sharded, activation checkpointing)."""
+MODES = (
+    ("replica", "fp32", False, False, False),
+    ("fsdp-bf16", "bf16", True, False, False),
+    ("fsdp-bf16-ac", "bf16", True, True, False),
+    ("fsdp-bf16-ac-offload", "bf16", True, True, True),
+)
+"""(name, precision, sharded, activation checkpointing, CPU offload: on a GPU only)."""
 
 QWEN2_0_5B = dict(
     hidden_size=896,
@@ -130,10 +135,10 @@ def step(kind: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ba
 
 
 def run_mode(kind: str, mode: tuple, args, device: torch.device, mesh) -> dict:
-    name, precision, sharded, checkpointing = mode
+    name, precision, sharded, checkpointing, offload = mode
     model = build(kind, args.tiny, device)
     if sharded:
-        sharding.shard(model, mesh, precision=precision, activation_checkpointing=checkpointing)
+        sharding.shard(model, mesh, precision=precision, activation_checkpointing=checkpointing, cpu_offload=offload)
     parameters = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     batch = batch_of(kind, model, args, device)
@@ -211,7 +216,7 @@ def main() -> None:
         mesh = sharding.device_mesh(device.type)
         rows = []
         for kind in args.kinds:
-            for mode in MODES:
+            for mode in MODES if device.type == "cuda" else [m for m in MODES if not m[4]]:
                 rows.append(run_mode(kind, mode, args, device, mesh))
                 gc.collect()  # the mode's model and optimizer, before the next is built
                 if device.type == "cuda":

@@ -106,6 +106,12 @@ class TrainSection(Section):
         description="keep only each transformer block's input through the forward and recompute the rest in the "
         "backward (less memory, ~1/3 more compute; needs sharding: fsdp)",
     )
+    cpu_offload: bool = Field(
+        False,
+        description="keep the trainer's shards, gradients and optimizer state in the host's memory, copying each "
+        "block to the GPU for its passes (FSDP's CPU offload: the optimizer steps on the CPU; needs sharding: fsdp "
+        "and a GPU)",
+    )
 
     @model_validator(mode="after")
     def _sharded_options(self) -> "TrainSection":
@@ -113,6 +119,7 @@ class TrainSection(Section):
         for name, value, plain in (
             ("precision", self.precision, "fp32"),
             ("activation_checkpointing", self.activation_checkpointing, False),
+            ("cpu_offload", self.cpu_offload, False),
         ):
             if value != plain and self.sharding != "fsdp":
                 raise ValueError(
@@ -354,6 +361,16 @@ class RunSection(Section):
             if str(directory) not in sys.path:
                 sys.path.append(str(directory))
         return directories
+
+    @model_validator(mode="after")
+    def _offload_to_a_host(self) -> "RunSection":
+        """CPU offload moves the trainer from a GPU to its host: on a CPU device there is nothing to move."""
+        if self.train.cpu_offload and device(self.cluster.device).platform == "cpu":
+            raise ValueError(
+                f"train.cpu_offload=true: cluster.device={self.cluster.device} is the host's memory already; "
+                "set train.cpu_offload: false, or a GPU cluster.device"
+            )
+        return self
 
     @property
     def pipeline_name(self) -> str:

@@ -24,7 +24,7 @@ import torch
 from dovetail.algo import decoupled_old_log_prob, group_advantages, lm_grpo_loss
 from dovetail.graph.node import SampleId
 from dovetail.models.engine import CACHE, Request
-from dovetail.models.training import flat_gradient, trainable_parameters
+from dovetail.models.training import compute_device, flat_gradient, trainable_parameters
 
 
 def pad_batch(sequences: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +51,7 @@ def response_log_probs(
     responses[b][i] where mask[b, i], and is 0 elsewhere. With `entropy`, also the entropy (B, R) of each response
     position's distribution, softmax(logits / temperature), the one its token was sampled from (0 on padding; under
     grad where the log-probs are)."""
-    device = next(model.parameters()).device
+    device = compute_device(model)
     ids, attention_mask = pad_batch([p + r for p, r in zip(prompts, responses)])
     logits = model(input_ids=ids.to(device), attention_mask=attention_mask.long().to(device), use_cache=False).logits
     targets, mask = pad_batch(responses)
@@ -73,7 +73,7 @@ def group_response_log_probs(
     log-probs up to fp32 rounding, with G - 1 fewer passes over the prompt forward and back (the shared-prefix
     forward of "Prefix Grouper", Liu et al. 2025): a group's G copies of a long prompt are most of its tokens.
     Right padding needs no attention mask: a real token attends to the prompt and the tokens before it only."""
-    device = next(model.parameters()).device
+    device = compute_device(model)
     targets, mask = pad_batch(responses)
     targets, mask = targets.to(device), mask.to(device)
     prompt_pass = model(input_ids=torch.tensor([prompt], device=device), use_cache=True, logits_to_keep=1)

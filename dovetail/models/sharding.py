@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
@@ -100,6 +100,7 @@ def shard(
     reshard_after_forward: bool = True,
     activation_checkpointing: bool = False,
     sum_gradients: bool = False,
+    cpu_offload: bool = False,
 ) -> torch.nn.Module:
     """`model` sharded in place over `mesh` (`device_mesh`) and returned: each block (`blocks_of`) an FSDP unit,
     then the root, which holds the rest (embeddings, the head, a flow model's patch and time embeddings).
@@ -111,8 +112,11 @@ def shard(
     the rest in the backward. The root returns fp32 outputs (with bf16, cast from bf16 logits): the loss and
     log-probs are computed in fp32 whatever the precision. `sum_gradients`: the reduce-scatter adds the members'
     gradients where FSDP would average them, for losses summed over the parts of a step that the commit divides by
-    the step's normaliser (the runtime's)."""
+    the step's normaliser (the runtime's). `cpu_offload`: the shards, their gradients and the optimizer state live in
+    the host's memory and each block's parameters are copied to the GPU for its forward and backward (FSDP's
+    CPUOffloadPolicy; the optimizer steps on the CPU): for a GPU whose memory the shards would not fit."""
     policy = mixed_precision(precision)
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     blocks = blocks_of(model)
     for index, block in enumerate(blocks):
         if activation_checkpointing:
@@ -120,9 +124,13 @@ def shard(
             # backward finds the block's parameters gathered, and state-dict names stay those of the model.
             block.forward = partial(checkpoint, block.forward, use_reentrant=False)
         fully_shard(
-            block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward and index < len(blocks) - 1
+            block,
+            mesh=mesh,
+            mp_policy=policy,
+            offload_policy=offload,
+            reshard_after_forward=reshard_after_forward and index < len(blocks) - 1,
         )
-    fully_shard(model, mesh=mesh, mp_policy=replace(policy, output_dtype=torch.float32))
+    fully_shard(model, mesh=mesh, mp_policy=replace(policy, output_dtype=torch.float32), offload_policy=offload)
     if sum_gradients:
         for unit in [*blocks, model]:
             unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]  # fully_shard made each an FSDPModule

@@ -35,7 +35,6 @@ from ray.exceptions import ObjectLostError, RayActorError, RayError, RayTaskErro
 from dovetail.config.multiplex import PipelineConfig
 from dovetail.graph.node import Graph, Kind, Node, SampleId
 from dovetail.kinds import kind
-from dovetail.models.sharding import merged_state
 from dovetail.plan.loop import settle
 from dovetail.plan.state import ClusterState
 from dovetail.plan.trace import Trace
@@ -69,6 +68,8 @@ def take_weights(worker: ray.actor.ActorHandle) -> tuple[ray.ObjectRef, ray.Obje
 def fetched(held: Held) -> dict:
     """A trainer state from the object store, whole: a sharded trainer's members' shards joined (`merged_state`)."""
     if isinstance(held, tuple):
+        from dovetail.models.sharding import merged_state  # a sharded run's: its imports take 1.4 s
+
         return merged_state(ray.get(list(held)))
     return ray.get(held)
 

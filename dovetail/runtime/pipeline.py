@@ -21,7 +21,6 @@ import torch
 from dovetail.graph.flow import split
 from dovetail.graph.node import Graph, Kind, Node, SampleId
 from dovetail.models.memory import memory_by_kind, peak_bytes
-from dovetail.models.sharding import full_weights, load_local_state, local_of_full, local_state, shard
 from dovetail.models.training import (
     flat_gradient,
     load_trainer_state,
@@ -256,7 +255,10 @@ class PipelineEngines(ABC, Generic[Rollout]):
         """Split the trainer over `mesh` (the FSDP group of devices `group`: `models.sharding.shard`, per transformer
         block, in `train.precision`, gradients summed): its weights and AdamW moments as they stand (a replica's
         until now: the run's state given at configure, the profile's work put back) are cut into this member's
-        shards, and the optimizer is made anew over them. The rollout engine keeps its own copy of the weights."""
+        shards, and the optimizer is made anew over them. The rollout engine keeps its own copy of the weights.
+        `models.sharding` is imported by a sharded run alone: its torch.distributed modules take 1.4 s to import."""
+        from dovetail.models.sharding import load_local_state, local_of_full, shard
+
         trainer, optimizer = self.held_trainer()
         whole = trainer_state_of(trainer, optimizer)
         if self.pending_optimizer is not None:
@@ -269,6 +271,7 @@ class PipelineEngines(ABC, Generic[Rollout]):
             precision=train.precision,
             activation_checkpointing=train.activation_checkpointing,
             sum_gradients=True,
+            cpu_offload=train.cpu_offload,
         )
         self.optimizer = make_optimizer(trainer, train)
         load_local_state(module, self.optimizer, local_of_full(module, self.optimizer, whole))
@@ -280,6 +283,8 @@ class PipelineEngines(ABC, Generic[Rollout]):
         trainer, optimizer = self.held_trainer()
         if self.sharded_group is None:
             return trainer_state_of(trainer, optimizer)
+        from dovetail.models.sharding import local_state  # a sharded run's (`shard_trainer` says why here)
+
         return local_state(self.state_module(), optimizer)
 
     def export_weights(self, keep: bool = True) -> dict:
@@ -289,6 +294,8 @@ class PipelineEngines(ABC, Generic[Rollout]):
         trainer, _ = self.held_trainer()
         if self.sharded_group is None:
             return weights_of(trainer)
+        from dovetail.models.sharding import full_weights  # a sharded run's (`shard_trainer` says why here)
+
         gathered = {}
         for name, tensor in full_weights(self.state_module()):
             if keep:

@@ -35,7 +35,6 @@ from dovetail.config.load import parse_config
 from dovetail.config.multiplex import MultiplexConfig
 from dovetail.kinds import kind
 from dovetail.models.memory import peak_bytes
-from dovetail.models.sharding import group_mesh
 from dovetail.models.training import (
     commit,
     scale_gradients,
@@ -324,6 +323,8 @@ class DeviceWorker:
         group stays the trainer's for the run."""
         engines = self.engines
         if engines.sharded_group is None:
+            from dovetail.models.sharding import group_mesh  # a sharded run's (`PipelineEngines.shard_trainer`)
+
             engines.shard_trainer(group, group_mesh(group_of(group, self.groups), self.device.type))
         elif engines.sharded_group != group:
             raise RuntimeError(
