@@ -8,6 +8,12 @@ replay). Then `cluster.device_memory_gb` set between the sharded and the replica
 refused in one line naming `train.sharding: fsdp`, and the sharded run trains within it.
 
     python benchmarks/sharded_runtime.py --out runs/sharded            # ~6 min on 2 CPU cores
+    python benchmarks/sharded_runtime.py --kind flow --out runs/sharded-flow
+
+`--kind flow`: FlowGRPO (`colocated`) on a diffusers StableDiffusion3Pipeline whose transformer has the SD3-medium
+blocks' width (24 heads x 64 = 1536, `--layers` joint blocks; random init) behind the test suite's tiny text encoders
+and VAE (tests/tiny_pipelines.py: 8x8 latents, so the transformer's blocks are nearly all of the parameters), with
+the built-in `brightness` reward.
 
 Prints a markdown table (and writes OUT/sharded_runtime.json).
 """
@@ -65,6 +71,44 @@ def model_dir(directory: Path, layers: int) -> Path:
     return directory
 
 
+def sd3_dir(directory: Path, layers: int) -> Path:
+    """A StableDiffusion3Pipeline whose transformer has SD3-medium's block width, behind tiny encoders and VAE."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from tiny_pipelines import PROMPTS, clip_tokenizer, tiny_clip_config, tiny_vae
+    from transformers import CLIPTextModelWithProjection
+
+    tokenizer, vocab_size = clip_tokenizer(directory)
+    text = tiny_clip_config(vocab_size, num_hidden_layers=2, projection_dim=16)
+    transformer = SD3Transformer2DModel(
+        sample_size=8,
+        patch_size=2,
+        in_channels=4,
+        out_channels=4,
+        num_layers=layers,
+        attention_head_dim=64,
+        num_attention_heads=24,
+        joint_attention_dim=32,  # the tiny CLIPs' hidden states side by side
+        caption_projection_dim=1536,
+        pooled_projection_dim=32,
+        pos_embed_max_size=8,
+    )
+    pipeline = StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=tiny_vae(),
+        text_encoder=CLIPTextModelWithProjection(text),
+        tokenizer=tokenizer,
+        text_encoder_2=CLIPTextModelWithProjection(text),
+        tokenizer_2=tokenizer,
+        text_encoder_3=None,
+        tokenizer_3=None,
+    )
+    pipeline.save_pretrained(directory / "pipeline")
+    (directory / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
+    return directory / "pipeline"
+
+
 def dataset(directory: Path) -> Path:
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(30) for b in range(30)]
     path = directory / "train.jsonl"
@@ -78,9 +122,12 @@ def train(out: Path, overrides: list[str], steps: int) -> subprocess.CompletedPr
     return subprocess.run([*command, *overrides], capture_output=True, text=True)
 
 
-def planned_trainer_bytes(out: Path) -> float:
-    """The planner's resident trainer memory on one device for the run's config and shape (`graph.lm.engines`)."""
+def planned_trainer_bytes(out: Path) -> float | None:
+    """The planner's resident trainer memory on one device for the run's config and shape (`graph.lm.engines`); None
+    for a flow run (its planner prices FSDP's layout for every policy)."""
     config = load_config(out / "config.yaml", [])
+    if config.kind != "lm":
+        return None
     spec = config.scenario(1).pipelines[0]
     cost = CostModel(config.cluster.device)
     shape = policy_class(config.policy).shape(spec, config.cluster.devices, None, cost)
@@ -111,12 +158,42 @@ def row(name: str, out: Path, params: int, devices: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("runs/sharded"))
-    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--kind", choices=("lm", "flow"), default="lm")
+    parser.add_argument("--layers", type=int, default=None, help="default: 6 (lm), 2 (flow)")
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    model = model_dir(args.out / "qwen2-width", args.layers)
+    if args.kind == "flow":
+        layers = args.layers or 2
+        pipeline = sd3_dir(args.out, layers)
+        from diffusers import SD3Transformer2DModel
+
+        params = sum(p.numel() for p in SD3Transformer2DModel.from_pretrained(pipeline / "transformer").parameters())
+        title = f"SD3 transformer of SD3-medium's block width x {layers} joint blocks"
+        base = [
+            "kind=flow",
+            "policy=colocated",
+            f"model.path={pipeline}",
+            "model.max_sequence_length=4",
+            f"prompts.path={args.out / 'prompts.txt'}",
+            "prompts.eval_fraction=0.3",
+            "prompts.eval_prompts=2",
+            "reward={brightness: 1.0}",
+            "algo.prompts_per_step=2",
+            "algo.group_size=4",
+            "sampling.num_steps=4",
+            "eval.per_prompt=1",
+            "eval.every=1000",
+            "checkpoint.every=1000",
+            "cluster.devices=2",
+            "runtime.profile_samples=4",
+        ]
+        run_modes(args, base, params, title)
+        return
+    layers = args.layers or 6
+    model = model_dir(args.out / "qwen2-width", layers)
     params = sum(p.numel() for p in Qwen2ForCausalLM.from_pretrained(model).parameters())
+    title = f"Qwen2-0.5B layer shape x {layers} layers"
     base = [
         "kind=lm",
         "policy=verl-sync",
@@ -131,6 +208,10 @@ def main() -> None:
         "checkpoint.every=1000",
         "cluster.devices=2",
     ]
+    run_modes(args, base, params, title)
+
+
+def run_modes(args, base: list[str], params: int, title: str) -> None:
     rows = []
     for name, overrides in MODES.items():
         start = time.perf_counter()
@@ -144,14 +225,15 @@ def main() -> None:
     within = train(args.out / "budget-sharded", [*base, budget, "train.sharding=fsdp"], args.steps)
     result = {
         "params": params,
-        "layers": args.layers,
+        "model": title,
         "rows": rows,
         "budget": budget,
         "replicated_under_budget": {"exit": refused.returncode, "said": refused.stderr.strip().splitlines()[-1:]},
         "sharded_under_budget": {"exit": within.returncode},
     }
     (args.out / "sharded_runtime.json").write_text(json.dumps(result, indent=2))
-    print(f"Qwen2-0.5B layer shape x {args.layers} layers: {params / 1e6:.1f} M parameters, 2 CPU cores, verl-sync\n")
+    policy = next(o for o in base if o.startswith("policy=")).removeprefix("policy=")
+    print(f"{title}: {params / 1e6:.1f} M parameters, 2 CPU cores, {policy}\n")
     print(
         "| mode | trainer bytes / device | memory check | planner | rollout | peak (RSS) | step s | planner's step s |"
     )
@@ -159,12 +241,16 @@ def main() -> None:
     for r in rows:
         print(
             f"| {r['mode']} | {r['trainer_bytes'] / GB:.3f} GB | {r['counted_trainer_bytes'] / GB:.3f} GB "
-            f"| {r['planned_trainer_bytes'] / GB:.3f} GB "
+            f"| {planned(r['planned_trainer_bytes'])} "
             f"| {r['rollout_bytes'] / GB:.3f} GB | {r['peak_bytes'] / GB:.2f} GB | {r['step_s']:.2f} "
             f"| {r['predicted_step_s']:.2f} |"
         )
     print(f"\n{budget}: replicated exit {refused.returncode}: {' '.join(result['replicated_under_budget']['said'])}")
     print(f"{budget} with train.sharding=fsdp: exit {within.returncode}")
+
+
+def planned(nbytes: float | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / GB:.3f} GB"
 
 
 if __name__ == "__main__":
