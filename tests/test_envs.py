@@ -224,7 +224,7 @@ def test_tools_offered_through_a_chat_template_round_trip_to_a_call_and_its_resp
     tokenizer = tiny_tokenizer(HERMES_TEMPLATE)
     tools = [CALC, PythonExecutor()]
     question = [{"role": "user", "content": "What is 12*34?"}]
-    prompt = render_prompt(tokenizer, question, tools)
+    prompt = render_prompt(tokenizer, question, [tool.schema() for tool in tools])
     offered = prompt.split("<tools>\n")[1].split("\n</tools>")[0].splitlines()
     assert [json.loads(line) for line in offered] == [tool.schema() for tool in tools]
     assert prompt.endswith("<|im_start|>user\nWhat is 12*34?<|im_end|>\n<|im_start|>assistant\n")
@@ -233,13 +233,15 @@ def test_tools_offered_through_a_chat_template_round_trip_to_a_call_and_its_resp
     assert turn.tool_calls == (ToolCall("calc", {"expression": "12*34"}),)
     answered = call_tools(turn, tools)
     conversation = [*question, {"role": "assistant", "content": completion}, {"role": "tool", "content": "408"}]
-    assert f"<|im_start|>user\n{answered}<|im_end|>" in render_prompt(tokenizer, conversation, tools)
+    assert f"<|im_start|>user\n{answered}<|im_end|>" in render_prompt(
+        tokenizer, conversation, [tool.schema() for tool in tools]
+    )
 
 
 def test_a_chat_template_that_drops_the_tools_is_refused():
     plain = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
     with pytest.raises(ValueError, match="does not write the tools it is given"):
-        render_prompt(tiny_tokenizer(plain), [{"role": "user", "content": "hi"}], [CALC])
+        render_prompt(tiny_tokenizer(plain), [{"role": "user", "content": "hi"}], [CALC.schema()])
 
 
 # ------------------------------------------------------------------------------------------ latency
@@ -347,13 +349,15 @@ def test_a_misnamed_environment_is_refused_in_one_line_naming_the_field(user_mod
     assert str(invalid.value).startswith(f"invalid config: env.name: {says}") and "\n" not in str(invalid.value)
 
 
-def test_a_config_checks_its_environment_then_says_multi_turn_training_is_not_wired(user_module):
+def test_a_config_checks_its_environment_options_parser_and_latency(user_module):
     with pytest.raises(ConfigError, match=r"^invalid config: env.options: environment 'user_envs:Echo' does not take"):
         parse_config({"kind": "lm", "env": {"name": "user_envs:Echo", "options": {"volume": 3}}})
     with pytest.raises(ConfigError, match=r"^invalid config: env.parser: unknown tool-call parser 'xml'"):
         parse_config({"kind": "lm", "env": {"name": "user_envs:Echo", "parser": "xml"}})
-    with pytest.raises(ConfigError, match="env: multi-turn rollouts are not wired into training yet"):
-        parse_config({"kind": "lm", "env": {"name": "user_envs:Echo", "latency": {"kind": "constant", "seconds": 1}}})
+    config = parse_config(
+        {"kind": "lm", "env": {"name": "user_envs:Echo", "latency": {"kind": "constant", "seconds": 1}}}
+    )
+    assert config.env.latency == Latency(seconds=1.0) and config.rewards == {}  # the environment gives the reward
 
 
 # ------------------------------------------------------------------------------------------ the arithmetic episode
@@ -454,8 +458,7 @@ def test_the_example_in_docs_environments_runs_as_written(tmp_path, monkeypatch)
     (tmp_path / "capitals.json").write_text(json.dumps({"France": "Paris", "Peru": "Lima"}))
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError, match="^invalid config: env: multi-turn rollouts are not wired into training yet"):
-        parse_config({"kind": "lm", **section})  # every field of the section checked, then refused
+    assert parse_config({"kind": "lm", **section}).env.name == "my_envs:Capitals"  # every field of the section checked
     env = section["env"]
     environment = make_environment(env["name"], env["options"])
     episode = Episode(environment, env["name"], env["parser"], Latency(**env["latency"]), 0, SampleId(0, 0, 0))

@@ -5,8 +5,8 @@
 trajectory's episode (`episode.py`) and episodes run out of the caller's process with a time limit (`host.py`).
 
 An environment is named as a reward is: a built-in by its name (`ENVIRONMENTS`), your own as "package.module:Class",
-imported when the config is read (`environment_class`). Multi-turn rollouts on the runtime are the next part of
-issue 36: nothing in a run calls an environment yet."""
+imported when the config is read (`environment_class`). The reference loop runs an env config's multi-turn rollouts
+(`pipelines.lm.multiturn`); the Ray policies' are the next part of issue 36."""
 
 import inspect
 

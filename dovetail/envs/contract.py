@@ -90,7 +90,8 @@ class Turn:
 @dataclass(frozen=True)
 class StepResult:
     """The environment's answer to a turn: the `observation` the model sees next (None: nothing to add), a `reward`
-    for the turn (None: none now; a trajectory's reward is the last one given) and whether the episode is `done`."""
+    for the turn (None: none now; a trajectory's reward is the sum of those given, 0 where none is) and whether the
+    episode is `done`."""
 
     observation: str | None = None
     reward: float | None = None

@@ -9,12 +9,14 @@ from dataclasses import dataclass
 from dovetail.envs.contract import Environment, Latency, StepResult, ToolCall, Turn
 from dovetail.envs.toolcalls import convention, parse_turn
 from dovetail.graph.node import SampleId
+from dovetail.rewards import RewardError
 from dovetail.rewards.process import describe
 
 
-class EnvironmentFailed(RuntimeError):
+class EnvironmentFailed(RewardError):
     """An environment raised, returned what is not an answer, overran its time or ended its process; the message
-    names it, the trajectory and the turn, in one line."""
+    names it, the trajectory and the turn, in one line. The environment gives an env run's reward, so a run stops on
+    it as on a failed reward: its last step saved, to resume from once the environment is fixed."""
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,11 @@ class EnvironmentHost:
         self.open.add(sample)
         return observation
 
+    def tools(self) -> tuple[dict, ...]:
+        """The schemas (`Tool.schema()`) of the tools an environment offers, one made for the question and let go in
+        the episodes' process: what a rollout offers the model in its prompt, and where its turns that call end."""
+        return self._ask(None, ("tools", None, (self.name, self.options)))
+
     def step(self, sample: SampleId, text: str) -> Stepped:
         """Trajectory `sample`'s episode answers a model turn."""
         return self._ask(SampleId(*sample), ("step", sample, text))
@@ -63,7 +68,8 @@ class EnvironmentHost:
         self.server.stop()
         self.open.clear()
 
-    def _ask(self, sample: SampleId, request: tuple):
+    def _ask(self, sample: SampleId | None, request: tuple):
+        """The process's answer to `request`, made for trajectory `sample` (None: for no trajectory, `tools`)."""
         if sample in self.lost:
             raise EnvironmentFailed(self.lost[sample])
         with self.server.lock:
@@ -75,12 +81,13 @@ class EnvironmentHost:
             return detail
         if outcome == "raised":
             raise EnvironmentFailed(str(detail))
+        where = "listing its tools" if sample is None else f"on trajectory {tuple(sample)}"
         if outcome == "overran":
-            happened = f"took longer than timeout_s={self.timeout_s:g} s on trajectory {tuple(sample)} and was stopped"
+            happened = f"took longer than timeout_s={self.timeout_s:g} s {where} and was stopped"
         elif outcome == "ended":
-            happened = f"ended its process (exit code {detail}) on trajectory {tuple(sample)}"
+            happened = f"ended its process (exit code {detail}) {where}"
         else:
-            happened = f"failed on trajectory {tuple(sample)}: {detail}"
+            happened = f"failed {where}: {detail}"
         message = f"environment {self.name!r} {happened}"
         for other in self.open - {sample}:
             self.lost[other] = f"{message}, and trajectory {tuple(other)}'s episode, in the same process, went with it"
@@ -100,9 +107,12 @@ def serve(descriptor: int) -> None:
             what, sample, detail = connection.recv()
         except EOFError:
             return
-        answer: str | Stepped | None
+        answer: str | Stepped | tuple[dict, ...] | None
         try:
-            if what == "reset":
+            if what == "tools":
+                name, options = detail
+                answer = tuple(tool.schema() for tool in make_environment(name, options).tools)
+            elif what == "reset":
                 name, options, parser, latency, seed, row = detail
                 episodes[sample] = Episode(make_environment(name, options), name, parser, latency, seed, sample)
                 answer = episodes[sample].reset(row)
@@ -117,7 +127,8 @@ def serve(descriptor: int) -> None:
             connection.send(("raised", str(error)))
             continue
         except BaseException as error:  # SystemExit too: the environment's failure, not the process's end
-            connection.send(("raised", f"environment failed on trajectory {tuple(sample)}: {describe(error)}"))
+            where = "listing its tools" if sample is None else f"on trajectory {tuple(sample)}"
+            connection.send(("raised", f"environment failed {where}: {describe(error)}"))
             continue
         try:
             connection.send(("returned", answer))

@@ -74,16 +74,23 @@ def parse_plain(text: str, tools: Sequence[Tool]) -> tuple[Call, ...]:
 
 @dataclass(frozen=True)
 class Convention:
-    """A way of writing tool calls: how they are read from a turn, and how each result is written back."""
+    """A way of writing tool calls: how they are read from a turn, how each result is written back, and where a
+    model's turn that calls ends (a multi-turn rollout stops decoding there and lets the environment answer)."""
 
     parse: Callable[[str, Sequence[Tool]], tuple[Call, ...]]
     result: str
     """The format of one result (`str.format` with `output`)."""
+    call_ends: Callable[[Sequence[str]], tuple[str, ...]]
+    """The texts that close a call, given the offered tools' names."""
+
+    def error_results(self, observation: str) -> int:
+        """How many results in `observation` say "error: ..." (as `call_tools` answers every failed call)."""
+        return observation.count(self.result.partition("{output}")[0] + "error:")
 
 
 PARSERS: dict[str, Convention] = {
-    "hermes": Convention(parse_hermes, "<tool_response>\n{output}\n</tool_response>"),
-    "plain": Convention(parse_plain, "<result>{output}</result>"),
+    "hermes": Convention(parse_hermes, "<tool_response>\n{output}\n</tool_response>", lambda names: ("</tool_call>",)),
+    "plain": Convention(parse_plain, "<result>{output}</result>", lambda names: tuple(f"</{name}>" for name in names)),
 }
 
 
@@ -114,17 +121,18 @@ def call_tools(turn: Turn, tools: Sequence[Tool]) -> str:
     return "\n".join(outputs)
 
 
-def render_prompt(tokenizer, messages: Sequence[dict], tools: Sequence[Tool]) -> str:
-    """The prompt of chat `messages` offering `tools`, as the model's own chat template writes it (a transformers
-    tokenizer's `apply_chat_template(messages, tools=...)`), ready for the model's turn. A template that does not
-    write tools is refused: the model would be offered nothing and never learn to call."""
+def render_prompt(tokenizer, messages: Sequence[dict], tools: Sequence[dict]) -> str:
+    """The prompt of chat `messages` offering `tools` (their schemas, `Tool.schema()`), as the model's own chat
+    template writes it (a transformers tokenizer's `apply_chat_template(messages, tools=...)`), ready for the model's
+    turn. A template that does not write tools is refused: the model would be offered nothing and never learn to
+    call."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("the tokenizer has no chat template to offer tools with; use parser plain and say the tools")
 
     def rendered(offered: list[dict] | None) -> str:
         return tokenizer.apply_chat_template(list(messages), tools=offered, add_generation_prompt=True, tokenize=False)
 
-    prompt = rendered([tool.schema() for tool in tools] or None)
+    prompt = rendered(list(tools) or None)
     if tools and prompt == rendered(None):
         raise ValueError(
             "the tokenizer's chat template does not write the tools it is given (no `tools` in it): use a model whose "

@@ -27,6 +27,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from dovetail.files import one_line
 from dovetail.models.engine import Engine, SamplingParams, TorchEngine, TransformersEngine, engine_problem
 from dovetail.models.memory import counted_on_meta
+from dovetail.models.tokenizer import CharTokenizer
 from dovetail.models.training import has_lora, load_lora_state_dict, lora_state_dict, with_lora
 
 ADAPTER_DIR = "lora"
@@ -72,11 +73,12 @@ class HFTokenizer:
 
 
 class StopStrings:
-    """`sampling.stop`: a response ends at the token that completes one of these strings (the token kept, its text
-    in the completion). Reads the response's own tokens only, the last few decoded: a stop string of n characters
-    spans at most n tokens of a character or more each, and the check runs after every token."""
+    """`sampling.stop` (and an env run's call ends): a response, or a multi-turn rollout's turn, ends at the token that
+    completes one of these strings (the token kept, its text in the completion). Reads the response's (the turn's) own
+    tokens only, the last few decoded: a stop string of n characters spans at most n tokens of a character or more
+    each, and the check runs after every token."""
 
-    def __init__(self, tokenizer: HFTokenizer, stops: list[str]):
+    def __init__(self, tokenizer: HFTokenizer | CharTokenizer, stops: list[str]):
         self.decode = tokenizer.decode
         self.stops = stops
         self.window = max(map(len, stops)) + 8  # tokens that decode to nothing (special ones) widen what a stop spans

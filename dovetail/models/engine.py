@@ -52,6 +52,8 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop_ids: tuple[int, ...] = ()
     seed: int = 0
+    max_turn_tokens: int | None = None
+    """A multi-turn rollout's budget of one model turn (`Request.turn_start`); None: the rest of max_new_tokens."""
 
     def __post_init__(self):
         if not self.temperature > 0:
@@ -60,6 +62,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_turn_tokens is not None and self.max_turn_tokens < 1:
+            raise ValueError(f"max_turn_tokens must be >= 1, got {self.max_turn_tokens}")
 
 
 @dataclass
@@ -67,13 +71,19 @@ class Request:
     """One sequence being generated; also what crosses Ray when it moves (plain Python only).
 
     `key` is (step, prompt, sample), the sample id used everywhere in the repo. log_probs[i] is the
-    log-prob of tokens[i] under the sampling temperature (before top-p truncation)."""
+    log-prob of tokens[i] under the sampling temperature (before top-p truncation).
+
+    A multi-turn rollout's request holds its earlier turns and the environment's observations in `tokens` (their
+    log-probs 0, never read) and decodes one model turn from `turn_start`: the stop strings and the turn's budget
+    read its tokens from there, and `finished` means the turn is done. Every token's draw stays keyed by its index
+    in `tokens`, so no two turns of a trajectory share one."""
 
     key: Key
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     finished: bool = False
+    turn_start: int = 0
 
     def copy(self) -> "Request":
         return replace(self, prompt=list(self.prompt), tokens=list(self.tokens), log_probs=list(self.log_probs))
@@ -435,11 +445,14 @@ class LlamaWeights:
 
 
 def is_finished(request: Request, params: SamplingParams, stop: Callable[[list[int]], bool] | None) -> bool:
-    """Whether a request just given its latest token is done: a stop id, the token budget, or `stop`."""
+    """Whether a request just given its latest token is done: a stop id, the token budget, the turn's budget, or
+    `stop` on the turn's tokens (a single-turn request's turn is its whole response)."""
+    turn = request.tokens[request.turn_start :]
     return (
         request.tokens[-1] in params.stop_ids
         or len(request.tokens) >= params.max_new_tokens
-        or (stop is not None and stop(request.tokens))
+        or (params.max_turn_tokens is not None and len(turn) >= params.max_turn_tokens)
+        or (stop is not None and stop(turn))
     )
 
 

@@ -198,6 +198,15 @@ def backward_in_lockstep(
     return stats
 
 
+def sampled_mask(like: torch.Tensor, generated: Sequence[Sequence[bool]]) -> torch.Tensor:
+    """Row b's first len(generated[b]) positions set where the model sampled the token, padded with False to the
+    (B, R) shape of `like`."""
+    sampled = torch.zeros_like(like, dtype=torch.bool)
+    for row, flags in enumerate(generated):
+        sampled[row, : len(flags)] = torch.as_tensor(list(flags), dtype=torch.bool)
+    return sampled
+
+
 def normaliser_of(aggregation: str, max_new_tokens: int, mask: torch.Tensor) -> float:
     """What a part of the step adds to the step's loss normaliser: its tokens (token aggregation, DAPO), its
     sequences (GRPO), or its sequences x max_new_tokens (Dr. GRPO)."""
@@ -219,6 +228,7 @@ def policy_gradient(
     max_new_tokens: int,
     stale: bool,
     passes: int | None = None,
+    generated: dict[SampleId, Sequence[bool]] | None = None,
 ) -> tuple[torch.Tensor | None, list[dict], float]:
     """The GRPO gradient of the groups of `requests` (a part of the step, whole groups), summed: the flat fp64
     gradient of the loss summed over the part (`lm_grpo_loss(loss_scale=1)`), each group's statistics, and what
@@ -235,7 +245,11 @@ def policy_gradient(
     surrogate). `algo`: the run's `algo` section (clips, aggregation, KL, entropy bonus).
 
     `passes`: on a member of a sharded trainer's group, the passes every member makes (`backward_in_lockstep`): the
-    gradient is then left in the model's own (its shard of every member's), and None is returned for it."""
+    gradient is then left in the model's own (its shard of every member's), and None is returned for it.
+
+    `generated`: multi-turn trajectories' masks, per response token whether the model sampled it. The others are the
+    environment's observations: the whole trajectory is passed (each model turn reads the observations before it),
+    and only the sampled tokens enter the loss, its normaliser, the KL, the entropy and the statistics."""
     scored = sorted(rewards)
     advantages = group_advantages(
         torch.tensor([rewards[s] for s in scored]),
@@ -252,6 +266,8 @@ def policy_gradient(
         responses = [r.tokens for r in group_requests]
         log_probs_of = group_response_log_probs if passes is None else lockstep_log_probs
         log_probs, mask, entropy = log_probs_of(model, group_prompt(group_requests), responses, temperature, True)
+        if generated:
+            mask = mask & sampled_mask(mask, [generated[s] for s in group])
         if algo.entropy_coef == 0:
             entropy = entropy.detach()  # the metric alone: no backward through it
         normaliser += normaliser_of(algo.aggregation, max_new_tokens, mask)

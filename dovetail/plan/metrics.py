@@ -14,7 +14,8 @@ metrics.jsonl and summary.json to this table (`<...>` stands for any name).
 
 metrics.jsonl, one line per step (Ray: only under a Ray policy; flow / LM: of that pipeline kind):
   step                  optimizer steps done, this one included
-  reward/<name>         mean over the step's samples of each reward; reward/total of their weighted sum
+  reward/<name>         mean over the step's samples of each reward; reward/total of their weighted sum (an env
+                        run's: reward/env, the environment's, plus the named rewards' weighted sum)
   loss                  the loss the step descends: mean over the trained pairs (flow), the summed token losses over
                         the step's normaliser (LM)
   clip_frac             share of trained pairs / tokens whose ratio the PPO clip cut
@@ -28,7 +29,15 @@ metrics.jsonl, one line per step (Ray: only under a Ray policy; flow / LM: of th
   entropy               LM: mean token entropy of the responses
   logprob_gap           LM, where old log-probs are recomputed (sampling.engine=vllm; policy areal): mean |engine's
                         log-prob - the trainer's recomputed one| per response token (areal's stale samples: with drift)
-  response_tokens       LM: tokens of the step's responses
+  response_tokens       LM: tokens of the step's responses (an env run's: the tokens its model sampled, which train)
+  env/turns             LM env run: mean model turns per episode (each answered by the environment)
+  env/tool_calls        LM env run: mean tool calls per episode (malformed ones included)
+  env/tool_errors       LM env run: mean tool results per episode that say "error: ..." (a malformed call, an unknown
+                        tool, a bad argument, a tool's limit)
+  env/unfinished        LM env run: share of episodes cut by env.max_turns or the token budget before their
+                        environment ended them
+  env/wait_s            LM env run: seconds the rollout slept with every unfinished trajectory waiting on its
+                        environment (its latency), nothing left to decode
   timesteps             flow: the denoising steps the step trained
   grad_norm             the step's gradient norm before clipping
   learning_rate         the lr the step's optimizer step took (train.lr_schedule, train.warmup_steps; TRL's name)
@@ -42,6 +51,7 @@ metrics.jsonl, one line per step (Ray: only under a Ray policy; flow / LM: of th
   samples_per_s         samples the step trained per wall second: its samples over step_s
   eval_reward           on evaluation steps, the held-out total (flow: mean reward of ODE samples; LM: success rate)
   eval/<name>           each score of that evaluation (eval/total is eval_reward)
+  eval/reward/<name>    LM: each reward's mean over that evaluation's responses (an env run's environment: env)
   eval_s                wall seconds the evaluation took (training waits for it)
   occupancy             Ray: mean over devices of the time-weighted share of each device that running nodes reserved
                         during the step (not efficiency: slowed and overlapping work counts in full)

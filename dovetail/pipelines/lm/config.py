@@ -297,6 +297,19 @@ class EnvSection(Section):
         description="each step's wait besides its tools' own: {kind: constant, seconds: S} or {kind: lognormal, "
         "median_s: M, sigma: S}",
     )
+    max_turns: int = Field(
+        8,
+        ge=1,
+        le=256,
+        description="model turns at most per trajectory: one the environment has not ended by then is cut",
+    )
+    max_turn_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description="tokens at most of one model turn; None: what is left of sampling.max_new_tokens, the whole "
+        "trajectory's budget (its turns and the observations between them)",
+    )
 
     @field_validator("name")
     @classmethod
@@ -361,7 +374,9 @@ class LMTrainConfig(RunSection):
     eval: LMEvalSection = LMEvalSection()
     runtime: LMRuntimeSection = LMRuntimeSection()
     env: EnvSection | None = Field(
-        None, description="the environment of a multi-turn run (docs/environments.md); not wired into training yet"
+        None,
+        description="the environment of a multi-turn run (docs/environments.md): its rows are prompts.path's (a "
+        "task's prompts without one); policy reference only so far",
     )
 
     @field_validator("task")
@@ -393,7 +408,7 @@ class LMTrainConfig(RunSection):
                 "prompts: a model.path run trains on your dataset; give it as prompts.path (a .jsonl / .json / "
                 ".parquet / .csv with a prompt column)"
             )
-        if self.prompts is not None and self.model.path is None:
+        if self.prompts is not None and self.model.path is None and self.env is None:
             raise ValueError(
                 "prompts.path: the built-in task models read only their task's prompts; give your own model as "
                 "model.path"
@@ -407,7 +422,7 @@ class LMTrainConfig(RunSection):
         """Each reward exists (a task's, or with prompts.path a dataset run's: `rewards.text`); a custom one's module
         is imported (unless `imports_rewards` says not to) and can be called by keyword, as TRL calls it."""
         if self.reward is None:
-            if self.prompts is not None:
+            if self.prompts is not None and self.env is None:
                 raise ValueError(
                     "reward: a prompts.path run names its rewards, e.g. reward={answer_match: 1.0, format: 0.2} or "
                     "reward={mymodule:correct: 1.0} (def correct(prompts, completions, answer, **kwargs), as for TRL)"
@@ -424,13 +439,21 @@ class LMTrainConfig(RunSection):
         return self
 
     @model_validator(mode="after")
-    def _single_turn_for_now(self) -> "LMTrainConfig":
-        """A config naming an environment is checked (`EnvSection`), then refused rather than trained single-turn:
-        multi-turn rollouts on the runtime are the next part of issue 36."""
-        if self.env is not None:
+    def _environments_in_the_reference_loop(self) -> "LMTrainConfig":
+        """A config naming an environment trains multi-turn in the reference loop (`pipelines.lm.multiturn`) on our
+        engine or transformers'; multi-turn rollouts under the Ray policies are the next part of issue 36. A user's
+        model names the longest prompt: its first observations are unknown until the run, and size the rollout's
+        cache."""
+        if self.env is None:
+            return self
+        if self.policy != REFERENCE:
+            raise ValueError(f"env: only policy: reference runs environments so far (policy is {self.policy})")
+        if self.rollout_engine == "vllm":
+            raise ValueError("env: multi-turn rollouts decode on our engine so far; set sampling.engine: dovetail")
+        if self.prompts is not None and self.user_model and self.prompts.max_tokens is None:
             raise ValueError(
-                f"env: multi-turn rollouts are not wired into training yet (docs/environments.md), so environment "
-                f"{self.env.name!r} cannot run; remove env to train single-turn"
+                "prompts.max_tokens: an env run's prompts are its environment's first observations, unknown until it "
+                "runs; give the longest, in tokens (it sizes the rollout engine's cache)"
             )
         return self
 
@@ -473,7 +496,11 @@ class LMTrainConfig(RunSection):
 
     @property
     def rewards(self) -> dict[str, float]:
-        return self.reward if self.reward is not None else task(self.task).reward_names
+        """The text rewards and their weights: the config's, else a task run's own; an env run's environment gives
+        its reward, to which these add (none unless named)."""
+        if self.reward is not None:
+            return self.reward
+        return {} if self.env is not None else task(self.task).reward_names
 
     @property
     def rollout_engine(self) -> str:

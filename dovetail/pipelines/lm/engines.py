@@ -20,6 +20,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from dovetail.envs.host import EnvironmentHost
 from dovetail.graph.node import Role, SampleId
 from dovetail.models.causal_lm import CausalLM, rollout_engine, rollout_state
 from dovetail.models.engine import Engine, Key, Request
@@ -106,8 +107,19 @@ class LMEngines(PipelineEngines[Engine]):
         super().__init__(config, device)
         self.tokenizer = load_run_tokenizer(config)
         self.prompts = RunPrompts(config)
+        self.environments: EnvironmentHost | None = None
+        """An env run's episodes, in a process of their own (`envs.host`)."""
+        self.tools: tuple[dict, ...] = ()
+        """The schemas of the tools the environment offers (an env run's): its prompts offer them, its turns end at
+        their calls."""
         if not holds_policy:
             return
+        env = config.env
+        if env is not None:
+            self.environments = EnvironmentHost(
+                env.name, env.options, env.parser, env.latency, config.seed, env.timeout_s
+            )
+            self.tools = self.environments.tools()
         model, _ = load_policy(config)
         self.trainer = model.to(device)
         self.optimizer = make_optimizer(self.trainer, config.train)
@@ -121,7 +133,7 @@ class LMEngines(PipelineEngines[Engine]):
             sampling_params(config, self.tokenizer.stop_ids),
             max_len=engine_length(config, self.tokenizer, self.prompts, context),
             device=device,
-            stop=stop_strings(config, self.tokenizer),
+            stop=stop_strings(config, self.tokenizer, self.tools),
             engine=config.rollout_engine,
         )
 
@@ -198,6 +210,9 @@ class LMEngines(PipelineEngines[Engine]):
         def given(parts: list) -> dict:
             return {SampleId(*s): v for part in self.fetch(parts) for s, v in zip(part.samples, part.log_probs)}
 
+        generated = {
+            SampleId(*s): g for part in self.fetch(work.rollouts) for s, g in zip(part.samples, part.generated)
+        }
         self._gradient, group_stats, normaliser = policy_gradient(
             self.trainer,
             self._select(work.rollouts, samples),
@@ -209,6 +224,7 @@ class LMEngines(PipelineEngines[Engine]):
             max_new_tokens=self.config.max_new_tokens,
             stale=work.stale,
             passes=_lockstep_passes(work),
+            generated=generated,
         )
         return Trained(samples, [0], merged_stats(group_stats), normaliser)
 

@@ -17,7 +17,21 @@ from dovetail.pipelines.lm.adapter import commit_scale, lm_step_metrics
 from dovetail.pipelines.lm.config import LMTrainConfig, engine_matches_trainer
 from dovetail.pipelines.lm.engines import LMEngines
 from dovetail.pipelines.lm.messages import Decode, LMLogProbs, LMTrain, Prefill
-from dovetail.pipelines.lm.model import encode_prompts, lm_checkpoint_io, model_context, sampling_params, stop_strings
+from dovetail.pipelines.lm.model import (
+    encode_prompts,
+    engine_length,
+    lm_checkpoint_io,
+    model_context,
+    sampling_params,
+    stop_strings,
+)
+from dovetail.pipelines.lm.multiturn import (
+    Conversation,
+    episode_metrics,
+    run_episodes,
+    trajectory_responses,
+    with_episode_rewards,
+)
 from dovetail.rewards.text import score_text
 from dovetail.run_dir import (
     RunDir,
@@ -47,7 +61,8 @@ class LMLocal:
 
 def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
     """One on-policy GRPO step of the reference path, in this process, through the very work the Ray workers do:
-    every response to the end, scores, one train pass over the whole batch, one optimizer step."""
+    every response to the end (an env run's: every trajectory, `pipelines.lm.multiturn`), scores, one train pass over
+    the whole batch, one optimizer step."""
 
     pipeline, algo = config.pipeline_name, config.algo
     timings: dict[str, float] = {}
@@ -59,11 +74,25 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
         return result
 
     ids = [SampleId(step, p, i) for p in range(algo.prompts_per_step) for i in range(algo.group_size)]
-    prompts = encode_prompts(config, engines.tokenizer, engines.prompts.step(step), model_context(config))
     weights = weights_of(engines.trainer)
-    started = timed("prefill", Prefill(pipeline, ids, [prompts[s.prompt] for s in ids], step, weights))
-    responses = timed("decode", Decode(pipeline, [started], config.max_new_tokens, weights))
-    scores = timed("score", Score(pipeline, [responses], None))
+    episodes: dict[str, float] = {}
+    if config.env is None:
+        prompts = encode_prompts(config, engines.tokenizer, engines.prompts.step(step), model_context(config))
+        started = timed("prefill", Prefill(pipeline, ids, [prompts[s.prompt] for s in ids], step, weights))
+        responses = timed("decode", Decode(pipeline, [started], config.max_new_tokens, weights))
+        scores = timed("score", Score(pipeline, [responses], None))
+    else:
+        start = time.perf_counter()
+        engines.load_rollout_weights(step, weights)
+        rows = [engines.prompts.episode_row(engines.prompts.train(s.step, s.prompt)) for s in ids]
+        trajectories, waited = run_episodes(
+            engines.held_rollout(), engines.environments, conversation(engines), ids, rows
+        )
+        timings["generate_s"] = time.perf_counter() - start
+        responses = trajectory_responses(trajectories, step)
+        named = timed("score", Score(pipeline, [responses], None))
+        scores = replace(named, scores=with_episode_rewards(named.scores, trajectories))
+        episodes = episode_metrics(trajectories, waited)
     # An engine whose log-probs are not the trainer's (vLLM): the old ones recomputed, as the graph's LOGPROB node.
     recompute = not engine_matches_trainer(config.rollout_engine)
     old = [timed("logprob", LMLogProbs(pipeline, ids, [responses], False))] if recompute else []
@@ -79,6 +108,7 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
     seconds = sum(timings.values())
     return (
         lm_step_metrics([scores], [trained])
+        | episodes
         | timings
         | {
             "grad_norm": grad_norm,
@@ -100,29 +130,46 @@ def success_rate(config: LMTrainConfig, completions: list[str], prompts: list[st
     )
 
 
+def conversation(engines) -> Conversation:
+    """How the engines' tokenizer writes an env run's episodes."""
+    return Conversation(engines.config, engines.tokenizer, engines.tools, model_context(engines.config))
+
+
 def lm_evaluate(engines, config: LMTrainConfig) -> tuple[dict[str, float], list[tuple[str, str]]]:
-    """One response per held-out prompt, sampled as in training from the eval seed; their scores (the total: a
-    task's success rate, a dataset's mean reward) and the (prompt, completion) pairs."""
+    """One response per held-out prompt (an env run's: one trajectory), sampled as in training from the eval seed;
+    their scores (the total: a task's success rate, a dataset's or an environment's mean reward) and the (prompt,
+    completion) pairs (an env run's prompt: the environment's first observation, as the model read it)."""
     rows = engines.prompts.eval()
     context = model_context(config)
-    encoded = encode_prompts(config, engines.tokenizer, rows, context)
-    engine = rollout_engine(
-        engines.trainer,
-        sampling_params(config, engines.tokenizer.stop_ids, seed=config.eval.seed),
-        max_len=min(context, max(map(len, encoded)) + config.max_new_tokens),
-        device=torch.device("cpu"),
-        stop=stop_strings(config, engines.tokenizer),
-    )
-    responses = engine.generate([Request((0, i, 0), ids) for i, ids in enumerate(encoded)])
-    completions = [engines.tokenizer.decode(r.tokens) for r in responses]
+    params = sampling_params(config, engines.tokenizer.stop_ids, seed=config.eval.seed)
+    stop = stop_strings(config, engines.tokenizer, engines.tools)
+
+    def engine_of(max_len: int):
+        return rollout_engine(engines.trainer, params, max_len=max_len, device=torch.device("cpu"), stop=stop)
+
     prompts = [row.prompt for row in rows]
-    reward_context = engines.prompts.context(rows, [list(r.tokens) for r in responses])
+    trajectories = None
+    if config.env is None:
+        encoded = encode_prompts(config, engines.tokenizer, rows, context)
+        engine = engine_of(min(context, max(map(len, encoded)) + config.max_new_tokens))
+        responses = [r.tokens for r in engine.generate([Request((0, i, 0), ids) for i, ids in enumerate(encoded)])]
+        shown = [p if isinstance(p, str) else engines.tokenizer.decode(ids) for p, ids in zip(prompts, encoded)]
+    else:
+        engine = engine_of(engine_length(config, engines.tokenizer, engines.prompts, context))
+        samples = [SampleId(0, i, 0) for i in range(len(rows))]
+        episode_rows = [engines.prompts.episode_row(row) for row in rows]
+        trajectories, _ = run_episodes(engine, engines.environments, conversation(engines), samples, episode_rows)
+        responses = [t.tokens for t in trajectories]
+        shown = [engines.tokenizer.decode(t.prompt) for t in trajectories]
+    completions = [engines.tokenizer.decode(tokens) for tokens in responses]
+    reward_context = engines.prompts.context(rows, [list(tokens) for tokens in responses])
     scores = score_text(completions, prompts, config.rewards, config.reward_timeout_s, reward_context)
-    if config.user_model:
+    if trajectories is not None:
+        scores = with_episode_rewards(scores, trajectories)
+    if config.user_model or trajectories is not None:
         total = {"total": float(scores["total"].mean())}
     else:
         total = {"total": success_rate(config, completions, prompts)}
-    shown = [p if isinstance(p, str) else engines.tokenizer.decode(ids) for p, ids in zip(prompts, encoded)]
     return total | {f"reward/{name}": float(values.mean()) for name, values in scores.items()}, list(
         zip(shown, completions)
     )

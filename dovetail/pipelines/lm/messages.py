@@ -42,6 +42,9 @@ class Responses:
     tokens: list[list[int]]
     log_probs: list[list[float]]
     finished: list[bool]
+    generated: list[list[bool]] = field(default_factory=list)
+    """Multi-turn trajectories': per response, per token, whether the model sampled it (else the environment's
+    observation, which never trains: no loss, no log-prob, no KL, no entropy). Empty: the model sampled every token."""
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,11 @@ format of the run's checkpoints.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from pathlib import Path
 
+from dovetail.envs.toolcalls import convention
 from dovetail.models.causal_lm import (
     HFTokenizer,
     StopStrings,
@@ -75,29 +76,34 @@ def model_context(config: LMTrainConfig) -> int:
 
 
 def encode_prompts(config: LMTrainConfig, tokenizer, rows: list[Row], context: int) -> list[list[int]]:
-    """The prompts' token ids (a longer one than prompts.max_tokens keeps its last tokens), each checked to leave
-    room in the model's `context` for max_new_tokens: a prompt too long is the config's error, named before any work
+    """The prompts' token ids, each `fitted_prompt`: a prompt too long is the config's error, named before any work
     is sent."""
+    return [fitted_prompt(config, tokenizer.prompt_ids(row.prompt), row.prompt, context) for row in rows]
+
+
+def fitted_prompt(config: LMTrainConfig, ids: list[int], prompt: str | list, context: int) -> list[int]:
+    """A prompt's token ids as the run feeds them (a longer one than prompts.max_tokens keeps its last tokens),
+    checked to leave room in the model's `context` for max_new_tokens, else one line naming the prompt and the fix."""
     limit = config.prompts.max_tokens if config.prompts is not None else None
-    encoded = [tokenizer.prompt_ids(row.prompt) for row in rows]
     if limit is not None:
-        encoded = [ids[-limit:] for ids in encoded]
-    for row, ids in zip(rows, encoded):
-        if not ids or len(ids) + config.max_new_tokens > context:
-            where = config.model.path or config.model.checkpoint
-            fix = "set prompts.max_tokens (keeps a prompt's last tokens) or " if config.user_model else ""
-            raise ValueError(
-                f"prompt {str(row.prompt)[:200]!r} ({len(ids)} tokens) and sampling.max_new_tokens="
-                f"{config.max_new_tokens} exceed the model's context of {context} tokens ({where}): "
-                f"{fix}lower sampling.max_new_tokens"
-            )
-    return encoded
+        ids = ids[-limit:]
+    if not ids or len(ids) + config.max_new_tokens > context:
+        where = config.model.path or config.model.checkpoint
+        fix = "set prompts.max_tokens (keeps a prompt's last tokens) or " if config.user_model else ""
+        raise ValueError(
+            f"prompt {str(prompt)[:200]!r} ({len(ids)} tokens) and sampling.max_new_tokens={config.max_new_tokens} "
+            f"exceed the model's context of {context} tokens ({where}): {fix}lower sampling.max_new_tokens"
+        )
+    return ids
 
 
 def engine_length(config: LMTrainConfig, tokenizer, prompts: RunPrompts, context: int) -> int:
     """The positions a rollout engine's cache holds: the model's context, or for a dataset the longest prompt (at
     most prompts.max_tokens) and max_new_tokens, where that is less (a large model's context would be a cache of
-    gigabytes)."""
+    gigabytes). An env run's prompts are its environment's first observations: prompts.max_tokens bounds them."""
+    if config.env is not None:
+        limit = config.prompts.max_tokens if config.prompts is not None else None
+        return context if limit is None else min(context, limit + config.max_new_tokens)
     rows = prompts.all()
     if not rows:
         return context
@@ -112,11 +118,17 @@ def sampling_params(config: LMTrainConfig, stop_ids: tuple[int, ...], seed: int 
         max_new_tokens=config.max_new_tokens,
         stop_ids=stop_ids,
         seed=config.seed if seed is None else seed,
+        max_turn_tokens=config.env.max_turn_tokens if config.env is not None else None,
     )
 
 
-def stop_strings(config: LMTrainConfig, tokenizer) -> StopStrings | None:
-    return StopStrings(tokenizer, config.sampling.stop) if config.sampling.stop else None
+def stop_strings(config: LMTrainConfig, tokenizer, tools: Sequence[dict] = ()) -> StopStrings | None:
+    """Where a response (an env run's: a model turn) ends besides its end of sequence: `sampling.stop`, and in an env
+    run the text that closes a call of one of `tools` (their schemas), after which the environment answers."""
+    stops = list(config.sampling.stop)
+    if config.env is not None:
+        stops += convention(config.env.parser).call_ends([tool["function"]["name"] for tool in tools])
+    return StopStrings(tokenizer, stops) if stops else None
 
 
 def lm_checkpoint_io(config: LMTrainConfig, model, tokenizer) -> tuple[Callable, Callable]:

@@ -56,6 +56,12 @@ class RunPrompts:
         """Every distinct prompt the run can meet: a dataset's rows (None for a task's endless problems)."""
         return [] if self.dataset is None else [*self.dataset.train, *self.dataset.eval]
 
+    def episode_row(self, row: Row) -> dict:
+        """A row as an env run's environment resets from it: its columns, and its prompt under the dataset's prompt
+        field (a task's prompt under "prompt")."""
+        field = self.config.prompts.prompt_field if self.config.prompts is not None else "prompt"
+        return {**row.columns, field: row.prompt}
+
     def context(self, rows: list[Row], completion_ids: list[list[int]]) -> TextContext:
         """What the rewards of responses to `rows` (`completion_ids` their tokens) see besides completions and
         prompts."""

@@ -87,7 +87,8 @@ def check_checkpoint(config: LMTrainConfig) -> None:
     trainer_devices = config.runtime.trainer_devices or config.compute_devices
     config.cluster.check_trainer_fits(params, trained, config.model.lora, config.train, trainer_devices)
     prompts = RunPrompts(config)
-    encode_prompts(config, tokenizer, prompts.all() or [*prompts.eval(), *prompts.step(0)], model_context(config))
+    if config.env is None:  # an env run's prompts are its environment's first observations, fitted as it runs
+        encode_prompts(config, tokenizer, prompts.all() or [*prompts.eval(), *prompts.step(0)], model_context(config))
     check_columns(config, prompts)
     if config.rollout_engine == "vllm" and find_spec("vllm") is None:
         raise ValueError(
