@@ -1,7 +1,9 @@
 """`dovetail simulate` and `dovetail plan` as a user runs them."""
 
 import json
+import re
 
+import pytest
 from typer.testing import CliRunner
 
 from dovetail.cli import app
@@ -96,9 +98,9 @@ def test_bad_input_is_named(tmp_path):
 
 
 def test_plan_prints_a_best_configuration_that_fits():
-    result = runner.invoke(app, ["plan", "calib-qwenimage-4xh200", "--devices", "4"])
+    result = runner.invoke(app, ["plan", "calib-qwenimage-4xh200", "--devices", "4", "--policies", "colocated"])
     assert result.exit_code == 0, result.output
-    best = result.output.splitlines()[-1]
+    best = result.output.splitlines()[-1]  # one policy: no runner-up to say why against
     assert best.startswith("best: trainer_devices=") and "samples/s" in best
     assert best.endswith("(colocated cuts this shape itself)")
     result = runner.invoke(app, ["plan", "calib-qwenimage-4xh200", "--devices", "1"])
@@ -136,5 +138,30 @@ def test_plan_weighs_every_listed_policy_and_names_the_shortest_steady_step():
     }
     fastest = min(steady, key=steady.__getitem__)
     assert fastest != listed[0], steady  # the case the plan got wrong: the first listed was named best
-    best = result.output.splitlines()[-1]
+    (best,) = [line for line in result.output.splitlines() if line.startswith("best: ")]
     assert f" under {fastest} -> " in best and f"{steady[fastest]:.1f} s/step steady" in best, (best, steady)
+
+
+def test_plan_ranks_every_policy_the_scenario_allows_and_says_why_the_best_wins():
+    """Plain `plan` weighs every policy that schedules the scenario's kind, not only the listed ones, and its last
+    line compares the best with the runner-up: the gap and the kind of work whose seconds a step differ most."""
+    from dovetail.plan.report import allowed_policies
+    from dovetail.plan.scenario import load_scenario
+    from dovetail.sched import POLICIES, policy_class
+
+    scenario = load_scenario("calib-qwenimage-4xh200")
+    allowed = allowed_policies(scenario)
+    assert set(allowed) == {name for name in POLICIES if "flow" in policy_class(name).pipeline_kinds}
+    assert set(allowed) > set(scenario.schedule.policies)
+    result = runner.invoke(app, ["plan", scenario.name, "--devices", "4"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert all(any(line.startswith(f"{name}: ") for line in lines) for name in allowed)
+    why = re.fullmatch(
+        r"why: (\S+) steps ([\d.]+) s faster than (\S+) once warm \(([\d.]+) vs ([\d.]+) s\); most of it (\S+): .*",
+        lines[-1],
+    )
+    assert why, lines[-1]
+    winner, gap, runner_up, best_s, runner_s = why.group(1), *why.group(2, 3, 4, 5)
+    assert winner != runner_up and f"under {winner} -> " in next(line for line in lines if line.startswith("best: "))
+    assert float(gap) == pytest.approx(float(runner_s) - float(best_s), abs=0.11) and float(gap) > 0

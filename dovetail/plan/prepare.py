@@ -64,6 +64,26 @@ class Searched:
     steady_step_s: float
     """Commit to commit after the first step (`plan.metrics.Metrics.steady_step_s`)."""
     first_step_s: float
+    phase_s: dict[str, float]
+    """Seconds a step spends in each kind of work (device-seconds over the devices) and idle: why one candidate
+    steps faster than another (`searched_from`)."""
+
+
+def searched_from(policy: str, shapes: dict, horizon: int, trace) -> Searched:
+    """The record of a candidate simulated over `horizon` steps into `trace` (a `plan.trace.Trace`)."""
+    metrics = summarize(trace)
+    per_step = {kind: seconds / horizon for kind, seconds in metrics.phase_seconds.items()}
+    idle = metrics.bubble_ratio * trace.makespan / horizon
+    return Searched(
+        policy,
+        shapes,
+        horizon,
+        metrics.samples_per_s,
+        trace.makespan / horizon,
+        metrics.steady_step_s,
+        metrics.first_step_s,
+        per_step | {"idle": idle},
+    )
 
 
 def prepare(
@@ -144,20 +164,10 @@ class Planning:
         def forecast(candidate: dict, horizon: int) -> float:
             candidate = fixed(candidate)
             trace = run_prepared(scenario, self.built(candidate, horizon))
-            metrics = summarize(trace)
+            record = searched_from(self.policy, candidate, horizon, trace)
             if searched is not None:
-                searched.append(
-                    Searched(
-                        self.policy,
-                        candidate,
-                        horizon,
-                        metrics.samples_per_s,
-                        trace.makespan / horizon,
-                        metrics.steady_step_s,
-                        metrics.first_step_s,
-                    )
-                )
-            return metrics.samples_per_s
+                searched.append(record)
+            return record.samples_per_s
 
         shapes = {
             spec.name: cls.shape(spec, self.pipeline_devices, self.trainer_devices, self.costs[spec.name])

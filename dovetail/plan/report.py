@@ -7,9 +7,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from dovetail.plan.metrics import summarize
-from dovetail.plan.prepare import Searched, prepare, run_prepared, simulate
+from dovetail.plan.prepare import Searched, prepare, run_prepared, searched_from, simulate
 from dovetail.plan.scenario import Scenario
-from dovetail.sched import policy_class
+from dovetail.sched import POLICIES, policy_class
 from dovetail.sched.policy import Shape, search_horizon
 
 
@@ -89,15 +89,29 @@ def _describe_all(shapes: Mapping[str, Shape]) -> str:
     return "; ".join(f"{name}: {shape.describe()}" for name, shape in shapes.items())
 
 
+def allowed_policies(scenario: Scenario) -> list[str]:
+    """Every policy that can schedule the scenario's pipelines (their kinds; several pipelines: one that
+    multiplexes), the scenario's own `schedule.policies` first."""
+    kinds = {pipeline.kind for pipeline in scenario.pipelines}
+    every = [
+        name
+        for name in POLICIES
+        if kinds <= policy_class(name).pipeline_kinds
+        and (len(scenario.pipelines) == 1 or policy_class(name).multiplexes)
+    ]
+    return list(dict.fromkeys([*scenario.schedule.policies, *every]))
+
+
 def plan(scenario: Scenario, devices: int, policies: list[str] | None = None) -> str:
-    """What each policy of the scenario's schedule (or `policies`) considered on `devices` and what it chose: every
-    candidate its search simulated over the run's steps (at most `SEARCH_STEPS`), fastest first, the chosen one
-    marked `*` — it is never slower than another row of its policy —, with its steady step (commit to commit after
-    the first) and first step (warm-up included), beside the first policy's throughput; last, the best and how to run
-    it. The best is the policy whose chosen shape has the shortest steady step: a run takes hundreds of steps, so a
-    slower first step (a pipelined shape's warm-up) weighs next to nothing; the throughput over the few simulated
-    steps would count it as much as every later step."""
-    names = list(dict.fromkeys(policies or scenario.schedule.policies))
+    """What each policy considered on `devices` and what it chose — every policy that can schedule the scenario
+    (`allowed_policies`), or `policies`: every candidate its search simulated over the run's steps (at most
+    `SEARCH_STEPS`), fastest first, the chosen one marked `*` — it is never slower than another row of its policy —,
+    with its steady step (commit to commit after the first) and first step (warm-up included), beside the first
+    policy's throughput; last, the best, why it beats the runner-up, and how to run it. The best is the policy whose
+    chosen shape has the shortest steady step: a run takes hundreds of steps, so a slower first step (a pipelined
+    shape's warm-up) weighs next to nothing; the throughput over the few simulated steps would count it as much as
+    every later step."""
+    names = list(dict.fromkeys(policies or allowed_policies(scenario)))
     for name in names:
         policy_class(name)
     reward = scenario.schedule.reward_devices
@@ -110,7 +124,7 @@ def plan(scenario: Scenario, devices: int, policies: list[str] | None = None) ->
     steps = search_horizon(scenario.schedule.steps)
     lines = [f"plan for {scenario.name} on {devices}x {scenario.cluster.device}, simulated over {steps} steps"]
     baseline: float | None = None
-    best: tuple[float, float, float, str, Mapping[str, Shape]] | None = None
+    chosen_by_policy: dict[str, Searched] = {}
     for name in names:
         searched: list[Searched] = []
         try:
@@ -118,37 +132,55 @@ def plan(scenario: Scenario, devices: int, policies: list[str] | None = None) ->
         except ValueError as error:
             lines.append(f"{name}: cannot run: {' '.join(str(error).split())}")
             continue
-        rows: list[tuple[float, float, float, Mapping[str, Shape]]] = [
-            (s.samples_per_s, s.steady_step_s, s.first_step_s, s.shapes) for s in searched if s.horizon == steps
-        ]
+        rows = [s for s in searched if s.horizon == steps]
         chosen = prepared.setup.shapes
-        if not any(shapes == chosen for *_, shapes in rows):  # no search, or the search ran nothing this long
-            metrics = summarize(run_prepared(scenario, prepared))
-            rows.append((metrics.samples_per_s, metrics.steady_step_s, metrics.first_step_s, chosen))
-        rows.sort(key=lambda row: -row[0])
-        rate, step_s, first_s = next((r, s, f) for r, s, f, shapes in rows if shapes == chosen)
-        baseline = baseline or rate
+        if not any(row.shapes == chosen for row in rows):  # no search, or the search ran nothing this long
+            rows.append(searched_from(name, dict(chosen), steps, run_prepared(scenario, prepared)))
+        rows.sort(key=lambda row: -row.samples_per_s)
+        pick = next(row for row in rows if row.shapes == chosen)
+        chosen_by_policy[name] = pick
+        baseline = baseline or pick.samples_per_s
         screened = len(searched) - sum(1 for s in searched if s.horizon == steps)
         lines.append(
             f"{name}: {len(rows)} candidate{'s' if len(rows) > 1 else ''} simulated"
             + (f" (after a one-step screen of {screened})" if screened else "")
         )
-        for candidate_rate, candidate_step_s, candidate_first_s, shapes in rows:
-            mark = "*" if shapes == chosen else " "
+        for row in rows:
+            mark = "*" if row.shapes == chosen else " "
             lines.append(
-                f"  {mark} {candidate_rate:10.3f} samples/s {candidate_step_s:9.1f} s/step steady "
-                f"(first {candidate_first_s:.1f} s) {candidate_rate / baseline:6.2f}x  {_describe_all(shapes)}"
+                f"  {mark} {row.samples_per_s:10.3f} samples/s {row.steady_step_s:9.1f} s/step steady "
+                f"(first {row.first_step_s:.1f} s) {row.samples_per_s / baseline:6.2f}x  {_describe_all(row.shapes)}"
             )
-        if best is None or (step_s, -rate) < (best[1], -best[0]):
-            best = (rate, step_s, first_s, name, chosen)
-    if best is None:
+    if not chosen_by_policy:
         raise ValueError(f"{scenario.name}: no policy can run it on {devices} devices:\n" + "\n".join(lines[1:]))
-    rate, step_s, first_s, name, chosen = best
+    ranked = sorted(chosen_by_policy.items(), key=lambda item: (item[1].steady_step_s, -item[1].samples_per_s))
+    name, best = ranked[0]
     lines.append(
-        f"best: {_describe_all(chosen)} under {name} -> {rate:.3f} samples/s, {step_s:.1f} s/step steady (first "
-        f"step {first_s:.1f} s); {how_to_run(scenario, name, devices)}"
+        f"best: {_describe_all(best.shapes)} under {name} -> {best.samples_per_s:.3f} samples/s, "
+        f"{best.steady_step_s:.1f} s/step steady (first step {best.first_step_s:.1f} s); "
+        f"{how_to_run(scenario, name, devices)}"
     )
+    same = [other for other, row in ranked[1:] if _describe_all(row.shapes) == _describe_all(best.shapes)]
+    if same:  # another policy chose the same shapes (jigsaw-greedy often does jigsaw's): no contest with it
+        lines.append(f"the same shapes under {', '.join(same)}")
+    rivals = [(other, row) for other, row in ranked[1:] if other not in same]
+    if rivals:
+        lines.append(why_it_wins(name, best, *rivals[0]))
     return "\n".join(lines)
+
+
+def why_it_wins(name: str, best: Searched, runner_name: str, runner: Searched) -> str:
+    """One line: how much shorter the best policy's steady step is than the runner-up's, and the kind of work (or
+    idle time) whose seconds a step differ most between them, with both figures."""
+    kinds = sorted(best.phase_s.keys() | runner.phase_s.keys())
+    saved = {kind: runner.phase_s.get(kind, 0.0) - best.phase_s.get(kind, 0.0) for kind in kinds}
+    kind = max(kinds, key=lambda k: saved[k])
+    gap = runner.steady_step_s - best.steady_step_s
+    return (
+        f"why: {name} steps {gap:.1f} s faster than {runner_name} once warm ({best.steady_step_s:.1f} vs "
+        f"{runner.steady_step_s:.1f} s); most of it {kind}: {runner.phase_s.get(kind, 0.0):.1f} s a step under "
+        f"{runner_name}, {best.phase_s.get(kind, 0.0):.1f} s under {name} (device-seconds of the step over the devices)"
+    )
 
 
 def how_to_run(scenario: Scenario, policy: str, devices: int) -> str:
