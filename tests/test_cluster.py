@@ -94,6 +94,20 @@ def test_a_run_spread_over_two_nodes_ends_at_the_reference_parameters(cluster, a
     assert set.union(*devices_of) == {0, 1}, "the run's work is on both nodes' devices"
 
 
+def test_a_sharded_trainer_in_groups_of_a_node_replicated_across_nodes_ends_at_the_reference(cluster, alone, tmp_path):
+    """HYBRID: `train.sharding: fsdp` with digen's trainer groups of one device (`runtime.trainer_group=1`), a group
+    on each node: each group an FSDP group holding the whole trainer (a node's devices), training its own nodes, the
+    groups replicas of each other, whose members add their shards' gradients across the nodes at each commit. The
+    run ends at the reference's parameters, and both nodes trained."""
+    tree = FLOW | {"train": {"sharding": "fsdp"}, "runtime": FLOW["runtime"] | {"trainer_group": 1}}
+    train(parse_config(on_cluster(cluster, tree, "digen")), tmp_path, steps=STEPS)
+    assert len(set(worker_nodes()[:2])) == 2, "the run's two devices are on two nodes"
+    assert same_parameters("digits", alone["digits"], final_weights(tmp_path))
+    assert json.loads((tmp_path / "ledger.json").read_text())["problems"] == []
+    spans = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert {e["tid"] for e in spans if e["name"] == "digits:train"} == {0, 1}, "each node's group trained"
+
+
 def test_a_run_publishing_by_broadcast_across_nodes_ends_at_the_reference_parameters(cluster, alone, tmp_path):
     """cluster.publication=collective: every publication reaches the rollout device on the other node by a broadcast
     from the trainer replica (fp32 over gloo: bitwise), staged and loaded from there; the run ends at the reference's

@@ -471,7 +471,7 @@ class RayExecutor:
             run.uncommitted[part.device].append(part)
         elif node.kind == Kind.COMMIT:
             if run.sharded:
-                self._keep_shard(run, node.id, part.device)
+                self._keep_shard(run, node.id, part.device, result.group)
             elif run.state_of_commit != node.id:
                 self._keep_committed_state(run, node.id, part.device)
             if part.device == run.trainer_devices[0]:
@@ -502,16 +502,19 @@ class RayExecutor:
         run.state_of_commit = commit
         run.uncommitted.clear()
 
-    def _keep_shard(self, run: PipelineRun, commit: str, device: int) -> None:
-        """A member of a sharded trainer finished the commit: its new shards go into the object store; once every
-        member's are there, they are the pipeline's committed state and the step's gradients are spent."""
+    def _keep_shard(self, run: PipelineRun, commit: str, device: int, group: tuple[int, ...]) -> None:
+        """A member of a sharded trainer finished the commit. The members of one FSDP group — the first trainer
+        device's: under HYBRID every group holds the same trainer — put their new shards into the object store; once
+        that group's are all there, they are the pipeline's committed state and the step's gradients are spent."""
+        if min(run.trainer_devices) not in group:
+            return
         try:
             _, run.shards[device] = self._from_a_trainer(run, take_trainer_state, [device])
         except TrainersLost:  # its shards of this commit went with it, and with them the step
             self._revive(run, self.state.now, commit)
             raise
-        if run.shards.keys() == set(run.trainer_devices):
-            run.trainer_state = tuple(run.shards[d] for d in sorted(run.trainer_devices))
+        if run.shards.keys() == set(group):
+            run.trainer_state = tuple(run.shards[d] for d in sorted(group))
             run.shards = {}
             run.state_of_commit = commit
             run.uncommitted.clear()

@@ -92,6 +92,8 @@ class Committed:
     sync_s: float
     optimizer_s: float
     memory: DeviceMemory = DeviceMemory()
+    group: tuple[int, ...] = ()
+    """A sharded trainer's member: the devices of its FSDP group (one replica of the trainer); () a replica."""
 
 
 @dataclass(frozen=True)

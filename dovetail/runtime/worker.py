@@ -149,6 +149,32 @@ def reduce_parts(total: torch.Tensor, ranks: tuple[int, ...], groups: dict) -> t
     return total
 
 
+def replica_ranks(ranks: tuple[int, ...], group: tuple[int, ...], rank: int) -> tuple[int, ...]:
+    """The trainer devices holding the same shards as `rank`, a member of the FSDP group `group`: the trainer devices
+    `ranks` (sorted) cut into consecutive groups of `group`'s size, each a replica of the trainer (HYBRID), the
+    member at `rank`'s place in each. One group: `rank` alone."""
+    size = len(group)
+    groups = [ranks[start : start + size] for start in range(0, len(ranks), size)]
+    if len(ranks) % size or group not in groups:
+        raise RuntimeError(
+            f"the trainer devices {list(ranks)} are not cut into FSDP groups like {list(group)}: a sharded trainer's "
+            "groups are consecutive devices of one size"
+        )
+    place = group.index(rank)
+    return tuple(replica[place] for replica in groups)
+
+
+@torch.no_grad()
+def add_across(parameters: list[torch.nn.Parameter], replicas) -> None:
+    """Add each sharded parameter's local gradient over the torch.distributed group `replicas` (the members that hold
+    the same shard in the other FSDP groups), in place. A parameter without a gradient (its group trained nothing
+    this step) takes zeros first: every member makes the same reductions."""
+    for parameter in parameters:
+        if parameter.grad is None:
+            parameter.grad = torch.zeros_like(parameter)
+        dist.all_reduce(parameter.grad.to_local(), group=replicas)
+
+
 @ray.remote(
     num_cpus=0,
     resources={DEVICE_RESOURCE: 1},
@@ -369,15 +395,25 @@ class DeviceWorker:
 
     def _commit_shards(self, work: Commit) -> Committed:
         """A sharded trainer's commit: every member scales its shard of the step's summed gradient and steps its
-        shards; the gradient norm is the whole gradient's (the members' squares added)."""
+        shards; the gradient norm is the whole gradient's (the members' squares added). Under HYBRID (the trainer
+        devices `work.ranks` cut into several FSDP groups, each a replica that trained its own nodes) each member
+        first adds its shard's gradient to those of the members at its place in the other groups, so that every
+        replica takes the same step."""
         start = time.perf_counter()
         trainer, optimizer = self.engines.held_trainer()
+        group = self.engines.sharded_group
+        assert group is not None, "a sharded commit follows the trainer's first sharded work"
+        replicas = replica_ranks(tuple(sorted(work.ranks)), group, self.index)
+        if len(replicas) > 1:
+            add_across(trainable_parameters(trainer), group_of(replicas, self.groups))
+        synced = time.perf_counter()
         scale_gradients(trainer, work.scale)
         gradients = self.engines.memory().gradients
         grad_norm = commit(trainer, optimizer, self.config.train)
         self.held_memory = self.engines.memory()
         memory = replace(self.held_memory, gradients=gradients)
-        return Committed(grad_norm, stepped_lr(optimizer), 0.0, time.perf_counter() - start, memory)
+        seconds = time.perf_counter() - synced
+        return Committed(grad_norm, stepped_lr(optimizer), synced - start, seconds, memory, group)
 
     def _held_gradient(self) -> list[torch.Tensor]:
         return [] if self.gradient is None else [self.gradient]

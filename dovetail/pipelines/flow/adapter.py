@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dovetail.graph.flow import FlowShape
 from dovetail.graph.node import Kind, Node, SampleId
 from dovetail.models.flow_rl import recompute_passes, step_prompts, training_passes
 from dovetail.pipelines.flow.config import FlowTrainConfig, flow_rules
@@ -58,8 +59,17 @@ class FlowAdapter(PipelineAdapter):
             return [Part(node.id, d, Score(pipeline, refs)) for d, refs in self.spread(trajectories, devices)]
         units = list(range(self.rules.trained_timesteps))
         sharded = self.config.train.sharding == "fsdp"
+        group_size = flow_shape(run.shape_of(pipeline)).group
         if node.kind == Kind.LOGPROB and sharded:
-            return self._sharded_log_probs(node, devices, units, trajectories)
+            samples = [SampleId(step, p, i) for (_, p, i) in node.samples]
+
+            def forwards(ids: list[SampleId]) -> int:
+                return recompute_passes([[sample_timesteps(self.config, s)[u] for u in units] for s in ids])
+
+            return [
+                Part(node.id, d, FlowLogProbs(pipeline, units, trajectories, ids, group=group, passes=passes))
+                for d, ids, group, passes in self.lockstep(samples, devices, group_size, forwards)
+            ]
         if node.kind == Kind.LOGPROB:
             return [
                 Part(node.id, d, FlowLogProbs(pipeline, units, refs)) for d, refs in self.spread(trajectories, devices)
@@ -69,14 +79,14 @@ class FlowAdapter(PipelineAdapter):
             chunk = units[node.timesteps[0] : node.timesteps[1]]
             samples = [SampleId(step, p, i) for (_, p, i) in node.samples]
             stale = run.rollout_version(pipeline, node.step) < node.version
-            shares = self.spread(samples, devices)
-            group: tuple[int, ...] = ()
-            passes = 0
-            if sharded:  # every member of the FSDP group, each making the most passes any makes
-                shares = self.every_member(shares, devices)
-                chunk_size = self.config.train.chunk_size
-                passes = max(training_passes(len(ids) * len(chunk), chunk_size) for _, ids in shares)
-                group = tuple(sorted(devices))
+            chunk_size = self.config.train.chunk_size
+            shares = (
+                self.lockstep(
+                    samples, devices, group_size, lambda ids: training_passes(len(ids) * len(chunk), chunk_size)
+                )
+                if sharded
+                else [(d, ids, (), 0) for d, ids in self.spread(samples, devices)]
+            )
             return [
                 Part(
                     node.id,
@@ -94,24 +104,28 @@ class FlowAdapter(PipelineAdapter):
                         passes=passes,
                     ),
                 )
-                for device, ids in shares
+                for device, ids, group, passes in shares
             ]
         raise ValueError(f"node {node.id}: a flow pipeline does not run {node.kind} nodes")
 
-    def _sharded_log_probs(self, node: Node, devices: tuple[int, ...], units: list[int], trajectories) -> list[Part]:
-        """A sharded trainer's log-prob node: every member of its FSDP group reads the node's trajectories and
-        recomputes its share of the samples, each making as many forwards as the member with the most."""
-        step = self.rl_step(node)
-        samples = [SampleId(step, p, i) for (_, p, i) in node.samples]
-        shares = self.every_member(self.spread(samples, devices), devices)
-        passes = max(
-            recompute_passes([[sample_timesteps(self.config, s)[u] for u in units] for s in ids]) for _, ids in shares
-        )
-        group = tuple(sorted(devices))
-        return [
-            Part(node.id, d, FlowLogProbs(node.pipeline, units, trajectories, ids, group=group, passes=passes))
-            for d, ids in shares
-        ]
+    def lockstep(
+        self, samples: list[SampleId], devices: tuple[int, ...], group_size: int, passes_of
+    ) -> list[tuple[int, list[SampleId], tuple[int, ...], int]]:
+        """A sharded trainer's node on `devices`: (device, its samples, its FSDP group, the group's passes) for
+        every device. The devices are cut into consecutive FSDP groups of `group_size` (the shape's: one group over
+        them all, or HYBRID groups of a node, each a replica of the trainer), the samples shared out to the groups
+        and within each to its members; every member of a group makes as many passes (`passes_of` its samples) as
+        the one with the most."""
+        ordered = sorted(devices)
+        size = min(group_size, len(ordered))
+        groups = [tuple(ordered[start : start + size]) for start in range(0, len(ordered), size)]
+        by_group = dict(self.spread(samples, tuple(range(len(groups)))))
+        shares = []
+        for index, group in enumerate(groups):  # a group without samples takes part too: it passes nothing
+            members = self.every_member(self.spread(by_group.get(index, []), group), group)
+            passes = max(passes_of(ids) for _, ids in members)
+            shares += [(device, ids, group, passes) for device, ids in members]
+        return shares
 
     @staticmethod
     def every_member(shares: list[tuple[int, list]], devices: tuple[int, ...]) -> list[tuple[int, list]]:
@@ -140,3 +154,9 @@ class FlowAdapter(PipelineAdapter):
         elif isinstance(result, Scores):
             for sample in result.samples:
                 ledger.scored[SampleId(*sample)] = ledger.scored.get(SampleId(*sample), 0) + 1
+
+
+def flow_shape(shape) -> FlowShape:
+    """A flow pipeline's shape: the planner cuts its steps with a `FlowShape` (`graph.flow`)."""
+    assert isinstance(shape, FlowShape), f"a flow pipeline cut by a {type(shape).__name__}"
+    return shape
