@@ -33,6 +33,7 @@ How the contract maps onto vLLM 0.32 (the `models.engine` docstring's plan, and 
 import itertools
 import os
 import tempfile
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,6 +49,16 @@ from dovetail.models.engine import (
     sample_tokens,
     uniforms_of,
 )
+
+
+def quiet_vllm() -> None:
+    """vLLM's own log at ERROR unless the user's environment sets `VLLM_LOGGING_LEVEL` (INFO shows it all): at its
+    default it printed ~50 lines for a 3-step run, among them a traceback of a chat-template warm-up that cannot apply
+    (we hand vLLM token ids, no tokenizer) and "RotaryEmbedding: Failed to load weights" at every publication (the
+    rotary tables are computed, not loaded) — harmless, and alarming to read. Its deprecation warnings go too."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
+
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 """The KV cache vLLM reserves on CPU (its `gpu_memory_utilization` would reserve a fraction of the host's memory)."""
@@ -71,6 +82,7 @@ class VllmEngine(RePrefillingEngine):
     ):
         # Before vLLM reads it: the engine core in this process, where `KeyedSampler` hands its draws to `generate`.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        quiet_vllm()
         from vllm import LLM
 
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
