@@ -31,7 +31,9 @@ class Evaluation(NamedTuple):
 
 
 def training_batch(tokenizer: CharTokenizer, task: Task, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids bos + prompt + solution + eos, right-padded, and labels that keep only the completion and eos.
+    """Token ids bos + prompt + solution + eos, right-padded, and labels that keep only what the model writes: the
+    completion and eos, less what an agentic task's environment writes in it (`Task.observation_pattern`, one token
+    a character), as RL masks it.
 
     Right padding needs no attention mask: a causal model never looks ahead at the pads, and their labels are
     ignored.
@@ -39,9 +41,14 @@ def training_batch(tokenizer: CharTokenizer, task: Task, prompts: list[str]) -> 
     rows, labels = [], []
     for prompt in prompts:
         prompt_ids = [tokenizer.bos_id, *tokenizer.encode(prompt)]
-        completion_ids = [*tokenizer.encode(task.solution(prompt)), tokenizer.eos_id]
+        solution = task.solution(prompt)
+        completion_ids = [*tokenizer.encode(solution), tokenizer.eos_id]
+        written = list(completion_ids)
+        observations = task.observation_pattern.finditer(solution) if task.observation_pattern else ()
+        for observation in observations:
+            written[observation.start() : observation.end()] = [IGNORE] * len(observation.group())
         rows.append(prompt_ids + completion_ids)
-        labels.append([IGNORE] * len(prompt_ids) + completion_ids)
+        labels.append([IGNORE] * len(prompt_ids) + written)
     width = max(map(len, rows))
     input_ids = torch.tensor([row + [tokenizer.pad_id] * (width - len(row)) for row in rows])
     return input_ids, torch.tensor([row + [IGNORE] * (width - len(row)) for row in labels])
@@ -103,7 +110,7 @@ def pretrain_lm(
     torch.manual_seed(seed)
     task_ = task(task_name)
     steps = task_.pretrain_steps if steps is None else steps
-    tokenizer = CharTokenizer()
+    tokenizer = CharTokenizer() if task_.alphabet is None else CharTokenizer(task_.alphabet)
     config = config or LMConfig(task=task_name, vocab_size=tokenizer.vocab_size)
     model = build_lm(config).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
@@ -126,6 +133,13 @@ def pretrain_lm(
     model.eval()
     save_lm(model, tokenizer, config, out_dir)
     print(f"wrote {out_dir} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters)", flush=True)
+    if task_.environment is not None:
+        print(
+            f"held-out success of {task_name} is its episodes' in environment {task_.environment!r}: the first "
+            f"evaluation (step 0) of a run with env.name={task_.environment} (configs/{task_name}.yaml)",
+            flush=True,
+        )
+        return model, tokenizer, config
     for temperature in (1.0, 0.0):
         result = evaluate(model, tokenizer, task_, count=eval_count, temperature=temperature)
         print(
