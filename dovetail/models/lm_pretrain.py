@@ -54,15 +54,17 @@ def training_batch(tokenizer: CharTokenizer, task: Task, prompts: list[str]) -> 
     return input_ids, torch.tensor([row + [IGNORE] * (width - len(row)) for row in labels])
 
 
-def length_bucketed_prompts(task: Task, seed: int, steps: int, batch_size: int) -> Iterator[list[str]]:
-    """The train prompts of each step: BUCKET_STEPS batches' worth drawn at once, ordered by text length, cut into
-    batches taken in a seeded random order. Halves the padding of the sorted tasks, whose lengths vary fivefold."""
+def length_bucketed_prompts(task: Task, seed: int, steps: int, batch_size: int) -> Iterator[tuple[Task, list[str]]]:
+    """The task and train prompts of each step: BUCKET_STEPS batches' worth drawn at once from the task pretraining
+    trains on there (`Task.for_pretraining`), ordered by text length, cut into batches taken in a seeded random
+    order. Halves the padding of the sorted tasks, whose lengths vary fivefold."""
     for bucket in range(-(-steps // BUCKET_STEPS)):
-        prompts = task.prompts("train", seed, bucket, BUCKET_STEPS * batch_size)
-        prompts.sort(key=lambda prompt: len(prompt) + len(task.solution(prompt)))
+        stage = task.for_pretraining(bucket * BUCKET_STEPS / steps)
+        prompts = stage.prompts("train", seed, bucket, BUCKET_STEPS * batch_size)
+        prompts.sort(key=lambda prompt: len(prompt) + len(stage.solution(prompt)))
         batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
         random.Random(f"{seed}/{bucket}").shuffle(batches)
-        yield from batches[: steps - bucket * BUCKET_STEPS]
+        yield from ((stage, batch) for batch in batches[: steps - bucket * BUCKET_STEPS])
 
 
 def evaluate(
@@ -118,8 +120,8 @@ def pretrain_lm(
         optimizer, lambda s: min((s + 1) / warmup, 0.5 * (1 + np.cos(np.pi * s / steps)))
     )
     start = time.time()
-    for step, prompts in enumerate(length_bucketed_prompts(task_.for_pretraining(), seed, steps, batch_size)):
-        input_ids, labels = training_batch(tokenizer, task_, prompts)
+    for step, (stage, prompts) in enumerate(length_bucketed_prompts(task_, seed, steps, batch_size)):
+        input_ids, labels = training_batch(tokenizer, stage, prompts)
         loss = model(input_ids=input_ids, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()
