@@ -49,6 +49,14 @@ class Task(ABC):
     prefix: ClassVar[str]  # every prompt starts with it
     pretrain_steps: ClassVar[int] = 200  # `dovetail pretrain TASK`'s default: the shipped base model's steps
     completion_pattern: ClassVar[re.Pattern]  # what a well-formed completion looks like, scratchpad included
+    environment: ClassVar[str | None] = None
+    """The built-in environment whose episodes an agentic task's problems are (`dovetail.envs`; a run of the task
+    names it in its `env:` section); None: a problem is one completion, scored by the task's reward."""
+    observation_pattern: ClassVar[re.Pattern | None] = None
+    """What in an agentic task's completion its environment writes (a tool's result), not the model: pretraining
+    keeps it out of the loss, as RL does."""
+    alphabet: ClassVar[str | None] = None
+    """The characters the task's model reads and writes; None: the tokenizer's default alphabet."""
 
     @property
     def reward_names(self) -> dict[str, float]:
@@ -72,9 +80,10 @@ class Task(ABC):
     def is_correct(self, prompt: str, answer: str) -> bool:
         """Whether answer (the text after the answer marker) solves the prompt's problem."""
 
-    def for_pretraining(self) -> "Task":
-        """The task whose problems pretraining draws: this one, unless RL's problem mix would leave the base model
-        unable to reach part of it (`Copy`)."""
+    def for_pretraining(self, progress: float) -> "Task":
+        """The task whose problems and completions pretraining trains on at `progress` (0 to 1) through its steps:
+        this one, unless RL's problem mix would leave the base model unable to reach part of it (`Copy`) or its
+        completions are best learned in stages (`Calc`)."""
         return self
 
     def prompt(self, split: str, seed: int, index: int) -> str:
@@ -87,6 +96,14 @@ class Task(ABC):
             if split_of(prompt) == split:
                 return prompt
             attempt += 1
+
+    def episode_row(self, prompt: str) -> dict[str, str]:
+        """The problem as an environment's dataset row (an env run of the task resets its episodes from it): the
+        prompt as its `question` and the final answer of its ideal completion as its `answer`, the columns the
+        built-in `arithmetic` environment reads."""
+        answer = final_answer(self.solution(prompt))
+        assert answer is not None, f"{self.name}'s solution of {prompt!r} has no final answer"
+        return {"question": prompt, "answer": answer}
 
     def prompts(self, split: str, seed: int, step: int, count: int) -> list[str]:
         """The count prompts of an RL step: consecutive indices, so steps of one run never repeat a draw."""
@@ -205,7 +222,7 @@ class Copy(Task):
     def max_new_tokens(self) -> int:
         return len(self.solution(f"copy {'a' * self.max_letters}:")) + 1 + LENGTH_MARGIN
 
-    def for_pretraining(self) -> "Task":
+    def for_pretraining(self, progress: float) -> "Task":
         return replace(self, uniform=True)
 
     def draw(self, rng: random.Random) -> str:
@@ -225,6 +242,82 @@ class Copy(Task):
 
     def is_correct(self, prompt: str, answer: str) -> bool:
         return answer == self._text(prompt)
+
+
+CALCULATOR_CALL = "<calc>{}</calc>"
+CALCULATOR_RESULT = "<result>{}</result>"
+"""A call of the `arithmetic` environment's calculator and its answer, as the `plain` tool-call parser reads and
+writes them (`dovetail.envs.toolcalls`; tests/test_lm_tasks.py holds the two alike)."""
+
+
+@dataclass(frozen=True)
+class Calc(Task):
+    """Multiply two numbers of min_digits..max_digits digits, with a calculator: ``calc 4821*937:`` ->
+    ``<calc>4821*937</calc><result>4517277</result>>4517277.``, or at once, ``>4517277.``.
+
+    An agentic task: its problems are episodes of the built-in `arithmetic` environment with the `plain` parser
+    (configs/calc.yaml). The model's turn stops where its call closes, the environment answers with the calculator's
+    result, and the next turn copies it out; the first turn without a call is the answer. Products this long are
+    beyond what the 1 M-parameter model computes in its head, so the answer needs the tool.
+
+    Its base model learns the format from a mix: `tool_share` of the ideal completions call the calculator (chosen
+    by a hash of the prompt, so any one prompt's is fixed), the others answer at once, which the model learns to
+    write but rarely gets right. It calls the tool sometimes, so GRPO has calls to reinforce. Copying digit strings
+    (the expression into the call, the result into the answer) is what the 1 M-parameter model learns slowest, and
+    the mix's direct answers, digits it cannot predict, drown it: pretrained on the mix alone for 2000 steps it
+    still copies no call right. So pretraining goes in two stages (`for_pretraining`): its first `tool_only` share
+    of the steps every completion calls the tool, then the mix. Its alphabet is every printable ASCII character:
+    the calculator's error messages (a quoted expression, say) are spelled in it, so whatever the model writes in a
+    call, it can read the answer.
+    """
+
+    name: str = "calc"
+    min_digits: int = 3
+    max_digits: int = 6
+    tool_share: float = 0.5
+    tool_only: float = 0.5
+    prefix: ClassVar[str] = "calc "
+    pretrain_steps: ClassVar[int] = 1000
+    environment: ClassVar[str | None] = "arithmetic"
+    observation_pattern: ClassVar[re.Pattern | None] = re.compile(r"<result>.*?</result>")
+    alphabet: ClassVar[str | None] = "".join(map(chr, range(32, 127)))  # printable ASCII
+    prompt_pattern: ClassVar[re.Pattern] = re.compile(r"calc (\d+)\*(\d+):")
+    completion_pattern: ClassVar[re.Pattern] = re.compile(r"(<calc>\d+\*\d+</calc><result>\d+</result>)?>\d+\.")
+
+    @property
+    def max_new_tokens(self) -> int:
+        longest = "9" * self.max_digits
+        return len(self._with_tool(f"{longest}*{longest}", int(longest) ** 2)) + 1 + LENGTH_MARGIN
+
+    def for_pretraining(self, progress: float) -> "Task":
+        return replace(self, tool_share=1.0) if progress < self.tool_only else self
+
+    def draw(self, rng: random.Random) -> str:
+        a, b = (Addition._number(rng.randint(self.min_digits, self.max_digits), rng) for _ in range(2))
+        return f"calc {a}*{b}:"
+
+    def _product(self, prompt: str) -> tuple[str, int]:
+        a, b = self._match(self.prompt_pattern, prompt).groups()
+        return f"{a}*{b}", int(a) * int(b)
+
+    def calls_tool(self, prompt: str) -> bool:
+        """Whether the prompt's ideal completion calls the calculator: a share `tool_share` of the problems."""
+        digest = hashlib.sha256(f"{self.name}/tool/{prompt}".encode()).digest()
+        return int.from_bytes(digest[:8], "big") / 2**64 < self.tool_share
+
+    @staticmethod
+    def _with_tool(expression: str, product: int) -> str:
+        call, result = CALCULATOR_CALL.format(expression), CALCULATOR_RESULT.format(product)
+        return f"{call}{result}{ANSWER_MARKER}{product}{END_MARKER}"
+
+    def solution(self, prompt: str) -> str:
+        expression, product = self._product(prompt)
+        if self.calls_tool(prompt):
+            return self._with_tool(expression, product)
+        return f"{ANSWER_MARKER}{product}{END_MARKER}"
+
+    def is_correct(self, prompt: str, answer: str) -> bool:
+        return answer == str(self._product(prompt)[1])
 
 
 class ExpressionError(ValueError):
@@ -376,7 +469,7 @@ def _operand(expression: str) -> str:
     return expression if expression.isdigit() else f"({expression})"
 
 
-TASKS: dict[str, Task] = {task.name: task for task in (Addition(), Sort(), Countdown(), Copy())}
+TASKS: dict[str, Task] = {task.name: task for task in (Addition(), Sort(), Countdown(), Copy(), Calc())}
 
 
 def task(name: str) -> Task:

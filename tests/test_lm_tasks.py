@@ -64,11 +64,14 @@ def independent_answer(prompt: str) -> str:
         return str(int(a) + int(b))
     if prompt.startswith("copy "):
         return prompt.removeprefix("copy ").removesuffix(":")
+    if prompt.startswith("calc "):
+        a, b = re.fullmatch(r"calc (\d+)\*(\d+):", prompt).groups()
+        return str(int(a) * int(b))
     letters = re.fullmatch(r"sort ([a-z]+):", prompt).group(1)
     return "".join(sorted(letters))
 
 
-@pytest.mark.parametrize("name", ["arithmetic", "sort", "copy"])
+@pytest.mark.parametrize("name", ["arithmetic", "sort", "copy", "calc"])
 def test_solutions_end_in_the_independently_computed_answer_and_wrong_answers_score_zero(name):
     prompts = many_prompts(name)
     assert [final_answer(task(name).solution(p)) for p in prompts] == [independent_answer(p) for p in prompts]
@@ -192,7 +195,7 @@ def test_prompts_are_a_pure_function_of_their_arguments():
 
 def test_unknown_task_and_reward_are_named():
     with pytest.raises(
-        ValueError, match=r"unknown task 'chess'; known tasks: \['arithmetic', 'copy', 'countdown', 'sort'\]"
+        ValueError, match=r"unknown task 'chess'; known tasks: \['arithmetic', 'calc', 'copy', 'countdown', 'sort'\]"
     ):
         task("chess")
     with pytest.raises(ValueError, match=r"unknown text reward 'length'.*'exact_answer'"):

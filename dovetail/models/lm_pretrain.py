@@ -31,7 +31,9 @@ class Evaluation(NamedTuple):
 
 
 def training_batch(tokenizer: CharTokenizer, task: Task, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids bos + prompt + solution + eos, right-padded, and labels that keep only the completion and eos.
+    """Token ids bos + prompt + solution + eos, right-padded, and labels that keep only what the model writes: the
+    completion and eos, less what an agentic task's environment writes in it (`Task.observation_pattern`, one token
+    a character), as RL masks it.
 
     Right padding needs no attention mask: a causal model never looks ahead at the pads, and their labels are
     ignored.
@@ -39,23 +41,30 @@ def training_batch(tokenizer: CharTokenizer, task: Task, prompts: list[str]) -> 
     rows, labels = [], []
     for prompt in prompts:
         prompt_ids = [tokenizer.bos_id, *tokenizer.encode(prompt)]
-        completion_ids = [*tokenizer.encode(task.solution(prompt)), tokenizer.eos_id]
+        solution = task.solution(prompt)
+        completion_ids = [*tokenizer.encode(solution), tokenizer.eos_id]
+        written = list(completion_ids)
+        observations = task.observation_pattern.finditer(solution) if task.observation_pattern else ()
+        for observation in observations:
+            written[observation.start() : observation.end()] = [IGNORE] * len(observation.group())
         rows.append(prompt_ids + completion_ids)
-        labels.append([IGNORE] * len(prompt_ids) + completion_ids)
+        labels.append([IGNORE] * len(prompt_ids) + written)
     width = max(map(len, rows))
     input_ids = torch.tensor([row + [tokenizer.pad_id] * (width - len(row)) for row in rows])
     return input_ids, torch.tensor([row + [IGNORE] * (width - len(row)) for row in labels])
 
 
-def length_bucketed_prompts(task: Task, seed: int, steps: int, batch_size: int) -> Iterator[list[str]]:
-    """The train prompts of each step: BUCKET_STEPS batches' worth drawn at once, ordered by text length, cut into
-    batches taken in a seeded random order. Halves the padding of the sorted tasks, whose lengths vary fivefold."""
+def length_bucketed_prompts(task: Task, seed: int, steps: int, batch_size: int) -> Iterator[tuple[Task, list[str]]]:
+    """The task and train prompts of each step: BUCKET_STEPS batches' worth drawn at once from the task pretraining
+    trains on there (`Task.for_pretraining`), ordered by text length, cut into batches taken in a seeded random
+    order. Halves the padding of the sorted tasks, whose lengths vary fivefold."""
     for bucket in range(-(-steps // BUCKET_STEPS)):
-        prompts = task.prompts("train", seed, bucket, BUCKET_STEPS * batch_size)
-        prompts.sort(key=lambda prompt: len(prompt) + len(task.solution(prompt)))
+        stage = task.for_pretraining(bucket * BUCKET_STEPS / steps)
+        prompts = stage.prompts("train", seed, bucket, BUCKET_STEPS * batch_size)
+        prompts.sort(key=lambda prompt: len(prompt) + len(stage.solution(prompt)))
         batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
         random.Random(f"{seed}/{bucket}").shuffle(batches)
-        yield from batches[: steps - bucket * BUCKET_STEPS]
+        yield from ((stage, batch) for batch in batches[: steps - bucket * BUCKET_STEPS])
 
 
 def evaluate(
@@ -103,7 +112,7 @@ def pretrain_lm(
     torch.manual_seed(seed)
     task_ = task(task_name)
     steps = task_.pretrain_steps if steps is None else steps
-    tokenizer = CharTokenizer()
+    tokenizer = CharTokenizer() if task_.alphabet is None else CharTokenizer(task_.alphabet)
     config = config or LMConfig(task=task_name, vocab_size=tokenizer.vocab_size)
     model = build_lm(config).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
@@ -111,8 +120,8 @@ def pretrain_lm(
         optimizer, lambda s: min((s + 1) / warmup, 0.5 * (1 + np.cos(np.pi * s / steps)))
     )
     start = time.time()
-    for step, prompts in enumerate(length_bucketed_prompts(task_.for_pretraining(), seed, steps, batch_size)):
-        input_ids, labels = training_batch(tokenizer, task_, prompts)
+    for step, (stage, prompts) in enumerate(length_bucketed_prompts(task_, seed, steps, batch_size)):
+        input_ids, labels = training_batch(tokenizer, stage, prompts)
         loss = model(input_ids=input_ids, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()
@@ -126,6 +135,13 @@ def pretrain_lm(
     model.eval()
     save_lm(model, tokenizer, config, out_dir)
     print(f"wrote {out_dir} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters)", flush=True)
+    if task_.environment is not None:
+        print(
+            f"held-out success of {task_name} is its episodes' in environment {task_.environment!r}: the first "
+            f"evaluation (step 0) of a run with env.name={task_.environment} (configs/{task_name}.yaml)",
+            flush=True,
+        )
+        return model, tokenizer, config
     for temperature in (1.0, 0.0):
         result = evaluate(model, tokenizer, task_, count=eval_count, temperature=temperature)
         print(

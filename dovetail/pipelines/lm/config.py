@@ -443,8 +443,15 @@ class LMTrainConfig(RunSection):
         """A config naming an environment trains multi-turn in the reference loop (`pipelines.lm.multiturn`) on our
         engine or transformers'; multi-turn rollouts under the Ray policies are the next part of issue 36. A user's
         model names the longest prompt: its first observations are unknown until the run, and size the rollout's
-        cache."""
+        cache. An agentic task (`Task.environment`) runs in an environment: without one its model would answer alone
+        what it learned to answer with a tool."""
         if self.env is None:
+            agentic = None if self.user_model else task(self.task).environment
+            if agentic is not None:
+                raise ValueError(
+                    f"env: task {self.task}'s problems are episodes of an environment; add env: {{name: {agentic}, "
+                    f"parser: plain}} (as configs/{self.task}.yaml does)"
+                )
             return self
         if self.policy != REFERENCE:
             raise ValueError(f"env: only policy: reference runs environments so far (policy is {self.policy})")

@@ -58,9 +58,11 @@ class RunPrompts:
 
     def episode_row(self, row: Row) -> dict:
         """A row as an env run's environment resets from it: its columns, and its prompt under the dataset's prompt
-        field (a task's prompt under "prompt")."""
-        field = self.config.prompts.prompt_field if self.config.prompts is not None else "prompt"
-        return {**row.columns, field: row.prompt}
+        field; a task's problem, its prompt under "prompt" and the task's row of it (`Task.episode_row`: its
+        question and answer)."""
+        if self.config.prompts is None:
+            return {"prompt": row.prompt, **task(self.config.task).episode_row(str(row.prompt))}
+        return {**row.columns, self.config.prompts.prompt_field: row.prompt}
 
     def context(self, rows: list[Row], completion_ids: list[list[int]]) -> TextContext:
         """What the rewards of responses to `rows` (`completion_ids` their tokens) see besides completions and
