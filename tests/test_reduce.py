@@ -5,11 +5,12 @@ and not beyond it."""
 
 import zlib
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dovetail.runtime.worker import reduce_parts
+from dovetail.runtime.worker import reduce_parts, replica_ranks
 
 NUMEL = 1000
 HELD = {0: [("train-c", 0), ("train-a", 0)], 1: [("train-b", 1)], 2: []}
@@ -59,3 +60,15 @@ def test_a_device_alone_keeps_the_sum_of_its_parts_in_any_order():
     for key in HELD[0]:
         total += part(key)
     assert torch.equal(reduce_parts(total, (0,), {}), expected)
+
+
+def test_a_hybrid_member_reduces_with_the_members_at_its_place_in_the_other_groups():
+    """`replica_ranks`: trainer devices 0-5 cut into FSDP groups of two, (0, 1) (2, 3) (4, 5), each a replica; device 3
+    holds the second shard, as 1 and 5 do. One group: a member alone. Groups that are not consecutive devices of one
+    size are refused in one line."""
+    assert replica_ranks((0, 1, 2, 3, 4, 5), (2, 3), 3) == (1, 3, 5)
+    assert replica_ranks((0, 1, 2, 3, 4, 5), (0, 1), 0) == (0, 2, 4)
+    assert replica_ranks((0, 1), (0, 1), 1) == (1,)
+    assert replica_ranks((3, 7), (7,), 7) == (3, 7)
+    with pytest.raises(RuntimeError, match="are not cut into FSDP groups like"):
+        replica_ranks((0, 1, 2, 3), (1, 2), 1)
