@@ -151,7 +151,7 @@ def test_a_reward_that_hangs_stops_at_the_timeout_naming_the_setting():
         score(np.zeros((2, 8, 8)), ["digit 0", "digit 1"], {name: 1.0}, timeout_s=0.2)
     with pytest.raises(RewardError, match=rf"^reward '{name}' took longer than reward_timeout_s=0.1 s on 1 samples"):
         score_text(["1 2"], ["sort: 2 1"], {name: 1.0}, timeout_s=0.1)
-    assert time.perf_counter() - start < 5
+    assert time.perf_counter() - start < 30  # stopped, not hung: the bound leaves a slow machine's process starts
 
 
 @pytest.mark.parametrize(
@@ -166,7 +166,7 @@ def test_a_reward_holding_the_gil_is_stopped_at_its_timeout_and_the_next_call_ru
     start = time.perf_counter()
     with pytest.raises(RewardError) as stopped:
         score_text([slow], ["sort ab:"], {name: 1.0}, timeout_s=1)
-    assert time.perf_counter() - start < 3
+    assert time.perf_counter() - start < 10  # at its timeout, not after the call: the raise says it never returned
     assert str(stopped.value) == (
         f"reward '{name}' took longer than reward_timeout_s=1 s on 1 samples and was stopped; make it faster, or raise "
         "reward_timeout_s in the config"
