@@ -72,41 +72,16 @@ def model_dir(directory: Path, layers: int) -> Path:
 
 
 def sd3_dir(directory: Path, layers: int) -> Path:
-    """A StableDiffusion3Pipeline whose transformer has SD3-medium's block width, behind tiny encoders and VAE."""
+    """The test suite's tiny StableDiffusion3Pipeline (tests/tiny_pipelines.py) with an MMDiT of SD3-medium's block
+    width (24 heads x 64, caption projection 1536) and `layers` joint blocks, and its prompts file."""
     sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
-    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
-    from tiny_pipelines import PROMPTS, clip_tokenizer, tiny_clip_config, tiny_vae
-    from transformers import CLIPTextModelWithProjection
+    from tiny_pipelines import PROMPTS, tiny_sd3_pipeline
 
-    tokenizer, vocab_size = clip_tokenizer(directory)
-    text = tiny_clip_config(vocab_size, num_hidden_layers=2, projection_dim=16)
-    transformer = SD3Transformer2DModel(
-        sample_size=8,
-        patch_size=2,
-        in_channels=4,
-        out_channels=4,
-        num_layers=layers,
-        attention_head_dim=64,
-        num_attention_heads=24,
-        joint_attention_dim=32,  # the tiny CLIPs' hidden states side by side
-        caption_projection_dim=1536,
-        pooled_projection_dim=32,
-        pos_embed_max_size=8,
+    pipeline = tiny_sd3_pipeline(
+        directory, num_layers=layers, attention_head_dim=64, num_attention_heads=24, caption_projection_dim=1536
     )
-    pipeline = StableDiffusion3Pipeline(
-        transformer=transformer,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        vae=tiny_vae(),
-        text_encoder=CLIPTextModelWithProjection(text),
-        tokenizer=tokenizer,
-        text_encoder_2=CLIPTextModelWithProjection(text),
-        tokenizer_2=tokenizer,
-        text_encoder_3=None,
-        tokenizer_3=None,
-    )
-    pipeline.save_pretrained(directory / "pipeline")
     (directory / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
-    return directory / "pipeline"
+    return pipeline
 
 
 def dataset(directory: Path) -> Path:

@@ -20,6 +20,7 @@ import yaml
 from fault_injection import Fault
 from running import train
 from safetensors.torch import load_file
+from test_runtime_lm import SMALL as RUNTIME_LM
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
@@ -33,16 +34,8 @@ from dovetail.pipelines.lm.model import load_policy
 from dovetail.sched import policy_class
 
 LR = 3e-4
-SMALL = [
-    "kind=lm",
-    "task=sort",
-    "algo.prompts_per_step=4",
-    "algo.group_size=4",
-    "eval.prompts=8",
-    "eval.every=100",
-    "runtime.profile_samples=4",
-    f"train.lr={LR}",
-]
+SMALL = [*RUNTIME_LM, f"train.lr={LR}"]
+"""test_runtime_lm's small sort run at a smaller lr (at its 1e-3 the reward collapses by the third step)."""
 CONFIGS = Path(__file__).parent.parent / "configs"
 SHARDED = [*SMALL, "policy=verl-sync", "train.sharding=fsdp", "checkpoint.every=2"]
 STEPS = 3

@@ -80,27 +80,29 @@ def tiny_vae() -> AutoencoderKL:
     )
 
 
-def tiny_sd3_pipeline(directory: Path) -> Path:
+def tiny_sd3_pipeline(directory: Path, **transformer) -> Path:
     """A random-init StableDiffusion3Pipeline small enough to train in seconds (two CLIP text encoders, an MMDiT, a
     VAE), saved with save_pretrained under `directory`; returns the pipeline's directory. SD3's T5 is left out, as
-    diffusers allows (its encodings are then zeros)."""
+    diffusers allows (its encodings are then zeros). `transformer`: the MMDiT's config fields to change (its width
+    and depth: benchmarks/sharded_runtime.py widens it to SD3-medium's blocks behind the same tiny encoders)."""
     torch.manual_seed(0)
     tokenizer, vocab_size = clip_tokenizer(directory)
     text = tiny_clip_config(vocab_size, num_hidden_layers=2, projection_dim=16)
+    mmdit = {
+        "sample_size": 8,
+        "patch_size": 2,
+        "in_channels": 4,
+        "out_channels": 4,
+        "num_layers": 2,
+        "attention_head_dim": 8,
+        "num_attention_heads": 2,
+        "joint_attention_dim": 32,  # the two CLIPs' hidden states side by side
+        "caption_projection_dim": 16,
+        "pooled_projection_dim": 32,  # their two projections side by side
+        "pos_embed_max_size": 8,
+    }
     pipeline = StableDiffusion3Pipeline(
-        transformer=SD3Transformer2DModel(
-            sample_size=8,
-            patch_size=2,
-            in_channels=4,
-            out_channels=4,
-            num_layers=2,
-            attention_head_dim=8,
-            num_attention_heads=2,
-            joint_attention_dim=32,  # the two CLIPs' hidden states side by side
-            caption_projection_dim=16,
-            pooled_projection_dim=32,  # their two projections side by side
-            pos_embed_max_size=8,
-        ),
+        transformer=SD3Transformer2DModel(**(mmdit | transformer)),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
         vae=tiny_vae(),
         text_encoder=CLIPTextModelWithProjection(text),
