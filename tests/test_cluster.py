@@ -243,3 +243,31 @@ def test_a_node_lost_after_the_last_step_leaves_the_run_complete(cluster, alone,
     assert said == [f"lost device 1 (no node for {LOST_AFTER_S:g} s) after the last step; the run is complete"]
     assert json.loads((tmp_path / "ledger.json").read_text())["problems"] == []
     assert same_parameters("digits", alone["digits"], final_weights(tmp_path))
+
+
+def test_a_lost_node_with_the_other_replicas_process_goes_on_from_the_copy_on_its_node(cluster, alone, tmp_path):
+    """The node that holds the committed state goes, and the other trainer replica's worker process dies with it (as
+    a torch.distributed peer of a dead process may): a copy of the state was kept on that replica's node, so the run
+    goes on from step 1 on the restarted worker there and ends at the reference's parameters."""
+
+    def lose_both(executor, part):
+        if executor.committed_steps("digits") == 1 and not lost:
+            state = executor.pipelines["digits"].trainer_state
+            first = getattr(state, "refs", (state,))[0]  # the copy read first: on the node of the replica it came from
+            (holder,) = ray.experimental.get_object_locations([first])[first]["node_ids"]
+            device = worker_nodes().index(holder)
+            lost.append(remove_node_of_device(cluster, device))
+            psutil.Process(executor.pipelines["digits"].incarnations.pids[1 - device]).kill()
+
+    cluster.add_node(num_cpus=0, resources={DEVICE_RESOURCE: 1}, node_ip_address=LOOPBACK)  # two devices again
+    lost: list[str] = []
+    summary = train(
+        parse_config(on_cluster(cluster, FLOW, "digen", lost_after_s=LOST_AFTER_S)),
+        tmp_path,
+        steps=STEPS,
+        after_part=lose_both,
+    )
+    assert lost and summary["devices_lost"] == 1
+    (went_on,) = json.loads((tmp_path / "ledger.json").read_text())["went_on"]
+    assert went_on["step"] == 1 and went_on["devices"] == 1
+    assert same_parameters("digits", alone["digits"], final_weights(tmp_path))

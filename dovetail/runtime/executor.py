@@ -496,9 +496,17 @@ class RayExecutor:
     def _keep_committed_state(self, run: PipelineRun, commit: str, device: int) -> None:
         """The new trainer state, taken into the object store from the first replica that finished the commit
         (`device`): the object store outlives the workers, so a replica that dies from now on, still committing or
-        not, comes back with this step's state, and the step's gradients are spent."""
+        not, comes back with this step's state, and the step's gradients are spent.
+
+        The object lives on that replica's node, and a run that loses the node goes on from it: the other replicas
+        hold it in their processes, but a process may die with the node (a torch.distributed peer of a dead process
+        may) and a replica's queue may hold the next step's work ahead of a request for it. So the driver's node
+        pulls a copy at once, without waiting for it: Ray recovers a lost object from a copy on a node that is still
+        there, and the driver's node is the one whose loss ends the run anyway (a copy Ray may evict under memory
+        pressure: then the replicas are asked, as before)."""
         others = [d for d in run.trainer_devices if d != device]
         _, run.trainer_state = self._from_a_trainer(run, take_trainer_state, [device, *others])
+        ray.wait([run.trainer_state], fetch_local=True, timeout=0)
         run.state_of_commit = commit
         run.uncommitted.clear()
 
