@@ -504,6 +504,21 @@ def test_the_planner_prices_a_user_model_from_its_config(workspace):
     assert named.catalogue_model().name == "Qwen3-8B"
 
 
+def test_a_user_models_scenario_takes_the_lengths_its_profile_decoded(workspace):
+    """Before it decodes, a user's model is priced at responses of half the budget; its start-up profile measures
+    the prompts' and the base model's responses' token counts, and the planner then prices those (the dry run, the
+    run's plan and `policy=auto` alike). A task run's lengths are its task's."""
+    config = user_config(workspace, "policy=verl-sync")
+    guessed = config.scenario(3).pipelines[0]
+    assert guessed.lengths.kind == "lognormal" and guessed.lengths.median == config.max_new_tokens // 2
+    refined = config.profiled({"prompt_tokens": [5, 6, 6, 7], "lengths": [2, 0, 3, 8]}).scenario(3).pipelines[0]
+    assert refined.prompt_length == 6
+    assert (refined.lengths.kind, refined.lengths.values) == ("empirical", [2, 1, 3, 8])  # at least one token
+    assert config.scenario(3).pipelines[0] == guessed  # the config it came from is unchanged
+    task_run = load_config(None, ["kind=lm", "policy=verl-sync"])
+    assert task_run.profiled({"prompt_tokens": [1], "lengths": [1]}).scenario(3) == task_run.scenario(3)
+
+
 # ---------------------------------------------------------------- what will not do
 
 

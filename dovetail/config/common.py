@@ -12,7 +12,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal, Protocol, get_args
+from typing import TYPE_CHECKING, Annotated, Literal, Protocol, Self, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator, model_validator
 
@@ -385,6 +385,12 @@ class RunSection(Section):
     def scenario(self, steps: int) -> Scenario:
         """This run as the planner's scenario, built without torch."""
         raise NotImplementedError
+
+    def profiled(self, measured: dict) -> Self:
+        """This config, its scenario refined by what its start-up profile measured on the devices (`measured`, the
+        kind's profile): what the config alone cannot know, as a user's model's response lengths. A kind whose
+        scenario the config fixes returns itself."""
+        return self
 
     def shape_overrides(self) -> dict:
         """The step's cut where the config fixes it instead of the policy (shape field -> value)."""

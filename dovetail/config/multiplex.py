@@ -1,6 +1,7 @@
 """The config of several RL pipelines multiplexed on one pool of devices (`kind: multiplex`): each entry a run config
 of a registered pipeline kind (`dovetail.kinds`), the run's policy, cluster and steps shared by every entry."""
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, ValidationError, field_validator, model_validator
@@ -128,6 +129,15 @@ class MultiplexConfig(Section):
 
 TrainConfig = RunSection | MultiplexConfig
 """One run's config: one pipeline's (the schema of a registered kind, `dovetail.kinds`), or `kind: multiplex`."""
+
+
+def refined_by_profiles(config: TrainConfig, measured: Mapping[str, dict]) -> TrainConfig:
+    """The run's config with each pipeline's scenario refined by its start-up profile (`RunSection.profiled`;
+    `measured`: pipeline name -> what its profile measured)."""
+    if isinstance(config, MultiplexConfig):
+        pipelines = [p.profiled(measured[p.pipeline_name]) for p in config.pipelines]
+        return config.model_copy(update={"pipelines": pipelines})
+    return config.profiled(measured[config.pipeline_name])
 
 
 def pipeline_configs(config: TrainConfig) -> dict[str, PipelineConfig]:

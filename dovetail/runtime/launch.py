@@ -24,7 +24,7 @@ from ray.util.placement_group import PlacementGroup, get_placement_group, placem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dovetail.config.common import AUTO, MAX_PIPELINES, REFERENCE, auto_candidates, ray_address
-from dovetail.config.multiplex import PipelineConfig, TrainConfig, pipeline_configs
+from dovetail.config.multiplex import PipelineConfig, TrainConfig, pipeline_configs, refined_by_profiles
 from dovetail.cost.catalog import DEVICES, device
 from dovetail.cost.model import CostModel
 from dovetail.kinds import kind
@@ -305,11 +305,11 @@ def start_workers(config: TrainConfig, pool: DevicePool, trainer_states: dict[st
     return started
 
 
-def profiled_cost(config: PipelineConfig, scenario: Scenario, workers: list, reprofile: bool = False) -> CostModel:
-    """The cost model fitted to what the devices that hold the policy's engines measure (`profile_work`), all at
-    once as they will run, the median over them; and to a role switch's round trip. Profiling also warms every
-    device's engines up, so the run's first step is like the others. Kept per machine and config
-    (`runtime.startup_cache`): a run of a config profiled here before reads the figures unless `reprofile`."""
+def profiled(config: PipelineConfig, scenario: Scenario, workers: list, reprofile: bool = False) -> dict:
+    """What the devices that hold the policy's engines measure (`profile_work`), all at once as they will run, the
+    median over them; and a role switch's round trip. Profiling also warms every device's engines up, so the run's
+    first step is like the others. Kept per machine and config (`runtime.startup_cache`): a run of a config
+    profiled here before reads the figures unless `reprofile`."""
 
     def measure() -> dict:
         compute = workers[: config.compute_devices]
@@ -329,7 +329,7 @@ def profiled_cost(config: PipelineConfig, scenario: Scenario, workers: list, rep
     spec = scenario.pipelines[0]
     if spec.trains_replicas:
         measured |= measured_sync(config, workers, reprofile)
-    return kind(config.kind).load("fit")(config, scenario, measured)
+    return measured
 
 
 SYNC_REPEATS = 5
@@ -378,11 +378,16 @@ def prepare_run(
     (`publication.measured`, on the devices' `nodes`); then the policy's graph of every pipeline, under the policy
     `policy=auto` chooses on these costs (`chosen_policy`, returned too; else None). The first two measurements are
     kept per machine and config (`runtime.startup_cache`) unless `reprofile`."""
-    configs = pipeline_configs(config)
     for attempt in range(STARTUP_ATTEMPTS):
         try:
+            measured_by = {
+                name: profiled(pipeline, pipeline.scenario(steps), started[name].workers, reprofile)
+                for name, pipeline in pipeline_configs(config).items()
+            }
+            config = refined_by_profiles(config, measured_by)
+            configs = pipeline_configs(config)
             costs = {
-                name: profiled_cost(pipeline, pipeline.scenario(steps), started[name].workers, reprofile)
+                name: kind(pipeline.kind).load("fit")(pipeline, pipeline.scenario(steps), measured_by[name])
                 for name, pipeline in configs.items()
             }
             if len(configs) > 1:
@@ -491,14 +496,19 @@ def dry_run(config: TrainConfig, steps: int) -> dict:
     costs = None
     if device(config.cluster.device).platform == "cpu":
         torch.set_num_threads(1)
-        costs = {}
-        for name, pipeline in configs.items():
-            pipeline_kind = kind(pipeline.kind)
-            measured = pipeline_kind.load("profile")(
-                pipeline, carry=lambda weights: pickle.loads(pickle.dumps(weights))
-            )
-            # no Ray round trip to time here
-            costs[name] = pipeline_kind.load("fit")(pipeline, pipeline.scenario(simulated), measured | {"switch": 0.0})
+
+        def carry(weights: dict) -> dict:  # what a Ray round trip does to them
+            return pickle.loads(pickle.dumps(weights))
+
+        measured_by = {  # no Ray round trip to time here
+            name: kind(pipeline.kind).load("profile")(pipeline, carry=carry) | {"switch": 0.0}
+            for name, pipeline in configs.items()
+        }
+        config = refined_by_profiles(config, measured_by)
+        costs = {
+            name: kind(pipeline.kind).load("fit")(pipeline, pipeline.scenario(simulated), measured_by[name])
+            for name, pipeline in pipeline_configs(config).items()
+        }
     choice = chosen_policy(config, steps, costs) if config.policy == AUTO else None
     if choice is not None:
         config = config.model_copy(update={"policy": choice.policy})

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     Field,
+    PrivateAttr,
     SerializerFunctionWrapHandler,
     StringConstraints,
     ValidationInfo,
@@ -355,6 +356,8 @@ class LMTrainConfig(RunSection):
     task: str = Field(
         "sort", description="a task of dovetail.tasks: its prompts, answers and base model (a model.path run has none)"
     )
+    _measured_lengths: tuple[list[int], list[int]] | None = PrivateAttr(None)
+    """A model.path run's prompt and response token counts as its start-up profile measured them (`profiled`)."""
     policy: str = Field(REFERENCE, description="who schedules the step: `dovetail train --help` lists them")
     model: LMModelSection = LMModelSection()
     prompts: LMPromptsSection | None = Field(
@@ -557,12 +560,23 @@ class LMTrainConfig(RunSection):
     def policy_options(self) -> PolicyOptions:
         return PolicyOptions()
 
+    def profiled(self, measured: dict) -> "LMTrainConfig":
+        """A model.path run's scenario with the prompt and response token counts its profile measured (the base
+        model's responses on a step's prompts): a user's model may stop after a few tokens of a 256-token budget, and
+        priced at half the budget its step was predicted 13x too slow. A task run's lengths are its task's."""
+        if self.model.path is None:
+            return self
+        copy = self.model_copy()
+        copy._measured_lengths = (list(measured["prompt_tokens"]), list(measured["lengths"]))
+        return copy
+
     def scenario(self, steps: int) -> Scenario:
         """This run as the planner's scenario, without torch: response lengths are the task's ideal completions
         on a step's worth of training prompts (the base model's are near them; the run's profile corrects). A
         model.path run's model is priced from its config.json (`model.cost_model` left at config.json); its lengths
-        are unknown before it decodes: prompts of prompts.max_tokens (else the planner's default), responses around
-        half the budget."""
+        are unknown before it decodes: once its start-up profile has decoded (`profiled`), the prompts' mean token
+        count and the responses' lengths it measured; before, prompts of prompts.max_tokens (else the planner's
+        default) and responses around half the budget."""
         pipeline = {
             "kind": "lm",
             "name": self.pipeline_name,
@@ -583,14 +597,18 @@ class LMTrainConfig(RunSection):
             lengths = [min(self.max_new_tokens, len(task(self.task).solution(p)) + 1) for p in problems]
             pipeline["prompt_length"] = round(sum(len(p) + 1 for p in problems) / len(problems))
             pipeline["lengths"] = {"kind": "empirical", "values": lengths}
+        elif self._measured_lengths is not None:
+            prompt_tokens, lengths = self._measured_lengths
+            pipeline["prompt_length"] = max(1, round(sum(prompt_tokens) / len(prompt_tokens)))
+            pipeline["lengths"] = {"kind": "empirical", "values": [max(1, n) for n in lengths]}
         else:
             if self.prompts is not None and self.prompts.max_tokens is not None:
                 pipeline["prompt_length"] = self.prompts.max_tokens
             pipeline["lengths"] = {"kind": "lognormal", "median": max(1, self.max_new_tokens // 2), "sigma": 0.5}
-            if self.model.lora is not None:
-                targets = self.model.lora.target_modules
-                attention = targets != "all-linear" and set(targets) <= {"q_proj", "k_proj", "v_proj", "o_proj"}
-                pipeline["lora"] = {"rank": self.model.lora.rank, "targets": "attention" if attention else "all-linear"}
+        if self.model.path is not None and self.model.lora is not None:
+            targets = self.model.lora.target_modules
+            attention = targets != "all-linear" and set(targets) <= {"q_proj", "k_proj", "v_proj", "o_proj"}
+            pipeline["lora"] = {"rank": self.model.lora.rank, "targets": "attention" if attention else "all-linear"}
         if self.model.path is not None and self.model.cost_model == FROM_CONFIG:
             config = json_or_empty(self.model.path / "config.json")
             pipeline["model"] = self.pipeline_name
