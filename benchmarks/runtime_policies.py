@@ -4,7 +4,8 @@
     .venv/bin/python benchmarks/runtime_policies.py --kind lm --steps 10 --repeats 3 --out runs/bench-lm
 
 `--kind flow` runs the digits text-to-image model, `--kind lm` LM GRPO on the sort task's tiny language model
-(`configs/sort.yaml`'s workload; tokens/s counts generated response tokens).
+(`configs/sort.yaml`'s workload; tokens/s counts generated response tokens). `reference-2t` is the one-process
+reference with two torch threads: the plainest competent use of the two cores the Ray policies get.
 
 For each policy: samples/s and step time between optimizer steps (median over steps after the first), the same
 step by the wall clock (between the steps' records, as a callback sees them), the physical limit of its devices,
@@ -20,7 +21,10 @@ import argparse
 import json
 import statistics
 import time
+from contextlib import contextmanager
 from pathlib import Path
+
+import torch
 
 from dovetail import train
 from dovetail.config.load import load_config
@@ -29,9 +33,12 @@ from dovetail.runtime.launch import dry_run
 from dovetail.runtime.replay import replay_run
 
 POLICIES = {
-    "flow": ("reference", "colocated", "disaggregated", "digen", "digen+tcss"),
-    "lm": ("reference", "verl-sync", "streamrl", "areal"),
+    "flow": ("reference", "reference-2t", "colocated", "disaggregated", "digen", "digen+tcss"),
+    "lm": ("reference", "reference-2t", "verl-sync", "streamrl", "areal"),
 }
+TWO_THREADS = "reference-2t"
+"""The plainest competent use of two cores: the one-process reference loop with two torch threads (a run pins one
+per process; this baseline lifts that pin for the reference alone)."""
 WORKLOADS = {"flow": [], "lm": ["kind=lm", "task=sort", "algo.prompts_per_step=32", "train.lr=2e-4"]}
 PHASES = [f"{kind}_s" for kind in Kind]
 """metrics.jsonl's per-step device-seconds of each kind of work (`publish_s`: the publication's own timing)."""
@@ -68,28 +75,44 @@ def steady_figures(lines: list[dict], samples_per_step: int) -> dict:
     }
 
 
+@contextmanager
+def torch_threads(threads: int):
+    """`threads` torch threads for the run in this process, whatever it asks for (`train` sets one)."""
+    pinned = torch.set_num_threads
+    pinned(threads)
+    torch.set_num_threads = lambda _: None
+    try:
+        yield
+    finally:
+        torch.set_num_threads = pinned
+        pinned(1)
+
+
 def measure(policy: str, steps: int, out: Path, overrides: list[str]) -> dict:
-    config = load_config(None, [f"policy={policy}", "eval.every=1000", "checkpoint.every=1000", *overrides])
+    threads = 2 if policy == TWO_THREADS else 1
+    run_policy = "reference" if policy == TWO_THREADS else policy
+    config = load_config(None, [f"policy={run_policy}", "eval.every=1000", "checkpoint.every=1000", *overrides])
     samples_per_step = config.algo.prompts_per_step * config.algo.group_size
     predicted = dry_run(config, steps).get("step_time_s")
     clock = StepClock()
     start = time.perf_counter()
-    summary = train(
-        config, out=out, steps=steps, overwrite=True, callbacks=[clock]
-    )  # a re-run replaces its earlier one
+    with torch_threads(threads):
+        summary = train(
+            config, out=out, steps=steps, overwrite=True, callbacks=[clock]
+        )  # a re-run replaces its earlier one
     wall = time.perf_counter() - start
     lines = read_steps(out)[1:]
     row = {
         "policy": policy,
         **steady_figures(lines, samples_per_step),
         "clock_step_s": clock.steady_step_s(),
-        "devices": 1 if policy == "reference" else config.cluster.devices,
+        "devices": threads if run_policy == "reference" else config.cluster.devices,
         "phases": {p: statistics.median(m[p] for m in lines) for p in PHASES if p in lines[0]},
         "max_staleness": max(m.get("staleness", 0) for m in lines),
         "wall_s": wall,
         "final_eval_reward": summary["final_eval_reward"],
     }
-    if policy != "reference":
+    if run_policy != "reference":
         replay = replay_run(out)
         row |= {
             "occupancy": statistics.median(m["occupancy"] for m in lines),
