@@ -563,6 +563,7 @@ class FlowTrainConfig(RunSection):
             "generation_batch": "fragment",  # the engine denoises a whole rollout piece in one batch
             # train.chunk_size (sample, timestep) pairs share one forward/backward
             "micro_batch": max(1, self.train.chunk_size // trained),
+            "fsdp_precision": self.train.precision,  # the dtype a sharded trainer's passes gather, as the run trains
             "priority": self.priority,
             "lora": self.lora_spec,
         }
