@@ -510,7 +510,7 @@ def test_the_planner_prices_a_user_model_from_its_config(workspace):
 @pytest.mark.parametrize(
     "overrides, says",
     [
-        (["model.path=nowhere"], "nowhere is not a directory; give a transformers model directory"),
+        (["model.path=nowhere"], "model.path: no directory nowhere, nor a hub model id the cache"),
         (["model.path=."], "has no config.json with a model_type: not a transformers model directory"),
         (["model.path=encoder"], "a 't5' model is no causal language model transformers knows"),
         (

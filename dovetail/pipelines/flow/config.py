@@ -19,6 +19,7 @@ from dovetail.config.common import (
     Section,
     Seed,
     TrainSection,
+    hub_snapshot,
     imports_rewards,
     is_dir,
     is_file,
@@ -60,7 +61,8 @@ class ModelSection(Section):
         None,
         strict=False,
         description="a diffusers directory (save_pretrained layout): a pipeline, or transformer/ with "
-        "prompt_embeds.safetensors",
+        "prompt_embeds.safetensors; or a hub id (stabilityai/stable-diffusion-3.5-medium) already in the local "
+        "Hugging Face cache",
     )
     lora: LoraSection | None = Field(None, description="train a LoRA adapter of model.path's transformer")
     max_sequence_length: int = Field(
@@ -107,6 +109,7 @@ class ModelSection(Section):
     @field_validator("path")
     @classmethod
     def _diffusers_layout(cls, path: Path | None) -> Path | None:
+        path = None if path is None else hub_snapshot(path)
         problem = None if path is None else diffusers_layout_problem(path)
         if problem:
             raise ValueError(problem)
