@@ -227,3 +227,21 @@ def test_a_resumed_ema_run_averages_on_as_the_uninterrupted_one(tmp_path):
         load_file(tmp_path / r / "checkpoints" / "step_000002" / "ema.safetensors") for r in ("whole", "part")
     )
     assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+@pytest.mark.usefixtures("local_ray")
+def test_the_window_and_the_normalised_ratio_on_the_ray_runtime_reproduce_the_reference(tmp_path):
+    """The sliding window and GRPO-Guard's ratio go through the code every policy runs (`recipe`): digen's
+    fragments and timestep chunks end at the reference loop's parameters (<= 1e-5, as tests/test_compat.py's)."""
+    common = [
+        "algo.prompts_per_step=4", "sampling.num_steps=6", "algo.sde_window.size=2", "algo.sde_window.shift_every=1",
+        "algo.ratio_normalization=true", "eval.every=100", "checkpoint.every=100", "cluster.devices=2",
+    ]  # fmt: skip
+    runs = {}
+    for policy in (["policy=reference"], ["policy=digen", "runtime.fragments=2", "runtime.tsp_chunk=1"]):
+        runs[policy[0]] = out = tmp_path / policy[0].partition("=")[2]
+        train(load_config(None, common + policy), out, steps=2)
+    reference, digen = (weights(out, 2) for out in runs.values())
+    assert max((reference[k] - digen[k]).abs().max().item() for k in reference) <= 1e-5
+    base = load_file(DEFAULT_CHECKPOINT / "model.safetensors")
+    assert max((reference[k] - base[k]).abs().max().item() for k in reference) > 1e-4  # it did train

@@ -131,7 +131,9 @@ class FlowLocal:
     def save_weights(self, directory: Path) -> None:
         self._save(directory)
         if self.ema is not None:
-            save_file({name: t.contiguous() for name, t in self.ema.shadow.items()}, str(directory / EMA_FILE))
+            save_file(
+                {name: t.detach().cpu().contiguous() for name, t in self.ema.shadow.items()}, str(directory / EMA_FILE)
+            )
 
     def load_weights(self, directory: Path):
         """The checkpoint's model (`checkpoint_io`'s loader); its EMA too where eval.ema keeps one, or, from a
@@ -139,7 +141,9 @@ class FlowLocal:
         loaded = self._load(directory)
         if self.ema is not None:
             saved = load_file(directory / EMA_FILE) if (directory / EMA_FILE).is_file() else trained_parameters(loaded)
-            self.ema.shadow = {name: saved[name].detach().clone() for name in self.ema.shadow}
+            self.ema.shadow = {
+                name: saved[name].detach().to(t.device, copy=True) for name, t in self.ema.shadow.items()
+            }
         return loaded
 
     @contextmanager
