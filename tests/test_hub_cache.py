@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from dovetail.cli import app
 from dovetail.config.common import ConfigError
 from dovetail.config.load import load_config
+from dovetail.models.causal_lm import HFTokenizer
 from dovetail.prompts import read_rows
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -134,3 +135,16 @@ def test_a_split_of_a_dataset_of_splits_and_the_lines_a_wrong_split_or_column_ge
         read_rows(tmp_path / "saved", "question", "prompts.prompt_field", split="train")
     message = str(refused.value)
     assert "no column 'question'" in message and "set prompts.prompt_field" in message and "\n" not in message
+
+
+def test_a_chat_prompt_is_rendered_by_the_tokenizers_template_and_a_text_prompt_is_tokenized_as_it_is(hub_cache):
+    """TRL's two formats: conversational prompts through the chat template with the generation prompt, standard
+    (text) ones as they are, the template not applied."""
+    config = load_config(None, lm_overrides())
+    tokenizer = HFTokenizer.load(config.model.path)
+    chat = [{"role": "user", "content": "1+2="}]
+    templated = tokenizer.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert templated == "<|user|>1+2=<|assistant|>"
+    assert tokenizer.prompt_ids(chat) == tokenizer.tokenizer(templated, add_special_tokens=False)["input_ids"]
+    assert tokenizer.prompt_ids("1+2=") == tokenizer.tokenizer("1+2=")["input_ids"]
+    assert tokenizer.decode(tokenizer.prompt_ids("1+2=")) == "1+2="
