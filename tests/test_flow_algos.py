@@ -245,3 +245,23 @@ def test_the_window_and_the_normalised_ratio_on_the_ray_runtime_reproduce_the_re
     assert max((reference[k] - digen[k]).abs().max().item() for k in reference) <= 1e-5
     base = load_file(DEFAULT_CHECKPOINT / "model.safetensors")
     assert max((reference[k] - base[k]).abs().max().item() for k in reference) > 1e-4  # it did train
+
+
+def test_export_of_an_ema_run_writes_the_emas_weights_as_a_diffusers_directory_beside_the_trained_ones(
+    sd3_pipeline_dir, tiny_prompts_file, tmp_path
+):
+    from diffusers import SD3Transformer2DModel
+    from test_user_model import small
+
+    out = tmp_path / "run"
+    overrides = small(sd3_pipeline_dir, tiny_prompts_file, "policy=reference", "eval.ema.every=1")
+    train(load_config(None, overrides), out, steps=1)
+    exported = tmp_path / "export"
+    result = CliRunner().invoke(app, ["export", str(out), str(exported)])
+    assert result.exit_code == 0, result.output
+    base = load_file(sd3_pipeline_dir / "transformer" / "diffusion_pytorch_model.safetensors")
+    trained = SD3Transformer2DModel.from_pretrained(exported / "transformer").state_dict()
+    average = SD3Transformer2DModel.from_pretrained(exported / "ema" / "transformer").state_dict()
+    assert max((trained[k] - base[k]).abs().max().item() for k in base) > 1e-4
+    for name, weight in base.items():  # one update after step 1: d_1 = 2/11
+        torch.testing.assert_close(average[name], weight + (1 - 2 / 11) * (trained[name] - weight), atol=1e-6, rtol=0)
