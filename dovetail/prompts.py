@@ -58,7 +58,14 @@ def prompt_split(config) -> PromptSplit:
     section = config.prompts
     if section is None:
         return PromptSplit(DIGIT_PROMPTS, DIGIT_PROMPTS)
-    rows = split_rows(section.path, section.field, section.eval_fraction, section.eval_path, "prompts.field")
+    rows = split_rows(
+        section.path,
+        section.field,
+        section.eval_fraction,
+        section.eval_path,
+        "prompts.field",
+        splits=(section.split, section.eval_split),
+    )
     return PromptSplit(
         tuple(prompt_text(row.prompt) for row in rows.train),
         tuple(dict.fromkeys(prompt_text(row.prompt) for row in rows.eval)),

@@ -12,13 +12,14 @@ import datasets
 import pytest
 from running import train
 from test_user_lm import save_tiny_model, sums
+from tiny_pipelines import PROMPTS
 from typer.testing import CliRunner
 
 from dovetail.cli import app
 from dovetail.config.common import ConfigError
 from dovetail.config.load import load_config
 from dovetail.models.causal_lm import HFTokenizer
-from dovetail.prompts import read_rows
+from dovetail.prompts import PromptSplit, prompt_split, read_rows
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -98,13 +99,17 @@ def test_a_hub_id_the_cache_lacks_is_one_line_naming_it_and_how_to_fetch_it(hub_
         load_config(None, lm_overrides("model.path=/no/such/model"))
 
 
-def test_a_flow_run_takes_a_diffusers_pipeline_by_its_hub_id(sd3_pipeline_dir, tiny_prompts_file, hub_cache):
+def test_a_flow_run_takes_a_diffusers_pipeline_and_its_prompts_by_their_hub_ids(sd3_pipeline_dir, hub_cache):
     shutil.copytree(sd3_pipeline_dir, hub_repo(hub_cache, "tiny-org/tiny-sd3"), dirs_exist_ok=True)
-    config = load_config(
-        None, ["model.path=tiny-org/tiny-sd3", f"prompts.path={tiny_prompts_file}", "reward={brightness: 1.0}"]
-    )
+    captions = hub_repo(hub_cache, "tiny-org/captions", "dataset")
+    jsonl(captions / "train.jsonl", [{"caption": p} for p in PROMPTS])
+    jsonl(captions / "test.jsonl", [{"caption": p} for p in PROMPTS[:2]])
+    overrides = ["model.path=tiny-org/tiny-sd3", "prompts.path=tiny-org/captions", "prompts.field=caption"]
+    overrides += ["prompts.split=train", "prompts.eval_path=tiny-org/captions", "prompts.eval_split=test"]
+    config = load_config(None, [*overrides, "reward={brightness: 1.0}"])
     assert config.model.path == hub_cache / "models--tiny-org--tiny-sd3" / "snapshots" / COMMIT
     assert config.pipeline_name == "tiny-sd3"
+    assert prompt_split(config) == PromptSplit(tuple(PROMPTS), tuple(PROMPTS[:2]))
     with pytest.raises(ConfigError, match="hf download nobody/no-pipeline"):
         load_config(None, ["model.path=nobody/no-pipeline", "reward={brightness: 1.0}"])
 

@@ -393,21 +393,32 @@ class EvalSection(Section):
 
 class PromptsSection(Section):
     """The run's prompts from a file or dataset (dovetail.prompts): one per line (.txt), a field of JSON lines
-    (.jsonl), of a JSON list (.json), or of a table `datasets` reads (.parquet, .csv); split into train and eval by a
-    hash of each prompt's text (eval_fraction), or the eval prompts from a file of their own (eval_path)."""
+    (.jsonl), of a JSON list (.json), of a table `datasets` reads (.parquet, .csv, .arrow), of a dataset directory or
+    a hub dataset id the local cache holds (docs/datasets.md; `split` one of its splits); split into train and eval
+    by a hash of each prompt's text (eval_fraction), or the eval prompts from a file of their own (eval_path)."""
 
-    path: Path = Field(strict=False, description="the prompts file")
+    path: Path = Field(
+        strict=False, description="the prompts file, a dataset directory, or a hub dataset id in the local cache"
+    )
+    split: str | None = Field(
+        None, min_length=1, max_length=200, description="the split of a dataset of several (e.g. train)"
+    )
     field: str = Field("prompt", min_length=1, max_length=200, description="the prompt's field in a record")
     eval_fraction: float | None = Field(
         None, gt=0, lt=1, description="share of the prompts held out for evaluation; None: 0.1 (without eval_path)"
     )
     eval_path: Path | None = Field(None, strict=False, description="eval prompts' file; then every prompt trains")
+    eval_split: str | None = Field(
+        None, min_length=1, max_length=200, description="eval_path's split (e.g. test); None: its only split"
+    )
     eval_prompts: int = Field(16, ge=1, le=1000, description="held-out prompts each evaluation samples")
 
     @field_validator("path", "eval_path")
     @classmethod
     def _a_file(cls, path: Path | None) -> Path | None:
-        if path is not None and not is_file(path):
+        if path is not None:
+            path = hub_snapshot(path, "dataset")
+        if path is not None and not (is_file(path) or is_dir(path)):
             raise ValueError(f"no prompts file {path}")
         return path
 
@@ -417,6 +428,8 @@ class PromptsSection(Section):
             raise ValueError("prompts: give prompts.eval_fraction or prompts.eval_path, not both")
         if self.eval_path is None and self.eval_fraction is None:
             self.eval_fraction = 0.1
+        if self.eval_split is not None and self.eval_path is None:
+            raise ValueError("prompts.eval_split is eval_path's split: give prompts.eval_path too")
         return self
 
 
