@@ -1,10 +1,12 @@
-"""Pure math: the SDE step with its log-prob, advantages, the policy loss, timestep choice."""
+"""Pure math: the SDE step with its log-prob, advantages, the policy loss, timestep choice, a weights' EMA."""
 
+from dovetail.algo.ema import WeightEMA
 from dovetail.algo.grpo import (
     decoupled_old_log_prob,
     flow_grpo_loss,
     group_advantages,
     select_train_timesteps,
+    sliding_window,
     train_timestep_count,
 )
 from dovetail.algo.lm_grpo import lm_grpo_loss
@@ -12,6 +14,7 @@ from dovetail.algo.sde import SDEStep, gaussian_log_prob, sde_step
 
 __all__ = [
     "SDEStep",
+    "WeightEMA",
     "decoupled_old_log_prob",
     "flow_grpo_loss",
     "gaussian_log_prob",
@@ -19,5 +22,6 @@ __all__ = [
     "lm_grpo_loss",
     "sde_step",
     "select_train_timesteps",
+    "sliding_window",
     "train_timestep_count",
 ]

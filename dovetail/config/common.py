@@ -49,8 +49,47 @@ class Section(BaseModel):
 
 
 def model_dir_name(path: Path) -> str:
-    """A pipeline named after its model directory (`model.path`), cut to what a pipeline name may hold."""
-    return re.sub(r"[^A-Za-z0-9_.-]", "-", path.name).lstrip(".")[:64] or "model"
+    """A pipeline named after its model directory (`model.path`), cut to what a pipeline name may hold; a hub
+    cache's snapshot (`models--org--name/snapshots/<commit>`, `hub_snapshot`) after its repository's name."""
+    name = path.name
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        name = path.parent.parent.name.rpartition("--")[2]
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", name).lstrip(".")[:64] or "model"
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?")
+"""A Hugging Face hub repository id (`name` or `org/name`), as TRL and verl take `Qwen/Qwen2.5-0.5B` for a model."""
+
+
+def hub_cache_dir() -> Path:
+    """The hub cache huggingface_hub reads, from the environment now (its own constant is read at its import):
+    HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def hub_snapshot(path: Path, repo_type: Literal["model", "dataset"] = "model") -> Path:
+    """`path` itself where it exists; else, where it reads as a hub id, that repository's snapshot (its `main`) in
+    the local hub cache, never the network: a run reads only what this machine holds. An id the cache lacks is one
+    line naming it and how to fetch it. Any other path is returned as it is, for its own check to name."""
+    text = str(path)
+    if path.exists() or text.startswith(".") or not HUB_ID.fullmatch(text):
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    cache = hub_cache_dir()
+    try:
+        return Path(str(snapshot_download(text, repo_type=repo_type, cache_dir=cache, local_files_only=True)))
+    except (LocalEntryNotFoundError, HFValidationError, OSError):  # the cache lacks it, or the id is not one
+        dataset = repo_type == "dataset"
+        option, missing = (" --repo-type dataset", "no dataset file") if dataset else ("", "no directory")
+        raise ValueError(
+            f"{missing} {text}, nor a hub {repo_type} id the cache {cache} holds: fetch it where there is network "
+            f"(hf download{option} {text}, with HF_HUB_CACHE={cache}) or give a local path"
+        ) from None
 
 
 def is_file(path: Path) -> bool:

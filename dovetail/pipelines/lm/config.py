@@ -27,6 +27,7 @@ from dovetail.config.common import (
     RunSection,
     Section,
     Seed,
+    hub_snapshot,
     imports_rewards,
     is_dir,
     is_file,
@@ -89,7 +90,8 @@ class LMModelSection(Section):
         None,
         strict=False,
         description="your own transformers causal LM: a directory in save_pretrained layout (config.json, weights, "
-        "tokenizer); it trains on prompts.path",
+        "tokenizer), or a hub id (Qwen/Qwen2.5-0.5B) already in the local Hugging Face cache; it trains on "
+        "prompts.path",
     )
     lora: LMLoraSection | None = Field(None, description="train a LoRA adapter of model.path instead of every weight")
     cost_model: str = Field(
@@ -112,6 +114,7 @@ class LMModelSection(Section):
     def _transformers_layout(cls, path: Path | None) -> Path | None:
         if path is None:
             return None
+        path = hub_snapshot(path)
         problem = transformers_layout_problem(path)
         if problem:
             raise ValueError(problem)
@@ -155,12 +158,26 @@ def transformers_layout_problem(path: Path) -> str | None:
 
 class LMPromptsSection(Section):
     """A dataset's rows (dovetail.prompts.read_records): JSON lines (.jsonl), a JSON list (.json), a table
-    (.parquet, .csv, .arrow) or a directory `datasets.Dataset.save_to_disk` wrote. `prompt_field` holds the prompt
-    (text, or a list of chat messages the tokenizer's chat template renders); every other column goes to the
-    rewards by name. Split into train and eval by a hash of each prompt (eval_fraction), or the eval rows from a file
-    of their own (eval_path)."""
+    (.parquet, .csv, .arrow), a directory `datasets` `save_to_disk` wrote or of data files named by split, or a hub
+    dataset id the local cache holds; `split` picks one of several splits (docs/datasets.md). `prompt_field` holds
+    the prompt (text, or a list of chat messages the tokenizer's chat template renders); every other column goes to
+    the rewards by name. Split into train and eval by a hash of each prompt (eval_fraction), or the eval rows from a
+    file of their own (eval_path)."""
 
-    path: Path = Field(strict=False, description="the dataset file (or save_to_disk directory)")
+    path: Path = Field(
+        strict=False,
+        description="the dataset file, a directory (save_to_disk's, or data files by split), or a hub dataset id "
+        "already in the local Hugging Face cache",
+    )
+    split: str | None = Field(
+        None,
+        min_length=1,
+        max_length=200,
+        description="the split a dataset of several splits trains on (e.g. train); None: its only split",
+    )
+    eval_split: str | None = Field(
+        None, min_length=1, max_length=200, description="eval_path's split (e.g. test); None: its only split"
+    )
     prompt_field: str = Field("prompt", min_length=1, max_length=200, description="the column holding the prompt")
     eval_fraction: float | None = Field(
         None, gt=0, lt=1, description="share of the rows held out for evaluation; None: 0.1 (without eval_path)"
@@ -177,6 +194,8 @@ class LMPromptsSection(Section):
     @field_validator("path", "eval_path")
     @classmethod
     def _exists(cls, path: Path | None) -> Path | None:
+        if path is not None:
+            path = hub_snapshot(path, "dataset")
         if path is not None and not (is_file(path) or is_dir(path)):
             raise ValueError(f"no dataset file {path}")
         return None if path is None else path.resolve()
@@ -187,6 +206,8 @@ class LMPromptsSection(Section):
             raise ValueError("prompts: give prompts.eval_fraction or prompts.eval_path, not both")
         if self.eval_path is None and self.eval_fraction is None:
             self.eval_fraction = 0.1
+        if self.eval_split is not None and self.eval_path is None:
+            raise ValueError("prompts.eval_split is eval_path's split: give prompts.eval_path too")
         return self
 
 

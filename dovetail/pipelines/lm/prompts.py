@@ -93,5 +93,11 @@ def dataset_of(config: LMTrainConfig) -> Rows:
     section = config.prompts
     assert section is not None
     return split_rows(
-        section.path, section.prompt_field, section.eval_fraction, section.eval_path, "prompts.prompt_field", chat=True
+        section.path,
+        section.prompt_field,
+        section.eval_fraction,
+        section.eval_path,
+        "prompts.prompt_field",
+        chat=True,
+        splits=(section.split, section.eval_split),
     )
