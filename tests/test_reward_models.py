@@ -11,6 +11,7 @@ import base64
 import io
 import json
 import socket
+import string
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -37,6 +38,7 @@ from dovetail.config.common import ConfigError
 from dovetail.config.load import load_config
 from dovetail.models.diffusers_flow import load_flow_model
 from dovetail.pipelines.flow.recipe import evaluate
+from dovetail.pipelines.lm.local import LMLocal, lm_evaluate
 from dovetail.rewards import RewardError, RewardModel, RewardServer, RewardSources, score
 from dovetail.rewards.text import score_text
 
@@ -78,12 +80,17 @@ CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% 
 
 def reward_model_directory(directory) -> str:
     """A Qwen2ForSequenceClassification (num_labels=1, two layers of width 32) and a tokenizer of one token per
-    character with a chat template."""
-    special = ["<pad>", "</s>", "<|user|>", "<|assistant|>"]
-    tokenizer = Tokenizer(models.WordLevel({t: i for i, t in enumerate([*special, *CHARACTERS])}, unk_token=None))
+    printable character with a chat template."""
+    special = ["<pad>", "</s>", "<unk>", "<|user|>", "<|assistant|>"]
+    vocabulary = {t: i for i, t in enumerate([*special, *string.printable])}
+    tokenizer = Tokenizer(models.WordLevel(vocabulary, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token="</s>", pad_token="<pad>", additional_special_tokens=special[2:]
+        tokenizer_object=tokenizer,
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=special[3:],
     )
     fast.chat_template = CHAT_TEMPLATE
     torch.manual_seed(0)
@@ -187,6 +194,23 @@ def test_lm_reward_model_is_the_last_real_tokens_logit(reward_model_dir):
             expected.append(model(input_ids=ids).logits[0, 0].item())
     np.testing.assert_allclose(scores["lm_reward_model"], expected, atol=1e-5, rtol=0)
     np.testing.assert_allclose(scores["total"], 2.0 * np.array(expected), atol=1e-5, rtol=0)
+
+
+def test_an_lm_run_scores_its_completions_with_the_reward_model(reward_model_dir):
+    """The built-in sort task's model, its rewards the reward model's alone: the evaluation's logged
+    reward/lm_reward_model is the mean of logits[0, 0] over the (prompt, completion) pairs it returns, each alone."""
+    overrides = ["kind=lm", "reward={lm_reward_model: 1.0}", f"reward_models.lm_reward_model.path={reward_model_dir}"]
+    config = load_config(None, [*overrides, "eval.prompts=6"])
+    scores, samples = lm_evaluate(LMLocal(config).engines, config)
+    model = AutoModelForSequenceClassification.from_pretrained(reward_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(reward_model_dir)
+    expected = []
+    for prompt, completion in samples:
+        ids = tokenizer(prompt + completion, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            expected.append(model(input_ids=ids).logits[0, 0].item())
+    assert len(samples) == 6 and len({round(e, 6) for e in expected}) > 1
+    assert scores["reward/lm_reward_model"] == pytest.approx(float(np.mean(expected)), abs=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------- the config
@@ -391,3 +415,17 @@ def test_a_flow_run_logs_the_clip_score_of_the_images_it_made(clip_dir, tmp_path
     assert summary["base_eval"]["clip_score"] == pytest.approx(expected, abs=1e-5)
     step = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert "reward/clip_score" in step and step["reward/clip_score"] >= 0
+
+
+def test_on_ray_a_reward_device_scores_with_the_model_as_the_reference_loop_does(clip_dir, local_ray, tmp_path):
+    """The same step under digen with a reward device of its own (which loads the CLIP and scores every sample) and
+    in the reference loop: the runtime reproduces the reference's samples, so the logged clip_score is the same."""
+    overrides = ["reward={clip_score: 1.0}", f"reward_models.clip_score.path={clip_dir}", "cluster.devices=2"]
+    overrides += ["algo.prompts_per_step=2", "algo.group_size=2", "sampling.num_steps=4", "eval.every=100"]
+    logged = {}
+    for name, policy in (("reference", ["policy=reference"]), ("pool", ["policy=digen", "runtime.reward_devices=1"])):
+        train(load_config(None, overrides + policy), tmp_path / name, steps=1)
+        logged[name] = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])["reward/clip_score"]
+    events = json.loads((tmp_path / "pool" / "trace.json").read_text())["traceEvents"]
+    assert {e["tid"] for e in events if e["ph"] == "X" and e["cat"] == "score"} == {1}
+    assert logged["pool"] == pytest.approx(logged["reference"], abs=1e-5) and logged["reference"] > 0
