@@ -14,6 +14,7 @@ import socket
 import string
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -242,13 +243,18 @@ def test_a_config_names_model_rewards_with_their_directories(clip_dir, reward_mo
             "reward_models.pickscore.path: REWARD_MODEL holds a ['Qwen2ForSequenceClassification'], not a ...CLIPModel",
         ),
         (
-            ["reward={brightness: 1.0}", "reward_models.clip_score.path=CLIP"],
+            ["reward={brightness: 1.0}", "reward_models.clip_score.path=CLIP_DIR"],
             "reward_models.clip_score: reward.clip_score is not named; add reward.clip_score=1.0 or remove the section",
         ),
         (
             ["reward={brightness: 1.0}", "reward_models.lm_reward_model.path=REWARD_MODEL"],
             "reward_models.lm_reward_model: no model reward of images by that name; those are ['clip_score', "
             "'pickscore']",
+        ),
+        (
+            ["kind=lm", "reward={lm_reward_model: 1.0}", "reward_models.lm_reward_model.path=BARE_REWARD_MODEL"],
+            "reward_models.lm_reward_model.path: BARE_REWARD_MODEL has no tokenizer.json or tokenizer_config.json; "
+            "save an AutoModelForSequenceClassification and its tokenizer there with save_pretrained",
         ),
         (["reward={http: 1.0}"], "reward.http asks a reward server: give reward_server.url"),
         (["reward_server.url=http://localhost:9"], "reward_server: reward.http is not named"),
@@ -262,12 +268,38 @@ def test_a_config_names_model_rewards_with_their_directories(clip_dir, reward_mo
         ),
     ],
 )
-def test_a_bad_reward_section_is_one_line_naming_the_field_and_the_fix(clip_dir, reward_model_dir, overrides, message):
-    overrides = [o.replace("REWARD_MODEL", reward_model_dir).replace("CLIP", clip_dir) for o in overrides]
+def test_a_bad_reward_section_is_one_line_naming_the_field_and_the_fix(
+    clip_dir, reward_model_dir, overrides, message, tmp_path
+):
+    bare = tmp_path / "bare"  # the reward model without its tokenizer
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((Path(reward_model_dir) / name).read_bytes())
+    paths = {"BARE_REWARD_MODEL": str(bare), "REWARD_MODEL": reward_model_dir, "CLIP_DIR": clip_dir}
+    for placeholder, path in paths.items():
+        overrides = [o.replace(placeholder, path) for o in overrides]
+        message = message.replace(placeholder, path)
     with pytest.raises(ConfigError) as error:
         load_config(None, overrides)
     text = str(error.value)
-    assert message.replace("REWARD_MODEL", reward_model_dir) in text and "\n" not in text.strip(), text
+    assert message in text and "\n" not in text.strip(), text
+
+
+def test_a_model_that_cannot_load_is_one_line_naming_the_reward_and_the_directory(clip_dir, tmp_path):
+    """A directory the config's check passes (config.json, processor, tokenizer) whose weights are broken."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for path in Path(clip_dir).iterdir():
+        (broken / path.name).write_bytes(path.read_bytes())
+    (broken / "model.safetensors").write_bytes(b"not weights")
+    config = load_config(None, ["reward={pickscore: 1.0}", f"reward_models.pickscore.path={broken}"])
+    with pytest.raises(RewardError) as error:
+        score(random_images(0, 2, (8, 8)), ["a", "b"], config.reward, sources=config.reward_sources("cpu"))
+    message = str(error.value)
+    assert message.startswith(
+        f"reward 'pickscore' could not load a CLIPModel and its CLIPProcessor from {broken} onto cpu: "
+    )
+    assert "\n" not in message
 
 
 # ------------------------------------------------------------------------------------------ the reward server

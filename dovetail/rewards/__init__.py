@@ -144,26 +144,33 @@ class ModelReward:
     """A model reward: what it scores ("images" or "texts"), the model class its directory's config.json must name
     (`architectures`; a suffix, as ...ForSequenceClassification), what the user saves there, and the
     "module:function" that loads it: `function(RewardModel, device)` returns the reward function. A string, imported
-    on first use, so that reading a config imports no torch."""
+    on first use, so that reading a config imports no torch. `files`: the files beside the model it reads, each
+    group's one of several names (a processor's or tokenizer's, as transformers versions have written them)."""
 
     scores: str
     architecture: str
     saved: str
     loader: str
+    files: tuple[tuple[str, ...], ...]
+
+
+CLIP_FILES = (("processor_config.json", "preprocessor_config.json"), ("tokenizer.json", "vocab.json"))
+TOKENIZER_FILES = (("tokenizer.json", "tokenizer_config.json"),)
 
 
 MODEL_REWARDS: dict[str, ModelReward] = {
     "clip_score": ModelReward(
-        "images", "CLIPModel", "a CLIPModel and its CLIPProcessor", "dovetail.rewards.models:clip_score"
+        "images", "CLIPModel", "a CLIPModel and its CLIPProcessor", "dovetail.rewards.models:clip_score", CLIP_FILES
     ),
     "pickscore": ModelReward(
-        "images", "CLIPModel", "a CLIPModel and its CLIPProcessor", "dovetail.rewards.models:pickscore"
+        "images", "CLIPModel", "a CLIPModel and its CLIPProcessor", "dovetail.rewards.models:pickscore", CLIP_FILES
     ),
     "lm_reward_model": ModelReward(
         "texts",
         "ForSequenceClassification",
         "an AutoModelForSequenceClassification and its tokenizer",
         "dovetail.rewards.models:lm_reward_model",
+        TOKENIZER_FILES,
     ),
 }
 
@@ -188,6 +195,9 @@ def model_problem(name: str, path: Path) -> str | None:
     architectures = saved.get("architectures") if isinstance(saved, dict) else None
     if not isinstance(architectures, list) or not any(str(a).endswith(spec.architecture) for a in architectures):
         return f"{path} holds a {architectures or 'model of no architecture'}, not a ...{spec.architecture}; {fix}"
+    for names in spec.files:
+        if not any((path / name).is_file() for name in names):
+            return f"{path} has no {' or '.join(names)}; {fix}"
     return None
 
 
@@ -216,7 +226,14 @@ def sourced_reward(name: str, sources: RewardSources, scores: str) -> Callable |
         raise ValueError(
             f"reward {name!r} loads a model: give reward_models.{name}.path, the directory of {spec.saved}"
         )
-    return load_function(spec.loader)(sources.models[name], sources.device)
+    model = sources.models[name]
+    try:
+        return load_function(spec.loader)(model, sources.device)
+    except Exception as error:  # what the config's check cannot see: the weights, a tokenizer's contents
+        raise RewardError(
+            f"reward {name!r} could not load {spec.saved} from {model.path} onto {sources.device}: "
+            f"{process.describe(error)}"
+        ) from None
 
 
 class RewardRaised(RewardError):
