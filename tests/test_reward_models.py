@@ -416,6 +416,18 @@ def test_a_server_that_is_down_is_one_line_naming_the_url():
     )
 
 
+def test_a_refused_request_is_not_sent_again_and_says_what_the_server_said():
+    with Server(lambda body, attempt: (422, {"detail": "images must be 512 px"})) as server:
+        settings = RewardServer(server.url, retries=3, backoff_s=0.01)
+        with pytest.raises(RewardError) as error:
+            score(random_images(0, 2, (4, 4)), ["a", "b"], {"http": 1.0}, sources=RewardSources(server=settings))
+    assert str(error.value) == (
+        f'reward server {server.url} answered 422 Unprocessable Entity ({{"detail": "images must be 512 px"}}); '
+        "check what it expects: docs/rewards.md gives the request"
+    )
+    assert len(server.requests) == 1
+
+
 def test_a_server_answer_without_one_score_per_sample_is_refused_in_one_line():
     with Server(lambda body, attempt: (200, {"scores": [1.0]})) as server:
         with pytest.raises(

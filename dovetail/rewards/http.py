@@ -5,12 +5,13 @@ The request, one JSON object per batch of `batch_size` samples:
   texts:  {"prompts": [str or chat messages, ...], "completions": [str, ...]}
 The answer: {"scores": [number, ...]}, one per sample, in order.
 
-At most `concurrency` batches are in flight at once. A batch that times out (`timeout_s`), cannot connect, or gets
-a 5xx or 429 is sent again after backoff_s, then 2 backoff_s, 4 backoff_s..., `retries` times; then, or at once
-for any other status or an answer that is not the above, the call fails with a RewardError of one line naming the
-URL and what to check. Standard library only."""
+At most `concurrency` batches are in flight at once. A batch that times out (`timeout_s`), cannot connect, is cut
+off mid-answer, or gets a 5xx or 429 is sent again after backoff_s, then 2 backoff_s, 4 backoff_s..., `retries`
+times; then, or at once for any other status or an answer that is not the above, the call fails with a RewardError
+of one line naming the URL and what to check. Standard library only."""
 
 import base64
+import http.client
 import io
 import json
 import time
@@ -85,6 +86,8 @@ def post_batch(server: RewardServer, batch: dict[str, list]) -> np.ndarray:
             failure = f"answered {error.code} {error.reason}"
         except TimeoutError:
             failure = f"took longer than reward_server.timeout_s={server.timeout_s:g} s"
+        except http.client.HTTPException as error:  # the answer broke off (IncompleteRead, a bad status line)
+            failure = f"broke off its answer ({type(error).__name__})"
         except (urllib.error.URLError, ConnectionError) as error:
             reason = getattr(error, "reason", error)
             if isinstance(reason, TimeoutError):
