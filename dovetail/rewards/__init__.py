@@ -183,7 +183,7 @@ SERVER_CLIENT = "dovetail.rewards.http:served_reward"
 
 def model_problem(name: str, path: Path) -> str | None:
     """What keeps `path` from serving as model reward `name`'s directory, in words with the fix; None if nothing.
-    Read from its config.json alone: no model is loaded."""
+    Read from its config.json and the names of its files: no model is loaded."""
     spec = MODEL_REWARDS[name]
     fix = f"save {spec.saved} there with save_pretrained"
     if not path.is_dir():
