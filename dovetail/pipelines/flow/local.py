@@ -64,7 +64,8 @@ def rl_step(
     timings["generate_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    rewards = score(decode(trajectories.images), sample_prompts, config.reward, config.reward_timeout_s)
+    sources = config.reward_sources(str(model.device))
+    rewards = score(decode(trajectories.images), sample_prompts, config.reward, config.reward_timeout_s, sources)
     advantages = advantages_of(config, rewards["total"], [s.prompt for s in ids], sample_prompts)
     timings["score_s"] = time.perf_counter() - start
 

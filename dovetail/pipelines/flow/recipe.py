@@ -79,7 +79,7 @@ def evaluate(
         model.device
     )
     images = decode(sample_ode(model, prompts, sde_settings(config, model.device).sigmas, noise))
-    scores = score(images, prompts, config.reward, config.reward_timeout_s)
+    scores = score(images, prompts, config.reward, config.reward_timeout_s, config.reward_sources(str(model.device)))
     return {name: float(values.mean()) for name, values in scores.items()}, images, prompts
 
 

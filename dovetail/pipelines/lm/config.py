@@ -5,7 +5,7 @@ algorithm's knobs, evaluation, and how the Ray runtime cuts a step."""
 import re
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     Field,
@@ -42,6 +42,7 @@ from dovetail.envs.contract import Latency
 from dovetail.envs.toolcalls import convention
 from dovetail.graph.spec import MAX_DEVICES, GroupSize, check_length_bands
 from dovetail.plan.scenario import Scenario, check_pools, clip
+from dovetail.rewards import MODEL_REWARDS, SERVED_REWARD
 from dovetail.rewards.text import DEFAULT_FORMAT, text_reward_fn
 from dovetail.sched.policy import PolicyOptions
 from dovetail.tasks import task
@@ -374,6 +375,7 @@ class LMTrainConfig(RunSection):
     """A GRPO run of a causal language model: a built-in verifiable task, or your own model on your dataset."""
 
     kind: Literal["lm"]
+    reward_samples: ClassVar[str] = "texts"
     task: str = Field(
         "sort", description="a task of dovetail.tasks: its prompts, answers and base model (a model.path run has none)"
     )
@@ -455,7 +457,7 @@ class LMTrainConfig(RunSection):
         if not self.reward:
             raise ValueError("name at least one reward, e.g. reward.exact_answer=1.0, or leave it unset")
         if imports_rewards(info):
-            for name in self.reward:
+            for name in [n for n in self.reward if n not in MODEL_REWARDS and n != SERVED_REWARD]:  # those: sections
                 try:
                     text_reward_fn(name, dataset=self.prompts is not None)
                 except ValueError as error:

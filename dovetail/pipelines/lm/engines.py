@@ -47,6 +47,7 @@ from dovetail.pipelines.lm.model import (
     stop_strings,
 )
 from dovetail.pipelines.lm.prompts import RunPrompts
+from dovetail.rewards import load_rewards
 from dovetail.rewards.text import score_text
 from dovetail.runtime.interference import Span, time_work
 from dovetail.runtime.messages import LogProbs, Score, Scores, Trained, TrainerWork, Work
@@ -105,6 +106,8 @@ class LMEngines(PipelineEngines[Engine]):
 
     def __init__(self, config: LMTrainConfig, device: torch.device, holds_policy: bool, trainer_state: dict | None):
         super().__init__(config, device)
+        self.reward_sources = config.reward_sources(str(device))
+        load_rewards(config.rewards, self.reward_sources)
         self.tokenizer = load_run_tokenizer(config)
         self.prompts = RunPrompts(config)
         self.environments: EnvironmentHost | None = None
@@ -175,7 +178,12 @@ class LMEngines(PipelineEngines[Engine]):
             completions = [self.tokenizer.decode(r.tokens) for r in chosen.values()]
             context = self.prompts.context(rows, [list(r.tokens) for r in chosen.values()])
             scores = score_text(
-                completions, [row.prompt for row in rows], self.config.rewards, self.config.reward_timeout_s, context
+                completions,
+                [row.prompt for row in rows],
+                self.config.rewards,
+                self.config.reward_timeout_s,
+                context,
+                self.reward_sources,
             )
             return Scores(list(chosen), scores, np.array([len(r.tokens) for r in chosen.values()]))
         if isinstance(work, LMLogProbs):

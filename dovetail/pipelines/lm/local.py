@@ -163,7 +163,9 @@ def lm_evaluate(engines, config: LMTrainConfig) -> tuple[dict[str, float], list[
         shown = [engines.tokenizer.decode(t.prompt) for t in trajectories]
     completions = [engines.tokenizer.decode(tokens) for tokens in responses]
     reward_context = engines.prompts.context(rows, [list(tokens) for tokens in responses])
-    scores = score_text(completions, prompts, config.rewards, config.reward_timeout_s, reward_context)
+    scores = score_text(
+        completions, prompts, config.rewards, config.reward_timeout_s, reward_context, engines.reward_sources
+    )
     if trajectories is not None:
         scores = with_episode_rewards(scores, trajectories)
     if config.user_model or trajectories is not None:
