@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from running import train
+from safetensors.torch import load_file
 
 from dovetail.algo import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, advantages, lm_grpo_loss, rollout_correction_weight
 from dovetail.algo.lm_grpo import KL_ESTIMATORS, ROLLOUT_CORRECTIONS, kl_estimate
@@ -322,15 +323,16 @@ def scored_step(seed: int, groups: int = 3, group_size: int = 4):
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
 def test_kl_in_the_reward_is_verls_apply_kl_penalty_summed_over_the_response(estimator):
     """verl: token_level_rewards = token_level_scores - beta * kl_penalty(old, ref) per token, and an outcome
-    estimator reads their sum; here the engine's log-probs are the old ones (an engine that matches the trainer)."""
+    estimator reads their sum, at the old log-probs the trainer recomputed."""
     verls = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}[estimator]
     requests, rewards, ref = scored_step(1)
     algo = algo_of("algo.kl_in=reward", "algo.beta=0.3", f"algo.kl_estimator={estimator}", "algo.advantage=rloo")
-    ours = step_advantages(rewards, requests, {}, ref, algo=algo, max_new_tokens=8)
+    recomputed = {s: np.array(r.log_probs) - 0.01 * np.arange(len(r.tokens)) for s, r in requests.items()}
+    ours = step_advantages(rewards, requests, recomputed, ref, algo=algo, max_new_tokens=8)
     scored = sorted(rewards)
     penalised = []
     for s in scored:
-        old, reference = torch.tensor(requests[s].log_probs), torch.as_tensor(ref[s])
+        old, reference = torch.as_tensor(recomputed[s]), torch.as_tensor(ref[s])
         scores = torch.zeros(len(old), dtype=torch.float64)
         scores[-1] = rewards[s]
         penalised.append((scores - 0.3 * verl_kl_penalty(old, reference, verls)).sum())
@@ -374,6 +376,10 @@ def test_rollout_correction_weight_is_exactly_one_where_the_engine_is_the_traine
 
 
 def test_an_engine_that_matches_the_trainer_gets_no_correction_and_vllm_gets_tis():
+    """And the KL in the reward has the trainer recompute the old log-probs, as vLLM's runs do."""
+    assert not load_config(None, ["kind=lm", "algo.kl_in=reward"]).recomputes_old_log_probs  # beta 0: no KL
+    assert load_config(None, ["kind=lm", "algo.kl_in=reward", "algo.beta=0.1"]).recomputes_old_log_probs
+    assert load_config(None, ["kind=lm", "sampling.engine=vllm"]).recomputes_old_log_probs
     assert algo_of().rollout_correction == "none"
     assert algo_of("sampling.engine=vllm").rollout_correction == "tis"
     assert algo_of("sampling.engine=vllm", "algo.rollout_correction=mis").rollout_correction == "mis"
@@ -511,3 +517,39 @@ def test_rloo_gspo_and_dynamic_sampling_learn_like_grpo(tmp_path):
         if line["dynamic_sampling/groups"] == 1.0:
             assert line["frac_reward_zero_std"] == 0.0
     assert math.isfinite(sum(line["loss"] for line in curves["rloo"][1]))
+
+
+RAY_SMALL = [
+    "kind=lm",
+    "task=sort",
+    "algo.prompts_per_step=4",
+    "algo.group_size=4",
+    "algo.micro_batches=1",
+    "eval.prompts=8",
+    "eval.every=100",
+    "runtime.profile_samples=4",
+    "train.lr=1e-3",
+    # the whole-batch estimator, the sequence ratio, KL in the reward and the overlong penalty at once
+    "algo.advantage=reinforce_plus_plus_baseline",
+    "algo.loss=gspo",
+    "algo.kl_in=reward",
+    "algo.beta=0.05",
+    "algo.kl_estimator=k2",
+    "algo.overlong_buffer=8",
+]
+
+
+@pytest.mark.exactness
+def test_verl_sync_on_ray_trains_the_new_algorithms_to_the_reference_parameters(local_ray, tmp_path):
+    """The algorithms reach a Ray policy as they reach the reference loop (both go through `models.lm_rl`): verl-sync
+    on 2 devices, each training a share of the step's groups, ends at the reference loop's parameters to the bit, the
+    whole-batch estimator reading every response of the step from either device."""
+    for policy in ("reference", "verl-sync"):
+        train(load_config(None, [*RAY_SMALL, f"policy={policy}"]), tmp_path / policy, steps=2)
+    ends = [
+        load_file(str(tmp_path / p / "checkpoints" / "step_000002" / "model.safetensors"))
+        for p in ("reference", "verl-sync")
+    ]
+    start = load_file(str(load_config(None, RAY_SMALL).model.checkpoint / "model.safetensors"))
+    assert max((ends[0][k] - start[k]).abs().max().item() for k in start) > 1e-4, "training moved the weights"
+    assert ends[0].keys() == ends[1].keys() and all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])

@@ -254,6 +254,9 @@ def policy_gradient(
     `passes`: on a member of a sharded trainer's group, the passes every member makes (`backward_in_lockstep`): the
     gradient is then left in the model's own (its shard of every member's), and None is returned for it.
 
+    `ref_log_probs` empty: no KL term, where the step has no reference pass (beta = 0, or the start-up profile's
+    train, which times the pass without one).
+
     `generated`: multi-turn trajectories' masks, per response token whether the model sampled it. The others are the
     environment's observations: the whole trajectory is passed (each model turn reads the observations before it),
     and only the sampled tokens enter the loss, its normaliser, the KL, the entropy and the statistics."""
@@ -309,7 +312,7 @@ def policy_gradient(
             aggregation=algo.aggregation,
             max_tokens=max_new_tokens,
             ref_log_probs=padded(ref_log_probs) if ref_log_probs else None,
-            beta=algo.beta if algo.kl_in == "loss" else 0.0,
+            beta=algo.beta if algo.kl_in == "loss" and ref_log_probs else 0.0,
             kl_estimator=algo.kl_estimator,
             entropy=entropy,
             entropy_coef=algo.entropy_coef,
@@ -339,13 +342,14 @@ def step_advantages(
 ) -> dict[SampleId, float]:
     """Each scored sample's advantage (`algo.advantages`, estimator `algo.advantage`) from its reward shaped first:
     plus DAPO's overlong penalty (`algo.overlong_buffer`), and with `algo.kl_in: reward` less beta x its summed KL
-    estimate to the reference at the log-probs of the policy that sampled it (the trainer's recomputed ones where
-    given, else the engine's, which are then the trainer's: `sequence_kl`). Lengths are response tokens."""
+    estimate to the reference (where `ref_log_probs` are given) at the old log-probs, which the pipelines recompute
+    for it (`LMTrainConfig.recomputes_old_log_probs`; the engine's where none were: the start-up profile's)
+    (`sequence_kl`). Lengths are response tokens."""
     scored = sorted(rewards)
     lengths = torch.tensor([len(scored_requests[s].tokens) for s in scored], dtype=torch.float64)
     shaped = torch.tensor([rewards[s] for s in scored], dtype=torch.float64)
     shaped = shaped + overlong_penalty(lengths, max_new_tokens, algo.overlong_buffer, algo.overlong_penalty)
-    if algo.kl_in == "reward" and algo.beta > 0:
+    if algo.kl_in == "reward" and algo.beta > 0 and ref_log_probs:
         penalties = []
         for sample in scored:
             request = scored_requests[sample]

@@ -629,6 +629,16 @@ class LMTrainConfig(RunSection):
         return "vllm" if on_gpus and find_spec("vllm") is not None else "dovetail"
 
     @property
+    def recomputes_old_log_probs(self) -> bool:
+        """Whether every step recomputes the old log-probs in the trainer (verl's recompute_logprob): where the
+        engine's are not the trainer's (vLLM: they are never the old ones, and the pass measures how far they are),
+        and for the KL in the reward (`algo.kl_in: reward`), which reads them for every response of the step before
+        any trains: an engine's own, even where they are the trainer's up to rounding, depend on how the rollouts were
+        batched, and the step's gradient would then depend on the policy's split."""
+        kl_in_reward = self.algo.kl_in == "reward" and self.algo.beta > 0
+        return kl_in_reward or not engine_matches_trainer(self.rollout_engine)
+
+    @property
     def user_model(self) -> bool:
         """A `model.path` run: a user's transformers model on their dataset (`prompts.path`)."""
         return self.model.path is not None
@@ -719,8 +729,7 @@ class LMTrainConfig(RunSection):
             config = json_or_empty(self.model.path / "config.json")
             pipeline["model"] = self.pipeline_name
             pipeline["architecture"] = language_model_of_config(self.pipeline_name, config).shape()
-        if not engine_matches_trainer(self.rollout_engine):
-            # An engine that is not the trainer's (vLLM) gets the recompute pass whatever the policy: its log-probs
-            # are never the old ones, and the pass measures how far they are (`planner_scenario` keeps it).
+        if self.recomputes_old_log_probs:
+            # The recompute pass whatever the policy (`recomputes_old_log_probs`; `planner_scenario` keeps it).
             pipeline["recompute_logprob"] = True
         return planner_scenario(self, [pipeline], steps, self.runtime.trainer_devices, 0)

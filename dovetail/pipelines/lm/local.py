@@ -16,7 +16,7 @@ from dovetail.models.causal_lm import rollout_engine
 from dovetail.models.engine import Request
 from dovetail.models.training import commit, set_summed_gradient, stepped_lr, weights_of
 from dovetail.pipelines.lm.adapter import commit_scale, lm_step_metrics
-from dovetail.pipelines.lm.config import LMTrainConfig, engine_matches_trainer
+from dovetail.pipelines.lm.config import LMTrainConfig
 from dovetail.pipelines.lm.engines import LMEngines
 from dovetail.pipelines.lm.messages import Decode, LMLogProbs, LMTrain, Prefill, Responses
 from dovetail.pipelines.lm.model import (
@@ -93,8 +93,8 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
         scores = replace(named, scores=with_episode_rewards(named.scores, trajectories))
         episodes = episode_metrics(trajectories, waited)
         rollouts = [responses]
-    # An engine whose log-probs are not the trainer's (vLLM): the old ones recomputed, as the graph's LOGPROB node.
-    recompute = not engine_matches_trainer(config.rollout_engine)
+    # The old log-probs recomputed where the config says (vLLM, KL in the reward), as the graph's LOGPROB node.
+    recompute = config.recomputes_old_log_probs
     old = [timed("logprob", LMLogProbs(pipeline, ids, rollouts, False))] if recompute else []
     ref = [timed("logprob", LMLogProbs(pipeline, ids, rollouts, True))] if algo.beta > 0 else []
     trained = timed("train", LMTrain(pipeline, ids, False, rollouts, [scores], old_log_probs=old, ref_log_probs=ref))
