@@ -30,7 +30,7 @@ def group_advantages(
     instead of the population std (n, numpy's: Flow-GRPO).
 
     A sample whose reward is its baseline gets exactly 0, whatever `eps`: so does every member of a group whose
-    rewards are all equal (its mean is taken as their common value, `_exact_mean`), as TRL and verl give it, where
+    rewards are all equal (its mean is taken as their common value, `exact_mean`), as TRL and verl give it, where
     eps = 0 would make it 0 / 0 = NaN, or a few ulps of rounding over a std of as many ulps, +-1.
     """
     if std_scope not in STD_SCOPES:
@@ -41,7 +41,7 @@ def group_advantages(
     group_ids = torch.as_tensor(group_ids)
     advantages = torch.zeros_like(rewards)
     global_std = rewards.std(unbiased=unbiased) if rewards.numel() > 1 else rewards.new_tensor(0.0)
-    batch_mean = _exact_mean(rewards)
+    batch_mean = exact_mean(rewards)
     for group in torch.unique(group_ids):
         members = group_ids == group
         r = rewards[members]
@@ -53,12 +53,12 @@ def group_advantages(
             scale = global_std + eps
         else:
             scale = r.new_tensor(1.0)
-        centred = r - (_exact_mean(r) if baseline == "group" else batch_mean)
+        centred = r - (exact_mean(r) if baseline == "group" else batch_mean)
         advantages[members] = torch.where(centred == 0, 0.0, centred / scale)
     return advantages.clamp(-clip, clip).float()
 
 
-def _exact_mean(values: torch.Tensor) -> torch.Tensor:
+def exact_mean(values: torch.Tensor) -> torch.Tensor:
     """The mean, exactly the common value where all values are equal: a rounded sum would leave them a few ulps off
     their mean."""
     return values[0] if bool((values == values[0]).all()) else values.mean()

@@ -233,6 +233,7 @@ class LMEngines(PipelineEngines[Engine]):
             stale=work.stale,
             passes=_lockstep_passes(work),
             generated=generated,
+            scored_requests=self._select(work.rollouts, None),
         )
         return Trained(samples, [0], merged_stats(group_stats), normaliser)
 
