@@ -551,7 +551,7 @@ def test_eval_per_digit_reads_as_eval_per_prompt_in_configs_and_checkpoints(tmp_
     old.write_text("eval:\n  per_digit: 3\n")
     config = load_config(old)
     assert config.eval.per_prompt == 3 == load_config(None, ["eval.per_digit=3"]).eval.per_prompt
-    assert yaml.safe_load(dump_config(config))["eval"] == {"every": 25, "per_prompt": 3, "seed": 10_000}
+    assert yaml.safe_load(dump_config(config))["eval"] == {"every": 25, "per_prompt": 3, "seed": 10_000, "ema": None}
 
 
 def test_a_local_ray_instance_keeps_token_authentication_without_printing_ray_s_notice():
