@@ -253,9 +253,10 @@ def test_a_lost_node_with_the_other_replicas_process_goes_on_from_the_copy_on_it
     def lose_both(executor, part):
         if executor.committed_steps("digits") == 1 and not lost:
             state = executor.pipelines["digits"].trainer_state
-            first = getattr(state, "refs", (state,))[0]  # the copy read first: on the node of the replica it came from
-            (holder,) = ray.experimental.get_object_locations([first])[first]["node_ids"]
-            device = worker_nodes().index(holder)
+            devices = worker_nodes()
+            # the replica's node that holds it (the driver's, the head, holds a copy)
+            (holder,) = set(ray.experimental.get_object_locations([state])[state]["node_ids"]) & set(devices)
+            device = devices.index(holder)
             lost.append(remove_node_of_device(cluster, device))
             psutil.Process(executor.pipelines["digits"].incarnations.pids[1 - device]).kill()
 

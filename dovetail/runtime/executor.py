@@ -47,6 +47,8 @@ from dovetail.runtime.worker import WorkerRestarted
 from dovetail.sched.policy import Migrate, Policy, Run, Setup, StepCommitted, SwitchRole
 
 MAX_RESENDS = 5
+COPY_WAIT_S = 60.0
+"""The longest the driver waits for its node's copy of a committed trainer state (`_keep_committed_state`)."""
 """Times one part is sent again after its worker died before the run gives up on it."""
 
 Held: TypeAlias = "ray.ObjectRef | tuple[ray.ObjectRef, ...]"
@@ -501,12 +503,14 @@ class RayExecutor:
         The object lives on that replica's node, and a run that loses the node goes on from it: the other replicas
         hold it in their processes, but a process may die with the node (a torch.distributed peer of a dead process
         may) and a replica's queue may hold the next step's work ahead of a request for it. So the driver's node
-        pulls a copy at once, without waiting for it: Ray recovers a lost object from a copy on a node that is still
-        there, and the driver's node is the one whose loss ends the run anyway (a copy Ray may evict under memory
-        pressure: then the replicas are asked, as before)."""
+        pulls a copy before the commit counts as done: Ray recovers a lost object from a copy on a node that is still
+        there, and the driver's node is the one whose loss ends the run anyway. A replicated trainer is a model small
+        enough to replicate, so the pull is short; on the driver's node there is nothing to pull. (Ray may evict the
+        copy under memory pressure, or the pull may not finish in COPY_WAIT_S: then the replicas are asked, as
+        before.)"""
         others = [d for d in run.trainer_devices if d != device]
         _, run.trainer_state = self._from_a_trainer(run, take_trainer_state, [device, *others])
-        ray.wait([run.trainer_state], fetch_local=True, timeout=0)
+        ray.wait([run.trainer_state], fetch_local=True, timeout=COPY_WAIT_S)
         run.state_of_commit = commit
         run.uncommitted.clear()
 
