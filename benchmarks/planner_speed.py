@@ -4,7 +4,8 @@ and of `dovetail plan` (every policy the scenario's kinds allow, searches includ
     python benchmarks/planner_speed.py [--scenarios jigsaw-64xa100 ...] [--policies verl-sync jigsaw] [--steps 1]
         [--devices 64] [--pools 8 16 32 64 128 256] [--repeats 3]
 
-`--devices` simulates on that many devices instead of the scenario's own; `--pools` times `plan` on each pool (default:
+`--policies` defaults to every policy the scenario's kinds allow (`plan.report.allowed_policies`); `--devices` simulates
+on that many devices instead of the scenario's own; `--pools` times `plan` on each pool (default:
 the scenario's own devices) and their sum, what sweeping a scenario over pool sizes costs (issue 38 asks for a 64-device
 simulate under 1 s and a plan over every policy on 8-256 devices under 10 s).
 
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from functools import partial
 
 from dovetail.plan.prepare import simulate
-from dovetail.plan.report import plan
+from dovetail.plan.report import allowed_policies, plan
 from dovetail.plan.scenario import load_scenario
 
 
@@ -43,7 +44,7 @@ def row(scenario: str, what: str, devices: int | str, seconds: list[float]) -> s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenarios", nargs="+", default=["jigsaw-64xa100"])
-    parser.add_argument("--policies", nargs="+", default=["verl-sync", "jigsaw"])
+    parser.add_argument("--policies", nargs="+", default=None, help="default: every policy the scenario allows")
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument(
         "--devices", type=int, default=None, help="simulate on this many devices (default: the scenario's)"
@@ -57,7 +58,7 @@ def main() -> None:
     for name in args.scenarios:
         scenario = load_scenario(name)
         devices = args.devices or scenario.cluster.devices
-        for policy in args.policies:
+        for policy in args.policies or allowed_policies(scenario):
             seconds = timed(partial(simulate, scenario, policy, steps=args.steps, devices=devices), args.repeats)
             print(row(name, policy, devices, seconds))
         pools = args.pools or [scenario.cluster.devices]
