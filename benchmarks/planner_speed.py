@@ -36,7 +36,7 @@ def timed(work: Callable[[], object], repeats: int) -> list[float]:
 
 def row(scenario: str, what: str, devices: int | str, seconds: list[float]) -> str:
     return (
-        f"{scenario:<28} {what:<12} {devices:>7} {statistics.median(seconds):>15.2f} "
+        f"{scenario:<28} {what:<14} {devices:>7} {statistics.median(seconds):>15.2f} "
         f"{min(seconds):>7.2f} {max(seconds):>7.2f}"
     )
 
@@ -54,7 +54,7 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    print(f"{'scenario':<28} {'policy':<12} {'devices':>7} {'CPU s (median)':>15} {'min':>7} {'max':>7}")
+    print(f"{'scenario':<28} {'policy':<14} {'devices':>7} {'CPU s (median)':>15} {'min':>7} {'max':>7}")
     for name in args.scenarios:
         scenario = load_scenario(name)
         devices = args.devices or scenario.cluster.devices
