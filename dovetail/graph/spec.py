@@ -87,6 +87,11 @@ class _PipelineSpec(_Spec):
         """The scenario fields that lower what `node` needs per device, where it does not fit (`plan.prepare`);
         `engine_too_large`: its role's engine alone is larger than a device."""
 
+    @abstractmethod
+    def memory_remedies(self) -> list[tuple[str, int]]:
+        """(field, value) changes of this pipeline that lower what a device holds, the least first: what the planner
+        tries when nothing fits (`plan.prepare.what_fits`)."""
+
 
 class FlowSpec(_PipelineSpec):
     """A FlowGRPO / DanceGRPO step of a diffusion or flow-matching model."""
@@ -191,6 +196,10 @@ class FlowSpec(_PipelineSpec):
         offload = "" if self.offload else " or set offload: true"
         return f"use more devices (a smaller shard of the trainer state){offload}"
 
+    def memory_remedies(self) -> list[tuple[str, int]]:
+        """The trainer's parameters and optimizer state in host memory."""
+        return [] if self.offload else [("offload", True)]
+
     @property
     def samples(self) -> int:
         return self.prompts * self.group
@@ -289,6 +298,13 @@ class LMSpec(_PipelineSpec):
             f"raise micro_batches (now {self.micro_batches}; fewer tokens per trainer pass) or use more devices "
             "(a smaller shard of the trainer state)"
         )
+
+    def memory_remedies(self) -> list[tuple[str, int]]:
+        """More micro-batches (each a divisor of the batch: fewer tokens per trainer pass), then wider rollout
+        engines (the weights and KV cache over more devices, up to a node of 8)."""
+        more_micro_batches = [m for m in range(self.micro_batches + 1, self.batch + 1) if self.batch % m == 0]
+        wider = [tp for tp in (2, 4, 8) if tp > self.tensor_parallel]
+        return [("micro_batches", m) for m in more_micro_batches] + [("tensor_parallel", tp) for tp in wider]
 
     @model_validator(mode="after")
     def _check(self) -> LMSpec:

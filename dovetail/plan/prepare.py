@@ -6,14 +6,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from dovetail.cost.catalog import DEVICES, Device
 from dovetail.cost.catalog import device as lookup_device
 from dovetail.cost.model import CostModel
 from dovetail.graph.node import Engines, Graph, Node, Role
+from dovetail.graph.spec import MAX_DEVICES
 from dovetail.plan.metrics import summarize
 from dovetail.plan.scenario import Scenario
 from dovetail.plan.sim import SimExecutor
 from dovetail.sched import POLICIES, policy_class
-from dovetail.sched.policy import Policy, PolicyOptions, SearchContext, Setup
+from dovetail.sched.policy import MemoryRefusal, Policy, PolicyOptions, SearchContext, Setup
 
 
 @dataclass(frozen=True)
@@ -125,9 +127,52 @@ def prepare(
         shape_overrides.pop("trainer_devices", None) or scenario.schedule.trainer_devices,
     )
     steps = steps or scenario.schedule.steps
-    if shapes is None:
-        shapes = planning.searched_shapes(steps, shape_overrides, searched)
-    return planning.built(shapes, steps)
+    try:
+        if shapes is None:
+            shapes = planning.searched_shapes(steps, shape_overrides, searched)
+        return planning.built(shapes, steps)
+    except MemoryRefusal as refusal:
+        raise MemoryRefusal(f"{refusal}; {what_fits(planning, steps, shape_overrides)}") from None
+
+
+POOL_DOUBLINGS = 4
+"""How far `what_fits` grows the pool: up to 16 times the devices asked for (8 -> 128), each size cut without
+simulating (a search's enumeration on a few thousand devices would take longer than the plan it refuses)."""
+
+
+def what_fits(planning: Planning, steps: int, overrides: Mapping[str, object]) -> str:
+    """The scenario change that makes a refused plan fit, as `field=value`, the least first: a larger pool (the
+    trainer state shards thinner, up to `POOL_DOUBLINGS` doublings), the catalogue device with the least memory that
+    holds it on this pool (of the same platform first), a pipeline field that lowers what a device holds
+    (`PipelineSpec.memory_remedies`), and last a larger device on a larger pool. Each change is checked as the plan
+    itself is (the policy's cut and memory prune, every node beside its engine), with no candidate simulated."""
+    scenario, reward = planning.scenario, planning.scenario.schedule.reward_devices
+    pools = [reward + (planning.devices - reward) * 2**doubling for doubling in range(1, POOL_DOUBLINGS + 1)]
+    pools = [devices for devices in pools if devices <= MAX_DEVICES]
+    for devices in pools:
+        if replace(planning, devices=devices).fits(steps, overrides):
+            return f"it fits with cluster.devices={devices}"
+    platform = lookup_device(scenario.cluster.device).platform
+    larger = sorted(
+        (d for d in DEVICES.values() if d.memory_bytes / 1e9 > planning.capacity_gb),
+        key=lambda d: (d.platform != platform, d.memory_bytes),
+    )
+    on_device = {device.name: planning.on_device(device) for device in larger}
+    for name, changed in on_device.items():
+        if changed.fits(steps, overrides):
+            return f"it fits with cluster.device={name}"
+    for index, spec in enumerate(scenario.pipelines):
+        for field, value in spec.memory_remedies():
+            pipelines = [*scenario.pipelines]
+            pipelines[index] = spec.model_copy(update={field: value})
+            changed = replace(planning, scenario=scenario.model_copy(update={"pipelines": pipelines}))
+            if changed.fits(steps, overrides):
+                return f"it fits with pipelines.{index}.{field}={str(value).lower()}"
+    for name, changed in on_device.items():
+        for devices in pools:
+            if replace(changed, devices=devices).fits(steps, overrides):
+                return f"it fits with cluster.device={name} and cluster.devices={devices}"
+    return f"no pool of up to {pools[-1] if pools else planning.devices} devices, catalogue device or field fits it"
 
 
 @dataclass(frozen=True)
@@ -152,16 +197,41 @@ class Planning:
             return self.devices // len(scenario.pipelines)
         return self.devices - scenario.schedule.reward_devices
 
-    def searched_shapes(self, steps: int, overrides: Mapping[str, object], searched: list | None) -> dict:
+    @property
+    def capacity_gb(self) -> float:
+        return lookup_device(self.scenario.cluster.device).memory_bytes / 1e9
+
+    def on_device(self, device: Device) -> Planning:
+        """This planning on a pool of `device` (the catalogue's network), each pipeline's cost model recalibrated as
+        given (a profile's corrections are its own device's)."""
+        cluster = self.scenario.cluster.model_copy(update={"device": device.name, "network_gbps": None})
+        costs = {name: CostModel(device, cost.calibration) for name, cost in self.costs.items()}
+        return replace(self, scenario=self.scenario.model_copy(update={"cluster": cluster}), costs=costs)
+
+    def fits(self, steps: int, overrides: Mapping[str, object]) -> bool:
+        """Whether the policy cuts the pipelines within memory here: its shapes (a search's memory prune included,
+        its candidates not simulated) and every node beside its engine (`built`)."""
+        try:
+            self.built(self.searched_shapes(steps, overrides, None, simulated=False), steps)
+        except ValueError:
+            return False
+        return True
+
+    def searched_shapes(
+        self, steps: int, overrides: Mapping[str, object], searched: list | None, simulated: bool = True
+    ) -> dict:
         """The policy's shapes, the fields `overrides` fix replaced in each (a searching policy still searches what
         they leave): a policy that plans pipelines together rolls the simulator forward a bounded horizon for each
-        candidate (`forecast`), and `searched`, when given, receives each candidate's figures."""
+        candidate (`forecast`), and `searched`, when given, receives each candidate's figures. Not `simulated`: every
+        candidate forecasts 0 samples/s, so a search keeps its cost model's first (what `fits` checks)."""
         cls, scenario = policy_class(self.policy), self.scenario
 
         def fixed(candidate: Mapping) -> dict:
             return {name: replace(shape, **overrides) for name, shape in candidate.items()}
 
         def forecast(candidate: dict, horizon: int) -> float:
+            if not simulated:
+                return 0.0
             candidate = fixed(candidate)
             trace = run_prepared(scenario, self.built(candidate, horizon))
             record = searched_from(self.policy, candidate, horizon, trace)
@@ -199,12 +269,12 @@ class Planning:
             nodes += shape.build(spec, steps, costs[spec.name])
             engines[spec.name] = shape.engines(spec, costs[spec.name])
             trainer_pools[spec.name] = shape.trainer_devices
-        capacity = lookup_device(scenario.cluster.device).memory_bytes / 1e9
+        capacity = self.capacity_gb
         for node in nodes:
             need = engines[node.pipeline].resident_gb.get(node.role, 0.0) + node.memory_gb
             if need > capacity:
                 spec = next(spec for spec in scenario.pipelines if spec.name == node.pipeline)
-                raise ValueError(
+                raise MemoryRefusal(
                     f"pipeline {node.pipeline}: {node.kind} needs {need:.0f} GB per device under {self.policy} "
                     f"(engine + working memory), more than a {scenario.cluster.device}'s {capacity:.0f} GB; "
                     + spec.memory_fix(node, engines[node.pipeline].resident_gb.get(node.role, 0.0) > capacity)

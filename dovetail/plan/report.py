@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from dovetail.cost.model import CostModel
 from dovetail.plan.metrics import summarize
 from dovetail.plan.prepare import Searched, prepare, run_prepared, searched_from, simulate
 from dovetail.plan.scenario import Scenario
@@ -35,9 +36,10 @@ def compare(
         policy_class(name)
     result: dict = {"scenario": scenario.name, "devices": scenario.cluster.devices, "policies": {}}
     baseline = None
+    cost = CostModel(scenario.cluster.catalogue_device())  # one for every policy, as `plan` shares it
     for name in names:
         try:
-            _, run = simulate(scenario, name, steps=steps)
+            _, run = simulate(scenario, name, steps=steps, cost=cost)
         except ValueError as error:
             result["policies"][name] = {"error": str(error)}
             continue
@@ -122,13 +124,16 @@ def plan(scenario: Scenario, devices: int, policies: list[str] | None = None) ->
             f"got {devices}"
         )
     steps = search_horizon(scenario.schedule.steps)
+    # One cost model for every policy: a search's enumeration is memoized per model (`sched.digen_search`), so
+    # digen+tcss ranks the cuts digen already priced instead of pricing them again.
+    cost = CostModel(scenario.cluster.catalogue_device())
     lines = [f"plan for {scenario.name} on {devices}x {scenario.cluster.device}, simulated over {steps} steps"]
     baseline: float | None = None
     chosen_by_policy: dict[str, Searched] = {}
     for name in names:
         searched: list[Searched] = []
         try:
-            prepared = prepare(scenario, name, steps=steps, devices=devices, searched=searched)
+            prepared = prepare(scenario, name, steps=steps, devices=devices, cost=cost, searched=searched)
         except ValueError as error:
             lines.append(f"{name}: cannot run: {' '.join(str(error).split())}")
             continue

@@ -30,7 +30,7 @@ from dovetail.graph.node import Kind, Node, Role
 from dovetail.graph.spec import PipelineSpec
 from dovetail.sched import digen_search
 from dovetail.sched.colocated import Colocated, flow_only, flow_shape
-from dovetail.sched.digen_search import DigenShape, predict_makespan, trainer_layout
+from dovetail.sched.digen_search import DigenShape, lent_gb, predict_makespan, trainer_layout
 from dovetail.sched.disaggregated import Disaggregated, split_pools
 from dovetail.sched.policy import (
     Begin,
@@ -225,12 +225,12 @@ class Digen(Policy):
     def _consider_tag(self, view, taken: set[int]) -> list[Decision]:
         """The trainer group is idle with nothing to train: let k of its devices generate fragments if
         the predicted makespan of the step drops by more than TAG_MIN_GAIN."""
-        if self.tag == Tag.OFF or self.tag_resident_gb > self.setup.memory_gb:
+        if self.tag == Tag.OFF:
             return []
         unclaimed = [n for n in ready_of(view, Kind.GENERATE, self.pipeline) if n.id not in self.tag_reserved.values()]
         rollout_idle = idle_devices(view, self.rollout_pool, Role.ROLLOUT)
         waiting = unclaimed[len(rollout_idle) :]
-        if not waiting:
+        if not waiting or lent_gb(self.setup.engines[self.pipeline], waiting) > self.setup.memory_gb:
             return []
         nodes = view.graph.of(self.pipeline, waiting[0].step)
         generate_s, score_s, train_s, tail_s = (self.costs.seconds(n) for n in self._typical(nodes))

@@ -24,7 +24,7 @@ from dovetail.graph.node import Engines, Kind, Node, Role
 from dovetail.graph.spec import FlowSpec
 from dovetail.sched.colocated import Colocated, fits, flow_only
 from dovetail.sched.disaggregated import Disaggregated
-from dovetail.sched.policy import SearchContext, Shape, Tag, best_by_forecast
+from dovetail.sched.policy import MemoryRefusal, SearchContext, Shape, Tag, best_by_forecast
 
 SIMULATED = 4
 """Shapes of each kind (synchronous, TCSS) the search simulates: the cost model's best few, and the best shared one
@@ -141,6 +141,15 @@ def trainer_layout(devices: int, trainers: int, group: int, node_size: int) -> t
     return tuple(layout) if remaining == 0 else None
 
 
+def lent_gb(held: Engines, nodes: Sequence[Node]) -> float:
+    """What a trainer device lent to generation (TAG) holds at its fullest: both engines and the largest fragment's
+    working memory, the sum the simulator checks as a fragment starts there (`plan.state`). Lending needs it to fit:
+    both engines alone may fit where a fragment beside them does not (QwenImage with CFG on 32 H100s: 77.8 GB of
+    engines and 3.4 GB of activations)."""
+    fragment_gb = max((n.memory_gb for n in nodes if n.kind == Kind.GENERATE), default=0.0)
+    return held.resident_gb[Role.TRAINER] + held.resident_gb[Role.ROLLOUT] + fragment_gb
+
+
 def plan_shapes(context: SearchContext, tcss: bool) -> dict[str, Shape]:
     """The fastest in the simulator of `finalists`, over the run's steps (at most `SEARCH_STEPS`); `tcss`: the
     policy overlaps steps (digen+tcss)."""
@@ -172,12 +181,12 @@ def finalists(
 ) -> list[FlowShape]:
     """The shapes the search simulates, the cost model's best first: the `SIMULATED` best synchronous shapes and
     the best shared (colocated-like) one; for digen+tcss (`tcss`) those again with TCSS on (the synchronous ones also
-    with it off, so it never loses to digen) and the `SIMULATED` best TCSS shapes. Each with TAG allowed and,
-    where a trainer device can hold both engines and the run's options do not fix TAG, not allowed. Last, the
-    best shared shape run stage-synchronously (its trainer takes the mini-batch once all of it is generated: fewer,
-    larger train nodes, which the simulator finds as fast or slightly faster than GAP on DigenRL's scenarios) and
-    the staged baselines' own shapes (`_staged`), so digen never loses to colocated or disaggregated; none of these
-    when the run forces TAG (`staged` False), which only GAP's schedule has. Ranked on one device
+    with it off, so it never loses to digen) and the `SIMULATED` best TCSS shapes. Each with TAG allowed and, where
+    a trainer device can hold both engines and a fragment (`lent_gb`) and the run's options do not fix TAG, not
+    allowed. Last, the best shared shape run stage-synchronously (its trainer takes the mini-batch once all of it is
+    generated: fewer, larger train nodes, which the simulator finds as fast or slightly faster than GAP on DigenRL's
+    scenarios) and the staged baselines' own shapes (`_staged`), so digen never loses to colocated or disaggregated;
+    none of these when the run forces TAG (`staged` False), which only GAP's schedule has. Ranked on one device
     (`RANKING_DEVICE`), so devices that differ only in speed simulate the same shapes."""
     synchronous = _best(spec, devices, trainer_devices, cost, tcss=False)
     shapes = list(synchronous)
@@ -189,8 +198,10 @@ def finalists(
     with_tag_off: list[FlowShape] = []
     for shape in dict.fromkeys(shapes):
         with_tag_off.append(shape)
-        held = shape.engines(spec, cost).resident_gb
-        lendable = held[Role.TRAINER] + held[Role.ROLLOUT] <= capacity and shape.trainer_devices < devices
+        lendable = (
+            shape.trainer_devices < devices
+            and lent_gb(shape.engines(spec, cost), shape.build(spec, 1, cost)) <= capacity
+        )
         if lendable and not tag_fixed:
             with_tag_off.append(replace(shape, tag=False))
     if not staged:
@@ -255,7 +266,7 @@ def candidates(
     rows = _predicted_shapes(spec, devices, trainer_devices, ranking_model(cost), own)
     ranked = sorted(
         (
-            (row.seconds(tcss, lend=row.both_gb <= capacity), -row.chunk, row.shape)
+            (row.seconds(tcss, lend=row.lending_gb <= capacity), -row.chunk, row.shape)
             for row in rows
             if row.need_gb <= capacity
         ),
@@ -267,12 +278,12 @@ def candidates(
 @dataclass(frozen=True)
 class _Predicted:
     """One shape's predictions: synchronous and TCSS seconds with TAG lending and without, the memory a trainer
-    device needs, and what both engines hold on one device (lending needs both to fit)."""
+    device needs, and what a device lent to generation holds (`lent_gb`: lending needs it to fit)."""
 
     shape: DigenShape
     chunk: int
     need_gb: float
-    both_gb: float
+    lending_gb: float
     lending: tuple[float, float]
     not_lending: tuple[float, float]
 
@@ -303,7 +314,7 @@ def _predicted_shapes(
                     need = max(n.memory_gb for n in nodes if n.kind == Kind.TRAIN) + held.resident_gb[Role.TRAINER]
                     if need > capacity:
                         continue
-                    both = held.resident_gb[Role.TRAINER] + held.resident_gb[Role.ROLLOUT]
+                    lending_gb = lent_gb(held, nodes)
                     lending, not_lending = (
                         (
                             _predict(nodes, shape, rollout, held, lend=lend, tcss=False),
@@ -311,9 +322,9 @@ def _predicted_shapes(
                         )
                         for lend in (True, False)
                     )
-                    ranked.append(_Predicted(shape, chunk, need, both, lending, not_lending))
+                    ranked.append(_Predicted(shape, chunk, need, lending_gb, lending, not_lending))
     if not ranked:
-        raise ValueError(
+        raise MemoryRefusal(
             f"{spec.name}: no digen shape fits in {capacity:.0f} GB per device: add devices (cluster.devices)"
             + (", set offload: true" if not spec.offload else "")
             + (" or lower tsp_chunk" if spec.tsp_chunk else "")
@@ -324,8 +335,8 @@ def _predicted_shapes(
 def _predict(nodes: Sequence[Node], shape: FlowShape, rollout: int, held: Engines, lend: bool, tcss: bool) -> float:
     """Predicted seconds per step of `shape`: with TCSS the slower pool sets the pace (a rollout device loads
     the new weights once per step); synchronous, one step from the weight load to the publication, with
-    the best number of TAG fragments where trainer devices may lend (`lend`: both engines fit on one). No rollout pool:
-    every device switches to generate, then to train (colocated-like)."""
+    the best number of TAG fragments where trainer devices may lend (`lend`: a lent device holds both engines and a
+    fragment). No rollout pool: every device switches to generate, then to train (colocated-like)."""
     generate_s, score_s, train_s, tail_s, load_s = _step_costs(nodes, shape.fragments, shape.group)
     fragments, groups = shape.fragments, shape.groups
     if not rollout:

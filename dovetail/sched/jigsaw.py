@@ -58,6 +58,7 @@ from dovetail.sched.policy import (
     Begin,
     Decision,
     Event,
+    MemoryRefusal,
     Run,
     SearchContext,
     Setup,
@@ -241,7 +242,7 @@ def flow_cut(spec: FlowSpec, devices: int, cost: CostModel) -> FlowShape:
         if resident + max(n.memory_gb for n in nodes if n.kind == Kind.TRAIN) <= capacity:
             timed.append((trainer_seconds(nodes, devices), -chunk))
     if not timed:
-        raise ValueError(
+        raise MemoryRefusal(
             f"{spec.name}: no train node fits beside the engines in {capacity:.0f} GB per device; "
             + ("use more devices (a smaller shard of the trainer state)" if spec.offload else "set offload: true")
         )
@@ -331,7 +332,7 @@ class Jigsaw(StagedLMPolicy):
                     self.resident_gb[d] += engines.resident_gb.get(role, 0.0)
                     self.wake_s[d] += engines.wake_s.get(role, 0.0)
         if max(self.resident_gb.values()) > setup.memory_gb:
-            raise ValueError(
+            raise MemoryRefusal(
                 f"{self.name}: every pipeline's engines together need {max(self.resident_gb.values()):.0f} GB per "
                 f"device, more than {setup.memory_gb:.0f} GB; multiplex fewer or smaller pipelines, or raise "
                 "tensor_parallel"
@@ -561,7 +562,7 @@ def rollout_shares(
         if not shape.sizes_rollout_memory:
             held += resident[Role.ROLLOUT] + max(n.memory_gb for n in nodes if n.kind == shape.rollout_kind)
     if held >= capacity:
-        raise ValueError(
+        raise MemoryRefusal(
             f"jigsaw: the pipelines' trainers and flow rollout engines alone need {held:.0f} GB per device, "
             f"more than {capacity:.0f} GB"
         )
@@ -572,7 +573,7 @@ def rollout_shares(
     for spec in sized:
         weights_gb = spec.catalogue_model().params * BF16 / GB / spec.rollout_engine_devices
         if weights_gb >= share * capacity:
-            raise ValueError(
+            raise MemoryRefusal(
                 f"{spec.name}: jigsaw keeps every pipeline's trainer resident, which leaves {share * capacity:.0f} GB "
                 f"per device for its rollout engine, less than its weights ({weights_gb:.0f} GB at tensor_parallel="
                 f"{spec.rollout_engine_devices}): add devices (the trainer's shard shrinks) or raise tensor_parallel"

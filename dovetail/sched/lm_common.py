@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dovetail.graph.lm import LMShape, stage
 from dovetail.graph.node import Kind, Node, Role
 from dovetail.graph.spec import LMSpec, PipelineSpec
-from dovetail.sched.policy import Begin, Decision, Event, Policy, Run, Shape, StartStep, View
+from dovetail.sched.policy import Begin, Decision, Event, MemoryRefusal, Policy, Run, Shape, StartStep, View
 
 
 def engine_devices(group: Sequence[int], shard: int, tensor_parallel: int) -> tuple[int, ...]:
@@ -182,7 +182,7 @@ class SplitLMPolicy(StagedLMPolicy):
                 best = (predicted, shape)
         if best is None:
             largest = trainer_devices or devices - tp
-            raise ValueError(
+            raise MemoryRefusal(
                 f"{spec.name}: {cls.name}'s trainer needs {least_gb:.0f} GB per device even on {largest} trainer "
                 f"device{'s' if largest > 1 else ''} (the rest roll out), more than {capacity:.0f} GB: add devices "
                 "(cluster.devices) or raise micro_batches (fewer tokens per trainer pass)"

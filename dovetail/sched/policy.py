@@ -139,6 +139,13 @@ class Migrate:
 
 Decision = Run | SwitchRole | StartStep | Migrate
 
+
+class MemoryRefusal(ValueError):
+    """No cut of a pipeline fits a device's memory: the one-line refusal of a memory check (a search's prune, the
+    planner's check of every node beside its engine). The planner adds the scenario value that makes the plan fit
+    (`plan.prepare.what_fits`): only it knows the pool and the device the policy was asked to cut for."""
+
+
 # ---------------------------------------------------------------- what a policy may look at
 
 
