@@ -25,13 +25,7 @@ from dovetail.pipelines.lm.model import (
     sampling_params,
     stop_strings,
 )
-from dovetail.pipelines.lm.multiturn import (
-    Conversation,
-    episode_metrics,
-    run_episodes,
-    trajectory_responses,
-    with_episode_rewards,
-)
+from dovetail.pipelines.lm.multiturn import run_episodes, with_episode_rewards
 from dovetail.rewards.text import score_text
 from dovetail.run_dir import (
     RunDir,
@@ -75,24 +69,14 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
 
     ids = [SampleId(step, p, i) for p in range(algo.prompts_per_step) for i in range(algo.group_size)]
     weights = weights_of(engines.trainer)
-    episodes: dict[str, float] = {}
     if config.env is None:
         prompts = encode_prompts(config, engines.tokenizer, engines.prompts.step(step), model_context(config))
-        started = timed("prefill", Prefill(pipeline, ids, [prompts[s.prompt] for s in ids], step, weights))
-        responses = timed("decode", Decode(pipeline, [started], config.max_new_tokens, weights))
-        scores = timed("score", Score(pipeline, [responses], None))
-    else:
-        start = time.perf_counter()
-        engines.load_rollout_weights(step, weights)
-        rows = [engines.prompts.episode_row(engines.prompts.train(s.step, s.prompt)) for s in ids]
-        trajectories, waited = run_episodes(
-            engines.held_rollout(), engines.environments, conversation(engines), ids, rows
-        )
-        timings["generate_s"] = time.perf_counter() - start
-        responses = trajectory_responses(trajectories, step)
-        named = timed("score", Score(pipeline, [responses], None))
-        scores = replace(named, scores=with_episode_rewards(named.scores, trajectories))
-        episodes = episode_metrics(trajectories, waited)
+        encoded = [prompts[s.prompt] for s in ids]
+    else:  # its prompts are its episodes' first observations: the decode rolls each trajectory out whole
+        encoded = []
+    started = timed("prefill", Prefill(pipeline, ids, encoded, step, weights))
+    responses = timed("decode", Decode(pipeline, [started], config.max_new_tokens, weights))
+    scores = timed("score", Score(pipeline, [responses], None))
     # An engine whose log-probs are not the trainer's (vLLM): the old ones recomputed, as the graph's LOGPROB node.
     recompute = not engine_matches_trainer(config.rollout_engine)
     old = [timed("logprob", LMLogProbs(pipeline, ids, [responses], False))] if recompute else []
@@ -108,7 +92,6 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
     seconds = sum(timings.values())
     return (
         lm_step_metrics([scores], [trained])
-        | episodes
         | timings
         | {
             "grad_norm": grad_norm,
@@ -128,11 +111,6 @@ def success_rate(config: LMTrainConfig, completions: list[str], prompts: list[st
             [(a := final_answer(c)) is not None and the_task.is_correct(p, a) for c, p in zip(completions, prompts)]
         )
     )
-
-
-def conversation(engines) -> Conversation:
-    """How the engines' tokenizer writes an env run's episodes."""
-    return Conversation(engines.config, engines.tokenizer, engines.tools, model_context(engines.config))
 
 
 def lm_evaluate(engines, config: LMTrainConfig) -> tuple[dict[str, float], list[tuple[str, str]]]:
@@ -158,14 +136,14 @@ def lm_evaluate(engines, config: LMTrainConfig) -> tuple[dict[str, float], list[
         engine = engine_of(engine_length(config, engines.tokenizer, engines.prompts, context))
         samples = [SampleId(0, i, 0) for i in range(len(rows))]
         episode_rows = [engines.prompts.episode_row(row) for row in rows]
-        trajectories, _ = run_episodes(engine, engines.environments, conversation(engines), samples, episode_rows)
+        trajectories, _ = run_episodes(engine, engines.environments, engines.conversation, samples, episode_rows)
         responses = [t.tokens for t in trajectories]
         shown = [engines.tokenizer.decode(t.prompt) for t in trajectories]
     completions = [engines.tokenizer.decode(tokens) for tokens in responses]
     reward_context = engines.prompts.context(rows, [list(tokens) for tokens in responses])
     scores = score_text(completions, prompts, config.rewards, config.reward_timeout_s, reward_context)
     if trajectories is not None:
-        scores = with_episode_rewards(scores, trajectories)
+        scores = with_episode_rewards(scores, [t.reward for t in trajectories])
     if config.user_model or trajectories is not None:
         total = {"total": float(scores["total"].mean())}
     else:
