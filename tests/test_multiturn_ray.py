@@ -1,34 +1,42 @@
 """Multi-turn (env) runs on the Ray runtime (`pipelines.lm.engines`: an env run's decode rolls each trajectory out
-whole on its device's rollout engine, with the environment process its engines hold): a policy that runs them ends
-at the reference loop's parameters for the same trajectories, to the bit, with the same rewards and episode figures;
-the policies that do not run them yet refuse an env config in one line."""
+whole on its device's rollout engine, with the environment process its engines hold): the on-policy policies end at
+the reference loop's parameters for the same trajectories, to the bit, with the same rewards and episode figures,
+alone or multiplexed with a flow pipeline; the asynchronous ones bound their staleness and train every trajectory
+once; an env step's graph decodes each shard in one band and never migrates."""
 
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 from running import train
 from safetensors.torch import load_file
 from test_runtime_lm import same_bits
+from two_pipelines import FLOW
 
 from dovetail.config.common import ConfigError
-from dovetail.config.load import load_config
+from dovetail.config.load import parse_config
 from dovetail.cost.model import CostModel
 from dovetail.graph.lm import LMShape, build_lm
 from dovetail.graph.node import Kind
+from dovetail.sched.jigsaw import Jigsaw, rollout_shares
 
-CALC = "configs/calc.yaml"
-SMALL = [
-    "algo.prompts_per_step=4",
-    "algo.group_size=4",
-    "algo.micro_batches=2",
-    "eval.prompts=4",
-    "eval.every=100",
-    "runtime.profile_samples=4",
-    "train.lr=1e-3",
-]
 STEPS = 2
+CALC = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "calc.yaml").read_text()) | {
+    "algo": {"prompts_per_step": 4, "group_size": 4, "micro_batches": 2},
+    "eval": {"prompts": 4, "every": 100},
+    "runtime": {"profile_samples": 4},
+    "train": {"lr": 1e-3},
+    "checkpoint": {"every": 100},
+}
+"""The shipped calc config (the calc task's model and the arithmetic environment), a small batch of it."""
 EPISODES = ("env/turns", "env/tool_calls", "env/tool_errors", "env/unfinished")
+REWARDS = ("reward/total", "reward/env", "reward_std", "frac_reward_zero_std")
 pytestmark = pytest.mark.usefixtures("local_ray")
+
+
+def calc(policy: str):
+    return parse_config(CALC | {"policy": policy})
 
 
 def metrics(out) -> list[dict]:
@@ -42,51 +50,89 @@ def final_weights(out):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
-    train(load_config(CALC, [*SMALL, "policy=reference"]), out, steps=STEPS)
+    train(calc("reference"), out, steps=STEPS)
     return out
 
 
-@pytest.mark.exactness
-def test_verl_sync_rolls_out_an_env_run_and_ends_at_the_reference_parameters(reference, tmp_path):
-    train(load_config(CALC, [*SMALL, "policy=verl-sync"]), tmp_path, steps=STEPS)
-    expected, got = final_weights(reference), final_weights(tmp_path)
-    start = load_file(str(load_config(CALC, SMALL).model.checkpoint / "model.safetensors"))
+def assert_the_reference_s_run(reference, out) -> None:
+    """`out` ends at the reference's parameters to the bit, its steps with the same rewards and episode figures."""
+    expected, got = final_weights(reference), final_weights(out)
+    start = load_file(str(calc("reference").model.checkpoint / "model.safetensors"))
     assert max((expected[k] - start[k]).abs().max().item() for k in expected) > 1e-4, "training moved the weights"
     assert same_bits(expected, got)
-    lines, reference_lines = metrics(tmp_path), metrics(reference)
-    for key in ("reward/total", "reward/env", "reward_std", "frac_reward_zero_std", *EPISODES):
+    lines, reference_lines = metrics(out), metrics(reference)
+    for key in (*REWARDS, *EPISODES, "response_tokens"):
         assert [m[key] for m in lines] == [m[key] for m in reference_lines], key
     assert [m["loss"] for m in lines] == pytest.approx([m["loss"] for m in reference_lines], rel=1e-5)
     assert all(m["env/tool_calls"] > 0 for m in lines), "the base model calls its tool: the turns were decoded"
     assert [m["env/wait_s"] for m in lines] == [0.0] * STEPS  # no latency: no engine ever waited
-    assert [m["response_tokens"] for m in lines] == [m["response_tokens"] for m in reference_lines]
+    assert json.loads((out / "ledger.json").read_text())["problems"] == []
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("policy", ["verl-sync", "jigsaw"])
+def test_an_on_policy_env_run_ends_at_the_reference_parameters(policy, reference, tmp_path):
+    train(calc(policy), tmp_path, steps=STEPS)
+    assert_the_reference_s_run(reference, tmp_path)
     ran = json.loads((tmp_path / "run_profile.json").read_text())["node_seconds"]
-    assert {node.split("/", 2)[2] for node in ran if "/decode/" in node} == {"decode/0/0", "decode/1/0"}  # 2 engines
+    decodes = {node.split("/", 2)[2] for node in ran if "/decode/" in node}
+    if policy == "verl-sync":
+        assert decodes == {"decode/0/0", "decode/1/0"}  # two rollout engines, each its shard whole in one band
+
+
+@pytest.mark.exactness
+def test_an_env_run_multiplexed_with_a_flow_pipeline_ends_where_it_ends_alone(reference, tmp_path, monkeypatch):
+    """jigsaw-greedy kept to the whole pool for both pipelines (as tests/test_multiplex.py does), so they share it."""
+    monkeypatch.setattr(
+        Jigsaw,
+        "plan_shapes",
+        classmethod(lambda cls, c: rollout_shares(c.specs, dict(c.shapes), c.costs, c.steps)),
+    )
+    pipelines = [{k: v for k, v in CALC.items() if k != "policy"} | {"name": "calc"}, FLOW | {"name": "digits"}]
+    tree = {"kind": "multiplex", "policy": "jigsaw-greedy", "cluster": {"devices": 2}, "pipelines": pipelines}
+    train(parse_config(tree), tmp_path, steps=STEPS)
+    assert_the_reference_s_run(reference, tmp_path / "calc")
+    assert json.loads((tmp_path / "digits" / "ledger.json").read_text())["problems"] == []
+    spans = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    devices_of = {name: {e["tid"] for e in spans if e["name"].startswith(f"{name}:")} for name in ("calc", "digits")}
+    assert devices_of["calc"] & devices_of["digits"], "the pipelines share the pool's devices"
+
+
+@pytest.mark.parametrize(("policy", "bound"), [("streamrl", 1), ("areal", 4)])
+def test_an_asynchronous_env_run_bounds_its_staleness_and_trains_every_trajectory_once(
+    policy, bound, reference, tmp_path
+):
+    """Its first step rolls out on the base weights, as the reference's does: the same trajectories and figures.
+    Later ones may roll out on older weights than they train (areal's proximal log-probs recomputed over the whole
+    trajectory, the observation tokens masked as ever)."""
+    summary = train(calc(policy), tmp_path, steps=STEPS + 1)
+    lines = metrics(tmp_path)
+    first, reference_first = lines[0], metrics(reference)[0]
+    assert {key: first[key] for key in (*REWARDS, *EPISODES)} == {
+        key: reference_first[key] for key in (*REWARDS, *EPISODES)
+    }
+    assert all(0 <= m["staleness"] <= bound for m in lines) and max(m["staleness"] for m in lines) >= 1
+    assert summary["max_staleness"] <= bound
+    ledger = json.loads((tmp_path / "ledger.json").read_text())
+    assert ledger["problems"] == [] and len(ledger["trained"]) == (STEPS + 1) * 4 * 4
+    assert all(m["env/turns"] >= 1 for m in lines)
 
 
 def test_an_env_run_decodes_each_shard_in_one_band_and_never_migrates():
     """Whatever the shape asks: a trajectory alternates turns with its environment's steps (`graph.lm.build_lm`)."""
-    config = load_config(CALC, [*SMALL, "policy=verl-sync"])
+    config = calc("verl-sync")
     (spec,) = config.scenario(1).pipelines
     assert spec.multi_turn
-    nodes = build_lm(spec, 1, LMShape(2, 2, migrate_at=spec.max_length // 2), CostModel(config.cluster.device))
+    cost = CostModel(config.cluster.device)
+    nodes = build_lm(spec, 1, LMShape(2, 2, migrate_at=spec.max_length // 2), cost)
     decodes = [n for n in nodes if n.kind == Kind.DECODE]
     assert sorted(n.shard for n in decodes) == [0, 1] and {n.band for n in decodes} == {(0, spec.max_length)}
     assert not any(n.kind == Kind.MIGRATE for n in nodes)
     single = spec.model_copy(update={"multi_turn": False, "length_bands": [spec.max_length // 4]})
-    migrating = build_lm(single, 1, LMShape(2, 2, migrate_at=spec.max_length // 2), CostModel(config.cluster.device))
+    migrating = build_lm(single, 1, LMShape(2, 2, migrate_at=spec.max_length // 2), cost)
     assert any(n.kind == Kind.MIGRATE for n in migrating)  # the same shape migrates a single-turn step
-
-
-@pytest.mark.parametrize("policy", ["streamrl", "areal", "jigsaw"])
-def test_the_policies_that_run_no_environment_yet_refuse_one_in_one_line(policy):
-    with pytest.raises(ConfigError) as refused:
-        load_config(CALC, [*SMALL, f"policy={policy}"])
-    assert str(refused.value).endswith(
-        f"env: policy {policy} does not run environments yet; set policy: verl-sync (or reference)"
-    )
 
 
 def test_an_env_run_refuses_length_bands_in_one_line():
     with pytest.raises(ConfigError, match=r"runtime.length_bands: an env run decodes each trajectory whole"):
-        load_config(CALC, [*SMALL, "policy=verl-sync", "runtime.length_bands=[8]"])
+        parse_config(CALC | {"policy": "verl-sync", "runtime": {"length_bands": [8]}})

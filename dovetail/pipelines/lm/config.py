@@ -333,8 +333,9 @@ class EnvSection(Section):
         return parser
 
 
-ENV_POLICIES = (REFERENCE, "verl-sync")
-"""The policies that run an env config (multi-turn rollouts): the others are refused in one line naming these."""
+ENV_POLICIES = (REFERENCE, "verl-sync", "streamrl", "areal", "jigsaw", "jigsaw-greedy")
+"""The policies that run an env config (multi-turn rollouts). `auto` is refused in one line naming these: what it
+chooses by, the planner's forecast of each policy, prices a step's rollouts as single-turn responses."""
 
 
 class LMRuntimeSection(Section):
@@ -463,7 +464,8 @@ class LMTrainConfig(RunSection):
             return self
         if self.policy not in ENV_POLICIES:
             raise ValueError(
-                f"env: policy {self.policy} does not run environments yet; set policy: verl-sync (or reference)"
+                f"env: policy {self.policy} does not choose for environments yet; set policy: verl-sync (or another of "
+                f"{', '.join(ENV_POLICIES)})"
             )
         if self.runtime.length_bands:
             raise ValueError(
