@@ -2,11 +2,14 @@
 whole on its device's rollout engine, with the environment process its engines hold): the on-policy policies end at
 the reference loop's parameters for the same trajectories, to the bit, with the same rewards and episode figures,
 alone or multiplexed with a flow pipeline; the asynchronous ones bound their staleness and train every trajectory
-once; an env step's graph decodes each shard in one band and never migrates."""
+once; a worker killed mid-trajectory loses no turn; an env step's graph decodes each shard in one band and never
+migrates."""
 
 import json
+import threading
 from pathlib import Path
 
+import fault_injection
 import pytest
 import yaml
 from running import train
@@ -19,6 +22,7 @@ from dovetail.config.load import parse_config
 from dovetail.cost.model import CostModel
 from dovetail.graph.lm import LMShape, build_lm
 from dovetail.graph.node import Kind
+from dovetail.pipelines.lm.messages import Prefill
 from dovetail.sched.jigsaw import Jigsaw, rollout_shares
 
 STEPS = 2
@@ -136,3 +140,29 @@ def test_an_env_run_decodes_each_shard_in_one_band_and_never_migrates():
 def test_an_env_run_refuses_length_bands_in_one_line():
     with pytest.raises(ConfigError, match=r"runtime.length_bands: an env run decodes each trajectory whole"):
         parse_config(CALC | {"policy": "verl-sync", "runtime": {"length_bands": [8]}})
+
+
+def test_a_worker_killed_mid_trajectory_loses_no_turn(reference, tmp_path):
+    """Each environment step waits half a second (`env.latency`: a trajectory's tokens are the same whatever it
+    waits), and a rollout device is killed a quarter of a second after its prefill of the second step handed its
+    samples on: inside its decode, while its trajectories decode or wait between turns. The decode is sent again to
+    the restarted device, whose rollout engine and environment process roll the shard's trajectories out again from
+    their first turn: every trajectory trained once, with the turns, tool calls and parameters of the reference's."""
+    killed: list[tuple[int, str]] = []
+
+    def kill_mid_trajectory(executor, part):
+        if not killed and isinstance(part.work, Prefill) and part.work.samples[0].step == 1:
+            killed.append((part.device, part.node))
+            threading.Timer(0.25, fault_injection.kill, (executor.worker_of(part),)).start()
+
+    config = parse_config(CALC | {"policy": "verl-sync", "env": CALC["env"] | {"latency": {"seconds": 0.5}}})
+    summary = train(config, tmp_path, steps=STEPS, after_part=kill_mid_trajectory)
+    [(device, _)], ledger = killed, json.loads((tmp_path / "ledger.json").read_text())
+    restarts = [(r["device"], r["during"]) for r in ledger["restarts"]]
+    assert summary["restarts"] >= 1 and restarts == [(device, f"calc/1/decode/{device}/0")], restarts
+    assert ledger["problems"] == []
+    assert same_bits(final_weights(reference), final_weights(tmp_path))
+    lines, reference_lines = metrics(tmp_path), metrics(reference)
+    for key in (*REWARDS, *EPISODES):
+        assert [m[key] for m in lines] == [m[key] for m in reference_lines], key
+    assert all(m["env/wait_s"] > 0 for m in lines)  # the engines waited on their environments
