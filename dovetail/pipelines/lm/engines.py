@@ -369,11 +369,12 @@ def profile_work(engines: LMEngines, samples: int, carry: Callable[[dict], dict]
         rounds = [one_round(size) for _ in range(PROFILE_ROUNDS)]
         measured = {name: statistics.median(seconds[name] for seconds, _ in rounds) for name in rounds[0][0]}
         _, done = rounds[0]
-        decoded, prefilled = done["decode"], done["prefill"]
-        assert isinstance(decoded, Responses) and isinstance(prefilled, Responses)  # what Decode and Prefill return
+        decoded = done["decode"]
+        assert isinstance(decoded, Responses)  # what Decode returns
         return measured | {
             "lengths": [len(t) for t in decoded.tokens],
-            "prompt_tokens": [len(p) for p in prefilled.prompts],
+            # the decode's: an env run's prompts are its episodes' first observations, unknown at its prefill
+            "prompt_tokens": [len(p) for p in decoded.prompts],
         }
 
     with trainer_kept(engines):
