@@ -22,6 +22,9 @@ DIGIT_PROMPTS = tuple(f"digit {d}" for d in range(10))
 TABLE_FORMATS = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 """File suffix -> the `datasets` builder that reads it."""
 
+SAVED_TO_DISK = ("dataset_dict.json", "state.json")
+"""What marks a directory `datasets`' `save_to_disk` wrote (a DatasetDict's, a Dataset's)."""
+
 CHAT = "text or a list of chat messages with role and content"
 """What a prompt may be where chat messages are prompts too (`read_rows`' `chat`: a language model's)."""
 
@@ -55,7 +58,14 @@ def prompt_split(config) -> PromptSplit:
     section = config.prompts
     if section is None:
         return PromptSplit(DIGIT_PROMPTS, DIGIT_PROMPTS)
-    rows = split_rows(section.path, section.field, section.eval_fraction, section.eval_path, "prompts.field")
+    rows = split_rows(
+        section.path,
+        section.field,
+        section.eval_fraction,
+        section.eval_path,
+        "prompts.field",
+        splits=(section.split, section.eval_split),
+    )
     return PromptSplit(
         tuple(prompt_text(row.prompt) for row in rows.train),
         tuple(dict.fromkeys(prompt_text(row.prompt) for row in rows.eval)),
@@ -75,13 +85,20 @@ def eval_prompts(config) -> list[str]:
 
 
 def split_rows(
-    path: Path, field: str, eval_fraction: float | None, eval_path: Path | None, setting: str, chat: bool = False
+    path: Path,
+    field: str,
+    eval_fraction: float | None,
+    eval_path: Path | None,
+    setting: str,
+    chat: bool = False,
+    splits: tuple[str | None, str | None] = (None, None),
 ) -> Rows:
     """The rows of `path` (`read_rows`) split into train and eval: by a hash of each prompt (`eval_fraction` of them
     held out), or every row trains and the eval rows are `eval_path`'s. Read once while the files stay as they are.
-    `setting` names the prompt's field in the config, for the line a file without it gets."""
+    `setting` names the prompt's field in the config, for the line a file without it gets; `splits` are the
+    dataset splits of `path` and `eval_path` (`prompts.split`, `prompts.eval_split`: None, a dataset's only one)."""
     stamps = tuple(_stamp(p) for p in (path, eval_path))
-    return _split(path, field, eval_fraction, eval_path, setting, chat, stamps)
+    return _split(path, field, eval_fraction, eval_path, setting, chat, splits, stamps)
 
 
 def _stamp(path: Path | None) -> tuple[int, int] | None:
@@ -94,12 +111,19 @@ def _stamp(path: Path | None) -> tuple[int, int] | None:
 
 @lru_cache(maxsize=16)
 def _split(
-    path: Path, field: str, eval_fraction: float | None, eval_path: Path | None, setting: str, chat: bool, stamps: tuple
+    path: Path,
+    field: str,
+    eval_fraction: float | None,
+    eval_path: Path | None,
+    setting: str,
+    chat: bool,
+    splits: tuple[str | None, str | None],
+    stamps: tuple,
 ) -> Rows:
     """The split of the files as they are (`stamps`: their sizes and times, so that an edited file is read again)."""
-    rows = read_rows(path, field, setting, chat)
+    rows = read_rows(path, field, setting, chat, splits[0])
     if eval_path is not None:
-        return Rows(tuple(rows), tuple(read_rows(eval_path, field, setting, chat)))
+        return Rows(tuple(rows), tuple(read_rows(eval_path, field, setting, chat, splits[1])))
     assert eval_fraction is not None  # the prompts sections set it (0.1) where eval_path is not given
     held_out = [hash_share(prompt_text(row.prompt)) < eval_fraction for row in rows]
     train = tuple(row for row, held in zip(rows, held_out) if not held)
@@ -123,12 +147,14 @@ def prompt_text(prompt: str | list) -> str:
     return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
 
 
-def read_rows(path: Path, field: str, setting: str = "prompts.field", chat: bool = False) -> list[Row]:
+def read_rows(
+    path: Path, field: str, setting: str = "prompts.field", chat: bool = False, split: str | None = None
+) -> list[Row]:
     """A prompts file's rows, in its order (`read_records`): `field` the prompt, the record's other fields its
     columns. A prompt is non-empty text (a blank one is skipped, as a blank line is) or, where `chat`, a list of
     {"role", "content"} messages; a record without one is one line naming the file, the record and `setting`."""
     rows = []
-    for n, record in enumerate(read_records(path, field, setting), 1):
+    for n, record in enumerate(read_records(path, field, setting, split), 1):
         if isinstance(record, str):
             record = {field: record}
         prompt = record.get(field) if isinstance(record, dict) else None
@@ -154,15 +180,18 @@ def _messages(value: object) -> TypeGuard[list]:
     )
 
 
-def read_records(path: Path, field: str, setting: str = "prompts.field") -> list:
+def read_records(path: Path, field: str, setting: str = "prompts.field", split: str | None = None) -> list:
     """The records of a prompts file, in its order, every field kept: strings (a .txt's lines, a JSON list's
-    strings) or mappings (JSON lines, a JSON list's objects, a table's rows: .parquet, .csv, .arrow, or a directory
-    `datasets.Dataset.save_to_disk` wrote). `field` is the prompt's, which a table must have as a column (else
-    one line naming the config's `setting`)."""
+    strings) or mappings (JSON lines, a JSON list's objects, a table's rows: .parquet, .csv, .arrow, or a directory:
+    `datasets` `save_to_disk`'s, or data files named by split as a hub dataset's snapshot holds them). `field` is
+    the prompt's, which a table must have as a column (else one line naming the config's `setting`); `split` picks
+    one of a directory's splits (None: its only one)."""
     suffix = path.suffix.lower()
+    if split is not None and not path.is_dir():
+        raise ValueError(f"{path} is one table, not a dataset of splits: leave its split ({split!r}) unset")
     try:
         if path.is_dir():
-            return _table(path, field, setting)
+            return _table(path, field, setting, split)
         if suffix == ".txt":  # a line's ends are the file's layout, invisible in it, not the prompt's
             return [line.strip() for line in path.read_text().splitlines()]
         if suffix == ".jsonl":
@@ -190,8 +219,9 @@ def _json(text: str, path: Path, line: int | None):
         raise ValueError(f"{where} is not JSON: {error}") from None
 
 
-def _table(path: Path, field: str, setting: str) -> list:
-    """The rows of a table file, or of a dataset directory `save_to_disk` wrote, as mappings of every column."""
+def _table(path: Path, field: str, setting: str, split: str | None = None) -> list:
+    """The rows of a table file, or of a dataset directory (`save_to_disk`'s, or data files `load_dataset` names
+    splits after: train-*.parquet, data/test.jsonl...), as mappings of every column; `split` one of the directory's."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -201,8 +231,10 @@ def _table(path: Path, field: str, setting: str) -> list:
     level = logger.level
     logger.setLevel(logging.CRITICAL + 1)
     try:
-        if path.is_dir():
+        if path.is_dir() and any((path / name).is_file() for name in SAVED_TO_DISK):
             table = datasets.load_from_disk(str(path))
+        elif path.is_dir():
+            table = datasets.load_dataset(str(path))
         else:
             table = datasets.load_dataset(TABLE_FORMATS[path.suffix.lower()], data_files=str(path), split="train")
     except Exception as error:  # a damaged file raises whatever its reader does
@@ -210,7 +242,13 @@ def _table(path: Path, field: str, setting: str) -> list:
     finally:
         logger.setLevel(level)
     if isinstance(table, datasets.DatasetDict):
-        raise ValueError(f"{path} holds the splits {list(table)}: give the directory of one split")
+        if split is None and len(table) != 1:
+            raise ValueError(f"{path} holds the splits {list(table)}: set prompts.split (prompts.eval_split) to one")
+        if split is not None and split not in table:
+            raise ValueError(f"{path} has no split {split!r} (its splits: {list(table)}): set prompts.split to one")
+        table = table[split or next(iter(table))]
+    elif split is not None:
+        raise ValueError(f"{path} is one table, not a dataset of splits: leave its split ({split!r}) unset")
     if field not in table.column_names:
         raise ValueError(f"{path} has no column {field!r} (columns: {table.column_names}); set {setting}")
     return table.to_list()

@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
     (("algo",), ("torch",)),
     (("models",), ("algo", "prompts", "files", "rewards", "tasks", "graph", "torch")),
     (("prompts",), ()),
-    (("rewards", "tasks"), ()),
+    (("rewards", "tasks"), ("torch",)),
     (("envs",), ("rewards", "files", "graph")),
     (("files",), ()),
     (("kinds",), ()),

@@ -307,7 +307,7 @@ def test_entropy_bonus_is_subtracted_and_aggregated_like_the_surrogate():
         ({"entropy": torch.ones(1, 3)}, "entropy"),
         ({"beta": 0.1}, "ref_log_probs"),
         ({"entropy_coef": 0.1}, "entropy"),
-        ({"kl_estimator": "k2", "ref_log_probs": torch.zeros(2, 3)}, "kl_estimator"),
+        ({"kl_estimator": "k4", "ref_log_probs": torch.zeros(2, 3)}, "kl_estimator"),
         ({"clip_low": 1.0}, "clip_low"),
         ({"loss_scale": 0.0}, "loss_scale"),
     ],

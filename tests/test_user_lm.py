@@ -525,7 +525,7 @@ def test_a_user_models_scenario_takes_the_lengths_its_profile_decoded(workspace)
 @pytest.mark.parametrize(
     "overrides, says",
     [
-        (["model.path=nowhere"], "nowhere is not a directory; give a transformers model directory"),
+        (["model.path=nowhere"], "model.path: no directory nowhere, nor a hub model id the cache"),
         (["model.path=."], "has no config.json with a model_type: not a transformers model directory"),
         (["model.path=encoder"], "a 't5' model is no causal language model transformers knows"),
         (

@@ -1,23 +1,32 @@
-"""Pure math: the SDE step with its log-prob, advantages, the policy loss, timestep choice."""
+"""Pure math: the SDE step with its log-prob, advantages, the policy loss, timestep choice, a weights' EMA."""
 
+from dovetail.algo.advantages import ADVANTAGE_ESTIMATORS, advantages
+from dovetail.algo.ema import WeightEMA
 from dovetail.algo.grpo import (
     decoupled_old_log_prob,
     flow_grpo_loss,
     group_advantages,
     select_train_timesteps,
+    sliding_window,
     train_timestep_count,
 )
-from dovetail.algo.lm_grpo import lm_grpo_loss
+from dovetail.algo.lm_grpo import POLICY_LOSSES, lm_grpo_loss, rollout_correction_weight
 from dovetail.algo.sde import SDEStep, gaussian_log_prob, sde_step
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "POLICY_LOSSES",
+    "advantages",
     "SDEStep",
+    "WeightEMA",
     "decoupled_old_log_prob",
     "flow_grpo_loss",
     "gaussian_log_prob",
     "group_advantages",
     "lm_grpo_loss",
+    "rollout_correction_weight",
     "sde_step",
     "select_train_timesteps",
+    "sliding_window",
     "train_timestep_count",
 ]

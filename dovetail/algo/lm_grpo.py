@@ -1,14 +1,81 @@
 """GRPO policy loss for language models: per-token clipped surrogate, KL to the reference, entropy bonus.
 
-Advantages come from `dovetail.algo.grpo.group_advantages` (one per sequence; ``std_scope="none"``
-for Dr. GRPO, which drops the std division); stale samples are corrected with the weight from
-`dovetail.algo.grpo.decoupled_old_log_prob`. This module only turns those into a loss.
+Advantages come from `dovetail.algo.advantages` (one per sequence); stale samples are corrected with the weight from
+`dovetail.algo.grpo.decoupled_old_log_prob`, a rollout engine's log-prob mismatch with `rollout_correction_weight`.
+This module only turns those into a loss. The importance ratio the surrogate clips is a registered policy loss
+(`POLICY_LOSSES`, `algo.loss`): per token (PPO) or per sequence (GSPO).
 """
+
+from collections.abc import Callable
 
 import torch
 
 AGGREGATIONS = ("token", "sequence", "drgrpo")
-KL_ESTIMATORS = ("k1", "k3")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+ROLLOUT_CORRECTIONS = ("none", "tis", "mis")
+
+
+def ppo_clip_log_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
+    """log r_t = log pi(y_t) - log pi_old(y_t), per token (PPO, Schulman et al. 2017; GRPO and DAPO clip it)."""
+    return torch.where(response, log_probs - old_log_probs, 0.0)
+
+
+def gspo_log_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
+    """log s_i = (1 / |y_i|) sum_t (log pi(y_i,t) - log pi_old(y_i,t)) on every token of sequence i, whose gradient is
+    that of log s_i (GSPO, Zheng et al. 2025, arXiv 2507.18071; verl `compute_policy_loss_gspo`, TRL
+    importance_sampling_level="sequence"): the ratio of the sequence's geometric-mean likelihoods, one value a
+    sequence, clipped as one. Written per token as verl does, sg[log s_i] + log pi(y_i,t) - sg[log pi(y_i,t)]: the
+    aggregation then weighs it as it weighs any per-token term, and with `sequence` it is GSPO's exactly."""
+    per_token = torch.where(response, log_probs - old_log_probs, 0.0)
+    lengths = response.sum(dim=-1, keepdim=True).clamp(min=1)
+    sequence = (per_token.sum(dim=-1, keepdim=True) / lengths).detach()
+    return torch.where(response, sequence + log_probs - log_probs.detach(), 0.0)
+
+
+POLICY_LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "ppo_clip": ppo_clip_log_ratio,
+    "gspo": gspo_log_ratio,
+}
+"""`algo.loss`: the log importance ratio (B, T) the clipped surrogate uses, from (log_probs, old_log_probs, response
+mask), 0 on padding."""
+
+
+def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from the sampled token's log-probs, d = log pi_ref - log pi (Schulman,
+    "Approximating KL divergence", 2020; verl `kl_penalty`): ``k1`` -d ("kl"; unbiased, of either sign), ``k2``
+    d^2 / 2 ("mse"; biased, >= 0, its gradient that of the true KL's second-order term), ``k3`` exp(d) - d - 1
+    ("low_var_kl"; unbiased, >= 0, lower variance; verl also clamps it to [-10, 10])."""
+    d = ref_log_probs - log_probs
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d**2
+    return torch.exp(d) - d - 1.0
+
+
+def rollout_correction_weight(
+    old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mode: str, cap: float
+) -> torch.Tensor:
+    """Per-token weight for the mismatch between the rollout engine's sampling distribution and the trainer's
+    (vLLM's kernels are not the trainer's), w = pi_old(trainer) / pi_rollout, detached:
+
+    * ``tis``: min(w, cap), truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
+      brings you off-policy RL training"; TRL vllm_importance_sampling_correction / _cap, verl rollout_is);
+    * ``mis``: w where w <= cap, else 0: masked importance sampling (TRL's token_mask mode), the tokens the trainer
+      finds far likelier than the engine did are left out of the surrogate instead of down-weighted to the cap;
+    * ``none``: 1.
+
+    Where the two log-probs are the same numbers (an engine that matches the trainer) w = exp(0) = 1 exactly."""
+    if mode not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"rollout_correction={mode!r} is not one of {ROLLOUT_CORRECTIONS}")
+    if not cap >= 1:
+        raise ValueError(f"rollout_correction_cap={cap} must be >= 1")
+    ratio = torch.exp(old_log_probs.detach() - rollout_log_probs.detach())
+    if mode == "tis":
+        return ratio.clamp(max=cap)
+    if mode == "mis":
+        return torch.where(ratio <= cap, ratio, 0.0)
+    return torch.ones_like(ratio)
 
 
 def lm_grpo_loss(
@@ -19,6 +86,7 @@ def lm_grpo_loss(
     *,
     clip_low: float = 0.2,
     clip_high: float = 0.28,
+    policy_loss: str = "ppo_clip",
     aggregation: str = "token",
     max_tokens: int | None = None,
     ref_log_probs: torch.Tensor | None = None,
@@ -36,6 +104,9 @@ def lm_grpo_loss(
     `advantages` is (B,), one per sequence, shared by all its tokens. `old_log_probs`,
     `ref_log_probs` and `importance_weight` are constants (detached). Padding never reaches the
     loss or its gradient, whatever values it holds. The math runs in fp32 at least (bf16 is upcast).
+
+    `policy_loss` (`POLICY_LOSSES`) names the ratio: ``ppo_clip`` per token, ``gspo`` per sequence (the
+    geometric mean of its tokens' ratios, clipped as one; GSPO clips it far tighter, 3e-4 / 4e-4).
 
     Clip-higher (DAPO): the ratio is clipped to [1 - clip_low, 1 + clip_high] with
     clip_high > clip_low, so low-probability tokens with positive advantage can grow further before
@@ -59,13 +130,11 @@ def lm_grpo_loss(
     * ``sequence``: the number of sequences in the whole batch;
     * ``drgrpo``: sequences in the whole batch * max_tokens.
 
-    `kl_estimator` for the KL to the reference policy, per token, with d = ref_log_probs - log_probs:
-    ``k1`` is -d (log pi - log pi_ref: unbiased, but of either sign); ``k3`` is exp(d) - d - 1
-    (Schulman, "Approximating KL divergence": unbiased, always >= 0, lower variance).
+    `kl_estimator` for the KL to the reference policy, per token: `kl_estimate` (k1, k2, k3).
 
     `importance_weight` multiplies each token's surrogate: the decoupled PPO correction (AReaL) for
-    samples generated by older weights; get it and the matching `old_log_probs` from
-    `decoupled_old_log_prob`.
+    samples generated by older weights (`decoupled_old_log_prob`), the rollout engine's correction
+    (`rollout_correction_weight`), or their product.
 
     Stats are plain per-token means over this call's response tokens, whatever the aggregation and
     `loss_scale`, so micro-batches combine by weighting with ``tokens``:
@@ -88,6 +157,7 @@ def lm_grpo_loss(
         mask,
         clip_low=clip_low,
         clip_high=clip_high,
+        policy_loss=policy_loss,
         aggregation=aggregation,
         max_tokens=max_tokens,
         has_ref=ref_log_probs is not None,
@@ -114,7 +184,7 @@ def lm_grpo_loss(
         return total / (loss_scale if loss_scale is not None else default_scale)
 
     # Padding is replaced by 0 before exp, so a garbage pad cannot turn into inf/nan in the gradient.
-    log_ratio = torch.where(response, log_probs.to(dtype) - old_log_probs.detach().to(dtype), 0.0)
+    log_ratio = POLICY_LOSSES[policy_loss](log_probs.to(dtype), old_log_probs.detach().to(dtype), response)
     ratio = torch.exp(log_ratio)
     token_advantages = advantages.detach().to(dtype).unsqueeze(-1).expand_as(ratio)
     unclipped = -token_advantages * ratio
@@ -126,8 +196,9 @@ def lm_grpo_loss(
 
     kl = None
     if ref_log_probs is not None:
-        ref_minus_policy = torch.where(response, ref_log_probs.detach().to(dtype) - log_probs.to(dtype), 0.0)
-        kl = -ref_minus_policy if kl_estimator == "k1" else torch.exp(ref_minus_policy) - ref_minus_policy - 1.0
+        # Padding is 0 on both sides before the estimate, as before exp above.
+        policy = torch.where(response, log_probs.to(dtype), 0.0)
+        kl = kl_estimate(policy, torch.where(response, ref_log_probs.detach().to(dtype), 0.0), kl_estimator)
         if beta > 0:
             loss = loss + beta * aggregate(kl)
     if entropy is not None and entropy_coef != 0:
@@ -140,7 +211,7 @@ def lm_grpo_loss(
         silenced = clipped_above | clipped_below
         stats = {
             "clip_frac": silenced[response].sum().item() / tokens,
-            "approx_kl": 0.5 * (log_ratio[response] ** 2).mean().item(),
+            "approx_kl": 0.5 * ((log_probs - old_log_probs).to(dtype)[response] ** 2).mean().item(),
             "ratio_mean": ratios.mean().item(),
             "ratio_min": ratios.min().item(),
             "ratio_max": ratios.max().item(),
@@ -173,6 +244,7 @@ def _check_settings(
     *,
     clip_low: float,
     clip_high: float,
+    policy_loss: str,
     aggregation: str,
     max_tokens: int | None,
     has_ref: bool,
@@ -183,6 +255,8 @@ def _check_settings(
     loss_scale: float | None,
 ) -> None:
     """Raise ValueError naming the first setting of `lm_grpo_loss` that is out of range or inconsistent."""
+    if policy_loss not in POLICY_LOSSES:
+        raise ValueError(f"policy_loss={policy_loss!r} is not one of {tuple(POLICY_LOSSES)}")
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation={aggregation!r} is not one of {AGGREGATIONS}")
     if aggregation == "drgrpo":

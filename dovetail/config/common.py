@@ -12,7 +12,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal, Protocol, Self, get_args
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, Protocol, Self, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator, model_validator
 
@@ -21,7 +21,15 @@ from dovetail.files import read_text
 from dovetail.graph.spec import MAX_DEVICES, PipelineName
 from dovetail.kinds import KINDS, kind
 from dovetail.plan.scenario import MAX_SIMULATED_STEPS, Scenario, clip, parse_scenario, problem_report
-from dovetail.rewards import REWARD_TIMEOUT_S
+from dovetail.rewards import (
+    MODEL_REWARDS,
+    REWARD_TIMEOUT_S,
+    SERVED_REWARD,
+    RewardModel,
+    RewardServer,
+    RewardSources,
+    model_problem,
+)
 from dovetail.sched import POLICIES, policy_class
 from dovetail.sched.policy import PolicyOptions
 
@@ -49,8 +57,47 @@ class Section(BaseModel):
 
 
 def model_dir_name(path: Path) -> str:
-    """A pipeline named after its model directory (`model.path`), cut to what a pipeline name may hold."""
-    return re.sub(r"[^A-Za-z0-9_.-]", "-", path.name).lstrip(".")[:64] or "model"
+    """A pipeline named after its model directory (`model.path`), cut to what a pipeline name may hold; a hub
+    cache's snapshot (`models--org--name/snapshots/<commit>`, `hub_snapshot`) after its repository's name."""
+    name = path.name
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        name = path.parent.parent.name.rpartition("--")[2]
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", name).lstrip(".")[:64] or "model"
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?")
+"""A Hugging Face hub repository id (`name` or `org/name`), as TRL and verl take `Qwen/Qwen2.5-0.5B` for a model."""
+
+
+def hub_cache_dir() -> Path:
+    """The hub cache huggingface_hub reads, from the environment now (its own constant is read at its import):
+    HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def hub_snapshot(path: Path, repo_type: Literal["model", "dataset"] = "model") -> Path:
+    """`path` itself where it exists; else, where it reads as a hub id, that repository's snapshot (its `main`) in
+    the local hub cache, never the network: a run reads only what this machine holds. An id the cache lacks is one
+    line naming it and how to fetch it. Any other path is returned as it is, for its own check to name."""
+    text = str(path)
+    if path.exists() or text.startswith(".") or not HUB_ID.fullmatch(text):
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    cache = hub_cache_dir()
+    try:
+        return Path(str(snapshot_download(text, repo_type=repo_type, cache_dir=cache, local_files_only=True)))
+    except (LocalEntryNotFoundError, HFValidationError, OSError):  # the cache lacks it, or the id is not one
+        dataset = repo_type == "dataset"
+        option, missing = (" --repo-type dataset", "no dataset file") if dataset else ("", "no directory")
+        raise ValueError(
+            f"{missing} {text}, nor a hub {repo_type} id the cache {cache} holds: fetch it where there is network "
+            f"(hf download{option} {text}, with HF_HUB_CACHE={cache}) or give a local path"
+        ) from None
 
 
 def is_file(path: Path) -> bool:
@@ -289,6 +336,34 @@ device the way JigsawRL's share a GPU (on a CPU core, the processes split its ti
 each such worker takes this fraction of the device's Ray resource (`runtime.launch`)."""
 
 
+class RewardModelSection(Section):
+    """A model reward's model: `reward_models.clip_score.path: /models/clip`."""
+
+    path: Path = Field(
+        strict=False,
+        description="the directory the model and its processor or tokenizer were saved to (save_pretrained)",
+    )
+    batch_size: int = Field(32, ge=1, le=4096, description="samples per forward pass")
+
+
+class RewardServerSection(Section):
+    """The `http` reward's server (dovetail.rewards.http gives the request and the answer)."""
+
+    url: str = Field(max_length=2000, description="where batches are POSTed as JSON: http(s)://host:port/path")
+    concurrency: int = Field(4, ge=1, le=256, description="batches in flight at once")
+    timeout_s: float = Field(60.0, gt=0, le=3600, description="seconds one request may take before it is tried again")
+    retries: int = Field(3, ge=0, le=20, description="tries after the first, of a batch that timed out or failed")
+    backoff_s: float = Field(1.0, ge=0, le=600, description="wait before the first retry, doubled before each next")
+    batch_size: int = Field(64, ge=1, le=4096, description="samples per request")
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        if re.fullmatch(r"https?://[^\s/]+(/\S*)?", url) is None:
+            raise ValueError(f"{url!r} is no http(s) URL; write it whole, e.g. http://localhost:8000/score")
+        return url
+
+
 def _console_only() -> list[Tracker]:
     return ["console"]
 
@@ -352,6 +427,16 @@ class RunSection(Section):
         "own directory and the working directory",
     )
 
+    reward_models: dict[str, RewardModelSection] = Field(
+        default_factory=dict,
+        max_length=len(MODEL_REWARDS),
+        description="each model reward's directory: reward_models.clip_score.path (docs/rewards.md)",
+    )
+    reward_server: RewardServerSection | None = Field(None, description="the `http` reward's server (docs/rewards.md)")
+
+    reward_samples: ClassVar[str] = "images"
+    """What this kind's rewards score: "images" (and videos) or "texts"."""
+
     @field_validator("import_dirs")
     @classmethod
     def _importable(cls, directories: list[Path]) -> list[Path]:
@@ -371,6 +456,53 @@ class RunSection(Section):
                 "set train.cpu_offload: false, or a GPU cluster.device"
             )
         return self
+
+    @model_validator(mode="after")
+    def _reward_sections_match_the_rewards(self) -> "RunSection":
+        """A model reward has its reward_models section (a directory holding the right model) and the `http` reward
+        its reward_server, and neither section is there without its reward."""
+        named = set(getattr(self, "reward", None) or {})
+        fitting = sorted(n for n, s in MODEL_REWARDS.items() if s.scores == self.reward_samples)
+        unfitting = sorted(named & MODEL_REWARDS.keys() - set(fitting))
+        if unfitting:
+            name = unfitting[0]
+            raise ValueError(
+                f"reward.{name} scores {MODEL_REWARDS[name].scores}; the model rewards of {self.reward_samples} are "
+                f"{fitting}"
+            )
+        for name, section in self.reward_models.items():
+            if name not in fitting:
+                raise ValueError(
+                    f"reward_models.{name}: no model reward of {self.reward_samples} by that name; those are {fitting}"
+                )
+            if name not in named:
+                raise ValueError(
+                    f"reward_models.{name}: reward.{name} is not named; add reward.{name}=1.0 or remove the section"
+                )
+            problem = model_problem(name, section.path)
+            if problem is not None:
+                raise ValueError(f"reward_models.{name}.path: {problem}")
+        unplaced = sorted(named & MODEL_REWARDS.keys() - self.reward_models.keys())
+        if unplaced:
+            name = unplaced[0]
+            raise ValueError(
+                f"reward.{name} loads a model: give reward_models.{name}.path, the directory of "
+                f"{MODEL_REWARDS[name].saved}"
+            )
+        if SERVED_REWARD in named and self.reward_server is None:
+            raise ValueError(f"reward.{SERVED_REWARD} asks a reward server: give reward_server.url")
+        if self.reward_server is not None and SERVED_REWARD not in named:
+            raise ValueError(
+                f"reward_server: reward.{SERVED_REWARD} is not named; add reward.{SERVED_REWARD}=1.0 or "
+                "remove the section"
+            )
+        return self
+
+    def reward_sources(self, device: str = "cpu") -> RewardSources:
+        """What this run's model rewards and `http` reward need, their models on `device` (the scoring engine's)."""
+        models = {name: RewardModel(str(s.path), s.batch_size) for name, s in self.reward_models.items()}
+        server = None if self.reward_server is None else RewardServer(**self.reward_server.model_dump())
+        return RewardSources(models, server, device)
 
     @property
     def pipeline_name(self) -> str:

@@ -103,6 +103,7 @@ def accumulate_policy_gradient(
     kl_std: str = "total",
     reference_model=None,
     stale_max_weight: float | None = None,
+    ratio_normalization: bool = False,
 ) -> dict[str, float]:
     """Backpropagate the GRPO loss of every (sample, timestep) pair, `chunk_size` pairs at a time.
 
@@ -113,6 +114,8 @@ def accumulate_policy_gradient(
     surrogate then clips around the current policy with truncated importance weights.
     `timesteps`: shared by every trajectory, or one list per trajectory (DanceGRPO's own subsets),
     all of one length. `kl_std`: the KL divides by the step's ``total`` std or its ``std_dev_t``.
+    `ratio_normalization`: GRPO-Guard's ratio (`flow_grpo_loss`), its old mean the step's mean under the weights
+    being trained, detached: the weights that sampled an on-policy step, and the proximal policy of a stale one.
     Returns the pair-weighted sums of the loss statistics (divide by pair count for means).
     """
     rows_timesteps = per_row(timesteps, len(trajectories.prompts))
@@ -161,6 +164,9 @@ def accumulate_policy_gradient(
             std=step.std if kl_std == "total" else step.std_dev_t,
             beta=beta,
             importance_weight=weight,
+            ratio_normalization=ratio_normalization,
+            old_mean=step.mean.detach() if ratio_normalization else None,
+            total_std=step.std,
         )
         weight = len(rows) / total_pairs
         (loss * weight).backward()

@@ -21,7 +21,8 @@ from itertools import groupby
 import numpy as np
 import torch
 
-from dovetail.algo import decoupled_old_log_prob, group_advantages, lm_grpo_loss
+from dovetail.algo import advantages, decoupled_old_log_prob, lm_grpo_loss, rollout_correction_weight
+from dovetail.algo.reward_shaping import overlong_penalty, sequence_kl
 from dovetail.graph.node import SampleId
 from dovetail.models.engine import CACHE, Request
 from dovetail.models.training import compute_device, flat_gradient, trainable_parameters
@@ -229,35 +230,45 @@ def policy_gradient(
     stale: bool,
     passes: int | None = None,
     generated: dict[SampleId, Sequence[bool]] | None = None,
+    scored_requests: dict[SampleId, Request] | None = None,
 ) -> tuple[torch.Tensor | None, list[dict], float]:
     """The GRPO gradient of the groups of `requests` (a part of the step, whole groups), summed: the flat fp64
     gradient of the loss summed over the part (`lm_grpo_loss(loss_scale=1)`), each group's statistics, and what
     the part adds to the step's normaliser (the commit divides the summed parts by the step's).
 
-    Advantages are standardised within each group from `rewards` (every scored sample of the step: a group's
-    statistics need only its own members). Old log-probs are the recomputed ones given in `old_log_probs`, or on
-    policy (none given: one optimizer step per batch) the trainer's own, detached, so the ratio is 1 — as TRL and
-    verl skip that pass. Where they are given (an engine whose log-probs are not the trainer's: vLLM) the mean
-    absolute gap between them and the engine's is reported as `logprob_gap`. A stale part (rollouts of an older
-    version) is corrected by the decoupled PPO weight of the proximal to the behaviour log-probs. The mean token
-    entropy of the sampling distributions is reported, and
-    with `algo.entropy_coef` its bonus trains (the loss less entropy_coef x the entropy, aggregated as the
-    surrogate). `algo`: the run's `algo` section (clips, aggregation, KL, entropy bonus).
+    Advantages are estimated from `rewards` (every scored sample of the micro-batch, the step's with one) by the
+    registered `algo.advantage` (`step_advantages`): a group-wise estimator needs only each group's members, a
+    whole-batch one every response of the step. `scored_requests` holds every scored sample's request (its length,
+    the engine's log-probs), which the reward shaping and whole-batch estimators read; None: `requests`, the part's.
+
+    Old log-probs are the recomputed ones given in `old_log_probs`, or on policy (none given: one optimizer step per
+    batch) the trainer's own, detached, so the ratio is 1 — as TRL and verl skip that pass. Where they are given (an
+    engine whose log-probs are not the trainer's: vLLM) the mean absolute gap between them and the engine's is
+    reported as `logprob_gap`, and each token's surrogate is weighted by `algo.rollout_correction` of their ratio
+    (TIS / MIS; an engine that matches the trainer needs none). A stale part (rollouts of an older version) is
+    corrected by the decoupled PPO weight of the proximal to the behaviour log-probs. The mean token entropy of the
+    sampling distributions is reported, and with `algo.entropy_coef` its bonus trains (the loss less entropy_coef x
+    the entropy, aggregated as the surrogate). `algo`: the run's `algo` section (estimator, loss, clips,
+    aggregation, KL, entropy bonus, shaping).
 
     `passes`: on a member of a sharded trainer's group, the passes every member makes (`backward_in_lockstep`): the
     gradient is then left in the model's own (its shard of every member's), and None is returned for it.
 
+    `ref_log_probs` empty: no KL term, where the step has no reference pass (beta = 0, or the start-up profile's
+    train, which times the pass without one).
+
     `generated`: multi-turn trajectories' masks, per response token whether the model sampled it. The others are the
     environment's observations: the whole trajectory is passed (each model turn reads the observations before it),
     and only the sampled tokens enter the loss, its normaliser, the KL, the entropy and the statistics."""
-    scored = sorted(rewards)
-    advantages = group_advantages(
-        torch.tensor([rewards[s] for s in scored]),
-        torch.tensor([s.prompt for s in scored]),
-        std_scope=algo.std_scope,
-        clip=algo.adv_clip,
+    advantage_of = step_advantages(
+        rewards,
+        requests if scored_requests is None else scored_requests,
+        old_log_probs,
+        ref_log_probs,
+        algo=algo,
+        max_new_tokens=max_new_tokens,
+        generated=generated,
     )
-    advantage_of = dict(zip(scored, advantages.tolist()))
     normaliser = 0.0
 
     def group_loss(group: list[SampleId]):
@@ -283,9 +294,13 @@ def policy_gradient(
 
         old = padded(old_log_probs) if old_log_probs else log_probs.detach()
         weight = None
+        if old_log_probs and algo.rollout_correction != "none":  # the engine's log-probs are not the trainer's
+            engine = padded({s: r.log_probs for s, r in zip(group, group_requests)})
+            weight = rollout_correction_weight(old, engine, algo.rollout_correction, algo.rollout_correction_cap)
         if stale:
             behaviour = padded({s: r.log_probs for s, r in zip(group, group_requests)})
-            old, weight = decoupled_old_log_prob(log_probs, behaviour, max_weight=algo.stale_max_weight)
+            old, stale_weight = decoupled_old_log_prob(log_probs, behaviour, max_weight=algo.stale_max_weight)
+            weight = stale_weight if weight is None else weight * stale_weight
         loss, stats = lm_grpo_loss(
             log_probs,
             old,
@@ -293,10 +308,11 @@ def policy_gradient(
             mask,
             clip_low=algo.clip_low,
             clip_high=algo.clip_high,
+            policy_loss=algo.loss,
             aggregation=algo.aggregation,
             max_tokens=max_new_tokens,
             ref_log_probs=padded(ref_log_probs) if ref_log_probs else None,
-            beta=algo.beta,
+            beta=algo.beta if algo.kl_in == "loss" and ref_log_probs else 0.0,
             kl_estimator=algo.kl_estimator,
             entropy=entropy,
             entropy_coef=algo.entropy_coef,
@@ -312,3 +328,48 @@ def policy_gradient(
         return None, backward_in_lockstep(model, list(requests), group_loss, passes), normaliser
     gradient, stats = accumulate_group_gradients(model, list(requests), group_loss)
     return gradient, stats, normaliser
+
+
+def step_advantages(
+    rewards: dict[SampleId, float],
+    scored_requests: dict[SampleId, Request],
+    old_log_probs: dict[SampleId, object],
+    ref_log_probs: dict[SampleId, object],
+    *,
+    algo,
+    max_new_tokens: int,
+    generated: dict[SampleId, Sequence[bool]] | None = None,
+) -> dict[SampleId, float]:
+    """Each scored sample's advantage (`algo.advantages`, estimator `algo.advantage`) from its reward shaped first:
+    plus DAPO's overlong penalty (`algo.overlong_buffer`), and with `algo.kl_in: reward` less beta x its summed KL
+    estimate to the reference (where `ref_log_probs` are given) at the old log-probs, which the pipelines recompute
+    for it (`LMTrainConfig.recomputes_old_log_probs`; the engine's where none were: the start-up profile's)
+    (`sequence_kl`). Lengths are response tokens."""
+    scored = sorted(rewards)
+    lengths = torch.tensor([len(scored_requests[s].tokens) for s in scored], dtype=torch.float64)
+    shaped = torch.tensor([rewards[s] for s in scored], dtype=torch.float64)
+    shaped = shaped + overlong_penalty(lengths, max_new_tokens, algo.overlong_buffer, algo.overlong_penalty)
+    if algo.kl_in == "reward" and algo.beta > 0 and ref_log_probs:
+        penalties = []
+        for sample in scored:
+            request = scored_requests[sample]
+            policy = old_log_probs[sample] if old_log_probs else request.log_probs
+            sampled = generated[sample] if generated else [True] * len(request.tokens)
+            penalties.append(
+                sequence_kl(
+                    torch.as_tensor(np.asarray(policy)),
+                    torch.as_tensor(np.asarray(ref_log_probs[sample])),
+                    torch.as_tensor(list(sampled)),
+                    algo.kl_estimator,
+                )
+            )
+        shaped = shaped - algo.beta * torch.tensor(penalties, dtype=torch.float64)
+    estimated = advantages(
+        algo.advantage,
+        shaped,
+        torch.tensor([s.prompt for s in scored]),
+        lengths,
+        std_scope=algo.std_scope,
+        clip=algo.adv_clip,
+    )
+    return dict(zip(scored, estimated.tolist()))

@@ -16,15 +16,23 @@ calls rewards), so `reward_timeout_s` stops a call whatever it does: waits on a 
 Whatever it raises, SystemExit and KeyboardInterrupt included, and a process it ends are a RewardError naming it,
 never the run's own exit or Ctrl-C. Ours (here and in `dovetail.rewards.text`) are fast, bounded and trusted: they
 run in the calling process, directly, with no time limit. Every output is then checked: one finite number per
-sample, else a RewardError naming the reward and the sample."""
+sample, else a RewardError naming the reward and the sample.
+
+Model rewards (`MODEL_REWARDS`: CLIP score, PickScore, a sequence-classification reward model) load a model from
+the user's directory (`reward_models.NAME.path`) onto the device of the engine that scores, and the `http` reward
+posts batches to a reward server (`reward_server`); both are ours, so they run in the calling process too.
+`RewardSources` carries what they need besides a name; docs/rewards.md gives each reward's formula and source."""
 
 import importlib
 import inspect
 import io
+import json
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
@@ -99,6 +107,135 @@ class RewardError(RuntimeError):
     """A reward failed or returned a non-finite value; names the reward and the sample."""
 
 
+@dataclass(frozen=True)
+class RewardModel:
+    """A model reward's directory (what `save_pretrained` wrote) and the samples it scores per forward pass."""
+
+    path: str
+    batch_size: int = 32
+
+
+@dataclass(frozen=True)
+class RewardServer:
+    """The `http` reward's server: batches of `batch_size` samples POSTed to `url`, at most `concurrency` at once,
+    each given `timeout_s`, and tried again up to `retries` times after backoff_s, 2 backoff_s, 4 backoff_s..."""
+
+    url: str
+    concurrency: int = 4
+    timeout_s: float = 60.0
+    retries: int = 3
+    backoff_s: float = 1.0
+    batch_size: int = 64
+
+
+@dataclass(frozen=True)
+class RewardSources:
+    """What rewards need besides their names: the model rewards' directories by reward name, the reward server,
+    and the device the models run on (the scoring engine's: a reward-pool device where runtime.reward_devices sets
+    one apart)."""
+
+    models: Mapping[str, RewardModel] = field(default_factory=dict)
+    server: RewardServer | None = None
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class ModelReward:
+    """A model reward: what it scores ("images" or "texts"), the model class its directory's config.json must name
+    (`architectures`; a suffix, as ...ForSequenceClassification), what the user saves there, and the
+    "module:function" that loads it: `function(RewardModel, device)` returns the reward function. A string, imported
+    on first use, so that reading a config imports no torch. `files`: the files beside the model it reads, each
+    group's one of several names (a processor's or tokenizer's, as transformers versions have written them)."""
+
+    scores: str
+    architecture: str
+    saved: str
+    loader: str
+    files: tuple[tuple[str, ...], ...]
+
+
+CLIP_FILES = (("processor_config.json", "preprocessor_config.json"), ("tokenizer.json", "vocab.json"))
+TOKENIZER_FILES = (("tokenizer.json", "tokenizer_config.json"),)
+
+
+MODEL_REWARDS: dict[str, ModelReward] = {
+    "clip_score": ModelReward(
+        "images", "CLIPModel", "a CLIPModel and its CLIPProcessor", "dovetail.rewards.models:clip_score", CLIP_FILES
+    ),
+    "pickscore": ModelReward(
+        "images", "CLIPModel", "a CLIPModel and its CLIPProcessor", "dovetail.rewards.models:pickscore", CLIP_FILES
+    ),
+    "lm_reward_model": ModelReward(
+        "texts",
+        "ForSequenceClassification",
+        "an AutoModelForSequenceClassification and its tokenizer",
+        "dovetail.rewards.models:lm_reward_model",
+        TOKENIZER_FILES,
+    ),
+}
+
+SERVED_REWARD = "http"
+"""The reward a reward server computes (`reward_server`), for images and texts alike."""
+
+SERVER_CLIENT = "dovetail.rewards.http:served_reward"
+"""`served_reward(RewardServer, scores)`: the `http` reward's function, imported on first use."""
+
+
+def model_problem(name: str, path: Path) -> str | None:
+    """What keeps `path` from serving as model reward `name`'s directory, in words with the fix; None if nothing.
+    Read from its config.json and the names of its files: no model is loaded."""
+    spec = MODEL_REWARDS[name]
+    fix = f"save {spec.saved} there with save_pretrained"
+    if not path.is_dir():
+        return f"{path} is not a directory; {fix}"
+    try:
+        saved = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return f"{path} has no readable config.json; {fix}"
+    architectures = saved.get("architectures") if isinstance(saved, dict) else None
+    if not isinstance(architectures, list) or not any(str(a).endswith(spec.architecture) for a in architectures):
+        return f"{path} holds a {architectures or 'model of no architecture'}, not a ...{spec.architecture}; {fix}"
+    for names in spec.files:
+        if not any((path / name).is_file() for name in names):
+            return f"{path} has no {' or '.join(names)}; {fix}"
+    return None
+
+
+def load_function(name: str) -> Callable:
+    """The function a "module:function" string names: a lazy registry's entry, ours."""
+    module, _, attribute = name.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def sourced_reward(name: str, sources: RewardSources, scores: str) -> Callable | None:
+    """Reward `name` where it is a model reward or the `http` one (their functions of images or texts, `scores`,
+    loaded on first use and kept); None for any other name. A ValueError where its section is missing."""
+    if name == SERVED_REWARD:
+        if sources.server is None:
+            raise ValueError(f"reward {name!r} posts to a reward server: give reward_server.url")
+        return load_function(SERVER_CLIENT)(sources.server, scores)
+    spec = MODEL_REWARDS.get(name)
+    if spec is None:
+        return None
+    if spec.scores != scores:
+        raise ValueError(
+            f"reward {name!r} scores {spec.scores}, not {scores}; model rewards for {scores}: "
+            f"{sorted(n for n, s in MODEL_REWARDS.items() if s.scores == scores)}"
+        )
+    if name not in sources.models:
+        raise ValueError(
+            f"reward {name!r} loads a model: give reward_models.{name}.path, the directory of {spec.saved}"
+        )
+    model = sources.models[name]
+    try:
+        return load_function(spec.loader)(model, sources.device)
+    except Exception as error:  # what the config's check cannot see: the weights, a tokenizer's contents
+        raise RewardError(
+            f"reward {name!r} could not load {spec.saved} from {model.path} onto {sources.device}: "
+            f"{process.describe(error)}"
+        ) from None
+
+
 class RewardRaised(RewardError):
     """The reward raised (the other failures: it overran its time, ended its process, returned no scores)."""
 
@@ -114,6 +251,8 @@ def call_reward(name: str, fn: Callable, args: tuple, kwargs: dict, samples: int
     if ":" not in name:
         try:
             return fn(*args, **kwargs)
+        except RewardError:  # ours, already one line naming what failed (the reward server)
+            raise
         except Exception as error:
             raise RewardRaised(f"reward {name!r} raised {process.describe(error)}") from error
     try:
@@ -128,13 +267,18 @@ ALLOWED_MODULES = "DOVETAIL_REWARD_MODULES"
 """Environment variable: comma-separated module prefixes a custom reward may be imported from; unset, any."""
 
 
-def reward_fn(name: str) -> RewardFn:
-    """A reward by name, or your own as "package.module:function" (same signature)."""
+def reward_fn(name: str, sources: RewardSources = RewardSources()) -> RewardFn:
+    """A reward by name (a model reward's and the `http` one's from `sources`), or your own as
+    "package.module:function" (same signature)."""
     if name in REWARDS:
         return REWARDS[name]
+    sourced = sourced_reward(name, sources, "images")
+    if sourced is not None:
+        return sourced
     if ":" in name:
         return _image_reward(name, custom_reward(name, "(images, prompts)"))
-    raise ValueError(f"unknown reward {name!r}; known rewards: {sorted(REWARDS)}, or give module:function")
+    known = sorted([*REWARDS, *(n for n, s in MODEL_REWARDS.items() if s.scores == "images"), SERVED_REWARD])
+    raise ValueError(f"unknown reward {name!r}; known rewards: {known}, or give module:function")
 
 
 SAMPLE_NAMES = frozenset({"images", "image", "videos", "video", "samples"})
@@ -204,15 +348,20 @@ def reward_file(name: str) -> str:
 
 
 def check_reward_names(weights: dict[str, float]) -> None:
+    """Each reward exists; a model reward's and the `http` one's sections are the config's to check."""
     for name in weights:
-        reward_fn(name)
+        if name not in MODEL_REWARDS and name != SERVED_REWARD:
+            reward_fn(name)
 
 
-def load_rewards(weights: dict[str, float]) -> None:
-    """Build now what the rewards would build on first use (the judge loads its weights), so that the first step
-    of a run does not pay for it."""
+def load_rewards(weights: dict[str, float], sources: RewardSources = RewardSources()) -> None:
+    """Build now what the rewards would build on first use (the judge loads its weights, a model reward its
+    model onto `sources.device`), so that the first step of a run does not pay for it."""
     if "digit_match" in weights:
         digit_judge()
+    for name in weights:
+        if name in MODEL_REWARDS:
+            sourced_reward(name, sources, MODEL_REWARDS[name].scores)
 
 
 def reward_values(name: str, output, samples: int) -> np.ndarray:
@@ -229,12 +378,17 @@ def reward_values(name: str, output, samples: int) -> np.ndarray:
 
 
 def score(
-    images: np.ndarray, prompts: Sequence[str], weights: dict[str, float], timeout_s: float = REWARD_TIMEOUT_S
+    images: np.ndarray,
+    prompts: Sequence[str],
+    weights: dict[str, float],
+    timeout_s: float = REWARD_TIMEOUT_S,
+    sources: RewardSources = RewardSources(),
 ) -> dict[str, np.ndarray]:
-    """Each named reward and their weighted sum under "total". `images` may be videos (B, F, H, W, 3)."""
+    """Each named reward and their weighted sum under "total": sum of weight x reward. `images` may be videos
+    (B, F, H, W, 3); `sources`: what model rewards and the `http` one need."""
     scores = {}
     for name in weights:
-        values = _reward_of_samples(name, reward_fn(name), images, prompts, timeout_s)
+        values = _reward_of_samples(name, reward_fn(name, sources), images, prompts, timeout_s)
         bad = np.flatnonzero(~np.isfinite(values))
         if bad.size:
             i = int(bad[0])

@@ -20,13 +20,17 @@ from fractions import Fraction
 import numpy as np
 
 from dovetail.rewards import (
+    MODEL_REWARDS,
     REWARD_TIMEOUT_S,
+    SERVED_REWARD,
     RewardError,
     RewardRaised,
+    RewardSources,
     call_reward,
     custom_reward,
     reward_file,
     reward_values,
+    sourced_reward,
 )
 from dovetail.tasks import Copy, Countdown, ExpressionError, evaluate_expression, final_answer, task_of_prompt
 
@@ -226,15 +230,20 @@ TRL_KEYWORDS = ("prompts", "completions", "completion_ids")
 """What a user's text reward is offered by keyword besides a dataset's columns, as TRL's GRPOTrainer passes them."""
 
 
-def text_reward_fn(name: str, dataset: bool = False) -> Callable:
-    """A text reward by name: a task's (`TEXT_REWARDS`), or with `dataset` a dataset run's (`DATASET_REWARDS`), or
-    your own as "package.module:function" (called by keyword as TRL calls it: `_keyword_reward`)."""
+def text_reward_fn(name: str, dataset: bool = False, sources: RewardSources = RewardSources()) -> Callable:
+    """A text reward by name: a task's (`TEXT_REWARDS`), or with `dataset` a dataset run's (`DATASET_REWARDS`), a
+    model reward's or the `http` one's from `sources` (functions of (completions, prompts)), or your own as
+    "package.module:function" (called by keyword as TRL calls it: `_keyword_reward`)."""
     known = DATASET_REWARDS if dataset else TEXT_REWARDS
     if name in known:
         return known[name]
+    sourced = sourced_reward(name, sources, "texts")
+    if sourced is not None:
+        return sourced
     if ":" in name:
         return _keyword_reward(name, custom_reward(name, "(prompts, completions, **kwargs)"), dataset)
-    raise ValueError(f"unknown text reward {name!r}; known text rewards: {sorted(known)}, or give module:function")
+    named = [*known, *(n for n, spec in MODEL_REWARDS.items() if spec.scores == "texts"), SERVED_REWARD]
+    raise ValueError(f"unknown text reward {name!r}; known text rewards: {sorted(named)}, or give module:function")
 
 
 def _keyword_reward(name: str, fn: Callable, dataset: bool) -> Callable:
@@ -317,14 +326,16 @@ def score_text(
     weights: dict[str, float],
     timeout_s: float = REWARD_TIMEOUT_S,
     context: TextContext | None = None,
+    sources: RewardSources = RewardSources(),
 ) -> dict[str, np.ndarray]:
     """Each named reward and their weighted sum under "total"; a reward that raises, returns a non-finite value or
     the wrong number of values is a RewardError naming the reward and, where one can be found, the sample.
-    `context`: what a dataset run's rewards see besides (`TextContext`); none for a task run."""
+    `context`: what a dataset run's rewards see besides (`TextContext`); none for a task run. `sources`: what model
+    rewards and the `http` one need."""
     context = context or TextContext()
     scores = {}
     for name in weights:
-        fn = text_reward_fn(name, context.dataset)
+        fn = text_reward_fn(name, context.dataset, sources)
         args, kwargs = reward_arguments(name, fn, completions, prompts, context)
         try:
             output = call_reward(name, fn, args, kwargs, len(completions), timeout_s)

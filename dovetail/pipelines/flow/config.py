@@ -19,6 +19,7 @@ from dovetail.config.common import (
     Section,
     Seed,
     TrainSection,
+    hub_snapshot,
     imports_rewards,
     is_dir,
     is_file,
@@ -60,7 +61,8 @@ class ModelSection(Section):
         None,
         strict=False,
         description="a diffusers directory (save_pretrained layout): a pipeline, or transformer/ with "
-        "prompt_embeds.safetensors",
+        "prompt_embeds.safetensors; or a hub id (stabilityai/stable-diffusion-3.5-medium) already in the local "
+        "Hugging Face cache",
     )
     lora: LoraSection | None = Field(None, description="train a LoRA adapter of model.path's transformer")
     max_sequence_length: int = Field(
@@ -107,6 +109,7 @@ class ModelSection(Section):
     @field_validator("path")
     @classmethod
     def _diffusers_layout(cls, path: Path | None) -> Path | None:
+        path = None if path is None else hub_snapshot(path)
         problem = None if path is None else diffusers_layout_problem(path)
         if problem:
             raise ValueError(problem)
@@ -218,6 +221,16 @@ CompatPreset = Literal["dovetail", "flow_grpo", "flow_grpo_fast", "dance_grpo", 
 COMPAT_PRESETS: tuple[str, ...] = get_args(CompatPreset)
 
 
+class SDEWindowSection(Section):
+    """MixGRPO's sliding window (`algo.sliding_window`): the steps sampled by the SDE and trained, ODE elsewhere."""
+
+    size: int = Field(ge=1, le=1000, description="steps of the window (MixGRPO's scripts: 4)")
+    shift_every: int = Field(
+        ge=1, le=MAX_STEPS, description="RL steps between two moves of the window (MixGRPO's iters_per_group: 25)"
+    )
+    stride: int = Field(1, ge=1, le=1000, description="steps the window moves by (MixGRPO's prog_overlap_step: 1)")
+
+
 class AlgoSection(Section):
     prompts_per_step: int = Field(8, ge=1, le=MAX_PER_STEP, description="B: prompts per step")
     group_size: GroupSize = Field(8, le=MAX_PER_STEP, description="G: samples per prompt")
@@ -264,6 +277,32 @@ class AlgoSection(Section):
         max_length=2,
         description="[lo, hi]: the window lies in steps lo..hi-1; None: [0, K - 1], every trainable step",
     )
+    sde_window: SDEWindowSection | None = Field(
+        None,
+        description="MixGRPO: the SDE window slides from window_range's start, moving every shift_every steps (ODE "
+        "outside it); sets timesteps=window and window_size=size. None: a window, if any, is drawn at random",
+    )
+    ratio_normalization: bool = Field(
+        False,
+        description="GRPO-Guard: the ratio of each step normalised to an unbiased log-ratio on one scale at every "
+        "timestep (algo.flow_grpo_loss); the Flow-GRPO SDE only",
+    )
+
+    @model_validator(mode="after")
+    def _window_slides(self) -> "AlgoSection":
+        """algo.sde_window is a window of algo.timesteps=window whose start is a function of the step."""
+        window = self.sde_window
+        if window is None:
+            return self
+        if self.timesteps not in (None, "window"):
+            raise ValueError(f"algo.sde_window trains its window: leave algo.timesteps (now {self.timesteps}) unset")
+        if self.window_size not in (None, window.size):
+            raise ValueError(
+                f"algo.window_size={self.window_size}: algo.sde_window.size={window.size} is the window's; leave "
+                "algo.window_size unset"
+            )
+        self.timesteps, self.window_size = "window", window.size
+        return self
 
 
 COMPAT = {
@@ -319,6 +358,13 @@ class FlowTrainSection(TrainSection):
     )
 
 
+class EMASection(Section):
+    """Flow-GRPO's EMA (`algo.WeightEMA`): its train_sd3.py uses decay 0.9, an update every 8 optimizer steps."""
+
+    decay: float = Field(0.9, gt=0, lt=1, description="the EMA's decay (warmed up as min(decay, (1+n)/(10+n)))")
+    every: int = Field(8, ge=1, le=MAX_STEPS, description="update after optimizer step n where (n + 1) % every == 0")
+
+
 class EvalSection(Section):
     every: int = Field(25, ge=1, le=MAX_STEPS, description="evaluate every N steps (and at the start and end)")
     per_prompt: int = Field(
@@ -330,6 +376,11 @@ class EvalSection(Section):
         "1000: every eval generates them all); `per_digit`, its name before prompts files, still reads",
     )
     seed: Seed = 10_000
+    ema: EMASection | None = Field(
+        None,
+        description="evaluate an exponential moving average of the trained weights (Flow-GRPO's train.ema), saved "
+        "as ema.safetensors beside each checkpoint's weights; None: the weights themselves",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -342,21 +393,32 @@ class EvalSection(Section):
 
 class PromptsSection(Section):
     """The run's prompts from a file or dataset (dovetail.prompts): one per line (.txt), a field of JSON lines
-    (.jsonl), of a JSON list (.json), or of a table `datasets` reads (.parquet, .csv); split into train and eval by a
-    hash of each prompt's text (eval_fraction), or the eval prompts from a file of their own (eval_path)."""
+    (.jsonl), of a JSON list (.json), of a table `datasets` reads (.parquet, .csv, .arrow), of a dataset directory or
+    a hub dataset id the local cache holds (docs/datasets.md; `split` one of its splits); split into train and eval
+    by a hash of each prompt's text (eval_fraction), or the eval prompts from a file of their own (eval_path)."""
 
-    path: Path = Field(strict=False, description="the prompts file")
+    path: Path = Field(
+        strict=False, description="the prompts file, a dataset directory, or a hub dataset id in the local cache"
+    )
+    split: str | None = Field(
+        None, min_length=1, max_length=200, description="the split of a dataset of several (e.g. train)"
+    )
     field: str = Field("prompt", min_length=1, max_length=200, description="the prompt's field in a record")
     eval_fraction: float | None = Field(
         None, gt=0, lt=1, description="share of the prompts held out for evaluation; None: 0.1 (without eval_path)"
     )
     eval_path: Path | None = Field(None, strict=False, description="eval prompts' file; then every prompt trains")
+    eval_split: str | None = Field(
+        None, min_length=1, max_length=200, description="eval_path's split (e.g. test); None: its only split"
+    )
     eval_prompts: int = Field(16, ge=1, le=1000, description="held-out prompts each evaluation samples")
 
     @field_validator("path", "eval_path")
     @classmethod
     def _a_file(cls, path: Path | None) -> Path | None:
-        if path is not None and not is_file(path):
+        if path is not None:
+            path = hub_snapshot(path, "dataset")
+        if path is not None and not (is_file(path) or is_dir(path)):
             raise ValueError(f"no prompts file {path}")
         return path
 
@@ -366,6 +428,8 @@ class PromptsSection(Section):
             raise ValueError("prompts: give prompts.eval_fraction or prompts.eval_path, not both")
         if self.eval_path is None and self.eval_fraction is None:
             self.eval_fraction = 0.1
+        if self.eval_split is not None and self.eval_path is None:
+            raise ValueError("prompts.eval_split is eval_path's split: give prompts.eval_path too")
         return self
 
 
@@ -504,6 +568,28 @@ class FlowTrainConfig(RunSection):
             raise ValueError(
                 f"{fields}{preset} needs the whole batch scored before any training; policy {self.policy} "
                 f"trains fragments as they finish: use {' and '.join(fix for _, fix in needed)}, or policy=reference"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _new_algorithms_fit(self) -> "FlowTrainConfig":
+        """The sliding window is one per step, GRPO-Guard's normalisation is of the Flow-GRPO SDE's steps, and the
+        EMA is kept by the reference loop, which steps the weights in this process."""
+        algo = self.algo
+        if algo.sde_window is not None and algo.per_sample_timesteps:
+            raise ValueError(
+                "algo.sde_window slides one window a step for every sample; algo.per_sample_timesteps (set by "
+                "algo.compat=dance_grpo) draws each sample's own: set algo.per_sample_timesteps=false"
+            )
+        if algo.ratio_normalization and flow_rules(self).sde_kind != "flow_grpo":
+            raise ValueError(
+                "algo.ratio_normalization (GRPO-Guard) normalises the Flow-GRPO SDE's steps; use algorithm flow_grpo "
+                "with sampling.sde_kind=flow_grpo"
+            )
+        if self.eval.ema is not None and self.policy != REFERENCE:
+            raise ValueError(
+                f"eval.ema: the EMA of the weights is kept by the reference loop; policy {self.policy} steps them on "
+                "its trainers: use policy: reference"
             )
         return self
 

@@ -72,7 +72,8 @@ class FlowEngines(PipelineEngines[torch.nn.Module]):
         super().__init__(config, device)
         self.sde, self.rules = sde_settings(config, device), flow_rules(config)
         self.decode = load_decoder(config, device)
-        load_rewards(config.reward)
+        self.reward_sources = config.reward_sources(str(device))
+        load_rewards(config.reward, self.reward_sources)
         if not holds_policy:
             return
         self.trainer = load_flow_model(config).to(device)
@@ -109,7 +110,9 @@ class FlowEngines(PipelineEngines[torch.nn.Module]):
         if isinstance(work, Score):
             trajectories, ids = unpack(self.fetch(work.rollouts), self.sde.sigmas)
             images = self.decode(trajectories.images)
-            return Scores(ids, score(images, trajectories.prompts, config.reward, config.reward_timeout_s))
+            return Scores(
+                ids, score(images, trajectories.prompts, config.reward, config.reward_timeout_s, self.reward_sources)
+            )
         if isinstance(work, FlowLogProbs):
             every, ids = unpack(self.fetch(work.trajectories), self.sde.sigmas)
             trajectories = every
@@ -202,9 +205,13 @@ def profile_works(
             clip_range=config.algo.clip_range,
         )
 
+    sources = config.reward_sources(str(trainer.device))
+
     works = {
         "generate": lambda done: generate(trainer, prompts, ids, sde, seed=config.seed, shared_group_noise=False),
-        "score": lambda done: score(decode(done["generate"].images), prompts, config.reward, config.reward_timeout_s),
+        "score": lambda done: score(
+            decode(done["generate"].images), prompts, config.reward, config.reward_timeout_s, sources
+        ),
         "logprob": logprob,
         "train": train,
         "optimizer": lambda done: commit(trainer, optimizer, config.train),

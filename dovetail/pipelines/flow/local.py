@@ -7,7 +7,14 @@ optimizer step. Every other policy must reproduce these parameters.
 """
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
+import torch
+from safetensors.torch import load_file, save_file
+
+from dovetail.algo import WeightEMA
 from dovetail.models.diffusers_flow import checkpoint_io, load_decoder, load_flow_model
 from dovetail.models.flow_rl import generate, group_sample_ids, step_prompts
 from dovetail.models.memory import memory_by_kind, peak_bytes
@@ -57,7 +64,8 @@ def rl_step(
     timings["generate_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    rewards = score(decode(trajectories.images), sample_prompts, config.reward, config.reward_timeout_s)
+    sources = config.reward_sources(str(model.device))
+    rewards = score(decode(trajectories.images), sample_prompts, config.reward, config.reward_timeout_s, sources)
     advantages = advantages_of(config, rewards["total"], [s.prompt for s in ids], sample_prompts)
     timings["score_s"] = time.perf_counter() - start
 
@@ -95,20 +103,72 @@ def rl_step(
     return metrics | {"samples_per_s": len(ids) / step_seconds, "step_s": step_seconds} | memory_figures([memory])
 
 
+EMA_FILE = "ema.safetensors"
+"""A checkpoint's EMA of the trained weights (eval.ema), beside its weights: the trainable parameters by name."""
+
+
+def trained_parameters(model) -> dict[str, torch.Tensor]:
+    """The parameters that train (a LoRA run's adapter alone), by name: what eval.ema averages."""
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
 class FlowLocal:
-    """A flow run's model in this process: the reference loop trains it; evaluations and checkpoints read it."""
+    """A flow run's model in this process: the reference loop trains it; evaluations and checkpoints read it.
+    With eval.ema it keeps the EMA of the trained weights (`algo.WeightEMA`), updated after each optimizer step,
+    evaluated in their place, and checkpointed (EMA_FILE) so that a resumed run averages on as the uninterrupted
+    one; only the reference loop steps the weights here (the config refuses eval.ema under a Ray policy)."""
 
     def __init__(self, config: FlowTrainConfig) -> None:
         self.config = config
         self.model = load_flow_model(config)
         self.decode = load_decoder(config)
         self.optimizer = make_optimizer(self.model, config.train)
-        self.save_weights, self.load_weights = checkpoint_io(config, self.model)
+        save_weights, load_weights = checkpoint_io(config, self.model)
+        ema = config.eval.ema
+        self.ema = None if ema is None else WeightEMA(trained_parameters(self.model), ema.decay, ema.every)
+        self._save, self._load = save_weights, load_weights
         self._reference_model = None
 
+    def save_weights(self, directory: Path) -> None:
+        self._save(directory)
+        if self.ema is not None:
+            save_file(
+                {name: t.detach().cpu().contiguous() for name, t in self.ema.shadow.items()}, str(directory / EMA_FILE)
+            )
+
+    def load_weights(self, directory: Path):
+        """The checkpoint's model (`checkpoint_io`'s loader); its EMA too where eval.ema keeps one, or, from a
+        checkpoint of a run without one, an EMA that starts at its weights."""
+        loaded = self._load(directory)
+        if self.ema is not None:
+            saved = load_file(directory / EMA_FILE) if (directory / EMA_FILE).is_file() else trained_parameters(loaded)
+            self.ema.shadow = {
+                name: saved[name].detach().to(t.device, copy=True) for name, t in self.ema.shadow.items()
+            }
+        return loaded
+
+    @contextmanager
+    def _evaluated_weights(self) -> Iterator[None]:
+        """The EMA in place of the trained weights while evaluating (Flow-GRPO's copy_ema_to / copy_temp_to)."""
+        if self.ema is None:
+            yield
+            return
+        parameters = trained_parameters(self.model)
+        kept = {name: p.detach().clone() for name, p in parameters.items()}
+        with torch.no_grad():
+            for name, p in parameters.items():
+                p.copy_(self.ema.shadow[name])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, p in parameters.items():
+                    p.copy_(kept[name])
+
     def evaluate(self, run: RunDir, grid: str, step: int) -> Evaluation:
-        """ODE samples on the held-out seeds, drawn as one grid image."""
-        scores, images, prompts = evaluate(self.model, self.config, self.decode)
+        """ODE samples on the held-out seeds (of the EMA's weights with eval.ema), drawn as one grid image."""
+        with self._evaluated_weights():
+            scores, images, prompts = evaluate(self.model, self.config, self.decode)
         evaluation = Evaluation(step, scores, image=run.path / grid)
         run.save_eval_grid(images, prompts, grid, evaluation.caption)
         return evaluation
@@ -116,4 +176,7 @@ class FlowLocal:
     def rl_step(self, step: int) -> dict:
         if self.config.algo.beta > 0 and self._reference_model is None:
             self._reference_model = load_flow_model(self.config).requires_grad_(False)
-        return rl_step(self.model, self.optimizer, self.config, step, self._reference_model, self.decode)
+        metrics = rl_step(self.model, self.optimizer, self.config, step, self._reference_model, self.decode)
+        if self.ema is not None:
+            self.ema.update(trained_parameters(self.model), step + 1)
+        return metrics

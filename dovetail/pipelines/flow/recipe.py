@@ -5,7 +5,7 @@ held-out evaluation."""
 import numpy as np
 import torch
 
-from dovetail.algo import group_advantages, select_train_timesteps
+from dovetail.algo import group_advantages, select_train_timesteps, sliding_window
 from dovetail.graph.node import SampleId, sample_key
 from dovetail.models.flow_rl import SDESettings, accumulate_policy_gradient
 from dovetail.models.sampling import keyed_normal, sample_ode
@@ -22,7 +22,20 @@ def sde_settings(config: FlowTrainConfig, device: torch.device | str = "cpu") ->
 
 
 def step_timesteps(config: FlowTrainConfig, step: int) -> list[int]:
-    """The trained steps of RL step `step`'s samples, one draw for all of them keyed by (seed, step)."""
+    """The trained steps of RL step `step`'s samples (0 the run's first): one draw for all of them keyed by
+    (seed, step), or algo.sde_window's window at that step (MixGRPO)."""
+    window = config.algo.sde_window
+    if window is not None:
+        window_range = config.algo.window_range or (0, config.sampling.num_steps - 1)
+        return sliding_window(
+            config.sampling.num_steps,
+            window.size,
+            window.shift_every,
+            step,
+            stride=window.stride,
+            low=window_range[0],
+            high=window_range[1],
+        )
     return _select_timesteps(config, sample_key(config.seed, "timesteps", step))
 
 
@@ -66,7 +79,7 @@ def evaluate(
         model.device
     )
     images = decode(sample_ode(model, prompts, sde_settings(config, model.device).sigmas, noise))
-    scores = score(images, prompts, config.reward, config.reward_timeout_s)
+    scores = score(images, prompts, config.reward, config.reward_timeout_s, config.reward_sources(str(model.device)))
     return {name: float(values.mean()) for name, values in scores.items()}, images, prompts
 
 
@@ -118,4 +131,5 @@ def policy_gradient(
         kl_std=algo.kl_std,
         reference_model=reference_model,
         stale_max_weight=algo.stale_max_weight if stale else None,
+        ratio_normalization=algo.ratio_normalization,
     )

@@ -5,7 +5,7 @@ algorithm's knobs, evaluation, and how the Ray runtime cuts a step."""
 import re
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     Field,
@@ -27,6 +27,7 @@ from dovetail.config.common import (
     RunSection,
     Section,
     Seed,
+    hub_snapshot,
     imports_rewards,
     is_dir,
     is_file,
@@ -41,6 +42,7 @@ from dovetail.envs.contract import Latency
 from dovetail.envs.toolcalls import convention
 from dovetail.graph.spec import MAX_DEVICES, GroupSize, check_length_bands
 from dovetail.plan.scenario import Scenario, check_pools, clip
+from dovetail.rewards import MODEL_REWARDS, SERVED_REWARD
 from dovetail.rewards.text import DEFAULT_FORMAT, text_reward_fn
 from dovetail.sched.policy import PolicyOptions
 from dovetail.tasks import task
@@ -89,7 +91,8 @@ class LMModelSection(Section):
         None,
         strict=False,
         description="your own transformers causal LM: a directory in save_pretrained layout (config.json, weights, "
-        "tokenizer); it trains on prompts.path",
+        "tokenizer), or a hub id (Qwen/Qwen2.5-0.5B) already in the local Hugging Face cache; it trains on "
+        "prompts.path",
     )
     lora: LMLoraSection | None = Field(None, description="train a LoRA adapter of model.path instead of every weight")
     cost_model: str = Field(
@@ -112,6 +115,7 @@ class LMModelSection(Section):
     def _transformers_layout(cls, path: Path | None) -> Path | None:
         if path is None:
             return None
+        path = hub_snapshot(path)
         problem = transformers_layout_problem(path)
         if problem:
             raise ValueError(problem)
@@ -155,12 +159,26 @@ def transformers_layout_problem(path: Path) -> str | None:
 
 class LMPromptsSection(Section):
     """A dataset's rows (dovetail.prompts.read_records): JSON lines (.jsonl), a JSON list (.json), a table
-    (.parquet, .csv, .arrow) or a directory `datasets.Dataset.save_to_disk` wrote. `prompt_field` holds the prompt
-    (text, or a list of chat messages the tokenizer's chat template renders); every other column goes to the
-    rewards by name. Split into train and eval by a hash of each prompt (eval_fraction), or the eval rows from a file
-    of their own (eval_path)."""
+    (.parquet, .csv, .arrow), a directory `datasets` `save_to_disk` wrote or of data files named by split, or a hub
+    dataset id the local cache holds; `split` picks one of several splits (docs/datasets.md). `prompt_field` holds
+    the prompt (text, or a list of chat messages the tokenizer's chat template renders); every other column goes to
+    the rewards by name. Split into train and eval by a hash of each prompt (eval_fraction), or the eval rows from a
+    file of their own (eval_path)."""
 
-    path: Path = Field(strict=False, description="the dataset file (or save_to_disk directory)")
+    path: Path = Field(
+        strict=False,
+        description="the dataset file, a directory (save_to_disk's, or data files by split), or a hub dataset id "
+        "already in the local Hugging Face cache",
+    )
+    split: str | None = Field(
+        None,
+        min_length=1,
+        max_length=200,
+        description="the split a dataset of several splits trains on (e.g. train); None: its only split",
+    )
+    eval_split: str | None = Field(
+        None, min_length=1, max_length=200, description="eval_path's split (e.g. test); None: its only split"
+    )
     prompt_field: str = Field("prompt", min_length=1, max_length=200, description="the column holding the prompt")
     eval_fraction: float | None = Field(
         None, gt=0, lt=1, description="share of the rows held out for evaluation; None: 0.1 (without eval_path)"
@@ -177,6 +195,8 @@ class LMPromptsSection(Section):
     @field_validator("path", "eval_path")
     @classmethod
     def _exists(cls, path: Path | None) -> Path | None:
+        if path is not None:
+            path = hub_snapshot(path, "dataset")
         if path is not None and not (is_file(path) or is_dir(path)):
             raise ValueError(f"no dataset file {path}")
         return None if path is None else path.resolve()
@@ -187,6 +207,8 @@ class LMPromptsSection(Section):
             raise ValueError("prompts: give prompts.eval_fraction or prompts.eval_path, not both")
         if self.eval_path is None and self.eval_fraction is None:
             self.eval_fraction = 0.1
+        if self.eval_split is not None and self.eval_path is None:
+            raise ValueError("prompts.eval_split is eval_path's split: give prompts.eval_path too")
         return self
 
 
@@ -194,6 +216,10 @@ MIN_TEMPERATURE = 1e-30
 """The least sampling temperature: the trainer divides its fp32 logits by it, and below fp32's smallest normal number
 (1.2e-38) every quotient is infinite and the log-probs NaN (the next step then samples from NaN weights); 1e-30
 keeps logits up to 3e8 finite. So small a temperature samples greedily, as a tiny top_p does."""
+
+
+WHOLE_BATCH_ADVANTAGES = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+"""`algo.advantage`s whose statistics span the whole step (`algo.advantages.AdvantageEstimator.whole_batch`)."""
 
 
 USER_MAX_NEW_TOKENS = 256
@@ -241,11 +267,27 @@ class LMSamplingSection(Section):
         return temperature
 
 
+GSPO_CLIPS = (3e-4, 4e-4)
+"""GSPO's (clip_low, clip_high) on its sequence-level ratio (arXiv 2507.18071, section 5.1; verl's GSPO recipe): a
+geometric mean of token ratios moves far less than one token's, so its clip is two orders tighter."""
+
+
 class LMAlgoSection(Section):
     prompts_per_step: int = Field(16, ge=1, le=MAX_PER_STEP, description="B: prompts per step")
     group_size: GroupSize = Field(8, le=MAX_PER_STEP, description="G: responses per prompt")
     micro_batches: int = Field(
         2, ge=1, le=MAX_PER_STEP, description="train micro-batches per step (whole prompt groups each)"
+    )
+    advantage: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = Field(
+        "grpo",
+        description="the advantage estimator (docs/algorithms.md): grpo (group-normalised), rloo (leave-one-out "
+        "baseline), reinforce_plus_plus (batch-whitened rewards), reinforce_plus_plus_baseline (group mean "
+        "subtracted, then batch-whitened)",
+    )
+    loss: Literal["ppo_clip", "gspo"] = Field(
+        "ppo_clip",
+        description="the clipped ratio: ppo_clip (per token) or gspo (per sequence; its clips default to "
+        f"{GSPO_CLIPS[0]:g} / {GSPO_CLIPS[1]:g})",
     )
     clip_low: float = Field(0.2, ge=0, lt=1, description="PPO clip below 1")
     clip_high: float = Field(0.28, ge=0, le=10, description="PPO clip above 1 (DAPO's clip-higher)")
@@ -253,13 +295,52 @@ class LMAlgoSection(Section):
         "token", description="token (DAPO), sequence (GRPO), drgrpo (Dr. GRPO: / (B x max_new_tokens))"
     )
     beta: float = Field(0.0, ge=0, le=100, description="weight of the KL to the base model")
-    kl_estimator: Literal["k1", "k3"] = "k3"
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="k1 (log ratio), k2 (its square / 2), k3")
+    kl_in: Literal["loss", "reward"] = Field(
+        "loss",
+        description="where beta x KL goes: the loss (GRPO), or each response's reward, less beta x its tokens' summed "
+        "KL estimate, before advantages (verl's use_kl_in_reward)",
+    )
     entropy_coef: float = Field(0.0, ge=0, le=100)
-    std_scope: Literal["group", "none"] = Field("group", description="none: Dr. GRPO's unscaled advantages")
+    std_scope: Literal["group", "none"] = Field("group", description="none: Dr. GRPO's unscaled advantages (grpo)")
     adv_clip: float = Field(5.0, gt=0, le=1000, description="clip of the advantages")
     stale_max_weight: float = Field(
         2.0, ge=1, le=1000, description="truncation of pi_prox/pi_behaviour for stale samples"
     )
+    overlong_buffer: int = Field(
+        0,
+        ge=0,
+        le=4096,
+        description="DAPO's overlong penalty: the last N tokens of max_new_tokens where the reward falls linearly to "
+        "-overlong_penalty; 0: off",
+    )
+    overlong_penalty: float = Field(1.0, ge=0, le=100, description="the overlong penalty at max_new_tokens")
+    rollout_correction: Literal["none", "tis", "mis"] | None = Field(
+        None,
+        description="weight for the rollout engine's log-prob mismatch, pi_trainer / pi_engine per token: tis "
+        "(truncated at the cap), mis (tokens above the cap masked), none; None: tis on vLLM, none otherwise",
+    )
+    rollout_correction_cap: float = Field(2.0, ge=1, le=1000, description="C of tis / mis")
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO's dynamic sampling: groups whose rewards are all equal are dropped and more prompts drawn "
+        "until the step holds prompts_per_step informative groups (policy: reference)",
+    )
+    dynamic_sampling_max_draws: int = Field(
+        4, ge=1, le=100, description="with dynamic_sampling, batches of prompts a step draws at most"
+    )
+
+    @model_validator(mode="after")
+    def _gspo_clips(self) -> "LMAlgoSection":
+        """GSPO's ratio is clipped with its own ranges unless the config names them."""
+        if self.loss == "gspo":
+            if "clip_low" not in self.model_fields_set:
+                self.clip_low = GSPO_CLIPS[0]
+            if "clip_high" not in self.model_fields_set:
+                self.clip_high = GSPO_CLIPS[1]
+        if self.std_scope != "group" and self.advantage != "grpo":
+            raise ValueError(f"algo.std_scope={self.std_scope} scales grpo's advantages; set algo.advantage: grpo")
+        return self
 
 
 class LMEvalSection(Section):
@@ -358,6 +439,7 @@ class LMTrainConfig(RunSection):
     """A GRPO run of a causal language model: a built-in verifiable task, or your own model on your dataset."""
 
     kind: Literal["lm"]
+    reward_samples: ClassVar[str] = "texts"
     task: str = Field(
         "sort", description="a task of dovetail.tasks: its prompts, answers and base model (a model.path run has none)"
     )
@@ -439,7 +521,7 @@ class LMTrainConfig(RunSection):
         if not self.reward:
             raise ValueError("name at least one reward, e.g. reward.exact_answer=1.0, or leave it unset")
         if imports_rewards(info):
-            for name in self.reward:
+            for name in [n for n in self.reward if n not in MODEL_REWARDS and n != SERVED_REWARD]:  # those: sections
                 try:
                     text_reward_fn(name, dataset=self.prompts is not None)
                 except ValueError as error:
@@ -477,6 +559,32 @@ class LMTrainConfig(RunSection):
             raise ValueError(
                 "prompts.max_tokens: an env run's prompts are its environment's first observations, unknown until it "
                 "runs; give the longest, in tokens (it sizes the rollout engine's cache)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _algorithm_fits_the_run(self) -> "LMTrainConfig":
+        """The rollout correction defaults to TIS where the engine's log-probs are not the trainer's (vLLM), to none
+        elsewhere (the weight would be exactly 1). A whole-batch advantage estimator reads every response of the step:
+        a Ray policy trains a micro-batch at a time, with only its own scores. Dynamic sampling draws more prompts in
+        the step it fills: the reference loop does; the Ray policies' graphs are cut before the step decodes."""
+        algo = self.algo
+        if algo.rollout_correction is None:
+            algo.rollout_correction = "none" if engine_matches_trainer(self.rollout_engine) else "tis"
+        if self.policy != REFERENCE and algo.advantage in WHOLE_BATCH_ADVANTAGES and algo.micro_batches > 1:
+            raise ValueError(
+                f"algo.advantage={algo.advantage} whitens over the whole step: set algo.micro_batches=1 or policy: "
+                f"reference (policy is {self.policy})"
+            )
+        if algo.dynamic_sampling and self.policy != REFERENCE:
+            raise ValueError(
+                f"algo.dynamic_sampling: only policy: reference draws more prompts (policy is {self.policy})"
+            )
+        if algo.dynamic_sampling and self.env is not None:
+            raise ValueError("algo.dynamic_sampling: an env run's episodes are not redrawn yet; set it to false")
+        if algo.overlong_buffer > self.max_new_tokens:
+            raise ValueError(
+                f"algo.overlong_buffer={algo.overlong_buffer} exceeds max_new_tokens={self.max_new_tokens}: lower it"
             )
         return self
 
@@ -534,6 +642,16 @@ class LMTrainConfig(RunSection):
             return self.sampling.engine
         on_gpus = device(self.cluster.device).platform == "cuda"
         return "vllm" if on_gpus and find_spec("vllm") is not None else "dovetail"
+
+    @property
+    def recomputes_old_log_probs(self) -> bool:
+        """Whether every step recomputes the old log-probs in the trainer (verl's recompute_logprob): where the
+        engine's are not the trainer's (vLLM: they are never the old ones, and the pass measures how far they are),
+        and for the KL in the reward (`algo.kl_in: reward`), which reads them for every response of the step before
+        any trains: an engine's own, even where they are the trainer's up to rounding, depend on how the rollouts were
+        batched, and the step's gradient would then depend on the policy's split."""
+        kl_in_reward = self.algo.kl_in == "reward" and self.algo.beta > 0
+        return kl_in_reward or not engine_matches_trainer(self.rollout_engine)
 
     @property
     def user_model(self) -> bool:
@@ -627,8 +745,7 @@ class LMTrainConfig(RunSection):
             config = json_or_empty(self.model.path / "config.json")
             pipeline["model"] = self.pipeline_name
             pipeline["architecture"] = language_model_of_config(self.pipeline_name, config).shape()
-        if not engine_matches_trainer(self.rollout_engine):
-            # An engine that is not the trainer's (vLLM) gets the recompute pass whatever the policy: its log-probs
-            # are never the old ones, and the pass measures how far they are (`planner_scenario` keeps it).
+        if self.recomputes_old_log_probs:
+            # The recompute pass whatever the policy (`recomputes_old_log_probs`; `planner_scenario` keeps it).
             pipeline["recompute_logprob"] = True
         return planner_scenario(self, [pipeline], steps, self.runtime.trainer_devices, 0)

@@ -54,6 +54,7 @@ from dovetail.pipelines.lm.multiturn import (
     with_episode_rewards,
 )
 from dovetail.pipelines.lm.prompts import RunPrompts
+from dovetail.rewards import load_rewards
 from dovetail.rewards.text import score_text
 from dovetail.runtime.interference import Span, time_work
 from dovetail.runtime.messages import LogProbs, Score, Scores, Trained, TrainerWork, Work
@@ -106,6 +107,8 @@ class LMEngines(PipelineEngines[Engine]):
 
     def __init__(self, config: LMTrainConfig, device: torch.device, holds_policy: bool, trainer_state: dict | None):
         super().__init__(config, device)
+        self.reward_sources = config.reward_sources(str(device))
+        load_rewards(config.rewards, self.reward_sources)
         self.tokenizer = load_run_tokenizer(config)
         self.prompts = RunPrompts(config)
         self.environments: EnvironmentHost | None = None
@@ -183,7 +186,12 @@ class LMEngines(PipelineEngines[Engine]):
             completions = [self.tokenizer.decode(r.tokens) for r in chosen.values()]
             context = self.prompts.context(rows, [list(r.tokens) for r in chosen.values()])
             scores = score_text(
-                completions, [row.prompt for row in rows], self.config.rewards, self.config.reward_timeout_s, context
+                completions,
+                [row.prompt for row in rows],
+                self.config.rewards,
+                self.config.reward_timeout_s,
+                context,
+                self.reward_sources,
             )
             lengths = np.array([len(r.tokens) for r in chosen.values()])
             if self.config.env is None:
@@ -268,6 +276,7 @@ class LMEngines(PipelineEngines[Engine]):
             stale=work.stale,
             passes=_lockstep_passes(work),
             generated=generated,
+            scored_requests=self._select(work.rollouts, None),
         )
         return Trained(samples, [0], merged_stats(group_stats), normaliser)
 

@@ -4,7 +4,9 @@ language-model stack.
 """
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -14,9 +16,9 @@ from dovetail.models.causal_lm import rollout_engine
 from dovetail.models.engine import Request
 from dovetail.models.training import commit, set_summed_gradient, stepped_lr, weights_of
 from dovetail.pipelines.lm.adapter import commit_scale, lm_step_metrics
-from dovetail.pipelines.lm.config import LMTrainConfig, engine_matches_trainer
+from dovetail.pipelines.lm.config import LMTrainConfig
 from dovetail.pipelines.lm.engines import LMEngines
-from dovetail.pipelines.lm.messages import Decode, LMLogProbs, LMTrain, Prefill
+from dovetail.pipelines.lm.messages import Decode, LMLogProbs, LMTrain, Prefill, Responses
 from dovetail.pipelines.lm.model import (
     encode_prompts,
     engine_length,
@@ -30,7 +32,7 @@ from dovetail.rewards.text import score_text
 from dovetail.run_dir import (
     RunDir,
 )
-from dovetail.runtime.messages import Score
+from dovetail.runtime.messages import Score, Scores
 from dovetail.runtime.pipeline import memory_figures
 from dovetail.tasks import final_answer, task
 from dovetail.trackers import Evaluation
@@ -67,21 +69,13 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
         timings[f"{phase}_s"] = timings.get(f"{phase}_s", 0.0) + time.perf_counter() - start
         return result
 
-    ids = [SampleId(step, p, i) for p in range(algo.prompts_per_step) for i in range(algo.group_size)]
     weights = weights_of(engines.trainer)
-    if config.env is None:
-        prompts = encode_prompts(config, engines.tokenizer, engines.prompts.step(step), model_context(config))
-        encoded = [prompts[s.prompt] for s in ids]
-    else:  # its prompts are its episodes' first observations: the decode rolls each trajectory out whole
-        encoded = []
-    started = timed("prefill", Prefill(pipeline, ids, encoded, step, weights))
-    responses = timed("decode", Decode(pipeline, [started], config.max_new_tokens, weights))
-    scores = timed("score", Score(pipeline, [responses], None))
-    # An engine whose log-probs are not the trainer's (vLLM): the old ones recomputed, as the graph's LOGPROB node.
-    recompute = not engine_matches_trainer(config.rollout_engine)
-    old = [timed("logprob", LMLogProbs(pipeline, ids, [responses], False))] if recompute else []
-    ref = [timed("logprob", LMLogProbs(pipeline, ids, [responses], True))] if algo.beta > 0 else []
-    trained = timed("train", LMTrain(pipeline, ids, False, [responses], [scores], old_log_probs=old, ref_log_probs=ref))
+    rollouts, scores, ids, sampling = drawn_rollouts(engines, config, step, weights, timed)
+    # The old log-probs recomputed where the config says (vLLM, KL in the reward), as the graph's LOGPROB node.
+    recompute = config.recomputes_old_log_probs
+    old = [timed("logprob", LMLogProbs(pipeline, ids, rollouts, False))] if recompute else []
+    ref = [timed("logprob", LMLogProbs(pipeline, ids, rollouts, True))] if algo.beta > 0 else []
+    trained = timed("train", LMTrain(pipeline, ids, False, rollouts, [scores], old_log_probs=old, ref_log_probs=ref))
     start = time.perf_counter()
     part = engines.part_gradient()
     set_summed_gradient(engines.trainer, [part], commit_scale([trained]))
@@ -92,6 +86,7 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
     seconds = sum(timings.values())
     return (
         lm_step_metrics([scores], [trained])
+        | sampling
         | timings
         | {
             "grad_norm": grad_norm,
@@ -100,6 +95,63 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
             "step_s": seconds,
         }
         | memory_figures([memory])
+    )
+
+
+def drawn_rollouts(
+    engines, config: LMTrainConfig, step: int, weights, timed: Callable[[str, Any], Any]
+) -> tuple[list[Responses], Scores, list[SampleId], dict[str, float]]:
+    """The step's responses decoded to the end and scored: its B prompts' groups (an env run's: their trajectories,
+    `LMEngines._episodes`; `timed` runs each work). With
+    `algo.dynamic_sampling` (DAPO, arXiv 2503.14476, section 3.2) groups whose rewards are all equal, which carry no
+    advantage, are dropped and further batches of B prompts drawn (`RunPrompts.train`'s positions B, 2B, ...) until
+    B groups differ or `dynamic_sampling_max_draws` batches were drawn; the step trains the first B that differ
+    (fewer where the draws ran out; none differing: the first draw's). Returns the rollouts, the scores of the samples
+    kept, those samples, and with dynamic sampling the metrics `dynamic_sampling/draws` (batches drawn) and
+    `dynamic_sampling/groups` (the groups that differ kept / B)."""
+    algo, pipeline = config.algo, config.pipeline_name
+    size, group = algo.prompts_per_step, algo.group_size
+    draws = algo.dynamic_sampling_max_draws if algo.dynamic_sampling else 1
+    rollouts: list[Responses] = []
+    scored: list[Scores] = []
+    kept: list[SampleId] = []
+    for draw in range(draws):
+        samples = [SampleId(step, draw * size + p, i) for p in range(size) for i in range(group)]
+        if config.env is None:
+            rows = [engines.prompts.train(step, draw * size + p) for p in range(size)]
+            prompts = encode_prompts(config, engines.tokenizer, rows, model_context(config))
+            encoded = [prompts[s.prompt - draw * size] for s in samples]
+        else:  # its prompts are its episodes' first observations: the decode rolls each trajectory out whole
+            encoded = []
+        started = timed("prefill", Prefill(pipeline, samples, encoded, step, weights))
+        rollouts.append(timed("decode", Decode(pipeline, [started], config.max_new_tokens, weights)))
+        scored.append(timed("score", Score(pipeline, [rollouts[-1]], None)))
+        kept += informative_samples(scored[-1]) if algo.dynamic_sampling else scored[-1].samples
+        if len(kept) >= size * group:
+            break
+    chosen = kept[: size * group] or scored[0].samples
+    informative = len(kept[: size * group]) / (size * group)
+    metrics = {"dynamic_sampling/draws": float(len(scored)), "dynamic_sampling/groups": informative}
+    return rollouts, scores_of(scored, chosen), chosen, metrics if algo.dynamic_sampling else {}
+
+
+def informative_samples(scores: Scores) -> list[SampleId]:
+    """The samples of the groups whose total rewards are not all equal, in order."""
+    totals: dict[tuple[int, int], list[float]] = {}
+    for sample, total in zip(scores.samples, scores.scores["total"].tolist()):
+        totals.setdefault((sample.step, sample.prompt), []).append(total)
+    return [s for s in scores.samples if len(set(totals[(s.step, s.prompt)])) > 1]
+
+
+def scores_of(parts: list[Scores], samples: list[SampleId]) -> Scores:
+    """The scores of `samples`, in their order, out of `parts` (a language model's: each has its response lengths)."""
+    where = {sample: (part, row) for part in parts for row, sample in enumerate(part.samples)}
+    rows = [where[s] for s in samples]
+    return Scores(
+        list(samples),
+        {name: np.array([part.scores[name][row] for part, row in rows]) for name in parts[0].scores},
+        np.array([np.asarray(part.response_tokens)[row] for part, row in rows]),
+        {name: np.array([part.figures[name][row] for part, row in rows]) for name in parts[0].figures},
     )
 
 
@@ -141,7 +193,9 @@ def lm_evaluate(engines, config: LMTrainConfig) -> tuple[dict[str, float], list[
         shown = [engines.tokenizer.decode(t.prompt) for t in trajectories]
     completions = [engines.tokenizer.decode(tokens) for tokens in responses]
     reward_context = engines.prompts.context(rows, [list(tokens) for tokens in responses])
-    scores = score_text(completions, prompts, config.rewards, config.reward_timeout_s, reward_context)
+    scores = score_text(
+        completions, prompts, config.rewards, config.reward_timeout_s, reward_context, engines.reward_sources
+    )
     if trajectories is not None:
         scores = with_episode_rewards(scores, [t.reward for t in trajectories])
     if config.user_model or trajectories is not None:

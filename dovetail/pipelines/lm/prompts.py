@@ -31,8 +31,13 @@ class RunPrompts:
 
     def train(self, step: int, position: int) -> Row:
         """The prompt at `position` of RL step `step` (B = algo.prompts_per_step a step; step -1: the start-up
-        profile's, never trained)."""
-        place = step * self.config.algo.prompts_per_step + position
+        profile's, never trained). With `algo.dynamic_sampling` a step owns the places of its D =
+        dynamic_sampling_max_draws draws, positions 0 to D x B - 1, whether it draws them all or not: every step's
+        prompts stay a function of (seed, step, position), no step repeats another's, and a dataset's rows at the
+        places of draws a step did not need are skipped in that epoch."""
+        algo = self.config.algo
+        per_step = algo.prompts_per_step * (algo.dynamic_sampling_max_draws if algo.dynamic_sampling else 1)
+        place = step * per_step + position
         if self.dataset is None:
             return Row(task(self.config.task).prompt("train", self.config.seed, place))
         rows = self.dataset.train
@@ -93,5 +98,11 @@ def dataset_of(config: LMTrainConfig) -> Rows:
     section = config.prompts
     assert section is not None
     return split_rows(
-        section.path, section.prompt_field, section.eval_fraction, section.eval_path, "prompts.prompt_field", chat=True
+        section.path,
+        section.prompt_field,
+        section.eval_fraction,
+        section.eval_path,
+        "prompts.prompt_field",
+        chat=True,
+        splits=(section.split, section.eval_split),
     )
