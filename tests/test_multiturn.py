@@ -1,8 +1,8 @@
 """Multi-turn rollouts and their training in the reference loop (`pipelines.lm.multiturn`, docs/environments.md): a
 turn ends where a tool call closes, the environment answers in its own process and the observation is appended; the
 trajectory's mask says what the model sampled; observation tokens get no gradient and count in no normaliser; the
-same seed gives the same trajectories, whatever waits and batches; the reference loop trains an env config, and the
-Ray policies refuse one in one line."""
+same seed gives the same trajectories, whatever waits and batches; the reference loop trains an env config, and
+`policy: auto` refuses one in one line (tests/test_multiturn_ray.py: the Ray policies that run one)."""
 
 import json
 import sys
@@ -332,7 +332,7 @@ def test_the_reference_loop_trains_an_env_config_and_reports_its_episodes(tmp_pa
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2]
     for line in lines:
-        assert {"env/turns", "env/tool_calls", "env/tool_errors", "env/unfinished", "reward/env", "generate_s"} <= set(
+        assert {"env/turns", "env/tool_calls", "env/tool_errors", "env/unfinished", "reward/env", "decode_s"} <= set(
             line
         )
         assert line["env/turns"] >= 1 and line["reward/total"] == line["reward/env"]
@@ -340,16 +340,18 @@ def test_the_reference_loop_trains_an_env_config_and_reports_its_episodes(tmp_pa
     assert undocumented({key for line in lines for key in line}) == []
 
 
-def test_the_ray_policies_refuse_an_environment_in_one_line(tmp_path):
+def test_auto_refuses_an_environment_in_one_line_naming_the_policies_that_run_one(tmp_path):
     tree = env_tree(tmp_path)
-    for policy in ("verl-sync", "auto"):
-        with pytest.raises(ConfigError) as refused:
-            parse_config({**tree, "policy": policy})
-        assert str(refused.value) == (
-            f"invalid config: env: only policy: reference runs environments so far (policy is {policy})"
-        )
-    with pytest.raises(ConfigError, match=r"env: only policy: reference runs environments so far \(policy is jigsaw"):
-        parse_config({"kind": "multiplex", "pipelines": [{**tree, "name": "calc"}, {"kind": "flow", "name": "digits"}]})
+    expected = (
+        "invalid config: env: policy auto does not choose for environments yet; set policy: verl-sync (or another of "
+        "reference, verl-sync, streamrl, areal, jigsaw, jigsaw-greedy)"
+    )
+    with pytest.raises(ConfigError) as refused:
+        parse_config({**tree, "policy": "auto"})
+    assert str(refused.value) == expected
+    multiplexed = {"kind": "multiplex", "policy": "auto", "pipelines": [{**tree, "name": "calc"}, {"kind": "flow"}]}
+    with pytest.raises(ConfigError, match=r"env: policy auto does not choose for environments yet"):
+        parse_config(multiplexed)
 
 
 # ------------------------------------------------------------------------------------------ a chat template

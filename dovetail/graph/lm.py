@@ -69,6 +69,8 @@ def step_samples(spec: LMSpec, step: int, shards: int, seed: int) -> list[Sample
 
 
 def _bands(spec: LMSpec, migrate_at: int | None) -> list[tuple[int, int]]:
+    if spec.multi_turn:
+        return [(0, spec.max_length)]
     edges = sorted({*spec.length_bands, spec.max_length} | ({migrate_at} if migrate_at else set()))
     return list(zip([0, *edges[:-1]], edges))
 
@@ -190,9 +192,16 @@ def trainable_params(spec: LMSpec) -> float | None:
 
 
 def build_lm(spec: LMSpec, steps: int, shape: LMShape, cost: CostModel, seed: int = 0) -> list[Node]:
-    """All nodes of `steps` consecutive GRPO steps of one language-model pipeline."""
+    """All nodes of `steps` consecutive GRPO steps of one language-model pipeline.
+
+    A multi-turn spec's shards decode in one band and never migrate, whatever the shape says: a trajectory's turns
+    alternate with its environment's steps, which run in its engine's environment process (`envs.host`) and hold
+    the episode's state there, so a trajectory is neither paused at a length (a band's edge falls inside a turn or
+    a wait) nor moved to another engine midway; its shard rolls it out whole."""
 
     shape.check(spec)
+    if spec.multi_turn:
+        shape = replace(shape, migrate_at=None)
     model = spec.catalogue_model()
     cost = shape.cost_model(cost)
     nodes: list[Node] = []

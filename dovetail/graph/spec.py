@@ -266,6 +266,11 @@ class LMSpec(_PipelineSpec):
     )
     micro_batches: int = Field(1, gt=0, le=MAX_SAMPLES, description="Train micro-steps per step.")
     tensor_parallel: int = Field(1, gt=0, le=64, description="Devices per rollout engine.")
+    multi_turn: bool = Field(
+        False,
+        description="Whether a step's responses are multi-turn trajectories (an env run's): each shard decodes its "
+        "trajectories whole, turn by turn between environment steps, in one band with no migration.",
+    )
     reference: bool = Field(True, description="Compute reference log-probs for a KL term.")
     replicated_trainer: bool = Field(
         False,

@@ -37,7 +37,7 @@ metrics.jsonl, one line per step (Ray: only under a Ray policy; flow / LM: of th
   env/unfinished        LM env run: share of episodes cut by env.max_turns or the token budget before their
                         environment ended them
   env/wait_s            LM env run: seconds the rollout slept with every unfinished trajectory waiting on its
-                        environment (its latency), nothing left to decode
+                        environment (its latency), nothing left to decode (on the Ray runtime: summed over its engines)
   timesteps             flow: the denoising steps the step trained
   grad_norm             the step's gradient norm before clipping
   learning_rate         the lr the step's optimizer step took (train.lr_schedule, train.warmup_steps; TRL's name)

@@ -124,6 +124,9 @@ class Scores:
     response_tokens: np.ndarray | None = None
     """A language model's: each sample's response length, what its training costs (the driver balances the trainer
     devices' shares by it, `lm_adapter.balanced`); None for a flow pipeline, whose samples cost alike."""
+    figures: dict[str, np.ndarray] = field(default_factory=dict)
+    """Per sample, what the step's metrics report of it besides its rewards (an LM env run's episode figures,
+    `pipelines.lm.multiturn.episode_figures`); empty where there are none."""
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from dovetail.pipelines.lm.config import LMTrainConfig
 from dovetail.pipelines.lm.engines import merged_stats, requests_of
 from dovetail.pipelines.lm.messages import Decode, LMLogProbs, LMTrain, Prefill, Responses
 from dovetail.pipelines.lm.model import encode_prompts, load_run_tokenizer, model_context
+from dovetail.pipelines.lm.multiturn import episode_metrics
 from dovetail.pipelines.lm.prompts import RunPrompts
 from dovetail.runtime.messages import Score, Scores, Trained
 from dovetail.runtime.pipeline import Part, PipelineAdapter, RunContext
@@ -50,11 +51,8 @@ class LMAdapter(PipelineAdapter):
         shape = self._shape = lm_shape(run.shape_of(pipeline))
         if node.kind == Kind.PREFILL:
             step = self.rl_step(node)
-            if step not in self._prompts:
-                rows = self.run_prompts.step(step)
-                self._prompts[step] = encode_prompts(self.config, self.tokenizer, rows, self.context)
             samples = [SampleId(step, p, i) for (_, p, i) in node.samples]
-            prompts = [self._prompts[step][s.prompt] for s in samples]
+            prompts = self._prompts_of(samples)
             weights = run.weights(pipeline, version)
             return [Part(node.id, devices[0], Prefill(pipeline, samples, prompts, self.first_step + version, weights))]
         if node.kind in (Kind.DECODE, Kind.MIGRATE):
@@ -86,6 +84,16 @@ class LMAdapter(PipelineAdapter):
                 for d, ids in shares
             ]
         raise ValueError(f"node {node.id}: the language-model runtime does not run {node.kind} nodes yet")
+
+    def _prompts_of(self, samples: list[SampleId]) -> list[list[int]]:
+        """The token ids of `samples`' prompts (a step's, encoded at its first prefill). An env run's are its
+        episodes' first observations, written on the device as each episode resets: none here."""
+        if self.config.env is not None:
+            return []
+        for step in {sample.step for sample in samples} - set(self._prompts):
+            rows = self.run_prompts.step(step)
+            self._prompts[step] = encode_prompts(self.config, self.tokenizer, rows, self.context)
+        return [self._prompts[sample.step][sample.prompt] for sample in samples]
 
     def trainer_shares(
         self, samples: list[SampleId], devices: tuple[int, ...], scores: list, trainer: bool
@@ -126,8 +134,9 @@ class LMAdapter(PipelineAdapter):
     def _group_tokens(self, group: list[SampleId], length: dict[SampleId, int]) -> int:
         """The tokens a trainer passes over for a group: its prompt once, each response padded to the group's longest
         (`models.lm_rl.group_response_log_probs`)."""
-        first = group[0]  # the step's prompts were encoded at its prefill
-        return len(self._prompts[first.step][first.prompt]) + len(group) * max(length[s] for s in group)
+        first = group[0]  # the step's prompts were encoded at its prefill; an env run's are unknown here
+        prompt = 0 if self.config.env is not None else len(self._prompts[first.step][first.prompt])
+        return prompt + len(group) * max(length[s] for s in group)
 
     def _rollouts(self, score: Node, run: RunContext) -> list:
         """The responses a micro-batch reads: the home engines' outputs at its level, and the migrated tail's after
@@ -199,8 +208,8 @@ class LMAdapter(PipelineAdapter):
 
     def _ends_chain(self, node: Node) -> bool:
         """A response is generated where it finishes: in its shard's last band before the migration edge (or the
-        end), or in the migrated tail."""
-        if node.shard is None:
+        end), or in the migrated tail. An env run's shard rolls its trajectories out whole in its one band."""
+        if node.shard is None or self.config.env is not None:
             return True
         assert self._shape is not None, "`parts` cut the node, and set the shape, before its result is booked"
         return band_end(node) == (self._shape.migrate_at or self.config.max_new_tokens)
@@ -250,7 +259,8 @@ def lm_step_metrics(scores: list[Scores], trained: list[Trained]) -> dict:
 
     `loss` is the objective the step's gradient descends (the parts' summed losses over the step's normaliser);
     `reward_std` the total reward's standard deviation over the batch; `frac_reward_zero_std` the share of prompt
-    groups whose rewards are all equal, which carry no GRPO signal (their advantages are 0)."""
+    groups whose rewards are all equal, which carry no GRPO signal (their advantages are 0). An env run's adds its
+    episodes' figures (`multiturn.episode_metrics`)."""
     metrics = {
         f"reward/{name}": float(np.concatenate([s.scores[name] for s in scores]).mean()) for name in scores[0].scores
     }
@@ -259,6 +269,7 @@ def lm_step_metrics(scores: list[Scores], trained: list[Trained]) -> dict:
     for sample, total in zip((sample for s in scores for sample in s.samples), totals):
         groups.setdefault((sample.step, sample.prompt), []).append(float(total))
     flat = sum(1 for rewards in groups.values() if max(rewards) == min(rewards))
+    episodes = {name: np.concatenate([s.figures[name] for s in scores]) for name in scores[0].figures}
     merged = merged_stats([t.stats for t in trained if t.samples])  # a streamed micro-batch may be empty
     tokens = merged.pop("tokens")
     normaliser = sum(t.normaliser for t in trained)
@@ -268,4 +279,5 @@ def lm_step_metrics(scores: list[Scores], trained: list[Trained]) -> dict:
         | {"loss": loss, "reward_std": float(totals.std()), "frac_reward_zero_std": flat / len(groups)}
         | merged
         | {"response_tokens": tokens}
+        | episode_metrics(episodes)
     )

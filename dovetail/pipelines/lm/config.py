@@ -414,6 +414,11 @@ class EnvSection(Section):
         return parser
 
 
+ENV_POLICIES = (REFERENCE, "verl-sync", "streamrl", "areal", "jigsaw", "jigsaw-greedy")
+"""The policies that run an env config (multi-turn rollouts). `auto` is refused in one line naming these: what it
+chooses by, the planner's forecast of each policy, prices a step's rollouts as single-turn responses."""
+
+
 class LMRuntimeSection(Section):
     """How the Ray runtime cuts an LM step, where the policy should not choose."""
 
@@ -525,8 +530,9 @@ class LMTrainConfig(RunSection):
 
     @model_validator(mode="after")
     def _environments_in_the_reference_loop(self) -> "LMTrainConfig":
-        """A config naming an environment trains multi-turn in the reference loop (`pipelines.lm.multiturn`) on our
-        engine or transformers'; multi-turn rollouts under the Ray policies are the next part of issue 36. A user's
+        """A config naming an environment trains multi-turn (`pipelines.lm.multiturn`) on our engine or
+        transformers', in the reference loop or under a policy of `ENV_POLICIES`, whose rollout engines decode each
+        trajectory whole in one band (`graph.lm`: an env step's graph has no later bands and no migration). A user's
         model names the longest prompt: its first observations are unknown until the run, and size the rollout's
         cache. An agentic task (`Task.environment`) runs in an environment: without one its model would answer alone
         what it learned to answer with a tool."""
@@ -538,8 +544,15 @@ class LMTrainConfig(RunSection):
                     f"parser: plain}} (as configs/{self.task}.yaml does)"
                 )
             return self
-        if self.policy != REFERENCE:
-            raise ValueError(f"env: only policy: reference runs environments so far (policy is {self.policy})")
+        if self.policy not in ENV_POLICIES:
+            raise ValueError(
+                f"env: policy {self.policy} does not choose for environments yet; set policy: verl-sync (or another of "
+                f"{', '.join(ENV_POLICIES)})"
+            )
+        if self.runtime.length_bands:
+            raise ValueError(
+                "runtime.length_bands: an env run decodes each trajectory whole, turn by turn, in one band; remove it"
+            )
         if self.rollout_engine == "vllm":
             raise ValueError("env: multi-turn rollouts decode on our engine so far; set sampling.engine: dovetail")
         if self.prompts is not None and self.user_model and self.prompts.max_tokens is None:
@@ -706,6 +719,7 @@ class LMTrainConfig(RunSection):
             "micro_batches": self.algo.micro_batches,
             "reference": self.algo.beta > 0,
             "lengths_known": False,  # a run learns them by decoding
+            "multi_turn": self.env is not None,
             "replicated_trainer": self.train.sharding
             == "replicate",  # the runtime's trainer, as the simulator prices it
             "priority": self.priority,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import numpy as np
@@ -23,7 +23,7 @@ import torch
 from dovetail.envs.host import EnvironmentHost
 from dovetail.graph.node import Role, SampleId
 from dovetail.models.causal_lm import CausalLM, rollout_engine, rollout_state
-from dovetail.models.engine import Engine, Key, Request
+from dovetail.models.engine import Engine, Request
 from dovetail.models.lm_rl import accumulate_group_gradients, group_log_probs, policy_gradient
 from dovetail.models.training import (
     commit,
@@ -35,7 +35,7 @@ from dovetail.models.training import (
     weights_of,
 )
 from dovetail.pipelines.lm.config import LMTrainConfig
-from dovetail.pipelines.lm.messages import Decode, LMLogProbs, LMTrain, Prefill, Responses
+from dovetail.pipelines.lm.messages import Decode, EpisodeFigures, LMLogProbs, LMTrain, Prefill, Responses, request_key
 from dovetail.pipelines.lm.model import (
     encode_prompts,
     engine_length,
@@ -45,6 +45,13 @@ from dovetail.pipelines.lm.model import (
     model_context,
     sampling_params,
     stop_strings,
+)
+from dovetail.pipelines.lm.multiturn import (
+    Conversation,
+    episode_figures,
+    run_episodes,
+    trajectory_responses,
+    with_episode_rewards,
 )
 from dovetail.pipelines.lm.prompts import RunPrompts
 from dovetail.rewards import load_rewards
@@ -67,12 +74,6 @@ def responses_of(requests: list[Request], version: int) -> Responses:
         log_probs=[r.log_probs for r in requests],
         finished=[r.finished for r in requests],
     )
-
-
-def request_key(sample: Sequence[int]) -> Key:
-    """A sample id as the rollout engine's key: a plain (step, prompt, member) tuple."""
-    step, prompt, member = sample
-    return step, prompt, member
 
 
 def requests_of(parts: list[Responses]) -> dict[SampleId, Request]:
@@ -115,6 +116,8 @@ class LMEngines(PipelineEngines[Engine]):
         self.tools: tuple[dict, ...] = ()
         """The schemas of the tools the environment offers (an env run's): its prompts offer them, its turns end at
         their calls."""
+        self.conversation: Conversation | None = None
+        """How the tokenizer writes an env run's episodes."""
         if not holds_policy:
             return
         env = config.env
@@ -123,6 +126,7 @@ class LMEngines(PipelineEngines[Engine]):
                 env.name, env.options, env.parser, env.latency, config.seed, env.timeout_s
             )
             self.tools = self.environments.tools()
+            self.conversation = Conversation(config, self.tokenizer, self.tools, model_context(config))
         model, _ = load_policy(config)
         self.trainer = model.to(device)
         self.optimizer = make_optimizer(self.trainer, config.train)
@@ -161,6 +165,10 @@ class LMEngines(PipelineEngines[Engine]):
         return self.held_rollout().held_bytes()
 
     def run(self, work: Work):
+        if isinstance(work, Prefill) and self.environments is not None:
+            return self._handed_on(work)
+        if isinstance(work, Decode) and self.environments is not None:
+            return self._episodes(work)
         if isinstance(work, Prefill):
             self.load_rollout_weights(work.version, work.weights)
             requests = [Request(request_key(s), list(p)) for s, p in zip(work.samples, work.prompts)]
@@ -185,7 +193,12 @@ class LMEngines(PipelineEngines[Engine]):
                 context,
                 self.reward_sources,
             )
-            return Scores(list(chosen), scores, np.array([len(r.tokens) for r in chosen.values()]))
+            lengths = np.array([len(r.tokens) for r in chosen.values()])
+            if self.config.env is None:
+                return Scores(list(chosen), scores, lengths)
+            episodes = self._episodes_of(work.rollouts, list(chosen))
+            scores = with_episode_rewards(scores, [e.reward for e in episodes])
+            return Scores(list(chosen), scores, lengths, episode_figures(episodes))
         if isinstance(work, LMLogProbs):
             chosen = self._select(work.rollouts, work.samples)
             model = self.reference if work.reference else self.trainer
@@ -195,10 +208,40 @@ class LMEngines(PipelineEngines[Engine]):
             return self._train(work)
         raise TypeError(f"language-model engines cannot do {type(work).__name__}")
 
+    def _handed_on(self, work: Prefill) -> Responses:
+        """An env run's prefill: its prompts are its episodes' first observations, written on the device as each
+        episode resets (`_episodes`), so the samples are handed on with nothing decoded."""
+        empty: list[list] = [[] for _ in work.samples]
+        return Responses(work.version, list(work.samples), empty, empty, empty, [False] * len(work.samples))
+
+    def _episodes(self, work: Decode) -> Responses:
+        """An env run's decode: every trajectory of the samples handed on rolled out whole, reset to its end
+        (`multiturn.run_episodes`), in one band: a trajectory is decoded turn by turn between its environment's
+        steps, so it is never paused at a length nor moved to another engine midway (`graph.lm` gives an env run's
+        shards one band and no migration). Each token's draw is keyed by its trajectory and place in it, so the same
+        samples roll out the same on any device, whatever else it decodes: a decode run again after a lost device
+        gives the trajectories the lost one would have."""
+        assert self.environments is not None and self.conversation is not None, "an env run's engines hold both"
+        parts = self.fetch(work.rollouts)
+        version = parts[0].version
+        self.load_rollout_weights(version, work.weights)
+        samples = [SampleId(*s) for part in parts for s in part.samples]
+        rows = [self.prompts.episode_row(self.prompts.train(s.step, s.prompt)) for s in samples]
+        trajectories, waited = run_episodes(self.held_rollout(), self.environments, self.conversation, samples, rows)
+        return trajectory_responses(trajectories, version, waited)
+
+    def _episodes_of(self, rollouts: list, samples: list[SampleId]) -> list[EpisodeFigures]:
+        """The episodes of `samples` among `rollouts`' trajectories, in the order of `samples`."""
+        episodes = {SampleId(*s): e for part in self.fetch(rollouts) for s, e in zip(part.samples, part.episodes)}
+        return [episodes[sample] for sample in samples]
+
     def _nothing(self, work: Work):
         """The answer of a streamed micro-batch left empty (its groups all finished later): no reward, no gradient."""
         if isinstance(work, Score):
-            return Scores([], {name: np.zeros(0) for name in [*self.config.rewards, "total"]}, np.zeros(0, dtype=int))
+            env = self.config.env is not None
+            names = [*(["env"] if env else []), *self.config.rewards, "total"]
+            figures = episode_figures([]) if env else {}
+            return Scores([], {name: np.zeros(0) for name in names}, np.zeros(0, dtype=int), figures)
         if isinstance(work, LMLogProbs):
             return LogProbs([], [])
         self._gradient, _ = accumulate_group_gradients(self.trainer, [], lambda group: None)
@@ -335,11 +378,12 @@ def profile_work(engines: LMEngines, samples: int, carry: Callable[[dict], dict]
         rounds = [one_round(size) for _ in range(PROFILE_ROUNDS)]
         measured = {name: statistics.median(seconds[name] for seconds, _ in rounds) for name in rounds[0][0]}
         _, done = rounds[0]
-        decoded, prefilled = done["decode"], done["prefill"]
-        assert isinstance(decoded, Responses) and isinstance(prefilled, Responses)  # what Decode and Prefill return
+        decoded = done["decode"]
+        assert isinstance(decoded, Responses)  # what Decode returns
         return measured | {
             "lengths": [len(t) for t in decoded.tokens],
-            "prompt_tokens": [len(p) for p in prefilled.prompts],
+            # the decode's: an env run's prompts are its episodes' first observations, unknown at its prefill
+            "prompt_tokens": [len(p) for p in decoded.prompts],
         }
 
     with trainer_kept(engines):

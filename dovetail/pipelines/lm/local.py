@@ -27,13 +27,7 @@ from dovetail.pipelines.lm.model import (
     sampling_params,
     stop_strings,
 )
-from dovetail.pipelines.lm.multiturn import (
-    Conversation,
-    episode_metrics,
-    run_episodes,
-    trajectory_responses,
-    with_episode_rewards,
-)
+from dovetail.pipelines.lm.multiturn import run_episodes, with_episode_rewards
 from dovetail.rewards.text import score_text
 from dovetail.run_dir import (
     RunDir,
@@ -75,24 +69,8 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
         timings[f"{phase}_s"] = timings.get(f"{phase}_s", 0.0) + time.perf_counter() - start
         return result
 
-    ids = [SampleId(step, p, i) for p in range(algo.prompts_per_step) for i in range(algo.group_size)]
     weights = weights_of(engines.trainer)
-    episodes: dict[str, float] = {}
-    if config.env is None:
-        rollouts, scores, ids, episodes = drawn_rollouts(engines, config, step, weights, timed)
-    else:
-        start = time.perf_counter()
-        engines.load_rollout_weights(step, weights)
-        rows = [engines.prompts.episode_row(engines.prompts.train(s.step, s.prompt)) for s in ids]
-        trajectories, waited = run_episodes(
-            engines.held_rollout(), engines.environments, conversation(engines), ids, rows
-        )
-        timings["generate_s"] = time.perf_counter() - start
-        responses = trajectory_responses(trajectories, step)
-        named = timed("score", Score(pipeline, [responses], None))
-        scores = replace(named, scores=with_episode_rewards(named.scores, trajectories))
-        episodes = episode_metrics(trajectories, waited)
-        rollouts = [responses]
+    rollouts, scores, ids, sampling = drawn_rollouts(engines, config, step, weights, timed)
     # The old log-probs recomputed where the config says (vLLM, KL in the reward), as the graph's LOGPROB node.
     recompute = config.recomputes_old_log_probs
     old = [timed("logprob", LMLogProbs(pipeline, ids, rollouts, False))] if recompute else []
@@ -108,7 +86,7 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
     seconds = sum(timings.values())
     return (
         lm_step_metrics([scores], [trained])
-        | episodes
+        | sampling
         | timings
         | {
             "grad_norm": grad_norm,
@@ -123,7 +101,8 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
 def drawn_rollouts(
     engines, config: LMTrainConfig, step: int, weights, timed: Callable[[str, Any], Any]
 ) -> tuple[list[Responses], Scores, list[SampleId], dict[str, float]]:
-    """The step's responses decoded to the end and scored: its B prompts' groups (`timed` runs each work). With
+    """The step's responses decoded to the end and scored: its B prompts' groups (an env run's: their trajectories,
+    `LMEngines._episodes`; `timed` runs each work). With
     `algo.dynamic_sampling` (DAPO, arXiv 2503.14476, section 3.2) groups whose rewards are all equal, which carry no
     advantage, are dropped and further batches of B prompts drawn (`RunPrompts.train`'s positions B, 2B, ...) until
     B groups differ or `dynamic_sampling_max_draws` batches were drawn; the step trains the first B that differ
@@ -138,11 +117,13 @@ def drawn_rollouts(
     kept: list[SampleId] = []
     for draw in range(draws):
         samples = [SampleId(step, draw * size + p, i) for p in range(size) for i in range(group)]
-        rows = [engines.prompts.train(step, draw * size + p) for p in range(size)]
-        prompts = encode_prompts(config, engines.tokenizer, rows, model_context(config))
-        started = timed(
-            "prefill", Prefill(pipeline, samples, [prompts[s.prompt - draw * size] for s in samples], step, weights)
-        )
+        if config.env is None:
+            rows = [engines.prompts.train(step, draw * size + p) for p in range(size)]
+            prompts = encode_prompts(config, engines.tokenizer, rows, model_context(config))
+            encoded = [prompts[s.prompt - draw * size] for s in samples]
+        else:  # its prompts are its episodes' first observations: the decode rolls each trajectory out whole
+            encoded = []
+        started = timed("prefill", Prefill(pipeline, samples, encoded, step, weights))
         rollouts.append(timed("decode", Decode(pipeline, [started], config.max_new_tokens, weights)))
         scored.append(timed("score", Score(pipeline, [rollouts[-1]], None)))
         kept += informative_samples(scored[-1]) if algo.dynamic_sampling else scored[-1].samples
@@ -170,6 +151,7 @@ def scores_of(parts: list[Scores], samples: list[SampleId]) -> Scores:
         list(samples),
         {name: np.array([part.scores[name][row] for part, row in rows]) for name in parts[0].scores},
         np.array([np.asarray(part.response_tokens)[row] for part, row in rows]),
+        {name: np.array([part.figures[name][row] for part, row in rows]) for name in parts[0].figures},
     )
 
 
@@ -181,11 +163,6 @@ def success_rate(config: LMTrainConfig, completions: list[str], prompts: list[st
             [(a := final_answer(c)) is not None and the_task.is_correct(p, a) for c, p in zip(completions, prompts)]
         )
     )
-
-
-def conversation(engines) -> Conversation:
-    """How the engines' tokenizer writes an env run's episodes."""
-    return Conversation(engines.config, engines.tokenizer, engines.tools, model_context(engines.config))
 
 
 def lm_evaluate(engines, config: LMTrainConfig) -> tuple[dict[str, float], list[tuple[str, str]]]:
@@ -211,7 +188,7 @@ def lm_evaluate(engines, config: LMTrainConfig) -> tuple[dict[str, float], list[
         engine = engine_of(engine_length(config, engines.tokenizer, engines.prompts, context))
         samples = [SampleId(0, i, 0) for i in range(len(rows))]
         episode_rows = [engines.prompts.episode_row(row) for row in rows]
-        trajectories, _ = run_episodes(engine, engines.environments, conversation(engines), samples, episode_rows)
+        trajectories, _ = run_episodes(engine, engines.environments, engines.conversation, samples, episode_rows)
         responses = [t.tokens for t in trajectories]
         shown = [engines.tokenizer.decode(t.prompt) for t in trajectories]
     completions = [engines.tokenizer.decode(tokens) for tokens in responses]
@@ -220,7 +197,7 @@ def lm_evaluate(engines, config: LMTrainConfig) -> tuple[dict[str, float], list[
         completions, prompts, config.rewards, config.reward_timeout_s, reward_context, engines.reward_sources
     )
     if trajectories is not None:
-        scores = with_episode_rewards(scores, trajectories)
+        scores = with_episode_rewards(scores, [t.reward for t in trajectories])
     if config.user_model or trajectories is not None:
         total = {"total": float(scores["total"].mean())}
     else:

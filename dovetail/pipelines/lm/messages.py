@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from dovetail.graph.node import SampleId
+from dovetail.models.engine import Key
 from dovetail.runtime.messages import TrainerWork, Work
+
+
+def request_key(sample: Sequence[int]) -> Key:
+    """A sample id as the rollout engine's key: a plain (step, prompt, member) tuple."""
+    step, prompt, member = sample
+    return step, prompt, member
 
 
 @dataclass(frozen=True)
 class Prefill(Work):
-    """Start the responses of `samples` (their prompts' token ids in `prompts`) on weights `version`."""
+    """Start the responses of `samples` (their prompts' token ids in `prompts`) on weights `version`. An env run's
+    prompts are its episodes' first observations, which its environment writes on the device: `prompts` is empty,
+    and the prefill only hands the samples on to the decode that rolls each trajectory out whole."""
 
     samples: list[SampleId]
     prompts: list[list[int]]
@@ -33,6 +43,21 @@ class Decode(Work):
 
 
 @dataclass(frozen=True)
+class EpisodeFigures:
+    """What an env run's trajectory did besides its tokens (`pipelines.lm.multiturn.Trajectory`): the environment's
+    reward, its model turns, tool calls and erroneous tool results, whether the environment ended it, and its share
+    of the seconds its rollout engine slept with every trajectory waiting on its environment (the engine's wait over
+    its trajectories: a step's shares add up to its engines' waits)."""
+
+    reward: float
+    turns: int
+    tool_calls: int
+    tool_errors: int
+    done: bool
+    waited_s: float
+
+
+@dataclass(frozen=True)
 class Responses:
     """Responses of one shard so far: finished and paused ones (an engine's exported requests)."""
 
@@ -45,6 +70,8 @@ class Responses:
     generated: list[list[bool]] = field(default_factory=list)
     """Multi-turn trajectories': per response, per token, whether the model sampled it (else the environment's
     observation, which never trains: no loss, no log-prob, no KL, no entropy). Empty: the model sampled every token."""
+    episodes: list[EpisodeFigures] = field(default_factory=list)
+    """Multi-turn trajectories': per response, its episode's reward and figures. Empty: a single-turn run's."""
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,7 @@ from dovetail.models.engine import Engine, Request
 from dovetail.models.lm_rl import by_group
 from dovetail.models.tokenizer import CharTokenizer
 from dovetail.pipelines.lm.config import LMTrainConfig
-from dovetail.pipelines.lm.engines import request_key
-from dovetail.pipelines.lm.messages import Responses
+from dovetail.pipelines.lm.messages import EpisodeFigures, Responses, request_key
 from dovetail.pipelines.lm.model import fitted_prompt
 
 TURN_MARK = "\u2063turn\u2063"
@@ -271,8 +270,10 @@ def _check_groups(environment: str, prompts: dict[SampleId, list[int]]) -> None:
             )
 
 
-def trajectory_responses(trajectories: Sequence[Trajectory], version: int) -> Responses:
-    """Trajectories as the trainer takes responses: the whole of each, with the mask of what the model sampled."""
+def trajectory_responses(trajectories: Sequence[Trajectory], version: int, waited_s: float) -> Responses:
+    """Trajectories as the trainer takes responses: the whole of each, with the mask of what the model sampled, and
+    their episodes (`waited_s`: the seconds their rollout slept with every trajectory waiting, shared out evenly)."""
+    share = waited_s / len(trajectories) if trajectories else 0.0
     return Responses(
         version=version,
         samples=[t.sample for t in trajectories],
@@ -281,24 +282,31 @@ def trajectory_responses(trajectories: Sequence[Trajectory], version: int) -> Re
         log_probs=[t.log_probs for t in trajectories],
         finished=[True] * len(trajectories),
         generated=[t.generated for t in trajectories],
+        episodes=[EpisodeFigures(t.reward, t.turns, t.tool_calls, t.tool_errors, t.done, share) for t in trajectories],
     )
 
 
-def with_episode_rewards(scores: dict[str, np.ndarray], trajectories: Sequence[Trajectory]) -> dict[str, np.ndarray]:
+def with_episode_rewards(scores: dict[str, np.ndarray], rewards: Sequence[float]) -> dict[str, np.ndarray]:
     """The environment's rewards (`env`) added to the text rewards `scores` holds of the same trajectories (the
     config's, none unless named): an env run's scores, and their total."""
-    env = np.array([t.reward for t in trajectories], dtype=np.float64)
+    env = np.array(rewards, dtype=np.float64)
     named = {name: values for name, values in scores.items() if name != "total"}
     return {"env": env, **named, "total": env + scores["total"]}
 
 
-def episode_metrics(trajectories: Sequence[Trajectory], waited_s: float) -> dict[str, float]:
-    """Per step: the episodes' mean turns, tool calls and erroneous tool results, the share cut before their
-    environment ended them, and the seconds the rollout waited on environments with nothing to decode."""
+def episode_figures(episodes: Sequence[EpisodeFigures]) -> dict[str, np.ndarray]:
+    """Per trajectory, what a step's metrics report of its episode (`episode_metrics` reads them)."""
     return {
-        "env/turns": float(np.mean([t.turns for t in trajectories])),
-        "env/tool_calls": float(np.mean([t.tool_calls for t in trajectories])),
-        "env/tool_errors": float(np.mean([t.tool_errors for t in trajectories])),
-        "env/unfinished": float(np.mean([not t.done for t in trajectories])),
-        "env/wait_s": waited_s,
+        "env/turns": np.array([e.turns for e in episodes], dtype=np.float64),
+        "env/tool_calls": np.array([e.tool_calls for e in episodes], dtype=np.float64),
+        "env/tool_errors": np.array([e.tool_errors for e in episodes], dtype=np.float64),
+        "env/unfinished": np.array([not e.done for e in episodes], dtype=np.float64),
+        "env/wait_s": np.array([e.waited_s for e in episodes], dtype=np.float64),
     }
+
+
+def episode_metrics(figures: dict[str, np.ndarray]) -> dict[str, float]:
+    """Per step, from its trajectories' `episode_figures`: the episodes' mean turns, tool calls and erroneous tool
+    results, the share cut before their environment ended them, and the seconds the rollout waited on environments
+    with nothing to decode (its engines' waits, summed)."""
+    return {name: float(values.sum() if name == "env/wait_s" else values.mean()) for name, values in figures.items()}

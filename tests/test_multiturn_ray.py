@@ -1,0 +1,168 @@
+"""Multi-turn (env) runs on the Ray runtime (`pipelines.lm.engines`: an env run's decode rolls each trajectory out
+whole on its device's rollout engine, with the environment process its engines hold): the on-policy policies end at
+the reference loop's parameters for the same trajectories, to the bit, with the same rewards and episode figures,
+alone or multiplexed with a flow pipeline; the asynchronous ones bound their staleness and train every trajectory
+once; a worker killed mid-trajectory loses no turn; an env step's graph decodes each shard in one band and never
+migrates."""
+
+import json
+import threading
+from pathlib import Path
+
+import fault_injection
+import pytest
+import yaml
+from running import train
+from safetensors.torch import load_file
+from test_runtime_lm import same_bits
+from two_pipelines import FLOW
+
+from dovetail.config.common import ConfigError
+from dovetail.config.load import parse_config
+from dovetail.cost.model import CostModel
+from dovetail.graph.lm import LMShape, build_lm
+from dovetail.graph.node import Kind
+from dovetail.pipelines.lm.messages import Prefill
+from dovetail.sched.jigsaw import Jigsaw, rollout_shares
+
+STEPS = 2
+CALC = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "calc.yaml").read_text()) | {
+    "algo": {"prompts_per_step": 4, "group_size": 4, "micro_batches": 2},
+    "eval": {"prompts": 4, "every": 100},
+    "runtime": {"profile_samples": 4},
+    "train": {"lr": 1e-3},
+    "checkpoint": {"every": 100},
+}
+"""The shipped calc config (the calc task's model and the arithmetic environment), a small batch of it."""
+EPISODES = ("env/turns", "env/tool_calls", "env/tool_errors", "env/unfinished")
+REWARDS = ("reward/total", "reward/env", "reward_std", "frac_reward_zero_std")
+pytestmark = pytest.mark.usefixtures("local_ray")
+
+
+def calc(policy: str):
+    return parse_config(CALC | {"policy": policy})
+
+
+def metrics(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_weights(out):
+    return load_file(str(out / "checkpoints" / f"step_{STEPS:06d}" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference")
+    train(calc("reference"), out, steps=STEPS)
+    return out
+
+
+def assert_the_reference_s_run(reference, out) -> None:
+    """`out` ends at the reference's parameters to the bit, its steps with the same rewards and episode figures."""
+    expected, got = final_weights(reference), final_weights(out)
+    start = load_file(str(calc("reference").model.checkpoint / "model.safetensors"))
+    assert max((expected[k] - start[k]).abs().max().item() for k in expected) > 1e-4, "training moved the weights"
+    assert same_bits(expected, got)
+    lines, reference_lines = metrics(out), metrics(reference)
+    for key in (*REWARDS, *EPISODES, "response_tokens"):
+        assert [m[key] for m in lines] == [m[key] for m in reference_lines], key
+    assert [m["loss"] for m in lines] == pytest.approx([m["loss"] for m in reference_lines], rel=1e-5)
+    assert all(m["env/tool_calls"] > 0 for m in lines), "the base model calls its tool: the turns were decoded"
+    assert [m["env/wait_s"] for m in lines] == [0.0] * STEPS  # no latency: no engine ever waited
+    assert json.loads((out / "ledger.json").read_text())["problems"] == []
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("policy", ["verl-sync", "jigsaw"])
+def test_an_on_policy_env_run_ends_at_the_reference_parameters(policy, reference, tmp_path):
+    train(calc(policy), tmp_path, steps=STEPS)
+    assert_the_reference_s_run(reference, tmp_path)
+    ran = json.loads((tmp_path / "run_profile.json").read_text())["node_seconds"]
+    decodes = {node.split("/", 2)[2] for node in ran if "/decode/" in node}
+    if policy == "verl-sync":
+        assert decodes == {"decode/0/0", "decode/1/0"}  # two rollout engines, each its shard whole in one band
+
+
+@pytest.mark.exactness
+def test_an_env_run_multiplexed_with_a_flow_pipeline_ends_where_it_ends_alone(reference, tmp_path, monkeypatch):
+    """jigsaw-greedy kept to the whole pool for both pipelines (as tests/test_multiplex.py does), so they share it."""
+    monkeypatch.setattr(
+        Jigsaw,
+        "plan_shapes",
+        classmethod(lambda cls, c: rollout_shares(c.specs, dict(c.shapes), c.costs, c.steps)),
+    )
+    pipelines = [{k: v for k, v in CALC.items() if k != "policy"} | {"name": "calc"}, FLOW | {"name": "digits"}]
+    tree = {"kind": "multiplex", "policy": "jigsaw-greedy", "cluster": {"devices": 2}, "pipelines": pipelines}
+    train(parse_config(tree), tmp_path, steps=STEPS)
+    assert_the_reference_s_run(reference, tmp_path / "calc")
+    assert json.loads((tmp_path / "digits" / "ledger.json").read_text())["problems"] == []
+    spans = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    devices_of = {name: {e["tid"] for e in spans if e["name"].startswith(f"{name}:")} for name in ("calc", "digits")}
+    assert devices_of["calc"] & devices_of["digits"], "the pipelines share the pool's devices"
+
+
+@pytest.mark.parametrize(("policy", "bound"), [("streamrl", 1), ("areal", 4)])
+def test_an_asynchronous_env_run_bounds_its_staleness_and_trains_every_trajectory_once(
+    policy, bound, reference, tmp_path
+):
+    """Its first step rolls out on the base weights, as the reference's does: the same trajectories and figures.
+    Later ones may roll out on older weights than they train (areal's proximal log-probs recomputed over the whole
+    trajectory, the observation tokens masked as ever)."""
+    summary = train(calc(policy), tmp_path, steps=STEPS + 1)
+    lines = metrics(tmp_path)
+    first, reference_first = lines[0], metrics(reference)[0]
+    assert {key: first[key] for key in (*REWARDS, *EPISODES)} == {
+        key: reference_first[key] for key in (*REWARDS, *EPISODES)
+    }
+    assert all(0 <= m["staleness"] <= bound for m in lines) and max(m["staleness"] for m in lines) >= 1
+    assert summary["max_staleness"] <= bound
+    ledger = json.loads((tmp_path / "ledger.json").read_text())
+    assert ledger["problems"] == [] and len(ledger["trained"]) == (STEPS + 1) * 4 * 4
+    assert all(m["env/turns"] >= 1 for m in lines)
+
+
+def test_an_env_run_decodes_each_shard_in_one_band_and_never_migrates():
+    """Whatever the shape asks: a trajectory alternates turns with its environment's steps (`graph.lm.build_lm`)."""
+    config = calc("verl-sync")
+    (spec,) = config.scenario(1).pipelines
+    assert spec.multi_turn
+    cost = CostModel(config.cluster.device)
+    nodes = build_lm(spec, 1, LMShape(2, 2, migrate_at=spec.max_length // 2), cost)
+    decodes = [n for n in nodes if n.kind == Kind.DECODE]
+    assert sorted(n.shard for n in decodes) == [0, 1] and {n.band for n in decodes} == {(0, spec.max_length)}
+    assert not any(n.kind == Kind.MIGRATE for n in nodes)
+    single = spec.model_copy(update={"multi_turn": False, "length_bands": [spec.max_length // 4]})
+    migrating = build_lm(single, 1, LMShape(2, 2, migrate_at=spec.max_length // 2), cost)
+    assert any(n.kind == Kind.MIGRATE for n in migrating)  # the same shape migrates a single-turn step
+
+
+def test_an_env_run_refuses_length_bands_in_one_line():
+    with pytest.raises(ConfigError, match=r"runtime.length_bands: an env run decodes each trajectory whole"):
+        parse_config(CALC | {"policy": "verl-sync", "runtime": {"length_bands": [8]}})
+
+
+def test_a_worker_killed_mid_trajectory_loses_no_turn(reference, tmp_path):
+    """Each environment step waits half a second (`env.latency`: a trajectory's tokens are the same whatever it
+    waits), and a rollout device is killed a quarter of a second after its prefill of the second step handed its
+    samples on: inside its decode, while its trajectories decode or wait between turns. The decode is sent again to
+    the restarted device, whose rollout engine and environment process roll the shard's trajectories out again from
+    their first turn: every trajectory trained once, with the turns, tool calls and parameters of the reference's."""
+    killed: list[tuple[int, str]] = []
+
+    def kill_mid_trajectory(executor, part):
+        if not killed and isinstance(part.work, Prefill) and part.work.samples[0].step == 1:
+            killed.append((part.device, part.node))
+            threading.Timer(0.25, fault_injection.kill, (executor.worker_of(part),)).start()
+
+    config = parse_config(CALC | {"policy": "verl-sync", "env": CALC["env"] | {"latency": {"seconds": 0.5}}})
+    summary = train(config, tmp_path, steps=STEPS, after_part=kill_mid_trajectory)
+    [(device, _)], ledger = killed, json.loads((tmp_path / "ledger.json").read_text())
+    restarts = [(r["device"], r["during"]) for r in ledger["restarts"]]
+    assert summary["restarts"] >= 1 and restarts == [(device, f"calc/1/decode/{device}/0")], restarts
+    assert ledger["problems"] == []
+    assert same_bits(final_weights(reference), final_weights(tmp_path))
+    lines, reference_lines = metrics(tmp_path), metrics(reference)
+    for key in (*REWARDS, *EPISODES):
+        assert [m[key] for m in lines] == [m[key] for m in reference_lines], key
+    assert all(m["env/wait_s"] > 0 for m in lines)  # the engines waited on their environments
