@@ -221,6 +221,14 @@ def test_without_a_spare_node_the_run_goes_on_on_the_devices_left(cluster, alone
     assert profile["config"]["cluster"]["devices"] == 1
 
 
+def digen_on_two_devices_again(cluster, tmp_path, after_part) -> dict:
+    """A flow run under digen on two device nodes, `after_part` its fault; the tests before it left one device node:
+    a node joins first."""
+    cluster.add_node(num_cpus=0, resources={DEVICE_RESOURCE: 1}, node_ip_address=LOOPBACK)
+    config = parse_config(on_cluster(cluster, FLOW, "digen", lost_after_s=LOST_AFTER_S))
+    return train(config, tmp_path, steps=STEPS, after_part=after_part)
+
+
 def test_a_node_lost_after_the_last_step_leaves_the_run_complete(cluster, alone, tmp_path, capsys):
     """Device 1's node goes once the last step is committed (its publication still to come): every step is saved, so
     the run ends there, says so in one line and writes its trace, ledger and summary, without waiting for a device
@@ -230,14 +238,8 @@ def test_a_node_lost_after_the_last_step_leaves_the_run_complete(cluster, alone,
         if executor.committed_steps("digits") == STEPS and not lost:
             lost.append(remove_node_of_device(cluster, 1))
 
-    cluster.add_node(num_cpus=0, resources={DEVICE_RESOURCE: 1}, node_ip_address=LOOPBACK)  # two devices again
     lost: list[str] = []
-    summary = train(
-        parse_config(on_cluster(cluster, FLOW, "digen", lost_after_s=LOST_AFTER_S)),
-        tmp_path,
-        steps=STEPS,
-        after_part=lose_device_one_at_the_end,
-    )
+    summary = digen_on_two_devices_again(cluster, tmp_path, lose_device_one_at_the_end)
     assert lost and summary["devices_lost"] == 1 and summary["device_engines"] is None
     said = [line.split("] ", 1)[1] for line in capsys.readouterr().out.splitlines() if "lost device" in line]
     assert said == [f"lost device 1 (no node for {LOST_AFTER_S:g} s) after the last step; the run is complete"]
@@ -247,8 +249,8 @@ def test_a_node_lost_after_the_last_step_leaves_the_run_complete(cluster, alone,
 
 def test_a_lost_node_with_the_other_replicas_process_goes_on_from_the_copy_on_its_node(cluster, alone, tmp_path):
     """The node that holds the committed state goes, and the other trainer replica's worker process dies with it (as
-    a torch.distributed peer of a dead process may): a copy of the state was kept on that replica's node, so the run
-    goes on from step 1 on the restarted worker there and ends at the reference's parameters."""
+    a torch.distributed peer of a dead process may): the driver's node holds a copy of the state, so the run goes on
+    from step 1 on the other replica's restarted worker and ends at the reference's parameters."""
 
     def lose_both(executor, part):
         if executor.committed_steps("digits") == 1 and not lost:
@@ -260,14 +262,8 @@ def test_a_lost_node_with_the_other_replicas_process_goes_on_from_the_copy_on_it
             lost.append(remove_node_of_device(cluster, device))
             psutil.Process(executor.pipelines["digits"].incarnations.pids[1 - device]).kill()
 
-    cluster.add_node(num_cpus=0, resources={DEVICE_RESOURCE: 1}, node_ip_address=LOOPBACK)  # two devices again
     lost: list[str] = []
-    summary = train(
-        parse_config(on_cluster(cluster, FLOW, "digen", lost_after_s=LOST_AFTER_S)),
-        tmp_path,
-        steps=STEPS,
-        after_part=lose_both,
-    )
+    summary = digen_on_two_devices_again(cluster, tmp_path, lose_both)
     assert lost and summary["devices_lost"] == 1
     (went_on,) = json.loads((tmp_path / "ledger.json").read_text())["went_on"]
     assert went_on["step"] == 1 and went_on["devices"] == 1

@@ -350,11 +350,18 @@ class RewardServerSection(Section):
     """The `http` reward's server (dovetail.rewards.http gives the request and the answer)."""
 
     url: str = Field(max_length=2000, description="where batches are POSTed as JSON: http(s)://host:port/path")
-    concurrency: int = Field(4, ge=1, le=256, description="batches in flight at once")
-    timeout_s: float = Field(60.0, gt=0, le=3600, description="seconds one request may take before it is tried again")
-    retries: int = Field(3, ge=0, le=20, description="tries after the first, of a batch that timed out or failed")
-    backoff_s: float = Field(1.0, ge=0, le=600, description="wait before the first retry, doubled before each next")
-    batch_size: int = Field(64, ge=1, le=4096, description="samples per request")
+    # the defaults are the client's own (`rewards.RewardServer`): one place for them
+    concurrency: int = Field(RewardServer.concurrency, ge=1, le=256, description="batches in flight at once")
+    timeout_s: float = Field(
+        RewardServer.timeout_s, gt=0, le=3600, description="seconds one request may take before it is tried again"
+    )
+    retries: int = Field(
+        RewardServer.retries, ge=0, le=20, description="tries after the first, of a batch that timed out or failed"
+    )
+    backoff_s: float = Field(
+        RewardServer.backoff_s, ge=0, le=600, description="wait before the first retry, doubled before each next"
+    )
+    batch_size: int = Field(RewardServer.batch_size, ge=1, le=4096, description="samples per request")
 
     @field_validator("url")
     @classmethod
