@@ -83,7 +83,7 @@ def hub_snapshot(path: Path, repo_type: Literal["model", "dataset"] = "model") -
     the local hub cache, never the network: a run reads only what this machine holds. An id the cache lacks is one
     line naming it and how to fetch it. Any other path is returned as it is, for its own check to name."""
     text = str(path)
-    if path.exists() or text.startswith(".") or not HUB_ID.fullmatch(text):
+    if exists(path) or text.startswith(".") or not HUB_ID.fullmatch(text):
         return path
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
@@ -98,6 +98,14 @@ def hub_snapshot(path: Path, repo_type: Literal["model", "dataset"] = "model") -
             f"{missing} {text}, nor a hub {repo_type} id the cache {cache} holds: fetch it where there is network "
             f"(hf download{option} {text}, with HF_HUB_CACHE={cache}) or give a local path"
         ) from None
+
+
+def exists(path: Path) -> bool:
+    """Path.exists, a path the system cannot look up (one too long) being none."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
 
 
 def is_file(path: Path) -> bool:
