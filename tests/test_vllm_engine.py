@@ -6,7 +6,8 @@ computation: a publication reaches vLLM's running model (greedy decoding after i
 the new weights), the engine's log-probs are the trainer's up to the kernels' rounding, its tokens are our engine's
 (the same keyed draws), a request exported from one vLLM engine continues token for token on another, sleep / wake
 keep it working, and the model trains 2 GRPO steps under `reference` and `verl-sync` with the trainer's recomputed
-old log-probs and the gap reported."""
+old log-probs and the gap reported. Multi-turn: an episode's turns on vLLM are our engine's, each within its turn's
+budget, and a user's model trains an env run on vLLM rollouts."""
 
 import json
 from pathlib import Path
@@ -19,13 +20,19 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from running import train  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
+from test_multiturn import CHATTY, env_config  # noqa: E402
 from test_user_lm import REWARDS, char_tokenizer, sums, tiny_model  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
 
 from dovetail.config.load import load_config  # noqa: E402
+from dovetail.envs.contract import Latency  # noqa: E402
+from dovetail.envs.host import EnvironmentHost  # noqa: E402
+from dovetail.graph.node import SampleId  # noqa: E402
+from dovetail.models.causal_lm import HFTokenizer  # noqa: E402
 from dovetail.models.engine import Request, SamplingParams, TorchEngine  # noqa: E402
 from dovetail.models.lm_rl import response_log_probs  # noqa: E402
 from dovetail.models.vllm_engine import VllmEngine  # noqa: E402
+from dovetail.pipelines.lm.multiturn import Conversation, run_episodes  # noqa: E402
 
 MAX_LEN = 96
 PROMPTS = [[1, 9, 10, 19, 11], [1, 12, 13], [1, 9, 10, 19, 11], [1, 30, 31, 32, 33, 34]]
@@ -135,6 +142,56 @@ def test_sleep_and_wake_keep_the_engine_working_and_generating_wakes_a_sleeping_
     assert not engine.sleeping
 
 
+TURNS = SamplingParams(max_new_tokens=40, stop_ids=(2,), seed=3, max_turn_tokens=3)
+"""A trajectory's budget, turns and observations together, and each turn's."""
+
+
+@pytest.fixture
+def chatty_host(tmp_path, monkeypatch):
+    """tests/test_multiturn.py's environment that keeps every trajectory three turns."""
+    (tmp_path / "chatty_envs.py").write_text(CHATTY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    host = EnvironmentHost("chatty_envs:Chatty", {}, "plain", Latency(), seed=0, timeout_s=30)
+    yield host
+    host.stop()
+
+
+def test_a_multi_turn_rollout_on_vllm_is_our_engines_turn_for_turn(engines, chatty_host, tmp_path):
+    """Three turns a trajectory with the environment's "more:" between them, written by the model's chat template:
+    vLLM decodes each turn from where its trajectory stands to the turn's budget and draws our engine's tokens, with
+    the trainer's log-probs, whatever waits and batches."""
+    engine, _ = engines
+    trainer = tiny_llama(1)
+    engine.load_weights(trainer.state_dict())
+    conversation = Conversation(env_config(tmp_path), HFTokenizer(char_tokenizer(), (2,), tmp_path), (), MAX_LEN)
+    samples = [SampleId(3, p, i) for p in range(2) for i in range(2)]
+    rows = [{"question": question} for question in ("sort dcba:", "sort dcba:", "sort zyx:", "sort zyx:")]
+    engine.params = TURNS
+    try:
+        on_vllm, _ = run_episodes(engine, chatty_host, conversation, samples, rows)
+    finally:
+        engine.params = SAMPLED
+    ours, _ = run_episodes(
+        TorchEngine.from_model(trainer, TURNS, max_len=MAX_LEN), chatty_host, conversation, samples, rows
+    )
+    assert [t.tokens for t in on_vllm] == [t.tokens for t in ours]
+    for trajectory in on_vllm:
+        assert trajectory.done and trajectory.turns == 3
+        assert [segment.sampled for segment in trajectory.segments] == [True, False, True, False, True]
+        assert all(1 <= len(segment.tokens) <= 3 for segment in trajectory.segments[::2])  # the turn's budget
+    with torch.no_grad():
+        prompts = [conversation.prompt(row["question"]) for row in rows]
+        log_probs, mask = response_log_probs(trainer, prompts, [t.tokens for t in on_vllm], 1.0)
+    for row, trajectory in enumerate(on_vllm):
+        sampled = torch.tensor(trajectory.generated)
+        torch.testing.assert_close(
+            torch.tensor(trajectory.log_probs, dtype=torch.float64)[sampled],
+            log_probs[row][mask[row]].double()[sampled],
+            atol=1e-4,
+            rtol=0,
+        )
+
+
 # ---------------------------------------------------------------- training
 
 
@@ -179,3 +236,24 @@ def test_a_user_model_trains_two_grpo_steps_on_vllm_rollouts(policy, workspace, 
     assert min((trained[k] - start[k]).abs().max().item() for k in start) > 0  # every tensor moved
     if policy != "reference":  # the Ray runtime's sample ledger: every sample generated, scored, trained once
         assert json.loads((tmp_path / "ledger.json").read_text())["problems"] == []
+
+
+@pytest.mark.parametrize("policy", ["reference", "verl-sync"])
+def test_a_user_model_trains_an_env_run_on_vllm_rollouts(policy, workspace, local_ray, tmp_path):
+    """The built-in arithmetic environment (its calculator behind `<calc>` tags) on a user's model whose rollouts vLLM
+    decodes: episodes are reported, the trainer's recomputed old log-probs are within the kernels' rounding of vLLM's
+    and the weights move. Under verl-sync it runs on the warm workers of the single-turn runs above, whose processes
+    built a vLLM engine before joining those runs' device groups: each builds another."""
+    rows = [{"question": f"{a}*{b}=", "answer": str(a * b)} for a in range(11, 15) for b in range(21, 23)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    overrides = [f"policy={policy}", "env.name=arithmetic", "env.parser=plain", "env.options.max_turns=2"]
+    overrides += [f"prompts.path={tmp_path / 'rows.jsonl'}", f"prompts.eval_path={tmp_path / 'rows.jsonl'}"]
+    overrides += ["prompts.prompt_field=question", "prompts.max_tokens=16", "sampling.max_new_tokens=24"]
+    train(load_config(workspace / "run.yaml", overrides), tmp_path / "run", steps=2)
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2]
+    for line in lines:
+        assert 0 <= line["logprob_gap"] < 1e-3 and line["response_tokens"] > 0 and line["env/turns"] >= 1
+    start = load_file(workspace / "my-llama" / "model.safetensors")
+    trained = load_file(tmp_path / "run" / "checkpoints" / "step_000002" / "model.safetensors")
+    assert max((trained[k] - start[k]).abs().max().item() for k in start) > 0

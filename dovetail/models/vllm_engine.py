@@ -11,7 +11,10 @@ How the contract maps onto vLLM 0.32 (the `models.engine` docstring's plan, and 
   colocate mode and verl do; it runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so it works inside a Ray
   actor or pytest and the weights cross no process boundary.
 * generate(requests, until): one vLLM request per `Request` with `max_tokens = min(until, max_new_tokens) -
-  len(tokens)` and the run's stop ids.
+  len(tokens)` (and within a multi-turn request's turn budget) and the run's stop ids.
+* a process that builds a second engine (a warm Ray worker's next run): vLLM keeps its distributed groups in module
+  globals and builds its world group from torch's default group, which the earlier run's device group has replaced
+  since; `_leave_an_earlier_world` leaves both first.
 * keyed sampling, per token as ours: `KeyedSampler`, a vLLM logits processor, draws each request's next token from
   vLLM's logits with our uniform keyed by (seed, step, prompt, sample, token index) and `sample_tokens` (temperature,
   top-p), records the token and its log-prob (under the temperature, before top-p: what the trainer recomputes), and
@@ -66,6 +69,25 @@ GPU_MEMORY_UTILIZATION = 0.5
 """The share of a GPU vLLM takes for its weights and KV cache (the trainer holds the rest)."""
 
 
+def _leave_an_earlier_world() -> None:
+    """Where an earlier engine in this process left vLLM's world group over a default group of another size (the
+    run's device group, which a warm worker joined after building its last engine), leave both, so that this engine's
+    world is this process alone again, as a fresh worker's is. vLLM's groups were cut from the default group the
+    device group replaced, and went with it: they are forgotten, not destroyed again. The device group is the earlier
+    run's (a run joins its own after building its engines). Otherwise vLLM refuses with "world group already
+    initialized with a different world size"."""
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state
+
+    world = parallel_state._WORLD
+    if world is None or not dist.is_initialized() or world.world_size == dist.get_world_size():
+        return
+    for name, value in list(vars(parallel_state).items()):
+        if isinstance(value, parallel_state.GroupCoordinator):
+            setattr(parallel_state, name, None)
+    dist.destroy_process_group()
+
+
 class VllmEngine(RePrefillingEngine):
     """Rollouts on vLLM's offline `LLM`, built once for a transformers config (see the module docstring)."""
 
@@ -83,6 +105,7 @@ class VllmEngine(RePrefillingEngine):
         # Before vLLM reads it: the engine core in this process, where `KeyedSampler` hands its draws to `generate`.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         quiet_vllm()
+        _leave_an_earlier_world()
         from vllm import LLM
 
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -157,7 +180,7 @@ class VllmEngine(RePrefillingEngine):
             VllmSampling(
                 n=1,
                 temperature=1.0,  # the keyed sampler has chosen the token: every other logit is -inf
-                max_tokens=limit - len(r.tokens),
+                max_tokens=self._turn_tokens(r, limit),
                 stop_token_ids=list(self.params.stop_ids),
                 ignore_eos=True,  # the stop ids are the run's, given above
                 seed=self.params.seed,
@@ -174,6 +197,15 @@ class VllmEngine(RePrefillingEngine):
                 _DRAWS.pop(draw_id)
         for request, output, drawn in zip(requests, outputs, draws):
             self._record(request, output.outputs[0].token_ids, drawn, limit)
+
+    def _turn_tokens(self, request: Request, limit: int) -> int:
+        """The most tokens vLLM may draw for `request`: up to `limit`, and within a multi-turn request's turn budget
+        (`max_turn_tokens`), so that a turn waiting on its environment is not decoded past its end. A turn's stop
+        strings are ours (`stop`, which vLLM without a tokenizer cannot read): what follows one is dropped."""
+        room = limit - len(request.tokens)
+        if self.params.max_turn_tokens is None:
+            return room
+        return min(room, self.params.max_turn_tokens - (len(request.tokens) - request.turn_start))
 
     def _record(self, request: Request, token_ids, drawn: dict[int, tuple[int, float]], limit: int) -> None:
         """Append vLLM's tokens and the keyed sampler's log-probs of them; the request ends at a stop id, the budget,

@@ -553,8 +553,6 @@ class LMTrainConfig(RunSection):
             raise ValueError(
                 "runtime.length_bands: an env run decodes each trajectory whole, turn by turn, in one band; remove it"
             )
-        if self.rollout_engine == "vllm":
-            raise ValueError("env: multi-turn rollouts decode on our engine so far; set sampling.engine: dovetail")
         if self.prompts is not None and self.user_model and self.prompts.max_tokens is None:
             raise ValueError(
                 "prompts.max_tokens: an env run's prompts are its environment's first observations, unknown until it "
