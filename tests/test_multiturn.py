@@ -323,6 +323,39 @@ def test_the_same_seed_gives_the_same_trajectories_on_our_engine_whatever_the_ba
     assert [t.tokens for t in rollout_on_the_engine(config, chatty_host, seed=2)] != [t.tokens for t in trajectories]
 
 
+def test_a_waiting_trajectory_keeps_its_cache_and_its_next_turn_prefills_only_the_observation(tmp_path, chatty_host):
+    """`multi_turn`: a finished turn keeps its slot's cache, and the next turn prefills the turn's last token and the
+    observation onto it, where a re-prefilling engine computes the whole trajectory again: the prompts once and each
+    observation are all it prefills. The trajectories are the re-prefilling engine's, token for token (log-probs
+    within fp32 rounding); with slots for fewer trajectories than run, kept caches give way and come back by a
+    re-prefill, with the same tokens."""
+    config = env_config(tmp_path)
+    model, tokenizer, _ = load_lm(SORT_LM)
+    conversation = Conversation(config, tokenizer, (), context=128)
+    samples = [SampleId(3, p, i) for p in range(2) for i in range(2)]
+    rows = [{"question": question} for question in ("sort dcba:", "sort dcba:", "sort zyx:", "sort zyx:")]
+
+    def rollout(multi_turn: bool, slots: int | None = None):
+        params = SamplingParams(
+            max_new_tokens=32, stop_ids=tokenizer.stop_ids, seed=1, max_turn_tokens=3, multi_turn=multi_turn
+        )
+        engine = TorchEngine.from_model(model, params, max_len=128, max_batch=slots or 32, num_slots=slots)
+        return run_episodes(engine, chatty_host, conversation, samples, rows)[0], engine.prefill_tokens
+
+    kept, kept_prefilled = rollout(multi_turn=True)
+    again, again_prefilled = rollout(multi_turn=False)
+    evicted, evicted_prefilled = rollout(multi_turn=True, slots=2)
+    prompts = [conversation.prompt(row["question"]) for row in rows]
+    observations = [segment.tokens for t in kept for segment in t.segments if not segment.sampled]
+    assert len(observations) == 8  # two a trajectory: three turns each
+    assert kept_prefilled == sum(len(p) - 1 for p in prompts) + sum(map(len, observations))
+    assert again_prefilled > kept_prefilled and evicted_prefilled > kept_prefilled
+    for trajectories in (again, evicted):
+        assert [t.tokens for t in trajectories] == [t.tokens for t in kept]
+        for ours, theirs in zip(trajectories, kept):
+            torch.testing.assert_close(torch.tensor(ours.log_probs), torch.tensor(theirs.log_probs), atol=1e-5, rtol=0)
+
+
 # ------------------------------------------------------------------------------------------ the reference loop
 
 

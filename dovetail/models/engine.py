@@ -54,6 +54,9 @@ class SamplingParams:
     seed: int = 0
     max_turn_tokens: int | None = None
     """A multi-turn rollout's budget of one model turn (`Request.turn_start`); None: the rest of max_new_tokens."""
+    multi_turn: bool = False
+    """Whether a finished request is a turn its trajectory may follow (an env run's): an engine that can keeps its
+    KV cache for the next turn (`TorchEngine`), which then prefills only what the environment appended."""
 
     def __post_init__(self):
         if not self.temperature > 0:
@@ -336,16 +339,25 @@ class LlamaWeights:
         """Logits (B, vocab) of one token per row, tokens[b] at position start[b]: `forward` with T = 1."""
         return self.logits(self._layers(tokens, start[:, None], None, k_cache, v_cache))
 
-    def prefill(self, sequences: list[list[int]], k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        """Cache the keys and values of sequences[b] at positions 0.. of row b, as `forward` on the
-        right-padded batch would, without its padding or its output: the linear layers see the real tokens
-        only, packed; attention alone runs on the (B, longest) grid; the last layer stops at its keys and
-        values."""
+    def prefill(
+        self,
+        sequences: list[list[int]],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        starts: list[int] | None = None,
+    ) -> None:
+        """Cache the keys and values of sequences[b] at positions starts[b].. (0.. by default) of row b, whose
+        cache holds its first starts[b] positions already, as `forward` on the right-padded batch would, without
+        its padding or its output: the linear layers see the real tokens only, packed; attention alone runs on the
+        (B, longest) grid; the last layer stops at its keys and values. A padding cell's position is held within
+        the cache (it writes nothing and nothing reads its query)."""
         device = k_cache.device
         lengths = torch.tensor([len(sequence) for sequence in sequences], device=device)
         width = max(map(len, sequences))
-        positions = torch.arange(width, device=device).expand(len(sequences), width)
-        real = positions < lengths[:, None]
+        offsets = torch.arange(width, device=device).expand(len(sequences), width)
+        real = offsets < lengths[:, None]
+        positions = offsets if starts is None else offsets + torch.tensor(starts, device=device)[:, None]
+        positions = positions.clamp(max=k_cache.shape[-1] - 1)
         tokens = torch.tensor([token for sequence in sequences for token in sequence], device=device)
         self._layers(tokens, positions, real, k_cache, v_cache, output=False)
 
@@ -489,6 +501,12 @@ class TorchEngine(Engine):
     resumes them without a prefill. When a joining request needs a slot and none is free, the paused
     occupant is evicted and re-prefilled if it comes back: slower, the same tokens.
 
+    A multi-turn run's finished turns (`SamplingParams.multi_turn`) keep their slot too (`kept`): the trajectory's
+    next turn, the same prompt and tokens with the environment's observation after them, prefills only the
+    observation onto the kept cache, where a re-prefill would compute the whole trajectory again. A kept cache is
+    the first to go when a slot is needed (a slot no one owns, then a kept one, then a paused one): while the
+    engine has slots to spare, keeping costs nothing; without, the trajectory is re-prefilled as an import is.
+
     `stop(tokens)`, where given, ends a request whose tokens it says are done (stop strings: it reads only the
     request's own tokens, so a request stops where it would in any batch, on any engine)."""
 
@@ -520,6 +538,7 @@ class TorchEngine(Engine):
         self.slot_owner: list[Key | None] = [None] * self.num_slots
         self.cached_len = [0] * self.num_slots  # positions of the slot's sequence held in the cache
         self.paused: dict[Key, Request] = {}
+        self.kept: dict[Key, Request] = {}  # finished turns of a multi-turn run whose slot still holds their cache
         self.running: list[Request] = []  # running[i] occupies slot i; empty between generate calls
         self.prefill_tokens = 0  # tokens prefilled so far: shows re-prefills after evictions / imports
         self._source = list(range(self.num_slots))  # slot s's cache rows are in slot _source[s] until _move_rows
@@ -534,6 +553,7 @@ class TorchEngine(Engine):
     def load_weights(self, state_dict: dict) -> None:
         self.weights = LlamaWeights(self.config, state_dict, max_len=self.max_len, device=self.device)
         self.slot_owner = [None] * self.num_slots  # caches were computed by the old weights
+        self.kept.clear()
 
     def held_bytes(self) -> int:
         """The fused weights and the preallocated KV cache (both held whatever is running)."""
@@ -568,13 +588,18 @@ class TorchEngine(Engine):
         """Move waiting requests into the running slots; resumes first, then the new ones, prefilled as
         one batch (by `weights`, the loaded ones) in the contiguous slots after them."""
         joining = [waiting.popleft() for _ in range(min(len(waiting), self.max_batch - len(self.running)))]
-        to_prefill = []
+        to_prefill: list[Request] = []
+        extending: list[Request] = []
         for request in joining:
             if self._is_cached(request):
                 self._swap(self.slot_owner.index(request.key), len(self.running))
                 self.running.append(request)
+            elif self._extends_kept(request):
+                extending.append(request)
             else:
                 to_prefill.append(request)
+        if extending:
+            self._extend(extending, weights)
         first = len(self.running)
         for request in to_prefill:
             self._claim_slot(request.key, len(self.running))
@@ -602,6 +627,36 @@ class TorchEngine(Engine):
                 cache.index_copy_(1, slots, cache.index_select(1, sources))
         self.prefill_tokens += sum(map(len, sequences))
 
+    def _extends_kept(self, request: Request) -> bool:
+        """Whether `request` is the next turn of a finished turn whose cache is kept: the same prompt, and the
+        turn's tokens first in its own."""
+        kept = self.kept.get(request.key)
+        return (
+            kept is not None
+            and request.key in self.slot_owner
+            and kept.prompt == request.prompt
+            and request.tokens[: len(kept.tokens)] == kept.tokens
+        )
+
+    def _extend(self, requests: list[Request], weights: LlamaWeights) -> None:
+        """Run `requests` (each the next turn of a kept one) from their kept slots: each slot's cache gains what
+        was appended since (an observation), but the last token, which the next decode step feeds, as a new
+        request's prefill leaves it."""
+        first = len(self.running)
+        for request in requests:
+            del self.kept[request.key]
+            self._swap(self.slot_owner.index(request.key), len(self.running))
+            self.running.append(request)
+        self._move_rows()  # the kept rows into their running slots, before the prefill writes after them
+        starts = self.cached_len[first : len(self.running)]
+        appended = [(r.prompt + r.tokens)[start:-1] for r, start in zip(requests, starts)]
+        for offset, sequence in enumerate(appended):
+            self.cached_len[first + offset] += len(sequence)
+        if any(appended):
+            rows = slice(first, len(self.running))
+            weights.prefill(appended, self.k_cache[:, rows], self.v_cache[:, rows], starts=starts)
+            self.prefill_tokens += sum(map(len, appended))
+
     def _is_cached(self, request: Request) -> bool:
         paused = self.paused.get(request.key)
         return (
@@ -612,12 +667,20 @@ class TorchEngine(Engine):
         )
 
     def _claim_slot(self, key: Key, slot: int) -> None:
-        """Give `slot` (not running) to `key`: a stale copy of it is dropped; the slot's paused occupant
-        moves to a free slot, or is evicted when there is none."""
+        """Give `slot` (not running) to `key`: a stale copy of it is dropped; the slot's occupant moves to a
+        free slot, else to a kept one (whose cache goes), else is evicted."""
         if key in self.slot_owner:
             self.slot_owner[self.slot_owner.index(key)] = None
-        if self.slot_owner[slot] is not None and None in self.slot_owner[slot:]:
-            self._swap(slot, self.slot_owner.index(None, slot))
+        self.kept.pop(key, None)
+        if self.slot_owner[slot] is not None and self.slot_owner[slot] not in self.kept:
+            later = range(slot + 1, self.num_slots)
+            spare = next((s for s in later if self.slot_owner[s] is None), None)
+            spare = spare if spare is not None else next((s for s in later if self.slot_owner[s] in self.kept), None)
+            if spare is not None:
+                self._swap(slot, spare)
+        overwritten = self.slot_owner[slot]
+        if overwritten is not None:  # a kept cache, or an evicted paused one
+            self.kept.pop(overwritten, None)
         self.slot_owner[slot] = key
 
     def _swap(self, a: int, b: int) -> None:
@@ -667,7 +730,9 @@ class TorchEngine(Engine):
         for slot in reversed(range(len(self.running))):
             request = self.running[slot]
             if request.finished or len(request.tokens) >= limit:
-                if request.finished:
+                if request.finished and self.params.multi_turn:
+                    self.kept[request.key] = request.copy()
+                elif request.finished:
                     self.slot_owner[slot] = None
                 self._swap(slot, len(self.running) - 1)
                 self.running[slot] = self.running[-1]

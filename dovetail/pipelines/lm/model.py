@@ -119,6 +119,7 @@ def sampling_params(config: LMTrainConfig, stop_ids: tuple[int, ...], seed: int 
         stop_ids=stop_ids,
         seed=config.seed if seed is None else seed,
         max_turn_tokens=config.env.max_turn_tokens if config.env is not None else None,
+        multi_turn=config.env is not None,
     )
 
 
