@@ -328,7 +328,7 @@ def test_a_waiting_trajectory_keeps_its_cache_and_its_next_turn_prefills_only_th
     observation onto it, where a re-prefilling engine computes the whole trajectory again: the prompts once and each
     observation are all it prefills. The trajectories are the re-prefilling engine's, token for token (log-probs
     within fp32 rounding); with slots for fewer trajectories than run, kept caches give way and come back by a
-    re-prefill, with the same tokens."""
+    re-prefill, with the same tokens. A trajectory done releases its slot."""
     config = env_config(tmp_path)
     model, tokenizer, _ = load_lm(SORT_LM)
     conversation = Conversation(config, tokenizer, (), context=128)
@@ -340,7 +340,9 @@ def test_a_waiting_trajectory_keeps_its_cache_and_its_next_turn_prefills_only_th
             max_new_tokens=32, stop_ids=tokenizer.stop_ids, seed=1, max_turn_tokens=3, multi_turn=multi_turn
         )
         engine = TorchEngine.from_model(model, params, max_len=128, max_batch=slots or 32, num_slots=slots)
-        return run_episodes(engine, chatty_host, conversation, samples, rows)[0], engine.prefill_tokens
+        trajectories = run_episodes(engine, chatty_host, conversation, samples, rows)[0]
+        assert not engine.kept and set(engine.slot_owner) == {None}  # a done trajectory's cache is released
+        return trajectories, engine.prefill_tokens
 
     kept, kept_prefilled = rollout(multi_turn=True)
     again, again_prefilled = rollout(multi_turn=False)

@@ -115,6 +115,11 @@ class Engine(ABC):
     def export(self, key: Key) -> Request:
         """Hand over a paused request and free what the engine holds for it."""
 
+    def release(self, key: Key) -> None:
+        """Forget what this engine keeps of a trajectory whose episode is done (a multi-turn run's kept cache, see
+        `SamplingParams.multi_turn`), so that its slot serves others; by default an engine keeps nothing."""
+        return None
+
     def _keep_paused(self, results: list[Request]) -> list[Request]:
         """`generate`'s end: the unfinished of `results` stay paused (exportable), the finished are forgotten."""
         for request in results:
@@ -626,6 +631,10 @@ class TorchEngine(Engine):
             for cache in (self.k_cache, self.v_cache):
                 cache.index_copy_(1, slots, cache.index_select(1, sources))
         self.prefill_tokens += sum(map(len, sequences))
+
+    def release(self, key: Key) -> None:
+        if self.kept.pop(key, None) is not None and key in self.slot_owner:
+            self.slot_owner[self.slot_owner.index(key)] = None
 
     def _extends_kept(self, request: Request) -> bool:
         """Whether `request` is the next turn of a finished turn whose cache is kept: the same prompt, and the

@@ -221,6 +221,7 @@ def run_episodes(
                     finished[state.sample] = state.trajectory(done)
                     del running[state.sample]
                     host.close(state.sample)
+                    engine.release(state.request.key)
     except BaseException:
         host.stop()
         raise
