@@ -443,8 +443,9 @@ def _lockstep_passes(work: LMLogProbs | LMTrain) -> int | None:
 def trainer_kept(engines: LMEngines):
     """The profile's work trains and steps the engines' own trainer and loads its weights into the rollout engine:
     afterwards the trainer's weights and optimizer are put back and the next work reloads the rollout's. A sharded
-    run's profile neither trains nor steps it (`profile_works`): nothing to put back."""
-    saved = None if engines.shards else trainer_state_of(engines.trainer, engines.optimizer)
+    run's profile neither trains nor steps it (`profile_works`): nothing to put back. A PPO run's critic is put back
+    with the policy (`LMEngines.trainer_state`)."""
+    saved = None if engines.shards else engines.trainer_state()
     try:
         yield
     finally:
