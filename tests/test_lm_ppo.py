@@ -327,6 +327,18 @@ RAY_SMALL = [
 ]
 
 
+def test_a_resumed_ppo_run_goes_on_with_its_critic(tmp_path):
+    """The reference loop, 2 steps at once or 1 and a resume: the critic and its AdamW state travel in the
+    checkpoint (`critic.safetensors`, `critic_optimizer.pt`), so both runs end at the same policy and critic."""
+    overrides = [*RAY_SMALL, "policy=reference", "checkpoint.every=1"]
+    train(load_config(None, overrides), tmp_path / "whole", steps=2)
+    train(load_config(None, overrides), tmp_path / "resumed", steps=1)
+    train(load_config(None, overrides), tmp_path / "resumed", steps=2, resume=tmp_path / "resumed")
+    for name in ("model.safetensors", "critic.safetensors"):
+        ends = [load_file(str(tmp_path / p / "checkpoints" / "step_000002" / name)) for p in ("whole", "resumed")]
+        assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0]), name
+
+
 @pytest.mark.exactness
 def test_verl_sync_on_ray_trains_policy_and_critic_to_the_reference_parameters(local_ray, tmp_path):
     """PPO reaches a Ray policy as it reaches the reference loop: verl-sync on 2 devices, each training a share of
