@@ -17,7 +17,7 @@ import torch
 from running import train
 from safetensors.torch import load_file
 
-from dovetail.algo import ADVANTAGE_ESTIMATORS, clipped_value_loss, gae_advantages_returns
+from dovetail.algo import ADVANTAGE_ESTIMATORS, clipped_value_loss, gae_advantages_returns, lm_grpo_loss
 from dovetail.config.common import ConfigError
 from dovetail.config.load import load_config
 from dovetail.graph.lm import stage
@@ -158,6 +158,26 @@ def test_a_value_pulled_past_the_clip_stops_being_pulled():
         loss, _ = clipped_value_loss(v, old, target, mask, cliprange_value=0.2)
         loss.backward()
         assert loss.item() == pytest.approx(loss_value) and v.grad.item() == pytest.approx(gradient)
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+def test_per_token_advantages_weigh_each_tokens_surrogate(aggregation):
+    """`lm_grpo_loss` with (B, T) advantages: equal to the (B,) path where every token of a sequence has its
+    sequence's advantage, and otherwise each token's gradient is its own advantage's (on policy, ratio 1, token
+    aggregation: d loss / d log pi_t = -A_t / tokens)."""
+    _, _, mask = token_batch(7, rows=4, width=5)
+    generator = torch.Generator().manual_seed(7)
+    log_probs = (torch.randn(mask.shape, generator=generator, dtype=torch.float64) - 1).requires_grad_()
+    per_sequence = torch.randn(4, generator=generator, dtype=torch.float64)
+    broadcast = per_sequence[:, None].expand(mask.shape).clone()
+    old = log_probs.detach()
+    a, _ = lm_grpo_loss(log_probs, old, per_sequence, mask.bool(), aggregation=aggregation)
+    b, _ = lm_grpo_loss(log_probs, old, broadcast, mask.bool(), aggregation=aggregation)
+    assert a.item() == pytest.approx(b.item(), abs=1e-12)
+    per_token = torch.randn(mask.shape, generator=generator, dtype=torch.float64)
+    loss, _ = lm_grpo_loss(log_probs, old, per_token, mask.bool(), aggregation="token")
+    loss.backward()
+    torch.testing.assert_close(log_probs.grad, -per_token * mask / mask.sum(), atol=1e-12, rtol=0)
 
 
 # ------------------------------------------------------------------ the critic
