@@ -210,6 +210,18 @@ def test_a_tokens_value_is_read_where_its_log_prob_is():
             torch.testing.assert_close(values[row, : len(response)], expected, atol=1e-5, rtol=0)
 
 
+def test_a_ppo_devices_memory_counts_the_critic_beside_the_policy():
+    """The memory figures a step reports count the critic's parameters with the policy's (4 bytes each, fp32)."""
+    from dovetail.pipelines.lm.engines import LMEngines
+
+    held = {}
+    for name, overrides in {"grpo": [], "ppo": ["algo.advantage=gae", "critic.lr=1e-4"]}.items():
+        engines = LMEngines(load_config(None, ["kind=lm", *overrides]), torch.device("cpu"), True, None)
+        held[name] = engines.memory().parameters
+    critic = value_model_of(load_lm(load_config(None, ["kind=lm"]).builtin_checkpoint)[0], 0)
+    assert held["ppo"] - held["grpo"] == 4 * sum(p.numel() for p in critic.parameters())
+
+
 def test_step_gae_puts_the_shaped_reward_on_the_last_token():
     """The pipeline's GAE over a scored step, gamma = lam = 1: each token's return is its response's reward (the
     overlong penalty added), whatever the values."""

@@ -14,8 +14,9 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -32,6 +33,7 @@ from dovetail.models.lm_rl import (
     step_values,
     value_gradient,
 )
+from dovetail.models.memory import memory_by_kind
 from dovetail.models.training import (
     commit,
     load_trainer_state,
@@ -79,7 +81,7 @@ from dovetail.pipelines.lm.prompts import RunPrompts
 from dovetail.rewards import load_rewards
 from dovetail.rewards.text import score_text
 from dovetail.runtime.interference import Span, time_work
-from dovetail.runtime.messages import LogProbs, Score, Scores, Trained, TrainerWork, Work
+from dovetail.runtime.messages import DeviceMemory, LogProbs, Score, Scores, Trained, TrainerWork, Work
 from dovetail.runtime.pipeline import PROFILE_ROUNDS, PipelineEngines, unsharded_works
 
 STAT_MEANS = ("clip_frac", "approx_kl", "ratio_mean", "kl_ref", "entropy", "logprob_gap")
@@ -401,12 +403,25 @@ class LMEngines(PipelineEngines[Engine]):
 
     def step_optimizers(self) -> float:
         """The policy's optimizer step, and the critic's at its own lr (`critic_train`), each clipped on its own
-        (verl's actor and critic each clip their gradient); the policy's pre-clip gradient norm. The critic's is kept
-        as `critic_grad_norm`."""
+        (verl's actor and critic each clip their gradient); returns the policy's pre-clip gradient norm."""
         grad_norm = super().step_optimizers()
         if self.critic is not None and self.critic_optimizer is not None:
-            self.critic_grad_norm = commit(self.critic, self.critic_optimizer, self.config.critic_train)
+            commit(self.critic, self.critic_optimizer, self.config.critic_train)
         return grad_norm
+
+    def memory(self, gradient_parts: Iterable[torch.Tensor] = ()) -> DeviceMemory:
+        """The device's bytes by kind (`PipelineEngines.memory`), a PPO run's critic's parameters, gradients and
+        AdamW moments with the trainer's."""
+        held = super().memory(gradient_parts)
+        if self.critic is None:
+            return held
+        critic = memory_by_kind(self.critic, self.critic_optimizer)
+        return replace(
+            held,
+            parameters=held.parameters + critic["parameters"],
+            gradients=held.gradients + critic["gradients"],
+            optimizer=held.optimizer + critic["optimizer"],
+        )
 
     def trainer_state(self) -> dict:
         """The policy's state, and the critic's under "critic" where the run trains one."""
