@@ -8,6 +8,8 @@
   model, 30 steps of the reference loop: the held-out eval reward must rise by 0.1.
 * sort: configs/sort.yaml (verl-sync on 2 CPU devices, B=32 x G=8) for 30 steps: the held-out success rate must
   rise by 0.05 (and the train reward of the last 5 steps beat the first 5's by 0.05).
+* sort_ppo: the same with PPO and a critic (algo.advantage=gae, algo.micro_batches=1, critic.lr=1e-4): the same
+  rises, and its final held-out success rate within 0.1 of GRPO's (the `sort` curve, run first when not asked for).
 
 `make test` keeps one fast "it learns" test per kind (tests/test_train.py: FlowGRPO on brightness;
 tests/test_runtime_lm.py: LM GRPO under verl-sync on short completions); DanceGRPO's math is tested against the
@@ -39,17 +41,38 @@ def dance_grpo(out: Path) -> tuple[float, float, float]:
 
 
 def sort(out: Path) -> tuple[float, float, float]:
-    config = load_config("configs/sort.yaml", ["train.steps=30", "eval.every=30", "checkpoint.every=100"])
+    return sort_curve(out, [])
+
+
+PPO = ["algo.advantage=gae", "algo.micro_batches=1", "critic.lr=1e-4"]
+"""PPO with a critic on configs/sort.yaml: GAE whitens over the whole step (one micro-batch)."""
+
+
+def sort_ppo(out: Path) -> tuple[float, float, float]:
+    base, final, rise = sort_curve(out, PPO)
+    grpo = out.parent / "sort"
+    if not (grpo / "summary.json").is_file():
+        sort(grpo)
+    grpo_final = json.loads((grpo / "summary.json").read_text())["final_eval_reward"]
+    print(f"sort_ppo: final eval reward {final:.3f}, GRPO's {grpo_final:.3f}")
+    if abs(final - grpo_final) > 0.1:
+        print("sort_ppo: more than 0.1 from GRPO's")
+        return base, -1.0, rise
+    return base, final, rise
+
+
+def sort_curve(out: Path, overrides: list[str]) -> tuple[float, float, float]:
+    config = load_config("configs/sort.yaml", ["train.steps=30", "eval.every=30", "checkpoint.every=100", *overrides])
     summary = train(config, out=out, steps=30)
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     first, last = (sum(m["reward/total"] for m in part) / 5 for part in (lines[:5], lines[-5:]))
     if last < first + 0.05:
-        print(f"sort: train reward {first:.3f} -> {last:.3f} over the first and last 5 steps (needs +0.05)")
+        print(f"{out.name}: train reward {first:.3f} -> {last:.3f} over the first and last 5 steps (needs +0.05)")
         return summary["base_eval_reward"], -1.0, 0.05
     return summary["base_eval_reward"], summary["final_eval_reward"], 0.05
 
 
-CURVES = {"flow_grpo": flow_grpo, "dance_grpo": dance_grpo, "sort": sort}
+CURVES = {"flow_grpo": flow_grpo, "dance_grpo": dance_grpo, "sort": sort, "sort_ppo": sort_ppo}
 
 
 def main() -> int:

@@ -300,7 +300,7 @@ def test_entropy_bonus_is_subtracted_and_aggregated_like_the_surrogate():
         ({"mask": torch.ones(3, 3)}, "mask"),
         ({"mask": torch.full((2, 3), 0.5)}, "mask"),
         ({"mask": torch.zeros(2, 3)}, "mask"),
-        ({"advantages": torch.zeros(2, 3)}, "advantages"),
+        ({"advantages": torch.zeros(2, 4)}, "advantages"),  # neither (B,) nor (B, T): (B, T) is GAE's per token
         ({"log_probs": torch.zeros(6), "old_log_probs": torch.zeros(6)}, "log_probs"),
         ({"ref_log_probs": torch.zeros(2, 2)}, "ref_log_probs"),
         ({"importance_weight": torch.ones(2)}, "importance_weight"),

@@ -1,6 +1,6 @@
 """Pure math: the SDE step with its log-prob, advantages, the policy loss, timestep choice, a weights' EMA."""
 
-from dovetail.algo.advantages import ADVANTAGE_ESTIMATORS, advantages
+from dovetail.algo.advantages import ADVANTAGE_ESTIMATORS, advantages, gae_advantages_returns
 from dovetail.algo.ema import WeightEMA
 from dovetail.algo.grpo import (
     decoupled_old_log_prob,
@@ -10,13 +10,15 @@ from dovetail.algo.grpo import (
     sliding_window,
     train_timestep_count,
 )
-from dovetail.algo.lm_grpo import POLICY_LOSSES, lm_grpo_loss, rollout_correction_weight
+from dovetail.algo.lm_grpo import POLICY_LOSSES, clipped_value_loss, lm_grpo_loss, rollout_correction_weight
 from dovetail.algo.sde import SDEStep, gaussian_log_prob, sde_step
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "POLICY_LOSSES",
     "advantages",
+    "clipped_value_loss",
+    "gae_advantages_returns",
     "SDEStep",
     "WeightEMA",
     "decoupled_old_log_prob",

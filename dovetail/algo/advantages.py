@@ -5,7 +5,10 @@ lengths in tokens (N,) to one advantage per response, in float64; `advantages` l
 +-clip. `whole_batch` says whether an estimator's statistics span every response of the batch (then whoever calls
 it must hand it the whole batch, not one micro-batch) or only each response's own group.
 
-All of them are verl's outcome estimators (verl/trainer/ppo/core_algos.py, `register_adv_est`), which the tests
+`gae` is the one estimator with a critic (`needs_values`): token-level, from each response token's value estimate,
+it gives an advantage and a return per token (`gae_advantages_returns`), which the critic learns to predict.
+
+All the others are verl's outcome estimators (verl/trainer/ppo/core_algos.py, `register_adv_est`), which the tests
 transcribe and compare on the same tensors. Where verl whitens over the batch it whitens over tokens
 (`masked_whiten` of the reward broadcast over each response's tokens): a response weighs its length there, which is
 what `lengths` is for.
@@ -13,6 +16,7 @@ what `lengths` is for.
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -29,18 +33,21 @@ class AdvantageEstimator:
     """(rewards, group_ids, lengths, *, std_scope) -> advantages, all (N,), float64."""
     whole_batch: bool
     """Its statistics span the whole batch: a micro-batch alone would give other advantages."""
+    needs_values: bool = False
+    """It reads a critic's value of every response token and gives per-token advantages and returns
+    (`gae_advantages_returns`), not one advantage per response: `advantages` cannot call it."""
 
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
 
 
-def register_advantage(name: str, *, whole_batch: bool):
+def register_advantage(name: str, *, whole_batch: bool, needs_values: bool = False):
     """Register the decorated function as the estimator `name` (one spelling, one place: this module)."""
 
-    def register(estimate: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def register(estimate: Callable[..., Any]) -> Callable[..., Any]:
         if name in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is registered twice")
-        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(name, estimate, whole_batch)
+        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(name, estimate, whole_batch, needs_values)
         return estimate
 
     return register
@@ -58,6 +65,8 @@ def advantages(
     """The advantages (N,) of estimator `name`, clipped to +-clip, as float32."""
     if name not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"advantage={name!r} is not one of {tuple(ADVANTAGE_ESTIMATORS)}")
+    if ADVANTAGE_ESTIMATORS[name].needs_values:
+        raise ValueError(f"advantage={name!r} reads a critic's values per token: call gae_advantages_returns")
     if not rewards.shape == group_ids.shape == lengths.shape or rewards.ndim != 1:
         raise ValueError(
             f"rewards, group_ids and lengths must be (N,) alike, got {tuple(rewards.shape)}, "
@@ -126,3 +135,42 @@ def token_whiten(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     mean = (values * lengths).sum() / tokens
     variance = (((values - mean) ** 2) * lengths).sum() / tokens * tokens / (tokens - 1)
     return (values - mean) * torch.rsqrt(variance + WHITEN_EPS)
+
+
+@register_advantage("gae", whole_batch=True, needs_values=True)
+def gae_advantages_returns(
+    token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016, arXiv 1506.02438) per response token, as verl's
+    `compute_gae_advantage_return` (verl/trainer/ppo/core_algos.py, `adv_estimator: gae`) computes it, all (B, T):
+
+        delta_t = r_t + gamma * V_{t+1} - V_t,    A_t = delta_t + gamma * lam * A_{t+1},    R_t = A_t + V_t,
+
+    V_{t+1} the value of the next token that `mask` holds (0 past the last), so the tokens outside the mask (padding,
+    a multi-turn trajectory's observations) neither carry a TD error nor break the chain across them. The returns R
+    are the critic's targets; the advantages are then whitened over every masked token of the batch (`token_whiten`,
+    verl's `masked_whiten`), which makes the estimator whole-batch. gamma = lam = 1 gives A_t = sum_{k>=t} r_k - V_t
+    before whitening: the reward-to-go less the value. An outcome reward sits on each response's last token.
+
+    Returns (advantages, returns), 0 outside `mask`."""
+    if not token_rewards.shape == values.shape == mask.shape or token_rewards.ndim != 2:
+        raise ValueError(
+            f"token_rewards, values and mask must be (B, T) alike, got {tuple(token_rewards.shape)}, "
+            f"{tuple(values.shape)}, {tuple(mask.shape)}"
+        )
+    kept = mask.to(values.dtype)
+    next_values = torch.zeros_like(values[:, 0])
+    running = torch.zeros_like(values[:, 0])
+    reversed_advantages = []
+    for t in reversed(range(values.shape[1])):
+        delta = token_rewards[:, t] + gamma * next_values - values[:, t]
+        advantage = delta + gamma * lam * running
+        next_values = values[:, t] * kept[:, t] + (1 - kept[:, t]) * next_values
+        running = advantage * kept[:, t] + (1 - kept[:, t]) * running
+        reversed_advantages.append(running)
+    raw = torch.stack(reversed_advantages[::-1], dim=1)
+    returns = (raw + values) * kept
+    tokens = mask.bool()
+    whitened = torch.zeros_like(raw)
+    whitened[tokens] = token_whiten(raw[tokens], torch.ones_like(raw[tokens]))
+    return whitened, returns

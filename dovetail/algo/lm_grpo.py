@@ -101,7 +101,7 @@ def lm_grpo_loss(
 
     Shapes: `log_probs`, `old_log_probs`, `mask` and the optional `ref_log_probs`, `entropy`,
     `importance_weight` are (B, T), padded, `mask` 1 on response tokens and 0 elsewhere;
-    `advantages` is (B,), one per sequence, shared by all its tokens. `old_log_probs`,
+    `advantages` is (B,), one per sequence, shared by all its tokens, or (B, T), one per token (GAE's). `old_log_probs`,
     `ref_log_probs` and `importance_weight` are constants (detached). Padding never reaches the
     loss or its gradient, whatever values it holds. The math runs in fp32 at least (bf16 is upcast).
 
@@ -172,21 +172,14 @@ def lm_grpo_loss(
     tokens = int(response.sum())
 
     def aggregate(per_token: torch.Tensor) -> torch.Tensor:
-        masked = torch.where(response, per_token, 0.0)
-        if aggregation == "sequence":
-            lengths = response.sum(dim=-1).clamp(min=1)
-            total, default_scale = (masked.sum(dim=-1) / lengths).sum(), response.shape[0]
-        elif aggregation == "token":
-            total, default_scale = masked.sum(), tokens
-        else:
-            assert max_tokens is not None  # _check_settings refused drgrpo without it
-            total, default_scale = masked.sum(), response.shape[0] * max_tokens
-        return total / (loss_scale if loss_scale is not None else default_scale)
+        return aggregate_tokens(per_token, response, aggregation, max_tokens, loss_scale)
 
     # Padding is replaced by 0 before exp, so a garbage pad cannot turn into inf/nan in the gradient.
     log_ratio = POLICY_LOSSES[policy_loss](log_probs.to(dtype), old_log_probs.detach().to(dtype), response)
     ratio = torch.exp(log_ratio)
-    token_advantages = advantages.detach().to(dtype).unsqueeze(-1).expand_as(ratio)
+    token_advantages = advantages.detach().to(dtype)
+    if token_advantages.ndim == 1:  # one per sequence, shared by its tokens
+        token_advantages = token_advantages.unsqueeze(-1).expand_as(ratio)
     unclipped = -token_advantages * ratio
     clipped = -token_advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     surrogate = torch.maximum(unclipped, clipped)
@@ -222,6 +215,71 @@ def lm_grpo_loss(
     return loss, stats
 
 
+def aggregate_tokens(
+    per_token: torch.Tensor, response: torch.Tensor, aggregation: str, max_tokens: int | None, loss_scale: float | None
+) -> torch.Tensor:
+    """Per-token terms (B, T) to the scalar `aggregation` makes of them over the `response` tokens (`lm_grpo_loss`
+    says how), divided by `loss_scale` where given, else by the aggregation's own normaliser."""
+    masked = torch.where(response, per_token, 0.0)
+    if aggregation == "sequence":
+        lengths = response.sum(dim=-1).clamp(min=1)
+        total, default_scale = (masked.sum(dim=-1) / lengths).sum(), response.shape[0]
+    elif aggregation == "token":
+        total, default_scale = masked.sum(), int(response.sum())
+    else:
+        assert max_tokens is not None  # drgrpo is refused without it
+        total, default_scale = masked.sum(), response.shape[0] * max_tokens
+    return total / (loss_scale if loss_scale is not None else default_scale)
+
+
+def clipped_value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    cliprange_value: float,
+    aggregation: str = "token",
+    max_tokens: int | None = None,
+    loss_scale: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO's clipped value loss for the critic (verl's `compute_value_loss`, `critic.cliprange_value`; OpenRLHF's
+    `ValueLoss`), all (B, T):
+
+        V_clip = old_V + clip(V - old_V, -c, c),    loss = 0.5 * agg(max((V - R)^2, (V_clip - R)^2)),
+
+    V the critic's values under grad, old_V the values it gave the rollout (the step's value pass, detached), R the
+    GAE returns (detached), c = `cliprange_value`: a value can move at most c from the one the advantages were
+    estimated with before its loss stops pulling it further. Aggregated over `mask` as the policy loss is
+    (`aggregate_tokens`; verl's `agg_loss` with the critic's `loss_agg_mode`), so the critic's gradient shares the
+    actor's normaliser at the commit. Stats: `vf_loss` (the loss), `vf_clipfrac` (share of tokens whose clipped
+    error is the larger), `vpred_mean` (mean value), `tokens`."""
+    if not values.shape == old_values.shape == returns.shape == mask.shape or values.ndim != 2:
+        raise ValueError(
+            f"values, old_values, returns and mask must be (B, T) alike, got {tuple(values.shape)}, "
+            f"{tuple(old_values.shape)}, {tuple(returns.shape)}, {tuple(mask.shape)}"
+        )
+    if not cliprange_value > 0:
+        raise ValueError(f"cliprange_value={cliprange_value} must be > 0")
+    dtype = torch.promote_types(values.dtype, torch.float32)
+    response = mask.bool()
+    values, old, target = values.to(dtype), old_values.detach().to(dtype), returns.detach().to(dtype)
+    clipped = old + (values - old).clamp(-cliprange_value, cliprange_value)
+    unclipped_error = (values - target) ** 2
+    clipped_error = (clipped - target) ** 2
+    loss = 0.5 * aggregate_tokens(
+        torch.maximum(unclipped_error, clipped_error), response, aggregation, max_tokens, loss_scale
+    )
+    with torch.no_grad():
+        stats = {
+            "vf_loss": loss.item(),
+            "vf_clipfrac": (clipped_error > unclipped_error)[response].double().mean().item(),
+            "vpred_mean": values[response].mean().item(),
+            "tokens": float(response.sum()),
+        }
+    return loss, stats
+
+
 def _check_tensors(
     log_probs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, **per_token: torch.Tensor | None
 ) -> None:
@@ -231,8 +289,11 @@ def _check_tensors(
     for name, tensor in {"mask": mask, **per_token}.items():
         if tensor is not None and tensor.shape != log_probs.shape:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}, log_probs has {tuple(log_probs.shape)}")
-    if advantages.shape != log_probs.shape[:1]:
-        raise ValueError(f"advantages must be (B,) = {tuple(log_probs.shape[:1])}, got {tuple(advantages.shape)}")
+    if advantages.shape not in (log_probs.shape[:1], log_probs.shape):
+        raise ValueError(
+            f"advantages must be (B,) = {tuple(log_probs.shape[:1])} or (B, T) = {tuple(log_probs.shape)}, got "
+            f"{tuple(advantages.shape)}"
+        )
     if not ((mask == 0) | (mask == 1)).all():
         raise ValueError("mask must hold only 0 and 1")
     if not mask.any():

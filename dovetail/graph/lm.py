@@ -161,9 +161,12 @@ it of every node of a step at every decision."""
 
 
 def stage(node: Node) -> str:
-    """The verl stage a node belongs to: rollout, score, old, ref, train, commit or publish."""
+    """The verl stage a node belongs to: rollout, score, old, ref, values (the critic's pass), critic (its train),
+    train, commit or publish."""
     if node.kind is Kind.LOGPROB:
-        return "ref" if node.reference else "old"
+        return "values" if node.critic else "ref" if node.reference else "old"
+    if node.kind is Kind.TRAIN and node.critic:
+        return "critic"
     return STAGE_OF_KIND[node.kind]
 
 
@@ -181,6 +184,8 @@ def engines(spec: LMSpec, cost: CostModel, shape: LMShape) -> Engines:
         trainer = cost.training_memory(
             model.params, model.layers, model.hidden, 0, shape.trainer_devices, trainable=trainable_params(spec)
         ).total
+    if spec.critic:  # PPO's value model: the policy's size, with its own gradients and AdamW moments
+        trainer *= 2
     resident = {Role.ROLLOUT: rollout / GB, Role.TRAINER: trainer / GB}
     switch = {Role.ROLLOUT: cost.switch(rollout), Role.TRAINER: cost.switch(trainer)}
     return Engines(resident_gb=resident, wake_s=switch, sleep_s=switch)
@@ -419,6 +424,22 @@ def _training(
                 )
                 nodes.append(logprob)
                 before_train.append(logprob.id)
+        if spec.critic:  # the critic's values of the micro-batch's tokens, then its train beside the actor's
+            values = Node(
+                _id(spec, step, "values", micro),
+                spec.name,
+                step,
+                Kind.LOGPROB,
+                Role.TRAINER,
+                tuple(before_train),
+                version=step,
+                samples=ids,
+                cost_s=cost.logprob(model, lengths),
+                fixed_s=cost.fixed("logprob"),
+                critic=True,
+            )
+            nodes.append(values)
+            before_train.append(values.id)
         tokens_per_device = math.ceil(sum(lengths) / shape.trainer_devices)
         activations = cost.training_memory(
             model.params, model.layers, model.hidden, tokens_per_device, shape.trainer_devices
@@ -439,6 +460,26 @@ def _training(
         )
         nodes.append(train)
         trains.append(train.id)
+        if spec.critic:
+            critic = Node(
+                _id(spec, step, "train_critic", micro),
+                spec.name,
+                step,
+                Kind.TRAIN,
+                Role.TRAINER,
+                tuple(before_train),
+                version=step,
+                samples=ids,
+                micro_batch=micro,
+                cost_s=cost.train(model, lengths),
+                fixed_s=cost.fixed("train"),
+                memory_gb=activations / GB,
+                critic=True,
+            )
+            nodes.append(critic)
+            trains.append(critic.id)
+    if spec.critic:  # the critic's AdamW steps at the commit beside the actor's, over all of its parameters
+        trained += model.params
     commit = Node(
         _id(spec, step, "commit"),
         spec.name,
@@ -460,7 +501,7 @@ def _training(
         Role.TRAINER,
         (commit.id,),
         version=step,
-        cost_s=cost.publish(trained),
+        cost_s=cost.publish(model.params if trainable is None else trainable),  # the critic is not published
         collective=True,
     )
     return nodes + [commit, publish]

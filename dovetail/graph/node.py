@@ -103,6 +103,8 @@ class Node:
     for the migrated tail, which decodes wherever the policy puts it."""
     reference: bool = False
     """A logprob node of the frozen reference model (the KL term), not of the weights being trained."""
+    critic: bool = False
+    """PPO's critic: a logprob node that is its value pass, a train node that trains it (beside the actor's)."""
     max_width: int | None = None
     """Devices past which the node goes no faster (None: it spreads over any number): an LM prefill / decode node
     runs on one engine of `tensor_parallel` devices, so more devices cannot shorten one response's decode."""

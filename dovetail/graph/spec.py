@@ -272,6 +272,11 @@ class LMSpec(_PipelineSpec):
         "trajectories whole, turn by turn between environment steps, in one band with no migration.",
     )
     reference: bool = Field(True, description="Compute reference log-probs for a KL term.")
+    critic: bool = Field(
+        False,
+        description="PPO with a critic (GAE): a value pass after each micro-batch's score and a critic train beside "
+        "the actor's, a value model as large as the policy on the trainer devices.",
+    )
     replicated_trainer: bool = Field(
         False,
         description="Every trainer device holds a whole replica of the trainer, as dovetail's runtime does: a commit "

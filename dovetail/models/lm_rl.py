@@ -15,13 +15,20 @@ an order its kernel chooses by shape). Groups of one prompt are also faster here
 passes its prompt once (`group_response_log_probs`), not once per response.
 """
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import groupby
 
 import numpy as np
 import torch
 
-from dovetail.algo import advantages, decoupled_old_log_prob, lm_grpo_loss, rollout_correction_weight
+from dovetail.algo import (
+    advantages,
+    clipped_value_loss,
+    decoupled_old_log_prob,
+    gae_advantages_returns,
+    lm_grpo_loss,
+    rollout_correction_weight,
+)
 from dovetail.algo.reward_shaping import overlong_penalty, sequence_kl
 from dovetail.graph.node import SampleId
 from dovetail.models.engine import CACHE, Request
@@ -231,6 +238,7 @@ def policy_gradient(
     passes: int | None = None,
     generated: dict[SampleId, Sequence[bool]] | None = None,
     scored_requests: dict[SampleId, Request] | None = None,
+    values: dict[SampleId, object] | None = None,
 ) -> tuple[torch.Tensor | None, list[dict], float]:
     """The GRPO gradient of the groups of `requests` (a part of the step, whole groups), summed: the flat fp64
     gradient of the loss summed over the part (`lm_grpo_loss(loss_scale=1)`), each group's statistics, and what
@@ -259,16 +267,26 @@ def policy_gradient(
 
     `generated`: multi-turn trajectories' masks, per response token whether the model sampled it. The others are the
     environment's observations: the whole trajectory is passed (each model turn reads the observations before it),
-    and only the sampled tokens enter the loss, its normaliser, the KL, the entropy and the statistics."""
-    advantage_of = step_advantages(
-        rewards,
-        requests if scored_requests is None else scored_requests,
-        old_log_probs,
-        ref_log_probs,
-        algo=algo,
-        max_new_tokens=max_new_tokens,
-        generated=generated,
-    )
+    and only the sampled tokens enter the loss, its normaliser, the KL, the entropy and the statistics.
+
+    `values`: with `algo.advantage: gae`, the critic's value of every token of every scored sample (`group_values`),
+    from which each token's advantage is estimated (`step_gae`); the surrogate then weighs each token by its own."""
+    scored = requests if scored_requests is None else scored_requests
+    advantage_of: Mapping[SampleId, object]
+    if algo.advantage == "gae":
+        assert values is not None, "gae's advantages read the critic's values"
+        gae = step_gae(rewards, scored, values, old_log_probs, ref_log_probs, algo=algo, max_new_tokens=max_new_tokens)
+        advantage_of = {s: per_token for s, (per_token, _) in gae.items()}
+    else:
+        advantage_of = step_advantages(
+            rewards,
+            scored,
+            old_log_probs,
+            ref_log_probs,
+            algo=algo,
+            max_new_tokens=max_new_tokens,
+            generated=generated,
+        )
     normaliser = 0.0
 
     def group_loss(group: list[SampleId]):
@@ -301,10 +319,14 @@ def policy_gradient(
             behaviour = padded({s: r.log_probs for s, r in zip(group, group_requests)})
             old, stale_weight = decoupled_old_log_prob(log_probs, behaviour, max_weight=algo.stale_max_weight)
             weight = stale_weight if weight is None else weight * stale_weight
+        if algo.advantage == "gae":
+            group_advantages = padded({s: advantage_of[s] for s in group})
+        else:
+            group_advantages = torch.tensor([advantage_of[s] for s in group], device=log_probs.device)
         loss, stats = lm_grpo_loss(
             log_probs,
             old,
-            torch.tensor([advantage_of[s] for s in group], device=log_probs.device),
+            group_advantages,
             mask,
             clip_low=algo.clip_low,
             clip_high=algo.clip_high,
@@ -340,11 +362,43 @@ def step_advantages(
     max_new_tokens: int,
     generated: dict[SampleId, Sequence[bool]] | None = None,
 ) -> dict[SampleId, float]:
-    """Each scored sample's advantage (`algo.advantages`, estimator `algo.advantage`) from its reward shaped first:
-    plus DAPO's overlong penalty (`algo.overlong_buffer`), and with `algo.kl_in: reward` less beta x its summed KL
+    """Each scored sample's advantage (`algo.advantages`, estimator `algo.advantage`) from its reward shaped first
+    (`shaped_rewards`). Lengths are response tokens."""
+    scored, shaped, lengths = shaped_rewards(
+        rewards,
+        scored_requests,
+        old_log_probs,
+        ref_log_probs,
+        algo=algo,
+        max_new_tokens=max_new_tokens,
+        generated=generated,
+    )
+    estimated = advantages(
+        algo.advantage,
+        shaped,
+        torch.tensor([s.prompt for s in scored]),
+        lengths,
+        std_scope=algo.std_scope,
+        clip=algo.adv_clip,
+    )
+    return dict(zip(scored, estimated.tolist()))
+
+
+def shaped_rewards(
+    rewards: dict[SampleId, float],
+    scored_requests: dict[SampleId, Request],
+    old_log_probs: dict[SampleId, object],
+    ref_log_probs: dict[SampleId, object],
+    *,
+    algo,
+    max_new_tokens: int,
+    generated: dict[SampleId, Sequence[bool]] | None = None,
+) -> tuple[list[SampleId], torch.Tensor, torch.Tensor]:
+    """The scored samples in key order, their rewards shaped (fp64) and their response lengths: each reward plus
+    DAPO's overlong penalty (`algo.overlong_buffer`), and with `algo.kl_in: reward` less beta x its summed KL
     estimate to the reference (where `ref_log_probs` are given) at the old log-probs, which the pipelines recompute
     for it (`LMTrainConfig.recomputes_old_log_probs`; the engine's where none were: the start-up profile's)
-    (`sequence_kl`). Lengths are response tokens."""
+    (`sequence_kl`)."""
     scored = sorted(rewards)
     lengths = torch.tensor([len(scored_requests[s].tokens) for s in scored], dtype=torch.float64)
     shaped = torch.tensor([rewards[s] for s in scored], dtype=torch.float64)
@@ -364,12 +418,114 @@ def step_advantages(
                 )
             )
         shaped = shaped - algo.beta * torch.tensor(penalties, dtype=torch.float64)
-    estimated = advantages(
-        algo.advantage,
-        shaped,
-        torch.tensor([s.prompt for s in scored]),
-        lengths,
-        std_scope=algo.std_scope,
-        clip=algo.adv_clip,
+    return scored, shaped, lengths
+
+
+def step_gae(
+    rewards: dict[SampleId, float],
+    scored_requests: dict[SampleId, Request],
+    values: dict[SampleId, object],
+    old_log_probs: dict[SampleId, object],
+    ref_log_probs: dict[SampleId, object],
+    *,
+    algo,
+    max_new_tokens: int,
+) -> dict[SampleId, tuple[np.ndarray, np.ndarray]]:
+    """Each scored sample's per-token GAE advantages (whitened over the step's tokens, clipped to +-algo.adv_clip,
+    fp32) and returns (fp32: the critic's targets), `algo.gae_advantages_returns` on the whole step: its shaped
+    outcome reward (`shaped_rewards`) on the response's last token, the critic's `values` of its tokens, `algo.gamma`
+    and `algo.lam`. The same samples and values give the same bits on any device: the step is one padded batch in key
+    order."""
+    scored, shaped, lengths = shaped_rewards(
+        rewards, scored_requests, old_log_probs, ref_log_probs, algo=algo, max_new_tokens=max_new_tokens
     )
-    return dict(zip(scored, estimated.tolist()))
+    width = int(lengths.max()) if scored else 0
+    token_rewards = torch.zeros(len(scored), width, dtype=torch.float64)
+    token_values = torch.zeros(len(scored), width, dtype=torch.float64)
+    mask = torch.zeros(len(scored), width, dtype=torch.bool)
+    for row, sample in enumerate(scored):
+        length = int(lengths[row])
+        token_values[row, :length] = torch.as_tensor(np.asarray(values[sample]), dtype=torch.float64)
+        mask[row, :length] = True
+        if length:
+            token_rewards[row, length - 1] = shaped[row]
+    per_token, returns = gae_advantages_returns(token_rewards, token_values, mask, gamma=algo.gamma, lam=algo.lam)
+    per_token = per_token.clamp(-algo.adv_clip, algo.adv_clip).float()
+    return {
+        sample: (per_token[row, : int(lengths[row])].numpy(), returns[row, : int(lengths[row])].float().numpy())
+        for row, sample in enumerate(scored)
+    }
+
+
+def group_values(critic, prompt: list[int], responses: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The critic's value (B, R) of every response token of a group, read where the token's log-prob is: at the
+    position that predicts it (the state of the prompt and the response before it, verl's critic
+    `values[:, -response_length - 1 : -1]`), and its mask; under grad when called so. One batched forward of the
+    prompt repeated per response, right-padded (`pad_batch`), so a group gives the same bits in any part."""
+    device = compute_device(critic)
+    ids, attention_mask = pad_batch([prompt + r for r in responses])
+    per_position = critic(input_ids=ids.to(device), attention_mask=attention_mask.long().to(device))
+    targets, mask = pad_batch(responses)
+    mask = mask.to(device)
+    predicting = len(prompt) - 1 + torch.arange(targets.shape[1], device=device)
+    predicting = predicting.clamp(max=per_position.shape[1] - 1)  # padding columns: any valid position, masked
+    return per_position[:, predicting].masked_fill(~mask, 0.0), mask
+
+
+def step_values(critic, requests: dict[SampleId, Request]) -> dict[SampleId, torch.Tensor]:
+    """Each response's values (`group_values`, a group at a time), without grad: the rollout's value pass."""
+    out: dict[SampleId, torch.Tensor] = {}
+    with torch.no_grad():
+        for group in by_group(requests):
+            chosen = [requests[s] for s in group]
+            values, mask = group_values(critic, group_prompt(chosen), [r.tokens for r in chosen])
+            out |= {s: row[m] for s, row, m in zip(group, values, mask)}
+    return out
+
+
+def value_gradient(
+    critic,
+    requests: dict[SampleId, Request],
+    rewards: dict[SampleId, float],
+    values: dict[SampleId, object],
+    old_log_probs: dict[SampleId, object],
+    ref_log_probs: dict[SampleId, object],
+    *,
+    algo,
+    cliprange_value: float,
+    max_new_tokens: int,
+    scored_requests: dict[SampleId, Request] | None = None,
+) -> tuple[torch.Tensor, list[dict]]:
+    """The critic's gradient of the groups of `requests` (a part of the step, whole groups), summed in fp64
+    (`accumulate_group_gradients`), and each group's statistics: PPO's clipped value loss
+    (`algo.clipped_value_loss`, summed: loss_scale 1) of its values under grad against the step's GAE returns
+    (`step_gae` over every scored sample), clipped around the rollout's `values`. Aggregated as the actor's loss over
+    the same tokens, it shares the actor's normaliser: the commit scales both by the step's."""
+    scored = requests if scored_requests is None else scored_requests
+    gae = step_gae(rewards, scored, values, old_log_probs, ref_log_probs, algo=algo, max_new_tokens=max_new_tokens)
+
+    def group_loss(group: list[SampleId]):
+        chosen = [requests[s] for s in group]
+        predicted, mask = group_values(critic, group_prompt(chosen), [r.tokens for r in chosen])
+        if not mask.any():
+            return None
+
+        def padded(per_sample: dict) -> torch.Tensor:
+            out = torch.zeros_like(predicted)
+            for row, sample in enumerate(group):
+                row_values = torch.as_tensor(np.asarray(per_sample[sample]), dtype=predicted.dtype)
+                out[row, : len(row_values)] = row_values.to(out.device)
+            return out
+
+        return clipped_value_loss(
+            predicted,
+            padded(values),
+            padded({s: gae[s][1] for s in group}),
+            mask,
+            cliprange_value=cliprange_value,
+            aggregation=algo.aggregation,
+            max_tokens=max_new_tokens,
+            loss_scale=1.0,
+        )
+
+    return accumulate_group_gradients(critic, list(requests), group_loss)

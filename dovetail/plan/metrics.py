@@ -29,6 +29,9 @@ metrics.jsonl, one line per step (Ray: only under a Ray policy; flow / LM: of th
   entropy               LM: mean token entropy of the responses
   logprob_gap           LM, where old log-probs are recomputed (sampling.engine=vllm; policy areal): mean |engine's
                         log-prob - the trainer's recomputed one| per response token (areal's stale samples: with drift)
+  critic/vf_loss        LM PPO (algo.advantage=gae): the critic's clipped value loss, over the step's normaliser
+  critic/vf_clipfrac    LM PPO: share of response tokens whose clipped value error was the larger (verl's name)
+  critic/vpred_mean     LM PPO: the critic's mean value of a response token (verl's name)
   response_tokens       LM: tokens of the step's responses (an env run's: the tokens its model sampled, which train)
   env/turns             LM env run: mean model turns per episode (each answered by the environment)
   env/tool_calls        LM env run: mean tool calls per episode (malformed ones included)

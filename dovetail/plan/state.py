@@ -190,8 +190,10 @@ class ClusterState:
         return 1.0 / max((self.slowdown(kind, other) for other in self.alongside(node_id)), default=1.0)
 
     def _retime_around(self, devices: Sequence[int]) -> None:
-        """Re-time the nodes on `devices` after a neighbour came or went."""
-        for node_id in {n for index in devices for n in self.devices[index].running}:
+        """Re-time the nodes on `devices` after a neighbour came or went, in the order of the devices and of the nodes
+        on each (a set's order would change from one process to the next with the strings' hash seed, and with it
+        the order of completions at one instant: the same seed must give the same trace)."""
+        for node_id in dict.fromkeys(n for index in devices for n in self.devices[index].running):
             speed = self._speed(node_id)
             if speed != self.running[node_id].speed:
                 self._progress(node_id)

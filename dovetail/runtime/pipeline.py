@@ -22,10 +22,13 @@ from dovetail.graph.flow import split
 from dovetail.graph.node import Graph, Kind, Node, SampleId
 from dovetail.models.memory import memory_by_kind, peak_bytes
 from dovetail.models.training import (
+    commit,
     flat_gradient,
     load_trainer_state,
     load_weights,
     make_optimizer,
+    set_summed_gradient,
+    trainable_parameters,
     trainer_state_of,
     weights_of,
 )
@@ -238,6 +241,23 @@ class PipelineEngines(ABC, Generic[Rollout]):
         gradient = flat_gradient(trainer).double()
         trainer.zero_grad(set_to_none=True)
         return gradient
+
+    def gradient_size(self) -> int:
+        """The length of a part's flat gradient (`part_gradient`): by default the trainer's trainable parameters."""
+        trainer, _ = self.held_trainer()
+        return sum(p.numel() for p in trainable_parameters(trainer))
+
+    def set_step_gradient(self, parts: list[torch.Tensor], scale: float) -> None:
+        """The step's gradient, the flat `parts` added and times `scale`, into the trainer's parameters
+        (`models.training.set_summed_gradient`); a kind whose parts carry more than the trainer's (a critic's)
+        splits them here."""
+        trainer, _ = self.held_trainer()
+        set_summed_gradient(trainer, parts, scale)
+
+    def step_optimizers(self) -> float:
+        """The commit's optimizer step (`models.training.commit`); returns the trainer's pre-clip gradient norm."""
+        trainer, optimizer = self.held_trainer()
+        return commit(trainer, optimizer, self.config.train)
 
     def held_trainer(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """The trainer engine and its optimizer, on a device that holds them (trainer work goes only there)."""

@@ -38,7 +38,6 @@ from dovetail.models.memory import peak_bytes
 from dovetail.models.training import (
     commit,
     scale_gradients,
-    set_summed_gradient,
     stepped_lr,
     strict_fp32,
     trainable_parameters,
@@ -384,10 +383,10 @@ class DeviceWorker:
         total = self.gradient if self.gradient is not None else self._zero_gradient()
         summed = reduce_parts(total, work.ranks, self.groups)
         synced = time.perf_counter()
-        set_summed_gradient(self.engines.trainer, [summed], work.scale)
+        self.engines.set_step_gradient([summed], work.scale)
         gradients = self.engines.memory([summed]).gradients
         self.gradient, self.summed = None, set()
-        grad_norm = commit(self.engines.trainer, self.engines.optimizer, self.config.train)
+        grad_norm = self.engines.step_optimizers()
         lr = stepped_lr(self.engines.optimizer)
         seconds = time.perf_counter() - synced
         self.held_memory = self.engines.memory()
@@ -419,9 +418,8 @@ class DeviceWorker:
         return [] if self.gradient is None else [self.gradient]
 
     def _zero_gradient(self) -> torch.Tensor:
-        """A flat fp64 gradient of zeros over the trainer's trainable parameters (what a part is: `part_gradient`)."""
-        trained = trainable_parameters(self.engines.held_trainer()[0])
-        return torch.zeros(sum(p.numel() for p in trained), dtype=torch.float64, device=self.device)
+        """A flat fp64 gradient of zeros of a part's length (`PipelineEngines.gradient_size`: what a part is)."""
+        return torch.zeros(self.engines.gradient_size(), dtype=torch.float64, device=self.device)
 
     def time_sync(self, ranks: tuple[int, ...], repeats: int) -> float:
         """Median seconds of a commit's adding across the devices `ranks` (each calls this at once), one part of the

@@ -2,8 +2,9 @@
 
 Every device of a pipeline's group holds the rollout engine, generates its shard, and the whole group
 waits for the longest response (stage barrier). Then: reward -> sleep rollout / wake trainer -> old
-log-probs -> reference log-probs -> actor update (micro-batches) -> optimizer step -> weight sync ->
-wake rollout -> next step. Several pipelines split the pool evenly and each runs this way.
+log-probs -> reference log-probs -> (PPO: the critic's values, the critic's update) -> actor update
+(micro-batches) -> optimizer step -> weight sync -> wake rollout -> next step. Several pipelines split
+the pool evenly and each runs this way.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from dovetail.graph.spec import PipelineSpec
 from dovetail.sched.lm_common import StagedLMPolicy, lm_only, rollout_engines, split_pool, step_done, tensor_parallel
 from dovetail.sched.policy import Begin, Decision, Event, StartStep, View
 
-ORDER = ("rollout", "score", "old", "ref", "train", "commit", "publish")
+ORDER = ("rollout", "score", "old", "ref", "values", "critic", "train", "commit", "publish")
+"""verl's order of a step's stages (`ray_trainer.fit`): PPO's critic computes its values after the reference's
+log-probs and trains before the actor."""
 
 
 class VerlSync(StagedLMPolicy):

@@ -19,7 +19,7 @@ from dovetail.models.diffusers_flow import checkpoint_io, load_decoder, load_flo
 from dovetail.models.flow_rl import generate, group_sample_ids, step_prompts
 from dovetail.models.memory import memory_by_kind, peak_bytes
 from dovetail.models.t2i import latents_to_images
-from dovetail.models.training import commit, make_optimizer, stepped_lr
+from dovetail.models.training import commit, load_trainer_state, make_optimizer, stepped_lr, trainer_state_of
 from dovetail.pipelines.flow.config import FlowTrainConfig, flow_rules
 from dovetail.pipelines.flow.recipe import (
     advantages_of,
@@ -128,6 +128,13 @@ class FlowLocal:
         self.ema = None if ema is None else WeightEMA(trained_parameters(self.model), ema.decay, ema.every)
         self._save, self._load = save_weights, load_weights
         self._reference_model = None
+
+    def trainer_state(self) -> dict:
+        """The weights and optimizer state the Ray trainers start from (`models.training.trainer_state_of`)."""
+        return trainer_state_of(self.model, self.optimizer)
+
+    def load_trainer_state(self, state: dict) -> None:
+        load_trainer_state(self.model, self.optimizer, state)
 
     def save_weights(self, directory: Path) -> None:
         self._save(directory)

@@ -18,8 +18,18 @@ from dovetail.graph.node import Kind, Node, SampleId
 from dovetail.models.engine import Request
 from dovetail.models.lm_rl import by_group
 from dovetail.pipelines.lm.config import LMTrainConfig
-from dovetail.pipelines.lm.engines import merged_stats, requests_of
-from dovetail.pipelines.lm.messages import Decode, LMLogProbs, LMTrain, Prefill, Responses
+from dovetail.pipelines.lm.engines import merged_critic_stats, merged_stats, requests_of
+from dovetail.pipelines.lm.messages import (
+    CRITIC_UNIT,
+    CriticTrained,
+    Decode,
+    LMCriticTrain,
+    LMLogProbs,
+    LMTrain,
+    LMValues,
+    Prefill,
+    Responses,
+)
 from dovetail.pipelines.lm.model import encode_prompts, load_run_tokenizer, model_context
 from dovetail.pipelines.lm.multiturn import episode_metrics
 from dovetail.pipelines.lm.prompts import RunPrompts
@@ -43,7 +53,8 @@ class LMAdapter(PipelineAdapter):
         """The shape of the steps whose nodes `parts` last cut (`book` reads it for their results)."""
 
     def units_of(self, sample: SampleId) -> list[int]:
-        return [0]
+        """A response's policy update (0), and with a critic its critic update (`CRITIC_UNIT`)."""
+        return [0] if self.config.critic is None else [0, CRITIC_UNIT]
 
     def parts(self, node: Node, devices: tuple[int, ...], run: RunContext) -> list[Part]:
         pipeline, graph = node.pipeline, run.graph
@@ -68,6 +79,9 @@ class LMAdapter(PipelineAdapter):
         if node.kind == Kind.SCORE:
             return [Part(node.id, devices[0], Score(pipeline, rollouts, samples))]
         scores = run.outputs_of([score.id])  # done: a log-prob or train node follows its micro-batch's score
+        if node.kind == Kind.LOGPROB and node.critic:
+            shares, _ = self.trainer_shares(samples, devices, scores, trainer=False)
+            return [Part(node.id, d, LMValues(pipeline, ids, rollouts)) for d, ids in shares]
         if node.kind == Kind.LOGPROB:
             shares, lockstep = self.trainer_shares(samples, devices, scores, trainer=not node.reference)
             return [
@@ -75,12 +89,18 @@ class LMAdapter(PipelineAdapter):
             ]
         if node.kind == Kind.TRAIN:
             logprobs = [graph[d] for d in node.deps if graph[d].kind == Kind.LOGPROB]
-            old = run.outputs_of([n.id for n in logprobs if not n.reference])
+            old = run.outputs_of([n.id for n in logprobs if not n.reference and not n.critic])
             ref = run.outputs_of([n.id for n in logprobs if n.reference])
-            stale = version < node.version
+            values = run.outputs_of([n.id for n in logprobs if n.critic])
             shares, lockstep = self.trainer_shares(samples, devices, scores, trainer=True)
+            if node.critic:
+                return [
+                    Part(node.id, d, LMCriticTrain(pipeline, ids, rollouts, scores, values, old, ref))
+                    for d, ids in shares
+                ]
+            stale = version < node.version
             return [
-                Part(node.id, d, LMTrain(pipeline, ids, stale, rollouts, scores, old, ref, **lockstep))
+                Part(node.id, d, LMTrain(pipeline, ids, stale, rollouts, scores, old, ref, values=values, **lockstep))
                 for d, ids in shares
             ]
         raise ValueError(f"node {node.id}: the language-model runtime does not run {node.kind} nodes yet")
@@ -270,7 +290,8 @@ def lm_step_metrics(scores: list[Scores], trained: list[Trained]) -> dict:
         groups.setdefault((sample.step, sample.prompt), []).append(float(total))
     flat = sum(1 for rewards in groups.values() if max(rewards) == min(rewards))
     episodes = {name: np.concatenate([s.figures[name] for s in scores]) for name in scores[0].figures}
-    merged = merged_stats([t.stats for t in trained if t.samples])  # a streamed micro-batch may be empty
+    actor = [t for t in trained if not isinstance(t, CriticTrained)]
+    merged = merged_stats([t.stats for t in actor if t.samples])  # a streamed micro-batch may be empty
     tokens = merged.pop("tokens")
     normaliser = sum(t.normaliser for t in trained)
     loss = merged.pop("loss") / normaliser if normaliser else merged.pop("loss")
@@ -280,4 +301,19 @@ def lm_step_metrics(scores: list[Scores], trained: list[Trained]) -> dict:
         | merged
         | {"response_tokens": tokens}
         | episode_metrics(episodes)
+        | critic_metrics([t for t in trained if isinstance(t, CriticTrained)], normaliser)
     )
+
+
+def critic_metrics(trained: list[CriticTrained], normaliser: float) -> dict[str, float]:
+    """A PPO step's critic figures, under verl's names: `critic/vf_loss` (the objective its gradient descends, over
+    the step's normaliser as the actor's), `critic/vf_clipfrac` (share of tokens whose clipped value error is the
+    larger) and `critic/vpred_mean` (its mean value of a response token); none without a critic."""
+    if not trained:
+        return {}
+    merged = merged_critic_stats([t.stats for t in trained if t.samples])
+    return {
+        "critic/vf_loss": merged["loss"] / normaliser if normaliser else merged["loss"],
+        "critic/vf_clipfrac": merged["vf_clipfrac"],
+        "critic/vpred_mean": merged["vpred_mean"],
+    }

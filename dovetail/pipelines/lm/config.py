@@ -218,7 +218,7 @@ MIN_TEMPERATURE = 1e-30
 keeps logits up to 3e8 finite. So small a temperature samples greedily, as a tiny top_p does."""
 
 
-WHOLE_BATCH_ADVANTAGES = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+WHOLE_BATCH_ADVANTAGES = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae")
 """`algo.advantage`s whose statistics span the whole step (`algo.advantages.AdvantageEstimator.whole_batch`)."""
 
 
@@ -278,12 +278,15 @@ class LMAlgoSection(Section):
     micro_batches: int = Field(
         2, ge=1, le=MAX_PER_STEP, description="train micro-batches per step (whole prompt groups each)"
     )
-    advantage: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = Field(
+    advantage: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"] = Field(
         "grpo",
         description="the advantage estimator (docs/algorithms.md): grpo (group-normalised), rloo (leave-one-out "
         "baseline), reinforce_plus_plus (batch-whitened rewards), reinforce_plus_plus_baseline (group mean "
-        "subtracted, then batch-whitened)",
+        "subtracted, then batch-whitened), gae (PPO with a critic: per-token GAE from the critic's values; needs the "
+        "critic section)",
     )
+    gamma: float = Field(1.0, ge=0, le=1, description="gae's discount per token (verl's algorithm.gamma)")
+    lam: float = Field(1.0, ge=0, le=1, description="gae's lambda (verl's algorithm.lam)")
     loss: Literal["ppo_clip", "gspo"] = Field(
         "ppo_clip",
         description="the clipped ratio: ppo_clip (per token) or gspo (per sequence; its clips default to "
@@ -341,6 +344,23 @@ class LMAlgoSection(Section):
         if self.std_scope != "group" and self.advantage != "grpo":
             raise ValueError(f"algo.std_scope={self.std_scope} scales grpo's advantages; set algo.advantage: grpo")
         return self
+
+
+class LMCriticSection(Section):
+    """PPO's critic (`algo.advantage: gae`): a value model of the policy's architecture with a scalar head, started
+    from the policy's checkpoint with a fresh head (verl's critic), trained by its own AdamW beside the actor."""
+
+    lr: float = Field(1e-5, gt=0, le=1, description="the critic's Adam learning rate (verl's critic.optim.lr)")
+    cliprange_value: float = Field(
+        0.5, gt=0, le=1000, description="how far a value may move from the rollout's before its loss stops pulling it"
+    )
+    warmup_steps: int = Field(
+        0, ge=0, le=MAX_STEPS, description="critic optimizer steps whose lr rises linearly from 0 (the critic's own)"
+    )
+
+
+CRITIC_POLICIES = (REFERENCE, "verl-sync")
+"""The policies that train a critic (`algo.advantage: gae`): the others are refused in one line naming these."""
 
 
 class LMEvalSection(Section):
@@ -452,6 +472,9 @@ class LMTrainConfig(RunSection):
     )
     sampling: LMSamplingSection = LMSamplingSection()
     algo: LMAlgoSection = LMAlgoSection()
+    critic: LMCriticSection | None = Field(
+        None, description="PPO's critic, which algo.advantage: gae trains (its lr, value clip, warm-up)"
+    )
     reward: RewardWeights | None = Field(
         None, description="text rewards and weights; None: the task's own (a prompts.path run names its own)"
     )
@@ -580,11 +603,35 @@ class LMTrainConfig(RunSection):
             )
         if algo.dynamic_sampling and self.env is not None:
             raise ValueError("algo.dynamic_sampling: an env run's episodes are not redrawn yet; set it to false")
+        self._critic_fits_the_run()
         if algo.overlong_buffer > self.max_new_tokens:
             raise ValueError(
                 f"algo.overlong_buffer={algo.overlong_buffer} exceeds max_new_tokens={self.max_new_tokens}: lower it"
             )
         return self
+
+    def _critic_fits_the_run(self) -> None:
+        """GAE reads a critic's values, and only a critic section trains one; it runs where `CRITIC_POLICIES` are and
+        on a whole model of one trainer replica per device, single-turn."""
+        if self.algo.advantage != "gae":
+            if self.critic is not None:
+                raise ValueError(
+                    f"critic: only algo.advantage=gae trains a critic (it is {self.algo.advantage}); remove the section"
+                )
+            return
+        if self.critic is None:
+            raise ValueError("critic: algo.advantage=gae trains a critic; add the section, e.g. critic: {lr: 1e-5}")
+        if self.policy not in CRITIC_POLICIES:
+            raise ValueError(
+                f"algo.advantage=gae: policy {self.policy} does not train a critic yet; set policy: "
+                f"{' or '.join(CRITIC_POLICIES)}"
+            )
+        if self.train.sharding == "fsdp":
+            raise ValueError("algo.advantage=gae: the critic trains as a replica so far; set train.sharding: replicate")
+        if self.model.lora is not None:
+            raise ValueError("algo.advantage=gae: the critic is a whole model so far; remove model.lora")
+        if self.env is not None:
+            raise ValueError("algo.advantage=gae: multi-turn trajectories have no critic yet; remove env")
 
     @model_validator(mode="after")
     def _shape_fits(self) -> "LMTrainConfig":
@@ -652,6 +699,15 @@ class LMTrainConfig(RunSection):
         return kl_in_reward or not engine_matches_trainer(self.rollout_engine)
 
     @property
+    def critic_train(self):
+        """The `train` section the critic's optimizer steps by (`models.training.commit`): the policy's clip and
+        decay, the critic's lr and warm-up, a constant lr after it (verl's critic optimizer)."""
+        assert self.critic is not None, "only a run with a critic steps one"
+        return self.train.model_copy(
+            update={"lr": self.critic.lr, "warmup_steps": self.critic.warmup_steps, "lr_schedule": "constant"}
+        )
+
+    @property
     def user_model(self) -> bool:
         """A `model.path` run: a user's transformers model on their dataset (`prompts.path`)."""
         return self.model.path is not None
@@ -716,6 +772,7 @@ class LMTrainConfig(RunSection):
             "length_bands": self.runtime.length_bands,
             "micro_batches": self.algo.micro_batches,
             "reference": self.algo.beta > 0,
+            "critic": self.critic is not None,
             "lengths_known": False,  # a run learns them by decoding
             "multi_turn": self.env is not None,
             "replicated_trainer": self.train.sharding

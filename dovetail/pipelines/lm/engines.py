@@ -14,8 +14,9 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -23,19 +24,42 @@ import torch
 from dovetail.envs.host import EnvironmentHost
 from dovetail.graph.node import Role, SampleId
 from dovetail.models.causal_lm import CausalLM, rollout_engine, rollout_state
+from dovetail.models.critic import value_model_of
 from dovetail.models.engine import Engine, Request
-from dovetail.models.lm_rl import accumulate_group_gradients, group_log_probs, policy_gradient
+from dovetail.models.lm_rl import (
+    accumulate_group_gradients,
+    group_log_probs,
+    policy_gradient,
+    step_values,
+    value_gradient,
+)
+from dovetail.models.memory import memory_by_kind
 from dovetail.models.training import (
     commit,
+    load_trainer_state,
     make_optimizer,
     set_summed_gradient,
     synchronize,
     tensors_of,
+    trainable_parameters,
     trainer_state_of,
     weights_of,
 )
 from dovetail.pipelines.lm.config import LMTrainConfig
-from dovetail.pipelines.lm.messages import Decode, EpisodeFigures, LMLogProbs, LMTrain, Prefill, Responses, request_key
+from dovetail.pipelines.lm.messages import (
+    CRITIC_UNIT,
+    CriticTrained,
+    Decode,
+    EpisodeFigures,
+    LMCriticTrain,
+    LMLogProbs,
+    LMTrain,
+    LMValues,
+    Prefill,
+    Responses,
+    Values,
+    request_key,
+)
 from dovetail.pipelines.lm.model import (
     encode_prompts,
     engine_length,
@@ -57,7 +81,7 @@ from dovetail.pipelines.lm.prompts import RunPrompts
 from dovetail.rewards import load_rewards
 from dovetail.rewards.text import score_text
 from dovetail.runtime.interference import Span, time_work
-from dovetail.runtime.messages import LogProbs, Score, Scores, Trained, TrainerWork, Work
+from dovetail.runtime.messages import DeviceMemory, LogProbs, Score, Scores, Trained, TrainerWork, Work
 from dovetail.runtime.pipeline import PROFILE_ROUNDS, PipelineEngines, unsharded_works
 
 STAT_MEANS = ("clip_frac", "approx_kl", "ratio_mean", "kl_ref", "entropy", "logprob_gap")
@@ -84,6 +108,21 @@ def requests_of(parts: list[Responses]) -> dict[SampleId, Request]:
             part.samples, part.prompts, part.tokens, part.log_probs, part.finished
         )
     }
+
+
+CRITIC_MEANS = ("vf_loss", "vf_clipfrac", "vpred_mean")
+"""Per-token means each critic train part reports (`algo.clipped_value_loss`), weighted by tokens over the step."""
+
+
+def merged_critic_stats(parts: list[dict[str, float]]) -> dict[str, float]:
+    """The critic's statistics of several groups or parts as one: per-token means weighted by tokens, the token and
+    loss sums."""
+    parts = [p for p in parts if p["tokens"] > 0]
+    tokens = sum(p["tokens"] for p in parts)
+    if not parts:
+        return dict.fromkeys([*CRITIC_MEANS, "tokens", "loss"], 0.0)
+    means = {name: sum(p[name] * p["tokens"] for p in parts) / tokens for name in CRITIC_MEANS}
+    return means | {"tokens": tokens, "loss": sum(p["loss"] for p in parts)}
 
 
 def merged_stats(parts: list[dict[str, float]]) -> dict[str, float]:
@@ -118,6 +157,11 @@ class LMEngines(PipelineEngines[Engine]):
         their calls."""
         self.conversation: Conversation | None = None
         """How the tokenizer writes an env run's episodes."""
+        self.critic: torch.nn.Module | None = None
+        """PPO's value model (`algo.advantage: gae`), trained beside the policy on every trainer device."""
+        self.critic_optimizer: torch.optim.Optimizer | None = None
+        self._gradient: torch.Tensor | None = None
+        self._critic_gradient: torch.Tensor | None = None
         if not holds_policy:
             return
         env = config.env
@@ -130,6 +174,9 @@ class LMEngines(PipelineEngines[Engine]):
         model, _ = load_policy(config)
         self.trainer = model.to(device)
         self.optimizer = make_optimizer(self.trainer, config.train)
+        if config.critic is not None:  # from the policy's checkpoint, before a run's state replaces its weights
+            self.critic = value_model_of(self.trainer, config.seed)
+            self.critic_optimizer = make_optimizer(self.critic, config.critic_train)
         if trainer_state is not None:
             self.load_trainer_state(trainer_state)
         if config.algo.beta > 0:
@@ -178,7 +225,11 @@ class LMEngines(PipelineEngines[Engine]):
             self.load_rollout_weights(parts[0].version, work.weights)
             requests = [r for r in requests_of(parts).values() if not (work.running_only and r.finished)]
             return responses_of(self.held_rollout().generate(requests, until=work.until), parts[0].version)
-        if isinstance(work, (Score, LMLogProbs, LMTrain)) and work.samples == [] and not _in_lockstep(work):
+        if (
+            isinstance(work, (Score, LMLogProbs, LMTrain, LMValues, LMCriticTrain))
+            and work.samples == []
+            and not _in_lockstep(work)
+        ):
             return self._nothing(work)
         if isinstance(work, Score):
             chosen = self._select(work.rollouts, work.samples)
@@ -204,8 +255,15 @@ class LMEngines(PipelineEngines[Engine]):
             model = self.reference if work.reference else self.trainer
             log_probs = group_log_probs(model, chosen, self.config.sampling.temperature, _lockstep_passes(work))
             return LogProbs(list(chosen), [log_probs[s].cpu().numpy() for s in chosen])
+        if isinstance(work, LMValues):
+            assert self.critic is not None, "a run with a critic sends its value work"
+            chosen = self._select(work.rollouts, work.samples)
+            values = step_values(self.critic, chosen)
+            return Values(list(chosen), [values[s].cpu().numpy() for s in chosen])
         if isinstance(work, LMTrain):
             return self._train(work)
+        if isinstance(work, LMCriticTrain):
+            return self._train_critic(work)
         raise TypeError(f"language-model engines cannot do {type(work).__name__}")
 
     def _handed_on(self, work: Prefill) -> Responses:
@@ -244,6 +302,10 @@ class LMEngines(PipelineEngines[Engine]):
             return Scores([], {name: np.zeros(0) for name in names}, np.zeros(0, dtype=int), figures)
         if isinstance(work, LMLogProbs):
             return LogProbs([], [])
+        if isinstance(work, LMValues):
+            return Values([], [])
+        if isinstance(work, LMCriticTrain):
+            return CriticTrained([], [CRITIC_UNIT], merged_critic_stats([]), 0.0)
         self._gradient, _ = accumulate_group_gradients(self.trainer, [], lambda group: None)
         return Trained([], [0], merged_stats([]), 0.0)
 
@@ -277,12 +339,102 @@ class LMEngines(PipelineEngines[Engine]):
             passes=_lockstep_passes(work),
             generated=generated,
             scored_requests=self._select(work.rollouts, None),
+            values=self._values(work.values) if work.values else None,
         )
         return Trained(samples, [0], merged_stats(group_stats), normaliser)
 
+    def _values(self, parts: list) -> dict[SampleId, object]:
+        return {SampleId(*s): v for part in self.fetch(parts) for s, v in zip(part.samples, part.values)}
+
+    def _train_critic(self, work: LMCriticTrain) -> CriticTrained:
+        """The part's groups' critic gradient (`models.lm_rl.value_gradient`), which `part_gradient` hands on."""
+        assert self.critic is not None and self.config.critic is not None, "a run with a critic sends critic work"
+        scores = self.fetch(work.scores)
+        rewards = {SampleId(*s): r for part in scores for s, r in zip(part.samples, part.scores["total"])}
+        samples = [SampleId(*s) for s in work.samples]
+
+        def given(parts: list) -> dict:
+            return {SampleId(*s): v for part in self.fetch(parts) for s, v in zip(part.samples, part.log_probs)}
+
+        self._critic_gradient, group_stats = value_gradient(
+            self.critic,
+            self._select(work.rollouts, samples),
+            rewards,
+            self._values(work.values),
+            given(work.old_log_probs),
+            given(work.ref_log_probs),
+            algo=self.config.algo,
+            cliprange_value=self.config.critic.cliprange_value,
+            max_new_tokens=self.config.max_new_tokens,
+            scored_requests=self._select(work.rollouts, None),
+        )
+        return CriticTrained(samples, [CRITIC_UNIT], merged_critic_stats(group_stats), 0.0)
+
     def part_gradient(self) -> torch.Tensor:
-        gradient, self._gradient = self._gradient, None
-        return gradient
+        """The part's flat fp64 gradient; with a critic, the policy's and the critic's end to end (the one a part did
+        not train: zeros), so that the commit adds every part alike and steps both (`set_step_gradient`)."""
+        actor, critic = self._gradient, self._critic_gradient
+        self._gradient = self._critic_gradient = None
+        if self.critic is None:
+            assert actor is not None, "a train part leaves its gradient"
+            return actor
+        sizes = self._gradient_sizes()
+        zeros = [torch.zeros(size, dtype=torch.float64, device=self.device) for size in sizes]
+        return torch.cat([actor if actor is not None else zeros[0], critic if critic is not None else zeros[1]])
+
+    def _gradient_sizes(self) -> tuple[int, int]:
+        trainer, _ = self.held_trainer()
+        critic = 0 if self.critic is None else sum(p.numel() for p in trainable_parameters(self.critic))
+        return sum(p.numel() for p in trainable_parameters(trainer)), critic
+
+    def gradient_size(self) -> int:
+        return sum(self._gradient_sizes())
+
+    def set_step_gradient(self, parts: list[torch.Tensor], scale: float) -> None:
+        """The step's summed gradient, scaled, into the policy's parameters and the critic's (`part_gradient`'s
+        layout)."""
+        if self.critic is None:
+            super().set_step_gradient(parts, scale)
+            return
+        trainer, _ = self.held_trainer()
+        actor_size, _ = self._gradient_sizes()
+        set_summed_gradient(trainer, [part[:actor_size] for part in parts], scale)
+        set_summed_gradient(self.critic, [part[actor_size:] for part in parts], scale)
+
+    def step_optimizers(self) -> float:
+        """The policy's optimizer step, and the critic's at its own lr (`critic_train`), each clipped on its own
+        (verl's actor and critic each clip their gradient); returns the policy's pre-clip gradient norm."""
+        grad_norm = super().step_optimizers()
+        if self.critic is not None and self.critic_optimizer is not None:
+            commit(self.critic, self.critic_optimizer, self.config.critic_train)
+        return grad_norm
+
+    def memory(self, gradient_parts: Iterable[torch.Tensor] = ()) -> DeviceMemory:
+        """The device's bytes by kind (`PipelineEngines.memory`), a PPO run's critic's parameters, gradients and
+        AdamW moments with the trainer's."""
+        held = super().memory(gradient_parts)
+        if self.critic is None:
+            return held
+        critic = memory_by_kind(self.critic, self.critic_optimizer)
+        return replace(
+            held,
+            parameters=held.parameters + critic["parameters"],
+            gradients=held.gradients + critic["gradients"],
+            optimizer=held.optimizer + critic["optimizer"],
+        )
+
+    def trainer_state(self) -> dict:
+        """The policy's state, and the critic's under "critic" where the run trains one."""
+        state = super().trainer_state()
+        if self.critic is not None and self.critic_optimizer is not None:
+            state["critic"] = trainer_state_of(self.critic, self.critic_optimizer)
+        return state
+
+    def load_trainer_state(self, state: dict) -> None:
+        super().load_trainer_state(state)
+        if self.critic is not None and self.critic_optimizer is not None and "critic" in state:
+            load_trainer_state(self.critic, self.critic_optimizer, state["critic"])
+            self.critic_optimizer.zero_grad(set_to_none=True)
 
     def profile(self, samples: int, carry: Callable[[dict], dict]) -> dict[str, float]:
         return profile_work(self, samples, carry)
@@ -306,8 +458,9 @@ def _lockstep_passes(work: LMLogProbs | LMTrain) -> int | None:
 def trainer_kept(engines: LMEngines):
     """The profile's work trains and steps the engines' own trainer and loads its weights into the rollout engine:
     afterwards the trainer's weights and optimizer are put back and the next work reloads the rollout's. A sharded
-    run's profile neither trains nor steps it (`profile_works`): nothing to put back."""
-    saved = None if engines.shards else trainer_state_of(engines.trainer, engines.optimizer)
+    run's profile neither trains nor steps it (`profile_works`): nothing to put back. A PPO run's critic is put back
+    with the policy (`LMEngines.trainer_state`)."""
+    saved = None if engines.shards else engines.trainer_state()
     try:
         yield
     finally:
@@ -335,8 +488,9 @@ def profile_works(
     weights = carry(weights_of(engines.trainer)) if weights is None else weights
 
     def train(done: dict) -> Trained:
-        trained = engines.run(LMTrain(name, ids, False, [done["decode"]], [done["score"]]))
-        set_summed_gradient(engines.trainer, [engines.part_gradient()], 1.0)
+        values = [engines.run(LMValues(name, ids, [done["decode"]]))] if engines.critic is not None else []
+        trained = engines.run(LMTrain(name, ids, False, [done["decode"]], [done["score"]], values=values))
+        engines.set_step_gradient([engines.part_gradient()], 1.0)
         return trained
 
     works = {
@@ -345,7 +499,7 @@ def profile_works(
         "score": lambda done: engines.run(Score(name, [done["decode"]], None)),
         "logprob": lambda done: engines.run(LMLogProbs(name, ids, [done["decode"]], False)),
         "train": train,
-        "optimizer": lambda done: commit(engines.trainer, engines.optimizer, config.train),
+        "optimizer": lambda done: engines.step_optimizers(),
         "publish": lambda done: engines.load_rollout(carry(weights_of(engines.trainer))),
     }
     return unsharded_works(works) if engines.shards else works

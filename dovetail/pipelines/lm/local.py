@@ -6,19 +6,29 @@ language-model stack.
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 from dovetail.graph.node import SampleId
 from dovetail.models.causal_lm import rollout_engine
 from dovetail.models.engine import Request
-from dovetail.models.training import commit, set_summed_gradient, stepped_lr, weights_of
+from dovetail.models.training import stepped_lr, weights_of
 from dovetail.pipelines.lm.adapter import commit_scale, lm_step_metrics
 from dovetail.pipelines.lm.config import LMTrainConfig
 from dovetail.pipelines.lm.engines import LMEngines
-from dovetail.pipelines.lm.messages import Decode, LMLogProbs, LMTrain, Prefill, Responses
+from dovetail.pipelines.lm.messages import (
+    Decode,
+    LMCriticTrain,
+    LMLogProbs,
+    LMTrain,
+    LMValues,
+    Prefill,
+    Responses,
+)
 from dovetail.pipelines.lm.model import (
     encode_prompts,
     engine_length,
@@ -37,15 +47,47 @@ from dovetail.runtime.pipeline import memory_figures
 from dovetail.tasks import final_answer, task
 from dovetail.trackers import Evaluation
 
+CRITIC_FILE = "critic.safetensors"
+"""A PPO run's checkpoint's critic weights, beside the policy's."""
+CRITIC_OPTIMIZER_FILE = "critic_optimizer.pt"
+"""... and the critic's AdamW state, beside the policy's optimizer.pt."""
+
 
 class LMLocal:
-    """A language-model run's engines in this process (trainer, rollout engine, rewards)."""
+    """A language-model run's engines in this process (trainer, rollout engine, rewards). A PPO run's critic
+    (`LMEngines.critic`) is part of its trainer state and checkpointed beside the policy (`CRITIC_FILE`), so a resumed
+    run goes on with the critic it had."""
 
     def __init__(self, config: LMTrainConfig) -> None:
         self.config = config
         self.engines = LMEngines(config, torch.device("cpu"), True, None)
         self.model, self.optimizer = self.engines.trainer, self.engines.optimizer
-        self.save_weights, self.load_weights = lm_checkpoint_io(config, self.model, self.engines.tokenizer)
+        self._save, self._load = lm_checkpoint_io(config, self.model, self.engines.tokenizer)
+
+    def trainer_state(self) -> dict:
+        """The weights and optimizer state the Ray trainers start from, the critic's with them."""
+        return self.engines.trainer_state()
+
+    def load_trainer_state(self, state: dict) -> None:
+        self.engines.load_trainer_state(state)
+
+    def save_weights(self, directory: Path) -> None:
+        self._save(directory)
+        critic, optimizer = self.engines.critic, self.engines.critic_optimizer
+        if critic is not None and optimizer is not None:
+            weights = {name: tensor.detach().cpu().contiguous() for name, tensor in critic.state_dict().items()}
+            save_file(weights, directory / CRITIC_FILE)
+            torch.save(optimizer.state_dict(), directory / CRITIC_OPTIMIZER_FILE)
+
+    def load_weights(self, directory: Path):
+        """The checkpoint's policy (`lm_checkpoint_io`'s loader); a PPO run's critic and its optimizer are restored in
+        place from beside it, where the checkpoint has them (one of a run without a critic: the critic starts fresh)."""
+        loaded = self._load(directory)
+        critic, optimizer = self.engines.critic, self.engines.critic_optimizer
+        if critic is not None and optimizer is not None and (directory / CRITIC_FILE).is_file():
+            critic.load_state_dict(load_file(directory / CRITIC_FILE))
+            optimizer.load_state_dict(torch.load(directory / CRITIC_OPTIMIZER_FILE, weights_only=True))
+        return loaded
 
     def evaluate(self, run: RunDir, grid: str, step: int) -> Evaluation:
         scores, samples = lm_evaluate(self.engines, self.config)
@@ -75,17 +117,25 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
     recompute = config.recomputes_old_log_probs
     old = [timed("logprob", LMLogProbs(pipeline, ids, rollouts, False))] if recompute else []
     ref = [timed("logprob", LMLogProbs(pipeline, ids, rollouts, True))] if algo.beta > 0 else []
-    trained = timed("train", LMTrain(pipeline, ids, False, rollouts, [scores], old_log_probs=old, ref_log_probs=ref))
+    parts, critic_trained = [], None
+    values = [timed("values", LMValues(pipeline, ids, rollouts))] if engines.critic is not None else []
+    if values:  # PPO: the critic trains on the step's GAE returns beside the actor, as verl's critic update
+        critic_trained = timed("train_critic", LMCriticTrain(pipeline, ids, rollouts, [scores], values, old, ref))
+        parts.append(engines.part_gradient())
+    trained = timed(
+        "train",
+        LMTrain(pipeline, ids, False, rollouts, [scores], old_log_probs=old, ref_log_probs=ref, values=values),
+    )
     start = time.perf_counter()
-    part = engines.part_gradient()
-    set_summed_gradient(engines.trainer, [part], commit_scale([trained]))
-    gradients = engines.memory([part]).gradients  # as a Ray device's commit counts them: the part and the trainer's
-    grad_norm = commit(engines.trainer, engines.optimizer, config.train)
+    parts.append(engines.part_gradient())
+    engines.set_step_gradient(parts, commit_scale([trained]))
+    gradients = engines.memory(parts).gradients  # as a Ray device's commit counts them: the parts and the trainer's
+    grad_norm = engines.step_optimizers()
     timings["commit_s"] = time.perf_counter() - start
     memory = replace(engines.memory(), gradients=gradients)
     seconds = sum(timings.values())
     return (
-        lm_step_metrics([scores], [trained])
+        lm_step_metrics([scores], [trained] if critic_trained is None else [critic_trained, trained])
         | sampling
         | timings
         | {

@@ -8,7 +8,7 @@ from typing import Any
 
 from dovetail.graph.node import SampleId
 from dovetail.models.engine import Key
-from dovetail.runtime.messages import TrainerWork, Work
+from dovetail.runtime.messages import Trained, TrainerWork, Work
 
 
 def request_key(sample: Sequence[int]) -> Key:
@@ -95,3 +95,44 @@ class LMTrain(TrainerWork):
     scores: list[Any]
     old_log_probs: list[Any] = field(default_factory=list)
     ref_log_probs: list[Any] = field(default_factory=list)
+    values: list[Any] = field(default_factory=list)
+    """PPO's: the critic's `Values` of every scored sample, from which GAE estimates each token's advantage."""
+
+
+@dataclass(frozen=True)
+class LMValues(TrainerWork):
+    """PPO's critic's value of every response token of `samples` (`models.lm_rl.step_values`)."""
+
+    samples: list[SampleId]
+    rollouts: list[Any]
+
+
+@dataclass(frozen=True)
+class Values:
+    """`LMValues`' answer: per sample, its response tokens' values."""
+
+    samples: list[SampleId]
+    values: list[Any]
+
+
+@dataclass(frozen=True)
+class LMCriticTrain(TrainerWork):
+    """The summed gradient of PPO's clipped value loss of `samples` (whole groups) against the step's GAE returns,
+    which read every scored sample's reward and value; the commit scales it by the actor's normaliser."""
+
+    samples: list[SampleId]
+    rollouts: list[Any]
+    scores: list[Any]
+    values: list[Any]
+    old_log_probs: list[Any] = field(default_factory=list)
+    ref_log_probs: list[Any] = field(default_factory=list)
+
+
+CRITIC_UNIT = 1
+"""The ledger's unit of a response's critic update (its policy update is unit 0): each must enter one commit."""
+
+
+@dataclass(frozen=True)
+class CriticTrained(Trained):
+    """A critic train part's answer (`Trained`, unit `CRITIC_UNIT`, normaliser 0: the actor's parts give the
+    step's), its statistics the value loss's."""

@@ -1,0 +1,392 @@
+"""PPO with a critic for language models (`algo.advantage: gae`): GAE and the clipped value loss against verl's
+formulas, transcribed, on the same tensors (<= 1e-6) and against their closed forms; the critic's model; the config's
+refusals; the critic's nodes in the planner's graph; a short run that learns; verl-sync on Ray ending at the reference
+loop's policy AND critic.
+
+verl's code transcribed here: verl/trainer/ppo/core_algos.py `compute_gae_advantage_return` (the version that skips
+the masked tokens of a multi-turn response) and `compute_value_loss`, verl/utils/torch_functional.py `masked_whiten`,
+`masked_mean` and `clip_by_value`.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from running import train
+from safetensors.torch import load_file
+
+from dovetail.algo import ADVANTAGE_ESTIMATORS, clipped_value_loss, gae_advantages_returns, lm_grpo_loss
+from dovetail.config.common import ConfigError
+from dovetail.config.load import load_config
+from dovetail.graph.lm import stage
+from dovetail.graph.node import Kind, SampleId
+from dovetail.models.critic import value_model_of
+from dovetail.models.engine import Request
+from dovetail.models.lm import load_lm
+from dovetail.models.lm_rl import group_values, step_gae
+from dovetail.pipelines.lm.config import LMAlgoSection
+from dovetail.plan.metrics import summarize
+from dovetail.plan.prepare import simulate
+
+torch.set_num_threads(1)
+SORT_YAML = Path(__file__).parents[1] / "configs" / "sort.yaml"
+
+# ------------------------------------------------------------------ upstream, transcribed
+
+
+def verl_masked_mean(values, mask):
+    return (values * mask).sum() / mask.sum()
+
+
+def verl_masked_whiten(values, mask):
+    mean = verl_masked_mean(values, mask)
+    variance = verl_masked_mean((values - mean) ** 2, mask)
+    variance = variance * (mask.sum() / (mask.sum() - 1))
+    return (values - mean) * torch.rsqrt(variance + 1e-8)
+
+
+def verl_gae(token_level_rewards, values, response_mask, gamma, lam):
+    """compute_gae_advantage_return."""
+    with torch.no_grad():
+        nextvalues = 0
+        lastgaelam = 0
+        advantages_reversed = []
+        gen_len = token_level_rewards.shape[-1]
+        for t in reversed(range(gen_len)):
+            delta = token_level_rewards[:, t] + gamma * nextvalues - values[:, t]
+            lastgaelam_ = delta + gamma * lam * lastgaelam
+            nextvalues = values[:, t] * response_mask[:, t] + (1 - response_mask[:, t]) * nextvalues
+            lastgaelam = lastgaelam_ * response_mask[:, t] + (1 - response_mask[:, t]) * lastgaelam
+            advantages_reversed.append(lastgaelam)
+        advantages = torch.stack(advantages_reversed[::-1], dim=1)
+        returns = advantages + values
+        advantages = verl_masked_whiten(advantages, response_mask)
+    return advantages, returns
+
+
+def verl_value_loss(vpreds, returns, values, response_mask, cliprange_value):
+    """compute_value_loss with loss_agg_mode 'token-mean'."""
+    vpredclipped = torch.max(torch.min(vpreds, values + cliprange_value), values - cliprange_value)  # clip_by_value
+    vf_losses1 = (vpreds - returns) ** 2
+    vf_losses2 = (vpredclipped - returns) ** 2
+    clipped_vf_losses = torch.max(vf_losses1, vf_losses2)
+    vf_loss = 0.5 * verl_masked_mean(clipped_vf_losses, response_mask)
+    vf_clipfrac = verl_masked_mean(torch.gt(vf_losses2, vf_losses1).float(), response_mask)
+    return vf_loss, vf_clipfrac
+
+
+# ------------------------------------------------------------------ a batch of token rewards and values
+
+
+def token_batch(seed: int, rows: int = 6, width: int = 9, holes: bool = False):
+    """Rewards on each response's last token, values on its tokens (0 on padding, as verl's critic masks them), a
+    right-padded mask; with `holes`, some tokens inside a response masked out (a trajectory's observations)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, width + 1, (rows,), generator=generator)
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).double()
+    if holes:
+        mask[:, 1] = 0.0
+    rewards = torch.zeros(rows, width, dtype=torch.float64)
+    rewards[torch.arange(rows), lengths - 1] = torch.rand(rows, generator=generator, dtype=torch.float64)
+    values = torch.randn(rows, width, generator=generator, dtype=torch.float64) * mask
+    return rewards, values, mask
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize(("gamma", "lam"), [(1.0, 1.0), (1.0, 0.95), (0.9, 0.8)])
+@pytest.mark.parametrize("holes", [False, True])
+def test_gae_equals_verls(seed, gamma, lam, holes):
+    rewards, values, mask = token_batch(seed, holes=holes)
+    ours, returns = gae_advantages_returns(rewards, values, mask.bool(), gamma=gamma, lam=lam)
+    upstream, upstream_returns = verl_gae(rewards, values, mask, gamma, lam)
+    torch.testing.assert_close(ours * mask, upstream * mask, atol=1e-6, rtol=0)
+    torch.testing.assert_close(returns * mask, upstream_returns * mask, atol=1e-6, rtol=0)
+
+
+def test_gae_with_gamma_and_lambda_one_is_the_reward_to_go_less_the_value():
+    """gamma = lam = 1: R_t = sum_{k >= t} r_k (the reward-to-go: an outcome reward, on every token) and the
+    advantage before whitening G_t - V_t; whitened, its token mean is 0 and its unbiased variance 1."""
+    rewards, values, mask = token_batch(5)
+    advantages, returns = gae_advantages_returns(rewards, values, mask.bool(), gamma=1.0, lam=1.0)
+    to_go = rewards.flip(-1).cumsum(-1).flip(-1) * mask
+    torch.testing.assert_close(returns, to_go, atol=1e-12, rtol=0)
+    raw = (to_go - values)[mask.bool()]
+    expected = (raw - raw.mean()) / torch.sqrt(raw.var(unbiased=True) + 1e-8)
+    torch.testing.assert_close(advantages[mask.bool()], expected, atol=1e-12, rtol=0)
+    assert (advantages[~mask.bool()] == 0).all() and (returns[~mask.bool()] == 0).all()
+
+
+def test_gae_with_lambda_zero_is_the_one_step_td_error():
+    rewards, values, mask = token_batch(6)
+    _, returns = gae_advantages_returns(rewards, values, mask.bool(), gamma=0.9, lam=0.0)
+    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)
+    torch.testing.assert_close(returns, (rewards + 0.9 * next_values) * mask, atol=1e-12, rtol=0)
+
+
+def test_gae_is_registered_as_a_whole_batch_estimator_that_reads_values():
+    estimator = ADVANTAGE_ESTIMATORS["gae"]
+    assert estimator.needs_values and estimator.whole_batch
+    assert estimator.estimate is gae_advantages_returns
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("cliprange_value", [0.05, 0.5, 10.0])
+def test_clipped_value_loss_and_gradient_equal_verls(seed, cliprange_value):
+    _, old, mask = token_batch(seed)
+    generator = torch.Generator().manual_seed(100 + seed)
+    returns = torch.randn(old.shape, generator=generator, dtype=torch.float64) * mask
+    start = old + 0.3 * torch.randn(old.shape, generator=generator, dtype=torch.float64)
+    ours_in, upstream_in = start.clone().requires_grad_(), start.clone().requires_grad_()
+    loss, stats = clipped_value_loss(ours_in, old, returns, mask.bool(), cliprange_value=cliprange_value)
+    upstream, clipfrac = verl_value_loss(upstream_in, returns, old, mask, cliprange_value)
+    assert loss.item() == pytest.approx(upstream.item(), abs=1e-6)
+    assert stats["vf_clipfrac"] == pytest.approx(clipfrac.item(), abs=1e-6)
+    loss.backward()
+    upstream.backward()
+    torch.testing.assert_close(ours_in.grad, upstream_in.grad, atol=1e-6, rtol=0)
+
+
+def test_a_value_pulled_past_the_clip_stops_being_pulled():
+    """One token: old value 0, return 1, clip 0.2. At 0.5 (past the clip, toward the return) the clipped error
+    (1 - 0.2)^2 is the larger: a constant, so no gradient; at 0.1 (inside) the loss is 0.5 (V - R)^2, gradient V - R."""
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    old, target = torch.zeros(1, 1), torch.ones(1, 1)
+    for value, gradient, loss_value in ((0.5, 0.0, 0.5 * 0.8**2), (0.1, -0.9, 0.5 * 0.9**2)):
+        v = torch.full((1, 1), value, requires_grad=True)
+        loss, _ = clipped_value_loss(v, old, target, mask, cliprange_value=0.2)
+        loss.backward()
+        assert loss.item() == pytest.approx(loss_value) and v.grad.item() == pytest.approx(gradient)
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+def test_per_token_advantages_weigh_each_tokens_surrogate(aggregation):
+    """`lm_grpo_loss` with (B, T) advantages: equal to the (B,) path where every token of a sequence has its
+    sequence's advantage, and otherwise each token's gradient is its own advantage's (on policy, ratio 1, token
+    aggregation: d loss / d log pi_t = -A_t / tokens)."""
+    _, _, mask = token_batch(7, rows=4, width=5)
+    generator = torch.Generator().manual_seed(7)
+    log_probs = (torch.randn(mask.shape, generator=generator, dtype=torch.float64) - 1).requires_grad_()
+    per_sequence = torch.randn(4, generator=generator, dtype=torch.float64)
+    broadcast = per_sequence[:, None].expand(mask.shape).clone()
+    old = log_probs.detach()
+    a, _ = lm_grpo_loss(log_probs, old, per_sequence, mask.bool(), aggregation=aggregation)
+    b, _ = lm_grpo_loss(log_probs, old, broadcast, mask.bool(), aggregation=aggregation)
+    assert a.item() == pytest.approx(b.item(), abs=1e-12)
+    per_token = torch.randn(mask.shape, generator=generator, dtype=torch.float64)
+    loss, _ = lm_grpo_loss(log_probs, old, per_token, mask.bool(), aggregation="token")
+    loss.backward()
+    torch.testing.assert_close(log_probs.grad, -per_token * mask / mask.sum(), atol=1e-12, rtol=0)
+
+
+# ------------------------------------------------------------------ the critic
+
+
+def test_the_critic_is_the_policys_body_with_a_fresh_seeded_head():
+    policy, _, _ = load_lm(SORT_YAML.parents[1] / "dovetail" / "assets" / "sort-lm")
+    critic = value_model_of(policy, seed=0)
+    body = policy.model.state_dict()
+    assert critic.body.state_dict().keys() == body.keys()
+    assert all(torch.equal(critic.body.state_dict()[k], body[k]) for k in body)
+    again, other = value_model_of(policy, seed=0), value_model_of(policy, seed=1)
+    assert torch.equal(critic.head.weight, again.head.weight) and not torch.equal(critic.head.weight, other.head.weight)
+    assert (critic.head.bias == 0).all() and 0.01 < critic.head.weight.std().item() < 0.04  # N(0, 0.02^2)
+    assert critic.body.embed_tokens.weight.data_ptr() != policy.model.embed_tokens.weight.data_ptr(), "its own copy"
+
+
+def test_a_tokens_value_is_read_where_its_log_prob_is():
+    """Response token j's value is the head on the policy body's last hidden state at the position that predicts it
+    (prompt length - 1 + j), computed here from the causal LM's own hidden states."""
+    policy, _, _ = load_lm(SORT_YAML.parents[1] / "dovetail" / "assets" / "sort-lm")
+    critic = value_model_of(policy, seed=3)
+    prompt, responses = [1, 7, 9, 4], [[5, 6, 2], [8]]
+    values, mask = group_values(critic, prompt, responses)
+    assert mask.tolist() == [[True, True, True], [True, False, False]]
+    with torch.no_grad():
+        for row, response in enumerate(responses):
+            hidden = policy(input_ids=torch.tensor([prompt + response]), output_hidden_states=True).hidden_states[-1]
+            expected = critic.head(hidden[0, len(prompt) - 1 : len(prompt) - 1 + len(response)]).squeeze(-1)
+            torch.testing.assert_close(values[row, : len(response)], expected, atol=1e-5, rtol=0)
+
+
+def test_a_ppo_devices_memory_counts_the_critic_beside_the_policy():
+    """The memory figures a step reports count the critic's parameters with the policy's (4 bytes each, fp32)."""
+    from dovetail.pipelines.lm.engines import LMEngines
+
+    held = {}
+    for name, overrides in {"grpo": [], "ppo": ["algo.advantage=gae", "critic.lr=1e-4"]}.items():
+        engines = LMEngines(load_config(None, ["kind=lm", *overrides]), torch.device("cpu"), True, None)
+        held[name] = engines.memory().parameters
+    critic = value_model_of(load_lm(load_config(None, ["kind=lm"]).builtin_checkpoint)[0], 0)
+    assert held["ppo"] - held["grpo"] == 4 * sum(p.numel() for p in critic.parameters())
+
+
+def test_step_gae_puts_the_shaped_reward_on_the_last_token():
+    """The pipeline's GAE over a scored step, gamma = lam = 1: each token's return is its response's reward (the
+    overlong penalty added), whatever the values."""
+    algo = LMAlgoSection(advantage="gae", overlong_buffer=2, adv_clip=1000)
+    samples = [SampleId(0, p, i) for p in range(2) for i in range(2)]
+    tokens = [[5, 6], [5, 6, 7, 8], [9], [9, 9, 9]]
+    requests = {s: Request(tuple(s), [1, 2], t, [0.0] * len(t), True) for s, t in zip(samples, tokens)}
+    rewards = dict(zip(samples, [1.0, 0.0, 0.5, 0.25]))
+    values = {s: torch.randn(len(t)).numpy() for s, t in zip(samples, tokens)}
+    gae = step_gae(rewards, requests, values, {}, {}, algo=algo, max_new_tokens=4)
+    for sample, response in zip(samples, tokens):
+        penalty = min(0.0, -(len(response) - 2) / 2)
+        assert gae[sample][1].tolist() == pytest.approx([rewards[sample] + penalty] * len(response))
+
+
+# ------------------------------------------------------------------ the config
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["algo.advantage=gae"], "critic: algo.advantage=gae trains a critic; add the section"),
+        (["critic.lr=1e-4"], "critic: only algo.advantage=gae trains a critic (it is grpo); remove the section"),
+        (
+            ["policy=areal", "algo.micro_batches=1", "algo.advantage=gae", "critic.lr=1e-4"],
+            "algo.advantage=gae: policy areal does not train a critic yet; set policy: reference or verl-sync",
+        ),
+        (
+            ["policy=verl-sync", "algo.advantage=gae", "critic.lr=1e-4"],
+            "algo.advantage=gae whitens over the whole step: set algo.micro_batches=1",
+        ),
+        (["algo.advantage=gae", "critic.cliprange_value=0"], "critic.cliprange_value"),
+    ],
+)
+def test_a_ppo_config_the_run_cannot_honour_is_one_line_naming_the_fix(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, ["kind=lm", *overrides])
+    assert message in str(error.value) and "\n" not in str(error.value).strip()
+
+
+# ------------------------------------------------------------------ the planner's graph
+
+
+def ppo_scenario(critic: bool):
+    config = load_config(
+        SORT_YAML,
+        ["algo.micro_batches=1", *(["algo.advantage=gae", "critic.lr=1e-4"] if critic else [])],
+    )
+    return config.scenario(2)
+
+
+def test_the_graph_has_a_value_pass_and_a_critic_train_priced_beside_the_actors():
+    """Each micro-batch's value pass follows its score and precedes both trains; the critic's train is a train
+    node of the critic beside the actor's, both before the commit, priced like the actor's passes; the planner
+    imports no torch to build them (tests/test_layers.py holds the imports)."""
+    from dovetail.plan.prepare import prepare
+
+    with_critic, without = (prepare(ppo_scenario(c), "verl-sync") for c in (True, False))
+    graph = with_critic.graph
+    values = [n for n in graph if n.kind == Kind.LOGPROB and n.critic]
+    critics = [n for n in graph if n.kind == Kind.TRAIN and n.critic]
+    actors = [n for n in graph if n.kind == Kind.TRAIN and not n.critic]
+    assert len(values) == len(critics) == len(actors) == 2  # a micro-batch, two steps
+    for value, critic, actor in zip(values, critics, actors):
+        assert graph[value.deps[0]].kind == Kind.SCORE and value.id in critic.deps and value.id in actor.deps
+        assert (stage(value), stage(critic)) == ("values", "critic")
+        assert critic.cost_s == actor.cost_s > value.cost_s > 0
+        commit = next(n for n in graph.of(actor.pipeline, actor.step, Kind.COMMIT))
+        assert {critic.id, actor.id} <= set(commit.deps)
+    plain = without.graph
+    assert not any(n.critic for n in plain)
+    commits = [next(iter(g.of(g.pipelines()[0], 0, Kind.COMMIT))) for g in (graph, plain)]
+    assert commits[0].cost_s > commits[1].cost_s, "the critic's optimizer step is priced at the commit"
+
+
+def test_simulate_shows_the_critics_nodes_and_their_time():
+    """The simulator runs the critic's nodes under verl-sync (its stages in verl's order), and the step takes longer
+    by their predicted time."""
+    traces = {c: simulate(ppo_scenario(c), "verl-sync")[1] for c in (True, False)}
+    ran = {c: {span.node.split("/")[2] for span in trace.spans} for c, trace in traces.items()}
+    assert {"values", "train_critic"} <= ran[True] and not {"values", "train_critic"} & ran[False]
+    assert summarize(traces[True]).step_time_s > summarize(traces[False]).step_time_s
+
+
+# ------------------------------------------------------------------ runs
+
+
+LEARN = [
+    "policy=reference",
+    "cluster.devices=1",
+    "algo.prompts_per_step=8",
+    "algo.group_size=8",
+    "train.lr=1e-3",
+    "eval.every=10",
+    "eval.prompts=32",
+    "checkpoint.every=100",
+    "reward={toy_rewards:short_completions: 1.0}",
+]
+TOY = "eval/reward/toy_rewards:short_completions"
+PPO = ["algo.advantage=gae", "critic.lr=1e-3", "algo.micro_batches=1"]
+
+
+def final_toy_reward(tmp_path, *overrides: str) -> tuple[float, float]:
+    sys.path.insert(0, str(Path(__file__).parent))  # toy_rewards, as the Ray tests import it
+    train(load_config(SORT_YAML, [*LEARN, *overrides]), tmp_path, steps=10)
+    base = json.loads((tmp_path / "summary.json").read_text())["base_eval"][TOY.removeprefix("eval/")]
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return base, lines[-1][TOY]
+
+
+def test_ppo_learns_like_grpo(tmp_path):
+    """configs/sort.yaml in the reference loop, 10 steps on a reward the tiny model learns (short completions): PPO
+    with a critic raises the held-out reward by 0.1 and ends within 0.1 of GRPO's."""
+    ppo_base, ppo = final_toy_reward(tmp_path / "ppo", *PPO)
+    _, grpo = final_toy_reward(tmp_path / "grpo")
+    assert ppo >= ppo_base + 0.1 and abs(ppo - grpo) <= 0.1, (ppo_base, ppo, grpo)
+
+
+RAY_SMALL = [
+    "kind=lm",
+    "task=sort",
+    "algo.prompts_per_step=4",
+    "algo.group_size=4",
+    "algo.micro_batches=1",
+    "eval.prompts=8",
+    "eval.every=100",
+    "runtime.profile_samples=4",
+    "train.lr=1e-3",
+    "algo.advantage=gae",
+    "algo.gamma=0.99",
+    "algo.lam=0.95",
+    "critic.lr=1e-3",
+    "critic.cliprange_value=0.2",
+    "critic.warmup_steps=1",
+]
+
+
+def test_a_resumed_ppo_run_goes_on_with_its_critic(tmp_path):
+    """The reference loop, 2 steps at once or 1 and a resume: the critic and its AdamW state travel in the
+    checkpoint (`critic.safetensors`, `critic_optimizer.pt`), so both runs end at the same policy and critic."""
+    overrides = [*RAY_SMALL, "policy=reference", "checkpoint.every=1"]
+    train(load_config(None, overrides), tmp_path / "whole", steps=2)
+    train(load_config(None, overrides), tmp_path / "resumed", steps=1)
+    train(load_config(None, overrides), tmp_path / "resumed", steps=2, resume=tmp_path / "resumed")
+    for name in ("model.safetensors", "critic.safetensors"):
+        ends = [load_file(str(tmp_path / p / "checkpoints" / "step_000002" / name)) for p in ("whole", "resumed")]
+        assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0]), name
+
+
+@pytest.mark.exactness
+def test_verl_sync_on_ray_trains_policy_and_critic_to_the_reference_parameters(local_ray, tmp_path):
+    """PPO reaches a Ray policy as it reaches the reference loop: verl-sync on 2 devices, each training a share of
+    the step's groups (the value pass and the critic's train shared out as the actor's), ends at the reference loop's
+    policy and critic to the bit, both moved by training."""
+    for policy in ("reference", "verl-sync"):
+        train(load_config(None, [*RAY_SMALL, f"policy={policy}"]), tmp_path / policy, steps=2)
+    for name in ("model.safetensors", "critic.safetensors"):
+        ends = [load_file(str(tmp_path / p / "checkpoints" / "step_000002" / name)) for p in ("reference", "verl-sync")]
+        assert ends[0].keys() == ends[1].keys() and all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0]), name
+    start = load_file(str(load_config(None, RAY_SMALL).model.checkpoint / "model.safetensors"))
+    policy_end = load_file(str(tmp_path / "reference" / "checkpoints" / "step_000002" / "model.safetensors"))
+    assert max((policy_end[k] - start[k]).abs().max().item() for k in start) > 1e-4, "training moved the policy"
+    critic_end = load_file(str(tmp_path / "reference" / "checkpoints" / "step_000002" / "critic.safetensors"))
+    config = load_config(None, RAY_SMALL)
+    critic_start = value_model_of(load_lm(config.builtin_checkpoint)[0], config.seed).state_dict()
+    assert critic_end.keys() == critic_start.keys()
+    moved = max((critic_end[k] - critic_start[k]).abs().max().item() for k in critic_start)
+    assert moved > 1e-4, "training moved the critic"
