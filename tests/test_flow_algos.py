@@ -152,7 +152,7 @@ def test_the_configs_sliding_window_samples_and_trains_the_window_and_the_odes_e
 @pytest.mark.parametrize(
     "overrides, says",
     [
-        (["eval.ema.decay=0.9", "policy=colocated"], "eval.ema: the EMA of the weights is kept by the reference loop"),
+        (["eval.ema.decay=0.9", "policy=colocated", "train.sharding=fsdp"], "eval.ema: a sharded trainer's EMA"),
         (["algo.sde_window.size=2", "algo.sde_window.shift_every=2", "algo.timesteps=prefix"], "leave algo.timest"),
         (["algo.sde_window.size=2", "algo.sde_window.shift_every=2", "algo.compat=dance_grpo"], "per_sample_timest"),
         (["algo.ratio_normalization=true", "algorithm=dance_grpo"], "normalises the Flow-GRPO SDE's steps"),
@@ -245,6 +245,34 @@ def test_the_window_and_the_normalised_ratio_on_the_ray_runtime_reproduce_the_re
     assert max((reference[k] - digen[k]).abs().max().item() for k in reference) <= 1e-5
     base = load_file(DEFAULT_CHECKPOINT / "model.safetensors")
     assert max((reference[k] - base[k]).abs().max().item() for k in reference) > 1e-4  # it did train
+
+
+@pytest.mark.exactness
+@pytest.mark.usefixtures("local_ray")
+def test_the_ema_on_the_ray_trainers_is_the_reference_loops_through_a_resume(tmp_path):
+    """Under a Ray policy the trainers keep the EMA beside their weights (`pipelines.flow.ema`): colocated, and digen
+    stopped after step 2 and resumed from its checkpoint, end at the reference loop's weights and EMA (<= 1e-5, the
+    flow policies' bound), and evaluate the EMA as it does (the same eval reward at every step)."""
+    common = [
+        *SHORT[1:], "cluster.devices=2", "eval.ema.decay=0.9", "eval.ema.every=2", "eval.every=1", "checkpoint.every=1",
+    ]  # fmt: skip
+    runs = {name: tmp_path / name for name in ("reference", "colocated", "digen")}
+    train(load_config(None, [*common, "policy=reference"]), runs["reference"], steps=3)
+    train(load_config(None, [*common, "policy=colocated"]), runs["colocated"], steps=3)
+    digen = [*common, "policy=digen", "runtime.fragments=2", "runtime.tsp_chunk=1"]
+    train(load_config(None, digen), runs["digen"], steps=2)
+    train(load_config(None, digen), runs["digen"], steps=3, resume=runs["digen"])
+
+    def ema(out) -> dict[str, torch.Tensor]:
+        return load_file(out / "checkpoints" / f"step_{3:06d}" / "ema.safetensors")
+
+    expected, trained = ema(runs["reference"]), weights(runs["reference"], 3)
+    assert max((expected[k] - trained[k]).abs().max().item() for k in expected) > 1e-5  # an average, not the weights
+    evaluations = {name: [m["eval_reward"] for m in metrics(out) if "eval_reward" in m] for name, out in runs.items()}
+    for name in ("colocated", "digen"):
+        assert max((ema(runs[name])[k] - expected[k]).abs().max().item() for k in expected) <= 1e-5, name
+        assert max((weights(runs[name], 3)[k] - trained[k]).abs().max().item() for k in trained) <= 1e-5, name
+        assert evaluations[name] == pytest.approx(evaluations["reference"], abs=1e-6), name
 
 
 def test_export_of_an_ema_run_writes_the_emas_weights_as_a_diffusers_directory_beside_the_trained_ones(

@@ -21,7 +21,6 @@ from dovetail.config.load import parse_config
 from dovetail.config.multiplex import TrainConfig
 from dovetail.cost.calibration import DEFAULT
 from dovetail.graph.node import Kind, SampleId
-from dovetail.models.training import load_trainer_state, trainer_state_of
 from dovetail.plan.metrics import summarize, time_per_step
 from dovetail.plan.trace import Segment, Trace
 from dovetail.request import RunRequest
@@ -189,6 +188,12 @@ class RunLog(Protocol):
     last_step: int
     """The pipeline's last step (the driver ends it early when its reward failed)."""
 
+    def trainer_state(self) -> dict:
+        """The trainer state the pipeline's trainers start from (weights, optimizer, what a kind keeps beside them)."""
+
+    def load_trainer_state(self, state: dict) -> None:
+        """A committed trainer state into the model the log evaluates and saves."""
+
     def needs_weights(self, done: int) -> bool: ...
 
     def record(self, done: int, metrics: dict, checkpoint_extra: dict | None = None) -> None: ...
@@ -256,7 +261,7 @@ class RayRun:
         if devices_starting is not None:
             devices_starting.result()
         start_ray(request.config)
-        states = {name: trainer_state_of(log.model, log.optimizer) for name, log in logs.items()}
+        states = {name: log.trainer_state() for name, log in logs.items()}
         return cls(request, logs, first_steps, device_pool(request.config), states)
 
     def phase(self, what: str) -> None:
@@ -412,7 +417,7 @@ class Recorder:
             return
         try:
             if state is not None:
-                load_trainer_state(log.model, log.optimizer, state)
+                log.load_trainer_state(state)
                 log.holds = done
             log.record(done, metrics, {"policy": self.policy_name, "version": done})
             if self.after_record is not None:
@@ -496,7 +501,7 @@ def save_stopped(executor: RayExecutor, name: str, logs: Mapping[str, RunLog], f
     user, in one line (a multiplexed pipeline resumes alone, from the config in its sub-directory)."""
     log = logs[name]
     done = first_step + executor.committed_steps(name)
-    load_trainer_state(log.model, log.optimizer, executor.committed_state(name))
+    log.load_trainer_state(executor.committed_state(name))
     checkpoint = log.checkpoint(done, {"policy": log.config.policy, "version": done})
     log.last_step = done
     return (

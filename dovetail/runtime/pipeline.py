@@ -313,6 +313,11 @@ class PipelineEngines(ABC, Generic[Rollout]):
         engine stays resident and awake (the models are small here)."""
         return None
 
+    def after_commit(self) -> None:
+        """The trainer's optimizer step just ran (a commit): what a kind keeps beside the weights follows them (a
+        flow run's eval.ema). By default nothing."""
+        return None
+
     @abstractmethod
     def load_rollout(self, weights: dict[str, np.ndarray]) -> None:
         """Put published weights into the rollout engine."""

@@ -388,6 +388,7 @@ class DeviceWorker:
         gradients = self.engines.memory([summed]).gradients
         self.gradient, self.summed = None, set()
         grad_norm = commit(self.engines.trainer, self.engines.optimizer, self.config.train)
+        self.engines.after_commit()
         lr = stepped_lr(self.engines.optimizer)
         seconds = time.perf_counter() - synced
         self.held_memory = self.engines.memory()
@@ -410,6 +411,7 @@ class DeviceWorker:
         scale_gradients(trainer, work.scale)
         gradients = self.engines.memory().gradients
         grad_norm = commit(trainer, optimizer, self.config.train)
+        self.engines.after_commit()
         self.held_memory = self.engines.memory()
         memory = replace(self.held_memory, gradients=gradients)
         seconds = time.perf_counter() - synced

@@ -574,7 +574,7 @@ class FlowTrainConfig(RunSection):
     @model_validator(mode="after")
     def _new_algorithms_fit(self) -> "FlowTrainConfig":
         """The sliding window is one per step, GRPO-Guard's normalisation is of the Flow-GRPO SDE's steps, and the
-        EMA is kept by the reference loop, which steps the weights in this process."""
+        EMA is kept beside whole weights: the reference loop's, or each trainer replica's."""
         algo = self.algo
         if algo.sde_window is not None and algo.per_sample_timesteps:
             raise ValueError(
@@ -586,10 +586,10 @@ class FlowTrainConfig(RunSection):
                 "algo.ratio_normalization (GRPO-Guard) normalises the Flow-GRPO SDE's steps; use algorithm flow_grpo "
                 "with sampling.sde_kind=flow_grpo"
             )
-        if self.eval.ema is not None and self.policy != REFERENCE:
+        if self.eval.ema is not None and self.train.sharding == "fsdp":
             raise ValueError(
-                f"eval.ema: the EMA of the weights is kept by the reference loop; policy {self.policy} steps them on "
-                "its trainers: use policy: reference"
+                "eval.ema: a sharded trainer's EMA is not kept yet (each member holds a shard of the weights); set "
+                "train.sharding: replicate, or remove eval.ema"
             )
         return self
 

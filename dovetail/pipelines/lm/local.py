@@ -14,7 +14,14 @@ import torch
 from dovetail.graph.node import SampleId
 from dovetail.models.causal_lm import rollout_engine
 from dovetail.models.engine import Request
-from dovetail.models.training import commit, set_summed_gradient, stepped_lr, weights_of
+from dovetail.models.training import (
+    commit,
+    load_trainer_state,
+    set_summed_gradient,
+    stepped_lr,
+    trainer_state_of,
+    weights_of,
+)
 from dovetail.pipelines.lm.adapter import commit_scale, lm_step_metrics
 from dovetail.pipelines.lm.config import LMTrainConfig
 from dovetail.pipelines.lm.engines import LMEngines
@@ -53,6 +60,14 @@ class LMLocal:
 
     def rl_step(self, step: int) -> dict:
         return lm_rl_step(self.engines, self.config, step)
+
+    def trainer_state(self) -> dict:
+        """The weights and optimizer state as numpy: what the Ray trainers start from."""
+        return trainer_state_of(self.model, self.optimizer)
+
+    def load_trainer_state(self, state: dict) -> None:
+        """A trainer's committed state into this process's model."""
+        load_trainer_state(self.model, self.optimizer, state)
 
 
 def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
