@@ -439,6 +439,13 @@ def _training(
         )
         nodes.append(train)
         trains.append(train.id)
+    update_s = (
+        cost.optimizer_step(trained) + cost.replica_allreduce_seconds(trained, 1, shape.trainer_devices)
+        if spec.replicated_trainer
+        else cost.optimizer_step(trained, devices=shape.trainer_devices)
+    )
+    # each update after the first trains the step's responses again on the trainer devices, inside the commit
+    retrain_s = sum(n.cost_s for n in nodes if n.kind == Kind.TRAIN) / shape.trainer_devices
     commit = Node(
         _id(spec, step, "commit"),
         spec.name,
@@ -447,9 +454,7 @@ def _training(
         Role.TRAINER,
         tuple(trains),
         version=step,
-        cost_s=cost.optimizer_step(trained) + cost.replica_allreduce_seconds(trained, 1, shape.trainer_devices)
-        if spec.replicated_trainer
-        else cost.optimizer_step(trained, devices=shape.trainer_devices),
+        cost_s=update_s + (spec.updates - 1) * (retrain_s + update_s),
         collective=True,
     )
     publish = Node(

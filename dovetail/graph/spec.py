@@ -265,6 +265,13 @@ class LMSpec(_PipelineSpec):
         "responses still run, and the drawn lengths only predict the costs.",
     )
     micro_batches: int = Field(1, gt=0, le=MAX_SAMPLES, description="Train micro-steps per step.")
+    updates: int = Field(
+        1,
+        gt=0,
+        le=64,
+        description="Optimizer updates on each step's batch (an LM run's algo.num_iterations): the commit trains "
+        "the step's responses again before each update after the first.",
+    )
     tensor_parallel: int = Field(1, gt=0, le=64, description="Devices per rollout engine.")
     multi_turn: bool = Field(
         False,

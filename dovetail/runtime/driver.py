@@ -68,6 +68,7 @@ class StepMetrics:
         occupancy = window_occupancy(executor, opened, now)
         tag = self.policy.tag_decisions
         metrics = run.adapter.step_metrics(scores, trained)
+        metrics |= run.adapter.further_metrics([list(c.further) for c in commits if c is not None])
         metrics |= {  # every reward, as the reference path logs them
             f"reward/{name}": float(np.concatenate([s.scores[name] for s in scores]).mean())
             for name in scores[0].scores

@@ -424,7 +424,8 @@ class RayExecutor:
         if node.kind == Kind.COMMIT:
             trained = [result for train in node.deps for result in self.results.get(train, [])]
             scale = run.adapter.commit_scale(trained)
-            parts = [Part(node.id, d, Commit(node.pipeline, tuple(devices), scale)) for d in devices]
+            updates = run.adapter.updates_per_step
+            parts = [Part(node.id, d, Commit(node.pipeline, tuple(devices), scale, updates)) for d in devices]
             run.trainer_devices = tuple(devices)
         elif node.kind == Kind.PUBLISH:
             sender, weights = self._published_weights(run)

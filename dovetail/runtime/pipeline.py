@@ -192,6 +192,16 @@ class PipelineAdapter(ABC):
         """The pipeline's own figures of a committed step (rewards, loss statistics) from its score and train
         results; the driver adds throughput, efficiency and staleness."""
 
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer updates the commit takes on each step's batch (`runtime.messages.Commit.updates`): one."""
+        return 1
+
+    def further_metrics(self, further: list[list]) -> dict:
+        """Figures of the updates after a step's first (per trainer device that answered, its
+        `runtime.messages.FurtherUpdate`s in order); none where the kind takes one update a step."""
+        return {}
+
     def commit_scale(self, trained: list) -> float:
         """What the commit multiplies the summed gradients by, given the step's train results: 1 when each part's
         loss was already divided by the step's normaliser, else 1 / the sum of their contributions."""
@@ -312,6 +322,12 @@ class PipelineEngines(ABC, Generic[Rollout]):
         """The device switched to `role` (a policy's `SwitchRole`: `rollout`, `trainer` or `any`); by default every
         engine stays resident and awake (the models are small here)."""
         return None
+
+    def train_again(self, work: Work):
+        """A train part of the open step run again, for an update after the commit's first (`Commit.updates`): its
+        gradient on the weights now, the old log-probs the first update's. A kind whose adapter asks one update a
+        step (`PipelineAdapter.updates_per_step`) is never asked."""
+        raise NotImplementedError(f"{type(self).__name__} takes one update a step")
 
     def after_commit(self) -> None:
         """The trainer's optimizer step just ran (a commit): what a kind keeps beside the weights follows them (a

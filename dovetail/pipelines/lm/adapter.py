@@ -23,7 +23,7 @@ from dovetail.pipelines.lm.messages import Decode, LMLogProbs, LMTrain, Prefill,
 from dovetail.pipelines.lm.model import encode_prompts, load_run_tokenizer, model_context
 from dovetail.pipelines.lm.multiturn import episode_metrics
 from dovetail.pipelines.lm.prompts import RunPrompts
-from dovetail.runtime.messages import Score, Scores, Trained
+from dovetail.runtime.messages import FurtherUpdate, Score, Scores, Trained
 from dovetail.runtime.pipeline import Part, PipelineAdapter, RunContext
 from dovetail.sched.policy import Shape
 
@@ -217,6 +217,13 @@ class LMAdapter(PipelineAdapter):
     def commit_scale(self, trained: list[Trained]) -> float:
         return commit_scale(trained)
 
+    @property
+    def updates_per_step(self) -> int:
+        return self.config.algo.num_iterations
+
+    def further_metrics(self, further: list[list[FurtherUpdate]]) -> dict:
+        return further_update_metrics(further)
+
     def step_metrics(self, scores: list[Scores], trained: list[Trained]) -> dict:
         return lm_step_metrics(scores, trained)
 
@@ -251,6 +258,23 @@ def commit_scale(trained: list[Trained]) -> float:
     """What a step's summed gradient is multiplied by: 1 / the step's loss normaliser (its parts' contributions
     are whole numbers, so their sum is exact in any order)."""
     return 1.0 / sum(t.normaliser for t in trained)
+
+
+def further_update_metrics(further: list[list[FurtherUpdate]]) -> dict:
+    """The updates after a step's first (algo.num_iterations), each as `update_K/...` (K = 2, 3, ...): its pre-clip
+    `grad_norm`, and its parts' loss statistics over the step (`clip_frac`, `ratio_mean`, `ratio_min`, `ratio_max`,
+    `approx_kl`, `loss`), from every trainer device's answer (`further`: per device, its updates in order). The
+    step's own `clip_frac`, `loss`... are its first update's, whose ratio is 1 on policy."""
+    metrics: dict[str, float] = {}
+    for index, updates in enumerate(zip(*further)):
+        trained = [t for update in updates for t in update.trained]
+        merged = merged_stats([t.stats for t in trained if t.samples])
+        normaliser = sum(t.normaliser for t in trained)
+        loss = merged["loss"] / normaliser if normaliser else merged["loss"]
+        figures = {"grad_norm": float(updates[0].grad_norm), "loss": loss}
+        figures |= {name: merged[name] for name in ("clip_frac", "ratio_mean", "ratio_min", "ratio_max", "approx_kl")}
+        metrics |= {f"update_{index + 2}/{name}": value for name, value in figures.items()}
+    return metrics
 
 
 def lm_step_metrics(scores: list[Scores], trained: list[Trained]) -> dict:

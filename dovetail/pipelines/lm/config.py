@@ -329,6 +329,13 @@ class LMAlgoSection(Section):
     dynamic_sampling_max_draws: int = Field(
         4, ge=1, le=100, description="with dynamic_sampling, batches of prompts a step draws at most"
     )
+    num_iterations: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="optimizer updates on each generated batch (TRL's num_iterations, verl's ppo_epochs): each over "
+        "the whole batch, the old log-probs the first update's, so from the second on the clipped ratio acts",
+    )
 
     @model_validator(mode="after")
     def _gspo_clips(self) -> "LMAlgoSection":
@@ -582,6 +589,11 @@ class LMTrainConfig(RunSection):
             )
         if algo.dynamic_sampling and self.env is not None:
             raise ValueError("algo.dynamic_sampling: an env run's episodes are not redrawn yet; set it to false")
+        if algo.num_iterations > 1 and self.train.sharding == "fsdp":
+            raise ValueError(
+                f"algo.num_iterations={algo.num_iterations}: a sharded trainer takes one update a batch yet; set "
+                "algo.num_iterations=1 or train.sharding: replicate"
+            )
         if algo.overlong_buffer > self.max_new_tokens:
             raise ValueError(
                 f"algo.overlong_buffer={algo.overlong_buffer} exceeds max_new_tokens={self.max_new_tokens}: lower it"
@@ -717,6 +729,7 @@ class LMTrainConfig(RunSection):
             "max_length": self.max_new_tokens,
             "length_bands": self.runtime.length_bands,
             "micro_batches": self.algo.micro_batches,
+            "updates": self.algo.num_iterations,
             "reference": self.algo.beta > 0,
             "lengths_known": False,  # a run learns them by decoding
             "multi_turn": self.env is not None,

@@ -118,6 +118,9 @@ class LMEngines(PipelineEngines[Engine]):
         their calls."""
         self.conversation: Conversation | None = None
         """How the tokenizer writes an env run's episodes."""
+        self._first_log_probs: dict[SampleId, np.ndarray] = {}
+        """With algo.num_iterations > 1: each response trained here, its log-probs under the weights of its step's
+        first update, which the later updates take as the old ones (`train_again`)."""
         if not holds_policy:
             return
         env = config.env
@@ -251,12 +254,25 @@ class LMEngines(PipelineEngines[Engine]):
         requests = requests_of(self.fetch(rollouts))
         return requests if samples is None else {SampleId(*s): requests[SampleId(*s)] for s in samples}
 
-    def _train(self, work: LMTrain) -> Trained:
+    def train_again(self, work: Work) -> Trained:
+        assert isinstance(work, LMTrain), "a commit runs the step's train parts again"
+        return self._train(work, again=True)
+
+    def _train(self, work: LMTrain, again: bool = False) -> Trained:
         """The part's groups trained one at a time (`models.lm_rl.policy_gradient`); `part_gradient` hands the fp64
-        sum to the commit (a sharded trainer's stays in its shards)."""
+        sum to the commit (a sharded trainer's stays in its shards). With algo.num_iterations > 1 the first update
+        keeps each response's log-probs, and a later one (`again`) takes them as the old ones; a step's first update
+        follows the commits of the steps before it, so their responses' are dropped then."""
         scores = self.fetch(work.scores)
         rewards = {SampleId(*s): r for part in scores for s, r in zip(part.samples, part.scores["total"])}
         samples = [SampleId(*s) for s in work.samples]
+        first_update, keep = None, None
+        if again:
+            first_update = {s: self._first_log_probs[s] for s in samples}
+        elif self.config.algo.num_iterations > 1 and samples:
+            step = samples[0].step
+            self._first_log_probs = {s: v for s, v in self._first_log_probs.items() if s.step >= step}
+            keep = self._first_log_probs
 
         def given(parts: list) -> dict:
             return {SampleId(*s): v for part in self.fetch(parts) for s, v in zip(part.samples, part.log_probs)}
@@ -277,6 +293,8 @@ class LMEngines(PipelineEngines[Engine]):
             passes=_lockstep_passes(work),
             generated=generated,
             scored_requests=self._select(work.rollouts, None),
+            first_update=first_update,
+            keep_log_probs=keep,
         )
         return Trained(samples, [0], merged_stats(group_stats), normaliser)
 
