@@ -444,8 +444,14 @@ def test_informative_samples_drop_the_groups_of_equal_rewards():
     ("overrides", "message"),
     [
         (
-            ["policy=verl-sync", "algo.dynamic_sampling=true"],
-            "algo.dynamic_sampling: only policy: reference draws more prompts (policy is verl-sync)",
+            ["policy=streamrl", "algo.dynamic_sampling=true"],
+            "algo.dynamic_sampling: policy streamrl draws no further prompts within a step; policy: reference and "
+            "verl-sync do",
+        ),
+        (
+            ["policy=verl-sync", "algo.dynamic_sampling=true", "algo.micro_batches=2"],
+            "algo.dynamic_sampling: verl-sync trains the groups a step keeps as one micro-batch; set "
+            "algo.micro_batches=1",
         ),
         (
             ["policy=streamrl", "algo.advantage=reinforce_plus_plus"],
@@ -550,6 +556,39 @@ RAY_SMALL = [
     "algo.kl_estimator=k2",
     "algo.overlong_buffer=8",
 ]
+
+
+@pytest.mark.exactness
+def test_dynamic_sampling_on_verl_sync_draws_and_trains_what_the_reference_loop_does(local_ray, tmp_path):
+    """algo.dynamic_sampling under verl-sync on 2 devices: each further draw is rolled out after the one before is
+    scored, only where the step still lacks B groups that differ, and the step trains the groups the reference loop
+    keeps (the first B that differ by prompt position): the same draws, dropped groups and rewards each step, the
+    same parameters to the bit, and a ledger of every sample drawn generated and scored once and the kept ones
+    trained once."""
+    dynamic = [*RAY_SMALL[:8], "algo.dynamic_sampling=true", "algo.dynamic_sampling_max_draws=3", "cluster.devices=2"]
+    for policy in ("reference", "verl-sync"):
+        train(load_config(None, [*dynamic, f"policy={policy}"]), tmp_path / policy, steps=3)
+    ends = [
+        load_file(str(tmp_path / p / "checkpoints" / "step_000003" / "model.safetensors"))
+        for p in ("reference", "verl-sync")
+    ]
+    assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
+    lines = {
+        p: [json.loads(x) for x in (tmp_path / p / "metrics.jsonl").read_text().splitlines()]
+        for p in ("reference", "verl-sync")
+    }
+    keys = ("dynamic_sampling/draws", "dynamic_sampling/groups", "dynamic_sampling/dropped", "reward/total")
+    assert [[m[k] for k in keys] for m in lines["verl-sync"]] == [[m[k] for k in keys] for m in lines["reference"]]
+    assert max(m["dynamic_sampling/draws"] for m in lines["reference"]) > 1  # the seed's run drew more: the test bites
+    assert sum(m["dynamic_sampling/dropped"] for m in lines["reference"]) > 0
+    ledger = json.loads((tmp_path / "verl-sync" / "ledger.json").read_text())
+    assert ledger["problems"] == []
+    for step, m in enumerate(lines["verl-sync"]):
+        generated = [g for g in ledger["generated"] if g["step"] == step]
+        trained = [t for t in ledger["trained"] if t["step"] == step]
+        assert len(generated) == m["dynamic_sampling/draws"] * 4 * 4  # B prompts of G responses a draw
+        kept = round(m["dynamic_sampling/groups"] * 4) or 4  # none differing: the first draw's B groups
+        assert len(trained) == kept * 4 and all(t["times"] == 1 for t in trained)
 
 
 @pytest.mark.exactness

@@ -272,6 +272,15 @@ class LMSpec(_PipelineSpec):
         description="Optimizer updates on each step's batch (an LM run's algo.num_iterations): the commit trains "
         "the step's responses again before each update after the first.",
     )
+    draws: int = Field(
+        1,
+        gt=0,
+        le=100,
+        description="Batches of `batch` prompts a step may draw (DAPO's dynamic sampling, an LM run's "
+        "algo.dynamic_sampling_max_draws): each draw is generated and scored after the one before, and trains "
+        "`batch` groups of them. A run skips the draws it does not need; the simulator, which knows no rewards, "
+        "prices every one (an upper bound).",
+    )
     tensor_parallel: int = Field(1, gt=0, le=64, description="Devices per rollout engine.")
     multi_turn: bool = Field(
         False,
@@ -321,7 +330,12 @@ class LMSpec(_PipelineSpec):
     @model_validator(mode="after")
     def _check(self) -> LMSpec:
         check_length_bands(self.length_bands, self.max_length, "length_bands", "max_length")
-        _check_samples(self.batch, self.group, "batch")
+        _check_samples(self.batch * self.draws, self.group, "batch x draws" if self.draws > 1 else "batch")
+        if self.draws > 1 and (self.micro_batches > 1 or self.multi_turn):
+            raise ValueError(
+                f"draws={self.draws}: a step that draws more prompts trains the groups it keeps as one micro-batch, "
+                "of single-turn responses; set micro_batches: 1 and multi_turn: false, or draws: 1"
+            )
         return self
 
 

@@ -69,7 +69,8 @@ class StepMetrics:
         tag = self.policy.tag_decisions
         metrics = run.adapter.step_metrics(scores, trained)
         metrics |= run.adapter.further_metrics([list(c.further) for c in commits if c is not None])
-        metrics |= {  # every reward, as the reference path logs them
+        scores = run.adapter.trained_scores(scores)
+        metrics |= {  # every reward of the samples trained, as the reference path logs them
             f"reward/{name}": float(np.concatenate([s.scores[name] for s in scores]).mean())
             for name in scores[0].scores
         }

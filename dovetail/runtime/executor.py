@@ -576,8 +576,8 @@ class RayExecutor:
                         run.ledger.trained[key] = run.ledger.trained.get(key, 0) + 1
 
     def expected_samples(self, pipeline: str) -> dict[SampleId, list[int]]:
-        """Every sample of the pipeline's committed steps, with the units training it must cover (all its steps,
-        unless it stopped)."""
+        """Every sample of the pipeline's committed steps that was drawn, with the units training it must cover (all
+        its steps, unless it stopped)."""
         run = self.pipelines[pipeline]
         committed = self.committed_steps(pipeline)
         creating = kind(run.config.kind).creates_samples
@@ -587,4 +587,5 @@ class RayExecutor:
             if node.pipeline == pipeline and node.kind in creating and node.step < committed
             for (s, p, i) in node.samples
         }
-        return {sample: run.adapter.units_of(sample) for sample in sorted(samples)}
+        units = {sample: run.adapter.units_of(sample) for sample in sorted(samples)}
+        return {sample: unit for sample, unit in units.items() if unit is not None}

@@ -184,8 +184,14 @@ class PipelineAdapter(ABC):
         """Account a finished part's result in the ledger (generated, scored); training is booked at the commit."""
 
     @abstractmethod
-    def units_of(self, sample: SampleId) -> list[int]:
-        """What training a sample consists of (the ledger's units): its trained timesteps, or [0]."""
+    def units_of(self, sample: SampleId) -> list[int] | None:
+        """What training a sample consists of (the ledger's units): its trained timesteps, or [0]; [] where it trains
+        nowhere (a group dynamic sampling dropped), None where its step never drew it (a draw it did not need)."""
+
+    def trained_scores(self, scores: list) -> list:
+        """The scores of a committed step's samples that trained (its score nodes' answers, `scores`): all of them,
+        unless the kind's steps score samples they do not train (dynamic sampling's dropped groups)."""
+        return scores
 
     @abstractmethod
     def step_metrics(self, scores: list, trained: list) -> dict:

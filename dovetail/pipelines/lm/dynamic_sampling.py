@@ -9,6 +9,8 @@ policy, whose score nodes answer in another order, keep the same groups.
 
 from __future__ import annotations
 
+import numpy as np
+
 from dovetail.graph.node import SampleId
 from dovetail.runtime.messages import Scores
 
@@ -33,7 +35,7 @@ def kept_samples(drawn: list[Scores], prompts_per_step: int) -> list[SampleId]:
     informative = sorted(SampleId(*s) for scores in drawn for s in informative_samples(scores))
     prompts = sorted({s.prompt for s in informative})[:prompts_per_step]
     if not prompts:
-        return sorted(SampleId(*s) for s in drawn[0].samples)
+        return sorted(SampleId(*s) for scores in drawn for s in scores.samples if s.prompt < prompts_per_step)
     chosen = set(prompts)
     return [s for s in informative if s.prompt in chosen]
 
@@ -49,3 +51,15 @@ def dynamic_sampling_metrics(drawn: list[Scores], kept: list[SampleId], prompts_
         "dynamic_sampling/groups": len(kept_informative) / prompts_per_step,
         "dynamic_sampling/dropped": float(len(scored - informative)),
     }
+
+
+def scores_of(parts: list[Scores], samples: list[SampleId]) -> Scores:
+    """The scores of `samples`, in their order, out of `parts` (a language model's: each has its response lengths)."""
+    where = {sample: (part, row) for part in parts for row, sample in enumerate(part.samples)}
+    rows = [where[s] for s in samples]
+    return Scores(
+        list(samples),
+        {name: np.array([part.scores[name][row] for part, row in rows]) for name in parts[0].scores},
+        np.array([np.asarray(part.response_tokens)[row] for part, row in rows]),
+        {name: np.array([part.figures[name][row] for part, row in rows]) for name in parts[0].figures},
+    )

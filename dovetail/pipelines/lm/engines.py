@@ -172,6 +172,10 @@ class LMEngines(PipelineEngines[Engine]):
             return self._handed_on(work)
         if isinstance(work, Decode) and self.environments is not None:
             return self._episodes(work)
+        if isinstance(work, Prefill) and not work.samples:  # a draw its step did not need (dynamic sampling)
+            return responses_of([], work.version)
+        if isinstance(work, Decode) and not any(part.samples for part in self.fetch(work.rollouts)):
+            return responses_of([], self.fetch(work.rollouts)[0].version)
         if isinstance(work, Prefill):
             self.load_rollout_weights(work.version, work.weights)
             requests = [Request(request_key(s), list(p)) for s, p in zip(work.samples, work.prompts)]

@@ -24,7 +24,7 @@ from dovetail.models.training import (
 )
 from dovetail.pipelines.lm.adapter import commit_scale, further_update_metrics, lm_step_metrics
 from dovetail.pipelines.lm.config import LMTrainConfig
-from dovetail.pipelines.lm.dynamic_sampling import dynamic_sampling_metrics, enough, kept_samples
+from dovetail.pipelines.lm.dynamic_sampling import dynamic_sampling_metrics, enough, kept_samples, scores_of
 from dovetail.pipelines.lm.engines import LMEngines
 from dovetail.pipelines.lm.messages import Decode, LMLogProbs, LMTrain, Prefill, Responses
 from dovetail.pipelines.lm.model import (
@@ -154,18 +154,6 @@ def drawn_rollouts(
         return rollouts, scored[0], scored[0].samples, {}
     chosen = kept_samples(scored, size)
     return rollouts, scores_of(scored, chosen), chosen, dynamic_sampling_metrics(scored, chosen, size)
-
-
-def scores_of(parts: list[Scores], samples: list[SampleId]) -> Scores:
-    """The scores of `samples`, in their order, out of `parts` (a language model's: each has its response lengths)."""
-    where = {sample: (part, row) for part in parts for row, sample in enumerate(part.samples)}
-    rows = [where[s] for s in samples]
-    return Scores(
-        list(samples),
-        {name: np.array([part.scores[name][row] for part, row in rows]) for name in parts[0].scores},
-        np.array([np.asarray(part.response_tokens)[row] for part, row in rows]),
-        {name: np.array([part.figures[name][row] for part, row in rows]) for name in parts[0].figures},
-    )
 
 
 def success_rate(config: LMTrainConfig, completions: list[str], prompts: list[str]) -> float:
