@@ -157,6 +157,9 @@ def test_the_configs_sliding_window_samples_and_trains_the_window_and_the_odes_e
         (["algo.sde_window.size=2", "algo.sde_window.shift_every=2", "algo.compat=dance_grpo"], "per_sample_timest"),
         (["algo.ratio_normalization=true", "algorithm=dance_grpo"], "normalises the Flow-GRPO SDE's steps"),
         (["algo.ratio_normalization=true", "sampling.sde_kind=cps"], "normalises the Flow-GRPO SDE's steps"),
+        (["algo.num_iterations=2", "algo.ratio_normalization=true"], "algo.num_iterations=2: one update a batch"),
+        (["algo.num_iterations=2", "policy=digen+tcss"], r"algo.num_iterations=2: digen\+tcss trains stale samples"),
+        (["algo.num_iterations=0"], "algo.num_iterations"),
     ],
 )
 def test_an_option_that_cannot_apply_is_one_line_naming_it(overrides, says):
@@ -273,6 +276,35 @@ def test_the_ema_on_the_ray_trainers_is_the_reference_loops_through_a_resume(tmp
         assert max((ema(runs[name])[k] - expected[k]).abs().max().item() for k in expected) <= 1e-5, name
         assert max((weights(runs[name], 3)[k] - trained[k]).abs().max().item() for k in trained) <= 1e-5, name
         assert evaluations[name] == pytest.approx(evaluations["reference"], abs=1e-6), name
+
+
+@pytest.mark.exactness
+@pytest.mark.usefixtures("local_ray")
+def test_two_updates_a_batch_on_colocated_end_at_the_reference_loops_weights(tmp_path):
+    """algo.num_iterations=2 (Flow-GRPO's num_inner_epochs): after the first update the batch trains again on the
+    weights it left, its old log-probs still the rollout's, so the ratio moves from 1 and the clip acts. colocated,
+    whose commit trains its devices' parts again, ends at the reference loop's weights (<= 1e-5) with its
+    second-update figures, and the run is not the one-update run."""
+    common = [
+        "algo.prompts_per_step=4", "algo.group_size=4", "sampling.num_steps=6", "eval.per_prompt=2", "train.lr=3e-3",
+        "eval.every=100", "checkpoint.every=100", "cluster.devices=2",
+    ]  # fmt: skip
+    runs = {
+        "reference": [*common, "policy=reference", "algo.num_iterations=2"],
+        "colocated": [*common, "policy=colocated", "algo.num_iterations=2"],
+        "one": [*common, "policy=reference"],
+    }
+    for name, overrides in runs.items():
+        train(load_config(None, overrides), tmp_path / name, steps=2)
+    ends = {name: weights(tmp_path / name, 2) for name in runs}
+    assert max((ends["colocated"][k] - ends["reference"][k]).abs().max().item() for k in ends["one"]) <= 1e-5
+    assert max((ends["one"][k] - ends["reference"][k]).abs().max().item() for k in ends["one"]) > 1e-4
+    lines = {name: metrics(tmp_path / name) for name in ("reference", "colocated")}
+    for name, logged in lines.items():
+        assert all(m["update_2/clip_frac"] > 0 and m["update_2/ratio_mean"] != 1.0 for m in logged), name
+    assert [m["update_2/ratio_mean"] for m in lines["colocated"]] == pytest.approx(
+        [m["update_2/ratio_mean"] for m in lines["reference"]], rel=1e-4
+    )
 
 
 def test_export_of_an_ema_run_writes_the_emas_weights_as_a_diffusers_directory_beside_the_trained_ones(

@@ -115,6 +115,13 @@ class FlowSpec(_PipelineSpec):
     width: int = Field(gt=0, le=16384, description="Pixels.")
     frames: int = Field(1, gt=0, le=1024, description="1 for images.")
     mini_batches: int = Field(1, gt=0, description="Optimizer steps per RL step (the batch is split by prompt).")
+    updates: int = Field(
+        1,
+        gt=0,
+        le=64,
+        description="Optimizer updates on each mini-batch (a flow run's algo.num_iterations): its commit trains the "
+        "mini-batch's pairs again before each update after the first.",
+    )
     reward: Literal["vlm", "rule"] = Field(
         "vlm", description="vlm: a model judge (OCR, PickScore-like); rule: a cheap function."
     )

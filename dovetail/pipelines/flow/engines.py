@@ -98,6 +98,12 @@ class FlowEngines(PipelineEngines[torch.nn.Module]):
         super().load_trainer_state(state)
         load_ema(self.ema, state.get(EMA_KEY), self.held_trainer()[0])
 
+    def train_again(self, work: Work) -> Trained:
+        """The part again on the weights now: its old log-probs are the rollout's (or the recomputed ones the part
+        reads), which no update changes."""
+        assert isinstance(work, FlowTrain), "a commit runs the step's train parts again"
+        return self._train(work)
+
     def after_commit(self) -> None:
         trainer, optimizer = self.held_trainer()
         update_ema(self.ema, trainer, optimizer)

@@ -25,6 +25,7 @@ from dovetail.models.training import (
     stepped_lr,
     trainer_state_of,
 )
+from dovetail.pipelines.flow.adapter import further_update_metrics
 from dovetail.pipelines.flow.config import FlowTrainConfig, flow_rules
 from dovetail.pipelines.flow.ema import EMA_KEY, load_ema, trained_parameters, update_ema, weight_ema, with_ema
 from dovetail.pipelines.flow.recipe import (
@@ -40,16 +41,24 @@ from dovetail.rewards import score
 from dovetail.run_dir import (
     RunDir,
 )
-from dovetail.runtime.messages import DeviceMemory
+from dovetail.runtime.messages import DeviceMemory, FurtherUpdate, Trained
 from dovetail.runtime.pipeline import memory_figures
 from dovetail.trackers import Evaluation
 
 
 def rl_step(
-    model, optimizer, config: FlowTrainConfig, step: int, reference_model=None, decode=latents_to_images
+    model,
+    optimizer,
+    config: FlowTrainConfig,
+    step: int,
+    reference_model=None,
+    decode=latents_to_images,
+    after_commit=lambda: None,
 ) -> dict:
     """One on-policy step of the reference path; returns its metrics. `decode` turns latents into the images the
-    rewards score."""
+    rewards score; `after_commit()` runs after each optimizer step (eval.ema's update). With algo.num_iterations
+    the batch's gradient is computed again after each update, on the weights it left, the old log-probs still the
+    rollout's, as a Ray trainer's commit does (`runtime.worker`)."""
     sde, rules = sde_settings(config), flow_rules(config)
     algo = config.algo
     timings = {}
@@ -78,21 +87,31 @@ def rl_step(
     start = time.perf_counter()
     timesteps = [sample_timesteps(config, s) for s in ids]
     total_pairs = rules.pairs_per_step
-    sums = policy_gradient(
-        model,
-        trajectories,
-        advantages,
-        timesteps,
-        sde,
-        config,
-        total_pairs=total_pairs,
-        reference_model=reference_model,
-    )
+
+    def train() -> dict[str, float]:
+        return policy_gradient(
+            model,
+            trajectories,
+            advantages,
+            timesteps,
+            sde,
+            config,
+            total_pairs=total_pairs,
+            reference_model=reference_model,
+        )
+
+    sums = train()
     timings["train_s"] = time.perf_counter() - start
 
     gradients = memory_by_kind(model)["gradients"]
     start = time.perf_counter()
-    grad_norm = commit(model, optimizer, config.train)
+    grad_norm = commit(model, optimizer, config.train, algo.num_iterations)
+    after_commit()
+    further = []
+    for _ in range(algo.num_iterations - 1):
+        again = Trained(ids, list(range(len(timesteps[0]))), train())
+        further.append(FurtherUpdate(commit(model, optimizer, config.train, algo.num_iterations), [again]))
+        after_commit()
     timings["commit_s"] = time.perf_counter() - start
     held = memory_by_kind(model, optimizer)  # after the step: AdamW makes its moments at its first
     device = next(model.parameters()).device
@@ -104,6 +123,7 @@ def rl_step(
         name: value if name in ("ratio_min", "ratio_max") else value / total_pairs for name, value in sums.items()
     }
     metrics |= timings | {"grad_norm": grad_norm, "learning_rate": stepped_lr(optimizer)}
+    metrics |= further_update_metrics([further])
     if not algo.per_sample_timesteps:
         metrics["timesteps"] = timesteps[0]
     return metrics | {"samples_per_s": len(ids) / step_seconds, "step_s": step_seconds} | memory_figures([memory])
@@ -183,6 +203,12 @@ class FlowLocal:
     def rl_step(self, step: int) -> dict:
         if self.config.algo.beta > 0 and self._reference_model is None:
             self._reference_model = load_flow_model(self.config).requires_grad_(False)
-        metrics = rl_step(self.model, self.optimizer, self.config, step, self._reference_model, self.decode)
-        update_ema(self.ema, self.model, self.optimizer)
-        return metrics
+        return rl_step(
+            self.model,
+            self.optimizer,
+            self.config,
+            step,
+            self._reference_model,
+            self.decode,
+            lambda: update_ema(self.ema, self.model, self.optimizer),
+        )
