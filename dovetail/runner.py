@@ -137,9 +137,11 @@ class StepLog:
         )
 
     def trainer_state(self) -> dict:
+        """The pipeline's trainer state in this process (`local`'s: weights, optimizer, a flow run's EMA)."""
         return self.local.trainer_state()
 
     def load_trainer_state(self, state: dict) -> None:
+        """A committed trainer state (a Ray trainer's) into this process's model, optimizer and EMA."""
         self.local.load_trainer_state(state)
 
     def needs_weights(self, done: int) -> bool:

@@ -152,11 +152,14 @@ def test_the_configs_sliding_window_samples_and_trains_the_window_and_the_odes_e
 @pytest.mark.parametrize(
     "overrides, says",
     [
-        (["eval.ema.decay=0.9", "policy=colocated"], "eval.ema: the EMA of the weights is kept by the reference loop"),
+        (["eval.ema.decay=0.9", "policy=colocated", "train.sharding=fsdp"], "eval.ema: a sharded trainer's EMA"),
         (["algo.sde_window.size=2", "algo.sde_window.shift_every=2", "algo.timesteps=prefix"], "leave algo.timest"),
         (["algo.sde_window.size=2", "algo.sde_window.shift_every=2", "algo.compat=dance_grpo"], "per_sample_timest"),
         (["algo.ratio_normalization=true", "algorithm=dance_grpo"], "normalises the Flow-GRPO SDE's steps"),
         (["algo.ratio_normalization=true", "sampling.sde_kind=cps"], "normalises the Flow-GRPO SDE's steps"),
+        (["algo.num_iterations=2", "algo.ratio_normalization=true"], "algo.num_iterations=2: one update a batch"),
+        (["algo.num_iterations=2", "policy=digen+tcss"], r"algo.num_iterations=2: digen\+tcss trains stale samples"),
+        (["algo.num_iterations=0"], "algo.num_iterations"),
     ],
 )
 def test_an_option_that_cannot_apply_is_one_line_naming_it(overrides, says):
@@ -245,6 +248,63 @@ def test_the_window_and_the_normalised_ratio_on_the_ray_runtime_reproduce_the_re
     assert max((reference[k] - digen[k]).abs().max().item() for k in reference) <= 1e-5
     base = load_file(DEFAULT_CHECKPOINT / "model.safetensors")
     assert max((reference[k] - base[k]).abs().max().item() for k in reference) > 1e-4  # it did train
+
+
+@pytest.mark.exactness
+@pytest.mark.usefixtures("local_ray")
+def test_the_ema_on_the_ray_trainers_is_the_reference_loops_through_a_resume(tmp_path):
+    """Under a Ray policy the trainers keep the EMA beside their weights (`pipelines.flow.ema`): colocated, and digen
+    stopped after step 2 and resumed from its checkpoint, end at the reference loop's weights and EMA (<= 1e-5, the
+    flow policies' bound), and evaluate the EMA as it does (the same eval reward at every step)."""
+    common = [
+        *SHORT[1:], "cluster.devices=2", "eval.ema.decay=0.9", "eval.ema.every=2", "eval.every=1", "checkpoint.every=1",
+    ]  # fmt: skip
+    runs = {name: tmp_path / name for name in ("reference", "colocated", "digen")}
+    train(load_config(None, [*common, "policy=reference"]), runs["reference"], steps=3)
+    train(load_config(None, [*common, "policy=colocated"]), runs["colocated"], steps=3)
+    digen = [*common, "policy=digen", "runtime.fragments=2", "runtime.tsp_chunk=1"]
+    train(load_config(None, digen), runs["digen"], steps=2)
+    train(load_config(None, digen), runs["digen"], steps=3, resume=runs["digen"])
+
+    def ema(out) -> dict[str, torch.Tensor]:
+        return load_file(out / "checkpoints" / f"step_{3:06d}" / "ema.safetensors")
+
+    expected, trained = ema(runs["reference"]), weights(runs["reference"], 3)
+    assert max((expected[k] - trained[k]).abs().max().item() for k in expected) > 1e-5  # an average, not the weights
+    evaluations = {name: [m["eval_reward"] for m in metrics(out) if "eval_reward" in m] for name, out in runs.items()}
+    for name in ("colocated", "digen"):
+        assert max((ema(runs[name])[k] - expected[k]).abs().max().item() for k in expected) <= 1e-5, name
+        assert max((weights(runs[name], 3)[k] - trained[k]).abs().max().item() for k in trained) <= 1e-5, name
+        assert evaluations[name] == pytest.approx(evaluations["reference"], abs=1e-6), name
+
+
+@pytest.mark.exactness
+@pytest.mark.usefixtures("local_ray")
+def test_two_updates_a_batch_on_colocated_end_at_the_reference_loops_weights(tmp_path):
+    """algo.num_iterations=2 (Flow-GRPO's num_inner_epochs): after the first update the batch trains again on the
+    weights it left, its old log-probs still the rollout's, so the ratio moves from 1 and the clip acts. colocated,
+    whose commit trains its devices' parts again, ends at the reference loop's weights (<= 1e-5) with its
+    second-update figures, and the run is not the one-update run."""
+    common = [
+        "algo.prompts_per_step=4", "algo.group_size=4", "sampling.num_steps=6", "eval.per_prompt=2", "train.lr=3e-3",
+        "eval.every=100", "checkpoint.every=100", "cluster.devices=2",
+    ]  # fmt: skip
+    runs = {
+        "reference": [*common, "policy=reference", "algo.num_iterations=2"],
+        "colocated": [*common, "policy=colocated", "algo.num_iterations=2"],
+        "one": [*common, "policy=reference"],
+    }
+    for name, overrides in runs.items():
+        train(load_config(None, overrides), tmp_path / name, steps=2)
+    ends = {name: weights(tmp_path / name, 2) for name in runs}
+    assert max((ends["colocated"][k] - ends["reference"][k]).abs().max().item() for k in ends["one"]) <= 1e-5
+    assert max((ends["one"][k] - ends["reference"][k]).abs().max().item() for k in ends["one"]) > 1e-4
+    lines = {name: metrics(tmp_path / name) for name in ("reference", "colocated")}
+    for name, logged in lines.items():
+        assert all(m["update_2/clip_frac"] > 0 and m["update_2/ratio_mean"] != 1.0 for m in logged), name
+    assert [m["update_2/ratio_mean"] for m in lines["colocated"]] == pytest.approx(
+        [m["update_2/ratio_mean"] for m in lines["reference"]], rel=1e-4
+    )
 
 
 def test_export_of_an_ema_run_writes_the_emas_weights_as_a_diffusers_directory_beside_the_trained_ones(

@@ -30,7 +30,7 @@ from dovetail.models.engine import Request
 from dovetail.models.lm import load_lm
 from dovetail.models.lm_rl import policy_gradient, step_advantages
 from dovetail.pipelines.lm.config import GSPO_CLIPS, WHOLE_BATCH_ADVANTAGES, LMAlgoSection
-from dovetail.pipelines.lm.local import informative_samples
+from dovetail.pipelines.lm.dynamic_sampling import informative_samples
 from dovetail.runtime.messages import Scores
 
 torch.set_num_threads(1)
@@ -444,8 +444,14 @@ def test_informative_samples_drop_the_groups_of_equal_rewards():
     ("overrides", "message"),
     [
         (
-            ["policy=verl-sync", "algo.dynamic_sampling=true"],
-            "algo.dynamic_sampling: only policy: reference draws more prompts (policy is verl-sync)",
+            ["policy=streamrl", "algo.dynamic_sampling=true"],
+            "algo.dynamic_sampling: policy streamrl draws no further prompts within a step; policy: reference and "
+            "verl-sync do",
+        ),
+        (
+            ["policy=verl-sync", "algo.dynamic_sampling=true", "algo.micro_batches=2"],
+            "algo.dynamic_sampling: verl-sync trains the groups a step keeps as one micro-batch; set "
+            "algo.micro_batches=1",
         ),
         (
             ["policy=streamrl", "algo.advantage=reinforce_plus_plus"],
@@ -455,6 +461,12 @@ def test_informative_samples_drop_the_groups_of_equal_rewards():
         (["algo.advantage=rloo", "algo.std_scope=none"], "algo.std_scope=none scales grpo's advantages"),
         (["algo.overlong_buffer=4000"], "algo.overlong_buffer=4000 exceeds max_new_tokens=31: lower it"),
         (["algo.loss=ppo"], "algo.loss"),
+        (["algo.num_iterations=0"], "algo.num_iterations"),
+        (
+            ["algo.num_iterations=2", "train.sharding=fsdp"],
+            "algo.num_iterations=2: a sharded trainer takes one update a batch yet; set algo.num_iterations=1 or "
+            "train.sharding: replicate",
+        ),
     ],
 )
 def test_an_algorithm_the_run_cannot_honour_is_one_line_naming_the_fix(overrides, message):
@@ -496,7 +508,8 @@ def learning_curve(tmp_path, *overrides: str) -> tuple[float, list[dict]]:
 
 def test_rloo_gspo_and_dynamic_sampling_learn_like_grpo(tmp_path):
     """configs/sort.yaml in the reference loop, 10 steps on a reward the tiny model learns (short completions), seed
-    0: the held-out reward rises by 0.1 for GRPO and each other algorithm, and each ends within 0.1 of GRPO's.
+    0: the held-out reward rises by 0.1 for GRPO and each other algorithm (two updates a batch among them,
+    algo.num_iterations), and each ends within 0.1 of GRPO's.
     Dynamic sampling trains only groups whose rewards differ (`frac_reward_zero_std` 0 where it kept B groups) and
     says how many batches it drew."""
     curves = {}
@@ -505,6 +518,7 @@ def test_rloo_gspo_and_dynamic_sampling_learn_like_grpo(tmp_path):
         "rloo": ["algo.advantage=rloo"],
         "gspo": ["algo.loss=gspo"],
         "dynamic": ["algo.dynamic_sampling=true", "algo.dynamic_sampling_max_draws=3"],
+        "two_updates": ["algo.num_iterations=2"],
     }.items():
         curves[name] = learning_curve(tmp_path / name, *overrides)
     final = {}
@@ -517,6 +531,11 @@ def test_rloo_gspo_and_dynamic_sampling_learn_like_grpo(tmp_path):
         if line["dynamic_sampling/groups"] == 1.0:
             assert line["frac_reward_zero_std"] == 0.0
     assert math.isfinite(sum(line["loss"] for line in curves["rloo"][1]))
+    # two updates a batch: the first on policy (ratio 1, nothing clipped), the second from the first's old log-probs
+    two, one = curves["two_updates"][1], curves["grpo"][1]
+    assert all(line["clip_frac"] == 0.0 and line["ratio_mean"] == 1.0 for line in two)
+    assert all(line["update_2/clip_frac"] > 0 and line["update_2/ratio_mean"] != 1.0 for line in two)
+    assert [line["reward/total"] for line in two] != [line["reward/total"] for line in one]  # another run
 
 
 RAY_SMALL = [
@@ -537,6 +556,61 @@ RAY_SMALL = [
     "algo.kl_estimator=k2",
     "algo.overlong_buffer=8",
 ]
+
+
+@pytest.mark.exactness
+def test_dynamic_sampling_on_verl_sync_draws_and_trains_what_the_reference_loop_does(local_ray, tmp_path):
+    """algo.dynamic_sampling under verl-sync on 2 devices: each further draw is rolled out after the one before is
+    scored, only where the step still lacks B groups that differ, and the step trains the groups the reference loop
+    keeps (the first B that differ by prompt position): the same draws, dropped groups and rewards each step, the
+    same parameters to the bit, and a ledger of every sample drawn generated and scored once and the kept ones
+    trained once."""
+    dynamic = [*RAY_SMALL[:8], "algo.dynamic_sampling=true", "algo.dynamic_sampling_max_draws=3", "cluster.devices=2"]
+    for policy in ("reference", "verl-sync"):
+        train(load_config(None, [*dynamic, f"policy={policy}"]), tmp_path / policy, steps=3)
+    ends = [
+        load_file(str(tmp_path / p / "checkpoints" / "step_000003" / "model.safetensors"))
+        for p in ("reference", "verl-sync")
+    ]
+    assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
+    lines = {
+        p: [json.loads(x) for x in (tmp_path / p / "metrics.jsonl").read_text().splitlines()]
+        for p in ("reference", "verl-sync")
+    }
+    keys = ("dynamic_sampling/draws", "dynamic_sampling/groups", "dynamic_sampling/dropped", "reward/total")
+    assert [[m[k] for k in keys] for m in lines["verl-sync"]] == [[m[k] for k in keys] for m in lines["reference"]]
+    assert max(m["dynamic_sampling/draws"] for m in lines["reference"]) > 1  # the seed's run drew more: the test bites
+    assert sum(m["dynamic_sampling/dropped"] for m in lines["reference"]) > 0
+    ledger = json.loads((tmp_path / "verl-sync" / "ledger.json").read_text())
+    assert ledger["problems"] == []
+    for step, m in enumerate(lines["verl-sync"]):
+        generated = [g for g in ledger["generated"] if g["step"] == step]
+        trained = [t for t in ledger["trained"] if t["step"] == step]
+        assert len(generated) == m["dynamic_sampling/draws"] * 4 * 4  # B prompts of G responses a draw
+        kept = round(m["dynamic_sampling/groups"] * 4) or 4  # none differing: the first draw's B groups
+        assert len(trained) == kept * 4 and all(t["times"] == 1 for t in trained)
+
+
+@pytest.mark.exactness
+def test_two_updates_a_batch_on_verl_sync_end_at_the_reference_loops_bits(local_ray, tmp_path):
+    """algo.num_iterations=2 under verl-sync on 2 devices: each device trains its share of the step's groups again on
+    the first update's weights, with the first update's log-probs as the old ones, and the devices add their parts
+    as at the first commit: the run ends at the reference loop's parameters to the bit, with the same second-update
+    figures, and not at the one-update run's."""
+    small = [*RAY_SMALL[:8], "algo.num_iterations=2"]
+    for policy in ("reference", "verl-sync"):
+        train(load_config(None, [*small, f"policy={policy}"]), tmp_path / policy, steps=2)
+    train(load_config(None, [*RAY_SMALL[:8], "policy=reference"]), tmp_path / "one", steps=2)
+    ends = {
+        p: load_file(str(tmp_path / p / "checkpoints" / "step_000002" / "model.safetensors"))
+        for p in ("reference", "verl-sync", "one")
+    }
+    assert all(torch.equal(ends["reference"][k], ends["verl-sync"][k]) for k in ends["reference"])
+    assert max((ends["reference"][k] - ends["one"][k]).abs().max().item() for k in ends["one"]) > 1e-4
+    lines = {p: [json.loads(x) for x in (tmp_path / p / "metrics.jsonl").read_text().splitlines()] for p in ends}
+    for key in ("update_2/clip_frac", "update_2/ratio_mean", "update_2/grad_norm"):
+        assert [m[key] for m in lines["verl-sync"]] == pytest.approx([m[key] for m in lines["reference"]], rel=1e-5)
+    assert any(m["update_2/clip_frac"] > 0 for m in lines["verl-sync"])
 
 
 @pytest.mark.exactness

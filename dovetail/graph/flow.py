@@ -284,6 +284,8 @@ def _mini_batch(
     if cut.shape.staged:
         samples = tuple(sample for piece in pieces for sample in piece)
         nodes += _trainer(cut, step, f"-mb{mini_batch}", samples, scored, generated, weights, previous_commit)
+    # each update after the first trains the mini-batch's pairs again on the trainer devices, inside the commit
+    retrain_s = sum(n.cost_s for n in nodes if n.kind == Kind.TRAIN) / cut.shape.trainer_devices
     commit = Node(
         cut.node_id(step, f"commit{mini_batch}"),
         cut.spec.name,
@@ -292,7 +294,7 @@ def _mini_batch(
         Role.TRAINER,
         tuple(n.id for n in nodes if n.kind == Kind.TRAIN),
         step,
-        cost_s=cut.optimizer_s,
+        cost_s=cut.optimizer_s + (cut.spec.updates - 1) * (retrain_s + cut.optimizer_s),
         collective=True,
     )
     return nodes + [commit]

@@ -45,7 +45,7 @@ class Sample:
 def response_lengths(spec: LMSpec, step: int, seed: int) -> list[int]:
     """Seeded lengths of one step's responses, cut at max_length (same seed, same lengths)."""
     rng = random.Random(f"{seed}/{spec.name}/{step}")
-    count = spec.batch * spec.group
+    count = spec.batch * spec.draws * spec.group
     dist = spec.lengths
     if dist.kind == "lognormal":
         median, sigma = dist.median, dist.sigma
@@ -59,11 +59,12 @@ def response_lengths(spec: LMSpec, step: int, seed: int) -> list[int]:
 
 
 def step_samples(spec: LMSpec, step: int, shards: int, seed: int) -> list[Sample]:
-    """Whole prompt groups dealt round-robin to `shards` rollout engines."""
+    """Whole prompt groups dealt round-robin to `shards` rollout engines: the step's `batch` prompts, and those of
+    its further draws after them (`spec.draws`: draw d's at positions d·batch to d·batch + batch - 1)."""
     lengths = iter(response_lengths(spec, step, seed))
     return [
         Sample(SampleId(step, prompt, index), prompt % shards, spec.prompt_length, next(lengths))
-        for prompt in range(spec.batch)
+        for prompt in range(spec.batch * spec.draws)
         for index in range(spec.group)
     ]
 
@@ -213,8 +214,13 @@ def build_lm(spec: LMSpec, steps: int, shape: LMShape, cost: CostModel, seed: in
     previous_commit: str | None = None
     for step in range(steps):
         samples = step_samples(spec, step, shape.shards, seed)
-        rollout, last_of = _rollout(spec, model, cost, shape, step, samples)
-        training = _training(spec, model, cost, shape, step, samples, last_of, previous_commit)
+        if spec.draws == 1:
+            rollout, last_of = _rollout(spec, model, cost, shape, step, samples)
+            training = _training(spec, model, cost, shape, step, samples, last_of, previous_commit)
+        else:
+            rollout, scores = _draws(spec, model, cost, shape, step, samples)
+            first = [s for s in samples if s.id.prompt < spec.batch]  # what its training is priced for: B groups
+            training = _training(spec, model, cost, shape, step, first, {}, previous_commit, scores)
         nodes += rollout + training
         previous_commit = training[-2].id
     return [replace(node, exclusive=False) for node in nodes] if shape.shared else nodes
@@ -247,9 +253,48 @@ def _decode(
     )
 
 
-def _rollout(spec: LMSpec, model: LanguageModel, cost: CostModel, shape: LMShape, step: int, samples: list[Sample]):
+def _draws(
+    spec: LMSpec, model: LanguageModel, cost: CostModel, shape: LMShape, step: int, samples: list[Sample]
+) -> tuple[list[Node], list[Node]]:
+    """A step that draws more prompts (`spec.draws`, dynamic sampling): each draw's rollout and one score node of its
+    samples, draw d's prefills after draw d - 1's score (whose rewards say whether it is needed); returns the nodes
+    and the draws' score nodes, which the step's training reads."""
+    nodes: list[Node] = []
+    scores: list[Node] = []
+    for draw in range(spec.draws):
+        mine = [s for s in samples if s.id.prompt // spec.batch == draw]
+        after = (scores[-1].id,) if scores else ()
+        rollout, last_of = _rollout(spec, model, cost, shape, step, mine, draw, after)
+        score = Node(
+            _id(spec, step, "score", f"draw{draw}"),
+            spec.name,
+            step,
+            Kind.SCORE,
+            Role.ANY,
+            _finished_after(mine, last_of, spec.lengths_known),
+            version=step,
+            samples=tuple(s.id for s in mine),
+            cost_s=cost.rule_score(len(mine)),
+            fixed_s=cost.fixed("score"),
+        )
+        nodes += [*rollout, score]
+        scores.append(score)
+    return nodes, scores
+
+
+def _rollout(
+    spec: LMSpec,
+    model: LanguageModel,
+    cost: CostModel,
+    shape: LMShape,
+    step: int,
+    samples: list[Sample],
+    draw: int = 0,
+    after: tuple[str, ...] = (),
+):
     """Prefill and decode bands per shard, plus the migrated tail; returns the nodes and, per sample,
-    the decode node that finishes it."""
+    the decode node that finishes it. A further draw's (`draw` > 0: its ids say which) prefills follow `after`."""
+    tag = () if draw == 0 else (f"draw{draw}",)
     tp = spec.tensor_parallel
     migrate_at = shape.migrate_at
     home_bands = [b for b in _bands(spec, migrate_at) if migrate_at is None or b[1] <= migrate_at]
@@ -259,11 +304,12 @@ def _rollout(spec: LMSpec, model: LanguageModel, cost: CostModel, shape: LMShape
     for shard in range(shape.shards):
         mine = [s for s in samples if s.shard == shard]
         prefill = Node(
-            _id(spec, step, "prefill", shard),
+            _id(spec, step, *tag, "prefill", shard),
             spec.name,
             step,
             Kind.PREFILL,
             Role.ROLLOUT,
+            after,
             version=step,
             samples=tuple(s.id for s in mine),
             cost_s=cost.prefill(model, [s.prompt_tokens for s in mine], devices=tp) * tp,
@@ -282,7 +328,7 @@ def _rollout(spec: LMSpec, model: LanguageModel, cost: CostModel, shape: LMShape
                 model,
                 cost,
                 step,
-                _id(spec, step, "decode", shard, low),
+                _id(spec, step, *tag, "decode", shard, low),
                 (previous,),
                 members,
                 low,
@@ -300,7 +346,7 @@ def _rollout(spec: LMSpec, model: LanguageModel, cost: CostModel, shape: LMShape
     if migrate_at is not None and (tail or not spec.lengths_known):  # a tail exists only with migrate_at
         tp = shape.tail_parallel or tp
         migrate = Node(
-            _id(spec, step, "migrate"),
+            _id(spec, step, *tag, "migrate"),
             spec.name,
             step,
             Kind.MIGRATE,
@@ -316,7 +362,7 @@ def _rollout(spec: LMSpec, model: LanguageModel, cost: CostModel, shape: LMShape
             model,
             cost,
             step,
-            _id(spec, step, "decode", "tail"),
+            _id(spec, step, *tag, "decode", "tail"),
             (migrate.id,),
             tail,
             migrate_at,
@@ -378,9 +424,19 @@ def _prompt_order(samples: list[Sample]) -> list[int]:
 
 
 def _training(
-    spec, model, cost, shape: LMShape, step, samples: list[Sample], last_of, previous_commit: str | None
+    spec,
+    model,
+    cost,
+    shape: LMShape,
+    step,
+    samples: list[Sample],
+    last_of,
+    previous_commit: str | None,
+    draw_scores: list[Node] | None = None,
 ) -> list[Node]:
-    """Score, log-probs and train per micro-batch (whole prompt groups), then commit and publish."""
+    """Score, log-probs and train per micro-batch (whole prompt groups), then commit and publish. A step that draws
+    more prompts has scored each draw already (`draw_scores`): its one micro-batch reads them all, and is priced for
+    the `batch` groups it trains."""
     per_micro = spec.batch // spec.micro_batches
     trainable = trainable_params(spec)
     trained = model.params if trainable is None else trainable
@@ -393,20 +449,24 @@ def _training(
         members = [s for s in samples if rank[s.id[1]] // per_micro == micro]
         ids = tuple(s.id for s in members)
         lengths = [s.prompt_tokens + s.response_tokens for s in members]
-        score = Node(
-            _id(spec, step, "score", micro),
-            spec.name,
-            step,
-            Kind.SCORE,
-            Role.ANY,
-            _finished_after(members, last_of, spec.lengths_known),
-            version=step,
-            samples=ids,
-            cost_s=cost.rule_score(len(members)),
-            fixed_s=cost.fixed("score"),
-        )
-        nodes.append(score)
-        before_train = [score.id, *after_commit]
+        if draw_scores is None:
+            score = Node(
+                _id(spec, step, "score", micro),
+                spec.name,
+                step,
+                Kind.SCORE,
+                Role.ANY,
+                _finished_after(members, last_of, spec.lengths_known),
+                version=step,
+                samples=ids,
+                cost_s=cost.rule_score(len(members)),
+                fixed_s=cost.fixed("score"),
+            )
+            nodes.append(score)
+            scored: tuple[str, ...] = (score.id,)
+        else:
+            scored = tuple(score.id for score in draw_scores)
+        before_train = [*scored, *after_commit]
         for which, wanted in (("old", spec.recompute_logprob), ("ref", spec.reference)):
             if wanted:
                 logprob = Node(
@@ -415,7 +475,7 @@ def _training(
                     step,
                     Kind.LOGPROB,
                     Role.TRAINER,
-                    (score.id, *after_commit),
+                    (*scored, *after_commit),
                     version=step,
                     samples=ids,
                     cost_s=cost.logprob(model, lengths, reference=which == "ref"),
@@ -480,6 +540,13 @@ def _training(
             trains.append(critic.id)
     if spec.critic:  # the critic's AdamW steps at the commit beside the actor's, over all of its parameters
         trained += model.params
+    update_s = (
+        cost.optimizer_step(trained) + cost.replica_allreduce_seconds(trained, 1, shape.trainer_devices)
+        if spec.replicated_trainer
+        else cost.optimizer_step(trained, devices=shape.trainer_devices)
+    )
+    # each update after the first trains the step's responses again on the trainer devices, inside the commit
+    retrain_s = sum(n.cost_s for n in nodes if n.kind == Kind.TRAIN) / shape.trainer_devices
     commit = Node(
         _id(spec, step, "commit"),
         spec.name,
@@ -488,9 +555,7 @@ def _training(
         Role.TRAINER,
         tuple(trains),
         version=step,
-        cost_s=cost.optimizer_step(trained) + cost.replica_allreduce_seconds(trained, 1, shape.trainer_devices)
-        if spec.replicated_trainer
-        else cost.optimizer_step(trained, devices=shape.trainer_devices),
+        cost_s=update_s + (spec.updates - 1) * (retrain_s + update_s),
         collective=True,
     )
     publish = Node(

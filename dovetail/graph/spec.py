@@ -115,6 +115,13 @@ class FlowSpec(_PipelineSpec):
     width: int = Field(gt=0, le=16384, description="Pixels.")
     frames: int = Field(1, gt=0, le=1024, description="1 for images.")
     mini_batches: int = Field(1, gt=0, description="Optimizer steps per RL step (the batch is split by prompt).")
+    updates: int = Field(
+        1,
+        gt=0,
+        le=64,
+        description="Optimizer updates on each mini-batch (a flow run's algo.num_iterations): its commit trains the "
+        "mini-batch's pairs again before each update after the first.",
+    )
     reward: Literal["vlm", "rule"] = Field(
         "vlm", description="vlm: a model judge (OCR, PickScore-like); rule: a cheap function."
     )
@@ -265,6 +272,22 @@ class LMSpec(_PipelineSpec):
         "responses still run, and the drawn lengths only predict the costs.",
     )
     micro_batches: int = Field(1, gt=0, le=MAX_SAMPLES, description="Train micro-steps per step.")
+    updates: int = Field(
+        1,
+        gt=0,
+        le=64,
+        description="Optimizer updates on each step's batch (an LM run's algo.num_iterations): the commit trains "
+        "the step's responses again before each update after the first.",
+    )
+    draws: int = Field(
+        1,
+        gt=0,
+        le=100,
+        description="Batches of `batch` prompts a step may draw (DAPO's dynamic sampling, an LM run's "
+        "algo.dynamic_sampling_max_draws): each draw is generated and scored after the one before, and trains "
+        "`batch` groups of them. A run skips the draws it does not need; the simulator, which knows no rewards, "
+        "prices every one (an upper bound).",
+    )
     tensor_parallel: int = Field(1, gt=0, le=64, description="Devices per rollout engine.")
     multi_turn: bool = Field(
         False,
@@ -319,7 +342,12 @@ class LMSpec(_PipelineSpec):
     @model_validator(mode="after")
     def _check(self) -> LMSpec:
         check_length_bands(self.length_bands, self.max_length, "length_bands", "max_length")
-        _check_samples(self.batch, self.group, "batch")
+        _check_samples(self.batch * self.draws, self.group, "batch x draws" if self.draws > 1 else "batch")
+        if self.draws > 1 and (self.micro_batches > 1 or self.multi_turn):
+            raise ValueError(
+                f"draws={self.draws}: a step that draws more prompts trains the groups it keeps as one micro-batch, "
+                "of single-turn responses; set micro_batches: 1 and multi_turn: false, or draws: 1"
+            )
         return self
 
 

@@ -239,6 +239,8 @@ def policy_gradient(
     generated: dict[SampleId, Sequence[bool]] | None = None,
     scored_requests: dict[SampleId, Request] | None = None,
     values: dict[SampleId, object] | None = None,
+    first_update: Mapping[SampleId, object] | None = None,
+    keep_log_probs: dict[SampleId, np.ndarray] | None = None,
 ) -> tuple[torch.Tensor | None, list[dict], float]:
     """The GRPO gradient of the groups of `requests` (a part of the step, whole groups), summed: the flat fp64
     gradient of the loss summed over the part (`lm_grpo_loss(loss_scale=1)`), each group's statistics, and what
@@ -270,7 +272,13 @@ def policy_gradient(
     and only the sampled tokens enter the loss, its normaliser, the KL, the entropy and the statistics.
 
     `values`: with `algo.advantage: gae`, the critic's value of every token of every scored sample (`group_values`),
-    from which each token's advantage is estimated (`step_gae`); the surrogate then weighs each token by its own."""
+    from which each token's advantage is estimated (`step_gae`); the surrogate then weighs each token by its own.
+
+    Several updates on one batch (algo.num_iterations): the first passes `keep_log_probs`, which receives each
+    response's log-probs under the weights it trains (detached, as the first update's old ones); a later update
+    passes them back as `first_update`, where they take the place of the trainer's own: the old policy stays the one
+    that sampled, so the ratio moves from 1 and the clip acts (as TRL's num_iterations and verl's ppo_epochs, whose
+    old log-probs are computed once before the updates). A stale part's proximal policy is then that first one."""
     scored = requests if scored_requests is None else scored_requests
     advantage_of: Mapping[SampleId, object]
     if algo.advantage == "gae":
@@ -303,21 +311,25 @@ def policy_gradient(
         if not mask.any():  # a member of a sharded group backpropagates it all the same (`backward_in_lockstep`)
             return None if passes is None else (log_probs.sum() * 0.0, None)
 
-        def padded(per_sample: dict) -> torch.Tensor:
+        def padded(per_sample: Mapping) -> torch.Tensor:
             out = torch.zeros_like(log_probs)
             for row, sample in enumerate(group):
                 values = torch.as_tensor(np.asarray(per_sample[sample]), dtype=log_probs.dtype)
                 out[row, : len(values)] = values.to(out.device)
             return out
 
-        old = padded(old_log_probs) if old_log_probs else log_probs.detach()
+        if keep_log_probs is not None:
+            for row, (sample, request) in enumerate(zip(group, group_requests)):
+                keep_log_probs[sample] = log_probs[row, : len(request.tokens)].detach().cpu().numpy()
+        own = padded(first_update) if first_update else log_probs.detach()
+        old = padded(old_log_probs) if old_log_probs else own
         weight = None
         if old_log_probs and algo.rollout_correction != "none":  # the engine's log-probs are not the trainer's
             engine = padded({s: r.log_probs for s, r in zip(group, group_requests)})
             weight = rollout_correction_weight(old, engine, algo.rollout_correction, algo.rollout_correction_cap)
         if stale:
             behaviour = padded({s: r.log_probs for s, r in zip(group, group_requests)})
-            old, stale_weight = decoupled_old_log_prob(log_probs, behaviour, max_weight=algo.stale_max_weight)
+            old, stale_weight = decoupled_old_log_prob(own, behaviour, max_weight=algo.stale_max_weight)
             weight = stale_weight if weight is None else weight * stale_weight
         if algo.advantage == "gae":
             group_advantages = padded({s: advantage_of[s] for s in group})

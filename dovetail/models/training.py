@@ -149,13 +149,15 @@ def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
     return max((int(state["step"]) for state in optimizer.state.values() if "step" in state), default=0)
 
 
-def commit(model, optimizer: torch.optim.Optimizer, train) -> float:
+def commit(model, optimizer: torch.optim.Optimizer, train, updates_per_step: int = 1) -> float:
     """One optimizer step for the whole logical batch at the lr the `train` section's schedule gives this step,
-    its gradient clipped to `train.max_grad_norm`; returns the pre-clip gradient norm."""
+    its gradient clipped to `train.max_grad_norm`; returns the pre-clip gradient norm. With `updates_per_step`
+    updates on each RL step's batch (an LM run's algo.num_iterations) the schedule counts RL steps, as verl steps
+    its lr scheduler once per update_policy: every update of a step takes its step's lr."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_grad_norm)
     if hasattr(grad_norm, "full_tensor"):  # a sharded trainer's (a DTensor): the norm over every member's shards
         grad_norm = grad_norm.full_tensor()
-    lr = scheduled_lr(train, optimizer_steps(optimizer))
+    lr = scheduled_lr(train, optimizer_steps(optimizer) // updates_per_step)
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()

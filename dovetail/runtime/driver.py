@@ -68,7 +68,9 @@ class StepMetrics:
         occupancy = window_occupancy(executor, opened, now)
         tag = self.policy.tag_decisions
         metrics = run.adapter.step_metrics(scores, trained)
-        metrics |= {  # every reward, as the reference path logs them
+        metrics |= run.adapter.further_metrics([list(c.further) for c in commits if c is not None])
+        scores = run.adapter.trained_scores(scores)
+        metrics |= {  # every reward of the samples trained, as the reference path logs them
             f"reward/{name}": float(np.concatenate([s.scores[name] for s in scores]).mean())
             for name in scores[0].scores
         }
@@ -192,7 +194,7 @@ class RunLog(Protocol):
 
     def trainer_state(self) -> dict:
         """The state the pipeline's trainers start from: `model` and `optimizer`'s, and what else its trainer holds
-        (an LM run's critic)."""
+        (an LM run's critic, a flow run's EMA)."""
         ...
 
     def load_trainer_state(self, state: dict) -> None:

@@ -424,7 +424,8 @@ class RayExecutor:
         if node.kind == Kind.COMMIT:
             trained = [result for train in node.deps for result in self.results.get(train, [])]
             scale = run.adapter.commit_scale(trained)
-            parts = [Part(node.id, d, Commit(node.pipeline, tuple(devices), scale)) for d in devices]
+            updates = run.adapter.updates_per_step
+            parts = [Part(node.id, d, Commit(node.pipeline, tuple(devices), scale, updates)) for d in devices]
             run.trainer_devices = tuple(devices)
         elif node.kind == Kind.PUBLISH:
             sender, weights = self._published_weights(run)
@@ -575,8 +576,8 @@ class RayExecutor:
                         run.ledger.trained[key] = run.ledger.trained.get(key, 0) + 1
 
     def expected_samples(self, pipeline: str) -> dict[SampleId, list[int]]:
-        """Every sample of the pipeline's committed steps, with the units training it must cover (all its steps,
-        unless it stopped)."""
+        """Every sample of the pipeline's committed steps that was drawn, with the units training it must cover (all
+        its steps, unless it stopped)."""
         run = self.pipelines[pipeline]
         committed = self.committed_steps(pipeline)
         creating = kind(run.config.kind).creates_samples
@@ -586,4 +587,5 @@ class RayExecutor:
             if node.pipeline == pipeline and node.kind in creating and node.step < committed
             for (s, p, i) in node.samples
         }
-        return {sample: run.adapter.units_of(sample) for sample in sorted(samples)}
+        units = {sample: run.adapter.units_of(sample) for sample in sorted(samples)}
+        return {sample: unit for sample, unit in units.items() if unit is not None}

@@ -64,6 +64,10 @@ class Commit(Work):
 
     ranks: tuple[int, ...]
     scale: float = 1.0
+    updates: int = 1
+    """Optimizer updates on the step's batch (an LM run's algo.num_iterations): after the first, each device trains
+    its parts of the step again on the weights the update before left (`PipelineEngines.train_again`), and the
+    devices add and step as for the first."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,17 @@ class Committed:
     memory: DeviceMemory = DeviceMemory()
     group: tuple[int, ...] = ()
     """A sharded trainer's member: the devices of its FSDP group (one replica of the trainer); () a replica."""
+    further: tuple[FurtherUpdate, ...] = ()
+    """The updates after the first (`Commit.updates`), in order."""
+
+
+@dataclass(frozen=True)
+class FurtherUpdate:
+    """An update after a commit's first (algo.num_iterations): its pre-clip gradient norm and the answers of this
+    device's train parts run again for it (their loss statistics: the ratio now moves away from 1)."""
+
+    grad_norm: float
+    trained: list[Trained]
 
 
 @dataclass(frozen=True)

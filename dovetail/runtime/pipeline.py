@@ -187,13 +187,29 @@ class PipelineAdapter(ABC):
         """Account a finished part's result in the ledger (generated, scored); training is booked at the commit."""
 
     @abstractmethod
-    def units_of(self, sample: SampleId) -> list[int]:
-        """What training a sample consists of (the ledger's units): its trained timesteps, or [0]."""
+    def units_of(self, sample: SampleId) -> list[int] | None:
+        """What training a sample consists of (the ledger's units): its trained timesteps, or [0]; [] where it trains
+        nowhere (a group dynamic sampling dropped), None where its step never drew it (a draw it did not need)."""
+
+    def trained_scores(self, scores: list) -> list:
+        """The scores of a committed step's samples that trained (its score nodes' answers, `scores`): all of them,
+        unless the kind's steps score samples they do not train (dynamic sampling's dropped groups)."""
+        return scores
 
     @abstractmethod
     def step_metrics(self, scores: list, trained: list) -> dict:
         """The pipeline's own figures of a committed step (rewards, loss statistics) from its score and train
         results; the driver adds throughput, efficiency and staleness."""
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer updates the commit takes on each step's batch (`runtime.messages.Commit.updates`): one."""
+        return 1
+
+    def further_metrics(self, further: list[list]) -> dict:
+        """Figures of the updates after a step's first (per trainer device that answered, its
+        `runtime.messages.FurtherUpdate`s in order); none where the kind takes one update a step."""
+        return {}
 
     def commit_scale(self, trained: list) -> float:
         """What the commit multiplies the summed gradients by, given the step's train results: 1 when each part's
@@ -254,10 +270,11 @@ class PipelineEngines(ABC, Generic[Rollout]):
         trainer, _ = self.held_trainer()
         set_summed_gradient(trainer, parts, scale)
 
-    def step_optimizers(self) -> float:
-        """The commit's optimizer step (`models.training.commit`); returns the trainer's pre-clip gradient norm."""
+    def step_optimizers(self, updates_per_step: int = 1) -> float:
+        """The commit's optimizer step (`models.training.commit`, at the lr of the RL step: `updates_per_step` updates
+        a step, algo.num_iterations); returns the trainer's pre-clip gradient norm."""
         trainer, optimizer = self.held_trainer()
-        return commit(trainer, optimizer, self.config.train)
+        return commit(trainer, optimizer, self.config.train, updates_per_step)
 
     def held_trainer(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """The trainer engine and its optimizer, on a device that holds them (trainer work goes only there)."""
@@ -331,6 +348,17 @@ class PipelineEngines(ABC, Generic[Rollout]):
     def hold(self, role: str) -> None:
         """The device switched to `role` (a policy's `SwitchRole`: `rollout`, `trainer` or `any`); by default every
         engine stays resident and awake (the models are small here)."""
+        return None
+
+    def train_again(self, work: Work):
+        """A train part of the open step run again, for an update after the commit's first (`Commit.updates`): its
+        gradient on the weights now, the old log-probs the first update's. A kind whose adapter asks one update a
+        step (`PipelineAdapter.updates_per_step`) is never asked."""
+        raise NotImplementedError(f"{type(self).__name__} takes one update a step")
+
+    def after_commit(self) -> None:
+        """The trainer's optimizer step just ran (a commit): what a kind keeps beside the weights follows them (a
+        flow run's eval.ema). By default nothing."""
         return None
 
     @abstractmethod

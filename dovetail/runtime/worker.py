@@ -46,6 +46,7 @@ from dovetail.runtime.messages import (
     Commit,
     Committed,
     DeviceMemory,
+    FurtherUpdate,
     Loaded,
     LoadWeights,
     Trained,
@@ -221,6 +222,9 @@ class DeviceWorker:
         """The fp64 sum of the open step's train parts' gradients here (None before the first)."""
         self.summed: set[tuple[str, int]] = set()
         """The parts (node, index) in `gradient`: a part sent again to this process is added once."""
+        self.step_parts: dict[tuple[str, int], Work] = {}
+        """The open step's train parts here, by key: a commit of several updates (`Commit.updates`) runs them
+        again for each update after the first."""
         self.role: str | None = None
         self.held_memory = self.engines.memory()
 
@@ -340,6 +344,7 @@ class DeviceWorker:
             if part not in self.summed:
                 self.gradient = gradient if self.gradient is None else self.gradient.add_(gradient)
                 self.summed.add(part)
+                self.step_parts[part] = work
         self.held_memory = self.engines.memory(self._held_gradient())
         return result
 
@@ -386,11 +391,32 @@ class DeviceWorker:
         self.engines.set_step_gradient([summed], work.scale)
         gradients = self.engines.memory([summed]).gradients
         self.gradient, self.summed = None, set()
-        grad_norm = self.engines.step_optimizers()
+        grad_norm = self._step(work)
         lr = stepped_lr(self.engines.optimizer)
+        further = tuple(self._further_update(work) for _ in range(work.updates - 1))
+        self.step_parts = {}
         seconds = time.perf_counter() - synced
         self.held_memory = self.engines.memory()
-        return Committed(grad_norm, lr, synced - start, seconds, replace(self.held_memory, gradients=gradients))
+        memory = replace(self.held_memory, gradients=gradients)
+        return Committed(grad_norm, lr, synced - start, seconds, memory, further=further)
+
+    def _step(self, work: Commit) -> float:
+        """One optimizer step on the gradient set (the lr is the RL step's: `commit`'s `updates_per_step`), and what
+        the engines keep beside the weights follows; returns the pre-clip gradient norm."""
+        grad_norm = self.engines.step_optimizers(work.updates)
+        self.engines.after_commit()
+        return grad_norm
+
+    def _further_update(self, work: Commit) -> FurtherUpdate:
+        """An update after the commit's first: the step's train parts here run again on the weights now (in the
+        order of their keys; their fp64 sum is the same bits in any order), the devices' sums added as for the
+        first, and one more optimizer step."""
+        trained, total = [], self._zero_gradient()
+        for key in sorted(self.step_parts):
+            trained.append(self.engines.train_again(self.step_parts[key]))
+            total += self.engines.part_gradient()
+        self.engines.set_step_gradient([reduce_parts(total, work.ranks, self.groups)], work.scale)
+        return FurtherUpdate(self._step(work), trained)
 
     def _commit_shards(self, work: Commit) -> Committed:
         """A sharded trainer's commit: every member scales its shard of the step's summed gradient and steps its
@@ -409,6 +435,7 @@ class DeviceWorker:
         scale_gradients(trainer, work.scale)
         gradients = self.engines.memory().gradients
         grad_norm = commit(trainer, optimizer, self.config.train)
+        self.engines.after_commit()
         self.held_memory = self.engines.memory()
         memory = replace(self.held_memory, gradients=gradients)
         seconds = time.perf_counter() - synced

@@ -101,9 +101,16 @@ class StagedLMPolicy(Policy):
         return decisions
 
 
-def lm_only(policy: str, spec: PipelineSpec) -> LMSpec:
+def lm_only(policy: str, spec: PipelineSpec, draws: bool = False) -> LMSpec:
+    """`spec`, a language model's, which `policy` schedules: one draw of prompts a step unless the policy `draws`
+    more (dynamic sampling: each draw's rollout follows the score of the one before, `graph.lm`)."""
     if not isinstance(spec, LMSpec):
         raise ValueError(f"{policy} schedules language-model pipelines; {spec.name!r} is a {spec.kind} pipeline")
+    if spec.draws > 1 and not draws:
+        raise ValueError(
+            f"{spec.name}: {policy} draws no further prompts within a step (draws={spec.draws}, dynamic sampling); "
+            "use verl-sync, which does, or draws: 1"
+        )
     return spec
 
 
@@ -115,8 +122,8 @@ def lm_shape(policy: str, shape: Shape) -> LMShape:
 
 
 def tensor_parallel(view: View, pipeline: str, group: Sequence[int]) -> int:
-    """Devices per rollout engine: the group's devices over the step's shards (one prefill each)."""
-    shards = len(view.graph.of(pipeline, view.graph.steps(pipeline)[0], Kind.PREFILL))
+    """Devices per rollout engine: the group's devices over the step's shards (one prefill each, in each draw)."""
+    shards = len({n.shard for n in view.graph.of(pipeline, view.graph.steps(pipeline)[0], Kind.PREFILL)})
     return len(group) // shards
 
 

@@ -1,10 +1,11 @@
 """`verl-sync`: verl's synchronous hybrid engine for LM GRPO.
 
 Every device of a pipeline's group holds the rollout engine, generates its shard, and the whole group
-waits for the longest response (stage barrier). Then: reward -> sleep rollout / wake trainer -> old
-log-probs -> reference log-probs -> (PPO: the critic's values, the critic's update) -> actor update
-(micro-batches) -> optimizer step -> weight sync -> wake rollout -> next step. Several pipelines split
-the pool evenly and each runs this way.
+waits for the longest response (stage barrier). A step that draws more prompts (dynamic sampling, `draws`) scores
+each draw before it rolls out the next (DAPO's recipe in verl: generate, filter, generate again).
+Then: reward -> sleep rollout / wake trainer -> old log-probs -> reference log-probs -> (PPO: the critic's values,
+the critic's update) -> actor update (micro-batches) -> optimizer step -> weight sync -> wake rollout -> next step.
+Several pipelines split the pool evenly and each runs this way.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class VerlSync(StagedLMPolicy):
 
     @classmethod
     def shape(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost) -> LMShape:
-        spec = lm_only(cls.name, spec)
+        spec = lm_only(cls.name, spec, draws=True)
         return LMShape(rollout_engines(spec, devices), devices)
 
     def decide(self, view: View, events: Sequence[Event]) -> list[Decision]:
@@ -53,8 +54,13 @@ class VerlSync(StagedLMPolicy):
                 return switches
             return [StartStep(pipeline, following, view.published[pipeline])]
         unfinished = {stage(n) for n in view.graph.of(pipeline, step) if n.id not in view.finished}
-        current = next(name for name in ORDER if name in unfinished)
         ready = [n for n in self.ready_nodes(view, pipeline) if n.step == step]
+        current = next(name for name in ORDER if name in unfinished)
+        rolling = any(stage(view.graph[n]) == "rollout" for n in view.running if view.graph[n].pipeline == pipeline)
+        if current == "rollout" and not rolling and all(stage(n) != "rollout" for n in ready):
+            # a step that draws more prompts (dynamic sampling, `draws`): its next draw's rollout waits on the score
+            # of the draw before (no rollout runs or is ready), which runs first
+            current = "score"
         if current == "rollout":
             return self.place_rollout(view, group, tensor_parallel(view, pipeline, group), ready)
         if current == "score":

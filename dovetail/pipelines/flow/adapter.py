@@ -14,7 +14,7 @@ from dovetail.pipelines.flow.config import FlowTrainConfig, flow_rules
 from dovetail.pipelines.flow.messages import FlowLogProbs, FlowTrain, Generate, Trajectories
 from dovetail.pipelines.flow.recipe import sample_timesteps
 from dovetail.prompts import train_prompts
-from dovetail.runtime.messages import Score, Scores, Trained
+from dovetail.runtime.messages import FurtherUpdate, Score, Scores, Trained
 from dovetail.runtime.pipeline import Part, PipelineAdapter, RunContext
 
 STAT_MEANS = ("clip_frac", "approx_kl", "ratio_mean", "loss", "kl_ref")
@@ -134,6 +134,13 @@ class FlowAdapter(PipelineAdapter):
         held = dict(shares)
         return [(device, held.get(device, [])) for device in sorted(devices)]
 
+    @property
+    def updates_per_step(self) -> int:
+        return self.config.algo.num_iterations
+
+    def further_metrics(self, further: list[list[FurtherUpdate]]) -> dict:
+        return further_update_metrics(further)
+
     def step_metrics(self, scores: list[Scores], trained: list[Trained]) -> dict:
         pairs = sum(len(t.samples) * len(t.units) for t in trained)
         metrics: dict[str, float | list[int]] = {
@@ -154,6 +161,25 @@ class FlowAdapter(PipelineAdapter):
         elif isinstance(result, Scores):
             for sample in result.samples:
                 ledger.scored[SampleId(*sample)] = ledger.scored.get(SampleId(*sample), 0) + 1
+
+
+def further_update_metrics(further: list[list[FurtherUpdate]]) -> dict:
+    """The updates after a step's first (algo.num_iterations), each as `update_K/...` (K = 2, 3, ...): its pre-clip
+    `grad_norm` and its parts' loss statistics as means over their (sample, timestep) pairs (`clip_frac`,
+    `ratio_mean`, `approx_kl`, `loss`) with the ratio's extremes, from every trainer device's answer (`further`: per
+    device, its updates in order). The step's own figures are its first update's."""
+    metrics: dict[str, float] = {}
+    for index, updates in enumerate(zip(*further)):
+        trained = [t for update in updates for t in update.trained]
+        pairs = sum(len(t.samples) * len(t.units) for t in trained)
+        figures = {"grad_norm": float(updates[0].grad_norm)}
+        figures |= {
+            name: sum(t.stats[name] for t in trained) / pairs for name in STAT_MEANS if name in trained[0].stats
+        }
+        figures["ratio_min"] = min(t.stats["ratio_min"] for t in trained)
+        figures["ratio_max"] = max(t.stats["ratio_max"] for t in trained)
+        metrics |= {f"update_{index + 2}/{name}": value for name, value in figures.items()}
+    return metrics
 
 
 def flow_shape(shape) -> FlowShape:

@@ -236,6 +236,13 @@ class AlgoSection(Section):
     group_size: GroupSize = Field(8, le=MAX_PER_STEP, description="G: samples per prompt")
     timestep_fraction: float = Field(0.5, gt=0, le=1, description="share of the K-1 trainable steps trained")
     clip_range: float = Field(1e-4, gt=0, le=1, description="PPO clip of the ratio: 1 +- clip_range")
+    num_iterations: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="optimizer updates on each generated batch (Flow-GRPO's train.num_inner_epochs, TRL's "
+        "num_iterations): each over the whole batch, the old log-probs the rollout's, so from the second the clip acts",
+    )
     beta: float = Field(0.0, ge=0, le=100, description="weight of the KL to the base model")
     std_scope: Literal["group", "global", "none"] = "group"
     adv_clip: float = Field(5.0, gt=0, le=1000, description="clip of the (standardised) advantages")
@@ -574,7 +581,7 @@ class FlowTrainConfig(RunSection):
     @model_validator(mode="after")
     def _new_algorithms_fit(self) -> "FlowTrainConfig":
         """The sliding window is one per step, GRPO-Guard's normalisation is of the Flow-GRPO SDE's steps, and the
-        EMA is kept by the reference loop, which steps the weights in this process."""
+        EMA is kept beside whole weights: the reference loop's, or each trainer replica's."""
         algo = self.algo
         if algo.sde_window is not None and algo.per_sample_timesteps:
             raise ValueError(
@@ -586,10 +593,21 @@ class FlowTrainConfig(RunSection):
                 "algo.ratio_normalization (GRPO-Guard) normalises the Flow-GRPO SDE's steps; use algorithm flow_grpo "
                 "with sampling.sde_kind=flow_grpo"
             )
-        if self.eval.ema is not None and self.policy != REFERENCE:
+        if algo.num_iterations > 1 and (algo.ratio_normalization or self.train.sharding == "fsdp"):
             raise ValueError(
-                f"eval.ema: the EMA of the weights is kept by the reference loop; policy {self.policy} steps them on "
-                "its trainers: use policy: reference"
+                f"algo.num_iterations={algo.num_iterations}: one update a batch yet with "
+                f"{'algo.ratio_normalization' if algo.ratio_normalization else 'train.sharding: fsdp'} (its old "
+                "policy is the weights being trained); set algo.num_iterations=1"
+            )
+        if algo.num_iterations > 1 and self.policy == "digen+tcss":
+            raise ValueError(
+                f"algo.num_iterations={algo.num_iterations}: digen+tcss trains stale samples against the weights being "
+                "trained; use digen, or algo.num_iterations=1"
+            )
+        if self.eval.ema is not None and self.train.sharding == "fsdp":
+            raise ValueError(
+                "eval.ema: a sharded trainer's EMA is not kept yet (each member holds a shard of the weights); set "
+                "train.sharding: replicate, or remove eval.ema"
             )
         return self
 
@@ -638,6 +656,7 @@ class FlowTrainConfig(RunSection):
             "model": self.model.cost_model,
             "algorithm": self.algorithm,
             "prompts": self.algo.prompts_per_step,
+            "updates": self.algo.num_iterations,
             "group": self.algo.group_size,
             "denoising_steps": self.sampling.num_steps,
             "trained_timesteps": trained,

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from dovetail.algo import WeightEMA
 from dovetail.graph.node import SampleId
 from dovetail.models import sampling
 from dovetail.models.diffusers_flow import DiffusersFlow, load_decoder, load_flow_model
@@ -29,6 +30,7 @@ from dovetail.models.flow_rl import (
 from dovetail.models.memory import module_bytes
 from dovetail.models.training import commit, load_weights, make_optimizer, synchronize, weights_of
 from dovetail.pipelines.flow.config import FlowTrainConfig, flow_rules
+from dovetail.pipelines.flow.ema import EMA_KEY, load_ema, update_ema, weight_ema, with_ema
 from dovetail.pipelines.flow.messages import FlowLogProbs, FlowTrain, Generate, Trajectories
 from dovetail.pipelines.flow.recipe import advantages_of, policy_gradient, sample_timesteps, sde_settings, sde_steps
 from dovetail.prompts import train_prompts
@@ -70,6 +72,8 @@ class FlowEngines(PipelineEngines[torch.nn.Module]):
 
     def __init__(self, config: FlowTrainConfig, device: torch.device, holds_policy: bool, trainer_state: dict):
         super().__init__(config, device)
+        self.ema: WeightEMA | None = None
+        """eval.ema's average of the trainer's weights, on a device that holds a trainer (`pipelines.flow.ema`)."""
         self.sde, self.rules = sde_settings(config, device), flow_rules(config)
         self.decode = load_decoder(config, device)
         self.reward_sources = config.reward_sources(str(device))
@@ -78,10 +82,31 @@ class FlowEngines(PipelineEngines[torch.nn.Module]):
             return
         self.trainer = load_flow_model(config).to(device)
         self.optimizer = make_optimizer(self.trainer, config.train)
+        self.ema = weight_ema(config, self.trainer)
         self.load_trainer_state(trainer_state)
         if config.algo.beta > 0:
             self.reference = load_flow_model(config).to(device).requires_grad_(False)
         self.rollout = copy.deepcopy(self.trainer).requires_grad_(False)
+
+    def trainer_state(self) -> dict:
+        """The trainer's state with eval.ema's average of its weights beside them (`pipelines.flow.ema`)."""
+        return with_ema(super().trainer_state(), self.ema)
+
+    def load_trainer_state(self, state: dict) -> None:
+        """Another replica's, the driver's or a checkpoint's committed state, its EMA included: a replica that
+        takes it over averages on as the one that held it."""
+        super().load_trainer_state(state)
+        load_ema(self.ema, state.get(EMA_KEY), self.held_trainer()[0])
+
+    def train_again(self, work: Work) -> Trained:
+        """The part again on the weights now: its old log-probs are the rollout's (or the recomputed ones the part
+        reads), which no update changes."""
+        assert isinstance(work, FlowTrain), "a commit runs the step's train parts again"
+        return self._train(work)
+
+    def after_commit(self) -> None:
+        trainer, optimizer = self.held_trainer()
+        update_ema(self.ema, trainer, optimizer)
 
     def state_module(self) -> torch.nn.Module:
         trainer, _ = self.held_trainer()

@@ -9,7 +9,8 @@ from safetensors.torch import load_file
 from dovetail.models.diffusers_flow import export, load_diffusers_checkpoint, load_flow_model
 from dovetail.models.training import make_optimizer
 from dovetail.pipelines.flow.config import FlowTrainConfig
-from dovetail.pipelines.flow.local import EMA_FILE, trained_parameters
+from dovetail.pipelines.flow.ema import trained_parameters
+from dovetail.pipelines.flow.local import EMA_FILE
 from dovetail.run_dir import load_checkpoint
 
 EMA_DIR = "ema"

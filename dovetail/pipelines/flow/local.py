@@ -14,13 +14,20 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from dovetail.algo import WeightEMA
 from dovetail.models.diffusers_flow import checkpoint_io, load_decoder, load_flow_model
 from dovetail.models.flow_rl import generate, group_sample_ids, step_prompts
 from dovetail.models.memory import memory_by_kind, peak_bytes
 from dovetail.models.t2i import latents_to_images
-from dovetail.models.training import commit, load_trainer_state, make_optimizer, stepped_lr, trainer_state_of
+from dovetail.models.training import (
+    commit,
+    load_trainer_state,
+    make_optimizer,
+    stepped_lr,
+    trainer_state_of,
+)
+from dovetail.pipelines.flow.adapter import further_update_metrics
 from dovetail.pipelines.flow.config import FlowTrainConfig, flow_rules
+from dovetail.pipelines.flow.ema import EMA_KEY, load_ema, trained_parameters, update_ema, weight_ema, with_ema
 from dovetail.pipelines.flow.recipe import (
     advantages_of,
     evaluate,
@@ -34,16 +41,24 @@ from dovetail.rewards import score
 from dovetail.run_dir import (
     RunDir,
 )
-from dovetail.runtime.messages import DeviceMemory
+from dovetail.runtime.messages import DeviceMemory, FurtherUpdate, Trained
 from dovetail.runtime.pipeline import memory_figures
 from dovetail.trackers import Evaluation
 
 
 def rl_step(
-    model, optimizer, config: FlowTrainConfig, step: int, reference_model=None, decode=latents_to_images
+    model,
+    optimizer,
+    config: FlowTrainConfig,
+    step: int,
+    reference_model=None,
+    decode=latents_to_images,
+    after_commit=lambda: None,
 ) -> dict:
     """One on-policy step of the reference path; returns its metrics. `decode` turns latents into the images the
-    rewards score."""
+    rewards score; `after_commit()` runs after each optimizer step (eval.ema's update). With algo.num_iterations
+    the batch's gradient is computed again after each update, on the weights it left, the old log-probs still the
+    rollout's, as a Ray trainer's commit does (`runtime.worker`)."""
     sde, rules = sde_settings(config), flow_rules(config)
     algo = config.algo
     timings = {}
@@ -72,21 +87,31 @@ def rl_step(
     start = time.perf_counter()
     timesteps = [sample_timesteps(config, s) for s in ids]
     total_pairs = rules.pairs_per_step
-    sums = policy_gradient(
-        model,
-        trajectories,
-        advantages,
-        timesteps,
-        sde,
-        config,
-        total_pairs=total_pairs,
-        reference_model=reference_model,
-    )
+
+    def train() -> dict[str, float]:
+        return policy_gradient(
+            model,
+            trajectories,
+            advantages,
+            timesteps,
+            sde,
+            config,
+            total_pairs=total_pairs,
+            reference_model=reference_model,
+        )
+
+    sums = train()
     timings["train_s"] = time.perf_counter() - start
 
     gradients = memory_by_kind(model)["gradients"]
     start = time.perf_counter()
-    grad_norm = commit(model, optimizer, config.train)
+    grad_norm = commit(model, optimizer, config.train, algo.num_iterations)
+    after_commit()
+    further = []
+    for _ in range(algo.num_iterations - 1):
+        again = Trained(ids, list(range(len(timesteps[0]))), train())
+        further.append(FurtherUpdate(commit(model, optimizer, config.train, algo.num_iterations), [again]))
+        after_commit()
     timings["commit_s"] = time.perf_counter() - start
     held = memory_by_kind(model, optimizer)  # after the step: AdamW makes its moments at its first
     device = next(model.parameters()).device
@@ -98,6 +123,7 @@ def rl_step(
         name: value if name in ("ratio_min", "ratio_max") else value / total_pairs for name, value in sums.items()
     }
     metrics |= timings | {"grad_norm": grad_norm, "learning_rate": stepped_lr(optimizer)}
+    metrics |= further_update_metrics([further])
     if not algo.per_sample_timesteps:
         metrics["timesteps"] = timesteps[0]
     return metrics | {"samples_per_s": len(ids) / step_seconds, "step_s": step_seconds} | memory_figures([memory])
@@ -107,16 +133,12 @@ EMA_FILE = "ema.safetensors"
 """A checkpoint's EMA of the trained weights (eval.ema), beside its weights: the trainable parameters by name."""
 
 
-def trained_parameters(model) -> dict[str, torch.Tensor]:
-    """The parameters that train (a LoRA run's adapter alone), by name: what eval.ema averages."""
-    return {name: p for name, p in model.named_parameters() if p.requires_grad}
-
-
 class FlowLocal:
     """A flow run's model in this process: the reference loop trains it; evaluations and checkpoints read it.
-    With eval.ema it keeps the EMA of the trained weights (`algo.WeightEMA`), updated after each optimizer step,
-    evaluated in their place, and checkpointed (EMA_FILE) so that a resumed run averages on as the uninterrupted
-    one; only the reference loop steps the weights here (the config refuses eval.ema under a Ray policy)."""
+    With eval.ema it holds the EMA of the trained weights (`pipelines.flow.ema`), evaluated in their place and
+    checkpointed (EMA_FILE) so that a resumed run averages on as the uninterrupted one. The reference loop updates it
+    after each optimizer step here; under a Ray policy the trainers keep it beside their weights, and it comes with
+    their committed state (`load_trainer_state`)."""
 
     def __init__(self, config: FlowTrainConfig) -> None:
         self.config = config
@@ -124,17 +146,9 @@ class FlowLocal:
         self.decode = load_decoder(config)
         self.optimizer = make_optimizer(self.model, config.train)
         save_weights, load_weights = checkpoint_io(config, self.model)
-        ema = config.eval.ema
-        self.ema = None if ema is None else WeightEMA(trained_parameters(self.model), ema.decay, ema.every)
+        self.ema = weight_ema(config, self.model)
         self._save, self._load = save_weights, load_weights
         self._reference_model = None
-
-    def trainer_state(self) -> dict:
-        """The weights and optimizer state the Ray trainers start from (`models.training.trainer_state_of`)."""
-        return trainer_state_of(self.model, self.optimizer)
-
-    def load_trainer_state(self, state: dict) -> None:
-        load_trainer_state(self.model, self.optimizer, state)
 
     def save_weights(self, directory: Path) -> None:
         self._save(directory)
@@ -147,12 +161,18 @@ class FlowLocal:
         """The checkpoint's model (`checkpoint_io`'s loader); its EMA too where eval.ema keeps one, or, from a
         checkpoint of a run without one, an EMA that starts at its weights."""
         loaded = self._load(directory)
-        if self.ema is not None:
-            saved = load_file(directory / EMA_FILE) if (directory / EMA_FILE).is_file() else trained_parameters(loaded)
-            self.ema.shadow = {
-                name: saved[name].detach().to(t.device, copy=True) for name, t in self.ema.shadow.items()
-            }
+        saved = load_file(directory / EMA_FILE) if (directory / EMA_FILE).is_file() else None
+        load_ema(self.ema, saved, loaded)
         return loaded
+
+    def trainer_state(self) -> dict:
+        """The weights, optimizer state and EMA as numpy: what the Ray trainers start from."""
+        return with_ema(trainer_state_of(self.model, self.optimizer), self.ema)
+
+    def load_trainer_state(self, state: dict) -> None:
+        """A trainer's committed state (weights, optimizer, and its EMA) into this process's model."""
+        load_trainer_state(self.model, self.optimizer, state)
+        load_ema(self.ema, state.get(EMA_KEY), self.model)
 
     @contextmanager
     def _evaluated_weights(self) -> Iterator[None]:
@@ -183,7 +203,12 @@ class FlowLocal:
     def rl_step(self, step: int) -> dict:
         if self.config.algo.beta > 0 and self._reference_model is None:
             self._reference_model = load_flow_model(self.config).requires_grad_(False)
-        metrics = rl_step(self.model, self.optimizer, self.config, step, self._reference_model, self.decode)
-        if self.ema is not None:
-            self.ema.update(trained_parameters(self.model), step + 1)
-        return metrics
+        return rl_step(
+            self.model,
+            self.optimizer,
+            self.config,
+            step,
+            self._reference_model,
+            self.decode,
+            lambda: update_ema(self.ema, self.model, self.optimizer),
+        )

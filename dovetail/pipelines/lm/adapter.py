@@ -18,6 +18,7 @@ from dovetail.graph.node import Kind, Node, SampleId
 from dovetail.models.engine import Request
 from dovetail.models.lm_rl import by_group
 from dovetail.pipelines.lm.config import LMTrainConfig
+from dovetail.pipelines.lm.dynamic_sampling import dynamic_sampling_metrics, enough, kept_samples, scores_of
 from dovetail.pipelines.lm.engines import merged_critic_stats, merged_stats, requests_of
 from dovetail.pipelines.lm.messages import (
     CRITIC_UNIT,
@@ -33,7 +34,7 @@ from dovetail.pipelines.lm.messages import (
 from dovetail.pipelines.lm.model import encode_prompts, load_run_tokenizer, model_context
 from dovetail.pipelines.lm.multiturn import episode_metrics
 from dovetail.pipelines.lm.prompts import RunPrompts
-from dovetail.runtime.messages import Score, Scores, Trained
+from dovetail.runtime.messages import FurtherUpdate, Score, Scores, Trained
 from dovetail.runtime.pipeline import Part, PipelineAdapter, RunContext
 from dovetail.sched.policy import Shape
 
@@ -51,10 +52,26 @@ class LMAdapter(PipelineAdapter):
         """(pipeline, graph step) -> streamed micro-batches' samples by score node, and the groups they took."""
         self._shape: LMShape | None = None
         """The shape of the steps whose nodes `parts` last cut (`book` reads it for their results)."""
+        self._drawn: dict[tuple[int, int], bool] = {}
+        """Dynamic sampling: (RL step, draw) -> whether the step drew it (`_needed`)."""
+        self._kept: dict[int, set[SampleId]] = {}
+        """Dynamic sampling: RL step -> the samples it trains (`dynamic_sampling.kept_samples`)."""
 
-    def units_of(self, sample: SampleId) -> list[int]:
-        """A response's policy update (0), and with a critic its critic update (`CRITIC_UNIT`)."""
-        return [0] if self.config.critic is None else [0, CRITIC_UNIT]
+    @property
+    def draws(self) -> bool:
+        """Whether a step may draw more prompts (algo.dynamic_sampling: `graph.lm` builds a step of several draws)."""
+        return self.config.algo.dynamic_sampling
+
+    def units_of(self, sample: SampleId) -> list[int] | None:
+        """A response's policy update (0), and with a critic its critic update (`CRITIC_UNIT`). With dynamic
+        sampling, a sample of a group its step dropped (or did not keep) trains nowhere ([]), and one of a draw its
+        step did not need was never drawn (None)."""
+        units = [0] if self.config.critic is None else [0, CRITIC_UNIT]
+        if not self.draws:
+            return units
+        if not self._drawn[(sample.step, sample.prompt // self.config.algo.prompts_per_step)]:
+            return None
+        return units if sample in self._kept[sample.step] else []
 
     def parts(self, node: Node, devices: tuple[int, ...], run: RunContext) -> list[Part]:
         pipeline, graph = node.pipeline, run.graph
@@ -63,6 +80,8 @@ class LMAdapter(PipelineAdapter):
         if node.kind == Kind.PREFILL:
             step = self.rl_step(node)
             samples = [SampleId(step, p, i) for (_, p, i) in node.samples]
+            if self.draws and not self._needed(node, run):
+                samples = []
             prompts = self._prompts_of(samples)
             weights = run.weights(pipeline, version)
             return [Part(node.id, devices[0], Prefill(pipeline, samples, prompts, self.first_step + version, weights))]
@@ -73,12 +92,19 @@ class LMAdapter(PipelineAdapter):
                 assert shape.migrate_at is not None, "a step has a migrate node only where its shape migrates"
                 return [Part(node.id, devices[0], Decode(pipeline, rollouts, shape.migrate_at + 1, weights, True))]
             return [Part(node.id, devices[0], Decode(pipeline, rollouts, band_end(node), weights))]
-        score = node if node.kind == Kind.SCORE else next(graph[d] for d in node.deps if graph[d].kind == Kind.SCORE)
-        rollouts = self._rollouts(score, run)
-        samples = self._members(score, run)
-        if node.kind == Kind.SCORE:
-            return [Part(node.id, devices[0], Score(pipeline, rollouts, samples))]
-        scores = run.outputs_of([score.id])  # done: a log-prob or train node follows its micro-batch's score
+        if self.draws and node.kind != Kind.SCORE:
+            rollouts, samples, scores = self._kept_of(node, run)
+        else:
+            score = (
+                node if node.kind == Kind.SCORE else next(graph[d] for d in node.deps if graph[d].kind == Kind.SCORE)
+            )
+            rollouts = self._rollouts(score, run)
+            samples = self._members(score, run)
+            if node.kind == Kind.SCORE:
+                if self.draws and not self._needed(node, run):
+                    samples = []  # a draw its step did not need: nothing was generated
+                return [Part(node.id, devices[0], Score(pipeline, rollouts, samples))]
+            scores = run.outputs_of([score.id])  # done: a log-prob or train node follows its micro-batch's score
         if node.kind == Kind.LOGPROB and node.critic:
             shares, _ = self.trainer_shares(samples, devices, scores, trainer=False)
             return [Part(node.id, d, LMValues(pipeline, ids, rollouts)) for d, ids in shares]
@@ -105,13 +131,45 @@ class LMAdapter(PipelineAdapter):
             ]
         raise ValueError(f"node {node.id}: the language-model runtime does not run {node.kind} nodes yet")
 
+    def _needed(self, node: Node, run: RunContext) -> bool:
+        """Whether the step of a further draw's node (a prefill, or its score) draws it: the draws before it, scored
+        (its prefill follows the previous draw's score, `graph.lm`), hold fewer than B groups that differ."""
+        step, size = self.rl_step(node), self.config.algo.prompts_per_step
+        draw = min(p for (_, p, _) in node.samples) // size
+        if (step, draw) not in self._drawn:
+            earlier = [
+                n.id
+                for n in run.graph.of(node.pipeline, node.step, Kind.SCORE)
+                if min(p for (_, p, _) in n.samples) // size < draw
+            ]
+            self._drawn[(step, draw)] = not enough(ray.get(run.outputs_of(earlier)), size)
+        return self._drawn[(step, draw)]
+
+    def _kept_of(self, node: Node, run: RunContext) -> tuple[list, list[SampleId], list]:
+        """A log-prob or train node of a step that drew more prompts: every draw's responses, the samples the step
+        keeps (`dynamic_sampling.kept_samples`, from every draw's scores) and one ref of their scores."""
+        scored = [run.graph[d] for d in node.deps if run.graph[d].kind == Kind.SCORE]
+        drawn = ray.get(run.outputs_of([n.id for n in scored]))
+        kept = kept_samples(drawn, self.config.algo.prompts_per_step)
+        self._kept[self.rl_step(node)] = set(kept)
+        rollouts = [ref for score in scored for ref in self._rollouts(score, run)]
+        return rollouts, kept, [ray.put(scores_of(drawn, kept))]
+
+    def trained_scores(self, scores: list[Scores]) -> list[Scores]:
+        """The scores of the samples a step trained: with dynamic sampling, the groups it kept of every draw."""
+        if not self.draws:
+            return scores
+        return [scores_of(scores, kept_samples(scores, self.config.algo.prompts_per_step))]
+
     def _prompts_of(self, samples: list[SampleId]) -> list[list[int]]:
         """The token ids of `samples`' prompts (a step's, encoded at its first prefill). An env run's are its
         episodes' first observations, written on the device as each episode resets: none here."""
         if self.config.env is not None:
             return []
         for step in {sample.step for sample in samples} - set(self._prompts):
-            rows = self.run_prompts.step(step)
+            algo = self.config.algo
+            drawn = algo.prompts_per_step * (algo.dynamic_sampling_max_draws if algo.dynamic_sampling else 1)
+            rows = [self.run_prompts.train(step, position) for position in range(drawn)]
             self._prompts[step] = encode_prompts(self.config, self.tokenizer, rows, self.context)
         return [self._prompts[sample.step][sample.prompt] for sample in samples]
 
@@ -237,8 +295,19 @@ class LMAdapter(PipelineAdapter):
     def commit_scale(self, trained: list[Trained]) -> float:
         return commit_scale(trained)
 
+    @property
+    def updates_per_step(self) -> int:
+        return self.config.algo.num_iterations
+
+    def further_metrics(self, further: list[list[FurtherUpdate]]) -> dict:
+        return further_update_metrics(further)
+
     def step_metrics(self, scores: list[Scores], trained: list[Trained]) -> dict:
-        return lm_step_metrics(scores, trained)
+        if not self.draws:
+            return lm_step_metrics(scores, trained)
+        size = self.config.algo.prompts_per_step
+        kept = kept_samples(scores, size)
+        return lm_step_metrics([scores_of(scores, kept)], trained) | dynamic_sampling_metrics(scores, kept, size)
 
 
 def lm_shape(shape: Shape) -> LMShape:
@@ -271,6 +340,23 @@ def commit_scale(trained: list[Trained]) -> float:
     """What a step's summed gradient is multiplied by: 1 / the step's loss normaliser (its parts' contributions
     are whole numbers, so their sum is exact in any order)."""
     return 1.0 / sum(t.normaliser for t in trained)
+
+
+def further_update_metrics(further: list[list[FurtherUpdate]]) -> dict:
+    """The updates after a step's first (algo.num_iterations), each as `update_K/...` (K = 2, 3, ...): its pre-clip
+    `grad_norm`, and its parts' loss statistics over the step (`clip_frac`, `ratio_mean`, `ratio_min`, `ratio_max`,
+    `approx_kl`, `loss`), from every trainer device's answer (`further`: per device, its updates in order). The
+    step's own `clip_frac`, `loss`... are its first update's, whose ratio is 1 on policy."""
+    metrics: dict[str, float] = {}
+    for index, updates in enumerate(zip(*further)):
+        trained = [t for update in updates for t in update.trained]
+        merged = merged_stats([t.stats for t in trained if t.samples])
+        normaliser = sum(t.normaliser for t in trained)
+        loss = merged["loss"] / normaliser if normaliser else merged["loss"]
+        figures = {"grad_norm": float(updates[0].grad_norm), "loss": loss}
+        figures |= {name: merged[name] for name in ("clip_frac", "ratio_mean", "ratio_min", "ratio_max", "approx_kl")}
+        metrics |= {f"update_{index + 2}/{name}": value for name, value in figures.items()}
+    return metrics
 
 
 def lm_step_metrics(scores: list[Scores], trained: list[Trained]) -> dict:

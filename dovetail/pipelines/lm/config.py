@@ -327,10 +327,17 @@ class LMAlgoSection(Section):
     dynamic_sampling: bool = Field(
         False,
         description="DAPO's dynamic sampling: groups whose rewards are all equal are dropped and more prompts drawn "
-        "until the step holds prompts_per_step informative groups (policy: reference)",
+        "until the step holds prompts_per_step informative groups (policy: reference and verl-sync)",
     )
     dynamic_sampling_max_draws: int = Field(
         4, ge=1, le=100, description="with dynamic_sampling, batches of prompts a step draws at most"
+    )
+    num_iterations: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="optimizer updates on each generated batch (TRL's num_iterations, verl's ppo_epochs): each over "
+        "the whole batch, the old log-probs the first update's, so from the second on the clipped ratio acts",
     )
 
     @model_validator(mode="after")
@@ -588,7 +595,8 @@ class LMTrainConfig(RunSection):
         """The rollout correction defaults to TIS where the engine's log-probs are not the trainer's (vLLM), to none
         elsewhere (the weight would be exactly 1). A whole-batch advantage estimator reads every response of the step:
         a Ray policy trains a micro-batch at a time, with only its own scores. Dynamic sampling draws more prompts in
-        the step it fills: the reference loop does; the Ray policies' graphs are cut before the step decodes."""
+        the step it fills: the reference loop does, and verl-sync, whose step scores each draw before the next (one
+        micro-batch of the groups kept); the other policies' steps are cut for one draw."""
         algo = self.algo
         if algo.rollout_correction is None:
             algo.rollout_correction = "none" if engine_matches_trainer(self.rollout_engine) else "tis"
@@ -597,12 +605,23 @@ class LMTrainConfig(RunSection):
                 f"algo.advantage={algo.advantage} whitens over the whole step: set algo.micro_batches=1 or policy: "
                 f"reference (policy is {self.policy})"
             )
-        if algo.dynamic_sampling and self.policy != REFERENCE:
+        if algo.dynamic_sampling and self.policy not in (REFERENCE, "verl-sync"):
             raise ValueError(
-                f"algo.dynamic_sampling: only policy: reference draws more prompts (policy is {self.policy})"
+                f"algo.dynamic_sampling: policy {self.policy} draws no further prompts within a step; policy: "
+                "reference and verl-sync do"
+            )
+        if algo.dynamic_sampling and self.policy != REFERENCE and algo.micro_batches > 1:
+            raise ValueError(
+                f"algo.dynamic_sampling: {self.policy} trains the groups a step keeps as one micro-batch; set "
+                "algo.micro_batches=1"
             )
         if algo.dynamic_sampling and self.env is not None:
             raise ValueError("algo.dynamic_sampling: an env run's episodes are not redrawn yet; set it to false")
+        if algo.num_iterations > 1 and self.train.sharding == "fsdp":
+            raise ValueError(
+                f"algo.num_iterations={algo.num_iterations}: a sharded trainer takes one update a batch yet; set "
+                "algo.num_iterations=1 or train.sharding: replicate"
+            )
         self._critic_fits_the_run()
         if algo.overlong_buffer > self.max_new_tokens:
             raise ValueError(
@@ -632,6 +651,13 @@ class LMTrainConfig(RunSection):
             raise ValueError("algo.advantage=gae: the critic is a whole model so far; remove model.lora")
         if self.env is not None:
             raise ValueError("algo.advantage=gae: multi-turn trajectories have no critic yet; remove env")
+        if self.algo.num_iterations > 1:
+            raise ValueError(
+                f"algo.num_iterations={self.algo.num_iterations}: the critic takes one update a batch so far; set "
+                "algo.num_iterations=1 with algo.advantage=gae"
+            )
+        if self.algo.dynamic_sampling:
+            raise ValueError("algo.dynamic_sampling: a critic's run draws no more prompts yet; set it to false")
 
     @model_validator(mode="after")
     def _shape_fits(self) -> "LMTrainConfig":
@@ -762,6 +788,7 @@ class LMTrainConfig(RunSection):
         are unknown before it decodes: once its start-up profile has decoded (`profiled`), the prompts' mean token
         count and the responses' lengths it measured; before, prompts of prompts.max_tokens (else the planner's
         default) and responses around half the budget."""
+        draws = self.algo.dynamic_sampling_max_draws if self.algo.dynamic_sampling else 1
         pipeline = {
             "kind": "lm",
             "name": self.pipeline_name,
@@ -770,7 +797,10 @@ class LMTrainConfig(RunSection):
             "group": self.algo.group_size,
             "max_length": self.max_new_tokens,
             "length_bands": self.runtime.length_bands,
-            "micro_batches": self.algo.micro_batches,
+            # the groups a step of several draws keeps train as one micro-batch (the reference loop's one pass too)
+            "micro_batches": 1 if draws > 1 else self.algo.micro_batches,
+            "updates": self.algo.num_iterations,
+            "draws": draws,
             "reference": self.algo.beta > 0,
             "critic": self.critic is not None,
             "lengths_known": False,  # a run learns them by decoding

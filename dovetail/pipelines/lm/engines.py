@@ -162,6 +162,9 @@ class LMEngines(PipelineEngines[Engine]):
         self.critic_optimizer: torch.optim.Optimizer | None = None
         self._gradient: torch.Tensor | None = None
         self._critic_gradient: torch.Tensor | None = None
+        self._first_log_probs: dict[SampleId, np.ndarray] = {}
+        """With algo.num_iterations > 1: each response trained here, its log-probs under the weights of its step's
+        first update, which the later updates take as the old ones (`train_again`)."""
         if not holds_policy:
             return
         env = config.env
@@ -216,6 +219,10 @@ class LMEngines(PipelineEngines[Engine]):
             return self._handed_on(work)
         if isinstance(work, Decode) and self.environments is not None:
             return self._episodes(work)
+        if isinstance(work, Prefill) and not work.samples:  # a draw its step did not need (dynamic sampling)
+            return responses_of([], work.version)
+        if isinstance(work, Decode) and not any(part.samples for part in self.fetch(work.rollouts)):
+            return responses_of([], self.fetch(work.rollouts)[0].version)
         if isinstance(work, Prefill):
             self.load_rollout_weights(work.version, work.weights)
             requests = [Request(request_key(s), list(p)) for s, p in zip(work.samples, work.prompts)]
@@ -313,12 +320,25 @@ class LMEngines(PipelineEngines[Engine]):
         requests = requests_of(self.fetch(rollouts))
         return requests if samples is None else {SampleId(*s): requests[SampleId(*s)] for s in samples}
 
-    def _train(self, work: LMTrain) -> Trained:
+    def train_again(self, work: Work) -> Trained:
+        assert isinstance(work, LMTrain), "a commit runs the step's train parts again"
+        return self._train(work, again=True)
+
+    def _train(self, work: LMTrain, again: bool = False) -> Trained:
         """The part's groups trained one at a time (`models.lm_rl.policy_gradient`); `part_gradient` hands the fp64
-        sum to the commit (a sharded trainer's stays in its shards)."""
+        sum to the commit (a sharded trainer's stays in its shards). With algo.num_iterations > 1 the first update
+        keeps each response's log-probs, and a later one (`again`) takes them as the old ones; a step's first update
+        follows the commits of the steps before it, so their responses' are dropped then."""
         scores = self.fetch(work.scores)
         rewards = {SampleId(*s): r for part in scores for s, r in zip(part.samples, part.scores["total"])}
         samples = [SampleId(*s) for s in work.samples]
+        first_update, keep = None, None
+        if again:
+            first_update = {s: self._first_log_probs[s] for s in samples}
+        elif self.config.algo.num_iterations > 1 and samples:
+            step = samples[0].step
+            self._first_log_probs = {s: v for s, v in self._first_log_probs.items() if s.step >= step}
+            keep = self._first_log_probs
 
         def given(parts: list) -> dict:
             return {SampleId(*s): v for part in self.fetch(parts) for s, v in zip(part.samples, part.log_probs)}
@@ -340,6 +360,8 @@ class LMEngines(PipelineEngines[Engine]):
             generated=generated,
             scored_requests=self._select(work.rollouts, None),
             values=self._values(work.values) if work.values else None,
+            first_update=first_update,
+            keep_log_probs=keep,
         )
         return Trained(samples, [0], merged_stats(group_stats), normaliser)
 
@@ -401,10 +423,10 @@ class LMEngines(PipelineEngines[Engine]):
         set_summed_gradient(trainer, [part[:actor_size] for part in parts], scale)
         set_summed_gradient(self.critic, [part[actor_size:] for part in parts], scale)
 
-    def step_optimizers(self) -> float:
+    def step_optimizers(self, updates_per_step: int = 1) -> float:
         """The policy's optimizer step, and the critic's at its own lr (`critic_train`), each clipped on its own
         (verl's actor and critic each clip their gradient); returns the policy's pre-clip gradient norm."""
-        grad_norm = super().step_optimizers()
+        grad_norm = super().step_optimizers(updates_per_step)
         if self.critic is not None and self.critic_optimizer is not None:
             commit(self.critic, self.critic_optimizer, self.config.critic_train)
         return grad_norm

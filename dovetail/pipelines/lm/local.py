@@ -17,8 +17,9 @@ from dovetail.graph.node import SampleId
 from dovetail.models.causal_lm import rollout_engine
 from dovetail.models.engine import Request
 from dovetail.models.training import stepped_lr, weights_of
-from dovetail.pipelines.lm.adapter import commit_scale, lm_step_metrics
+from dovetail.pipelines.lm.adapter import commit_scale, further_update_metrics, lm_step_metrics
 from dovetail.pipelines.lm.config import LMTrainConfig
+from dovetail.pipelines.lm.dynamic_sampling import dynamic_sampling_metrics, enough, kept_samples, scores_of
 from dovetail.pipelines.lm.engines import LMEngines
 from dovetail.pipelines.lm.messages import (
     Decode,
@@ -42,7 +43,7 @@ from dovetail.rewards.text import score_text
 from dovetail.run_dir import (
     RunDir,
 )
-from dovetail.runtime.messages import Score, Scores
+from dovetail.runtime.messages import FurtherUpdate, Score, Scores
 from dovetail.runtime.pipeline import memory_figures
 from dovetail.tasks import final_answer, task
 from dovetail.trackers import Evaluation
@@ -100,7 +101,8 @@ class LMLocal:
 def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
     """One on-policy GRPO step of the reference path, in this process, through the very work the Ray workers do:
     every response to the end (an env run's: every trajectory, `pipelines.lm.multiturn`), scores, one train pass over
-    the whole batch, one optimizer step."""
+    the whole batch, one optimizer step (algo.num_iterations: that many, each after a train pass over the whole
+    batch on the weights the one before left, the old log-probs the first pass's)."""
 
     pipeline, algo = config.pipeline_name, config.algo
     timings: dict[str, float] = {}
@@ -122,20 +124,26 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
     if values:  # PPO: the critic trains on the step's GAE returns beside the actor, as verl's critic update
         critic_trained = timed("train_critic", LMCriticTrain(pipeline, ids, rollouts, [scores], values, old, ref))
         parts.append(engines.part_gradient())
-    trained = timed(
-        "train",
-        LMTrain(pipeline, ids, False, rollouts, [scores], old_log_probs=old, ref_log_probs=ref, values=values),
-    )
+    train = LMTrain(pipeline, ids, False, rollouts, [scores], old_log_probs=old, ref_log_probs=ref, values=values)
+    trained = timed("train", train)
     start = time.perf_counter()
     parts.append(engines.part_gradient())
-    engines.set_step_gradient(parts, commit_scale([trained]))
+    scale = commit_scale([trained])
+    engines.set_step_gradient(parts, scale)
     gradients = engines.memory(parts).gradients  # as a Ray device's commit counts them: the parts and the trainer's
-    grad_norm = engines.step_optimizers()
+    grad_norm = engines.step_optimizers(algo.num_iterations)
+    further = []
+    for _ in range(algo.num_iterations - 1):  # as a Ray device's commit does its further updates
+        again = engines.train_again(train)
+        engines.set_step_gradient([engines.part_gradient()], scale)
+        norm = engines.step_optimizers(algo.num_iterations)
+        further.append(FurtherUpdate(norm, [again]))
     timings["commit_s"] = time.perf_counter() - start
     memory = replace(engines.memory(), gradients=gradients)
     seconds = sum(timings.values())
     return (
         lm_step_metrics([scores], [trained] if critic_trained is None else [critic_trained, trained])
+        | further_update_metrics([further])
         | sampling
         | timings
         | {
@@ -152,19 +160,15 @@ def drawn_rollouts(
     engines, config: LMTrainConfig, step: int, weights, timed: Callable[[str, Any], Any]
 ) -> tuple[list[Responses], Scores, list[SampleId], dict[str, float]]:
     """The step's responses decoded to the end and scored: its B prompts' groups (an env run's: their trajectories,
-    `LMEngines._episodes`; `timed` runs each work). With
-    `algo.dynamic_sampling` (DAPO, arXiv 2503.14476, section 3.2) groups whose rewards are all equal, which carry no
-    advantage, are dropped and further batches of B prompts drawn (`RunPrompts.train`'s positions B, 2B, ...) until
-    B groups differ or `dynamic_sampling_max_draws` batches were drawn; the step trains the first B that differ
-    (fewer where the draws ran out; none differing: the first draw's). Returns the rollouts, the scores of the samples
-    kept, those samples, and with dynamic sampling the metrics `dynamic_sampling/draws` (batches drawn) and
-    `dynamic_sampling/groups` (the groups that differ kept / B)."""
+    `LMEngines._episodes`; `timed` runs each work). With `algo.dynamic_sampling` (`pipelines.lm.dynamic_sampling`)
+    further batches of B prompts are drawn until B groups differ or `dynamic_sampling_max_draws` batches were drawn,
+    and the step trains the groups kept. Returns the rollouts, the scores of the samples kept, those samples, and
+    with dynamic sampling its metrics."""
     algo, pipeline = config.algo, config.pipeline_name
     size, group = algo.prompts_per_step, algo.group_size
     draws = algo.dynamic_sampling_max_draws if algo.dynamic_sampling else 1
     rollouts: list[Responses] = []
     scored: list[Scores] = []
-    kept: list[SampleId] = []
     for draw in range(draws):
         samples = [SampleId(step, draw * size + p, i) for p in range(size) for i in range(group)]
         if config.env is None:
@@ -176,33 +180,12 @@ def drawn_rollouts(
         started = timed("prefill", Prefill(pipeline, samples, encoded, step, weights))
         rollouts.append(timed("decode", Decode(pipeline, [started], config.max_new_tokens, weights)))
         scored.append(timed("score", Score(pipeline, [rollouts[-1]], None)))
-        kept += informative_samples(scored[-1]) if algo.dynamic_sampling else scored[-1].samples
-        if len(kept) >= size * group:
+        if not algo.dynamic_sampling or enough(scored, size):
             break
-    chosen = kept[: size * group] or scored[0].samples
-    informative = len(kept[: size * group]) / (size * group)
-    metrics = {"dynamic_sampling/draws": float(len(scored)), "dynamic_sampling/groups": informative}
-    return rollouts, scores_of(scored, chosen), chosen, metrics if algo.dynamic_sampling else {}
-
-
-def informative_samples(scores: Scores) -> list[SampleId]:
-    """The samples of the groups whose total rewards are not all equal, in order."""
-    totals: dict[tuple[int, int], list[float]] = {}
-    for sample, total in zip(scores.samples, scores.scores["total"].tolist()):
-        totals.setdefault((sample.step, sample.prompt), []).append(total)
-    return [s for s in scores.samples if len(set(totals[(s.step, s.prompt)])) > 1]
-
-
-def scores_of(parts: list[Scores], samples: list[SampleId]) -> Scores:
-    """The scores of `samples`, in their order, out of `parts` (a language model's: each has its response lengths)."""
-    where = {sample: (part, row) for part in parts for row, sample in enumerate(part.samples)}
-    rows = [where[s] for s in samples]
-    return Scores(
-        list(samples),
-        {name: np.array([part.scores[name][row] for part, row in rows]) for name in parts[0].scores},
-        np.array([np.asarray(part.response_tokens)[row] for part, row in rows]),
-        {name: np.array([part.figures[name][row] for part, row in rows]) for name in parts[0].figures},
-    )
+    if not algo.dynamic_sampling:
+        return rollouts, scored[0], scored[0].samples, {}
+    chosen = kept_samples(scored, size)
+    return rollouts, scores_of(scored, chosen), chosen, dynamic_sampling_metrics(scored, chosen, size)
 
 
 def success_rate(config: LMTrainConfig, completions: list[str], prompts: list[str]) -> float:
