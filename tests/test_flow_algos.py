@@ -161,6 +161,8 @@ def test_the_configs_sliding_window_samples_and_trains_the_window_and_the_odes_e
         (["algo.num_iterations=2", "algo.ratio_normalization=true"], "algo.num_iterations=2: one update a batch"),
         (["algo.num_iterations=2", "policy=digen+tcss"], r"algo.num_iterations=2: digen\+tcss trains stale samples"),
         (["algo.num_iterations=0"], "algo.num_iterations"),
+        (["eval.ema.decay=1.5"], "eval.ema.decay"),
+        (["eval.ema.every=0"], "eval.ema.every"),
     ],
 )
 def test_an_option_that_cannot_apply_is_one_line_naming_it(overrides, says):

@@ -463,6 +463,7 @@ def test_informative_samples_drop_the_groups_of_equal_rewards():
         (["algo.overlong_buffer=4000"], "algo.overlong_buffer=4000 exceeds max_new_tokens=31: lower it"),
         (["algo.loss=ppo"], "algo.loss"),
         (["algo.num_iterations=0"], "algo.num_iterations"),
+        (["algo.dynamic_sampling=true", "algo.dynamic_sampling_max_draws=0"], "algo.dynamic_sampling_max_draws"),
         (
             ["algo.num_iterations=2", "train.sharding=fsdp"],
             "algo.num_iterations=2: a sharded trainer takes one update a batch yet; set algo.num_iterations=1 or "
