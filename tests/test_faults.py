@@ -67,6 +67,25 @@ def test_killed_workers_recover_and_the_run_is_bitwise_the_undisturbed_one(
     assert all(torch.equal(got[k], undisturbed[k]) for k in undisturbed)
 
 
+@pytest.mark.parametrize(("moment", "spread"), [("train", "one"), ("commit", "two close")])
+def test_a_run_of_two_updates_a_batch_recovers_to_the_reference_loops_bits(moment, spread, tmp_path):
+    """algo.num_iterations=2 under verl-sync: a device killed holding train parts of the open step rebuilds them,
+    and they train again at the commit's second update; every trainer replica dead after the commit comes back with
+    the state both updates left. The run ends at the reference loop's bits."""
+    config = [
+        "kind=lm", "task=sort", "algo.prompts_per_step=4", "algo.group_size=4", "algo.micro_batches=1",
+        "eval.every=100", "checkpoint.every=100", "runtime.profile_samples=4", "train.lr=1e-3",
+        "algo.num_iterations=2", "cluster.devices=2",
+    ]  # fmt: skip
+    train(load_config(None, [*config, "policy=reference"]), tmp_path / "reference", steps=STEPS)
+    fault = Fault(moment, spread, STEPS)
+    summary = train(load_config(None, [*config, "policy=verl-sync"]), tmp_path / "ray", steps=STEPS, **fault.hooks())
+    assert fault.killed and summary["restarts"] >= 1, (fault.killed, summary["restarts"])
+    assert json.loads((tmp_path / "ray" / "ledger.json").read_text())["problems"] == []
+    expected, got = weights(tmp_path / "reference"), weights(tmp_path / "ray")
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
 def test_a_run_stopped_after_its_first_step_resumes_bitwise_to_the_undisturbed_one(local_ray, undisturbed, tmp_path):
     """The driver's side of a fault: the run stops after step 1's commit (its reward fails: the driver saves the last
     committed step and exits, as after a crash past a checkpoint) and `--resume` trains steps 2 and 3 to the same bits

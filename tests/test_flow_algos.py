@@ -11,6 +11,7 @@ import pytest
 import torch
 from running import train
 from safetensors.torch import load_file
+from test_run_ux import undocumented
 from typer.testing import CliRunner
 
 from dovetail.algo import WeightEMA, flow_grpo_loss, sde_step, sliding_window
@@ -160,6 +161,8 @@ def test_the_configs_sliding_window_samples_and_trains_the_window_and_the_odes_e
         (["algo.num_iterations=2", "algo.ratio_normalization=true"], "algo.num_iterations=2: one update a batch"),
         (["algo.num_iterations=2", "policy=digen+tcss"], r"algo.num_iterations=2: digen\+tcss trains stale samples"),
         (["algo.num_iterations=0"], "algo.num_iterations"),
+        (["eval.ema.decay=1.5"], "eval.ema.decay"),
+        (["eval.ema.every=0"], "eval.ema.every"),
     ],
 )
 def test_an_option_that_cannot_apply_is_one_line_naming_it(overrides, says):
@@ -302,6 +305,7 @@ def test_two_updates_a_batch_on_colocated_end_at_the_reference_loops_weights(tmp
     lines = {name: metrics(tmp_path / name) for name in ("reference", "colocated")}
     for name, logged in lines.items():
         assert all(m["update_2/clip_frac"] > 0 and m["update_2/ratio_mean"] != 1.0 for m in logged), name
+    assert undocumented({k for logged in lines.values() for m in logged for k in m}) == []
     assert [m["update_2/ratio_mean"] for m in lines["colocated"]] == pytest.approx(
         [m["update_2/ratio_mean"] for m in lines["reference"]], rel=1e-4
     )

@@ -19,6 +19,7 @@ import pytest
 import torch
 from running import train
 from safetensors.torch import load_file
+from test_run_ux import undocumented
 
 from dovetail.algo import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, advantages, lm_grpo_loss, rollout_correction_weight
 from dovetail.algo.lm_grpo import KL_ESTIMATORS, ROLLOUT_CORRECTIONS, kl_estimate
@@ -462,6 +463,7 @@ def test_informative_samples_drop_the_groups_of_equal_rewards():
         (["algo.overlong_buffer=4000"], "algo.overlong_buffer=4000 exceeds max_new_tokens=31: lower it"),
         (["algo.loss=ppo"], "algo.loss"),
         (["algo.num_iterations=0"], "algo.num_iterations"),
+        (["algo.dynamic_sampling=true", "algo.dynamic_sampling_max_draws=0"], "algo.dynamic_sampling_max_draws"),
         (
             ["algo.num_iterations=2", "train.sharding=fsdp"],
             "algo.num_iterations=2: a sharded trainer takes one update a batch yet; set algo.num_iterations=1 or "
@@ -580,6 +582,7 @@ def test_dynamic_sampling_on_verl_sync_draws_and_trains_what_the_reference_loop_
     keys = ("dynamic_sampling/draws", "dynamic_sampling/groups", "dynamic_sampling/dropped", "reward/total")
     assert [[m[k] for k in keys] for m in lines["verl-sync"]] == [[m[k] for k in keys] for m in lines["reference"]]
     assert max(m["dynamic_sampling/draws"] for m in lines["reference"]) > 1  # the seed's run drew more: the test bites
+    assert undocumented({k for logged in lines.values() for m in logged for k in m}) == []
     assert sum(m["dynamic_sampling/dropped"] for m in lines["reference"]) > 0
     ledger = json.loads((tmp_path / "verl-sync" / "ledger.json").read_text())
     assert ledger["problems"] == []
@@ -611,6 +614,7 @@ def test_two_updates_a_batch_on_verl_sync_end_at_the_reference_loops_bits(local_
     for key in ("update_2/clip_frac", "update_2/ratio_mean", "update_2/grad_norm"):
         assert [m[key] for m in lines["verl-sync"]] == pytest.approx([m[key] for m in lines["reference"]], rel=1e-5)
     assert any(m["update_2/clip_frac"] > 0 for m in lines["verl-sync"])
+    assert undocumented({k for logged in lines.values() for m in logged for k in m}) == []
 
 
 @pytest.mark.exactness

@@ -164,3 +164,32 @@ def test_a_policy_predicts_a_decode_no_faster_than_its_engine_s_tensor_paralleli
     assert costs.seconds(decode, 8) == 8.0 and costs.seconds(train, 8) == 2.0
     costs.observe(decode, 8, 8.0)
     assert costs.seconds(decode, 8) == 8.0
+
+
+def test_a_step_of_several_draws_rolls_each_out_after_the_score_before_and_only_verl_sync_draws():
+    """A dynamic-sampling step (`draws`): draw 1's prefills start after draw 0 is scored, the step trains after
+    every draw's score, the simulator prices both draws (the step is slower than one draw's), and a policy that
+    cuts steps for one draw refuses the scenario naming verl-sync."""
+    scenario = load_scenario("jigsaw-qwen3-4b-8xh100")
+    single = scenario.pipelines[0].model_copy(update={"micro_batches": 1})
+    runs = {}
+    for draws in (1, 2):
+        changed = scenario.model_copy(update={"pipelines": [single.model_copy(update={"draws": draws})]})
+        runs[draws] = simulate(changed, "verl-sync", steps=2)
+    prepared, trace = runs[2]
+    start = {span.node: span.start for span in trace.spans}
+    end = {span.node: span.end for span in trace.spans}
+    graph = prepared.graph
+    assert {span.node for span in trace.spans} == set(graph.nodes)
+    for step in (0, 1):
+        scores = {n.id: n for n in graph.of(single.name, step, Kind.SCORE)}
+        first = next(i for i, n in scores.items() if n.id.endswith("draw0"))
+        later = [n for n in graph.of(single.name, step, Kind.PREFILL) if "draw1" in n.id]
+        assert later and all(start[n.id] >= end[first] for n in later)
+        trains = graph.of(single.name, step, Kind.TRAIN)
+        assert all(start[t.id] >= max(end[s] for s in scores) for t in trains)
+    assert summarize(runs[2][1]).makespan_s > summarize(runs[1][1]).makespan_s
+    for policy in ("streamrl", "jigsaw"):
+        changed = scenario.model_copy(update={"pipelines": [single.model_copy(update={"draws": 2})]})
+        with pytest.raises(ValueError, match="draws no further prompts.*use verl-sync"):
+            simulate(changed, policy, steps=1)

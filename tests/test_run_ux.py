@@ -318,10 +318,16 @@ def test_a_real_full_disk_while_saving_is_one_line_and_keeps_the_previous_checkp
 
 
 def documented_names() -> list[re.Pattern]:
-    """The names of the metric table in plan/metrics.py's docstring, as patterns (`<...>`: any name)."""
+    """The names of the metric table in plan/metrics.py's docstring, as patterns (`<...>`: any name; `<k>` a
+    number)."""
     names = re.findall(r"^  (\S+) {2,}\S", metrics_module.__doc__, flags=re.MULTILINE)
     return [
-        re.compile(re.escape(name).replace(re.escape("<name>"), "[a-z_]+").replace(re.escape("<kind>"), "[a-z]+"))
+        re.compile(
+            re.escape(name)
+            .replace(re.escape("<name>"), "[a-z_]+")
+            .replace(re.escape("<kind>"), "[a-z]+")
+            .replace(re.escape("<k>"), "[0-9]+")
+        )
         for name in names
     ]
 

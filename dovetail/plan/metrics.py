@@ -41,6 +41,11 @@ metrics.jsonl, one line per step (Ray: only under a Ray policy; flow / LM: of th
                         environment ended them
   env/wait_s            LM env run: seconds the rollout slept with every unfinished trajectory waiting on its
                         environment (its latency), nothing left to decode (on the Ray runtime: summed over its engines)
+  dynamic_sampling/draws    LM with algo.dynamic_sampling: batches of B prompts the step drew
+  dynamic_sampling/groups   LM with algo.dynamic_sampling: groups whose rewards differ that the step kept, over B
+  dynamic_sampling/dropped  LM with algo.dynamic_sampling: groups the step drew whose rewards were all equal
+  update_<k>/<name>     with algo.num_iterations: update k's (k >= 2) grad_norm, loss, clip_frac, ratio_mean,
+                        ratio_min, ratio_max, approx_kl (the names above are the step's first update's)
   timesteps             flow: the denoising steps the step trained
   grad_norm             the step's gradient norm before clipping
   learning_rate         the lr the step's optimizer step took (train.lr_schedule, train.warmup_steps; TRL's name)

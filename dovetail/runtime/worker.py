@@ -386,19 +386,37 @@ class DeviceWorker:
             return self._commit_shards(work)
         start = time.perf_counter()
         total = self.gradient if self.gradient is not None else self._zero_gradient()
-        summed = reduce_parts(total, work.ranks, self.groups)
-        synced = time.perf_counter()
-        self.engines.set_step_gradient([summed], work.scale)
-        gradients = self.engines.memory([summed]).gradients
-        self.gradient, self.summed = None, set()
-        grad_norm = self._step(work)
-        lr = stepped_lr(self.engines.optimizer)
-        further = tuple(self._further_update(work) for _ in range(work.updates - 1))
+        undo = self._undo_point(total) if work.updates > 1 else None
+        try:
+            summed = reduce_parts(total, work.ranks, self.groups)
+            synced = time.perf_counter()
+            self.engines.set_step_gradient([summed], work.scale)
+            gradients = self.engines.memory([summed]).gradients
+            self.gradient, self.summed = None, set()
+            grad_norm = self._step(work)
+            lr = stepped_lr(self.engines.optimizer)
+            further = tuple(self._further_update(work) for _ in range(work.updates - 1))
+        except Exception:
+            if undo is not None:  # a peer lost in a later update's all-reduce: the commit is sent again, whole
+                self._undo(undo)
+            raise
         self.step_parts = {}
         seconds = time.perf_counter() - synced
         self.held_memory = self.engines.memory()
         memory = replace(self.held_memory, gradients=gradients)
         return Committed(grad_norm, lr, synced - start, seconds, memory, further=further)
+
+    def _undo_point(self, total: torch.Tensor) -> tuple:
+        """What a commit of several updates changes before its last all-reduce: the trainer's state (and what the
+        engines keep beside it), the step's gradient here (the all-reduce adds into it), its parts. A commit whose
+        first all-reduce fails has changed nothing; one that fails in a later update's has stepped the weights."""
+        return self.engines.trainer_state(), total.clone(), set(self.summed), dict(self.step_parts)
+
+    def _undo(self, point: tuple) -> None:
+        """Back to `_undo_point`'s: the executor sends the commit again once the lost peer is back, and it must find
+        this device as the first attempt did."""
+        state, self.gradient, self.summed, self.step_parts = point
+        self.engines.load_trainer_state(state)
 
     def _step(self, work: Commit) -> float:
         """One optimizer step on the gradient set (the lr is the RL step's: `commit`'s `updates_per_step`), and what
