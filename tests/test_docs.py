@@ -46,7 +46,7 @@ def test_the_readme_opens_with_the_two_commands_then_says_what_runs_today_and_ho
     first_block = README.split("```bash\n")[1].split("```")[0].splitlines()
     assert [line.split()[:2] for line in first_block] == [["make", "demo"], ["make", "test"]]
     first_screen = "\n".join(README.splitlines()[:25])
-    for said in ("source .venv/bin/activate", "CPU, tiny models", "checked on one H200", "local directories only"):
+    for said in ("source .venv/bin/activate", "CPU, tiny models", "checked on one H200", "local Hugging Face cache"):
         assert said in first_screen, said
 
 
