@@ -382,7 +382,7 @@ def _turns(
     (each its turn's tokens after what it holds so far; from the second turn each re-prefilled, as our engine does),
     then, where some go on, an env node of their wait (the longest of theirs: the turn's next round starts when the
     last of them is answered; exact for a constant latency, where they all wait alike). With `waits_hold_device`,
-    one decode node that holds its engine through every turn and wait, its waits in `fixed_s`: the Ray runtime's
+    one decode node that holds its engine through every turn and wait, its waits its `wait_s`: the Ray runtime's
     rollout, one call that sleeps while every trajectory waits."""
     assert spec.turns is not None, "only a multi-turn spec with turns is cut into turns"
     tp = spec.tensor_parallel
@@ -397,7 +397,7 @@ def _turns(
         new_tokens = [turn_tokens(s, turn) for s in members]
         seconds = cost.decode(model, context, new_tokens, devices=tp)
         if turn:
-            seconds += cost.prefill(model, context, devices=tp)
+            seconds += cost.reprefill(model, context, devices=tp)
         going_on = [s for s in members if s.turns > turn + 1]
         for s, generated in zip(members, new_tokens):
             held_so_far[s.id] += generated + spec.turns.observation_tokens
@@ -454,7 +454,8 @@ def _turns(
             samples=tuple(s.id for s in mine),
             band=(0, spec.max_length),
             cost_s=held * tp,
-            fixed_s=cost.fixed("decode") + waited,
+            fixed_s=cost.fixed("decode"),
+            wait_s=waited,
             tokens=int(tokens),
             shard=shard,
             max_width=tp,

@@ -82,8 +82,9 @@ class Running:
     """Device-seconds of work not yet done at `start` (the node's cost, less what earlier segments did)."""
     first_start: float
     delay: float = 0.0
-    """Seconds at the start of the segment that do no node work: the node's fixed cost (`Node.fixed_s`) as it
-    starts, a migration's re-prefill (in place of what is left of the fixed cost) as it moves."""
+    """Seconds at the start of the segment that do no node work: the node's fixed cost (`Node.fixed_s`) and its
+    waits on its environment (`Node.wait_s`, a whole-trajectory decode's) as it starts, a migration's re-prefill (in
+    place of what is left of the fixed cost) as it moves."""
     speed: float = 1.0
     """Fraction of full speed the node runs at now: its share, or 1 / interference slowdown."""
     pace: float = 1.0
@@ -308,7 +309,13 @@ class ClusterState:
         del self.ready[d.node]
         self._occupy(d.node, d.devices, d.share)
         self.running[d.node] = Running(
-            tuple(d.devices), d.share, self.now, node.cost_s, self.now, delay=node.fixed_s, progress_at=self.now
+            tuple(d.devices),
+            d.share,
+            self.now,
+            node.cost_s,
+            self.now,
+            delay=node.fixed_s + node.wait_s,
+            progress_at=self.now,
         )
         self._started_segment(d.node)
         self._step_start.setdefault((node.pipeline, node.step), self.now)
