@@ -387,8 +387,8 @@ def _turns(
     assert spec.turns is not None, "only a multi-turn spec with turns is cut into turns"
     tp = spec.tensor_parallel
     nodes: list[Node] = []
-    held = tokens = 0.0
-    waited = 0.0
+    held = waited = 0.0
+    tokens = 0
     previous = prefill
     held_so_far = {s.id: s.prompt_tokens for s in mine}
     for turn in range(max(s.turns for s in mine)):
@@ -456,7 +456,7 @@ def _turns(
             cost_s=held * tp,
             fixed_s=cost.fixed("decode"),
             wait_s=waited,
-            tokens=int(tokens),
+            tokens=tokens,
             shard=shard,
             max_width=tp,
         )
