@@ -153,7 +153,7 @@ def test_a_run_s_scenario_takes_its_turns_from_the_task_then_from_its_profile(tm
 def test_the_ray_runtime_refuses_a_graph_with_waits_of_their_own():
     wait = Node("a/0/env/0/0", "a", 0, Kind.ENV, Role.ANY, wait_s=1.0)
     with pytest.raises(ValueError, match=r"plan it with turns.waits_hold_device: true"):
-        RayExecutor(Graph([wait]), None, {}, lost=None, nodes=None)
+        RayExecutor(Graph([wait]), None, {}, lost=None, nodes=None).run(None)
 
 
 def test_the_shipped_agentic_scenario_prices_waits_that_hold_no_device():

@@ -166,12 +166,6 @@ class RayExecutor:
         watch of the pool's devices) finds its device lost: then `run` raises `StepLost`, as it does when a node took
         what the open step needs with it. `nodes()`: the node each device is on now (where a publication crosses
         nodes)."""
-        waits = [node.id for node in graph if not node.holds_device]
-        if waits:  # a run's own scenario holds its engines through the waits (`LMTrainConfig.scenario`)
-            raise ValueError(
-                f"the Ray runtime rolls a shard's trajectories out whole, their waits inside its decode; the graph has "
-                f"environment waits of their own ({waits[0]}...): plan it with turns.waits_hold_device: true"
-            )
         self.lost = lost
         self.nodes = nodes
         self.graph = graph
@@ -209,6 +203,12 @@ class RayExecutor:
 
     # ------------------------------------------------------------ the loop
     def run(self, policy: Policy) -> Trace:
+        waits = [node.id for node in self.graph if not node.holds_device]
+        if waits:  # a run's own scenario holds its engines through the waits (`LMTrainConfig.scenario`)
+            raise ValueError(
+                f"the Ray runtime rolls a shard's trajectories out whole, their waits inside its decode; the graph has "
+                f"environment waits of their own ({waits[0]}...): plan it with turns.waits_hold_device: true"
+            )
         self.state = state = ClusterState(self.graph, self.setup)
         start = time.perf_counter()
 
