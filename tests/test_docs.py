@@ -10,7 +10,8 @@ import typer
 from pydantic import BaseModel
 
 from dovetail.cli import app
-from dovetail.graph.spec import FlowSpec, LengthDistribution, LMSpec, LoRASpec, ModelShape
+from dovetail.graph.latency import Latency
+from dovetail.graph.spec import FlowSpec, LengthDistribution, LMSpec, LoRASpec, ModelShape, TurnsSpec
 from dovetail.pipelines.lm.config import LMTrainConfig
 from dovetail.plan.scenario import (
     ClusterSpec,
@@ -35,6 +36,8 @@ SECTIONS = {
     "`pipelines`: `kind: lm`": LMSpec,
     "`lora` (either kind)": LoRASpec,
     "`lengths` (`kind: lm`)": LengthDistribution,
+    "`turns` (`kind: lm`)": TurnsSpec,
+    "`latency` (`turns.latency`)": Latency,
     "`architecture` (`kind: lm`)": ModelShape,
     "`published`": PublishedRun,
     "`published.shape`": PublishedShape,
