@@ -10,7 +10,8 @@ import typer
 from pydantic import BaseModel
 
 from dovetail.cli import app
-from dovetail.graph.spec import FlowSpec, LengthDistribution, LMSpec, LoRASpec, ModelShape
+from dovetail.graph.latency import Latency
+from dovetail.graph.spec import FlowSpec, LengthDistribution, LMSpec, LoRASpec, ModelShape, TurnsSpec
 from dovetail.pipelines.lm.config import LMTrainConfig
 from dovetail.plan.scenario import (
     ClusterSpec,
@@ -35,6 +36,8 @@ SECTIONS = {
     "`pipelines`: `kind: lm`": LMSpec,
     "`lora` (either kind)": LoRASpec,
     "`lengths` (`kind: lm`)": LengthDistribution,
+    "`turns` (`kind: lm`)": TurnsSpec,
+    "`latency` (`turns.latency`)": Latency,
     "`architecture` (`kind: lm`)": ModelShape,
     "`published`": PublishedRun,
     "`published.shape`": PublishedShape,
@@ -46,7 +49,7 @@ def test_the_readme_opens_with_the_two_commands_then_says_what_runs_today_and_ho
     first_block = README.split("```bash\n")[1].split("```")[0].splitlines()
     assert [line.split()[:2] for line in first_block] == [["make", "demo"], ["make", "test"]]
     first_screen = "\n".join(README.splitlines()[:25])
-    for said in ("source .venv/bin/activate", "CPU, tiny models", "checked on one H200", "local directories only"):
+    for said in ("source .venv/bin/activate", "CPU, tiny models", "checked on one H200", "local Hugging Face cache"):
         assert said in first_screen, said
 
 

@@ -25,6 +25,7 @@ from dovetail.models.causal_lm import HFTokenizer, StopStrings
 from dovetail.models.engine import RePrefillingEngine, Request, SamplingParams, TorchEngine, is_finished
 from dovetail.models.lm import load_lm
 from dovetail.models.lm_rl import policy_gradient
+from dovetail.pipelines.lm import config as lm_config
 from dovetail.pipelines.lm.multiturn import Conversation, Segment, run_episodes
 
 torch.set_num_threads(1)
@@ -375,18 +376,20 @@ def test_the_reference_loop_trains_an_env_config_and_reports_its_episodes(tmp_pa
     assert undocumented({key for line in lines for key in line}) == []
 
 
-def test_auto_refuses_an_environment_in_one_line_naming_the_policies_that_run_one(tmp_path):
+def test_auto_takes_an_environment_and_a_policy_that_does_not_is_refused_in_one_line(tmp_path, monkeypatch):
+    """`auto` chooses for an env config (it simulates each policy on the config's turns: tests/test_multiturn_ray.py
+    runs one); a policy that does not roll out environments is refused in one line naming those that do."""
     tree = env_tree(tmp_path)
-    expected = (
-        "invalid config: env: policy auto does not choose for environments yet; set policy: verl-sync (or another of "
-        "reference, verl-sync, streamrl, areal, jigsaw, jigsaw-greedy)"
-    )
-    with pytest.raises(ConfigError) as refused:
-        parse_config({**tree, "policy": "auto"})
-    assert str(refused.value) == expected
+    assert parse_config({**tree, "policy": "auto"}).policy == "auto"
     multiplexed = {"kind": "multiplex", "policy": "auto", "pipelines": [{**tree, "name": "calc"}, {"kind": "flow"}]}
-    with pytest.raises(ConfigError, match=r"env: policy auto does not choose for environments yet"):
-        parse_config(multiplexed)
+    assert parse_config(multiplexed).policy == "auto"
+    monkeypatch.setattr(lm_config, "ENV_POLICIES", tuple(p for p in lm_config.ENV_POLICIES if p != "areal"))
+    with pytest.raises(ConfigError) as refused:
+        parse_config({**tree, "policy": "areal"})
+    assert str(refused.value) == (
+        "invalid config: env: policy areal does not choose for environments yet; set policy: verl-sync (or another of "
+        "reference, auto, verl-sync, streamrl, jigsaw, jigsaw-greedy)"
+    )
 
 
 # ------------------------------------------------------------------------------------------ a chat template

@@ -17,12 +17,13 @@ from safetensors.torch import load_file
 from test_runtime_lm import same_bits
 from two_pipelines import FLOW
 
-from dovetail.config.common import ConfigError
+from dovetail.config.common import ConfigError, scheduling_policies
 from dovetail.config.load import parse_config
 from dovetail.cost.model import CostModel
 from dovetail.graph.lm import LMShape, build_lm
 from dovetail.graph.node import Kind
 from dovetail.pipelines.lm.messages import Prefill
+from dovetail.runtime.launch import AUTO_TIE
 from dovetail.sched.jigsaw import Jigsaw, rollout_shares
 
 STEPS = 2
@@ -135,6 +136,20 @@ def test_an_env_run_decodes_each_shard_in_one_band_and_never_migrates():
     single = spec.model_copy(update={"multi_turn": False, "length_bands": [spec.max_length // 4]})
     migrating = build_lm(single, 1, LMShape(2, 2, migrate_at=spec.max_length // 2), cost)
     assert any(n.kind == Kind.MIGRATE for n in migrating)  # the same shape migrates a single-turn step
+
+
+def test_auto_on_an_env_config_simulates_each_policy_on_its_turns_and_runs_the_fastest(tmp_path):
+    """auto forecasts every LM policy on the run's profiled costs and its turns and waits (the profile's episodes'
+    turns, env.latency), keeps the fastest predicted, and the run trains under it."""
+    config = parse_config(CALC | {"policy": "auto", "env": CALC["env"] | {"latency": {"seconds": 0.05}}})
+    train(config, tmp_path, steps=1)
+    profile = json.loads((tmp_path / "run_profile.json").read_text())
+    predicted = profile["auto"]["predicted"]
+    assert set(predicted) == set(scheduling_policies("lm"))
+    chosen = profile["auto"]["policy"]
+    assert profile["policy"] == chosen and predicted[chosen] >= (1 - AUTO_TIE) * max(predicted.values())
+    (line,) = metrics(tmp_path)
+    assert line["step"] == 1 and line["env/turns"] >= 1 and line["env/wait_s"] > 0
 
 
 def test_an_env_run_refuses_length_bands_in_one_line():

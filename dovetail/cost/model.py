@@ -219,6 +219,11 @@ class CostModel:
         """Moving running sequences to other devices costs a prefill of their context there."""
         return self._corrected("migrate", self._forward_seconds(model, context_lengths, devices))
 
+    def reprefill(self, model: LanguageModel, context_lengths: Sequence[int], devices: int = 1) -> float:
+        """A multi-turn trajectory's next turn prefilling what it holds (its turns and observations so far), inside
+        its engine's decode call: corrected as the decode is, which is what a profile or a run times it in."""
+        return self._corrected("decode", self._forward_seconds(model, context_lengths, devices))
+
     def kv_cache_bytes(self, model: LanguageModel, devices: int = 1) -> float:
         """KV-cache room of a rollout engine: its memory share minus the weights."""
         budget = self.device.memory_bytes * self.calibration.rollout_memory_fraction * devices

@@ -1,60 +1,14 @@
 """What an environment and its tools are, as a multi-turn rollout sees them: the model's `Turn` (its text and the tool
 calls read from it), the environment's answer (`StepResult`), the `Environment` a user writes, a `Tool` it offers the
-model, and the `Latency` of each, which a run on this machine waits out to reproduce real sandboxes' and APIs'."""
+model, and the `Latency` of each (`graph.latency`), which a run on this machine waits out to reproduce real sandboxes'
+and APIs'."""
 
 import json
-import math
-import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from dovetail.graph.node import sample_key
-
-MAX_WAIT_S = 3600.0
-"""The longest wait a latency gives: a lognormal's tail is cut there, so one draw cannot stall a run for a day."""
-
-
-class Latency(BaseModel):
-    """How long a tool call or an environment's step takes, as the trajectory waiting on it sees it: `constant`
-    (`seconds` each time) or `lognormal` (`median_s`, and `sigma` the spread of log(wait): most waits short, a few
-    long, as sandboxes and APIs are). Each wait is drawn by `draw` from a generator keyed by who waits, never by a
-    process's RNG, so a run waits the same every time it runs, in whatever process. It is a config section:
-    ``{kind: constant, seconds: 0.2}`` or ``{kind: lognormal, median_s: 0.5, sigma: 0.8}``."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
-
-    kind: Literal["constant", "lognormal"] = "constant"
-    seconds: float = Field(0.0, ge=0, le=MAX_WAIT_S, description="constant: every wait, in seconds")
-    median_s: float | None = Field(None, gt=0, le=MAX_WAIT_S, description="lognormal: the median wait, in seconds")
-    sigma: float | None = Field(
-        None, ge=0, le=4, description="lognormal: the standard deviation of log(wait); beyond 4 the tail is all"
-    )
-
-    @model_validator(mode="after")
-    def _fields_of_its_kind(self) -> "Latency":
-        if self.kind == "constant" and (self.median_s is not None or self.sigma is not None):
-            raise ValueError("median_s and sigma are a lognormal latency's: set kind: lognormal, or give seconds alone")
-        if self.kind == "lognormal" and (self.median_s is None or self.sigma is None or self.seconds):
-            raise ValueError(
-                "a lognormal latency takes median_s and sigma, not seconds: e.g. {kind: lognormal, median_s: 0.5, "
-                "sigma: 0.8}"
-            )
-        return self
-
-    def draw(self, *identity: int | str) -> float:
-        """Seconds of one wait: the same for the same `identity` (the run's seed, the trajectory's SampleId, the
-        turn, what waits), whatever process draws it. The runtime decides how to wait them; nothing here sleeps."""
-        if self.kind == "constant":
-            return self.seconds
-        assert self.median_s is not None and self.sigma is not None  # the validator holds them for a lognormal
-        normal = random.Random(sample_key("latency", *identity)).gauss(0.0, 1.0)
-        return min(self.median_s * math.exp(self.sigma * normal), MAX_WAIT_S)
-
-
-NO_LATENCY = Latency()
+from dovetail.graph.latency import NO_LATENCY as NO_LATENCY  # the shape the planner prices too: graph.latency
+from dovetail.graph.latency import Latency as Latency
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,8 @@ class Sample:
     shard: int
     prompt_tokens: int
     response_tokens: int
+    turns: int = 1
+    """Model turns of a multi-turn trajectory (`LMSpec.turns`), at most one per token of it."""
 
 
 def response_lengths(spec: LMSpec, step: int, seed: int) -> list[int]:
@@ -58,15 +60,44 @@ def response_lengths(spec: LMSpec, step: int, seed: int) -> list[int]:
     return [min(spec.max_length, max(1, round(x))) for x in raw]
 
 
+def turn_counts(spec: LMSpec, step: int, seed: int) -> list[int]:
+    """Seeded model turns of one step's trajectories, its further draws' too (same seed, same counts): 1 each
+    without `spec.turns`."""
+    count = spec.batch * spec.draws * spec.group
+    if spec.turns is None:
+        return [1] * count
+    rng = random.Random(f"{seed}/{spec.name}/{step}/turns")
+    return [rng.choice(spec.turns.counts) for _ in range(count)]
+
+
 def step_samples(spec: LMSpec, step: int, shards: int, seed: int) -> list[Sample]:
     """Whole prompt groups dealt round-robin to `shards` rollout engines: the step's `batch` prompts, and those of
     its further draws after them (`spec.draws`: draw d's at positions d·batch to d·batch + batch - 1)."""
     lengths = iter(response_lengths(spec, step, seed))
-    return [
-        Sample(SampleId(step, prompt, index), prompt % shards, spec.prompt_length, next(lengths))
-        for prompt in range(spec.batch * spec.draws)
-        for index in range(spec.group)
-    ]
+    turns = iter(turn_counts(spec, step, seed))
+    samples = []
+    for prompt in range(spec.batch * spec.draws):
+        for index in range(spec.group):
+            length = next(lengths)
+            samples.append(
+                Sample(
+                    SampleId(step, prompt, index), prompt % shards, spec.prompt_length, length, min(next(turns), length)
+                )
+            )
+    return samples
+
+
+def turn_tokens(sample: Sample, turn: int) -> int:
+    """The model's tokens in turn `turn` of a trajectory: its length shared out evenly among its turns."""
+    base, extra = divmod(sample.response_tokens, sample.turns)
+    return base + (turn < extra)
+
+
+def env_wait_s(spec: LMSpec, sample: Sample, turn: int, seed: int) -> float:
+    """Seconds `sample` waits on its environment after its turn `turn`, drawn from the run's seed and who waits (as
+    `envs.episode` keys a step's wait): the same in every graph of the same seed."""
+    assert spec.turns is not None, "only a multi-turn spec with turns waits"
+    return spec.turns.latency.draw(seed, spec.name, *sample.id, turn)
 
 
 def _bands(spec: LMSpec, migrate_at: int | None) -> list[tuple[int, int]]:
@@ -156,9 +187,11 @@ def _lm_spec(spec: PipelineSpec) -> LMSpec:
     return spec
 
 
-STAGE_OF_KIND = {kind: "rollout" if kind in (Kind.PREFILL, Kind.DECODE, Kind.MIGRATE) else kind.value for kind in Kind}
-"""Node kind -> verl stage (a log-prob node's is `ref` or `old`, by the node): looked up, as the staged policies ask
-it of every node of a step at every decision."""
+STAGE_OF_KIND = {
+    kind: "rollout" if kind in (Kind.PREFILL, Kind.DECODE, Kind.MIGRATE, Kind.ENV) else kind.value for kind in Kind
+}
+"""Node kind -> verl stage (a log-prob node's is `ref` or `old`, by the node; an environment's wait is the rollout's):
+looked up, as the staged policies ask it of every node of a step at every decision."""
 
 
 def stage(node: Node) -> str:
@@ -215,10 +248,10 @@ def build_lm(spec: LMSpec, steps: int, shape: LMShape, cost: CostModel, seed: in
     for step in range(steps):
         samples = step_samples(spec, step, shape.shards, seed)
         if spec.draws == 1:
-            rollout, last_of = _rollout(spec, model, cost, shape, step, samples)
+            rollout, last_of = _rollout(spec, model, cost, shape, step, samples, seed)
             training = _training(spec, model, cost, shape, step, samples, last_of, previous_commit)
         else:
-            rollout, scores = _draws(spec, model, cost, shape, step, samples)
+            rollout, scores = _draws(spec, model, cost, shape, step, samples, seed)
             first = [s for s in samples if s.id.prompt < spec.batch]  # what its training is priced for: B groups
             training = _training(spec, model, cost, shape, step, first, {}, previous_commit, scores)
         nodes += rollout + training
@@ -254,7 +287,7 @@ def _decode(
 
 
 def _draws(
-    spec: LMSpec, model: LanguageModel, cost: CostModel, shape: LMShape, step: int, samples: list[Sample]
+    spec: LMSpec, model: LanguageModel, cost: CostModel, shape: LMShape, step: int, samples: list[Sample], seed: int
 ) -> tuple[list[Node], list[Node]]:
     """A step that draws more prompts (`spec.draws`, dynamic sampling): each draw's rollout and one score node of its
     samples, draw d's prefills after draw d - 1's score (whose rewards say whether it is needed); returns the nodes
@@ -264,7 +297,7 @@ def _draws(
     for draw in range(spec.draws):
         mine = [s for s in samples if s.id.prompt // spec.batch == draw]
         after = (scores[-1].id,) if scores else ()
-        rollout, last_of = _rollout(spec, model, cost, shape, step, mine, draw, after)
+        rollout, last_of = _rollout(spec, model, cost, shape, step, mine, seed, draw, after)
         score = Node(
             _id(spec, step, "score", f"draw{draw}"),
             spec.name,
@@ -289,11 +322,13 @@ def _rollout(
     shape: LMShape,
     step: int,
     samples: list[Sample],
+    seed: int,
     draw: int = 0,
     after: tuple[str, ...] = (),
 ):
-    """Prefill and decode bands per shard, plus the migrated tail; returns the nodes and, per sample,
-    the decode node that finishes it. A further draw's (`draw` > 0: its ids say which) prefills follow `after`."""
+    """Prefill and decode bands per shard, plus the migrated tail (a multi-turn spec with turns: its turns and
+    environment waits, `_turns`); returns the nodes and, per sample, the decode node that finishes it. A further
+    draw's (`draw` > 0: its ids say which) prefills follow `after`."""
     tag = () if draw == 0 else (f"draw{draw}",)
     tp = spec.tensor_parallel
     migrate_at = shape.migrate_at
@@ -319,6 +354,12 @@ def _rollout(
         )
         nodes.append(prefill)
         previous = prefill.id
+        if spec.turns is not None:
+            turns = _turns(spec, model, cost, step, shard, mine, prefill.id, seed)
+            nodes += turns
+            last_of.update((s.id, turns[-1].id) for s in mine)
+            tail_deps.append(turns[-1].id)
+            continue
         for low, high in home_bands:
             members = [s for s in mine if s.response_tokens > low]
             if not members and spec.lengths_known:
@@ -372,9 +413,106 @@ def _rollout(
         )
         nodes += [migrate, decode]
         last_of.update((s.id, decode.id) for s in tail)
+    if not spec.lengths_known and spec.turns is not None:  # a run learns where each trajectory ends by decoding
+        return nodes, {s.id: (0, tuple(tail_deps)) for s in samples}
     if not spec.lengths_known:
         return nodes, _finishing_levels(samples, nodes, shape)
     return nodes, last_of
+
+
+def _turns(
+    spec: LMSpec,
+    model: LanguageModel,
+    cost: CostModel,
+    step: int,
+    shard: int,
+    mine: list[Sample],
+    prefill: str,
+    seed: int,
+) -> list[Node]:
+    """A shard's multi-turn rollout after its prefill: per turn t, a decode node of the trajectories still going at t
+    (each its turn's tokens after what it holds so far; from the second turn each re-prefilled, as our engine does),
+    then, where some go on, an env node of their wait (the longest of theirs: the turn's next round starts when the
+    last of them is answered; exact for a constant latency, where they all wait alike). With `waits_hold_device`,
+    one decode node that holds its engine through every turn and wait, its waits its `wait_s`: the Ray runtime's
+    rollout, one call that sleeps while every trajectory waits."""
+    assert spec.turns is not None, "only a multi-turn spec with turns is cut into turns"
+    tp = spec.tensor_parallel
+    nodes: list[Node] = []
+    held = waited = 0.0
+    tokens = 0
+    previous = prefill
+    held_so_far = {s.id: s.prompt_tokens for s in mine}
+    for turn in range(max(s.turns for s in mine)):
+        members = [s for s in mine if s.turns > turn]
+        context = [held_so_far[s.id] for s in members]
+        new_tokens = [turn_tokens(s, turn) for s in members]
+        seconds = cost.decode(model, context, new_tokens, devices=tp)
+        if turn:
+            seconds += cost.reprefill(model, context, devices=tp)
+        going_on = [s for s in members if s.turns > turn + 1]
+        for s, generated in zip(members, new_tokens):
+            held_so_far[s.id] += generated + spec.turns.observation_tokens
+        wait = max((env_wait_s(spec, s, turn, seed) for s in going_on), default=0.0)
+        if spec.turns.waits_hold_device:
+            held += seconds
+            tokens += sum(new_tokens)
+            waited += wait
+            continue
+        decode = Node(
+            _id(spec, step, "decode", shard, 0) if turn == 0 else _id(spec, step, "turn", shard, turn),
+            spec.name,
+            step,
+            Kind.DECODE,
+            Role.ROLLOUT,
+            (previous,),
+            version=step,
+            samples=tuple(s.id for s in members),
+            band=(0, spec.max_length),
+            cost_s=seconds * tp,
+            fixed_s=cost.fixed("decode"),
+            tokens=sum(new_tokens),
+            shard=shard,
+            max_width=tp,
+        )
+        nodes.append(decode)
+        previous = decode.id
+        if going_on:
+            env = Node(
+                _id(spec, step, "env", shard, turn),
+                spec.name,
+                step,
+                Kind.ENV,
+                Role.ANY,
+                (decode.id,),
+                version=step,
+                samples=tuple(s.id for s in going_on),
+                wait_s=wait,
+                shard=shard,
+            )
+            nodes.append(env)
+            previous = env.id
+    if not spec.turns.waits_hold_device:
+        return nodes
+    return [
+        Node(
+            _id(spec, step, "decode", shard, 0),
+            spec.name,
+            step,
+            Kind.DECODE,
+            Role.ROLLOUT,
+            (prefill,),
+            version=step,
+            samples=tuple(s.id for s in mine),
+            band=(0, spec.max_length),
+            cost_s=held * tp,
+            fixed_s=cost.fixed("decode"),
+            wait_s=waited,
+            tokens=tokens,
+            shard=shard,
+            max_width=tp,
+        )
+    ]
 
 
 def _finishing_levels(samples: list[Sample], rollout: list[Node], shape: LMShape) -> dict[SampleId, tuple]:

@@ -41,7 +41,8 @@ class Role(StrEnum):
 
 class Kind(StrEnum):
     """What a node does. Flow pipelines use generate/score/logprob/train/commit/publish; LM pipelines
-    add prefill/decode/migrate."""
+    add prefill/decode/migrate, and a multi-turn one env: its trajectories' wait on their environment between two
+    model turns, which holds no device (`Node.wait_s`)."""
 
     GENERATE = "generate"
     PREFILL = "prefill"
@@ -52,6 +53,7 @@ class Kind(StrEnum):
     TRAIN = "train"
     COMMIT = "commit"
     PUBLISH = "publish"
+    ENV = "env"
 
 
 @dataclass(frozen=True)
@@ -108,20 +110,35 @@ class Node:
     max_width: int | None = None
     """Devices past which the node goes no faster (None: it spreads over any number): an LM prefill / decode node
     runs on one engine of `tensor_parallel` devices, so more devices cannot shorten one response's decode."""
+    wait_s: float = 0.0
+    """Seconds the node's trajectories wait on their environment (a sandbox, an API). An env node's whole time, on no
+    device: it starts as soon as its dependencies finish, without a policy's decision (`plan.state`), and a device it
+    leaves idle is another node's to fill. A decode node that rolls trajectories out whole (the Ray runtime's,
+    `TurnsSpec.waits_hold_device`) holds its device through its waits, idle: part of its time."""
+
+    @property
+    def holds_device(self) -> bool:
+        """Whether a policy places the node on devices: every node but an environment's wait."""
+        return self.kind is not Kind.ENV
 
     def seconds_on(self, devices: int) -> float:
         """Predicted seconds on `devices` devices: a collective occupies them all for cost_s; other work spreads
-        over at most `max_width` of them; each pays `fixed_s` besides."""
+        over at most `max_width` of them; each pays `fixed_s` and its waits (`wait_s`) besides. An env node takes
+        its wait, on no device."""
+        if not self.holds_device:
+            return self.wait_s
         if self.collective:
-            return self.fixed_s + self.cost_s
-        return self.fixed_s + self.cost_s / min(devices, self.max_width or devices)
+            return self.fixed_s + self.wait_s + self.cost_s
+        return self.fixed_s + self.wait_s + self.cost_s / min(devices, self.max_width or devices)
 
     def __post_init__(self) -> None:
-        if min(self.cost_s, self.fixed_s, self.memory_gb) < 0:
+        if min(self.cost_s, self.fixed_s, self.memory_gb, self.wait_s) < 0:
             raise ValueError(
-                f"node {self.id}: cost_s, fixed_s and memory_gb must be >= 0, got {self.cost_s}, {self.fixed_s}, "
-                f"{self.memory_gb}"
+                f"node {self.id}: cost_s, fixed_s, memory_gb and wait_s must be >= 0, got {self.cost_s}, "
+                f"{self.fixed_s}, {self.memory_gb}, {self.wait_s}"
             )
+        if self.wait_s and self.kind not in (Kind.ENV, Kind.DECODE):
+            raise ValueError(f"node {self.id}: only an env or a decode node waits on an environment (wait_s)")
         if self.max_width is not None and self.max_width < 1:
             raise ValueError(f"node {self.id}: max_width must be >= 1, got {self.max_width}")
         for name, span in (("timestep chunk", self.timesteps), ("length band", self.band)):

@@ -8,6 +8,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from dovetail.cost.catalog import DiffusionModel, LanguageModel, diffusion_model, language_model
+from dovetail.graph.latency import NO_LATENCY, Latency
 from dovetail.graph.node import Kind, Node, Role
 
 MAX_DEVICES = 4096
@@ -229,6 +230,41 @@ class LengthDistribution(_Spec):
         return self
 
 
+MAX_TURNS = 256
+"""Model turns of one trajectory, as a run's `env.max_turns` allows."""
+
+
+class TurnsSpec(_Spec):
+    """A multi-turn pipeline's trajectories as the planner prices them: how many model turns each takes, what the
+    environment appends after each, and how long each environment step makes the trajectory wait. A trajectory's
+    drawn length (`LMSpec.lengths`) is its model's tokens over all its turns, shared out evenly among them."""
+
+    counts: list[Annotated[int, Field(ge=1, le=MAX_TURNS)]] = Field(
+        min_length=1,
+        max_length=MAX_SAMPLES,
+        description="Model turns per trajectory, each trajectory's drawn from these with replacement (seeded): [3] "
+        "for always three, a run's measured counts for its spread.",
+    )
+    observation_tokens: int = Field(
+        0,
+        ge=0,
+        le=MAX_TOKENS,
+        description="Tokens the environment appends after each turn that the trajectory goes on from.",
+    )
+    latency: Latency = Field(
+        NO_LATENCY,
+        description="Each environment step's wait ({kind: constant, seconds: S} or {kind: lognormal, median_s: M, "
+        "sigma: S}, as a run's env.latency), drawn per trajectory and turn from the seed.",
+    )
+    waits_hold_device: bool = Field(
+        False,
+        description="False: an environment step is a node of its own that holds no device (its shard's engine is "
+        "another node's to fill while every trajectory on it waits). True: each shard rolls its trajectories out "
+        "whole in one decode node that holds its engine through their waits, as dovetail's Ray runtime rolls them "
+        "out today (a run's own scenario).",
+    )
+
+
 class ModelShape(_Spec):
     """A language model outside the catalogue (a user's `model.path`), as its config.json gives it
     (`cost.catalog.language_model_of_config`)."""
@@ -294,6 +330,11 @@ class LMSpec(_PipelineSpec):
         description="Whether a step's responses are multi-turn trajectories (an env run's): each shard decodes its "
         "trajectories whole, turn by turn between environment steps, in one band with no migration.",
     )
+    turns: TurnsSpec | None = Field(
+        None,
+        description="A multi-turn step's turns, observations and environment waits (`multi_turn: true`); None: its "
+        "trajectories priced as one turn each with no wait.",
+    )
     reference: bool = Field(True, description="Compute reference log-probs for a KL term.")
     critic: bool = Field(
         False,
@@ -342,6 +383,8 @@ class LMSpec(_PipelineSpec):
     @model_validator(mode="after")
     def _check(self) -> LMSpec:
         check_length_bands(self.length_bands, self.max_length, "length_bands", "max_length")
+        if self.turns is not None and not self.multi_turn:
+            raise ValueError("turns: a pipeline's turns are a multi-turn one's; set multi_turn: true")
         _check_samples(self.batch * self.draws, self.group, "batch x draws" if self.draws > 1 else "batch")
         if self.draws > 1 and (self.micro_batches > 1 or self.multi_turn):
             raise ValueError(

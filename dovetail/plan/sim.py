@@ -1,9 +1,9 @@
 """SimExecutor: a discrete-event simulation of a cluster running a policy over a sub-stage graph.
 
-Durations are the nodes' predicted costs (from the cost model); nodes sharing a device run at the speed
-the interference model gives them (`ClusterState`), re-timed whenever a neighbour comes or goes, and
-optionally stretched by log-normal noise; the same seed gives the same trace. The hot loop is a heap of
-completion times."""
+Durations are the nodes' predicted costs (from the cost model), an environment's wait its drawn seconds on no
+device; nodes sharing a device run at the speed the interference model gives them (`ClusterState`), re-timed whenever
+a neighbour comes or goes, and optionally stretched by log-normal noise; the same seed gives the same trace. The hot
+loop is a heap of completion times."""
 
 from __future__ import annotations
 
@@ -72,6 +72,9 @@ class SimExecutor:
                 counter += 1
                 segment[node_id] = counter
                 heapq.heappush(heap, (state.now + state.remaining(node_id), counter, "node", node_id))
+            for node_id, seconds in state.take_waits():
+                counter += 1
+                heapq.heappush(heap, (state.now + seconds, counter, "wait", node_id))
             if not heap:
                 if state.done:
                     return state.trace
@@ -79,9 +82,11 @@ class SimExecutor:
             time, _, _, _ = heap[0]
             state.now = time
             while heap and heap[0][0] == time:
-                _, number, _, payload = heapq.heappop(heap)
-                if isinstance(payload, SwitchRole):  # a "switch" entry; a "node" entry holds the node id
+                _, number, what, payload = heapq.heappop(heap)
+                if isinstance(payload, SwitchRole):  # a "switch" entry; a "node" or "wait" entry holds the node id
                     state.finish_switch(payload.device, payload.role, payload.resident_gb)
+                elif what == "wait":
+                    state.finish_wait(payload)
                 elif segment.get(payload) == number:
                     del segment[payload]
                     state.finish_node(payload)

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from dovetail.graph.node import Graph, Kind, Role
-from dovetail.plan.trace import Span, StepRecord, Switch, Trace
+from dovetail.plan.trace import Span, StepRecord, Switch, Trace, Wait
 from dovetail.sched.policy import (
     Begin,
     Decision,
@@ -82,8 +82,9 @@ class Running:
     """Device-seconds of work not yet done at `start` (the node's cost, less what earlier segments did)."""
     first_start: float
     delay: float = 0.0
-    """Seconds at the start of the segment that do no node work: the node's fixed cost (`Node.fixed_s`) as it
-    starts, a migration's re-prefill (in place of what is left of the fixed cost) as it moves."""
+    """Seconds at the start of the segment that do no node work: the node's fixed cost (`Node.fixed_s`) and its
+    waits on its environment (`Node.wait_s`, a whole-trajectory decode's) as it starts, a migration's re-prefill (in
+    place of what is left of the fixed cost) as it moves."""
     speed: float = 1.0
     """Fraction of full speed the node runs at now: its share, or 1 / interference slowdown."""
     pace: float = 1.0
@@ -125,6 +126,9 @@ class ClusterState:
         self._events: list[Event] = []
         self.stopped: set[str] = set()
         """Pipelines withdrawn from the run (`stop`): their unfinished nodes count as done and never run."""
+        self.waiting: dict[str, float] = {}
+        """Env node -> when its wait began: trajectories waiting on their environment, on no device (`Node.wait_s`)."""
+        self._new_waits: list[str] = []
 
     # ------------------------------------------------------------ events
     def take_events(self) -> list[Event]:
@@ -160,6 +164,12 @@ class ClusterState:
         self._progress(node_id)
         self.running[node_id].pace = pace
         self._retimed[node_id] = None
+
+    def take_waits(self) -> list[tuple[str, float]]:
+        """Env nodes whose wait began since the last call, with its seconds: the executor ends each after them
+        (`finish_wait`)."""
+        started, self._new_waits = self._new_waits, []
+        return [(node_id, self.graph[node_id].wait_s) for node_id in started if node_id in self.waiting]
 
     def take_retimed(self) -> list[str]:
         """Running nodes whose finish time changed (started, migrated, or sped up / slowed by neighbours)."""
@@ -235,6 +245,8 @@ class ClusterState:
         self.stopped.add(pipeline)
         for node_id in [n for n in self.ready if self.graph[n].pipeline == pipeline]:
             del self.ready[node_id]
+        for node_id in [n for n in self.waiting if self.graph[n].pipeline == pipeline]:
+            del self.waiting[node_id]
         for node_id in [n for n in self.running if self.graph[n].pipeline == pipeline]:
             running = self.running.pop(node_id)
             self._release(node_id, running.devices)
@@ -243,6 +255,10 @@ class ClusterState:
 
     def _make_ready(self, node_id: str) -> None:
         if self.graph[node_id].pipeline in self.stopped:
+            return
+        if not self.graph[node_id].holds_device:  # an environment's wait: no decision places it
+            self.waiting[node_id] = self.now
+            self._new_waits.append(node_id)
             return
         self.ready[node_id] = None
         self._events.append(NodeReady(self.now, node_id))
@@ -295,7 +311,13 @@ class ClusterState:
         del self.ready[d.node]
         self._occupy(d.node, d.devices, d.share)
         self.running[d.node] = Running(
-            tuple(d.devices), d.share, self.now, node.cost_s, self.now, delay=node.fixed_s, progress_at=self.now
+            tuple(d.devices),
+            d.share,
+            self.now,
+            node.cost_s,
+            self.now,
+            delay=node.fixed_s + node.wait_s,
+            progress_at=self.now,
         )
         self._started_segment(d.node)
         self._step_start.setdefault((node.pipeline, node.step), self.now)
@@ -384,6 +406,18 @@ class ClusterState:
             version = node.version + 1
             self.published[node.pipeline] = max(self.published[node.pipeline], version)
             self._events.append(VersionPublished(self.now, node.pipeline, version))
+        self._release_dependants(node_id)
+
+    def finish_wait(self, node_id: str) -> None:
+        """An env node's wait is over: its trajectories' next turn may run."""
+        if node_id not in self.waiting:  # its pipeline was withdrawn meanwhile
+            return
+        node = self.graph[node_id]
+        self.trace.waits.append(Wait(node_id, node.pipeline, node.step, self.waiting.pop(node_id), self.now))
+        self.finished.add(node_id)
+        self._release_dependants(node_id)
+
+    def _release_dependants(self, node_id: str) -> None:
         for child in self.graph.dependants[node_id]:
             self._missing[child] -= 1
             child_node = self.graph[child]

@@ -51,6 +51,18 @@ class StepRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class Wait:
+    """One environment wait (an env node): its trajectories waited on their environment from `start` to `end`,
+    holding no device (whatever ran on the devices meanwhile is in the spans)."""
+
+    node: str
+    pipeline: str
+    step: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True, slots=True)
 class Mark:
     """A moment of the run worth a line in the charts: where it went on without a lost device, and why."""
 
@@ -66,6 +78,7 @@ class Trace:
     steps: list[StepRecord] = field(default_factory=list)
     peak_memory_gb: list[float] = field(default_factory=list)
     marks: list[Mark] = field(default_factory=list)
+    waits: list[Wait] = field(default_factory=list)
 
     @classmethod
     def of_segments(cls, segments: Sequence[Segment], devices: int) -> Trace:
@@ -98,6 +111,7 @@ class Trace:
             "steps": [asdict(s) for s in self.steps],
             "peak_memory_gb": self.peak_memory_gb,
             "marks": [asdict(m) for m in self.marks],
+            "waits": [asdict(w) for w in self.waits],
         }
 
     @classmethod
@@ -109,6 +123,7 @@ class Trace:
             steps=[StepRecord(**s) for s in data["steps"]],
             peak_memory_gb=list(data["peak_memory_gb"]),
             marks=[Mark(**m) for m in data.get("marks", [])],  # traces written before marks existed have none
+            waits=[Wait(**w) for w in data.get("waits", [])],  # nor before environment waits did
         )
 
     def write_chrome(self, path: str | Path) -> None:

@@ -203,6 +203,12 @@ class RayExecutor:
 
     # ------------------------------------------------------------ the loop
     def run(self, policy: Policy) -> Trace:
+        waits = [node.id for node in self.graph if not node.holds_device]
+        if waits:  # a run's own scenario holds its engines through the waits (`LMTrainConfig.scenario`)
+            raise ValueError(
+                f"the Ray runtime rolls a shard's trajectories out whole, their waits inside its decode; the graph has "
+                f"environment waits of their own ({waits[0]}...): plan it with turns.waits_hold_device: true"
+            )
         self.state = state = ClusterState(self.graph, self.setup)
         start = time.perf_counter()
 

@@ -144,7 +144,10 @@ def replay_run(run_dir: Path | str) -> dict:
             continue
         seconds, devices = measured[node.id]
         if seconds > 0:
-            records[node.pipeline].append((COST_KIND[node.kind], predicted_seconds(node, len(devices)), seconds))
+            # A decode that rolled trajectories out whole slept through their waits, which env.latency prices and
+            # no correction of its compute should absorb: both sides without them (`Node.wait_s`).
+            compute = predicted_seconds(node, len(devices)) - node.wait_s
+            records[node.pipeline].append((COST_KIND[node.kind], compute, max(seconds - node.wait_s, 1e-6)))
     for name, engines in analytic.setup.engines.items():
         wake = max(engines.wake_s.values())
         records[name] += [("switch", wake, max(s, 1e-6)) for s in run.switch_seconds]

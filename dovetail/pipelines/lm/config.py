@@ -19,6 +19,7 @@ from pydantic import (
 )
 
 from dovetail.config.common import (
+    AUTO,
     MAX_PER_STEP,
     MAX_STEPS,
     PACKAGE_ROOT,
@@ -441,9 +442,9 @@ class EnvSection(Section):
         return parser
 
 
-ENV_POLICIES = (REFERENCE, "verl-sync", "streamrl", "areal", "jigsaw", "jigsaw-greedy")
-"""The policies that run an env config (multi-turn rollouts). `auto` is refused in one line naming these: what it
-chooses by, the planner's forecast of each policy, prices a step's rollouts as single-turn responses."""
+ENV_POLICIES = (REFERENCE, AUTO, "verl-sync", "streamrl", "areal", "jigsaw", "jigsaw-greedy")
+"""The policies that run an env config (multi-turn rollouts); `auto` chooses among the others by the planner's
+forecast, which prices each step's turns and environment waits (`scenario`: `graph.spec.TurnsSpec`)."""
 
 
 class LMRuntimeSection(Section):
@@ -472,6 +473,8 @@ class LMTrainConfig(RunSection):
     )
     _measured_lengths: tuple[list[int], list[int]] | None = PrivateAttr(None)
     """A model.path run's prompt and response token counts as its start-up profile measured them (`profiled`)."""
+    _measured_turns: tuple[list[int], list[int]] | None = PrivateAttr(None)
+    """An env run's model turns and observation tokens per trajectory, as its start-up profile measured them."""
     policy: str = Field(REFERENCE, description="who schedules the step: `dovetail train --help` lists them")
     model: LMModelSection = LMModelSection()
     prompts: LMPromptsSection | None = Field(
@@ -496,7 +499,7 @@ class LMTrainConfig(RunSection):
     env: EnvSection | None = Field(
         None,
         description="the environment of a multi-turn run (docs/environments.md): its rows are prompts.path's (a "
-        "task's prompts without one); policy reference only so far",
+        "task's prompts without one)",
     )
 
     @field_validator("task")
@@ -774,11 +777,16 @@ class LMTrainConfig(RunSection):
     def profiled(self, measured: dict) -> "LMTrainConfig":
         """A model.path run's scenario with the prompt and response token counts its profile measured (the base
         model's responses on a step's prompts): a user's model may stop after a few tokens of a 256-token budget, and
-        priced at half the budget its step was predicted 13x too slow. A task run's lengths are its task's."""
-        if self.model.path is None:
+        priced at half the budget its step was predicted 13x too slow. A task run's lengths are its task's. An env
+        run's (either) with the model turns and observation tokens its profile's episodes took (`turns`,
+        `observation_tokens`: `pipelines.lm.engines.profile_work`)."""
+        if self.model.path is None and (self.env is None or "turns" not in measured):
             return self
         copy = self.model_copy()
-        copy._measured_lengths = (list(measured["prompt_tokens"]), list(measured["lengths"]))
+        if self.model.path is not None:
+            copy._measured_lengths = (list(measured["prompt_tokens"]), list(measured["lengths"]))
+        if self.env is not None and "turns" in measured:
+            copy._measured_turns = (list(measured["turns"]), list(measured["observation_tokens"]))
         return copy
 
     def scenario(self, steps: int) -> Scenario:
@@ -811,7 +819,7 @@ class LMTrainConfig(RunSection):
         }
         if self.model.path is None:
             problems = task(self.task).prompts("train", self.seed, 0, self.algo.prompts_per_step * self.algo.group_size)
-            lengths = [min(self.max_new_tokens, len(task(self.task).solution(p)) + 1) for p in problems]
+            lengths = [min(self.max_new_tokens, len(self._model_text(p)) + 1) for p in problems]
             pipeline["prompt_length"] = round(sum(len(p) + 1 for p in problems) / len(problems))
             pipeline["lengths"] = {"kind": "empirical", "values": lengths}
         elif self._measured_lengths is not None:
@@ -833,4 +841,41 @@ class LMTrainConfig(RunSection):
         if self.recomputes_old_log_probs:
             # The recompute pass whatever the policy (`recomputes_old_log_probs`; `planner_scenario` keeps it).
             pipeline["recompute_logprob"] = True
+        if self.env is not None:
+            pipeline["turns"] = self._turns()
         return planner_scenario(self, [pipeline], steps, self.runtime.trainer_devices, 0)
+
+    def _model_text(self, problem: str) -> str:
+        """What the model writes of a task problem's ideal completion: an env run's without what its environment
+        writes (`Task.observation_pattern`), which the planner prices as observations."""
+        solution = task(self.task).solution(problem)
+        pattern = task(self.task).observation_pattern
+        return solution if self.env is None or pattern is None else pattern.sub("", solution)
+
+    def _turns(self) -> dict:
+        """An env run's turns as the planner prices them (`graph.spec.TurnsSpec`): the model turns and observation
+        tokens of its start-up profile's episodes where it has profiled (`profiled`); before, a task's ideal
+        completions' (a call and its result per observation, at most env.max_turns turns), or env.max_turns turns
+        for a user's environment, whose observations are unknown until it runs. Each waits `env.latency` (a tool's
+        own latency is its environment's, which the config does not know: give a tool's waits as env.latency to
+        price them). The runtime's engine holds its device through its trajectories' waits (`waits_hold_device`):
+        one decode call per shard rolls them out whole (`pipelines.lm.multiturn`)."""
+        env = self.env
+        assert env is not None, "an env run's turns"
+        if self._measured_turns is not None:
+            counts, observed = self._measured_turns
+        elif not self.user_model and (pattern := task(self.task).observation_pattern) is not None:
+            problems = task(self.task).prompts("train", self.seed, 0, self.algo.prompts_per_step)
+            observations = [pattern.findall(task(self.task).solution(p)) for p in problems]
+            counts = [len(found) + 1 for found in observations]
+            observed = [sum(len(text) for text in found) for found in observations]
+        else:
+            counts, observed = [env.max_turns], [0]
+        counts = [min(max(1, count), env.max_turns) for count in counts]
+        waits = sum(count - 1 for count in counts)
+        return {
+            "counts": counts,
+            "observation_tokens": round(sum(observed) / waits) if waits else 0,
+            "latency": env.latency.model_dump(),
+            "waits_hold_device": True,
+        }

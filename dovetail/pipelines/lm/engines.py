@@ -548,19 +548,32 @@ def profile_work(engines: LMEngines, samples: int, carry: Callable[[dict], dict]
             done[name] = work(done)
             synchronize(engines.device)
             seconds[name] = time.perf_counter() - start
+        decoded = done["decode"]
+        assert isinstance(decoded, Responses)  # what Decode returns
+        # an env run's decode slept while every trajectory waited on its environment: the planner prices those waits
+        # from env.latency (`LMTrainConfig.scenario`), the decode from the compute alone
+        seconds["decode"] -= sum(episode.waited_s for episode in decoded.episodes)
         return seconds, done
 
     def at(size: int) -> dict:
         rounds = [one_round(size) for _ in range(PROFILE_ROUNDS)]
-        measured = {name: statistics.median(seconds[name] for seconds, _ in rounds) for name in rounds[0][0]}
+        measured: dict[str, float | list[int]] = {
+            name: statistics.median(seconds[name] for seconds, _ in rounds) for name in rounds[0][0]
+        }
         _, done = rounds[0]
         decoded = done["decode"]
         assert isinstance(decoded, Responses)  # what Decode returns
-        return measured | {
+        measured |= {
             "lengths": [len(t) for t in decoded.tokens],
             # the decode's: an env run's prompts are its episodes' first observations, unknown at its prefill
             "prompt_tokens": [len(p) for p in decoded.prompts],
         }
+        if decoded.episodes:  # an env run's: what its episodes took, which its scenario prices (`profiled`)
+            measured |= {
+                "turns": [episode.turns for episode in decoded.episodes],
+                "observation_tokens": [mask.count(False) for mask in decoded.generated],
+            }
+        return measured
 
     with trainer_kept(engines):
         weights = carry(weights_of(engines.trainer))  # every round and size decodes from these: the same responses

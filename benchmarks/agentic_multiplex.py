@@ -1,0 +1,177 @@
+"""Two agentic pipelines on one pool of 2 local devices, their trajectories waiting on a tool between turns:
+multiplexed (jigsaw) against the ways to run them without multiplexing, measured one after the other in one
+invocation, and the simulator's figure for each beside it.
+
+    .venv/bin/python benchmarks/agentic_multiplex.py [--config configs/multiplex-agentic.yaml] [--steps 6] [--out ...]
+
+The pipelines are the multiplex config's (configs/multiplex-agentic.yaml: the calc task on two problem streams, each
+environment step waiting `env.latency`), with the same batches and steps in every arrangement:
+  back-to-back   each alone on both devices under its fastest measured policy of verl-sync, streamrl and areal, in
+                 turn (every policy is run: the table lists each)
+  split-pool     each on one device (its own core, `taskset`) under verl-sync, at the same time
+  jigsaw         one multiplexed run (the look-ahead scheduler and its shape search)
+
+Time is the training itself, as benchmarks/multiplex.py counts it (its helpers): a pipeline's time is the sum of its
+steps' `step_s`, an arrangement's makespan adds the pipelines that ran in turn and takes the longest of those that
+ran together, a multiplexed run's is its trace's first node to its last optimizer step. Per arrangement: device busy
+(the pool's device-seconds with a node on them over 2 x the makespan: a rollout engine that sleeps while every
+trajectory waits still holds its device, so this counts it busy) and env-wait (the seconds the rollout engines slept
+with every trajectory waiting on its environment, `env/wait_s`, over 2 x the makespan). The simulator's samples/s
+comes from `dry_run` on costs profiled in this process, the runtime's rollout holding its engine through the waits
+(`TurnsSpec.waits_hold_device`); "free waits" is the same forecast with the waits as nodes of their own on no device,
+what an engine that let go of its device while its trajectories wait would reach.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from multiplex import busy_seconds, finish, multiplexed_tree, pipeline_figures, pipelines, run, training_seconds
+
+ROOT = Path(__file__).resolve().parent.parent
+ALONE = ("verl-sync", "streamrl", "areal")
+"""The policies a pipeline alone on the pool is measured under: its best is the fastest of them."""
+
+
+def waited_seconds(run_dir: Path) -> float:
+    """Seconds the run's rollout engines slept with every trajectory waiting on its environment (`env/wait_s`)."""
+    return sum(json.loads(line)["env/wait_s"] for line in (run_dir / "metrics.jsonl").read_text().splitlines())
+
+
+def alone(configs: dict[str, dict], out: Path) -> dict[str, dict[str, dict]]:
+    """Each pipeline alone on both devices under each policy of ALONE: pipeline -> policy -> its figures."""
+    measured: dict[str, dict[str, dict]] = {}
+    for name, config in configs.items():
+        for policy in ALONE:
+            run_dir = out / f"alone-{name}-{policy}"
+            finish([run(config | {"policy": policy}, run_dir)])
+            figures = pipeline_figures(run_dir) | {"busy": busy_seconds(run_dir), "waited": waited_seconds(run_dir)}
+            measured.setdefault(name, {})[policy] = figures
+            print(f"  {name} alone under {policy}: {figures['step_s']:.2f} s/step", flush=True)
+    return measured
+
+
+def back_to_back(measured: dict[str, dict[str, dict]]) -> dict:
+    """Each pipeline under its fastest measured policy, in turn."""
+    best = {name: min(by_policy, key=lambda p: by_policy[p]["seconds"]) for name, by_policy in measured.items()}
+    chosen = {name: measured[name][policy] for name, policy in best.items()}
+    makespan = sum(f["seconds"] for f in chosen.values())
+    return {
+        "policies": best,
+        "makespan": makespan,
+        "samples": sum(f["samples"] for f in chosen.values()),
+        "busy": sum(f["busy"] for f in chosen.values()),
+        "waited": sum(f["waited"] for f in chosen.values()),
+    }
+
+
+def split_pool(configs: dict[str, dict], out: Path) -> dict:
+    processes = [
+        run(c | {"policy": "verl-sync"}, out / f"split-{name}", ["cluster.devices=1"], cores=str(core))
+        for core, (name, c) in enumerate(configs.items())
+    ]
+    finish(processes)
+    figures = {name: pipeline_figures(out / f"split-{name}") for name in configs}
+    return {
+        "makespan": max(f["seconds"] for f in figures.values()),
+        "samples": sum(f["samples"] for f in figures.values()),
+        "busy": sum(busy_seconds(out / f"split-{name}") for name in configs),
+        "waited": sum(waited_seconds(out / f"split-{name}") for name in configs),
+    }
+
+
+def multiplexed(configs: dict[str, dict], out: Path) -> dict:
+    run_dir = out / "jigsaw"
+    finish([run(multiplexed_tree("jigsaw", configs), run_dir)])
+    figures = {name: pipeline_figures(run_dir / name) for name in configs}
+    return {
+        "makespan": training_seconds(run_dir),
+        "samples": sum(f["samples"] for f in figures.values()),
+        "busy": busy_seconds(run_dir),
+        "waited": sum(waited_seconds(run_dir / name) for name in configs),
+    }
+
+
+@contextmanager
+def waits_freed():
+    """Run configs' scenarios with every environment wait a node of its own on no device (`waits_hold_device`
+    false), where the runtime's rollout holds its engine through them."""
+    from dovetail.pipelines.lm.config import LMTrainConfig
+
+    held = LMTrainConfig._turns
+    LMTrainConfig._turns = lambda self: held(self) | {"waits_hold_device": False}
+    try:
+        yield
+    finally:
+        LMTrainConfig._turns = held
+
+
+def predicted(configs: dict[str, dict], steps: int, best: dict[str, str]) -> dict[str, float]:
+    """The simulator's samples/s of each arrangement on costs profiled in this process (`dry_run`)."""
+    from dovetail.config.load import parse_config
+    from dovetail.runtime.launch import dry_run
+
+    def rate(config: dict, devices: int) -> tuple[float, float]:
+        plan = dry_run(parse_config(config | {"cluster": {"devices": devices, "device": "cpu-core"}}), steps)
+        return plan["samples_per_s"], plan["step_time_s"]
+
+    alone = {name: rate(c | {"policy": best[name]}, 2) for name, c in configs.items()}
+    split = [rate(c | {"policy": "verl-sync"}, 1) for c in configs.values()]
+    return {
+        "back-to-back": sum(r * s for r, s in alone.values()) / sum(s for _, s in alone.values()),
+        "split-pool": sum(r * s for r, s in split) / max(s for _, s in split),
+        "jigsaw": dry_run(parse_config(multiplexed_tree("jigsaw", configs)), steps)["samples_per_s"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "multiplex-agentic.yaml")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-agentic-multiplex")
+    args = parser.parse_args()
+    configs = pipelines(args.steps, args.config)
+    started = time.time()
+    measured = alone(configs, args.out)
+    results = {"back-to-back": back_to_back(measured)}
+    print(f"[{time.time() - started:5.0f}s] back-to-back: {results['back-to-back']}", flush=True)
+    results["split-pool"] = split_pool(configs, args.out)
+    print(f"[{time.time() - started:5.0f}s] split-pool: {results['split-pool']}", flush=True)
+    results["jigsaw"] = multiplexed(configs, args.out)
+    print(f"[{time.time() - started:5.0f}s] jigsaw: {results['jigsaw']}", flush=True)
+    best = results["back-to-back"]["policies"]
+    held = predicted(configs, args.steps, best)
+    with waits_freed():
+        free = predicted(configs, args.steps, best)
+    print(
+        "| arrangement | makespan s | samples/s | vs back-to-back | device busy | env-wait | simulator samples/s "
+        "| simulator vs back-to-back | free waits: samples/s, vs back-to-back |"
+    )
+    print("|---" * 9 + "|")
+    base = results["back-to-back"]["samples"] / results["back-to-back"]["makespan"]
+    for name, figures in results.items():
+        rate = figures["samples"] / figures["makespan"]
+        pool = 2 * figures["makespan"]
+        print(
+            f"| {name} | {figures['makespan']:.1f} | {rate:.1f} | {rate / base:.2f}x | {figures['busy'] / pool:.2f} | "
+            f"{figures['waited'] / pool:.2f} | {held[name]:.1f} | {held[name] / held['back-to-back']:.2f}x | "
+            f"{free[name]:.1f}, {free[name] / free['back-to-back']:.2f}x |"
+        )
+    print(
+        "alone, s/step by policy:", {n: {p: round(f["step_s"], 2) for p, f in m.items()} for n, m in measured.items()}
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(
+        json.dumps({"results": results, "alone": measured, "predicted": held, "predicted_free": free}, indent=1)
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""The planner's multi-turn pipelines (`graph.lm._turns`, `graph.spec.TurnsSpec`): each turn a decode node, each
+environment step between two turns a wait that holds no device (`Kind.ENV`), drawn from the seed by who waits; a
+lone pipeline's engine idles through its waits by the closed-form amount, and jigsaw fills one pipeline's waits with
+another's work. A run's own scenario (`LMTrainConfig.scenario`) holds its engines through the waits, as the Ray
+runtime rolls trajectories out, and takes its turns from the task or the start-up profile."""
+
+import math
+
+import pytest
+from planner_scenarios import lm_pipeline, scenario
+from test_multiturn import env_tree
+
+from dovetail.config.load import parse_config
+from dovetail.cost.model import CostModel
+from dovetail.graph.latency import Latency
+from dovetail.graph.lm import LMShape, build_lm, step_samples
+from dovetail.graph.node import Graph, Kind, Node, Role
+from dovetail.plan.prepare import simulate
+from dovetail.plan.scenario import load_scenario
+from dovetail.runtime.executor import RayExecutor
+from dovetail.sched.policy import PolicyOptions
+
+TURNS = 3
+STEPS = 2
+
+
+def agentic(name: str = "a", latency: dict | None = None, turns: int = TURNS, hold: bool = False, **changes) -> dict:
+    """A small Qwen3-0.6B multi-turn pipeline: 8 prompts of 4, `turns` turns each, 100 observation tokens a step."""
+    return lm_pipeline(
+        name=name,
+        batch=8,
+        group=4,
+        length_bands=[],
+        multi_turn=True,
+        turns={
+            "counts": [turns],
+            "observation_tokens": 100,
+            "latency": latency or {"kind": "constant", "seconds": 0.0},
+            "waits_hold_device": hold,
+        },
+        **changes,
+    )
+
+
+def run(*pipelines: dict, policy: str = "verl-sync", devices: int = 4, **options):
+    return simulate(
+        scenario(*pipelines, devices=devices, steps=STEPS, policies=[policy]),
+        policy,
+        steps=STEPS,
+        options=PolicyOptions(**options),
+    )
+
+
+def test_a_lone_pipeline_s_step_time_rises_by_its_waits_on_the_critical_path():
+    """verl-sync, one pipeline: each step's rollout waits turns - 1 times on its environment, every shard alike
+    under a constant latency, and nothing else runs meanwhile: the makespan rises by steps x (turns - 1) x latency,
+    the devices' work is unchanged, and no device of a shard runs anything while that shard waits."""
+    latency = 2.5
+    _, without = run(agentic())
+    prepared, trace = run(agentic(latency={"kind": "constant", "seconds": latency}))
+    waits = [node for node in prepared.graph if node.kind == Kind.ENV]
+    shards = prepared.setup.shapes["a"].rollout_engines
+    assert len(waits) == STEPS * shards * (TURNS - 1) and {node.wait_s for node in waits} == {latency}
+    assert trace.makespan - without.makespan == pytest.approx(STEPS * (TURNS - 1) * latency, abs=1e-9)
+    work = sum((s.end - s.start) * s.share for s in trace.spans)
+    assert work == pytest.approx(sum((s.end - s.start) * s.share for s in without.spans), rel=1e-12)
+    assert len(trace.waits) == len(waits)
+    for wait in trace.waits:
+        shard = int(wait.node.split("/")[3])  # a/<step>/env/<shard>/<turn>; verl-sync: shard k on device k
+        assert wait.end - wait.start == pytest.approx(latency)
+        assert not [s for s in trace.spans if s.device == shard and s.start < wait.end and s.end > wait.start]
+
+
+def test_a_wait_is_drawn_from_the_seed_by_who_waits_and_goes_on():
+    """Each env node waits the longest of its trajectories' draws (`Latency.draw(seed, pipeline, sample, turn)`,
+    as a run keys a step's wait), only those that take another turn: the same seed, the same waits."""
+    latency = {"kind": "lognormal", "median_s": 1.0, "sigma": 0.8}
+    spec = scenario(agentic(latency=latency, turns=TURNS)).pipelines[0]
+    spec = spec.model_copy(update={"turns": spec.turns.model_copy(update={"counts": [1, 2, 3]})})
+    shape, cost = LMShape(shards=2, trainer_devices=4), CostModel("H100")
+    nodes = build_lm(spec, 1, shape, cost, seed=7)
+    samples = {s.id: s for s in step_samples(spec, 0, 2, 7)}
+    draw = Latency.model_validate(latency).draw
+    waits = [node for node in nodes if node.kind == Kind.ENV]
+    assert waits and all(not node.holds_device and node.cost_s == 0 for node in waits)
+    for node in waits:
+        shard, turn = (int(part) for part in node.id.split("/")[3:])
+        going_on = [s for s in samples.values() if s.shard == shard and s.turns > turn + 1]
+        assert set(node.samples) == {s.id for s in going_on}
+        assert node.wait_s == max(draw(7, "a", *s.id, turn) for s in going_on)
+    assert [n.wait_s for n in build_lm(spec, 1, shape, cost, seed=7) if n.kind == Kind.ENV] == [n.wait_s for n in waits]
+    assert [n.wait_s for n in build_lm(spec, 1, shape, cost, seed=8) if n.kind == Kind.ENV] != [n.wait_s for n in waits]
+    decodes = [n for n in nodes if n.kind == Kind.DECODE]
+    assert sum(n.tokens for n in decodes) == sum(s.response_tokens for s in samples.values())  # turns share them
+
+
+def test_the_runtime_s_rollout_holds_its_engine_through_the_waits():
+    """waits_hold_device: one decode node per shard, the runtime's (its id), waiting the free graph's waits of that
+    shard on its device; alone on verl-sync nothing could fill them, so both take as long."""
+    latency = {"kind": "lognormal", "median_s": 1.0, "sigma": 0.5}
+    free, free_trace = run(agentic(latency=latency))
+    held, held_trace = run(agentic(latency=latency, hold=True))
+    assert not [n for n in held.graph if not n.holds_device]
+    decodes = {n.id: n for n in held.graph if n.kind == Kind.DECODE}
+    assert sorted(decodes) == sorted(f"a/{step}/decode/{shard}/0" for step in range(STEPS) for shard in range(4))
+    for node in decodes.values():
+        waits = [
+            n.wait_s for n in free.graph if n.kind == Kind.ENV and n.id.startswith(f"a/{node.step}/env/{node.shard}/")
+        ]
+        assert node.wait_s == pytest.approx(sum(waits)) and node.fixed_s == 0
+    assert held_trace.makespan == pytest.approx(free_trace.makespan, rel=1e-9)
+
+
+def test_jigsaw_fills_one_pipeline_s_waits_with_the_other_s_work():
+    """Two agentic pipelines sharing the whole pool under jigsaw: while one's trajectories wait on their environment,
+    the other's nodes run on the engines they left, and both end sooner than jigsaw's own back to back."""
+    a = agentic("a", {"kind": "constant", "seconds": 3.0}, turns=4)
+    b = agentic(
+        "b", {"kind": "constant", "seconds": 3.0}, turns=2, lengths={"kind": "lognormal", "median": 1200, "sigma": 0.5}
+    )
+    _, shared = run(a, b, policy="jigsaw", arrangement="shared")
+    _, in_turn = run(a, b, policy="jigsaw", arrangement="back_to_back")
+    assert shared.makespan < in_turn.makespan
+    filled = 0.0
+    for wait in (w for w in shared.waits if w.pipeline == "a"):
+        shard = int(wait.node.split("/")[3])  # the whole pool shared: a's shard k on device k
+        filled += sum(
+            min(s.end, wait.end) - max(s.start, wait.start)
+            for s in shared.spans
+            if s.pipeline == "b" and s.device == shard and s.start < wait.end and s.end > wait.start
+        )
+    assert filled > 0
+
+
+def test_a_run_s_scenario_takes_its_turns_from_the_task_then_from_its_profile(tmp_path):
+    """calc: a problem whose ideal completion calls the calculator takes two turns and one observation (its result),
+    the others one; the run's engines hold their device through env.latency's waits. A user's environment: env.max_turns
+    until the start-up profile's episodes say how many turns they took and how many tokens their observations had."""
+    calc = parse_config(
+        {"kind": "lm", "task": "calc", "env": {"name": "arithmetic", "parser": "plain", "latency": {"seconds": 0.2}}}
+    )
+    (spec,) = calc.scenario(1).pipelines
+    assert spec.turns is not None and spec.turns.waits_hold_device and spec.turns.latency.seconds == 0.2
+    tags = len("<result></result>")  # a product of two 3- to 6-digit numbers has 5 to 12 digits
+    assert set(spec.turns.counts) == {1, 2} and tags + 5 <= spec.turns.observation_tokens <= tags + 12
+    user = parse_config(env_tree(tmp_path) | {"env": env_tree(tmp_path)["env"] | {"max_turns": 5}})
+    assert user.scenario(1).pipelines[0].turns.counts == [5]
+    profiled = user.profiled({"turns": [1, 3, 3, 1], "observation_tokens": [0, 12, 20, 0]})
+    turns = profiled.scenario(1).pipelines[0].turns
+    assert turns.counts == [1, 3, 3, 1] and turns.observation_tokens == math.floor(32 / 4 + 0.5)
+
+
+def test_the_ray_runtime_refuses_a_graph_with_waits_of_their_own():
+    wait = Node("a/0/env/0/0", "a", 0, Kind.ENV, Role.ANY, wait_s=1.0)
+    with pytest.raises(ValueError, match=r"plan it with turns.waits_hold_device: true"):
+        RayExecutor(Graph([wait]), None, {}, lost=None, nodes=None).run(None)
+
+
+def test_the_shipped_agentic_scenario_prices_waits_that_hold_no_device():
+    shipped = load_scenario("agentic-search-qwen2.5-7b-8xh100")
+    assert all(p.turns is not None and not p.turns.waits_hold_device for p in shipped.pipelines)
+    prepared, trace = simulate(shipped, "verl-sync", steps=1)
+    assert trace.waits and all(w.end > w.start for w in trace.waits)
