@@ -296,12 +296,15 @@ def test_the_graph_has_a_value_pass_and_a_critic_train_priced_beside_the_actors(
 
 
 def test_simulate_shows_the_critics_nodes_and_their_time():
-    """The simulator runs the critic's nodes under verl-sync (its stages in verl's order), and the step takes longer
-    by their predicted time."""
-    traces = {c: simulate(ppo_scenario(c), "verl-sync")[1] for c in (True, False)}
-    ran = {c: {span.node.split("/")[2] for span in trace.spans} for c, trace in traces.items()}
-    assert {"values", "train_critic"} <= ran[True] and not {"values", "train_critic"} & ran[False]
-    assert summarize(traces[True]).step_time_s > summarize(traces[False]).step_time_s
+    """The simulator runs the critic's nodes under verl-sync (its stages in verl's order) and reports their phases
+    (`dovetail simulate --json`'s phase_seconds, a Gantt's colours) as the value pass and the critic's train; the
+    step takes longer by their predicted time, and the actor's train keeps its own."""
+    metrics = {c: summarize(simulate(ppo_scenario(c), "verl-sync")[1]) for c in (True, False)}
+    phases = {c: m.phase_seconds for c, m in metrics.items()}
+    assert phases[True]["values"] > 0 and phases[True]["train_critic"] > 0
+    assert not {"values", "train_critic"} & set(phases[False])
+    assert phases[True]["train"] == pytest.approx(phases[False]["train"])
+    assert metrics[True].step_time_s > metrics[False].step_time_s
 
 
 # ------------------------------------------------------------------ runs

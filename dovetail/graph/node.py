@@ -109,6 +109,15 @@ class Node:
     """Devices past which the node goes no faster (None: it spreads over any number): an LM prefill / decode node
     runs on one engine of `tensor_parallel` devices, so more devices cannot shorten one response's decode."""
 
+    @property
+    def phase(self) -> str:
+        """What a trace names the node's work by (its spans' kind, the phases' seconds, a Gantt's colour): its kind,
+        or for PPO's critic `values` (its value pass) and `train_critic` (its train), as the reference loop times
+        them."""
+        if self.critic:
+            return "values" if self.kind is Kind.LOGPROB else "train_critic"
+        return self.kind.value
+
     def seconds_on(self, devices: int) -> float:
         """Predicted seconds on `devices` devices: a collective occupies them all for cost_s; other work spreads
         over at most `max_width` of them; each pays `fixed_s` besides."""
