@@ -260,6 +260,20 @@ def test_a_ppo_config_the_run_cannot_honour_is_one_line_naming_the_fix(overrides
     assert message in str(error.value) and "\n" not in str(error.value).strip()
 
 
+def test_the_critic_steps_at_its_own_lr_after_its_own_warm_up():
+    """`critic_train`: the critic's lr rises linearly over critic.warmup_steps, then stays at critic.lr whatever the
+    policy's schedule; the clip is the policy's."""
+    from dovetail.models.training import scheduled_lr
+
+    config = load_config(
+        None,
+        ["kind=lm", "algo.advantage=gae", "critic.lr=3e-4", "critic.warmup_steps=4", "train.lr_schedule=cosine"],
+    )
+    critic = config.critic_train
+    assert [scheduled_lr(critic, step) for step in (0, 2, 4, 150)] == pytest.approx([0.0, 1.5e-4, 3e-4, 3e-4])
+    assert critic.max_grad_norm == config.train.max_grad_norm and config.train.lr_schedule == "cosine"
+
+
 # ------------------------------------------------------------------ the planner's graph
 
 
