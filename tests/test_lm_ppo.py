@@ -220,6 +220,24 @@ def test_a_ppo_devices_memory_counts_the_critic_beside_the_policy():
     assert held["ppo"] - held["grpo"] == 4 * sum(p.numel() for p in critic.parameters())
 
 
+def test_a_users_transformers_model_gets_its_critic_the_same_way(tmp_path):
+    """A `model.path` policy (a Qwen2 saved with save_pretrained): its critic is its transformers body with a fresh
+    head, and a token's value is read where its log-prob is."""
+    from test_user_lm import save_tiny_model
+
+    from dovetail.models.causal_lm import load_causal_lm
+
+    policy = load_causal_lm(save_tiny_model(tmp_path / "qwen2", "qwen2"), lora=None, seed=0)
+    critic = value_model_of(policy, seed=0)
+    body = policy.model.model.state_dict()
+    assert all(torch.equal(critic.body.state_dict()[k], body[k]) for k in body)
+    prompt, response = [3, 4, 5], [6, 7]
+    values, _ = group_values(critic, prompt, [response])
+    with torch.no_grad():
+        hidden = policy(input_ids=torch.tensor([prompt + response]), output_hidden_states=True).hidden_states[-1]
+        torch.testing.assert_close(values[0], critic.head(hidden[0, 2:4]).squeeze(-1), atol=1e-5, rtol=0)
+
+
 def test_step_gae_puts_the_shaped_reward_on_the_last_token():
     """The pipeline's GAE over a scored step, gamma = lam = 1: each token's return is its response's reward (the
     overlong penalty added), whatever the values."""
@@ -244,7 +262,7 @@ def test_step_gae_puts_the_shaped_reward_on_the_last_token():
         (["algo.advantage=gae"], "critic: algo.advantage=gae trains a critic; add the section"),
         (["critic.lr=1e-4"], "critic: only algo.advantage=gae trains a critic (it is grpo); remove the section"),
         (
-            ["policy=areal", "algo.micro_batches=1", "algo.advantage=gae", "critic.lr=1e-4"],
+            ["policy=areal", "algo.advantage=gae", "critic.lr=1e-4"],
             "algo.advantage=gae: policy areal does not train a critic yet; set policy: reference or verl-sync",
         ),
         (
