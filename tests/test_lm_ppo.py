@@ -238,6 +238,65 @@ def test_a_users_transformers_model_gets_its_critic_the_same_way(tmp_path):
         torch.testing.assert_close(values[0], critic.head(hidden[0, 2:4]).squeeze(-1), atol=1e-5, rtol=0)
 
 
+def verl_apply_kl_penalty(token_level_scores, old_log_prob, ref_log_prob, response_mask, beta, kind):
+    """apply_kl_penalty (fixed controller): the KL penalty on each token's reward."""
+    kld = verl_kl_penalty(old_log_prob, ref_log_prob, kind) * response_mask
+    return token_level_scores - beta * kld
+
+
+def verl_kl_penalty(logprob, ref_logprob, kind):
+    """kl_penalty: 'kl' (k1), 'mse' (k2), 'low_var_kl' (k3, clamped to +-10)."""
+    if kind == "kl":
+        return logprob - ref_logprob
+    if kind == "mse":
+        return 0.5 * (logprob - ref_logprob).square()
+    kl = torch.clamp(ref_logprob - logprob, min=-20, max=20)
+    return torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
+
+
+@pytest.mark.parametrize(("ours", "verls"), [("k1", "kl"), ("k2", "mse"), ("k3", "low_var_kl")])
+def test_kl_in_the_reward_goes_on_each_token_as_verls_apply_kl_penalty(ours, verls):
+    """`algo.kl_in: reward` with GAE: each token's reward less beta x its KL estimate at the old log-probs, then GAE,
+    equal to verl's apply_kl_penalty followed by compute_gae_advantage_return on the same tensors."""
+    algo = LMAlgoSection(advantage="gae", kl_in="reward", beta=0.3, kl_estimator=ours, gamma=0.9, lam=0.8)
+    algo.adv_clip = 1000.0
+    samples = [SampleId(0, p, i) for p in range(2) for i in range(2)]
+    generator = torch.Generator().manual_seed(11)
+    lengths = [3, 1, 4, 2]
+    tokens = [list(range(5, 5 + n)) for n in lengths]
+    requests = {s: Request(tuple(s), [1, 2], t, [0.0] * len(t), True) for s, t in zip(samples, tokens)}
+    rewards = dict(zip(samples, [1.0, 0.0, 0.5, 0.25]))
+    per_sample = {
+        name: {s: -torch.rand(n, generator=generator, dtype=torch.float64).numpy() for s, n in zip(samples, lengths)}
+        for name in ("old", "ref", "values")
+    }
+    gae = step_gae(
+        rewards, requests, per_sample["values"], per_sample["old"], per_sample["ref"], algo=algo, max_new_tokens=8
+    )
+    mask = (torch.arange(4)[None, :] < torch.tensor(lengths)[:, None]).double()
+
+    def padded(values):
+        out = torch.zeros(4, 4, dtype=torch.float64)
+        for row, sample in enumerate(samples):
+            out[row, : lengths[row]] = torch.as_tensor(values[sample])
+        return out
+
+    scores = torch.zeros(4, 4, dtype=torch.float64)
+    scores[torch.arange(4), torch.tensor(lengths) - 1] = torch.tensor([rewards[s] for s in samples]).double()
+    token_rewards = verl_apply_kl_penalty(
+        scores, padded(per_sample["old"]), padded(per_sample["ref"]), mask, 0.3, verls
+    )
+    advantages, returns = verl_gae(token_rewards, padded(per_sample["values"]), mask, 0.9, 0.8)
+    for row, sample in enumerate(samples):
+        ours_advantages, ours_returns = gae[sample]
+        torch.testing.assert_close(
+            torch.as_tensor(ours_returns).double(), returns[row, : lengths[row]], atol=1e-6, rtol=0
+        )
+        torch.testing.assert_close(
+            torch.as_tensor(ours_advantages).double(), advantages[row, : lengths[row]], atol=1e-6, rtol=0
+        )
+
+
 def test_step_gae_puts_the_shaped_reward_on_the_last_token():
     """The pipeline's GAE over a scored step, gamma = lam = 1: each token's return is its response's reward (the
     overlong penalty added), whatever the values."""
