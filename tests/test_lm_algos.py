@@ -508,10 +508,10 @@ def learning_curve(tmp_path, *overrides: str) -> tuple[float, list[dict]]:
     return base, [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_rloo_gspo_and_dynamic_sampling_learn_like_grpo(tmp_path):
+def test_rloo_gspo_ppo_and_dynamic_sampling_learn_like_grpo(tmp_path):
     """configs/sort.yaml in the reference loop, 10 steps on a reward the tiny model learns (short completions), seed
     0: the held-out reward rises by 0.1 for GRPO and each other algorithm (two updates a batch among them,
-    algo.num_iterations), and each ends within 0.1 of GRPO's.
+    algo.num_iterations; PPO: GAE with a critic, tests/test_lm_ppo.py), and each ends within 0.1 of GRPO's.
     Dynamic sampling trains only groups whose rewards differ (`frac_reward_zero_std` 0 where it kept B groups) and
     says how many batches it drew."""
     curves = {}
@@ -519,6 +519,7 @@ def test_rloo_gspo_and_dynamic_sampling_learn_like_grpo(tmp_path):
         "grpo": [],
         "rloo": ["algo.advantage=rloo"],
         "gspo": ["algo.loss=gspo"],
+        "ppo": ["algo.advantage=gae", "critic.lr=1e-3", "algo.micro_batches=1"],
         "dynamic": ["algo.dynamic_sampling=true", "algo.dynamic_sampling_max_draws=3"],
         "two_updates": ["algo.num_iterations=2"],
     }.items():

@@ -121,6 +121,15 @@ class Node:
         """Whether a policy places the node on devices: every node but an environment's wait."""
         return self.kind is not Kind.ENV
 
+    @property
+    def phase(self) -> str:
+        """What a trace names the node's work by (its spans' kind, the phases' seconds, a Gantt's colour): its kind,
+        or for PPO's critic `values` (its value pass) and `train_critic` (its train), as the reference loop times
+        them."""
+        if self.critic:
+            return "values" if self.kind is Kind.LOGPROB else "train_critic"
+        return self.kind.value
+
     def seconds_on(self, devices: int) -> float:
         """Predicted seconds on `devices` devices: a collective occupies them all for cost_s; other work spreads
         over at most `max_width` of them; each pays `fixed_s` and its waits (`wait_s`) besides. An env node takes

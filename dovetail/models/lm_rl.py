@@ -29,6 +29,7 @@ from dovetail.algo import (
     lm_grpo_loss,
     rollout_correction_weight,
 )
+from dovetail.algo.lm_grpo import kl_estimate
 from dovetail.algo.reward_shaping import overlong_penalty, sequence_kl
 from dovetail.graph.node import SampleId
 from dovetail.models.engine import CACHE, Request
@@ -444,12 +445,15 @@ def step_gae(
     max_new_tokens: int,
 ) -> dict[SampleId, tuple[np.ndarray, np.ndarray]]:
     """Each scored sample's per-token GAE advantages (whitened over the step's tokens, clipped to +-algo.adv_clip,
-    fp32) and returns (fp32: the critic's targets), `algo.gae_advantages_returns` on the whole step: its shaped
-    outcome reward (`shaped_rewards`) on the response's last token, the critic's `values` of its tokens, `algo.gamma`
-    and `algo.lam`. The same samples and values give the same bits on any device: the step is one padded batch in key
+    fp32) and returns (fp32: the critic's targets), `algo.gae_advantages_returns` on the whole step: its reward with
+    the overlong penalty (`shaped_rewards`) on the response's last token, with `algo.kl_in: reward` less beta x each
+    token's KL estimate at the old log-probs on that token (verl's `apply_kl_penalty`: the penalty is a token's, so a
+    token's return counts the KL of the tokens after it alone), the critic's `values` of its tokens, `algo.gamma` and
+    `algo.lam`. The same samples and values give the same bits on any device: the step is one padded batch in key
     order."""
+    outcome = algo.model_copy(update={"beta": 0.0})  # the KL goes on its tokens below, not summed on the last
     scored, shaped, lengths = shaped_rewards(
-        rewards, scored_requests, old_log_probs, ref_log_probs, algo=algo, max_new_tokens=max_new_tokens
+        rewards, scored_requests, old_log_probs, ref_log_probs, algo=outcome, max_new_tokens=max_new_tokens
     )
     width = int(lengths.max()) if scored else 0
     token_rewards = torch.zeros(len(scored), width, dtype=torch.float64)
@@ -461,6 +465,13 @@ def step_gae(
         mask[row, :length] = True
         if length:
             token_rewards[row, length - 1] = shaped[row]
+        if algo.kl_in == "reward" and algo.beta > 0 and ref_log_probs:
+            request = scored_requests[sample]
+            policy = torch.as_tensor(np.asarray(old_log_probs[sample] if old_log_probs else request.log_probs))
+            reference = torch.as_tensor(np.asarray(ref_log_probs[sample]))
+            token_rewards[row, :length] -= algo.beta * kl_estimate(
+                policy.double(), reference.double(), algo.kl_estimator
+            )
     per_token, returns = gae_advantages_returns(token_rewards, token_values, mask, gamma=algo.gamma, lam=algo.lam)
     per_token = per_token.clamp(-algo.adv_clip, algo.adv_clip).float()
     return {

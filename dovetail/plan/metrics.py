@@ -53,8 +53,9 @@ metrics.jsonl, one line per step (Ray: only under a Ray policy; flow / LM: of th
                         all-reduce, the wait for the slowest device included), on the first replica that answered
   commit_optimizer_s    Ray: seconds that commit then spent on the clip and the optimizer step
   <kind>_s              device-seconds of the step's work of that kind (generate, prefill, decode, migrate, score,
-                        logprob, train, commit): summed over the devices that did it, so under a Ray policy the kinds
-                        together can exceed step_s; policy reference: its one device's wall time
+                        logprob, train, commit; PPO's critic: values, train_critic): summed over the devices that
+                        did it, so under a Ray policy the kinds together can exceed step_s; policy reference: its one
+                        device's wall time
   step_s                wall seconds of the step: since the previous step's commit (reference: its phases end to end)
   samples_per_s         samples the step trained per wall second: its samples over step_s
   eval_reward           on evaluation steps, the held-out total (flow: mean reward of ODE samples; LM: success rate)

@@ -381,7 +381,7 @@ class ClusterState:
                     node_id,
                     node.pipeline,
                     node.step,
-                    node.kind.value,
+                    node.phase,
                     index,
                     running.start,
                     end,

@@ -603,6 +603,7 @@ class LMTrainConfig(RunSection):
         algo = self.algo
         if algo.rollout_correction is None:
             algo.rollout_correction = "none" if engine_matches_trainer(self.rollout_engine) else "tis"
+        self._critic_fits_the_run()
         if self.policy != REFERENCE and algo.advantage in WHOLE_BATCH_ADVANTAGES and algo.micro_batches > 1:
             raise ValueError(
                 f"algo.advantage={algo.advantage} whitens over the whole step: set algo.micro_batches=1 or policy: "
@@ -625,7 +626,6 @@ class LMTrainConfig(RunSection):
                 f"algo.num_iterations={algo.num_iterations}: a sharded trainer takes one update a batch yet; set "
                 "algo.num_iterations=1 or train.sharding: replicate"
             )
-        self._critic_fits_the_run()
         if algo.overlong_buffer > self.max_new_tokens:
             raise ValueError(
                 f"algo.overlong_buffer={algo.overlong_buffer} exceeds max_new_tokens={self.max_new_tokens}: lower it"
