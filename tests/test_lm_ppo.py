@@ -329,6 +329,14 @@ def test_step_gae_puts_the_shaped_reward_on_the_last_token():
             "algo.advantage=gae whitens over the whole step: set algo.micro_batches=1",
         ),
         (["algo.advantage=gae", "critic.cliprange_value=0"], "critic.cliprange_value"),
+        (
+            ["algo.advantage=gae", "critic.lr=1e-4", "algo.num_iterations=2"],
+            "algo.num_iterations=2: the critic takes one update a batch so far",
+        ),
+        (
+            ["algo.advantage=gae", "critic.lr=1e-4", "algo.dynamic_sampling=true"],
+            "algo.dynamic_sampling: a critic's run draws no more prompts yet",
+        ),
     ],
 )
 def test_a_ppo_config_the_run_cannot_honour_is_one_line_naming_the_fix(overrides, message):
