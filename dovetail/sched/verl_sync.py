@@ -10,10 +10,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dovetail.graph.lm import LMShape, stage
+from dovetail.graph.lm import LMShape
 from dovetail.graph.node import Role
 from dovetail.graph.spec import PipelineSpec
-from dovetail.sched.lm_common import StagedLMPolicy, lm_only, rollout_engines, split_pool, step_done, tensor_parallel
+from dovetail.sched.lm_common import (
+    StagedLMPolicy,
+    lm_only,
+    rollout_engines,
+    split_pool,
+    stage_nodes,
+    step_done,
+    tensor_parallel,
+)
 from dovetail.sched.policy import Begin, Decision, Event, StartStep, View
 
 ORDER = ("rollout", "score", "old", "ref", "train", "commit", "publish")
@@ -49,8 +57,8 @@ class VerlSync(StagedLMPolicy):
             if switches or not self.free(view, group, Role.ROLLOUT):
                 return switches
             return [StartStep(pipeline, following, view.published[pipeline])]
-        unfinished = {stage(n) for n in view.graph.of(pipeline, step) if n.id not in view.finished}
-        current = next(name for name in ORDER if name in unfinished)
+        stages = stage_nodes(view.graph, pipeline, step)
+        current = next(name for name in ORDER if any(n not in view.finished for n in stages.get(name, ())))
         ready = [n for n in self.ready_nodes(view, pipeline) if n.step == step]
         if current == "rollout":
             return self.place_rollout(view, group, tensor_parallel(view, pipeline, group), ready)
