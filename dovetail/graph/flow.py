@@ -352,7 +352,7 @@ def step_totals(spec: FlowSpec, shape: FlowShape, cost: CostModel) -> StepTotals
     seconds: dict[Kind, float] = dict.fromkeys(Kind, 0)
     generate_gb = train_gb = float("-inf")
     for mini_batch in range(spec.mini_batches):
-        pieces = [len(samples) for samples in _pieces(cut, 0, mini_batch)]
+        pieces = _piece_sizes(cut, mini_batch)
         for n in pieces:
             piece = cut.piece(n)
             seconds[Kind.GENERATE] += piece.generate_s
@@ -388,6 +388,17 @@ def _pieces(cut: _Cut, step: int, mini_batch: int) -> list[tuple[SampleId, ...]]
         return [tuple(samples[r.start : r.stop]) for r in split(len(samples), per_mini_batch)]
     fragments = split(spec.prompts, shape.fragments)[mini_batch * per_mini_batch : (mini_batch + 1) * per_mini_batch]
     return [tuple(SampleId(step, p, i) for p in fragment for i in range(spec.group)) for fragment in fragments]
+
+
+def _piece_sizes(cut: _Cut, mini_batch: int) -> list[int]:
+    """The number of samples in each rollout piece of one mini-batch, as `_pieces` cuts them (without the samples)."""
+    spec, shape = cut.spec, cut.shape
+    per_mini_batch = shape.fragments // spec.mini_batches
+    if shape.staged:
+        samples = len(split(spec.prompts, spec.mini_batches)[mini_batch]) * spec.group
+        return [len(r) for r in split(samples, per_mini_batch)]
+    fragments = split(spec.prompts, shape.fragments)[mini_batch * per_mini_batch : (mini_batch + 1) * per_mini_batch]
+    return [len(fragment) * spec.group for fragment in fragments]
 
 
 def _mini_batch(
