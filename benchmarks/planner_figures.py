@@ -40,13 +40,16 @@ def steady_step_s(scenario: Scenario, policy: str) -> float:
 
 def calibration() -> None:
     """Two tables: the published runs a factor (or the scenario's cluster network) was fitted to, then the held-out
-    ones, each with the simulated steady step and its error."""
+    ones, each with the simulated steady step and its error, and where its device and network come from."""
     runs = [(name, load_scenario(name)) for name in list_scenarios()]
     runs = [(name, scenario) for name, scenario in runs if scenario.published is not None]
     for held_out in (False, True):
         print(f"\n{'Held out' if held_out else 'Fitted'}:\n")
-        print("| scenario | devices | network | published step | simulated step | error | source |")
-        print("|---|---|---|---|---|---|---|")
+        print(
+            "| scenario | devices | network | published step | simulated step | error | source "
+            "| device: assumption and source | network: assumption and source |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|")
         for name, scenario in runs:
             published = scenario.published
             if published.held_out != held_out:
@@ -56,7 +59,8 @@ def calibration() -> None:
             print(
                 f"| {name} | {scenario.cluster.devices}x {scenario.cluster.device} "
                 f"| {'catalogue' if network is None else f'{network:g} Gb/s per GPU'} | {published.step_time_s:g} s "
-                f"| {simulated:.1f} s | {simulated / published.step_time_s - 1:+.1%} | {published.source} |"
+                f"| {simulated:.1f} s | {simulated / published.step_time_s - 1:+.1%} | {published.source} "
+                f"| {published.device_assumption} | {published.network_assumption} |"
             )
 
 

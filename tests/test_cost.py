@@ -197,11 +197,19 @@ def fsdp_gather(devices: int, nbytes: float, layers: int = FLUX.layers) -> float
     return (devices - 1) * (layers * latency + nbytes / devices / bandwidth)
 
 
+def fastvideo_pass(cal: Calibration, compute: float, transfer: float, params: float, casts: int) -> float:
+    """A pass of fastvideo's fp32 FSDP under bf16 autocast, by hand: each forward casts the fp32 weights to bf16 (6
+    bytes per parameter through HBM at the optimizer's efficiency) before its compute, and the exposed fraction of
+    the shorter of compute and traffic adds to the longer."""
+    busy = compute + casts * params * 6 / (device("H100").memory_bandwidth * cal.optimizer_bandwidth_efficiency)
+    return max(busy, transfer) + cal.fastvideo_exposed_fraction * min(busy, transfer)
+
+
 def test_a_pass_takes_the_longer_of_its_compute_and_its_fsdp_traffic():
     """SD3.5-M, one 256x256 sample at one timestep per pass on 16 H100s (two nodes): a training pass pays the bf16
     all-gathers of forward and backward plus the fp32 gradient reduce-scatter (they outlast its compute), with fp32
-    parameters (fastvideo's FSDP) twice the all-gather bytes; a forward-only pass the longer of its compute and one
-    all-gather."""
+    parameters (fastvideo's FSDP) twice the all-gather bytes, its forward and recompute casting them (`fastvideo_pass`);
+    a forward-only pass the longer of its compute and one all-gather."""
     cal = Calibration()
     cost, h100 = CostModel("H100", cal), device("H100")
     sd3 = diffusion_model("SD3.5-M")
@@ -212,8 +220,13 @@ def test_a_pass_takes_the_longer_of_its_compute_and_its_fsdp_traffic():
     samples = 32  # two per device: two passes
     assert cost.dit_train(sd3, samples, 1, tokens, devices=16, micro_batch=1) == pytest.approx(16 * 2 * traffic)
     fp32 = 3 * fsdp_gather(16, sd3.params * 4, sd3.layers)
+    train = (
+        4
+        * CostModel.dit_forward_flops(sd3, tokens)
+        / (h100.peak_flops * cal.dit_train_mfu * tokens / (tokens + cal.dit_half_mfu_tokens))
+    )
     assert cost.dit_train(sd3, samples, 1, tokens, devices=16, micro_batch=1, param_bytes=4) == pytest.approx(
-        16 * 2 * fp32
+        16 * 2 * fastvideo_pass(cal, train, fp32, sd3.params, casts=2)
     )
     gather = fsdp_gather(16, sd3.params * 2, sd3.layers)
     forward = CostModel.dit_forward_flops(sd3, tokens) / (
@@ -226,14 +239,20 @@ def test_a_pass_takes_the_longer_of_its_compute_and_its_fsdp_traffic():
 
 def test_a_sharded_trainer_that_samples_gathers_the_weights_every_denoising_forward():
     """DanceGRPO samples with its FSDP trainer: one SD3.5-M image per pass over 16 H100s, each of the 10 denoising
-    forwards all-gathering the fp32 weights (traffic-bound at 256x256), against a replicated engine's compute alone."""
+    forwards all-gathering the fp32 weights and casting them under autocast (`fastvideo_pass`; traffic-bound at
+    256x256), against a replicated engine's compute alone."""
     cal = Calibration()
     cost = CostModel("H100", cal)
     sd3 = diffusion_model("SD3.5-M")
     replicated = cost.generate(sd3, 4, 256, 256, 10, batch=1)
     sharded = cost.generate(sd3, 4, 256, 256, 10, batch=1, sharded_over=16, param_bytes=4)
     encode_decode = cost.text_encode_seconds(sd3, 4) + cost.vae_decode_seconds(sd3, 4, 256, 256)
-    assert sharded == pytest.approx(encode_decode + 4 * 10 * fsdp_gather(16, sd3.params * 4, sd3.layers))
+    tokens = sd3.latent_tokens(256, 256)
+    compute = CostModel.dit_forward_flops(sd3, tokens) / (
+        device("H100").peak_flops * cal.dit_inference_mfu * tokens / (tokens + cal.dit_half_mfu_tokens)
+    )
+    gather = fsdp_gather(16, sd3.params * 4, sd3.layers)
+    assert sharded == pytest.approx(encode_decode + 4 * 10 * fastvideo_pass(cal, compute, gather, sd3.params, 1))
     assert sharded > replicated
 
 

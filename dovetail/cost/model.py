@@ -362,7 +362,7 @@ class CostModel:
         if sharded_over > 1:
             forwards = math.ceil(samples / (batch or samples)) * steps
             gather = self.collective_seconds(model.params * param_bytes, sharded_over, model.layers)
-            dit = max(dit, forwards * gather)
+            dit = self.fsdp_pass_seconds(model, dit, forwards * gather, param_bytes, casts=forwards)
         seconds = (
             dit
             + self.text_encode_seconds(model, samples, devices)
@@ -386,6 +386,24 @@ class CostModel:
         """Efficiency of one forward/backward holding `tokens` tokens: the large-pass `mfu` scaled down by
         small-batch under-utilisation, tokens / (tokens + dit_half_mfu_tokens)."""
         return mfu * tokens / (tokens + self.calibration.dit_half_mfu_tokens)
+
+    def fsdp_pass_seconds(
+        self, model: DiffusionModel, compute: float, transfer: float, param_bytes: int, casts: int
+    ) -> float:
+        """Wall seconds of FSDP passes whose compute takes `compute` and whose parameter / gradient collectives take
+        `transfer`, prefetched under the compute. Parameters gathered in bf16 (verl): the longer of the two. In fp32
+        under bf16 autocast (fastvideo, DanceGRPO's and MixGRPO's trainer: `Calibration.fastvideo_exposed_fraction`
+        names the sources), each of the `casts` forwards first casts every gathered fp32 weight to bf16 (4 bytes
+        read, 2 written per parameter, at the optimizer's streaming efficiency) on the compute stream, and
+        `fastvideo_exposed_fraction` of the shorter of compute and transfer is not hidden: one image per pass leaves
+        each layer's compute too short to cover its gather, and the rate-limited prefetch keeps two in flight."""
+        if param_bytes != FP32:
+            return max(compute, transfer)
+        cast = self.memory_seconds(
+            casts * model.params * (FP32 + BF16), self.calibration.optimizer_bandwidth_efficiency
+        )
+        compute += cast
+        return max(compute, transfer) + self.calibration.fastvideo_exposed_fraction * min(compute, transfer)
 
     def fsdp_pass_transfer_seconds(
         self,
@@ -426,12 +444,14 @@ class CostModel:
         host_streaming: bool = False,
         trainable: float | None = None,
         param_bytes: int = BF16,
+        casts: int = 1,
     ) -> float:
         """Device-seconds (`devices` x wall) of an FSDP group of `devices` running `pairs` (sample, timestep)
         transitions, spread evenly over the devices, each device its share in passes of at most
         `pairs_per_pass` pairs (None: one pass). A pass costs `forwards` DiT forwards per pair at the
         pass's efficiency, or its parameter / gradient traffic if that is longer (prefetch overlaps the
-        two); the busiest device sets the wall time."""
+        two; `fsdp_pass_seconds`, where `casts` of the forwards run the model's forward under autocast); the
+        busiest device sets the wall time."""
         per_device = math.ceil(pairs / devices)
         passes = math.ceil(per_device / (pairs_per_pass or per_device))
         held = per_device / passes * (2 if cfg else 1)
@@ -439,7 +459,7 @@ class CostModel:
             forwards * held * self.dit_forward_flops(model, latent_tokens), self.pass_mfu(mfu, held * latent_tokens)
         )
         transfer = self.fsdp_pass_transfer_seconds(model, devices, backward, host_streaming, trainable, param_bytes)
-        return devices * passes * max(compute, transfer)
+        return devices * passes * self.fsdp_pass_seconds(model, compute, transfer, param_bytes, casts)
 
     def dit_logprob(
         self,
@@ -501,6 +521,7 @@ class CostModel:
             pairs_per_pass=micro_batch and micro_batch * timesteps,
             trainable=trainable,
             param_bytes=param_bytes,
+            casts=1 + (1 if checkpointing else 0),  # the forward, and its recompute in the backward
         )
         return self._corrected("train", seconds)
 

@@ -12,6 +12,7 @@ Step s trains weights version s; its first train node waits for the previous ste
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 from dovetail.cost.catalog import DiffusionModel, diffusion_model
 from dovetail.cost.model import CostModel, lora_params
@@ -249,6 +250,132 @@ class _Cut:
     def node_id(self, step: int, what: str) -> str:
         return f"{self.spec.name}/s{step}/{what}"
 
+    @cached_property
+    def _pieces_costed(self) -> dict[int, _PieceCosts]:
+        return {}
+
+    def piece(self, samples: int) -> _PieceCosts:
+        """What a rollout piece of `samples` samples costs and holds, from its generate node to its trainer nodes:
+        priced once per size (a step's pieces have one or two sizes), for every step the cut builds and for the
+        totals a search ranks on (`step_totals`)."""
+        if samples not in self._pieces_costed:
+            self._pieces_costed[samples] = _PieceCosts.of(self, samples)
+        return self._pieces_costed[samples]
+
+
+@dataclass(frozen=True)
+class _PieceCosts:
+    """The seconds and working memory of the nodes of one rollout piece of `samples` samples under a cut: its
+    generate and score nodes and its trainer nodes (the log-prob forward, None where there is none, and a train node
+    per TSP chunk), as `_rollout` and `_trainer` give them to their nodes."""
+
+    generate_s: float
+    generate_gb: float
+    score_s: float
+    logprob_s: float | None
+    logprob_gb: float
+    train_s: tuple[float, ...]
+    train_gb: tuple[float, ...]
+
+    @classmethod
+    def of(cls, cut: _Cut, n: int) -> _PieceCosts:
+        spec, shape, cost, model = cut.spec, cut.shape, cut.cost, cut.model
+        batch = min(n, cut.generation_batch)
+        generate_s = cost.generate(
+            model,
+            n,
+            spec.height,
+            spec.width,
+            spec.denoising_steps,
+            spec.frames,
+            spec.cfg,
+            batch=batch,
+            sharded_over=shape.group if spec.sampler == "trainer" else 1,
+            param_bytes=cut.param_bytes,
+        )
+        score_s = cost.vlm_score(n) if spec.reward == "vlm" else cost.rule_score(n)
+        tokens, micro, group = cut.tokens, spec.micro_batch, shape.group
+        logprob_s: float | None = None
+        logprob_gb = 0.0
+        if shape.recompute_logprob or spec.reference:
+            logprob_s = 0.0
+            if shape.recompute_logprob:
+                logprob_s += cost.dit_logprob(
+                    model, n, spec.trained_timesteps, tokens, cut.train_cfg, group, micro, param_bytes=cut.param_bytes
+                )
+            if spec.reference:  # verl's reference model runs under FSDP CPUOffload: parameters stream in per pass
+                logprob_s += cost.dit_logprob(
+                    model, n, spec.trained_timesteps, tokens, cut.train_cfg, group, micro, host_streaming=True
+                )
+            activations = cost.training_memory(0, 1, model.hidden, tokens * cut.passes * micro, checkpointing=False)
+            logprob_gb = activations.activations / GB
+        train_s, train_gb = [], []
+        for start, stop in cut.timestep_chunks:
+            activations = cost.training_memory(
+                0, model.layers, model.hidden, tokens * cut.passes * micro * (stop - start)
+            )
+            train_gb.append(activations.activations / GB)
+            train_s.append(
+                cost.dit_train(
+                    model,
+                    n,
+                    stop - start,
+                    tokens,
+                    cut.train_cfg,
+                    group,
+                    micro,
+                    trainable=cut.trainable,
+                    param_bytes=cut.param_bytes,
+                )
+            )
+        return cls(generate_s, cut.generate_gb * batch, score_s, logprob_s, logprob_gb, tuple(train_s), tuple(train_gb))
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """One step of a flow pipeline under a shape, summed per node kind without its nodes: what a search ranks a cut
+    by (`sched.digen_search`). `seconds[kind]` is the sum of the kind's `cost_s` over the step's nodes in the order
+    `build_flow` makes them (so equal to summing the built nodes', to the last bit); the memories are the largest a
+    generate and a train node of the step holds."""
+
+    seconds: dict[Kind, float]
+    generate_gb: float
+    train_gb: float
+
+
+def step_totals(spec: FlowSpec, shape: FlowShape, cost: CostModel) -> StepTotals:
+    """The per-kind totals of one step of `spec` cut by `shape` (see `StepTotals`), each piece priced once per size
+    (`_Cut.piece`): the step's nodes are not made. A search weighs hundreds of cuts a plan; building each one's
+    graph to add up its costs was most of a plan's time on 64 devices and more."""
+    shape.check(spec)
+    cut = _Cut.of(spec, shape, cost)
+    seconds: dict[Kind, float] = dict.fromkeys(Kind, 0)
+    generate_gb = train_gb = float("-inf")
+    for mini_batch in range(spec.mini_batches):
+        pieces = _piece_sizes(cut, mini_batch)
+        for n in pieces:
+            piece = cut.piece(n)
+            seconds[Kind.GENERATE] += piece.generate_s
+            seconds[Kind.SCORE] += piece.score_s
+            generate_gb = max(generate_gb, piece.generate_gb)
+            if not shape.staged:
+                train_gb = _add_trainer(seconds, piece, train_gb)
+        if shape.staged:
+            train_gb = _add_trainer(seconds, cut.piece(sum(pieces)), train_gb)
+        seconds[Kind.COMMIT] += cut.optimizer_s
+    seconds[Kind.PUBLISH] += cut.publish_s
+    return StepTotals(seconds, generate_gb, train_gb)
+
+
+def _add_trainer(seconds: dict[Kind, float], piece: _PieceCosts, train_gb: float) -> float:
+    """Add a piece's trainer nodes to `seconds`, in `_trainer`'s order; the largest train memory so far."""
+    if piece.logprob_s is not None:
+        seconds[Kind.LOGPROB] += piece.logprob_s
+    for train_s, gb in zip(piece.train_s, piece.train_gb):
+        seconds[Kind.TRAIN] += train_s
+        train_gb = max(train_gb, gb)
+    return train_gb
+
 
 def _pieces(cut: _Cut, step: int, mini_batch: int) -> list[tuple[SampleId, ...]]:
     """The samples of each rollout piece of one mini-batch: GAP fragments of whole groups, or a staged trainer's even
@@ -261,6 +388,17 @@ def _pieces(cut: _Cut, step: int, mini_batch: int) -> list[tuple[SampleId, ...]]
         return [tuple(samples[r.start : r.stop]) for r in split(len(samples), per_mini_batch)]
     fragments = split(spec.prompts, shape.fragments)[mini_batch * per_mini_batch : (mini_batch + 1) * per_mini_batch]
     return [tuple(SampleId(step, p, i) for p in fragment for i in range(spec.group)) for fragment in fragments]
+
+
+def _piece_sizes(cut: _Cut, mini_batch: int) -> list[int]:
+    """The number of samples in each rollout piece of one mini-batch, as `_pieces` cuts them (without the samples)."""
+    spec, shape = cut.spec, cut.shape
+    per_mini_batch = shape.fragments // spec.mini_batches
+    if shape.staged:
+        samples = len(split(spec.prompts, spec.mini_batches)[mini_batch]) * spec.group
+        return [len(r) for r in split(samples, per_mini_batch)]
+    fragments = split(spec.prompts, shape.fragments)[mini_batch * per_mini_batch : (mini_batch + 1) * per_mini_batch]
+    return [len(fragment) * spec.group for fragment in fragments]
 
 
 def _mini_batch(
@@ -302,9 +440,8 @@ def _mini_batch(
 
 def _rollout(cut: _Cut, step: int, fragment: int, samples: tuple[SampleId, ...]) -> tuple[Node, Node]:
     """A rollout piece's generate node and the score node of its samples."""
-    spec, cost, n = cut.spec, cut.cost, len(samples)
-    batch = min(n, cut.generation_batch)
-    sharded_over = cut.shape.group if spec.sampler == "trainer" else 1
+    spec, n = cut.spec, len(samples)
+    piece = cut.piece(n)
     generate = Node(
         cut.node_id(step, f"gen{fragment}"),
         spec.name,
@@ -314,19 +451,8 @@ def _rollout(cut: _Cut, step: int, fragment: int, samples: tuple[SampleId, ...])
         (),
         step,
         samples,
-        cost_s=cost.generate(
-            cut.model,
-            n,
-            spec.height,
-            spec.width,
-            spec.denoising_steps,
-            spec.frames,
-            spec.cfg,
-            batch=batch,
-            sharded_over=sharded_over,
-            param_bytes=cut.param_bytes,
-        ),
-        memory_gb=cut.generate_gb * batch,
+        cost_s=piece.generate_s,
+        memory_gb=piece.generate_gb,
         tokens=n * cut.tokens,
     )
     score = Node(
@@ -338,7 +464,7 @@ def _rollout(cut: _Cut, step: int, fragment: int, samples: tuple[SampleId, ...])
         (generate.id,),
         step,
         samples,
-        cost_s=cost.vlm_score(n) if spec.reward == "vlm" else cost.rule_score(n),
+        cost_s=piece.score_s,
     )
     return generate, score
 
@@ -356,21 +482,10 @@ def _trainer(
     """Old / reference log-prob forward (if any; it needs the `generated` samples and the step's `weights`, not
     their rewards: verl awaits an async reward only after it) and one train node per timestep chunk for
     `samples` (it needs the scored `data` and the previous optimizer step)."""
-    spec, shape, cost, model = cut.spec, cut.shape, cut.cost, cut.model
-    n, tokens, micro, group = len(samples), cut.tokens, spec.micro_batch, shape.group
+    spec, piece = cut.spec, cut.piece(len(samples))
     out: list[Node] = []
     train_deps = data + ([previous_commit] if previous_commit else [])
-    if shape.recompute_logprob or spec.reference:
-        logprob_s = 0.0
-        if shape.recompute_logprob:
-            logprob_s += cost.dit_logprob(
-                model, n, spec.trained_timesteps, tokens, cut.train_cfg, group, micro, param_bytes=cut.param_bytes
-            )
-        if spec.reference:  # verl's reference model runs under FSDP CPUOffload: parameters stream in per pass
-            logprob_s += cost.dit_logprob(
-                model, n, spec.trained_timesteps, tokens, cut.train_cfg, group, micro, host_streaming=True
-            )
-        activations = cost.training_memory(0, 1, model.hidden, tokens * cut.passes * micro, checkpointing=False)
+    if piece.logprob_s is not None:
         logprob = Node(
             cut.node_id(step, f"logprob{label}"),
             spec.name,
@@ -380,13 +495,12 @@ def _trainer(
             (*generated, *weights),
             step,
             samples,
-            cost_s=logprob_s,
-            memory_gb=activations.activations / GB,
+            cost_s=piece.logprob_s,
+            memory_gb=piece.logprob_gb,
         )
         out.append(logprob)
         train_deps.append(logprob.id)
-    for start, stop in cut.timestep_chunks:
-        activations = cost.training_memory(0, model.layers, model.hidden, tokens * cut.passes * micro * (stop - start))
+    for (start, stop), train_s, train_gb in zip(cut.timestep_chunks, piece.train_s, piece.train_gb):
         out.append(
             Node(
                 cut.node_id(step, f"train{label}.t{start}-{stop}"),
@@ -398,18 +512,8 @@ def _trainer(
                 step,
                 samples,
                 timesteps=(start, stop),
-                cost_s=cost.dit_train(
-                    model,
-                    n,
-                    stop - start,
-                    tokens,
-                    cut.train_cfg,
-                    group,
-                    micro,
-                    trainable=cut.trainable,
-                    param_bytes=cut.param_bytes,
-                ),
-                memory_gb=activations.activations / GB,
+                cost_s=train_s,
+                memory_gb=train_gb,
             )
         )
     return out

@@ -23,7 +23,11 @@ from __future__ import annotations
 
 import math
 import random
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Any
 
 from dovetail.cost.catalog import LanguageModel
 from dovetail.cost.model import CostModel, lora_params
@@ -245,18 +249,45 @@ def build_lm(spec: LMSpec, steps: int, shape: LMShape, cost: CostModel, seed: in
     cost = shape.cost_model(cost)
     nodes: list[Node] = []
     previous_commit: str | None = None
+    rollout_cut = replace(shape, trainer_devices=1, shared=False)
     for step in range(steps):
-        samples = step_samples(spec, step, shape.shards, seed)
         if spec.draws == 1:
-            rollout, last_of = _rollout(spec, model, cost, shape, step, samples, seed)
+            samples, rollout, last_of = _step_rollout(spec, cost, rollout_cut, step, seed)
             training = _training(spec, model, cost, shape, step, samples, last_of, previous_commit)
-        else:
-            rollout, scores = _draws(spec, model, cost, shape, step, samples, seed)
-            first = [s for s in samples if s.id.prompt < spec.batch]  # what its training is priced for: B groups
+            nodes += [*rollout, *training]
+        else:  # a step of several draws (dynamic sampling): built here, its rollouts waiting on its scores
+            drawn = step_samples(spec, step, shape.shards, seed)
+            draws, scores = _draws(spec, model, cost, shape, step, drawn, seed)
+            first = [s for s in drawn if s.id.prompt < spec.batch]  # what its training is priced for: B groups
             training = _training(spec, model, cost, shape, step, first, {}, previous_commit, scores)
-        nodes += rollout + training
+            nodes += [*draws, *training]
         previous_commit = training[-2].id
     return [replace(node, exclusive=False) for node in nodes] if shape.shared else nodes
+
+
+ROLLOUTS_KEPT = 512
+"""Steps' rollouts `_step_rollout` keeps (the most recently asked for)."""
+_rollouts: OrderedDict[tuple, tuple[tuple[Sample, ...], tuple[Node, ...], Mapping[SampleId, Any]]] = OrderedDict()
+
+
+def _step_rollout(
+    spec: LMSpec, cost: CostModel, shape: LMShape, step: int, seed: int
+) -> tuple[tuple[Sample, ...], tuple[Node, ...], Mapping[SampleId, Any]]:
+    """One step's samples, its rollout nodes and, per sample, where it finishes (`_rollout`): memoized, as they
+    depend only on the rollout's part of the shape (`shape` comes with its trainer fields cleared, `cost` as the
+    shape sizes the rollout's memory), so the many cuts a search weighs that differ only in their trainer pool
+    (`sched.lm_common.SplitLMPolicy.shape`, jigsaw's candidates) price a step's decoding once. The spec is keyed by
+    its fields (it holds lists), the cost model by identity. Callers only read what it returns."""
+    key = (spec.model_dump_json(), cost, shape, step, seed)
+    if key in _rollouts:
+        _rollouts.move_to_end(key)
+        return _rollouts[key]
+    samples = step_samples(spec, step, shape.shards, seed)
+    rollout, last_of = _rollout(spec, spec.catalogue_model(), cost, shape, step, samples, seed)
+    made = _rollouts[key] = (tuple(samples), tuple(rollout), MappingProxyType(last_of))
+    if len(_rollouts) > ROLLOUTS_KEPT:
+        _rollouts.popitem(last=False)
+    return made
 
 
 def _id(spec: LMSpec, step: int, *parts: object) -> str:
@@ -545,7 +576,7 @@ def _finishing_levels(samples: list[Sample], rollout: list[Node], shape: LMShape
     return level
 
 
-def _finished_after(members: list[Sample], last_of: dict, lengths_known: bool) -> tuple[str, ...]:
+def _finished_after(members: list[Sample], last_of: Mapping, lengths_known: bool) -> tuple[str, ...]:
     """The decode nodes after which every member has finished: their shards' last bands; with lengths learnt at
     run time, the latest finishing level among them."""
     if lengths_known:
@@ -553,7 +584,7 @@ def _finished_after(members: list[Sample], last_of: dict, lengths_known: bool) -
     return max(last_of[s.id] for s in members)[1]
 
 
-def _prompt_order(samples: list[Sample]) -> list[int]:
+def _prompt_order(samples: Sequence[Sample]) -> list[int]:
     """Prompts by the length of their group's longest response (ties by index): the order groups finish."""
     longest: dict[int, int] = {}
     for s in samples:
@@ -567,7 +598,7 @@ def _training(
     cost,
     shape: LMShape,
     step,
-    samples: list[Sample],
+    samples: Sequence[Sample],
     last_of,
     previous_commit: str | None,
     draw_scores: list[Node] | None = None,

@@ -98,6 +98,7 @@ def prepare(
     shapes: dict | None = None,
     cost: CostModel | Mapping[str, CostModel] | None = None,
     searched: list | None = None,
+    simulations: dict | None = None,
     **shape_overrides,
 ) -> Prepared:
     """Build the sub-stage graph the policy wants for every pipeline, the engines' footprints, and the policy.
@@ -108,7 +109,9 @@ def prepare(
     pipeline or per pipeline name (the Ray runtime passes each pipeline's, corrected by costs profiled on its own
     devices); the pool has one interference table (`Setup.slowdown`), the first pipeline's cost model's. A policy that
     searches simulates its candidates here; `searched` (a list), when given, receives a `Searched` for each (what
-    `dovetail plan` shows)."""
+    `dovetail plan` shows). `simulations`, when given, keeps each candidate's simulated trace by the schedule it runs
+    (`Policy.simulates_as`), its shapes and horizon: `dovetail plan` passes one to every policy of a plan on one
+    pool and cost model, so a candidate two policies run alike is simulated once."""
     cls = policy_class(policy)
     for spec in scenario.pipelines:
         if spec.kind not in cls.pipeline_kinds:
@@ -125,6 +128,7 @@ def prepare(
         devices or scenario.cluster.devices,
         cost if isinstance(cost, Mapping) else {spec.name: cost for spec in scenario.pipelines},
         shape_overrides.pop("trainer_devices", None) or scenario.schedule.trainer_devices,
+        simulations,
     )
     steps = steps or scenario.schedule.steps
     try:
@@ -187,6 +191,8 @@ class Planning:
     devices: int
     costs: Mapping[str, CostModel]
     trainer_devices: int | None
+    simulations: dict | None = None
+    """Traces of the candidates simulated so far, shared by the policies of one plan (`prepare`)."""
 
     @property
     def pipeline_devices(self) -> int:
@@ -233,7 +239,11 @@ class Planning:
             if not simulated:
                 return 0.0
             candidate = fixed(candidate)
-            trace = run_prepared(scenario, self.built(candidate, horizon))
+            key = (cls.simulates_as(candidate), self.devices, self.options, tuple(sorted(candidate.items())), horizon)
+            simulations = {} if self.simulations is None else self.simulations
+            if key not in simulations:
+                simulations[key] = run_prepared(scenario, self.built(candidate, horizon))
+            trace = simulations[key]
             record = searched_from(self.policy, candidate, horizon, trace)
             if searched is not None:
                 searched.append(record)

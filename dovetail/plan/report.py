@@ -130,10 +130,13 @@ def plan(scenario: Scenario, devices: int, policies: list[str] | None = None) ->
     lines = [f"plan for {scenario.name} on {devices}x {scenario.cluster.device}, simulated over {steps} steps"]
     baseline: float | None = None
     chosen_by_policy: dict[str, Searched] = {}
+    simulations: dict = {}  # digen+tcss simulates the candidates it runs as digen does once, not again
     for name in names:
         searched: list[Searched] = []
         try:
-            prepared = prepare(scenario, name, steps=steps, devices=devices, cost=cost, searched=searched)
+            prepared = prepare(
+                scenario, name, steps=steps, devices=devices, cost=cost, searched=searched, simulations=simulations
+            )
         except ValueError as error:
             lines.append(f"{name}: cannot run: {' '.join(str(error).split())}")
             continue

@@ -117,6 +117,18 @@ class PublishedRun(_Model):
     phases_s: dict[str, Annotated[float, Field(ge=0)]] = Field(
         default_factory=dict, description="Published seconds per phase (generate, logprob, train, publish...)."
     )
+    device_assumption: str = Field(
+        "",
+        max_length=400,
+        description="Where `cluster.device` comes from: the source's own device, or what was assumed and why (a "
+        "device chosen after seeing the figure makes the run a fitted point, `held_out: false`).",
+    )
+    network_assumption: str = Field(
+        "",
+        max_length=400,
+        description="Where the cluster's network comes from: none crossed, the catalogue's NICs and why they are "
+        "the source's, or `cluster.network_gbps` fitted to the run.",
+    )
     shape: PublishedShape = Field(
         default_factory=PublishedShape, description="Settings of the published run's recipe, applied to reproduce it."
     )

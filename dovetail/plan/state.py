@@ -38,6 +38,9 @@ class DecisionError(ValueError):
 
 @dataclass
 class DeviceState:
+    """One device's bookkeeping. `idle` and `free_share` are read for every device at nearly every decision, so they
+    are kept as the device changes (`take`, `release`, `set_switching`), not derived at each read."""
+
     index: int
     capacity_gb: float
     role: Role | None = None
@@ -46,30 +49,37 @@ class DeviceState:
     """Node -> the share of the device it takes (`take` / `release` keep `taken_share` their sum)."""
     working_gb: float = 0.0
     switching: bool = False
+    """Set through `set_switching`."""
     taken_share: float = 0.0
+    idle: bool = True
+    """Runs nothing and is not switching."""
+    free_share: float = 1.0
+    """What a decision may still place here: none while switching, else what the running nodes leave."""
 
     @property
     def memory_gb(self) -> float:
         return self.resident_gb + self.working_gb
 
-    @property
-    def idle(self) -> bool:
-        return not self.running and not self.switching
-
-    @property
-    def free_share(self) -> float:
-        """What a decision may still place here: read at every decision for every device, so kept, not summed."""
-        return 0.0 if self.switching else 1.0 - self.taken_share
+    def set_switching(self, switching: bool) -> None:
+        self.switching = switching
+        self.idle = not self.running and not switching
+        self.free_share = 0.0 if switching else 1.0 - self.taken_share
 
     def take(self, node_id: str, share: float, memory_gb: float) -> None:
-        self.running[node_id] = share
-        self.taken_share = sum(self.running.values())
+        running = self.running
+        running[node_id] = share
+        self.taken_share = taken = sum(running.values())
         self.working_gb += memory_gb
+        self.idle = False
+        self.free_share = 0.0 if self.switching else 1.0 - taken
 
     def release(self, node_id: str, memory_gb: float) -> None:
-        del self.running[node_id]
-        self.taken_share = sum(self.running.values())
+        running = self.running
+        del running[node_id]
+        self.taken_share = taken = sum(running.values())
         self.working_gb -= memory_gb
+        self.idle = not running and not self.switching
+        self.free_share = 0.0 if self.switching else 1.0 - taken
 
 
 @dataclass
@@ -111,6 +121,9 @@ class ClusterState:
         self.now = 0.0
         self.devices = [DeviceState(i, setup.memory_gb) for i in range(setup.devices)]
         self.ready: dict[str, None] = {}
+        self.ready_by_kind: dict[Kind, dict[str, None]] = {kind: {} for kind in Kind}
+        """`ready` split by node kind, each in the order its nodes became ready: what a policy asks at every decision
+        (`sched.policy.ready_of`), kept rather than filtered out of every ready node each time."""
         self.running: dict[str, Running] = {}
         self.finished: set[str] = set()
         self.published: dict[str, int] = {p: 0 for p in graph.pipelines()}
@@ -196,7 +209,10 @@ class ClusterState:
         running = self.running[node_id]
         if self.slowdown is None:
             return running.share
-        kind = self.graph[node_id].kind.value
+        node = self.graph[node_id]
+        if node.exclusive:  # nothing runs beside it (`_check_devices`): full speed, without looking at its devices
+            return 1.0
+        kind = node.kind.value
         return 1.0 / max((self.slowdown(kind, other) for other in self.alongside(node_id)), default=1.0)
 
     def _retime_around(self, devices: Sequence[int]) -> None:
@@ -245,6 +261,7 @@ class ClusterState:
         self.stopped.add(pipeline)
         for node_id in [n for n in self.ready if self.graph[n].pipeline == pipeline]:
             del self.ready[node_id]
+            del self.ready_by_kind[self.graph[node_id].kind][node_id]
         for node_id in [n for n in self.waiting if self.graph[n].pipeline == pipeline]:
             del self.waiting[node_id]
         for node_id in [n for n in self.running if self.graph[n].pipeline == pipeline]:
@@ -261,6 +278,7 @@ class ClusterState:
             self._new_waits.append(node_id)
             return
         self.ready[node_id] = None
+        self.ready_by_kind[self.graph[node_id].kind][node_id] = None
         self._events.append(NodeReady(self.now, node_id))
 
     def _check_devices(self, what: object, node_id: str, devices: Sequence[int], share: float) -> None:
@@ -269,39 +287,41 @@ class ClusterState:
             raise DecisionError(f"{what}: devices must be distinct and non-empty")
         if not 0 < share <= 1 or (node.exclusive and share != 1):
             raise DecisionError(f"{what}: share must be in (0, 1] and exactly 1 for an exclusive node")
+        nodes, states = self.graph.nodes, self.devices
+        any_role = can_run(node, None)  # a reward or multiplexed node runs whatever a device holds
+        memory_gb, exclusive = node.memory_gb, node.exclusive
         for index in devices:
-            if not 0 <= index < len(self.devices):
+            if not 0 <= index < len(states):
                 raise DecisionError(f"{what}: no device {index}")
-            device = self.devices[index]
+            device = states[index]
             if device.switching:
                 raise DecisionError(f"{what}: device {index} is switching role")
-            if not can_run(node, device.role):
+            if not any_role and not can_run(node, device.role):
                 raise DecisionError(f"{what}: device {index} holds {device.role}, node needs {node.role}")
-            exclusive_there = any(self.graph[other].exclusive for other in device.running)
-            if device.running and (node.exclusive or exclusive_there):
+            if device.running and (exclusive or any(nodes[other].exclusive for other in device.running)):
                 raise DecisionError(f"{what}: device {index} is running {list(device.running)}")
             if share > device.free_share + EPS:
                 raise DecisionError(f"{what}: device {index} has only {device.free_share:.3f} share free")
-            if device.memory_gb + node.memory_gb > device.capacity_gb + EPS:
+            if device.resident_gb + device.working_gb + memory_gb > device.capacity_gb + EPS:
                 raise DecisionError(
-                    f"{what}: device {index} would hold {device.memory_gb + node.memory_gb:.1f} GB "
+                    f"{what}: device {index} would hold {device.memory_gb + memory_gb:.1f} GB "
                     f"of {device.capacity_gb:.1f} GB"
                 )
 
     def _occupy(self, node_id: str, devices: Sequence[int], share: float) -> None:
-        node = self.graph[node_id]
+        memory_gb, states, peak = self.graph[node_id].memory_gb, self.devices, self.trace.peak_memory_gb
         for index in devices:
-            device = self.devices[index]
-            device.take(node_id, share, node.memory_gb)
-            self.trace.peak_memory_gb[index] = max(self.trace.peak_memory_gb[index], device.memory_gb)
+            device = states[index]
+            device.take(node_id, share, memory_gb)
+            peak[index] = max(peak[index], device.resident_gb + device.working_gb)
 
     def _release(self, node_id: str, devices: Sequence[int]) -> None:
-        node = self.graph[node_id]
+        memory_gb, states, events, now = self.graph[node_id].memory_gb, self.devices, self._events, self.now
         for index in devices:
-            device = self.devices[index]
-            device.release(node_id, node.memory_gb)
+            device = states[index]
+            device.release(node_id, memory_gb)
             if device.idle:
-                self._events.append(DeviceIdle(self.now, index))
+                events.append(DeviceIdle(now, index))
 
     def _run(self, d: Run) -> None:
         if d.node not in self.ready:
@@ -309,6 +329,7 @@ class ClusterState:
         self._check_devices(d, d.node, d.devices, d.share)
         node = self.graph[d.node]
         del self.ready[d.node]
+        del self.ready_by_kind[node.kind][d.node]
         self._occupy(d.node, d.devices, d.share)
         self.running[d.node] = Running(
             tuple(d.devices),
@@ -351,7 +372,7 @@ class ClusterState:
             raise DecisionError(f"{d}: device is not idle (running {list(device.running)})")
         if d.resident_gb > device.capacity_gb + EPS:
             raise DecisionError(f"{d}: {d.resident_gb:.1f} GB does not fit in {device.capacity_gb:.1f} GB")
-        device.switching = True
+        device.set_switching(True)
         device.resident_gb = max(device.resident_gb, d.resident_gb)
         self.trace.peak_memory_gb[d.device] = max(self.trace.peak_memory_gb[d.device], device.memory_gb)
         device.role = None
@@ -360,7 +381,7 @@ class ClusterState:
     # ------------------------------------------------------------ completions
     def finish_switch(self, device_index: int, role: Role, resident_gb: float) -> None:
         device = self.devices[device_index]
-        device.switching = False
+        device.set_switching(False)
         device.role = role
         device.resident_gb = resident_gb
         self._events.append(RoleSwitched(self.now, device_index, role))
@@ -375,21 +396,17 @@ class ClusterState:
     def _record(self, node_id: str, running: Running, end: float) -> None:
         node = self.graph[node_id]
         version = self._version_used(node_id)
-        for index in running.devices:
-            self.trace.spans.append(
-                Span(
-                    node_id,
-                    node.pipeline,
-                    node.step,
-                    node.phase,
-                    index,
-                    running.start,
-                    end,
-                    running.share,
-                    version,
-                    running.work_done,
-                )
-            )
+        pipeline, step, phase, start, share, work = (
+            node.pipeline,
+            node.step,
+            node.phase,
+            running.start,
+            running.share,
+            running.work_done,
+        )
+        self.trace.spans += [
+            Span(node_id, pipeline, step, phase, index, start, end, share, version, work) for index in running.devices
+        ]
 
     def finish_node(self, node_id: str) -> None:
         self._progress(node_id)

@@ -22,7 +22,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from dovetail.cost.model import CostModel
@@ -356,3 +356,12 @@ class DigenTCSS(Digen):
 
     name = "digen+tcss"
     tcss = True
+
+    @classmethod
+    def simulates_as(cls, shapes: Mapping[str, Shape]) -> str:
+        """digen's schedule on a shape its search cut without TCSS, or on a staged baseline's (`__init__`: steps
+        overlap only where both the policy and the shape allow it; a staged shape runs the staged policy)."""
+        if len(shapes) != 1:
+            return cls.name
+        shape = DigenShape.of(flow_shape(cls.name, next(iter(shapes.values()))))
+        return Digen.name if shape.staged or not shape.tcss else cls.name

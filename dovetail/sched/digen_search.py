@@ -19,7 +19,7 @@ from functools import lru_cache
 from dovetail.cost.catalog import DEVICES
 from dovetail.cost.catalog import device as lookup_device
 from dovetail.cost.model import CostModel
-from dovetail.graph.flow import FlowShape, build_flow, engines
+from dovetail.graph.flow import FlowShape, StepTotals, build_flow, engines, step_totals
 from dovetail.graph.node import Engines, Kind, Node, Role
 from dovetail.graph.spec import FlowSpec
 from dovetail.sched.colocated import Colocated, fits, flow_only
@@ -107,11 +107,11 @@ def predict_makespan(
     return max(trainers) + tail_s
 
 
-def _step_costs(nodes: Sequence[Node], fragments: int, group: int) -> tuple[float, float, float, float, float]:
+def _step_costs(totals: StepTotals, fragments: int, group: int) -> tuple[float, float, float, float, float]:
     """Per-fragment generate, score and (one trainer group's wall) train seconds — reference forwards
     included —, the trainer's tail of the step (optimizer step, publication) and one rollout device's
     weight load (the publication's bytes through its own host link)."""
-    total = {kind: sum(n.cost_s for n in nodes if n.kind == kind) for kind in Kind}
+    total = totals.seconds
     return (
         total[Kind.GENERATE] / fragments,
         total[Kind.SCORE] / fragments,
@@ -147,6 +147,11 @@ def lent_gb(held: Engines, nodes: Sequence[Node]) -> float:
     both engines alone may fit where a fragment beside them does not (QwenImage with CFG on 32 H100s: 77.8 GB of
     engines and 3.4 GB of activations)."""
     fragment_gb = max((n.memory_gb for n in nodes if n.kind == Kind.GENERATE), default=0.0)
+    return lent_beside(held, fragment_gb)
+
+
+def lent_beside(held: Engines, fragment_gb: float) -> float:
+    """What a lent trainer device holds with a fragment of `fragment_gb` working memory (`lent_gb`)."""
     return held.resident_gb[Role.TRAINER] + held.resident_gb[Role.ROLLOUT] + fragment_gb
 
 
@@ -295,10 +300,10 @@ class _Predicted:
 def _predicted_shapes(
     spec: FlowSpec, devices: int, trainer_devices: int | None, cost: CostModel, capacity: float
 ) -> tuple[_Predicted, ...]:
-    """The predictions of every shape `candidates` ranks that fits in `capacity` GB per device: one graph per shape
-    for all of them, memoized (`prepare` asks for the policy's shape, then its search for the best few; on 64 devices
-    this enumeration, not the simulation, is most of a search's time). `cost` is the ranking model
-    (`ranking_model`), `capacity` the run's device's memory."""
+    """The predictions of every shape `candidates` ranks that fits in `capacity` GB per device, from each shape's
+    step totals (`graph.flow.step_totals`: one fragment priced per size, no graph built), memoized (`prepare` asks for
+    the policy's shape, then its search for the best few). `cost` is the ranking model (`ranking_model`), `capacity`
+    the run's device's memory."""
     pools = [trainer_devices] if trainer_devices else pool_choices(spec, devices, cost) + [devices]
     ranked = []
     for trainers in pools:
@@ -310,15 +315,15 @@ def _predicted_shapes(
                     shape = DigenShape(
                         fragments, chunk, False, trainers, trainer_group=None if group == trainers else group
                     )
-                    nodes = build_flow(spec, 1, shape, cost)
-                    need = max(n.memory_gb for n in nodes if n.kind == Kind.TRAIN) + held.resident_gb[Role.TRAINER]
+                    totals = step_totals(spec, shape, cost)
+                    need = totals.train_gb + held.resident_gb[Role.TRAINER]
                     if need > capacity:
                         continue
-                    lending_gb = lent_gb(held, nodes)
+                    lending_gb = lent_beside(held, totals.generate_gb)
                     lending, not_lending = (
                         (
-                            _predict(nodes, shape, rollout, held, lend=lend, tcss=False),
-                            _predict(nodes, shape, rollout, held, lend=lend, tcss=True),
+                            _predict(totals, shape, rollout, held, lend=lend, tcss=False),
+                            _predict(totals, shape, rollout, held, lend=lend, tcss=True),
                         )
                         for lend in (True, False)
                     )
@@ -332,12 +337,12 @@ def _predicted_shapes(
     return tuple(ranked)
 
 
-def _predict(nodes: Sequence[Node], shape: FlowShape, rollout: int, held: Engines, lend: bool, tcss: bool) -> float:
+def _predict(totals: StepTotals, shape: FlowShape, rollout: int, held: Engines, lend: bool, tcss: bool) -> float:
     """Predicted seconds per step of `shape`: with TCSS the slower pool sets the pace (a rollout device loads
     the new weights once per step); synchronous, one step from the weight load to the publication, with
     the best number of TAG fragments where trainer devices may lend (`lend`: a lent device holds both engines and a
     fragment). No rollout pool: every device switches to generate, then to train (colocated-like)."""
-    generate_s, score_s, train_s, tail_s, load_s = _step_costs(nodes, shape.fragments, shape.group)
+    generate_s, score_s, train_s, tail_s, load_s = _step_costs(totals, shape.fragments, shape.group)
     fragments, groups = shape.fragments, shape.groups
     if not rollout:
         to_rollout = held.sleep_s[Role.TRAINER] + held.wake_s[Role.ROLLOUT]

@@ -31,10 +31,11 @@ higher priorities first when not everything fits.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from itertools import combinations
+from operator import attrgetter
 
 from dovetail.cost.calibration import DEFAULT
 from dovetail.cost.model import CostModel
@@ -57,6 +58,7 @@ from dovetail.sched.lm_common import (
 from dovetail.sched.policy import (
     Begin,
     Decision,
+    DeviceView,
     Event,
     MemoryRefusal,
     Run,
@@ -390,8 +392,8 @@ class Jigsaw(StagedLMPolicy):
             return decisions + [SwitchRole(d, Role.ANY, self.wake_s[d], self.resident_gb[d]) for d in held]
         if not view.ready:
             return decisions
-        self.share_left = ReadOnFirstUse(lambda d: view.devices[d].free_share)
-        self.memory = ReadOnFirstUse(lambda d: view.devices[d].memory_gb)
+        self.share_left = ReadOnFirstUse(view.devices, "free_share")
+        self.memory = ReadOnFirstUse(view.devices, "memory_gb")
         ready: dict[str, list[Node]] = {}
         scores: list[Node] = []
         for node_id in view.ready:
@@ -473,7 +475,7 @@ class Jigsaw(StagedLMPolicy):
         if not waiting:
             return []
         by_priority = sorted(waiting, key=lambda p: (-self.priority[p], p))
-        least_free, most_memory = min(self.share_left[d] for d in pool), max(self.memory[d] for d in pool)
+        least_free, most_memory = min(self.share_left.over(pool)), max(self.memory.over(pool))
         side_by_side = int((least_free + EPS) // SHARE)
         candidates = [
             group
@@ -642,13 +644,20 @@ class ReadOnFirstUse(dict):
     """Device -> a figure of the view, read when a decision first looks at that device and kept (and updated by the
     decision's own placements) from then on: a decision looks at few of a large pool's devices."""
 
-    def __init__(self, read: Callable[[int], float]) -> None:
+    def __init__(self, devices: Sequence[DeviceView], figure: str) -> None:
         super().__init__()
-        self.read = read
+        self.devices = devices
+        self.read = attrgetter(figure)
 
     def __missing__(self, device: int) -> float:
-        value = self[device] = self.read(device)
+        value = self[device] = self.read(self.devices[device])
         return value
+
+    def over(self, devices: Sequence[int]) -> Iterator[float]:
+        """The figure of each of `devices`, read where not kept yet without keeping it: the view does not change
+        during a decision, so a later first use reads the same, and a whole pool's minimum costs one pass."""
+        read, states = self.read, self.devices
+        return (self[d] if d in self else read(states[d]) for d in devices)
 
 
 def pool_size(context: SearchContext) -> int:

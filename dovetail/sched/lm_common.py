@@ -7,10 +7,11 @@ hold which role.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from weakref import WeakKeyDictionary
 
 from dovetail.graph.lm import LMShape, stage
-from dovetail.graph.node import Kind, Node, Role
+from dovetail.graph.node import Graph, Kind, Node, Role
 from dovetail.graph.spec import LMSpec, PipelineSpec
 from dovetail.sched.policy import Begin, Decision, Event, MemoryRefusal, Policy, Run, Shape, StartStep, View
 
@@ -42,8 +43,23 @@ def rollout_engines(spec: LMSpec, devices: int) -> int:
     return min(engines, spec.batch)
 
 
+_stages: WeakKeyDictionary[Graph, dict[tuple[str, int], dict[str, tuple[str, ...]]]] = WeakKeyDictionary()
+
+
+def stage_nodes(graph: Graph, pipeline: str, step: int) -> Mapping[str, tuple[str, ...]]:
+    """The ids of one step's nodes by verl stage (`graph.lm.stage`), each in topological order: kept per graph, as
+    the staged policies ask at every decision which stage a step is in."""
+    steps = _stages.setdefault(graph, {})
+    if (pipeline, step) not in steps:
+        grouped: dict[str, list[str]] = {}
+        for node in graph.of(pipeline, step):
+            grouped.setdefault(stage(node), []).append(node.id)
+        steps[(pipeline, step)] = {name: tuple(ids) for name, ids in grouped.items()}
+    return steps[(pipeline, step)]
+
+
 def step_done(view: View, pipeline: str, step: int, stage_name: str) -> bool:
-    return all(n.id in view.finished for n in view.graph.of(pipeline, step) if stage(n) == stage_name)
+    return all(n in view.finished for n in stage_nodes(view.graph, pipeline, step).get(stage_name, ()))
 
 
 class StagedLMPolicy(Policy):

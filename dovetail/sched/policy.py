@@ -301,6 +301,11 @@ class View(Protocol):
         ...
 
     @property
+    def ready_by_kind(self) -> Mapping[Kind, Mapping[str, None]]:
+        """`ready` split by node kind (every kind a key), each in the order its nodes became ready."""
+        ...
+
+    @property
     def running(self) -> Mapping[str, RunningView]:
         """Running node ids, each with where it runs."""
         ...
@@ -434,6 +439,13 @@ class Policy(ABC):
         return dict(context.shapes)
 
     @classmethod
+    def simulates_as(cls, shapes: Mapping[str, Shape]) -> str:
+        """The policy whose schedule this one runs on `shapes`: itself, or one it runs exactly as (digen+tcss on a
+        shape without TCSS runs digen's), so a plan that weighs both simulates such a candidate once
+        (`plan.prepare.prepare`'s `simulations`)."""
+        return cls.name
+
+    @classmethod
     def with_reward_pool(cls, specs: Sequence[PipelineSpec], shapes: dict[str, Shape]) -> dict[str, Shape]:
         """The shapes to run with reward devices of their own (`Setup.reward_devices` > 0): a policy whose rollout
         would otherwise finish all at once cuts it finer, so the reward pool scores early pieces while later ones
@@ -477,17 +489,21 @@ class Policy(ABC):
 
 def idle_devices(view: View, devices: Sequence[int], role: Role | None = None) -> list[int]:
     """Devices among `devices` that run nothing, are not switching and (if given) hold `role`."""
-    return [d for d in devices if view.devices[d].idle and (role is None or view.devices[d].role == role)]
+    states = view.devices
+    if role is None:
+        return [d for d in devices if states[d].idle]
+    return [d for d in devices if states[d].idle and states[d].role == role]
 
 
 def all_idle(view: View, devices: Sequence[int]) -> bool:
-    return all(view.devices[d].idle for d in devices)
+    states = view.devices
+    return all(states[d].idle for d in devices)
 
 
 def ready_of(view: View, kind: Kind, pipeline: str | None = None) -> list[Node]:
     """Ready nodes of one kind, in the order they became ready."""
-    nodes = (view.graph[node_id] for node_id in view.ready)
-    return [n for n in nodes if n.kind == kind and (pipeline is None or n.pipeline == pipeline)]
+    nodes = [view.graph[node_id] for node_id in view.ready_by_kind[kind]]
+    return nodes if pipeline is None else [n for n in nodes if n.pipeline == pipeline]
 
 
 def score_on_reward_pool(view: View, setup: Setup, pipeline: str) -> list[Decision]:

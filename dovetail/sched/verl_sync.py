@@ -15,7 +15,15 @@ from collections.abc import Sequence
 from dovetail.graph.lm import LMShape, stage
 from dovetail.graph.node import Role
 from dovetail.graph.spec import PipelineSpec
-from dovetail.sched.lm_common import StagedLMPolicy, lm_only, rollout_engines, split_pool, step_done, tensor_parallel
+from dovetail.sched.lm_common import (
+    StagedLMPolicy,
+    lm_only,
+    rollout_engines,
+    split_pool,
+    stage_nodes,
+    step_done,
+    tensor_parallel,
+)
 from dovetail.sched.policy import Begin, Decision, Event, StartStep, View
 
 ORDER = ("rollout", "score", "old", "ref", "values", "critic", "train", "commit", "publish")
@@ -53,9 +61,9 @@ class VerlSync(StagedLMPolicy):
             if switches or not self.free(view, group, Role.ROLLOUT):
                 return switches
             return [StartStep(pipeline, following, view.published[pipeline])]
-        unfinished = {stage(n) for n in view.graph.of(pipeline, step) if n.id not in view.finished}
+        stages = stage_nodes(view.graph, pipeline, step)
         ready = [n for n in self.ready_nodes(view, pipeline) if n.step == step]
-        current = next(name for name in ORDER if name in unfinished)
+        current = next(name for name in ORDER if any(n not in view.finished for n in stages.get(name, ())))
         rolling = any(stage(view.graph[n]) == "rollout" for n in view.running if view.graph[n].pipeline == pipeline)
         if current == "rollout" and not rolling and all(stage(n) != "rollout" for n in ready):
             # a step that draws more prompts (dynamic sampling, `draws`): its next draw's rollout waits on the score
