@@ -58,7 +58,11 @@ def main() -> None:
     for name in args.scenarios:
         scenario = load_scenario(name)
         devices = args.devices or scenario.cluster.devices
-        for policy in args.policies or allowed_policies(scenario):
+        allowed = allowed_policies(scenario)
+        refused = [policy for policy in args.policies or () if policy not in allowed]
+        if refused:
+            parser.error(f"--policies: {name} does not run {', '.join(refused)}; its kinds allow {', '.join(allowed)}")
+        for policy in args.policies or allowed:
             seconds = timed(partial(simulate, scenario, policy, steps=args.steps, devices=devices), args.repeats)
             print(row(name, policy, devices, seconds))
         pools = args.pools or [scenario.cluster.devices]
