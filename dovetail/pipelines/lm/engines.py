@@ -454,6 +454,10 @@ class LMEngines(PipelineEngines[Engine]):
 
     def load_trainer_state(self, state: dict) -> None:
         super().load_trainer_state(state)
+        self.load_critic_state(state)
+
+    def load_critic_state(self, state: dict) -> None:
+        """The critic's part of a trainer state (`trainer_state`), where the run trains one and the state has it."""
         if self.critic is not None and self.critic_optimizer is not None and "critic" in state:
             load_trainer_state(self.critic, self.critic_optimizer, state["critic"])
             self.critic_optimizer.zero_grad(set_to_none=True)

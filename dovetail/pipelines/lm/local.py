@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from dovetail.graph.node import SampleId
 from dovetail.models.causal_lm import rollout_engine
 from dovetail.models.engine import Request
-from dovetail.models.training import stepped_lr, weights_of
+from dovetail.models.training import load_trainer_state, stepped_lr, weights_of
 from dovetail.pipelines.lm.adapter import commit_scale, further_update_metrics, lm_step_metrics
 from dovetail.pipelines.lm.config import LMTrainConfig
 from dovetail.pipelines.lm.dynamic_sampling import dynamic_sampling_metrics, enough, kept_samples, scores_of
@@ -70,7 +70,10 @@ class LMLocal:
         return self.engines.trainer_state()
 
     def load_trainer_state(self, state: dict) -> None:
-        self.engines.load_trainer_state(state)
+        """A committed state into this process's model and optimizer, whole (a sharded run's members' joined: this
+        process holds no shard, so none of it is kept aside for one), and the critic's where the run trains one."""
+        load_trainer_state(self.model, self.optimizer, state)
+        self.engines.load_critic_state(state)
 
     def save_weights(self, directory: Path) -> None:
         self._save(directory)
