@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 import yaml
-from user_lm import dataset, pretrain
+from user_lm import dataset, pretrain, user_config
 
 from dovetail import train
 from dovetail.config.load import load_config
@@ -35,19 +35,18 @@ def main() -> None:
     train_file, test_file = dataset(args.out)
     model = pretrain(args.out / "my-llama", train_file, steps=60, seed=0)
     torch.set_num_threads(1)
-    config = {
-        "kind": "lm",
-        "policy": args.policy,
-        "model": {"path": str(model)},
-        "prompts": {"path": str(train_file), "eval_path": str(test_file)},
-        "reward": {"answer_match": 1.0},
-        "sampling": {"max_new_tokens": 24},
-        "algo": {"prompts_per_step": 64, "group_size": 8},
-        "train": {"steps": args.steps, "lr": 3e-4},
-        "eval": {"prompts": 16, "every": 100},
-        "checkpoint": {"every": 100},
-        "cluster": {"devices": 2},
-    }
+    config = user_config(
+        model,
+        train_file,
+        test_file,
+        args.policy,
+        args.steps,
+        sampling={"max_new_tokens": 24},
+        algo={"prompts_per_step": 64, "group_size": 8},
+        eval={"prompts": 16, "every": 100},
+        checkpoint={"every": 100},
+        cluster={"devices": 2},
+    )
     (args.out / "my_lm.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     loaded = load_config(args.out / "my_lm.yaml")
     guessed = loaded.scenario(args.steps).pipelines[0]

@@ -76,6 +76,23 @@ def pretrain(directory: Path, train_file: Path, steps: int, seed: int) -> Path:
     return directory
 
 
+def user_config(model: Path, train_file: Path, test_file: Path, policy: str, steps: int, **sections) -> dict:
+    """The run config a user writes for their model and dataset (as TRL's GRPOTrainer takes them); `sections`
+    replace whole sections (`sampling`, `algo`, `eval`, ...)."""
+    return {
+        "kind": "lm",
+        "policy": policy,
+        "model": {"path": str(model)},
+        "prompts": {"path": str(train_file), "eval_path": str(test_file)},
+        "reward": {"answer_match": 1.0},
+        "sampling": {"max_new_tokens": 4},
+        "algo": {"prompts_per_step": 16, "group_size": 8},
+        "train": {"steps": steps, "lr": 3e-4},
+        "eval": {"prompts": 250, "every": 25},
+        "checkpoint": {"every": steps},
+    } | sections
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("runs/user-lm"))
@@ -89,18 +106,7 @@ def main() -> None:
     start = time.perf_counter()
     model = pretrain(args.out / "my-llama", train_file, args.pretrain_steps, seed=0)
     print(f"pretrained {model} in {time.perf_counter() - start:.0f} s")
-    config = {
-        "kind": "lm",
-        "policy": args.policy,
-        "model": {"path": str(model)},
-        "prompts": {"path": str(train_file), "eval_path": str(test_file)},
-        "reward": {"answer_match": 1.0},
-        "sampling": {"max_new_tokens": 4},
-        "algo": {"prompts_per_step": 16, "group_size": 8},
-        "train": {"steps": args.steps, "lr": 3e-4},
-        "eval": {"prompts": 250, "every": 25},
-        "checkpoint": {"every": args.steps},
-    }
+    config = user_config(model, train_file, test_file, args.policy, args.steps)
     (args.out / "my_lm.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     start = time.perf_counter()
     summary = train(load_config(args.out / "my_lm.yaml"), out=args.out / "run", overwrite=True)
