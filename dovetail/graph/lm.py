@@ -673,25 +673,11 @@ def _training(
         activations = cost.training_memory(
             model.params, model.layers, model.hidden, tokens_per_device, shape.trainer_devices
         ).activations
-        train = Node(
-            _id(spec, step, "train", micro),
-            spec.name,
-            step,
-            Kind.TRAIN,
-            Role.TRAINER,
-            tuple(before_train),
-            version=step,
-            samples=ids,
-            micro_batch=micro,
-            cost_s=cost.train(model, lengths, lora=spec.lora is not None),
-            fixed_s=cost.fixed("train"),
-            memory_gb=activations / GB,
-        )
-        nodes.append(train)
-        trains.append(train.id)
-        if spec.critic:
-            critic = Node(
-                _id(spec, step, "train_critic", micro),
+        # the actor's train, and PPO's critic's beside it: a whole model (no LoRA), as large as the policy
+        updates = [("train", spec.lora is not None, False)] + ([("train_critic", False, True)] if spec.critic else [])
+        for name, lora, critic in updates:
+            train = Node(
+                _id(spec, step, name, micro),
                 spec.name,
                 step,
                 Kind.TRAIN,
@@ -700,13 +686,13 @@ def _training(
                 version=step,
                 samples=ids,
                 micro_batch=micro,
-                cost_s=cost.train(model, lengths),
+                cost_s=cost.train(model, lengths, lora=lora),
                 fixed_s=cost.fixed("train"),
                 memory_gb=activations / GB,
-                critic=True,
+                critic=critic,
             )
-            nodes.append(critic)
-            trains.append(critic.id)
+            nodes.append(train)
+            trains.append(train.id)
     if spec.critic:  # the critic's AdamW steps at the commit beside the actor's, over all of its parameters
         trained += model.params
     update_s = (
