@@ -8,28 +8,31 @@ the masked tokens of a multi-turn response) and `compute_value_loss`, verl/utils
 `masked_mean` and `clip_by_value`.
 """
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from running import train
 from safetensors.torch import load_file
 
 from dovetail.algo import ADVANTAGE_ESTIMATORS, clipped_value_loss, gae_advantages_returns, lm_grpo_loss
 from dovetail.config.common import ConfigError
-from dovetail.config.load import load_config
+from dovetail.config.load import load_config, parse_config
 from dovetail.graph.lm import stage
 from dovetail.graph.node import Kind, SampleId
 from dovetail.models.critic import value_model_of
 from dovetail.models.engine import Request
 from dovetail.models.lm import load_lm
-from dovetail.models.lm_rl import group_values, step_gae
+from dovetail.models.lm_rl import group_values, step_gae, value_gradient
 from dovetail.pipelines.lm.config import LMAlgoSection
 from dovetail.plan.metrics import summarize
 from dovetail.plan.prepare import simulate
 
 torch.set_num_threads(1)
 SORT_YAML = Path(__file__).parents[1] / "configs" / "sort.yaml"
+CALC_YAML = Path(__file__).parents[1] / "configs" / "calc.yaml"
 
 # ------------------------------------------------------------------ upstream, transcribed
 
@@ -312,6 +315,83 @@ def test_step_gae_puts_the_shaped_reward_on_the_last_token():
         assert gae[sample][1].tolist() == pytest.approx([rewards[sample] + penalty] * len(response))
 
 
+def trajectories(seed: int):
+    """A scored step of multi-turn trajectories: each a model turn, an observation, a model turn (its `generated`
+    mask False on the observation), a reward, a value per token, and its rows as verl's padded tensors."""
+    generator = torch.Generator().manual_seed(seed)
+    samples = [SampleId(0, p, i) for p in range(2) for i in range(3)]
+    requests, generated, rewards, values = {}, {}, {}, {}
+    for sample in samples:
+        turns = torch.randint(1, 4, (3,), generator=generator).tolist()
+        flags = [True] * turns[0] + [False] * turns[1] + [True] * turns[2]
+        tokens = torch.randint(3, 9, (len(flags),), generator=generator).tolist()
+        requests[sample] = Request(tuple(sample), [1, 2], tokens, [0.0] * len(tokens), True)
+        generated[sample] = flags
+        rewards[sample] = float(torch.rand((), generator=generator))
+        values[sample] = torch.randn(len(flags), generator=generator, dtype=torch.float64).float().numpy()
+    width = max(len(f) for f in generated.values())
+    token_rewards, token_values, mask = (torch.zeros(len(samples), width, dtype=torch.float64) for _ in range(3))
+    for row, sample in enumerate(samples):
+        length = len(generated[sample])
+        token_rewards[row, length - 1] = rewards[sample]  # verl's reward manager: the response's last token
+        token_values[row, :length] = torch.as_tensor(values[sample]).double()
+        mask[row, :length] = torch.tensor(generated[sample], dtype=torch.float64)
+    return samples, requests, generated, rewards, values, (token_rewards, token_values, mask)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_trajectorys_gae_is_verls_over_the_tokens_the_model_sampled(seed):
+    """A multi-turn step's GAE (`step_gae` with the trajectories' `generated` masks) is verl's multi-turn GAE with
+    the observations out of its `response_mask`: the same advantages and returns on every sampled token, 0 on an
+    observation's."""
+    samples, requests, generated, rewards, values, verls = trajectories(seed)
+    algo = LMAlgoSection(advantage="gae", gamma=0.9, lam=0.95, adv_clip=1000)
+    gae = step_gae(rewards, requests, values, {}, {}, algo=algo, max_new_tokens=16, generated=generated)
+    token_rewards, token_values, mask = verls
+    advantages, returns = verl_gae(token_rewards, token_values, mask, 0.9, 0.95)
+    for row, sample in enumerate(samples):
+        length, sampled = len(generated[sample]), torch.tensor(generated[sample])
+        ours_advantages, ours_returns = (torch.as_tensor(a).double() for a in gae[sample])
+        torch.testing.assert_close(ours_advantages[sampled], advantages[row, :length][sampled], atol=1e-6, rtol=0)
+        torch.testing.assert_close(ours_returns[sampled], returns[row, :length][sampled], atol=1e-6, rtol=0)
+        assert (ours_advantages[~sampled] == 0).all() and (ours_returns[~sampled] == 0).all()
+
+
+def test_an_observations_values_move_neither_the_advantages_nor_the_critics_gradient():
+    """The critic's values on an observation's tokens are read by no TD error and trained toward no return: changed
+    at will, the step's advantages and the critic's gradient keep their bits; read as sampled tokens (no mask), they
+    move both."""
+    samples, requests, generated, rewards, values, _ = trajectories(2)
+    scrambled = {s: v.copy() for s, v in values.items()}
+    for sample in samples:
+        scrambled[sample][~torch.tensor(generated[sample]).numpy()] = 7.0
+    algo = LMAlgoSection(advantage="gae", gamma=1.0, lam=0.95, adv_clip=1000)
+    config = load_config(None, RAY_SMALL)
+    critic = value_model_of(load_lm(config.builtin_checkpoint)[0], config.seed)
+
+    def outcome(of_values, masks):
+        gae = step_gae(rewards, requests, of_values, {}, {}, algo=algo, max_new_tokens=16, generated=masks)
+        gradient, _ = value_gradient(
+            critic,
+            requests,
+            rewards,
+            of_values,
+            {},
+            {},
+            algo=algo,
+            cliprange_value=0.5,
+            max_new_tokens=16,
+            generated=masks,
+        )
+        return torch.cat([torch.as_tensor(gae[s][0]) for s in samples]), gradient
+
+    kept, moved = outcome(values, generated), outcome(scrambled, generated)
+    assert torch.equal(kept[0], moved[0]) and torch.equal(kept[1], moved[1])
+    unmasked, unmasked_scrambled = outcome(values, None), outcome(scrambled, None)
+    assert not torch.equal(unmasked[0], unmasked_scrambled[0])
+    assert not torch.equal(unmasked[1], unmasked_scrambled[1])
+
+
 # ------------------------------------------------------------------ the config
 
 
@@ -459,3 +539,28 @@ def test_verl_sync_on_ray_trains_policy_and_critic_to_the_reference_parameters(l
     assert critic_end.keys() == critic_start.keys()
     moved = max((critic_end[k] - critic_start[k]).abs().max().item() for k in critic_start)
     assert moved > 1e-4, "training moved the critic"
+
+
+@pytest.mark.exactness
+def test_a_multi_turn_ppo_run_on_ray_trains_policy_and_critic_to_the_reference_parameters(local_ray, tmp_path):
+    """PPO on the agentic calc task (trajectories of model turns and tool observations): verl-sync on 2 devices ends
+    at the reference loop's policy and critic to the bit, the critic moved by training."""
+    calc = yaml.safe_load(CALC_YAML.read_text())
+    small = calc | {
+        "algo": {"prompts_per_step": 4, "group_size": 4, "micro_batches": 1, "advantage": "gae", "lam": 0.95},
+        "critic": {"lr": 1e-3},
+        "eval": {"prompts": 4, "every": 100},
+        "runtime": {"profile_samples": 4},
+        "train": {"lr": 1e-3},
+    }
+    for policy in ("reference", "verl-sync"):
+        train(parse_config(small | {"policy": policy}), tmp_path / policy, steps=2)
+    for name in ("model.safetensors", "critic.safetensors"):
+        ends = [load_file(str(tmp_path / p / "checkpoints" / "step_000002" / name)) for p in ("reference", "verl-sync")]
+        assert ends[0].keys() == ends[1].keys() and all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0]), name
+    lines = (tmp_path / "reference" / "metrics.jsonl").read_text().splitlines()
+    assert all(json.loads(line)["env/tool_calls"] > 0 for line in lines), "the trajectories held tool observations"
+    config = parse_config(small | {"policy": "reference"})
+    critic_start = value_model_of(load_lm(config.model.checkpoint)[0], config.seed).state_dict()
+    critic_end = load_file(str(tmp_path / "reference" / "checkpoints" / "step_000002" / "critic.safetensors"))
+    assert max((critic_end[k] - critic_start[k]).abs().max().item() for k in critic_start) > 1e-4

@@ -284,7 +284,16 @@ def policy_gradient(
     advantage_of: Mapping[SampleId, object]
     if algo.advantage == "gae":
         assert values is not None, "gae's advantages read the critic's values"
-        gae = step_gae(rewards, scored, values, old_log_probs, ref_log_probs, algo=algo, max_new_tokens=max_new_tokens)
+        gae = step_gae(
+            rewards,
+            scored,
+            values,
+            old_log_probs,
+            ref_log_probs,
+            algo=algo,
+            max_new_tokens=max_new_tokens,
+            generated=generated,
+        )
         advantage_of = {s: per_token for s, (per_token, _) in gae.items()}
     else:
         advantage_of = step_advantages(
@@ -443,6 +452,7 @@ def step_gae(
     *,
     algo,
     max_new_tokens: int,
+    generated: dict[SampleId, Sequence[bool]] | None = None,
 ) -> dict[SampleId, tuple[np.ndarray, np.ndarray]]:
     """Each scored sample's per-token GAE advantages (whitened over the step's tokens, clipped to +-algo.adv_clip,
     fp32) and returns (fp32: the critic's targets), `algo.gae_advantages_returns` on the whole step: its reward with
@@ -450,7 +460,11 @@ def step_gae(
     token's KL estimate at the old log-probs on that token (verl's `apply_kl_penalty`: the penalty is a token's, so a
     token's return counts the KL of the tokens after it alone), the critic's `values` of its tokens, `algo.gamma` and
     `algo.lam`. The same samples and values give the same bits on any device: the step is one padded batch in key
-    order."""
+    order.
+
+    `generated`: a multi-turn trajectory's mask of the tokens the model sampled. Only those are GAE's (verl's
+    `response_mask` of a multi-turn rollout): an observation's tokens carry no reward, KL or TD error, and the chain
+    runs across them from one model turn to the next; the outcome reward sits on the last sampled token."""
     outcome = algo.model_copy(update={"beta": 0.0})  # the KL goes on its tokens below, not summed on the last
     scored, shaped, lengths = shaped_rewards(
         rewards, scored_requests, old_log_probs, ref_log_probs, algo=outcome, max_new_tokens=max_new_tokens
@@ -462,15 +476,20 @@ def step_gae(
     for row, sample in enumerate(scored):
         length = int(lengths[row])
         token_values[row, :length] = torch.as_tensor(np.asarray(values[sample]), dtype=torch.float64)
-        mask[row, :length] = True
-        if length:
-            token_rewards[row, length - 1] = shaped[row]
+        sampled = (
+            torch.as_tensor(list(generated[sample]), dtype=torch.bool)
+            if generated
+            else torch.ones(length, dtype=torch.bool)
+        )
+        mask[row, :length] = sampled
+        if sampled.any():
+            token_rewards[row, int(sampled.nonzero()[-1])] = shaped[row]
         if algo.kl_in == "reward" and algo.beta > 0 and ref_log_probs:
             request = scored_requests[sample]
             policy = torch.as_tensor(np.asarray(old_log_probs[sample] if old_log_probs else request.log_probs))
             reference = torch.as_tensor(np.asarray(ref_log_probs[sample]))
-            token_rewards[row, :length] -= algo.beta * kl_estimate(
-                policy.double(), reference.double(), algo.kl_estimator
+            token_rewards[row, :length] -= (
+                algo.beta * kl_estimate(policy.double(), reference.double(), algo.kl_estimator) * sampled
             )
     per_token, returns = gae_advantages_returns(token_rewards, token_values, mask, gamma=algo.gamma, lam=algo.lam)
     per_token = per_token.clamp(-algo.adv_clip, algo.adv_clip).float()
@@ -518,18 +537,31 @@ def value_gradient(
     cliprange_value: float,
     max_new_tokens: int,
     scored_requests: dict[SampleId, Request] | None = None,
+    generated: dict[SampleId, Sequence[bool]] | None = None,
 ) -> tuple[torch.Tensor, list[dict]]:
     """The critic's gradient of the groups of `requests` (a part of the step, whole groups), summed in fp64
     (`accumulate_group_gradients`), and each group's statistics: PPO's clipped value loss
     (`algo.clipped_value_loss`, summed: loss_scale 1) of its values under grad against the step's GAE returns
     (`step_gae` over every scored sample), clipped around the rollout's `values`. Aggregated as the actor's loss over
-    the same tokens, it shares the actor's normaliser: the commit scales both by the step's."""
+    the same tokens, it shares the actor's normaliser: the commit scales both by the step's. `generated`: as
+    `policy_gradient`'s, a multi-turn trajectory's observation tokens are no value targets."""
     scored = requests if scored_requests is None else scored_requests
-    gae = step_gae(rewards, scored, values, old_log_probs, ref_log_probs, algo=algo, max_new_tokens=max_new_tokens)
+    gae = step_gae(
+        rewards,
+        scored,
+        values,
+        old_log_probs,
+        ref_log_probs,
+        algo=algo,
+        max_new_tokens=max_new_tokens,
+        generated=generated,
+    )
 
     def group_loss(group: list[SampleId]):
         chosen = [requests[s] for s in group]
         predicted, mask = group_values(critic, group_prompt(chosen), [r.tokens for r in chosen])
+        if generated:
+            mask = mask & sampled_mask(mask, [generated[s] for s in group])
         if not mask.any():
             return None
 

@@ -634,7 +634,7 @@ class LMTrainConfig(RunSection):
 
     def _critic_fits_the_run(self) -> None:
         """GAE reads a critic's values, and only a critic section trains one; it runs where `CRITIC_POLICIES` are and
-        on a whole model of one trainer replica per device, single-turn."""
+        on a whole model of one trainer replica per device."""
         if self.algo.advantage != "gae":
             if self.critic is not None:
                 raise ValueError(
@@ -652,8 +652,6 @@ class LMTrainConfig(RunSection):
             raise ValueError("algo.advantage=gae: the critic trains as a replica so far; set train.sharding: replicate")
         if self.model.lora is not None:
             raise ValueError("algo.advantage=gae: the critic is a whole model so far; remove model.lora")
-        if self.env is not None:
-            raise ValueError("algo.advantage=gae: multi-turn trajectories have no critic yet; remove env")
         if self.algo.num_iterations > 1:
             raise ValueError(
                 f"algo.num_iterations={self.algo.num_iterations}: the critic takes one update a batch so far; set "

@@ -343,9 +343,6 @@ class LMEngines(PipelineEngines[Engine]):
         def given(parts: list) -> dict:
             return {SampleId(*s): v for part in self.fetch(parts) for s, v in zip(part.samples, part.log_probs)}
 
-        generated = {
-            SampleId(*s): g for part in self.fetch(work.rollouts) for s, g in zip(part.samples, part.generated)
-        }
         self._gradient, group_stats, normaliser = policy_gradient(
             self.trainer,
             self._select(work.rollouts, samples),
@@ -357,13 +354,17 @@ class LMEngines(PipelineEngines[Engine]):
             max_new_tokens=self.config.max_new_tokens,
             stale=work.stale,
             passes=_lockstep_passes(work),
-            generated=generated,
+            generated=self._generated(work.rollouts),
             scored_requests=self._select(work.rollouts, None),
             values=self._values(work.values) if work.values else None,
             first_update=first_update,
             keep_log_probs=keep,
         )
         return Trained(samples, [0], merged_stats(group_stats), normaliser)
+
+    def _generated(self, rollouts: list) -> dict[SampleId, list[bool]]:
+        """Multi-turn trajectories' masks of the tokens the model sampled (none for single-turn responses)."""
+        return {SampleId(*s): g for part in self.fetch(rollouts) for s, g in zip(part.samples, part.generated)}
 
     def _values(self, parts: list) -> dict[SampleId, object]:
         return {SampleId(*s): v for part in self.fetch(parts) for s, v in zip(part.samples, part.values)}
@@ -389,6 +390,7 @@ class LMEngines(PipelineEngines[Engine]):
             cliprange_value=self.config.critic.cliprange_value,
             max_new_tokens=self.config.max_new_tokens,
             scored_requests=self._select(work.rollouts, None),
+            generated=self._generated(work.rollouts),
         )
         return CriticTrained(samples, [CRITIC_UNIT], merged_critic_stats(group_stats), 0.0)
 
