@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 
@@ -362,7 +362,7 @@ class LMEngines(PipelineEngines[Engine]):
         )
         return Trained(samples, [0], merged_stats(group_stats), normaliser)
 
-    def _generated(self, rollouts: list) -> dict[SampleId, list[bool]]:
+    def _generated(self, rollouts: list) -> dict[SampleId, Sequence[bool]]:
         """Multi-turn trajectories' masks of the tokens the model sampled (none for single-turn responses)."""
         return {SampleId(*s): g for part in self.fetch(rollouts) for s, g in zip(part.samples, part.generated)}
 
