@@ -346,15 +346,18 @@ def further_update_metrics(further: list[list[FurtherUpdate]]) -> dict:
     """The updates after a step's first (algo.num_iterations), each as `update_K/...` (K = 2, 3, ...): its pre-clip
     `grad_norm`, and its parts' loss statistics over the step (`clip_frac`, `ratio_mean`, `ratio_min`, `ratio_max`,
     `approx_kl`, `loss`), from every trainer device's answer (`further`: per device, its updates in order). The
-    step's own `clip_frac`, `loss`... are its first update's, whose ratio is 1 on policy."""
+    step's own `clip_frac`, `loss`... are its first update's, whose ratio is 1 on policy. A PPO run's critic
+    figures likewise (`update_K/critic/vf_loss`...)."""
     metrics: dict[str, float] = {}
     for index, updates in enumerate(zip(*further)):
         trained = [t for update in updates for t in update.trained]
-        merged = merged_stats([t.stats for t in trained if t.samples])
+        actor = [t for t in trained if not isinstance(t, CriticTrained)]
+        merged = merged_stats([t.stats for t in actor if t.samples])
         normaliser = sum(t.normaliser for t in trained)
         loss = merged["loss"] / normaliser if normaliser else merged["loss"]
         figures = {"grad_norm": float(updates[0].grad_norm), "loss": loss}
         figures |= {name: merged[name] for name in ("clip_frac", "ratio_mean", "ratio_min", "ratio_max", "approx_kl")}
+        figures |= critic_metrics([t for t in trained if isinstance(t, CriticTrained)], normaliser)
         metrics |= {f"update_{index + 2}/{name}": value for name, value in figures.items()}
     return metrics
 

@@ -363,7 +363,10 @@ class LMCriticSection(Section):
         0.5, gt=0, le=1000, description="how far a value may move from the rollout's before its loss stops pulling it"
     )
     warmup_steps: int = Field(
-        0, ge=0, le=MAX_STEPS, description="critic optimizer steps whose lr rises linearly from 0 (the critic's own)"
+        0,
+        ge=0,
+        le=MAX_STEPS,
+        description="steps over which the critic's own lr rises linearly from 0 (as the policy's lr, per RL step)",
     )
 
 
@@ -652,11 +655,6 @@ class LMTrainConfig(RunSection):
             raise ValueError("algo.advantage=gae: the critic trains as a replica so far; set train.sharding: replicate")
         if self.model.lora is not None:
             raise ValueError("algo.advantage=gae: the critic is a whole model so far; remove model.lora")
-        if self.algo.num_iterations > 1:
-            raise ValueError(
-                f"algo.num_iterations={self.algo.num_iterations}: the critic takes one update a batch so far; set "
-                "algo.num_iterations=1 with algo.advantage=gae"
-            )
         if self.algo.dynamic_sampling:
             raise ValueError("algo.dynamic_sampling: a critic's run draws no more prompts yet; set it to false")
 

@@ -321,6 +321,11 @@ class LMEngines(PipelineEngines[Engine]):
         return requests if samples is None else {SampleId(*s): requests[SampleId(*s)] for s in samples}
 
     def train_again(self, work: Work) -> Trained:
+        """A step's train part again, for an update after the commit's first: the actor's with the first update's
+        log-probs as the old ones, the critic's on its weights now against the same returns and old values (verl's
+        critic ppo_epochs: GAE is computed once, before the updates)."""
+        if isinstance(work, LMCriticTrain):
+            return self._train_critic(work)
         assert isinstance(work, LMTrain), "a commit runs the step's train parts again"
         return self._train(work, again=True)
 
@@ -426,11 +431,12 @@ class LMEngines(PipelineEngines[Engine]):
         set_summed_gradient(self.critic, [part[actor_size:] for part in parts], scale)
 
     def step_optimizers(self, updates_per_step: int = 1) -> float:
-        """The policy's optimizer step, and the critic's at its own lr (`critic_train`), each clipped on its own
-        (verl's actor and critic each clip their gradient); returns the policy's pre-clip gradient norm."""
+        """The policy's optimizer step, and the critic's at its own lr (`critic_train`; the RL step's, as the
+        policy's, over `updates_per_step` updates), each clipped on its own (verl's actor and critic each clip their
+        gradient); returns the policy's pre-clip gradient norm."""
         grad_norm = super().step_optimizers(updates_per_step)
         if self.critic is not None and self.critic_optimizer is not None:
-            commit(self.critic, self.critic_optimizer, self.config.critic_train)
+            commit(self.critic, self.critic_optimizer, self.config.critic_train, updates_per_step)
         return grad_norm
 
     def memory(self, gradient_parts: Iterable[torch.Tensor] = ()) -> DeviceMemory:

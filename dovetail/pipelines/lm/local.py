@@ -122,10 +122,11 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
     recompute = config.recomputes_old_log_probs
     old = [timed("logprob", LMLogProbs(pipeline, ids, rollouts, False))] if recompute else []
     ref = [timed("logprob", LMLogProbs(pipeline, ids, rollouts, True))] if algo.beta > 0 else []
-    parts, critic_trained = [], None
+    parts, critic_trained, critic_train = [], None, None
     values = [timed("values", LMValues(pipeline, ids, rollouts))] if engines.critic is not None else []
     if values:  # PPO: the critic trains on the step's GAE returns beside the actor, as verl's critic update
-        critic_trained = timed("train_critic", LMCriticTrain(pipeline, ids, rollouts, [scores], values, old, ref))
+        critic_train = LMCriticTrain(pipeline, ids, rollouts, [scores], values, old, ref)
+        critic_trained = timed("train_critic", critic_train)
         parts.append(engines.part_gradient())
     train = LMTrain(pipeline, ids, False, rollouts, [scores], old_log_probs=old, ref_log_probs=ref, values=values)
     trained = timed("train", train)
@@ -137,10 +138,13 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
     grad_norm = engines.step_optimizers(algo.num_iterations)
     further = []
     for _ in range(algo.num_iterations - 1):  # as a Ray device's commit does its further updates
-        again = engines.train_again(train)
-        engines.set_step_gradient([engines.part_gradient()], scale)
+        again, again_parts = [], []
+        for work in ([] if critic_train is None else [critic_train]) + [train]:
+            again.append(engines.train_again(work))
+            again_parts.append(engines.part_gradient())
+        engines.set_step_gradient(again_parts, scale)
         norm = engines.step_optimizers(algo.num_iterations)
-        further.append(FurtherUpdate(norm, [again]))
+        further.append(FurtherUpdate(norm, again))
     timings["commit_s"] = time.perf_counter() - start
     memory = replace(engines.memory(), gradients=gradients)
     seconds = sum(timings.values())
