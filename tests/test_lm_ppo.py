@@ -402,7 +402,7 @@ def test_an_observations_values_move_neither_the_advantages_nor_the_critics_grad
         (["critic.lr=1e-4"], "critic: only algo.advantage=gae trains a critic (it is grpo); remove the section"),
         (
             ["policy=areal", "algo.advantage=gae", "critic.lr=1e-4"],
-            "algo.advantage=gae: policy areal does not train a critic yet; set policy: reference or verl-sync",
+            "algo.advantage=gae whitens over the whole step: set algo.micro_batches=1",
         ),
         (
             ["policy=verl-sync", "algo.advantage=gae", "critic.lr=1e-4"],
@@ -516,25 +516,59 @@ def test_a_resumed_ppo_run_goes_on_with_its_critic(tmp_path):
         assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0]), name
 
 
+@pytest.fixture(scope="module")
+def reference_ppo(tmp_path_factory) -> Path:
+    """The reference loop's 3-step PPO run of `RAY_SMALL`."""
+    out = tmp_path_factory.mktemp("reference-ppo")
+    train(load_config(None, [*RAY_SMALL, "policy=reference"]), out, steps=3)
+    return out
+
+
+def ends(out: Path, name: str) -> dict:
+    return load_file(str(out / "checkpoints" / "step_000003" / name))
+
+
 @pytest.mark.exactness
-def test_verl_sync_on_ray_trains_policy_and_critic_to_the_reference_parameters(local_ray, tmp_path):
-    """PPO reaches a Ray policy as it reaches the reference loop: verl-sync on 2 devices, each training a share of
-    the step's groups (the value pass and the critic's train shared out as the actor's), ends at the reference loop's
-    policy and critic to the bit, both moved by training."""
-    for policy in ("reference", "verl-sync"):
-        train(load_config(None, [*RAY_SMALL, f"policy={policy}"]), tmp_path / policy, steps=2)
+@pytest.mark.parametrize("policy", ["verl-sync", "jigsaw"])
+def test_an_on_policy_ray_run_trains_policy_and_critic_to_the_reference_parameters(
+    policy, local_ray, reference_ppo, tmp_path
+):
+    """PPO reaches a Ray policy as it reaches the reference loop: on 2 devices, each training a share of the step's
+    groups (the value pass and the critic's train shared out as the actor's), verl-sync and jigsaw end at the
+    reference loop's policy and critic to the bit, both moved by training."""
+    train(load_config(None, [*RAY_SMALL, f"policy={policy}"]), tmp_path, steps=3)
     for name in ("model.safetensors", "critic.safetensors"):
-        ends = [load_file(str(tmp_path / p / "checkpoints" / "step_000002" / name)) for p in ("reference", "verl-sync")]
-        assert ends[0].keys() == ends[1].keys() and all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0]), name
+        expected, got = ends(reference_ppo, name), ends(tmp_path, name)
+        assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected), name
     start = load_file(str(load_config(None, RAY_SMALL).model.checkpoint / "model.safetensors"))
-    policy_end = load_file(str(tmp_path / "reference" / "checkpoints" / "step_000002" / "model.safetensors"))
+    policy_end = ends(reference_ppo, "model.safetensors")
     assert max((policy_end[k] - start[k]).abs().max().item() for k in start) > 1e-4, "training moved the policy"
-    critic_end = load_file(str(tmp_path / "reference" / "checkpoints" / "step_000002" / "critic.safetensors"))
+    critic_end = ends(reference_ppo, "critic.safetensors")
     config = load_config(None, RAY_SMALL)
     critic_start = value_model_of(load_lm(config.builtin_checkpoint)[0], config.seed).state_dict()
     assert critic_end.keys() == critic_start.keys()
     moved = max((critic_end[k] - critic_start[k]).abs().max().item() for k in critic_start)
     assert moved > 1e-4, "training moved the critic"
+
+
+@pytest.mark.parametrize(("policy", "bound"), [("streamrl", 1), ("areal", 4)])
+def test_an_asynchronous_ppo_run_bounds_its_staleness_and_trains_every_response_and_value_once(
+    policy, bound, local_ray, reference_ppo, tmp_path
+):
+    """Under streamrl and areal the critic trains beside the actor as under verl-sync: the first step, rolled out
+    on the base weights, is the reference's (its rewards, policy loss and value loss); later steps may roll out on
+    older weights than they train, within the policy's bound, and every response is valued, scored and trained once."""
+    summary = train(load_config(None, [*RAY_SMALL, f"policy={policy}"]), tmp_path, steps=3)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    expected = json.loads((reference_ppo / "metrics.jsonl").read_text().splitlines()[0])
+    for key in ("reward/total", "critic/vf_loss", "critic/vpred_mean", "loss"):
+        assert lines[0][key] == pytest.approx(expected[key], rel=1e-6, abs=1e-9), key
+    assert all(0 <= m["staleness"] <= bound for m in lines) and max(m["staleness"] for m in lines) >= 1
+    assert summary["max_staleness"] <= bound and all(m["critic/vf_loss"] > 0 for m in lines)
+    ledger = json.loads((tmp_path / "ledger.json").read_text())
+    units = [entry["unit"] for entry in ledger["trained"]]
+    assert ledger["problems"] == [] and sorted(set(units)) == [0, 1]  # the actor's unit and the critic's
+    assert units.count(0) == units.count(1) == 3 * 4 * 4
 
 
 @pytest.mark.exactness

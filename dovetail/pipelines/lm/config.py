@@ -370,10 +370,6 @@ class LMCriticSection(Section):
     )
 
 
-CRITIC_POLICIES = (REFERENCE, "verl-sync")
-"""The policies that train a critic (`algo.advantage: gae`): the others are refused in one line naming these."""
-
-
 class LMEvalSection(Section):
     every: int = Field(10, ge=1, le=MAX_STEPS, description="evaluate every N steps (and at the start and end)")
     prompts: int = Field(100, ge=1, le=10_000, description="held-out prompts (the task's eval split), one sample each")
@@ -636,8 +632,8 @@ class LMTrainConfig(RunSection):
         return self
 
     def _critic_fits_the_run(self) -> None:
-        """GAE reads a critic's values, and only a critic section trains one; it runs where `CRITIC_POLICIES` are and
-        on a whole model of one trainer replica per device."""
+        """GAE reads a critic's values, and only a critic section trains one; it runs under every policy, on a whole
+        model of one trainer replica per device."""
         if self.algo.advantage != "gae":
             if self.critic is not None:
                 raise ValueError(
@@ -646,11 +642,6 @@ class LMTrainConfig(RunSection):
             return
         if self.critic is None:
             raise ValueError("critic: algo.advantage=gae trains a critic; add the section, e.g. critic: {lr: 1e-5}")
-        if self.policy not in CRITIC_POLICIES:
-            raise ValueError(
-                f"algo.advantage=gae: policy {self.policy} does not train a critic yet; set policy: "
-                f"{' or '.join(CRITIC_POLICIES)}"
-            )
         if self.train.sharding == "fsdp":
             raise ValueError("algo.advantage=gae: the critic trains as a replica so far; set train.sharding: replicate")
         if self.model.lora is not None:
