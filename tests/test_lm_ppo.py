@@ -409,10 +409,6 @@ def test_an_observations_values_move_neither_the_advantages_nor_the_critics_grad
             "algo.advantage=gae whitens over the whole step: set algo.micro_batches=1",
         ),
         (["algo.advantage=gae", "critic.cliprange_value=0"], "critic.cliprange_value"),
-        (
-            ["algo.advantage=gae", "critic.lr=1e-4", "algo.dynamic_sampling=true"],
-            "algo.dynamic_sampling: a critic's run draws no more prompts yet",
-        ),
     ],
 )
 def test_a_ppo_config_the_run_cannot_honour_is_one_line_naming_the_fix(overrides, message):
@@ -620,3 +616,18 @@ def test_several_updates_a_batch_step_the_critic_as_often_on_ray_as_in_the_refer
         assert all(line["update_2/critic/vf_loss"] > 0 for line in lines), key
     policies = [load_file(str(runs[key] / "checkpoints" / "step_000002" / "model.safetensors")) for key in runs]
     assert all(torch.equal(policies[0][k], policies[1][k]) for k in policies[0])
+
+
+@pytest.mark.exactness
+def test_dynamic_sampling_values_and_trains_the_critic_on_the_groups_kept_as_the_reference(local_ray, tmp_path):
+    """DAPO's dynamic sampling with a critic: the groups kept from several draws are valued and trained, by the
+    critic as by the actor; verl-sync (a step cut into its draws) ends at the reference loop's policy and critic."""
+    overrides = [*RAY_SMALL, "algo.dynamic_sampling=true", "algo.dynamic_sampling_max_draws=3"]
+    for policy in ("reference", "verl-sync"):
+        train(load_config(None, [*overrides, f"policy={policy}"]), tmp_path / policy, steps=3)
+    for name in ("model.safetensors", "critic.safetensors"):
+        expected, got = ends(tmp_path / "reference", name), ends(tmp_path / "verl-sync", name)
+        assert all(torch.equal(expected[k], got[k]) for k in expected), name
+    lines = [json.loads(line) for line in (tmp_path / "reference" / "metrics.jsonl").read_text().splitlines()]
+    assert max(m["dynamic_sampling/draws"] for m in lines) > 1 and max(m["dynamic_sampling/dropped"] for m in lines)
+    assert all(m["critic/vf_loss"] > 0 for m in lines)

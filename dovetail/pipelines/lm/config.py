@@ -646,8 +646,6 @@ class LMTrainConfig(RunSection):
             raise ValueError("algo.advantage=gae: the critic trains as a replica so far; set train.sharding: replicate")
         if self.model.lora is not None:
             raise ValueError("algo.advantage=gae: the critic is a whole model so far; remove model.lora")
-        if self.algo.dynamic_sampling:
-            raise ValueError("algo.dynamic_sampling: a critic's run draws no more prompts yet; set it to false")
 
     @model_validator(mode="after")
     def _shape_fits(self) -> "LMTrainConfig":
