@@ -512,6 +512,30 @@ def test_a_resumed_ppo_run_goes_on_with_its_critic(tmp_path):
         assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0]), name
 
 
+def test_the_critic_trains_alone_for_its_first_steps_then_the_actor_joins(tmp_path):
+    """critic.steps_before_actor=2 (verl's trainer.critic_warmup): after steps 1 and 2 the policy is the base model
+    to the bit while the critic moved (step 1's critic is the one a run without the warm-up has: the actor does not
+    enter the critic's update); step 3 moves the policy."""
+    overrides = [*RAY_SMALL, "policy=reference", "checkpoint.every=1"]
+    train(load_config(None, [*overrides, "critic.steps_before_actor=2"]), tmp_path / "alone", steps=3)
+    train(load_config(None, overrides), tmp_path / "together", steps=1)
+    base = load_file(str(load_config(None, RAY_SMALL).model.checkpoint / "model.safetensors"))
+
+    def saved(run: str, step: int, name: str) -> dict:
+        return load_file(str(tmp_path / run / "checkpoints" / f"step_{step:06d}" / name))
+
+    for step in (1, 2):
+        policy = saved("alone", step, "model.safetensors")
+        assert all(torch.equal(policy[k], base[k]) for k in base), step
+    assert not all(torch.equal(saved("alone", 3, "model.safetensors")[k], base[k]) for k in base)
+    first, second = saved("alone", 1, "critic.safetensors"), saved("alone", 2, "critic.safetensors")
+    assert any(not torch.equal(first[k], second[k]) for k in first), "the critic trained in step 2"
+    without = saved("together", 1, "critic.safetensors")
+    assert all(torch.equal(first[k], without[k]) for k in first)
+    lines = [json.loads(line) for line in (tmp_path / "alone" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["grad_norm"] == 0.0 for m in lines] == [True, True, False]
+
+
 @pytest.fixture(scope="module")
 def reference_ppo(tmp_path_factory) -> Path:
     """The reference loop's 3-step PPO run of `RAY_SMALL`."""

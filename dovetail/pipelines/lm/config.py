@@ -368,6 +368,12 @@ class LMCriticSection(Section):
         le=MAX_STEPS,
         description="steps over which the critic's own lr rises linearly from 0 (as the policy's lr, per RL step)",
     )
+    steps_before_actor: int = Field(
+        0,
+        ge=0,
+        le=MAX_STEPS,
+        description="first steps that train the critic alone, the policy's weights held (verl's trainer.critic_warmup)",
+    )
 
 
 class LMEvalSection(Section):

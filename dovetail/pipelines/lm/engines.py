@@ -38,6 +38,7 @@ from dovetail.models.training import (
     commit,
     load_trainer_state,
     make_optimizer,
+    optimizer_steps,
     set_summed_gradient,
     synchronize,
     tensors_of,
@@ -433,10 +434,21 @@ class LMEngines(PipelineEngines[Engine]):
     def step_optimizers(self, updates_per_step: int = 1) -> float:
         """The policy's optimizer step, and the critic's at its own lr (`critic_train`; the RL step's, as the
         policy's, over `updates_per_step` updates), each clipped on its own (verl's actor and critic each clip their
-        gradient); returns the policy's pre-clip gradient norm."""
-        grad_norm = super().step_optimizers(updates_per_step)
-        if self.critic is not None and self.critic_optimizer is not None:
-            commit(self.critic, self.critic_optimizer, self.config.critic_train, updates_per_step)
+        gradient); returns the policy's pre-clip gradient norm. During `critic.steps_before_actor` (verl's
+        `critic_warmup`) the critic steps alone: the policy keeps its weights and its optimizer its state and
+        schedule, and the norm returned is 0.0."""
+        critic, optimizer = self.critic, self.critic_optimizer
+        if critic is None or optimizer is None:
+            return super().step_optimizers(updates_per_step)
+        assert self.config.critic is not None, "a run with a critic has its section"
+        actor_waits = optimizer_steps(optimizer) // updates_per_step < self.config.critic.steps_before_actor
+        if actor_waits:  # verl's critic_warmup: the step's actor gradient is dropped, its optimizer not stepped
+            trainer, _ = self.held_trainer()
+            trainer.zero_grad(set_to_none=True)
+            grad_norm = 0.0
+        else:
+            grad_norm = super().step_optimizers(updates_per_step)
+        commit(critic, optimizer, self.config.critic_train, updates_per_step)
         return grad_norm
 
     def memory(self, gradient_parts: Iterable[torch.Tensor] = ()) -> DeviceMemory:
