@@ -195,7 +195,8 @@ def test_prompts_are_a_pure_function_of_their_arguments():
 
 def test_unknown_task_and_reward_are_named():
     with pytest.raises(
-        ValueError, match=r"unknown task 'chess'; known tasks: \['arithmetic', 'calc', 'copy', 'countdown', 'sort'\]"
+        ValueError,
+        match=r"unknown task 'chess'; known tasks: \['arithmetic', 'calc', 'copy', 'countdown', 'lookup', 'sort'\]",
     ):
         task("chess")
     with pytest.raises(ValueError, match=r"unknown text reward 'length'.*'exact_answer'"):
