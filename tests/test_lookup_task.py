@@ -2,7 +2,8 @@
 configs/lookup.yaml): an episode asks about a key whose entry only the environment's table holds (a file of the
 user's, or the built-in table hashed from each key), the plain parser reads the lookup's calls, an episode runs reset
 -> call -> entry -> answer -> reward the same every time, its rows are drawn from their seed alone, and the task's
-pretraining completions are the very episodes the environment plays, its part kept out of the loss."""
+pretraining completions are the very episodes the environment plays, its part kept out of the loss; its shipped model
+calls the lookup sometimes, with the key, and cannot know an entry; its config trains in the reference loop."""
 
 import hashlib
 import json
@@ -10,6 +11,8 @@ import string
 from pathlib import Path
 
 import pytest
+import torch
+from running import train
 
 from dovetail.config.load import load_config
 from dovetail.envs import make_environment
@@ -19,7 +22,7 @@ from dovetail.envs.lookup import KeyLookup, builtin_table, lookup_rows
 from dovetail.envs.toolcalls import parse_turn
 from dovetail.envs.tools import Lookup
 from dovetail.graph.node import SampleId
-from dovetail.models.lm import checkpoint_dir
+from dovetail.models.lm import checkpoint_dir, generate, load_lm
 from dovetail.models.lm_pretrain import IGNORE, training_batch
 from dovetail.models.tokenizer import CharTokenizer
 from dovetail.tasks import CALCULATOR_RESULT, LOOKUP_CALL, LookupTask, task
@@ -174,3 +177,29 @@ def test_the_config_loads_with_its_environment_and_its_latency():
     assert (config.env.name, config.env.parser, config.env.options) == ("lookup", "plain", {"max_turns": 3})
     assert config.env.latency == Latency(kind="lognormal", median_s=0.02, sigma=0.5)
     assert config.model.checkpoint == checkpoint_dir("lookup")
+
+
+def test_the_shipped_model_calls_the_lookup_with_the_key_in_some_first_turns_and_guesses_the_others_wrong():
+    torch.set_num_threads(1)
+    model, tokenizer, config = load_lm(checkpoint_dir("lookup"))
+    assert config.task == "lookup" and tokenizer.alphabet == LookupTask.alphabet
+    prompts = LOOKUP.prompts("eval", 0, 0, 64)
+    generator = torch.Generator().manual_seed(0)
+    completions = generate(model, tokenizer, prompts, max_new_tokens=24, temperature=1.0, generator=generator)
+    first_turns = [tokenizer.decode(ids) for ids in completions]
+    calls = [turn.startswith("<lookup>") for turn in first_turns]
+    assert 0.1 <= sum(calls) / len(prompts) <= 0.6
+    keyed = [
+        turn for turn, prompt in zip(first_turns, prompts) if turn.startswith(LOOKUP_CALL.format(LOOKUP.key(prompt)))
+    ]
+    assert len(keyed) >= 0.8 * sum(calls)  # a call asks for the prompt's key
+    right = [turn for turn, prompt in zip(first_turns, prompts) if turn.startswith(f">{entry_of(LOOKUP.key(prompt))}.")]
+    assert not right  # a held-out key's entry is nowhere but in the table
+
+
+def test_a_reference_step_of_the_config_trains_and_reports_the_lookups(tmp_path):
+    tiny = ["algo.prompts_per_step=2", "algo.group_size=2", "algo.micro_batches=1", "eval.prompts=2"]
+    train(load_config(CONFIG, tiny), tmp_path / "run", steps=1)
+    (line,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert line["step"] == 1 and 0 <= line["env/tool_calls"] <= 3 and line["env/turns"] >= 1
+    assert line["reward/total"] == line["reward/env"] and "eval_reward" in line and line["env/wait_s"] > 0
