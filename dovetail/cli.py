@@ -231,7 +231,7 @@ def _shape_line(shape: dict) -> str:
 @app.command()
 def pretrain(
     dataset: str = typer.Argument(
-        "digits", help="digits (the flow model) or a text task: sort, arithmetic, countdown, copy, calc"
+        "digits", help="digits (the flow model) or a text task: sort, arithmetic, countdown, copy, calc, lookup"
     ),
     out: Path = typer.Option(None, help="checkpoint directory (default: the shipped base model)"),
     steps: int = typer.Option(None, help="optimizer steps (default: the shipped model's; short so RL has room)"),

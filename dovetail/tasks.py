@@ -250,8 +250,28 @@ CALCULATOR_RESULT = "<result>{}</result>"
 writes them (`dovetail.envs.toolcalls`; tests/test_lm_tasks.py holds the two alike)."""
 
 
+class ToolTask(Task):
+    """A task whose base model learns, from pretraining alone, to call its environment's tool sometimes: `tool_share`
+    of its ideal completions call the tool (chosen by a hash of the prompt, so any one prompt's is fixed), the others
+    answer at once, which the model learns to write but rarely gets right, so GRPO has calls to reinforce. Copying a
+    string into the call and the result into the answer is what the tiny model learns slowest, and the direct answers,
+    characters it cannot predict, drown it: so pretraining goes in two stages (`for_pretraining`), its first
+    `tool_only` share of the steps every completion calling the tool, then the mix."""
+
+    tool_share: float
+    tool_only: float
+
+    def for_pretraining(self, progress: float) -> "Task":
+        return replace(self, tool_share=1.0) if progress < self.tool_only else self  # type: ignore[type-var]
+
+    def calls_tool(self, prompt: str) -> bool:
+        """Whether the prompt's ideal completion calls the tool: a share `tool_share` of the problems."""
+        digest = hashlib.sha256(f"{self.name}/tool/{prompt}".encode()).digest()
+        return int.from_bytes(digest[:8], "big") / 2**64 < self.tool_share
+
+
 @dataclass(frozen=True)
-class Calc(Task):
+class Calc(ToolTask):
     """Multiply two numbers of min_digits..max_digits digits, with a calculator: ``calc 4821*937:`` ->
     ``<calc>4821*937</calc><result>4517277</result>>4517277.``, or at once, ``>4517277.``.
 
@@ -289,9 +309,6 @@ class Calc(Task):
         longest = "9" * self.max_digits
         return len(self._with_tool(f"{longest}*{longest}", int(longest) ** 2)) + 1 + LENGTH_MARGIN
 
-    def for_pretraining(self, progress: float) -> "Task":
-        return replace(self, tool_share=1.0) if progress < self.tool_only else self
-
     def draw(self, rng: random.Random) -> str:
         a, b = (Addition._number(rng.randint(self.min_digits, self.max_digits), rng) for _ in range(2))
         return f"calc {a}*{b}:"
@@ -299,11 +316,6 @@ class Calc(Task):
     def _product(self, prompt: str) -> tuple[str, int]:
         a, b = self._match(self.prompt_pattern, prompt).groups()
         return f"{a}*{b}", int(a) * int(b)
-
-    def calls_tool(self, prompt: str) -> bool:
-        """Whether the prompt's ideal completion calls the calculator: a share `tool_share` of the problems."""
-        digest = hashlib.sha256(f"{self.name}/tool/{prompt}".encode()).digest()
-        return int.from_bytes(digest[:8], "big") / 2**64 < self.tool_share
 
     @staticmethod
     def _with_tool(expression: str, product: int) -> str:
@@ -318,6 +330,70 @@ class Calc(Task):
 
     def is_correct(self, prompt: str, answer: str) -> bool:
         return answer == str(self._product(prompt)[1])
+
+
+LOOKUP_CALL = "<lookup>{}</lookup>"
+"""A call of the `lookup` environment's table, as the `plain` parser reads it; its answer is a CALCULATOR_RESULT."""
+KEY_LETTERS = 3
+"""The built-in lookup table's keys: every string of this many lowercase letters (17,576)."""
+
+
+def lookup_value(key: str, table_seed: int = 0) -> str:
+    """The built-in lookup table's entry of `key`: six digits from a hash of (table_seed, key), which no model can
+    compute from the key: a `lookup` problem's answer is only in its environment's table (`envs.lookup`)."""
+    digest = hashlib.sha256(f"lookup/{table_seed}/{key}".encode()).digest()
+    return str(100_000 + int.from_bytes(digest[:8], "big") % 900_000)
+
+
+@dataclass(frozen=True)
+class LookupTask(ToolTask):
+    """Say the value of a key: ``lookup qxv:`` -> ``<lookup>qxv</lookup><result>583920</result>>583920.``, or a guess
+    at once, ``>583920.``.
+
+    An agentic task whose answer is only in the environment: its problems are episodes of the built-in `lookup`
+    environment (`envs.lookup.KeyLookup`, the `plain` parser; configs/lookup.yaml), whose table keys every
+    `KEY_LETTERS`-letter string to a value hashed from it (`lookup_value`), which no model computes and, with the
+    eval keys held out, none has seen. The row an episode resets from holds the key, not the value
+    (`episode_row`): the environment checks the answer against its own table. Pretrained as `Calc` is (`ToolTask`).
+    """
+
+    name: str = "lookup"
+    tool_share: float = 0.5
+    tool_only: float = 0.5
+    prefix: ClassVar[str] = "lookup "
+    pretrain_steps: ClassVar[int] = 600
+    environment: ClassVar[str | None] = "lookup"
+    observation_pattern: ClassVar[re.Pattern | None] = re.compile(r"<result>.*?</result>")
+    alphabet: ClassVar[str | None] = "".join(map(chr, range(32, 127)))  # printable ASCII: the tool's errors too
+    prompt_pattern: ClassVar[re.Pattern] = re.compile(rf"lookup ([a-z]{{{KEY_LETTERS}}}):")
+    completion_pattern: ClassVar[re.Pattern] = re.compile(r"(<lookup>[a-z]+</lookup><result>\d+</result>)?>\d+\.")
+
+    @property
+    def max_new_tokens(self) -> int:
+        return len(self._with_tool("a" * KEY_LETTERS, "9" * 6)) + 1 + LENGTH_MARGIN
+
+    def draw(self, rng: random.Random) -> str:
+        return f"lookup {''.join(rng.choices(string.ascii_lowercase, k=KEY_LETTERS))}:"
+
+    def key(self, prompt: str) -> str:
+        return self._match(self.prompt_pattern, prompt).group(1)
+
+    def episode_row(self, prompt: str) -> dict[str, str]:
+        """The question and its key, no answer: the environment's table has it."""
+        return {"question": prompt, "key": self.key(prompt)}
+
+    @staticmethod
+    def _with_tool(key: str, value: str) -> str:
+        return f"{LOOKUP_CALL.format(key)}{CALCULATOR_RESULT.format(value)}{ANSWER_MARKER}{value}{END_MARKER}"
+
+    def solution(self, prompt: str) -> str:
+        key = self.key(prompt)
+        if self.calls_tool(prompt):
+            return self._with_tool(key, lookup_value(key))
+        return f"{ANSWER_MARKER}{lookup_value(key)}{END_MARKER}"
+
+    def is_correct(self, prompt: str, answer: str) -> bool:
+        return answer == lookup_value(self.key(prompt))
 
 
 class ExpressionError(ValueError):
@@ -469,7 +545,7 @@ def _operand(expression: str) -> str:
     return expression if expression.isdigit() else f"({expression})"
 
 
-TASKS: dict[str, Task] = {task.name: task for task in (Addition(), Sort(), Countdown(), Copy(), Calc())}
+TASKS: dict[str, Task] = {task.name: task for task in (Addition(), Sort(), Countdown(), Copy(), Calc(), LookupTask())}
 
 
 def task(name: str) -> Task:

@@ -5,12 +5,13 @@ another's work. A run's own scenario (`LMTrainConfig.scenario`) holds its engine
 runtime rolls trajectories out, and takes its turns from the task or the start-up profile."""
 
 import math
+from pathlib import Path
 
 import pytest
 from planner_scenarios import lm_pipeline, scenario
 from test_multiturn import env_tree
 
-from dovetail.config.load import parse_config
+from dovetail.config.load import load_config, parse_config
 from dovetail.cost.model import CostModel
 from dovetail.graph.latency import Latency
 from dovetail.graph.lm import LMShape, build_lm, step_samples
@@ -20,6 +21,7 @@ from dovetail.plan.scenario import load_scenario
 from dovetail.runtime.executor import RayExecutor
 from dovetail.sched.policy import PolicyOptions
 
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TURNS = 3
 STEPS = 2
 
@@ -161,3 +163,23 @@ def test_the_shipped_agentic_scenario_prices_waits_that_hold_no_device():
     assert all(p.turns is not None and not p.turns.waits_hold_device for p in shipped.pipelines)
     prepared, trace = simulate(shipped, "verl-sync", steps=1)
     assert trace.waits and all(w.end > w.start for w in trace.waits)
+
+
+@pytest.mark.parametrize("name", ["multiplex-agentic.yaml", "multiplex-agentic-flow.yaml"])
+def test_the_shipped_agentic_multiplex_configs_load_and_their_policy_plans_every_pipeline_s_steps(name):
+    """Two agentic pipelines, or one beside a flow pipeline: each agentic pipeline's scenario has turns whose waits
+    are its env.latency, held by its engines as the runtime holds them, and the config's policy (jigsaw) plans every
+    pipeline's steps on the shared pool (the flow pipeline's as configs/multiplex.yaml's)."""
+    config = load_config(CONFIGS / name)
+    scenario = config.scenario(STEPS)
+    entries = {entry.name: entry for entry in config.pipelines}
+    assert {spec.name for spec in scenario.pipelines} == set(entries)
+    agentic = [spec for spec in scenario.pipelines if getattr(spec, "turns", None) is not None]
+    assert agentic and all(spec.turns.waits_hold_device for spec in agentic)
+    assert all(spec.turns.latency == entries[spec.name].env.latency for spec in agentic)
+    if name == "multiplex-agentic-flow.yaml":
+        assert sorted(entry.kind for entry in entries.values()) == ["flow", "lm"]
+    _, trace = simulate(
+        scenario, config.policy, steps=STEPS, options=config.policy_options(), **config.shape_overrides()
+    )
+    assert sorted((r.pipeline, r.step) for r in trace.steps) == sorted((p, s) for p in entries for s in range(STEPS))

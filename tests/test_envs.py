@@ -339,7 +339,7 @@ def test_a_user_environment_loads_by_name_and_keeps_its_episode_state(user_modul
         ),
         ("user_envs:Half", "environment 'user_envs:Half' does not define step: an Environment answers reset and step"),
         ("json:dumps", "environment 'json:dumps' is a function, not an Environment: write class dumps("),
-        ("echo", "unknown environment 'echo'; use a built-in (arithmetic) or your own as package.module:Class"),
+        ("echo", "unknown environment 'echo'; use a built-in (arithmetic, lookup) or your own as package.module:Class"),
     ],
 )
 def test_a_misnamed_environment_is_refused_in_one_line_naming_the_field(user_module, name, says):

@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
     (("models",), ("algo", "prompts", "files", "rewards", "tasks", "graph", "torch")),
     (("prompts",), ()),
     (("rewards", "tasks"), ("torch",)),
-    (("envs",), ("rewards", "files", "graph")),
+    (("envs",), ("rewards", "tasks", "files", "graph")),
     (("files",), ()),
     (("kinds",), ()),
     (("trackers",), ("torch",)),

@@ -121,6 +121,57 @@ def test_the_gantt_chart_tells_pipelines_apart_marks_steps_and_keeps_its_legend_
     assert legend.y1 <= ax.get_window_extent().y0  # wholly below the axes
 
 
+def test_environment_waits_have_a_row_per_pipeline_below_the_devices_in_the_gantt_chart_and_the_chrome_trace(
+    tmp_path,
+):
+    """A wait holds no device: pipeline a's two overlapping waits and b's one are drawn in a row of each pipeline's
+    below the two devices' rows, each bar where its wait is, in a look no node kind or pipeline has, and named in the
+    legend; the Chrome trace gives each pipeline's waits a thread of their own after the devices'."""
+    from matplotlib.colors import to_rgba
+
+    from dovetail.plan.trace import WAIT_LABEL, Wait
+
+    spans = [Span(f"{p}/decode{d}", p, 0, "decode", d, 0.0, 1.0, 0.5, 0) for p in ("a", "b") for d in (0, 1)]
+    waits = [
+        Wait("a/0/env/0/0", "a", 0, 1.0, 3.0),
+        Wait("a/0/env/1/0", "a", 0, 1.5, 2.5),
+        Wait("b/0/env/0/0", "b", 0, 1.0, 4.0),
+    ]
+    trace = Trace(devices=2, spans=spans, peak_memory_gb=[1.0, 1.0], waits=waits)
+    (ax,) = trace.gantt_figure().axes
+    assert [label.get_text() for label in ax.get_yticklabels()] == ["0", "1", "a waits", "b waits"]
+    assert list(ax.get_yticks()) == [0, 1, 2, 3]
+    drawn = {}
+    for collection in ax.collections:
+        for path in collection.get_paths():
+            box = path.get_extents()
+            drawn.setdefault(round(box.y0 + box.height / 2), []).append((box.x0, box.width, collection))  # its row
+    assert sorted(drawn) == [0, 1, 2, 3]  # the devices' rows, then a's waits and b's
+    for row, pipeline in ((2, "a"), (3, "b")):
+        expected = sorted((w.start, w.end - w.start) for w in waits if w.pipeline == pipeline)
+        assert sorted((x, pytest.approx(width)) for x, width, _ in drawn[row]) == expected
+    wait_looks = {(to_rgba(c.get_facecolor()[0]), c.get_hatch()) for row in (2, 3) for *_, c in drawn[row]}
+    kind_looks = {(to_rgba(c.get_facecolor()[0]), c.get_hatch()) for row in (0, 1) for *_, c in drawn[row]}
+    assert len(wait_looks) == 1 and not wait_looks & kind_looks
+    assert {to_rgba(c.get_facecolor()[0])[:3] for row in (0, 1) for *_, c in drawn[row]}.isdisjoint(
+        {colour[:3] for colour, _ in wait_looks}
+    )
+    (legend,) = trace.gantt_figure().legends
+    assert WAIT_LABEL in [text.get_text() for text in legend.get_texts()]
+    trace.write_chrome(tmp_path / "trace.json")
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert names == {0: "device 0", 1: "device 1", 2: "a waits", 3: "b waits"}
+    waited = sorted((e["tid"], e["ts"], e["dur"], e["args"]["node"]) for e in events if e.get("cat") == "env")
+    assert waited == [
+        (2, 1.0e6, 2.0e6, "a/0/env/0/0"),
+        (2, 1.5e6, 1.0e6, "a/0/env/1/0"),
+        (3, 1.0e6, 3.0e6, "b/0/env/0/0"),
+    ]
+    without = Trace(devices=2, spans=spans, peak_memory_gb=[1.0, 1.0]).gantt_figure().axes[0]
+    assert [label.get_text() for label in without.get_yticklabels()] == ["0", "1"]  # no waits, no rows of them
+
+
 def test_a_run_that_went_on_without_a_device_is_one_trace_on_the_run_s_clock_steps_and_devices(tmp_path):
     """Two stretches of a run: steps 0-1 on devices 0-2, then (device 1 lost) steps from 2 on the two left, whose
     indices in the second pool are 0 and 1. The whole trace puts every span on the first stretch's clock, the run's

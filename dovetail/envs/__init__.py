@@ -1,8 +1,9 @@
 """Environments and tools for multi-turn rollouts (docs/environments.md): the contract a user implements
 (`contract.py`: `Environment`, `Turn`, `StepResult`, `Tool`, `Latency`), how tool calls are written and answered
 (`toolcalls.py`: the `hermes` and `plain` parsers, tools offered through a chat template), the built-in tools
-(`tools.py`: calculator, sandboxed Python in `sandbox.py`, lookup), the built-in environments (`arithmetic.py`), one
-trajectory's episode (`episode.py`) and episodes run out of the caller's process with a time limit (`host.py`).
+(`tools.py`: calculator, sandboxed Python in `sandbox.py`, lookup), the built-in environments (`arithmetic.py`,
+`lookup.py`), one trajectory's episode (`episode.py`) and episodes run out of the caller's process with a time limit
+(`host.py`).
 
 An environment is named as a reward is: a built-in by its name (`ENVIRONMENTS`), your own as "package.module:Class",
 imported when the config is read (`environment_class`). The reference loop runs an env config's multi-turn rollouts
@@ -18,6 +19,7 @@ __all__ = ["Environment", "Latency", "StepResult", "Tool", "ToolCall", "Turn", "
 
 ENVIRONMENTS: dict[str, str] = {
     "arithmetic": "dovetail.envs.arithmetic:Arithmetic",
+    "lookup": "dovetail.envs.lookup:KeyLookup",
 }
 """The built-in environments by name: "module:Class" paths, imported on first use."""
 

@@ -8,7 +8,7 @@ import difflib
 import json
 import math
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -130,23 +130,30 @@ class PythonExecutor(Tool):
 class Lookup(Tool):
     """An entry of a local file by its key: a JSON object (key -> entry) or JSON lines, each row an object whose
     `key_field` keys it (its entry: the row's `value_field`, or the whole row as JSON where that is None). Read once,
-    when the tool is made; a file that cannot serve is a ValueError naming it and the line. An entry is cut at
-    `max_chars`; a key not found is answered with the closest keys."""
+    when the tool is made; a file that cannot serve is a ValueError naming it and the line. Or, instead of a file,
+    `table`: entries already in memory (the built-in `lookup` environment's, made from a seed), shared, not copied,
+    by the tools made with it. An entry is cut at `max_chars`; a key not found is answered with the closest keys."""
 
-    path: Path
+    path: Path | None = None
     name: str = "lookup"
     latency: Latency = NO_LATENCY
     key_field: str = "key"
     value_field: str | None = None
     max_chars: int = 2000
-    entries: dict[str, str] = field(init=False, repr=False, compare=False)
+    table: Mapping[str, str] | None = field(default=None, repr=False, compare=False)
+    entries: Mapping[str, str] = field(init=False, repr=False, compare=False)
 
     description = "Look up an entry by its key."
     argument = "key"
     argument_description = "the entry's key"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "entries", self._read())
+        if self.table is not None and self.path is None:
+            object.__setattr__(self, "entries", self.table)
+        elif self.path is not None and self.table is None:
+            object.__setattr__(self, "entries", self._read(self.path))
+        else:
+            raise ValueError("a lookup reads its entries from a file (path) or is given them (table): give one")
 
     def run(self, argument: str) -> str:
         key = argument.strip()
@@ -156,16 +163,16 @@ class Lookup(Tool):
         close = difflib.get_close_matches(key, self.entries, n=3)
         return f"error: no entry {key!r}" + (f"; close keys: {', '.join(map(repr, close))}" if close else "")
 
-    def _read(self) -> dict[str, str]:
-        text = read_text(Path(self.path), "a JSON or JSONL file")
-        if Path(self.path).suffix == ".jsonl":
+    def _read(self, path: Path) -> dict[str, str]:
+        text = read_text(Path(path), "a JSON or JSONL file")
+        if Path(path).suffix == ".jsonl":
             return self._rows(text)
         try:
             mapping = json.loads(text)
         except json.JSONDecodeError as error:
-            raise ValueError(f"{self.path}: not JSON ({error.msg}, line {error.lineno}); give an object") from None
+            raise ValueError(f"{path}: not JSON ({error.msg}, line {error.lineno}); give an object") from None
         if not isinstance(mapping, dict):
-            raise ValueError(f"{self.path}: a JSON lookup file is an object of key -> entry; use .jsonl for rows")
+            raise ValueError(f"{path}: a JSON lookup file is an object of key -> entry; use .jsonl for rows")
         return {str(key): _entry_text(value) for key, value in mapping.items()}
 
     def _rows(self, text: str) -> dict[str, str]:

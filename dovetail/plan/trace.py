@@ -126,8 +126,14 @@ class Trace:
             waits=[Wait(**w) for w in data.get("waits", [])],  # nor before environment waits did
         )
 
+    def waiting_pipelines(self) -> list[str]:
+        """The pipelines whose trajectories waited on their environment, in order of name: each has a row of its
+        waits below the devices' in the charts, since a wait holds no device."""
+        return sorted({wait.pipeline for wait in self.waits})
+
     def write_chrome(self, path: str | Path) -> None:
-        """Chrome trace event format: one row per device; opens in Perfetto or chrome://tracing."""
+        """Chrome trace event format: one row per device, then one per pipeline of its environment waits; opens in
+        Perfetto or chrome://tracing."""
         events: list[dict] = [
             {"ph": "M", "name": "thread_name", "pid": 0, "tid": d, "args": {"name": f"device {d}"}}
             for d in range(self.devices)
@@ -158,6 +164,24 @@ class Trace:
                     "args": {},
                 }
             )
+        waiting = self.waiting_pipelines()
+        for row, pipeline in enumerate(waiting, start=self.devices):
+            events.append(
+                {"ph": "M", "name": "thread_name", "pid": 0, "tid": row, "args": {"name": f"{pipeline} waits"}}
+            )
+        for wait in self.waits:
+            events.append(
+                {
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": self.devices + waiting.index(wait.pipeline),
+                    "cat": "env",
+                    "name": f"{wait.pipeline}:env",
+                    "ts": wait.start * 1e6,
+                    "dur": (wait.end - wait.start) * 1e6,
+                    "args": {"node": wait.node, "step": wait.step},
+                }
+            )
         events += [{"ph": "i", "s": "g", "pid": 0, "name": m.label, "ts": m.time * 1e6} for m in self.marks]
         Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
@@ -172,8 +196,10 @@ class Trace:
     def gantt_figure(self, title: str = ""):
         """One row per device, a colour per node kind (hatched white: role switches), a dotted line at every
         optimizer step (commit), a red dashed one at every mark. With several pipelines each has a lane of every
-        device's row and a hatching of its own, so a kind keeps its colour whichever pipeline ran it. The legend sits
-        below the axes, off the bars."""
+        device's row and a hatching of its own, so a kind keeps its colour whichever pipeline ran it. Environment waits
+        hold no device: below the devices, each pipeline that waited has a row of its waits, pale and translucent
+        (the waits of a step's shards overlap, darker where more wait at once), so an idle stretch of a device reads
+        against the waits that left it idle. The legend sits below the axes, off the bars."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -186,7 +212,9 @@ class Trace:
         colours = {k: plt.get_cmap("tab10")(i % 10) for i, k in enumerate(kinds)}
         hatches = {p: PIPELINE_HATCHES[j % len(PIPELINE_HATCHES)] for j, p in enumerate(pipelines)}
         lane = 0.8 / max(1, len(pipelines))
-        fig, ax = plt.subplots(figsize=(12, 0.35 * self.devices * max(1, len(pipelines)) + 1.8), layout="constrained")
+        waiting = self.waiting_pipelines()
+        height = 0.35 * self.devices * max(1, len(pipelines)) + 0.35 * len(waiting) + 1.8
+        fig, ax = plt.subplots(figsize=(12, height), layout="constrained")
         rows: dict[tuple[str, str, int], list[tuple[float, float]]] = {}
         for s in self.spans:
             rows.setdefault((s.pipeline, s.kind, s.device), []).append((s.start, s.end - s.start))
@@ -203,6 +231,16 @@ class Trace:
                 edgecolor="grey",
                 hatch="//",
             )
+        for row, pipeline in enumerate(waiting, start=self.devices):
+            ax.broken_barh(
+                [(w.start, w.end - w.start) for w in self.waits if w.pipeline == pipeline],
+                (row - 0.4, 0.8),
+                facecolor=WAIT_COLOUR,
+                alpha=0.5,
+                edgecolor="grey",
+                linewidth=0.2,
+                hatch=WAIT_HATCH,
+            )
         for commit in sorted({record.end for record in self.steps}):
             ax.axvline(commit, color="black", linestyle=":", linewidth=0.8)
         for mark in self.marks:
@@ -212,12 +250,17 @@ class Trace:
             handles += [Patch(facecolor="white", edgecolor="black", hatch=hatches[p], label=p) for p in pipelines]
         if self.switches:
             handles.append(Patch(facecolor="white", edgecolor="grey", hatch="//", label="role switch"))
+        if waiting:
+            handles.append(
+                Patch(facecolor=WAIT_COLOUR, alpha=0.5, edgecolor="grey", hatch=WAIT_HATCH, label=WAIT_LABEL)
+            )
         if self.steps:
             handles.append(Line2D([], [], color="black", linestyle=":", label="optimizer step"))
         handles += [Line2D([], [], color="red", linestyle="--", label=mark.label) for mark in self.marks]
         ax.set_xlabel("seconds")
         ax.set_ylabel("device")
-        ax.set_yticks(range(self.devices))
+        ax.set_yticks(range(self.devices + len(waiting)))
+        ax.set_yticklabels([str(d) for d in range(self.devices)] + [f"{p} waits" for p in waiting])
         ax.invert_yaxis()
         ax.set_title(title)
         fig.legend(handles=handles, loc="outside lower center", fontsize="small", ncols=min(len(handles), 8))
@@ -242,4 +285,9 @@ class Segment:
 
 
 PIPELINE_HATCHES = ["", "..", "xx", "\\\\", "--", "oo"]
-"""Each pipeline's hatching in a Gantt chart ("//" is a role switch's)."""
+"""Each pipeline's hatching in a Gantt chart ("//" is a role switch's, "||" an environment wait's)."""
+WAIT_COLOUR = "#c6dbef"
+WAIT_HATCH = "||"
+WAIT_LABEL = "environment wait (holds no device)"
+"""An environment wait's look in a Gantt chart: a pale blue no node kind's tab10 colour is, a hatching no pipeline's
+or role switch's is."""

@@ -390,7 +390,7 @@ class EnvSection(Section):
     name: str = Field(
         min_length=1,
         max_length=200,
-        description="a built-in environment (arithmetic) or your own as package.module:Class",
+        description="a built-in environment (arithmetic, lookup) or your own as package.module:Class",
     )
     options: dict[str, Any] = Field(
         default_factory=dict, max_length=64, description="the environment's constructor's keyword arguments"
