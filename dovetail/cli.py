@@ -1,4 +1,4 @@
-"""The `dovetail` command: train, pretrain, simulate, plan, export.
+"""The `dovetail` command: train, pretrain, simulate, plan, export, convert-clip.
 
 Bad input (a config, a scenario, a flag) is one line on stderr naming the file, field or flag and the fix, exit
 code 2, and nothing written."""
@@ -388,6 +388,54 @@ def export(
     except (FileNotFoundError, ValueError) as error:
         _refuse(str(error))
     typer.echo(f"exported {checkpoint} to {out}")
+
+
+@app.command("convert-clip")
+def convert_clip(
+    checkpoint: Path = typer.Argument(..., help="an open_clip ViT checkpoint (HPS_v2_compressed.pt, a .pt state dict)"),
+    processor: Path = typer.Argument(
+        ..., help="a CLIPProcessor's directory for it (ViT-H-14's: laion/CLIP-ViT-H-14-laion2B-s32B-b79K's files)"
+    ),
+    out: Path = typer.Argument(..., help="new directory for the transformers CLIPModel and its processor"),
+    quick_gelu: bool = typer.Option(False, help="OpenAI's own CLIP weights (QuickGELU); open_clip's LAION ones: no"),
+):
+    """Write an open_clip checkpoint as a transformers CLIPModel directory (save_pretrained layout) with the
+    processor beside it: what the hps_v2, pickscore and clip_score rewards load."""
+    import pickle
+
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    from transformers import CLIPProcessor
+
+    from dovetail.models.open_clip import checkpoint_state, clip_model
+
+    if out.exists():
+        _refuse(f"{out} exists; name a new directory")
+    unreadable = (OSError, ValueError, RuntimeError, KeyError, EOFError, SafetensorError)
+    try:
+        if checkpoint.suffix == ".safetensors":
+            loaded: object = load_file(checkpoint)
+        else:
+            loaded = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        model = clip_model(checkpoint_state(loaded), quick_gelu)
+    except pickle.UnpicklingError:
+        _refuse(
+            f"{checkpoint}: not a torch checkpoint of tensors; give an open_clip ViT checkpoint (.pt or .safetensors)"
+        )
+    except unreadable as error:
+        _refuse(f"{checkpoint}: {_first_line(error)}; give an open_clip ViT checkpoint (.pt or .safetensors)")
+    try:
+        loaded_processor = CLIPProcessor.from_pretrained(processor)
+    except unreadable as error:
+        _refuse(f"{processor}: {_first_line(error)}; give the directory of a CLIPProcessor saved with save_pretrained")
+    model.save_pretrained(out)
+    loaded_processor.save_pretrained(out)
+    typer.echo(f"converted {checkpoint} to {out}")
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def main() -> None:

@@ -165,6 +165,13 @@ MODEL_REWARDS: dict[str, ModelReward] = {
     "pickscore": ModelReward(
         "images", "CLIPModel", "a CLIPModel and its CLIPProcessor", "dovetail.rewards.models:pickscore", CLIP_FILES
     ),
+    "hps_v2": ModelReward(
+        "images",
+        "CLIPModel",
+        "a CLIPModel with HPS v2's weights and its CLIPProcessor (`dovetail convert-clip` writes one)",
+        "dovetail.rewards.models:hps_v2",
+        CLIP_FILES,
+    ),
     "lm_reward_model": ModelReward(
         "texts",
         "ForSequenceClassification",

@@ -7,6 +7,8 @@ The formulas are upstream's (docs/rewards.md names each source):
 * `clip_score`: torchmetrics' CLIPScore, 100 x cos(image embedding, text embedding), clamped at 0.
 * `pickscore`: PickScore's, CLIP's logit scale exp(logit_scale) x cos(image embedding, text embedding): the
   logit its softmax over a prompt's images would take.
+* `hps_v2`: HPS v2's (its score.py), the diagonal of image_features @ text_features.T, both normalised: cos,
+  unscaled, on a CLIP with HPS v2's weights (`models.open_clip` converts its open_clip checkpoint).
 * `lm_reward_model`: TRL's and OpenRLHF's, logits[:, 0] of an AutoModelForSequenceClassification at the last
   token that is not padding, of the prompt and completion as one text (a chat's messages through the chat
   template, the completion the assistant's turn), tokenized without added special tokens, padded on the right.
@@ -86,6 +88,16 @@ def pickscore(settings: RewardModel, device: str):
     def reward(images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
         """PickScore of each image and its prompt: exp(logit_scale) cos."""
         return scale * clip_cosines(settings, device, images, prompts)
+
+    return reward
+
+
+def hps_v2(settings: RewardModel, device: str):
+    _clip(settings.path, device)
+
+    def reward(images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
+        """HPS v2 of each image and its prompt: cos, the diagonal of its normalised features' product."""
+        return clip_cosines(settings, device, images, prompts)
 
     return reward
 
