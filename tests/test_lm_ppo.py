@@ -617,41 +617,25 @@ def test_a_multi_turn_ppo_run_on_ray_trains_policy_and_critic_to_the_reference_p
 
 
 @pytest.mark.exactness
-def test_several_updates_a_batch_step_the_critic_as_often_on_ray_as_in_the_reference(local_ray, tmp_path):
-    """algo.num_iterations=2 with a critic (verl's ppo_epochs for actor and critic: GAE once, then two updates of
-    each on the same returns): verl-sync on 2 devices ends at the reference loop's policy and critic to the bit, each
-    step reports its second update's value loss, and the critic ends elsewhere than after one update a step."""
+def test_several_updates_a_batch_and_dynamic_sampling_train_the_critic_on_ray_as_in_the_reference(local_ray, tmp_path):
+    """algo.num_iterations=2 (verl's ppo_epochs for actor and critic: GAE once, then two updates of each on the same
+    returns) with DAPO's dynamic sampling (the groups kept from several draws valued and trained, by the critic as by
+    the actor): verl-sync on 2 devices, a step cut into its draws, ends at the reference loop's policy and critic to
+    the bit; each step reports its second update's value loss, and the critic ends elsewhere than after one update
+    a step."""
+    both = [*RAY_SMALL, "algo.dynamic_sampling=true", "algo.dynamic_sampling_max_draws=3"]
     runs = {
         (policy, updates): tmp_path / f"{policy}-{updates}"
         for policy, updates in (("reference", 2), ("verl-sync", 2), ("reference", 1))
     }
     for (policy, updates), out in runs.items():
-        overrides = [*RAY_SMALL, f"policy={policy}", f"algo.num_iterations={updates}"]
-        train(load_config(None, overrides), out, steps=2)
-
-    def critic(out):
-        return load_file(str(out / "checkpoints" / "step_000002" / "critic.safetensors"))
-
-    twice, on_ray, once = (critic(runs[key]) for key in (("reference", 2), ("verl-sync", 2), ("reference", 1)))
-    assert all(torch.equal(twice[k], on_ray[k]) for k in twice)
+        train(load_config(None, [*both, f"policy={policy}", f"algo.num_iterations={updates}"]), out, steps=3)
+    for name in ("model.safetensors", "critic.safetensors"):
+        expected, got = ends(runs["reference", 2], name), ends(runs["verl-sync", 2], name)
+        assert all(torch.equal(expected[k], got[k]) for k in expected), name
+    twice, once = ends(runs["reference", 2], "critic.safetensors"), ends(runs["reference", 1], "critic.safetensors")
     assert any(not torch.equal(twice[k], once[k]) for k in twice), "the second update moved the critic"
     for key in (("reference", 2), ("verl-sync", 2)):
         lines = [json.loads(line) for line in (runs[key] / "metrics.jsonl").read_text().splitlines()]
         assert all(line["update_2/critic/vf_loss"] > 0 for line in lines), key
-    policies = [load_file(str(runs[key] / "checkpoints" / "step_000002" / "model.safetensors")) for key in runs]
-    assert all(torch.equal(policies[0][k], policies[1][k]) for k in policies[0])
-
-
-@pytest.mark.exactness
-def test_dynamic_sampling_values_and_trains_the_critic_on_the_groups_kept_as_the_reference(local_ray, tmp_path):
-    """DAPO's dynamic sampling with a critic: the groups kept from several draws are valued and trained, by the
-    critic as by the actor; verl-sync (a step cut into its draws) ends at the reference loop's policy and critic."""
-    overrides = [*RAY_SMALL, "algo.dynamic_sampling=true", "algo.dynamic_sampling_max_draws=3"]
-    for policy in ("reference", "verl-sync"):
-        train(load_config(None, [*overrides, f"policy={policy}"]), tmp_path / policy, steps=3)
-    for name in ("model.safetensors", "critic.safetensors"):
-        expected, got = ends(tmp_path / "reference", name), ends(tmp_path / "verl-sync", name)
-        assert all(torch.equal(expected[k], got[k]) for k in expected), name
-    lines = [json.loads(line) for line in (tmp_path / "reference" / "metrics.jsonl").read_text().splitlines()]
-    assert max(m["dynamic_sampling/draws"] for m in lines) > 1 and max(m["dynamic_sampling/dropped"] for m in lines)
-    assert all(m["critic/vf_loss"] > 0 for m in lines)
+        assert max(m["dynamic_sampling/draws"] for m in lines) > 1 and max(m["dynamic_sampling/dropped"] for m in lines)
