@@ -220,6 +220,7 @@ class RayExecutor:
             self._close_environments()
 
     def _run_policy(self, policy: Policy) -> Trace:
+        self._start_environments()
         self.state = state = ClusterState(self.graph, self.setup)
         start = time.perf_counter()
 
@@ -334,11 +335,18 @@ class RayExecutor:
         return self._environments_of(pipeline).run.remote(work)
 
     def _environments_of(self, pipeline: str):
-        """The pipeline's `EnvironmentWorker`, started on first use: its episodes live there for the run."""
-        if pipeline not in self.environments:
+        """The pipeline's `EnvironmentWorker` (`_start_environments`): its episodes live there for the run."""
+        return self.environments[pipeline]
+
+    def _start_environments(self) -> None:
+        """An `EnvironmentWorker` for each pipeline whose graph waits on environments off the devices, ready before
+        the run's clock starts, as its DeviceWorkers are: a worker starting (its imports, the environment's
+        process) would hold up the first step's rollouts by seconds."""
+        waiting = {node.pipeline for node in self.graph if not node.holds_device}
+        for pipeline in sorted(waiting - set(self.environments)):
             config = self.pipelines[pipeline].config.model_dump(mode="json")
             self.environments[pipeline] = ENVIRONMENT_ACTOR.remote(config)
-        return self.environments[pipeline]
+        ray.get([actor.ready.remote() for actor in self.environments.values()])
 
     def _start_waits(self) -> None:
         """The env nodes whose wait began (`ClusterState.take_waits`: no decision places them), each sent to its
