@@ -168,7 +168,7 @@ def test_a_run_with_free_waits_covers_its_max_turns_and_prices_only_its_forecast
         assert [n.kind for n in chain] == [Kind.DECODE, *[Kind.ENV, Kind.DECODE] * 4]
         assert all(a.id in b.deps for a, b in zip(chain, chain[1:]))  # one chain: turn, its wait, the next turn
         past = [n for n in chain if n.kind == Kind.DECODE][max(spec.turns.counts) :]
-        assert past and all(n.samples == () and n.cost_s == 0 and n.tokens == 0 for n in past)
+        assert past and all(n.samples == () and n.cost_s == n.fixed_s == n.tokens == 0 for n in past)
         assert all(n.wait_s == 0 for n in chain[2 * max(spec.turns.counts) - 1 :] if n.kind == Kind.ENV)
     cut = build_lm(
         spec.model_copy(update={"turns": spec.turns.model_copy(update={"max_turns": None})}), 1, LMShape(2, 2), cost

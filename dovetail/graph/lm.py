@@ -466,7 +466,10 @@ def _turns(
     then, where some go on, an env node of their wait (the longest of theirs: the turn's next round starts when the
     last of them is answered; exact for a constant latency, where they all wait alike). A run learns its turns by
     decoding (`TurnsSpec.max_turns`): its chain covers them all, a turn past the forecast ones decoding nothing after
-    an env node that waits none (each a node's fixed cost). With `waits_hold_device`,
+    an env node that waits none, at no cost. The decode's fixed cost (what a profile of the runtime's whole-rollout
+    decode measures once per call: its rounds' overheads, the environment's steps among them) is shared out among
+    a shard's forecast turns, so its turn nodes hold its engine as long as its one held node does, less the waits.
+    With `waits_hold_device`,
     one decode node that holds its engine through every turn and wait, its waits its `wait_s`: the Ray runtime's
     rollout, one call that sleeps while every trajectory waits."""
     assert spec.turns is not None, "only a multi-turn spec with turns is cut into turns"
@@ -505,7 +508,7 @@ def _turns(
             samples=tuple(s.id for s in members),
             band=(0, spec.max_length),
             cost_s=seconds * tp,
-            fixed_s=cost.fixed("decode"),
+            fixed_s=cost.fixed("decode") / forecast if members else 0.0,
             tokens=sum(new_tokens),
             shard=shard,
             max_width=tp,
