@@ -11,15 +11,20 @@ environment step waiting `env.latency`), with the same batches and steps in ever
   split-pool     each on one device (its own core, `taskset`) under verl-sync, at the same time
   jigsaw         one multiplexed run (the look-ahead scheduler and its shape search)
 
+Every arrangement runs its rollouts with free waits (`env.free_waits: true`, `--waits free`, the default): each turn
+a node of its own, the environment's steps and waits off the devices, so a device whose trajectories all wait is the
+policy's to fill; `--waits held` runs them as before, each shard's trajectories rolled out whole by one decode call
+that holds its device through the waits.
+
 Time is the training itself, as benchmarks/multiplex.py counts it (its helpers): a pipeline's time is the sum of its
 steps' `step_s`, an arrangement's makespan adds the pipelines that ran in turn and takes the longest of those that
 ran together, a multiplexed run's is its trace's first node to its last optimizer step. Per arrangement: device busy
-(the pool's device-seconds with a node on them over 2 x the makespan: a rollout engine that sleeps while every
-trajectory waits still holds its device, so this counts it busy) and env-wait (the seconds the rollout engines slept
-with every trajectory waiting on its environment, `env/wait_s`, over 2 x the makespan). The simulator's samples/s
-comes from `dry_run` on costs profiled in this process, the runtime's rollout holding its engine through the waits
-(`TurnsSpec.waits_hold_device`); "free waits" is the same forecast with the waits as nodes of their own on no device,
-what an engine that let go of its device while its trajectories wait would reach.
+(the pool's device-seconds with a node on them over 2 x the makespan: with held waits a rollout engine that sleeps
+while every trajectory waits still holds its device, so this counts it busy; with free waits it does not) and
+env-wait (`env/wait_s` summed over 2 x the makespan: with held waits the seconds the rollout engines slept with every
+trajectory waiting, with free waits the seconds the env nodes waited, off the devices). The simulator's samples/s
+comes from `dry_run` on costs profiled in this process, each arrangement's graph in the runtime's shape (`--waits`);
+the last column is the other shape's forecast.
 """
 
 from __future__ import annotations
@@ -28,7 +33,6 @@ import argparse
 import json
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -99,18 +103,9 @@ def multiplexed(configs: dict[str, dict], out: Path) -> dict:
     }
 
 
-@contextmanager
-def waits_freed():
-    """Run configs' scenarios with every environment wait a node of its own on no device (`waits_hold_device`
-    false), where the runtime's rollout holds its engine through them."""
-    from dovetail.pipelines.lm.config import LMTrainConfig
-
-    held = LMTrainConfig._turns
-    LMTrainConfig._turns = lambda self: held(self) | {"waits_hold_device": False}
-    try:
-        yield
-    finally:
-        LMTrainConfig._turns = held
+def with_waits(configs: dict[str, dict], free: bool) -> dict[str, dict]:
+    """The pipelines' configs with their waits free of the devices (`env.free_waits`) or held by them."""
+    return {name: c | {"env": c["env"] | {"free_waits": free}} for name, c in configs.items()}
 
 
 def predicted(configs: dict[str, dict], steps: int, best: dict[str, str]) -> dict[str, float]:
@@ -136,8 +131,9 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "multiplex-agentic.yaml")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-agentic-multiplex")
+    parser.add_argument("--waits", choices=("free", "held"), default="free", help="the rollouts' shape (above)")
     args = parser.parse_args()
-    configs = pipelines(args.steps, args.config)
+    configs = with_waits(pipelines(args.steps, args.config), args.waits == "free")
     started = time.time()
     measured = alone(configs, args.out)
     results = {"back-to-back": back_to_back(measured)}
@@ -147,12 +143,12 @@ def main() -> None:
     results["jigsaw"] = multiplexed(configs, args.out)
     print(f"[{time.time() - started:5.0f}s] jigsaw: {results['jigsaw']}", flush=True)
     best = results["back-to-back"]["policies"]
-    held = predicted(configs, args.steps, best)
-    with waits_freed():
-        free = predicted(configs, args.steps, best)
+    shape = predicted(configs, args.steps, best)
+    other = predicted(with_waits(configs, args.waits != "free"), args.steps, best)
     print(
         "| arrangement | makespan s | samples/s | vs back-to-back | device busy | env-wait | simulator samples/s "
-        "| simulator vs back-to-back | free waits: samples/s, vs back-to-back |"
+        f"| simulator vs back-to-back | {'held' if args.waits == 'free' else 'free'} waits: samples/s, vs "
+        "back-to-back |"
     )
     print("|---" * 9 + "|")
     base = results["back-to-back"]["samples"] / results["back-to-back"]["makespan"]
@@ -161,15 +157,18 @@ def main() -> None:
         pool = 2 * figures["makespan"]
         print(
             f"| {name} | {figures['makespan']:.1f} | {rate:.1f} | {rate / base:.2f}x | {figures['busy'] / pool:.2f} | "
-            f"{figures['waited'] / pool:.2f} | {held[name]:.1f} | {held[name] / held['back-to-back']:.2f}x | "
-            f"{free[name]:.1f}, {free[name] / free['back-to-back']:.2f}x |"
+            f"{figures['waited'] / pool:.2f} | {shape[name]:.1f} | {shape[name] / shape['back-to-back']:.2f}x | "
+            f"{other[name]:.1f}, {other[name] / other['back-to-back']:.2f}x |"
         )
     print(
         "alone, s/step by policy:", {n: {p: round(f["step_s"], 2) for p, f in m.items()} for n, m in measured.items()}
     )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(
-        json.dumps({"results": results, "alone": measured, "predicted": held, "predicted_free": free}, indent=1)
+        json.dumps(
+            {"waits": args.waits, "results": results, "alone": measured, "predicted": shape, "predicted_other": other},
+            indent=1,
+        )
     )
 
 

@@ -48,6 +48,10 @@ class PipelineKind:
     staged_baseline: str
     """The stage-after-stage policy the planner simulates for a `reference` run of this kind, which schedules
     nothing itself."""
+    environments: str = ""
+    """The off-device side of a kind whose steps wait on environments (`graph.node.Kind.ENV`): built from the run
+    config in an actor of no device (`runtime.worker.EnvironmentWorker`), it does what the adapter's `wait_work` and
+    `RunContext.off_device` ask; empty for a kind that never waits."""
 
     def load(self, part: str):
         """The object a part's "module:attribute" path names, imported now."""
@@ -89,6 +93,7 @@ KINDS: dict[str, PipelineKind] = {
             interference=("decode", "logprob", "train"),
             creates_samples=("prefill",),
             staged_baseline="verl-sync",
+            environments="dovetail.pipelines.lm.multiturn:Episodes",
         ),
     )
 }

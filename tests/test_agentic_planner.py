@@ -2,7 +2,8 @@
 environment step between two turns a wait that holds no device (`Kind.ENV`), drawn from the seed by who waits; a
 lone pipeline's engine idles through its waits by the closed-form amount, and jigsaw fills one pipeline's waits with
 another's work. A run's own scenario (`LMTrainConfig.scenario`) holds its engines through the waits, as the Ray
-runtime rolls trajectories out, and takes its turns from the task or the start-up profile."""
+runtime rolls trajectories out unless env.free_waits, and takes its turns from the task or the start-up profile; with
+free waits its chains cover env.max_turns."""
 
 import math
 from pathlib import Path
@@ -15,10 +16,9 @@ from dovetail.config.load import load_config, parse_config
 from dovetail.cost.model import CostModel
 from dovetail.graph.latency import Latency
 from dovetail.graph.lm import LMShape, build_lm, step_samples
-from dovetail.graph.node import Graph, Kind, Node, Role
+from dovetail.graph.node import Kind
 from dovetail.plan.prepare import simulate
 from dovetail.plan.scenario import load_scenario
-from dovetail.runtime.executor import RayExecutor
 from dovetail.sched.policy import PolicyOptions
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -152,10 +152,31 @@ def test_a_run_s_scenario_takes_its_turns_from_the_task_then_from_its_profile(tm
     assert turns.counts == [1, 3, 3, 1] and turns.observation_tokens == math.floor(32 / 4 + 0.5)
 
 
-def test_the_ray_runtime_refuses_a_graph_with_waits_of_their_own():
-    wait = Node("a/0/env/0/0", "a", 0, Kind.ENV, Role.ANY, wait_s=1.0)
-    with pytest.raises(ValueError, match=r"plan it with turns.waits_hold_device: true"):
-        RayExecutor(Graph([wait]), None, {}, lost=None, nodes=None).run(None)
+def test_a_run_with_free_waits_covers_its_max_turns_and_prices_only_its_forecast_turns():
+    """env.free_waits: a run learns its trajectories' turns by decoding, so each shard's chain covers env.max_turns
+    turns, an env node between every two (the runtime's nodes); the turns past the forecast ones decode nothing and
+    wait none, so the forecast prices the task's turns alone: the same step as the graph cut at them, but for the
+    fixed costs of the empty nodes."""
+    tree = {"kind": "lm", "task": "calc", "env": {"name": "arithmetic", "parser": "plain", "latency": {"seconds": 0.2}}}
+    held = parse_config(tree)
+    free = parse_config(tree | {"env": tree["env"] | {"free_waits": True, "max_turns": 5}})
+    (spec,) = free.scenario(1).pipelines
+    assert spec.turns is not None and not spec.turns.waits_hold_device and spec.turns.max_turns == 5
+    assert held.scenario(1).pipelines[0].turns.max_turns is None
+    cost = CostModel(free.cluster.device)
+    nodes = build_lm(spec, 1, LMShape(2, 2), cost)
+    for shard in (0, 1):
+        chain = [n for n in nodes if n.shard == shard and n.kind in (Kind.DECODE, Kind.ENV)]
+        assert [n.kind for n in chain] == [Kind.DECODE, *[Kind.ENV, Kind.DECODE] * 4]
+        assert all(a.id in b.deps for a, b in zip(chain, chain[1:]))  # one chain: turn, its wait, the next turn
+        past = [n for n in chain if n.kind == Kind.DECODE][max(spec.turns.counts) :]
+        assert past and all(n.samples == () and n.cost_s == n.fixed_s == n.tokens == 0 for n in past)
+        assert all(n.wait_s == 0 for n in chain[2 * max(spec.turns.counts) - 1 :] if n.kind == Kind.ENV)
+    cut = build_lm(
+        spec.model_copy(update={"turns": spec.turns.model_copy(update={"max_turns": None})}), 1, LMShape(2, 2), cost
+    )
+    priced = {n.id: n.cost_s for n in cut}
+    assert all(n.cost_s == priced[n.id] for n in nodes if n.id in priced)  # the forecast turns cost what they did
 
 
 def test_the_shipped_agentic_scenario_prices_waits_that_hold_no_device():

@@ -181,3 +181,115 @@ def test_a_worker_killed_mid_trajectory_loses_no_turn(reference, tmp_path):
     for key in (*REWARDS, *EPISODES):
         assert [m[key] for m in lines] == [m[key] for m in reference_lines], key
     assert all(m["env/wait_s"] > 0 for m in lines)  # the engines waited on their environments
+
+
+def free(policy: str, **env):
+    """`calc(policy)` with free waits (`env.free_waits`): each turn a node, the environment's steps off the devices."""
+    return parse_config(CALC | {"policy": policy, "env": CALC["env"] | {"free_waits": True} | env})
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("policy", ["verl-sync", "jigsaw"])
+def test_an_on_policy_env_run_with_free_waits_ends_at_the_reference_parameters(policy, reference, tmp_path):
+    """Each turn decodes in a node of its own, from where its trajectories stand (a kept cache continued, else
+    re-prefilled), and the environment steps them off the devices between turns: the same trajectories as the
+    reference's whole rollouts, to the bit. The graph covers env.max_turns turns per shard, whatever the episodes
+    take (a turn whose trajectories all ended decodes nothing)."""
+    train(free(policy), tmp_path, steps=STEPS)
+    assert_the_reference_s_run(reference, tmp_path)
+    ran = json.loads((tmp_path / "run_profile.json").read_text())["node_seconds"]
+    turns = {node.split("/", 2)[2] for node in ran if node.split("/")[1] == "0" and "/turn/" in node}
+    covered = range(1, free(policy).env.max_turns)
+    assert turns == {f"turn/{shard}/{t}" for shard in (0, 1) for t in covered}, turns  # 2 shards, as many turns
+
+
+@pytest.mark.parametrize(("policy", "bound"), [("streamrl", 1), ("areal", 4)])
+def test_an_asynchronous_env_run_with_free_waits_trains_every_trajectory_once(policy, bound, reference, tmp_path):
+    """Its first step rolls out on the base weights, as the reference's: the same trajectories, turn by turn."""
+    summary = train(free(policy), tmp_path, steps=STEPS + 1)
+    lines = metrics(tmp_path)
+    assert {key: lines[0][key] for key in (*REWARDS, *EPISODES)} == {
+        key: metrics(reference)[0][key] for key in (*REWARDS, *EPISODES)
+    }
+    assert summary["max_staleness"] <= bound
+    ledger = json.loads((tmp_path / "ledger.json").read_text())
+    assert ledger["problems"] == [] and len(ledger["trained"]) == (STEPS + 1) * 4 * 4
+
+
+@pytest.mark.exactness
+def test_jigsaw_runs_another_pipeline_s_work_on_a_device_whose_trajectories_wait(reference, tmp_path, monkeypatch):
+    """A multiplexed run with free waits: while the calc pipeline's trajectories of a shard wait on their environment
+    (an env node, off the devices: 0.5 s each here), the device their turn ran on is jigsaw's to fill, and it puts
+    the flow pipeline's work there, on the trace; the calc pipeline still ends at the reference's parameters (a
+    wait changes when a turn decodes, never what). jigsaw-greedy kept to the whole pool for both pipelines (as
+    tests/test_multiplex.py does), so they share it."""
+    monkeypatch.setattr(
+        Jigsaw,
+        "plan_shapes",
+        classmethod(lambda cls, c: rollout_shares(c.specs, dict(c.shapes), c.costs, c.steps)),
+    )
+    env = CALC["env"] | {"free_waits": True, "latency": {"seconds": 0.5}}
+    calc_entry = {k: v for k, v in CALC.items() if k != "policy"} | {"name": "calc", "env": env}
+    tree = {
+        "kind": "multiplex",
+        "policy": "jigsaw-greedy",
+        "cluster": {"devices": 2},
+        "pipelines": [calc_entry, FLOW | {"name": "digits"}],
+    }
+    train(parse_config(tree), tmp_path, steps=STEPS)
+    assert same_bits(final_weights(reference), final_weights(tmp_path / "calc"))
+    lines, reference_lines = metrics(tmp_path / "calc"), metrics(reference)
+    for key in (*REWARDS, *EPISODES):
+        assert [m[key] for m in lines] == [m[key] for m in reference_lines], key
+    assert all(m["env/wait_s"] > 0 for m in lines)  # the env nodes waited their latency
+    profile = json.loads((tmp_path / "run_profile.json").read_text())
+    spans = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    # the waits of trajectories that went on took the latency, off the devices (a chain's waits after every
+    # trajectory of its shard ended wait none)
+    waits = [w for w in profile["waits"] if w["pipeline"] == "calc" and w["end"] - w["start"] >= 0.5]
+    assert waits
+    node_spans = {e["args"]["node"]: e for e in spans if e["cat"] != "switch"}
+    filled = []
+    for wait in waits:
+        step, _, shard, turn = wait["node"].rsplit("/", 3)  # "calc/S", "env", shard, turn
+        start, end = wait["start"] * 1e6, wait["end"] * 1e6
+        before, after = node_spans[turn_node(step, shard, int(turn))], node_spans[turn_node(step, shard, int(turn) + 1)]
+        assert before["ts"] + before["dur"] <= start + 1 and after["ts"] >= end - 1  # the wait is between its turns
+        device = before["tid"]
+        filled += [
+            e
+            for e in spans
+            if e["tid"] == device and e["name"].startswith("digits:") and e["ts"] < end and e["ts"] + e["dur"] > start
+        ]
+    assert filled, "the flow pipeline's work ran on a device while calc's trajectories from there waited"
+
+
+def turn_node(step: str, shard: str, turn: int) -> str:
+    """The id of a shard's turn node (`graph.lm._turns`): its first turn is the decode node, later ones turn nodes."""
+    return f"{step}/decode/{shard}/0" if turn == 0 else f"{step}/turn/{shard}/{turn}"
+
+
+def test_a_worker_killed_mid_trajectory_with_free_waits_loses_no_turn(reference, tmp_path):
+    """Free waits: a rollout device is killed a quarter of a second after its prefill of the second step handed its
+    episodes on (reset off the devices), while its shard's first turn decodes or its trajectories wait half a
+    second on their environment, whose episodes live off the devices and outlive it. The turn sent to the restarted
+    device decodes from where its trajectories stand (in the object store), re-prefilled there: every trajectory
+    trained once, with the turns, tool calls and parameters of the reference's."""
+    killed: list[tuple[int, str]] = []
+
+    def kill_mid_trajectory(executor, part):
+        if not killed and isinstance(part.work, Prefill) and part.work.samples[0].step == 1:
+            killed.append((part.device, part.node))
+            threading.Timer(0.25, fault_injection.kill, (executor.worker_of(part),)).start()
+
+    summary = train(free("verl-sync", latency={"seconds": 0.5}), tmp_path, steps=STEPS, after_part=kill_mid_trajectory)
+    [(device, _)], ledger = killed, json.loads((tmp_path / "ledger.json").read_text())
+    restarts = [(r["device"], r["during"]) for r in ledger["restarts"]]
+    assert summary["restarts"] == 1 and restarts[0][0] == device, restarts
+    assert restarts[0][1].startswith("calc/1/") and "/env/" not in restarts[0][1], restarts  # a turn of step 1
+    assert ledger["problems"] == []
+    assert same_bits(final_weights(reference), final_weights(tmp_path))
+    lines, reference_lines = metrics(tmp_path), metrics(reference)
+    for key in (*REWARDS, *EPISODES):
+        assert [m[key] for m in lines] == [m[key] for m in reference_lines], key
+    assert all(m["env/wait_s"] > 0 for m in lines)  # the env nodes waited, off the devices

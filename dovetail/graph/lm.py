@@ -464,7 +464,12 @@ def _turns(
     """A shard's multi-turn rollout after its prefill: per turn t, a decode node of the trajectories still going at t
     (each its turn's tokens after what it holds so far; from the second turn each re-prefilled, as our engine does),
     then, where some go on, an env node of their wait (the longest of theirs: the turn's next round starts when the
-    last of them is answered; exact for a constant latency, where they all wait alike). With `waits_hold_device`,
+    last of them is answered; exact for a constant latency, where they all wait alike). A run learns its turns by
+    decoding (`TurnsSpec.max_turns`): its chain covers them all, a turn past the forecast ones decoding nothing after
+    an env node that waits none, at no cost. The decode's fixed cost (what a profile of the runtime's whole-rollout
+    decode measures once per call: its rounds' overheads, the environment's steps among them) is shared out among
+    a shard's forecast turns, so its turn nodes hold its engine as long as its one held node does, less the waits.
+    With `waits_hold_device`,
     one decode node that holds its engine through every turn and wait, its waits its `wait_s`: the Ray runtime's
     rollout, one call that sleeps while every trajectory waits."""
     assert spec.turns is not None, "only a multi-turn spec with turns is cut into turns"
@@ -474,12 +479,14 @@ def _turns(
     tokens = 0
     previous = prefill
     held_so_far = {s.id: s.prompt_tokens for s in mine}
-    for turn in range(max(s.turns for s in mine)):
+    forecast = max(s.turns for s in mine)
+    covered = forecast if spec.turns.waits_hold_device else max(forecast, spec.turns.max_turns or 0)
+    for turn in range(covered):
         members = [s for s in mine if s.turns > turn]
         context = [held_so_far[s.id] for s in members]
         new_tokens = [turn_tokens(s, turn) for s in members]
-        seconds = cost.decode(model, context, new_tokens, devices=tp)
-        if turn:
+        seconds = cost.decode(model, context, new_tokens, devices=tp) if members else 0.0
+        if turn and members:
             seconds += cost.reprefill(model, context, devices=tp)
         going_on = [s for s in members if s.turns > turn + 1]
         for s, generated in zip(members, new_tokens):
@@ -501,14 +508,14 @@ def _turns(
             samples=tuple(s.id for s in members),
             band=(0, spec.max_length),
             cost_s=seconds * tp,
-            fixed_s=cost.fixed("decode"),
+            fixed_s=cost.fixed("decode") / forecast if members else 0.0,
             tokens=sum(new_tokens),
             shard=shard,
             max_width=tp,
         )
         nodes.append(decode)
         previous = decode.id
-        if going_on:
+        if going_on or turn + 1 < covered:
             env = Node(
                 _id(spec, step, "env", shard, turn),
                 spec.name,

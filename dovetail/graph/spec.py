@@ -256,6 +256,14 @@ class TurnsSpec(_Spec):
         description="Each environment step's wait ({kind: constant, seconds: S} or {kind: lognormal, median_s: M, "
         "sigma: S}, as a run's env.latency), drawn per trajectory and turn from the seed.",
     )
+    max_turns: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_TURNS,
+        description="Turns every shard's chain of turn nodes covers, where `waits_hold_device` is false; None: the "
+        "most of `counts`. A run learns its trajectories' turns by decoding, so its graph covers its env.max_turns: "
+        "a turn node whose trajectories all ended earlier decodes nothing, after an env node that waits none.",
+    )
     waits_hold_device: bool = Field(
         False,
         description="False: an environment step is a node of its own that holds no device (its shard's engine is "

@@ -572,6 +572,7 @@ def write_run_outputs(
         "steps": len(trace.steps) // len(logs),
         "shapes": {name: asdict(prepared.setup.shapes[name]) for name in logs},
         "node_seconds": node_seconds(trace),
+        "waits": [asdict(wait) for wait in trace.waits],  # env nodes' waits on no device (`env.free_waits`)
         "switch_seconds": executor.switch_seconds,
         "calibration": {name: _fitted(cost) for name, cost in costs.items()},
         "measured_step_time_s": time_per_step(trace),

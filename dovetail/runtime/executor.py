@@ -7,6 +7,10 @@ finished node's event goes back to the policy. What a node asks of a worker is i
 as Ray object refs; weights are published as versioned refs that rollout engines load between trajectories, and
 where the run's measured setting says so also broadcast to the targets (`runtime.publication`).
 
+An env node (`Kind.ENV`: trajectories waiting on their environment, `env.free_waits`) holds no device: as its wait
+begins (`ClusterState.take_waits`, no decision places it) the executor sends the adapter's `wait_work` to the
+pipeline's `EnvironmentWorker`, an actor of no device that holds its episodes, and the wait ends when it answers.
+
 Several pipelines may share the devices (a multiplexed run): each has its own workers, weights versions and
 trainer state (`PipelineRun`), and a pipeline whose reward fails stops alone after its last committed step.
 
@@ -27,7 +31,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import ray
 from ray.exceptions import ObjectLostError, RayActorError, RayError, RayTaskError
@@ -43,13 +47,17 @@ from dovetail.runtime.messages import Commit, Loaded, LoadWeights, Trained, Trai
 from dovetail.runtime.pipeline import Ledger, Part, PipelineAdapter
 from dovetail.runtime.publication import Layout, Publication, layout_of, send
 from dovetail.runtime.recovery import RECOVERY_DEADLINE_S, Incarnations, LostWatch, StepLost, revive
-from dovetail.runtime.worker import WorkerRestarted
+from dovetail.runtime.worker import EnvironmentWorker, WorkerRestarted
 from dovetail.sched.policy import Migrate, Policy, Run, Setup, StepCommitted, SwitchRole
 
 MAX_RESENDS = 5
+"""Times one part is sent again after its worker died before the run gives up on it."""
+OFF_DEVICE = -1
+"""The device of a part that runs on no device: an env node's, on its pipeline's `EnvironmentWorker`."""
+ENVIRONMENT_ACTOR: Any = EnvironmentWorker
+"""`ray.remote` made EnvironmentWorker an actor class (`.remote`), which the type checker cannot see."""
 COPY_WAIT_S = 60.0
 """The longest the driver waits for its node's copy of a committed trainer state (`_keep_committed_state`)."""
-"""Times one part is sent again after its worker died before the run gives up on it."""
 
 Held: TypeAlias = "ray.ObjectRef | tuple[ray.ObjectRef, ...]"
 """A trainer state in the object store: a replica's whole, or a sharded trainer's members' shards in rank order."""
@@ -186,6 +194,9 @@ class RayExecutor:
         """Device -> its role switch under way."""
         self._resent: dict[tuple[str, int, int], int] = {}
         self._left: dict[str, int] = {}
+        self.environments: dict[str, ray.actor.ActorHandle] = {}
+        """Pipeline -> its `EnvironmentWorker`, where its graph's trajectories wait on their environment off the
+        devices (env nodes)."""
 
     def run_of(self, node_id: str) -> PipelineRun:
         return self.pipelines[self.graph[node_id].pipeline]
@@ -203,12 +214,13 @@ class RayExecutor:
 
     # ------------------------------------------------------------ the loop
     def run(self, policy: Policy) -> Trace:
-        waits = [node.id for node in self.graph if not node.holds_device]
-        if waits:  # a run's own scenario holds its engines through the waits (`LMTrainConfig.scenario`)
-            raise ValueError(
-                f"the Ray runtime rolls a shard's trajectories out whole, their waits inside its decode; the graph has "
-                f"environment waits of their own ({waits[0]}...): plan it with turns.waits_hold_device: true"
-            )
+        try:
+            return self._run_policy(policy)
+        finally:
+            self._close_environments()
+
+    def _run_policy(self, policy: Policy) -> Trace:
+        self._start_environments()
         self.state = state = ClusterState(self.graph, self.setup)
         start = time.perf_counter()
 
@@ -222,6 +234,7 @@ class RayExecutor:
         state.begin()
         while True:
             settle(state, policy, self._launch, log_commits)
+            self._start_waits()
             if state.done:
                 self._drain()
                 return state.trace
@@ -242,6 +255,11 @@ class RayExecutor:
                     else "a node of the run was lost"
                 ) from None
             except RayActorError:
+                if isinstance(part, Part) and part.device == OFF_DEVICE:
+                    raise RuntimeError(
+                        f"pipeline {self.graph[part.node].pipeline}'s environment worker died during {part.node}, "
+                        "with its open episodes; resume from the last checkpoint with --resume RUN_DIR"
+                    ) from None
                 self._recover(part, time.perf_counter() - start, switching)
                 continue
             except RayTaskError as error:
@@ -305,8 +323,50 @@ class RayExecutor:
         return self.run_of(part.node).workers[part.device]
 
     def _submit(self, part: Part) -> None:
-        ref = self.worker_of(part).run.remote(part.work, (part.node, part.index))
+        if part.device == OFF_DEVICE:
+            ref = self._environments_of(self.graph[part.node].pipeline).run.remote(part.work)
+        else:
+            ref = self.worker_of(part).run.remote(part.work, (part.node, part.index))
         self._pending[ref] = part
+
+    # ------------------------------------------------------------ environment waits, off the devices
+    def off_device(self, pipeline: str, work) -> ray.ObjectRef:
+        """What the pipeline's environment worker answers to `work` (an adapter's, `RunContext.off_device`)."""
+        return self._environments_of(pipeline).run.remote(work)
+
+    def _environments_of(self, pipeline: str):
+        """The pipeline's `EnvironmentWorker` (`_start_environments`): its episodes live there for the run."""
+        return self.environments[pipeline]
+
+    def _start_environments(self) -> None:
+        """An `EnvironmentWorker` for each pipeline whose graph waits on environments off the devices, ready before
+        the run's clock starts, as its DeviceWorkers are: a worker starting (its imports, the environment's
+        process) would hold up the first step's rollouts by seconds."""
+        waiting = {node.pipeline for node in self.graph if not node.holds_device}
+        for pipeline in sorted(waiting - set(self.environments)):
+            config = self.pipelines[pipeline].config.model_dump(mode="json")
+            self.environments[pipeline] = ENVIRONMENT_ACTOR.remote(config)
+        ray.get([actor.ready.remote() for actor in self.environments.values()])
+
+    def _start_waits(self) -> None:
+        """The env nodes whose wait began (`ClusterState.take_waits`: no decision places them), each sent to its
+        pipeline's environment worker, which steps its trajectories' episodes and answers once their waits have
+        passed; their devices are the policy's meanwhile."""
+        for node_id, _ in self.state.take_waits():
+            node = self.graph[node_id]
+            self._left[node_id] = 1
+            self.outputs[node_id] = [None]
+            self._submit(Part(node_id, OFF_DEVICE, self.run_of(node_id).adapter.wait_work(node, self)))
+
+    def _close_environments(self) -> None:
+        """Stop the environments' processes with their workers at the end of a run (or its failure)."""
+        for actor in self.environments.values():
+            try:
+                ray.get(actor.stop.remote(), timeout=RECOVERY_DEADLINE_S)
+            except (RayError, TimeoutError):
+                pass
+            ray.kill(actor)
+        self.environments.clear()
 
     def _switch(self, switch: SwitchRole, pipelines: Sequence[str]) -> None:
         """Switch the device's workers of `pipelines` (all of them, for a decision: a device holds an engine per
@@ -496,7 +556,9 @@ class RayExecutor:
         else:
             run.adapter.book(node, part, result, run.ledger)
         self._left[part.node] -= 1
-        if self._left[part.node] == 0:
+        if self._left[part.node] == 0 and not node.holds_device:
+            self.state.finish_wait(part.node)
+        elif self._left[part.node] == 0:
             recorded = len(self.state.trace.steps)
             self.state.finish_node(part.node)
             if len(self.state.trace.steps) > recorded:  # the pipeline's step is recorded, its state with it

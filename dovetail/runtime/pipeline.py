@@ -166,6 +166,10 @@ class RunContext(Protocol):
     def shape_of(self, pipeline: str) -> Shape:
         """The shape the pipeline's steps were cut with (`graph.lm.LMShape`, `graph.flow.FlowShape`)."""
 
+    def off_device(self, pipeline: str, work: Work) -> ray.ObjectRef:
+        """A ref of what the pipeline's off-device worker (`runtime.worker.EnvironmentWorker`: its environments'
+        episodes) answers to `work`, asked now."""
+
 
 class PipelineAdapter(ABC):
     """The driver side of one pipeline kind."""
@@ -181,6 +185,11 @@ class PipelineAdapter(ABC):
     @abstractmethod
     def parts(self, node: Node, devices: tuple[int, ...], run: RunContext) -> list[Part]:
         """The actor calls that carry out `node` on `devices` (not commit / publish, which the executor does)."""
+
+    def wait_work(self, node: Node, run: RunContext) -> Work:
+        """What the pipeline's off-device worker does for an env node (`Kind.ENV`: its trajectories' environment
+        steps and waits, on no device); only a kind whose steps wait on environments has such nodes."""
+        raise NotImplementedError(f"node {node.id}: pipeline kind {self.config.kind} has no environment waits")
 
     @abstractmethod
     def book(self, node: Node, part: Part, result, ledger: Ledger) -> None:

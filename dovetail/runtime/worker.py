@@ -477,3 +477,34 @@ class DeviceWorker:
             reduce_parts(total, ranks, self.groups)
             seconds.append(time.perf_counter() - start)
         return statistics.median(seconds[1:])
+
+
+ENVIRONMENT_CALLS = 1024
+"""Calls an `EnvironmentWorker` takes at once: each shard's env node waits in one of its threads."""
+
+
+@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=ENVIRONMENT_CALLS)
+class EnvironmentWorker:
+    """One pipeline's environments off the devices (a run whose trajectories' waits free their devices,
+    `graph.node.Kind.ENV`): its kind's off-device side (`PipelineKind.environments`: for a language model the
+    episodes, `pipelines.lm.multiturn.Episodes`) in an actor of no device and no CPU share (Ray may place it on any
+    node). An env node's call steps its trajectories' episodes and waits out their latency here, in a thread of its
+    own, so the device its turn ran on is the policy's to fill meanwhile. It carries out work and never decides, as
+    a DeviceWorker; its episodes' state lives here, so it is never restarted (`max_restarts=0`): losing it loses the
+    open steps' episodes, and the run stops with its error."""
+
+    def __init__(self, config: dict) -> None:
+        torch.set_num_threads(1)
+        parsed = parse_config(config)
+        assert not isinstance(parsed, MultiplexConfig), "an environment worker serves one pipeline"
+        self.environments = kind(parsed.kind).load("environments")(parsed)
+
+    def ready(self) -> bool:
+        """Answers once the actor is built (its environment's process started)."""
+        return True
+
+    def run(self, work: Work):
+        return self.environments.run(work)
+
+    def stop(self) -> None:
+        self.environments.stop()

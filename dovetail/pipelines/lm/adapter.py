@@ -24,12 +24,15 @@ from dovetail.pipelines.lm.messages import (
     CRITIC_UNIT,
     CriticTrained,
     Decode,
+    DecodeTurn,
     LMCriticTrain,
     LMLogProbs,
     LMTrain,
     LMValues,
     Prefill,
+    ResetEpisodes,
     Responses,
+    StepEpisodes,
 )
 from dovetail.pipelines.lm.model import encode_prompts, load_run_tokenizer, model_context
 from dovetail.pipelines.lm.multiturn import episode_metrics
@@ -56,6 +59,8 @@ class LMAdapter(PipelineAdapter):
         """Dynamic sampling: (RL step, draw) -> whether the step drew it (`_needed`)."""
         self._kept: dict[int, set[SampleId]] = {}
         """Dynamic sampling: RL step -> the samples it trains (`dynamic_sampling.kept_samples`)."""
+        self._last_turns: set[str] = set()
+        """With free waits: the turn nodes that end their shard's chain (`_ends_chain`)."""
 
     @property
     def draws(self) -> bool:
@@ -84,10 +89,16 @@ class LMAdapter(PipelineAdapter):
                 samples = []
             prompts = self._prompts_of(samples)
             weights = run.weights(pipeline, version)
-            return [Part(node.id, devices[0], Prefill(pipeline, samples, prompts, self.first_step + version, weights))]
+            rolled = self.first_step + version
+            episodes = run.off_device(pipeline, ResetEpisodes(pipeline, samples, rolled)) if self.free_waits else None
+            return [Part(node.id, devices[0], Prefill(pipeline, samples, prompts, rolled, weights, episodes))]
         if node.kind in (Kind.DECODE, Kind.MIGRATE):
             weights = run.weights(pipeline, version)
             rollouts = run.outputs_of(node.deps)
+            if self.free_waits:  # one turn of the shard's trajectories, after its reset or its last env node
+                if not any(run.graph[child].kind == Kind.ENV for child in run.graph.dependants[node.id]):
+                    self._last_turns.add(node.id)
+                return [Part(node.id, devices[0], DecodeTurn(pipeline, rollouts, weights))]
             if node.kind == Kind.MIGRATE:  # the tail leaves its engines: re-prefilled here, one token decoded
                 assert shape.migrate_at is not None, "a step has a migrate node only where its shape migrates"
                 return [Part(node.id, devices[0], Decode(pipeline, rollouts, shape.migrate_at + 1, weights, True))]
@@ -130,6 +141,17 @@ class LMAdapter(PipelineAdapter):
                 for d, ids in shares
             ]
         raise ValueError(f"node {node.id}: the language-model runtime does not run {node.kind} nodes yet")
+
+    @property
+    def free_waits(self) -> bool:
+        """Whether an env run's turns are nodes of their own, its environment's steps and waits off the devices
+        (`env.free_waits`; `graph.lm._turns`)."""
+        return self.config.env is not None and self.config.env.free_waits
+
+    def wait_work(self, node: Node, run: RunContext) -> StepEpisodes:
+        """An env node: the episodes of its shard's trajectories stepped on the turn its dependency decoded, off the
+        devices (`multiturn.Episodes`)."""
+        return StepEpisodes(node.pipeline, run.outputs_of(node.deps))
 
     def _needed(self, node: Node, run: RunContext) -> bool:
         """Whether the step of a further draw's node (a prefill, or its score) draws it: the draws before it, scored
@@ -286,7 +308,10 @@ class LMAdapter(PipelineAdapter):
 
     def _ends_chain(self, node: Node) -> bool:
         """A response is generated where it finishes: in its shard's last band before the migration edge (or the
-        end), or in the migrated tail. An env run's shard rolls its trajectories out whole in its one band."""
+        end), or in the migrated tail. An env run's shard rolls its trajectories out whole in its one band, or with
+        free waits in its chain of turns, whose last node hands every trajectory on, each ended."""
+        if self.free_waits:
+            return node.id in self._last_turns
         if node.shard is None or self.config.env is not None:
             return True
         assert self._shape is not None, "`parts` cut the node, and set the shape, before its result is booked"

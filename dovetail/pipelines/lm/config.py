@@ -425,6 +425,12 @@ class EnvSection(Section):
         description="tokens at most of one model turn; None: what is left of sampling.max_new_tokens, the whole "
         "trajectory's budget (its turns and the observations between them)",
     )
+    free_waits: bool = Field(
+        False,
+        description="false: a rollout device rolls its shard's trajectories out whole, holding its device through "
+        "their waits; true: each turn is a node of its own, and the environment's steps and waits run off the "
+        "devices, which the policy fills with other work meanwhile (docs/environments.md)",
+    )
 
     @field_validator("name")
     @classmethod
@@ -849,8 +855,10 @@ class LMTrainConfig(RunSection):
         completions' (a call and its result per observation, at most env.max_turns turns), or env.max_turns turns
         for a user's environment, whose observations are unknown until it runs. Each waits `env.latency` (a tool's
         own latency is its environment's, which the config does not know: give a tool's waits as env.latency to
-        price them). The runtime's engine holds its device through its trajectories' waits (`waits_hold_device`):
-        one decode call per shard rolls them out whole (`pipelines.lm.multiturn`)."""
+        price them). Unless `env.free_waits`, the runtime's engine holds its device through its trajectories' waits
+        (`waits_hold_device`): one decode call per shard rolls them out whole (`pipelines.lm.multiturn`); with it,
+        each shard's chain of turn nodes covers env.max_turns (`TurnsSpec.max_turns`), as the runtime learns the
+        turns by decoding."""
         env = self.env
         assert env is not None, "an env run's turns"
         if self._measured_turns is not None:
@@ -868,5 +876,6 @@ class LMTrainConfig(RunSection):
             "counts": counts,
             "observation_tokens": round(sum(observed) / waits) if waits else 0,
             "latency": env.latency.model_dump(),
-            "waits_hold_device": True,
+            "waits_hold_device": not env.free_waits,
+            "max_turns": env.max_turns if env.free_waits else None,
         }

@@ -51,6 +51,7 @@ from dovetail.pipelines.lm.messages import (
     CRITIC_UNIT,
     CriticTrained,
     Decode,
+    DecodeTurn,
     EpisodeFigures,
     LMCriticTrain,
     LMLogProbs,
@@ -73,6 +74,7 @@ from dovetail.pipelines.lm.model import (
 )
 from dovetail.pipelines.lm.multiturn import (
     Conversation,
+    decode_turn,
     episode_figures,
     run_episodes,
     trajectory_responses,
@@ -218,6 +220,11 @@ class LMEngines(PipelineEngines[Engine]):
     def run(self, work: Work):
         if isinstance(work, Prefill) and self.environments is not None:
             return self._handed_on(work)
+        if isinstance(work, DecodeTurn):
+            (state,) = self.fetch(work.rollouts)
+            if not all(state.finished):
+                self.load_rollout_weights(state.version, work.weights)
+            return decode_turn(self.held_rollout(), state)
         if isinstance(work, Decode) and self.environments is not None:
             return self._episodes(work)
         if isinstance(work, Prefill) and not work.samples:  # a draw its step did not need (dynamic sampling)
@@ -276,7 +283,11 @@ class LMEngines(PipelineEngines[Engine]):
 
     def _handed_on(self, work: Prefill) -> Responses:
         """An env run's prefill: its prompts are its episodes' first observations, written on the device as each
-        episode resets (`_episodes`), so the samples are handed on with nothing decoded."""
+        episode resets (`_episodes`), so the samples are handed on with nothing decoded. With free waits the episodes
+        were reset off the devices (`multiturn.Episodes`): their trajectories before the first turn are handed on."""
+        if work.episodes is not None:
+            (reset,) = self.fetch([work.episodes])
+            return reset
         empty: list[list] = [[] for _ in work.samples]
         return Responses(work.version, list(work.samples), empty, empty, empty, [False] * len(work.samples))
 

@@ -27,6 +27,36 @@ class Prefill(Work):
     prompts: list[list[int]]
     version: int
     weights: Any
+    episodes: Any = None
+    """An env run with free waits: the ref of its episodes reset off the devices (`ResetEpisodes`' answer), which
+    the prefill hands on."""
+
+
+@dataclass(frozen=True)
+class DecodeTurn(Work):
+    """An env run with free waits (`env.free_waits`): decode one model turn of each trajectory of `rollouts` still
+    going (a `Responses` of its shard, each from its `turn_starts`), on weights `weights`; the ended ones pass
+    through, their kept caches let go."""
+
+    rollouts: list[Any]
+    weights: Any
+
+
+@dataclass(frozen=True)
+class ResetEpisodes(Work):
+    """Off the devices: start the episodes of `samples` from their rows; the answer is their trajectories before
+    the first turn (`Responses` whose prompts are the first observations), rolled out on weights `version`."""
+
+    samples: list[SampleId]
+    version: int
+
+
+@dataclass(frozen=True)
+class StepEpisodes(Work):
+    """Off the devices: step the episodes of the trajectories of `rollouts` (one `Responses`) that just decoded a
+    turn, append their observations, and answer once their waits have passed."""
+
+    rollouts: list[Any]
 
 
 @dataclass(frozen=True)
@@ -72,6 +102,9 @@ class Responses:
     observation, which never trains: no loss, no log-prob, no KL, no entropy). Empty: the model sampled every token."""
     episodes: list[EpisodeFigures] = field(default_factory=list)
     """Multi-turn trajectories': per response, its episode's reward and figures. Empty: a single-turn run's."""
+    turn_starts: list[int] = field(default_factory=list)
+    """Multi-turn trajectories rolled out turn by turn (`env.free_waits`): per response, where its latest turn begins
+    in `tokens` (the environment steps on what follows), or its next one before it is decoded."""
 
 
 @dataclass(frozen=True)

@@ -14,14 +14,22 @@ environment, each to the end of its turn, then steps their episodes. A step's wa
 trajectory's identity) keeps that trajectory out of the rounds until it has passed; the others go on decoding
 meanwhile, and the loop sleeps only while every unfinished trajectory waits, until the first wait ends. No turn
 waits for another trajectory's turn order; a trajectory whose wait ends during a round joins the next one.
+
+With free waits (`env.free_waits`, the Ray runtime's) the rounds are the graph's nodes instead: a turn node decodes
+one turn of a shard's trajectories still going (`decode_turn`, on a device), an env node steps their episodes and
+waits out their latency off the devices (`Episodes`, in the pipeline's `runtime.worker.EnvironmentWorker`), and the
+trajectories travel between them as `Responses`; both shapes take the environment's answer from `_stepped`, so they
+roll out the same trajectories.
 """
 
+import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from dovetail.envs.episode import Stepped
 from dovetail.envs.host import EnvironmentHost
 from dovetail.envs.toolcalls import convention, render_prompt
 from dovetail.graph.node import SampleId
@@ -30,8 +38,9 @@ from dovetail.models.engine import Engine, Request
 from dovetail.models.lm_rl import by_group
 from dovetail.models.tokenizer import CharTokenizer
 from dovetail.pipelines.lm.config import LMTrainConfig
-from dovetail.pipelines.lm.messages import EpisodeFigures, Responses, request_key
-from dovetail.pipelines.lm.model import fitted_prompt
+from dovetail.pipelines.lm.messages import EpisodeFigures, ResetEpisodes, Responses, StepEpisodes, request_key
+from dovetail.pipelines.lm.model import fitted_prompt, load_run_tokenizer, model_context
+from dovetail.pipelines.lm.prompts import RunPrompts
 
 TURN_MARK = "\u2063turn\u2063"
 """A model turn's stand-in content where a chat template is asked what it writes after a turn (`Conversation`)."""
@@ -236,19 +245,13 @@ def _answer(
     start = state.request.turn_start
     turn = decoded.tokens[start:]
     state.segments.append(Segment(tuple(turn), tuple(decoded.log_probs[start:])))
-    stepped = host.step(state.sample, conversation.decode(turn))
-    result = stepped.result
     state.turns += 1
+    stepped, observation, done = _stepped(host, conversation, budget, state.sample, turn, state.turns, decoded)
     state.tool_calls += len(stepped.turn.tool_calls)
-    state.tool_errors += convention(host.parser).error_results(result.observation or "")
-    state.reward += result.reward or 0.0
-    if result.done:
-        return True
-    if state.turns >= conversation.env.max_turns:
-        return False
-    observation = [] if result.observation is None else conversation.observation(result.observation, turn[-1])
-    if len(observation) >= budget - len(decoded.tokens):  # no model token could follow it
-        return False
+    state.tool_errors += convention(host.parser).error_results(stepped.result.observation or "")
+    state.reward += stepped.result.reward or 0.0
+    if observation is None:
+        return done
     if observation:
         state.segments.append(Segment(tuple(observation)))
     tokens = decoded.tokens + observation
@@ -257,6 +260,162 @@ def _answer(
     )
     state.ready_at = clock() + stepped.wait_s
     return None
+
+
+def _stepped(
+    host: EnvironmentHost,
+    conversation: Conversation,
+    budget: int,
+    sample: SampleId,
+    turn: Sequence[int],
+    turns: int,
+    decoded: Request,
+) -> tuple[Stepped, list[int] | None, bool]:
+    """The episode stepped on its trajectory's `turns`-th model turn `turn` (the trajectory `decoded` after it):
+    the step, the observation's tokens the next turn follows (None where the trajectory ends here: its environment
+    ended it, env.max_turns cut it, or no model token would fit after the observation) and whether the environment
+    ended it. The rollout of either shape takes its answer from here."""
+    stepped = host.step(sample, conversation.decode(turn))
+    result = stepped.result
+    if result.done:
+        return stepped, None, True
+    if turns >= conversation.env.max_turns:
+        return stepped, None, False
+    observation = [] if result.observation is None else conversation.observation(result.observation, turn[-1])
+    if len(observation) >= budget - len(decoded.tokens):  # no model token could follow it
+        return stepped, None, False
+    return stepped, observation, False
+
+
+def decode_turn(engine: Engine, state: Responses) -> Responses:
+    """An env run with free waits (`env.free_waits`): one model turn of each trajectory of a shard still going,
+    decoded as one batch from its `turn_starts` (the engine continues a trajectory whose cache it kept since its
+    last turn, else re-prefills it: the same tokens, each draw keyed by the trajectory and the token's index). The
+    ended ones pass through unchanged, their kept caches let go."""
+    going = [i for i, ended in enumerate(state.finished) if not ended]
+    for sample, ended in zip(state.samples, state.finished):
+        if ended:
+            engine.release(request_key(sample))
+    if not going:
+        return state
+    requests = [
+        Request(
+            request_key(state.samples[i]),
+            list(state.prompts[i]),
+            list(state.tokens[i]),
+            list(state.log_probs[i]),
+            turn_start=state.turn_starts[i],
+        )
+        for i in going
+    ]
+    tokens, log_probs, generated = list(state.tokens), list(state.log_probs), list(state.generated)
+    for i, decoded in zip(going, engine.generate(requests)):
+        tokens[i], log_probs[i] = decoded.tokens, decoded.log_probs
+        generated[i] = generated[i] + [True] * (len(decoded.tokens) - len(state.tokens[i]))
+    return replace(state, tokens=tokens, log_probs=log_probs, generated=generated)
+
+
+class Episodes:
+    """An env run's episodes off the devices, where its waits free them (`env.free_waits`): one per pipeline, in an
+    actor of no device (`runtime.worker.EnvironmentWorker`), holding its environment's process (`EnvironmentHost`,
+    each call within env.timeout_s). `ResetEpisodes` starts a shard's episodes; `StepEpisodes` steps those that
+    just decoded a turn on it, appends their observations and answers once the longest of their waits has passed
+    (the graph's env node: its shard's next turn follows it), sleeping here, on no device, while the policy fills
+    the device. Shards' calls come concurrently (the actor's threads); the environment's process takes one at a
+    time, the waits overlap."""
+
+    def __init__(self, config: LMTrainConfig, *, sleep: Callable[[float], None] = time.sleep) -> None:
+        env = config.env
+        assert env is not None, "an env run's episodes"
+        self.host = EnvironmentHost(env.name, env.options, env.parser, env.latency, config.seed, env.timeout_s)
+        self.conversation = Conversation(config, load_run_tokenizer(config), self.host.tools(), model_context(config))
+        self.prompts = RunPrompts(config)
+        self.budget = config.max_new_tokens
+        self.sleep = sleep
+        self.lock = threading.Lock()
+
+    def run(self, work: ResetEpisodes | StepEpisodes) -> Responses:
+        if isinstance(work, ResetEpisodes):
+            return self.reset(work.samples, work.version)
+        from dovetail.runtime.pipeline import PipelineEngines  # the runtime's, which the reference loop never loads
+
+        (state,) = PipelineEngines.fetch(work.rollouts)
+        stepped, wait = self.step(state)
+        self.sleep(wait)
+        return stepped
+
+    def reset(self, samples: Sequence[SampleId], version: int) -> Responses:
+        samples = [SampleId(*sample) for sample in samples]
+        rows = [self.prompts.episode_row(self.prompts.train(s.step, s.prompt)) for s in samples]
+        with self.lock:
+            prompts = [self.conversation.prompt(self.host.reset(s, row)) for s, row in zip(samples, rows)]
+        _check_groups(self.host.name, dict(zip(samples, prompts)))
+        empty: list[list] = [[] for _ in samples]
+        return Responses(
+            version,
+            samples,
+            prompts,
+            empty,
+            [[] for _ in samples],
+            [False] * len(samples),
+            [[] for _ in samples],
+            [EpisodeFigures(0.0, 0, 0, 0, False, 0.0) for _ in samples],
+            [0] * len(samples),
+        )
+
+    def step(self, state: Responses) -> tuple[Responses, float]:
+        """The trajectories of `state` that just decoded a turn stepped (`_stepped`, as the held rollout steps
+        them), and the seconds the longest wait of those that go on takes; that wait is shared out evenly among
+        the shard's trajectories' `waited_s`, as the held rollout shares what its engine slept."""
+        tokens, log_probs, generated = list(state.tokens), list(state.log_probs), list(state.generated)
+        finished, episodes, starts = list(state.finished), list(state.episodes), list(state.turn_starts)
+        wait = 0.0
+        with self.lock:
+            for i, sample in enumerate(state.samples):
+                if finished[i]:
+                    continue
+                sample = SampleId(*sample)
+                turn = tokens[i][starts[i] :]
+                decoded = Request(request_key(sample), state.prompts[i], tokens[i], log_probs[i])
+                figures = episodes[i]
+                stepped, observation, done = _stepped(
+                    self.host, self.conversation, self.budget, sample, turn, figures.turns + 1, decoded
+                )
+                figures = replace(
+                    figures,
+                    reward=figures.reward + (stepped.result.reward or 0.0),
+                    turns=figures.turns + 1,
+                    tool_calls=figures.tool_calls + len(stepped.turn.tool_calls),
+                    tool_errors=figures.tool_errors
+                    + convention(self.host.parser).error_results(stepped.result.observation or ""),
+                )
+                if observation is None:
+                    finished[i], episodes[i] = True, replace(figures, done=done)
+                    self.host.close(sample)
+                    continue
+                episodes[i] = figures
+                tokens[i] = tokens[i] + observation
+                log_probs[i] = log_probs[i] + [0.0] * len(observation)
+                generated[i] = generated[i] + [False] * len(observation)
+                starts[i] = len(tokens[i])
+                wait = max(wait, stepped.wait_s)
+        share = wait / len(state.samples)
+        episodes = [replace(e, waited_s=e.waited_s + share) for e in episodes]
+        return (
+            replace(
+                state,
+                tokens=tokens,
+                log_probs=log_probs,
+                generated=generated,
+                finished=finished,
+                episodes=episodes,
+                turn_starts=starts,
+            ),
+            wait,
+        )
+
+    def stop(self) -> None:
+        self.host.stop()
 
 
 def _check_groups(environment: str, prompts: dict[SampleId, list[int]]) -> None:
