@@ -37,6 +37,7 @@ from typer.testing import CliRunner
 from dovetail.cli import app
 from dovetail.config.load import load_config
 from dovetail.models.causal_lm import HFTokenizer, StopStrings, load_causal_lm, rollout_engine
+from dovetail.models.critic import value_model_of
 from dovetail.models.engine import Request, SamplingParams, TorchEngine, TransformersEngine
 from dovetail.models.lm import load_tokenizer
 from dovetail.models.lm_rl import response_log_probs
@@ -323,6 +324,41 @@ def test_lora_trains_publishes_and_checkpoints_the_adapter_alone_under_both_poli
     assert same_bits(trained(tmp_path), adapter)
     published = {m["publish_bytes"] for m in metrics(tmp_path)}
     assert published == {sum(v.nbytes for v in adapter.values())}
+
+
+def test_a_lora_policys_critic_is_a_whole_model_on_the_adapters_base_weights(workspace):
+    """verl's critic takes no adapter of the actor's: a LoRA run's critic body is the base model's every weight (the
+    adapter's frozen base, to the bit) and every one of them trains, its head fresh."""
+    config = user_config(workspace, *lora_qwen(workspace))
+    policy = load_causal_lm(config.model.path, lora=config.model.lora.model_dump(), seed=config.seed)
+    critic = value_model_of(policy, config.seed)
+    base = load_file(workspace / "my-qwen2" / "model.safetensors")
+    body = {f"model.{k}": v for k, v in critic.body.state_dict().items()}
+    assert {k for k in base if k != "lm_head.weight"} <= body.keys()
+    assert all(torch.equal(body[k], base[k]) for k in base if k in body)
+    assert all(p.requires_grad for p in critic.parameters()) and not any(".lora_" in k for k in body)
+
+
+@pytest.mark.exactness
+def test_ppo_with_a_lora_policy_trains_adapter_and_critic_under_verl_sync_as_the_reference(
+    workspace, local_ray, tmp_path
+):
+    """algo.advantage: gae beside a LoRA adapter: verl-sync ends at the reference loop's adapter and critic to the
+    bit, the critic moved."""
+    ppo = ["algo.advantage=gae", "algo.lam=0.95", "critic.lr=1e-3", "algo.micro_batches=1"]
+    for policy in ("reference", "verl-sync"):
+        train(user_config(workspace, f"policy={policy}", *lora_qwen(workspace), *ppo), tmp_path / policy, steps=STEPS)
+    for name in ("model.safetensors", "critic.safetensors"):
+        ends = [
+            load_file(tmp_path / p / "checkpoints" / f"step_{STEPS:06d}" / name) for p in ("reference", "verl-sync")
+        ]
+        assert same_bits(*ends), name
+    critic = load_file(tmp_path / "reference" / "checkpoints" / f"step_{STEPS:06d}" / "critic.safetensors")
+    base = load_file(workspace / "my-qwen2" / "model.safetensors")
+    moved = [
+        (critic[f"body.{k.removeprefix('model.')}"] - v).abs().max().item() for k, v in base.items() if "layers" in k
+    ]
+    assert max(moved) > 1e-5, "the critic's body trained"
 
 
 @pytest.mark.parametrize("policy", ["streamrl", "areal"])

@@ -109,6 +109,11 @@ class CausalLM(torch.nn.Module):
         return has_lora(self.model)
 
     @property
+    def base_weights(self) -> dict[str, torch.Tensor]:
+        """A LoRA model's frozen base, under transformers' names (the weights the adapter is added to)."""
+        return self._base_weights
+
+    @property
     def config(self):
         return (self.model.get_base_model() if self.lora else self.model).config
 

@@ -29,8 +29,12 @@ def value_model_of(policy: torch.nn.Module, seed: int) -> ValueModel:
     """A critic started from `policy`'s weights (a copy of its transformer body, the language-model head left out)
     with a fresh head: weights drawn from N(0, initializer_range^2) and a zero bias, as transformers initialises a
     token-classification head, from a generator keyed by the run's seed, so every device and the reference loop
-    start the same critic."""
+    start the same critic. A LoRA policy's critic is a whole model on the adapter's base weights, as verl's critic
+    takes no adapter of the actor's: every weight of its body trains."""
     causal = policy.model if isinstance(policy, CausalLM) else policy
+    if isinstance(policy, CausalLM) and policy.lora:  # the adapter's base: the critic trains a whole model
+        causal = copy.deepcopy(causal).merge_and_unload()
+        causal.load_state_dict(policy.base_weights)
     body = copy.deepcopy(causal.base_model)
     config = causal.config
     critic = ValueModel(body, config.hidden_size).to(next(policy.parameters()).device)

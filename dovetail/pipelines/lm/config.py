@@ -656,8 +656,6 @@ class LMTrainConfig(RunSection):
             raise ValueError("critic: algo.advantage=gae trains a critic; add the section, e.g. critic: {lr: 1e-5}")
         if self.train.sharding == "fsdp":
             raise ValueError("algo.advantage=gae: the critic trains as a replica so far; set train.sharding: replicate")
-        if self.model.lora is not None:
-            raise ValueError("algo.advantage=gae: the critic is a whole model so far; remove model.lora")
 
     @model_validator(mode="after")
     def _shape_fits(self) -> "LMTrainConfig":
