@@ -249,7 +249,10 @@ def build_lm(spec: LMSpec, steps: int, shape: LMShape, cost: CostModel, seed: in
     cost = shape.cost_model(cost)
     nodes: list[Node] = []
     previous_commit: str | None = None
-    rollout_cut = replace(shape, trainer_devices=1, shared=False)
+    # What the rollout's memo is keyed by: the shape less its trainer fields, and less `stream` where the lengths are
+    # known (it only says which level a run learns a sample finished at, `_finishing_levels`), so a streaming and a
+    # fixed-batch policy (streamrl, areal) on one cut price its decoding once.
+    rollout_cut = replace(shape, trainer_devices=1, shared=False, stream=shape.stream and not spec.lengths_known)
     for step in range(steps):
         if spec.draws == 1:
             samples, rollout, last_of = _step_rollout(spec, cost, rollout_cut, step, seed)

@@ -173,9 +173,17 @@ class Graph:
                 self.dependants[dep].append(node.id)
         self.order: list[str] = self._topological_order()
         self._by_step: dict[tuple[str, int], list[Node]] = {}
+        self._by_kind: dict[tuple[str, int, Kind], list[Node]] = {}
         for node_id in self.order:
             node = self.nodes[node_id]
             self._by_step.setdefault((node.pipeline, node.step), []).append(node)
+            self._by_kind.setdefault((node.pipeline, node.step, node.kind), []).append(node)
+        self._pipelines = sorted({pipeline for pipeline, _ in self._by_step})
+        self._steps = {
+            name: sorted(step for pipeline, step in self._by_step if pipeline == name) for name in self._pipelines
+        }
+        """What `of`, `pipelines` and `steps` answer, kept: policies ask them at every decision, and a graph's nodes
+        never change once it is built."""
 
     def _topological_order(self) -> list[str]:
         missing = {node_id: len(node.deps) for node_id, node in self.nodes.items()}
@@ -210,12 +218,13 @@ class Graph:
         ]
 
     def pipelines(self) -> list[str]:
-        return sorted({pipeline for pipeline, _ in self._by_step})
+        return list(self._pipelines)
 
     def steps(self, pipeline: str) -> list[int]:
-        return sorted(step for name, step in self._by_step if name == pipeline)
+        return list(self._steps.get(pipeline, ()))
 
     def of(self, pipeline: str, step: int, kind: Kind | None = None) -> list[Node]:
         """The nodes of one step of one pipeline (optionally of one kind), in topological order."""
-        nodes = self._by_step.get((pipeline, step), [])
-        return nodes if kind is None else [node for node in nodes if node.kind == kind]
+        if kind is None:
+            return self._by_step.get((pipeline, step), [])
+        return list(self._by_kind.get((pipeline, step, kind), ()))

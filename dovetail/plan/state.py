@@ -68,7 +68,8 @@ class DeviceState:
     def take(self, node_id: str, share: float, memory_gb: float) -> None:
         running = self.running
         running[node_id] = share
-        self.taken_share = taken = sum(running.values())
+        # `sum` of one share is that share (0 + share): the common case, a device running one node, skips the call.
+        self.taken_share = taken = share if len(running) == 1 else sum(running.values())
         self.working_gb += memory_gb
         self.idle = False
         self.free_share = 0.0 if self.switching else 1.0 - taken
@@ -76,7 +77,7 @@ class DeviceState:
     def release(self, node_id: str, memory_gb: float) -> None:
         running = self.running
         del running[node_id]
-        self.taken_share = taken = sum(running.values())
+        self.taken_share = taken = sum(running.values()) if running else 0
         self.working_gb -= memory_gb
         self.idle = not running and not self.switching
         self.free_share = 0.0 if self.switching else 1.0 - taken
@@ -288,15 +289,17 @@ class ClusterState:
         if not 0 < share <= 1 or (node.exclusive and share != 1):
             raise DecisionError(f"{what}: share must be in (0, 1] and exactly 1 for an exclusive node")
         nodes, states = self.graph.nodes, self.devices
-        any_role = can_run(node, None)  # a reward or multiplexed node runs whatever a device holds
-        memory_gb, exclusive = node.memory_gb, node.exclusive
+        # The roles a device may hold to run it (`can_run`), None for any: a reward or multiplexed node runs whatever
+        # a device holds. Tested per device as `can_run` would, without a call per device of a whole trainer pool.
+        roles = None if can_run(node, None) else (node.role, Role.ANY)
+        memory_gb, exclusive, count = node.memory_gb, node.exclusive, len(states)
         for index in devices:
-            if not 0 <= index < len(states):
+            if not 0 <= index < count:
                 raise DecisionError(f"{what}: no device {index}")
             device = states[index]
             if device.switching:
                 raise DecisionError(f"{what}: device {index} is switching role")
-            if not any_role and not can_run(node, device.role):
+            if roles is not None and device.role not in roles:
                 raise DecisionError(f"{what}: device {index} holds {device.role}, node needs {node.role}")
             if device.running and (exclusive or any(nodes[other].exclusive for other in device.running)):
                 raise DecisionError(f"{what}: device {index} is running {list(device.running)}")

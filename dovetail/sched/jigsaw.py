@@ -657,6 +657,8 @@ class ReadOnFirstUse(dict):
         """The figure of each of `devices`, read where not kept yet without keeping it: the view does not change
         during a decision, so a later first use reads the same, and a whole pool's minimum costs one pass."""
         read, states = self.read, self.devices
+        if not self:  # nothing kept yet (a decision's first look): every figure straight from the view
+            return map(read, map(states.__getitem__, devices))
         return (self[d] if d in self else read(states[d]) for d in devices)
 
 
