@@ -252,20 +252,25 @@ def build_lm(spec: LMSpec, steps: int, shape: LMShape, cost: CostModel, seed: in
     # What the rollout's memo is keyed by: the shape less its trainer fields, and less `stream` where the lengths are
     # known (it only says which level a run learns a sample finished at, `_finishing_levels`), so a streaming and a
     # fixed-batch policy (streamrl, areal) on one cut price its decoding once.
-    rollout_cut = replace(shape, trainer_devices=1, shared=False, stream=shape.stream and not spec.lengths_known)
+    rollout_cut = replace(shape, trainer_devices=1, stream=shape.stream and not spec.lengths_known)
     for step in range(steps):
         if spec.draws == 1:
             samples, rollout, last_of = _step_rollout(spec, cost, rollout_cut, step, seed)
             training = _training(spec, model, cost, shape, step, samples, last_of, previous_commit)
-            nodes += [*rollout, *training]
+            nodes += [*rollout, *_shareable(training, shape.shared)]
         else:  # a step of several draws (dynamic sampling): built here, its rollouts waiting on its scores
             drawn = step_samples(spec, step, shape.shards, seed)
             draws, scores = _draws(spec, model, cost, shape, step, drawn, seed)
             first = [s for s in drawn if s.id.prompt < spec.batch]  # what its training is priced for: B groups
             training = _training(spec, model, cost, shape, step, first, {}, previous_commit, scores)
-            nodes += [*draws, *training]
+            nodes += _shareable([*draws, *training], shape.shared)
         previous_commit = training[-2].id
-    return [replace(node, exclusive=False) for node in nodes] if shape.shared else nodes
+    return nodes
+
+
+def _shareable(nodes: list[Node], shared: bool) -> list[Node]:
+    """`nodes`, each made shareable (not exclusive) where the shape is `shared`."""
+    return [replace(node, exclusive=False) for node in nodes] if shared else nodes
 
 
 ROLLOUTS_KEPT = 512
@@ -277,16 +282,18 @@ def _step_rollout(
     spec: LMSpec, cost: CostModel, shape: LMShape, step: int, seed: int
 ) -> tuple[tuple[Sample, ...], tuple[Node, ...], Mapping[SampleId, Any]]:
     """One step's samples, its rollout nodes and, per sample, where it finishes (`_rollout`): memoized, as they
-    depend only on the rollout's part of the shape (`shape` comes with its trainer fields cleared, `cost` as the
-    shape sizes the rollout's memory), so the many cuts a search weighs that differ only in their trainer pool
-    (`sched.lm_common.SplitLMPolicy.shape`, jigsaw's candidates) price a step's decoding once. The spec is keyed by
-    its fields (it holds lists), the cost model by identity. Callers only read what it returns."""
+    depend only on the rollout's part of the shape (`shape` comes with its trainer pool cleared, `cost` as the shape
+    sizes the rollout's memory; the nodes are made shareable once here where the shape is `shared`), so the many
+    cuts a search weighs that differ only in their trainer pool (`sched.lm_common.SplitLMPolicy.shape`, jigsaw's
+    candidates) price a step's decoding once. The spec is keyed by its fields (it holds lists), the cost model by
+    identity. Callers only read what it returns."""
     key = (spec.model_dump_json(), cost, shape, step, seed)
     if key in _rollouts:
         _rollouts.move_to_end(key)
         return _rollouts[key]
     samples = step_samples(spec, step, shape.shards, seed)
     rollout, last_of = _rollout(spec, spec.catalogue_model(), cost, shape, step, samples, seed)
+    rollout = _shareable(rollout, shape.shared)
     made = _rollouts[key] = (tuple(samples), tuple(rollout), MappingProxyType(last_of))
     if len(_rollouts) > ROLLOUTS_KEPT:
         _rollouts.popitem(last=False)

@@ -396,6 +396,7 @@ class Jigsaw(StagedLMPolicy):
         self.memory = ReadOnFirstUse(view.devices, "memory_gb")
         ready: dict[str, list[Node]] = {}
         scores: list[Node] = []
+        trainer_ready = False
         for node_id in view.ready:
             node = view.graph[node_id]
             if self.turn[node.pipeline] != turn:
@@ -403,9 +404,16 @@ class Jigsaw(StagedLMPolicy):
             ready.setdefault(node.pipeline, []).append(node)
             if node.kind == Kind.SCORE:
                 scores.append(node)
+            trainer_ready = trainer_ready or node.kind in TRAINER_KINDS
         for pipeline in view.graph.pipelines():
             decisions += self._rollout(pipeline, [n for n in ready.get(pipeline, ()) if n.role == Role.ROLLOUT])
-        training = {view.graph[n].pipeline for n in view.running if view.graph[n].kind in TRAINER_KINDS}
+        # The pipelines with trainer work running, looked up only where some trainer work waits (else `_trainer`
+        # starts nothing whatever runs): a large pool runs many rollout nodes.
+        training = (
+            {view.graph[n].pipeline for n in view.running if view.graph[n].kind in TRAINER_KINDS}
+            if trainer_ready
+            else set()
+        )
         for pool in dict.fromkeys(self.pool.values()):
             decisions += self._trainer(view, pool, ready, training)
         for node in scores:

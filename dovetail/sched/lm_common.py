@@ -79,7 +79,7 @@ class StagedLMPolicy(Policy):
                 continue
             shard = node.shard
             devices = engine_devices(group, 0 if shard is None else shard, tensor_parallel)
-            if self.free(view, devices, Role.ROLLOUT) and not busy & set(devices):
+            if busy.isdisjoint(devices) and self.free(view, devices, Role.ROLLOUT):
                 decisions.append(Run(node.id, devices))
                 busy |= set(devices)
         return decisions

@@ -56,9 +56,10 @@ class NodeFinished:
     seconds: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class DeviceIdle:
-    """The device runs nothing and is not switching."""
+    """The device runs nothing and is not switching. Never changed once made, but not frozen: one is made per device
+    a node leaves (a whole trainer pool's), and a frozen dataclass's `__init__` costs several times a plain one's."""
 
     time: float
     device: int
