@@ -36,17 +36,19 @@ class DecisionError(ValueError):
     """A policy asked for something the cluster cannot do; the message names the decision and why."""
 
 
-@dataclass
+@dataclass(slots=True)
 class DeviceState:
     """One device's bookkeeping. `idle` and `free_share` are read for every device at nearly every decision, so they
-    are kept as the device changes (`take`, `release`, `set_switching`), not derived at each read."""
+    are kept as the device changes (`ClusterState._occupy`, `ClusterState._release`, `set_switching`), not derived
+    at each read. The node's taking and leaving are written out in those two loops over a node's devices, not called
+    per device: a trainer node holds a whole pool of up to 256."""
 
     index: int
     capacity_gb: float
     role: Role | None = None
     resident_gb: float = 0.0
     running: dict[str, float] = field(default_factory=dict)
-    """Node -> the share of the device it takes (`take` / `release` keep `taken_share` their sum)."""
+    """Node -> the share of the device it takes (`taken_share` is their sum)."""
     working_gb: float = 0.0
     switching: bool = False
     """Set through `set_switching`."""
@@ -64,23 +66,6 @@ class DeviceState:
         self.switching = switching
         self.idle = not self.running and not switching
         self.free_share = 0.0 if switching else 1.0 - self.taken_share
-
-    def take(self, node_id: str, share: float, memory_gb: float) -> None:
-        running = self.running
-        running[node_id] = share
-        # `sum` of one share is that share (0 + share): the common case, a device running one node, skips the call.
-        self.taken_share = taken = share if len(running) == 1 else sum(running.values())
-        self.working_gb += memory_gb
-        self.idle = False
-        self.free_share = 0.0 if self.switching else 1.0 - taken
-
-    def release(self, node_id: str, memory_gb: float) -> None:
-        running = self.running
-        del running[node_id]
-        self.taken_share = taken = sum(running.values()) if running else 0
-        self.working_gb -= memory_gb
-        self.idle = not running and not self.switching
-        self.free_share = 0.0 if self.switching else 1.0 - taken
 
 
 @dataclass
@@ -312,19 +297,37 @@ class ClusterState:
                 )
 
     def _occupy(self, node_id: str, devices: Sequence[int], share: float) -> None:
+        """The node takes `share` of each device and its working memory there (the device's figures kept)."""
         memory_gb, states, peak = self.graph[node_id].memory_gb, self.devices, self.trace.peak_memory_gb
         for index in devices:
             device = states[index]
-            device.take(node_id, share, memory_gb)
-            peak[index] = max(peak[index], device.resident_gb + device.working_gb)
+            running = device.running
+            running[node_id] = share
+            # `sum` of one share is that share (0 + share): a device running one node, the common case, skips it.
+            device.taken_share = taken = share if len(running) == 1 else sum(running.values())
+            device.working_gb += memory_gb
+            device.idle = False
+            device.free_share = 0.0 if device.switching else 1.0 - taken
+            held = device.resident_gb + device.working_gb
+            if held > peak[index]:
+                peak[index] = held
 
     def _release(self, node_id: str, devices: Sequence[int]) -> None:
+        """The node leaves each device (the device's figures kept); a device left idle says so."""
         memory_gb, states, events, now = self.graph[node_id].memory_gb, self.devices, self._events, self.now
         for index in devices:
             device = states[index]
-            device.release(node_id, memory_gb)
-            if device.idle:
+            running = device.running
+            del running[node_id]
+            device.taken_share = taken = sum(running.values()) if running else 0
+            device.working_gb -= memory_gb
+            switching = device.switching
+            device.free_share = 0.0 if switching else 1.0 - taken
+            if not running and not switching:
+                device.idle = True
                 events.append(DeviceIdle(now, index))
+            else:
+                device.idle = False
 
     def _run(self, d: Run) -> None:
         if d.node not in self.ready:
