@@ -204,3 +204,40 @@ def test_the_shipped_agentic_multiplex_configs_load_and_their_policy_plans_every
         scenario, config.policy, steps=STEPS, options=config.policy_options(), **config.shape_overrides()
     )
     assert sorted((r.pipeline, r.step) for r in trace.steps) == sorted((p, s) for p in entries for s in range(STEPS))
+
+
+LONG_RUN_STEPS = 6
+"""Steps each policy's chosen shape is simulated over to read its steady step independently of `plan`'s figures:
+the first three warm up (a one-step-off policy's pipeline fills by its third commit), the last three are steady."""
+
+
+def test_plan_names_the_policy_that_steps_fastest_once_warm_on_the_agentic_scenario():
+    """Search-R1's agentic scenario simulates two steps, over which jigsaw makes the most samples/s: streamrl's first
+    step rolls out on half the pool, then trains, nothing overlapped yet. Once warm, streamrl rolls a step out beside
+    the previous step's training. Each policy's chosen shape simulated over `LONG_RUN_STEPS` steps, its steady step
+    the mean of its last commit-to-commit intervals, says which policy steps fastest once warm; `plan` names it (up
+    to a tie of 1 %: streamrl and areal cut the same shape) and its best line gives that throughput first, the most
+    of every row's, with the warm-up's figure beside it."""
+    from dovetail.plan.prepare import prepare, run_prepared
+    from dovetail.plan.report import allowed_policies, plan
+
+    shipped = load_scenario("agentic-search-qwen2.5-7b-8xh100")
+    devices = shipped.cluster.devices
+    steady: dict[str, float] = {}
+    samples: dict[str, int] = {}
+    for policy in allowed_policies(shipped):
+        chosen = prepare(shipped, policy, devices=devices).setup.shapes
+        trace = run_prepared(shipped, prepare(shipped, policy, devices=devices, steps=LONG_RUN_STEPS, shapes=chosen))
+        ends = [record.end for record in trace.steps]
+        steady[policy] = (ends[-1] - ends[2]) / (len(ends) - 3)
+        samples[policy] = trace.steps[-1].samples
+    fastest = min(steady.values())
+    text = plan(shipped, devices)
+    (best,) = [line for line in text.splitlines() if line.startswith("best: ")]
+    named = best.split(" under ")[1].split(" -> ")[0]
+    assert steady[named] <= fastest * 1.01, (named, steady)
+    assert [p for p in steady if steady[p] > fastest * 1.01], steady  # some policy is slower: the choice matters
+    once_warm = float(best.split(" -> ")[1].split(" samples/s once warm")[0])
+    rows = [line for line in text.splitlines() if line.startswith(("  *", "   "))]
+    assert once_warm == max(float(row.split("(")[1].split(" once warm")[0]) for row in rows)
+    assert once_warm == pytest.approx(samples[named] / steady[named], rel=0.05)

@@ -69,6 +69,15 @@ class Searched:
     phase_s: dict[str, float]
     """Seconds a step spends in each kind of work (device-seconds over the devices) and idle: why one candidate
     steps faster than another (`searched_from`)."""
+    samples_per_step: float = 0.0
+    """Samples a step makes, every pipeline's."""
+
+    @property
+    def steady_samples_per_s(self) -> float:
+        """A step's samples over the steady step: the throughput of a long run once warm, which `dovetail plan`
+        ranks by. `samples_per_s` counts the warm-up over the few simulated steps: a pipelined shape whose first
+        step overlaps nothing (streamrl's rollout on half the pool, then its training) shows less there."""
+        return self.samples_per_step / self.steady_step_s
 
 
 def searched_from(policy: str, shapes: dict, horizon: int, trace) -> Searched:
@@ -85,6 +94,7 @@ def searched_from(policy: str, shapes: dict, horizon: int, trace) -> Searched:
         metrics.steady_step_s,
         metrics.first_step_s,
         per_step | {"idle": idle},
+        sum(record.samples for record in trace.steps) / horizon,
     )
 
 
