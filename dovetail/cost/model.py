@@ -64,6 +64,7 @@ class CostModel:
         self.calibration = calibration
         self._scale: dict[str, float] = {}
         self._fixed: dict[str, float] = {}
+        self._with_rollout_memory: dict[float, CostModel] = {}
         # Device-specific kernel efficiency relative to the Hopper-fitted factors.
         self._vendor = calibration.device_efficiency.get(self.device.name, 1.0)
 
@@ -128,8 +129,13 @@ class CostModel:
         return seconds * self.scale(kind)
 
     def with_rollout_memory(self, fraction: float) -> "CostModel":
-        """The same model with rollout engines limited to `fraction` of device memory (weights + KV cache)."""
-        return self._recalibrated(rollout_memory_fraction=fraction)
+        """The same model with rollout engines limited to `fraction` of device memory (weights + KV cache). One per
+        fraction, kept: a model never changes once made, and the graph builders memoize a step's rollout by its cost
+        model's identity (`graph.lm._step_rollout`), so the many cuts of a search (jigsaw's: each pipeline's rollout
+        memory sized alike) price their decoding once, not once per cut."""
+        if fraction not in self._with_rollout_memory:
+            self._with_rollout_memory[fraction] = self._recalibrated(rollout_memory_fraction=fraction)
+        return self._with_rollout_memory[fraction]
 
     def with_interference(self, table: dict[tuple[str, str], float]) -> "CostModel":
         """The same model with `table`'s slowdowns (measured on the run's devices) over its interference table."""
