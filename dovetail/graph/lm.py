@@ -377,8 +377,10 @@ def _rollout(
     nodes: list[Node] = []
     last_of: dict[SampleId, str] = {}
     tail_deps: list[str] = []
-    for shard in range(shape.shards):
-        mine = [s for s in samples if s.shard == shard]
+    by_shard: dict[int, list[Sample]] = {shard: [] for shard in range(shape.shards)}
+    for sample in samples:  # each shard's samples in their order, dealt in one pass (not one pass per shard)
+        by_shard[sample.shard].append(sample)
+    for shard, mine in by_shard.items():
         prefill = Node(
             _id(spec, step, *tag, "prefill", shard),
             spec.name,
