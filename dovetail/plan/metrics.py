@@ -165,10 +165,12 @@ def summarize(trace: Trace) -> Metrics:
     work = [0.0] * devices
     switching = [0.0] * devices
     phases: dict[str, float] = defaultdict(float)
-    for span in trace.spans:
-        intervals[span.device].append((span.start, span.end))
-        work[span.device] += span.work
-        phases[span.kind] += span.work / devices
+    keep = [device_intervals.append for device_intervals in intervals]
+    for span in trace.spans:  # one pass over every device's spans: a large pool's trace holds many
+        device, done = span.device, span.work
+        keep[device]((span.start, span.end))
+        work[device] += done
+        phases[span.kind] += done / devices
     for switch in trace.switches:
         switching[switch.device] += switch.end - switch.start
         phases["switch"] += (switch.end - switch.start) / devices

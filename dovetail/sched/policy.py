@@ -503,7 +503,8 @@ def all_idle(view: View, devices: Sequence[int]) -> bool:
 
 def ready_of(view: View, kind: Kind, pipeline: str | None = None) -> list[Node]:
     """Ready nodes of one kind, in the order they became ready."""
-    nodes = [view.graph[node_id] for node_id in view.ready_by_kind[kind]]
+    by_id = view.graph.nodes
+    nodes = [by_id[node_id] for node_id in view.ready_by_kind[kind]]
     return nodes if pipeline is None else [n for n in nodes if n.pipeline == pipeline]
 
 
