@@ -43,7 +43,7 @@ def run_on_cluster(nodes: list[int], publication: str, steps: int, out: Path) ->
 
     from dovetail import train
     from dovetail.config.load import load_config
-    from dovetail.runtime.worker import DEVICE_RESOURCE, LOOPBACK
+    from dovetail.runtime.ray_start import DEVICE_RESOURCE, LOOPBACK
 
     ray_constants.ENABLE_RAY_CLUSTER = False  # every node on loopback, as a local run's
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": LOOPBACK})

@@ -27,7 +27,7 @@ from fault_injection import CONFIG, MOMENTS, SPREADS, Fault  # noqa: E402
 from dovetail import runner  # noqa: E402
 from dovetail.config.load import load_config  # noqa: E402
 from dovetail.request import FaultHooks, RunRequest  # noqa: E402
-from dovetail.runtime.launch import start_local_ray  # noqa: E402
+from dovetail.runtime.ray_start import start_local_ray  # noqa: E402
 
 STEPS = 3
 

@@ -106,12 +106,17 @@ def _run(request: "RunRequest") -> dict:
     """Train `request` (its devices starting on a thread meanwhile); a failure is one line and its exit code."""
     from dovetail.rewards import RewardError
     from dovetail.run_dir import RunInterrupted
-    from dovetail.runtime.launch import start_devices_in_background
+    from dovetail.runtime.ray_start import start_devices_in_background
+
+    def start_devices(config):
+        from dovetail.runtime.launch import start_devices_early
+
+        return start_devices_early(config)
 
     try:
-        # Ray and the device workers (each importing its engines) start while this process imports the runner,
-        # checks the checkpoint and evaluates the base model
-        devices_starting = start_devices_in_background(request.config)
+        # Ray, then the device workers (each importing its engines), start while this process imports torch and the
+        # runner, checks the checkpoint and evaluates the base model: nothing above has imported torch
+        devices_starting = start_devices_in_background(request.config, start_devices)
         from dovetail.runner import train as run_training
 
         return run_training(request, devices_starting=devices_starting)

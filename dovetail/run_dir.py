@@ -19,6 +19,8 @@ A checkpoint is what a long run cannot afford to lose, nor to trust when it shou
   naming the live one, --overwrite or not; the lock dies with its process, so a crashed run leaves none behind.
 """
 
+from __future__ import annotations
+
 import errno
 import fcntl
 import hashlib
@@ -33,14 +35,17 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import numpy as np
-import torch
 import yaml
 
 from dovetail.config.multiplex import MultiplexConfig, TrainConfig, pipeline_configs
 from dovetail.files import one_line
+
+if TYPE_CHECKING:  # torch is imported where a checkpoint is written or read: a run checks its directory before
+    # torch is imported, while its devices start (`runtime.ray_start.start_devices_in_background`)
+    import torch
 from dovetail.kinds import DEFAULT_KIND
 
 MANIFEST = "manifest.json"
@@ -186,7 +191,7 @@ class RunLock:
             self.release()
             raise
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -392,6 +397,8 @@ class RunDir:
         `save_weights(directory)` writes the model in its own format (the pipeline kind's: `models` knows them)."""
         final = self.checkpoints / f"step_{step:06d}"
         partial = self.checkpoints / f".partial-{final.name}"
+        import torch
+
         shutil.rmtree(partial, ignore_errors=True)  # left by a crash in the middle of saving this step
         try:
             partial.mkdir(parents=True)
@@ -530,6 +537,8 @@ def load_checkpoint(path: Path | str, model, optimizer: torch.optim.Optimizer, l
 def _restore(directory: Path, model, optimizer: torch.optim.Optimizer, load_weights: Callable) -> dict:
     """Load one checkpoint into the model, optimizer and RNG; everything is read and checked before any of them
     changes, so a broken checkpoint (BrokenCheckpoint) leaves them as they were."""
+    import torch
+
     state = _verify(directory)
     try:
         weights = load_weights(directory).state_dict()
@@ -605,6 +614,8 @@ def _read_json(path: Path):
 
 
 def _torch_load(path: Path):
+    import torch
+
     try:
         return torch.load(path, weights_only=True)
     except Exception as error:  # a damaged file raises RuntimeError, EOFError, UnpicklingError... as it happens

@@ -239,8 +239,8 @@ def train(request: RunRequest, *, devices_starting: Future | None = None) -> dic
     config.yaml records the config as run. Ctrl-C stops after the step in flight, saves it and raises
     `RunInterrupted` saying how to resume (SIGTERM and SIGHUP too, `STOP_SIGNALS`). The summary's `startup_s` is
     the seconds from `request.began` to the first step's start. `devices_starting`: the local Ray instance and device
-    workers the caller is starting meanwhile (`launch.start_devices_in_background`), which the run waits for before it
-    uses Ray."""
+    workers the caller is starting meanwhile (`ray_start.start_devices_in_background`), which the run waits for
+    before it uses Ray."""
     torch.set_num_threads(1)
     config, out, last_step = request.config, request.out, request.steps
     multiplexed = request.multiplexed
@@ -352,7 +352,7 @@ class Interrupt:
     """A stop signal during a run (`STOP_SIGNALS`): the first asks the run to stop after the step in flight, which it
     saves; a second stops at once (KeyboardInterrupt), losing that step. Only the main thread can take signals:
     elsewhere (a run started from a thread) they keep their usual meaning. Ray replaces a driver's SIGTERM handler
-    when it starts (`launch.start_ray` puts this one back)."""
+    when it starts (`ray_start.start_ray` puts this one back)."""
 
     def __init__(self) -> None:
         self.requested: int | None = None

@@ -48,7 +48,7 @@ def local_ray(tmp_path_factory):
     modules (a custom reward); yields the file whose existence makes `faulty_reward` return NaN."""
     import ray
 
-    from dovetail.runtime.launch import start_local_ray
+    from dovetail.runtime.ray_start import start_local_ray
 
     flag = tmp_path_factory.mktemp("flags") / "nan"
     os.environ["DOVETAIL_TEST_NAN_FLAG"] = str(flag)

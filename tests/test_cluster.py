@@ -18,9 +18,9 @@ from running import train
 from two_pipelines import FLOW, LM, STEPS, final_weights, same_parameters
 
 from dovetail.config.load import parse_config
-from dovetail.runtime.launch import RAY_NAMESPACE, by_node
+from dovetail.runtime.launch import by_node
+from dovetail.runtime.ray_start import DEVICE_RESOURCE, LOOPBACK, RAY_NAMESPACE
 from dovetail.runtime.rendezvous import NAMESPACE
-from dovetail.runtime.worker import DEVICE_RESOURCE, LOOPBACK
 
 LOST_AFTER_S = 3.0
 NODE_DEATH_DETECTION = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}

@@ -384,7 +384,7 @@ def test_start_ray_joins_the_cluster_of_ray_address(monkeypatch):
     """start_ray hands $RAY_ADDRESS to ray.init (caught there: no cluster is started); unset, it starts its own."""
     import ray
 
-    from dovetail.runtime import launch
+    from dovetail.runtime import ray_start
 
     class Joined(Exception):
         pass
@@ -397,11 +397,11 @@ def test_start_ray_joins_the_cluster_of_ray_address(monkeypatch):
     config = load_config(None, ["policy=digen"])
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     with pytest.raises(Joined) as joined:
-        launch.start_ray(config)
-    assert joined.value.args[0] == {"address": "10.0.0.1:6379", "namespace": launch.RAY_NAMESPACE}
+        ray_start.start_ray(config)
+    assert joined.value.args[0] == {"address": "10.0.0.1:6379", "namespace": ray_start.RAY_NAMESPACE}
     monkeypatch.delenv("RAY_ADDRESS")
     with pytest.raises(Joined) as local:
-        launch.start_ray(config)
+        ray_start.start_ray(config)
     assert local.value.args[0]["address"] == "local"
 
 
@@ -565,7 +565,7 @@ def test_a_local_ray_instance_keeps_token_authentication_without_printing_ray_s_
     (Ray records the mode in RAY_AUTH_MODE) and leaves the run's output to the run."""
     script = (
         "import os, ray\n"
-        "from dovetail.runtime.launch import start_local_ray\n"
+        "from dovetail.runtime.ray_start import start_local_ray\n"
         "start_local_ray(cpu_devices=1)\n"
         "print('auth mode', os.environ['RAY_AUTH_MODE'])\n"
         "ray.shutdown()\n"

@@ -27,9 +27,10 @@ from dovetail.request import RunRequest
 from dovetail.rewards import RewardError
 from dovetail.run_dir import RunDir
 from dovetail.runtime.executor import RayExecutor
-from dovetail.runtime.launch import Choice, device_pool, make_executor, prepare_run, start_ray, start_workers
+from dovetail.runtime.launch import Choice, device_pool, make_executor, prepare_run, start_workers
 from dovetail.runtime.messages import Committed, DeviceMemory
 from dovetail.runtime.pipeline import Ledger, memory_figures
+from dovetail.runtime.ray_start import start_ray
 from dovetail.runtime.recovery import StepLost
 from dovetail.trackers import RunProgress
 
@@ -216,7 +217,7 @@ def train_on_ray(
     """Train every pipeline of the run from its first step up to `request.steps` under its policy, each step
     recorded in its log and `after_record()` run after it (an exception it raises ends the run there). Returns
     run-level figures for the summary. `devices_starting`: Ray and the device workers being started on another
-    thread (`launch.start_devices_in_background`), waited for first.
+    thread (`ray_start.start_devices_in_background`), waited for first.
 
     A run is one or more segments, each on one set of devices: `RayRun.start` brings up Ray and the pool,
     `run_segment` starts the workers, profiles, plans and runs the executor; when a step's inputs went with a lost

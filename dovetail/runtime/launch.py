@@ -3,29 +3,22 @@ corrected by a profile of those devices, the policy's graph, and the RayExecutor
 
 from __future__ import annotations
 
-import logging
 import pickle
-import signal
 import statistics
-import subprocess
-import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TypeVar
 
 import ray
 import torch
-from ray._private import ray_constants
 from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup, get_placement_group, placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dovetail.config.common import AUTO, MAX_PIPELINES, REFERENCE, auto_candidates, ray_address
 from dovetail.config.multiplex import PipelineConfig, TrainConfig, pipeline_configs, refined_by_profiles
-from dovetail.cost.catalog import DEVICES, device
+from dovetail.cost.catalog import device
 from dovetail.cost.model import CostModel
 from dovetail.kinds import kind
 from dovetail.plan.metrics import summarize
@@ -35,105 +28,15 @@ from dovetail.runtime.executor import PipelineRun, RayExecutor
 from dovetail.runtime.interference import measure_interference
 from dovetail.runtime.pipeline import Ledger
 from dovetail.runtime.publication import Publication, measured
+from dovetail.runtime.ray_start import DEVICE_RESOURCE, device_bundle, start_ray, warning_muted
 from dovetail.runtime.recovery import Incarnations, LostWatch, Started
 from dovetail.runtime.startup_cache import cached
-from dovetail.runtime.watchdog import start_watchdog
-from dovetail.runtime.worker import DEVICE_RESOURCE, LOOPBACK, DeviceWorker, WorkerRestarted
+from dovetail.runtime.worker import DeviceWorker, WorkerRestarted
 
 WORKER_ACTOR: Any = DeviceWorker
 """`ray.remote` made DeviceWorker an actor class (`.options`, `.remote`), which the type checker cannot see."""
 
 Bundle = TypeVar("Bundle")
-
-
-def device_bundle(config: TrainConfig) -> dict[str, float]:
-    """What one device is to Ray: a GPU, or here one `dovetail_device` (a CPU core)."""
-    platform = device(config.cluster.device).platform
-    if platform == "cpu":
-        return {DEVICE_RESOURCE: 1}
-    if platform == "cuda":
-        return {"GPU": 1}
-    runnable = ", ".join(name for name, d in DEVICES.items() if d.platform in ("cuda", "cpu"))
-    raise ValueError(
-        f"cluster.device={config.cluster.device!r} can be planned (`dovetail simulate`) but not run: the Ray "
-        f"runtime drives CUDA GPUs or CPU cores ({runnable})"
-    )
-
-
-RAY_NAMESPACE = "dovetail"
-"""The Ray namespace a run's driver joins: `DevicePool`'s named workers are found in it."""
-
-
-def start_ray(config: TrainConfig) -> None:
-    """A local Ray instance (one `dovetail_device` per core, or the GPUs Ray finds), or the cluster at
-    cluster.address or $RAY_ADDRESS (`ray_address`); either way it must hold cluster.devices devices."""
-    (resource,) = device_bundle(config)
-    if not ray.is_initialized():
-        address = ray_address(config.cluster)
-        with signal_handler_kept(signal.SIGTERM):
-            if address:
-                ray.init(address=address, namespace=RAY_NAMESPACE)
-            else:
-                start_local_ray(config.cluster.devices if resource == DEVICE_RESOURCE else None)
-    elif threading.current_thread() is threading.main_thread():
-        # started on another thread (`start_devices_in_background`), where Ray's own SIGTERM handler (which prints a
-        # stack, and left a stopped run aborting at exit) replaced this process's in C and nothing could put it back
-        signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGTERM))
-    available = ray.cluster_resources().get(resource, 0)
-    if available < config.cluster.devices:
-        fix = (
-            f"start the cluster's nodes with `ray start --resources='{{\"{DEVICE_RESOURCE}\": CORES}}'`"
-            if resource == DEVICE_RESOURCE
-            else "lower cluster.devices, or set cluster.device=cpu-core to use CPU cores"
-        )
-        raise RuntimeError(
-            f"cluster.devices={config.cluster.devices} {config.cluster.device} devices asked for, but the Ray "
-            f"instance has {available:g} {resource!r}; {fix}"
-        )
-
-
-@contextmanager
-def signal_handler_kept(signum: int):
-    """`ray.init` makes a driver's `signum` handler exit at once: the run's own (`runner.Interrupt`: save the step in
-    flight, then stop) stays in place."""
-    previous = signal.getsignal(signum)
-    try:
-        yield
-    finally:
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signum, previous)
-
-
-_WATCHDOG: list[subprocess.Popen] = []
-"""This process's watchdog (`runtime.watchdog`), started with its first local Ray instance; held for the life of the
-process, whose end it watches."""
-
-
-def start_local_ray(cpu_devices: int | None) -> None:
-    """Our own Ray instance, never one already running on this machine (Ray's current-cluster file would join it),
-    with every server on loopback: nothing of a local run is reachable from the network. Ray takes a loopback node
-    address for the machine's own (so that other nodes could reach it) unless it runs as a single-machine instance,
-    which is what its `ENABLE_RAY_CLUSTER` switch says while the node starts. `cpu_devices`: the CPU cores offered as
-    devices (None on GPUs, which Ray finds itself). Its processes die with this one (`runtime.watchdog`).
-
-    Its workers run at the driver's priority: Ray's default puts them at nice 15, below every other process of the
-    machine, so that a run's devices lost their cores to anything else running beside it (a one-process run, the
-    test suite's other process), whatever its share should have been."""
-    options = {"address": "local", "_node_ip_address": LOOPBACK, "num_cpus": 1, "namespace": RAY_NAMESPACE}
-    options |= {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
-    options["_system_config"] = {"worker_niceness": 0}
-    if cpu_devices is not None:
-        options["resources"] = {DEVICE_RESOURCE: cpu_devices}
-    if not _WATCHDOG:
-        _WATCHDOG.append(start_watchdog())
-    cluster_mode = ray_constants.ENABLE_RAY_CLUSTER
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    notice = ("ray._private.authentication.authentication_token_setup", "Token authentication is enabled for this")
-    try:  # token authentication stays on; Ray's notice that it turned it on would open every run's output
-        with warning_muted(*notice):
-            ray.init(**options)
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
 
 
 STARTUP_ATTEMPTS = 3
@@ -187,21 +90,6 @@ class DevicePool:
         return replace(self, bundles=tuple(b for device, b in enumerate(self.bundles) if device not in devices))
 
 
-@contextmanager
-def warning_muted(logger: str, text: str):
-    """While inside, `logger`'s records that contain `text` are dropped (a warning about what is meant)."""
-
-    def keep(record: logging.LogRecord) -> bool:
-        return text not in record.getMessage()
-
-    log = logging.getLogger(logger)
-    log.addFilter(keep)
-    try:
-        yield
-    finally:
-        log.removeFilter(keep)
-
-
 def device_pool(config: TrainConfig) -> DevicePool:
     """The job's `DevicePool` on the run's cluster.devices devices. Its bundles are placement groups named
     `<prefix>-from<first device>`: the job's earlier runs placed some, and the devices this run needs beyond them
@@ -225,10 +113,10 @@ def device_pool(config: TrainConfig) -> DevicePool:
 def start_devices_early(config: TrainConfig) -> dict[str, list]:
     """A local run's Ray instance and device workers started now, each worker importing its pipeline's engines
     (`DeviceWorker.preload`), for a caller that has yet to import its own (the command line, before the runner, by
-    `start_devices_in_background`): the imports, seconds each on every process, overlap, and the run takes up both
-    as it starts (`start_ray` finds Ray started; `device_pool` and `DevicePool.workers` find their names). Returns
-    each pipeline's workers; a run on a cluster (cluster.address, $RAY_ADDRESS) and the one-process reference start
-    nothing here (none)."""
+    `ray_start.start_devices_in_background`): the imports, seconds each on every process, overlap, and the run takes
+    up both as it starts (`start_ray` finds Ray started; `device_pool` and `DevicePool.workers` find their names).
+    Returns each pipeline's workers; a run on a cluster (cluster.address, $RAY_ADDRESS) and the one-process reference
+    start nothing here (none)."""
     if config.policy == REFERENCE or ray_address(config.cluster):
         return {}
     start_ray(config)
@@ -239,27 +127,6 @@ def start_devices_early(config: TrainConfig) -> dict[str, list]:
         for worker in workers[name]:
             worker.preload.remote(pipeline.kind)
     return workers
-
-
-def start_devices_in_background(config: TrainConfig) -> Future:
-    """`start_devices_early` on a thread of its own, for a caller with work of its own meanwhile (the command line:
-    importing the runner, checking the checkpoint, the base evaluation), while Ray's start is mostly waiting on its
-    processes. The thread lives as long as this process: Ray's processes get Linux's parent-death signal when the
-    thread that started them ends. Ray's notice that it leaves SIGTERM alone from a thread is muted: the run's own
-    handler (`runner.Interrupt`) is the one meant."""
-    started: Future = Future()
-
-    def start() -> None:
-        try:
-            with warning_muted("ray._private.worker", "SIGTERM handler is not set"):
-                started.set_result(start_devices_early(config))
-        except BaseException as error:  # the run raises it where it waits for the devices
-            started.set_exception(error)
-            return
-        threading.Event().wait()
-
-    threading.Thread(target=start, name="start-devices", daemon=True).start()
-    return started
 
 
 def pipeline_workers(pool: DevicePool, pipelines: Mapping[str, object]) -> dict[str, list]:

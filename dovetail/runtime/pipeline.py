@@ -50,7 +50,7 @@ def unsharded_works(works: dict) -> dict:
 def with_train_priced(measured: dict, predicted: dict[str, float], suffix: str = "") -> dict:
     """`measured` (a profile's seconds) with a train pass it left out (`unsharded_works`) priced as the analytic
     train time x the measured / analytic time of the log-prob pass over the same responses: a backward is priced as
-    the forward runs on this device. `suffix`: the profile's size (`_double`)."""
+    the forward runs on this device. `suffix`: the profile's size (an LM profile's `_step_pass`)."""
     if f"train{suffix}" in measured:
         return measured
     return measured | {f"train{suffix}": predicted["train"] * measured[f"logprob{suffix}"] / predicted["logprob"]}

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-FORMAT = 2
+FORMAT = 3
 """Bumped when what an entry holds, or how it is measured, changes."""
 
 UNTIMED_FIELDS = (

@@ -62,12 +62,10 @@ from dovetail.runtime.publication import (
     publication_group,
     unflatten,
 )
+from dovetail.runtime.ray_start import DEVICE_RESOURCE, LOOPBACK
 from dovetail.runtime.rendezvous import RayStore, forget
 
-DEVICE_RESOURCE = "dovetail_device"
 GROUP_TIMEOUT_S = 120
-LOOPBACK = "127.0.0.1"
-"""The node address of a local run (`launch.start_local_ray`): every server on it, and every peer on this machine."""
 
 
 class WorkerRestarted(RuntimeError):

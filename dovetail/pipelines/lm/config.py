@@ -474,6 +474,10 @@ class LMRuntimeSection(Section):
     )
 
 
+STEP_PASS = "_step_pass"
+"""The suffix of a start-up profile figure measured at the step's train pass (`train_pass_responses`)."""
+
+
 class LMTrainConfig(RunSection):
     """A GRPO run of a causal language model: a built-in verifiable task, or your own model on your dataset."""
 
@@ -755,6 +759,18 @@ class LMTrainConfig(RunSection):
         return self.cluster.devices
 
     @property
+    def train_pass_responses(self) -> int:
+        """The responses a device trains in one pass over a step's micro-batch where every trainer device shares it:
+        whole groups, a micro-batch's groups spread evenly (the driver shares them out by tokens,
+        `pipelines.lm.adapter.balanced`). The start-up profile times its larger size at this (`engines.profile_work`):
+        a line fitted through two small passes missed a step's 128-response passes by a quarter of its time."""
+        draws = self.algo.dynamic_sampling_max_draws if self.algo.dynamic_sampling else 1
+        micro_batches = 1 if draws > 1 else self.algo.micro_batches  # as the scenario cuts it (`scenario`)
+        trainer_devices = self.runtime.trainer_devices or self.compute_devices
+        groups = -(-self.algo.prompts_per_step // micro_batches // trainer_devices)
+        return groups * self.algo.group_size
+
+    @property
     def pipeline_name(self) -> str:
         """The name, else the task's, else the model directory's (cut to what a pipeline name may hold)."""
         if self.name is not None:
@@ -779,7 +795,9 @@ class LMTrainConfig(RunSection):
             return self
         copy = self.model_copy()
         if self.model.path is not None:
-            copy._measured_lengths = (list(measured["prompt_tokens"]), list(measured["lengths"]))
+            # the step pass's responses where it has them: more prompts' worth than the smaller size's
+            suffix = STEP_PASS if f"lengths{STEP_PASS}" in measured else ""
+            copy._measured_lengths = (list(measured[f"prompt_tokens{suffix}"]), list(measured[f"lengths{suffix}"]))
         if self.env is not None and "turns" in measured:
             copy._measured_turns = (list(measured["turns"]), list(measured["observation_tokens"]))
         return copy

@@ -46,7 +46,7 @@ from dovetail.models.training import (
     trainer_state_of,
     weights_of,
 )
-from dovetail.pipelines.lm.config import LMTrainConfig
+from dovetail.pipelines.lm.config import STEP_PASS, LMTrainConfig
 from dovetail.pipelines.lm.messages import (
     CRITIC_UNIT,
     CriticTrained,
@@ -564,15 +564,25 @@ def profile_works(
 
 SIZED_KINDS = ("prefill", "decode", "score", "logprob", "train")
 """The kinds of LM work whose passes grow with the responses in them: profiled at two sizes."""
-DOUBLE = "_double"
-"""The suffix of a profile figure measured at twice the profile's responses."""
+STEP_PASS_LIMIT = 8
+"""The profile's larger size is at most this many times `runtime.profile_samples`: a large run's micro-batch of
+thousands of responses would make its profile longer than its first steps."""
+
+
+def step_pass_size(config: LMTrainConfig, samples: int) -> int:
+    """The profile's larger size: the responses a device trains in one pass of a step (`train_pass_responses`), at
+    least twice `samples` (a line needs two sizes) and at most STEP_PASS_LIMIT times it."""
+    return max(2 * samples, min(config.train_pass_responses, STEP_PASS_LIMIT * samples))
 
 
 def profile_work(engines: LMEngines, samples: int, carry: Callable[[dict], dict]) -> dict[str, float]:
     """Measured seconds of each kind of LM work here (`profile_works`): medians of PROFILE_ROUNDS after a warm-up,
-    at `samples` responses and again at twice as many (the `_double` figures): a kind's two sizes give its fixed
-    cost per pass (`lm_startup.fitted_cost`), which on a CPU core makes a step's passes of 32 or 128 responses
-    cheaper per response than the profile's 16."""
+    at `samples` responses and again at the step's train pass (`step_pass_size`; the `_step_pass` figures): a kind's
+    two sizes give its fixed cost per pass (`lm_startup.fitted_cost`), which on a CPU core makes a step's passes of
+    32 or 128 responses cheaper per response than the profile's 16. The larger size is the step's own, so a step's
+    passes are priced between the two sizes measured, not by a line drawn on past them (a profile of 16 and 32
+    predicted a user's model's step a quarter short), and its responses (the larger size's, more prompts' worth) are
+    the lengths the scenario prices (`LMTrainConfig.profiled`)."""
 
     def one_round(size: int) -> tuple[dict[str, float], dict[str, object]]:
         seconds: dict[str, float] = {}
@@ -613,6 +623,6 @@ def profile_work(engines: LMEngines, samples: int, carry: Callable[[dict], dict]
     with trainer_kept(engines):
         weights = carry(weights_of(engines.trainer))  # every round and size decodes from these: the same responses
         one_round(samples)
-        single, double = at(samples), at(2 * samples)
-    sized = [name for name in (*SIZED_KINDS, "lengths", "prompt_tokens") if name in double]
-    return single | {f"{name}{DOUBLE}": double[name] for name in sized}
+        single, step_pass = at(samples), at(step_pass_size(engines.config, samples))
+    sized = [name for name in (*SIZED_KINDS, "lengths", "prompt_tokens") if name in step_pass]
+    return single | {f"{name}{STEP_PASS}": step_pass[name] for name in sized}

@@ -17,8 +17,8 @@ from dovetail.graph.spec import LMSpec
 from dovetail.models.causal_lm import causal_lm_config, causal_lm_parameter_counts
 from dovetail.models.engine import engine_problem
 from dovetail.models.memory import parameter_counts
-from dovetail.pipelines.lm.config import LMTrainConfig
-from dovetail.pipelines.lm.engines import DOUBLE, LMEngines
+from dovetail.pipelines.lm.config import STEP_PASS, LMTrainConfig
+from dovetail.pipelines.lm.engines import LMEngines
 from dovetail.pipelines.lm.model import encode_prompts, load_policy, load_run_tokenizer, model_context
 from dovetail.pipelines.lm.prompts import RunPrompts
 from dovetail.plan.prepare import rollout_wake_s
@@ -29,9 +29,10 @@ from dovetail.runtime.pipeline import with_train_priced
 
 def fitted_cost(config: LMTrainConfig, scenario: Scenario, measured: dict) -> CostModel:
     """The analytic cost model with one correction per kind of work, fitted to a device's measured seconds; a kind
-    profiled at two sizes (`lm_engines.SIZED_KINDS`) gets a fixed cost per pass besides (`CostModel.from_measurements`
-    per pass). A role switch is fitted too: the catalogue's switch moves the engine's whole memory budget (gigabytes
-    for a GPU's KV cache), where a CPU core's engines stay resident and a switch is a round trip."""
+    profiled at two sizes (`lm_engines.SIZED_KINDS`: a few responses and the step's train pass) gets a fixed cost
+    per pass besides (`CostModel.from_measurements` per pass). A role switch is fitted too: the catalogue's switch
+    moves the engine's whole memory budget (gigabytes for a GPU's KV cache), where a CPU core's engines stay resident
+    and a switch is a round trip."""
     spec = scenario.pipelines[0]
     assert isinstance(spec, LMSpec), "an LM run's scenario (`LMTrainConfig.scenario`) is its one LM pipeline"
     analytic = CostModel(config.cluster.device)
@@ -56,14 +57,16 @@ def fitted_cost(config: LMTrainConfig, scenario: Scenario, measured: dict) -> Co
     if "sync" in measured:
         trained = trainable_params(spec) or model.params
         predicted["sync"] = analytic.replica_allreduce_seconds(trained, 1, measured["sync_devices"])
-    double = sized(DOUBLE)
-    measured = with_train_priced(with_train_priced(measured, predicted), double, DOUBLE)
+    step_pass = sized(STEP_PASS)
+    measured = with_train_priced(with_train_priced(measured, predicted), step_pass, STEP_PASS)
     records = [
         (kind, predicted[kind], max(measured[kind], 1e-9))
         for kind in predicted
         if predicted[kind] > 0 and kind in measured
     ]
-    records += [(kind, double[kind], max(measured[f"{kind}{DOUBLE}"], 1e-9)) for kind in double if double[kind] > 0]
+    records += [
+        (kind, step_pass[kind], max(measured[f"{kind}{STEP_PASS}"], 1e-9)) for kind in step_pass if step_pass[kind] > 0
+    ]
     return CostModel.from_measurements(config.cluster.device, records, per_pass=True)
 
 
