@@ -4,10 +4,9 @@ head, and the calculator to do it with. The base of a shipped agentic task: the 
 import random
 
 from dovetail.envs.contract import NO_LATENCY, Environment, Latency, StepResult, Turn
-from dovetail.envs.toolcalls import call_tools
+from dovetail.envs.toolcalls import tools_then_answer
 from dovetail.envs.tools import Calculator
 from dovetail.graph.node import sample_key
-from dovetail.rewards.text import answers_match
 
 
 class Arithmetic(Environment):
@@ -34,12 +33,7 @@ class Arithmetic(Environment):
         return str(row["question"])
 
     def step(self, turn: Turn) -> StepResult:
-        if turn.tool_calls:
-            observation = call_tools(turn, self.tools)
-            if turn.index + 1 >= self.max_turns:
-                return StepResult(observation, reward=0.0, done=True)
-            return StepResult(observation)
-        return StepResult(reward=float(answers_match(turn.text, self.answer)), done=True)
+        return tools_then_answer(turn, self.tools, self.max_turns, self.answer)
 
 
 def arithmetic_rows(count: int, digits: int, seed: int) -> list[dict[str, str]]:

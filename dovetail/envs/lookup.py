@@ -11,10 +11,9 @@ from functools import cache
 from pathlib import Path
 
 from dovetail.envs.contract import NO_LATENCY, Environment, Latency, StepResult, Turn
-from dovetail.envs.toolcalls import call_tools
+from dovetail.envs.toolcalls import tools_then_answer
 from dovetail.envs.tools import Lookup
 from dovetail.graph.node import sample_key
-from dovetail.rewards.text import answers_match
 from dovetail.tasks import KEY_LETTERS, lookup_value
 
 
@@ -61,12 +60,7 @@ class KeyLookup(Environment):
         return str(row["question"])
 
     def step(self, turn: Turn) -> StepResult:
-        if turn.tool_calls:
-            observation = call_tools(turn, self.tools)
-            if turn.index + 1 >= self.max_turns:
-                return StepResult(observation, reward=0.0, done=True)
-            return StepResult(observation)
-        return StepResult(reward=float(answers_match(turn.text, self.answer)), done=True)
+        return tools_then_answer(turn, self.tools, self.max_turns, self.answer)
 
 
 @cache

@@ -18,7 +18,8 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from dovetail.envs.contract import MalformedCall, Tool, ToolCall, Turn
+from dovetail.envs.contract import MalformedCall, StepResult, Tool, ToolCall, Turn
+from dovetail.rewards.text import answers_match
 
 Call = ToolCall | MalformedCall
 
@@ -139,3 +140,15 @@ def render_prompt(tokenizer, messages: Sequence[dict], tools: Sequence[dict]) ->
             "template takes tools (Qwen2.5, Qwen3, Hermes...), or parser plain with the tools said in the prompt"
         )
     return prompt
+
+
+def tools_then_answer(turn: Turn, tools: Sequence[Tool], max_turns: int, answer: str) -> StepResult:
+    """A question answered with tools (the built-in environments): a turn that calls tools gets their results, and
+    reward 0 once it is the last turn allowed; a turn without a call is the answer, rewarded 1 where it matches
+    `answer` as the math graders match, and ends the episode."""
+    if turn.tool_calls:
+        observation = call_tools(turn, tools)
+        if turn.index + 1 >= max_turns:
+            return StepResult(observation, reward=0.0, done=True)
+        return StepResult(observation)
+    return StepResult(reward=float(answers_match(turn.text, answer)), done=True)
