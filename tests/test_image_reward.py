@@ -10,12 +10,13 @@ the std, one image and prompt at a time, the prompt tokenized by BLIP's `init_to
 [ENC] added), padded to 35."""
 
 import math
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from test_reward_models import random_images
+from test_reward_models import clip_directory, random_images
 from transformers import BertTokenizer
 from typer.testing import CliRunner
 
@@ -197,7 +198,8 @@ def blip_tokenizer(vocabulary_directory: str) -> BertTokenizer:
 def test_a_converted_imagereward_checkpoint_scores_as_imagereward(tmp_path):
     """`dovetail convert-imagereward ImageReward.pt TOKENIZER OUT`, then the `image_reward` reward on OUT, batched
     by 2 (the last batch short): ImageReward's scores of each image and prompt, one by one (<= 1e-5). Grey, RGB,
-    wide and tall images (resized and cropped), a prompt past 35 tokens, a word outside the vocabulary."""
+    wide and tall images (resized and cropped), a prompt past 35 tokens, a word outside the vocabulary. The directory
+    passes the config's check; a CLIP directory does not."""
     vocabulary = bert_vocabulary(tmp_path / "bert")
     tokenizer = blip_tokenizer(vocabulary)
     state = image_reward_checkpoint(0, len(tokenizer))
@@ -206,6 +208,9 @@ def test_a_converted_imagereward_checkpoint_scores_as_imagereward(tmp_path):
     result = CliRunner().invoke(app, ["convert-imagereward", str(tmp_path / "ImageReward.pt"), vocabulary, str(out)])
     assert result.exit_code == 0, result.output
     assert model_problem("image_reward", out) is None
+    assert "not a ...BlipForImageTextRetrieval" in str(
+        model_problem("image_reward", Path(clip_directory(tmp_path / "clip", 1.0)))
+    )
     sources = RewardSources({"image_reward": RewardModel(str(out), batch_size=2)})
     for seed, shape in enumerate([(20, 12, 3), (12, 26, 3), (40, 30, 3), (16, 16)]):
         images = random_images(seed, len(PROMPTS), shape)
@@ -220,7 +225,8 @@ def test_a_converted_imagereward_checkpoint_scores_as_imagereward(tmp_path):
 def test_convert_imagereward_refuses_what_is_not_an_imagereward_checkpoint(tmp_path):
     """A missing file, a file that is no checkpoint, another model's state dict, an ImageReward one without a tensor
     or without its score head, a directory without a tokenizer or with another vocabulary than the checkpoint's, an
-    existing OUT: one line naming the file and the fix, exit 2, no traceback, nothing written."""
+    existing OUT: one line naming the file and the fix, exit 2, no traceback, nothing written. A converted directory
+    without its score head fails the config's check."""
     vocabulary = bert_vocabulary(tmp_path / "bert")
     state = image_reward_checkpoint(1, len(blip_tokenizer(vocabulary)))
     (tmp_path / "notes.txt").write_text("not a checkpoint\n")
@@ -249,3 +255,10 @@ def test_convert_imagereward_refuses_what_is_not_an_imagereward_checkpoint(tmp_p
         assert names in result.output and fix in result.output, (checkpoint, result.output)
         assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
     assert not (tmp_path / "out").exists()
+    converted = tmp_path / "converted"
+    result = CliRunner().invoke(
+        app, ["convert-imagereward", str(tmp_path / "ImageReward.pt"), vocabulary, str(converted)]
+    )
+    assert result.exit_code == 0, result.output
+    (converted / "image_reward_head.safetensors").unlink()
+    assert "has no image_reward_head.safetensors" in str(model_problem("image_reward", converted))
