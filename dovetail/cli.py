@@ -467,6 +467,8 @@ def convert_imagereward(
         model, head = blip_model(state), score_head(state)
     except pickle.UnpicklingError:
         _refuse(f"{checkpoint}: not a torch checkpoint of tensors; {give}")
+    except KeyError as error:  # a tensor the sizes are read from
+        _refuse(f"{checkpoint}: has no tensor {error.args[0]}; {give}")
     except unreadable as error:
         _refuse(f"{checkpoint}: {_first_line(error)}; {give}")
     bert = "give the directory of bert-base-uncased's tokenizer files"

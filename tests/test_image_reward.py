@@ -233,6 +233,7 @@ def test_convert_imagereward_refuses_what_is_not_an_imagereward_checkpoint(tmp_p
     torch.save({"visual.conv1.weight": torch.zeros(2, 3, 4, 4)}, tmp_path / "open_clip.pt")
     torch.save({k: v for k, v in state.items() if "crossattention" not in k}, tmp_path / "no_cross.pt")
     torch.save({k: v for k, v in state.items() if not k.startswith("mlp.")}, tmp_path / "no_head.pt")
+    torch.save({k: v for k, v in state.items() if "vision_proj" not in k}, tmp_path / "no_projection.pt")
     torch.save(state, tmp_path / "ImageReward.pt")
     (tmp_path / "exists").mkdir()
     other = tmp_path / "other"
@@ -244,6 +245,7 @@ def test_convert_imagereward_refuses_what_is_not_an_imagereward_checkpoint(tmp_p
         ("open_clip.pt", vocabulary, "out", "not an ImageReward checkpoint", "ImageReward.pt"),
         ("no_cross.pt", vocabulary, "out", "crossattention", "ImageReward.pt"),
         ("no_head.pt", vocabulary, "out", "score head", "ImageReward.pt"),
+        ("no_projection.pt", vocabulary, "out", "has no tensor blip.vision_proj.weight", "ImageReward.pt"),
         ("ImageReward.pt", str(tmp_path / "exists"), "out", "has no vocab.txt", "bert-base-uncased"),
         ("ImageReward.pt", str(other), "out", "embeds", "bert-base-uncased"),
         ("ImageReward.pt", vocabulary, "exists", "exists", "new directory"),
