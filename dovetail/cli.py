@@ -1,4 +1,4 @@
-"""The `dovetail` command: train, pretrain, simulate, plan, export, convert-clip.
+"""The `dovetail` command: train, pretrain, simulate, plan, export, convert-clip, convert-imagereward.
 
 Bad input (a config, a scenario, a flag) is one line on stderr naming the file, field or flag and the fix, exit
 code 2, and nothing written."""
@@ -436,6 +436,57 @@ def convert_clip(
         _refuse(f"{processor}: {_first_line(error)}; give the directory of a CLIPProcessor saved with save_pretrained")
     model.save_pretrained(out)
     loaded_processor.save_pretrained(out)
+    typer.echo(f"converted {checkpoint} to {out}")
+
+
+@app.command("convert-imagereward")
+def convert_imagereward(
+    checkpoint: Path = typer.Argument(..., help="ImageReward's checkpoint (ImageReward.pt from THUDM/ImageReward)"),
+    tokenizer: Path = typer.Argument(..., help="a BERT tokenizer's directory for it (bert-base-uncased's files)"),
+    out: Path = typer.Argument(..., help="new directory for the BLIP model, ImageReward's score head and tokenizer"),
+):
+    """Write an ImageReward checkpoint as a transformers BlipForImageTextRetrieval directory (save_pretrained
+    layout) with ImageReward's score head and the tokenizer beside it: what the image_reward reward loads. The
+    tokenizer gets the two tokens ImageReward's BLIP adds to BERT's ([DEC], [ENC]), so it reads prompts as
+    ImageReward's does."""
+    import pickle
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import BertTokenizer
+
+    from dovetail.models.image_reward import blip_model, checkpoint_state, score_head
+    from dovetail.rewards.models import IMAGE_REWARD_HEAD
+
+    if out.exists():
+        _refuse(f"{out} exists; name a new directory")
+    give = "give ImageReward's ImageReward.pt (huggingface.co/THUDM/ImageReward)"
+    unreadable = (OSError, ValueError, RuntimeError, KeyError, EOFError)
+    try:
+        state = checkpoint_state(torch.load(checkpoint, map_location="cpu", weights_only=True))
+        model, head = blip_model(state), score_head(state)
+    except pickle.UnpicklingError:
+        _refuse(f"{checkpoint}: not a torch checkpoint of tensors; {give}")
+    except KeyError as error:  # a tensor the sizes are read from
+        _refuse(f"{checkpoint}: has no tensor {error.args[0]}; {give}")
+    except unreadable as error:
+        _refuse(f"{checkpoint}: {_first_line(error)}; {give}")
+    bert = "give the directory of bert-base-uncased's tokenizer files"
+    if not any((tokenizer / name).is_file() for name in ("vocab.txt", "tokenizer.json")):
+        _refuse(f"{tokenizer} has no vocab.txt or tokenizer.json; {bert}")
+    try:
+        loaded_tokenizer = BertTokenizer.from_pretrained(tokenizer)
+    except unreadable as error:
+        _refuse(f"{tokenizer}: {_first_line(error)}; {bert}")
+    loaded_tokenizer.add_special_tokens({"bos_token": "[DEC]", "additional_special_tokens": ["[ENC]"]})
+    if len(loaded_tokenizer) != model.config.text_config.vocab_size:
+        _refuse(
+            f"{tokenizer}: {len(loaded_tokenizer)} tokens with BLIP's [DEC] and [ENC], where {checkpoint} embeds "
+            f"{model.config.text_config.vocab_size}; {bert}"
+        )
+    model.save_pretrained(out)
+    save_file(head, str(out / IMAGE_REWARD_HEAD))
+    loaded_tokenizer.save_pretrained(out)
     typer.echo(f"converted {checkpoint} to {out}")
 
 

@@ -249,7 +249,7 @@ def test_a_config_names_model_rewards_with_their_directories(clip_dir, reward_mo
         (
             ["reward={brightness: 1.0}", "reward_models.lm_reward_model.path=REWARD_MODEL"],
             "reward_models.lm_reward_model: no model reward of images by that name; those are ['clip_score', "
-            "'hps_v2', 'pickscore']",
+            "'hps_v2', 'image_reward', 'pickscore']",
         ),
         (
             ["kind=lm", "reward={lm_reward_model: 1.0}", "reward_models.lm_reward_model.path=BARE_REWARD_MODEL"],

@@ -18,10 +18,11 @@ never the run's own exit or Ctrl-C. Ours (here and in `dovetail.rewards.text`) a
 run in the calling process, directly, with no time limit. Every output is then checked: one finite number per
 sample, else a RewardError naming the reward and the sample.
 
-Model rewards (`MODEL_REWARDS`: CLIP score, PickScore, a sequence-classification reward model) load a model from
-the user's directory (`reward_models.NAME.path`) onto the device of the engine that scores, and the `http` reward
-posts batches to a reward server (`reward_server`); both are ours, so they run in the calling process too.
-`RewardSources` carries what they need besides a name; docs/rewards.md gives each reward's formula and source."""
+Model rewards (`MODEL_REWARDS`: CLIP score, PickScore, HPS v2, ImageReward, a sequence-classification reward
+model) load a model from the user's directory (`reward_models.NAME.path`) onto the device of the engine that
+scores, and the `http` reward posts batches to a reward server (`reward_server`); both are ours, so they run in
+the calling process too. `RewardSources` carries what they need besides a name; docs/rewards.md gives each
+reward's formula and source."""
 
 import importlib
 import inspect
@@ -156,6 +157,7 @@ class ModelReward:
 
 CLIP_FILES = (("processor_config.json", "preprocessor_config.json"), ("tokenizer.json", "vocab.json"))
 TOKENIZER_FILES = (("tokenizer.json", "tokenizer_config.json"),)
+IMAGE_REWARD_FILES = (("image_reward_head.safetensors",), *TOKENIZER_FILES)
 
 
 MODEL_REWARDS: dict[str, ModelReward] = {
@@ -171,6 +173,13 @@ MODEL_REWARDS: dict[str, ModelReward] = {
         "a CLIPModel with HPS v2's weights and its CLIPProcessor (`dovetail convert-clip` writes one)",
         "dovetail.rewards.models:hps_v2",
         CLIP_FILES,
+    ),
+    "image_reward": ModelReward(
+        "images",
+        "BlipForImageTextRetrieval",
+        "ImageReward's BLIP, score head and BERT tokenizer (`dovetail convert-imagereward` writes them)",
+        "dovetail.rewards.models:image_reward",
+        IMAGE_REWARD_FILES,
     ),
     "lm_reward_model": ModelReward(
         "texts",
