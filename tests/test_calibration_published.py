@@ -52,3 +52,12 @@ def test_a_run_says_where_its_device_and_network_come_from(name):
     assert published.device_assumption and published.network_assumption
     if "after seeing the figure" in published.device_assumption:
         assert not published.held_out
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_a_run_on_a_fitted_network_is_not_held_out(name):
+    """A cluster network set in the scenario (`network_gbps`) was read off a published step (the sources name no
+    NICs): the run it was fitted to, and any run on the same cluster, cannot check it, so none is held out."""
+    scenario = load_scenario(name)
+    if scenario.cluster.network_gbps is not None:
+        assert not scenario.published.held_out
