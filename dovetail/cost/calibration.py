@@ -29,12 +29,15 @@ step times and phase shares (tests/test_calibration.py recomputes them through t
   [QI64] veRL-Omni docs, same page, "FlowGRPO non-CFG Full Model: VeOmni vs FSDP1 Backend": the [QI] recipe
         on 64x H100 (8 nodes), FSDP1: 105 s/step, 0.077 images/GPU/s. The page does not name the cluster's NICs:
         its scenario's `cluster.network_gbps` is fitted to the step (calib-qwenimage-64xh100.yaml); no factor of
-        this file is.
+        this file is. Its VeOmni-backend row (100 s, calib-qwenimage-veomni-64xh100) runs on the same fitted network,
+        so it is a fitted point too: it checks the training engine, not the network.
 
 Held out (no factor fitted to them; tests/test_calibration_published.py checks them within 20 %): veRL-Omni's
-Qwen-Image LoRA runs on 4 and 5 H800 (420 s, 360 s) and its full-model VeOmni-backend run on 64 H100 (100 s, the
-cluster of [QI64]), NeMo RL v0.4's GRPO of Llama-3.1-8B on 16 H100 (97.7 s) and Qwen3-32B on 32 H100 (393 s), and a
-vLLM decode sweep of Llama-3.1-8B on one A100 40GB (tests/test_cost_structure.py).
+Qwen-Image LoRA runs on 4 and 5 H800 (420 s, 360 s), NeMo RL v0.4's GRPO of Llama-3.1-8B on 16 H100 (97.7 s) and
+Qwen3-32B on 32 H100 (393 s), and a vLLM decode sweep of Llama-3.1-8B on one A100 40GB (tests/test_cost_structure.py).
+Held out beside them, not within a measured bound: DanceGRPO's own FLUX recipes on 16 and 8 H800
+(calib-dancegrpo-flux-16xh800: an upper bound of 216 s, not passed; calib-dancegrpo-flux-8xh800: "about 8 minutes",
+missed by a third; BENCHMARKS.md says why no per-pass factor reconciles it with [DG] / [MG]).
 Where the public record is silent the assumption is written next to the factor it affects; the
 scenario YAMLs (dovetail/scenarios/calib-*.yaml) hold the workload assumptions and each run's source.
 """

@@ -9,7 +9,7 @@ import re
 from dataclasses import replace
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -113,6 +113,12 @@ class PublishedRun(_Model):
         False,
         description="true: no calibration factor was fitted to this run (a check, within 20 %); false: the cost "
         "model's free parameters were fitted to it (within 10 %).",
+    )
+    figure: Literal["measured", "approximate", "upper_bound"] = Field(
+        "measured",
+        description="What the source's number is: a measured step (held to the bound of `held_out`), a rounded "
+        'remark ("about 8 minutes": reported beside the others, no bound), or an upper bound ("within 12 hours": '
+        "the simulated step must not pass it by more than the bound).",
     )
     phases_s: dict[str, Annotated[float, Field(ge=0)]] = Field(
         default_factory=dict, description="Published seconds per phase (generate, logprob, train, publish...)."
