@@ -648,8 +648,8 @@ class LMTrainConfig(RunSection):
         return self
 
     def _critic_fits_the_run(self) -> None:
-        """GAE reads a critic's values, and only a critic section trains one; it runs under every policy, on a whole
-        model of one trainer replica per device."""
+        """GAE reads a critic's values, and only a critic section trains one; it runs under every policy, a whole
+        model on each trainer replica, or sharded with the policy (`train.sharding: fsdp`)."""
         if self.algo.advantage != "gae":
             if self.critic is not None:
                 raise ValueError(
@@ -658,8 +658,6 @@ class LMTrainConfig(RunSection):
             return
         if self.critic is None:
             raise ValueError("critic: algo.advantage=gae trains a critic; add the section, e.g. critic: {lr: 1e-5}")
-        if self.train.sharding == "fsdp":
-            raise ValueError("algo.advantage=gae: the critic trains as a replica so far; set train.sharding: replicate")
 
     @model_validator(mode="after")
     def _shape_fits(self) -> "LMTrainConfig":
