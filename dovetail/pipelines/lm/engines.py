@@ -185,7 +185,8 @@ class LMEngines(PipelineEngines[Engine]):
         self.trainer = model.to(device)
         self.optimizer = make_optimizer(self.trainer, config.train)
         if config.critic is not None:  # from the policy's checkpoint, before a run's state replaces its weights
-            self.critic = value_model_of(self.trainer, config.seed)
+            lora = None if config.critic.lora is None else config.critic.lora.model_dump()
+            self.critic = value_model_of(self.trainer, config.seed, lora)
             self.critic_optimizer = make_optimizer(self.critic, config.critic_train)
         if trainer_state is not None:
             self.load_trainer_state(trainer_state)
