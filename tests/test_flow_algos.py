@@ -153,7 +153,6 @@ def test_the_configs_sliding_window_samples_and_trains_the_window_and_the_odes_e
 @pytest.mark.parametrize(
     "overrides, says",
     [
-        (["eval.ema.decay=0.9", "policy=colocated", "train.sharding=fsdp"], "eval.ema: a sharded trainer's EMA"),
         (["algo.sde_window.size=2", "algo.sde_window.shift_every=2", "algo.timesteps=prefix"], "leave algo.timest"),
         (["algo.sde_window.size=2", "algo.sde_window.shift_every=2", "algo.compat=dance_grpo"], "per_sample_timest"),
         (["algo.ratio_normalization=true", "algorithm=dance_grpo"], "normalises the Flow-GRPO SDE's steps"),
@@ -279,6 +278,39 @@ def test_the_ema_on_the_ray_trainers_is_the_reference_loops_through_a_resume(tmp
         assert max((ema(runs[name])[k] - expected[k]).abs().max().item() for k in expected) <= 1e-5, name
         assert max((weights(runs[name], 3)[k] - trained[k]).abs().max().item() for k in trained) <= 1e-5, name
         assert evaluations[name] == pytest.approx(evaluations["reference"], abs=1e-6), name
+
+
+@pytest.mark.exactness
+@pytest.mark.usefixtures("local_ray")
+def test_a_sharded_trainers_ema_is_the_reference_loops_through_a_resume(tmp_path):
+    """train.sharding: fsdp on 2 devices (colocated): each member keeps the EMA of its own shards of the weights;
+    joined, the run's EMA and weights end at the reference loop's (<= 1e-5, the sharded flow bound of
+    tests/test_user_model.py), the EMA evaluated as the reference evaluates its own, and a resume from the step-2
+    checkpoint ends at the run's EMA and weights to the bit."""
+    common = [
+        *SHORT[1:], "cluster.devices=2", "eval.ema.decay=0.9", "eval.ema.every=1", "eval.every=3", "checkpoint.every=1",
+    ]  # fmt: skip
+    sharded = [*common, "policy=colocated", "train.sharding=fsdp"]
+    runs = {name: tmp_path / name for name in ("reference", "sharded", "resumed")}
+    train(load_config(None, [*common, "policy=reference"]), runs["reference"], steps=3)
+    train(load_config(None, sharded), runs["sharded"], steps=3)
+    checkpoint = runs["sharded"] / "checkpoints" / f"step_{2:06d}"
+    train(load_config(None, sharded), runs["resumed"], steps=3, resume=checkpoint)
+
+    def ema(out) -> dict[str, torch.Tensor]:
+        return load_file(out / "checkpoints" / f"step_{3:06d}" / "ema.safetensors")
+
+    expected, trained = ema(runs["reference"]), weights(runs["reference"], 3)
+    assert max((expected[k] - trained[k]).abs().max().item() for k in expected) > 1e-5  # an average, not the weights
+    assert max((ema(runs["sharded"])[k] - expected[k]).abs().max().item() for k in expected) <= 1e-5
+    assert max((weights(runs["sharded"], 3)[k] - trained[k]).abs().max().item() for k in trained) <= 1e-5
+    evaluations = {name: [m["eval_reward"] for m in metrics(out) if "eval_reward" in m] for name, out in runs.items()}
+    assert evaluations["sharded"] and evaluations["sharded"] == pytest.approx(evaluations["reference"], abs=1e-5)
+    resumed, whole = ema(runs["resumed"]), ema(runs["sharded"])
+    assert all(torch.equal(resumed[k], whole[k]) for k in whole)
+    assert all(torch.equal(weights(runs["resumed"], 3)[k], weights(runs["sharded"], 3)[k]) for k in whole)
+    at_two = load_file(checkpoint / "ema.safetensors")
+    assert any(not torch.equal(whole[k], at_two[k]) for k in whole), "step 3 moved the average"
 
 
 @pytest.mark.exactness

@@ -571,6 +571,43 @@ def test_an_on_policy_ray_run_trains_policy_and_critic_to_the_reference_paramete
     assert moved > 1e-4, "training moved the critic"
 
 
+SHARDED_BOUND = 0.1 * 1e-3
+"""tests/test_sharded_runtime.py's bound on a sharded fp32 run's distance from the reference (a tenth of one step's
+move at the lr, 1e-3 here for the policy and the critic alike): FSDP adds the members' gradients in fp32."""
+
+
+@pytest.mark.exactness
+def test_a_sharded_ppo_run_trains_policy_and_critic_to_the_reference_parameters_and_resumes(
+    local_ray, reference_ppo, tmp_path
+):
+    """train.sharding: fsdp under verl-sync on 2 devices: the critic is sharded over the policy's FSDP group (each
+    member holds half of both models and of their AdamW moments), values the step's tokens and trains on its
+    shards; the run ends at the reference loop's policy and critic within the sharded bound, and a resume from its
+    step-2 checkpoint (the members' shards joined, cut again) ends at its bits."""
+    sharded = [*RAY_SMALL, "policy=verl-sync", "train.sharding=fsdp", "checkpoint.every=2"]
+    train(load_config(None, sharded), tmp_path / "whole", steps=3)
+    checkpoint = tmp_path / "whole" / "checkpoints" / "step_000002"
+    train(load_config(None, sharded), tmp_path / "resumed", steps=3, resume=checkpoint)
+    for name in ("model.safetensors", "critic.safetensors"):
+        expected, got, resumed = (
+            ends(reference_ppo, name),
+            ends(tmp_path / "whole", name),
+            ends(tmp_path / "resumed", name),
+        )
+        assert expected.keys() == got.keys() == resumed.keys(), name
+        assert max((expected[k] - got[k]).abs().max().item() for k in expected) < SHARDED_BOUND, name
+        assert all(torch.equal(got[k], resumed[k]) for k in got), name
+        at_two = load_file(str(checkpoint / name))
+        assert any(not torch.equal(got[k], at_two[k]) for k in got), f"{name}: step 3 trained"
+    config = load_config(None, RAY_SMALL)
+    policy = load_lm(config.builtin_checkpoint)[0]
+    whole = 4 * sum(p.numel() for model in (policy, value_model_of(policy, config.seed)) for p in model.parameters())
+    lines = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    halves = [member["parameters"] for member in lines[-1]["memory_bytes_per_device"]]
+    assert len(halves) == 2 and sum(halves) == whole and max(halves) < 0.51 * whole
+    assert all(m["critic/vf_loss"] > 0 for m in lines)
+
+
 @pytest.mark.parametrize(("policy", "bound"), [("streamrl", 1), ("areal", 4)])
 def test_an_asynchronous_ppo_run_bounds_its_staleness_and_trains_every_response_and_value_once(
     policy, bound, local_ray, reference_ppo, tmp_path

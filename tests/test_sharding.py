@@ -144,8 +144,21 @@ def sharded_experiments(rank: int, directory) -> dict:
     results["from_1"] = resumed(lambda m, o: sharding.load_checkpoint(m, o, directory / "written_on_1"))
 
     flow = sharding.shard(build("flow"), mesh, activation_checkpointing=True)
-    train("flow", flow, adamw(flow), range(STEPS), rank, WORLD)
+    flow_optimizer = adamw(flow)
+    train("flow", flow, flow_optimizer, range(STEPS), rank, WORLD)
     results["flow"] = full(flow)
+    # what a trainer keeps beside its model: a second trained model (PPO's critic), an elementwise average (an EMA),
+    # here the flow model and the language model's own weights
+    parameters = dict(model.named_parameters())
+    results["beside"] = sharding.local_state(model, optimizer) | {
+        "critic": sharding.local_state(flow, flow_optimizer),
+        "ema": sharding.local_tensors(parameters),
+        "rank": rank,
+    }
+    results["cut_again"] = all(
+        torch.equal(sharding.local_of_whole(p, results["lm"][name]).to_local(), p.to_local())
+        for name, p in parameters.items()
+    )
 
     bf16 = sharding.shard(build("lm"), mesh, precision="bf16", activation_checkpointing=True)
     computed_in = []
@@ -280,6 +293,22 @@ def test_checkpoints_and_local_state_resume_on_another_device_count(runs):
     # Across device counts the restored state is the same; the sums after it round as the new count's do.
     assert max_difference(runs.on_1_from_2, runs.lm) <= FP32_BOUND
     assert max_difference(sharded["from_1"], runs.lm) <= FP32_BOUND
+
+
+def test_what_a_trainer_keeps_beside_its_model_merges_by_entry_and_cuts_again(runs):
+    """A member's state with a second model's local state beside its own (PPO's critic) and tensors of its
+    parameters' shapes (an EMA): `merged_state` joins the second into a trainer state, the tensors into whole ones by
+    name, keeps any other entry as the first member's; `local_of_whole` cuts a whole tensor back into a member's
+    shard."""
+    merged = sharding.merged_state([r["beside"] for r in runs.ranks])
+    assert set(merged) == {"weights", "optimizer", "critic", "ema", "rank"} and merged["rank"] == 0
+    sharded = runs.ranks[0]
+    assert merged["critic"]["weights"].keys() == sharded["flow"].keys()
+    assert all(np.array_equal(merged["critic"]["weights"][k], sharded["flow"][k].numpy()) for k in sharded["flow"])
+    assert len(merged["critic"]["optimizer"]["state"]) == len(list(build("flow").parameters()))
+    assert all(np.array_equal(merged["ema"][k], sharded["lm"][k].numpy()) for k in merged["ema"])
+    assert merged["ema"].keys() == {k for k, _ in build("lm").named_parameters()}
+    assert all(r["cut_again"] for r in runs.ranks)
 
 
 def test_the_gathered_full_weights_are_the_replicas_state_dict(runs):

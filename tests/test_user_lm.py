@@ -35,6 +35,7 @@ from transformers import (
 from typer.testing import CliRunner
 
 from dovetail.cli import app
+from dovetail.config.common import ConfigError
 from dovetail.config.load import load_config
 from dovetail.models.causal_lm import HFTokenizer, StopStrings, load_causal_lm, rollout_engine
 from dovetail.models.critic import value_model_of
@@ -359,6 +360,55 @@ def test_ppo_with_a_lora_policy_trains_adapter_and_critic_under_verl_sync_as_the
         (critic[f"body.{k.removeprefix('model.')}"] - v).abs().max().item() for k, v in base.items() if "layers" in k
     ]
     assert max(moved) > 1e-5, "the critic's body trained"
+
+
+CRITIC_LORA = ["algo.advantage=gae", "algo.lam=0.95", "critic.lr=1e-3", "algo.micro_batches=1", "critic.lora.rank=4"]
+"""PPO whose critic trains an adapter of its own (verl's critic lora_rank), beside the policy's."""
+
+
+@pytest.mark.exactness
+def test_a_lora_critic_trains_its_adapter_and_head_alone_under_verl_sync_as_the_reference(
+    workspace, local_ray, tmp_path
+):
+    """critic.lora: the critic's body is frozen under an adapter of its own, seeded apart from the policy's; its
+    adapter and value head train. verl-sync ends at the reference loop's policy adapter and critic to the bit; the
+    critic's base weights are where they started to the bit, its adapter's B and its head moved."""
+    config = user_config(workspace, *lora_qwen(workspace), *CRITIC_LORA)
+    policy = load_causal_lm(config.model.path, lora=config.model.lora.model_dump(), seed=config.seed)
+    start = value_model_of(policy, config.seed, config.critic.lora.model_dump())
+    trains = {name for name, p in start.named_parameters() if p.requires_grad}
+    assert trains and all(".lora_" in name or name.startswith("head.") for name in trains)
+    for run in ("reference", "verl-sync"):
+        overrides = [f"policy={run}", *lora_qwen(workspace), *CRITIC_LORA]
+        train(user_config(workspace, *overrides), tmp_path / run, steps=STEPS)
+
+    def saved(run: str, name: str) -> dict:
+        return load_file(tmp_path / run / "checkpoints" / f"step_{STEPS:06d}" / name)
+
+    for name in ("model.safetensors", "critic.safetensors"):
+        assert same_bits(saved("reference", name), saved("verl-sync", name)), name
+    ended, began = saved("reference", "critic.safetensors"), start.state_dict()
+    assert ended.keys() == began.keys()
+    frozen = [k for k in began if ".lora_" not in k and not k.startswith("head.")]
+    assert frozen and all(torch.equal(ended[k], began[k]) for k in frozen)
+    for moved in ([k for k in began if ".lora_B." in k], ["head.weight"]):
+        assert max((ended[k] - began[k]).abs().max().item() for k in moved) > 1e-5, moved
+
+
+def test_a_critic_adapter_the_run_cannot_train_is_one_line_naming_the_fix(workspace):
+    ppo = ["algo.advantage=gae", "critic.lr=1e-4", "critic.lora.rank=4"]
+    refusals = [
+        ([], "critic.lora: LoRA trains your own model's critic; give its directory as model.path"),
+        (
+            [f"model.path={workspace / 'my-qwen2'}", "policy=verl-sync", "train.sharding=fsdp"],
+            "train.sharding=fsdp: a LoRA adapter trains replicated (its frozen base is 4 bytes a parameter); drop "
+            "critic.lora",
+        ),
+    ]
+    for overrides, said in refusals:
+        with pytest.raises(ConfigError) as refused:
+            load_config(None, ["kind=lm", *ppo, *overrides])
+        assert said in str(refused.value) and "\n" not in str(refused.value)
 
 
 @pytest.mark.parametrize("policy", ["streamrl", "areal"])

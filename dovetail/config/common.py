@@ -192,13 +192,13 @@ class TrainSection(Section):
         return self
 
 
-def refuse_sharded_adapter(train: TrainSection, lora: object | None) -> None:
+def refuse_sharded_adapter(train: TrainSection, lora: object | None, field: str = "model.lora") -> None:
     """A LoRA adapter trains a few parameters of a frozen base, and the sharded trainer shards whole models so far:
-    one line naming both fields."""
+    one line naming both fields (`field`: the adapter's section, the policy's or a PPO critic's)."""
     if train.sharding == "fsdp" and lora is not None:
         raise ValueError(
             "train.sharding=fsdp: a LoRA adapter trains replicated (its frozen base is 4 bytes a parameter); drop "
-            "model.lora to shard the whole model, or set train.sharding: replicate"
+            f"{field} to shard the whole model, or set train.sharding: replicate"
         )
 
 

@@ -9,6 +9,7 @@ import torch
 
 from dovetail.graph.node import sample_key
 from dovetail.models.causal_lm import CausalLM
+from dovetail.models.training import with_lora
 
 
 class ValueModel(torch.nn.Module):
@@ -25,12 +26,14 @@ class ValueModel(torch.nn.Module):
         return self.head(hidden.float()).squeeze(-1).float()
 
 
-def value_model_of(policy: torch.nn.Module, seed: int) -> ValueModel:
+def value_model_of(policy: torch.nn.Module, seed: int, lora: dict | None = None) -> ValueModel:
     """A critic started from `policy`'s weights (a copy of its transformer body, the language-model head left out)
     with a fresh head: weights drawn from N(0, initializer_range^2) and a zero bias, as transformers initialises a
     token-classification head, from a generator keyed by the run's seed, so every device and the reference loop
     start the same critic. A LoRA policy's critic is a whole model on the adapter's base weights, as verl's critic
-    takes no adapter of the actor's: every weight of its body trains."""
+    takes no adapter of the actor's: every weight of its body trains. With `lora` (critic.lora: rank, alpha,
+    target_modules) the critic's own adapter goes on its body, seeded apart from the policy's, and the adapter and
+    the head alone train (verl's critic with lora_rank, whose token-classification head peft keeps trainable)."""
     causal = policy.model if isinstance(policy, CausalLM) else policy
     if isinstance(policy, CausalLM) and policy.lora:  # the adapter's base: the critic trains a whole model
         causal = copy.deepcopy(causal).merge_and_unload()
@@ -44,4 +47,7 @@ def value_model_of(policy: torch.nn.Module, seed: int) -> ValueModel:
         head = torch.randn(critic.head.weight.shape, generator=generator, dtype=torch.float32) * std
         critic.head.weight.copy_(head.to(critic.head.weight.dtype))
         critic.head.bias.zero_()
-    return critic.float().requires_grad_(True)
+    critic = critic.float().requires_grad_(True)
+    if lora is not None:  # the body frozen under its adapter; the head trains whole
+        critic.body = with_lora(critic.body, lora, sample_key("critic-lora", seed))
+    return critic

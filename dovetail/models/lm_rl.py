@@ -190,11 +190,13 @@ def backward_in_lockstep(
     samples: Sequence[SampleId],
     group_loss: Callable[[list[SampleId]], tuple[torch.Tensor, dict | None]],
     passes: int,
+    padding: Callable[[torch.nn.Module], torch.Tensor] = padding_pass,
 ) -> list[dict]:
     """`accumulate_group_gradients` on a member of a sharded trainer's FSDP group: each group's loss backpropagated
-    into the model's own gradients, where FSDP adds every member's into each member's shard, and `padding_pass`es up
-    to `passes`, the count every member makes. `group_loss` gives a group with nothing to train a loss of 0 and no
-    statistics: its backward still runs. Returns each trained group's statistics."""
+    into the model's own gradients, where FSDP adds every member's into each member's shard, and `padding` passes
+    (the policy's `padding_pass`, a critic's `value_padding_pass`) up to `passes`, the count every member makes.
+    `group_loss` gives a group with nothing to train a loss of 0 and no statistics: its backward still runs. Returns
+    each trained group's statistics."""
     groups = by_group(samples)
     stats = []
     for group in groups:
@@ -203,7 +205,7 @@ def backward_in_lockstep(
         if group_stats is not None:
             stats.append(group_stats | {"loss": loss.item()})
     for _ in range(_padding(groups, passes)):
-        padding_pass(model).backward()
+        padding(model).backward()
     return stats
 
 
@@ -514,14 +516,25 @@ def group_values(critic, prompt: list[int], responses: list[list[int]]) -> tuple
     return per_position[:, predicting].masked_fill(~mask, 0.0), mask
 
 
-def step_values(critic, requests: dict[SampleId, Request]) -> dict[SampleId, torch.Tensor]:
-    """Each response's values (`group_values`, a group at a time), without grad: the rollout's value pass."""
+def value_padding_pass(critic) -> torch.Tensor:
+    """`padding_pass` for a sharded critic: one token's value, times 0."""
+    one = torch.zeros(1, 1, dtype=torch.long, device=compute_device(critic))
+    return critic(input_ids=one, attention_mask=torch.ones_like(one)).sum() * 0.0
+
+
+def step_values(critic, requests: dict[SampleId, Request], passes: int | None = None) -> dict[SampleId, torch.Tensor]:
+    """Each response's values (`group_values`, a group at a time: one forward, the same calls on any member of a
+    sharded critic's group), without grad: the rollout's value pass. `passes`: the forwards every member of a
+    sharded critic's group makes (`value_padding_pass`es after its own groups); None for a replica."""
     out: dict[SampleId, torch.Tensor] = {}
+    groups = by_group(requests)
     with torch.no_grad():
-        for group in by_group(requests):
+        for group in groups:
             chosen = [requests[s] for s in group]
             values, mask = group_values(critic, group_prompt(chosen), [r.tokens for r in chosen])
             out |= {s: row[m] for s, row, m in zip(group, values, mask)}
+        for _ in range(_padding(groups, passes)):
+            value_padding_pass(critic)
     return out
 
 
@@ -538,13 +551,16 @@ def value_gradient(
     max_new_tokens: int,
     scored_requests: dict[SampleId, Request] | None = None,
     generated: dict[SampleId, Sequence[bool]] | None = None,
-) -> tuple[torch.Tensor, list[dict]]:
+    passes: int | None = None,
+) -> tuple[torch.Tensor | None, list[dict]]:
     """The critic's gradient of the groups of `requests` (a part of the step, whole groups), summed in fp64
     (`accumulate_group_gradients`), and each group's statistics: PPO's clipped value loss
     (`algo.clipped_value_loss`, summed: loss_scale 1) of its values under grad against the step's GAE returns
     (`step_gae` over every scored sample), clipped around the rollout's `values`. Aggregated as the actor's loss over
     the same tokens, it shares the actor's normaliser: the commit scales both by the step's. `generated`: as
-    `policy_gradient`'s, a multi-turn trajectory's observation tokens are no value targets."""
+    `policy_gradient`'s, a multi-turn trajectory's observation tokens are no value targets. `passes`: on a member of
+    a sharded critic's group, the passes every member makes (`backward_in_lockstep`): the gradient stays in the
+    critic's shards and None is returned in its place."""
     scored = requests if scored_requests is None else scored_requests
     gae = step_gae(
         rewards,
@@ -562,8 +578,8 @@ def value_gradient(
         predicted, mask = group_values(critic, group_prompt(chosen), [r.tokens for r in chosen])
         if generated:
             mask = mask & sampled_mask(mask, [generated[s] for s in group])
-        if not mask.any():
-            return None
+        if not mask.any():  # a member of a sharded group backpropagates it all the same (`backward_in_lockstep`)
+            return None if passes is None else (predicted.sum() * 0.0, None)
 
         def padded(per_sample: dict) -> torch.Tensor:
             out = torch.zeros_like(predicted)
@@ -583,4 +599,6 @@ def value_gradient(
             loss_scale=1.0,
         )
 
+    if passes is not None:
+        return None, backward_in_lockstep(critic, list(requests), group_loss, passes, value_padding_pass)
     return accumulate_group_gradients(critic, list(requests), group_loss)

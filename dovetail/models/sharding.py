@@ -169,19 +169,46 @@ def local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     }
 
 
+def local_tensors(tensors: dict[str, torch.Tensor]) -> dict:
+    """This process's part of tensors kept beside a sharded model's (a flow run's EMA of its weights, which is
+    elementwise: a shard's average is the average's shard) as numpy, in `local_state`'s layout without an optimizer:
+    `merged_state` joins the members' into the whole tensors by name."""
+    return {
+        "weights": {name: _to_numpy(tensor) for name, tensor in tensors.items()},
+        "sharded": sorted(name for name, tensor in tensors.items() if isinstance(tensor, DTensor)),
+    }
+
+
+LOCAL_KEYS = ("weights", "optimizer", "sharded")
+"""A local state's own entries; any other entry that is a local state itself (a PPO run's critic's, `local_state`;
+a flow run's EMA, `local_tensors`) is merged beside them."""
+
+
+def _joined_weights(shards: list[dict]) -> dict[str, np.ndarray]:
+    """The whole tensors of the members' local `weights`: each sharded one's shards joined along dim 0."""
+    first = shards[0]
+    sharded = set(first["sharded"])
+    return {
+        name: np.concatenate([shard["weights"][name] for shard in shards]) if name in sharded else array
+        for name, array in first["weights"].items()
+    }
+
+
 def merged_state(shards: list[dict]) -> dict:
     """The replicated trainer state (`models.training.trainer_state_of`'s layout: weights by name, AdamW's state by
     the parameter's index) of the local states `local_state` took from every member of a 1-D FSDP group, in rank
     order: each sharded tensor's and its moments' shards joined along dim 0, where FSDP cut them; what is not sharded
     (buffers, step counts, hyper-parameters) taken from the first member. What the driver checkpoints, evaluates and
-    restarts a group with (on any number of devices: `local_of_full` cuts it again)."""
+    restarts a group with (on any number of devices: `local_of_full` cuts it again). A further entry that is a local
+    state itself is merged as one (a critic's, a trainer state), or to its whole tensors by name (`local_tensors`:
+    an EMA's); any other is the first member's."""
     first = shards[0]
     sharded = set(first["sharded"])
 
     def joined(name: str, pick) -> np.ndarray:
         return np.concatenate([pick(shard) for shard in shards]) if name in sharded else pick(first)
 
-    weights = {name: joined(name, lambda shard, n=name: shard["weights"][n]) for name in first["weights"]}
+    weights = _joined_weights(shards)
     groups = first["optimizer"]["param_groups"]
     index = {name: i for i, name in enumerate(name for group in groups for name in group["params"])}
     state = {
@@ -194,7 +221,16 @@ def merged_state(shards: list[dict]) -> dict:
         for name, per_param in first["optimizer"]["state"].items()
     }
     param_groups = [group | {"params": [index[name] for name in group["params"]]} for group in groups]
-    return {"weights": weights, "optimizer": {"state": state, "param_groups": param_groups}}
+    merged = {"weights": weights, "optimizer": {"state": state, "param_groups": param_groups}}
+    for key, value in first.items():
+        if key in LOCAL_KEYS:
+            continue
+        if isinstance(value, dict) and "sharded" in value:
+            parts = [shard[key] for shard in shards]
+            merged[key] = merged_state(parts) if "optimizer" in value else _joined_weights(parts)
+        else:
+            merged[key] = value
+    return merged
 
 
 def local_of_full(model: torch.nn.Module, optimizer: torch.optim.Optimizer, full: dict) -> dict:
@@ -226,6 +262,15 @@ def local_of_full(model: torch.nn.Module, optimizer: torch.optim.Optimizer, full
         "optimizer": {"state": moments, "param_groups": param_groups},
         "sharded": sorted(name for name, value in templates.items() if isinstance(value, DTensor)),
     }
+
+
+def local_of_whole(template: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """This process's part of `whole`, placed as `template` (a parameter) is: a DTensor of the same mesh and
+    placements holding this process's rows where the template is sharded (no communication: every member holds the
+    whole), `whole` itself where it is not. What keeps a tensor of a parameter's shape beside its shard (an EMA)."""
+    if not isinstance(template, DTensor):
+        return whole
+    return distribute_tensor(whole.to(template.device), template.device_mesh, template.placements, src_data_rank=None)
 
 
 def _like(template: torch.Tensor, array: np.ndarray, name: str) -> torch.Tensor:

@@ -232,6 +232,39 @@ class PipelineAdapter(ABC):
         return [(device, [items[r] for r in rows]) for device, rows in runs if rows]
 
 
+def shard_in_place(
+    model: torch.nn.Module,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    mesh,
+    train,
+    optimized,
+    pending_optimizer: dict | None,
+) -> torch.optim.Optimizer:
+    """Shard `model` over `mesh` through `module` (the model itself, or the module inside whose state dict keeps the
+    replica's names: `models.sharding.shard`, per transformer block, in `train`'s precision, activation
+    checkpointing and offload, gradients summed) and return its optimizer made anew over the shards (`optimized`:
+    the section its lr and schedule come from), holding this member's shards of the weights and AdamW moments as
+    they stood (the moments `pending_optimizer` gives in their place: a resumed run's, never whole on the device).
+    `models.sharding` is imported by a sharded run alone: its torch.distributed modules take 1.4 s to import."""
+    from dovetail.models.sharding import load_local_state, local_of_full, shard
+
+    whole = trainer_state_of(model, optimizer)
+    if pending_optimizer is not None:
+        whole["optimizer"] = pending_optimizer
+    shard(
+        module,
+        mesh,
+        precision=train.precision,
+        activation_checkpointing=train.activation_checkpointing,
+        sum_gradients=True,
+        cpu_offload=train.cpu_offload,
+    )
+    sharded_optimizer = make_optimizer(model, optimized)
+    load_local_state(module, sharded_optimizer, local_of_full(module, sharded_optimizer, whole))
+    return sharded_optimizer
+
+
 Rollout = TypeVar("Rollout")
 """A pipeline kind's rollout engine: a flow model's copy, a language model's `models.engine.Engine`."""
 
@@ -301,27 +334,20 @@ class PipelineEngines(ABC, Generic[Rollout]):
         """Split the trainer over `mesh` (the FSDP group of devices `group`: `models.sharding.shard`, per transformer
         block, in `train.precision`, gradients summed): its weights and AdamW moments as they stand (a replica's
         until now: the run's state given at configure, the profile's work put back) are cut into this member's
-        shards, and the optimizer is made anew over them. The rollout engine keeps its own copy of the weights.
-        `models.sharding` is imported by a sharded run alone: its torch.distributed modules take 1.4 s to import."""
-        from dovetail.models.sharding import load_local_state, local_of_full, shard
-
+        shards, and the optimizer is made anew over them (`shard_in_place`). The rollout engine keeps its own copy of
+        the weights."""
         trainer, optimizer = self.held_trainer()
-        whole = trainer_state_of(trainer, optimizer)
-        if self.pending_optimizer is not None:
-            whole["optimizer"], self.pending_optimizer = self.pending_optimizer, None
-        train = self.config.train
-        module = self.state_module()
-        shard(
-            module,
-            mesh,
-            precision=train.precision,
-            activation_checkpointing=train.activation_checkpointing,
-            sum_gradients=True,
-            cpu_offload=train.cpu_offload,
+        pending, self.pending_optimizer = self.pending_optimizer, None
+        self.optimizer = shard_in_place(
+            trainer, self.state_module(), optimizer, mesh, self.config.train, self.config.train, pending
         )
-        self.optimizer = make_optimizer(trainer, train)
-        load_local_state(module, self.optimizer, local_of_full(module, self.optimizer, whole))
         self.sharded_group = group
+
+    def trained_modules(self) -> list[torch.nn.Module]:
+        """The models the commit steps, whose gradients a sharded trainer's members hold shards of: the trainer, and
+        whatever a kind trains beside it (a PPO run's critic)."""
+        trainer, _ = self.held_trainer()
+        return [trainer]
 
     def trainer_state(self) -> dict:
         """The trainer's state as numpy: a replica's whole (`trainer_state_of`), a sharded member's own shards

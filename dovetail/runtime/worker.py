@@ -36,7 +36,6 @@ from dovetail.config.multiplex import MultiplexConfig
 from dovetail.kinds import kind
 from dovetail.models.memory import peak_bytes
 from dovetail.models.training import (
-    commit,
     scale_gradients,
     stepped_lr,
     strict_fp32,
@@ -441,20 +440,21 @@ class DeviceWorker:
         first adds its shard's gradient to those of the members at its place in the other groups, so that every
         replica takes the same step."""
         start = time.perf_counter()
-        trainer, optimizer = self.engines.held_trainer()
+        trained = self.engines.trained_modules()  # the trainer, and a PPO run's critic beside it
         group = self.engines.sharded_group
         assert group is not None, "a sharded commit follows the trainer's first sharded work"
         replicas = replica_ranks(tuple(sorted(work.ranks)), group, self.index)
         if len(replicas) > 1:
-            add_across(trainable_parameters(trainer), group_of(replicas, self.groups))
+            add_across([p for module in trained for p in trainable_parameters(module)], group_of(replicas, self.groups))
         synced = time.perf_counter()
-        scale_gradients(trainer, work.scale)
+        for module in trained:
+            scale_gradients(module, work.scale)
         gradients = self.engines.memory().gradients
-        grad_norm = commit(trainer, optimizer, self.config.train)
-        self.engines.after_commit()
+        grad_norm = self._step(work)
         self.held_memory = self.engines.memory()
         memory = replace(self.held_memory, gradients=gradients)
         seconds = time.perf_counter() - synced
+        _, optimizer = self.engines.held_trainer()
         return Committed(grad_norm, stepped_lr(optimizer), synced - start, seconds, memory, group)
 
     def _held_gradient(self) -> list[torch.Tensor]:

@@ -580,8 +580,7 @@ class FlowTrainConfig(RunSection):
 
     @model_validator(mode="after")
     def _new_algorithms_fit(self) -> "FlowTrainConfig":
-        """The sliding window is one per step, GRPO-Guard's normalisation is of the Flow-GRPO SDE's steps, and the
-        EMA is kept beside whole weights: the reference loop's, or each trainer replica's."""
+        """The sliding window is one per step, and GRPO-Guard's normalisation is of the Flow-GRPO SDE's steps."""
         algo = self.algo
         if algo.sde_window is not None and algo.per_sample_timesteps:
             raise ValueError(
@@ -603,11 +602,6 @@ class FlowTrainConfig(RunSection):
             raise ValueError(
                 f"algo.num_iterations={algo.num_iterations}: digen+tcss trains stale samples against the weights being "
                 "trained; use digen, or algo.num_iterations=1"
-            )
-        if self.eval.ema is not None and self.train.sharding == "fsdp":
-            raise ValueError(
-                "eval.ema: a sharded trainer's EMA is not kept yet (each member holds a shard of the weights); set "
-                "train.sharding: replicate, or remove eval.ema"
             )
         return self
 

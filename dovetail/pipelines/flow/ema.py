@@ -2,7 +2,8 @@
 loop in this process (`local.FlowLocal`), and under a Ray policy by every trainer replica beside its weights
 (`engines.FlowEngines`), updated after each commit. It travels in the trainer state (`with_ema`, key EMA_KEY) as the
 weights do, so a restarted replica, a run that goes on without a lost device, the driver's evaluation and checkpoint,
-and a resumed run all read the average the trainers hold.
+and a resumed run all read the average the trainers hold. A sharded trainer's members each keep the average of their
+own shards (`FlowEngines.shard_trainer`), joined in the committed state as the weights' shards are.
 """
 
 from __future__ import annotations

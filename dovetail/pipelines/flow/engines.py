@@ -30,7 +30,7 @@ from dovetail.models.flow_rl import (
 from dovetail.models.memory import module_bytes
 from dovetail.models.training import commit, load_weights, make_optimizer, synchronize, weights_of
 from dovetail.pipelines.flow.config import FlowTrainConfig, flow_rules
-from dovetail.pipelines.flow.ema import EMA_KEY, load_ema, update_ema, weight_ema, with_ema
+from dovetail.pipelines.flow.ema import EMA_KEY, load_ema, trained_parameters, update_ema, weight_ema, with_ema
 from dovetail.pipelines.flow.messages import FlowLogProbs, FlowTrain, Generate, Trajectories
 from dovetail.pipelines.flow.recipe import advantages_of, policy_gradient, sample_timesteps, sde_settings, sde_steps
 from dovetail.prompts import train_prompts
@@ -89,8 +89,26 @@ class FlowEngines(PipelineEngines[torch.nn.Module]):
         self.rollout = copy.deepcopy(self.trainer).requires_grad_(False)
 
     def trainer_state(self) -> dict:
-        """The trainer's state with eval.ema's average of its weights beside them (`pipelines.flow.ema`)."""
-        return with_ema(super().trainer_state(), self.ema)
+        """The trainer's state with eval.ema's average of its weights beside them (`pipelines.flow.ema`); a sharded
+        member's, its shards of both (`models.sharding.merged_state` joins them)."""
+        if self.sharded_group is None or self.ema is None:
+            return with_ema(super().trainer_state(), self.ema)
+        from dovetail.models.sharding import local_tensors  # a sharded run's (`shard_trainer` says why here)
+
+        return super().trainer_state() | {EMA_KEY: local_tensors(self.ema.shadow)}
+
+    def shard_trainer(self, group: tuple[int, ...], mesh) -> None:
+        """The trainer sharded over `mesh`, and eval.ema's average with it: the average is elementwise, so a shard's
+        average is the average's shard, and each member keeps the part of the average its weights' shards cover
+        (`models.sharding.local_of_whole`), updated after each commit as a replica's is (`update_ema`)."""
+        super().shard_trainer(group, mesh)
+        if self.ema is None:
+            return
+        from dovetail.models.sharding import local_of_whole  # a sharded run's (`shard_trainer` says why here)
+
+        trainer, _ = self.held_trainer()
+        shards = trained_parameters(trainer)
+        self.ema.shadow = {name: local_of_whole(shards[name], average) for name, average in self.ema.shadow.items()}
 
     def load_trainer_state(self, state: dict) -> None:
         """Another replica's, the driver's or a checkpoint's committed state, its EMA included: a replica that

@@ -117,8 +117,8 @@ class LMAdapter(PipelineAdapter):
                 return [Part(node.id, devices[0], Score(pipeline, rollouts, samples))]
             scores = run.outputs_of([score.id])  # done: a log-prob or train node follows its micro-batch's score
         if node.kind == Kind.LOGPROB and node.critic:
-            shares, _ = self.trainer_shares(samples, devices, scores, trainer=False)
-            return [Part(node.id, d, LMValues(pipeline, ids, rollouts)) for d, ids in shares]
+            shares, lockstep = self.trainer_shares(samples, devices, scores, trainer=True)  # a sharded critic's
+            return [Part(node.id, d, LMValues(pipeline, ids, rollouts, **lockstep)) for d, ids in shares]
         if node.kind == Kind.LOGPROB:
             shares, lockstep = self.trainer_shares(samples, devices, scores, trainer=not node.reference)
             return [
@@ -132,7 +132,7 @@ class LMAdapter(PipelineAdapter):
             shares, lockstep = self.trainer_shares(samples, devices, scores, trainer=True)
             if node.critic:
                 return [
-                    Part(node.id, d, LMCriticTrain(pipeline, ids, rollouts, scores, values, old, ref))
+                    Part(node.id, d, LMCriticTrain(pipeline, ids, rollouts, scores, values, old, ref, **lockstep))
                     for d, ids in shares
                 ]
             stale = version < node.version

@@ -374,6 +374,11 @@ class LMCriticSection(Section):
         le=MAX_STEPS,
         description="first steps that train the critic alone, the policy's weights held (verl's trainer.critic_warmup)",
     )
+    lora: LMLoraSection | None = Field(
+        None,
+        description="train a LoRA adapter of the critic's body and its value head instead of every weight (verl's "
+        "critic lora_rank; needs model.path)",
+    )
 
 
 class LMEvalSection(Section):
@@ -535,6 +540,8 @@ class LMTrainConfig(RunSection):
     @model_validator(mode="after")
     def _shards_whole_models(self) -> "LMTrainConfig":
         refuse_sharded_adapter(self.train, self.model.lora)
+        if self.critic is not None:
+            refuse_sharded_adapter(self.train, self.critic.lora, "critic.lora")
         return self
 
     @model_validator(mode="after")
@@ -648,8 +655,8 @@ class LMTrainConfig(RunSection):
         return self
 
     def _critic_fits_the_run(self) -> None:
-        """GAE reads a critic's values, and only a critic section trains one; it runs under every policy, on a whole
-        model of one trainer replica per device."""
+        """GAE reads a critic's values, and only a critic section trains one; it runs under every policy, a whole
+        model on each trainer replica, or sharded with the policy (`train.sharding: fsdp`)."""
         if self.algo.advantage != "gae":
             if self.critic is not None:
                 raise ValueError(
@@ -658,8 +665,8 @@ class LMTrainConfig(RunSection):
             return
         if self.critic is None:
             raise ValueError("critic: algo.advantage=gae trains a critic; add the section, e.g. critic: {lr: 1e-5}")
-        if self.train.sharding == "fsdp":
-            raise ValueError("algo.advantage=gae: the critic trains as a replica so far; set train.sharding: replicate")
+        if self.critic.lora is not None and self.model.path is None:
+            raise ValueError("critic.lora: LoRA trains your own model's critic; give its directory as model.path")
 
     @model_validator(mode="after")
     def _shape_fits(self) -> "LMTrainConfig":

@@ -37,6 +37,7 @@ from dovetail.models.memory import memory_by_kind
 from dovetail.models.training import (
     commit,
     load_trainer_state,
+    load_weights,
     make_optimizer,
     optimizer_steps,
     set_summed_gradient,
@@ -85,7 +86,7 @@ from dovetail.rewards import load_rewards
 from dovetail.rewards.text import score_text
 from dovetail.runtime.interference import Span, time_work
 from dovetail.runtime.messages import DeviceMemory, LogProbs, Score, Scores, Trained, TrainerWork, Work
-from dovetail.runtime.pipeline import PROFILE_ROUNDS, PipelineEngines, unsharded_works
+from dovetail.runtime.pipeline import PROFILE_ROUNDS, PipelineEngines, shard_in_place, unsharded_works
 
 STAT_MEANS = ("clip_frac", "approx_kl", "ratio_mean", "kl_ref", "entropy", "logprob_gap")
 """Per-token means each train part reports (`logprob_gap` where the old log-probs were recomputed); the step's are
@@ -161,8 +162,11 @@ class LMEngines(PipelineEngines[Engine]):
         self.conversation: Conversation | None = None
         """How the tokenizer writes an env run's episodes."""
         self.critic: torch.nn.Module | None = None
-        """PPO's value model (`algo.advantage: gae`), trained beside the policy on every trainer device."""
+        """PPO's value model (`algo.advantage: gae`), trained beside the policy on every trainer device; a sharded
+        run's is sharded over the policy's FSDP group with it (`shard_trainer`)."""
         self.critic_optimizer: torch.optim.Optimizer | None = None
+        self.pending_critic_optimizer: dict | None = None
+        """A sharded run's critic's AdamW state given at configure, loaded into its shards (`pending_optimizer`'s)."""
         self._gradient: torch.Tensor | None = None
         self._critic_gradient: torch.Tensor | None = None
         self._first_log_probs: dict[SampleId, np.ndarray] = {}
@@ -181,7 +185,8 @@ class LMEngines(PipelineEngines[Engine]):
         self.trainer = model.to(device)
         self.optimizer = make_optimizer(self.trainer, config.train)
         if config.critic is not None:  # from the policy's checkpoint, before a run's state replaces its weights
-            self.critic = value_model_of(self.trainer, config.seed)
+            lora = None if config.critic.lora is None else config.critic.lora.model_dump()
+            self.critic = value_model_of(self.trainer, config.seed, lora)
             self.critic_optimizer = make_optimizer(self.critic, config.critic_train)
         if trainer_state is not None:
             self.load_trainer_state(trainer_state)
@@ -200,6 +205,22 @@ class LMEngines(PipelineEngines[Engine]):
     def state_module(self) -> torch.nn.Module:
         trainer, _ = self.held_trainer()
         return trainer.model if isinstance(trainer, CausalLM) else trainer
+
+    def shard_trainer(self, group: tuple[int, ...], mesh) -> None:
+        """The policy sharded over `mesh`, and a PPO run's critic over the same group with it, as verl's critic
+        worker shards it: its blocks FSDP units in the run's precision, its AdamW moments its own shards, its
+        optimizer stepped at its own lr (`critic_train`)."""
+        super().shard_trainer(group, mesh)
+        if self.critic is None or self.critic_optimizer is None:
+            return
+        pending, self.pending_critic_optimizer = self.pending_critic_optimizer, None
+        config = self.config
+        self.critic_optimizer = shard_in_place(
+            self.critic, self.critic, self.critic_optimizer, mesh, config.train, config.critic_train, pending
+        )
+
+    def trained_modules(self) -> list[torch.nn.Module]:
+        return super().trained_modules() + ([] if self.critic is None else [self.critic])
 
     def hold(self, role: str) -> None:
         """While the device trains, the rollout engine sleeps (vLLM's sleep mode hands its weights and KV cache's
@@ -273,7 +294,7 @@ class LMEngines(PipelineEngines[Engine]):
         if isinstance(work, LMValues):
             assert self.critic is not None, "a run with a critic sends its value work"
             chosen = self._select(work.rollouts, work.samples)
-            values = step_values(self.critic, chosen)
+            values = step_values(self.critic, chosen, _lockstep_passes(work))
             return Values(list(chosen), [values[s].cpu().numpy() for s in chosen])
         if isinstance(work, LMTrain):
             return self._train(work)
@@ -408,6 +429,7 @@ class LMEngines(PipelineEngines[Engine]):
             max_new_tokens=self.config.max_new_tokens,
             scored_requests=self._select(work.rollouts, None),
             generated=self._generated(work.rollouts),
+            passes=_lockstep_passes(work),
         )
         return CriticTrained(samples, [CRITIC_UNIT], merged_critic_stats(group_stats), 0.0)
 
@@ -477,14 +499,28 @@ class LMEngines(PipelineEngines[Engine]):
         )
 
     def trainer_state(self) -> dict:
-        """The policy's state, and the critic's under "critic" where the run trains one."""
+        """The policy's state, and the critic's under "critic" where the run trains one (a sharded member's: its own
+        shards of both, which `models.sharding.merged_state` joins)."""
         state = super().trainer_state()
-        if self.critic is not None and self.critic_optimizer is not None:
-            state["critic"] = trainer_state_of(self.critic, self.critic_optimizer)
+        critic, optimizer = self.critic, self.critic_optimizer
+        if critic is None or optimizer is None:
+            return state
+        if self.sharded_group is None:
+            state["critic"] = trainer_state_of(critic, optimizer)
+        else:
+            from dovetail.models.sharding import local_state  # a sharded run's (`shard_trainer` says why here)
+
+            state["critic"] = local_state(critic, optimizer)
         return state
 
     def load_trainer_state(self, state: dict) -> None:
+        """As the policy's (`PipelineEngines.load_trainer_state`): a sharded run's replica takes the critic's weights
+        and keeps its AdamW state for its shards."""
         super().load_trainer_state(state)
+        if self.shards and self.critic is not None and "critic" in state:
+            load_weights(self.critic, state["critic"]["weights"])
+            self.pending_critic_optimizer = state["critic"]["optimizer"]
+            return
         self.load_critic_state(state)
 
     def load_critic_state(self, state: dict) -> None:
@@ -506,7 +542,7 @@ def _in_lockstep(work: Work) -> bool:
     return isinstance(work, TrainerWork) and bool(work.group)
 
 
-def _lockstep_passes(work: LMLogProbs | LMTrain) -> int | None:
+def _lockstep_passes(work: TrainerWork) -> int | None:
     """The passes a member of a sharded trainer's group makes for `work`; None on a replica."""
     return work.passes if _in_lockstep(work) else None
 
