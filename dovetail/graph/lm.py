@@ -623,8 +623,8 @@ def _training(
     draw_scores: list[Node] | None = None,
 ) -> list[Node]:
     """Score, log-probs and train per micro-batch (whole prompt groups), then commit and publish. A step that draws
-    more prompts has scored each draw already (`draw_scores`): its one micro-batch reads them all, and is priced for
-    the `batch` groups it trains."""
+    more prompts has scored each draw already (`draw_scores`): each of its micro-batches reads them all (which groups
+    it keeps is known once every draw is scored), and they are priced for the `batch` groups the step trains."""
     per_micro = spec.batch // spec.micro_batches
     trainable = trainable_params(spec)
     trained = model.params if trainable is None else trainable
@@ -668,6 +668,7 @@ def _training(
                     samples=ids,
                     cost_s=cost.logprob(model, lengths, reference=which == "ref"),
                     fixed_s=cost.fixed("logprob"),
+                    micro_batch=micro,
                     reference=which == "ref",
                 )
                 nodes.append(logprob)
@@ -684,6 +685,7 @@ def _training(
                 samples=ids,
                 cost_s=cost.logprob(model, lengths),
                 fixed_s=cost.fixed("logprob"),
+                micro_batch=micro,
                 critic=True,
             )
             nodes.append(values)

@@ -394,10 +394,10 @@ class LMSpec(_PipelineSpec):
         if self.turns is not None and not self.multi_turn:
             raise ValueError("turns: a pipeline's turns are a multi-turn one's; set multi_turn: true")
         _check_samples(self.batch * self.draws, self.group, "batch x draws" if self.draws > 1 else "batch")
-        if self.draws > 1 and (self.micro_batches > 1 or self.multi_turn):
+        if self.draws > 1 and self.multi_turn:
             raise ValueError(
-                f"draws={self.draws}: a step that draws more prompts trains the groups it keeps as one micro-batch, "
-                "of single-turn responses; set micro_batches: 1 and multi_turn: false, or draws: 1"
+                f"draws={self.draws}: a step that draws more prompts rolls out single-turn responses (an env run's "
+                "episodes are not redrawn); set multi_turn: false, or draws: 1"
             )
         return self
 
