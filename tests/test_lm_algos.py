@@ -616,15 +616,18 @@ def test_dynamic_sampling_on_an_on_policy_ray_run_draws_and_trains_what_the_refe
         assert any(sum(1 for x in migrated if x["step"] == step and x["responses"]) > 1 for step in drew)
 
 
-@pytest.mark.parametrize(("policy", "bound"), [("streamrl", 1), ("areal", 4)])
+@pytest.mark.parametrize(
+    ("policy", "bound", "micro_batches"), [("streamrl", 1, 2), ("areal", 4, 1)], ids=["streamrl", "areal"]
+)
 def test_dynamic_sampling_on_an_asynchronous_run_keeps_its_staleness_bound_and_fills_every_batch(
-    policy, bound, local_ray, reference_dynamic, tmp_path
+    policy, bound, micro_batches, local_ray, reference_dynamic, tmp_path
 ):
-    """algo.dynamic_sampling under streamrl and areal: a step's every draw rolls out on the weights the step opened
-    on, at most `bound` versions behind, the next step's draw beside it; the first step, rolled out on the base
-    weights, draws, drops and keeps what the reference loop does; each step trains B groups that differ where its
-    draws found them, each kept group once, and nothing it dropped."""
-    summary = train(load_config(None, [*DYNAMIC, f"policy={policy}"]), tmp_path, steps=3)
+    """algo.dynamic_sampling under streamrl and areal: every draw of a step rolls out on the weights the step opened
+    on, at most `bound` versions behind, and a step that drew more than once did so on stale weights; the first step,
+    rolled out on the base weights, draws, drops and keeps what the reference loop does; every step trains B groups
+    that differ (streamrl's in two micro-batches), each kept group once, and nothing it dropped."""
+    config = load_config(None, [*DYNAMIC, f"policy={policy}", f"algo.micro_batches={micro_batches}"])
+    summary = train(config, tmp_path, steps=3)
     lines = metric_lines(tmp_path)
     assert [lines[0][k] for k in KEPT] == [metric_lines(reference_dynamic)[0][k] for k in KEPT]
     assert summary["max_staleness"] <= bound and all(0 <= m["staleness"] <= bound for m in lines)
@@ -633,6 +636,7 @@ def test_dynamic_sampling_on_an_asynchronous_run_keeps_its_staleness_bound_and_f
     assert all(len({g["version"] for g in generated if g["step"] == step}) == 1 for step in range(3))
     # the case the bound is for: a step that drew more than once, rolled out on weights older than it trains
     assert any(m["dynamic_sampling/draws"] > 1 and m["staleness"] >= 1 for m in lines)
+    assert all(m["dynamic_sampling/groups"] == 1.0 for m in lines)  # this seed's draws fill every batch
     kept_and_trained_once(tmp_path, lines)
 
 
