@@ -467,6 +467,20 @@ def test_an_algorithm_the_run_cannot_honour_is_one_line_naming_the_fix(overrides
     assert message in str(error.value) and "\n" not in str(error.value).strip()
 
 
+@pytest.mark.parametrize("policy", ["reference", "verl-sync", "jigsaw", "jigsaw-greedy", "streamrl", "areal"])
+def test_every_policy_takes_dynamic_sampling_in_micro_batches_but_not_an_env_runs_episodes(policy):
+    """A run's scenario draws `dynamic_sampling_max_draws` batches a step in the run's micro-batches under every
+    policy; an env run's episodes are not redrawn, which the config says in one line naming the fix."""
+    dynamic = [f"policy={policy}", "algo.dynamic_sampling=true", "algo.dynamic_sampling_max_draws=3"]
+    (pipeline,) = load_config(None, ["kind=lm", *dynamic, "algo.micro_batches=2"]).scenario(1).pipelines
+    assert (pipeline.draws, pipeline.micro_batches) == (3, 2)
+    with pytest.raises(ConfigError) as error:
+        load_config(SORT_YAML.with_name("calc.yaml"), dynamic)
+    message = str(error.value).strip()
+    assert "algo.dynamic_sampling: an env run's episodes are not redrawn yet; set it to false" in message
+    assert "\n" not in message
+
+
 def test_gspo_takes_its_own_clips_unless_the_config_names_them():
     assert (algo_of("algo.loss=gspo").clip_low, algo_of("algo.loss=gspo").clip_high) == GSPO_CLIPS
     assert algo_of("algo.loss=gspo", "algo.clip_low=0.01").clip_low == 0.01
