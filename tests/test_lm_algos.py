@@ -473,7 +473,7 @@ def test_every_policy_takes_dynamic_sampling_in_micro_batches_but_not_an_env_run
     policy; an env run's episodes are not redrawn, which the config says in one line naming the fix."""
     dynamic = [f"policy={policy}", "algo.dynamic_sampling=true", "algo.dynamic_sampling_max_draws=3"]
     (pipeline,) = load_config(None, ["kind=lm", *dynamic, "algo.micro_batches=2"]).scenario(1).pipelines
-    assert (pipeline.draws, pipeline.micro_batches) == (3, 2)
+    assert (pipeline.draws, pipeline.micro_batches, pipeline.dynamic_sampling) == (3, 2, True)
     with pytest.raises(ConfigError) as error:
         load_config(SORT_YAML.with_name("calc.yaml"), dynamic)
     message = str(error.value).strip()
@@ -628,6 +628,27 @@ def test_dynamic_sampling_on_an_on_policy_ray_run_draws_and_trains_what_the_refe
         migrated = json.loads((tmp_path / "ledger.json").read_text())["migrated"]
         drew = [step for step, m in enumerate(lines) if m["dynamic_sampling/draws"] > 1]
         assert any(sum(1 for x in migrated if x["step"] == step and x["responses"]) > 1 for step in drew)
+
+
+@pytest.mark.exactness
+def test_dynamic_sampling_of_one_draw_filters_each_step_as_the_reference_loop_does(local_ray, tmp_path):
+    """algo.dynamic_sampling_max_draws=1 drops the groups of equal rewards and draws nothing more: under verl-sync in
+    two micro-batches, a step that keeps fewer than B groups (one, on this seed: a micro-batch left empty) trains
+    them to the reference loop's bits, each once, and none it dropped."""
+    one = [*DYNAMIC, "algo.dynamic_sampling_max_draws=1", "algo.micro_batches=2"]
+    for policy in ("reference", "verl-sync"):
+        train(load_config(None, [*one, f"policy={policy}"]), tmp_path / policy, steps=3)
+    ends = [
+        load_file(str(tmp_path / p / "checkpoints" / "step_000003" / "model.safetensors"))
+        for p in ("reference", "verl-sync")
+    ]
+    assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
+    lines = metric_lines(tmp_path / "verl-sync")
+    assert [[m[k] for k in KEPT] for m in lines] == [[m[k] for k in KEPT] for m in metric_lines(tmp_path / "reference")]
+    assert min(m["dynamic_sampling/groups"] for m in lines) == 0.25 and all(
+        m["dynamic_sampling/draws"] == 1 for m in lines
+    )
+    kept_and_trained_once(tmp_path / "verl-sync", lines)
 
 
 @pytest.mark.parametrize(

@@ -332,6 +332,12 @@ class LMSpec(_PipelineSpec):
         "`batch` groups of them. A run skips the draws it does not need; the simulator, which knows no rewards, "
         "prices every one (an upper bound).",
     )
+    dynamic_sampling: bool = Field(
+        False,
+        description="Whether a step drops the groups whose rewards are all equal (DAPO's dynamic sampling, an LM "
+        "run's algo.dynamic_sampling): its training waits on every draw's score, even of one draw, and trains the "
+        "groups kept in its micro-batches. More than one draw implies it.",
+    )
     tensor_parallel: int = Field(1, gt=0, le=64, description="Devices per rollout engine.")
     multi_turn: bool = Field(
         False,
@@ -398,6 +404,11 @@ class LMSpec(_PipelineSpec):
             raise ValueError(
                 f"draws={self.draws}: a step that draws more prompts rolls out single-turn responses (an env run's "
                 "episodes are not redrawn); set multi_turn: false, or draws: 1"
+            )
+        if self.dynamic_sampling and self.multi_turn:
+            raise ValueError(
+                "dynamic_sampling: a step that drops groups rolls out single-turn responses (an env run's episodes "
+                "are not redrawn); set multi_turn: false, or dynamic_sampling: false"
             )
         return self
 

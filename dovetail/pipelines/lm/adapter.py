@@ -64,7 +64,8 @@ class LMAdapter(PipelineAdapter):
 
     @property
     def draws(self) -> bool:
-        """Whether a step may draw more prompts (algo.dynamic_sampling: `graph.lm` builds a step of several draws)."""
+        """Whether a step samples dynamically (algo.dynamic_sampling: `graph.lm` builds it of draws, one or more,
+        whose scores its training reads: the spec's `dynamic_sampling`)."""
         return self.config.algo.dynamic_sampling
 
     def units_of(self, sample: SampleId) -> list[int] | None:

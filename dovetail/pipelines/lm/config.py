@@ -809,6 +809,7 @@ class LMTrainConfig(RunSection):
             "micro_batches": self.algo.micro_batches,
             "updates": self.algo.num_iterations,
             "draws": draws,
+            "dynamic_sampling": self.algo.dynamic_sampling,
             "reference": self.algo.beta > 0,
             "critic": self.critic is not None,
             "lengths_known": False,  # a run learns them by decoding
