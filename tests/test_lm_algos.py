@@ -19,7 +19,7 @@ import pytest
 import torch
 from running import train
 from safetensors.torch import load_file
-from test_run_ux import undocumented
+from test_run_ux import metric_lines, undocumented
 
 from dovetail.algo import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, advantages, lm_grpo_loss, rollout_correction_weight
 from dovetail.algo.lm_grpo import KL_ESTIMATORS, ROLLOUT_CORRECTIONS, kl_estimate
@@ -445,16 +445,6 @@ def test_informative_samples_drop_the_groups_of_equal_rewards():
     ("overrides", "message"),
     [
         (
-            ["policy=streamrl", "algo.dynamic_sampling=true"],
-            "algo.dynamic_sampling: policy streamrl draws no further prompts within a step; policy: reference and "
-            "verl-sync do",
-        ),
-        (
-            ["policy=verl-sync", "algo.dynamic_sampling=true", "algo.micro_batches=2"],
-            "algo.dynamic_sampling: verl-sync trains the groups a step keeps as one micro-batch; set "
-            "algo.micro_batches=1",
-        ),
-        (
             ["policy=streamrl", "algo.advantage=reinforce_plus_plus"],
             "algo.advantage=reinforce_plus_plus whitens over the whole step: set algo.micro_batches=1 or policy: "
             "reference (policy is streamrl)",
@@ -475,6 +465,20 @@ def test_an_algorithm_the_run_cannot_honour_is_one_line_naming_the_fix(overrides
     with pytest.raises(ConfigError) as error:
         load_config(None, ["kind=lm", *overrides])
     assert message in str(error.value) and "\n" not in str(error.value).strip()
+
+
+@pytest.mark.parametrize("policy", ["reference", "verl-sync", "jigsaw", "jigsaw-greedy", "streamrl", "areal"])
+def test_every_policy_takes_dynamic_sampling_in_micro_batches_but_not_an_env_runs_episodes(policy):
+    """A run's scenario draws `dynamic_sampling_max_draws` batches a step in the run's micro-batches under every
+    policy; an env run's episodes are not redrawn, which the config says in one line naming the fix."""
+    dynamic = [f"policy={policy}", "algo.dynamic_sampling=true", "algo.dynamic_sampling_max_draws=3"]
+    (pipeline,) = load_config(None, ["kind=lm", *dynamic, "algo.micro_batches=2"]).scenario(1).pipelines
+    assert (pipeline.draws, pipeline.micro_batches, pipeline.dynamic_sampling) == (3, 2, True)
+    with pytest.raises(ConfigError) as error:
+        load_config(SORT_YAML.with_name("calc.yaml"), dynamic)
+    message = str(error.value).strip()
+    assert "algo.dynamic_sampling: an env run's episodes are not redrawn yet; set it to false" in message
+    assert "\n" not in message
 
 
 def test_gspo_takes_its_own_clips_unless_the_config_names_them():
@@ -561,38 +565,114 @@ RAY_SMALL = [
 ]
 
 
-@pytest.mark.exactness
-def test_dynamic_sampling_on_verl_sync_draws_and_trains_what_the_reference_loop_does(local_ray, tmp_path):
-    """algo.dynamic_sampling under verl-sync on 2 devices: each further draw is rolled out after the one before is
-    scored, only where the step still lacks B groups that differ, and the step trains the groups the reference loop
-    keeps (the first B that differ by prompt position): the same draws, dropped groups and rewards each step, the
-    same parameters to the bit, and a ledger of every sample drawn generated and scored once and the kept ones
-    trained once."""
-    dynamic = [*RAY_SMALL[:8], "algo.dynamic_sampling=true", "algo.dynamic_sampling_max_draws=3", "cluster.devices=2"]
-    for policy in ("reference", "verl-sync"):
-        train(load_config(None, [*dynamic, f"policy={policy}"]), tmp_path / policy, steps=3)
-    ends = [
-        load_file(str(tmp_path / p / "checkpoints" / "step_000003" / "model.safetensors"))
-        for p in ("reference", "verl-sync")
-    ]
-    assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
-    lines = {
-        p: [json.loads(x) for x in (tmp_path / p / "metrics.jsonl").read_text().splitlines()]
-        for p in ("reference", "verl-sync")
-    }
-    keys = ("dynamic_sampling/draws", "dynamic_sampling/groups", "dynamic_sampling/dropped", "reward/total")
-    assert [[m[k] for k in keys] for m in lines["verl-sync"]] == [[m[k] for k in keys] for m in lines["reference"]]
-    assert max(m["dynamic_sampling/draws"] for m in lines["reference"]) > 1  # the seed's run drew more: the test bites
-    assert undocumented({k for logged in lines.values() for m in logged for k in m}) == []
-    assert sum(m["dynamic_sampling/dropped"] for m in lines["reference"]) > 0
-    ledger = json.loads((tmp_path / "verl-sync" / "ledger.json").read_text())
+DYNAMIC = [*RAY_SMALL[:8], "algo.dynamic_sampling=true", "algo.dynamic_sampling_max_draws=3", "cluster.devices=2"]
+"""A 3-step sort run whose seed draws more than once in a step and drops groups: every policy's dynamic sampling."""
+KEPT = ("dynamic_sampling/draws", "dynamic_sampling/groups", "dynamic_sampling/dropped", "reward/total")
+
+
+@pytest.fixture(scope="module")
+def reference_dynamic(tmp_path_factory) -> Path:
+    """The reference loop's run of `DYNAMIC`."""
+    out = tmp_path_factory.mktemp("reference-dynamic")
+    train(load_config(None, [*DYNAMIC, "policy=reference"]), out, steps=3)
+    return out
+
+
+def kept_and_trained_once(out: Path, lines: list[dict]) -> None:
+    """The ledger of a dynamic-sampling run: every sample drawn generated and scored once, B prompts of G responses
+    a draw, and the groups kept (B where the draws found B that differ; none differing: the first draw's B) trained
+    once each; a step that kept B groups that differ trained no group of equal rewards."""
+    ledger = json.loads((out / "ledger.json").read_text())
     assert ledger["problems"] == []
-    for step, m in enumerate(lines["verl-sync"]):
+    for step, m in enumerate(lines):
         generated = [g for g in ledger["generated"] if g["step"] == step]
         trained = [t for t in ledger["trained"] if t["step"] == step]
         assert len(generated) == m["dynamic_sampling/draws"] * 4 * 4  # B prompts of G responses a draw
         kept = round(m["dynamic_sampling/groups"] * 4) or 4  # none differing: the first draw's B groups
         assert len(trained) == kept * 4 and all(t["times"] == 1 for t in trained)
+        if m["dynamic_sampling/groups"] == 1.0:
+            assert m["frac_reward_zero_std"] == 0.0
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["policy=verl-sync"],
+        # the tail migrates in each draw (length bands), and the groups kept train in two micro-batches
+        ["policy=jigsaw", "algo.micro_batches=2", "runtime.length_bands=[8,16]"],
+    ],
+    ids=["verl-sync", "jigsaw"],
+)
+def test_dynamic_sampling_on_an_on_policy_ray_run_draws_and_trains_what_the_reference_loop_does(
+    overrides, local_ray, reference_dynamic, tmp_path
+):
+    """algo.dynamic_sampling under verl-sync and jigsaw on 2 devices: each further draw is rolled out after the one
+    before is scored, only where the step still lacks B groups that differ, and the step trains the groups the
+    reference loop keeps (the first B that differ by prompt position), cut into the run's micro-batches: the same
+    draws, dropped groups and rewards each step, the same parameters to the bit, and a ledger of every sample drawn
+    generated and scored once and the kept ones trained once."""
+    train(load_config(None, [*DYNAMIC, *overrides]), tmp_path, steps=3)
+    ends = [
+        load_file(str(out / "checkpoints" / "step_000003" / "model.safetensors"))
+        for out in (reference_dynamic, tmp_path)
+    ]
+    assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
+    lines, expected = metric_lines(tmp_path), metric_lines(reference_dynamic)
+    assert [[m[k] for k in KEPT] for m in lines] == [[m[k] for k in KEPT] for m in expected]
+    assert max(m["dynamic_sampling/draws"] for m in expected) > 1  # the seed's run drew more: the test bites
+    assert sum(m["dynamic_sampling/dropped"] for m in expected) > 0
+    assert undocumented({k for m in [*lines, *expected] for k in m}) == []
+    kept_and_trained_once(tmp_path, lines)
+    if "runtime.length_bands=[8,16]" in overrides:  # the tail of a further draw migrated too
+        migrated = json.loads((tmp_path / "ledger.json").read_text())["migrated"]
+        drew = [step for step, m in enumerate(lines) if m["dynamic_sampling/draws"] > 1]
+        assert any(sum(1 for x in migrated if x["step"] == step and x["responses"]) > 1 for step in drew)
+
+
+@pytest.mark.exactness
+def test_dynamic_sampling_of_one_draw_filters_each_step_as_the_reference_loop_does(local_ray, tmp_path):
+    """algo.dynamic_sampling_max_draws=1 drops the groups of equal rewards and draws nothing more: under verl-sync in
+    two micro-batches, a step that keeps fewer than B groups (one, on this seed: a micro-batch left empty) trains
+    them to the reference loop's bits, each once, and none it dropped."""
+    one = [*DYNAMIC, "algo.dynamic_sampling_max_draws=1", "algo.micro_batches=2"]
+    for policy in ("reference", "verl-sync"):
+        train(load_config(None, [*one, f"policy={policy}"]), tmp_path / policy, steps=3)
+    ends = [
+        load_file(str(tmp_path / p / "checkpoints" / "step_000003" / "model.safetensors"))
+        for p in ("reference", "verl-sync")
+    ]
+    assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
+    lines = metric_lines(tmp_path / "verl-sync")
+    assert [[m[k] for k in KEPT] for m in lines] == [[m[k] for k in KEPT] for m in metric_lines(tmp_path / "reference")]
+    assert min(m["dynamic_sampling/groups"] for m in lines) == 0.25 and all(
+        m["dynamic_sampling/draws"] == 1 for m in lines
+    )
+    kept_and_trained_once(tmp_path / "verl-sync", lines)
+
+
+@pytest.mark.parametrize(
+    ("policy", "bound", "micro_batches"), [("streamrl", 1, 2), ("areal", 4, 1)], ids=["streamrl", "areal"]
+)
+def test_dynamic_sampling_on_an_asynchronous_run_keeps_its_staleness_bound_and_fills_every_batch(
+    policy, bound, micro_batches, local_ray, reference_dynamic, tmp_path
+):
+    """algo.dynamic_sampling under streamrl and areal: every draw of a step rolls out on the weights the step opened
+    on, at most `bound` versions behind, and a step that drew more than once did so on stale weights; the first step,
+    rolled out on the base weights, draws, drops and keeps what the reference loop does; every step trains B groups
+    that differ (streamrl's in two micro-batches), each kept group once, and nothing it dropped."""
+    config = load_config(None, [*DYNAMIC, f"policy={policy}", f"algo.micro_batches={micro_batches}"])
+    summary = train(config, tmp_path, steps=3)
+    lines = metric_lines(tmp_path)
+    assert [lines[0][k] for k in KEPT] == [metric_lines(reference_dynamic)[0][k] for k in KEPT]
+    assert summary["max_staleness"] <= bound and all(0 <= m["staleness"] <= bound for m in lines)
+    generated = json.loads((tmp_path / "ledger.json").read_text())["generated"]
+    assert all(0 <= g["step"] - g["version"] <= bound for g in generated)
+    assert all(len({g["version"] for g in generated if g["step"] == step}) == 1 for step in range(3))
+    # the case the bound is for: a step that drew more than once, rolled out on weights older than it trains
+    assert any(m["dynamic_sampling/draws"] > 1 and m["staleness"] >= 1 for m in lines)
+    assert all(m["dynamic_sampling/groups"] == 1.0 for m in lines)  # this seed's draws fill every batch
+    kept_and_trained_once(tmp_path, lines)
 
 
 @pytest.mark.exactness

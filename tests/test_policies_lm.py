@@ -166,16 +166,18 @@ def test_a_policy_predicts_a_decode_no_faster_than_its_engine_s_tensor_paralleli
     assert costs.seconds(decode, 8) == 8.0
 
 
-def test_a_step_of_several_draws_rolls_each_out_after_the_score_before_and_only_verl_sync_draws():
-    """A dynamic-sampling step (`draws`): draw 1's prefills start after draw 0 is scored, the step trains after
-    every draw's score, the simulator prices both draws (the step is slower than one draw's), and a policy that
-    cuts steps for one draw refuses the scenario naming verl-sync."""
+@pytest.mark.parametrize("policy", ["verl-sync", "jigsaw", "jigsaw-greedy", "streamrl", "areal"])
+def test_a_step_of_several_draws_rolls_each_out_after_the_score_before_under_every_lm_policy(policy):
+    """A dynamic-sampling step (`draws`) under each LM policy: draw 1's prefills start after draw 0 is scored, the
+    step trains after every draw's score, its micro-batches too, and the simulator prices both draws (the run is
+    slower than one draw a step)."""
     scenario = load_scenario("jigsaw-qwen3-4b-8xh100")
-    single = scenario.pipelines[0].model_copy(update={"micro_batches": 1})
+    single = scenario.pipelines[0]
+    assert single.micro_batches > 1
     runs = {}
     for draws in (1, 2):
         changed = scenario.model_copy(update={"pipelines": [single.model_copy(update={"draws": draws})]})
-        runs[draws] = simulate(changed, "verl-sync", steps=2)
+        runs[draws] = simulate(changed, policy, steps=2)
     prepared, trace = runs[2]
     start = {span.node: span.start for span in trace.spans}
     end = {span.node: span.end for span in trace.spans}
@@ -187,9 +189,14 @@ def test_a_step_of_several_draws_rolls_each_out_after_the_score_before_and_only_
         later = [n for n in graph.of(single.name, step, Kind.PREFILL) if "draw1" in n.id]
         assert later and all(start[n.id] >= end[first] for n in later)
         trains = graph.of(single.name, step, Kind.TRAIN)
+        assert len(trains) == single.micro_batches
         assert all(start[t.id] >= max(end[s] for s in scores) for t in trains)
     assert summarize(runs[2][1]).makespan_s > summarize(runs[1][1]).makespan_s
-    for policy in ("streamrl", "jigsaw"):
-        changed = scenario.model_copy(update={"pipelines": [single.model_copy(update={"draws": 2})]})
-        with pytest.raises(ValueError, match="draws no further prompts.*use verl-sync"):
-            simulate(changed, policy, steps=1)
+
+
+def test_a_multi_turn_step_of_several_draws_is_refused_in_one_line():
+    """An env run's episodes are not redrawn: a scenario's multi-turn pipeline of several draws names the fix."""
+    single = load_scenario("jigsaw-qwen3-4b-8xh100").pipelines[0]
+    with pytest.raises(ValueError) as error:
+        type(single).model_validate(single.model_dump() | {"draws": 2, "multi_turn": True})
+    assert "set multi_turn: false, or draws: 1" in str(error.value)

@@ -254,11 +254,11 @@ def build_lm(spec: LMSpec, steps: int, shape: LMShape, cost: CostModel, seed: in
     # fixed-batch policy (streamrl, areal) on one cut price its decoding once.
     rollout_cut = replace(shape, trainer_devices=1, stream=shape.stream and not spec.lengths_known)
     for step in range(steps):
-        if spec.draws == 1:
+        if spec.draws == 1 and not spec.dynamic_sampling:
             samples, rollout, last_of = _step_rollout(spec, cost, rollout_cut, step, seed)
             training = _training(spec, model, cost, shape, step, samples, last_of, previous_commit)
             nodes += [*rollout, *_shareable(training, shape.shared)]
-        else:  # a step of several draws (dynamic sampling): built here, its rollouts waiting on its scores
+        else:  # a step of draws (dynamic sampling, one or more): built here, each draw's rollout after the score before
             drawn = step_samples(spec, step, shape.shards, seed)
             draws, scores = _draws(spec, model, cost, shape, step, drawn, seed)
             first = [s for s in drawn if s.id.prompt < spec.batch]  # what its training is priced for: B groups
@@ -623,8 +623,8 @@ def _training(
     draw_scores: list[Node] | None = None,
 ) -> list[Node]:
     """Score, log-probs and train per micro-batch (whole prompt groups), then commit and publish. A step that draws
-    more prompts has scored each draw already (`draw_scores`): its one micro-batch reads them all, and is priced for
-    the `batch` groups it trains."""
+    more prompts has scored each draw already (`draw_scores`): each of its micro-batches reads them all (which groups
+    it keeps is known once every draw is scored), and they are priced for the `batch` groups the step trains."""
     per_micro = spec.batch // spec.micro_batches
     trainable = trainable_params(spec)
     trained = model.params if trainable is None else trainable
@@ -668,6 +668,7 @@ def _training(
                     samples=ids,
                     cost_s=cost.logprob(model, lengths, reference=which == "ref"),
                     fixed_s=cost.fixed("logprob"),
+                    micro_batch=micro,
                     reference=which == "ref",
                 )
                 nodes.append(logprob)
@@ -684,6 +685,7 @@ def _training(
                 samples=ids,
                 cost_s=cost.logprob(model, lengths),
                 fixed_s=cost.fixed("logprob"),
+                micro_batch=micro,
                 critic=True,
             )
             nodes.append(values)

@@ -89,7 +89,7 @@ class Node:
     """An LM decode node's length band: it generates response tokens [low, high) of its samples still running at
     `low` (the migrated tail's band starts at the migration edge)."""
     micro_batch: int | None = None
-    """The micro-batch (whole prompt groups) an LM train node trains, in the step's micro-batch order."""
+    """The micro-batch (whole prompt groups) an LM log-prob or train node works on, in the step's micro-batch order."""
     cost_s: float = 0.0
     fixed_s: float = 0.0
     """Seconds each device the node runs on pays whatever its part of `cost_s` (a pass's fixed cost,

@@ -332,6 +332,12 @@ class LMSpec(_PipelineSpec):
         "`batch` groups of them. A run skips the draws it does not need; the simulator, which knows no rewards, "
         "prices every one (an upper bound).",
     )
+    dynamic_sampling: bool = Field(
+        False,
+        description="Whether a step drops the groups whose rewards are all equal (DAPO's dynamic sampling, an LM "
+        "run's algo.dynamic_sampling): its training waits on every draw's score, even of one draw, and trains the "
+        "groups kept in its micro-batches. More than one draw implies it.",
+    )
     tensor_parallel: int = Field(1, gt=0, le=64, description="Devices per rollout engine.")
     multi_turn: bool = Field(
         False,
@@ -394,10 +400,15 @@ class LMSpec(_PipelineSpec):
         if self.turns is not None and not self.multi_turn:
             raise ValueError("turns: a pipeline's turns are a multi-turn one's; set multi_turn: true")
         _check_samples(self.batch * self.draws, self.group, "batch x draws" if self.draws > 1 else "batch")
-        if self.draws > 1 and (self.micro_batches > 1 or self.multi_turn):
+        if self.draws > 1 and self.multi_turn:
             raise ValueError(
-                f"draws={self.draws}: a step that draws more prompts trains the groups it keeps as one micro-batch, "
-                "of single-turn responses; set micro_batches: 1 and multi_turn: false, or draws: 1"
+                f"draws={self.draws}: a step that draws more prompts rolls out single-turn responses (an env run's "
+                "episodes are not redrawn); set multi_turn: false, or draws: 1"
+            )
+        if self.dynamic_sampling and self.multi_turn:
+            raise ValueError(
+                "dynamic_sampling: a step that drops groups rolls out single-turn responses (an env run's episodes "
+                "are not redrawn); set multi_turn: false, or dynamic_sampling: false"
             )
         return self
 

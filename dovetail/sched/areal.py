@@ -8,7 +8,8 @@ every sample of it is scored, recomputes the log-probs of the current (proximal)
 by proximal / behaviour probabilities, so stale samples stay usable — then trains, commits and
 publishes. The staleness of every trained batch is in the trace (`Metrics.staleness_histogram`).
 Not modelled: AReaL interrupts running generations to load new weights mid-trajectory; here a step's
-rollouts keep the version they started with.
+rollouts keep the version they started with, every draw of a step that draws more prompts (dynamic sampling,
+`draws`: each after the score of the one before) too.
 """
 
 from __future__ import annotations

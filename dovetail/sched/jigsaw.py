@@ -10,7 +10,9 @@ default, or the table a multiplexed run measures on its own devices, `runtime.in
 migrate at `migrate_at` tokens (re-prefill counted) onto one engine of `tail_parallel` devices, freeing the
 others for the other pipeline's decode and trainer work; micro-batches are whole prompt groups in finishing
 order, so finished length bands get their log-probs and gradients while the tail decodes (one optimizer
-step per batch: steps stay on-policy, staleness 0). A flow (text-to-image) pipeline multiplexes the same way:
+step per batch: steps stay on-policy, staleness 0). A step that draws more prompts (dynamic sampling, `draws`) rolls
+each draw out (its tail migrating as any rollout's) after the score of the one before, and trains the groups it keeps
+once every draw is scored. A flow (text-to-image) pipeline multiplexes the same way:
 its generate fragments (whole prompt groups, one per device) are rollout work on the roomiest devices, its
 log-prob, train, commit and publish nodes trainer work on the whole pool.
 

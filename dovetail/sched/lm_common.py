@@ -117,16 +117,11 @@ class StagedLMPolicy(Policy):
         return decisions
 
 
-def lm_only(policy: str, spec: PipelineSpec, draws: bool = False) -> LMSpec:
-    """`spec`, a language model's, which `policy` schedules: one draw of prompts a step unless the policy `draws`
-    more (dynamic sampling: each draw's rollout follows the score of the one before, `graph.lm`)."""
+def lm_only(policy: str, spec: PipelineSpec) -> LMSpec:
+    """`spec`, a language model's, which `policy` schedules: every LM policy runs a step of several draws (dynamic
+    sampling, `graph.lm`: each draw's rollout follows the score of the one before) as it runs any step's nodes."""
     if not isinstance(spec, LMSpec):
         raise ValueError(f"{policy} schedules language-model pipelines; {spec.name!r} is a {spec.kind} pipeline")
-    if spec.draws > 1 and not draws:
-        raise ValueError(
-            f"{spec.name}: {policy} draws no further prompts within a step (draws={spec.draws}, dynamic sampling); "
-            "use verl-sync, which does, or draws: 1"
-        )
     return spec
 
 

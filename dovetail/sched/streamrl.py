@@ -6,7 +6,8 @@ whole prompt groups in the order they finish, and each is scored, gets its old /
 and is trained as soon as its responses are done, while the long tail is still decoding (gradients
 accumulate, one optimizer step per batch). Asynchronous pipelining: once every rollout node of step s
 has started, the rollout pool opens step s + 1 on the latest published weights, never more than one
-version behind (staleness <= 1).
+version behind (staleness <= 1). A step that draws more prompts (dynamic sampling, `draws`) rolls each draw out on
+the weights it opened on once the draw before is scored, and trains the groups it keeps after its last draw.
 """
 
 from __future__ import annotations

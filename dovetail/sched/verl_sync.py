@@ -38,7 +38,7 @@ class VerlSync(StagedLMPolicy):
 
     @classmethod
     def shape(cls, spec: PipelineSpec, devices: int, trainer_devices: int | None, cost) -> LMShape:
-        spec = lm_only(cls.name, spec, draws=True)
+        spec = lm_only(cls.name, spec)
         return LMShape(rollout_engines(spec, devices), devices)
 
     def decide(self, view: View, events: Sequence[Event]) -> list[Decision]:

@@ -64,7 +64,8 @@ class LMAdapter(PipelineAdapter):
 
     @property
     def draws(self) -> bool:
-        """Whether a step may draw more prompts (algo.dynamic_sampling: `graph.lm` builds a step of several draws)."""
+        """Whether a step samples dynamically (algo.dynamic_sampling: `graph.lm` builds it of draws, one or more,
+        whose scores its training reads: the spec's `dynamic_sampling`)."""
         return self.config.algo.dynamic_sampling
 
     def units_of(self, sample: SampleId) -> list[int] | None:
@@ -168,14 +169,20 @@ class LMAdapter(PipelineAdapter):
         return self._drawn[(step, draw)]
 
     def _kept_of(self, node: Node, run: RunContext) -> tuple[list, list[SampleId], list]:
-        """A log-prob or train node of a step that drew more prompts: every draw's responses, the samples the step
-        keeps (`dynamic_sampling.kept_samples`, from every draw's scores) and one ref of their scores."""
+        """A log-prob or train node of a step that drew more prompts: every draw's responses, its micro-batch's share
+        of the samples the step keeps (`dynamic_sampling.kept_samples`, from every draw's scores: the kept groups in
+        prompt order, cut into `algo.micro_batches` runs whose sizes differ by at most one) and one ref of their
+        scores. Any split of the groups commits the same gradient (`tests/test_lm_exactness.py`)."""
         scored = [run.graph[d] for d in node.deps if run.graph[d].kind == Kind.SCORE]
         drawn = ray.get(run.outputs_of([n.id for n in scored]))
         kept = kept_samples(drawn, self.config.algo.prompts_per_step)
         self._kept[self.rl_step(node)] = set(kept)
+        groups = by_group(kept)
+        assert node.micro_batch is not None, f"node {node.id}: a log-prob or train node without its micro-batch"
+        rows = split(len(groups), self.config.algo.micro_batches)[node.micro_batch]
+        mine = [sample for g in rows for sample in groups[g]]
         rollouts = [ref for score in scored for ref in self._rollouts(score, run)]
-        return rollouts, kept, [ray.put(scores_of(drawn, kept))]
+        return rollouts, mine, [ray.put(scores_of(drawn, mine))]
 
     def trained_scores(self, scores: list[Scores]) -> list[Scores]:
         """The scores of the samples a step trained: with dynamic sampling, the groups it kept of every draw."""
@@ -250,8 +257,9 @@ class LMAdapter(PipelineAdapter):
 
     def _members(self, score: Node, run: RunContext) -> list[SampleId]:
         """A micro-batch's samples. Fixed micro-batches hold the graph's; streamed ones, with lengths learnt by
-        decoding, hold the whole groups that finished by their level, in finishing order (`_assign`)."""
-        if not lm_shape(run.shape_of(score.pipeline)).stream:
+        decoding, hold the whole groups that finished by their level, in finishing order (`_assign`). A draw's score
+        (dynamic sampling) holds its whole draw, streamed or not: it follows the draw's last level."""
+        if self.draws or not lm_shape(run.shape_of(score.pipeline)).stream:
             return [SampleId(self.rl_step(score), p, i) for (_, p, i) in score.samples]
         return self._assign(score, run)[score.id]
 

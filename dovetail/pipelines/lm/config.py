@@ -328,7 +328,7 @@ class LMAlgoSection(Section):
     dynamic_sampling: bool = Field(
         False,
         description="DAPO's dynamic sampling: groups whose rewards are all equal are dropped and more prompts drawn "
-        "until the step holds prompts_per_step informative groups (policy: reference and verl-sync)",
+        "until the step holds prompts_per_step informative groups (every policy; not an env run)",
     )
     dynamic_sampling_max_draws: int = Field(
         4, ge=1, le=100, description="with dynamic_sampling, batches of prompts a step draws at most"
@@ -620,8 +620,8 @@ class LMTrainConfig(RunSection):
         """The rollout correction defaults to TIS where the engine's log-probs are not the trainer's (vLLM), to none
         elsewhere (the weight would be exactly 1). A whole-batch advantage estimator reads every response of the step:
         a Ray policy trains a micro-batch at a time, with only its own scores. Dynamic sampling draws more prompts in
-        the step it fills: the reference loop does, and verl-sync, whose step scores each draw before the next (one
-        micro-batch of the groups kept); the other policies' steps are cut for one draw."""
+        the step it fills, under every policy: a Ray policy's step scores each draw before it rolls out the next, and
+        trains the groups it keeps in its micro-batches once every draw is scored."""
         algo = self.algo
         if algo.rollout_correction is None:
             algo.rollout_correction = "none" if engine_matches_trainer(self.rollout_engine) else "tis"
@@ -630,16 +630,6 @@ class LMTrainConfig(RunSection):
             raise ValueError(
                 f"algo.advantage={algo.advantage} whitens over the whole step: set algo.micro_batches=1 or policy: "
                 f"reference (policy is {self.policy})"
-            )
-        if algo.dynamic_sampling and self.policy not in (REFERENCE, "verl-sync"):
-            raise ValueError(
-                f"algo.dynamic_sampling: policy {self.policy} draws no further prompts within a step; policy: "
-                "reference and verl-sync do"
-            )
-        if algo.dynamic_sampling and self.policy != REFERENCE and algo.micro_batches > 1:
-            raise ValueError(
-                f"algo.dynamic_sampling: {self.policy} trains the groups a step keeps as one micro-batch; set "
-                "algo.micro_batches=1"
             )
         if algo.dynamic_sampling and self.env is not None:
             raise ValueError("algo.dynamic_sampling: an env run's episodes are not redrawn yet; set it to false")
@@ -771,10 +761,8 @@ class LMTrainConfig(RunSection):
         whole groups, a micro-batch's groups spread evenly (the driver shares them out by tokens,
         `pipelines.lm.adapter.balanced`). The start-up profile times its larger size at this (`engines.profile_work`):
         a line fitted through two small passes missed a step's 128-response passes by a quarter of its time."""
-        draws = self.algo.dynamic_sampling_max_draws if self.algo.dynamic_sampling else 1
-        micro_batches = 1 if draws > 1 else self.algo.micro_batches  # as the scenario cuts it (`scenario`)
         trainer_devices = self.runtime.trainer_devices or self.compute_devices
-        groups = -(-self.algo.prompts_per_step // micro_batches // trainer_devices)
+        groups = -(-self.algo.prompts_per_step // self.algo.micro_batches // trainer_devices)
         return groups * self.algo.group_size
 
     @property
@@ -825,10 +813,10 @@ class LMTrainConfig(RunSection):
             "group": self.algo.group_size,
             "max_length": self.max_new_tokens,
             "length_bands": self.runtime.length_bands,
-            # the groups a step of several draws keeps train as one micro-batch (the reference loop's one pass too)
-            "micro_batches": 1 if draws > 1 else self.algo.micro_batches,
+            "micro_batches": self.algo.micro_batches,
             "updates": self.algo.num_iterations,
             "draws": draws,
+            "dynamic_sampling": self.algo.dynamic_sampling,
             "reference": self.algo.beta > 0,
             "critic": self.critic is not None,
             "lengths_known": False,  # a run learns them by decoding
