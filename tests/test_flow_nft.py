@@ -183,6 +183,16 @@ def test_a_short_run_trains_and_moves_the_old_policy_by_its_schedule(tmp_path):
         torch.testing.assert_close(old[name], 0.5 * old_1 + 0.5 * second[name], atol=1e-6, rtol=0)
 
 
+def test_a_resumed_run_samples_with_the_checkpoints_old_policy_as_the_uninterrupted_one(tmp_path):
+    overrides = [*NFT, "policy=reference", "eval.every=100", "checkpoint.every=1", "algo.nft.decay_rate=0.25"]
+    train(load_config(None, overrides), tmp_path / "whole", steps=2)
+    train(load_config(None, overrides), tmp_path / "part", steps=1)
+    train(load_config(None, overrides), tmp_path / "part", steps=2, resume=tmp_path / "part")
+    for name in ("model", "old_policy"):
+        whole, resumed = weights(tmp_path / "whole", 2, name), weights(tmp_path / "part", 2, name)
+        assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole), name
+
+
 @pytest.mark.exactness
 @pytest.mark.usefixtures("local_ray")
 def test_colocated_ends_at_the_reference_loops_weights_and_old_policy(tmp_path):
