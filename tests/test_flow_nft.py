@@ -9,8 +9,10 @@ import pytest
 import torch
 from running import train
 from safetensors.torch import load_file
+from typer.testing import CliRunner
 
 from dovetail.algo import diffusion_nft_loss, forward_timesteps, noised, old_policy_decay, soft_update
+from dovetail.cli import app
 from dovetail.config.common import DEFAULT_CHECKPOINT, ConfigError
 from dovetail.config.load import load_config
 from dovetail.graph.node import SampleId
@@ -141,6 +143,8 @@ def test_the_config_trains_its_own_random_timesteps_of_all_k_and_samples_by_the_
 def test_what_diffusion_nft_cannot_take_is_refused_in_one_line(override):
     with pytest.raises(ConfigError, match="algorithm diffusion_nft"):
         load_config(None, ["algorithm=diffusion_nft", override])
+    result = CliRunner().invoke(app, ["train", "algorithm=diffusion_nft", override, "--dry-run"])
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
 
 
 # ------------------------------------------------------------------ short runs
