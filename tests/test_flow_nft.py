@@ -9,6 +9,7 @@ import pytest
 import torch
 from running import train
 from safetensors.torch import load_file
+from test_run_ux import undocumented
 from typer.testing import CliRunner
 
 from dovetail.algo import diffusion_nft_loss, forward_timesteps, noised, old_policy_decay, soft_update
@@ -178,6 +179,7 @@ def test_a_short_run_trains_and_moves_the_old_policy_by_its_schedule(tmp_path):
     assert [line["step"] for line in lines if "reward/total" in line] == [1, 2]
     assert all(math.isfinite(line["eval_reward"]) for line in lines if "eval_reward" in line)
     assert all(0 < line["optimality_mean"] < 1 and math.isfinite(line["loss"]) for line in lines if "loss" in line)
+    assert undocumented({k for line in lines for k in line}) == []
     base = load_file(DEFAULT_CHECKPOINT / "model.safetensors")
     first, second = weights(out, 1), weights(out, 2)
     assert max((second[k] - base[k]).abs().max().item() for k in base) > 1e-4  # it trained
@@ -218,3 +220,8 @@ def test_colocated_ends_at_the_reference_loops_weights_and_old_policy(tmp_path):
     got, got_old = weights(runs["colocated"], 3), weights(runs["colocated"], 3, "old_policy")
     assert max((got[k] - expected[k]).abs().max().item() for k in base) <= 1e-5
     assert max((got_old[k] - old[k]).abs().max().item() for k in base) <= 1e-5
+    logged = {name: [m for m in metrics(out) if "loss" in m] for name, out in runs.items()}
+    assert undocumented({k for m in logged["colocated"] for k in m}) == []
+    assert [m["optimality_mean"] for m in logged["colocated"]] == pytest.approx(
+        [m["optimality_mean"] for m in logged["reference"]], abs=1e-6
+    )
