@@ -722,8 +722,6 @@ class FlowTrainConfig(RunSection):
             "micro_batch": max(1, self.train.chunk_size // trained),
             "fsdp_precision": self.train.precision,  # the dtype a sharded trainer's passes gather, as the run trains
             "priority": self.priority,
-            # DiffusionNFT's old policy makes one no-grad forward per trained pair, as a KL reference does
-            "reference": self.algorithm == "diffusion_nft",
             "lora": self.lora_spec,
         }
         return planner_scenario(self, [pipeline], steps, self.runtime.trainer_devices, self.runtime.reward_devices)
