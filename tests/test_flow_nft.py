@@ -201,27 +201,34 @@ def test_a_resumed_run_samples_with_the_checkpoints_old_policy_as_the_uninterrup
 
 @pytest.mark.exactness
 @pytest.mark.usefixtures("local_ray")
-def test_colocated_ends_at_the_reference_loops_weights_and_old_policy(tmp_path):
+def test_colocated_and_digen_end_at_the_reference_loops_weights_and_old_policy(tmp_path):
     """The old policy samples and gives v_old on every trainer replica and is what they publish; the fresh noise and
-    timesteps are keyed by the sample: colocated ends at the reference loop's weights and old policy (<= 1e-5, the
-    flow policies' bound). At lr 1e-3: AdamW's first step moves a weight by lr g / (|g| + 1e-8), and a few of NFT's
-    gradient elements are ~1e-8, where the two policies' summation orders differ by a few percent: at lr 3e-3 that
-    is 1.9e-5 (measured), at 1e-3 6e-6, the same from the first step to the third (no drift)."""
+    timesteps are keyed by the sample: colocated, and digen with fragments and one-timestep chunks, end at the
+    reference loop's weights and old policy (<= 1e-5, the flow policies' bound). At lr 1e-3: AdamW's first step
+    moves a weight by lr g / (|g| + 1e-8), and a few of NFT's gradient elements are ~1e-8, where the policies'
+    summation orders differ by a few percent: at lr 3e-3 that is 1.9e-5 (measured), at 1e-3 6e-6, the same from the
+    first step to the third (no drift)."""
     common = [
         *NFT, "train.lr=1e-3", "cluster.devices=2", "eval.every=100", "checkpoint.every=1", "algo.nft.decay_rate=0.25",
     ]  # fmt: skip
-    runs = {name: tmp_path / name for name in ("reference", "colocated")}
+    policies = {
+        "reference": ["policy=reference"],
+        "colocated": ["policy=colocated"],
+        "digen": ["policy=digen", "runtime.fragments=2", "runtime.tsp_chunk=1"],  # fragments, one timestep a chunk
+    }
+    runs = {name: tmp_path / name for name in policies}
     for name, out in runs.items():
-        train(load_config(None, [*common, f"policy={name}"]), out, steps=3)
+        train(load_config(None, [*common, *policies[name]]), out, steps=3)
     base = load_file(DEFAULT_CHECKPOINT / "model.safetensors")
     expected, old = weights(runs["reference"], 3), weights(runs["reference"], 3, "old_policy")
     assert max((expected[k] - base[k]).abs().max().item() for k in base) > 1e-4
     assert max((expected[k] - old[k]).abs().max().item() for k in base) > 1e-5  # the old policy lags
-    got, got_old = weights(runs["colocated"], 3), weights(runs["colocated"], 3, "old_policy")
-    assert max((got[k] - expected[k]).abs().max().item() for k in base) <= 1e-5
-    assert max((got_old[k] - old[k]).abs().max().item() for k in base) <= 1e-5
     logged = {name: [m for m in metrics(out) if "loss" in m] for name, out in runs.items()}
-    assert undocumented({k for m in logged["colocated"] for k in m}) == []
-    assert [m["optimality_mean"] for m in logged["colocated"]] == pytest.approx(
-        [m["optimality_mean"] for m in logged["reference"]], abs=1e-6
-    )
+    for name in ("colocated", "digen"):
+        got, got_old = weights(runs[name], 3), weights(runs[name], 3, "old_policy")
+        assert max((got[k] - expected[k]).abs().max().item() for k in base) <= 1e-5, name
+        assert max((got_old[k] - old[k]).abs().max().item() for k in base) <= 1e-5, name
+        assert undocumented({k for m in logged[name] for k in m}) == []
+        assert [m["optimality_mean"] for m in logged[name]] == pytest.approx(
+            [m["optimality_mean"] for m in logged["reference"]], abs=1e-6
+        ), name
