@@ -1,4 +1,5 @@
-"""Pure math: the SDE step with its log-prob, advantages, the policy loss, timestep choice, a weights' EMA."""
+"""Pure math: the SDE step with its log-prob, advantages, the policy loss, timestep choice, a weights' EMA,
+DiffusionNFT's forward-process loss."""
 
 from dovetail.algo.advantages import ADVANTAGE_ESTIMATORS, advantages, gae_advantages_returns
 from dovetail.algo.ema import WeightEMA
@@ -11,6 +12,14 @@ from dovetail.algo.grpo import (
     train_timestep_count,
 )
 from dovetail.algo.lm_grpo import POLICY_LOSSES, clipped_value_loss, lm_grpo_loss, rollout_correction_weight
+from dovetail.algo.nft import (
+    diffusion_nft_loss,
+    forward_timesteps,
+    noised,
+    old_policy_decay,
+    optimality_probability,
+    soft_update,
+)
 from dovetail.algo.sde import SDEStep, gaussian_log_prob, sde_step
 
 __all__ = [
@@ -22,6 +31,12 @@ __all__ = [
     "SDEStep",
     "WeightEMA",
     "decoupled_old_log_prob",
+    "diffusion_nft_loss",
+    "forward_timesteps",
+    "noised",
+    "old_policy_decay",
+    "optimality_probability",
+    "soft_update",
     "flow_grpo_loss",
     "gaussian_log_prob",
     "group_advantages",

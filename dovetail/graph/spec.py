@@ -95,14 +95,14 @@ class _PipelineSpec(_Spec):
 
 
 class FlowSpec(_PipelineSpec):
-    """A FlowGRPO / DanceGRPO step of a diffusion or flow-matching model."""
+    """A FlowGRPO / DanceGRPO / DiffusionNFT step of a diffusion or flow-matching model."""
 
     kind: Literal["flow"] = "flow"
     min_plan_devices: ClassVar[int] = 2
     """Devices `dovetail plan` needs besides reward devices: a rollout and a trainer pool to search over."""
     name: PipelineName = Field(description="Pipeline name, unique in a scenario.")
     model: str = Field(max_length=100, description="Diffusion model from the catalogue, e.g. FLUX.1-12B.")
-    algorithm: Literal["flow_grpo", "dance_grpo"] = "flow_grpo"
+    algorithm: Literal["flow_grpo", "dance_grpo", "diffusion_nft"] = "flow_grpo"
     prompts: int = Field(gt=0, le=MAX_SAMPLES, description="Prompts per step (B).")
     group: GroupSize = Field(le=1024, description="Samples per prompt (G); a group is never split across fragments.")
     denoising_steps: int = Field(gt=1, le=1000, description="Sampler steps per sample (K).")

@@ -11,7 +11,7 @@ from typing import cast
 
 import torch
 
-from dovetail.algo import decoupled_old_log_prob, flow_grpo_loss, sde_step
+from dovetail.algo import decoupled_old_log_prob, diffusion_nft_loss, flow_grpo_loss, noised, sde_step
 from dovetail.graph.node import SampleId, sample_key
 from dovetail.models.sampling import Trajectories, keyed_normal, sample_sde
 from dovetail.prompts import DIGIT_PROMPTS
@@ -178,6 +178,66 @@ def accumulate_policy_gradient(
                 totals[name] = max(totals.get(name, value), value)
             else:
                 totals[name] = totals.get(name, 0.0) + value * len(rows)
+    return totals
+
+
+def nft_noise_key(seed: int, sample: SampleId, timestep: int) -> int:
+    """The key of the fresh noise DiffusionNFT draws for `sample` at schedule step `timestep`: by identity, so every
+    device and the reference loop noise a pair alike."""
+    return sample_key(seed, "nft", sample.step, sample.prompt, sample.member, timestep)
+
+
+def accumulate_nft_gradient(
+    model,
+    old_model,
+    trajectories: Trajectories,
+    samples: list[SampleId],
+    advantages: torch.Tensor,
+    timesteps: list[list[int]],
+    *,
+    seed: int,
+    chunk_size: int,
+    total_pairs: int,
+    beta: float,
+    adv_clip: float,
+    kl_beta: float = 0.0,
+    reference_model=None,
+) -> dict[str, float]:
+    """Backpropagate DiffusionNFT's loss (`algo.diffusion_nft_loss`) of every (sample, timestep) pair, `chunk_size`
+    pairs at a time, each chunk weighted by its share of `total_pairs` as `accumulate_policy_gradient` does. A pair
+    noises the sample's final latents x0 afresh at t = sigma of its step, with noise keyed by the pair
+    (`nft_noise_key`), and the old (sampling) policy `old_model` gives v_old there. `timesteps`: one list per sample,
+    indices into the schedule's sigmas (`trajectories.sigmas`). Returns the pair-weighted sums of the statistics."""
+    pairs = [(i, row[j]) for j in range(len(timesteps[0])) for i, row in enumerate(timesteps)]
+    x0_all = trajectories.latents[:, -1]
+    totals: dict[str, float] = {}
+    for start in range(0, len(pairs), chunk_size):
+        rows, steps = map(list, zip(*pairs[start : start + chunk_size]))
+        noise = keyed_normal([nft_noise_key(seed, samples[r], k) for r, k in zip(rows, steps)], x0_all.shape[1:])
+        x0 = x0_all[rows]
+        t = trajectories.sigmas[steps]
+        xt = noised(x0, noise.to(device=x0.device, dtype=x0.dtype), t)
+        prompt_ids = trajectories.prompt_ids[rows]
+        with torch.no_grad():
+            old_velocity = old_model(xt, t, prompt_ids)
+            ref_velocity = reference_model(xt, t, prompt_ids) if kl_beta > 0 else None
+        velocity = model(xt, t, prompt_ids)
+        loss, stats = diffusion_nft_loss(
+            velocity,
+            old_velocity,
+            x0,
+            xt,
+            t,
+            advantages[rows],
+            beta=beta,
+            adv_clip=adv_clip,
+            ref_velocity=ref_velocity,
+            kl_beta=kl_beta,
+        )
+        (loss * (len(rows) / total_pairs)).backward()
+        stats["loss"] = loss.item()
+        for name, value in stats.items():
+            totals[name] = totals.get(name, 0.0) + value * len(rows)
     return totals
 
 

@@ -26,6 +26,10 @@ metrics.jsonl, one line per step (Ray: only under a Ray policy; flow / LM: of th
   ratio_min             smallest importance ratio of the step
   ratio_max             largest importance ratio of the step
   kl_ref                mean KL to the reference (base) model, when algo.beta > 0
+  optimality_mean       flow, algorithm diffusion_nft: mean optimality probability r of the trained pairs (1/2 where
+                        every advantage is 0)
+  old_deviation         flow, algorithm diffusion_nft: mean |v_theta - v_old|^2 of the trained pairs, the trained
+                        velocity's distance from the old (sampling) policy's
   entropy               LM: mean token entropy of the responses
   logprob_gap           LM, where old log-probs are recomputed (sampling.engine=vllm; policy areal): mean |engine's
                         log-prob - the trainer's recomputed one| per response token (areal's stale samples: with drift)

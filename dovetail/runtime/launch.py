@@ -26,7 +26,7 @@ from dovetail.plan.prepare import Prepared, prepare, simulate
 from dovetail.plan.scenario import Scenario
 from dovetail.runtime.executor import PipelineRun, RayExecutor
 from dovetail.runtime.interference import measure_interference
-from dovetail.runtime.pipeline import Ledger
+from dovetail.runtime.pipeline import SAMPLING_WEIGHTS_KEY, Ledger
 from dovetail.runtime.publication import Publication, measured
 from dovetail.runtime.ray_start import DEVICE_RESOURCE, device_bundle, start_ray, warning_muted
 from dovetail.runtime.recovery import Incarnations, LostWatch, Started
@@ -161,7 +161,8 @@ def start_workers(config: TrainConfig, pool: DevicePool, trainer_states: dict[st
     started = {}
     for name, pipeline in pipelines.items():
         state_ref = ray.put(trainer_states[name])
-        weights_ref = ray.put(trainer_states[name]["weights"])
+        state = trainer_states[name]
+        weights_ref = ray.put(state.get(SAMPLING_WEIGHTS_KEY, state["weights"]))
         incarnations = Incarnations([0] * len(workers[name]))
         config_dump = pipeline.model_dump(mode="json")
         started[name] = Started(

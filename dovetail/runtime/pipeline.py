@@ -39,6 +39,11 @@ UNSHARDED_KINDS = ("train", "optimizer")
 """The kinds of work a sharded run's start-up profile leaves out (`unsharded_works`)."""
 
 
+SAMPLING_WEIGHTS_KEY = "sampling_weights"
+"""A trainer state's entry for the weights the rollouts sample with where they are not the trained ones (DiffusionNFT's
+old policy, as numpy by name): the run's first publication takes them, later ones `export_weights`."""
+
+
 def unsharded_works(works: dict) -> dict:
     """A sharded run's start-up profile without the train and the optimizer step: on a replica they would hold the
     whole model's gradients and AdamW moments on one device, which a sharded run is there to avoid (a 7B model's are

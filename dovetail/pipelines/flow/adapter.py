@@ -17,7 +17,7 @@ from dovetail.prompts import train_prompts
 from dovetail.runtime.messages import FurtherUpdate, Score, Scores, Trained
 from dovetail.runtime.pipeline import Part, PipelineAdapter, RunContext
 
-STAT_MEANS = ("clip_frac", "approx_kl", "ratio_mean", "loss", "kl_ref")
+STAT_MEANS = ("clip_frac", "approx_kl", "ratio_mean", "loss", "kl_ref", "optimality_mean", "old_deviation")
 """Loss statistics the train parts sum over their (sample, timestep) pairs, reported as means."""
 
 
@@ -149,8 +149,9 @@ class FlowAdapter(PipelineAdapter):
         metrics |= {
             name: sum(t.stats[name] for t in trained) / pairs for name in STAT_MEANS if name in trained[0].stats
         }
-        metrics["ratio_min"] = min(t.stats["ratio_min"] for t in trained)
-        metrics["ratio_max"] = max(t.stats["ratio_max"] for t in trained)
+        if "ratio_min" in trained[0].stats:  # a policy ratio's extremes (DiffusionNFT has none)
+            metrics["ratio_min"] = min(t.stats["ratio_min"] for t in trained)
+            metrics["ratio_max"] = max(t.stats["ratio_max"] for t in trained)
         metrics["timesteps"] = sorted({unit for t in trained for unit in t.units})
         return metrics
 

@@ -231,6 +231,31 @@ class SDEWindowSection(Section):
     stride: int = Field(1, ge=1, le=1000, description="steps the window moves by (MixGRPO's prog_overlap_step: 1)")
 
 
+class NFTSection(Section):
+    """DiffusionNFT's knobs (algorithm diffusion_nft; docs/flow_algorithms.md), upstream's defaults."""
+
+    beta: float = Field(
+        1.0,
+        gt=0,
+        le=100,
+        description="guidance strength of the implicit policies v+- = v_old +- beta (v_theta - v_old) (upstream's "
+        "config.beta: 1.0, its OCR run 0.1)",
+    )
+    decay_flat: int = Field(
+        0, ge=0, le=MAX_STEPS, description="optimizer steps during which the old policy is the weights (decay 0)"
+    )
+    decay_rate: float = Field(
+        0.001, ge=0, le=1, description="the old policy's decay grows by this each optimizer step after decay_flat"
+    )
+    decay_max: float = Field(
+        0.5,
+        ge=0,
+        lt=1,
+        description="the old policy's decay at most: old <- d old + (1 - d) theta after each step (upstream's "
+        "decay_type 1: 0, 0.001, 0.5; type 2: 75, 0.0075, 0.999; type 0: rate 0, max 0)",
+    )
+
+
 class AlgoSection(Section):
     prompts_per_step: int = Field(8, ge=1, le=MAX_PER_STEP, description="B: prompts per step")
     group_size: GroupSize = Field(8, le=MAX_PER_STEP, description="G: samples per prompt")
@@ -289,6 +314,7 @@ class AlgoSection(Section):
         description="MixGRPO: the SDE window slides from window_range's start, moving every shift_every steps (ODE "
         "outside it); sets timesteps=window and window_size=size. None: a window, if any, is drawn at random",
     )
+    nft: NFTSection = Field(NFTSection(), description="DiffusionNFT's knobs (algorithm diffusion_nft)")
     ratio_normalization: bool = Field(
         False,
         description="GRPO-Guard: the ratio of each step normalised to an unbiased log-ratio on one scale at every "
@@ -472,10 +498,10 @@ class RuntimeSection(Section):
 
 
 class FlowTrainConfig(RunSection):
-    """A FlowGRPO / DanceGRPO run of a text-to-image flow model."""
+    """A FlowGRPO / DanceGRPO / DiffusionNFT run of a text-to-image flow model."""
 
     kind: Literal["flow"] = "flow"
-    algorithm: Literal["flow_grpo", "dance_grpo"] = "flow_grpo"
+    algorithm: Literal["flow_grpo", "dance_grpo", "diffusion_nft"] = "flow_grpo"
     policy: str = Field(REFERENCE, description="who schedules the step: `dovetail train --help` lists them")
     model: ModelSection = ModelSection()
     prompts: PromptsSection | None = Field(None, description="prompts from a file or dataset; None: 'digit N'")
@@ -603,6 +629,32 @@ class FlowTrainConfig(RunSection):
                 f"algo.num_iterations={algo.num_iterations}: digen+tcss trains stale samples against the weights being "
                 "trained; use digen, or algo.num_iterations=1"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _diffusion_nft_fits(self) -> "FlowTrainConfig":
+        """DiffusionNFT trains each sample at its own random subset of the schedule's timesteps, int(K * 0.99) of
+        all K by default (upstream's timestep_fraction 0.99), on one update a batch after which the old policy
+        moves; its old policy is a whole copy of the weights, as the EMA is."""
+        if self.algorithm != "diffusion_nft":
+            return self
+        algo = self.algo
+        for field, value in (("timestep_fraction", 0.99), ("timestep_rounding", "floor"), ("timestep_pool", "all")):
+            if field not in algo.model_fields_set:
+                setattr(algo, field, value)
+        refused = {
+            "algo.timesteps": algo.timesteps is not None,
+            "algo.sde_window": algo.sde_window is not None,
+            "algo.ratio_normalization": algo.ratio_normalization,
+            "algo.num_iterations": algo.num_iterations > 1,
+            "train.sharding=fsdp": self.train.sharding == "fsdp",
+        }
+        for field, set_ in refused.items():
+            if set_:
+                raise ValueError(
+                    f"{field}: algorithm diffusion_nft trains its own random timesteps per sample, one update a "
+                    "step, beside a whole copy of the weights (its old policy); leave it unset"
+                )
         return self
 
     @model_validator(mode="after")
@@ -762,4 +814,4 @@ def _timestep_mode(config: FlowTrainConfig) -> str:
     """`FlowRules.timestep_mode`, alone: the window validator asks it before the window's size is known good."""
     if config.algo.timesteps is not None:
         return config.algo.timesteps
-    return "random" if config.algorithm == "dance_grpo" else "prefix"
+    return "random" if config.algorithm in ("dance_grpo", "diffusion_nft") else "prefix"

@@ -1,6 +1,6 @@
-"""A flow pipeline's (FlowGRPO / DanceGRPO) engines on one device of the Ray runtime: a rollout copy of the policy,
-the trainer (weights + optimizer), the reference and the reward engine, doing the typed work the driver sends
-(generate, score, old log-probs, train), and the profile of that work the cost model is fitted to. The math is the
+"""A flow pipeline's (FlowGRPO / DanceGRPO / DiffusionNFT) engines on one device of the Ray runtime: a rollout copy of
+the policy, the trainer (weights + optimizer), the reference and the reward engine, doing the typed work the driver
+sends (generate, score, old log-probs, train), and the profile of that work the cost model is fitted to. The math is the
 reference loop's (`models.flow_rl`, `recipe`): every random draw is keyed by the sample, so any split gives the same
 numbers.
 """
@@ -32,12 +32,13 @@ from dovetail.models.training import commit, load_weights, make_optimizer, synch
 from dovetail.pipelines.flow.config import FlowTrainConfig, flow_rules
 from dovetail.pipelines.flow.ema import EMA_KEY, load_ema, trained_parameters, update_ema, weight_ema, with_ema
 from dovetail.pipelines.flow.messages import FlowLogProbs, FlowTrain, Generate, Trajectories
+from dovetail.pipelines.flow.old_policy import load_old_policy, old_policy, update_old_policy, with_old_policy
 from dovetail.pipelines.flow.recipe import advantages_of, policy_gradient, sample_timesteps, sde_settings, sde_steps
 from dovetail.prompts import train_prompts
 from dovetail.rewards import load_rewards, score
 from dovetail.runtime.interference import Span, time_work
 from dovetail.runtime.messages import LogProbs, Score, Scores, Trained, Work
-from dovetail.runtime.pipeline import PROFILE_ROUNDS, PipelineEngines, unsharded_works
+from dovetail.runtime.pipeline import PROFILE_ROUNDS, SAMPLING_WEIGHTS_KEY, PipelineEngines, unsharded_works
 
 
 def pack(trajectories: sampling.Trajectories, ids: list[SampleId], version: int) -> Trajectories:
@@ -74,6 +75,8 @@ class FlowEngines(PipelineEngines[torch.nn.Module]):
         super().__init__(config, device)
         self.ema: WeightEMA | None = None
         """eval.ema's average of the trainer's weights, on a device that holds a trainer (`pipelines.flow.ema`)."""
+        self.old_policy: torch.nn.Module | None = None
+        """DiffusionNFT's old policy beside the trainer (`pipelines.flow.old_policy`): what this device publishes."""
         self.sde, self.rules = sde_settings(config, device), flow_rules(config)
         self.decode = load_decoder(config, device)
         self.reward_sources = config.reward_sources(str(device))
@@ -83,16 +86,18 @@ class FlowEngines(PipelineEngines[torch.nn.Module]):
         self.trainer = load_flow_model(config).to(device)
         self.optimizer = make_optimizer(self.trainer, config.train)
         self.ema = weight_ema(config, self.trainer)
+        self.old_policy = old_policy(config, self.trainer)
         self.load_trainer_state(trainer_state)
         if config.algo.beta > 0:
             self.reference = load_flow_model(config).to(device).requires_grad_(False)
         self.rollout = copy.deepcopy(self.trainer).requires_grad_(False)
 
     def trainer_state(self) -> dict:
-        """The trainer's state with eval.ema's average of its weights beside them (`pipelines.flow.ema`); a sharded
-        member's, its shards of both (`models.sharding.merged_state` joins them)."""
-        if self.sharded_group is None or self.ema is None:
-            return with_ema(super().trainer_state(), self.ema)
+        """The trainer's state with eval.ema's average of its weights and DiffusionNFT's old policy beside them
+        (`pipelines.flow.ema`, `pipelines.flow.old_policy`); a sharded member's, its shards of the weights and the
+        average (`models.sharding.merged_state` joins them; DiffusionNFT refuses a sharded trainer)."""
+        if self.sharded_group is None or self.ema is None:  # DiffusionNFT's old policy is a replica's alone
+            return with_old_policy(with_ema(super().trainer_state(), self.ema), self.old_policy)
         from dovetail.models.sharding import local_tensors  # a sharded run's (`shard_trainer` says why here)
 
         return super().trainer_state() | {EMA_KEY: local_tensors(self.ema.shadow)}
@@ -115,6 +120,14 @@ class FlowEngines(PipelineEngines[torch.nn.Module]):
         takes it over averages on as the one that held it."""
         super().load_trainer_state(state)
         load_ema(self.ema, state.get(EMA_KEY), self.held_trainer()[0])
+        load_old_policy(self.old_policy, state.get(SAMPLING_WEIGHTS_KEY), self.held_trainer()[0])
+
+    def export_weights(self, keep: bool = True) -> dict:
+        """The weights the rollouts sample with: DiffusionNFT's old policy where the run keeps one, else the
+        trained weights."""
+        if self.old_policy is not None:
+            return weights_of(self.old_policy)
+        return super().export_weights(keep)
 
     def train_again(self, work: Work) -> Trained:
         """The part again on the weights now: its old log-probs are the rollout's (or the recomputed ones the part
@@ -125,6 +138,7 @@ class FlowEngines(PipelineEngines[torch.nn.Module]):
     def after_commit(self) -> None:
         trainer, optimizer = self.held_trainer()
         update_ema(self.ema, trainer, optimizer)
+        update_old_policy(self.config, self.old_policy, trainer, optimizer)
 
     def state_module(self) -> torch.nn.Module:
         trainer, _ = self.held_trainer()
@@ -195,6 +209,8 @@ class FlowEngines(PipelineEngines[torch.nn.Module]):
             total_pairs=work.total_pairs,
             reference_model=self.reference,
             stale=work.stale,
+            samples=[ids[r] for r in rows],
+            old_model=self.old_policy,
         )
         if work.group:  # a member of a sharded group makes as many passes as the others
             made = training_passes(len(rows) * len(work.units), self.config.train.chunk_size)

@@ -23,11 +23,14 @@ from dovetail.models.training import (
     load_trainer_state,
     make_optimizer,
     stepped_lr,
+    tensors_of,
     trainer_state_of,
+    weights_of,
 )
 from dovetail.pipelines.flow.adapter import further_update_metrics
 from dovetail.pipelines.flow.config import FlowTrainConfig, flow_rules
 from dovetail.pipelines.flow.ema import EMA_KEY, load_ema, trained_parameters, update_ema, weight_ema, with_ema
+from dovetail.pipelines.flow.old_policy import load_old_policy, old_policy, update_old_policy, with_old_policy
 from dovetail.pipelines.flow.recipe import (
     advantages_of,
     evaluate,
@@ -42,7 +45,7 @@ from dovetail.run_dir import (
     RunDir,
 )
 from dovetail.runtime.messages import DeviceMemory, FurtherUpdate, Trained
-from dovetail.runtime.pipeline import memory_figures
+from dovetail.runtime.pipeline import SAMPLING_WEIGHTS_KEY, memory_figures
 from dovetail.trackers import Evaluation
 
 
@@ -54,11 +57,13 @@ def rl_step(
     reference_model=None,
     decode=latents_to_images,
     after_commit=lambda: None,
+    old_model=None,
 ) -> dict:
     """One on-policy step of the reference path; returns its metrics. `decode` turns latents into the images the
-    rewards score; `after_commit()` runs after each optimizer step (eval.ema's update). With algo.num_iterations
-    the batch's gradient is computed again after each update, on the weights it left, the old log-probs still the
-    rollout's, as a Ray trainer's commit does (`runtime.worker`)."""
+    rewards score; `after_commit()` runs after each optimizer step (eval.ema's update, DiffusionNFT's old policy).
+    With algo.num_iterations the batch's gradient is computed again after each update, on the weights it left, the
+    old log-probs still the rollout's, as a Ray trainer's commit does (`runtime.worker`). `old_model`: DiffusionNFT's
+    old policy, which samples the rollouts and gives the loss its v_old (`pipelines.flow.old_policy`)."""
     sde, rules = sde_settings(config), flow_rules(config)
     algo = config.algo
     timings = {}
@@ -68,7 +73,7 @@ def rl_step(
     ids = group_sample_ids(step, list(range(algo.prompts_per_step)), algo.group_size)
     sample_prompts = [prompts[s.prompt] for s in ids]
     trajectories = generate(
-        model,
+        model if old_model is None else old_model,
         sample_prompts,
         ids,
         sde,
@@ -98,6 +103,8 @@ def rl_step(
             config,
             total_pairs=total_pairs,
             reference_model=reference_model,
+            samples=ids,
+            old_model=old_model,
         )
 
     sums = train()
@@ -124,10 +131,14 @@ def rl_step(
     }
     metrics |= timings | {"grad_norm": grad_norm, "learning_rate": stepped_lr(optimizer)}
     metrics |= further_update_metrics([further])
-    if not algo.per_sample_timesteps:
+    if not algo.per_sample_timesteps and config.algorithm != "diffusion_nft":
         metrics["timesteps"] = timesteps[0]
     return metrics | {"samples_per_s": len(ids) / step_seconds, "step_s": step_seconds} | memory_figures([memory])
 
+
+OLD_POLICY_FILE = "old_policy.safetensors"
+"""A DiffusionNFT checkpoint's old policy (`pipelines.flow.old_policy`), beside its weights, so that a resumed run
+samples with it."""
 
 EMA_FILE = "ema.safetensors"
 """A checkpoint's EMA of the trained weights (eval.ema), beside its weights: the trainable parameters by name."""
@@ -147,6 +158,7 @@ class FlowLocal:
         self.optimizer = make_optimizer(self.model, config.train)
         save_weights, load_weights = checkpoint_io(config, self.model)
         self.ema = weight_ema(config, self.model)
+        self.old_policy = old_policy(config, self.model)
         self._save, self._load = save_weights, load_weights
         self._reference_model = None
 
@@ -156,6 +168,8 @@ class FlowLocal:
             save_file(
                 {name: t.detach().cpu().contiguous() for name, t in self.ema.shadow.items()}, str(directory / EMA_FILE)
             )
+        if self.old_policy is not None:
+            save_file(tensors_of(weights_of(self.old_policy)), str(directory / OLD_POLICY_FILE))
 
     def load_weights(self, directory: Path):
         """The checkpoint's model (`checkpoint_io`'s loader); its EMA too where eval.ema keeps one, or, from a
@@ -163,16 +177,19 @@ class FlowLocal:
         loaded = self._load(directory)
         saved = load_file(directory / EMA_FILE) if (directory / EMA_FILE).is_file() else None
         load_ema(self.ema, saved, loaded)
+        old = directory / OLD_POLICY_FILE
+        load_old_policy(self.old_policy, load_file(old) if old.is_file() else None, loaded)
         return loaded
 
     def trainer_state(self) -> dict:
-        """The weights, optimizer state and EMA as numpy: what the Ray trainers start from."""
-        return with_ema(trainer_state_of(self.model, self.optimizer), self.ema)
+        """The weights, optimizer state, EMA and old policy as numpy: what the Ray trainers start from."""
+        return with_old_policy(with_ema(trainer_state_of(self.model, self.optimizer), self.ema), self.old_policy)
 
     def load_trainer_state(self, state: dict) -> None:
         """A trainer's committed state (weights, optimizer, and its EMA) into this process's model."""
         load_trainer_state(self.model, self.optimizer, state)
         load_ema(self.ema, state.get(EMA_KEY), self.model)
+        load_old_policy(self.old_policy, state.get(SAMPLING_WEIGHTS_KEY), self.model)
 
     @contextmanager
     def _evaluated_weights(self) -> Iterator[None]:
@@ -210,5 +227,10 @@ class FlowLocal:
             step,
             self._reference_model,
             self.decode,
-            lambda: update_ema(self.ema, self.model, self.optimizer),
+            self._after_commit,
+            self.old_policy,
         )
+
+    def _after_commit(self) -> None:
+        update_ema(self.ema, self.model, self.optimizer)
+        update_old_policy(self.config, self.old_policy, self.model, self.optimizer)

@@ -5,9 +5,9 @@ held-out evaluation."""
 import numpy as np
 import torch
 
-from dovetail.algo import group_advantages, select_train_timesteps, sliding_window
+from dovetail.algo import forward_timesteps, group_advantages, select_train_timesteps, sliding_window
 from dovetail.graph.node import SampleId, sample_key
-from dovetail.models.flow_rl import SDESettings, accumulate_policy_gradient
+from dovetail.models.flow_rl import SDESettings, accumulate_nft_gradient, accumulate_policy_gradient, per_row
 from dovetail.models.sampling import keyed_normal, sample_ode
 from dovetail.models.t2i import flow_sigmas, latents_to_images
 from dovetail.pipelines.flow.config import FlowTrainConfig, flow_rules
@@ -41,15 +41,23 @@ def step_timesteps(config: FlowTrainConfig, step: int) -> list[int]:
 
 def sample_timesteps(config: FlowTrainConfig, sample: SampleId) -> list[int]:
     """The steps trained on `sample`: its RL step's (`step_timesteps`), or with algo.per_sample_timesteps its own
-    (DanceGRPO), keyed by its identity so that every device and the reference loop draw the same."""
+    (DanceGRPO), keyed by its identity so that every device and the reference loop draw the same. DiffusionNFT's
+    are always its own, of all K steps of the schedule (`algo.forward_timesteps`)."""
+    key = sample_key(config.seed, "timesteps", sample.step, sample.prompt, sample.member)
+    if config.algorithm == "diffusion_nft":
+        count = flow_rules(config).trained_timesteps
+        return forward_timesteps(config.sampling.num_steps, count, torch.Generator().manual_seed(key))
     if not config.algo.per_sample_timesteps:
         return step_timesteps(config, sample.step)
-    return _select_timesteps(config, sample_key(config.seed, "timesteps", sample.step, sample.prompt, sample.member))
+    return _select_timesteps(config, key)
 
 
 def sde_steps(config: FlowTrainConfig, samples: list[SampleId]) -> list[list[int]] | None:
     """Each sample's stochastic steps where only its SDE window is (algo.timesteps=window, as Flow-GRPO-Fast
-    samples: the other steps are deterministic); None where every step is."""
+    samples: the other steps are deterministic), none at all for DiffusionNFT (the ODE, as upstream samples with
+    `deterministic=True`: it needs no likelihood); None where every step is."""
+    if config.algorithm == "diffusion_nft":
+        return [[] for _ in samples]
     if flow_rules(config).timestep_mode != "window":
         return None
     return [sample_timesteps(config, s) for s in samples]
@@ -115,9 +123,31 @@ def policy_gradient(
     total_pairs: int,
     reference_model=None,
     stale: bool = False,
+    samples: list[SampleId] | None = None,
+    old_model=None,
 ) -> dict[str, float]:
-    """`accumulate_policy_gradient` with the config's knobs; `stale` (TCSS) turns on the decoupled correction."""
+    """`accumulate_policy_gradient` with the config's knobs; `stale` (TCSS) turns on the decoupled correction.
+    DiffusionNFT's (`accumulate_nft_gradient`) needs the trajectories' `samples` (its noise is keyed by them) and
+    `old_model`, its old policy: the weights that sampled them."""
     algo = config.algo
+    if config.algorithm == "diffusion_nft":
+        if samples is None or old_model is None:
+            raise ValueError("algorithm diffusion_nft trains with the samples' identities and the old policy")
+        return accumulate_nft_gradient(
+            model,
+            old_model,
+            trajectories,
+            samples,
+            advantages.to(trajectories.latents.device),
+            per_row(timesteps, len(samples)),
+            seed=config.seed,
+            chunk_size=config.train.chunk_size,
+            total_pairs=total_pairs,
+            beta=algo.nft.beta,
+            adv_clip=algo.adv_clip,
+            kl_beta=algo.beta,
+            reference_model=reference_model,
+        )
     return accumulate_policy_gradient(
         model,
         trajectories,
