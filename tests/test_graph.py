@@ -7,7 +7,7 @@ import pytest
 
 from dovetail.cost.catalog import diffusion_model
 from dovetail.cost.model import CostModel
-from dovetail.graph.flow import FlowShape, build_flow, split
+from dovetail.graph.flow import FlowShape, build_flow, engines, split
 from dovetail.graph.lm import LMShape
 from dovetail.graph.node import Graph, Kind, Node, Role
 from dovetail.graph.shape import Shape
@@ -123,6 +123,26 @@ def test_flow_nodes_cost_their_pairs_on_the_trainer_group():
         "samples split evenly per mini-batch"
     )
     assert sum(n.kind == Kind.LOGPROB for n in staged) == SPEC.mini_batches
+
+
+def test_diffusion_nft_prices_its_old_policy_forward_and_copy():
+    """DiffusionNFT's trainer reads the old policy's velocity at every trained pair, one more forward without
+    gradient, and holds the old policy beside its weights: on one bf16 device (no gathers, no casts) a train node
+    costs (forward + old policy's forward + backward's 2 + recompute) / (forward + 2 + recompute) = 5/4 of
+    FlowGRPO's, and the trainer holds a bf16 copy of the model more, shared out over its devices."""
+    nft = SPEC.model_copy(update={"algorithm": "diffusion_nft"})
+    shape = FlowShape(2, 5, False, 1)
+    grpo_train = {n.id: n.cost_s for n in build_flow(SPEC, 1, shape, COST) if n.kind == Kind.TRAIN}
+    nft_train = {n.id: n.cost_s for n in build_flow(nft, 1, shape, COST) if n.kind == Kind.TRAIN}
+    assert grpo_train.keys() == nft_train.keys() and grpo_train
+    assert all(nft_train[key] == pytest.approx(grpo_train[key] * 5 / 4) for key in grpo_train)
+    params = diffusion_model(SPEC.model).params
+    for devices in (1, 4):
+        held = (
+            engines(nft, COST, devices).resident_gb[Role.TRAINER]
+            - engines(SPEC, COST, devices).resident_gb[Role.TRAINER]
+        )
+        assert held == pytest.approx(params * 2 / devices / 1e9)
 
 
 def test_flow_steps_chain_through_commits_and_mini_batches():

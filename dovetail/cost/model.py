@@ -508,18 +508,21 @@ class CostModel:
         checkpointing: bool = True,
         trainable: float | None = None,
         param_bytes: int = BF16,
+        old_policy: bool = False,
     ) -> float:
         """Forward + backward of `samples` samples at `timesteps` timesteps each. The samples x timesteps pairs
         spread over the group (TSP: devices may hold different timesteps of one sample) in passes of up to
         micro_batch x timesteps pairs; the per-timestep loop is one call per timestep (timesteps=1). With
-        `trainable` adapter parameters (LoRA) the backward skips the base weights' gradients.
+        `trainable` adapter parameters (LoRA) the backward skips the base weights' gradients. `old_policy`:
+        DiffusionNFT's loss also reads the old policy's velocity at each pair, one more forward without gradient.
         Device-seconds over the group."""
         lora = trainable is not None
+        extra = 1 if old_policy else 0
         seconds = self.dit_passes(
             model,
             samples * timesteps,
             latent_tokens,
-            forwards=1 + backward_forwards(lora) + (1 if checkpointing else 0),
+            forwards=1 + extra + backward_forwards(lora) + (1 if checkpointing else 0),
             mfu=self.calibration.dit_train_mfu,
             backward=True,
             cfg=cfg,
@@ -527,7 +530,7 @@ class CostModel:
             pairs_per_pass=micro_batch and micro_batch * timesteps,
             trainable=trainable,
             param_bytes=param_bytes,
-            casts=1 + (1 if checkpointing else 0),  # the forward, and its recompute in the backward
+            casts=1 + extra + (1 if checkpointing else 0),  # the forwards, and the recompute in the backward
         )
         return self._corrected("train", seconds)
 

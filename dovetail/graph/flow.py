@@ -126,6 +126,16 @@ def trainable_params(spec: FlowSpec) -> float | None:
     return lora_params(diffusion_model(spec.model), spec.lora.rank, spec.lora.targets) if spec.lora else None
 
 
+def old_policy_bytes(spec: FlowSpec, trainer_devices: int) -> float:
+    """DiffusionNFT's old policy on each trainer device: a bf16 copy of what trains (the whole model, or the
+    adapter), sharded as the trainer is; it samples the rollouts and gives the loss its velocity. 0 for the other
+    algorithms."""
+    if spec.algorithm != "diffusion_nft":
+        return 0.0
+    trained = trainable_params(spec) or diffusion_model(spec.model).params
+    return trained * BF16 / trainer_devices
+
+
 def _flow_spec(spec: PipelineSpec) -> FlowSpec:
     if not isinstance(spec, FlowSpec):
         raise TypeError(f"{spec.name}: a flow shape cuts a flow pipeline's steps, not a {type(spec).__name__}'s")
@@ -138,7 +148,7 @@ def engines(spec: FlowSpec, cost: CostModel, trainer_devices: int) -> Engines:
     optimizer_offload) holds less while it is up, but its wake brings that state in from host memory and its sleep
     takes it back: a switch moves the whole sharded state either way. Where the trainer samples (`sampler: trainer`)
     there is one engine: the sharded trainer generates as it is, holding what it holds to train, and nothing
-    switches."""
+    switches. DiffusionNFT's trainer also holds its old policy (`old_policy_bytes`)."""
     model = diffusion_model(spec.model)
     rollout = (model.params + model.text_encoder_params) * BF16
 
@@ -153,12 +163,15 @@ def engines(spec: FlowSpec, cost: CostModel, trainer_devices: int) -> Engines:
             trainable=trainable_params(spec),
         ).total
 
-    trainer = state(spec.offload) / GB
+    trainer = (state(spec.offload) + old_policy_bytes(spec, trainer_devices)) / GB
     if spec.sampler == "trainer":
         still = {Role.ROLLOUT: 0.0, Role.TRAINER: 0.0}
         return Engines(resident_gb={Role.ROLLOUT: trainer, Role.TRAINER: trainer}, wake_s=still, sleep_s=still)
     resident = {Role.ROLLOUT: rollout / GB, Role.TRAINER: trainer}
-    switch = {Role.ROLLOUT: cost.switch(rollout), Role.TRAINER: cost.switch(state(False))}
+    switch = {
+        Role.ROLLOUT: cost.switch(rollout),
+        Role.TRAINER: cost.switch(state(False) + old_policy_bytes(spec, trainer_devices)),
+    }
     return Engines(resident_gb=resident, wake_s=switch, sleep_s=switch)
 
 
@@ -326,6 +339,7 @@ class _PieceCosts:
                     micro,
                     trainable=cut.trainable,
                     param_bytes=cut.param_bytes,
+                    old_policy=spec.algorithm == "diffusion_nft",
                 )
             )
         return cls(generate_s, cut.generate_gb * batch, score_s, logprob_s, logprob_gb, tuple(train_s), tuple(train_gb))
