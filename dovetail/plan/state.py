@@ -319,15 +319,20 @@ class ClusterState:
             device = states[index]
             running = device.running
             del running[node_id]
-            device.taken_share = taken = sum(running.values()) if running else 0
             device.working_gb -= memory_gb
-            switching = device.switching
-            device.free_share = 0.0 if switching else 1.0 - taken
-            if not running and not switching:
-                device.idle = True
-                events.append(DeviceIdle(now, index))
-            else:
+            if running:  # still shared: what the others take
+                device.taken_share = taken = sum(running.values())
+                device.free_share = 0.0 if device.switching else 1.0 - taken
                 device.idle = False
+            else:  # the common case (a device runs one node): nothing taken, idle unless switching
+                device.taken_share = 0
+                if device.switching:
+                    device.free_share = 0.0
+                    device.idle = False
+                else:
+                    device.free_share = 1.0
+                    device.idle = True
+                    events.append(DeviceIdle(now, index))
 
     def _run(self, d: Run) -> None:
         if d.node not in self.ready:
