@@ -213,13 +213,17 @@ class ClusterState:
                 self._retimed[node_id] = None
 
     def alongside(self, node_id: str) -> set[str]:
-        """Kinds of the other nodes sharing a device with `node_id` now."""
-        return {
-            self.graph[other].kind.value
-            for index in self.running[node_id].devices
-            for other in self.devices[index].running
-            if other != node_id
-        }
+        """Kinds of the other nodes sharing a device with `node_id` now. A device running the node alone, the common
+        case, is passed over without looking at its nodes."""
+        nodes, states, kinds = self.graph.nodes, self.devices, set()
+        for index in self.running[node_id].devices:
+            running = states[index].running
+            if len(running) == 1 and node_id in running:
+                continue
+            for other in running:
+                if other != node_id:
+                    kinds.add(nodes[other].kind.value)
+        return kinds
 
     def _start_step(self, d: StartStep) -> None:
         key = (d.pipeline, d.step)
