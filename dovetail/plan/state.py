@@ -205,7 +205,12 @@ class ClusterState:
         """Re-time the nodes on `devices` after a neighbour came or went, in the order of the devices and of the nodes
         on each (a set's order would change from one process to the next with the strings' hash seed, and with it
         the order of completions at one instant: the same seed must give the same trace)."""
-        for node_id in dict.fromkeys(n for index in devices for n in self.devices[index].running):
+        nearby: dict[str, float] = {}
+        for index in devices:  # `update` keeps a node where it first came: the devices' order, then each device's
+            running = self.devices[index].running
+            if running:  # a device the node left is mostly empty now
+                nearby.update(running)
+        for node_id in nearby:
             speed = self._speed(node_id)
             if speed != self.running[node_id].speed:
                 self._progress(node_id)

@@ -228,8 +228,8 @@ class Digen(Policy):
             if work and self._trainers_ready(view, group):
                 decisions.append(Run(work.pop(0).id, group))
                 taken.update(group)
-        if decisions or self.shared or not self._trainers_ready(view, self.trainer_pool):
-            return decisions
+        if decisions or self.shared or self.tag == Tag.OFF or not self._trainers_ready(view, self.trainer_pool):
+            return decisions  # (TAG off: `_consider_tag` lends nothing, so the whole pool is not looked at)
         return self._consider_tag(view, taken)
 
     def _consider_tag(self, view, taken: set[int]) -> list[Decision]:
@@ -329,12 +329,14 @@ class Digen(Policy):
     def _rollout(self, view, taken: set[int]) -> list[Decision]:
         """Scores first (they unblock the trainer) unless a reward pool takes them, then fragments, "
         "oldest step first."""
-        devices = [d for d in idle_devices(view, self.rollout_pool, Role.ROLLOUT) if d not in taken]
         reserved = set(self.tag_reserved.values())
         scores = [] if self.setup.reward_devices else ready_of(view, Kind.SCORE, self.pipeline)
         work = scores + sorted(
             (n for n in ready_of(view, Kind.GENERATE, self.pipeline) if n.id not in reserved), key=lambda n: n.step
         )
+        if not work:  # nothing to place: the rollout pool is not looked at
+            return []
+        devices = [d for d in idle_devices(view, self.rollout_pool, Role.ROLLOUT) if d not in taken]
         decisions: list[Decision] = []
         for device in devices:
             if not work:
