@@ -273,6 +273,11 @@ class CostModel:
         done_at = 0  # iterations already accounted for
         context_sum = sum(c for _, c in work)  # sum of start contexts of still-active sequences
         active = len(work)
+        # `compute_seconds`, `memory_seconds` and `allreduce_seconds` written out with their divisors and the engine's
+        # link taken once (the same figures, operation for operation): a search prices tens of thousands of these.
+        compute_per_flop = self.device.peak_flops * cal.decode_mfu * self._vendor * devices
+        memory_per_byte = self.device.memory_bandwidth * cal.decode_bandwidth_efficiency * devices
+        bandwidth, latency = self.link(devices) if devices > 1 else (1.0, 0.0)
         for finished_at, start in work:
             span = finished_at - done_at
             if span > 0:
@@ -280,11 +285,10 @@ class CostModel:
                 kv_tokens = context_sum * span + active * (done_at + finished_at - 1) * span / 2
                 flops = 2 * model.params * active * span + 4 * model.layers * model.attention_width * kv_tokens
                 waves = max(1, math.ceil(kv * kv_tokens / span / kv_room))
-                compute = self.compute_seconds(flops, cal.decode_mfu, devices)
-                memory = self.memory_seconds(
-                    waves * span * weight_bytes + kv * kv_tokens, cal.decode_bandwidth_efficiency, devices
-                )
-                allreduce = self.allreduce_seconds(active / waves * model.hidden * BF16, devices)
+                compute = flops / compute_per_flop
+                memory = (waves * span * weight_bytes + kv * kv_tokens) / memory_per_byte
+                hidden_bytes = active / waves * model.hidden * BF16
+                allreduce = 2 * ((devices - 1) * (latency + hidden_bytes / devices / bandwidth) if devices > 1 else 0.0)
                 overhead = model.layers * (cal.decode_layer_overhead_s + 2 * allreduce)
                 total += max(compute, memory) + waves * span * overhead
                 done_at = finished_at

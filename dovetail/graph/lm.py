@@ -197,6 +197,10 @@ STAGE_OF_KIND = {
 """Node kind -> verl stage (a log-prob node's is `ref` or `old`, by the node; an environment's wait is the rollout's):
 looked up, as the staged policies ask it of every node of a step at every decision."""
 
+ROLLOUT_STAGE_KINDS = frozenset(kind for kind, name in STAGE_OF_KIND.items() if name == "rollout")
+"""The kinds whose nodes are in the rollout stage (`stage(node) == "rollout"` exactly: a log-prob or train node's
+stage, decided by the node, is never the rollout): what a policy placing the rollout tests for each ready node."""
+
 
 def stage(node: Node) -> str:
     """The verl stage a node belongs to: rollout, score, old, ref, values (the critic's pass), critic (its train),

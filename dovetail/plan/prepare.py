@@ -11,7 +11,7 @@ from dovetail.cost.catalog import device as lookup_device
 from dovetail.cost.model import CostModel
 from dovetail.graph.node import Engines, Graph, Node, Role
 from dovetail.graph.spec import MAX_DEVICES
-from dovetail.plan.metrics import summarize
+from dovetail.plan.metrics import Metrics, summarize
 from dovetail.plan.scenario import Scenario
 from dovetail.plan.sim import SimExecutor
 from dovetail.sched import POLICIES, policy_class
@@ -80,9 +80,10 @@ class Searched:
         return self.samples_per_step / self.steady_step_s
 
 
-def searched_from(policy: str, shapes: dict, horizon: int, trace) -> Searched:
-    """The record of a candidate simulated over `horizon` steps into `trace` (a `plan.trace.Trace`)."""
-    metrics = summarize(trace)
+def searched_from(policy: str, shapes: dict, horizon: int, trace, metrics: Metrics | None = None) -> Searched:
+    """The record of a candidate simulated over `horizon` steps into `trace` (a `plan.trace.Trace`), whose `metrics`
+    (`summarize`) are taken when given: a plan's policies that run a candidate alike share its summary too."""
+    metrics = summarize(trace) if metrics is None else metrics
     per_step = {kind: seconds / horizon for kind, seconds in metrics.phase_seconds.items()}
     idle = metrics.bubble_ratio * trace.makespan / horizon
     return Searched(
@@ -119,9 +120,9 @@ def prepare(
     pipeline or per pipeline name (the Ray runtime passes each pipeline's, corrected by costs profiled on its own
     devices); the pool has one interference table (`Setup.slowdown`), the first pipeline's cost model's. A policy that
     searches simulates its candidates here; `searched` (a list), when given, receives a `Searched` for each (what
-    `dovetail plan` shows). `simulations`, when given, keeps each candidate's simulated trace by the schedule it runs
-    (`Policy.simulates_as`), its shapes and horizon: `dovetail plan` passes one to every policy of a plan on one
-    pool and cost model, so a candidate two policies run alike is simulated once."""
+    `dovetail plan` shows). `simulations`, when given, keeps each candidate's simulated trace and its summary by the
+    schedule it runs (`Policy.simulates_as`), its shapes and horizon: `dovetail plan` passes one to every policy of a
+    plan on one pool and cost model, so a candidate two policies run alike is simulated and summarized once."""
     cls = policy_class(policy)
     for spec in scenario.pipelines:
         if spec.kind not in cls.pipeline_kinds:
@@ -202,7 +203,8 @@ class Planning:
     costs: Mapping[str, CostModel]
     trainer_devices: int | None
     simulations: dict | None = None
-    """Traces of the candidates simulated so far, shared by the policies of one plan (`prepare`)."""
+    """Traces of the candidates simulated so far, each with its summary, shared by the policies of one plan
+    (`prepare`)."""
 
     @property
     def pipeline_devices(self) -> int:
@@ -252,9 +254,9 @@ class Planning:
             key = (cls.simulates_as(candidate), self.devices, self.options, tuple(sorted(candidate.items())), horizon)
             simulations = {} if self.simulations is None else self.simulations
             if key not in simulations:
-                simulations[key] = run_prepared(scenario, self.built(candidate, horizon))
-            trace = simulations[key]
-            record = searched_from(self.policy, candidate, horizon, trace)
+                trace = run_prepared(scenario, self.built(candidate, horizon))
+                simulations[key] = (trace, summarize(trace))
+            record = searched_from(self.policy, candidate, horizon, *simulations[key])
             if searched is not None:
                 searched.append(record)
             return record.samples_per_s

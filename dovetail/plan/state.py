@@ -205,7 +205,12 @@ class ClusterState:
         """Re-time the nodes on `devices` after a neighbour came or went, in the order of the devices and of the nodes
         on each (a set's order would change from one process to the next with the strings' hash seed, and with it
         the order of completions at one instant: the same seed must give the same trace)."""
-        for node_id in dict.fromkeys(n for index in devices for n in self.devices[index].running):
+        nearby: dict[str, float] = {}
+        for index in devices:  # `update` keeps a node where it first came: the devices' order, then each device's
+            running = self.devices[index].running
+            if running:  # a device the node left is mostly empty now
+                nearby.update(running)
+        for node_id in nearby:
             speed = self._speed(node_id)
             if speed != self.running[node_id].speed:
                 self._progress(node_id)
@@ -213,13 +218,17 @@ class ClusterState:
                 self._retimed[node_id] = None
 
     def alongside(self, node_id: str) -> set[str]:
-        """Kinds of the other nodes sharing a device with `node_id` now."""
-        return {
-            self.graph[other].kind.value
-            for index in self.running[node_id].devices
-            for other in self.devices[index].running
-            if other != node_id
-        }
+        """Kinds of the other nodes sharing a device with `node_id` now. A device running the node alone, the common
+        case, is passed over without looking at its nodes."""
+        nodes, states, kinds = self.graph.nodes, self.devices, set()
+        for index in self.running[node_id].devices:
+            running = states[index].running
+            if len(running) == 1 and node_id in running:
+                continue
+            for other in running:
+                if other != node_id:
+                    kinds.add(nodes[other].kind.value)
+        return kinds
 
     def _start_step(self, d: StartStep) -> None:
         key = (d.pipeline, d.step)
@@ -319,15 +328,20 @@ class ClusterState:
             device = states[index]
             running = device.running
             del running[node_id]
-            device.taken_share = taken = sum(running.values()) if running else 0
             device.working_gb -= memory_gb
-            switching = device.switching
-            device.free_share = 0.0 if switching else 1.0 - taken
-            if not running and not switching:
-                device.idle = True
-                events.append(DeviceIdle(now, index))
-            else:
+            if running:  # still shared: what the others take
+                device.taken_share = taken = sum(running.values())
+                device.free_share = 0.0 if device.switching else 1.0 - taken
                 device.idle = False
+            else:  # the common case (a device runs one node): nothing taken, idle unless switching
+                device.taken_share = 0
+                if device.switching:
+                    device.free_share = 0.0
+                    device.idle = False
+                else:
+                    device.free_share = 1.0
+                    device.idle = True
+                    events.append(DeviceIdle(now, index))
 
     def _run(self, d: Run) -> None:
         if d.node not in self.ready:

@@ -46,7 +46,6 @@ from dovetail.sched.policy import (
     SwitchRole,
     Tag,
     VersionPublished,
-    all_idle,
     idle_devices,
     open_steps_on_publish,
     ready_of,
@@ -113,6 +112,10 @@ class Digen(Policy):
         self.rollout_resident_gb = held[Role.ROLLOUT]
         self.tag_resident_gb = held[Role.TRAINER] + held[Role.ROLLOUT]
         self.tag_reserved: dict[int, str] = {}
+        self.lent: dict[int, None] = {}
+        """Trainer devices TAG lent to generation and not yet switched back, in the pool's order: the only trainer
+        devices that can hold the rollout role, so `_tag_devices` looks at these instead of the whole pool at every
+        decision."""
         self.started_at: dict[str, float] = {}
         self.loaded = dict.fromkeys(range(setup.devices), 0)
         """Weights version in each device's rollout engine: a device loads a newer one between fragments."""
@@ -196,7 +199,14 @@ class Digen(Policy):
 
     @staticmethod
     def _trainers_ready(view, devices: Sequence[int]) -> bool:
-        return all_idle(view, devices) and all(view.devices[d].role == Role.TRAINER for d in devices)
+        """Every device of `devices` idle and holding the trainer role: one pass, stopping at the first that is not
+        (asked for each group and the whole pool at nearly every decision)."""
+        states, trainer = view.devices, Role.TRAINER
+        for device in devices:
+            state = states[device]
+            if not state.idle or state.role != trainer:
+                return False
+        return True
 
     def _trainer_groups(self, view, taken: set[int]) -> list[Decision]:
         """The optimizer step on the whole pool once every group is free (nothing new starts while it waits);
@@ -218,8 +228,8 @@ class Digen(Policy):
             if work and self._trainers_ready(view, group):
                 decisions.append(Run(work.pop(0).id, group))
                 taken.update(group)
-        if decisions or self.shared or not self._trainers_ready(view, self.trainer_pool):
-            return decisions
+        if decisions or self.shared or self.tag == Tag.OFF or not self._trainers_ready(view, self.trainer_pool):
+            return decisions  # (TAG off: `_consider_tag` lends nothing, so the whole pool is not looked at)
         return self._consider_tag(view, taken)
 
     def _consider_tag(self, view, taken: set[int]) -> list[Decision]:
@@ -276,6 +286,7 @@ class Digen(Policy):
         for device, node in zip(chosen, reversed(waiting)):
             self.tag_reserved[device] = node.id
         self.tag_decisions.append((view.now, best_k))
+        self.lent.update(dict.fromkeys(chosen))  # none lent now: the whole pool was idle, every device a trainer
         taken.update(self.trainer_pool)
         return [SwitchRole(d, Role.ROLLOUT, tag_in, self.tag_resident_gb) for d in chosen]
 
@@ -298,7 +309,7 @@ class Digen(Policy):
     def _tag_devices(self, view, taken: set[int]) -> list[Decision]:
         """Trainer devices lent to generation: run the reserved fragment, then switch back."""
         decisions: list[Decision] = []
-        for device in self.trainer_pool:
+        for device in list(self.lent):
             state = view.devices[device]
             if device in taken or not state.idle or state.role != Role.ROLLOUT:
                 continue
@@ -307,6 +318,7 @@ class Digen(Policy):
                 decisions.append(self._generate(view, view.graph[node_id], device, self.tag_resident_gb))
             else:
                 self.tag_reserved.pop(device, None)
+                del self.lent[device]
                 held = self.setup.engines[self.pipeline]
                 decisions.append(
                     SwitchRole(device, Role.TRAINER, held.sleep_s[Role.ROLLOUT], held.resident_gb[Role.TRAINER])
@@ -317,12 +329,14 @@ class Digen(Policy):
     def _rollout(self, view, taken: set[int]) -> list[Decision]:
         """Scores first (they unblock the trainer) unless a reward pool takes them, then fragments, "
         "oldest step first."""
-        devices = [d for d in idle_devices(view, self.rollout_pool, Role.ROLLOUT) if d not in taken]
         reserved = set(self.tag_reserved.values())
         scores = [] if self.setup.reward_devices else ready_of(view, Kind.SCORE, self.pipeline)
         work = scores + sorted(
             (n for n in ready_of(view, Kind.GENERATE, self.pipeline) if n.id not in reserved), key=lambda n: n.step
         )
+        if not work:  # nothing to place: the rollout pool is not looked at
+            return []
+        devices = [d for d in idle_devices(view, self.rollout_pool, Role.ROLLOUT) if d not in taken]
         decisions: list[Decision] = []
         for device in devices:
             if not work:

@@ -97,13 +97,15 @@ def predict_makespan(
     if tag:
         landed += [now + tag_in_s + generate_s + score_s] * tag
         trainer = max(trainer, now + tag_in_s + generate_s + tag_out_s)
+    # `heapreplace` of the earliest: the same values as popping it and pushing the new one, in one sift.
     for _ in range(pending - tag):
-        done = heapq.heappop(free) + generate_s
+        done = free[0] + generate_s
         landed.append(done + score_s)
-        heapq.heappush(free, done)
+        heapq.heapreplace(free, done)
     trainers = [trainer] * groups
     for arrival in sorted(landed):
-        heapq.heappush(trainers, max(heapq.heappop(trainers), arrival) + train_s)
+        earliest = trainers[0]
+        heapq.heapreplace(trainers, (earliest if earliest > arrival else arrival) + train_s)
     return max(trainers) + tail_s
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from weakref import WeakKeyDictionary
 
-from dovetail.graph.lm import LMShape, stage
+from dovetail.graph.lm import ROLLOUT_STAGE_KINDS, LMShape, stage
 from dovetail.graph.node import Graph, Kind, Node, Role
 from dovetail.graph.spec import LMSpec, PipelineSpec
 from dovetail.sched.policy import Begin, Decision, Event, MemoryRefusal, Policy, Run, Shape, StartStep, View
@@ -75,7 +75,7 @@ class StagedLMPolicy(Policy):
         decisions: list[Run] = []
         busy: set[int] = set()
         for node in nodes:
-            if stage(node) != "rollout":
+            if node.kind not in ROLLOUT_STAGE_KINDS:
                 continue
             shard = node.shard
             devices = engine_devices(group, 0 if shard is None else shard, tensor_parallel)
@@ -86,7 +86,14 @@ class StagedLMPolicy(Policy):
 
     @staticmethod
     def free(view: View, devices: Sequence[int], role: Role) -> bool:
-        return all(view.devices[d].idle and view.devices[d].role == role for d in devices)
+        """Every device idle and holding `role`: one pass, stopping at the first that is not (asked of each rollout
+        engine and the trainer group at every decision)."""
+        states = view.devices
+        for device in devices:
+            state = states[device]
+            if not state.idle or state.role != role:
+                return False
+        return True
 
     def switch_group(self, view: View, pipeline: str, group: Sequence[int], role: Role) -> list[Decision]:
         """Switch every idle device of the group that does not hold `role` yet."""

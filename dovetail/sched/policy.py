@@ -503,9 +503,11 @@ def all_idle(view: View, devices: Sequence[int]) -> bool:
 
 def ready_of(view: View, kind: Kind, pipeline: str | None = None) -> list[Node]:
     """Ready nodes of one kind, in the order they became ready."""
-    by_id = view.graph.nodes
-    nodes = [by_id[node_id] for node_id in view.ready_by_kind[kind]]
-    return nodes if pipeline is None else [n for n in nodes if n.pipeline == pipeline]
+    ready = view.ready_by_kind[kind]
+    if not ready:  # most asks, most of the time
+        return []
+    nodes = map(view.graph.nodes.__getitem__, ready)
+    return list(nodes) if pipeline is None else [node for node in nodes if node.pipeline == pipeline]
 
 
 def score_on_reward_pool(view: View, setup: Setup, pipeline: str) -> list[Decision]:
