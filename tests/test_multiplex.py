@@ -117,16 +117,16 @@ def test_devices_started_before_the_run_are_the_ones_each_pipeline_takes_up(tmp_
 
 
 @pytest.mark.usefixtures("local_ray")
-def test_two_language_model_pipelines_multiplexed_end_where_each_ends_alone(tmp_path):
+def test_two_language_model_pipelines_multiplexed_end_where_each_ends_alone(alone, tmp_path):
     """Two LM pipelines of the same task and model (their prompts differ by seed) keep apart: weights, versions,
-    optimizer, ledger; each ends where it ends alone."""
+    optimizer, ledger; each ends where it ends alone (the first is `alone`'s sort)."""
     second = LM | {"name": "sort-b", "seed": 7, "train": {"lr": 5e-4}}
     train(parse_config(multiplexed("jigsaw", LM, second)), tmp_path / "both", steps=STEPS)
-    for tree, name in ((LM, "sort"), (second, "sort-b")):
-        train(parse_config(tree | {"policy": "reference"}), tmp_path / name, steps=STEPS)
+    train(parse_config(second | {"policy": "reference"}), tmp_path / "sort-b", steps=STEPS)
+    for name, own in (("sort", alone["sort"]), ("sort-b", tmp_path / "sort-b")):
         assert json.loads((tmp_path / "both" / name / "ledger.json").read_text())["problems"] == []
-        assert same_parameters("sort", final_weights(tmp_path / name), final_weights(tmp_path / "both" / name))
-    assert max_difference(final_weights(tmp_path / "sort"), final_weights(tmp_path / "sort-b")) > 1e-4
+        assert same_parameters("sort", final_weights(own), final_weights(tmp_path / "both" / name))
+    assert max_difference(final_weights(alone["sort"]), final_weights(tmp_path / "sort-b")) > 1e-4
 
 
 @pytest.mark.usefixtures("local_ray")
