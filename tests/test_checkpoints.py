@@ -23,6 +23,8 @@ from dovetail.models.t2i import load_model
 from dovetail.rewards import RewardError
 from dovetail.run_dir import BrokenCheckpoint, NothingToTrain, RunDir, RunDirInUse, load_checkpoint, seal
 
+pytestmark = pytest.mark.slow
+
 FLOW = [
     "policy=reference",
     "algo.prompts_per_step=2",

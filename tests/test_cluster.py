@@ -22,6 +22,8 @@ from dovetail.runtime.launch import by_node
 from dovetail.runtime.ray_start import DEVICE_RESOURCE, LOOPBACK, RAY_NAMESPACE
 from dovetail.runtime.rendezvous import NAMESPACE
 
+pytestmark = pytest.mark.slow
+
 LOST_AFTER_S = 3.0
 NODE_DEATH_DETECTION = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
 """Ray declares a node dead after this many failed health checks (by default 5 at 3 s: 15 s and more)."""

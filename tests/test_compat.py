@@ -597,6 +597,7 @@ def test_a_preset_fills_only_what_the_config_leaves_unset_and_records_it():
     assert dumped["sampling"]["schedule"] == "dance_grpo" and parse_config(dumped) == config
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("local_ray")
 def test_dance_grpo_preset_on_the_ray_runtime_reproduces_the_reference(tmp_path):
     """Per-sample random timesteps on digen's fragments and timestep chunks (each sample's own subset, looked up

@@ -28,7 +28,7 @@ from dovetail.runtime.rendezvous import abandon
 from dovetail.runtime.worker import GROUP_TIMEOUT_S, form_group
 
 STEPS = 3
-pytestmark = pytest.mark.usefixtures("local_ray")
+pytestmark = [pytest.mark.usefixtures("local_ray"), pytest.mark.slow]
 
 
 def weights(run_dir) -> dict[str, torch.Tensor]:

@@ -193,6 +193,7 @@ def weights(out, step: int) -> dict[str, torch.Tensor]:
     return load_file(out / "checkpoints" / f"step_{step:06d}" / "model.safetensors")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "option",
     [
@@ -223,6 +224,7 @@ def test_a_short_run_with_each_option_trains_and_records_reward_and_eval(option,
         assert any(not torch.equal(ema[k], second[k]) for k in ema)  # evaluated weights other than the trained ones
 
 
+@pytest.mark.slow
 def test_a_resumed_ema_run_averages_on_as_the_uninterrupted_one(tmp_path):
     ema = ["eval.ema.decay=0.9", "eval.ema.every=1"]
     train(load_config(None, [*SHORT, *ema]), tmp_path / "whole", steps=2)
@@ -234,6 +236,7 @@ def test_a_resumed_ema_run_averages_on_as_the_uninterrupted_one(tmp_path):
     assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("local_ray")
 def test_the_window_and_the_normalised_ratio_on_the_ray_runtime_reproduce_the_reference(tmp_path):
     """The sliding window and GRPO-Guard's ratio go through the code every policy runs (`recipe`): digen's
@@ -252,6 +255,7 @@ def test_the_window_and_the_normalised_ratio_on_the_ray_runtime_reproduce_the_re
     assert max((reference[k] - base[k]).abs().max().item() for k in reference) > 1e-4  # it did train
 
 
+@pytest.mark.slow
 @pytest.mark.exactness
 @pytest.mark.usefixtures("local_ray")
 def test_the_ema_on_the_ray_trainers_is_the_reference_loops_through_a_resume(tmp_path):
@@ -313,6 +317,7 @@ def test_a_sharded_trainers_ema_is_the_reference_loops_through_a_resume(tmp_path
     assert any(not torch.equal(whole[k], at_two[k]) for k in whole), "step 3 moved the average"
 
 
+@pytest.mark.slow
 @pytest.mark.exactness
 @pytest.mark.usefixtures("local_ray")
 def test_two_updates_a_batch_on_colocated_end_at_the_reference_loops_weights(tmp_path):

@@ -20,6 +20,8 @@ from dovetail.graph.node import SampleId
 from dovetail.pipelines.flow.config import flow_rules
 from dovetail.pipelines.flow.recipe import sample_timesteps, sde_steps
 
+pytestmark = pytest.mark.slow
+
 DTYPE = torch.float64
 
 # ------------------------------------------------------------------ upstream, transcribed

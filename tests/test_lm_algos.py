@@ -512,6 +512,7 @@ def learning_curve(tmp_path, *overrides: str) -> tuple[float, list[dict]]:
     return base, [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_rloo_gspo_ppo_and_dynamic_sampling_learn_like_grpo(tmp_path):
     """configs/sort.yaml in the reference loop, 10 steps on a reward the tiny model learns (short completions), seed
     0: the held-out reward rises by 0.1 for GRPO and each other algorithm (two updates a batch among them,
@@ -594,6 +595,7 @@ def kept_and_trained_once(out: Path, lines: list[dict]) -> None:
             assert m["frac_reward_zero_std"] == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.exactness
 @pytest.mark.parametrize(
     "overrides",
@@ -630,6 +632,7 @@ def test_dynamic_sampling_on_an_on_policy_ray_run_draws_and_trains_what_the_refe
         assert any(sum(1 for x in migrated if x["step"] == step and x["responses"]) > 1 for step in drew)
 
 
+@pytest.mark.slow
 @pytest.mark.exactness
 def test_dynamic_sampling_of_one_draw_filters_each_step_as_the_reference_loop_does(local_ray, tmp_path):
     """algo.dynamic_sampling_max_draws=1 drops the groups of equal rewards and draws nothing more: under verl-sync in
@@ -651,6 +654,7 @@ def test_dynamic_sampling_of_one_draw_filters_each_step_as_the_reference_loop_do
     kept_and_trained_once(tmp_path / "verl-sync", lines)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("policy", "bound", "micro_batches"), [("streamrl", 1, 2), ("areal", 4, 1)], ids=["streamrl", "areal"]
 )
@@ -675,6 +679,7 @@ def test_dynamic_sampling_on_an_asynchronous_run_keeps_its_staleness_bound_and_f
     kept_and_trained_once(tmp_path, lines)
 
 
+@pytest.mark.slow
 @pytest.mark.exactness
 def test_two_updates_a_batch_on_verl_sync_end_at_the_reference_loops_bits(local_ray, tmp_path):
     """algo.num_iterations=2 under verl-sync on 2 devices: each device trains its share of the step's groups again on
@@ -698,6 +703,7 @@ def test_two_updates_a_batch_on_verl_sync_end_at_the_reference_loops_bits(local_
     assert undocumented({k for logged in lines.values() for m in logged for k in m}) == []
 
 
+@pytest.mark.slow
 @pytest.mark.exactness
 def test_verl_sync_on_ray_trains_the_new_algorithms_to_the_reference_parameters(local_ray, tmp_path):
     """The algorithms reach a Ray policy as they reach the reference loop (both go through `models.lm_rl`): verl-sync

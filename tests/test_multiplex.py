@@ -23,6 +23,8 @@ from dovetail.runtime.replay import replay_run
 from dovetail.sched.jigsaw import Jigsaw, rollout_shares
 from dovetail.sched.policy import SwitchRole
 
+pytestmark = pytest.mark.slow
+
 
 def multiplexed(policy: str, *pipelines: dict) -> dict:
     return {"kind": "multiplex", "policy": policy, "cluster": {"devices": 2}, "pipelines": list(pipelines)}

@@ -37,7 +37,7 @@ CALC = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "calc.y
 """The shipped calc config (the calc task's model and the arithmetic environment), a small batch of it."""
 EPISODES = ("env/turns", "env/tool_calls", "env/tool_errors", "env/unfinished")
 REWARDS = ("reward/total", "reward/env", "reward_std", "frac_reward_zero_std")
-pytestmark = pytest.mark.usefixtures("local_ray")
+pytestmark = [pytest.mark.usefixtures("local_ray"), pytest.mark.slow]
 
 
 def calc(policy: str):

@@ -19,6 +19,8 @@ from dovetail.plan.scenario import Scenario, list_scenarios, load_scenario, pars
 from dovetail.plan.state import DecisionError
 from dovetail.sched.policy import MemoryRefusal
 
+pytestmark = pytest.mark.slow
+
 STEPS = 2
 """Simulated steps per plan: the second step is where overlapped and lent placements first meet the first's."""
 

@@ -17,6 +17,8 @@ from typer.testing import CliRunner
 
 from dovetail.cli import app
 
+pytestmark = pytest.mark.slow
+
 NAME = "faulty_reward:fails_when_flagged"
 TIMEOUT_S = 5
 """The runs' reward_timeout_s: the reward's first call, which imports it, fits well inside it on a loaded machine."""

@@ -25,6 +25,8 @@ from dovetail.pipelines.flow.local import FlowLocal
 from dovetail.plan import metrics as metrics_module
 from dovetail.run_dir import LOCK, RunDir, RunDirInUse, RunLock, load_checkpoint
 
+pytestmark = pytest.mark.slow
+
 CONFIGS = Path(__file__).parents[1] / "configs"
 FAST = ["algo.prompts_per_step=4", "algo.group_size=4", "sampling.num_steps=6", "eval.per_prompt=2"]
 STEP_LINE = re.compile(

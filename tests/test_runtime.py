@@ -30,7 +30,7 @@ COMMON = ["eval.every=100", "checkpoint.every=100", "cluster.devices=2"]
 RUNS: dict[str, Path] = {}
 
 
-pytestmark = pytest.mark.usefixtures("local_ray")
+pytestmark = [pytest.mark.usefixtures("local_ray"), pytest.mark.slow]
 
 
 def run(name: str, tmp_root: Path, overrides: list[str], **kwargs) -> Path:

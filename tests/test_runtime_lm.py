@@ -43,7 +43,7 @@ SMALL = [
     "train.lr=1e-3",
 ]
 STEPS = 3
-pytestmark = pytest.mark.usefixtures("local_ray")
+pytestmark = [pytest.mark.usefixtures("local_ray"), pytest.mark.slow]
 
 
 def same_bits(expected: dict, got: dict) -> bool:

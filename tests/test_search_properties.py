@@ -22,6 +22,8 @@ from dovetail.sched.digen_search import trainer_layout
 from dovetail.sched.jigsaw import base_shape, on_slice, sub_pool, turn_of
 from dovetail.sched.policy import search_horizon
 
+pytestmark = pytest.mark.slow
+
 SEARCH = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 

@@ -22,6 +22,8 @@ from dovetail.models.memory import memory_by_kind
 from dovetail.models.t2i import T2IConfig, TinyT2I
 from dovetail.models.training import commit, trainer_state_of
 
+pytestmark = pytest.mark.slow
+
 torch.set_num_threads(1)
 
 WORLD, STEPS, RESUME_AT, BATCH = 2, 4, 2, 4

@@ -47,6 +47,8 @@ def test_sigterm_under_a_ray_policy_saves_the_step_in_flight_and_exits_143(tmp_p
 DRIVER = """
 from dovetail.runtime.ray_start import start_local_ray
 from dovetail.runtime.worker import DeviceWorker, form_group
+
+pytestmark = pytest.mark.slow
 start_local_ray(cpu_devices=2)
 workers = [DeviceWorker.options(resources={"dovetail_device": 1}).remote(i) for i in range(2)]
 form_group(workers)

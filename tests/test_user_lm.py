@@ -298,6 +298,7 @@ def test_stop_strings_end_a_response_at_the_token_that_completes_one(workspace):
 # ---------------------------------------------------------------- training
 
 
+@pytest.mark.slow
 @pytest.mark.exactness
 def test_a_user_model_trains_under_reference_and_verl_sync_to_the_same_bits(runs, workspace, local_ray, tmp_path):
     start = load_file(workspace / "my-llama" / "model.safetensors")
@@ -312,6 +313,7 @@ def test_a_user_model_trains_under_reference_and_verl_sync_to_the_same_bits(runs
     assert json.loads((tmp_path / "ledger.json").read_text())["problems"] == []
 
 
+@pytest.mark.slow
 @pytest.mark.exactness
 def test_lora_trains_publishes_and_checkpoints_the_adapter_alone_under_both_policies(
     runs, workspace, local_ray, tmp_path
@@ -340,6 +342,7 @@ def test_a_lora_policys_critic_is_a_whole_model_on_the_adapters_base_weights(wor
     assert all(p.requires_grad for p in critic.parameters()) and not any(".lora_" in k for k in body)
 
 
+@pytest.mark.slow
 @pytest.mark.exactness
 def test_ppo_with_a_lora_policy_trains_adapter_and_critic_under_verl_sync_as_the_reference(
     workspace, local_ray, tmp_path
@@ -366,6 +369,7 @@ CRITIC_LORA = ["algo.advantage=gae", "algo.lam=0.95", "critic.lr=1e-3", "algo.mi
 """PPO whose critic trains an adapter of its own (verl's critic lora_rank), beside the policy's."""
 
 
+@pytest.mark.slow
 @pytest.mark.exactness
 def test_a_lora_critic_trains_its_adapter_and_head_alone_under_verl_sync_as_the_reference(
     workspace, local_ray, tmp_path
@@ -411,6 +415,7 @@ def test_a_critic_adapter_the_run_cannot_train_is_one_line_naming_the_fix(worksp
         assert said in str(refused.value) and "\n" not in str(refused.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["streamrl", "areal"])
 def test_an_asynchronous_policy_trains_a_user_lora_adapter_with_bounded_staleness(
     policy, workspace, local_ray, tmp_path
@@ -425,6 +430,7 @@ def test_an_asynchronous_policy_trains_a_user_lora_adapter_with_bounded_stalenes
     assert {m["publish_bytes"] for m in lines} == {sum(v.nbytes for v in trained(tmp_path, step=3).values())}
 
 
+@pytest.mark.slow
 def test_a_users_two_models_multiplexed_end_where_each_ends_alone(runs, workspace, local_ray, tmp_path):
     """A multiplexed run of a user's models (the Llama whole, the Qwen2's LoRA adapter on chat prompts, each entry a
     whole run config as run.yaml reads) on the shared pool (jigsaw's `arrangement`, which its own choice could make a

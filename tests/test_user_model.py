@@ -117,6 +117,7 @@ def reference_run(sd3_pipeline_dir, tiny_prompts_file, tmp_path_factory) -> Path
     return out
 
 
+@pytest.mark.slow
 def test_a_saved_pipeline_trains_through_model_path_and_a_ray_policy_matches_the_reference(
     reference_run, sd3_pipeline_dir, tiny_prompts_file, local_ray, tmp_path
 ):
@@ -127,6 +128,7 @@ def test_a_saved_pipeline_trains_through_model_path_and_a_ray_policy_matches_the
     assert json.loads((tmp_path / "ledger.json").read_text())["problems"] == []
 
 
+@pytest.mark.slow
 def test_a_sharded_transformer_matches_the_reference_holds_half_and_exports_to_diffusers(
     reference_run, sd3_pipeline_dir, tiny_prompts_file, local_ray, tmp_path
 ):
@@ -156,6 +158,7 @@ def lora_reference_run(sd3_pipeline_dir, tiny_prompts_file, tmp_path_factory) ->
     return out
 
 
+@pytest.mark.slow
 def test_lora_trains_publishes_and_checkpoints_the_adapter_alone_and_a_ray_policy_matches_the_reference(
     lora_reference_run, sd3_pipeline_dir, tiny_prompts_file, local_ray, tmp_path
 ):
@@ -219,6 +222,7 @@ def test_a_checkpoint_builds_its_model_from_the_source_its_config_json_holds(
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.slow
 def test_lora_under_digen_with_trainer_assisted_generation_matches_the_reference(
     lora_reference_run, sd3_pipeline_dir, tiny_prompts_file, local_ray, tmp_path
 ):
@@ -601,6 +605,7 @@ def test_a_guided_start_up_profile_is_fitted_against_guided_passes(sd3_pipeline_
     assert all(abs(scale - 1) <= 1e-9 for scale in corrections.values()), corrections
 
 
+@pytest.mark.slow
 def test_a_guided_run_under_a_ray_policy_ends_at_the_reference_parameters(
     reference_run, sd3_pipeline_dir, tiny_prompts_file, local_ray, tmp_path
 ):
