@@ -284,6 +284,7 @@ def test_the_ema_on_the_ray_trainers_is_the_reference_loops_through_a_resume(tmp
         assert evaluations[name] == pytest.approx(evaluations["reference"], abs=1e-6), name
 
 
+@pytest.mark.slow
 @pytest.mark.exactness
 @pytest.mark.usefixtures("local_ray")
 def test_a_sharded_trainers_ema_is_the_reference_loops_through_a_resume(tmp_path):

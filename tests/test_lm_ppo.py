@@ -576,6 +576,7 @@ SHARDED_BOUND = 0.1 * 1e-3
 move at the lr, 1e-3 here for the policy and the critic alike): FSDP adds the members' gradients in fp32."""
 
 
+@pytest.mark.slow
 @pytest.mark.exactness
 def test_a_sharded_ppo_run_trains_policy_and_critic_to_the_reference_parameters_and_resumes(
     local_ray, reference_ppo, tmp_path
@@ -608,6 +609,7 @@ def test_a_sharded_ppo_run_trains_policy_and_critic_to_the_reference_parameters_
     assert all(m["critic/vf_loss"] > 0 for m in lines)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("policy", "bound"), [("streamrl", 1), ("areal", 4)])
 def test_an_asynchronous_ppo_run_bounds_its_staleness_and_trains_every_response_and_value_once(
     policy, bound, local_ray, reference_ppo, tmp_path
@@ -628,6 +630,7 @@ def test_an_asynchronous_ppo_run_bounds_its_staleness_and_trains_every_response_
     assert units.count(0) == units.count(1) == 3 * 4 * 4
 
 
+@pytest.mark.slow
 @pytest.mark.exactness
 def test_a_multi_turn_ppo_run_on_ray_trains_policy_and_critic_to_the_reference_parameters(local_ray, tmp_path):
     """PPO on the agentic calc task (trajectories of model turns and tool observations): verl-sync on 2 devices ends
@@ -653,6 +656,7 @@ def test_a_multi_turn_ppo_run_on_ray_trains_policy_and_critic_to_the_reference_p
     assert max((critic_end[k] - critic_start[k]).abs().max().item() for k in critic_start) > 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.exactness
 def test_several_updates_a_batch_and_dynamic_sampling_train_the_critic_on_ray_as_in_the_reference(local_ray, tmp_path):
     """algo.num_iterations=2 (verl's ppo_epochs for actor and critic: GAE once, then two updates of each on the same

@@ -97,6 +97,7 @@ def test_each_device_of_a_sharded_trainer_holds_half_of_it(reference, sharded):
     assert all(member["gradients"] == member["parameters"] for member in members)
 
 
+@pytest.mark.slow
 def test_bf16_tracks_fp32(sharded, tmp_path):
     """bf16 compute with fp32 master weights: the first step (same rollouts) within bf16's precision of fp32's, and
     the run ends near it."""
@@ -108,6 +109,7 @@ def test_bf16_tracks_fp32(sharded, tmp_path):
     assert largest_difference(final_weights(sharded), final_weights(tmp_path)) < 10 * LR
 
 
+@pytest.mark.slow
 def test_a_killed_member_takes_the_step_and_the_run_ends_at_the_undisturbed_bits(sharded, tmp_path):
     """With activation checkpointing on, which recomputes each block's forward in the backward: the same bits."""
     fault = Fault("train", steps=STEPS)
@@ -121,6 +123,7 @@ def test_a_killed_member_takes_the_step_and_the_run_ends_at_the_undisturbed_bits
     assert all(torch.equal(expected[k], got[k]) for k in expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", [2, 1])
 def test_a_checkpoint_of_two_shards_resumes_on_two_devices_and_on_one(sharded, devices, tmp_path):
     """The checkpoint holds the whole state (the members' shards joined), which any group cuts again: on two devices

@@ -15,6 +15,8 @@ from typer.testing import CliRunner
 
 from dovetail.cli import app
 
+pytestmark = pytest.mark.slow
+
 SORT = ["kind=lm", "task=sort", "algo.prompts_per_step=4", "algo.group_size=4", "eval.prompts=8"]
 SORT += ["runtime.profile_samples=4", "train.lr=1e-3", "eval.every=100", "checkpoint.every=100"]
 
@@ -47,8 +49,6 @@ def test_sigterm_under_a_ray_policy_saves_the_step_in_flight_and_exits_143(tmp_p
 DRIVER = """
 from dovetail.runtime.ray_start import start_local_ray
 from dovetail.runtime.worker import DeviceWorker, form_group
-
-pytestmark = pytest.mark.slow
 start_local_ray(cpu_devices=2)
 workers = [DeviceWorker.options(resources={"dovetail_device": 1}).remote(i) for i in range(2)]
 form_group(workers)
