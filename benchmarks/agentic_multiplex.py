@@ -23,8 +23,9 @@ ran together, a multiplexed run's is its trace's first node to its last optimize
 while every trajectory waits still holds its device, so this counts it busy; with free waits it does not) and
 env-wait (`env/wait_s` summed over 2 x the makespan: with held waits the seconds the rollout engines slept with every
 trajectory waiting, with free waits the seconds the env nodes waited, off the devices). The simulator's samples/s
-comes from `dry_run` on costs profiled in this process, each arrangement's graph in the runtime's shape (`--waits`);
-the last column is the other shape's forecast.
+comes from `dry_run` on one profile of each pipeline taken in this process, shared by every arrangement's forecast
+(so they compare like with like), each arrangement's graph in the runtime's shape (`--waits`); the last column is the
+other shape's forecast.
 """
 
 from __future__ import annotations
@@ -108,13 +109,26 @@ def with_waits(configs: dict[str, dict], free: bool) -> dict[str, dict]:
     return {name: c | {"env": c["env"] | {"free_waits": free}} for name, c in configs.items()}
 
 
-def predicted(configs: dict[str, dict], steps: int, best: dict[str, str]) -> dict[str, float]:
-    """The simulator's samples/s of each arrangement on costs profiled in this process (`dry_run`)."""
+def profiled(configs: dict[str, dict]) -> dict[str, dict]:
+    """One start-up profile of each pipeline, taken in this process (`profiled_here`), which every arrangement's
+    forecast is priced on: two profiles of a loaded machine differ by up to 2x, so a fresh one per arrangement would
+    compare the machine's moments rather than the arrangements."""
+    from dovetail.config.load import parse_config
+    from dovetail.runtime.launch import profiled_here
+
+    return profiled_here(parse_config(multiplexed_tree("jigsaw", configs)))
+
+
+def predicted(
+    configs: dict[str, dict], steps: int, best: dict[str, str], profiles: dict[str, dict]
+) -> dict[str, float]:
+    """The simulator's samples/s of each arrangement (`dry_run`), all priced on `profiles` (`profiled`)."""
     from dovetail.config.load import parse_config
     from dovetail.runtime.launch import dry_run
 
     def rate(config: dict, devices: int) -> tuple[float, float]:
-        plan = dry_run(parse_config(config | {"cluster": {"devices": devices, "device": "cpu-core"}}), steps)
+        cluster = {"devices": devices, "device": "cpu-core"}
+        plan = dry_run(parse_config(config | {"cluster": cluster}), steps, profiles)
         return plan["samples_per_s"], plan["step_time_s"]
 
     alone = {name: rate(c | {"policy": best[name]}, 2) for name, c in configs.items()}
@@ -122,7 +136,7 @@ def predicted(configs: dict[str, dict], steps: int, best: dict[str, str]) -> dic
     return {
         "back-to-back": sum(r * s for r, s in alone.values()) / sum(s for _, s in alone.values()),
         "split-pool": sum(r * s for r, s in split) / max(s for _, s in split),
-        "jigsaw": dry_run(parse_config(multiplexed_tree("jigsaw", configs)), steps)["samples_per_s"],
+        "jigsaw": dry_run(parse_config(multiplexed_tree("jigsaw", configs)), steps, profiles)["samples_per_s"],
     }
 
 
@@ -143,8 +157,9 @@ def main() -> None:
     results["jigsaw"] = multiplexed(configs, args.out)
     print(f"[{time.time() - started:5.0f}s] jigsaw: {results['jigsaw']}", flush=True)
     best = results["back-to-back"]["policies"]
-    shape = predicted(configs, args.steps, best)
-    other = predicted(with_waits(configs, args.waits != "free"), args.steps, best)
+    profiles = profiled(configs)
+    shape = predicted(configs, args.steps, best, profiles)
+    other = predicted(with_waits(configs, args.waits != "free"), args.steps, best, profiles)
     print(
         "| arrangement | makespan s | samples/s | vs back-to-back | device busy | env-wait | simulator samples/s "
         f"| simulator vs back-to-back | {'held' if args.waits == 'free' else 'free'} waits: samples/s, vs "

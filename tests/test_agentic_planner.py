@@ -96,21 +96,72 @@ def test_a_wait_is_drawn_from_the_seed_by_who_waits_and_goes_on():
     assert sum(n.tokens for n in decodes) == sum(s.response_tokens for s in samples.values())  # turns share them
 
 
-def test_the_runtime_s_rollout_holds_its_engine_through_the_waits():
-    """waits_hold_device: one decode node per shard, the runtime's (its id), waiting the free graph's waits of that
-    shard on its device; alone on verl-sync nothing could fill them, so both take as long."""
-    latency = {"kind": "lognormal", "median_s": 1.0, "sigma": 0.5}
+@pytest.mark.parametrize(
+    "latency", [{"kind": "constant", "seconds": 1.0}, {"kind": "lognormal", "median_s": 1.0, "sigma": 0.5}]
+)
+def test_the_runtime_s_rollout_holds_its_engine_through_the_waits(latency):
+    """waits_hold_device: one decode node per shard, the runtime's (its id), holding its device through its waits.
+    Under a constant latency every trajectory of a shard waits alike and at once, so the held node waits exactly the
+    free graph's waits of that shard, and alone on verl-sync (nothing could fill them) both take as long; under a
+    lognormal one a trajectory answered first decodes its next turn during the others' waits, in rounds of its own
+    (the closed form below), so the held node's span differs from the free chain's either way: a wait overlapped, a
+    batch split into rounds that each pay a memory-bound decode."""
     free, free_trace = run(agentic(latency=latency))
     held, held_trace = run(agentic(latency=latency, hold=True))
     assert not [n for n in held.graph if not n.holds_device]
     decodes = {n.id: n for n in held.graph if n.kind == Kind.DECODE}
     assert sorted(decodes) == sorted(f"a/{step}/decode/{shard}/0" for step in range(STEPS) for shard in range(4))
+    constant = latency["kind"] == "constant"
     for node in decodes.values():
-        waits = [
-            n.wait_s for n in free.graph if n.kind == Kind.ENV and n.id.startswith(f"a/{node.step}/env/{node.shard}/")
-        ]
-        assert node.wait_s == pytest.approx(sum(waits)) and node.fixed_s == 0
-    assert held_trace.makespan == pytest.approx(free_trace.makespan, rel=1e-9)
+        chain = [n for n in free.graph if n.step == node.step and n.shard == node.shard and n.kind != Kind.PREFILL]
+        waits = sum(n.wait_s for n in chain if n.kind == Kind.ENV)
+        busy = sum(n.cost_s for n in chain if n.kind == Kind.DECODE)
+        assert node.fixed_s == 0 and node.tokens == sum(n.tokens for n in chain)
+        if constant:
+            assert node.wait_s == pytest.approx(waits) and node.cost_s == pytest.approx(busy)
+    if constant:
+        assert held_trace.makespan == pytest.approx(free_trace.makespan, rel=1e-9)
+
+
+def test_a_held_rollout_decodes_a_returned_trajectory_during_another_s_wait():
+    """The closed form of the runtime's held rollout on two trajectories of two turns each (one prompt of 2, one
+    shard): both decode their first turn as one batch (d0); the one whose wait ends first (w_first) decodes its second
+    turn alone (d_first) while the other still waits, and the engine sleeps until the other's wait ends (w_last),
+    then decodes its second turn alone (d_last). Busy d0 + d_first + d_last; slept w_first + (w_last - w_first -
+    d_first); span d0 + w_last + d_last. Pricing each turn as its decode plus its longest wait (both second turns as
+    one batch after w_last) overprices it by the batch's time."""
+    observation = 100
+    spec = scenario(
+        agentic(latency={"kind": "lognormal", "median_s": 1.0, "sigma": 1.0}, turns=2, hold=True)
+        | {"batch": 1, "group": 2, "micro_batches": 1}
+    ).pipelines[0]
+    shape, cost = LMShape(shards=1, trainer_devices=1), CostModel("H100")
+    model = spec.catalogue_model()
+    draw = Latency.model_validate(spec.turns.latency.model_dump()).draw
+
+    def case(seed: int):
+        samples = step_samples(spec, 0, 1, seed)
+        assert [s.turns for s in samples] == [2, 2]
+        first_turn = [(s.response_tokens + 1) // 2 for s in samples]  # turn_tokens: the length shared out evenly
+        waits = [draw(seed, "a", *s.id, 0) for s in samples]
+        held = [s.prompt_tokens + t + observation for s, t in zip(samples, first_turn)]
+
+        def second(i: int) -> float:  # trajectory i's second turn, decoded alone
+            return cost.decode(model, [held[i]], [samples[i].response_tokens - first_turn[i]]) + cost.reprefill(
+                model, [held[i]]
+            )
+
+        early, late = sorted(range(2), key=lambda i: waits[i])
+        d0 = cost.decode(model, [s.prompt_tokens for s in samples], first_turn)
+        return samples, waits, d0, early, late, second
+
+    seed = next(s for s in range(100) if (c := case(s))[1][c[4]] - c[1][c[3]] > c[5](c[3]))
+    samples, waits, d0, early, late, second = case(seed)
+    (node,) = [n for n in build_lm(spec, 1, shape, cost, seed=seed) if n.kind == Kind.DECODE]
+    assert node.samples == tuple(s.id for s in samples)
+    assert node.cost_s == pytest.approx(d0 + second(early) + second(late), rel=1e-12)
+    assert node.wait_s == pytest.approx(waits[late] - second(early), rel=1e-12)
+    assert node.cost_s + node.wait_s == pytest.approx(d0 + waits[late] + second(late), rel=1e-12)
 
 
 def test_jigsaw_fills_one_pipeline_s_waits_with_the_other_s_work():

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import fault_injection
 import pytest
+import ray
 import yaml
 from running import train
 from safetensors.torch import load_file
@@ -23,6 +24,7 @@ from dovetail.cost.model import CostModel
 from dovetail.graph.lm import LMShape, build_lm
 from dovetail.graph.node import Kind
 from dovetail.pipelines.lm.messages import Prefill
+from dovetail.runtime.executor import OFF_DEVICE
 from dovetail.runtime.launch import AUTO_TIE
 from dovetail.sched.jigsaw import Jigsaw, rollout_shares
 
@@ -293,3 +295,31 @@ def test_a_worker_killed_mid_trajectory_with_free_waits_loses_no_turn(reference,
     for key in (*REWARDS, *EPISODES):
         assert [m[key] for m in lines] == [m[key] for m in reference_lines], key
     assert all(m["env/wait_s"] > 0 for m in lines)  # the env nodes waited, off the devices
+
+
+def test_an_environment_worker_killed_mid_run_loses_no_turn(reference, tmp_path):
+    """Free waits: the pipeline's EnvironmentWorker (its episodes, off the devices) is killed a quarter of a second
+    after the prefill of the second step handed its episodes on, while its trajectories' first turn decodes or they
+    wait half a second on it. Ray restarts it and sends it the calls it had in flight; it opens each episode again
+    from the trajectory a call carries (reset, then its earlier turns replayed): the run goes on with the turns, tool
+    calls, rewards and parameters of the reference's."""
+    armed: list[threading.Timer] = []
+    killed: list[int] = []
+    answered_by: set[int] = set()
+
+    def kill_mid_run(executor, part):
+        if part.device == OFF_DEVICE:  # an env node's call answered: by which incarnation
+            answered_by.add(ray.get(executor.environments["calc"].ping.remote()))
+        if not armed and isinstance(part.work, Prefill) and part.work.samples[0].step == 1:
+            worker = executor.environments["calc"]
+            armed.append(threading.Timer(0.25, lambda: killed.append(fault_injection.kill(worker))))
+            armed[0].start()
+
+    summary = train(free("verl-sync", latency={"seconds": 0.5}), tmp_path, steps=STEPS, after_part=kill_mid_run)
+    assert len(killed) == 1 and killed[0] in answered_by and len(answered_by) == 2, (killed, answered_by)
+    assert summary["restarts"] == 0  # no device restarted: only the environments' worker
+    assert json.loads((tmp_path / "ledger.json").read_text())["problems"] == []
+    assert same_bits(final_weights(reference), final_weights(tmp_path))
+    lines, reference_lines = metrics(tmp_path), metrics(reference)
+    for key in (*REWARDS, *EPISODES):
+        assert [m[key] for m in lines] == [m[key] for m in reference_lines], key

@@ -484,19 +484,18 @@ def _turns(
     decoding (`TurnsSpec.max_turns`): its chain covers them all, a turn past the forecast ones decoding nothing after
     an env node that waits none, at no cost. The decode's fixed cost (what a profile of the runtime's whole-rollout
     decode measures once per call: its rounds' overheads, the environment's steps among them) is shared out among
-    a shard's forecast turns, so its turn nodes hold its engine as long as its one held node does, less the waits.
-    With `waits_hold_device`,
-    one decode node that holds its engine through every turn and wait, its waits its `wait_s`: the Ray runtime's
-    rollout, one call that sleeps while every trajectory waits."""
+    a shard's forecast turns, so its turn nodes pay it once, as its one held node does.
+    With `waits_hold_device`, one decode node that holds its engine through every turn and wait
+    (`_held_rollout`): the Ray runtime's rollout, one call that sleeps only while every trajectory waits."""
     assert spec.turns is not None, "only a multi-turn spec with turns is cut into turns"
     tp = spec.tensor_parallel
+    if spec.turns.waits_hold_device:
+        return [_held_rollout(spec, model, cost, step, shard, mine, prefill, seed)]
     nodes: list[Node] = []
-    held = waited = 0.0
-    tokens = 0
     previous = prefill
     held_so_far = {s.id: s.prompt_tokens for s in mine}
     forecast = max(s.turns for s in mine)
-    covered = forecast if spec.turns.waits_hold_device else max(forecast, spec.turns.max_turns or 0)
+    covered = max(forecast, spec.turns.max_turns or 0)
     for turn in range(covered):
         members = [s for s in mine if s.turns > turn]
         context = [held_so_far[s.id] for s in members]
@@ -508,11 +507,6 @@ def _turns(
         for s, generated in zip(members, new_tokens):
             held_so_far[s.id] += generated + spec.turns.observation_tokens
         wait = max((env_wait_s(spec, s, turn, seed) for s in going_on), default=0.0)
-        if spec.turns.waits_hold_device:
-            held += seconds
-            tokens += sum(new_tokens)
-            waited += wait
-            continue
         decode = Node(
             _id(spec, step, "decode", shard, 0) if turn == 0 else _id(spec, step, "turn", shard, turn),
             spec.name,
@@ -546,27 +540,71 @@ def _turns(
             )
             nodes.append(env)
             previous = env.id
-    if not spec.turns.waits_hold_device:
-        return nodes
-    return [
-        Node(
-            _id(spec, step, "decode", shard, 0),
-            spec.name,
-            step,
-            Kind.DECODE,
-            Role.ROLLOUT,
-            (prefill,),
-            version=step,
-            samples=tuple(s.id for s in mine),
-            band=(0, spec.max_length),
-            cost_s=held * tp,
-            fixed_s=cost.fixed("decode"),
-            wait_s=waited,
-            tokens=tokens,
-            shard=shard,
-            max_width=tp,
-        )
-    ]
+    return nodes
+
+
+def _held_rollout(
+    spec: LMSpec,
+    model: LanguageModel,
+    cost: CostModel,
+    step: int,
+    shard: int,
+    mine: list[Sample],
+    prefill: str,
+    seed: int,
+) -> Node:
+    """A shard's multi-turn rollout as the Ray runtime's one decode call rolls it out (`pipelines.lm.multiturn.
+    run_episodes`), which holds its engine throughout: in rounds, each decoding as one batch every trajectory whose
+    wait has ended (its next turn's tokens after what it holds; from its second turn re-prefilled), each of them
+    then waiting its own draw; the engine sleeps only while every unfinished trajectory waits. So a trajectory
+    whose wait ends first decodes its next turn during the others' waits: the node's `cost_s` is its rounds'
+    seconds, its `wait_s` only what the engine slept, their sum the rollout's span (not each turn's decode plus its
+    longest wait)."""
+    assert spec.turns is not None, "only a multi-turn spec with turns waits"
+    tp = spec.tensor_parallel
+    held_so_far = {s.id: s.prompt_tokens for s in mine}
+    turns_done = {s.id: 0 for s in mine}
+    ready_at = {s.id: 0.0 for s in mine}
+    going = list(mine)
+    clock = busy = slept = 0.0
+    while going:
+        ready = [s for s in going if ready_at[s.id] <= clock]
+        if not ready:
+            woken = min(ready_at[s.id] for s in going)
+            slept += woken - clock
+            clock = woken
+            continue
+        context = [held_so_far[s.id] for s in ready]
+        new_tokens = [turn_tokens(s, turns_done[s.id]) for s in ready]
+        seconds = cost.decode(model, context, new_tokens, devices=tp)
+        again = [held for s, held in zip(ready, context) if turns_done[s.id]]
+        if again:
+            seconds += cost.reprefill(model, again, devices=tp)
+        clock += seconds
+        busy += seconds
+        for s, generated in zip(ready, new_tokens):
+            held_so_far[s.id] += generated + spec.turns.observation_tokens
+            turns_done[s.id] += 1
+            if turns_done[s.id] < s.turns:
+                ready_at[s.id] = clock + env_wait_s(spec, s, turns_done[s.id] - 1, seed)
+        going = [s for s in going if turns_done[s.id] < s.turns]
+    return Node(
+        _id(spec, step, "decode", shard, 0),
+        spec.name,
+        step,
+        Kind.DECODE,
+        Role.ROLLOUT,
+        (prefill,),
+        version=step,
+        samples=tuple(s.id for s in mine),
+        band=(0, spec.max_length),
+        cost_s=busy * tp,
+        fixed_s=cost.fixed("decode"),
+        wait_s=slept,
+        tokens=sum(s.response_tokens for s in mine),
+        shard=shard,
+        max_width=tp,
+    )
 
 
 def _finishing_levels(samples: list[Sample], rollout: list[Node], shape: LMShape) -> dict[SampleId, tuple]:

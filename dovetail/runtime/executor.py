@@ -47,7 +47,7 @@ from dovetail.runtime.messages import Commit, Loaded, LoadWeights, Trained, Trai
 from dovetail.runtime.pipeline import Ledger, Part, PipelineAdapter
 from dovetail.runtime.publication import Layout, Publication, layout_of, send
 from dovetail.runtime.recovery import RECOVERY_DEADLINE_S, Incarnations, LostWatch, StepLost, revive
-from dovetail.runtime.worker import EnvironmentWorker, WorkerRestarted
+from dovetail.runtime.worker import ENVIRONMENT_RESTARTS, EnvironmentWorker, WorkerRestarted
 from dovetail.sched.policy import Migrate, Policy, Run, Setup, StepCommitted, SwitchRole
 
 MAX_RESENDS = 5
@@ -257,8 +257,8 @@ class RayExecutor:
             except RayActorError:
                 if isinstance(part, Part) and part.device == OFF_DEVICE:
                     raise RuntimeError(
-                        f"pipeline {self.graph[part.node].pipeline}'s environment worker died during {part.node}, "
-                        "with its open episodes; resume from the last checkpoint with --resume RUN_DIR"
+                        f"pipeline {self.graph[part.node].pipeline}'s environment worker died during {part.node} "
+                        f"after {ENVIRONMENT_RESTARTS} restarts; resume from the last checkpoint with --resume RUN_DIR"
                     ) from None
                 self._recover(part, time.perf_counter() - start, switching)
                 continue

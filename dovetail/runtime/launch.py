@@ -349,11 +349,27 @@ DRY_RUN_STEPS = 3
 """RL steps the dry run simulates: enough for the steady state of every policy (TCSS overlaps two)."""
 
 
-def dry_run(config: TrainConfig, steps: int) -> dict:
+def profiled_here(config: TrainConfig) -> dict[str, dict]:
+    """Each pipeline's start-up profile taken in this process on one thread, as a run profiles a CPU core (no Ray
+    round trip to time: its `switch` is 0), by pipeline name."""
+    torch.set_num_threads(1)
+
+    def carry(weights: dict) -> dict:  # what a Ray round trip does to them
+        return pickle.loads(pickle.dumps(weights))
+
+    return {
+        name: kind(pipeline.kind).load("profile")(pipeline, carry=carry) | {"switch": 0.0}
+        for name, pipeline in pipeline_configs(config).items()
+    }
+
+
+def dry_run(config: TrainConfig, steps: int, profiles: Mapping[str, dict] | None = None) -> dict:
     """What `dovetail train` would do for `steps` steps, without Ray: the checkpoints and the devices checked, then
     the policy's shapes and throughput as the simulator predicts them. On CPU cores the costs are profiled here, in
-    this process, as the run profiles its devices; for GPUs they are the device catalogue's analytic costs
-    (the run, profiling its GPUs, may then choose another shape)."""
+    this process, as the run profiles its devices, or taken from `profiles` (`profiled_here`'s, by pipeline name):
+    a caller comparing arrangements of the same pipelines prices them all on one profile, since two profiles of a
+    loaded machine differ by up to 2x. For GPUs they are the device catalogue's analytic costs (the run, profiling
+    its GPUs, may then choose another shape)."""
     configs = pipeline_configs(config)
     for pipeline in configs.values():
         kind(pipeline.kind).load("check_checkpoint")(pipeline)
@@ -363,15 +379,7 @@ def dry_run(config: TrainConfig, steps: int) -> dict:
     simulated = min(steps, DRY_RUN_STEPS)
     costs = None
     if device(config.cluster.device).platform == "cpu":
-        torch.set_num_threads(1)
-
-        def carry(weights: dict) -> dict:  # what a Ray round trip does to them
-            return pickle.loads(pickle.dumps(weights))
-
-        measured_by = {  # no Ray round trip to time here
-            name: kind(pipeline.kind).load("profile")(pipeline, carry=carry) | {"switch": 0.0}
-            for name, pipeline in configs.items()
-        }
+        measured_by = profiled_here(config) if profiles is None else {name: profiles[name] for name in configs}
         config = refined_by_profiles(config, measured_by)
         costs = {
             name: kind(pipeline.kind).load("fit")(pipeline, pipeline.scenario(simulated), measured_by[name])

@@ -481,15 +481,27 @@ ENVIRONMENT_CALLS = 1024
 """Calls an `EnvironmentWorker` takes at once: each shard's env node waits in one of its threads."""
 
 
-@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=ENVIRONMENT_CALLS)
+ENVIRONMENT_RESTARTS = 5
+"""Times Ray restarts a pipeline's EnvironmentWorker, and sends a call in flight again, before the run gives up on it:
+an environment that keeps killing its worker is a bug, not a fault, and must not spin."""
+
+
+@ray.remote(
+    num_cpus=0,
+    max_restarts=ENVIRONMENT_RESTARTS,
+    max_task_retries=ENVIRONMENT_RESTARTS,
+    max_concurrency=ENVIRONMENT_CALLS,
+)
 class EnvironmentWorker:
     """One pipeline's environments off the devices (a run whose trajectories' waits free their devices,
     `graph.node.Kind.ENV`): its kind's off-device side (`PipelineKind.environments`: for a language model the
     episodes, `pipelines.lm.multiturn.Episodes`) in an actor of no device and no CPU share (Ray may place it on any
     node). An env node's call steps its trajectories' episodes and waits out their latency here, in a thread of its
     own, so the device its turn ran on is the policy's to fill meanwhile. It carries out work and never decides, as
-    a DeviceWorker; its episodes' state lives here, so it is never restarted (`max_restarts=0`): losing it loses the
-    open steps' episodes, and the run stops with its error."""
+    a DeviceWorker. One that dies is restarted by Ray as a DeviceWorker is, and the calls it had in flight (an env
+    node's step, a prefill's reset) are sent again to the new incarnation by Ray itself (`max_task_retries`), so the
+    executor sees nothing but a longer wait: the new one holds no episode, and opens again each one it is asked to
+    step from the trajectory the call carries (`pipelines.lm.multiturn.Episodes`)."""
 
     def __init__(self, config: dict) -> None:
         torch.set_num_threads(1)
@@ -500,6 +512,10 @@ class EnvironmentWorker:
     def ready(self) -> bool:
         """Answers once the actor is built (its environment's process started)."""
         return True
+
+    def ping(self) -> int:
+        """This process's pid (what a fault injection kills)."""
+        return os.getpid()
 
     def run(self, work: Work):
         return self.environments.run(work)

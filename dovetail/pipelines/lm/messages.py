@@ -102,9 +102,10 @@ class Responses:
     observation, which never trains: no loss, no log-prob, no KL, no entropy). Empty: the model sampled every token."""
     episodes: list[EpisodeFigures] = field(default_factory=list)
     """Multi-turn trajectories': per response, its episode's reward and figures. Empty: a single-turn run's."""
-    turn_starts: list[int] = field(default_factory=list)
-    """Multi-turn trajectories rolled out turn by turn (`env.free_waits`): per response, where its latest turn begins
-    in `tokens` (the environment steps on what follows), or its next one before it is decoded."""
+    turn_starts: list[list[int]] = field(default_factory=list)
+    """Multi-turn trajectories rolled out turn by turn (`env.free_waits`): per response, where each of its model
+    turns begins in `tokens`, the latest last (the environment steps on what follows it), or the next one's before it
+    is decoded. The earlier ones are what a restarted environment worker replays its episode on (`Episodes`)."""
 
 
 @dataclass(frozen=True)

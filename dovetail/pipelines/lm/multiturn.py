@@ -304,7 +304,7 @@ def decode_turn(engine: Engine, state: Responses) -> Responses:
             list(state.prompts[i]),
             list(state.tokens[i]),
             list(state.log_probs[i]),
-            turn_start=state.turn_starts[i],
+            turn_start=state.turn_starts[i][-1],
         )
         for i in going
     ]
@@ -322,7 +322,14 @@ class Episodes:
     just decoded a turn on it, appends their observations and answers once the longest of their waits has passed
     (the graph's env node: its shard's next turn follows it), sleeping here, on no device, while the policy fills
     the device. Shards' calls come concurrently (the actor's threads); the environment's process takes one at a
-    time, the waits overlap."""
+    time, the waits overlap.
+
+    A worker that dies is restarted by Ray, which sends the calls it had in flight again to the new incarnation
+    (`runtime.worker.EnvironmentWorker`); that one holds no episode, so a call that steps a trajectory whose episode
+    is not open here opens it again first (`_reopen`): reset from its row and stepped on each of its earlier model
+    turns, which its `Responses` hold (`turn_starts`). An environment answers alike given its row and the turns
+    (its waits are drawn from the trajectory and the turn), so the episode stands where it stood: no turn is lost or
+    taken twice."""
 
     def __init__(self, config: LMTrainConfig, *, sleep: Callable[[float], None] = time.sleep) -> None:
         env = config.env
@@ -333,6 +340,8 @@ class Episodes:
         self.budget = config.max_new_tokens
         self.sleep = sleep
         self.lock = threading.Lock()
+        self.open: set[SampleId] = set()
+        """The trajectories whose episode this process holds (reset here, or opened again by `_reopen`)."""
 
     def run(self, work: ResetEpisodes | StepEpisodes) -> Responses:
         if isinstance(work, ResetEpisodes):
@@ -349,6 +358,7 @@ class Episodes:
         rows = [self.prompts.episode_row(self.prompts.train(s.step, s.prompt)) for s in samples]
         with self.lock:
             prompts = [self.conversation.prompt(self.host.reset(s, row)) for s, row in zip(samples, rows)]
+            self.open.update(samples)
         _check_groups(self.host.name, dict(zip(samples, prompts)))
         empty: list[list] = [[] for _ in samples]
         return Responses(
@@ -360,8 +370,29 @@ class Episodes:
             [False] * len(samples),
             [[] for _ in samples],
             [EpisodeFigures(0.0, 0, 0, 0, False, 0.0) for _ in samples],
-            [0] * len(samples),
+            [[0] for _ in samples],
         )
+
+    def _reopen(self, state: Responses, i: int) -> None:
+        """Trajectory `i` of `state`'s episode opened again in this process (a restarted worker's: the class's
+        docstring): reset from its row, its first observation checked against the trajectory's prompt, then stepped
+        on each model turn before its latest (each runs from where it starts to its first observation token, or to
+        the next turn's start where the environment answered nothing)."""
+        sample = SampleId(*state.samples[i])
+        row = self.prompts.episode_row(self.prompts.train(sample.step, sample.prompt))
+        if self.conversation.prompt(self.host.reset(sample, row)) != list(state.prompts[i]):
+            raise ValueError(
+                f"environment {self.host.name!r} began trajectory {tuple(sample)} differently when its worker "
+                "restarted and replayed it: reset(row) must answer a row alike each time (draw what varies from the "
+                "seed and the turn)"
+            )
+        tokens, generated, starts = state.tokens[i], state.generated[i], state.turn_starts[i]
+        for start, following in zip(starts, starts[1:]):
+            end = start
+            while end < following and generated[end]:
+                end += 1
+            self.host.step(sample, self.conversation.decode(tokens[start:end]))
+        self.open.add(sample)
 
     def step(self, state: Responses) -> tuple[Responses, float]:
         """The trajectories of `state` that just decoded a turn stepped (`_stepped`, as the held rollout steps
@@ -375,7 +406,9 @@ class Episodes:
                 if finished[i]:
                     continue
                 sample = SampleId(*sample)
-                turn = tokens[i][starts[i] :]
+                if sample not in self.open:
+                    self._reopen(state, i)
+                turn = tokens[i][starts[i][-1] :]
                 decoded = Request(request_key(sample), state.prompts[i], tokens[i], log_probs[i])
                 figures = episodes[i]
                 stepped, observation, done = _stepped(
@@ -392,12 +425,13 @@ class Episodes:
                 if observation is None:
                     finished[i], episodes[i] = True, replace(figures, done=done)
                     self.host.close(sample)
+                    self.open.discard(sample)
                     continue
                 episodes[i] = figures
                 tokens[i] = tokens[i] + observation
                 log_probs[i] = log_probs[i] + [0.0] * len(observation)
                 generated[i] = generated[i] + [False] * len(observation)
-                starts[i] = len(tokens[i])
+                starts[i] = [*starts[i], len(tokens[i])]
                 wait = max(wait, stepped.wait_s)
         share = wait / len(state.samples)
         episodes = [replace(e, waited_s=e.waited_s + share) for e in episodes]
