@@ -97,6 +97,20 @@ def test_a_trainer_too_large_for_any_split_names_its_memory():
     assert "add devices" in message
 
 
+def test_a_replicated_trainer_too_large_for_a_device_is_told_to_shard_not_to_add_devices():
+    """A replica holds the whole trainer state on every trainer device, so more devices never make it fit: every
+    policy says so, and names the one field that does (`replicated_trainer: false`, checked by `what_fits`)."""
+    scenario = lm(8, model="Qwen3-8B", policies=("verl-sync", "streamrl", "areal", "jigsaw"))
+    pipeline = scenario.pipelines[0].model_copy(update={"replicated_trainer": True})
+    scenario = scenario.model_copy(update={"pipelines": [pipeline]})
+    for policy, row in compare(scenario, steps=1)["policies"].items():
+        message = row["error"]
+        assert message.endswith("it fits with pipelines.0.replicated_trainer=false"), (policy, message)
+        assert "add devices" not in message and "more devices" not in message, (policy, message)
+    sharded = scenario.model_copy(update={"pipelines": [pipeline.model_copy(update={"replicated_trainer": False})]})
+    assert all(row["samples_per_s"] > 0 for row in compare(sharded, steps=1)["policies"].values())
+
+
 def test_jigsaw_says_when_resident_trainers_leave_no_room_for_the_rollout_weights():
     message = compare(lm(2, model="Qwen3-8B", policies=("jigsaw",)), steps=1)["policies"]["jigsaw"]["error"]
     assert "leaves" in message and "its weights (16 GB at tensor_parallel=1)" in message and "add devices" in message

@@ -2,6 +2,7 @@
 run config (`env.latency`, a tool's `latency`), the runtime that waits it out (`dovetail.envs`) and the planner that
 prices it (`graph.spec.TurnsSpec`), so a wait is drawn the same wherever it is drawn."""
 
+import functools
 import math
 import random
 from typing import Literal
@@ -47,8 +48,15 @@ class Latency(BaseModel):
         if self.kind == "constant":
             return self.seconds
         assert self.median_s is not None and self.sigma is not None  # the validator holds them for a lognormal
-        normal = random.Random(sample_key("latency", *identity)).gauss(0.0, 1.0)
-        return min(self.median_s * math.exp(self.sigma * normal), MAX_WAIT_S)
+        return min(self.median_s * math.exp(self.sigma * _standard_normal(identity)), MAX_WAIT_S)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _standard_normal(identity: tuple[int | str, ...]) -> float:
+    """One standard normal draw keyed by `identity`, remembered: the planner prices the same trajectories' waits in
+    every cut it weighs (a split policy's trainer sizes, `what_fits`'s pools), and seeding a generator per wait was
+    most of a plan's time on an agentic scenario."""
+    return random.Random(sample_key("latency", *identity)).gauss(0.0, 1.0)
 
 
 NO_LATENCY = Latency()

@@ -382,17 +382,24 @@ class LMSpec(_PipelineSpec):
         the rollout engine holds the weights and KV cache over `tensor_parallel` devices."""
         if node.role == Role.ROLLOUT:
             return f"raise tensor_parallel (now {self.tensor_parallel}) or use a device with more memory"
+        if self.replicated_trainer:
+            return (
+                "set replicated_trainer: false (a replica holds the whole trainer state on every trainer device, "
+                f"whatever their count) or raise micro_batches (now {self.micro_batches})"
+            )
         return (
             f"raise micro_batches (now {self.micro_batches}; fewer tokens per trainer pass) or use more devices "
             "(a smaller shard of the trainer state)"
         )
 
     def memory_remedies(self) -> list[tuple[str, int]]:
-        """More micro-batches (each a divisor of the batch: fewer tokens per trainer pass), then wider rollout
-        engines (the weights and KV cache over more devices, up to a node of 8)."""
+        """A sharded trainer in place of replicas (each replica holds the whole trainer state), more micro-batches
+        (each a divisor of the batch: fewer tokens per trainer pass), then wider rollout engines (the weights and KV
+        cache over more devices, up to a node of 8)."""
+        sharded = [("replicated_trainer", False)] if self.replicated_trainer else []
         more_micro_batches = [m for m in range(self.micro_batches + 1, self.batch + 1) if self.batch % m == 0]
         wider = [tp for tp in (2, 4, 8) if tp > self.tensor_parallel]
-        return [("micro_batches", m) for m in more_micro_batches] + [("tensor_parallel", tp) for tp in wider]
+        return sharded + [("micro_batches", m) for m in more_micro_batches] + [("tensor_parallel", tp) for tp in wider]
 
     @model_validator(mode="after")
     def _check(self) -> LMSpec:

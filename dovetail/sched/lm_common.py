@@ -197,8 +197,12 @@ class SplitLMPolicy(StagedLMPolicy):
         least_gb = float("inf")
         for trainers in [trainer_devices] if trainer_devices else range(1, devices - tp + 1):
             shape = LMShape(rollout_engines(spec, devices - trainers), trainers, stream=cls.stream)
+            resident = shape.engines(spec, cost).resident_gb[Role.TRAINER]
+            if resident > capacity:  # the trainer state alone is too large: no cut of the step needs pricing
+                least_gb = min(least_gb, resident)
+                continue
             nodes = shape.build(spec, 1, cost)
-            need = shape.engines(spec, cost).resident_gb[Role.TRAINER] + max(n.memory_gb for n in nodes)
+            need = resident + max(n.memory_gb for n in nodes)
             least_gb = min(least_gb, need)
             if need > capacity:
                 continue
@@ -207,10 +211,15 @@ class SplitLMPolicy(StagedLMPolicy):
                 best = (predicted, shape)
         if best is None:
             largest = trainer_devices or devices - tp
+            fix = (
+                "set replicated_trainer: false (a replica holds the whole trainer state, whatever the device count)"
+                if spec.replicated_trainer
+                else "add devices (cluster.devices)"
+            )
             raise MemoryRefusal(
                 f"{spec.name}: {cls.name}'s trainer needs {least_gb:.0f} GB per device even on {largest} trainer "
-                f"device{'s' if largest > 1 else ''} (the rest roll out), more than {capacity:.0f} GB: add devices "
-                "(cluster.devices) or raise micro_batches (fewer tokens per trainer pass)"
+                f"device{'s' if largest > 1 else ''} (the rest roll out), more than {capacity:.0f} GB: {fix} or raise "
+                "micro_batches (fewer tokens per trainer pass)"
             )
         return best[1]
 
