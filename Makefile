@@ -19,32 +19,28 @@ demo: $(STAMP)
 # path, oneDNN's SSE4.1): a comparison that held only for the kernels one machine picks would fail there.
 OTHER_KERNELS := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDNN_MAX_CPU_ISA=SSE41
 
-# The suite in two tiers. `make test` (under 10 minutes on a slow two-core machine): lint, types, and every test but
-# the ones marked `slow` (`pyproject.toml`: Ray clusters, killed workers and nodes, multiplexed and multi-process runs,
-# learning curves, long sweeps). `make test-slow`: those. CI runs both (`.ci/run`); `make test-all` is the two.
-# Each tier: two test processes share the two cores (much of a test is one process's single-threaded work or waiting:
-# a reference loop, Ray starting, a worker restarting); a test file stays in one process, so its fixtures are made
-# once. Then the tests that time the cores, alone; then the exactness tests again on the other kernels, two
-# processes again. Each later pass collects only the files that hold its tests.
+# The suite in two tiers. `make test` (under 10 minutes on a two-core machine three times slower than a quiet
+# 2-core container): lint, types, and every test but the ones marked `slow` (`pyproject.toml`: Ray clusters, killed
+# workers and nodes, multiplexed and multi-process runs, learning curves, long sweeps) and `serial`. `make test-slow`:
+# the `slow` tests, then the `serial` ones (they time the cores, so they run alone), then every exactness test again
+# on the other kernels. CI runs both (`.ci/run`); `make test-all` is the two.
+# Two test processes share the two cores (much of a test is one process's single-threaded work or waiting: a
+# reference loop, Ray starting, a worker restarting); a test file stays in one process, so its fixtures are made
+# once. Each later pass collects only the files that hold its tests.
 SERIAL = $(shell grep -l 'mark\.serial' tests/*.py)
 EXACTNESS = $(shell grep -l 'mark\.exactness' tests/*.py)
 PYTEST := HF_HUB_OFFLINE=1 $(PY) -m pytest
-
-# $(1): the tier's marker expression.
-define tier
-	$(PYTEST) tests -n 2 --dist loadfile -m "not serial and ($(1))" --durations=25
-	$(OTHER_KERNELS) $(PYTEST) $(SERIAL) -m "serial and ($(1))"
-	$(OTHER_KERNELS) $(PYTEST) $(EXACTNESS) -m "exactness and ($(1))" -n 2 --dist loadfile
-endef
 
 test: $(STAMP)
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 	.venv/bin/mypy
-	$(call tier,not slow)
+	$(PYTEST) tests -n 2 --dist loadfile -m "not serial and not slow" --durations=25
 
 test-slow: $(STAMP)
-	$(call tier,slow)
+	$(PYTEST) tests -n 2 --dist loadfile -m "not serial and slow" --durations=25
+	$(OTHER_KERNELS) $(PYTEST) $(SERIAL) -m serial
+	$(OTHER_KERNELS) $(PYTEST) $(EXACTNESS) -m exactness -n 2 --dist loadfile
 
 test-all: test test-slow
 

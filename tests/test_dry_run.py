@@ -72,6 +72,7 @@ def test_dry_run_refuses_what_the_run_would_refuse():
     assert dry_run(load_config(None, ["policy=reference"]), 10) == {"policy": "reference"}
 
 
+@pytest.mark.slow
 def test_dry_run_on_the_command_line_writes_no_run(tmp_path):
     out = tmp_path / "run"
     command = [

@@ -549,7 +549,7 @@ def ends(out: Path, name: str) -> dict:
 
 
 @pytest.mark.exactness
-@pytest.mark.parametrize("policy", ["verl-sync", "jigsaw"])
+@pytest.mark.parametrize("policy", ["verl-sync", pytest.param("jigsaw", marks=pytest.mark.slow)])
 def test_an_on_policy_ray_run_trains_policy_and_critic_to_the_reference_parameters(
     policy, local_ray, reference_ppo, tmp_path
 ):

@@ -15,6 +15,15 @@ from plan_decisions import CASES, decisions, planned
 RECORD = json.loads((Path(__file__).parent / "data" / "plan_decisions.json").read_text())
 
 
-@pytest.mark.parametrize(("name", "devices"), CASES, ids=[f"{name}@{devices}" for name, devices in CASES])
+LARGEST = {("digen-wan-16", 16), ("digen-qwenimage-32", 32), ("jigsaw-64xa100", 64)}
+"""The cases that take the most seconds: in `make test-slow`; each policy's search keeps a smaller case in the quick
+tier (digen-flux-16, digen-qwenimage-32 on 8, jigsaw-mixed-0.6b-8b)."""
+
+
+@pytest.mark.parametrize(
+    ("name", "devices"),
+    [pytest.param(*case, marks=pytest.mark.slow) if case in LARGEST else case for case in CASES],
+    ids=[f"{name}@{devices}" for name, devices in CASES],
+)
 def test_plan_decides_what_it_decided_before(name: str, devices: int) -> None:
     assert decisions(name, devices) | {"plan": planned(name, devices)} == RECORD[f"{name}@{devices}"]

@@ -46,6 +46,7 @@ def test_run_directory_holds_what_the_user_needs(tmp_path):
         assert {"model.safetensors", "optimizer.pt", "rng.pt", "state.json"} <= {p.name for p in checkpoint.iterdir()}
 
 
+@pytest.mark.slow
 def test_resume_is_bitwise_identical_to_the_uninterrupted_run(tmp_path):
     config = load_config(None, FAST + ["algo.beta=0.01", "eval.every=100", "checkpoint.every=1"])
     train(config, tmp_path / "straight", steps=3)
