@@ -324,7 +324,7 @@ def test_bad_arguments_raise_naming_the_argument(changes, named):
         lm_grpo_loss(**arguments)
 
 
-def test_an_lm_steps_metrics_tell_the_loss_the_reward_spread_and_the_groups_without_signal():
+def test_an_lm_steps_metrics_tell_the_loss_the_reward_spread_the_lengths_and_the_groups_without_signal():
     """`lm_step_metrics` against the figures computed here by hand: two prompts of three responses, one of them with
     equal rewards (no GRPO signal), trained in two parts whose summed losses and token counts add up."""
     from dovetail.graph.node import SampleId
@@ -333,14 +333,22 @@ def test_an_lm_steps_metrics_tell_the_loss_the_reward_spread_and_the_groups_with
 
     totals = np.array([1.0, 0.0, 0.5, 0.25, 0.25, 0.25])
     samples = [SampleId(3, prompt, member) for prompt in (0, 1) for member in range(3)]
-    scores = [Scores(samples[:4], {"total": totals[:4]}), Scores(samples[4:], {"total": totals[4:]})]
+    lengths = np.array([3, 8, 8, 1, 5, 8])
+    scores = [
+        Scores(samples[:4], {"total": totals[:4]}, lengths[:4]),
+        Scores(samples[4:], {"total": totals[4:]}, lengths[4:]),
+    ]
     stats = {"clip_frac": 0.5, "approx_kl": 0.0, "ratio_mean": 1.0, "ratio_min": 1.0, "ratio_max": 1.0}
     trained = [
         Trained(samples[:3], [0] * 3, stats | {"loss": 6.0, "tokens": 30.0}, normaliser=30.0),
         Trained(samples[3:], [0] * 3, stats | {"loss": 2.0, "tokens": 10.0}, normaliser=10.0),
     ]
-    metrics = lm_step_metrics(scores, trained)
+    metrics = lm_step_metrics(scores, trained, budget=8)
     assert metrics["loss"] == pytest.approx((6.0 + 2.0) / (30.0 + 10.0))
+    assert metrics["completions/mean_length"] == pytest.approx(33 / 6)
+    assert (metrics["completions/min_length"], metrics["completions/max_length"]) == (1.0, 8.0)
+    assert metrics["completions/clipped_ratio"] == pytest.approx(3 / 6)  # the three that used all 8 tokens
+    assert "completions/clipped_ratio" not in lm_step_metrics(scores, trained, budget=None)  # an env run's
     assert metrics["reward_std"] == pytest.approx(float(np.sqrt(np.mean((totals - totals.mean()) ** 2))))
     assert metrics["frac_reward_zero_std"] == 0.5
     assert metrics["reward/total"] == pytest.approx(totals.mean()) and metrics["response_tokens"] == 40.0

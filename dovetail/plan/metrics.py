@@ -37,6 +37,11 @@ metrics.jsonl, one line per step (Ray: only under a Ray policy; flow / LM: of th
   critic/vf_clipfrac    LM PPO: share of response tokens whose clipped value error was the larger (verl's name)
   critic/vpred_mean     LM PPO: the critic's mean value of a response token (verl's name)
   response_tokens       LM: tokens of the step's responses (an env run's: the tokens its model sampled, which train)
+  completions/mean_length  LM: mean tokens of a response (TRL's names, these three)
+  completions/min_length   LM: the step's shortest response, in tokens
+  completions/max_length   LM: the step's longest response, in tokens
+  completions/clipped_ratio  LM, single-turn: share of responses that used all of sampling.max_new_tokens, cut off
+                        rather than ended (verl's response_length/clip_ratio)
   env/turns             LM env run: mean model turns per episode (each answered by the environment)
   env/tool_calls        LM env run: mean tool calls per episode (malformed ones included)
   env/tool_errors       LM env run: mean tool results per episode that say "error: ..." (a malformed call, an unknown

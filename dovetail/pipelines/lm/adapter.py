@@ -336,11 +336,14 @@ class LMAdapter(PipelineAdapter):
         return further_update_metrics(further)
 
     def step_metrics(self, scores: list[Scores], trained: list[Trained]) -> dict:
+        budget = self.config.clipping_budget
         if not self.draws:
-            return lm_step_metrics(scores, trained)
+            return lm_step_metrics(scores, trained, budget)
         size = self.config.algo.prompts_per_step
         kept = kept_samples(scores, size)
-        return lm_step_metrics([scores_of(scores, kept)], trained) | dynamic_sampling_metrics(scores, kept, size)
+        return lm_step_metrics([scores_of(scores, kept)], trained, budget) | dynamic_sampling_metrics(
+            scores, kept, size
+        )
 
 
 def lm_shape(shape: Shape) -> LMShape:
@@ -395,18 +398,29 @@ def further_update_metrics(further: list[list[FurtherUpdate]]) -> dict:
     return metrics
 
 
-def lm_step_metrics(scores: list[Scores], trained: list[Trained]) -> dict:
-    """Rewards (each and their total), their spread, and the loss statistics as per-token means over the step: what
-    tells a run that learns from one with a bug, under the names TRL logs them by.
+def lm_step_metrics(scores: list[Scores], trained: list[Trained], budget: int | None) -> dict:
+    """Rewards (each and their total), their spread, the responses' lengths and the loss statistics as per-token
+    means over the step: what tells a run that learns from one with a bug, under the names TRL logs them by.
 
     `loss` is the objective the step's gradient descends (the parts' summed losses over the step's normaliser);
     `reward_std` the total reward's standard deviation over the batch; `frac_reward_zero_std` the share of prompt
-    groups whose rewards are all equal, which carry no GRPO signal (their advantages are 0). An env run's adds its
-    episodes' figures (`multiturn.episode_metrics`)."""
+    groups whose rewards are all equal, which carry no GRPO signal (their advantages are 0);
+    `completions/{mean,min,max}_length` the responses' tokens, and `completions/clipped_ratio` the share that used
+    the whole `budget` (`sampling.max_new_tokens`), as verl's `response_length/clip_ratio` counts them: a run whose
+    responses grow into the budget is cut off, not learning to stop. An env run (`budget` None: its budget holds
+    the observations too) adds its episodes' figures (`multiturn.episode_metrics`) instead of the clipped share."""
     metrics = {
         f"reward/{name}": float(np.concatenate([s.scores[name] for s in scores]).mean()) for name in scores[0].scores
     }
     totals = np.concatenate([s.scores["total"] for s in scores])
+    lengths = np.concatenate([s.response_tokens for s in scores if s.response_tokens is not None])
+    completions = {
+        "completions/mean_length": float(lengths.mean()),
+        "completions/min_length": float(lengths.min()),
+        "completions/max_length": float(lengths.max()),
+    }
+    if budget is not None:
+        completions["completions/clipped_ratio"] = float((lengths >= budget).mean())
     groups: dict[tuple[int, int], list[float]] = {}
     for sample, total in zip((sample for s in scores for sample in s.samples), totals):
         groups.setdefault((sample.step, sample.prompt), []).append(float(total))
@@ -422,6 +436,7 @@ def lm_step_metrics(scores: list[Scores], trained: list[Trained]) -> dict:
         | {"loss": loss, "reward_std": float(totals.std()), "frac_reward_zero_std": flat / len(groups)}
         | merged
         | {"response_tokens": tokens}
+        | completions
         | episode_metrics(episodes)
         | critic_metrics([t for t in trained if isinstance(t, CriticTrained)], normaliser)
     )

@@ -752,6 +752,12 @@ class LMTrainConfig(RunSection):
         return USER_MAX_NEW_TOKENS if self.user_model else task(self.task).max_new_tokens
 
     @property
+    def clipping_budget(self) -> int | None:
+        """The tokens a response that was cut off holds (`lm_step_metrics`' clipped share): `max_new_tokens`; None
+        for an env run, whose budget holds its observations too."""
+        return self.max_new_tokens if self.env is None else None
+
+    @property
     def compute_devices(self) -> int:
         return self.cluster.devices
 

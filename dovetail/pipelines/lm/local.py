@@ -149,7 +149,9 @@ def lm_rl_step(engines, config: LMTrainConfig, step: int) -> dict:
     memory = replace(engines.memory(), gradients=gradients)
     seconds = sum(timings.values())
     return (
-        lm_step_metrics([scores], [trained] if critic_trained is None else [critic_trained, trained])
+        lm_step_metrics(
+            [scores], [trained] if critic_trained is None else [critic_trained, trained], config.clipping_budget
+        )
         | further_update_metrics([further])
         | sampling
         | timings
