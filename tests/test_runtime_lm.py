@@ -271,17 +271,20 @@ def test_lm_grpo_on_ray_raises_a_learnable_reward(tmp_path):
 
 
 def test_the_profile_s_two_sizes_give_each_kind_of_pass_its_fixed_cost():
-    """The start-up profile times each kind of LM work at its size and at the responses a device trains in one pass
-    of the run's step, from the same weights (the larger size's first responses are the smaller's), and the fit
-    takes a line through the two: a device that pays 10 ms a pass plus twice the analytic seconds (the profile's real
-    responses, seconds made so) is fitted exactly that, each graph node carrying the fixed cost beside its work."""
+    """The start-up profile times each kind of LM work at its size and at the larger of the responses a device trains
+    in one pass of the run's step and those it decodes in one call, from the same weights (the larger size's first
+    responses are the smaller's), and the fit takes a line through the two: a device that pays 10 ms a pass plus
+    twice the analytic seconds (the profile's real responses, seconds made so) is fitted exactly that, each graph node
+    carrying the fixed cost beside its work."""
     config = load_config(None, [*SMALL, "algo.prompts_per_step=16"])
     measured = profile_here(config, carry=lambda weights: weights)
     samples = config.runtime.profile_samples
     nodes = prepare(config.scenario(1), "verl-sync").graph.nodes.values()
     (train_node, *_) = [n for n in nodes if n.kind == Kind.TRAIN]
+    (decode_node, *_) = [n for n in nodes if n.kind == Kind.DECODE]
     per_device = len(train_node.samples) // config.cluster.devices  # verl-sync trains a micro-batch on every device
-    assert len(measured["lengths"]) == samples and len(measured[f"lengths{STEP_PASS}"]) == per_device > 2 * samples
+    larger = max(per_device, len(decode_node.samples))  # and decodes a shard of the step on each
+    assert len(measured["lengths"]) == samples and len(measured[f"lengths{STEP_PASS}"]) == larger > 2 * samples
     assert measured[f"lengths{STEP_PASS}"][:samples] == measured["lengths"], "every size decodes from the same weights"
     scenario = config.scenario(1)
     spec = scenario.pipelines[0]

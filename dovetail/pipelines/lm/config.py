@@ -480,7 +480,7 @@ class LMRuntimeSection(Section):
 
 
 STEP_PASS = "_step_pass"
-"""The suffix of a start-up profile figure measured at the step's train pass (`train_pass_responses`)."""
+"""The suffix of a start-up profile figure measured at the step's larger pass (`engines.step_pass_size`)."""
 
 
 class LMTrainConfig(RunSection):
@@ -770,6 +770,15 @@ class LMTrainConfig(RunSection):
         trainer_devices = self.runtime.trainer_devices or self.compute_devices
         groups = -(-self.algo.prompts_per_step // self.algo.micro_batches // trainer_devices)
         return groups * self.algo.group_size
+
+    @property
+    def rollout_pass_responses(self) -> int:
+        """The responses a device decodes in one call of a step where every device rolls out (whole groups, the
+        step's prompts dealt to the devices). The start-up profile's larger size covers it too
+        (`engines.step_pass_size`): on a CPU core a decode's cost per response grows with the batch as the analytic
+        model (a GPU's, one read of the weights per iteration) does not, so a line fitted at 16 and 128 responses
+        priced a 256-response decode at two thirds of its time."""
+        return -(-self.algo.prompts_per_step // self.compute_devices) * self.algo.group_size
 
     @property
     def pipeline_name(self) -> str:

@@ -600,15 +600,18 @@ def profile_works(
 
 SIZED_KINDS = ("prefill", "decode", "score", "logprob", "train")
 """The kinds of LM work whose passes grow with the responses in them: profiled at two sizes."""
-STEP_PASS_LIMIT = 8
+STEP_PASS_LIMIT = 16
 """The profile's larger size is at most this many times `runtime.profile_samples`: a large run's micro-batch of
 thousands of responses would make its profile longer than its first steps."""
 
 
 def step_pass_size(config: LMTrainConfig, samples: int) -> int:
-    """The profile's larger size: the responses a device trains in one pass of a step (`train_pass_responses`), at
-    least twice `samples` (a line needs two sizes) and at most STEP_PASS_LIMIT times it."""
-    return max(2 * samples, min(config.train_pass_responses, STEP_PASS_LIMIT * samples))
+    """The profile's larger size: the larger of the responses a device trains in one pass of a step
+    (`train_pass_responses`) and those it decodes in one call (`rollout_pass_responses`), so that both of a step's
+    passes are priced between the two sizes measured; at least twice `samples` (a line needs two sizes) and at most
+    STEP_PASS_LIMIT times it."""
+    step = max(config.train_pass_responses, config.rollout_pass_responses)
+    return max(2 * samples, min(step, STEP_PASS_LIMIT * samples))
 
 
 def profile_work(engines: LMEngines, samples: int, carry: Callable[[dict], dict]) -> dict[str, float]:
