@@ -13,7 +13,7 @@ from dovetail.graph.node import Engines, Graph, Node, Role
 from dovetail.graph.spec import MAX_DEVICES
 from dovetail.plan.metrics import Metrics, summarize
 from dovetail.plan.scenario import Scenario
-from dovetail.plan.sim import SimExecutor
+from dovetail.plan.sim import GaveUp, SimExecutor
 from dovetail.sched import POLICIES, policy_class
 from dovetail.sched.policy import MemoryRefusal, Policy, PolicyOptions, SearchContext, Setup
 
@@ -261,6 +261,27 @@ class Planning:
                 searched.append(record)
             return record.samples_per_s
 
+        def forecast_beating(candidate: dict, horizon: int, rate: float) -> float:
+            """`forecast`, given up once the candidate cannot beat `rate` (`sched.policy.ForecastBeating`). Its
+            samples/s is `summarize`'s, its steps' samples over its makespan: the samples are the graph's
+            (`samples_of`), and the makespan is at least the end `e` of any span recorded so far, so once
+            samples / e <= rate (floats: division rounds monotonically, so a makespan m >= e gives
+            samples / m <= samples / e), the candidate's figure is at most `rate`, and `rate` is returned."""
+            candidate = fixed(candidate)
+            key = (cls.simulates_as(candidate), self.devices, self.options, tuple(sorted(candidate.items())), horizon)
+            if self.simulations is not None and key in self.simulations:
+                return forecast(candidate, horizon)
+            prepared = self.built(candidate, horizon)
+            samples = samples_of(prepared.graph)
+            try:
+                trace = executor(scenario, prepared).run(prepared.policy, lambda end: end > 0 and samples / end <= rate)
+            except GaveUp:
+                return rate
+            if self.simulations is None:  # `summarize`'s samples/s, without the rest of its summary
+                return sum(record.samples for record in trace.steps) / trace.makespan
+            self.simulations[key] = (trace, summarize(trace))
+            return self.simulations[key][1].samples_per_s
+
         shapes = {
             spec.name: cls.shape(spec, self.pipeline_devices, self.trainer_devices, self.costs[spec.name])
             for spec in scenario.pipelines
@@ -276,6 +297,9 @@ class Planning:
             devices=self.pipeline_devices,
             trainer_devices=self.trainer_devices,
             options=self.options,
+            # Every candidate's figures are kept whole where they are shown (`searched`), and none is simulated
+            # where the search only checks the cut fits (not `simulated`).
+            forecast_beating=forecast_beating if searched is None and simulated else None,
         )
         return fixed(cls.plan_shapes(context))
 
@@ -338,14 +362,28 @@ def simulate(
 
 
 def run_prepared(scenario: Scenario, prepared: Prepared):
-    executor = SimExecutor(
+    return executor(scenario, prepared).run(prepared.policy)
+
+
+def executor(scenario: Scenario, prepared: Prepared) -> SimExecutor:
+    """The simulator of a prepared plan, with the scenario's seed and noise and the plan's interference table."""
+    return SimExecutor(
         prepared.graph,
         prepared.setup,
         seed=scenario.schedule.seed,
         noise=scenario.schedule.noise,
         slowdown=prepared.setup.slowdown,
     )
-    return executor.run(prepared.policy)
+
+
+def samples_of(graph: Graph) -> int:
+    """The samples every step of `graph` makes, counted as a step's commit counts them (`ClusterState._commit`: the
+    distinct samples of its nodes); a run to the graph's end commits every step."""
+    return sum(
+        len({sample for node in graph.of(pipeline, step) for sample in node.samples})
+        for pipeline in graph.pipelines()
+        for step in graph.steps(pipeline)
+    )
 
 
 def rollout_wake_s(scenario: Scenario, cost: CostModel) -> float:

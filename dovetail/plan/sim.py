@@ -19,6 +19,10 @@ from dovetail.plan.trace import Trace
 from dovetail.sched.policy import Migrate, Policy, Run, Setup, SwitchRole
 
 
+class GaveUp(Exception):
+    """A run stopped by its `give_up` (`SimExecutor.run`); its argument: the end of the latest span then."""
+
+
 class SimExecutor:
     def __init__(
         self,
@@ -47,8 +51,13 @@ class SimExecutor:
         self.noise = noise
         self.slowdown = slowdown
 
-    def run(self, policy: Policy) -> Trace:
+    def run(self, policy: Policy, give_up: Callable[[float], bool] | None = None) -> Trace:
+        """The trace of the policy running the graph to its end. `give_up`, asked after each instant with the end of
+        the latest span recorded (a lower bound of the run's makespan, `Trace.makespan`), stops the run by raising
+        `GaveUp` once it says so: a search that only asks whether a candidate beats a figure stops simulating one
+        that cannot."""
         state = ClusterState(self.graph, self.setup, self.slowdown)
+        spans = state.trace.spans
         rng = random.Random(self.seed)
         heap: list[tuple[float, int, str, SwitchRole | str]] = []  # (time, counter, "switch" | "node", payload)
         segment: dict[str, int] = {}
@@ -90,3 +99,5 @@ class SimExecutor:
                 elif segment.get(payload) == number:
                     del segment[payload]
                     state.finish_node(payload)
+            if give_up is not None and spans and give_up(spans[-1].end):
+                raise GaveUp(spans[-1].end)
