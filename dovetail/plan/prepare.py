@@ -13,7 +13,7 @@ from dovetail.graph.node import Engines, Graph, Node, Role
 from dovetail.graph.spec import MAX_DEVICES
 from dovetail.plan.metrics import Metrics, summarize
 from dovetail.plan.scenario import Scenario
-from dovetail.plan.sim import GaveUp, SimExecutor
+from dovetail.plan.sim import GaveUp, SimExecutor, collector_paused
 from dovetail.plan.trace import Trace
 from dovetail.sched import POLICIES, policy_class
 from dovetail.sched.policy import MemoryRefusal, Policy, PolicyOptions, SearchContext, Setup
@@ -155,9 +155,10 @@ def prepare(
     )
     steps = steps or scenario.schedule.steps
     try:
-        if shapes is None:
-            shapes = planning.searched_shapes(steps, shape_overrides, searched)
-        return planning.built(shapes, steps)
+        with collector_paused():  # a search builds and simulates many cuts, every one's graph and trace kept
+            if shapes is None:
+                shapes = planning.searched_shapes(steps, shape_overrides, searched)
+            return planning.built(shapes, steps)
     except MemoryRefusal as refusal:
         raise MemoryRefusal(f"{refusal}; {what_fits(planning, steps, shape_overrides)}") from None
 
