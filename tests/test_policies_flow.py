@@ -335,3 +335,17 @@ def test_a_straggler_device_sets_the_pace_of_the_staged_baseline():
     assert makespan([2.0] * 4) == pytest.approx(2 * plain - switches)
     with pytest.raises(ValueError, match="one positive factor per device"):
         SimExecutor(prepared.graph, prepared.setup, device_pace=[1.0, 2.0])
+
+
+@pytest.mark.parametrize("name", ["digen-flux-16", "digen-qwenimage-32"])
+def test_a_search_that_gives_up_on_losing_candidates_chooses_what_simulating_each_to_its_end_chooses(name: str) -> None:
+    """`prepare` without `searched` stops simulating a candidate once it cannot beat the best so far
+    (`SearchContext.forecast_beating`); with `searched` (what `dovetail plan` shows) it simulates every one whole. Both
+    choose the same shapes, and the candidates given up on were slower than the chosen one."""
+    scenario = load_scenario(name)
+    searched: list = []
+    given_up = prepare(scenario, "digen+tcss", steps=6, devices=32)
+    whole = prepare(scenario, "digen+tcss", steps=6, devices=32, searched=searched)
+    assert given_up.setup.shapes == whole.setup.shapes
+    best = max(record.samples_per_s for record in searched)
+    assert next(r for r in searched if r.shapes == whole.setup.shapes).samples_per_s == best

@@ -52,6 +52,11 @@ class MemoryUse:
         return self.weights + self.grads + self.optimizer + self.activations + self.kv_cache
 
 
+DECODES_KEPT = 200_000
+"""Decode figures a cost model keeps (`CostModel.decode`); past it they are dropped and priced again as asked: a plan
+on 256 devices prices some tens of thousands."""
+
+
 class CostModel:
     """Predicts seconds and bytes for one kind of device.
 
@@ -65,6 +70,8 @@ class CostModel:
         self._scale: dict[str, float] = {}
         self._fixed: dict[str, float] = {}
         self._with_rollout_memory: dict[float, CostModel] = {}
+        self._decodes: dict[tuple, float] = {}
+        """`decode`'s seconds by its model, devices and sequences (`DECODES_KEPT` at most)."""
         # Device-specific kernel efficiency relative to the Hopper-fitted factors.
         self._vendor = calibration.device_efficiency.get(self.device.name, 1.0)
 
@@ -265,6 +272,20 @@ class CostModel:
         work = [(t, c) for t, c in work if t > 0]
         if not work:
             return 0.0
+        # Kept: a search's cuts that differ only where the tail goes or how wide its engine is decode the same
+        # sequences on the same home engines (every band below the migration edge), and its one-step screen and its
+        # finalists' runs the same first step. The sum below depends on nothing else (the corrections are fixed once
+        # the model is made), so a kept figure is the one it would compute again.
+        key = (model, devices, tuple(work))
+        if key in self._decodes:
+            return self._decodes[key]
+        if len(self._decodes) >= DECODES_KEPT:
+            self._decodes.clear()
+        seconds = self._decodes[key] = self._decode_seconds(model, work, devices)
+        return seconds
+
+    def _decode_seconds(self, model: LanguageModel, work: list[tuple[int, int]], devices: int) -> float:
+        """`decode` of `work`: (new tokens, start context) of each sequence, fewest new tokens first, none empty."""
         cal = self.calibration
         kv_room = self.kv_cache_bytes(model, devices)
         weight_bytes = model.params * BF16

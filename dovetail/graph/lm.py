@@ -49,9 +49,23 @@ class Sample:
 
 
 def response_lengths(spec: LMSpec, step: int, seed: int) -> list[int]:
-    """Seeded lengths of one step's responses, cut at max_length (same seed, same lengths)."""
-    rng = random.Random(f"{seed}/{spec.name}/{step}")
+    """Seeded lengths of one step's responses, cut at max_length (same seed, same lengths): drawn once per step,
+    seed and what the draws depend on (`_lengths`), as a search cuts the same step on many shard counts."""
     count = spec.batch * spec.draws * spec.group
+    key = (seed, spec.name, step, count, spec.max_length, repr(spec.lengths))
+    if key not in _lengths:
+        if len(_lengths) >= ROLLOUTS_KEPT:
+            _lengths.clear()
+        _lengths[key] = _drawn_lengths(spec, step, seed, count)
+    return list(_lengths[key])
+
+
+_lengths: dict[tuple, tuple[int, ...]] = {}
+"""Each step's drawn response lengths (`response_lengths`), by seed, pipeline, step, count, cap and distribution."""
+
+
+def _drawn_lengths(spec: LMSpec, step: int, seed: int, count: int) -> tuple[int, ...]:
+    rng = random.Random(f"{seed}/{spec.name}/{step}")
     dist = spec.lengths
     if dist.kind == "lognormal":
         median, sigma = dist.median, dist.sigma
@@ -61,7 +75,7 @@ def response_lengths(spec: LMSpec, step: int, seed: int) -> list[int]:
         values = dist.values
         assert values  # LengthDistribution's validator requires them
         raw = [rng.choice(values) for _ in range(count)]
-    return [min(spec.max_length, max(1, round(x))) for x in raw]
+    return tuple(min(spec.max_length, max(1, round(x))) for x in raw)
 
 
 def turn_counts(spec: LMSpec, step: int, seed: int) -> list[int]:
@@ -261,13 +275,13 @@ def build_lm(spec: LMSpec, steps: int, shape: LMShape, cost: CostModel, seed: in
         if spec.draws == 1 and not spec.dynamic_sampling:
             samples, rollout, last_of = _step_rollout(spec, cost, rollout_cut, step, seed)
             training = _training(spec, model, cost, shape, step, samples, last_of, previous_commit)
-            nodes += [*rollout, *_shareable(training, shape.shared)]
+            nodes += [*rollout, *training]
         else:  # a step of draws (dynamic sampling, one or more): built here, each draw's rollout after the score before
             drawn = step_samples(spec, step, shape.shards, seed)
             draws, scores = _draws(spec, model, cost, shape, step, drawn, seed)
             first = [s for s in drawn if s.id.prompt < spec.batch]  # what its training is priced for: B groups
             training = _training(spec, model, cost, shape, step, first, {}, previous_commit, scores)
-            nodes += _shareable([*draws, *training], shape.shared)
+            nodes += [*_shareable(draws, shape.shared), *training]
         previous_commit = training[-2].id
     return nodes
 
@@ -668,6 +682,7 @@ def _training(
     more prompts has scored each draw already (`draw_scores`): each of its micro-batches reads them all (which groups
     it keeps is known once every draw is scored), and they are priced for the `batch` groups the step trains."""
     per_micro = spec.batch // spec.micro_batches
+    exclusive = not shape.shared  # each node made shareable as it is made: a search builds many cuts' steps
     trainable = trainable_params(spec)
     trained = model.params if trainable is None else trainable
     order = _prompt_order(samples) if shape.stream else list(range(spec.batch))
@@ -691,6 +706,7 @@ def _training(
                 samples=ids,
                 cost_s=cost.rule_score(len(members)),
                 fixed_s=cost.fixed("score"),
+                exclusive=exclusive,
             )
             nodes.append(score)
             scored: tuple[str, ...] = (score.id,)
@@ -712,6 +728,7 @@ def _training(
                     fixed_s=cost.fixed("logprob"),
                     micro_batch=micro,
                     reference=which == "ref",
+                    exclusive=exclusive,
                 )
                 nodes.append(logprob)
                 before_train.append(logprob.id)
@@ -729,6 +746,7 @@ def _training(
                 fixed_s=cost.fixed("logprob"),
                 micro_batch=micro,
                 critic=True,
+                exclusive=exclusive,
             )
             nodes.append(values)
             before_train.append(values.id)
@@ -753,6 +771,7 @@ def _training(
                 fixed_s=cost.fixed("train"),
                 memory_gb=activations / GB,
                 critic=critic,
+                exclusive=exclusive,
             )
             nodes.append(train)
             trains.append(train.id)
@@ -775,6 +794,7 @@ def _training(
         version=step,
         cost_s=update_s + (spec.updates - 1) * (retrain_s + update_s),
         collective=True,
+        exclusive=exclusive,
     )
     publish = Node(
         _id(spec, step, "publish"),
@@ -786,5 +806,6 @@ def _training(
         version=step,
         cost_s=cost.publish(model.params if trainable is None else trainable),  # the critic is not published
         collective=True,
+        exclusive=exclusive,
     )
     return nodes + [commit, publish]

@@ -13,7 +13,8 @@ from dovetail.graph.node import Engines, Graph, Node, Role
 from dovetail.graph.spec import MAX_DEVICES
 from dovetail.plan.metrics import Metrics, summarize
 from dovetail.plan.scenario import Scenario
-from dovetail.plan.sim import SimExecutor
+from dovetail.plan.sim import GaveUp, SimExecutor, collector_paused
+from dovetail.plan.trace import Trace
 from dovetail.sched import POLICIES, policy_class
 from dovetail.sched.policy import MemoryRefusal, Policy, PolicyOptions, SearchContext, Setup
 
@@ -51,6 +52,16 @@ def refuse_fixed_fields(scenario: Scenario, policy: str) -> None:
                 f"{section}.{field}={value}: policy {policy} {why}, so it cannot honour it; remove the field"
                 + (f" or simulate {', '.join(honour)}" if honour else "")
             )
+
+
+@dataclass
+class Simulated:
+    """A candidate a search simulated to its end (`prepare`'s `simulations`): what ran (its policy as the run left
+    it), the trace, and its summary once a `forecast` asked for it (a search that only ranks needs none)."""
+
+    prepared: Prepared
+    trace: Trace
+    metrics: Metrics | None = None
 
 
 @dataclass(frozen=True)
@@ -120,9 +131,10 @@ def prepare(
     pipeline or per pipeline name (the Ray runtime passes each pipeline's, corrected by costs profiled on its own
     devices); the pool has one interference table (`Setup.slowdown`), the first pipeline's cost model's. A policy that
     searches simulates its candidates here; `searched` (a list), when given, receives a `Searched` for each (what
-    `dovetail plan` shows). `simulations`, when given, keeps each candidate's simulated trace and its summary by the
-    schedule it runs (`Policy.simulates_as`), its shapes and horizon: `dovetail plan` passes one to every policy of a
-    plan on one pool and cost model, so a candidate two policies run alike is simulated and summarized once."""
+    `dovetail plan` shows). `simulations`, when given, keeps each candidate's simulated trace (and its summary, once
+    asked) by the schedule it runs (`Policy.simulates_as`), its shapes and horizon (`simulation_key`): `dovetail plan`
+    passes one to every policy of a plan on one pool and cost model, so a candidate two policies run alike is
+    simulated and summarized once; `simulate` one, so the chosen shapes' trace is not simulated again."""
     cls = policy_class(policy)
     for spec in scenario.pipelines:
         if spec.kind not in cls.pipeline_kinds:
@@ -143,9 +155,10 @@ def prepare(
     )
     steps = steps or scenario.schedule.steps
     try:
-        if shapes is None:
-            shapes = planning.searched_shapes(steps, shape_overrides, searched)
-        return planning.built(shapes, steps)
+        with collector_paused():  # a search builds and simulates many cuts, every one's graph and trace kept
+            if shapes is None:
+                shapes = planning.searched_shapes(steps, shape_overrides, searched)
+            return planning.built(shapes, steps)
     except MemoryRefusal as refusal:
         raise MemoryRefusal(f"{refusal}; {what_fits(planning, steps, shape_overrides)}") from None
 
@@ -202,8 +215,8 @@ class Planning:
     devices: int
     costs: Mapping[str, CostModel]
     trainer_devices: int | None
-    simulations: dict | None = None
-    """Traces of the candidates simulated so far, each with its summary, shared by the policies of one plan
+    simulations: dict[tuple, Simulated] | None = None
+    """The candidates simulated so far (`simulation_key` -> `Simulated`), shared by the policies of one plan
     (`prepare`)."""
 
     @property
@@ -251,15 +264,41 @@ class Planning:
             if not simulated:
                 return 0.0
             candidate = fixed(candidate)
-            key = (cls.simulates_as(candidate), self.devices, self.options, tuple(sorted(candidate.items())), horizon)
+            key = simulation_key(self.policy, self.devices, self.options, candidate, horizon)
             simulations = {} if self.simulations is None else self.simulations
-            if key not in simulations:
-                trace = run_prepared(scenario, self.built(candidate, horizon))
-                simulations[key] = (trace, summarize(trace))
-            record = searched_from(self.policy, candidate, horizon, *simulations[key])
+            kept = simulations.get(key)
+            if kept is None:
+                prepared = self.built(candidate, horizon)
+                kept = simulations[key] = Simulated(prepared, run_prepared(scenario, prepared))
+            if kept.metrics is None:  # simulated by `forecast_beating`, which needs no summary
+                kept.metrics = summarize(kept.trace)
+            record = searched_from(self.policy, candidate, horizon, kept.trace, kept.metrics)
             if searched is not None:
                 searched.append(record)
             return record.samples_per_s
+
+        def forecast_beating(candidate: dict, horizon: int, rate: float) -> float:
+            """`forecast`, given up once the candidate cannot beat `rate` (`sched.policy.ForecastBeating`). Its
+            samples/s is `summarize`'s, its steps' samples over its makespan: the samples are the graph's
+            (`samples_of`), and the makespan is at least the end `e` of any span recorded so far, so once
+            samples / e <= rate (floats: division rounds monotonically, so a makespan m >= e gives
+            samples / m <= samples / e), the candidate's figure is at most `rate`, and `rate` is returned."""
+            candidate = fixed(candidate)
+            key = simulation_key(self.policy, self.devices, self.options, candidate, horizon)
+            if self.simulations is not None and key in self.simulations:
+                trace = self.simulations[key].trace
+            else:
+                prepared = self.built(candidate, horizon)
+                samples = samples_of(prepared.graph)
+                try:
+                    trace = executor(scenario, prepared).run(
+                        prepared.policy, lambda end: end > 0 and samples / end <= rate
+                    )
+                except GaveUp:
+                    return rate
+                if self.simulations is not None:
+                    self.simulations[key] = Simulated(prepared, trace)
+            return sum(record.samples for record in trace.steps) / trace.makespan  # `summarize`'s samples/s
 
         shapes = {
             spec.name: cls.shape(spec, self.pipeline_devices, self.trainer_devices, self.costs[spec.name])
@@ -276,6 +315,9 @@ class Planning:
             devices=self.pipeline_devices,
             trainer_devices=self.trainer_devices,
             options=self.options,
+            # Every candidate's figures are kept whole where they are shown (`searched`), and none is simulated
+            # where the search only checks the cut fits (not `simulated`).
+            forecast_beating=forecast_beating if searched is None and simulated else None,
         )
         return fixed(cls.plan_shapes(context))
 
@@ -333,19 +375,55 @@ def simulate(
 ):
     """Prepare and simulate one policy on a scenario; returns (Prepared, Trace). Shared devices slow each
     other down by the cost model's interference table (`Setup.slowdown`); `cost` replaces the analytic cost model."""
-    prepared = prepare(scenario, policy, steps=steps, devices=devices, options=options, cost=cost, **shape_overrides)
+    simulations: dict[tuple, Simulated] = {}
+    prepared = prepare(
+        scenario,
+        policy,
+        steps=steps,
+        devices=devices,
+        options=options,
+        cost=cost,
+        simulations=simulations,
+        **shape_overrides,
+    )
+    # A search that simulated the chosen shapes over these steps already holds their trace: the same graph, setup and
+    # seed give the same one.
+    setup = prepared.setup
+    key = simulation_key(policy, setup.devices, setup.options, setup.shapes, steps or scenario.schedule.steps)
+    if key in simulations:
+        return simulations[key].prepared, simulations[key].trace  # its policy ran it (`tag_decisions`, ...)
     return prepared, run_prepared(scenario, prepared)
 
 
+def simulation_key(policy: str, devices: int, options: PolicyOptions, shapes: Mapping, horizon: int) -> tuple:
+    """What a simulated candidate is kept by (`prepare`'s `simulations`): the schedule it runs (`Policy.simulates_as`),
+    the pool, the options, its shapes and its horizon in steps."""
+    return (policy_class(policy).simulates_as(shapes), devices, options, tuple(sorted(shapes.items())), horizon)
+
+
 def run_prepared(scenario: Scenario, prepared: Prepared):
-    executor = SimExecutor(
+    return executor(scenario, prepared).run(prepared.policy)
+
+
+def executor(scenario: Scenario, prepared: Prepared) -> SimExecutor:
+    """The simulator of a prepared plan, with the scenario's seed and noise and the plan's interference table."""
+    return SimExecutor(
         prepared.graph,
         prepared.setup,
         seed=scenario.schedule.seed,
         noise=scenario.schedule.noise,
         slowdown=prepared.setup.slowdown,
     )
-    return executor.run(prepared.policy)
+
+
+def samples_of(graph: Graph) -> int:
+    """The samples every step of `graph` makes, counted as a step's commit counts them (`ClusterState._commit`: the
+    distinct samples of its nodes); a run to the graph's end commits every step."""
+    return sum(
+        len({sample for node in graph.of(pipeline, step) for sample in node.samples})
+        for pipeline in graph.pipelines()
+        for step in graph.steps(pipeline)
+    )
 
 
 def rollout_wake_s(scenario: Scenario, cost: CostModel) -> float:

@@ -10,6 +10,7 @@ from dovetail.cost.model import CostModel
 from dovetail.plan.metrics import summarize
 from dovetail.plan.prepare import Searched, prepare, run_prepared, searched_from, simulate
 from dovetail.plan.scenario import Scenario
+from dovetail.plan.sim import collector_paused
 from dovetail.sched import POLICIES, policy_class
 from dovetail.sched.policy import Shape, search_horizon
 
@@ -117,6 +118,11 @@ def plan(scenario: Scenario, devices: int, policies: list[str] | None = None) ->
     samples/s than streamrl (whose first step rolls out on half the pool, then trains, nothing overlapped yet), but
     once warm streamrl rolls a step out beside the previous one's training and steps faster than jigsaw, which opens
     a step on the previous one's published weights."""
+    with collector_paused():  # every policy's candidates' graphs and traces are kept until the plan is printed
+        return _plan(scenario, devices, policies)
+
+
+def _plan(scenario: Scenario, devices: int, policies: list[str] | None) -> str:
     names = list(dict.fromkeys(policies or allowed_policies(scenario)))
     for name in names:
         policy_class(name)

@@ -109,7 +109,9 @@ class StagedFlow(Policy):
         hybrid = replace(shape, trainer_group=node)
         if not fits(spec, hybrid, cost):
             return shapes
-        return best_by_forecast([shapes, {spec.name: hybrid}], context.forecast, context.horizon)
+        return best_by_forecast(
+            [shapes, {spec.name: hybrid}], context.forecast, context.horizon, context.forecast_beating
+        )
 
     @classmethod
     def with_reward_pool(cls, specs: Sequence[PipelineSpec], shapes: dict[str, Shape]) -> dict[str, Shape]:

@@ -173,7 +173,9 @@ def plan_shapes(context: SearchContext, tcss: bool) -> dict[str, Shape]:
         tag_fixed=tag is not None,
         staged=tag != Tag.FORCE,
     )
-    return best_by_forecast([{spec.name: shape} for shape in shapes], context.forecast, context.horizon)
+    return best_by_forecast(
+        [{spec.name: shape} for shape in shapes], context.forecast, context.horizon, context.forecast_beating
+    )
 
 
 def finalists(

@@ -307,6 +307,13 @@ class Jigsaw(StagedLMPolicy):
                 memo[key] = context.forecast(dict(candidate), horizon)
             return memo[key]
 
+        def beating(candidate: dict[str, Shape], horizon: int, rate: float) -> float:
+            """A candidate already forecast over `horizon` keeps its figure; another is simulated only while it may
+            beat `rate` (`SearchContext.forecast_beating`), its figure then not kept: it may be the bound."""
+            if context.forecast_beating is None or (tuple(sorted(candidate.items())), horizon) in memo:
+                return forecast(candidate, horizon)
+            return context.forecast_beating(dict(candidate), horizon, rate)
+
         arrangement = context.options.arrangement
         whole = _tail_search(specs, shared, forecast) if arrangement in ("auto", "shared") else []
         split = arrangements(cls, context) if arrangement in ("auto", "split") else []
@@ -316,7 +323,7 @@ class Jigsaw(StagedLMPolicy):
             alone += [candidate for i, candidate in enumerate(in_turn) if candidate not in in_turn[:i]]
         mixtures = [c for c in split if c not in alone]
         screened = sorted(whole + mixtures, key=lambda candidate: -forecast(candidate, HORIZON_STEPS))
-        return best_by_forecast(screened[:FINALISTS] + alone, forecast, context.horizon)
+        return best_by_forecast(screened[:FINALISTS] + alone, forecast, context.horizon, beating)
 
     def __init__(self, setup: Setup) -> None:
         super().__init__(setup)

@@ -356,6 +356,11 @@ class CostTracker:
 Forecast = Callable[[dict[str, Shape], int], float]
 """Shapes (pipeline -> shape) and a horizon in steps -> the samples/s the simulator predicts for them."""
 
+ForecastBeating = Callable[[dict[str, Shape], int, float], float]
+"""A `Forecast` also given a samples/s to beat: it gives up on a candidate once the simulated run provably cannot
+beat that figure and then returns the figure itself, an upper bound of the candidate's samples/s. A search that only
+keeps its best (`best_by_forecast`) simulates no loser to its end that way."""
+
 SEARCH_STEPS = 6
 """Longest horizon a search simulates a candidate over: a run of at most this many steps is ranked on exactly the
 run the executor will carry out (so the chosen shape is never slower than a candidate it could have taken); a
@@ -382,6 +387,9 @@ class SearchContext:
     trainer_devices: int | None = None
     """The scenario's trainer pool; None lets the policy choose."""
     options: PolicyOptions = PolicyOptions()
+    forecast_beating: ForecastBeating | None = None
+    """The `forecast` that gives up on a candidate that cannot beat a figure; None where every candidate's figures
+    are kept whole (`dovetail plan` shows each)."""
 
     @property
     def horizon(self) -> int:
@@ -389,12 +397,19 @@ class SearchContext:
         return search_horizon(self.steps)
 
 
-def best_by_forecast(candidates: Sequence[dict[str, Shape]], forecast: Forecast, horizon: int) -> dict[str, Shape]:
+def best_by_forecast(
+    candidates: Sequence[dict[str, Shape]],
+    forecast: Forecast,
+    horizon: int,
+    beating: ForecastBeating | None = None,
+) -> dict[str, Shape]:
     """The candidate the simulator predicts the most samples/s for over `horizon` steps; ties: the earlier one (a
-    search lists its candidates best first by its own cost model). Each candidate is simulated once."""
+    search lists its candidates best first by its own cost model). Each candidate is simulated once; with `beating`
+    (`SearchContext.forecast_beating`), each after the first only until it provably cannot beat the best so far: what
+    it returns then is at most that best, so it is not chosen, as it would not have been simulated to its end."""
     best, best_rate = candidates[0], forecast(candidates[0], horizon)
     for candidate in candidates[1:]:
-        rate = forecast(candidate, horizon)
+        rate = forecast(candidate, horizon) if beating is None else beating(candidate, horizon, best_rate)
         if rate > best_rate:
             best, best_rate = candidate, rate
     return best
