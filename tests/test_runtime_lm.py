@@ -23,7 +23,7 @@ from dovetail.cost.model import CostModel
 from dovetail.graph.lm import LMShape, build_lm
 from dovetail.graph.node import Kind
 from dovetail.pipelines.lm.adapter import balanced
-from dovetail.pipelines.lm.config import STEP_PASS
+from dovetail.pipelines.lm.config import ROLLOUT_PASS, STEP_PASS
 from dovetail.pipelines.lm.messages import LMTrain, Prefill
 from dovetail.pipelines.lm.startup import fitted_cost, profile_here
 from dovetail.plan.prepare import prepare
@@ -271,25 +271,27 @@ def test_lm_grpo_on_ray_raises_a_learnable_reward(tmp_path):
 
 
 def test_the_profile_s_two_sizes_give_each_kind_of_pass_its_fixed_cost():
-    """The start-up profile times each kind of LM work at its size and at the larger of the responses a device trains
-    in one pass of the run's step and those it decodes in one call, from the same weights (the larger size's first
-    responses are the smaller's), and the fit takes a line through the two: a device that pays 10 ms a pass plus
-    twice the analytic seconds (the profile's real responses, seconds made so) is fitted exactly that, each graph node
-    carrying the fixed cost beside its work."""
-    config = load_config(None, [*SMALL, "algo.prompts_per_step=16"])
+    """The start-up profile times each kind of LM work at its size and at the responses a device trains in one pass
+    of the run's step, and the rollout's kinds at what a device decodes in one call too where that is more, from the
+    same weights (a larger size's first responses are the smaller's), and the fit takes a line through them: a device
+    that pays 10 ms a pass plus twice the analytic seconds (the profile's real responses, seconds made so) is fitted
+    exactly that, each graph node carrying the fixed cost beside its work."""
+    config = load_config(None, [*SMALL, "algo.prompts_per_step=16", "algo.micro_batches=2"])
     measured = profile_here(config, carry=lambda weights: weights)
     samples = config.runtime.profile_samples
     nodes = prepare(config.scenario(1), "verl-sync").graph.nodes.values()
     (train_node, *_) = [n for n in nodes if n.kind == Kind.TRAIN]
     (decode_node, *_) = [n for n in nodes if n.kind == Kind.DECODE]
     per_device = len(train_node.samples) // config.cluster.devices  # verl-sync trains a micro-batch on every device
-    larger = max(per_device, len(decode_node.samples))  # and decodes a shard of the step on each
-    assert len(measured["lengths"]) == samples and len(measured[f"lengths{STEP_PASS}"]) == larger > 2 * samples
-    assert measured[f"lengths{STEP_PASS}"][:samples] == measured["lengths"], "every size decodes from the same weights"
+    per_call = len(decode_node.samples)  # and decodes a shard of the step on each
+    assert len(measured["lengths"]) == samples and len(measured[f"lengths{STEP_PASS}"]) == per_device > 2 * samples
+    assert len(measured[f"lengths{ROLLOUT_PASS}"]) == per_call > per_device
+    for suffix in (STEP_PASS, ROLLOUT_PASS):
+        assert measured[f"lengths{suffix}"][:samples] == measured["lengths"], "every size decodes from the same weights"
     scenario = config.scenario(1)
     spec = scenario.pipelines[0]
     model, analytic = spec.catalogue_model(), CostModel(config.cluster.device)
-    for suffix in ("", STEP_PASS):
+    for suffix in ("", STEP_PASS, ROLLOUT_PASS):
         prompts, lengths = measured[f"prompt_tokens{suffix}"], measured[f"lengths{suffix}"]
         full = [p + n for p, n in zip(prompts, lengths)]
         work = {"prefill": analytic.prefill(model, prompts), "decode": analytic.decode(model, prompts, lengths)}

@@ -480,7 +480,10 @@ class LMRuntimeSection(Section):
 
 
 STEP_PASS = "_step_pass"
-"""The suffix of a start-up profile figure measured at the step's larger pass (`engines.step_pass_size`)."""
+"""The suffix of a start-up profile figure measured at the step's train pass (`train_pass_responses`)."""
+ROLLOUT_PASS = "_rollout_pass"
+"""The suffix of a start-up profile's rollout figures (prefill, decode, score) measured at what a device decodes in
+one call of a step, where that is more than its train pass (`rollout_pass_responses`)."""
 
 
 class LMTrainConfig(RunSection):
@@ -774,10 +777,10 @@ class LMTrainConfig(RunSection):
     @property
     def rollout_pass_responses(self) -> int:
         """The responses a device decodes in one call of a step where every device rolls out (whole groups, the
-        step's prompts dealt to the devices). The start-up profile's larger size covers it too
-        (`engines.step_pass_size`): on a CPU core a decode's cost per response grows with the batch as the analytic
-        model (a GPU's, one read of the weights per iteration) does not, so a line fitted at 16 and 128 responses
-        priced a 256-response decode at two thirds of its time."""
+        step's prompts dealt to the devices). The start-up profile times the rollout's kinds at it too where it is
+        more than the train pass (`engines.rollout_pass_size`): on a CPU core a decode's cost per response keeps its
+        slope with the batch where the analytic model's (a GPU's, one read of the weights per iteration) flattens, so
+        a line fitted at 16 and 128 responses priced a 256-response decode at two thirds of its time."""
         return -(-self.algo.prompts_per_step // self.compute_devices) * self.algo.group_size
 
     @property
@@ -805,8 +808,8 @@ class LMTrainConfig(RunSection):
             return self
         copy = self.model_copy()
         if self.model.path is not None:
-            # the step pass's responses where it has them: more prompts' worth than the smaller size's
-            suffix = STEP_PASS if f"lengths{STEP_PASS}" in measured else ""
+            # the largest size's responses: more prompts' worth than the smaller sizes'
+            suffix = next((s for s in (ROLLOUT_PASS, STEP_PASS) if f"lengths{s}" in measured), "")
             copy._measured_lengths = (list(measured[f"prompt_tokens{suffix}"]), list(measured[f"lengths{suffix}"]))
         if self.env is not None and "turns" in measured:
             copy._measured_turns = (list(measured["turns"]), list(measured["observation_tokens"]))

@@ -47,7 +47,7 @@ from dovetail.models.training import (
     trainer_state_of,
     weights_of,
 )
-from dovetail.pipelines.lm.config import STEP_PASS, LMTrainConfig
+from dovetail.pipelines.lm.config import ROLLOUT_PASS, STEP_PASS, LMTrainConfig
 from dovetail.pipelines.lm.messages import (
     CRITIC_UNIT,
     CriticTrained,
@@ -600,18 +600,28 @@ def profile_works(
 
 SIZED_KINDS = ("prefill", "decode", "score", "logprob", "train")
 """The kinds of LM work whose passes grow with the responses in them: profiled at two sizes."""
-STEP_PASS_LIMIT = 16
-"""The profile's larger size is at most this many times `runtime.profile_samples`: a large run's micro-batch of
+STEP_PASS_LIMIT = 8
+"""The profile's train pass is at most this many times `runtime.profile_samples`: a large run's micro-batch of
 thousands of responses would make its profile longer than its first steps."""
+ROLLOUT_PASS_LIMIT = 16
+"""The profile's rollout pass is at most this many times `runtime.profile_samples` (a decode is a small share of a
+step's time, so it may go further than the train pass)."""
+ROLLOUT_KINDS = ("prefill", "decode", "score")
+"""The kinds a rollout call runs: timed again at the rollout pass (`rollout_pass_size`)."""
 
 
 def step_pass_size(config: LMTrainConfig, samples: int) -> int:
-    """The profile's larger size: the larger of the responses a device trains in one pass of a step
-    (`train_pass_responses`) and those it decodes in one call (`rollout_pass_responses`), so that both of a step's
-    passes are priced between the two sizes measured; at least twice `samples` (a line needs two sizes) and at most
-    STEP_PASS_LIMIT times it."""
-    step = max(config.train_pass_responses, config.rollout_pass_responses)
-    return max(2 * samples, min(step, STEP_PASS_LIMIT * samples))
+    """The profile's larger size: the responses a device trains in one pass of a step (`train_pass_responses`), at
+    least twice `samples` (a line needs two sizes) and at most STEP_PASS_LIMIT times it."""
+    return max(2 * samples, min(config.train_pass_responses, STEP_PASS_LIMIT * samples))
+
+
+def rollout_pass_size(config: LMTrainConfig, samples: int) -> int | None:
+    """The profile's third size, for the rollout's kinds: the responses a device decodes in one call of a step
+    (`rollout_pass_responses`, at most ROLLOUT_PASS_LIMIT times `samples`); None where that is no more than the
+    train pass, which then covers it."""
+    size = min(config.rollout_pass_responses, ROLLOUT_PASS_LIMIT * samples)
+    return size if size > step_pass_size(config, samples) else None
 
 
 def profile_work(engines: LMEngines, samples: int, carry: Callable[[dict], dict]) -> dict[str, float]:
@@ -621,7 +631,9 @@ def profile_work(engines: LMEngines, samples: int, carry: Callable[[dict], dict]
     32 or 128 responses cheaper per response than the profile's 16. The larger size is the step's own, so a step's
     passes are priced between the two sizes measured, not by a line drawn on past them (a profile of 16 and 32
     predicted a user's model's step a quarter short), and its responses (the larger size's, more prompts' worth) are
-    the lengths the scenario prices (`LMTrainConfig.profiled`)."""
+    the lengths the scenario prices (`LMTrainConfig.profiled`). Where a device decodes more in one call than it
+    trains in one pass, the rollout's kinds are timed a third time at that size (`rollout_pass_size`; the
+    `_rollout_pass` figures), so a step's decode is priced at a size measured too."""
 
     def one_round(size: int) -> tuple[dict[str, float], dict[str, object]]:
         seconds: dict[str, float] = {}
@@ -663,5 +675,12 @@ def profile_work(engines: LMEngines, samples: int, carry: Callable[[dict], dict]
         weights = carry(weights_of(engines.trainer))  # every round and size decodes from these: the same responses
         one_round(samples)
         single, step_pass = at(samples), at(step_pass_size(engines.config, samples))
+        rollout_size = rollout_pass_size(engines.config, samples)
+        rollout_pass = at(rollout_size) if rollout_size is not None else {}
     sized = [name for name in (*SIZED_KINDS, "lengths", "prompt_tokens") if name in step_pass]
-    return single | {f"{name}{STEP_PASS}": step_pass[name] for name in sized}
+    rollout_sized = [name for name in (*ROLLOUT_KINDS, "lengths", "prompt_tokens") if name in rollout_pass]
+    return (
+        single
+        | {f"{name}{STEP_PASS}": step_pass[name] for name in sized}
+        | {f"{name}{ROLLOUT_PASS}": rollout_pass[name] for name in rollout_sized}
+    )

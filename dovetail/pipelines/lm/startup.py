@@ -17,8 +17,8 @@ from dovetail.graph.spec import LMSpec
 from dovetail.models.causal_lm import causal_lm_config, causal_lm_parameter_counts
 from dovetail.models.engine import engine_problem
 from dovetail.models.memory import parameter_counts
-from dovetail.pipelines.lm.config import STEP_PASS, LMTrainConfig
-from dovetail.pipelines.lm.engines import LMEngines
+from dovetail.pipelines.lm.config import ROLLOUT_PASS, STEP_PASS, LMTrainConfig
+from dovetail.pipelines.lm.engines import ROLLOUT_KINDS, LMEngines
 from dovetail.pipelines.lm.model import encode_prompts, load_policy, load_run_tokenizer, model_context
 from dovetail.pipelines.lm.prompts import RunPrompts
 from dovetail.plan.prepare import rollout_wake_s
@@ -29,8 +29,9 @@ from dovetail.runtime.pipeline import with_train_priced
 
 def fitted_cost(config: LMTrainConfig, scenario: Scenario, measured: dict) -> CostModel:
     """The analytic cost model with one correction per kind of work, fitted to a device's measured seconds; a kind
-    profiled at two sizes (`lm_engines.SIZED_KINDS`: a few responses and the step's train pass) gets a fixed cost
-    per pass besides (`CostModel.from_measurements` per pass). A role switch is fitted too: the catalogue's switch
+    profiled at two sizes (`lm_engines.SIZED_KINDS`: a few responses and the step's train pass; the rollout's kinds
+    at a step's decode call too, where larger) gets a fixed cost per pass besides (`CostModel.from_measurements` per
+    pass: the least-squares line through its sizes). A role switch is fitted too: the catalogue's switch
     moves the engine's whole memory budget (gigabytes for a GPU's KV cache), where a CPU core's engines stay resident
     and a switch is a round trip."""
     spec = scenario.pipelines[0]
@@ -67,6 +68,13 @@ def fitted_cost(config: LMTrainConfig, scenario: Scenario, measured: dict) -> Co
     records += [
         (kind, step_pass[kind], max(measured[f"{kind}{STEP_PASS}"], 1e-9)) for kind in step_pass if step_pass[kind] > 0
     ]
+    if f"lengths{ROLLOUT_PASS}" in measured:  # the rollout's kinds timed at a step's decode call too: a third point
+        rollout_pass = sized(ROLLOUT_PASS)
+        records += [
+            (kind, rollout_pass[kind], max(measured[f"{kind}{ROLLOUT_PASS}"], 1e-9))
+            for kind in ROLLOUT_KINDS
+            if rollout_pass[kind] > 0
+        ]
     return CostModel.from_measurements(config.cluster.device, records, per_pass=True)
 
 
