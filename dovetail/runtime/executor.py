@@ -491,7 +491,12 @@ class RayExecutor:
             trained = [result for train in node.deps for result in self.results.get(train, [])]
             scale = run.adapter.commit_scale(trained)
             updates = run.adapter.updates_per_step
-            parts = [Part(node.id, d, Commit(node.pipeline, tuple(devices), scale, updates)) for d in devices]
+            groups = run.adapter.fsdp_groups(self, node.pipeline, tuple(devices)) if run.sharded else []
+            group_of = {d: group for group in groups for d in group}
+            parts = [
+                Part(node.id, d, Commit(node.pipeline, tuple(devices), scale, updates, group=group_of.get(d, ())))
+                for d in devices
+            ]
             run.trainer_devices = tuple(devices)
         elif node.kind == Kind.PUBLISH:
             sender, weights = self._published_weights(run)

@@ -68,6 +68,10 @@ class Commit(Work):
     """Optimizer updates on the step's batch (an LM run's algo.num_iterations): after the first, each device trains
     its parts of the step again on the weights the update before left (`PipelineEngines.train_again`), and the
     devices add and step as for the first."""
+    group: tuple[int, ...] = field(default=(), kw_only=True)
+    """A sharded trainer's: this device's FSDP group (`PipelineAdapter.fsdp_groups`), which a member that has trained
+    nothing yet in the run (a replica group the policy gave no train node of the first step) joins at this commit, so
+    that every member commits as a shard; () for a replicated trainer."""
 
 
 @dataclass(frozen=True)

@@ -225,6 +225,11 @@ class PipelineAdapter(ABC):
         `runtime.messages.FurtherUpdate`s in order); none where the kind takes one update a step."""
         return {}
 
+    def fsdp_groups(self, run: RunContext, pipeline: str, devices: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """A sharded trainer's FSDP groups over `devices` (a trainer node's or a commit's), each in rank order: one
+        over them all; a flow shape's HYBRID groups of a node (`FlowAdapter`)."""
+        return [tuple(sorted(devices))]
+
     def commit_scale(self, trained: list) -> float:
         """What the commit multiplies the summed gradients by, given the step's train results: 1 when each part's
         loss was already divided by the step's normaliser, else 1 / the sum of their contributions."""

@@ -326,6 +326,8 @@ class DeviceWorker:
         """Do one piece of work, `part` (node, index) of a node. A train part's gradient is kept under that key
         for the commit."""
         if isinstance(work, Commit):
+            if work.group and self.engines.sharded_group is None:  # a member no train node has reached yet
+                self._shard(work.group)
             return self._commit(work)
         if isinstance(work, LoadWeights):
             return self._load(work)

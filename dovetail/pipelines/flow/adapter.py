@@ -116,9 +116,7 @@ class FlowAdapter(PipelineAdapter):
         them all, or HYBRID groups of a node, each a replica of the trainer), the samples shared out to the groups
         and within each to its members; every member of a group makes as many passes (`passes_of` its samples) as
         the one with the most."""
-        ordered = sorted(devices)
-        size = min(group_size, len(ordered))
-        groups = [tuple(ordered[start : start + size]) for start in range(0, len(ordered), size)]
+        groups = consecutive_groups(devices, group_size)
         by_group = dict(self.spread(samples, tuple(range(len(groups)))))
         shares = []
         for index, group in enumerate(groups):  # a group without samples takes part too: it passes nothing
@@ -126,6 +124,9 @@ class FlowAdapter(PipelineAdapter):
             passes = max(passes_of(ids) for _, ids in members)
             shares += [(device, ids, group, passes) for device, ids in members]
         return shares
+
+    def fsdp_groups(self, run: RunContext, pipeline: str, devices: tuple[int, ...]) -> list[tuple[int, ...]]:
+        return consecutive_groups(devices, flow_shape(run.shape_of(pipeline)).group)
 
     @staticmethod
     def every_member(shares: list[tuple[int, list]], devices: tuple[int, ...]) -> list[tuple[int, list]]:
@@ -187,3 +188,10 @@ def flow_shape(shape) -> FlowShape:
     """A flow pipeline's shape: the planner cuts its steps with a `FlowShape` (`graph.flow`)."""
     assert isinstance(shape, FlowShape), f"a flow pipeline cut by a {type(shape).__name__}"
     return shape
+
+
+def consecutive_groups(devices: tuple[int, ...], group_size: int) -> list[tuple[int, ...]]:
+    """`devices` in order, cut into consecutive FSDP groups of `group_size` (all of them where fewer)."""
+    ordered = sorted(devices)
+    size = min(group_size, len(ordered))
+    return [tuple(ordered[start : start + size]) for start in range(0, len(ordered), size)]
