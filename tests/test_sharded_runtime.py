@@ -14,6 +14,7 @@ and on one, and exports as a replicated run's does."""
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -182,3 +183,39 @@ def test_the_planner_prices_the_trainer_each_device_holds(reference, sharded, tm
         per_parameter = planned.resident_gb[Role.TRAINER] * 1e9 / spec.catalogue_model().params
         held = [m["parameters"] + m["gradients"] + m["optimizer"] for m in metrics(out)[0]["memory_bytes_per_device"]]
         assert max(held) / params == pytest.approx(per_parameter, rel=1e-3), overrides  # AdamW's step counts
+
+
+@pytest.mark.slow
+def test_a_replica_group_no_train_node_reached_commits_as_a_shard():
+    """HYBRID: two FSDP groups of one device each, replicas of the trainer. The policy gave the first step's trainer
+    work to device 0's group alone, so device 1 reaches the commit never sharded: the commit carries its group, it
+    joins it there and adds its zeros across the replicas as device 0 adds its shards (before, it took the
+    replicated all-reduce and both waited out the rendezvous). Both commit, to the same trainer."""
+    import ray
+
+    from dovetail.config.multiplex import pipeline_configs
+    from dovetail.graph.node import SampleId
+    from dovetail.models.flow_rl import recompute_passes
+    from dovetail.models.training import trainer_state_of
+    from dovetail.pipelines.flow.local import FlowLocal
+    from dovetail.pipelines.flow.messages import FlowLogProbs, Generate
+    from dovetail.pipelines.flow.recipe import sample_timesteps
+    from dovetail.prompts import train_prompts
+    from dovetail.runtime.launch import device_pool, start_workers
+    from dovetail.runtime.messages import Commit, Committed
+
+    config = load_config(None, ["policy=digen", "train.sharding=fsdp", "runtime.trainer_group=1", "cluster.devices=2"])
+    (name, pipeline), *_ = pipeline_configs(config).items()
+    local = FlowLocal(pipeline)
+    started = start_workers(config, device_pool(config), {name: trainer_state_of(local.model, local.optimizer)})
+    first, second = started[name].workers
+    ids = [SampleId(0, 0, member) for member in range(2)]
+    generated = first.run.remote(Generate(name, ids, [train_prompts(pipeline)[0]] * 2, 0, started[name].weights))
+    passes = recompute_passes([[sample_timesteps(pipeline, s)[0]] for s in ids])
+    ray.get(first.run.remote(FlowLogProbs(name, [0], [generated], samples=ids, group=(0,), passes=passes)))
+    commits = [worker.run.remote(Commit(name, (0, 1), group=(d,))) for d, worker in ((0, first), (1, second))]
+    answers = ray.get(commits, timeout=90)
+    assert all(isinstance(a, Committed) and a.group == (d,) for d, a in enumerate(answers)), answers
+    first_state, second_state = ray.get([worker.trainer_state.remote() for worker in (first, second)])
+    assert first_state["weights"].keys() == second_state["weights"].keys()
+    assert all(np.array_equal(first_state["weights"][k], second_state["weights"][k]) for k in first_state["weights"])

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
@@ -136,6 +136,16 @@ def shard(
             unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]  # fully_shard made each an FSDPModule
             unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]  # a plain sum: gloo has no pre-scaled one
     return model
+
+
+def resharded(model: torch.nn.Module) -> None:
+    """Every FSDP unit of `model` back to its shards. A forward without a backward (a member's log-probs) leaves the
+    root and the last block gathered (`shard` says why), their parameters whole tensors: a commit that adds the
+    shards' gradients across groups or steps the optimizer reads the shards, so it reshards first (a no-op after a
+    backward, which reshards every unit)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -445,6 +445,10 @@ class DeviceWorker:
         trained = self.engines.trained_modules()  # the trainer, and a PPO run's critic beside it
         group = self.engines.sharded_group
         assert group is not None, "a sharded commit follows the trainer's first sharded work"
+        from dovetail.models.sharding import resharded  # a sharded run's (`PipelineEngines.shard_trainer`)
+
+        for module in trained:
+            resharded(module)
         replicas = replica_ranks(tuple(sorted(work.ranks)), group, self.index)
         if len(replicas) > 1:
             add_across([p for module in trained for p in trainable_parameters(module)], group_of(replicas, self.groups))
