@@ -37,7 +37,9 @@ Qwen-Image LoRA runs on 4 and 5 H800 (420 s, 360 s), NeMo RL v0.4's GRPO of Llam
 Qwen3-32B on 32 H100 (393 s), and a vLLM decode sweep of Llama-3.1-8B on one A100 40GB (tests/test_cost_structure.py).
 Held out beside them, not within a measured bound: DanceGRPO's own FLUX recipes on 16 and 8 H800
 (calib-dancegrpo-flux-16xh800: an upper bound of 216 s, not passed; calib-dancegrpo-flux-8xh800: "about 8 minutes",
-missed by a third; BENCHMARKS.md says why no per-pass factor reconciles it with [DG] / [MG]).
+missed by a third; BENCHMARKS.md says why no per-pass factor reconciles it with [DG] / [MG], and that DanceGRPO's
+8-GPU script and code, read at the remark's date, hold no mechanism the 16- and 32-GPU runs lack: the same work per
+image, on one node, with fewer optimizer steps; the README of that date bounds the same setting at 432 s).
 Where the public record is silent the assumption is written next to the factor it affects; the
 scenario YAMLs (dovetail/scenarios/calib-*.yaml) hold the workload assumptions and each run's source.
 """
@@ -100,12 +102,13 @@ class Calibration:
     # they do not constrain the half point; 512 tokens is an assumption (H100 bf16 GEMMs of a 3072-wide
     # DiT layer reach about half their large-M throughput at M ~ 512 in public cuBLAS sweeps).
     dit_half_mfu_tokens: float = 512.0
-    # fastvideo's FSDP (DanceGRPO, MixGRPO: XueZeyue/DanceGRPO fastvideo/utils/fsdp_util.py, MixedPrecision with
-    # param_dtype fp32, FULL_SHARD, limit_all_gathers and forward prefetch; fastvideo/train_grpo_flux.py runs every
-    # sampling forward (run_sample_step, one image per pass: sample_reference_model's batch_size = 1) and every
-    # training pass (grpo_one_step, one image at one timestep) under torch.autocast bf16): the fraction of the
-    # shorter of a pass's compute and its fp32 all-gathers / reduce-scatters that its prefetch does not hide
-    # (`CostModel.fastvideo_pass_seconds`). Fitted to [DG] / [MG] (291.284 s / 151 s on 32 GPUs over 4 nodes,
+    # fastvideo's FSDP (DanceGRPO, MixGRPO: XueZeyue/DanceGRPO fastvideo/utils/fsdp_util.py on main, unchanged since
+    # 93ec253: MixedPrecision with param_dtype fp32, FULL_SHARD, limit_all_gathers, no forward_prefetch (that is only
+    # in 22b85ef, the unmerged pull request 44); fastvideo/train_grpo_flux.py runs every sampling forward
+    # (run_sample_step, one image per pass: sample_reference_model's batch_size = 1) and every training pass
+    # (grpo_one_step, one image at one timestep) under torch.autocast bf16): the fraction of the shorter of a
+    # pass's compute and its fp32 all-gathers / reduce-scatters that the overlap does not hide
+    # (`CostModel.fsdp_pass_seconds`). Fitted to [DG] / [MG] (291.284 s / 151 s on 32 GPUs over 4 nodes,
     # calib-dancegrpo-flux-32xh800, calib-mixgrpo-flux-32xh800: -2.7 % / +3.3 % at 0.25; 0.30 fits [DG] alone,
     # 0.19 [MG] alone; 0 left them at -16.0 % / -10.1 %). Those two runs' H800 was chosen after seeing their
     # figures, so they are fitted points, not checks. No bf16 FSDP trainer (verl's) pays it: the other runs are

@@ -427,7 +427,8 @@ class CostModel:
         names the sources), each of the `casts` forwards first casts every gathered fp32 weight to bf16 (4 bytes
         read, 2 written per parameter, at the optimizer's streaming efficiency) on the compute stream, and
         `fastvideo_exposed_fraction` of the shorter of compute and transfer is not hidden: one image per pass leaves
-        each layer's compute too short to cover its gather, and the rate-limited prefetch keeps two in flight."""
+        each layer's compute too short to cover its gather, limit_all_gathers keeps at most two in flight, and
+        without forward_prefetch a block's gather is issued only when the host reaches the block."""
         if param_bytes != FP32:
             return max(compute, transfer)
         cast = self.memory_seconds(
