@@ -130,6 +130,22 @@ def test_passes_profiled_at_two_sizes_fit_a_fixed_cost_per_pass():
     assert cost.ranked_on(device("L40S")).fixed("train") == pytest.approx(0.2)
 
 
+def test_a_cpu_profile_priced_on_busy_cores_pays_the_run_s_share_and_a_call_per_node():
+    """A CPU core's profile had the core to itself; a run shares it with its driver and Ray and calls each node
+    through Ray: every kind (measured or not) `cpu_run_slowdown` longer and each pass `cpu_node_call_s` more, a fitted
+    fixed cost slowed too. A GPU's model is unchanged (its driver has host cores of its own)."""
+    cal = Calibration()
+    records = [("train", 1.0, 0.2 + 1.5), ("train", 3.0, 0.2 + 4.5), ("decode", 2.0, 3.0)]
+    profiled = CostModel.from_measurements("cpu-core", records, per_pass=True)
+    busy = profiled.on_busy_cores()
+    assert busy.train(QWEN4B, [512]) == pytest.approx(cal.cpu_run_slowdown * profiled.train(QWEN4B, [512]))
+    assert busy.prefill(QWEN4B, [512]) == pytest.approx(cal.cpu_run_slowdown * profiled.prefill(QWEN4B, [512]))
+    assert busy.fixed("train") == pytest.approx(0.2 * cal.cpu_run_slowdown + cal.cpu_node_call_s)
+    assert busy.fixed("decode") == busy.fixed("publish") == pytest.approx(cal.cpu_node_call_s)
+    on_gpu = CostModel.from_measurements("H100", records, per_pass=True)
+    assert on_gpu.on_busy_cores() is on_gpu
+
+
 @pytest.mark.parametrize("bad", [("dance", 1.0, 1.0), ("train", 0.0, 1.0), ("train", 1.0, -1.0)])
 def test_from_measurements_rejects_bad_input(bad):
     with pytest.raises(ValueError, match="op kind|must both be > 0"):

@@ -161,6 +161,17 @@ class Calibration:
     publish_bandwidth_efficiency: float = 0.36
     publish_fixed_s: float = 0.5
 
+    # --- a run on CPU cores: the driver and Ray share the devices' cores -------------------------
+    # A CPU run's devices are its cores, and its driver, raylet and GCS take their share of them (top during
+    # benchmarks/dry_run_accuracy.py's run: the driver 6-13 %, raylet and GCS ~6 %, each worker 80-93 %); a start-up
+    # profile, in the dry run's process or in the workers before the run's loop, has its core to itself. Fitted to
+    # that benchmark's verl-sync run (2-core AMD EPYC container, Dec 6 2026): each node's own work (timed inside the
+    # worker) took 1.14-1.20x its profiled seconds (train 222 ms against 185), and the driver saw each node 4-15 ms
+    # (median 8) after the worker did: the call's submission, its answer through the object store, the driver's
+    # decision. `CostModel.on_busy_cores` applies both; other policies' runs are the held-out check (BENCHMARKS).
+    cpu_run_slowdown: float = 1.17
+    cpu_node_call_s: float = 0.008
+
     # --- online correction -----------------------------------------------------------------------
     # Weight of one new measurement in the running measured/predicted ratio per op kind.
     correction_rate: float = 0.3

@@ -110,6 +110,19 @@ class CostModel:
                 model._scale[kind] = measured / predicted
         return model
 
+    def on_busy_cores(self) -> "CostModel":
+        """This model, fitted to a CPU core's start-up profile, as a run on those cores pays it: every kind's seconds
+        `Calibration.cpu_run_slowdown` longer (the driver and Ray share the cores the profile had to itself) and
+        every node `cpu_node_call_s` more (its Ray call, paid on each device it runs on: `fixed`). A GPU's driver and
+        Ray have host cores of their own: a GPU's model is returned as it is."""
+        if self.device.platform != "cpu":
+            return self
+        slowdown = self.calibration.cpu_run_slowdown
+        model = CostModel(self.device, self.calibration)
+        model._scale = {kind: self.scale(kind) * slowdown for kind in OP_KINDS}
+        model._fixed = {kind: self.fixed(kind) * slowdown + self.calibration.cpu_node_call_s for kind in OP_KINDS}
+        return model
+
     def fixed(self, kind: str) -> float:
         """Seconds a pass of this kind pays on each device it runs on, whatever its size (0 unless fitted): a graph
         node carries it beside its spreadable work (`Node.fixed_s`)."""

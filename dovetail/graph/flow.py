@@ -447,6 +447,7 @@ def _mini_batch(
         tuple(n.id for n in nodes if n.kind == Kind.TRAIN),
         step,
         cost_s=cut.optimizer_s + (cut.spec.updates - 1) * (retrain_s + cut.optimizer_s),
+        fixed_s=cut.cost.fixed("optimizer"),
         collective=True,
     )
     return nodes + [commit]
@@ -466,6 +467,7 @@ def _rollout(cut: _Cut, step: int, fragment: int, samples: tuple[SampleId, ...])
         step,
         samples,
         cost_s=piece.generate_s,
+        fixed_s=cut.cost.fixed("generate"),
         memory_gb=piece.generate_gb,
         tokens=n * cut.tokens,
     )
@@ -479,6 +481,7 @@ def _rollout(cut: _Cut, step: int, fragment: int, samples: tuple[SampleId, ...])
         step,
         samples,
         cost_s=piece.score_s,
+        fixed_s=cut.cost.fixed("score"),
     )
     return generate, score
 
@@ -510,6 +513,7 @@ def _trainer(
             step,
             samples,
             cost_s=piece.logprob_s,
+            fixed_s=cut.cost.fixed("logprob"),
             memory_gb=piece.logprob_gb,
         )
         out.append(logprob)
@@ -527,6 +531,7 @@ def _trainer(
                 samples,
                 timesteps=(start, stop),
                 cost_s=train_s,
+                fixed_s=cut.cost.fixed("train"),
                 memory_gb=train_gb,
             )
         )
@@ -544,5 +549,6 @@ def _publish(cut: _Cut, step: int, last_commit: str) -> Node:
         (last_commit,),
         step,
         cost_s=cut.publish_s,
+        fixed_s=cut.cost.fixed("publish"),
         collective=True,
     )

@@ -457,6 +457,7 @@ def _rollout(
             version=step,
             samples=tuple(s.id for s in tail),
             cost_s=cost.migrate(model, [s.prompt_tokens + migrate_at for s in tail], devices=tp) * tp,
+            fixed_s=cost.fixed("migrate"),
             max_width=tp,
         )
         decode = _decode(
@@ -793,6 +794,7 @@ def _training(
         tuple(trains),
         version=step,
         cost_s=update_s + (spec.updates - 1) * (retrain_s + update_s),
+        fixed_s=cost.fixed("optimizer"),
         collective=True,
         exclusive=exclusive,
     )
@@ -805,6 +807,7 @@ def _training(
         (commit.id,),
         version=step,
         cost_s=cost.publish(model.params if trainable is None else trainable),  # the critic is not published
+        fixed_s=cost.fixed("publish"),
         collective=True,
         exclusive=exclusive,
     )

@@ -31,7 +31,8 @@ def fitted_cost(config: FlowTrainConfig, scenario: Scenario, measured: dict[str,
     """The analytic cost model fitted to a device's measured seconds: the small-pass half point from the fastest
     generation at two batch sizes, then one correction per kind of work (`CostModel.from_measurements`). A guided
     run's profile measured guided passes, so the analytic side prices them guided too (else the correction would
-    carry the doubling and the graph would double it again)."""
+    carry the doubling and the graph would double it again). A CPU core's figures are then priced as a run on those
+    cores pays them (`CostModel.on_busy_cores`)."""
     samples = config.runtime.profile_samples
     spec = scenario.pipelines[0]
     assert isinstance(spec, FlowSpec), "a flow run's scenario (`FlowTrainConfig.scenario`) is its one flow pipeline"
@@ -57,7 +58,7 @@ def fitted_cost(config: FlowTrainConfig, scenario: Scenario, measured: dict[str,
     }
     measured = with_train_priced(measured, predicted)
     records = [(kind, predicted[kind], max(measured[kind], 1e-9)) for kind in predicted if kind in measured]
-    return CostModel.from_measurements(config.cluster.device, records, calibration)
+    return CostModel.from_measurements(config.cluster.device, records, calibration).on_busy_cores()
 
 
 def check_checkpoint(config: FlowTrainConfig) -> None:

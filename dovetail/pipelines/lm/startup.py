@@ -33,7 +33,8 @@ def fitted_cost(config: LMTrainConfig, scenario: Scenario, measured: dict) -> Co
     at a step's decode call too, where larger) gets a fixed cost per pass besides (`CostModel.from_measurements` per
     pass: the least-squares line through its sizes). A role switch is fitted too: the catalogue's switch
     moves the engine's whole memory budget (gigabytes for a GPU's KV cache), where a CPU core's engines stay resident
-    and a switch is a round trip."""
+    and a switch is a round trip. A CPU core's figures are then priced as a run on those cores pays them
+    (`CostModel.on_busy_cores`: the driver's and Ray's share of the cores, a Ray call per node)."""
     spec = scenario.pipelines[0]
     assert isinstance(spec, LMSpec), "an LM run's scenario (`LMTrainConfig.scenario`) is its one LM pipeline"
     analytic = CostModel(config.cluster.device)
@@ -75,7 +76,7 @@ def fitted_cost(config: LMTrainConfig, scenario: Scenario, measured: dict) -> Co
             for kind in ROLLOUT_KINDS
             if rollout_pass[kind] > 0
         ]
-    return CostModel.from_measurements(config.cluster.device, records, per_pass=True)
+    return CostModel.from_measurements(config.cluster.device, records, per_pass=True).on_busy_cores()
 
 
 def check_checkpoint(config: LMTrainConfig) -> None:
