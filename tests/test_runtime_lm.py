@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from dovetail.cli import app
 from dovetail.config.common import ConfigError
 from dovetail.config.load import load_config
+from dovetail.cost.calibration import DEFAULT
 from dovetail.cost.model import CostModel
 from dovetail.graph.lm import LMShape, build_lm
 from dovetail.graph.node import Kind
@@ -275,7 +276,8 @@ def test_the_profile_s_two_sizes_give_each_kind_of_pass_its_fixed_cost():
     of the run's step, and the rollout's kinds at what a device decodes in one call too where that is more, from the
     same weights (a larger size's first responses are the smaller's), and the fit takes a line through them: a device
     that pays 10 ms a pass plus twice the analytic seconds (the profile's real responses, seconds made so) is fitted
-    exactly that, each graph node carrying the fixed cost beside its work."""
+    exactly that, then priced as a run on busy cores pays it (`CostModel.on_busy_cores`: both slowed by the run's
+    share of the cores, a Ray call per node on top), each graph node carrying the fixed cost beside its work."""
     config = load_config(None, [*SMALL, "algo.prompts_per_step=16", "algo.micro_batches=2"])
     measured = profile_here(config, carry=lambda weights: weights)
     samples = config.runtime.profile_samples
@@ -298,31 +300,34 @@ def test_the_profile_s_two_sizes_give_each_kind_of_pass_its_fixed_cost():
         work |= {"logprob": analytic.logprob(model, full), "train": analytic.train(model, full)}
         measured |= {f"{kind}{suffix}": 0.01 + 2 * seconds for kind, seconds in work.items()}
     cost = fitted_cost(config, scenario, measured | {"switch": 0.0})
+    slowdown, fixed = DEFAULT.cpu_run_slowdown, 0.01 * DEFAULT.cpu_run_slowdown + DEFAULT.cpu_node_call_s
     for kind in ("prefill", "decode", "logprob", "train"):
-        assert cost.fixed(kind) == pytest.approx(0.01, rel=1e-6) and cost.scale(kind) == pytest.approx(2, rel=1e-6)
+        assert cost.fixed(kind) == pytest.approx(fixed, rel=1e-6)
+        assert cost.scale(kind) == pytest.approx(2 * slowdown, rel=1e-6)
     (train, *_) = [
         n for n in build_lm(spec, 1, LMShape(1, 1, stream=False, shared=False), cost) if n.kind == Kind.TRAIN
     ]
-    assert train.fixed_s == pytest.approx(0.01, rel=1e-6)
+    assert train.fixed_s == pytest.approx(fixed, rel=1e-6)
 
 
 def test_a_run_s_commit_across_trainer_replicas_is_priced_at_the_sync_its_devices_measured(tmp_path, monkeypatch):
     """The runtime replicates the trainer on every trainer device, so its commit is a whole optimizer step plus the
     gradients added across the replicas: the start-up profile times that adding (`DeviceWorker.time_sync`) and the
     planner charges the commit on two devices exactly the optimizer step plus what was measured; on one device the
-    optimizer step alone."""
+    optimizer step alone (each as a run on busy cores pays it: `Calibration.cpu_run_slowdown` longer)."""
     config = load_config(None, [*SMALL, "policy=verl-sync", "cluster.devices=2"])
     scenario = config.scenario(1)
     spec = scenario.pipelines[0]
     assert spec.replicated_trainer
     measured = profile_here(config, carry=lambda weights: weights) | {"switch": 0.0, "sync": 0.05, "sync_devices": 2}
     cost = fitted_cost(config, scenario, measured)
-    for devices, sync in ((2, 0.05), (1, 0.0)):
+    for devices, sync in ((2, 0.05 * DEFAULT.cpu_run_slowdown), (1, 0.0)):
         shape = LMShape(1, devices, stream=False, shared=False)
         (commit,) = [node for node in build_lm(spec, 1, shape, cost) if node.kind == Kind.COMMIT]
         optimizer = cost.optimizer_step(spec.catalogue_model().params)
         assert commit.cost_s == pytest.approx(optimizer + sync, rel=1e-9)
-    assert cost.optimizer_step(spec.catalogue_model().params) == pytest.approx(measured["optimizer"], rel=1e-9)
+    optimizer_s = measured["optimizer"] * DEFAULT.cpu_run_slowdown
+    assert cost.optimizer_step(spec.catalogue_model().params) == pytest.approx(optimizer_s, rel=1e-9)
     monkeypatch.setenv("DOVETAIL_CACHE", str(tmp_path / "cache"))
     train(config, tmp_path / "run", steps=1)
     (entry,) = (tmp_path / "cache").glob("sync-*.json")
