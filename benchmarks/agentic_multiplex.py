@@ -9,7 +9,9 @@ environment step waiting `env.latency`), with the same batches and steps in ever
   back-to-back   each alone on both devices under its fastest measured policy of verl-sync, streamrl and areal, in
                  turn (every policy is run: the table lists each)
   split-pool     each on one device (its own core, `taskset`) under verl-sync, at the same time
-  jigsaw         one multiplexed run (the look-ahead scheduler and its shape search)
+  jigsaw         one multiplexed run (the look-ahead scheduler and its shape search), each step on-policy
+  jigsaw-stale   the same with `staleness: 1`: a pipeline's next step rolls out while its step trains, one version
+                 behind (as streamrl's)
 
 Every arrangement runs its rollouts with free waits (`env.free_waits: true`, `--waits free`, the default): each turn
 a node of its own, the environment's steps and waits off the devices, so a device whose trajectories all wait is the
@@ -92,9 +94,14 @@ def split_pool(configs: dict[str, dict], out: Path) -> dict:
     }
 
 
-def multiplexed(configs: dict[str, dict], out: Path) -> dict:
-    run_dir = out / "jigsaw"
-    finish([run(multiplexed_tree("jigsaw", configs), run_dir)])
+def stale(tree: dict, staleness: int) -> dict:
+    """A multiplexed run's tree with jigsaw's `staleness`."""
+    return tree | {"staleness": staleness}
+
+
+def multiplexed(configs: dict[str, dict], out: Path, staleness: int = 0) -> dict:
+    run_dir = out / ("jigsaw-stale" if staleness else "jigsaw")
+    finish([run(stale(multiplexed_tree("jigsaw", configs), staleness), run_dir)])
     figures = {name: pipeline_figures(run_dir / name) for name in configs}
     return {
         "makespan": training_seconds(run_dir),
@@ -137,6 +144,9 @@ def predicted(
         "back-to-back": sum(r * s for r, s in alone.values()) / sum(s for _, s in alone.values()),
         "split-pool": sum(r * s for r, s in split) / max(s for _, s in split),
         "jigsaw": dry_run(parse_config(multiplexed_tree("jigsaw", configs)), steps, profiles)["samples_per_s"],
+        "jigsaw-stale": dry_run(parse_config(stale(multiplexed_tree("jigsaw", configs), 1)), steps, profiles)[
+            "samples_per_s"
+        ],
     }
 
 
@@ -156,6 +166,8 @@ def main() -> None:
     print(f"[{time.time() - started:5.0f}s] split-pool: {results['split-pool']}", flush=True)
     results["jigsaw"] = multiplexed(configs, args.out)
     print(f"[{time.time() - started:5.0f}s] jigsaw: {results['jigsaw']}", flush=True)
+    results["jigsaw-stale"] = multiplexed(configs, args.out, staleness=1)
+    print(f"[{time.time() - started:5.0f}s] jigsaw-stale: {results['jigsaw-stale']}", flush=True)
     best = results["back-to-back"]["policies"]
     profiles = profiled(configs)
     shape = predicted(configs, args.steps, best, profiles)

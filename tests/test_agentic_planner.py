@@ -9,10 +9,11 @@ import math
 from pathlib import Path
 
 import pytest
+import yaml
 from planner_scenarios import lm_pipeline, scenario
 from test_multiturn import env_tree
 
-from dovetail.config.load import load_config, parse_config
+from dovetail.config.load import ConfigError, load_config, parse_config
 from dovetail.cost.model import CostModel
 from dovetail.graph.latency import Latency
 from dovetail.graph.lm import LMShape, build_lm, step_samples
@@ -183,6 +184,33 @@ def test_jigsaw_fills_one_pipeline_s_waits_with_the_other_s_work():
             if s.pipeline == "b" and s.device == shard and s.start < wait.end and s.end > wait.start
         )
     assert filled > 0
+
+
+def test_jigsaw_with_staleness_one_rolls_a_step_out_while_the_one_before_trains():
+    """`staleness: 1`: once a step's rollouts have all started, its pipeline's next step opens on the weights
+    published then, one version behind; so the next step's rollouts run while the step trains, every step stays
+    within one version, and the run ends sooner than on-policy jigsaw's on the same pipelines."""
+    a = agentic("a", {"kind": "constant", "seconds": 3.0}, turns=4)
+    b = agentic("b", {"kind": "constant", "seconds": 3.0}, turns=2)
+    _, on_policy = run(a, b, policy="jigsaw", arrangement="shared")
+    _, stale = run(a, b, policy="jigsaw", arrangement="shared", staleness=1)
+    assert {r.step - r.rollout_version for r in on_policy.steps} == {0}
+    assert {r.step - r.rollout_version for r in stale.steps} == {0, 1}  # the first step has no earlier weights
+    assert stale.makespan < on_policy.makespan
+    for record in (r for r in stale.steps if r.step > r.rollout_version):
+        spans = [s for s in stale.spans if s.pipeline == record.pipeline]
+        last_train = max(s.end for s in spans if s.step == record.step - 1 and s.kind == "train")
+        first_prefill = min(s.start for s in spans if s.step == record.step and s.kind == "prefill")
+        assert first_prefill < last_train  # its rollout began before the step before finished training
+
+
+def test_staleness_is_jigsaw_s_and_zero_or_one():
+    with pytest.raises(ValueError, match="staleness 2: use 0"):
+        PolicyOptions.of({"staleness": 2})
+    tree = yaml.safe_load((CONFIGS / "multiplex-agentic.yaml").read_text())
+    with pytest.raises(ConfigError, match="staleness=1: only policy jigsaw takes it"):
+        parse_config(tree | {"policy": "jigsaw-greedy", "staleness": 1})
+    assert parse_config(tree | {"staleness": 1}).policy_options().staleness == 1
 
 
 def test_a_run_s_scenario_takes_its_turns_from_the_task_then_from_its_profile(tmp_path):

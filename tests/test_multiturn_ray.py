@@ -218,6 +218,32 @@ def test_an_asynchronous_env_run_with_free_waits_trains_every_trajectory_once(po
     assert ledger["problems"] == [] and len(ledger["trained"]) == (STEPS + 1) * 4 * 4
 
 
+def test_jigsaw_with_staleness_one_opens_a_step_while_the_one_before_trains(reference, tmp_path):
+    """Two env pipelines sharing the pool under jigsaw with `staleness: 1`: each pipeline's first step rolls out on
+    the base weights (the calc pipeline's the reference's trajectories and figures), each later step opens once the
+    step before has started all its rollouts, on the weights published then: one version behind, never more; every
+    trajectory trains once."""
+    entry = {k: v for k, v in CALC.items() if k != "policy"}
+    tree = {
+        "kind": "multiplex",
+        "policy": "jigsaw",
+        "arrangement": "shared",
+        "staleness": 1,
+        "cluster": {"devices": 2},
+        "pipelines": [entry | {"name": "calc"}, entry | {"name": "other", "seed": 1}],
+    }
+    train(parse_config(tree), tmp_path, steps=STEPS + 1)
+    first, reference_first = metrics(tmp_path / "calc")[0], metrics(reference)[0]
+    assert {key: first[key] for key in (*REWARDS, *EPISODES)} == {
+        key: reference_first[key] for key in (*REWARDS, *EPISODES)
+    }
+    for name in ("calc", "other"):
+        lines = metrics(tmp_path / name)
+        assert [m["staleness"] for m in lines] == [0] + [1] * STEPS
+        ledger = json.loads((tmp_path / name / "ledger.json").read_text())
+        assert ledger["problems"] == [] and len(ledger["trained"]) == (STEPS + 1) * 4 * 4
+
+
 @pytest.mark.exactness
 def test_jigsaw_runs_another_pipeline_s_work_on_a_device_whose_trajectories_wait(reference, tmp_path, monkeypatch):
     """A multiplexed run with free waits: while the calc pipeline's trajectories of a shard wait on their environment

@@ -60,6 +60,13 @@ class MultiplexConfig(Section):
         "split (each on a sub-pool of its own), back_to_back (one after another on the whole pool), or auto (the "
         "fastest its simulator predicts on the costs the run profiles)",
     )
+    staleness: Literal[0, 1] = Field(
+        0,
+        description="versions jigsaw lets a step's rollouts lag its training: 0 keeps every step on-policy (each "
+        "pipeline's parameters are its reference run's); 1 opens a pipeline's next step on the latest published "
+        "weights once its step's rollouts have all started, so they fill the devices while the step trains "
+        "(streamrl's rule, one-step off-policy as verl's)",
+    )
     train: MultiplexTrainSection = MultiplexTrainSection()
     cluster: ClusterSection = ClusterSection()
     pipelines: list[PipelineConfig] = Field(
@@ -80,6 +87,11 @@ class MultiplexConfig(Section):
             raise ValueError(
                 f"arrangement={self.arrangement}: only policy jigsaw arranges the pipelines (policy is {self.policy}); "
                 "set policy: jigsaw, or arrangement: auto"
+            )
+        if self.staleness and self.policy != "jigsaw":
+            raise ValueError(
+                f"staleness={self.staleness}: only policy jigsaw takes it (policy is {self.policy}, whose staleness is "
+                "its own); set policy: jigsaw, or staleness: 0"
             )
         if self.arrangement == "split" and len(self.pipelines) < 2:
             raise ValueError("arrangement=split: one pipeline has no pool to split; add a pipeline or use auto")
@@ -124,7 +136,7 @@ class MultiplexConfig(Section):
         return {}
 
     def policy_options(self) -> PolicyOptions:
-        return PolicyOptions(arrangement=self.arrangement)
+        return PolicyOptions(arrangement=self.arrangement, staleness=self.staleness)
 
 
 TrainConfig = RunSection | MultiplexConfig

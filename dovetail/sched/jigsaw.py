@@ -364,6 +364,7 @@ class Jigsaw(StagedLMPolicy):
         """Each pipeline's turn (`Sliced.turn`): the pipelines of a turn start once the earlier turns end."""
         self.turn_now = 0
         self._nodes: dict[str, list[str]] = {}
+        self._rollouts: dict[tuple[str, int], list[str]] = {}
 
     def _turn(self, view: View) -> int:
         """The turn under way: the first with a pipeline not done (every node of it finished)."""
@@ -390,12 +391,43 @@ class Jigsaw(StagedLMPolicy):
             if (name, step) not in view.started
         ]
 
+    def _open_ahead(self, view: View, turn: int) -> list[Decision]:
+        """With `PolicyOptions.staleness` 1: each pipeline of `turn` whose latest step has started every rollout
+        node opens its next step on the latest published weights, if those are at most one version behind it."""
+        decisions: list[Decision] = []
+        for name in self.turn:
+            if self.turn[name] != turn or name not in view.published:
+                continue
+            step = self._latest_started(view, name)
+            if step is None or step + 1 not in view.graph.steps(name) or (name, step + 1) in view.started:
+                continue
+            if step + 1 - view.published[name] > 1:
+                continue
+            rollout = self._rollout_nodes(view, name, step)
+            if all(n in view.running or n in view.finished for n in rollout):
+                decisions.append(StartStep(name, step + 1, view.published[name]))
+        return decisions
+
+    def _latest_started(self, view: View, pipeline: str) -> int | None:
+        steps = [s for (p, s) in view.started if p == pipeline]
+        return max(steps) if steps else None
+
+    def _rollout_nodes(self, view: View, pipeline: str, step: int) -> list[str]:
+        key = (pipeline, step)
+        if key not in self._rollouts:
+            self._rollouts[key] = [
+                n.id for n in view.graph if n.pipeline == pipeline and n.step == step and n.role == Role.ROLLOUT
+            ]
+        return self._rollouts[key]
+
     def decide(self, view: View, events: Sequence[Event]) -> list[Decision]:
         turn = self._turn(view)
         decisions: list[Decision] = [
             step for step in open_steps_on_publish(view, events) if self.turn[step.pipeline] == turn
         ]
         decisions += self._open_turn(view, turn)
+        if self.setup.options.staleness:
+            decisions += self._open_ahead(view, turn)
         if any(isinstance(e, Begin) for e in events):
             held = sorted({d for pool in self.pool.values() for d in pool})
             return decisions + [SwitchRole(d, Role.ANY, self.wake_s[d], self.resident_gb[d]) for d in held]

@@ -176,6 +176,10 @@ class PolicyOptions:
     """TAG fixed by the run; None: a searching policy chooses per shape (`DigenShape.tag`)."""
     arrangement: Arrangement = "auto"
     """How jigsaw arranges several pipelines on the pool (`ARRANGEMENTS`); auto: the fastest its search predicts."""
+    staleness: int = 0
+    """Versions jigsaw lets a step's rollouts lag its training: 0 keeps every step on-policy; 1 opens a pipeline's
+    next step on the latest published weights once every rollout node of its step has started (streamrl's rule), so
+    the next step's rollouts fill the devices while the step trains."""
 
     @classmethod
     def of(cls, options: PolicyOptions | Mapping[str, object] | None) -> PolicyOptions:
@@ -185,12 +189,15 @@ class PolicyOptions:
             return cls()
         if isinstance(options, PolicyOptions):
             return options
-        unknown = sorted(set(options) - {"tag", "arrangement"})
+        unknown = sorted(set(options) - {"tag", "arrangement", "staleness"})
         if unknown:
-            raise ValueError(f"policy option {unknown[0]!r}: not an option; known: tag, arrangement")
+            raise ValueError(f"policy option {unknown[0]!r}: not an option; known: tag, arrangement, staleness")
         arrangement = options.get("arrangement", "auto")
         if arrangement not in ARRANGEMENTS:
             raise ValueError(f"arrangement {arrangement!r}: use one of {', '.join(ARRANGEMENTS)}")
+        staleness = options.get("staleness", 0)
+        if staleness not in (0, 1) or isinstance(staleness, bool):
+            raise ValueError(f"staleness {staleness!r}: use 0 (on-policy) or 1 (a step's rollouts one version behind)")
         given, tag = options.get("tag"), None
         if isinstance(given, bool):
             tag = Tag.AUTO if given else Tag.OFF
@@ -198,7 +205,7 @@ class PolicyOptions:
             tag = Tag(given)
         elif "tag" in options:
             raise ValueError(f"{given!r} is not a valid Tag")  # the enum's own refusal, for a value of another type
-        return cls(tag=tag, arrangement=cast(Arrangement, arrangement))
+        return cls(tag=tag, arrangement=cast(Arrangement, arrangement), staleness=cast(int, staleness))
 
 
 @dataclass(frozen=True)
