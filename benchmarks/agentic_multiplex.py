@@ -10,8 +10,9 @@ environment step waiting `env.latency`), with the same batches and steps in ever
                  turn (every policy is run: the table lists each)
   split-pool     each on one device (its own core, `taskset`) under verl-sync, at the same time
   jigsaw         one multiplexed run (the look-ahead scheduler and its shape search), each step on-policy
-  jigsaw-stale   the same with `staleness: 1`: a pipeline's next step rolls out while its step trains, one version
-                 behind (as streamrl's)
+  jigsaw-stale1  the same with `staleness: 1`: a pipeline's next step rolls out while its step trains, one version
+                 behind at most (streamrl's bound)
+  jigsaw-stale4  `staleness: 4` (areal's default bound, the back-to-back baseline's)
 
 Every arrangement runs its rollouts with free waits (`env.free_waits: true`, `--waits free`, the default): each turn
 a node of its own, the environment's steps and waits off the devices, so a device whose trajectories all wait is the
@@ -45,6 +46,8 @@ from multiplex import busy_seconds, finish, multiplexed_tree, pipeline_figures, 
 ROOT = Path(__file__).resolve().parent.parent
 ALONE = ("verl-sync", "streamrl", "areal")
 """The policies a pipeline alone on the pool is measured under: its best is the fastest of them."""
+STALENESS = (1, 4)
+"""The staleness bounds jigsaw runs under besides on-policy: streamrl's and areal's default."""
 
 
 def waited_seconds(run_dir: Path) -> float:
@@ -100,7 +103,7 @@ def stale(tree: dict, staleness: int) -> dict:
 
 
 def multiplexed(configs: dict[str, dict], out: Path, staleness: int = 0) -> dict:
-    run_dir = out / ("jigsaw-stale" if staleness else "jigsaw")
+    run_dir = out / (f"jigsaw-stale{staleness}" if staleness else "jigsaw")
     finish([run(stale(multiplexed_tree("jigsaw", configs), staleness), run_dir)])
     figures = {name: pipeline_figures(run_dir / name) for name in configs}
     return {
@@ -144,9 +147,11 @@ def predicted(
         "back-to-back": sum(r * s for r, s in alone.values()) / sum(s for _, s in alone.values()),
         "split-pool": sum(r * s for r, s in split) / max(s for _, s in split),
         "jigsaw": dry_run(parse_config(multiplexed_tree("jigsaw", configs)), steps, profiles)["samples_per_s"],
-        "jigsaw-stale": dry_run(parse_config(stale(multiplexed_tree("jigsaw", configs), 1)), steps, profiles)[
+    } | {
+        f"jigsaw-stale{n}": dry_run(parse_config(stale(multiplexed_tree("jigsaw", configs), n)), steps, profiles)[
             "samples_per_s"
-        ],
+        ]
+        for n in STALENESS
     }
 
 
@@ -166,8 +171,9 @@ def main() -> None:
     print(f"[{time.time() - started:5.0f}s] split-pool: {results['split-pool']}", flush=True)
     results["jigsaw"] = multiplexed(configs, args.out)
     print(f"[{time.time() - started:5.0f}s] jigsaw: {results['jigsaw']}", flush=True)
-    results["jigsaw-stale"] = multiplexed(configs, args.out, staleness=1)
-    print(f"[{time.time() - started:5.0f}s] jigsaw-stale: {results['jigsaw-stale']}", flush=True)
+    for n in STALENESS:
+        results[f"jigsaw-stale{n}"] = multiplexed(configs, args.out, staleness=n)
+        print(f"[{time.time() - started:5.0f}s] jigsaw-stale{n}: {results[f'jigsaw-stale{n}']}", flush=True)
     best = results["back-to-back"]["policies"]
     profiles = profiled(configs)
     shape = predicted(configs, args.steps, best, profiles)

@@ -20,7 +20,7 @@ from dovetail.graph.lm import LMShape, build_lm, step_samples
 from dovetail.graph.node import Kind
 from dovetail.plan.prepare import simulate
 from dovetail.plan.scenario import load_scenario
-from dovetail.sched.policy import PolicyOptions
+from dovetail.sched.policy import MAX_STALENESS, PolicyOptions
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TURNS = 3
@@ -187,9 +187,10 @@ def test_jigsaw_fills_one_pipeline_s_waits_with_the_other_s_work():
 
 
 def test_jigsaw_with_staleness_one_rolls_a_step_out_while_the_one_before_trains():
-    """`staleness: 1`: once a step's rollouts have all started, its pipeline's next step opens on the weights
-    published then, one version behind; so the next step's rollouts run while the step trains, every step stays
-    within one version, and the run ends sooner than on-policy jigsaw's on the same pipelines."""
+    """`staleness: 1`: once a step's rollout has begun (its prefills placed), its pipeline's next step opens on the
+    weights published then, one version behind; so the next step's rollouts run while the step trains, every step
+    stays within one version, and the run ends sooner than on-policy jigsaw's on the same pipelines; with
+    `staleness: 2` a third step may roll out meanwhile (the shipped agentic multiplex here), within two versions."""
     a = agentic("a", {"kind": "constant", "seconds": 3.0}, turns=4)
     b = agentic("b", {"kind": "constant", "seconds": 3.0}, turns=2)
     _, on_policy = run(a, b, policy="jigsaw", arrangement="shared")
@@ -197,6 +198,10 @@ def test_jigsaw_with_staleness_one_rolls_a_step_out_while_the_one_before_trains(
     assert {r.step - r.rollout_version for r in on_policy.steps} == {0}
     assert {r.step - r.rollout_version for r in stale.steps} == {0, 1}  # the first step has no earlier weights
     assert stale.makespan < on_policy.makespan
+    shipped = load_config(CONFIGS / "multiplex-agentic.yaml")
+    options = PolicyOptions(arrangement="shared", staleness=2)
+    _, staler = simulate(shipped.scenario(4), "jigsaw", steps=4, options=options)
+    assert {r.step - r.rollout_version for r in staler.steps} == {0, 1, 2}
     for record in (r for r in stale.steps if r.step > r.rollout_version):
         spans = [s for s in stale.spans if s.pipeline == record.pipeline]
         last_train = max(s.end for s in spans if s.step == record.step - 1 and s.kind == "train")
@@ -204,9 +209,9 @@ def test_jigsaw_with_staleness_one_rolls_a_step_out_while_the_one_before_trains(
         assert first_prefill < last_train  # its rollout began before the step before finished training
 
 
-def test_staleness_is_jigsaw_s_and_zero_or_one():
-    with pytest.raises(ValueError, match="staleness 2: use 0"):
-        PolicyOptions.of({"staleness": 2})
+def test_staleness_is_jigsaw_s_and_bounded():
+    with pytest.raises(ValueError, match=f"staleness {MAX_STALENESS + 1}: use 0"):
+        PolicyOptions.of({"staleness": MAX_STALENESS + 1})
     tree = yaml.safe_load((CONFIGS / "multiplex-agentic.yaml").read_text())
     with pytest.raises(ConfigError, match="staleness=1: only policy jigsaw takes it"):
         parse_config(tree | {"policy": "jigsaw-greedy", "staleness": 1})

@@ -221,7 +221,7 @@ def test_an_asynchronous_env_run_with_free_waits_trains_every_trajectory_once(po
 def test_jigsaw_with_staleness_one_opens_a_step_while_the_one_before_trains(reference, tmp_path):
     """Two env pipelines sharing the pool under jigsaw with `staleness: 1`: each pipeline's first step rolls out on
     the base weights (the calc pipeline's the reference's trajectories and figures), each later step opens once the
-    step before has started all its rollouts, on the weights published then: one version behind, never more; every
+    step before has begun its rollout, on the weights published then: one version behind, never more; every
     trajectory trains once."""
     entry = {k: v for k, v in CALC.items() if k != "policy"}
     tree = {
@@ -239,7 +239,8 @@ def test_jigsaw_with_staleness_one_opens_a_step_while_the_one_before_trains(refe
     }
     for name in ("calc", "other"):
         lines = metrics(tmp_path / name)
-        assert [m["staleness"] for m in lines] == [0] + [1] * STEPS
+        staleness = [m["staleness"] for m in lines]
+        assert staleness[0] == 0 and max(staleness) == 1
         ledger = json.loads((tmp_path / name / "ledger.json").read_text())
         assert ledger["problems"] == [] and len(ledger["trained"]) == (STEPS + 1) * 4 * 4
 

@@ -19,7 +19,7 @@ from dovetail.config.common import (
 )
 from dovetail.kinds import DEFAULT_KIND, KINDS
 from dovetail.plan.scenario import Scenario, clip, problem_lines
-from dovetail.sched.policy import Arrangement, PolicyOptions
+from dovetail.sched.policy import MAX_STALENESS, Arrangement, PolicyOptions
 
 
 def _kind_of(entry) -> str | None:
@@ -60,12 +60,15 @@ class MultiplexConfig(Section):
         "split (each on a sub-pool of its own), back_to_back (one after another on the whole pool), or auto (the "
         "fastest its simulator predicts on the costs the run profiles)",
     )
-    staleness: Literal[0, 1] = Field(
+    staleness: int = Field(
         0,
+        ge=0,
+        le=MAX_STALENESS,
         description="versions jigsaw lets a step's rollouts lag its training: 0 keeps every step on-policy (each "
-        "pipeline's parameters are its reference run's); 1 opens a pipeline's next step on the latest published "
-        "weights once its step's rollouts have all started, so they fill the devices while the step trains "
-        "(streamrl's rule, one-step off-policy as verl's)",
+        "pipeline's parameters are its reference run's); above, a pipeline's next step opens on the latest published "
+        "weights once its step's rollout has begun, at most this many versions behind, so the next steps roll out "
+        "while a step trains (1: streamrl's rule; areal's default bound is 4); the PPO ratio's old log-probs are the "
+        "rollout's own",
     )
     train: MultiplexTrainSection = MultiplexTrainSection()
     cluster: ClusterSection = ClusterSection()

@@ -356,7 +356,7 @@ class Planning:
             options=self.options,
             priorities={spec.name: spec.priority for spec in scenario.pipelines},
             shapes=dict(shapes),
-            max_staleness=cls.max_staleness,
+            max_staleness=max(cls.max_staleness, self.options.staleness),
             node_size=costs[scenario.pipelines[0].name].device.node_size,
             slowdown=costs[scenario.pipelines[0].name].calibration.slowdown,
         )

@@ -392,8 +392,9 @@ class Jigsaw(StagedLMPolicy):
         ]
 
     def _open_ahead(self, view: View, turn: int) -> list[Decision]:
-        """With `PolicyOptions.staleness` 1: each pipeline of `turn` whose latest step has started every rollout
-        node opens its next step on the latest published weights, if those are at most one version behind it."""
+        """With `PolicyOptions.staleness` above 0: each pipeline of `turn` whose latest step's rollout has begun
+        (`_first_rollouts` all started) opens its next step on the latest published weights, if those are at most
+        `staleness` versions behind it; so up to `staleness + 1` steps roll out at once, the oldest placed first."""
         decisions: list[Decision] = []
         for name in self.turn:
             if self.turn[name] != turn or name not in view.published:
@@ -401,10 +402,9 @@ class Jigsaw(StagedLMPolicy):
             step = self._latest_started(view, name)
             if step is None or step + 1 not in view.graph.steps(name) or (name, step + 1) in view.started:
                 continue
-            if step + 1 - view.published[name] > 1:
+            if step + 1 - view.published[name] > self.setup.options.staleness:
                 continue
-            rollout = self._rollout_nodes(view, name, step)
-            if all(n in view.running or n in view.finished for n in rollout):
+            if all(n in view.running or n in view.finished for n in self._first_rollouts(view, name, step)):
                 decisions.append(StartStep(name, step + 1, view.published[name]))
         return decisions
 
@@ -412,11 +412,19 @@ class Jigsaw(StagedLMPolicy):
         steps = [s for (p, s) in view.started if p == pipeline]
         return max(steps) if steps else None
 
-    def _rollout_nodes(self, view: View, pipeline: str, step: int) -> list[str]:
+    def _first_rollouts(self, view: View, pipeline: str, step: int) -> list[str]:
+        """The step's rollout nodes that follow no rollout node of it: an LM step's prefills, a flow step's
+        generate fragments."""
         key = (pipeline, step)
         if key not in self._rollouts:
+            graph = view.graph
             self._rollouts[key] = [
-                n.id for n in view.graph if n.pipeline == pipeline and n.step == step and n.role == Role.ROLLOUT
+                n.id
+                for n in graph
+                if n.pipeline == pipeline
+                and n.step == step
+                and n.role == Role.ROLLOUT
+                and not any(graph[d].role == Role.ROLLOUT and graph[d].step == step for d in n.deps)
             ]
         return self._rollouts[key]
 

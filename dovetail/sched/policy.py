@@ -168,6 +168,10 @@ on a sub-pool of its own (`split`), one after another on the whole pool (`back_t
 search predicts fastest (`auto`)."""
 
 
+MAX_STALENESS = 4
+"""The most versions jigsaw lets a step's rollouts lag (`PolicyOptions.staleness`): AReaL's default bound."""
+
+
 @dataclass(frozen=True)
 class PolicyOptions:
     """The run's own choices a policy honours beyond the scenario's fields."""
@@ -177,9 +181,10 @@ class PolicyOptions:
     arrangement: Arrangement = "auto"
     """How jigsaw arranges several pipelines on the pool (`ARRANGEMENTS`); auto: the fastest its search predicts."""
     staleness: int = 0
-    """Versions jigsaw lets a step's rollouts lag its training: 0 keeps every step on-policy; 1 opens a pipeline's
-    next step on the latest published weights once every rollout node of its step has started (streamrl's rule), so
-    the next step's rollouts fill the devices while the step trains."""
+    """Versions jigsaw lets a step's rollouts lag its training: 0 keeps every step on-policy; above, a pipeline's next
+    step opens on the latest published weights once every rollout node of its step has started, if those are at
+    most `staleness` versions behind it (1: streamrl's rule), so the next steps' rollouts fill the devices while a
+    step trains."""
 
     @classmethod
     def of(cls, options: PolicyOptions | Mapping[str, object] | None) -> PolicyOptions:
@@ -196,8 +201,11 @@ class PolicyOptions:
         if arrangement not in ARRANGEMENTS:
             raise ValueError(f"arrangement {arrangement!r}: use one of {', '.join(ARRANGEMENTS)}")
         staleness = options.get("staleness", 0)
-        if staleness not in (0, 1) or isinstance(staleness, bool):
-            raise ValueError(f"staleness {staleness!r}: use 0 (on-policy) or 1 (a step's rollouts one version behind)")
+        if not isinstance(staleness, int) or isinstance(staleness, bool) or not 0 <= staleness <= MAX_STALENESS:
+            raise ValueError(
+                f"staleness {staleness!r}: use 0 (on-policy) to {MAX_STALENESS} (a step's rollouts that many versions "
+                "behind at most)"
+            )
         given, tag = options.get("tag"), None
         if isinstance(given, bool):
             tag = Tag.AUTO if given else Tag.OFF
