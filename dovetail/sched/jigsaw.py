@@ -413,8 +413,8 @@ class Jigsaw(StagedLMPolicy):
         return max(steps) if steps else None
 
     def _first_rollouts(self, view: View, pipeline: str, step: int) -> list[str]:
-        """The step's rollout nodes that follow no rollout node of it: an LM step's prefills, a flow step's
-        generate fragments."""
+        """The step's rollout nodes that follow no node of it: an LM step's prefills, a flow step's generate
+        fragments (a turn after an environment's step follows the env node, of no role, and is not one)."""
         key = (pipeline, step)
         if key not in self._rollouts:
             graph = view.graph
@@ -424,7 +424,7 @@ class Jigsaw(StagedLMPolicy):
                 if n.pipeline == pipeline
                 and n.step == step
                 and n.role == Role.ROLLOUT
-                and not any(graph[d].role == Role.ROLLOUT and graph[d].step == step for d in n.deps)
+                and not any(graph[d].step == step for d in n.deps)
             ]
         return self._rollouts[key]
 
