@@ -28,7 +28,8 @@ from typer.testing import CliRunner
 from dovetail.cli import app
 from dovetail.config.common import ConfigError
 from dovetail.config.load import load_config
-from dovetail.cost.model import CostModel
+from dovetail.cost.catalog import GB
+from dovetail.cost.model import BF16, FP32, CostModel
 from dovetail.graph.lm import engines
 from dovetail.graph.node import Role
 from dovetail.pipelines.lm.model import load_policy
@@ -183,6 +184,74 @@ def test_the_planner_prices_the_trainer_each_device_holds(reference, sharded, tm
         per_parameter = planned.resident_gb[Role.TRAINER] * 1e9 / spec.catalogue_model().params
         held = [m["parameters"] + m["gradients"] + m["optimizer"] for m in metrics(out)[0]["memory_bytes_per_device"]]
         assert max(held) / params == pytest.approx(per_parameter, rel=1e-3), overrides  # AdamW's step counts
+
+
+def shard_sizes(model: torch.nn.Module, devices: int) -> list[int]:
+    """Parameters each member of an FSDP group of `devices` holds: FSDP2 cuts every parameter along dim 0 as
+    `torch.chunk` does (ceil(rows / N) rows a member, the last the rest), so an odd row count leaves the first member a
+    row more."""
+    held = [0] * devices
+    for parameter in model.parameters():
+        row = parameter.numel() // parameter.shape[0]
+        for member, rows in enumerate(torch.chunk(torch.empty(parameter.shape[0]), devices)):
+            held[member] += rows.numel() * row
+    return held
+
+
+def test_the_memory_model_is_what_each_member_of_a_sharded_trainer_holds(sharded, tmp_path):
+    """The planner's FSDP trainer memory (`CostModel.training_memory`, what `graph.lm.engines` prices a
+    `replicated_trainer: false` spec's resident trainer with) for the run's own shape (`config.scenario`, 2 trainer
+    devices) against the bytes each member held at its commit (metrics.jsonl: gradients before the optimizer step,
+    parameters and AdamW's state after it), in fp32 (`sharded`, 3 steps) and in bf16 (1 step; FSDP2's
+    `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`, as verl runs FSDP on GPUs).
+
+    What each side counts, per trained parameter, on N devices:
+    - the runtime, in either precision: the sharded parameter is the fp32 master (4/N; bf16 only gathers a bf16 copy
+      of one block to compute, freed after it and not held at the commit), its gradient lands on it in fp32 (4/N: the
+      reduce-scatter's dtype), AdamW's two moments are fp32 (8/N): 16/N;
+    - the model: bf16 weights (2/N) and gradients (2/N), an fp32 master copy and two moments (12/N): 16/N.
+    The split by kind differs (the runtime's fp32 parameter is the master itself, and no bf16 gradient is kept), the
+    total does not. Beyond 16/N a member holds exactly what the model leaves out: AdamW's step count, one fp32
+    scalar per parameter tensor on every member (not sharded), and the uneven cut of a tensor with an odd row count
+    (the 53-row embedding: 27 rows on the first member, 26 on the second, 16 bytes a parameter each way).
+
+    The planner's figure for the run's shape prices the built-in model as the catalogue's `tiny-lm`, 1.0e6 parameters,
+    where the model trained has 1,318,912: the plan's resident trainer (8.0 MB a device) is short of what the members
+    hold (10.55 MB) by that count alone, which the model applied to the trained model's own count takes away."""
+    bf16 = tmp_path / "bf16"
+    train(load_config(None, [*SHARDED, "train.precision=bf16"]), bf16, steps=1)
+    for out, precision, steps in ((sharded, "fp32", STEPS), (bf16, "bf16", 1)):
+        config = load_config(None, [*SHARDED, f"train.precision={precision}"])
+        spec = config.scenario(steps).pipelines[0]
+        cost = CostModel(config.cluster.device)
+        shape = policy_class("verl-sync").shape(spec, 2, None, cost)
+        assert shape.trainer_devices == 2 and not spec.replicated_trainer
+        catalogue = spec.catalogue_model()
+        planned = engines(spec, cost, shape).resident_gb[Role.TRAINER] * GB
+        assert planned == pytest.approx(
+            cost.training_memory(catalogue.params, catalogue.layers, catalogue.hidden, 0, devices=2).total, rel=1e-12
+        ), "the plan's resident trainer is the FSDP model's, at the catalogue's parameter count"
+
+        model = load_policy(config)[0]
+        params, tensors = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
+        assert planned * params / catalogue.params == pytest.approx(8 * params, rel=1e-12)  # the count, nothing else
+        modelled = cost.training_memory(params, catalogue.layers, catalogue.hidden, 0, devices=2)
+        assert (modelled.weights, modelled.grads, modelled.optimizer) == (
+            BF16 * params / 2,
+            BF16 * params / 2,
+            3 * FP32 * params / 2,
+        )
+        sizes = shard_sizes(model, 2)
+        assert sum(sizes) == params and sizes[0] - sizes[1] == 128  # one embedding row of 128 more on the first
+        lines = metrics(out)
+        assert len(lines) == steps
+        for line in lines:
+            for member, held in zip(sizes, line["memory_bytes_per_device"], strict=True):
+                assert held["parameters"] == FP32 * member, precision  # the fp32 master shard
+                assert held["gradients"] == FP32 * member, precision  # reduced in fp32 onto it
+                assert held["optimizer"] == 2 * FP32 * member + FP32 * tensors, precision  # moments, step counts
+                total = held["parameters"] + held["gradients"] + held["optimizer"]
+                assert total == modelled.total + 16 * (member - params / 2) + FP32 * tensors, precision
 
 
 @pytest.mark.slow
