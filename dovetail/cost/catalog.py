@@ -207,8 +207,9 @@ LANGUAGE_MODELS: dict[str, LanguageModel] = {
         LanguageModel("Qwen3-32B", 32.8e9, 64, 5120, 64, 8, 128, 151936),
         LanguageModel("Llama-3.1-8B", 8.03e9, 32, 4096, 32, 8, 128, 128256),
         # dovetail's own tiny Llama on a synthetic task (dovetail/assets/<task>-lm), character tokens: 5 layers,
-        # 128 wide, 4 heads. What the CPU quick start of LM GRPO runs.
-        LanguageModel("tiny-lm", 1.0e6, 5, 128, 4, 4, 32, 53),
+        # 128 wide, 4 heads, 1,318,912 parameters with the 53-token vocabulary (the agentic tasks' 98 tokens add
+        # 5,760). What the CPU quick start of LM GRPO runs.
+        LanguageModel("tiny-lm", 1_318_912, 5, 128, 4, 4, 32, 53),
     )
 }
 
