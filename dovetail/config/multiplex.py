@@ -67,8 +67,8 @@ class MultiplexConfig(Section):
         description="versions jigsaw lets a step's rollouts lag its training: 0 keeps every step on-policy (each "
         "pipeline's parameters are its reference run's); above, a pipeline's next step opens on the latest published "
         "weights once its step's rollout has begun, at most this many versions behind, so the next steps roll out "
-        "while a step trains (1: streamrl's rule; areal's default bound is 4); the PPO ratio's old log-probs are the "
-        "rollout's own",
+        "while a step trains (1: streamrl's bound; areal's default is 4); a stale step trains with the decoupled PPO "
+        "objective areal's does",
     )
     train: MultiplexTrainSection = MultiplexTrainSection()
     cluster: ClusterSection = ClusterSection()

@@ -415,18 +415,12 @@ class Jigsaw(StagedLMPolicy):
     def _first_rollouts(self, view: View, pipeline: str, step: int) -> list[str]:
         """The step's rollout nodes that follow no node of it: an LM step's prefills, a flow step's generate
         fragments (a turn after an environment's step follows the env node, of no role, and is not one)."""
-        key = (pipeline, step)
-        if key not in self._rollouts:
+        if not self._rollouts:  # every step's, in one pass over the graph
             graph = view.graph
-            self._rollouts[key] = [
-                n.id
-                for n in graph
-                if n.pipeline == pipeline
-                and n.step == step
-                and n.role == Role.ROLLOUT
-                and not any(graph[d].step == step for d in n.deps)
-            ]
-        return self._rollouts[key]
+            for n in graph:
+                if n.role == Role.ROLLOUT and not any(graph[d].step == n.step for d in n.deps):
+                    self._rollouts.setdefault((n.pipeline, n.step), []).append(n.id)
+        return self._rollouts.get((pipeline, step), [])
 
     def decide(self, view: View, events: Sequence[Event]) -> list[Decision]:
         turn = self._turn(view)

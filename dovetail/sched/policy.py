@@ -182,9 +182,8 @@ class PolicyOptions:
     """How jigsaw arranges several pipelines on the pool (`ARRANGEMENTS`); auto: the fastest its search predicts."""
     staleness: int = 0
     """Versions jigsaw lets a step's rollouts lag its training: 0 keeps every step on-policy; above, a pipeline's next
-    step opens on the latest published weights once every rollout node of its step has started, if those are at
-    most `staleness` versions behind it (1: streamrl's rule), so the next steps' rollouts fill the devices while a
-    step trains."""
+    step opens on the latest published weights once its step's rollout has begun, if those are at most `staleness`
+    versions behind it (1: streamrl's bound), so the next steps' rollouts fill the devices while a step trains."""
 
     @classmethod
     def of(cls, options: PolicyOptions | Mapping[str, object] | None) -> PolicyOptions:
